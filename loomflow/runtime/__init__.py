@@ -1,0 +1,42 @@
+"""The journaled runtime: steps recorded once, replayed after a crash.
+
+Three backends share one replay implementation: :class:`InMemoryRuntime`,
+:class:`SqliteRuntime` (the embedded default) and :class:`PostgresRuntime`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._journal import JournalRun, JournalRuntime, PickledEntryWarning, ReplayStats, StepEvent
+from ._protocol import Runtime
+from ._store import EntryInfo
+from .codec import register_type
+from .inmemory import InMemoryRuntime
+from .sqlite import SqliteRuntime
+
+if TYPE_CHECKING:
+    from .postgres import PostgresRuntime
+
+__all__ = [
+    "EntryInfo",
+    "InMemoryRuntime",
+    "JournalRun",
+    "JournalRuntime",
+    "PickledEntryWarning",
+    "PostgresRuntime",
+    "ReplayStats",
+    "Runtime",
+    "SqliteRuntime",
+    "StepEvent",
+    "register_type",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # PostgresRuntime is imported on first use so that asyncpg stays an optional extra.
+    if name == "PostgresRuntime":
+        from .postgres import PostgresRuntime
+
+        return PostgresRuntime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,699 @@
+"""Replay logic, written once for every backend.
+
+A run (``runtime.session(...)``) takes the (session, user) turn, loads all of its journal
+entries in one query, and then answers each ``step()`` from memory: a hit decodes the stored
+value, a miss runs the function and writes one row (fenced by the run's token). Nothing here
+knows which database sits underneath.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import os
+import pickle
+import socket
+import time
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, TypeVar
+
+from ulid import ULID
+
+from ..config import Settings
+from ..errors import (
+    CorruptEntryError,
+    JournalEncodeError,
+    NoActiveRunError,
+    OwnershipLostError,
+    PayloadTooLargeError,
+    ReplayDivergenceError,
+    SessionBusyError,
+    UserError,
+)
+from . import codec
+from ._store import Claim, EntryInfo, JournalStore, Scope, StoredEntry, fingerprint, path_key
+
+__all__ = [
+    "JournalRun",
+    "JournalRuntime",
+    "PickledEntryWarning",
+    "ReplayStats",
+    "StepEvent",
+]
+
+log = logging.getLogger("loomflow.runtime")
+
+T = TypeVar("T")
+Outcome = Literal["hit", "miss", "divergence", "corrupt"]
+_ANY: Any = object()
+
+
+class PickledEntryWarning(UserWarning):
+    """Journal rows written as pickle were skipped (they replay as misses)."""
+
+
+# One warning per process, as promised to operators upgrading from pickled journals.
+_pickle_warned = False
+
+
+def _warn_pickled_once() -> None:
+    global _pickle_warned
+    if _pickle_warned:
+        return
+    _pickle_warned = True
+    warnings.warn(
+        "the journal holds entries written with pickle; they are skipped and their steps run "
+        "fresh. Pass serializer='pickle' to read them (this runs code from the database).",
+        PickledEntryWarning,
+        stacklevel=4,
+    )
+
+
+def step_kind(name: str) -> str:
+    """Classify a step by its name, for metrics and spans (bounded set of values)."""
+    if name.startswith("model_call"):
+        return "model"
+    if name.startswith("tool_call"):
+        return "tool"
+    if name.startswith(("persist_", "memory_")):
+        return "memory"
+    return "custom"
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """What happened at one journaled step; handed to observers (telemetry, audit)."""
+
+    backend: str
+    session_id: str | None
+    user_id: str | None
+    epoch: int
+    path: tuple[str, ...]
+    name: str
+    kind: str
+    stream: bool
+    outcome: Outcome
+    duration_s: float
+    write_s: float
+
+
+@dataclass(slots=True)
+class ReplayStats:
+    """Counters of one run, readable while it is in progress and after it ends."""
+
+    hits: int = 0
+    misses: int = 0
+    divergences: int = 0
+    corrupt: int = 0
+    hit_steps: list[str] = field(default_factory=list)
+    fresh_steps: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class JournalRun:
+    """One open outermost run: its scope, epoch, fencing token and cached entries."""
+
+    runtime: JournalRuntime
+    scope: Scope
+    epoch: int
+    token: int
+    strict: bool
+    resumed: bool
+    entries: dict[tuple[str, str], dict[str, StoredEntry]]
+    stats: ReplayStats = field(default_factory=ReplayStats)
+    lost: bool = False
+    next_seq: int = 0
+    occurrences: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
+
+    @property
+    def session_id(self) -> str | None:
+        return self.scope.session_id
+
+    @property
+    def user_id(self) -> str | None:
+        return self.scope.user_id
+
+
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    run: JournalRun
+    path: tuple[str, ...]
+
+
+_frame: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
+    "loomflow_journal_frame", default=None
+)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class JournalRuntime:
+    """The journaled runtime; the backends subclass it and only choose a store."""
+
+    def __init__(
+        self,
+        store: JournalStore,
+        *,
+        serializer: Literal["json", "pickle"] | None = None,
+        strict_replay: bool | None = None,
+        max_payload_bytes: int | None = None,
+        turn_timeout: float | None = None,
+        lease_seconds: float | None = None,
+        auto_migrate: bool | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        """Options left as ``None`` come from ``settings`` (by default, ``LOOMFLOW_*``)."""
+        s = settings or Settings()
+        self._store = store
+        self.serializer = s.serializer if serializer is None else serializer
+        self.strict_replay = s.strict_replay if strict_replay is None else strict_replay
+        self.max_payload_bytes = (
+            s.max_payload_bytes if max_payload_bytes is None else max_payload_bytes
+        )
+        self.turn_timeout = s.turn_timeout_seconds if turn_timeout is None else turn_timeout
+        self.lease_seconds = s.lease_seconds if lease_seconds is None else lease_seconds
+        self._auto_migrate = s.auto_migrate if auto_migrate is None else auto_migrate
+        if self.serializer not in ("json", "pickle"):
+            raise UserError(f"serializer must be 'json' or 'pickle', not {self.serializer!r}")
+        for option in ("max_payload_bytes", "turn_timeout", "lease_seconds"):
+            if getattr(self, option) <= 0:
+                raise UserError(f"{option} must be greater than 0")
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{ULID()}"
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._ready: asyncio.Lock | None = None
+        self._opened = False
+        self._observers: list[Callable[[StepEvent], None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """``"memory"``, ``"sqlite"`` or ``"postgres"``: a bounded label for metrics."""
+        return self._store.backend
+
+    async def _ensure_open(self) -> None:
+        if self._opened:
+            return
+        if self._ready is None:
+            self._ready = asyncio.Lock()
+        async with self._ready:
+            if not self._opened:
+                await self._store.open(migrate=self._auto_migrate)
+                self._opened = True
+
+    async def migrate(self) -> int:
+        """Apply pending schema migrations; returns the schema version now in place."""
+        if not self._opened:
+            await self._store.open(migrate=False)
+            self._opened = True
+        return await self._store.migrate()
+
+    async def close(self) -> None:
+        """Close the connection (or pool) this runtime opened."""
+        if self._opened:
+            await self._store.close()
+            self._opened = False
+
+    async def __aenter__(self) -> JournalRuntime:
+        await self._ensure_open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def add_observer(self, observer: Callable[[StepEvent], None]) -> None:
+        """Call ``observer`` after every journaled step (telemetry and audit hook in here)."""
+        self._observers.append(observer)
+
+    # -- runs ------------------------------------------------------------------------------
+
+    @property
+    def current_run(self) -> JournalRun | None:
+        """The run open in this context on this runtime, if any."""
+        frame = _frame.get()
+        return frame.run if frame is not None and frame.run.runtime is self else None
+
+    @contextlib.asynccontextmanager
+    async def session(
+        self,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        *,
+        resume: bool = False,
+        strict_replay: bool | None = None,
+    ) -> AsyncIterator[JournalRun]:
+        """Open a run on ``(session_id, user_id)`` and journal the steps made inside it.
+
+        Runs on one (session, user) take turns, in this process and across processes that
+        share the journal. Leaving the block normally closes the run and advances the
+        session's epoch; leaving it by an exception keeps the run open, so running it again
+        replays it. ``resume=True`` continues the session's last run even if it finished.
+
+        Inside an open run on this runtime, ``session()`` opens a sub-run instead (keyed under
+        the enclosing run; see :meth:`subrun`).
+        """
+        frame = _frame.get()
+        if frame is not None and frame.run.runtime is self:
+            with self.subrun(f"run:{session_id}"):
+                yield frame.run
+            return
+        await self._ensure_open()
+        scope = Scope(session_id, user_id)
+        deadline = time.monotonic() + self.turn_timeout
+        lock = self._locks.setdefault(scope.key, asyncio.Lock())
+        try:
+            async with asyncio.timeout(self.turn_timeout):
+                await lock.acquire()
+        except TimeoutError:
+            raise SessionBusyError(
+                f"session {session_id!r} of user {user_id!r} stayed busy in this process for "
+                f"{self.turn_timeout:g}s"
+            ) from None
+        try:
+            claim = await self._claim(scope, deadline)
+            run = await self._start(scope, claim, resume, strict_replay)
+            heartbeat = asyncio.create_task(self._heartbeat(run), name="loomflow-lease")
+            reset = _frame.set(_Frame(run, ()))
+            finished = False
+            try:
+                yield run
+                finished = True
+            finally:
+                _frame.reset(reset)
+                heartbeat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeat
+                released = await self._store.release(
+                    scope, run.token, run.epoch + 1 if finished else None
+                )
+                if not released:
+                    run.lost = True
+                    log.warning("run on %s ended after losing its turn", scope.key)
+            if finished and not released:
+                raise OwnershipLostError(
+                    f"session {session_id!r} of user {user_id!r} was taken over before the run "
+                    "could be closed; the new owner decides its outcome"
+                )
+        finally:
+            lock.release()
+            if not lock.locked() and not lock._waiters:  # drop idle locks: sessions are unbounded
+                self._locks.pop(scope.key, None)
+
+    async def _claim(self, scope: Scope, deadline: float) -> Claim:
+        delay = 0.005
+        while True:
+            claim = await self._store.try_acquire(scope, self._owner, self.lease_seconds)
+            if claim is not None:
+                return claim
+            holder = await self._store.holder(scope)
+            if holder is not None and self._holder_is_dead(holder[0]):
+                claim = await self._store.steal(scope, holder[1], self._owner, self.lease_seconds)
+                if claim is not None:
+                    log.info("took over %s from dead local owner %s", scope.key, holder[0])
+                    return claim
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SessionBusyError(
+                    f"session {scope.session_id!r} of user {scope.user_id!r} is held by "
+                    f"{holder[0] if holder else 'another run'}; gave up after "
+                    f"{self.turn_timeout:g}s"
+                )
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.25)
+
+    def _holder_is_dead(self, owner: str) -> bool:
+        """A holder on this host whose process no longer exists cannot renew its lease."""
+        host, _, rest = owner.partition(":")
+        pid_text, _, _ = rest.partition(":")
+        if host != socket.gethostname() or not pid_text.isdigit():
+            return False
+        pid = int(pid_text)
+        # Our own pid means another runtime in this process: alive by definition.
+        return pid != os.getpid() and not _pid_alive(pid)
+
+    async def _start(
+        self, scope: Scope, claim: Claim, resume: bool, strict: bool | None
+    ) -> JournalRun:
+        try:
+            if resume and not claim.open and claim.epoch > 0:
+                epoch = claim.epoch - 1  # continue the last, finished run
+            else:
+                epoch = claim.epoch
+                if not claim.open and not await self._store.begin_run(scope, claim.token):
+                    raise OwnershipLostError(f"lost {scope.key} while opening the run")
+            rows = await self._store.load_run(scope, epoch)
+        except BaseException:
+            await self._store.release(scope, claim.token, None)
+            raise
+        entries: dict[tuple[str, str], dict[str, StoredEntry]] = {}
+        for row in rows:
+            entries.setdefault((row.path, row.name), {})[row.fingerprint] = row
+        return JournalRun(
+            runtime=self,
+            scope=scope,
+            epoch=epoch,
+            token=claim.token,
+            strict=self.strict_replay if strict is None else strict,
+            resumed=bool(rows),
+            entries=entries,
+            next_seq=max((r.seq for r in rows), default=-1) + 1,
+        )
+
+    async def _heartbeat(self, run: JournalRun) -> None:
+        interval = self.lease_seconds / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                ok = await self._store.renew(run.scope, run.token, self.lease_seconds)
+            except Exception:  # a blip must not kill the run; the lease has slack
+                log.warning("lease renewal failed for %s", run.scope.key, exc_info=True)
+                continue
+            if not ok:
+                run.lost = True
+                log.error("run on %s lost its turn to a newer owner", run.scope.key)
+                return
+
+    @contextlib.contextmanager
+    def subrun(self, name: str) -> Iterator[tuple[str, ...]]:
+        """Key the steps made inside the block under a sub-run of the current run.
+
+        Each use of the same ``name`` at the same level gets the next occurrence number, so two
+        sequential calls to one persistent worker stay distinct and replay in order. Sub-runs
+        started concurrently must use distinct names (e.g. include the tool-call slot).
+        """
+        frame = self._require_frame("subrun")
+        counter_key = (frame.path, name)
+        n = frame.run.occurrences.get(counter_key, 0)
+        frame.run.occurrences[counter_key] = n + 1
+        path = (*frame.path, f"{name}#{n}")
+        reset = _frame.set(_Frame(frame.run, path))
+        try:
+            yield path
+        finally:
+            _frame.reset(reset)
+
+    def _require_frame(self, what: str) -> _Frame:
+        frame = _frame.get()
+        if frame is None or frame.run.runtime is not self:
+            raise NoActiveRunError(
+                f"{what}() needs an open run: call it inside `async with runtime.session(...)`"
+            )
+        return frame
+
+    # -- steps -----------------------------------------------------------------------------
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[T] | T],
+        *args: Any,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """Run ``fn(*args, **kwargs)`` once per run position, replaying its result afterwards.
+
+        The result is journaled only after ``fn`` returns, so a crash inside ``fn`` runs it
+        again on resume (at-least-once). With ``idempotency_key`` that key, scoped to the user,
+        is the whole journal key: any step of the user with the same key replays the result.
+        """
+        frame = self._require_frame("step")
+        run = frame.run
+        if run.lost:
+            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
+        started = time.perf_counter()
+        if idempotency_key is not None:
+            return await self._idempotent_step(run, frame.path, name, fn, args, kwargs,
+                                               idempotency_key, started)
+        fp = self._fingerprint(name, args, kwargs)
+        pkey = path_key(frame.path)
+        outcome, value = self._lookup(run, frame.path, pkey, name, fp)
+        if outcome == "hit":
+            self._emit(run, frame.path, name, False, "hit", started, 0.0)
+            return value  # type: ignore[no-any-return]
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        write_s = await self._record(run, pkey, name, fp, "step", result)
+        self._emit(run, frame.path, name, False, outcome, started, write_s)
+        return result  # type: ignore[return-value]
+
+    async def stream_step(
+        self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """Journal a streaming call: chunks are stored once the stream ends, replayed in order.
+
+        ``fn(*args, **kwargs)`` must give an async iterable (or a coroutine returning one). A
+        stream that fails or is abandoned before its end stores nothing.
+        """
+        frame = self._require_frame("stream_step")
+        run = frame.run
+        if run.lost:
+            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
+        started = time.perf_counter()
+        fp = self._fingerprint(name, args, kwargs)
+        pkey = path_key(frame.path)
+        outcome, value = self._lookup(run, frame.path, pkey, name, fp)
+        if outcome == "hit":
+            self._emit(run, frame.path, name, True, "hit", started, 0.0)
+            for chunk in value:
+                yield chunk
+            return
+        source = fn(*args, **kwargs)
+        if inspect.isawaitable(source):
+            source = await source
+        chunks: list[Any] = []
+        iterator = source.__aiter__()
+        try:
+            async for chunk in iterator:
+                chunks.append(chunk)
+                yield chunk
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        write_s = await self._record(run, pkey, name, fp, "stream", chunks)
+        self._emit(run, frame.path, name, True, outcome, started, write_s)
+
+    def _fingerprint(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        try:
+            return fingerprint(args, kwargs)
+        except codec.UnsupportedValueError as exc:
+            raise JournalEncodeError(name, exc.type_name, "its arguments") from exc
+
+    def _lookup(
+        self, run: JournalRun, path: tuple[str, ...], pkey: str, name: str, fp: str
+    ) -> tuple[Outcome, Any]:
+        slot = run.entries.get((pkey, name))
+        if not slot:
+            return "miss", None
+        entry = slot.get(fp)
+        if entry is None:
+            stored = next(iter(slot))
+            run.stats.divergences += 1
+            log.warning(
+                "replay divergence at step %r (path %s, epoch %d): inputs changed, running fresh",
+                name, pkey, run.epoch,
+            )
+            if run.strict:
+                self._emit(run, path, name, False, "divergence", time.perf_counter(), 0.0)
+                raise ReplayDivergenceError(name, pkey, stored, fp)
+            return "divergence", None
+        try:
+            value = self._decode(entry)
+        except _Skipped:
+            return "miss", None
+        except CorruptEntryError:
+            run.stats.corrupt += 1
+            if run.strict:
+                raise
+            log.warning("journal entry for step %r is corrupt; running the step again", name)
+            return "corrupt", None
+        run.stats.hits += 1
+        run.stats.hit_steps.append(name)
+        return "hit", value
+
+    def _decode(self, entry: StoredEntry) -> Any:
+        if entry.format == "pickle":
+            if self.serializer != "pickle":
+                _warn_pickled_once()
+                raise _Skipped
+            return _unpickle(entry.value)
+        if entry.format != "json":
+            raise CorruptEntryError(f"step {entry.name!r}: unknown value format {entry.format!r}")
+        if entry.codec_version > codec.CODEC_VERSION:
+            raise CorruptEntryError(
+                f"step {entry.name!r}: written by a newer codec (v{entry.codec_version})"
+            )
+        try:
+            return codec.loads(entry.value)
+        except codec.UnknownTagError as exc:
+            raise CorruptEntryError(f"step {entry.name!r}: {exc}") from exc
+
+    def _encode(self, name: str, value: Any) -> tuple[str, bytes]:
+        if self.serializer == "pickle":
+            try:
+                return "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise JournalEncodeError(name, type(value).__qualname__, "its result") from exc
+        try:
+            raw = codec.dumps(value)
+        except codec.UnsupportedValueError as exc:
+            raise JournalEncodeError(name, exc.type_name, "its result") from exc
+        return "json", raw
+
+    async def _record(
+        self, run: JournalRun, pkey: str, name: str, fp: str, kind: str, value: Any
+    ) -> float:
+        fmt, raw = self._encode(name, value)
+        if len(raw) > self.max_payload_bytes:
+            raise PayloadTooLargeError(name, len(raw), self.max_payload_bytes)
+        entry = StoredEntry(pkey, name, fp, kind, fmt, codec.CODEC_VERSION, raw, run.next_seq)
+        run.next_seq += 1
+        t0 = time.perf_counter()
+        if not await self._store.write_entry(run.scope, run.token, run.epoch, entry):
+            run.lost = True
+            raise OwnershipLostError(
+                f"step {name!r} ran but was not journaled: session {run.session_id!r} of user "
+                f"{run.user_id!r} now belongs to a newer run"
+            )
+        run.entries.setdefault((pkey, name), {})[fp] = entry
+        run.stats.misses += 1
+        run.stats.fresh_steps.append(name)
+        return time.perf_counter() - t0
+
+    async def _idempotent_step(
+        self,
+        run: JournalRun,
+        path: tuple[str, ...],
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: str,
+        started: float,
+    ) -> Any:
+        stored = await self._store.get_idempotent(run.scope.user_key, key)
+        if stored is not None:
+            try:
+                value = self._decode(stored)
+            except _Skipped:
+                pass
+            except CorruptEntryError:
+                run.stats.corrupt += 1
+                if run.strict:
+                    raise
+                log.warning("idempotent entry %r is corrupt; running the step again", key)
+            else:
+                run.stats.hits += 1
+                run.stats.hit_steps.append(name)
+                self._emit(run, path, name, False, "hit", started, 0.0)
+                return value
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        fmt, raw = self._encode(name, result)
+        if len(raw) > self.max_payload_bytes:
+            raise PayloadTooLargeError(name, len(raw), self.max_payload_bytes)
+        entry = StoredEntry(path_key(path), name, "", "step", fmt, codec.CODEC_VERSION, raw)
+        t0 = time.perf_counter()
+        winner = await self._store.put_idempotent(run.scope, run.token, key, entry)
+        write_s = time.perf_counter() - t0
+        if winner is None:
+            run.lost = True
+            raise OwnershipLostError(f"step {name!r} ran but this run lost its turn")
+        run.stats.misses += 1
+        run.stats.fresh_steps.append(name)
+        self._emit(run, path, name, False, "miss", started, write_s)
+        if winner.value != raw:  # a concurrent writer recorded the key first: its result stands
+            return self._decode(winner)
+        return result
+
+    def _emit(
+        self,
+        run: JournalRun,
+        path: tuple[str, ...],
+        name: str,
+        stream: bool,
+        outcome: Outcome,
+        started: float,
+        write_s: float,
+    ) -> None:
+        if not self._observers:
+            return
+        event = StepEvent(
+            backend=self.backend,
+            session_id=run.session_id,
+            user_id=run.user_id,
+            epoch=run.epoch,
+            path=path,
+            name=name,
+            kind=step_kind(name),
+            stream=stream,
+            outcome=outcome,
+            duration_s=time.perf_counter() - started,
+            write_s=write_s,
+        )
+        for observer in self._observers:
+            try:
+                observer(event)
+            except Exception:  # an observer must never break a run
+                log.exception("step observer %r failed", observer)
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    async def entries(self, session_id: str | None, user_id: str | None = None) -> list[EntryInfo]:
+        """Describe every journal entry of one (session, user), oldest epoch first."""
+        await self._ensure_open()
+        return await self._store.list_entries(session_id, user_id)
+
+    async def prune(
+        self,
+        *,
+        older_than: timedelta | None = None,
+        session_id: str | None = _ANY,
+        user_id: str | None = _ANY,
+        include_open: bool = False,
+    ) -> int:
+        """Delete journal entries; returns how many went.
+
+        Filters combine: entries older than ``older_than``, of ``session_id``, of ``user_id``
+        (``None`` is the anonymous bucket; leave the argument out to match every user). The
+        entries of open runs (raised or crashed, still resumable) are kept unless
+        ``include_open=True``.
+        """
+        await self._ensure_open()
+        return await self._store.prune(
+            older_than_s=older_than.total_seconds() if older_than is not None else None,
+            session_id=None if session_id is _ANY else session_id,
+            by_session=session_id is not _ANY,
+            user_id=None if user_id is _ANY else user_id,
+            by_user=user_id is not _ANY,
+            include_open=include_open,
+        )
+
+
+class _Skipped(Exception):
+    """A stored entry that this runtime is configured not to read."""
+
+
+def _unpickle(raw: bytes) -> Any:
+    loads = pickle.loads  # noqa: TID251 - opt-in legacy path behind serializer="pickle"
+    try:
+        return loads(raw)
+    except Exception as exc:
+        raise CorruptEntryError(f"pickled entry cannot be loaded: {exc}") from exc
+

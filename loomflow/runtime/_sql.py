@@ -1,0 +1,397 @@
+"""The journal's SQL, shared by the SQLite and PostgreSQL backends.
+
+Statements are written once with ``$n`` placeholders (asyncpg's style; SQLite reads them as
+``?n``) and ``{now}``/``{lock}`` hooks. Times come from the database clock so that leases
+compare correctly across hosts. Every write uses ``RETURNING`` so that one round trip both
+commits and tells whether the fenced write happened.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import MigrationError, StoreUnavailableError
+from ._store import Claim, EntryInfo, Scope, StoredEntry
+from .migrations import MIGRATIONS, SCHEMA_VERSION
+
+__all__ = ["Dialect", "SqlJournalStore", "translate_errors"]
+
+
+class Dialect:
+    """The few places where SQLite and PostgreSQL SQL differ."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        now: str,
+        lock: str,
+        types: dict[str, str],
+        numbered: str,
+    ) -> None:
+        self.name = name
+        self.now = now
+        self.lock = lock
+        self.types = types
+        self._numbered = numbered  # replacement for $n, e.g. r"?\1" for SQLite
+
+    def sql(self, text: str) -> str:
+        text = text.replace("{now}", self.now).replace("{lock}", self.lock)
+        return re.sub(r"\$(\d+)", self._numbered, text)
+
+    def ddl(self, text: str) -> str:
+        return text.format(**self.types)
+
+
+@contextlib.contextmanager
+def translate_errors(driver_errors: tuple[type[BaseException], ...], what: str) -> Iterator[None]:
+    """The one place where driver exceptions become loomflow errors."""
+    try:
+        yield
+    except driver_errors as exc:
+        raise StoreUnavailableError(f"journal {what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+_ACQUIRE = """
+INSERT INTO loom_sessions
+    (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at)
+VALUES ($1, $2, $3, 0, 0, $4, 1, {now} + $5, {now})
+ON CONFLICT (scope) DO UPDATE SET
+    owner = excluded.owner,
+    token = loom_sessions.token + 1,
+    lease_until = excluded.lease_until,
+    updated_at = excluded.updated_at
+WHERE loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now}
+RETURNING token, epoch, open
+"""
+_HOLDER = "SELECT owner, token FROM loom_sessions WHERE scope = $1 AND owner IS NOT NULL"
+_STEAL = """
+UPDATE loom_sessions SET owner = $2, token = token + 1, lease_until = {now} + $4,
+    updated_at = {now}
+WHERE scope = $1 AND token = $3
+RETURNING token, epoch, open
+"""
+_RENEW = """
+UPDATE loom_sessions SET lease_until = {now} + $3
+WHERE scope = $1 AND token = $2 AND owner IS NOT NULL RETURNING token
+"""
+_BEGIN = "UPDATE loom_sessions SET open = 1 WHERE scope = $1 AND token = $2 RETURNING token"
+_RELEASE_ADVANCE = """
+UPDATE loom_sessions SET owner = NULL, lease_until = 0, open = 0, updated_at = {now},
+    epoch = CASE WHEN epoch < $3 THEN $3 ELSE epoch END
+WHERE scope = $1 AND token = $2 RETURNING token
+"""
+_RELEASE_KEEP = """
+UPDATE loom_sessions SET owner = NULL, lease_until = 0, updated_at = {now}
+WHERE scope = $1 AND token = $2 RETURNING token
+"""
+_LOAD_RUN = """
+SELECT path, name, fingerprint, kind, format, codec_version, value, seq
+FROM loom_entries WHERE scope = $1 AND epoch = $2
+"""
+# The ownership check and the write are one statement: a run fenced out by a newer token
+# inserts nothing. PostgreSQL also locks the session row FOR SHARE, so a takeover waits for
+# an in-flight write to commit instead of racing it.
+_WRITE = """
+INSERT INTO loom_entries
+    (scope, epoch, path, name, fingerprint, kind, format, codec_version, value, size, seq,
+     created_at)
+SELECT CAST($1 AS TEXT), CAST($2 AS BIGINT), CAST($3 AS TEXT), CAST($4 AS TEXT),
+    CAST($5 AS TEXT), CAST($6 AS TEXT), CAST($7 AS TEXT), CAST($8 AS INTEGER), $9,
+    CAST($10 AS INTEGER), CAST($11 AS INTEGER), {now}
+FROM loom_sessions WHERE scope = $1 AND token = $12{lock}
+ON CONFLICT (scope, epoch, path, name, fingerprint) DO UPDATE SET
+    kind = excluded.kind, format = excluded.format, codec_version = excluded.codec_version,
+    value = excluded.value, size = excluded.size, seq = excluded.seq,
+    created_at = excluded.created_at
+RETURNING 1
+"""
+_GET_IDEM = """
+SELECT name, kind, format, codec_version, value
+FROM loom_idempotency WHERE user_key = $1 AND idem_key = $2
+"""
+_PUT_IDEM = """
+INSERT INTO loom_idempotency
+    (user_key, idem_key, scope, name, kind, format, codec_version, value, size, created_at)
+SELECT CAST($1 AS TEXT), CAST($2 AS TEXT), CAST($3 AS TEXT), CAST($4 AS TEXT),
+    CAST($5 AS TEXT), CAST($6 AS TEXT), CAST($7 AS INTEGER), $8, CAST($9 AS INTEGER), {now}
+FROM loom_sessions WHERE scope = $3 AND token = $10{lock}
+ON CONFLICT (user_key, idem_key) DO NOTHING
+RETURNING 1
+"""
+_LIST = """
+SELECT e.epoch, e.path, e.name, e.kind, e.size, e.seq, e.created_at
+FROM loom_entries e WHERE e.scope = $1 ORDER BY e.epoch, e.seq
+"""
+
+
+def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
+    if not rows:
+        return None
+    token, epoch, is_open = rows[0]
+    return Claim(int(token), int(epoch), bool(is_open))
+
+
+class SqlJournalStore(abc.ABC):
+    """Journal storage over SQL; subclasses provide the connection and a :class:`Dialect`."""
+
+    backend: str
+    dialect: Dialect
+    driver_errors: tuple[type[BaseException], ...]
+
+    def __init__(self) -> None:
+        self._q = {
+            name: self.dialect.sql(text)
+            for name, text in {
+                "acquire": _ACQUIRE,
+                "holder": _HOLDER,
+                "steal": _STEAL,
+                "renew": _RENEW,
+                "begin": _BEGIN,
+                "release_advance": _RELEASE_ADVANCE,
+                "release_keep": _RELEASE_KEEP,
+                "load_run": _LOAD_RUN,
+                "write": _WRITE,
+                "get_idem": _GET_IDEM,
+                "put_idem": _PUT_IDEM,
+                "list": _LIST,
+            }.items()
+        }
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _connect(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _fetch(self, sql: str, *args: Any) -> Sequence[Sequence[Any]]:
+        """Run one statement in its own transaction (committed on return) and fetch its rows."""
+
+    @abc.abstractmethod
+    def _migration_tx(self) -> contextlib.AbstractAsyncContextManager[_Tx]:
+        """A transaction that holds the cluster-wide migration lock."""
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def open(self, *, migrate: bool) -> None:
+        with translate_errors(self.driver_errors, "connect"):
+            await self._connect()
+        if migrate:
+            await self.migrate()
+
+    async def migrate(self) -> int:
+        with translate_errors(self.driver_errors, "migration"):
+            # Each migration runs in its own transaction under the migration lock and re-reads
+            # the version inside it, so concurrent migrators apply each step exactly once.
+            for version, migration in enumerate(MIGRATIONS, start=1):
+                async with self._migration_tx() as tx:
+                    current = await self._version(tx)
+                    if current > SCHEMA_VERSION:
+                        raise MigrationError(
+                            f"the journal schema is at version {current}, newer than this "
+                            f"loomflow knows ({SCHEMA_VERSION}); upgrade loomflow"
+                        )
+                    if current >= version:
+                        continue
+                    for statement in migration.statements:
+                        await tx.execute(self.dialect.ddl(statement))
+                    await tx.execute(
+                        self.dialect.sql(
+                            "INSERT INTO loom_schema_version (version, description, applied_at)"
+                            " VALUES ($1, $2, {now})"
+                        ),
+                        version,
+                        migration.description,
+                    )
+            async with self._migration_tx() as tx:
+                return await self._version(tx)
+
+    async def _version(self, tx: _Tx) -> int:
+        await tx.execute(
+            self.dialect.ddl(
+                "CREATE TABLE IF NOT EXISTS loom_schema_version ("
+                "version INTEGER PRIMARY KEY, description TEXT NOT NULL, "
+                "applied_at {double} NOT NULL)"
+            )
+        )
+        rows = await tx.fetch("SELECT MAX(version) FROM loom_schema_version")
+        return int(rows[0][0] or 0)
+
+    async def schema_version(self) -> int:
+        async with self._migration_tx() as tx:
+            return await self._version(tx)
+
+    # -- protocol --------------------------------------------------------------------------
+
+    async def _run(self, what: str, query: str, *args: Any) -> Sequence[Sequence[Any]]:
+        with translate_errors(self.driver_errors, what):
+            return await self._fetch(self._q[query], *args)
+
+    async def try_acquire(self, scope: Scope, owner: str, lease_s: float) -> Claim | None:
+        return _claim(
+            await self._run(
+                "acquire", "acquire", scope.key, scope.session_id, scope.user_id, owner,
+                float(lease_s),
+            )
+        )
+
+    async def holder(self, scope: Scope) -> tuple[str, int] | None:
+        rows = await self._run("read", "holder", scope.key)
+        return (str(rows[0][0]), int(rows[0][1])) if rows else None
+
+    async def steal(
+        self, scope: Scope, seen_token: int, owner: str, lease_s: float
+    ) -> Claim | None:
+        return _claim(
+            await self._run("takeover", "steal", scope.key, owner, seen_token, float(lease_s))
+        )
+
+    async def renew(self, scope: Scope, token: int, lease_s: float) -> bool:
+        return bool(await self._run("lease renewal", "renew", scope.key, token, float(lease_s)))
+
+    async def begin_run(self, scope: Scope, token: int) -> bool:
+        return bool(await self._run("write", "begin", scope.key, token))
+
+    async def release(self, scope: Scope, token: int, advance_to: int | None) -> bool:
+        if advance_to is None:
+            return bool(await self._run("write", "release_keep", scope.key, token))
+        return bool(
+            await self._run("write", "release_advance", scope.key, token, advance_to)
+        )
+
+    async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
+        rows = await self._run("read", "load_run", scope.key, epoch)
+        return [
+            StoredEntry(r[0], r[1], r[2], r[3], r[4], int(r[5]), bytes(r[6]), int(r[7]))
+            for r in rows
+        ]
+
+    async def write_entry(
+        self, scope: Scope, token: int, epoch: int, entry: StoredEntry
+    ) -> bool:
+        rows = await self._run(
+            "write", "write", scope.key, epoch, entry.path, entry.name, entry.fingerprint,
+            entry.kind, entry.format, entry.codec_version, entry.value, len(entry.value),
+            entry.seq, token,
+        )
+        return bool(rows)
+
+    async def get_idempotent(self, user_key: str, key: str) -> StoredEntry | None:
+        rows = await self._run("read", "get_idem", user_key, key)
+        if not rows:
+            return None
+        name, kind, fmt, version, value = rows[0]
+        return StoredEntry("", name, "", kind, fmt, int(version), bytes(value))
+
+    async def put_idempotent(
+        self, scope: Scope, token: int, key: str, entry: StoredEntry
+    ) -> StoredEntry | None:
+        rows = await self._run(
+            "write", "put_idem", scope.user_key, key, scope.key, entry.name, entry.kind,
+            entry.format, entry.codec_version, entry.value, len(entry.value), token,
+        )
+        if rows:
+            return entry
+        # Nothing inserted: either an earlier writer holds the key, or we were fenced out.
+        return await self.get_idempotent(scope.user_key, key)
+
+    async def list_entries(
+        self, session_id: str | None, user_id: str | None
+    ) -> list[EntryInfo]:
+        rows = await self._run("read", "list", Scope(session_id, user_id).key)
+        return [
+            EntryInfo(
+                session_id, user_id, int(r[0]), tuple(json.loads(r[1])), r[2], r[3], int(r[4]),
+                int(r[5]), float(r[6]),
+            )
+            for r in rows
+        ]
+
+    async def prune(
+        self,
+        *,
+        older_than_s: float | None,
+        session_id: str | None,
+        by_session: bool,
+        user_id: str | None,
+        by_user: bool,
+        include_open: bool,
+    ) -> int:
+        args: list[Any] = []
+
+        def param(value: Any) -> str:
+            args.append(value)
+            return f"${len(args)}"
+
+        where: list[str] = []
+        scope_filters: list[str] = []
+        if by_session:
+            scope_filters.append(
+                f"session_id = {param(session_id)}" if session_id is not None
+                else "session_id IS NULL"
+            )
+        if by_user:
+            scope_filters.append(
+                f"user_id = {param(user_id)}" if user_id is not None else "user_id IS NULL"
+            )
+        if scope_filters:
+            where.append(
+                "scope IN (SELECT scope FROM loom_sessions WHERE " + " AND ".join(scope_filters)
+                + ")"
+            )
+        if older_than_s is not None:
+            where.append(f"created_at < {{now}} - {param(float(older_than_s))}")
+        entry_where = list(where)
+        if not include_open:
+            entry_where.append(
+                "NOT EXISTS (SELECT 1 FROM loom_sessions s WHERE s.scope = loom_entries.scope"
+                " AND s.open = 1 AND s.epoch = loom_entries.epoch)"
+            )
+        clause = (" WHERE " + " AND ".join(entry_where)) if entry_where else ""
+        deleted = await self._fetch_raw(
+            f"DELETE FROM loom_entries{clause} RETURNING 1", args
+        )
+        total = len(deleted)
+        # Idempotency results outlive runs on purpose; only age (with the user filter) drops them.
+        if older_than_s is not None and not by_session:
+            idem_args: list[Any] = []
+            idem_where = [f"created_at < {{now}} - ${len(idem_args) + 1}"]
+            idem_args.append(float(older_than_s))
+            if by_user:
+                idem_args.append(json_user_key(user_id))
+                idem_where.append(f"user_key = ${len(idem_args)}")
+            total += len(
+                await self._fetch_raw(
+                    "DELETE FROM loom_idempotency WHERE " + " AND ".join(idem_where)
+                    + " RETURNING 1",
+                    idem_args,
+                )
+            )
+        return total
+
+    async def _fetch_raw(self, sql: str, args: list[Any]) -> Sequence[Sequence[Any]]:
+        with translate_errors(self.driver_errors, "prune"):
+            return await self._fetch(self.dialect.sql(sql), *args)
+
+
+def json_user_key(user_id: str | None) -> str:
+    return Scope(None, user_id).user_key
+
+
+class _Tx(abc.ABC):
+    """What a migration transaction offers."""
+
+    @abc.abstractmethod
+    async def execute(self, sql: str, *args: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def fetch(self, sql: str, *args: Any) -> Sequence[Sequence[Any]]: ...
+

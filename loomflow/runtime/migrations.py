@@ -1,0 +1,71 @@
+"""Numbered schema migrations of the journal tables.
+
+The position in :data:`MIGRATIONS` is the version (1-based). Append only: a retired migration
+becomes an empty list of statements, never a renumbering. ``{blob}``, ``{double}`` and
+``{bigint}`` are filled in per dialect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MIGRATIONS", "Migration", "SCHEMA_VERSION"]
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    description: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        "journal entries, sessions with epochs and ownership, idempotency keys",
+        (
+            """CREATE TABLE loom_sessions (
+                scope        TEXT PRIMARY KEY,
+                session_id   TEXT,
+                user_id      TEXT,
+                epoch        {bigint} NOT NULL DEFAULT 0,
+                open         SMALLINT NOT NULL DEFAULT 0,
+                owner        TEXT,
+                token        {bigint} NOT NULL DEFAULT 0,
+                lease_until  {double} NOT NULL DEFAULT 0,
+                updated_at   {double} NOT NULL
+            )""",
+            "CREATE INDEX loom_sessions_session ON loom_sessions (session_id)",
+            "CREATE INDEX loom_sessions_user ON loom_sessions (user_id)",
+            """CREATE TABLE loom_entries (
+                scope          TEXT NOT NULL,
+                epoch          {bigint} NOT NULL,
+                path           TEXT NOT NULL,
+                name           TEXT NOT NULL,
+                fingerprint    TEXT NOT NULL,
+                kind           TEXT NOT NULL,
+                format         TEXT NOT NULL,
+                codec_version  INTEGER NOT NULL,
+                value          {blob} NOT NULL,
+                size           INTEGER NOT NULL,
+                seq            INTEGER NOT NULL,
+                created_at     {double} NOT NULL,
+                PRIMARY KEY (scope, epoch, path, name, fingerprint)
+            )""",
+            "CREATE INDEX loom_entries_created ON loom_entries (created_at)",
+            """CREATE TABLE loom_idempotency (
+                user_key       TEXT NOT NULL,
+                idem_key       TEXT NOT NULL,
+                scope          TEXT NOT NULL,
+                name           TEXT NOT NULL,
+                kind           TEXT NOT NULL,
+                format         TEXT NOT NULL,
+                codec_version  INTEGER NOT NULL,
+                value          {blob} NOT NULL,
+                size           INTEGER NOT NULL,
+                created_at     {double} NOT NULL,
+                PRIMARY KEY (user_key, idem_key)
+            )""",
+        ),
+    ),
+)
+
+SCHEMA_VERSION = len(MIGRATIONS)
