@@ -58,4 +58,3 @@ def pg_dsn() -> Iterator[str]:
 @pytest.fixture
 def sqlite_path(tmp_path: Path) -> Path:
     return tmp_path / "journal.db"
-

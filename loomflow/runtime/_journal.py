@@ -21,7 +21,7 @@ import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from ulid import ULID
 
@@ -215,6 +215,10 @@ class JournalRuntime:
                 await self._store.open(migrate=self._auto_migrate)
                 self._opened = True
 
+    async def open(self) -> None:
+        """Connect now (and migrate, unless disabled) instead of on first use."""
+        await self._ensure_open()
+
     async def migrate(self) -> int:
         """Apply pending schema migrations; returns the schema version now in place."""
         if not self._opened:
@@ -272,7 +276,7 @@ class JournalRuntime:
                 yield frame.run
             return
         await self._ensure_open()
-        scope = Scope(session_id, user_id)
+        scope = Scope.checked(session_id, user_id)
         deadline = time.monotonic() + self.turn_timeout
         lock = self._locks.setdefault(scope.key, asyncio.Lock())
         try:
@@ -396,6 +400,7 @@ class JournalRuntime:
         started concurrently must use distinct names (e.g. include the tool-call slot).
         """
         frame = self._require_frame("subrun")
+        _check_text("sub-run name", name)
         counter_key = (frame.path, name)
         n = frame.run.occurrences.get(counter_key, 0)
         frame.run.occurrences[counter_key] = n + 1
@@ -416,14 +421,34 @@ class JournalRuntime:
 
     # -- steps -----------------------------------------------------------------------------
 
+    @overload
     async def step(
         self,
         name: str,
-        fn: Callable[..., Awaitable[T] | T],
+        fn: Callable[..., Awaitable[T]],
         *args: Any,
         idempotency_key: str | None = None,
         **kwargs: Any,
-    ) -> T:
+    ) -> T: ...
+
+    @overload
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., T],
+        *args: Any,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> T: ...
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` once per run position, replaying its result afterwards.
 
         The result is journaled only after ``fn`` returns, so a crash inside ``fn`` runs it
@@ -431,25 +456,29 @@ class JournalRuntime:
         is the whole journal key: any step of the user with the same key replays the result.
         """
         frame = self._require_frame("step")
+        _check_text("step name", name)
+        if idempotency_key is not None:
+            _check_text("idempotency_key", idempotency_key)
         run = frame.run
         if run.lost:
             raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
         if idempotency_key is not None:
-            return await self._idempotent_step(run, frame.path, name, fn, args, kwargs,
-                                               idempotency_key, started)
+            return await self._idempotent_step(
+                run, frame.path, name, fn, args, kwargs, idempotency_key, started
+            )
         fp = self._fingerprint(name, args, kwargs)
         pkey = path_key(frame.path)
         outcome, value = self._lookup(run, frame.path, pkey, name, fp)
         if outcome == "hit":
             self._emit(run, frame.path, name, False, "hit", started, 0.0)
-            return value  # type: ignore[no-any-return]
+            return value
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
             result = await result
         write_s = await self._record(run, pkey, name, fp, "step", result)
         self._emit(run, frame.path, name, False, outcome, started, write_s)
-        return result  # type: ignore[return-value]
+        return result
 
     async def stream_step(
         self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
@@ -460,6 +489,7 @@ class JournalRuntime:
         stream that fails or is abandoned before its end stores nothing.
         """
         frame = self._require_frame("stream_step")
+        _check_text("step name", name)
         run = frame.run
         if run.lost:
             raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
@@ -506,7 +536,9 @@ class JournalRuntime:
             run.stats.divergences += 1
             log.warning(
                 "replay divergence at step %r (path %s, epoch %d): inputs changed, running fresh",
-                name, pkey, run.epoch,
+                name,
+                pkey,
+                run.epoch,
             )
             if run.strict:
                 self._emit(run, path, name, False, "divergence", time.perf_counter(), 0.0)
@@ -686,6 +718,13 @@ class JournalRuntime:
         )
 
 
+def _check_text(what: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{what} must be a non-empty string, not {value!r}")
+    if "\x00" in value:
+        raise UserError(f"{what} {value!r} contains a NUL character, which no backend can store")
+
+
 class _Skipped(Exception):
     """A stored entry that this runtime is configured not to read."""
 
@@ -696,4 +735,3 @@ def _unpickle(raw: bytes) -> Any:
         return loads(raw)
     except Exception as exc:
         raise CorruptEntryError(f"pickled entry cannot be loaded: {exc}") from exc
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 
 __all__ = ["Runtime"]
 
@@ -15,14 +15,34 @@ T = TypeVar("T")
 class Runtime(Protocol):
     """A journal of steps. Implement these three calls to bring your own durable engine."""
 
+    @overload
     async def step(
         self,
         name: str,
-        fn: Callable[..., Awaitable[T] | T],
+        fn: Callable[..., Awaitable[T]],
         *args: Any,
         idempotency_key: str | None = None,
         **kwargs: Any,
-    ) -> T:
+    ) -> T: ...
+
+    @overload
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., T],
+        *args: Any,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> T: ...
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run ``fn`` once per run position; return its journaled result afterwards."""
         ...
 

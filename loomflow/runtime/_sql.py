@@ -238,7 +238,12 @@ class SqlJournalStore(abc.ABC):
     async def try_acquire(self, scope: Scope, owner: str, lease_s: float) -> Claim | None:
         return _claim(
             await self._run(
-                "acquire", "acquire", scope.key, scope.session_id, scope.user_id, owner,
+                "acquire",
+                "acquire",
+                scope.key,
+                scope.session_id,
+                scope.user_id,
+                owner,
                 float(lease_s),
             )
         )
@@ -263,9 +268,7 @@ class SqlJournalStore(abc.ABC):
     async def release(self, scope: Scope, token: int, advance_to: int | None) -> bool:
         if advance_to is None:
             return bool(await self._run("write", "release_keep", scope.key, token))
-        return bool(
-            await self._run("write", "release_advance", scope.key, token, advance_to)
-        )
+        return bool(await self._run("write", "release_advance", scope.key, token, advance_to))
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         rows = await self._run("read", "load_run", scope.key, epoch)
@@ -274,13 +277,22 @@ class SqlJournalStore(abc.ABC):
             for r in rows
         ]
 
-    async def write_entry(
-        self, scope: Scope, token: int, epoch: int, entry: StoredEntry
-    ) -> bool:
+    async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         rows = await self._run(
-            "write", "write", scope.key, epoch, entry.path, entry.name, entry.fingerprint,
-            entry.kind, entry.format, entry.codec_version, entry.value, len(entry.value),
-            entry.seq, token,
+            "write",
+            "write",
+            scope.key,
+            epoch,
+            entry.path,
+            entry.name,
+            entry.fingerprint,
+            entry.kind,
+            entry.format,
+            entry.codec_version,
+            entry.value,
+            len(entry.value),
+            entry.seq,
+            token,
         )
         return bool(rows)
 
@@ -295,22 +307,37 @@ class SqlJournalStore(abc.ABC):
         self, scope: Scope, token: int, key: str, entry: StoredEntry
     ) -> StoredEntry | None:
         rows = await self._run(
-            "write", "put_idem", scope.user_key, key, scope.key, entry.name, entry.kind,
-            entry.format, entry.codec_version, entry.value, len(entry.value), token,
+            "write",
+            "put_idem",
+            scope.user_key,
+            key,
+            scope.key,
+            entry.name,
+            entry.kind,
+            entry.format,
+            entry.codec_version,
+            entry.value,
+            len(entry.value),
+            token,
         )
         if rows:
             return entry
         # Nothing inserted: either an earlier writer holds the key, or we were fenced out.
         return await self.get_idempotent(scope.user_key, key)
 
-    async def list_entries(
-        self, session_id: str | None, user_id: str | None
-    ) -> list[EntryInfo]:
+    async def list_entries(self, session_id: str | None, user_id: str | None) -> list[EntryInfo]:
         rows = await self._run("read", "list", Scope(session_id, user_id).key)
         return [
             EntryInfo(
-                session_id, user_id, int(r[0]), tuple(json.loads(r[1])), r[2], r[3], int(r[4]),
-                int(r[5]), float(r[6]),
+                session_id,
+                user_id,
+                int(r[0]),
+                tuple(json.loads(r[1])),
+                r[2],
+                r[3],
+                int(r[4]),
+                int(r[5]),
+                float(r[6]),
             )
             for r in rows
         ]
@@ -335,7 +362,8 @@ class SqlJournalStore(abc.ABC):
         scope_filters: list[str] = []
         if by_session:
             scope_filters.append(
-                f"session_id = {param(session_id)}" if session_id is not None
+                f"session_id = {param(session_id)}"
+                if session_id is not None
                 else "session_id IS NULL"
             )
         if by_user:
@@ -344,7 +372,8 @@ class SqlJournalStore(abc.ABC):
             )
         if scope_filters:
             where.append(
-                "scope IN (SELECT scope FROM loom_sessions WHERE " + " AND ".join(scope_filters)
+                "scope IN (SELECT scope FROM loom_sessions WHERE "
+                + " AND ".join(scope_filters)
                 + ")"
             )
         if older_than_s is not None:
@@ -356,9 +385,7 @@ class SqlJournalStore(abc.ABC):
                 " AND s.open = 1 AND s.epoch = loom_entries.epoch)"
             )
         clause = (" WHERE " + " AND ".join(entry_where)) if entry_where else ""
-        deleted = await self._fetch_raw(
-            f"DELETE FROM loom_entries{clause} RETURNING 1", args
-        )
+        deleted = await self._fetch_raw(f"DELETE FROM loom_entries{clause} RETURNING 1", args)
         total = len(deleted)
         # Idempotency results outlive runs on purpose; only age (with the user filter) drops them.
         if older_than_s is not None and not by_session:
@@ -370,7 +397,8 @@ class SqlJournalStore(abc.ABC):
                 idem_where.append(f"user_key = ${len(idem_args)}")
             total += len(
                 await self._fetch_raw(
-                    "DELETE FROM loom_idempotency WHERE " + " AND ".join(idem_where)
+                    "DELETE FROM loom_idempotency WHERE "
+                    + " AND ".join(idem_where)
                     + " RETURNING 1",
                     idem_args,
                 )
@@ -394,4 +422,3 @@ class _Tx(abc.ABC):
 
     @abc.abstractmethod
     async def fetch(self, sql: str, *args: Any) -> Sequence[Sequence[Any]]: ...
-

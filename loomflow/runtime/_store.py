@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..errors import UserError
 from . import codec
 
 __all__ = ["Claim", "EntryInfo", "JournalStore", "Scope", "StoredEntry", "fingerprint"]
@@ -33,6 +34,18 @@ class Scope:
     user_id: str | None
     key: str = field(init=False)
     user_key: str = field(init=False)
+
+    @classmethod
+    def checked(cls, session_id: object, user_id: object) -> Scope:
+        """Build a scope from caller input, rejecting ids no backend can store."""
+        for what, value in (("session_id", session_id), ("user_id", user_id)):
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise UserError(f"{what} must be a string or None, not {type(value).__name__}")
+            if "\x00" in value:
+                raise UserError(f"{what} {value!r} contains a NUL character")
+        return cls(session_id, user_id)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", _key(self.session_id, self.user_id))
@@ -122,9 +135,7 @@ class JournalStore(Protocol):
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         """Every entry of one run, in one query."""
 
-    async def write_entry(
-        self, scope: Scope, token: int, epoch: int, entry: StoredEntry
-    ) -> bool:
+    async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         """Insert or replace an entry; ``False`` if ``token`` no longer owns the scope."""
 
     async def get_idempotent(self, user_key: str, key: str) -> StoredEntry | None: ...

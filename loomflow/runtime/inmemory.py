@@ -6,6 +6,7 @@ keys, pruning) so that one conformance suite covers all three.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -100,9 +101,7 @@ class InMemoryStore:
         run = self.entries.get(scope.key, {}).get(epoch, {})
         return [entry for entry, _ in run.values()]
 
-    async def write_entry(
-        self, scope: Scope, token: int, epoch: int, entry: StoredEntry
-    ) -> bool:
+    async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         if self._owned(scope, token) is None:
             return False
         run = self.entries.setdefault(scope.key, {}).setdefault(epoch, {})
@@ -124,15 +123,20 @@ class InMemoryStore:
         self.idempotent[(scope.user_key, key)] = (entry, time.time())
         return entry
 
-    async def list_entries(
-        self, session_id: str | None, user_id: str | None
-    ) -> list[EntryInfo]:
-        import json
-
+    async def list_entries(self, session_id: str | None, user_id: str | None) -> list[EntryInfo]:
         runs = self.entries.get(Scope(session_id, user_id).key, {})
         infos = [
-            EntryInfo(session_id, user_id, epoch, tuple(json.loads(e.path)), e.name, e.kind,
-                      len(e.value), e.seq, created)
+            EntryInfo(
+                session_id,
+                user_id,
+                epoch,
+                tuple(json.loads(e.path)),
+                e.name,
+                e.kind,
+                len(e.value),
+                e.seq,
+                created,
+            )
             for epoch, run in runs.items()
             for e, created in run.values()
         ]
@@ -159,9 +163,9 @@ class InMemoryStore:
             for epoch, run in runs.items():
                 if not include_open and row.open and epoch == row.epoch:
                     continue
-                for key, (_, created) in list(run.items()):
+                for entry_key, (_, created) in list(run.items()):
                     if cutoff is None or created < cutoff:
-                        del run[key]
+                        del run[entry_key]
                         deleted += 1
         if cutoff is not None and not by_session:
             user_key = Scope(None, user_id).user_key

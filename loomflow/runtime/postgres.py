@@ -134,4 +134,5 @@ class PostgresRuntime(JournalRuntime):
         return self._pg_store.pool
 
     def __repr__(self) -> str:
-        return "PostgresRuntime(<pool>)" if self._pg_store._dsn is None else "PostgresRuntime(<dsn>)"
+        source = "pool" if self._pg_store._dsn is None else "dsn"
+        return f"PostgresRuntime(<{source}>)"

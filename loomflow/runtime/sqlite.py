@@ -124,7 +124,8 @@ class SqliteRuntime(JournalRuntime):
         self.path = Path(path)
         store = SqliteStore(
             path,
-            busy_timeout_ms=s.sqlite_busy_timeout_ms if busy_timeout_ms is None
+            busy_timeout_ms=s.sqlite_busy_timeout_ms
+            if busy_timeout_ms is None
             else busy_timeout_ms,
             synchronous=s.sqlite_synchronous if synchronous is None else synchronous,
         )

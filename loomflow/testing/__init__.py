@@ -1,0 +1,1 @@
+"""Test helpers that ship with loomflow: a backend conformance suite and fakes."""
