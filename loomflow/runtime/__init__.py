@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ._journal import JournalRun, JournalRuntime, PickledEntryWarning, ReplayStats, StepEvent
 from ._protocol import Runtime
 from ._store import EntryInfo
+from ._url import runtime_from_url
 from .codec import register_type
 from .inmemory import InMemoryRuntime
 from .sqlite import SqliteRuntime
@@ -30,6 +31,7 @@ __all__ = [
     "SqliteRuntime",
     "StepEvent",
     "register_type",
+    "runtime_from_url",
 ]
 
 

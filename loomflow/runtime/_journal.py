@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import inspect
 import logging
 import os
@@ -158,7 +159,30 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie (dead, not yet reaped by its parent) answers kill(0) but will never renew
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _pid_namespace() -> str:
+    """Who can see our pids: the boot and the pid namespace, not just the hostname.
+
+    Two containers may share a hostname while numbering pids separately; a pid check across
+    them would take a live owner's turn.
+    """
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            parts.append(fh.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        return "unknown"  # without /proc only the lease can free a dead owner's turn
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
+
+
+_PID_NAMESPACE = _pid_namespace()
 
 
 class JournalRuntime:
@@ -192,7 +216,9 @@ class JournalRuntime:
         for option in ("max_payload_bytes", "turn_timeout", "lease_seconds"):
             if getattr(self, option) <= 0:
                 raise UserError(f"{option} must be greater than 0")
-        self._owner = f"{socket.gethostname()}:{os.getpid()}:{ULID()}"
+        # "<pid namespace>:<pid>:<host>:<unique>": the first two let a waiter on the same
+        # machine tell that a holder's process is gone; the host is for people reading it.
+        self._owner = f"{_PID_NAMESPACE}:{os.getpid()}:{socket.gethostname()}:{ULID()}"
         self._locks: dict[str, asyncio.Lock] = {}
         self._ready: asyncio.Lock | None = None
         self._opened = False
@@ -340,10 +366,10 @@ class JournalRuntime:
             delay = min(delay * 2, 0.25)
 
     def _holder_is_dead(self, owner: str) -> bool:
-        """A holder on this host whose process no longer exists cannot renew its lease."""
-        host, _, rest = owner.partition(":")
+        """A holder in our pid namespace whose process no longer exists cannot renew its lease."""
+        namespace, _, rest = owner.partition(":")
         pid_text, _, _ = rest.partition(":")
-        if host != socket.gethostname() or not pid_text.isdigit():
+        if namespace != _PID_NAMESPACE or namespace == "unknown" or not pid_text.isdigit():
             return False
         pid = int(pid_text)
         # Our own pid means another runtime in this process: alive by definition.

@@ -185,7 +185,11 @@ class SqlJournalStore(abc.ABC):
         with translate_errors(self.driver_errors, "connect"):
             await self._connect()
         if migrate:
-            await self.migrate()
+            try:
+                await self.migrate()
+            except BaseException:
+                await self.close()  # a half-opened store must not leak its connection
+                raise
 
     async def migrate(self) -> int:
         with translate_errors(self.driver_errors, "migration"):

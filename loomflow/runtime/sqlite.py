@@ -8,9 +8,11 @@ the session rows fence out a process that lost its turn.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,15 +64,42 @@ class SqliteStore(SqlJournalStore):
         if str(self.path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: each statement commits on its own; transactions are explicit.
-        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        pending = aiosqlite.connect(self.path, isolation_level=None)
+        try:
+            conn = await pending
+        except BaseException:
+            # aiosqlite stops its worker thread without waiting for it; join it so that the
+            # thread does not report to an event loop that the caller may close next.
+            worker = getattr(pending, "_thread", None)
+            if worker is not None:
+                await asyncio.to_thread(worker.join, 5)
+            raise
         try:
             await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
-            await conn.execute("PRAGMA journal_mode = WAL")
+            await self._enable_wal(conn)
             await conn.execute(f"PRAGMA synchronous = {self._synchronous}")
         except BaseException:
             await conn.close()
             raise
         self._conn = conn
+
+    async def _enable_wal(self, conn: aiosqlite.Connection) -> None:
+        # Switching a new file to WAL needs a lock that SQLite does not wait for through
+        # busy_timeout, so processes opening the same new file at once retry here.
+        deadline = time.monotonic() + max(self._busy_timeout_ms, 1000) / 1000
+        delay = 0.005
+        while True:
+            rows = await conn.execute_fetchall("PRAGMA journal_mode")
+            if str(next(iter(rows))[0]).lower() == "wal":
+                return
+            try:
+                await conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -1,0 +1,145 @@
+"""Command-line entry point.
+
+Exit codes scripts can rely on: 0 success, 1 a loomflow error (message on stderr),
+2 bad usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..errors import LoomflowError
+from ..runtime import JournalRuntime, runtime_from_url
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration(text: str) -> dt.timedelta:
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h or 7d")
+    return dt.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loomflow", description="Durable, governed and observable agent runs."
+    )
+    parser.add_argument(
+        "--url",
+        help="journal URL (default: LOOMFLOW_RUNTIME_URL or sqlite:///.loomflow/journal.db)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="crash a worker mid-run, resume it, show the replay")
+    demo.add_argument("--postgres", metavar="DSN", help="run the story on PostgreSQL")
+    demo.add_argument("--workdir", type=Path, help="keep the journal and ledger here")
+    demo.add_argument("--kill-after", type=int, default=3, help="kill after this step (3)")
+
+    sub.add_parser("migrate", help="apply pending schema migrations to the journal")
+
+    runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
+        dest="runs_command", required=True
+    )
+    show = runs.add_parser("show", help="a session's journal entries")
+    show.add_argument("session_id")
+    show.add_argument("--user", dest="user_id", help="user id (default: the anonymous bucket)")
+    show.add_argument("--json", action="store_true", help="JSON lines for scripts")
+
+    journal = sub.add_parser("journal", help="journal maintenance").add_subparsers(
+        dest="journal_command", required=True
+    )
+    prune = journal.add_parser("prune", help="delete entries of finished runs")
+    prune.add_argument("--older-than", type=_duration, help="e.g. 7d, 12h")
+    prune.add_argument("--session", dest="session_id")
+    prune.add_argument("--user", dest="user_id")
+    prune.add_argument("--include-open", action="store_true", help="also delete open runs")
+    prune.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(
+                postgres=args.postgres, workdir=args.workdir, stop_after=args.kill_after
+            )
+        return asyncio.run(_dispatch(args))
+    except LoomflowError as exc:
+        print(f"loomflow: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _dispatch(args: argparse.Namespace) -> int:
+    runtime = runtime_from_url(args.url or Settings().runtime_url)
+    try:
+        if args.command == "migrate":
+            version = await runtime.migrate()
+            print(f"journal schema at version {version}")
+            return 0
+        if args.command == "runs":
+            return await _runs_show(runtime, args)
+        if args.command == "journal":
+            return await _prune(runtime, args)
+        raise AssertionError(args.command)  # argparse only lets known commands through
+    finally:
+        await runtime.close()
+
+
+async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
+    entries = await runtime.entries(args.session_id, args.user_id)
+    if args.json:
+        for e in entries:
+            print(
+                json.dumps(
+                    {
+                        "session_id": e.session_id,
+                        "user_id": e.user_id,
+                        "epoch": e.epoch,
+                        "path": list(e.path),
+                        "name": e.name,
+                        "kind": e.kind,
+                        "size": e.size,
+                        "seq": e.seq,
+                        "created_at": e.created_at,
+                    }
+                )
+            )
+        return 0
+    if not entries:
+        print(f"no journal entries for session {args.session_id!r} user {args.user_id!r}")
+        return 0
+    rows: list[tuple[Any, ...]] = [("epoch", "step", "sub-run", "kind", "bytes", "written (UTC)")]
+    for e in entries:
+        when = dt.datetime.fromtimestamp(e.created_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+        rows.append((e.epoch, e.name, "/".join(e.path) or "-", e.kind, e.size, when[:-3]))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+async def _prune(runtime: JournalRuntime, args: argparse.Namespace) -> int:
+    filters: dict[str, Any] = {"older_than": args.older_than, "include_open": args.include_open}
+    if args.session_id is not None:
+        filters["session_id"] = args.session_id
+    if args.user_id is not None:
+        filters["user_id"] = args.user_id
+    deleted = await runtime.prune(**filters)
+    print(json.dumps({"deleted": deleted}) if args.json else f"deleted {deleted} journal entries")
+    return 0

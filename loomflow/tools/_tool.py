@@ -1,0 +1,315 @@
+"""The :class:`Tool` wrapper and the :func:`tool` decorator."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import inspect
+import logging
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+from ..context import get_run_context
+from ..errors import UserError
+from ..runtime import codec
+from ._docstring import parse_docstring
+from ._outcome import INVALID_ARGUMENTS, TIMEOUT, TOOL_ERROR, ToolOutcome
+from ._schema import InvalidArgumentsError, build_binder
+
+__all__ = ["Tool", "as_tool", "tool"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_log = logging.getLogger("loomflow.tools")
+
+# Anthropic and OpenAI both accept tool names matching this pattern and nothing else.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class Tool(Generic[P, R]):
+    """A function the model may call, with its JSON schema and governance flags.
+
+    A ``Tool`` is still callable like the function it wraps, which keeps direct calls in
+    tests trivial; the agent loop uses :meth:`invoke` instead, which validates the model's
+    arguments and never raises for a failing tool.
+
+    Attributes:
+        fn: The wrapped function.
+        name: The name the model calls the tool by.
+        description: What the tool does, for the model.
+        timeout: Seconds a call may take before it is abandoned, or ``None``.
+        destructive: The tool changes or deletes something that cannot be taken back.
+        edits: The tool edits files or records (allowed by an "accept edits" permission mode).
+        sensitive: Argument names whose values the audit log must redact.
+        is_async: Whether ``fn`` is a coroutine function.
+    """
+
+    __name__: str
+    __qualname__: str
+
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout: float | None = None,
+        destructive: bool = False,
+        edits: bool = False,
+        sensitive: Iterable[str] = (),
+        localns: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Wrap ``fn``; :func:`tool` is the usual way in.
+
+        Args:
+            fn: A sync or async function whose parameters are JSON-describable.
+            name: Defaults to the function's ``__name__``.
+            description: Defaults to the first paragraph of the docstring.
+            timeout: Seconds before :meth:`invoke` gives up; ``None`` waits forever.
+            destructive: Mark the tool as irreversible for permission policies.
+            edits: Mark the tool as an edit for the "accept edits" permission mode.
+            sensitive: Argument names to redact in the audit log.
+            localns: Names for resolving string annotations of locally defined types.
+
+        Raises:
+            UserError: when the function or an option cannot make a valid tool.
+        """
+        if isinstance(fn, Tool):
+            raise UserError(f"{fn!r} is already a Tool; use as_tool() to accept either")
+        if not callable(fn) or isinstance(fn, type):
+            raise UserError(f"a tool must wrap a function, got {fn!r}")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise UserError(f"{_label(fn)} is a generator; a tool must return one JSON-like value")
+        resolved_name = name if name is not None else getattr(fn, "__name__", None)
+        if not isinstance(resolved_name, str) or not _NAME.fullmatch(resolved_name):
+            raise UserError(
+                f"tool name {resolved_name!r} of {_label(fn)} is not usable: model APIs accept "
+                "1-64 letters, digits, '_' or '-'; pass name=..."
+            )
+        if timeout is not None and not timeout > 0:
+            raise UserError(f"tool {resolved_name!r}: timeout must be positive, got {timeout!r}")
+        if isinstance(sensitive, str):
+            # sensitive="card" would otherwise become {"c", "a", "r", "d"} and redact nothing.
+            raise UserError(
+                f"tool {resolved_name!r}: sensitive must be a collection of argument names, "
+                f'e.g. sensitive=("{sensitive}",)'
+            )
+
+        doc = parse_docstring(inspect.getdoc(fn))
+        binder = build_binder(fn, doc, localns)
+        sensitive_names = frozenset(sensitive)
+        unknown = sensitive_names - set(binder.exposed)
+        if unknown:
+            # A misspelt name here would leak the real argument into the audit log.
+            raise UserError(
+                f"tool {resolved_name!r}: sensitive names {sorted(unknown)} are not arguments "
+                f"of the tool (its arguments: {', '.join(binder.exposed) or 'none'})"
+            )
+
+        self.fn: Callable[P, R] = fn
+        self.name: str = resolved_name
+        self.description: str = doc.summary if description is None else description
+        self.timeout: float | None = timeout
+        self.destructive: bool = destructive
+        self.edits: bool = edits
+        self.sensitive: frozenset[str] = sensitive_names
+        self.is_async: bool = inspect.iscoroutinefunction(fn)
+        self._binder = binder
+        self._call: Callable[..., Any] = fn  # untyped view for calls built from validated data
+        # Copies __name__, __doc__, __wrapped__...; not __dict__, which could clobber `name`.
+        functools.update_wrapper(self, fn, updated=())
+        if not hasattr(self, "__name__"):
+            self.__name__ = self.__qualname__ = self.name  # partials and callable objects
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The JSON schema of the arguments (a fresh copy each time; mutate freely)."""
+        return copy.deepcopy(self._binder.schema)
+
+    def spec(self) -> dict[str, Any]:
+        """Return ``{"name", "description", "parameters"}`` for a model request."""
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call the wrapped function directly, bypassing validation and timeouts."""
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        flags = "".join(
+            f", {flag}=True" for flag in ("destructive", "edits") if getattr(self, flag)
+        )
+        return f"Tool(name={self.name!r}{flags})"
+
+    async def invoke(self, arguments: Mapping[str, Any] | None) -> ToolOutcome:
+        """Validate ``arguments`` from the model, run the tool and report what happened.
+
+        Never raises for bad arguments, a failing tool or a timeout: each becomes a
+        ``ToolOutcome`` with ``ok=False``. Cancellation of the caller still propagates.
+
+        Args:
+            arguments: The decoded JSON object the model sent.
+
+        Returns:
+            The outcome; ``error_type`` is ``"invalid_arguments"``, ``"tool_error"`` or
+            ``"timeout"`` on failure.
+        """
+        try:
+            args, kwargs = self._binder.bind(arguments, get_run_context())
+        except InvalidArgumentsError as exc:
+            return ToolOutcome(
+                ok=False,
+                error_type=INVALID_ARGUMENTS,
+                error=f"invalid arguments for tool {self.name!r}: {exc}",
+            )
+
+        deadline = asyncio.timeout(self.timeout)
+        try:
+            async with deadline:
+                value = await self._run(args, kwargs)
+        except TimeoutError as exc:
+            if not deadline.expired():
+                return self._failure(exc)  # the tool's own TimeoutError, e.g. from an HTTP call
+            # An async tool was cancelled at its current await. A sync tool's thread cannot be
+            # killed in Python: it runs to completion in the background and its result is
+            # dropped. Until then it holds one of the default executor's threads.
+            return ToolOutcome(
+                ok=False,
+                error_type=TIMEOUT,
+                error=f"tool {self.name!r} did not finish within {self.timeout:g} s",
+            )
+        except Exception as exc:
+            return self._failure(exc)
+
+        try:
+            codec.encode(value)
+        except (TypeError, ValueError, RecursionError) as exc:
+            _log.warning("tool %r returned an unstorable value: %s", self.name, exc)
+            return ToolOutcome(
+                ok=False,
+                error_type=TOOL_ERROR,
+                error=f"tool {self.name!r} returned a {type(value).__name__}, which cannot be "
+                "recorded; tools must return JSON-like data or pydantic models",
+            )
+        return ToolOutcome(ok=True, value=value)
+
+    async def _run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        if self.is_async:
+            # Runs in the caller's task, so it sees the caller's context variables.
+            value = await self._call(*args, **kwargs)
+        else:
+            # to_thread copies the current contextvars into the worker, so get_run_context()
+            # works in sync tools too; blocking I/O there never stalls the event loop.
+            value = await asyncio.to_thread(self._call, *args, **kwargs)
+        if inspect.isawaitable(value):
+            # A sync-looking callable that returns a coroutine (a wrapped async function).
+            value = await value
+        return value
+
+    def _failure(self, exc: Exception) -> ToolOutcome:
+        # The model gets type and message only; the traceback goes to the developer's logs.
+        _log.debug("tool %r raised", self.name, exc_info=exc)
+        message = str(exc)
+        error = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+        return ToolOutcome(ok=False, error_type=TOOL_ERROR, error=error)
+
+
+def _label(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _caller_locals(depth: int) -> dict[str, Any] | None:
+    """The local namespace ``depth`` frames above the caller, unless it is a module's."""
+    frame = sys._getframe(depth + 1)
+    if frame.f_code.co_name == "<module>":
+        return None  # module globals are already the function's own globals
+    return dict(frame.f_locals)
+
+
+@overload
+def tool(fn: Callable[P, R], /) -> Tool[P, R]: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+    destructive: bool = False,
+    edits: bool = False,
+    sensitive: Iterable[str] = (),
+) -> Callable[[Callable[P, R]], Tool[P, R]]: ...
+
+
+def tool(
+    fn: Callable[P, R] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+    destructive: bool = False,
+    edits: bool = False,
+    sensitive: Iterable[str] = (),
+) -> Tool[P, R] | Callable[[Callable[P, R]], Tool[P, R]]:
+    """Turn a function into a :class:`Tool`, bare or with options.
+
+    The JSON schema comes from the signature and type hints; the description from the
+    docstring's first paragraph; argument descriptions from its ``Args:`` section. A
+    parameter annotated ``RunContext`` is filled with :func:`~loomflow.get_run_context`
+    and hidden from the model.
+
+    Example:
+        >>> @tool(timeout=10, sensitive=("card_number",))
+        ... def charge(card_number: str, cents: int) -> str:
+        ...     '''Charge a card.
+        ...
+        ...     Args:
+        ...         card_number: The full card number.
+        ...         cents: Amount to charge, in cents.
+        ...     '''
+        ...     return "ok"
+
+    Raises:
+        UserError: when the function or an option cannot make a valid tool.
+    """
+    # Captured here, in the decorating frame, so tools defined inside functions can use
+    # types that exist only in that function's scope.
+    localns = _caller_locals(1)
+
+    def wrap(func: Callable[P, R]) -> Tool[P, R]:
+        return Tool(
+            func,
+            name=name,
+            description=description,
+            timeout=timeout,
+            destructive=destructive,
+            edits=edits,
+            sensitive=sensitive,
+            localns=localns,
+        )
+
+    return wrap if fn is None else wrap(fn)
+
+
+@overload
+def as_tool(obj: Tool[P, R], /) -> Tool[P, R]: ...
+
+
+@overload
+def as_tool(obj: Callable[P, R], /) -> Tool[P, R]: ...
+
+
+def as_tool(obj: Tool[P, R] | Callable[P, R], /) -> Tool[P, R]:
+    """Return ``obj`` if it is already a :class:`Tool`, else wrap it with default options.
+
+    Raises:
+        UserError: when ``obj`` is neither a Tool nor a usable function.
+    """
+    if isinstance(obj, Tool):
+        return obj
+    return Tool(obj, localns=_caller_locals(1))

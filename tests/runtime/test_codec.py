@@ -1,0 +1,140 @@
+"""The tagged-JSON codec: round trips, canonical fingerprints, safe decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import decimal
+import enum
+import json
+import math
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from loomflow.runtime import codec
+from loomflow.runtime._store import Scope, fingerprint
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+class Point(BaseModel):
+    x: int
+    y: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Box:
+    label: str
+    size: float
+
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(),
+    st.binary(),
+    st.decimals(allow_nan=False, allow_infinity=False),
+    st.uuids(),
+    st.datetimes(timezones=st.just(dt.UTC)),
+    st.dates(),
+    st.timedeltas(),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.text(), inner, max_size=4),
+        st.dictionaries(st.integers(), inner, max_size=3),
+        st.frozensets(st.integers(), max_size=4),
+    ),
+    max_leaves=20,
+)
+
+
+@given(values)
+def test_every_supported_value_round_trips(value: Any) -> None:
+    assert codec.loads(codec.dumps(value)) == value
+
+
+@given(st.dictionaries(st.text(), st.integers(), max_size=6))
+def test_fingerprints_ignore_dict_and_set_order(data: dict[str, int]) -> None:
+    reordered = dict(reversed(list(data.items())))
+    assert fingerprint((data, set(data)), {}) == fingerprint(
+        (reordered, set(reversed(list(data)))), {}
+    )
+
+
+@given(st.text(), st.text())
+def test_user_dicts_that_look_tagged_stay_dicts(tag: str, payload: str) -> None:
+    value = {"$t": tag, "v": payload}
+    assert codec.loads(codec.dumps(value)) == value
+
+
+@given(
+    st.tuples(st.one_of(st.none(), st.text()), st.one_of(st.none(), st.text())),
+    st.tuples(st.one_of(st.none(), st.text()), st.one_of(st.none(), st.text())),
+)
+def test_scope_keys_are_injective(
+    a: tuple[str | None, str | None], b: tuple[str | None, str | None]
+) -> None:
+    assert (Scope(*a).key == Scope(*b).key) == (a == b)
+
+
+def test_special_floats_models_dataclasses_and_enums() -> None:
+    value = [
+        math.inf,
+        -math.inf,
+        Point(x=1, y=(2, 3)),
+        Box("b", 1.5),
+        Colour.RED,
+        decimal.Decimal("1.10"),
+        uuid.UUID(int=7),
+        dt.time(1, 2),
+    ]
+    decoded = codec.loads(codec.dumps(value))
+    assert decoded[:2] == [math.inf, -math.inf]
+    assert decoded[2] == Point(x=1, y=(2, 3))
+    assert decoded[3] == Box("b", 1.5)
+    assert decoded[4] is Colour.RED
+    assert decoded[5:] == value[5:]
+    assert math.isnan(codec.loads(codec.dumps(math.nan)))
+
+
+def test_decoding_never_imports_modules() -> None:
+    raw = json.dumps({"$t": "model", "v": {"cls": "antigravity:Thing", "fields": {}}})
+    with pytest.raises(codec.UnknownTagError, match="antigravity"):
+        codec.loads(raw)
+    import sys
+
+    assert "antigravity" not in sys.modules
+
+
+def test_decoding_refuses_classes_that_are_not_data() -> None:
+    raw = json.dumps({"$t": "dataclass", "v": {"cls": "os:system", "fields": {}}})
+    with pytest.raises(codec.UnknownTagError):
+        codec.loads(raw)
+
+
+def test_unsupported_values_are_named() -> None:
+    with pytest.raises(codec.UnsupportedValueError, match="'function'"):
+        codec.dumps(lambda: None)
+
+
+def test_register_type_rejects_arbitrary_classes() -> None:
+    with pytest.raises(TypeError):
+        codec.register_type(int)
+
+
+def test_malformed_tagged_payloads_are_unknown_tags() -> None:
+    with pytest.raises(codec.UnknownTagError):
+        codec.loads(json.dumps({"$t": "timedelta", "v": "nope"}))

@@ -1,0 +1,112 @@
+"""Migrations, store URLs and driver errors on the real databases."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from loomflow.config import Settings
+from loomflow.errors import ConfigurationError, MigrationError, StoreUnavailableError
+from loomflow.runtime import (
+    InMemoryRuntime,
+    PostgresRuntime,
+    SqliteRuntime,
+    runtime_from_url,
+)
+from loomflow.runtime.migrations import SCHEMA_VERSION
+
+
+async def test_sqlite_uses_wal_full_sync_and_busy_timeout(sqlite_path: Path) -> None:
+    runtime = SqliteRuntime(sqlite_path)
+    await runtime.open()
+    try:
+        conn = runtime._store.conn  # type: ignore[attr-defined]
+        assert (await conn.execute_fetchall("PRAGMA journal_mode"))[0][0] == "wal"
+        assert (await conn.execute_fetchall("PRAGMA synchronous"))[0][0] == 2  # FULL
+        assert (await conn.execute_fetchall("PRAGMA busy_timeout"))[0][0] == 5000
+    finally:
+        await runtime.close()
+
+
+async def test_sqlite_migrations_are_recorded_once(sqlite_path: Path) -> None:
+    runtimes = [SqliteRuntime(sqlite_path, auto_migrate=False) for _ in range(4)]
+    versions = await asyncio.gather(*(rt.migrate() for rt in runtimes))
+    assert versions == [SCHEMA_VERSION] * 4
+    for rt in runtimes:
+        await rt.close()
+    with sqlite3.connect(sqlite_path) as conn:
+        rows = conn.execute("SELECT version FROM loom_schema_version").fetchall()
+    assert rows == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+
+
+async def test_a_newer_schema_is_refused(sqlite_path: Path) -> None:
+    runtime = SqliteRuntime(sqlite_path)
+    await runtime.migrate()
+    await runtime.close()
+    with sqlite3.connect(sqlite_path) as conn:
+        conn.execute("INSERT INTO loom_schema_version VALUES (999, 'future', 0)")
+    runtime = SqliteRuntime(sqlite_path)
+    with pytest.raises(MigrationError, match="999"):
+        await runtime.open()
+    await runtime.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_concurrent_migrations_apply_once(pg_dsn: str) -> None:
+    runtimes = [PostgresRuntime(pg_dsn, auto_migrate=False) for _ in range(4)]
+    versions = await asyncio.gather(*(rt.migrate() for rt in runtimes))
+    assert versions == [SCHEMA_VERSION] * 4
+    rows = await runtimes[0].pool.fetch("SELECT version FROM loom_schema_version")
+    assert [r[0] for r in rows] == list(range(1, SCHEMA_VERSION + 1))
+    for rt in runtimes:
+        await rt.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_runtime_from_an_existing_pool(pg_dsn: str) -> None:
+    import asyncpg
+
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    runtime = PostgresRuntime(pool)
+    async with runtime.session("s", "u"):
+        assert await runtime.step("a", lambda: 41 + 1) == 42
+    await runtime.close()
+    assert await pool.fetchval("SELECT count(*) FROM loom_entries") == 1  # pool still open
+    await pool.close()
+
+
+async def test_unreachable_postgres_is_a_store_error() -> None:
+    runtime = PostgresRuntime("postgresql://nobody@127.0.0.1:1/none")
+    with pytest.raises(StoreUnavailableError, match="connect"):
+        await runtime.open()
+
+
+async def test_unopenable_sqlite_file_is_a_store_error(tmp_path: Path) -> None:
+    (tmp_path / "dir.db").mkdir()
+    runtime = SqliteRuntime(tmp_path / "dir.db")
+    with pytest.raises(StoreUnavailableError):
+        await runtime.open()
+    await runtime.close()
+
+
+def test_urls_name_their_backend(tmp_path: Path) -> None:
+    assert isinstance(runtime_from_url("memory://"), InMemoryRuntime)
+    rt = runtime_from_url(f"sqlite:///{tmp_path}/x.db")
+    assert isinstance(rt, SqliteRuntime)
+    assert rt.path == tmp_path / "x.db"
+    assert runtime_from_url("sqlite:///rel.db").path == Path("rel.db")  # type: ignore[attr-defined]
+    assert isinstance(runtime_from_url("postgresql://u@h/db"), PostgresRuntime)
+    with pytest.raises(ConfigurationError, match="scheme"):
+        runtime_from_url("mysql://u@h/db")
+
+
+def test_options_come_from_settings_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOMFLOW_TURN_TIMEOUT_SECONDS", "7")
+    monkeypatch.setenv("LOOMFLOW_STRICT_REPLAY", "true")
+    rt = InMemoryRuntime()
+    assert (rt.turn_timeout, rt.strict_replay) == (7, True)
+    assert InMemoryRuntime(turn_timeout=3).turn_timeout == 3
+    assert InMemoryRuntime(settings=Settings(lease_seconds=5)).lease_seconds == 5
