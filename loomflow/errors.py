@@ -14,11 +14,15 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── SessionBusyError           another run held the (session, user) too long
     │   ├── OwnershipLostError         this run was fenced out by a newer owner
     │   └── StoreUnavailableError      the database driver failed underneath us
-    └── MigrationError                 the schema could not be brought up to date
+    ├── MigrationError                 the schema could not be brought up to date
+    └── ModelError                     a model provider call failed (provider, model, status)
+        ├── ModelRetryExhaustedError   transient failures outlasted the retry budget
+        └── ScriptExhaustedError       a scripted model was called more often than scripted
 
 Driver exceptions (``sqlite3``/``aiosqlite``, ``asyncpg``) are mapped to
 :class:`StoreUnavailableError` in one place, ``loomflow.runtime._sql.translate_errors``,
-and always chained with ``from``.
+and always chained with ``from``. Provider SDK exceptions (``anthropic``, ``openai``) are mapped
+to :class:`ModelError` by one classifier per adapter in ``loomflow.models``, also with ``from``.
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ __all__ = [
     "JournalError",
     "LoomflowError",
     "MigrationError",
+    "ModelError",
+    "ModelRetryExhaustedError",
     "NoActiveRunError",
     "OwnershipLostError",
     "PayloadTooLargeError",
     "ReplayDivergenceError",
+    "ScriptExhaustedError",
     "SessionBusyError",
     "StoreUnavailableError",
     "UserError",
@@ -119,3 +126,48 @@ class OwnershipLostError(JournalError):
 
 class StoreUnavailableError(JournalError):
     """The journal's database failed or could not be reached."""
+
+
+class ModelError(LoomflowError):
+    """A call to a model provider failed.
+
+    Attributes:
+        provider: The adapter's provider label, e.g. ``"anthropic"``.
+        model: The model id the call used.
+        status: The HTTP status of the failure, or ``None`` for connection-level failures.
+        detail: The provider's own description of what went wrong.
+    """
+
+    def __init__(self, provider: str, model: str, detail: str, status: int | None = None) -> None:
+        self.provider = provider
+        self.model = model
+        self.detail = detail
+        self.status = status
+        where = f" (HTTP {status})" if status is not None else ""
+        super().__init__(f"{provider} model {model!r} failed{where}: {detail}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-shaped __init__ arguments do not survive the default exception pickling.
+        return (type(self), (self.provider, self.model, self.detail, self.status))
+
+
+class ModelRetryExhaustedError(ModelError):
+    """Every attempt at a model call hit a transient failure (429, 5xx, connection loss)."""
+
+    def __init__(
+        self, provider: str, model: str, detail: str, status: int | None = None, attempts: int = 1
+    ) -> None:
+        super().__init__(provider, model, detail, status)
+        self.attempts = attempts
+        where = f"HTTP {status}" if status is not None else "connection failure"
+        self.args = (
+            f"{provider} model {model!r} failed after {attempts} attempts; last error "
+            f"({where}): {detail}",
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.provider, self.model, self.detail, self.status, self.attempts))
+
+
+class ScriptExhaustedError(ModelError):
+    """A scripted test model was asked for more turns than its script holds."""

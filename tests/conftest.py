@@ -7,12 +7,16 @@ When it cannot be reached the PostgreSQL tests fail under ``CI=true`` and skip e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ulid import ULID
+
+from loomflow.runtime import JournalRuntime
 
 PG_ADMIN_DSN = os.environ.get(
     "LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -24,20 +28,25 @@ def _dsn_for(database: str) -> str:
     return f"{base}/{database}"
 
 
-async def _admin(sql: str) -> None:
+def _admin(sql: str) -> None:
+    """Run one admin statement; in a thread of its own, so async fixtures may call it too."""
     import asyncpg
 
-    conn = await asyncpg.connect(PG_ADMIN_DSN, timeout=5)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
+    async def execute() -> None:
+        conn = await asyncpg.connect(PG_ADMIN_DSN, timeout=5)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, execute()).result()
 
 
 def _create_database() -> str:
     name = f"loom_test_{str(ULID()).lower()}"
     try:
-        asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+        _admin(f'CREATE DATABASE "{name}"')
     except (OSError, ImportError) as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"PostgreSQL is required in CI and unreachable at {PG_ADMIN_DSN}: {exc}")
@@ -52,9 +61,36 @@ def pg_dsn() -> Iterator[str]:
     try:
         yield _dsn_for(name)
     finally:
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
 def sqlite_path(tmp_path: Path) -> Path:
     return tmp_path / "journal.db"
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+async def runtime_factory(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Callable[..., Awaitable[JournalRuntime]]]:
+    """Per backend: a factory of runtimes over one shared journal (a worker each)."""
+    from loomflow.runtime import InMemoryRuntime, PostgresRuntime, SqliteRuntime
+
+    opened: list[JournalRuntime] = []
+    shared_memory = InMemoryRuntime()
+    dsn = request.getfixturevalue("pg_dsn") if request.param == "postgres" else ""
+
+    async def factory(**options: Any) -> JournalRuntime:
+        runtime: JournalRuntime
+        if request.param == "memory":
+            runtime = JournalRuntime(shared_memory._store, **options)
+        elif request.param == "sqlite":
+            runtime = SqliteRuntime(tmp_path / "journal.db", **options)
+        else:
+            runtime = await PostgresRuntime.connect(dsn, **options)
+        opened.append(runtime)
+        return runtime
+
+    yield factory
+    for runtime in opened:
+        await runtime.close()

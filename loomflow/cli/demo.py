@@ -14,8 +14,9 @@ from pathlib import Path
 
 from ulid import ULID
 
-from ..runtime import JournalRun, runtime_from_url
-from ._demo_task import run_task, steps
+from ..agent import RunResult
+from ..runtime import StepEvent, runtime_from_url
+from ._demo_task import PLAN, TOOL_NAMES, run_task
 
 USER = "alice@example.com"
 
@@ -60,50 +61,71 @@ def run_demo(*, postgres: str | None, workdir: Path | None, stop_after: int) -> 
     work.mkdir(parents=True, exist_ok=True)
     ledger = work / "side-effects.jsonl"
     ledger.unlink(missing_ok=True)
-    url = postgres or f"sqlite:///{(work / 'journal.db').resolve()}"
+    journal = work / "journal.db"
+    url = postgres or f"sqlite:///{journal.resolve()}"
     if not postgres:
         for suffix in ("", "-wal", "-shm"):
-            Path(f"{work / 'journal.db'}{suffix}").unlink(missing_ok=True)
+            Path(f"{journal}{suffix}").unlink(missing_ok=True)
     session = f"order-A-1042-{ULID()}"  # a new session per demo, so old journals never replay
-    total = len(steps(ledger))
-    if not 1 <= stop_after < total:
-        print(f"--kill-after must be between 1 and {total - 1}", file=sys.stderr)
+    if not 1 <= stop_after < len(PLAN):
+        print(f"--kill-after must be between 1 and {len(PLAN) - 1}", file=sys.stderr)
         return 2
 
-    backend = "PostgreSQL" if postgres else f"SQLite ({work / 'journal.db'})"
-    print(f"loomflow demo — journal on {backend}\n")
-    print(f"1. A worker process runs a {total}-step order task for {USER}, session {session}.")
+    backend = "PostgreSQL" if postgres else f"SQLite ({journal})"
+    print(f"loomflow demo: journal on {backend}\n")
+    print(f"1. A worker process runs the order agent for {USER} (session {session}).")
     pid = _spawn_until_step(url, ledger, session, stop_after, timeout=60)
-    print(f"2. After step {stop_after} the worker (pid {pid}) was killed with SIGKILL.")
-    print("3. This process resumes the same session and user from the journal.\n")
-    run = asyncio.run(_resume(url, ledger, session))
+    print(
+        f"2. After model turn {stop_after} and its tool calls, the worker (pid {pid}) was "
+        "killed with SIGKILL."
+    )
+    print("3. This process resumes the run: agent.resume(prompt, session_id, user_id).\n")
+    steps: list[StepEvent] = []
+    result = asyncio.run(_resume(url, ledger, session, steps))
 
     effects = Counter(json.loads(line)["action"] for line in ledger.read_text().splitlines())
-    print(f"{'step':<20} {'on resume':<22} {'side effects in total':>21}")
-    print("-" * 65)
-    for name, _, _ in steps(ledger):
-        status = "replayed from journal" if name in run.stats.hit_steps else "ran fresh"
-        print(f"{name:<20} {status:<22} {effects[name]:>21}")
-    repeated = [name for name, count in effects.items() if count != 1]
-    missing = [name for name, _, _ in steps(ledger) if effects[name] == 0]
-    print()
-    stats = run.stats
-    ratio = stats.hits / max(stats.hits + stats.misses, 1)
+    print(f"{'journaled step':<34} {'on resume':<22} {'side effects':>12}")
+    print("-" * 70)
+    for event in steps:
+        if event.path:
+            continue
+        label = _label(event.name)
+        status = "replayed from journal" if event.outcome == "hit" else "ran fresh"
+        count = str(effects[label]) if label in effects else "-"
+        print(f"{label:<34} {status:<22} {count:>12}")
+    print(f"\nfinal answer: {result.output}")
+    print(f"tokens: {result.tokens_in} in, {result.tokens_out} out; cost ${result.cost_usd:.4f}")
+    hits = sum(1 for e in steps if e.outcome == "hit")
+    misses = sum(1 for e in steps if e.outcome != "hit")
+    divergences = sum(1 for e in steps if e.outcome == "divergence")
     print(
-        f"replay metrics: hits={stats.hits} misses={stats.misses} "
-        f"divergences={stats.divergences} hit ratio={ratio:.0%}"
+        f"replay metrics: hits={hits} misses={misses} divergences={divergences} "
+        f"hit ratio={hits / max(hits + misses, 1):.0%}"
     )
-    if repeated or missing:
+    repeated = sorted(name for name, count in effects.items() if count != 1)
+    missing = sorted(name for name in TOOL_NAMES if effects[name] == 0)
+    if repeated or missing or result.interrupted:
         print(f"FAILED: repeated side effects {repeated}, missing {missing}")
         return 1
-    print(f"No side effect ran twice: each of the {total} actions happened exactly once.")
+    print(
+        f"No side effect ran twice: each of the {len(TOOL_NAMES)} tool actions happened "
+        "exactly once."
+    )
     print(f"Journal and side-effect ledger kept in {work}")
     return 0
 
 
-async def _resume(url: str, ledger: Path, session: str) -> JournalRun:
+def _label(step_name: str) -> str:
+    """``tool_call_1_0_<hash>`` -> the tool it called; model calls keep their name."""
+    if step_name.startswith("tool_call_"):
+        turn, slot = (int(x) for x in step_name.split("_")[2:4])
+        return PLAN[turn][slot][0]
+    return step_name
+
+
+async def _resume(url: str, ledger: Path, session: str, steps: list[StepEvent]) -> RunResult:
     runtime = runtime_from_url(url)
     try:
-        return await run_task(runtime, ledger, session, USER)
+        return await run_task(runtime, ledger, session, USER, resume=True, steps=steps)
     finally:
         await runtime.close()

@@ -28,12 +28,12 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
     assert "killed with SIGKILL" in out
     assert "replayed from journal" in out
     assert "ran fresh" in out
-    assert "hits=2 misses=4 divergences=0" in out
+    assert "hits=5 misses=5 divergences=0" in out
     ledger = [
         json.loads(line) for line in (tmp_path / "side-effects.jsonl").read_text().splitlines()
     ]
-    assert len(ledger) == 6
-    assert len({r["action"] for r in ledger}) == 6
+    assert len(ledger) == 5
+    assert len({r["action"] for r in ledger}) == 5
     assert len({r["pid"] for r in ledger}) == 2  # the killed worker and the resuming process
 
 
@@ -41,7 +41,7 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
 def test_demo_on_postgres(tmp_path: Path, pg_dsn: str) -> None:
     result = loomflow("demo", "--postgres", pg_dsn, "--workdir", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert "hits=3 misses=3" in result.stdout
+    assert "hits=7 misses=3" in result.stdout
 
 
 def test_migrate_show_and_prune(tmp_path: Path) -> None:
@@ -57,12 +57,15 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
         "--url", demo_url, "runs", "show", session, "--user", "alice@example.com", "--json"
     )
     rows = [json.loads(line) for line in shown.stdout.splitlines()]
-    assert [r["name"] for r in rows][:3] == ["lookup_order", "reserve_stock", "charge_card"]
+    names = [r["name"] for r in rows]
+    assert names[:2] == ["model_call_0", names[1]]
+    assert names[1].startswith("tool_call_0_0_")
+    assert len(names) == 10
     table = loomflow("--url", demo_url, "runs", "show", session, "--user", "alice@example.com")
-    assert "charge_card" in table.stdout
+    assert "model_call_4" in table.stdout
     assert "epoch" in table.stdout
     pruned = loomflow("--url", demo_url, "journal", "prune", "--json")
-    assert json.loads(pruned.stdout) == {"deleted": 6}
+    assert json.loads(pruned.stdout) == {"deleted": 10}
 
 
 def test_errors_and_usage_have_distinct_exit_codes(tmp_path: Path) -> None:

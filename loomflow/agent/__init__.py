@@ -1,0 +1,27 @@
+"""The agent layer: a ReAct loop on the journaled runtime, and architectures built from it."""
+
+from __future__ import annotations
+
+from ._agent import Agent
+from ._types import (
+    AgentEvent,
+    ModelDeltaEvent,
+    RunFinished,
+    RunResult,
+    RunStarted,
+    ToolCallFinished,
+    ToolCallStarted,
+    Tuning,
+)
+
+__all__ = [
+    "Agent",
+    "AgentEvent",
+    "ModelDeltaEvent",
+    "RunFinished",
+    "RunResult",
+    "RunStarted",
+    "ToolCallFinished",
+    "ToolCallStarted",
+    "Tuning",
+]

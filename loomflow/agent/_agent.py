@@ -1,0 +1,393 @@
+"""The agent: a ReAct loop whose every model call and tool call is a journaled step.
+
+Step names are part of the journal key and must stay stable across releases:
+
+- ``model_call_<turn>``: one streamed model call (the provider-neutral chunks are journaled,
+  so ``run()`` and ``stream()`` replay each other's calls);
+- ``tool_call_<turn>_<slot>_<hash>``: one tool call, keyed by its position in the turn plus a
+  hash of the tool name and arguments, never by the provider's call id. A replayed result is
+  answered to the *current* call id.
+
+Steps that a tool makes (a sub-agent used as a tool, say) are keyed under a sub-run named after
+that tool call, so resuming the outer run replays them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from ulid import ULID
+
+from ..context import RunContext, get_run_context, use_run_context
+from ..errors import UserError
+from ..messages import Message, ModelResponse, ModelSettings, TextDelta, ToolCall, ToolSpec, Usage
+from ..models import Model, cost_usd, resolve_model
+from ..runtime import codec
+from ..runtime._journal import JournalRuntime
+from ..tools import Tool, ToolLike, ToolOutcome, ToolRegistry
+from ._passthrough import Passthrough
+from ._types import (
+    AgentEvent,
+    ModelDeltaEvent,
+    RunFinished,
+    RunResult,
+    RunStarted,
+    ToolCallFinished,
+    ToolCallStarted,
+    Tuning,
+)
+
+__all__ = ["Agent"]
+
+log = logging.getLogger("loomflow.agent")
+
+codec.register_type(ToolOutcome)
+
+# The runtime of the run in progress, so that agents used inside it (sub-agents, team workers,
+# debaters) journal under the enclosing run even when they were built without a runtime.
+_active_runtime: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "loomflow_active_runtime", default=None
+)
+
+
+@contextlib.asynccontextmanager
+async def enclosing_run(
+    runtime: Any,
+    session_id: str,
+    user_id: str | None,
+    metadata: Mapping[str, Any] | None,
+    *,
+    resume: bool = False,
+    strict_replay: bool | None = None,
+) -> AsyncIterator[tuple[RunContext, Any]]:
+    """Open a run: its RunContext, the shared runtime for agents inside it, and its journal."""
+    ctx = RunContext(
+        run_id=str(ULID()),
+        session_id=session_id,
+        user_id=user_id,
+        metadata=MappingProxyType(dict(metadata or {})),
+    )
+    runtime_token = _active_runtime.set(runtime)
+    try:
+        with use_run_context(ctx):
+            async with runtime.session(
+                session_id, user_id, resume=resume, strict_replay=strict_replay
+            ) as run:
+                yield ctx, run
+    finally:
+        _active_runtime.reset(runtime_token)
+
+
+def runtime_for(runtime: Any) -> Any:
+    """The runtime a run uses: its own, else the enclosing run's, else no journal."""
+    return runtime or _active_runtime.get() or Passthrough()
+
+
+def tool_step_name(turn: int, slot: int, call: ToolCall) -> str:
+    """The journal name of a tool call: position plus a hash of tool name and arguments."""
+    digest = hashlib.sha256(codec.canonical_bytes([call.name, call.arguments])).hexdigest()
+    return f"tool_call_{turn}_{slot}_{digest[:16]}"
+
+
+class Agent:
+    """An LLM agent whose runs survive crashes.
+
+    Args:
+        instructions: The system prompt.
+        model: A :class:`~loomflow.models.Model` or a model string (``"claude-opus-4-7"``,
+            ``"gpt-4.1"``, ``"scripted"``), resolved on first use.
+        tools: Tools (``@tool`` functions or plain callables) the model may call.
+        runtime: The journal. ``None`` journals nothing (unless the agent runs inside another
+            agent's run, whose runtime it then shares).
+        tuning: Loop settings (:class:`Tuning`).
+        max_turns: Model calls allowed per run before it stops with ``max_turns``.
+        name: A short name used in sub-run keys, spans and tool names.
+        memory, budget, permissions, audit, guardrails, telemetry: Governance and observability
+            hooks; accepted now and wired in as those layers land.
+    """
+
+    def __init__(
+        self,
+        instructions: str,
+        *,
+        model: Model | str,
+        tools: Sequence[ToolLike] = (),
+        runtime: JournalRuntime | None = None,
+        memory: Any = None,
+        budget: Any = None,
+        permissions: Any = None,
+        audit: Any = None,
+        guardrails: Sequence[Any] = (),
+        telemetry: Any = None,
+        tuning: Tuning | None = None,
+        max_turns: int = 10,
+        name: str = "agent",
+    ) -> None:
+        if not isinstance(instructions, str):
+            raise UserError("instructions must be a string")
+        if max_turns < 1:
+            raise UserError(f"max_turns must be at least 1, not {max_turns}")
+        self.instructions = instructions
+        self._model_spec = model
+        self._model: Model | None = None if isinstance(model, str) else model
+        self.tools = ToolRegistry(tools)
+        self.runtime = runtime
+        self.memory = memory
+        self.budget = budget
+        self.permissions = permissions
+        self.audit = audit
+        self.guardrails = tuple(guardrails)
+        self.telemetry = telemetry
+        self.tuning = tuning or Tuning()
+        self.max_turns = max_turns
+        self.name = name
+        self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]
+        self._settings = ModelSettings(
+            max_tokens=self.tuning.max_tokens, temperature=self.tuning.temperature
+        )
+
+    def __repr__(self) -> str:
+        return f"Agent(name={self.name!r}, model={self.model.name!r}, tools={list(self.tools)})"
+
+    @property
+    def model(self) -> Model:
+        """The model, resolved from its string on first use."""
+        if self._model is None:
+            self._model = resolve_model(self._model_spec)
+        return self._model
+
+    # -- public API ------------------------------------------------------------------------
+
+    async def run(
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RunResult:
+        """Run the agent on ``prompt`` until it answers (or is interrupted)."""
+        return await self._drain(
+            self.stream(prompt, session_id=session_id, user_id=user_id, metadata=metadata)
+        )
+
+    async def resume(
+        self, prompt: str, *, session_id: str, user_id: str | None = None
+    ) -> RunResult:
+        """Continue the session's last run, finished or not, replaying its journaled steps.
+
+        Pass the prompt and user of the original run: the journal matches steps by their
+        inputs, so another prompt runs fresh.
+        """
+        return await self._drain(self._events(prompt, session_id, user_id, None, resume=True))
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[AgentEvent]:
+        """Run the agent and yield its events; the last one is :class:`RunFinished`."""
+        return self._events(prompt, session_id, user_id, metadata, resume=False)
+
+    def as_tool(self, name: str | None = None, description: str | None = None) -> Tool[..., Any]:
+        """This agent as a tool for another agent; its steps journal under the caller's run."""
+
+        async def delegate(task: str) -> str:
+            ctx = get_run_context()
+            result = await self.run(
+                task, session_id=ctx.session_id, user_id=ctx.user_id, metadata=ctx.metadata
+            )
+            return result.output
+
+        return Tool(
+            delegate,
+            name=name or self.name,
+            description=description or f"Ask the {self.name} agent to carry out a task.",
+        )
+
+    # -- the loop --------------------------------------------------------------------------
+
+    @staticmethod
+    async def _drain(events: AsyncIterator[AgentEvent]) -> RunResult:
+        result: RunResult | None = None
+        async for event in events:
+            if isinstance(event, RunFinished):
+                result = event.result
+        assert result is not None  # every event stream ends with RunFinished
+        return result
+
+    def _runtime(self) -> Any:
+        return runtime_for(self.runtime)
+
+    async def _events(
+        self,
+        prompt: str,
+        session_id: str | None,
+        user_id: str | None,
+        metadata: Mapping[str, Any] | None,
+        *,
+        resume: bool,
+        history: Sequence[Message] = (),
+    ) -> AsyncIterator[AgentEvent]:
+        if not isinstance(prompt, str):
+            raise UserError("prompt must be a string")
+        runtime = self._runtime()
+        outer = get_run_context()
+        if outer.run_id is not None:  # a sub-run inherits who it works for
+            session_id = session_id or outer.session_id
+            user_id = user_id if user_id is not None else outer.user_id
+        session_id = session_id or str(ULID())
+        async with enclosing_run(
+            runtime,
+            session_id,
+            user_id,
+            metadata,
+            resume=resume,
+            strict_replay=self.tuning.strict_replay,
+        ) as (ctx, run):
+            yield RunStarted(run_id=ctx.run_id or "", session_id=session_id, user_id=user_id)
+            before = _counts(run)
+            messages = [Message.system(self.instructions), *history, Message.user(prompt)]
+            async for event in self._loop(runtime, ctx, messages, before, run):
+                yield event
+
+    async def _loop(
+        self,
+        runtime: Any,
+        ctx: RunContext,
+        messages: list[Message],
+        before: tuple[int, int],
+        run: Any,
+    ) -> AsyncIterator[AgentEvent]:
+        usage = Usage()
+        cost = 0.0
+        output = ""
+        turns = 0
+        interrupted: str | None = "max_turns"
+        for turn in range(self.max_turns):
+            response: ModelResponse | None = None
+            live = False
+
+            def call_model(
+                msgs: list[Message], tools: list[ToolSpec], settings: ModelSettings
+            ) -> AsyncIterator[Any]:
+                nonlocal live
+                live = True
+                return self.model.stream(msgs, tools=tools, settings=settings)
+
+            async for chunk in runtime.stream_step(
+                f"model_call_{turn}", call_model, list(messages), self._specs, self._settings
+            ):
+                if isinstance(chunk, ModelResponse):
+                    response = chunk
+                elif isinstance(chunk, TextDelta) or hasattr(chunk, "arguments_delta"):
+                    yield ModelDeltaEvent(turn=turn, delta=chunk, replayed=not live)
+            if response is None:
+                raise UserError(f"model {self.model.name!r} ended a stream without a response")
+            turns += 1
+            usage = usage + response.usage
+            cost += self._cost(response)
+            messages.append(response.to_message())
+            output = response.text or output
+            if not response.tool_calls:
+                interrupted = None
+                break
+            for slot, call in enumerate(response.tool_calls):
+                yield ToolCallStarted(turn=turn, slot=slot, call=call)
+            calls = [
+                self._call_tool(runtime, turn, slot, call)
+                for slot, call in enumerate(response.tool_calls)
+            ]
+            if self.tuning.parallel_tools:
+                outcomes = await asyncio.gather(*calls)
+            else:
+                outcomes = [await c for c in calls]
+            for slot, (call, (outcome, replayed)) in enumerate(
+                zip(response.tool_calls, outcomes, strict=True)
+            ):
+                messages.append(
+                    Message.tool_result(
+                        call.id, outcome.as_text(), name=call.name, is_error=not outcome.ok
+                    )
+                )
+                yield ToolCallFinished(
+                    turn=turn, slot=slot, call=call, outcome=outcome, replayed=replayed
+                )
+        hits, misses = _counts(run)
+        yield RunFinished(
+            result=RunResult(
+                output=output,
+                turns=turns,
+                tokens_in=usage.input_tokens,
+                tokens_out=usage.output_tokens,
+                cost_usd=round(cost, 10),
+                session_id=ctx.session_id or "",
+                run_id=ctx.run_id or "",
+                interrupted=interrupted is not None,
+                interruption_reason=interrupted,
+                messages=messages,
+                replayed_steps=hits - before[0],
+                fresh_steps=misses - before[1],
+            )
+        )
+
+    async def _call_tool(
+        self, runtime: Any, turn: int, slot: int, call: ToolCall
+    ) -> tuple[ToolOutcome, bool]:
+        step_name = tool_step_name(turn, slot, call)
+        live = False
+
+        async def invoke(tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
+            nonlocal live
+            live = True
+            with runtime.subrun(step_name):  # steps the tool makes key under this call
+                return await self._invoke(tool_name, arguments)
+
+        outcome = await runtime.step(step_name, invoke, call.name, call.arguments)
+        return outcome, not live
+
+    async def _invoke(self, tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        tool = self.tools.get(tool_name)
+        if tool is None or self.tuning.tool_timeout is None or tool.timeout is not None:
+            return await self.tools.invoke(tool_name, arguments)
+        try:
+            async with asyncio.timeout(self.tuning.tool_timeout):
+                return await tool.invoke(arguments)
+        except TimeoutError:
+            return ToolOutcome(
+                ok=False,
+                error_type="timeout",
+                error=f"tool {tool_name!r} took longer than {self.tuning.tool_timeout:g}s",
+            )
+
+    def _cost(self, response: ModelResponse) -> float:
+        model_name = response.model or self.model.name
+        value = cost_usd(model_name, response.usage, provider=self.model.provider)
+        if value is None:
+            _warn_unpriced(model_name)
+            return 0.0
+        return value
+
+
+_unpriced: set[str] = set()
+
+
+def _warn_unpriced(model_name: str) -> None:
+    if model_name not in _unpriced:
+        _unpriced.add(model_name)
+        log.warning("no price known for model %r; its cost counts as 0", model_name)
+
+
+def _counts(run: Any) -> tuple[int, int]:
+    stats = getattr(run, "stats", None)
+    return (stats.hits, stats.misses) if stats is not None else (0, 0)

@@ -1,0 +1,54 @@
+"""The runtime an agent uses when it has none: every step simply runs."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+__all__ = ["Passthrough"]
+
+
+class Passthrough:
+    """No journal: steps run every time, nothing is replayed, runs do not take turns."""
+
+    backend = "none"
+    current_run = None
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    async def stream_step(
+        self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        source = fn(*args, **kwargs)
+        if inspect.isawaitable(source):
+            source = await source
+        async for chunk in source:
+            yield chunk
+
+    @contextlib.asynccontextmanager
+    async def session(
+        self,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        *,
+        resume: bool = False,
+        strict_replay: bool | None = None,
+    ) -> AsyncIterator[None]:
+        yield None
+
+    @contextlib.contextmanager
+    def subrun(self, name: str) -> Iterator[tuple[str, ...]]:
+        yield ()

@@ -1,0 +1,257 @@
+"""Architectures built from agents: a team with persistent workers, a debate, a workflow.
+
+Each journals under the enclosing run: the agents inside are sub-runs keyed by a stable name
+(worker tool call, debater and round, workflow node), so resuming the outer run replays them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from ulid import ULID
+
+from ..context import get_run_context
+from ..errors import UserError
+from ..messages import Message
+from ..runtime._journal import JournalRuntime
+from ..tools import Tool
+from ._agent import Agent, enclosing_run, runtime_for
+from ._types import AgentEvent, RunResult, ToolCallFinished
+
+__all__ = ["Debate", "Team", "Workflow"]
+
+
+def _combine(
+    results: Sequence[RunResult], final: RunResult, *, session_id: str, run_id: str
+) -> RunResult:
+    return final.model_copy(
+        update={
+            "turns": sum(r.turns for r in results),
+            "tokens_in": sum(r.tokens_in for r in results),
+            "tokens_out": sum(r.tokens_out for r in results),
+            "cost_usd": round(sum(r.cost_usd for r in results), 10),
+            "session_id": session_id,
+            "run_id": run_id,
+            "replayed_steps": sum(r.replayed_steps for r in results),
+            "fresh_steps": sum(r.fresh_steps for r in results),
+        }
+    )
+
+
+class Team:
+    """A lead agent that hands tasks to persistent workers, exposed to it as tools.
+
+    A worker remembers, within one run, the tasks it was given and its answers; the memory is
+    rebuilt from the lead's (journaled) tool results, so a resumed run gives the worker the same
+    history it had before the crash.
+    """
+
+    def __init__(self, lead: Agent, workers: Sequence[Agent]) -> None:
+        names = [w.name for w in workers]
+        if len(set(names)) != len(names):
+            raise UserError(f"team workers need distinct names, got {names}")
+        self.workers = {w.name: w for w in workers}
+        # run id -> worker -> (task, answer) pairs seen so far in that run
+        self._history: dict[str, dict[str, list[tuple[str, str]]]] = {}
+        tools = [self._worker_tool(w) for w in workers]
+        self.lead = Agent(
+            lead.instructions,
+            model=lead._model_spec,
+            tools=[*lead.tools.values(), *tools],
+            runtime=lead.runtime,
+            tuning=lead.tuning,
+            max_turns=lead.max_turns,
+            name=lead.name,
+        )
+
+    @staticmethod
+    def tool_name(worker: str) -> str:
+        return f"ask_{worker}"
+
+    def _worker_tool(self, worker: Agent) -> Tool[..., Any]:
+        async def ask(task: str) -> str:
+            ctx = get_run_context()
+            pairs = self._history.get(ctx.run_id or "", {}).get(worker.name, [])
+            history: list[Message] = []
+            for past_task, answer in pairs:
+                history += [Message.user(past_task), Message.assistant(answer)]
+            events = worker._events(
+                task, ctx.session_id, ctx.user_id, ctx.metadata, resume=False, history=history
+            )
+            return (await Agent._drain(events)).output
+
+        return Tool(
+            ask,
+            name=self.tool_name(worker.name),
+            description=f"Give the {worker.name} worker a task; it remembers earlier ones.",
+        )
+
+    async def run(
+        self, prompt: str, *, session_id: str | None = None, user_id: str | None = None
+    ) -> RunResult:
+        return await Agent._drain(self.stream(prompt, session_id=session_id, user_id=user_id))
+
+    async def resume(
+        self, prompt: str, *, session_id: str, user_id: str | None = None
+    ) -> RunResult:
+        return await Agent._drain(self._events(prompt, session_id, user_id, resume=True))
+
+    def stream(
+        self, prompt: str, *, session_id: str | None = None, user_id: str | None = None
+    ) -> AsyncIterator[AgentEvent]:
+        return self._events(prompt, session_id, user_id, resume=False)
+
+    async def _events(
+        self, prompt: str, session_id: str | None, user_id: str | None, *, resume: bool
+    ) -> AsyncIterator[AgentEvent]:
+        run_id: str | None = None
+        try:
+            async for event in self.lead._events(prompt, session_id, user_id, None, resume=resume):
+                if run_id is None:
+                    run_id = getattr(event, "run_id", None)
+                    self._history[run_id or ""] = {}
+                if isinstance(event, ToolCallFinished) and event.outcome.ok:
+                    worker = event.call.name.removeprefix("ask_")
+                    if event.call.name == self.tool_name(worker) and worker in self.workers:
+                        self._history[run_id or ""].setdefault(worker, []).append(
+                            (str(event.call.arguments.get("task", "")), event.outcome.as_text())
+                        )
+                yield event
+        finally:
+            self._history.pop(run_id or "", None)
+
+
+class Debate:
+    """Debaters argue in rounds, each seeing the arguments so far; a judge decides."""
+
+    def __init__(
+        self,
+        debaters: Sequence[Agent],
+        judge: Agent,
+        *,
+        rounds: int = 2,
+        runtime: JournalRuntime | None = None,
+    ) -> None:
+        if not debaters:
+            raise UserError("a debate needs at least one debater")
+        if rounds < 1:
+            raise UserError("a debate needs at least one round")
+        self.debaters = list(debaters)
+        self.judge = judge
+        self.rounds = rounds
+        self.runtime = runtime
+
+    async def run(
+        self,
+        topic: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        resume: bool = False,
+    ) -> RunResult:
+        runtime = runtime_for(self.runtime)
+        session_id = session_id or str(ULID())
+        async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
+            results: list[RunResult] = []
+            transcript: list[str] = []
+            for round_no in range(self.rounds):
+                for index, debater in enumerate(self.debaters):
+                    prompt = _debate_prompt(topic, transcript, round_no)
+                    with runtime.subrun(f"debater:{index}:{debater.name}:round{round_no}"):
+                        result = await debater.run(prompt)
+                    results.append(result)
+                    transcript.append(f"{debater.name}: {result.output}")
+            with runtime.subrun("judge"):
+                verdict = await self.judge.run(
+                    f"Topic: {topic}\n\nArguments:\n"
+                    + "\n".join(transcript)
+                    + "\n\nDecide which position is strongest and why."
+                )
+            results.append(verdict)
+            return _combine(results, verdict, session_id=session_id, run_id=ctx.run_id or "")
+
+    async def resume(self, topic: str, *, session_id: str, user_id: str | None = None) -> RunResult:
+        return await self.run(topic, session_id=session_id, user_id=user_id, resume=True)
+
+
+def _debate_prompt(topic: str, transcript: list[str], round_no: int) -> str:
+    if not transcript:
+        return f"Topic: {topic}\nGive your opening argument."
+    return (
+        f"Topic: {topic}\nRound {round_no + 1}. Arguments so far:\n"
+        + "\n".join(transcript)
+        + "\nRespond to them."
+    )
+
+
+Node = Agent | Callable[[str], Awaitable[str] | str]
+
+
+class Workflow:
+    """Nodes run in order, each on the previous node's output.
+
+    Agent nodes run as sub-runs named after the node; function nodes are journaled steps.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[tuple[str, Node]] | Mapping[str, Node],
+        *,
+        runtime: JournalRuntime | None = None,
+    ) -> None:
+        items = list(nodes.items()) if isinstance(nodes, Mapping) else list(nodes)
+        names = [name for name, _ in items]
+        if not items or len(set(names)) != len(names):
+            raise UserError(f"a workflow needs nodes with distinct names, got {names}")
+        self.nodes = items
+        self.runtime = runtime
+
+    async def run(
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        resume: bool = False,
+    ) -> RunResult:
+        runtime = runtime_for(self.runtime)
+        session_id = session_id or str(ULID())
+        async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
+            results: list[RunResult] = []
+            text = prompt
+            for name, node in self.nodes:
+                if isinstance(node, Agent):
+                    with runtime.subrun(f"node:{name}"):
+                        result = await node.run(text)
+                    results.append(result)
+                    text = result.output
+                else:
+                    text = str(await runtime.step(f"node:{name}", _bind(node), text))
+            final = RunResult(
+                output=text,
+                turns=0,
+                tokens_in=0,
+                tokens_out=0,
+                cost_usd=0.0,
+                session_id=session_id,
+                run_id=ctx.run_id or "",
+            )
+            return _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
+
+    async def resume(
+        self, prompt: str, *, session_id: str, user_id: str | None = None
+    ) -> RunResult:
+        return await self.run(prompt, session_id=session_id, user_id=user_id, resume=True)
+
+
+def _bind(node: Callable[[str], Any]) -> Callable[[str], Awaitable[Any]]:
+    # The function itself is not a journal input (it has no encoding); only the text is.
+    async def call(text: str) -> Any:
+        result = node(text)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    return call

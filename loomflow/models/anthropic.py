@@ -1,0 +1,342 @@
+"""Claude models through the official ``anthropic`` SDK (Messages API, streaming).
+
+Needs the extra: ``pip install 'loomflow[anthropic]'``. The SDK is imported when an
+:class:`AnthropicModel` is built, never when :mod:`loomflow.models` is imported.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigurationError
+from ..messages import (
+    Message,
+    ModelChunk,
+    ModelResponse,
+    ModelSettings,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
+from ._arguments import parse_tool_arguments
+from ._retry import (
+    Backoff,
+    Failure,
+    IncompleteStreamError,
+    is_retryable_status,
+    parse_retry_after,
+    stream_with_retries,
+    transport_errors,
+)
+
+if TYPE_CHECKING:
+    from anthropic import AsyncAnthropic
+
+__all__ = ["AnthropicModel"]
+
+# Anthropic stop reasons onto the neutral vocabulary of ModelResponse.finish_reason.
+_FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+
+# Error types that an in-stream ``event: error`` can carry, with the HTTP status they stand for
+# (the response itself was a 200 by then).
+_STREAM_ERROR_STATUS = {
+    "overloaded_error": 529,
+    "api_error": 500,
+    "rate_limit_error": 429,
+    "timeout_error": 504,
+}
+
+
+def _import_sdk() -> Any:
+    try:
+        import anthropic
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "AnthropicModel needs the anthropic SDK: pip install 'loomflow[anthropic]'"
+        ) from exc
+    return anthropic
+
+
+class AnthropicModel:
+    """A Claude model over the Messages API.
+
+    The client is built the SDK's standard way, so ``ANTHROPIC_API_KEY`` and
+    ``ANTHROPIC_BASE_URL`` work unchanged; ``base_url=``/``api_key=`` override them, or pass a
+    ready ``anthropic.AsyncAnthropic`` as ``client`` (it stays yours to close). The SDK's own
+    retries are disabled; this adapter retries transient failures (429, 5xx, 529, dropped
+    connections) with backoff, only before the first chunk has been yielded.
+
+    Args:
+        model: The model id, e.g. ``"claude-opus-4-7"``.
+        client: A ready async client to use instead of building one.
+        base_url: API base URL (default: ``ANTHROPIC_BASE_URL`` or the public endpoint).
+        api_key: API key (default: ``ANTHROPIC_API_KEY``).
+        max_retries: Retries after the first attempt.
+        backoff: Waits between attempts.
+        timeout: Request timeout in seconds (default: the SDK's).
+
+    Example:
+        >>> model = AnthropicModel("claude-opus-4-7")  # doctest: +SKIP
+        >>> response = await complete(model, [Message.user("hello")])  # doctest: +SKIP
+    """
+
+    provider = "anthropic"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        client: AsyncAnthropic | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        max_retries: int = 3,
+        backoff: Backoff | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        sdk = _import_sdk()
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self._name = model
+        self._sdk = sdk
+        self._owns_client = client is None
+        options: dict[str, Any] = {"max_retries": 0}
+        if timeout is not None:
+            options["timeout"] = timeout
+        if client is None:
+            if base_url is not None:
+                options["base_url"] = base_url
+            if api_key is not None:
+                options["api_key"] = api_key
+            try:
+                self._client: AsyncAnthropic = sdk.AsyncAnthropic(**options)
+            except (sdk.AnthropicError, ValueError) as exc:
+                # E.g. no API key anywhere: say so when the model is built, as a loomflow error.
+                raise ConfigurationError(
+                    f"cannot build the Anthropic client for model {model!r}: {exc}"
+                ) from exc
+        else:
+            # A copy sharing the caller's connection pool, with the SDK retries off.
+            self._client = client.with_options(**options)
+        self.max_retries = max_retries
+        self.backoff = backoff or Backoff()
+        self._rng = random.Random()
+        self._transport_errors = transport_errors()
+
+    @property
+    def name(self) -> str:
+        """The model id sent to the API."""
+        return self._name
+
+    @property
+    def client(self) -> AsyncAnthropic:
+        """The SDK client in use."""
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the client if this adapter built it."""
+        if self._owns_client:
+            await self._client.close()
+
+    async def __aenter__(self) -> AnthropicModel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def stream(
+        self,
+        messages: list[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        settings: ModelSettings | None = None,
+    ) -> AsyncIterator[ModelChunk]:
+        """Stream Claude's answer; the last chunk is the ``ModelResponse``."""
+        request = self._request(messages, list(tools), settings or ModelSettings())
+        return stream_with_retries(
+            lambda: self._attempt(request),
+            self._classify,
+            provider=self.provider,
+            model=self._name,
+            max_retries=self.max_retries,
+            backoff=self.backoff,
+            rng=self._rng,
+        )
+
+    def _request(
+        self, messages: list[Message], tools: list[ToolSpec], settings: ModelSettings
+    ) -> dict[str, Any]:
+        system, turns = _to_anthropic_messages(messages)
+        request: dict[str, Any] = {
+            "model": self._name,
+            "max_tokens": settings.max_tokens,
+            "messages": turns,
+        }
+        if system:
+            request["system"] = system
+        if tools:
+            request["tools"] = [
+                {"name": t.name, "description": t.description, "input_schema": t.parameters}
+                for t in tools
+            ]
+        if settings.temperature is not None:
+            # Sent as a body field: recent SDKs no longer list sampling parameters.
+            request["extra_body"] = {"temperature": settings.temperature}
+        return request
+
+    async def _attempt(self, request: dict[str, Any]) -> AsyncGenerator[ModelChunk, None]:
+        # Content block index -> position among this response's tool calls.
+        tool_slots: dict[int, int] = {}
+        # Arguments text per tool call: decoded here rather than trusting the SDK's
+        # partial-JSON snapshot, which turns a truncated object into a smaller valid one.
+        arguments: dict[int, list[str]] = {}
+        stopped = False
+        # Events are read by their ``type`` tags rather than SDK classes, whose names move
+        # between SDK releases while the wire format stays put.
+        manager: Any = self._client.messages.stream(**request)
+        async with manager as stream:
+            event: Any
+            async for event in stream:
+                kind = event.type
+                if kind == "content_block_start":
+                    block = event.content_block
+                    if block.type == "tool_use":
+                        slot = tool_slots.setdefault(event.index, len(tool_slots))
+                        arguments[slot] = []
+                        yield ToolCallDelta(index=slot, id=block.id, name=block.name)
+                elif kind == "content_block_delta":
+                    delta = event.delta
+                    if delta.type == "text_delta" and delta.text:
+                        yield TextDelta(text=delta.text)
+                    elif delta.type == "input_json_delta" and delta.partial_json:
+                        slot = tool_slots[event.index]
+                        arguments[slot].append(delta.partial_json)
+                        yield ToolCallDelta(index=slot, arguments_delta=delta.partial_json)
+                elif kind == "message_stop":
+                    stopped = True
+            if not stopped:
+                raise IncompleteStreamError("the event stream ended before message_stop")
+            message = await stream.get_final_message()
+        yield self._response(message, ["".join(arguments[i]) for i in sorted(arguments)])
+
+    def _response(self, message: Any, arguments: list[str]) -> ModelResponse:
+        text: list[str] = []
+        calls: list[ToolCall] = []
+        for block in message.content:
+            if block.type == "text":
+                text.append(block.text)
+            elif block.type == "tool_use":
+                raw = arguments[len(calls)] if len(calls) < len(arguments) else ""
+                decoded = parse_tool_arguments(
+                    raw, provider=self.provider, model=self._name, tool=block.name, call_id=block.id
+                )
+                if not raw and isinstance(block.input, dict):
+                    decoded = dict(block.input)  # no deltas: the start event held the input
+                calls.append(ToolCall(id=block.id, name=block.name, arguments=decoded))
+        usage = message.usage
+        # Prompt-cache reads and writes are input too; counting them keeps token budgets honest.
+        input_tokens = (
+            usage.input_tokens
+            + (getattr(usage, "cache_creation_input_tokens", None) or 0)
+            + (getattr(usage, "cache_read_input_tokens", None) or 0)
+        )
+        stop = message.stop_reason
+        return ModelResponse(
+            text="".join(text),
+            tool_calls=calls,
+            usage=Usage(input_tokens=input_tokens, output_tokens=usage.output_tokens),
+            finish_reason=_FINISH_REASONS.get(stop, stop) if stop else "stop",
+            model=message.model or self._name,
+        )
+
+    def _classify(self, exc: Exception) -> Failure | None:
+        """Map an SDK or transport exception to a :class:`Failure` (the one translation point)."""
+        sdk = self._sdk
+        if isinstance(exc, sdk.APIStatusError):
+            status = exc.status_code
+            if status < 400:
+                # An ``event: error`` inside a 200 stream: its error type tells what happened.
+                error_type = _error_type(exc.body)
+                mapped = _STREAM_ERROR_STATUS.get(error_type or "")
+                return Failure(_detail(exc), mapped, retryable=mapped is not None, retry_after=None)
+            return Failure(
+                _detail(exc),
+                status,
+                retryable=is_retryable_status(status),
+                retry_after=parse_retry_after(exc.response.headers.get("retry-after")),
+            )
+        if isinstance(exc, sdk.APIConnectionError):
+            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
+        if isinstance(exc, (IncompleteStreamError, *self._transport_errors)):
+            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
+        if isinstance(exc, sdk.AnthropicError):
+            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=False)
+        return None
+
+
+def _error_type(body: object) -> str | None:
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("type"), str):
+            return str(error["type"])
+    return None
+
+
+def _detail(exc: Any) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return f"{error.get('type', 'error')}: {error['message']}"
+    return str(exc)
+
+
+def _to_anthropic_messages(messages: list[Message]) -> tuple[str, list[dict[str, Any]]]:
+    """Split out the system prompt and turn the rest into Messages API turns.
+
+    The API takes one system prompt, so every system message joins it, in order. Tool results
+    become ``tool_result`` blocks of a user turn, and consecutive turns of one role merge into a
+    single turn, because the API expects the roles to alternate.
+    """
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for message in messages:
+        role = "assistant" if message.role == "assistant" else "user"
+        blocks: list[dict[str, Any]] = []
+        if message.role == "system":
+            system.append(message.content)
+            continue
+        if message.role == "tool":
+            result: dict[str, Any] = {
+                "type": "tool_result",
+                "tool_use_id": message.tool_call_id,
+                "content": message.content,
+            }
+            if message.is_error:
+                result["is_error"] = True
+            blocks.append(result)
+        else:
+            # The API rejects empty text blocks.
+            if message.content:
+                blocks.append({"type": "text", "text": message.content})
+            blocks.extend(
+                {"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments}
+                for c in message.tool_calls
+            )
+        if not blocks:
+            continue
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+    return "\n\n".join(s for s in system if s), turns

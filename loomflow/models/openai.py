@@ -1,0 +1,309 @@
+"""OpenAI chat models through the official ``openai`` SDK (Chat Completions, streaming).
+
+Needs the extra: ``pip install 'loomflow[openai]'``. The SDK is imported when an
+:class:`OpenAIModel` is built, never when :mod:`loomflow.models` is imported. Servers that speak
+the Chat Completions protocol (``OPENAI_BASE_URL`` pointing elsewhere) work the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigurationError
+from ..messages import (
+    Message,
+    ModelChunk,
+    ModelResponse,
+    ModelSettings,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
+from ._arguments import parse_tool_arguments
+from ._retry import (
+    Backoff,
+    Failure,
+    IncompleteStreamError,
+    is_retryable_status,
+    parse_retry_after,
+    stream_with_retries,
+    transport_errors,
+)
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+__all__ = ["OpenAIModel"]
+
+# OpenAI finish reasons onto the neutral vocabulary; "function_call" is the legacy name.
+_FINISH_REASONS = {"function_call": "tool_calls"}
+
+# Error types an in-stream error object can carry that mean "try again".
+_TRANSIENT_STREAM_ERRORS = frozenset({"server_error", "rate_limit_exceeded", "overloaded_error"})
+
+
+def _import_sdk() -> Any:
+    try:
+        import openai
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "OpenAIModel needs the openai SDK: pip install 'loomflow[openai]'"
+        ) from exc
+    return openai
+
+
+@dataclass
+class _PendingCall:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+class OpenAIModel:
+    """An OpenAI chat model over Chat Completions with streaming.
+
+    The client is built the SDK's standard way, so ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``
+    work unchanged; ``base_url=``/``api_key=`` override them, or pass a ready
+    ``openai.AsyncOpenAI`` as ``client`` (it stays yours to close). The SDK's own retries are
+    disabled; this adapter retries transient failures (429, 5xx, dropped connections) with
+    backoff, only before the first chunk has been yielded.
+
+    Args:
+        model: The model id, e.g. ``"gpt-4.1"``.
+        client: A ready async client to use instead of building one.
+        base_url: API base URL including ``/v1`` (default: ``OPENAI_BASE_URL`` or OpenAI's).
+        api_key: API key (default: ``OPENAI_API_KEY``).
+        max_retries: Retries after the first attempt.
+        backoff: Waits between attempts.
+        timeout: Request timeout in seconds (default: the SDK's).
+    """
+
+    provider = "openai"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        client: AsyncOpenAI | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        max_retries: int = 3,
+        backoff: Backoff | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        sdk = _import_sdk()
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self._name = model
+        self._sdk = sdk
+        self._owns_client = client is None
+        options: dict[str, Any] = {"max_retries": 0}
+        if timeout is not None:
+            options["timeout"] = timeout
+        if client is None:
+            # Only explicit values are passed: the SDK reads its environment for the rest.
+            if base_url is not None:
+                options["base_url"] = base_url
+            if api_key is not None:
+                options["api_key"] = api_key
+            try:
+                self._client: AsyncOpenAI = sdk.AsyncOpenAI(**options)
+            except (sdk.OpenAIError, ValueError) as exc:
+                # E.g. no API key anywhere: say so when the model is built, as a loomflow error.
+                raise ConfigurationError(
+                    f"cannot build the OpenAI client for model {model!r}: {exc}"
+                ) from exc
+        else:
+            self._client = client.with_options(**options)
+        self.max_retries = max_retries
+        self.backoff = backoff or Backoff()
+        self._rng = random.Random()
+        self._transport_errors = transport_errors()
+
+    @property
+    def name(self) -> str:
+        """The model id sent to the API."""
+        return self._name
+
+    @property
+    def client(self) -> AsyncOpenAI:
+        """The SDK client in use."""
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the client if this adapter built it."""
+        if self._owns_client:
+            await self._client.close()
+
+    async def __aenter__(self) -> OpenAIModel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def stream(
+        self,
+        messages: list[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        settings: ModelSettings | None = None,
+    ) -> AsyncIterator[ModelChunk]:
+        """Stream the model's answer; the last chunk is the ``ModelResponse``."""
+        request = self._request(messages, list(tools), settings or ModelSettings())
+        return stream_with_retries(
+            lambda: self._attempt(request),
+            self._classify,
+            provider=self.provider,
+            model=self._name,
+            max_retries=self.max_retries,
+            backoff=self.backoff,
+            rng=self._rng,
+        )
+
+    def _request(
+        self, messages: list[Message], tools: list[ToolSpec], settings: ModelSettings
+    ) -> dict[str, Any]:
+        request: dict[str, Any] = {
+            "model": self._name,
+            "messages": [_to_openai_message(m) for m in messages],
+            "stream": True,
+            # Without this the stream carries no token counts at all.
+            "stream_options": {"include_usage": True},
+            # ``max_tokens`` is refused by the reasoning models; this one works for all.
+            "max_completion_tokens": settings.max_tokens,
+        }
+        if tools:
+            request["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.parameters,
+                    },
+                }
+                for t in tools
+            ]
+        if settings.temperature is not None:
+            request["temperature"] = settings.temperature
+        return request
+
+    async def _attempt(self, request: dict[str, Any]) -> AsyncGenerator[ModelChunk, None]:
+        text: list[str] = []
+        calls: dict[int, _PendingCall] = {}
+        usage = Usage()
+        finish: str | None = None
+        model = self._name
+        stream: Any = await self._client.chat.completions.create(**request)
+        async with stream:
+            chunk: Any
+            async for chunk in stream:
+                model = chunk.model or model
+                if chunk.usage is not None:
+                    usage = Usage(
+                        input_tokens=chunk.usage.prompt_tokens or 0,
+                        output_tokens=chunk.usage.completion_tokens or 0,
+                    )
+                for choice in chunk.choices:
+                    if choice.index != 0:  # only one candidate is ever requested
+                        continue
+                    delta = choice.delta
+                    if delta is not None and delta.content:
+                        text.append(delta.content)
+                        yield TextDelta(text=delta.content)
+                    for piece in (delta.tool_calls if delta is not None else None) or ():
+                        pending = calls.setdefault(piece.index, _PendingCall())
+                        function = piece.function
+                        name = function.name if function is not None else None
+                        arguments = (function.arguments if function is not None else None) or ""
+                        if piece.id:
+                            pending.id = piece.id
+                        if name:
+                            pending.name += name
+                        pending.arguments.append(arguments)
+                        yield ToolCallDelta(
+                            index=piece.index,
+                            id=piece.id or None,
+                            name=name or None,
+                            arguments_delta=arguments,
+                        )
+                    if choice.finish_reason:
+                        finish = choice.finish_reason
+        if finish is None:
+            raise IncompleteStreamError("the stream ended without a finish_reason")
+        yield ModelResponse(
+            text="".join(text),
+            tool_calls=[self._tool_call(calls[i]) for i in sorted(calls)],
+            usage=usage,
+            finish_reason=_FINISH_REASONS.get(finish, finish),
+            model=model,
+        )
+
+    def _tool_call(self, pending: _PendingCall) -> ToolCall:
+        arguments = parse_tool_arguments(
+            "".join(pending.arguments),
+            provider=self.provider,
+            model=self._name,
+            tool=pending.name,
+            call_id=pending.id,
+        )
+        return ToolCall(id=pending.id, name=pending.name, arguments=arguments)
+
+    def _classify(self, exc: Exception) -> Failure | None:
+        """Map an SDK or transport exception to a :class:`Failure` (the one translation point)."""
+        sdk = self._sdk
+        if isinstance(exc, sdk.APIStatusError):
+            status = exc.status_code
+            return Failure(
+                _detail(exc),
+                status,
+                retryable=is_retryable_status(status),
+                retry_after=parse_retry_after(exc.response.headers.get("retry-after")),
+            )
+        if isinstance(exc, sdk.APIConnectionError):
+            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
+        if isinstance(exc, (IncompleteStreamError, *self._transport_errors)):
+            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
+        if isinstance(exc, sdk.APIError):
+            # An error object inside a 200 stream: no status, only its type or code.
+            body = exc.body if isinstance(exc.body, dict) else {}
+            kind = body.get("type") or body.get("code")
+            return Failure(_detail(exc), None, retryable=kind in _TRANSIENT_STREAM_ERRORS)
+        if isinstance(exc, sdk.OpenAIError):
+            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=False)
+        return None
+
+
+def _detail(exc: Any) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and error.get("message"):
+            return f"{error.get('type') or error.get('code') or 'error'}: {error['message']}"
+    return str(exc)
+
+
+def _to_openai_message(message: Message) -> dict[str, Any]:
+    if message.role == "tool":
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    if message.role == "assistant" and message.tool_calls:
+        return {
+            "role": "assistant",
+            # Null rather than "" when the turn is only tool calls, as the API itself returns.
+            "content": message.content or None,
+            "tool_calls": [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for c in message.tool_calls
+            ],
+        }
+    return {"role": message.role, "content": message.content}

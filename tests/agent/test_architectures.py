@@ -1,0 +1,135 @@
+"""Team, Debate and Workflow journal under the enclosing run and replay on resume."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent
+from loomflow.agent.architectures import Debate, Team, Workflow
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import JournalRuntime
+from loomflow.tools import tool
+
+Factory = Callable[..., Awaitable[JournalRuntime]]
+
+
+class Crash(Exception):
+    pass
+
+
+async def test_team_workers_remember_within_a_run_and_replay_on_resume(
+    runtime_factory: Factory,
+) -> None:
+    lookups: list[str] = []
+
+    @tool
+    def lookup(q: str) -> str:
+        """Look something up."""
+        lookups.append(q)
+        return f"facts about {q}"
+
+    seen_histories: list[int] = []
+
+    def worker_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return f"research: {messages[-1].content}"
+        seen_histories.append(len(messages))
+        return [ToolCall(id="l", name="lookup", arguments={"q": messages[-1].content})]
+
+    crash = True
+
+    def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        asked = [m for m in messages if m.role == "tool"]
+        if len(asked) == 0:
+            return [ToolCall(id="a", name="ask_researcher", arguments={"task": "tides"})]
+        if len(asked) == 1:
+            if crash:
+                raise Crash
+            return [ToolCall(id="b", name="ask_researcher", arguments={"task": "moons"})]
+        return "report: " + " | ".join(m.content for m in asked)
+
+    runtime = await runtime_factory()
+    worker = Agent(
+        "research", model=FunctionModel(worker_decides), tools=[lookup], name="researcher"
+    )
+    lead = Agent("lead", model=FunctionModel(lead_decides), runtime=runtime)
+    team = Team(lead, [worker])
+    with pytest.raises(Crash):
+        await team.run("write a report", session_id="s", user_id="u")
+    assert lookups == ["tides"]
+    crash = False
+    result = await team.resume("write a report", session_id="s", user_id="u")
+    assert result.output == "report: research: facts about tides | research: facts about moons"
+    assert lookups == ["tides", "moons"]
+    # The second task saw the first exchange in the worker's memory (system+2 history+user).
+    assert seen_histories == [2, 4]
+
+
+async def test_debate_replays_debaters_on_resume(runtime_factory: Factory) -> None:
+    calls: list[str] = []
+
+    def debater(name: str) -> Agent:
+        def speak(messages: list[Message], tools: list[ToolSpec]) -> Any:
+            calls.append(name)
+            return f"{name} argues #{len(calls)}"
+
+        return Agent("debate", model=FunctionModel(speak), name=name)
+
+    crash = True
+
+    def judge_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if crash:
+            raise Crash
+        return "pro wins"
+
+    runtime = await runtime_factory()
+    debate = Debate(
+        [debater("pro"), debater("con")],
+        Agent("judge", model=FunctionModel(judge_decides), name="judge"),
+        rounds=2,
+        runtime=runtime,
+    )
+    with pytest.raises(Crash):
+        await debate.run("tabs or spaces", session_id="s", user_id="u")
+    assert calls == ["pro", "con", "pro", "con"]
+    crash = False
+    result = await debate.resume("tabs or spaces", session_id="s", user_id="u")
+    assert result.output == "pro wins"
+    assert calls == ["pro", "con", "pro", "con"]  # no debater spoke again
+    assert result.replayed_steps == 4
+    assert result.turns == 5
+
+
+async def test_workflow_nodes_replay_on_resume(runtime_factory: Factory) -> None:
+    executed: list[str] = []
+    crash = True
+
+    def outline(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        executed.append("outline")
+        return f"outline of {messages[-1].content}"
+
+    async def publish(text: str) -> str:
+        executed.append("publish")
+        if crash:
+            raise Crash
+        return f"published: {text}"
+
+    runtime = await runtime_factory()
+    flow = Workflow(
+        [
+            ("outline", Agent("o", model=FunctionModel(outline))),
+            ("shout", lambda text: text.upper()),
+            ("publish", publish),
+        ],
+        runtime=runtime,
+    )
+    with pytest.raises(Crash):
+        await flow.run("a poem", session_id="s", user_id="u")
+    crash = False
+    result = await flow.resume("a poem", session_id="s", user_id="u")
+    assert result.output == "published: OUTLINE OF A POEM"
+    assert executed == ["outline", "publish", "publish"]

@@ -1,0 +1,288 @@
+"""AnthropicModel against a local server speaking the Messages API wire format."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+from loomflow.errors import ModelError, ModelRetryExhaustedError
+from loomflow.messages import (
+    Message,
+    ModelChunk,
+    ModelResponse,
+    ModelSettings,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
+from loomflow.models import AnthropicModel, Backoff, Model, complete
+from loomflow.testing.providers import Failure, FakeAnthropicAPI, Reply
+
+MODEL = "claude-opus-4-7"
+WEATHER = ToolSpec(
+    name="get_weather",
+    description="Weather for a city",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+)
+CALL = ToolCall(id="toolu_01", name="get_weather", arguments={"city": "Paris", "days": 2})
+
+
+def make(api: FakeAnthropicAPI, fast: Backoff, **options: object) -> AnthropicModel:
+    return AnthropicModel(
+        MODEL,
+        base_url=api.base_url,
+        api_key="sk-test",
+        backoff=fast,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+async def drain(model: AnthropicModel, messages: list[Message]) -> list[ModelChunk]:
+    return [c async for c in model.stream(messages, tools=[WEATHER], settings=ModelSettings())]
+
+
+async def test_text_streams_as_deltas_and_ends_with_the_response(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    anthropic_api.add(Reply(text=["Hel", "lo ", "world"], input_tokens=21, output_tokens=3))
+    async with make(anthropic_api, fast) as model:
+        chunks = await drain(model, [Message.user("hi")])
+    assert chunks[:-1] == [TextDelta(text="Hel"), TextDelta(text="lo "), TextDelta(text="world")]
+    assert chunks[-1] == ModelResponse(
+        text="Hello world",
+        usage=Usage(input_tokens=21, output_tokens=3),
+        finish_reason="stop",
+        model=MODEL,
+    )
+    assert anthropic_api.last_request.body["stream"] is True
+
+
+async def test_tool_use_round_trip(anthropic_api: FakeAnthropicAPI, fast: Backoff) -> None:
+    anthropic_api.add(Reply(text="Let me check.", tool_calls=[CALL]), Reply(text="Sunny."))
+    async with make(anthropic_api, fast) as model:
+        chunks = await drain(model, [Message.system("Be helpful."), Message.user("Paris?")])
+        deltas = [c for c in chunks if isinstance(c, ToolCallDelta)]
+        assert deltas[0] == ToolCallDelta(index=0, id="toolu_01", name="get_weather")
+        assert "".join(d.arguments_delta for d in deltas) == '{"city": "Paris", "days": 2}'
+        first = chunks[-1]
+        assert isinstance(first, ModelResponse)
+        assert first.tool_calls == [CALL]
+        assert first.finish_reason == "tool_calls"
+
+        transcript = [
+            Message.system("Be helpful."),
+            Message.user("Paris?"),
+            first.to_message(),
+            Message.tool_result("toolu_01", "sunny, 21C", name="get_weather"),
+            Message.tool_result("toolu_02", "no such tool", is_error=True),
+            Message.user("Thanks"),
+        ]
+        second = await complete(model, transcript, tools=[WEATHER])
+    assert second.text == "Sunny."
+
+    body = anthropic_api.last_request.body
+    assert body["system"] == "Be helpful."
+    assert body["tools"] == [
+        {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "input_schema": WEATHER.parameters,
+        }
+    ]
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+    assert body["messages"][1]["content"] == [
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": CALL.arguments},
+    ]
+    # Tool results and the next user text share one user turn, results first.
+    assert body["messages"][2]["content"] == [
+        {"type": "tool_result", "tool_use_id": "toolu_01", "content": "sunny, 21C"},
+        {
+            "type": "tool_result",
+            "tool_use_id": "toolu_02",
+            "content": "no such tool",
+            "is_error": True,
+        },
+        {"type": "text", "text": "Thanks"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "finish_reason"),
+    [
+        ("end_turn", "stop"),
+        ("stop_sequence", "stop"),
+        ("max_tokens", "length"),
+        ("tool_use", "tool_calls"),
+        ("refusal", "content_filter"),
+        ("pause_turn", "pause_turn"),
+    ],
+)
+async def test_stop_reasons_map_to_finish_reasons(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff, stop_reason: str, finish_reason: str
+) -> None:
+    anthropic_api.add(Reply(text="x", stop_reason=stop_reason))
+    async with make(anthropic_api, fast) as model:
+        response = await complete(model, [Message.user("hi")])
+    assert response.finish_reason == finish_reason
+
+
+async def test_settings_reach_the_request(anthropic_api: FakeAnthropicAPI, fast: Backoff) -> None:
+    anthropic_api.add(Reply(text="ok"))
+    async with make(anthropic_api, fast) as model:
+        await complete(
+            model, [Message.user("hi")], settings=ModelSettings(max_tokens=77, temperature=0.3)
+        )
+    body = anthropic_api.last_request.body
+    assert (body["model"], body["max_tokens"], body["temperature"]) == (MODEL, 77, 0.3)
+    assert "tools" not in body
+
+
+async def test_environment_base_url_and_key_are_honoured(
+    anthropic_api: FakeAnthropicAPI, monkeypatch: pytest.MonkeyPatch, fast: Backoff
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", anthropic_api.base_url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-from-env")
+    anthropic_api.add(Reply(text="from env"))
+    async with AnthropicModel(MODEL, backoff=fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "from env"
+    headers = anthropic_api.last_request.headers
+    assert "sk-from-env" in (headers.get("x-api-key", "") + headers.get("authorization", ""))
+
+
+async def test_a_ready_client_is_used_and_left_open(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    client = anthropic.AsyncAnthropic(base_url=anthropic_api.base_url, api_key="sk-own")
+    anthropic_api.add(Failure(503), Reply(text="one"), Reply(text="two"))
+    model = AnthropicModel(MODEL, client=client, backoff=fast)
+    assert (await complete(model, [Message.user("hi")])).text == "one"
+    await model.aclose()
+    assert not client.is_closed()
+    # Only our retry ran: the SDK's own retries are off on the adapter's copy.
+    assert anthropic_api.request_count == 2
+    assert (await complete(model, [Message.user("again")])).text == "two"
+    await client.close()
+
+
+@pytest.mark.parametrize("status", [529, 503, 500, 429])
+async def test_transient_statuses_are_retried_until_success(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff, status: int
+) -> None:
+    anthropic_api.add(Failure(status), Failure(status), Reply(text="finally"))
+    async with make(anthropic_api, fast) as model:
+        response = await complete(model, [Message.user("hi")])
+    assert response.text == "finally"
+    assert anthropic_api.request_count == 3
+    assert all(r.headers["x-stainless-retry-count"] == "0" for r in anthropic_api.requests)
+
+
+async def test_an_overloaded_error_event_before_output_is_retried(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    anthropic_api.add(Failure(529, "Overloaded", in_stream=True), Reply(text="ok"))
+    async with make(anthropic_api, fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "ok"
+    assert anthropic_api.request_count == 2
+
+
+async def test_retries_exhausted_raise_a_typed_error(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    anthropic_api.add(*[Failure(529, "Overloaded")] * 3)
+    async with make(anthropic_api, fast, max_retries=2) as model:
+        with pytest.raises(ModelRetryExhaustedError) as info:
+            await complete(model, [Message.user("hi")])
+    error = info.value
+    assert (error.provider, error.model, error.status, error.attempts) == (
+        "anthropic",
+        MODEL,
+        529,
+        3,
+    )
+    assert "overloaded_error: Overloaded" in str(error)
+    assert isinstance(error.__cause__, anthropic.APIStatusError)
+    assert anthropic_api.request_count == 3
+
+
+async def test_a_bad_request_fails_at_once(anthropic_api: FakeAnthropicAPI, fast: Backoff) -> None:
+    anthropic_api.add(Failure(400, "messages: field required"), Reply(text="unused"))
+    async with make(anthropic_api, fast) as model:
+        with pytest.raises(ModelError) as info:
+            await complete(model, [Message.user("hi")])
+    assert not isinstance(info.value, ModelRetryExhaustedError)
+    assert info.value.status == 400
+    assert "invalid_request_error: messages: field required" in str(info.value)
+    assert anthropic_api.request_count == 1
+
+
+async def test_no_retry_once_output_has_been_yielded(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    # message_start, ping, content_block_start, one text delta; then the connection drops.
+    anthropic_api.add(Reply(text=["partial ", "answer"], cut_after=4), Reply(text="unused"))
+    seen: list[ModelChunk] = []
+    async with make(anthropic_api, fast) as model:
+        with pytest.raises(ModelError) as info:
+            async for chunk in model.stream(
+                [Message.user("hi")], tools=[], settings=ModelSettings()
+            ):
+                seen.append(chunk)
+    assert seen == [TextDelta(text="partial ")]
+    assert "not retried" in str(info.value)
+    assert not isinstance(info.value, ModelRetryExhaustedError)
+    assert anthropic_api.request_count == 1
+
+
+async def test_a_drop_before_any_output_is_retried(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    anthropic_api.add(Reply(text="lost", cut_after=2), Reply(text="whole"))
+    async with make(anthropic_api, fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "whole"
+    assert anthropic_api.request_count == 2
+
+
+async def test_a_stream_that_ends_without_message_stop_is_incomplete(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    # Bodies complete as HTTP but missing message_stop: with no text out yet it is retried;
+    # the last one is exhausted.
+    anthropic_api.add(*[Reply(text="x", end_after=2)] * 2)
+    async with make(anthropic_api, fast, max_retries=1) as model:
+        with pytest.raises(ModelRetryExhaustedError, match="before message_stop"):
+            await complete(model, [Message.user("hi")])
+    assert anthropic_api.request_count == 2
+
+
+async def test_connection_refused_is_retried_then_typed(fast: Backoff) -> None:
+    with FakeAnthropicAPI() as api:
+        url = api.base_url  # a port that was just free and is now closed
+    async with AnthropicModel(
+        MODEL, base_url=url, api_key="k", max_retries=1, backoff=fast
+    ) as model:
+        with pytest.raises(ModelRetryExhaustedError) as info:
+            await complete(model, [Message.user("hi")])
+    assert info.value.status is None
+    assert info.value.attempts == 2
+
+
+async def test_adapter_satisfies_the_protocol(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    async with make(anthropic_api, fast) as model:
+        assert isinstance(model, Model)
+        assert (model.provider, model.name) == ("anthropic", MODEL)
+
+
+async def test_malformed_tool_arguments_are_a_model_error(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    anthropic_api.add(Reply(tool_calls=[CALL], raw_arguments=['{"city": "Par']))
+    async with make(anthropic_api, fast) as model:
+        with pytest.raises(ModelError, match="not a JSON object") as info:
+            await complete(model, [Message.user("hi")])
+    assert not isinstance(info.value, ModelRetryExhaustedError)
+    assert anthropic_api.request_count == 1

@@ -1,0 +1,255 @@
+"""OpenAIModel against a local server speaking the Chat Completions wire format."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from loomflow.errors import ModelError, ModelRetryExhaustedError
+from loomflow.messages import (
+    Message,
+    ModelChunk,
+    ModelResponse,
+    ModelSettings,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
+from loomflow.models import Backoff, Model, OpenAIModel, complete
+from loomflow.testing.providers import Failure, FakeOpenAIAPI, Reply
+
+MODEL = "gpt-4.1"
+WEATHER = ToolSpec(
+    name="get_weather",
+    description="Weather for a city",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+)
+CALL = ToolCall(id="call_01", name="get_weather", arguments={"city": "Paris"})
+CALL2 = ToolCall(id="call_02", name="get_weather", arguments={"city": "Rome", "days": 3})
+
+
+def make(api: FakeOpenAIAPI, fast: Backoff, max_retries: int = 3) -> OpenAIModel:
+    return OpenAIModel(
+        MODEL, base_url=api.base_url, api_key="sk-test", backoff=fast, max_retries=max_retries
+    )
+
+
+async def drain(model: OpenAIModel, messages: list[Message]) -> list[ModelChunk]:
+    return [c async for c in model.stream(messages, tools=[WEATHER], settings=ModelSettings())]
+
+
+async def test_text_streams_as_deltas_and_ends_with_the_response(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    openai_api.add(Reply(text=["Hel", "lo ", "world"], input_tokens=30, output_tokens=4))
+    async with make(openai_api, fast) as model:
+        chunks = await drain(model, [Message.user("hi")])
+    assert chunks[:-1] == [TextDelta(text="Hel"), TextDelta(text="lo "), TextDelta(text="world")]
+    assert chunks[-1] == ModelResponse(
+        text="Hello world",
+        usage=Usage(input_tokens=30, output_tokens=4),
+        finish_reason="stop",
+        model=MODEL,
+    )
+    body = openai_api.last_request.body
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+
+
+async def test_tool_use_round_trip(openai_api: FakeOpenAIAPI, fast: Backoff) -> None:
+    openai_api.add(Reply(tool_calls=[CALL, CALL2]), Reply(text="Sunny in both."))
+    async with make(openai_api, fast) as model:
+        chunks = await drain(model, [Message.system("Be helpful."), Message.user("Weather?")])
+        deltas = [c for c in chunks if isinstance(c, ToolCallDelta)]
+        assert deltas[0] == ToolCallDelta(index=0, id="call_01", name="get_weather")
+        second_args = "".join(d.arguments_delta for d in deltas if d.index == 1)
+        assert json.loads(second_args) == CALL2.arguments
+        first = chunks[-1]
+        assert isinstance(first, ModelResponse)
+        assert first.tool_calls == [CALL, CALL2]
+        assert first.finish_reason == "tool_calls"
+
+        transcript = [
+            Message.system("Be helpful."),
+            Message.user("Weather?"),
+            first.to_message(),
+            Message.tool_result("call_01", "sunny", name="get_weather"),
+            Message.tool_result("call_02", "sunny too", name="get_weather"),
+        ]
+        second = await complete(model, transcript, tools=[WEATHER])
+    assert second.text == "Sunny in both."
+
+    body = openai_api.last_request.body
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": WEATHER.parameters,
+            },
+        }
+    ]
+    messages = body["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool"]
+    assert messages[2]["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in messages[2]["tool_calls"]] == [
+        CALL.arguments,
+        CALL2.arguments,
+    ]
+    assert messages[3] == {"role": "tool", "tool_call_id": "call_01", "content": "sunny"}
+
+
+@pytest.mark.parametrize(
+    ("native", "finish_reason"),
+    [
+        ("stop", "stop"),
+        ("length", "length"),
+        ("tool_calls", "tool_calls"),
+        ("function_call", "tool_calls"),
+        ("content_filter", "content_filter"),
+    ],
+)
+async def test_finish_reasons_map(
+    openai_api: FakeOpenAIAPI, fast: Backoff, native: str, finish_reason: str
+) -> None:
+    openai_api.add(Reply(text="x", stop_reason=native))
+    async with make(openai_api, fast) as model:
+        assert (await complete(model, [Message.user("hi")])).finish_reason == finish_reason
+
+
+async def test_settings_reach_the_request(openai_api: FakeOpenAIAPI, fast: Backoff) -> None:
+    openai_api.add(Reply(text="ok"))
+    settings = ModelSettings(max_tokens=55, temperature=0.7)
+    async with make(openai_api, fast) as model:
+        await complete(model, [Message.user("hi")], settings=settings)
+    body = openai_api.last_request.body
+    assert (body["model"], body["max_completion_tokens"], body["temperature"]) == (MODEL, 55, 0.7)
+    assert "tools" not in body
+
+
+async def test_environment_base_url_and_key_are_honoured(
+    openai_api: FakeOpenAIAPI, monkeypatch: pytest.MonkeyPatch, fast: Backoff
+) -> None:
+    monkeypatch.setenv("OPENAI_BASE_URL", openai_api.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    openai_api.add(Reply(text="from env"))
+    async with OpenAIModel(MODEL, backoff=fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "from env"
+    assert openai_api.last_request.headers["authorization"] == "Bearer sk-from-env"
+
+
+async def test_a_ready_client_is_used_and_left_open(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    client = openai.AsyncOpenAI(base_url=openai_api.base_url, api_key="sk-own")
+    openai_api.add(Failure(502), Reply(text="one"))
+    model = OpenAIModel(MODEL, client=client, backoff=fast)
+    assert (await complete(model, [Message.user("hi")])).text == "one"
+    await model.aclose()
+    assert not client.is_closed()
+    assert openai_api.request_count == 2
+    await client.close()
+
+
+@pytest.mark.parametrize("status", [503, 500, 429])
+async def test_transient_statuses_are_retried_until_success(
+    openai_api: FakeOpenAIAPI, fast: Backoff, status: int
+) -> None:
+    openai_api.add(Failure(status), Failure(status), Reply(text="finally"))
+    async with make(openai_api, fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "finally"
+    assert openai_api.request_count == 3
+
+
+async def test_a_server_error_event_before_output_is_retried(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    openai_api.add(Failure(500, "The server had an error", in_stream=True), Reply(text="ok"))
+    async with make(openai_api, fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "ok"
+    assert openai_api.request_count == 2
+
+
+async def test_retries_exhausted_raise_a_typed_error(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    openai_api.add(*[Failure(503, "Service unavailable")] * 2)
+    async with make(openai_api, fast, max_retries=1) as model:
+        with pytest.raises(ModelRetryExhaustedError) as info:
+            await complete(model, [Message.user("hi")])
+    error = info.value
+    assert (error.provider, error.model, error.status, error.attempts) == ("openai", MODEL, 503, 2)
+    assert "Service unavailable" in str(error)
+    assert isinstance(error.__cause__, openai.APIStatusError)
+
+
+async def test_a_bad_request_fails_at_once(openai_api: FakeOpenAIAPI, fast: Backoff) -> None:
+    openai_api.add(Failure(400, "Unknown parameter"), Reply(text="unused"))
+    async with make(openai_api, fast) as model:
+        with pytest.raises(ModelError) as info:
+            await complete(model, [Message.user("hi")])
+    assert not isinstance(info.value, ModelRetryExhaustedError)
+    assert (info.value.provider, info.value.status) == ("openai", 400)
+    assert "Unknown parameter" in str(info.value)
+    assert openai_api.request_count == 1
+
+
+async def test_no_retry_once_output_has_been_yielded(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # The role chunk, then one content chunk; then the connection drops.
+    openai_api.add(Reply(text=["partial ", "answer"], cut_after=2), Reply(text="unused"))
+    seen: list[ModelChunk] = []
+    async with make(openai_api, fast) as model:
+        with pytest.raises(ModelError) as info:
+            async for chunk in model.stream(
+                [Message.user("hi")], tools=[], settings=ModelSettings()
+            ):
+                seen.append(chunk)
+    assert seen == [TextDelta(text="partial ")]
+    assert "not retried" in str(info.value)
+    assert openai_api.request_count == 1
+
+
+async def test_a_drop_before_any_output_is_retried(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # Only the role chunk (no content) got through before the connection dropped.
+    openai_api.add(Reply(text="lost", cut_after=1), Reply(text="ok"))
+    async with make(openai_api, fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "ok"
+    assert openai_api.request_count == 2
+
+
+async def test_a_stream_that_ends_without_a_finish_reason_is_incomplete(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # A body complete as HTTP but lacking the finish chunk: retried while nothing was yielded,
+    # an error once text was.
+    openai_api.add(Reply(text="x", end_after=1), Reply(text=["a ", "b"], end_after=2))
+    async with make(openai_api, fast, max_retries=1) as model:
+        with pytest.raises(ModelError, match=r"without a finish_reason.*not retried"):
+            await complete(model, [Message.user("hi")])
+    assert openai_api.request_count == 2
+
+
+async def test_malformed_tool_arguments_are_a_model_error(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    openai_api.add(Reply(tool_calls=[CALL], raw_arguments=['{"city": "Par']))
+    async with make(openai_api, fast) as model:
+        with pytest.raises(ModelError, match="not a JSON object") as info:
+            await complete(model, [Message.user("hi")])
+    assert not isinstance(info.value, ModelRetryExhaustedError)
+    assert openai_api.request_count == 1
+
+
+async def test_adapter_satisfies_the_protocol(openai_api: FakeOpenAIAPI, fast: Backoff) -> None:
+    async with make(openai_api, fast) as model:
+        assert isinstance(model, Model)
+        assert (model.provider, model.name) == ("openai", MODEL)

@@ -1,0 +1,171 @@
+"""ScriptedModel and FunctionModel: deterministic streams, call counting, journal replay."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from loomflow.errors import ModelError, ScriptExhaustedError
+from loomflow.messages import (
+    Message,
+    ModelChunk,
+    ModelResponse,
+    ModelSettings,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
+from loomflow.models import FunctionModel, Model, ScriptedModel, approx_tokens, complete
+from loomflow.runtime import InMemoryRuntime, JournalRuntime, SqliteRuntime
+
+CALL = ToolCall(id="c1", name="add", arguments={"a": 1, "b": 2})
+PROMPT = [Message.system("You add numbers."), Message.user("What is 1 + 2?")]
+
+
+async def _drain(model: Model, messages: list[Message] = PROMPT) -> list[ModelChunk]:
+    return [c async for c in model.stream(messages, tools=[], settings=ModelSettings())]
+
+
+async def test_text_turn_streams_in_a_few_deltas_then_the_response() -> None:
+    model = ScriptedModel(["one two three four five six seven"])
+    chunks = await _drain(model)
+    deltas = [c for c in chunks if isinstance(c, TextDelta)]
+    assert len(deltas) == 3
+    assert "".join(d.text for d in deltas) == "one two three four five six seven"
+    final = chunks[-1]
+    assert isinstance(final, ModelResponse)
+    assert final.text == "one two three four five six seven"
+    assert final.finish_reason == "stop"
+    assert final.model == "scripted"
+
+
+async def test_tool_turn_streams_each_call_and_ends_with_tool_calls() -> None:
+    model = ScriptedModel([[CALL, CALL.model_copy(update={"id": "c2"})]])
+    chunks = await _drain(model)
+    deltas = [c for c in chunks if isinstance(c, ToolCallDelta)]
+    assert [(d.index, d.id, d.name) for d in deltas] == [(0, "c1", "add"), (1, "c2", "add")]
+    assert json.loads(deltas[0].arguments_delta) == {"a": 1, "b": 2}
+    final = chunks[-1]
+    assert isinstance(final, ModelResponse)
+    assert final.finish_reason == "tool_calls"
+    assert [c.id for c in final.tool_calls] == ["c1", "c2"]
+
+
+async def test_usage_is_deterministic() -> None:
+    first = await complete(ScriptedModel(["the answer is 3"]), PROMPT)
+    second = await complete(ScriptedModel(["the answer is 3"]), PROMPT)
+    assert first.usage == second.usage
+    expected_in = approx_tokens("You add numbers.") + approx_tokens("What is 1 + 2?")
+    assert first.usage == Usage(
+        input_tokens=expected_in, output_tokens=approx_tokens("the answer is 3")
+    )
+
+
+async def test_a_given_response_is_played_verbatim() -> None:
+    given = ModelResponse(text="hi", usage=Usage(input_tokens=7, output_tokens=1), model="x")
+    assert await complete(ScriptedModel([given]), PROMPT) == given
+
+
+async def test_turns_play_in_order_and_calls_are_counted() -> None:
+    model = ScriptedModel([[CALL], "3"])
+    assert model.calls == 0
+    first = await complete(model, PROMPT)
+    second = await complete(model, [*PROMPT, first.to_message(), Message.tool_result("c1", "3")])
+    assert first.tool_calls == [CALL]
+    assert second.text == "3"
+    assert model.calls == 2
+    assert model.remaining == 0
+    assert model.requests[1][-1].content == "3"
+
+
+async def test_an_exhausted_script_raises_a_clear_error() -> None:
+    model = ScriptedModel(["only"])
+    await complete(model, PROMPT)
+    with pytest.raises(ScriptExhaustedError, match="1 turn") as info:
+        await complete(model, PROMPT)
+    assert isinstance(info.value, ModelError)
+    assert info.value.provider == "scripted"
+
+
+async def test_a_default_answers_after_the_script() -> None:
+    model = ScriptedModel(["first"], default=lambda messages: f"seen {len(messages)}")
+    assert (await complete(model, PROMPT)).text == "first"
+    assert (await complete(model, PROMPT)).text == "seen 2"
+
+
+async def test_an_exception_turn_is_raised_by_that_call() -> None:
+    model = ScriptedModel([RuntimeError("provider down"), "ok"])
+    with pytest.raises(RuntimeError, match="provider down"):
+        await complete(model, PROMPT)
+    assert (await complete(model, PROMPT)).text == "ok"
+
+
+async def test_function_model_sync_and_async() -> None:
+    def sync_fn(messages: list[Message], tools: list[ToolSpec]) -> str | list[ToolCall]:
+        if messages[-1].role == "tool":
+            return f"result {messages[-1].content} with {len(tools)} tool(s)"
+        return [CALL]
+
+    async def async_fn(messages: list[Message], tools: list[ToolSpec]) -> str:
+        return messages[-1].content.upper()
+
+    tools = [ToolSpec(name="add")]
+    model = FunctionModel(sync_fn)
+    first = await complete(model, PROMPT, tools=tools)
+    assert first.tool_calls == [CALL]
+    later = [*PROMPT, first.to_message(), Message.tool_result("c1", "3")]
+    assert (await complete(model, later, tools=tools)).text == "result 3 with 1 tool(s)"
+    assert model.calls == 2
+    assert (await complete(FunctionModel(async_fn), PROMPT)).text == "WHAT IS 1 + 2?"
+
+
+def test_scripted_models_satisfy_the_protocol() -> None:
+    assert isinstance(ScriptedModel(), Model)
+    assert isinstance(FunctionModel(lambda m, t: "x"), Model)
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def runtime(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[JournalRuntime]:
+    rt: JournalRuntime = (
+        InMemoryRuntime() if request.param == "memory" else SqliteRuntime(tmp_path / "j.db")
+    )
+    yield rt
+    await rt.close()
+
+
+async def test_journaled_stream_replays_without_calling_the_model(
+    runtime: JournalRuntime,
+) -> None:
+    model = ScriptedModel([[CALL], "3"])
+    tools = [ToolSpec(name="add", parameters={"type": "object"})]
+    settings = ModelSettings(max_tokens=64)
+
+    async def two_turns() -> list[ModelChunk]:
+        seen: list[ModelChunk] = []
+        messages = list(PROMPT)
+        for turn in range(2):
+            async for chunk in runtime.stream_step(
+                f"model_call_{turn}", model.stream, messages, tools=tools, settings=settings
+            ):
+                seen.append(chunk)
+            final = seen[-1]
+            assert isinstance(final, ModelResponse)
+            messages = [*messages, final.to_message(), Message.tool_result("c1", "3")]
+        return seen
+
+    with pytest.raises(RuntimeError, match="crash"):
+        async with runtime.session("s", "u"):
+            live = await two_turns()
+            raise RuntimeError("crash")
+    assert model.calls == 2
+
+    async with runtime.session("s", "u") as run:
+        replayed = await two_turns()
+    assert replayed == live
+    assert model.calls == 2  # every chunk came from the journal
+    assert run.stats.hits == 2
