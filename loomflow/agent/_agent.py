@@ -23,11 +23,21 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from pydantic import BaseModel
 from ulid import ULID
 
 from ..context import RunContext, get_run_context, use_run_context
 from ..errors import UserError
-from ..messages import Message, ModelResponse, ModelSettings, TextDelta, ToolCall, ToolSpec, Usage
+from ..messages import (
+    Message,
+    ModelResponse,
+    ModelSettings,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
 from ..models import Model, cost_usd, resolve_model
 from ..runtime import codec
 from ..runtime._journal import JournalRuntime
@@ -43,6 +53,7 @@ from ._types import (
     ToolCallStarted,
     Tuning,
 )
+from .hooks import Interrupt, RunHooks, RunInfo
 
 __all__ = ["Agent"]
 
@@ -109,8 +120,11 @@ class Agent:
         tuning: Loop settings (:class:`Tuning`).
         max_turns: Model calls allowed per run before it stops with ``max_turns``.
         name: A short name used in sub-run keys, spans and tool names.
-        memory, budget, permissions, audit, guardrails, telemetry: Governance and observability
-            hooks; accepted now and wired in as those layers land.
+        budget, permissions, guardrails, memory, audit, telemetry: Governance and
+            observability components; each is (or provides through ``as_hooks()``) a
+            :class:`~loomflow.agent.hooks.RunHooks` that the loop calls, in this order:
+            guardrails, budget, permissions, memory, audit, telemetry, then ``hooks``.
+        hooks: Extra :class:`~loomflow.agent.hooks.RunHooks`.
     """
 
     def __init__(
@@ -129,6 +143,7 @@ class Agent:
         tuning: Tuning | None = None,
         max_turns: int = 10,
         name: str = "agent",
+        hooks: Sequence[RunHooks] = (),
     ) -> None:
         if not isinstance(instructions, str):
             raise UserError("instructions must be a string")
@@ -148,6 +163,9 @@ class Agent:
         self.tuning = tuning or Tuning()
         self.max_turns = max_turns
         self.name = name
+        self._hooks = _collect_hooks(
+            [*guardrails, budget, permissions, memory, audit, telemetry, *hooks]
+        )
         self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]
         self._settings = ModelSettings(
             max_tokens=self.tuning.max_tokens, temperature=self.tuning.temperature
@@ -256,93 +274,174 @@ class Agent:
             strict_replay=self.tuning.strict_replay,
         ) as (ctx, run):
             yield RunStarted(run_id=ctx.run_id or "", session_id=session_id, user_id=user_id)
-            before = _counts(run)
-            messages = [Message.system(self.instructions), *history, Message.user(prompt)]
-            async for event in self._loop(runtime, ctx, messages, before, run):
+            async for event in self._loop(runtime, ctx, run, prompt, history):
                 yield event
 
     async def _loop(
         self,
         runtime: Any,
         ctx: RunContext,
-        messages: list[Message],
-        before: tuple[int, int],
         run: Any,
-    ) -> AsyncIterator[AgentEvent]:
+        prompt: str,
+        history: Sequence[Message],
+    ) -> AsyncIterator[Any]:
+        before = _counts(run)
+        pending: list[BaseModel] = []
+        info = RunInfo(
+            ctx=ctx,
+            agent_name=self.name,
+            model_name=self.model.name,
+            provider=self.model.provider,
+            backend=getattr(runtime, "backend", "none"),
+            prompt=prompt,
+            epoch=getattr(run, "epoch", None),
+            resumed=bool(getattr(run, "resumed", False)),
+            _emit=pending.append,
+        )
+        hooks = self._hooks
+
+        async def flush() -> list[BaseModel]:
+            # Every emitted event reaches every hook once, then the caller's stream.
+            out: list[BaseModel] = []
+            while pending:
+                event = pending.pop(0)
+                for hook in hooks:
+                    await hook.on_event(info, event)
+                out.append(event)
+            return out
+
         usage = Usage()
         cost = 0.0
         output = ""
         turns = 0
         interrupted: str | None = "max_turns"
-        for turn in range(self.max_turns):
-            response: ModelResponse | None = None
-            live = False
+        messages: list[Message] = []
+        try:
+            for hook in hooks:
+                await hook.run_started(info)
+            for hook in hooks:
+                prompt = await hook.check_input(info, prompt)
+            messages = [Message.system(self.instructions), *history, Message.user(prompt)]
+            for event in await flush():
+                yield event
+            for turn in range(self.max_turns):
+                response: ModelResponse | None = None
+                live = False
+                tokens: list[Any] = [None] * len(hooks)
 
-            def call_model(
-                msgs: list[Message], tools: list[ToolSpec], settings: ModelSettings
-            ) -> AsyncIterator[Any]:
-                nonlocal live
-                live = True
-                return self.model.stream(msgs, tools=tools, settings=settings)
+                async def call_model(
+                    msgs: list[Message],
+                    tools: list[ToolSpec],
+                    settings: ModelSettings,
+                    turn: int = turn,
+                    tokens: list[Any] = tokens,
+                ) -> AsyncIterator[Any]:
+                    nonlocal live
+                    live = True
+                    for i, hook in enumerate(hooks):
+                        tokens[i] = await hook.before_model_call(info, turn, msgs, settings)
+                    try:
+                        async for chunk in self.model.stream(msgs, tools=tools, settings=settings):
+                            yield chunk
+                    except BaseException as exc:
+                        for hook, token in zip(hooks, tokens, strict=True):
+                            await hook.model_call_failed(info, turn, exc, token)
+                        raise
 
-            async for chunk in runtime.stream_step(
-                f"model_call_{turn}", call_model, list(messages), self._specs, self._settings
-            ):
-                if isinstance(chunk, ModelResponse):
-                    response = chunk
-                elif isinstance(chunk, TextDelta) or hasattr(chunk, "arguments_delta"):
-                    yield ModelDeltaEvent(turn=turn, delta=chunk, replayed=not live)
-            if response is None:
-                raise UserError(f"model {self.model.name!r} ended a stream without a response")
-            turns += 1
-            usage = usage + response.usage
-            cost += self._cost(response)
-            messages.append(response.to_message())
-            output = response.text or output
-            if not response.tool_calls:
-                interrupted = None
-                break
-            for slot, call in enumerate(response.tool_calls):
-                yield ToolCallStarted(turn=turn, slot=slot, call=call)
-            calls = [
-                self._call_tool(runtime, turn, slot, call)
-                for slot, call in enumerate(response.tool_calls)
-            ]
-            if self.tuning.parallel_tools:
-                outcomes = await asyncio.gather(*calls)
-            else:
-                outcomes = [await c for c in calls]
-            for slot, (call, (outcome, replayed)) in enumerate(
-                zip(response.tool_calls, outcomes, strict=True)
-            ):
-                messages.append(
-                    Message.tool_result(
-                        call.id, outcome.as_text(), name=call.name, is_error=not outcome.ok
+                try:
+                    async for chunk in runtime.stream_step(
+                        f"model_call_{turn}",
+                        call_model,
+                        list(messages),
+                        self._specs,
+                        self._settings,
+                    ):
+                        if isinstance(chunk, ModelResponse):
+                            response = chunk
+                        elif isinstance(chunk, TextDelta | ToolCallDelta):
+                            yield ModelDeltaEvent(turn=turn, delta=chunk, replayed=not live)
+                finally:
+                    for event in await flush():
+                        yield event
+                if response is None:
+                    raise UserError(f"model {self.model.name!r} ended a stream without a response")
+                for hook, token in zip(hooks, tokens, strict=True):
+                    await hook.after_model_call(
+                        info, turn, response, replayed=not live, token=token if live else None
                     )
-                )
-                yield ToolCallFinished(
-                    turn=turn, slot=slot, call=call, outcome=outcome, replayed=replayed
-                )
+                turns += 1
+                usage = usage + response.usage
+                cost += self._cost(response)
+                messages.append(response.to_message())
+                output = response.text or output
+                if not response.tool_calls:
+                    interrupted = None
+                    break
+                for slot, call in enumerate(response.tool_calls):
+                    yield ToolCallStarted(turn=turn, slot=slot, call=call)
+                calls = [
+                    self._call_tool(runtime, info, turn, slot, call)
+                    for slot, call in enumerate(response.tool_calls)
+                ]
+                try:
+                    if self.tuning.parallel_tools:
+                        outcomes = await asyncio.gather(*calls)
+                    else:
+                        outcomes = [await c for c in calls]
+                finally:
+                    for event in await flush():
+                        yield event
+                for slot, (call, (outcome, replayed)) in enumerate(
+                    zip(response.tool_calls, outcomes, strict=True)
+                ):
+                    for hook in hooks:
+                        await hook.after_tool_call(
+                            info, turn, slot, call, outcome, replayed=replayed
+                        )
+                    messages.append(
+                        Message.tool_result(
+                            call.id, outcome.as_text(), name=call.name, is_error=not outcome.ok
+                        )
+                    )
+                    yield ToolCallFinished(
+                        turn=turn, slot=slot, call=call, outcome=outcome, replayed=replayed
+                    )
+                for event in await flush():
+                    yield event
+            if interrupted is None:
+                for hook in hooks:
+                    output = await hook.check_output(info, output)
+        except Interrupt as stop:
+            interrupted = stop.reason
+            for event in await flush():
+                yield event
+        except BaseException as exc:
+            for hook in hooks:
+                await hook.run_finished(info, None, exc)
+            raise
         hits, misses = _counts(run)
-        yield RunFinished(
-            result=RunResult(
-                output=output,
-                turns=turns,
-                tokens_in=usage.input_tokens,
-                tokens_out=usage.output_tokens,
-                cost_usd=round(cost, 10),
-                session_id=ctx.session_id or "",
-                run_id=ctx.run_id or "",
-                interrupted=interrupted is not None,
-                interruption_reason=interrupted,
-                messages=messages,
-                replayed_steps=hits - before[0],
-                fresh_steps=misses - before[1],
-            )
+        result = RunResult(
+            output=output,
+            turns=turns,
+            tokens_in=usage.input_tokens,
+            tokens_out=usage.output_tokens,
+            cost_usd=round(cost, 10),
+            session_id=ctx.session_id or "",
+            run_id=ctx.run_id or "",
+            interrupted=interrupted is not None,
+            interruption_reason=interrupted,
+            messages=messages,
+            replayed_steps=hits - before[0],
+            fresh_steps=misses - before[1],
         )
+        for hook in hooks:
+            await hook.run_finished(info, result, None)
+        for event in await flush():
+            yield event
+        yield RunFinished(result=result)
 
     async def _call_tool(
-        self, runtime: Any, turn: int, slot: int, call: ToolCall
+        self, runtime: Any, info: RunInfo, turn: int, slot: int, call: ToolCall
     ) -> tuple[ToolOutcome, bool]:
         step_name = tool_step_name(turn, slot, call)
         live = False
@@ -350,8 +449,24 @@ class Agent:
         async def invoke(tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
             nonlocal live
             live = True
-            with runtime.subrun(step_name):  # steps the tool makes key under this call
-                return await self._invoke(tool_name, arguments)
+            current = call
+            answer: ToolOutcome | None = None
+            for hook in self._hooks:
+                checked = await hook.before_tool_call(
+                    info, turn, slot, current, self.tools.get(tool_name)
+                )
+                if isinstance(checked, ToolOutcome):
+                    answer = checked  # denied (or answered) without running the tool
+                    break
+                current = checked
+            if answer is not None:
+                outcome = answer
+            else:
+                with runtime.subrun(step_name):  # steps the tool makes key under this call
+                    outcome = await self._invoke(current.name, current.arguments)
+            for hook in self._hooks:
+                outcome = await hook.check_tool_result(info, turn, slot, call, outcome)
+            return outcome
 
         outcome = await runtime.step(step_name, invoke, call.name, call.arguments)
         return outcome, not live
@@ -377,6 +492,21 @@ class Agent:
             _warn_unpriced(model_name)
             return 0.0
         return value
+
+
+def _collect_hooks(components: Sequence[Any]) -> list[RunHooks]:
+    hooks: list[RunHooks] = []
+    for component in components:
+        if component is None:
+            continue
+        hook = component.as_hooks() if hasattr(component, "as_hooks") else component
+        if not isinstance(hook, RunHooks):
+            raise UserError(
+                f"{type(component).__name__} cannot plug into the agent loop: it is not a "
+                "RunHooks and has no as_hooks()"
+            )
+        hooks.append(hook)
+    return hooks
 
 
 _unpriced: set[str] = set()

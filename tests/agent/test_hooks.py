@@ -1,0 +1,139 @@
+"""Hooks see live work before it happens and every call after it, replayed ones included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from loomflow.agent import Agent
+from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
+from loomflow.messages import Message, ModelResponse, ModelSettings, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.tools import Tool, ToolOutcome, tool
+
+
+class Noted(BaseModel):
+    what: str
+
+
+class Recorder(RunHooks):
+    def __init__(self, *, deny: str | None = None, stop_at_turn: int | None = None) -> None:
+        self.deny = deny
+        self.stop_at_turn = stop_at_turn
+        self.log: list[tuple[str, Any]] = []
+
+    async def before_model_call(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
+    ) -> Any:
+        if turn == self.stop_at_turn:
+            raise Interrupt("budget:tokens", "cap reached")
+        self.log.append(("before_model", turn))
+        return f"token-{turn}"
+
+    async def after_model_call(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+    ) -> None:
+        self.log.append(("after_model", (turn, replayed, token)))
+
+    async def before_tool_call(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
+    ) -> ToolCall | ToolOutcome:
+        self.log.append(("before_tool", call.name))
+        info.emit(Noted(what=f"checked {call.name}"))
+        if call.name == self.deny:
+            return ToolOutcome(ok=False, error_type="permission_denied", error="not allowed")
+        return call
+
+    async def after_tool_call(
+        self,
+        info: RunInfo,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        outcome: ToolOutcome,
+        *,
+        replayed: bool,
+    ) -> None:
+        self.log.append(("after_tool", (call.name, outcome.ok, replayed)))
+
+    async def on_event(self, info: RunInfo, event: BaseModel) -> None:
+        self.log.append(("event", event))
+
+
+ran: list[str] = []
+
+
+@tool
+def delete_all() -> str:
+    """Dangerous."""
+    ran.append("delete_all")
+    return "deleted"
+
+
+def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+    if messages[-1].role == "tool":
+        return f"result: {messages[-1].content}"
+    return [ToolCall(id="1", name="delete_all", arguments={})]
+
+
+async def test_a_denial_reaches_the_model_and_the_run_goes_on() -> None:
+    ran.clear()
+    hooks = Recorder(deny="delete_all")
+    agent = Agent("x", model=FunctionModel(decide), tools=[delete_all], hooks=[hooks])
+    events = [e async for e in agent.stream("go")]
+    result = events[-1].result  # type: ignore[union-attr]
+    assert ran == []
+    assert result.output == "result: Error: not allowed"
+    assert not result.interrupted
+    assert any(isinstance(e, Noted) for e in events)
+    assert ("event", Noted(what="checked delete_all")) in hooks.log
+
+
+async def test_an_interrupt_returns_an_interrupted_result() -> None:
+    hooks = Recorder(stop_at_turn=1)
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[delete_all],
+        hooks=[hooks],
+        runtime=InMemoryRuntime(),
+    )
+    result = await agent.run("go", session_id="s")
+    assert result.interrupted
+    assert result.interruption_reason == "budget:tokens"
+    assert result.turns == 1
+    # An interrupted run returned: the next run on the session is a new one.
+    again = await agent.run("go", session_id="s")
+    assert again.replayed_steps == 0
+
+
+async def test_replayed_calls_skip_live_hooks_but_are_reported() -> None:
+    ran.clear()
+    runtime = InMemoryRuntime()
+    first = Recorder()
+    agent = Agent(
+        "x", model=FunctionModel(decide), tools=[delete_all], hooks=[first], runtime=runtime
+    )
+    await agent.run("go", session_id="s")
+    second = Recorder()
+    replaying = Agent(
+        "x", model=FunctionModel(decide), tools=[delete_all], hooks=[second], runtime=runtime
+    )
+    await replaying.resume("go", session_id="s")
+    assert ran == ["delete_all"]
+    kinds = [kind for kind, _ in second.log]
+    assert "before_model" not in kinds
+    assert "before_tool" not in kinds
+    assert ("after_model", (0, True, None)) in second.log
+    assert ("after_tool", ("delete_all", True, True)) in second.log
+    assert ("after_model", (0, False, "token-0")) in first.log
+
+
+def test_components_must_be_hooks() -> None:
+    from loomflow.errors import UserError
+
+    with pytest.raises(UserError, match="RunHooks"):
+        Agent("x", model="scripted", budget=object())
