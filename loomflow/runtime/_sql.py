@@ -1,60 +1,22 @@
 """The journal's SQL, shared by the SQLite and PostgreSQL backends.
 
-Statements are written once with ``$n`` placeholders (asyncpg's style; SQLite reads them as
-``?n``) and ``{now}``/``{lock}`` hooks. Times come from the database clock so that leases
+Statements are written once with ``$n`` placeholders and ``{now}``/``{lock}`` hooks (see
+:class:`loomflow.storage.Dialect`). Times come from the database clock so that leases
 compare correctly across hosts. Every write uses ``RETURNING`` so that one round trip both
 commits and tells whether the fenced write happened.
 """
 
 from __future__ import annotations
 
-import abc
-import contextlib
 import json
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from ..errors import MigrationError, StoreUnavailableError
+from ..storage import Database, apply_migrations
 from ._store import Claim, EntryInfo, Scope, StoredEntry
-from .migrations import MIGRATIONS, SCHEMA_VERSION
+from .migrations import COMPONENT, MIGRATIONS
 
-__all__ = ["Dialect", "SqlJournalStore", "translate_errors"]
-
-
-class Dialect:
-    """The few places where SQLite and PostgreSQL SQL differ."""
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        now: str,
-        lock: str,
-        types: dict[str, str],
-        numbered: str,
-    ) -> None:
-        self.name = name
-        self.now = now
-        self.lock = lock
-        self.types = types
-        self._numbered = numbered  # replacement for $n, e.g. r"?\1" for SQLite
-
-    def sql(self, text: str) -> str:
-        text = text.replace("{now}", self.now).replace("{lock}", self.lock)
-        return re.sub(r"\$(\d+)", self._numbered, text)
-
-    def ddl(self, text: str) -> str:
-        return text.format(**self.types)
-
-
-@contextlib.contextmanager
-def translate_errors(driver_errors: tuple[type[BaseException], ...], what: str) -> Iterator[None]:
-    """The one place where driver exceptions become loomflow errors."""
-    try:
-        yield
-    except driver_errors as exc:
-        raise StoreUnavailableError(f"journal {what} failed: {type(exc).__name__}: {exc}") from exc
+__all__ = ["SqlJournalStore"]
 
 
 _ACQUIRE = """
@@ -130,6 +92,22 @@ FROM loom_entries e WHERE e.scope = $1 ORDER BY e.epoch, e.seq
 """
 
 
+_QUERIES = {
+    "acquire": _ACQUIRE,
+    "holder": _HOLDER,
+    "steal": _STEAL,
+    "renew": _RENEW,
+    "begin": _BEGIN,
+    "release_advance": _RELEASE_ADVANCE,
+    "release_keep": _RELEASE_KEEP,
+    "load_run": _LOAD_RUN,
+    "write": _WRITE,
+    "get_idem": _GET_IDEM,
+    "put_idem": _PUT_IDEM,
+    "list": _LIST,
+}
+
+
 def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
     if not rows:
         return None
@@ -137,107 +115,34 @@ def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
     return Claim(int(token), int(epoch), bool(is_open))
 
 
-class SqlJournalStore(abc.ABC):
-    """Journal storage over SQL; subclasses provide the connection and a :class:`Dialect`."""
+class SqlJournalStore:
+    """Journal storage over a :class:`~loomflow.storage.Database` (SQLite or PostgreSQL)."""
 
-    backend: str
-    dialect: Dialect
-    driver_errors: tuple[type[BaseException], ...]
-
-    def __init__(self) -> None:
-        self._q = {
-            name: self.dialect.sql(text)
-            for name, text in {
-                "acquire": _ACQUIRE,
-                "holder": _HOLDER,
-                "steal": _STEAL,
-                "renew": _RENEW,
-                "begin": _BEGIN,
-                "release_advance": _RELEASE_ADVANCE,
-                "release_keep": _RELEASE_KEEP,
-                "load_run": _LOAD_RUN,
-                "write": _WRITE,
-                "get_idem": _GET_IDEM,
-                "put_idem": _PUT_IDEM,
-                "list": _LIST,
-            }.items()
-        }
-
-    # -- hooks -----------------------------------------------------------------------------
-
-    @abc.abstractmethod
-    async def _connect(self) -> None: ...
-
-    @abc.abstractmethod
-    async def close(self) -> None: ...
-
-    @abc.abstractmethod
-    async def _fetch(self, sql: str, *args: Any) -> Sequence[Sequence[Any]]:
-        """Run one statement in its own transaction (committed on return) and fetch its rows."""
-
-    @abc.abstractmethod
-    def _migration_tx(self) -> contextlib.AbstractAsyncContextManager[_Tx]:
-        """A transaction that holds the cluster-wide migration lock."""
-
-    # -- lifecycle -------------------------------------------------------------------------
+    def __init__(self, db: Database, *, owns_db: bool = True) -> None:
+        self.db = db
+        self.backend = db.backend
+        self._owns_db = owns_db
 
     async def open(self, *, migrate: bool) -> None:
-        with translate_errors(self.driver_errors, "connect"):
-            await self._connect()
+        await self.db.open()
         if migrate:
             try:
                 await self.migrate()
             except BaseException:
-                await self.close()  # a half-opened store must not leak its connection
+                if self._owns_db:
+                    await self.db.close()  # a half-opened store must not leak its connection
                 raise
 
+    async def close(self) -> None:
+        if self._owns_db:
+            await self.db.close()
+
     async def migrate(self) -> int:
-        with translate_errors(self.driver_errors, "migration"):
-            # Each migration runs in its own transaction under the migration lock and re-reads
-            # the version inside it, so concurrent migrators apply each step exactly once.
-            for version, migration in enumerate(MIGRATIONS, start=1):
-                async with self._migration_tx() as tx:
-                    current = await self._version(tx)
-                    if current > SCHEMA_VERSION:
-                        raise MigrationError(
-                            f"the journal schema is at version {current}, newer than this "
-                            f"loomflow knows ({SCHEMA_VERSION}); upgrade loomflow"
-                        )
-                    if current >= version:
-                        continue
-                    for statement in migration.statements:
-                        await tx.execute(self.dialect.ddl(statement))
-                    await tx.execute(
-                        self.dialect.sql(
-                            "INSERT INTO loom_schema_version (version, description, applied_at)"
-                            " VALUES ($1, $2, {now})"
-                        ),
-                        version,
-                        migration.description,
-                    )
-            async with self._migration_tx() as tx:
-                return await self._version(tx)
-
-    async def _version(self, tx: _Tx) -> int:
-        await tx.execute(
-            self.dialect.ddl(
-                "CREATE TABLE IF NOT EXISTS loom_schema_version ("
-                "version INTEGER PRIMARY KEY, description TEXT NOT NULL, "
-                "applied_at {double} NOT NULL)"
-            )
-        )
-        rows = await tx.fetch("SELECT MAX(version) FROM loom_schema_version")
-        return int(rows[0][0] or 0)
-
-    async def schema_version(self) -> int:
-        async with self._migration_tx() as tx:
-            return await self._version(tx)
-
-    # -- protocol --------------------------------------------------------------------------
+        await self.db.open()
+        return await apply_migrations(self.db, COMPONENT, MIGRATIONS)
 
     async def _run(self, what: str, query: str, *args: Any) -> Sequence[Sequence[Any]]:
-        with translate_errors(self.driver_errors, what):
-            return await self._fetch(self._q[query], *args)
+        return await self.db.fetch(_QUERIES[query], *args, what=f"journal {what}")
 
     async def try_acquire(self, scope: Scope, owner: str, lease_s: float) -> Claim | None:
         return _claim(
@@ -410,19 +315,8 @@ class SqlJournalStore(abc.ABC):
         return total
 
     async def _fetch_raw(self, sql: str, args: list[Any]) -> Sequence[Sequence[Any]]:
-        with translate_errors(self.driver_errors, "prune"):
-            return await self._fetch(self.dialect.sql(sql), *args)
+        return await self.db.fetch(sql, *args, what="journal prune")
 
 
 def json_user_key(user_id: str | None) -> str:
     return Scope(None, user_id).user_key
-
-
-class _Tx(abc.ABC):
-    """What a migration transaction offers."""
-
-    @abc.abstractmethod
-    async def execute(self, sql: str, *args: Any) -> None: ...
-
-    @abc.abstractmethod
-    async def fetch(self, sql: str, *args: Any) -> Sequence[Sequence[Any]]: ...

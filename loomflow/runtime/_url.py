@@ -6,6 +6,7 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import ConfigurationError
+from ..storage._url import sqlite_path
 from ._journal import JournalRuntime
 
 __all__ = ["runtime_from_url"]
@@ -27,18 +28,12 @@ def runtime_from_url(
         from .postgres import PostgresRuntime
 
         return PostgresRuntime(url, settings=settings, **options)
-    if url.startswith("sqlite://"):
-        path = url.removeprefix("sqlite://")
-        if not path.startswith("/") or path == "/":
-            raise ConfigurationError(f"bad SQLite URL {url!r}: use sqlite:///relative/path.db")
-        path = path[1:]  # sqlite:///x.db -> x.db ; sqlite:////abs/x.db -> /abs/x.db
-    elif "://" in url:
+    path = sqlite_path(url)
+    if path is None:
         raise ConfigurationError(
             f"unknown journal URL scheme in {url!r}: use memory://, sqlite:///path.db or "
             "postgresql://..."
         )
-    else:
-        path = url
     from .sqlite import SqliteRuntime
 
     return SqliteRuntime(path, settings=settings, **options)

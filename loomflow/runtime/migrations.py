@@ -1,22 +1,16 @@
-"""Numbered schema migrations of the journal tables.
+"""Numbered schema migrations of the journal tables (component ``journal``).
 
-The position in :data:`MIGRATIONS` is the version (1-based). Append only: a retired migration
-becomes an empty list of statements, never a renumbering. ``{blob}``, ``{double}`` and
-``{bigint}`` are filled in per dialect.
+Append only: the position in :data:`MIGRATIONS` is the version; a retired migration becomes an
+empty statement list, never a renumbering. Applied by ``loomflow.storage.apply_migrations``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ..storage import Migration
 
-__all__ = ["MIGRATIONS", "Migration", "SCHEMA_VERSION"]
+__all__ = ["COMPONENT", "MIGRATIONS", "SCHEMA_VERSION"]
 
-
-@dataclass(frozen=True, slots=True)
-class Migration:
-    description: str
-    statements: tuple[str, ...]
-
+COMPONENT = "journal"
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(

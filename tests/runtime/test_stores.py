@@ -23,7 +23,7 @@ async def test_sqlite_uses_wal_full_sync_and_busy_timeout(sqlite_path: Path) -> 
     runtime = SqliteRuntime(sqlite_path)
     await runtime.open()
     try:
-        conn = runtime._store.conn  # type: ignore[attr-defined]
+        conn = runtime.database.conn
         assert (await conn.execute_fetchall("PRAGMA journal_mode"))[0][0] == "wal"
         assert (await conn.execute_fetchall("PRAGMA synchronous"))[0][0] == 2  # FULL
         assert (await conn.execute_fetchall("PRAGMA busy_timeout"))[0][0] == 5000
@@ -38,7 +38,9 @@ async def test_sqlite_migrations_are_recorded_once(sqlite_path: Path) -> None:
     for rt in runtimes:
         await rt.close()
     with sqlite3.connect(sqlite_path) as conn:
-        rows = conn.execute("SELECT version FROM loom_schema_version").fetchall()
+        rows = conn.execute(
+            "SELECT version FROM loom_schema_version WHERE component = 'journal'"
+        ).fetchall()
     assert rows == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
 
 
@@ -47,7 +49,7 @@ async def test_a_newer_schema_is_refused(sqlite_path: Path) -> None:
     await runtime.migrate()
     await runtime.close()
     with sqlite3.connect(sqlite_path) as conn:
-        conn.execute("INSERT INTO loom_schema_version VALUES (999, 'future', 0)")
+        conn.execute("INSERT INTO loom_schema_version VALUES ('journal', 999, 'future', 0)")
     runtime = SqliteRuntime(sqlite_path)
     with pytest.raises(MigrationError, match="999"):
         await runtime.open()
@@ -59,7 +61,9 @@ async def test_postgres_concurrent_migrations_apply_once(pg_dsn: str) -> None:
     runtimes = [PostgresRuntime(pg_dsn, auto_migrate=False) for _ in range(4)]
     versions = await asyncio.gather(*(rt.migrate() for rt in runtimes))
     assert versions == [SCHEMA_VERSION] * 4
-    rows = await runtimes[0].pool.fetch("SELECT version FROM loom_schema_version")
+    rows = await runtimes[0].pool.fetch(
+        "SELECT version FROM loom_schema_version WHERE component = 'journal'"
+    )
     assert [r[0] for r in rows] == list(range(1, SCHEMA_VERSION + 1))
     for rt in runtimes:
         await rt.close()

@@ -1,0 +1,30 @@
+"""Database plumbing shared by every store: connections, dialects, migrations, errors.
+
+The journal, checkpoints, memory, budget and audit stores each keep their own SQL and their
+own migration list, but they talk to SQLite and PostgreSQL through one :class:`Database`
+object, so a store built next to a runtime reuses the runtime's connection (or pool).
+"""
+
+from __future__ import annotations
+
+from ._database import Database, Transaction, translate_errors
+from ._dialect import POSTGRES, SQLITE, Dialect
+from ._migrations import Migration, apply_migrations, schema_versions
+from ._postgres import PostgresDatabase
+from ._sqlite import SqliteDatabase
+from ._url import database_from_url
+
+__all__ = [
+    "POSTGRES",
+    "SQLITE",
+    "Database",
+    "Dialect",
+    "Migration",
+    "PostgresDatabase",
+    "SqliteDatabase",
+    "Transaction",
+    "apply_migrations",
+    "database_from_url",
+    "schema_versions",
+    "translate_errors",
+]

@@ -1,0 +1,86 @@
+"""Numbered schema migrations, per component, recorded in one version table.
+
+Each store (journal, checkpoints, memory, budget, audit) owns an append-only list of
+:class:`Migration`; its position in the list is its version. A retired migration becomes an
+empty statement list, never a renumbering. Each migration runs in its own transaction under a
+cluster-wide lock and re-reads the version inside it, so concurrent migrators apply it once.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import MigrationError
+from ._database import Database, Transaction
+
+__all__ = ["Migration", "apply_migrations", "schema_versions"]
+
+_VERSION_TABLE = (
+    "CREATE TABLE IF NOT EXISTS loom_schema_version ("
+    "component TEXT NOT NULL, version INTEGER NOT NULL, description TEXT NOT NULL, "
+    "applied_at {double} NOT NULL, PRIMARY KEY (component, version))"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One schema step: DDL statements with ``{blob}``-style type hooks."""
+
+    description: str
+    statements: tuple[str, ...]
+
+
+# One advisory lock for every component, since the version table is created under it too.
+_LOCK_KEY = zlib.crc32(b"loomflow-migrations")
+
+
+async def _version(db: Database, tx: Transaction, component: str) -> int:
+    await tx.execute(db.dialect.ddl(_VERSION_TABLE))
+    rows = await tx.fetch(
+        "SELECT MAX(version) FROM loom_schema_version WHERE component = $1", component
+    )
+    return int(rows[0][0] or 0)
+
+
+async def apply_migrations(db: Database, component: str, migrations: Sequence[Migration]) -> int:
+    """Bring ``component``'s tables up to date; return the version now in place."""
+    latest = len(migrations)
+    for version, migration in enumerate(migrations, start=1):
+        async with db.transaction(lock_key=_LOCK_KEY, what="migration") as tx:
+            current = await _version(db, tx, component)
+            if current > latest:
+                raise MigrationError(
+                    f"the {component} schema is at version {current}, newer than this loomflow "
+                    f"knows ({latest}); upgrade loomflow"
+                )
+            if current >= version:
+                continue
+            for statement in migration.statements:
+                await tx.execute(db.dialect.ddl(statement))
+            await tx.execute(
+                "INSERT INTO loom_schema_version (component, version, description, applied_at)"
+                " VALUES ($1, $2, $3, {now})",
+                component,
+                version,
+                migration.description,
+            )
+    async with db.transaction(lock_key=_LOCK_KEY, what="migration") as tx:
+        current = await _version(db, tx, component)
+    if current > latest:
+        raise MigrationError(
+            f"the {component} schema is at version {current}, newer than this loomflow knows "
+            f"({latest}); upgrade loomflow"
+        )
+    return current
+
+
+async def schema_versions(db: Database) -> dict[str, int]:
+    """Every component's schema version in this database."""
+    async with db.transaction(what="schema read") as tx:
+        await tx.execute(db.dialect.ddl(_VERSION_TABLE))
+        rows = await tx.fetch(
+            "SELECT component, MAX(version) FROM loom_schema_version GROUP BY component"
+        )
+    return {str(r[0]): int(r[1]) for r in rows}

@@ -1,0 +1,140 @@
+"""SQLite through aiosqlite: one connection, WAL, synchronous=FULL, busy_timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+from ._database import Database, Rows, Transaction
+from ._dialect import SQLITE
+
+__all__ = ["SqliteDatabase"]
+
+
+class _Tx(Transaction):
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self._conn = conn
+
+    async def execute(self, sql: str, *args: Any) -> None:
+        await self._conn.execute(sql, args)
+
+    async def fetch(self, sql: str, *args: Any) -> Rows:
+        return list(await self._conn.execute_fetchall(sql, args))
+
+
+class SqliteDatabase(Database):
+    """One aiosqlite connection to a file (or ``":memory:"``).
+
+    Every statement autocommits (``isolation_level=None``), so a journal write is one trip to
+    aiosqlite's thread and one fsync. Explicit transactions take the write lock up front
+    (``BEGIN IMMEDIATE``) and keep other coroutines of this process out until they end.
+    """
+
+    dialect = SQLITE
+    driver_errors = (sqlite3.Error, OSError)
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        busy_timeout_ms: int = 5000,
+        synchronous: str = "FULL",
+    ) -> None:
+        super().__init__()
+        if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
+            raise ValueError(f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}")
+        self.path = Path(path)
+        self.busy_timeout_ms = int(busy_timeout_ms)
+        self.synchronous = synchronous.upper()
+        self._conn: aiosqlite.Connection | None = None
+        self._tx_lock = asyncio.Lock()
+        self._open_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"SqliteDatabase({str(self.path)!r})"
+
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None
+
+    @property
+    def conn(self) -> aiosqlite.Connection:
+        """The aiosqlite connection (after :meth:`open`)."""
+        if self._conn is None:
+            raise RuntimeError("the SQLite database is not open")
+        return self._conn
+
+    async def _connect(self) -> None:
+        async with self._open_lock:
+            if self._conn is not None:
+                return
+            if str(self.path) != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            pending = aiosqlite.connect(self.path, isolation_level=None)
+            try:
+                conn = await pending
+            except BaseException:
+                # aiosqlite stops its worker thread without waiting for it; join it so that
+                # the thread does not report to an event loop the caller may close next.
+                worker = getattr(pending, "_thread", None)
+                if worker is not None:
+                    await asyncio.to_thread(worker.join, 5)
+                raise
+            try:
+                await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+                await self._enable_wal(conn)
+                await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            except BaseException:
+                await conn.close()
+                raise
+            self._conn = conn
+
+    async def _enable_wal(self, conn: aiosqlite.Connection) -> None:
+        # Switching a new file to WAL needs a lock that SQLite does not wait for through
+        # busy_timeout, so processes opening the same new file at once retry here.
+        deadline = time.monotonic() + max(self.busy_timeout_ms, 1000) / 1000
+        delay = 0.005
+        while True:
+            rows = await conn.execute_fetchall("PRAGMA journal_mode")
+            if str(next(iter(rows))[0]).lower() in ("wal", "memory"):
+                return
+            try:
+                await conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    async def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def _fetch(self, sql: str, *args: Any) -> Rows:
+        conn = self.conn
+        if self._tx_lock.locked():  # a transaction is open on our connection: wait it out
+            async with self._tx_lock:
+                return await conn.execute_fetchall(sql, args)  # type: ignore[return-value]
+        return await conn.execute_fetchall(sql, args)  # type: ignore[return-value]
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self, lock_key: int | None) -> AsyncIterator[Transaction]:
+        async with self._tx_lock:
+            conn = self.conn
+            await conn.execute("BEGIN IMMEDIATE")  # the write lock: other processes queue here
+            try:
+                yield _Tx(conn)
+            except BaseException:
+                await conn.execute("ROLLBACK")
+                raise
+            await conn.execute("COMMIT")
