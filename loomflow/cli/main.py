@@ -65,7 +65,29 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--user", dest="user_id")
     prune.add_argument("--include-open", action="store_true", help="also delete open runs")
     prune.add_argument("--json", action="store_true")
+
+    for module in _command_modules():
+        module.register(sub)
     return parser
+
+
+# Command groups that live in their own modules (audit, budget, checkpoints, ...): each has
+# ``register(subparsers)`` adding its parser with ``set_defaults(handler=...)``, where the
+# handler is ``async def handler(args) -> int``.
+_PLUGINS = ("audit", "budget", "checkpoints")
+
+
+def _command_modules() -> list[Any]:
+    import importlib
+
+    modules = []
+    for name in _PLUGINS:
+        try:
+            modules.append(importlib.import_module(f"loomflow.cli.{name}"))
+        except ModuleNotFoundError as exc:
+            if exc.name != f"loomflow.cli.{name}":
+                raise
+    return modules
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(
                 postgres=args.postgres, workdir=args.workdir, stop_after=args.kill_after
             )
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return int(asyncio.run(handler(args)))
         return asyncio.run(_dispatch(args))
     except LoomflowError as exc:
         print(f"loomflow: error: {exc}", file=sys.stderr)
