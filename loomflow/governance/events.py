@@ -1,0 +1,71 @@
+"""Events governance emits into a run's stream; the audit log records every one of them.
+
+They are emitted with ``RunInfo.emit`` from the hooks, so they reach the caller of
+``agent.stream()`` and every other hook's ``on_event`` (audit, telemetry).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "BudgetDenied",
+    "BudgetWarning",
+    "GovernanceEvent",
+    "GuardrailTripped",
+    "PermissionDecided",
+]
+
+
+class GovernanceEvent(BaseModel):
+    """Base of governance events."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BudgetWarning(GovernanceEvent):
+    """Spend crossed a warning threshold of a cap (the run goes on)."""
+
+    type: Literal["budget_warning"] = "budget_warning"
+    cap: str  # e.g. "user.tokens_total", "global.cost_usd.daily"
+    limit: float
+    used: float
+    fraction: float
+
+
+class BudgetDenied(GovernanceEvent):
+    """A model call was refused because it would cross a cap; the run ends interrupted."""
+
+    type: Literal["budget_denied"] = "budget_denied"
+    cap: str
+    limit: float
+    used: float
+    requested: float
+
+
+class PermissionDecided(GovernanceEvent):
+    """The permission layer decided on a live tool call."""
+
+    type: Literal["permission_decided"] = "permission_decided"
+    tool: str
+    turn: int
+    slot: int
+    decision: Literal["allow", "deny", "ask"]
+    final: Literal["allow", "deny"]  # after an approval handler answered an "ask"
+    reason: str
+    policy: str
+    approver: str | None = None
+    arguments: dict[str, Any] = Field(default_factory=dict)  # already redacted
+    edited: bool = False
+
+
+class GuardrailTripped(GovernanceEvent):
+    """A guardrail blocked or redacted input, output or a tool result."""
+
+    type: Literal["guardrail_tripped"] = "guardrail_tripped"
+    name: str
+    stage: Literal["input", "output", "tool_result"]
+    action: Literal["block", "redact"]
+    detail: str = ""
