@@ -195,6 +195,7 @@ class FunctionModel:
 
     Attributes:
         calls: How many times ``stream`` was called.
+        requests: The messages of every call, in order.
     """
 
     provider = "scripted"
@@ -208,6 +209,7 @@ class FunctionModel:
         self._fn = fn
         self._name = name
         self.calls = 0
+        self.requests: list[list[Message]] = []
 
     @property
     def name(self) -> str:
@@ -223,6 +225,7 @@ class FunctionModel:
     ) -> AsyncIterator[ModelChunk]:
         """Stream the function's answer."""
         self.calls += 1
+        self.requests.append(list(messages))
         return self._play(list(messages), list(tools))
 
     async def _play(
