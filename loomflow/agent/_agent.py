@@ -120,11 +120,15 @@ class Agent:
         tuning: Loop settings (:class:`Tuning`).
         max_turns: Model calls allowed per run before it stops with ``max_turns``.
         name: A short name used in sub-run keys, spans and tool names.
-        budget, permissions, guardrails, memory, audit, telemetry: Governance and
-            observability components; each is (or provides through ``as_hooks()``) a
-            :class:`~loomflow.agent.hooks.RunHooks` that the loop calls, in this order:
-            guardrails, budget, permissions, memory, audit, telemetry, then ``hooks``.
-        hooks: Extra :class:`~loomflow.agent.hooks.RunHooks`.
+        memory: Per-user memory (episodes, facts, blocks).
+        budget: Spending caps checked before every live model call.
+        permissions: The policy checked before every live tool call.
+        audit: The per-user audit log.
+        guardrails: Checks on input, output and tool results.
+        telemetry: Spans and metrics.
+        hooks: Extra :class:`~loomflow.agent.hooks.RunHooks`. Each component above is (or
+            provides through ``as_hooks()``) a ``RunHooks`` too; the loop calls them in the
+            order guardrails, budget, permissions, memory, audit, telemetry, then ``hooks``.
     """
 
     def __init__(
