@@ -26,11 +26,18 @@ class Dialect:
         self.lock = lock
         self.types = types
         self._numbered = numbered  # replacement for $n, e.g. r"?\1" for SQLite
+        # Statements are a small fixed set, and this runs on every journal write: memoise.
+        self._cache: dict[str, str] = {}
 
     def sql(self, text: str) -> str:
         """Fill the hooks and placeholders of a statement."""
-        text = text.replace("{now}", self.now).replace("{lock}", self.lock)
-        return _PLACEHOLDER.sub(self._numbered, text)
+        done = self._cache.get(text)
+        if done is None:
+            filled = text.replace("{now}", self.now).replace("{lock}", self.lock)
+            done = _PLACEHOLDER.sub(self._numbered, filled)
+            if len(self._cache) < 4096:  # dynamic SQL (prune filters) must not grow it forever
+                self._cache[text] = done
+        return done
 
     def ddl(self, text: str) -> str:
         """Fill the type names of a DDL statement."""
