@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
         dest="runs_command", required=True
     )
+    listing = runs.add_parser("list", help="sessions in the journal, most recent first")
+    listing.add_argument("--user", dest="user_id", help="only this user's sessions")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
     show = runs.add_parser("show", help="a session's journal entries")
     show.add_argument("session_id")
     show.add_argument("--user", dest="user_id", help="user id (default: the anonymous bucket)")
@@ -117,6 +121,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
             version = await runtime.migrate()
             print(f"journal schema at version {version}")
             return 0
+        if args.command == "runs" and args.runs_command == "list":
+            return await _runs_list(runtime, args)
         if args.command == "runs":
             return await _runs_show(runtime, args)
         if args.command == "journal":
@@ -124,6 +130,53 @@ async def _dispatch(args: argparse.Namespace) -> int:
         raise AssertionError(args.command)  # argparse only lets known commands through
     finally:
         await runtime.close()
+
+
+def _table(rows: list[tuple[Any, ...]]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
+    filters: dict[str, Any] = {"limit": args.limit}
+    if args.user_id is not None:
+        filters["user_id"] = args.user_id
+    sessions = await runtime.sessions(**filters)
+    if args.json:
+        for s in sessions:
+            print(
+                json.dumps(
+                    {
+                        "session_id": s.session_id,
+                        "user_id": s.user_id,
+                        "epoch": s.epoch,
+                        "open": s.open,
+                        "owner": s.owner,
+                        "updated_at": s.updated_at,
+                        "entries": s.entries,
+                    }
+                )
+            )
+        return 0
+    if not sessions:
+        print("no sessions in the journal")
+        return 0
+    rows: list[tuple[Any, ...]] = [
+        ("session", "user", "runs", "last run", "steps", "updated (UTC)")
+    ]
+    for s in sessions:
+        state = "running" if s.owner else ("open (resumable)" if s.open else "finished")
+        runs_done = s.epoch + (1 if s.open else 0)
+        rows.append(
+            (s.session_id, s.user_id or "-", runs_done, state, s.entries, _when(s.updated_at))
+        )
+    _table(rows)
+    return 0
 
 
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
@@ -149,13 +202,24 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     if not entries:
         print(f"no journal entries for session {args.session_id!r} user {args.user_id!r}")
         return 0
-    rows: list[tuple[Any, ...]] = [("epoch", "step", "sub-run", "kind", "bytes", "written (UTC)")]
+    info = next(
+        (
+            s
+            for s in await runtime.sessions(user_id=args.user_id, limit=10_000)
+            if s.session_id == args.session_id
+        ),
+        None,
+    )
+    rows: list[tuple[Any, ...]] = [
+        ("epoch", "step", "sub-run", "kind", "bytes", "on resume", "written (UTC)")
+    ]
     for e in entries:
-        when = dt.datetime.fromtimestamp(e.created_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-        rows.append((e.epoch, e.name, "/".join(e.path) or "-", e.kind, e.size, when[:-3]))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        last = info is not None and e.epoch == (info.epoch if info.open else info.epoch - 1)
+        status = "replays" if last else "kept (earlier run)"
+        rows.append(
+            (e.epoch, e.name, "/".join(e.path) or "-", e.kind, e.size, status, _when(e.created_at))
+        )
+    _table(rows)
     return 0
 
 

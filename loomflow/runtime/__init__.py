@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._journal import JournalRun, JournalRuntime, PickledEntryWarning, ReplayStats, StepEvent
 from ._protocol import Runtime
-from ._store import EntryInfo
+from ._store import EntryInfo, SessionInfo
 from ._url import runtime_from_url
 from .codec import register_type
 from .inmemory import InMemoryRuntime
@@ -28,6 +28,7 @@ __all__ = [
     "PostgresRuntime",
     "ReplayStats",
     "Runtime",
+    "SessionInfo",
     "SqliteRuntime",
     "StepEvent",
     "register_type",

@@ -38,7 +38,16 @@ from ..errors import (
     UserError,
 )
 from . import codec
-from ._store import Claim, EntryInfo, JournalStore, Scope, StoredEntry, fingerprint, path_key
+from ._store import (
+    Claim,
+    EntryInfo,
+    JournalStore,
+    Scope,
+    SessionInfo,
+    StoredEntry,
+    fingerprint,
+    path_key,
+)
 
 __all__ = [
     "JournalRun",
@@ -717,6 +726,16 @@ class JournalRuntime:
         """Describe every journal entry of one (session, user), oldest epoch first."""
         await self._ensure_open()
         return await self._store.list_entries(session_id, user_id)
+
+    async def sessions(self, *, user_id: str | None = _ANY, limit: int = 100) -> list[SessionInfo]:
+        """The journal's (session, user) pairs, most recently active first.
+
+        ``user_id`` filters (``None`` is the anonymous bucket; leave it out for everyone).
+        """
+        await self._ensure_open()
+        return await self._store.list_sessions(
+            None if user_id is _ANY else user_id, user_id is not _ANY, limit
+        )
 
     async def prune(
         self,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..storage import Database, apply_migrations
-from ._store import Claim, EntryInfo, Scope, StoredEntry
+from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
 from .migrations import COMPONENT, MIGRATIONS
 
 __all__ = ["SqlJournalStore"]
@@ -248,6 +248,30 @@ class SqlJournalStore:
                 int(r[5]),
                 float(r[6]),
             )
+            for r in rows
+        ]
+
+    async def list_sessions(
+        self, user_id: str | None, by_user: bool, limit: int
+    ) -> list[SessionInfo]:
+        where = ""
+        args: list[Any] = []
+        if by_user:
+            if user_id is None:
+                where = "WHERE s.user_id IS NULL"
+            else:
+                where = "WHERE s.user_id = $1"
+                args.append(user_id)
+        args.append(limit)
+        rows = await self.db.fetch(
+            "SELECT s.session_id, s.user_id, s.epoch, s.open, s.owner, s.updated_at, "
+            "(SELECT COUNT(*) FROM loom_entries e WHERE e.scope = s.scope) "
+            f"FROM loom_sessions s {where} ORDER BY s.updated_at DESC LIMIT ${len(args)}",
+            *args,
+            what="journal read",
+        )
+        return [
+            SessionInfo(r[0], r[1], int(r[2]), bool(r[3]), r[4], float(r[5]), int(r[6]))
             for r in rows
         ]
 

@@ -17,7 +17,15 @@ from typing import Any, Protocol
 from ..errors import UserError
 from . import codec
 
-__all__ = ["Claim", "EntryInfo", "JournalStore", "Scope", "StoredEntry", "fingerprint"]
+__all__ = [
+    "Claim",
+    "EntryInfo",
+    "JournalStore",
+    "Scope",
+    "SessionInfo",
+    "StoredEntry",
+    "fingerprint",
+]
 
 
 def _key(*parts: str | None) -> str:
@@ -100,6 +108,19 @@ class EntryInfo:
     created_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """One (session, user) of the journal, as ``runs list`` shows it."""
+
+    session_id: str | None
+    user_id: str | None
+    epoch: int  # the epoch the next new run will use
+    open: bool  # the current epoch holds a run that raised or crashed (resumable)
+    owner: str | None  # the worker holding the turn right now, if any
+    updated_at: float
+    entries: int
+
+
 class JournalStore(Protocol):
     """Storage operations the journal needs; implemented once per backend."""
 
@@ -152,6 +173,10 @@ class JournalStore(Protocol):
     async def list_entries(
         self, session_id: str | None, user_id: str | None
     ) -> list[EntryInfo]: ...
+
+    async def list_sessions(
+        self, user_id: str | None, by_user: bool, limit: int
+    ) -> list[SessionInfo]: ...
 
     async def prune(
         self,

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import Settings
 from ._journal import JournalRuntime
-from ._store import Claim, EntryInfo, Scope, StoredEntry
+from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
 
 __all__ = ["InMemoryRuntime"]
 
@@ -27,6 +27,7 @@ class _SessionRow:
     owner: str | None = None
     token: int = 0
     lease_until: float = 0.0
+    updated_at: float = 0.0
 
 
 class InMemoryStore:
@@ -58,6 +59,7 @@ class InMemoryStore:
         if row.owner is not None and row.lease_until >= now:
             return None
         row.owner, row.token, row.lease_until = owner, row.token + 1, now + lease_s
+        row.updated_at = now
         return Claim(row.token, row.epoch, row.open)
 
     async def holder(self, scope: Scope) -> tuple[str, int] | None:
@@ -91,7 +93,7 @@ class InMemoryStore:
         row = self._owned(scope, token)
         if row is None:
             return False
-        row.owner, row.lease_until = None, 0.0
+        row.owner, row.lease_until, row.updated_at = None, 0.0, time.time()
         if advance_to is not None:
             row.epoch = max(row.epoch, advance_to)
             row.open = False
@@ -141,6 +143,25 @@ class InMemoryStore:
             for e, created in run.values()
         ]
         return sorted(infos, key=lambda i: (i.epoch, i.seq))
+
+    async def list_sessions(
+        self, user_id: str | None, by_user: bool, limit: int
+    ) -> list[SessionInfo]:
+        infos = [
+            SessionInfo(
+                row.session_id,
+                row.user_id,
+                row.epoch,
+                row.open,
+                row.owner,
+                row.updated_at,
+                sum(len(run) for run in self.entries.get(key, {}).values()),
+            )
+            for key, row in self.sessions.items()
+            if not by_user or row.user_id == user_id
+        ]
+        infos.sort(key=lambda i: i.updated_at, reverse=True)
+        return infos[:limit]
 
     async def prune(
         self,

@@ -578,6 +578,24 @@ class JournalConformance:
         assert await runtime.prune(older_than=dt.timedelta(seconds=0)) == 1
         assert await runtime.entries("s2", "alice") == []
 
+    async def test_sessions_are_listed_newest_first(self, runtime: JournalRuntime) -> None:
+        body = Counter()
+        async with runtime.session("older", "alice"):
+            await runtime.step("a", body, 1)
+        await _raise_in_run(runtime, "newer", "alice", lambda: runtime.step("a", body, 1))
+        async with runtime.session("other", "bob"):
+            await runtime.step("a", body, 1)
+            await runtime.step("b", body, 2)
+        alice = await runtime.sessions(user_id="alice")
+        assert [(s.session_id, s.epoch, s.open, s.entries) for s in alice] == [
+            ("newer", 0, True, 1),
+            ("older", 1, False, 1),
+        ]
+        assert all(s.owner is None for s in alice)
+        everyone = await runtime.sessions()
+        assert {s.user_id for s in everyone} == {"alice", "bob"}
+        assert len(await runtime.sessions(limit=1)) == 1
+
     async def test_entries_describe_the_journal(self, runtime: JournalRuntime) -> None:
         async with runtime.session("s", "u"):
             await runtime.step("a", Counter(), 1)

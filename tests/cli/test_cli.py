@@ -63,6 +63,16 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     assert len(names) == 10
     table = loomflow("--url", demo_url, "runs", "show", session, "--user", "alice@example.com")
     assert "model_call_4" in table.stdout
+    assert "replays" in table.stdout
+    listed = loomflow("--url", demo_url, "runs", "list", "--json")
+    (entry,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert entry["session_id"] == session
+    assert entry["user_id"] == "alice@example.com"
+    assert entry["entries"] == 10
+    assert entry["open"] is False
+    people = loomflow("--url", demo_url, "runs", "list", "--user", "nobody")
+    assert people.stdout.strip() == "no sessions in the journal"
+    assert "finished" in loomflow("--url", demo_url, "runs", "list").stdout
     assert "epoch" in table.stdout
     pruned = loomflow("--url", demo_url, "journal", "prune", "--json")
     assert json.loads(pruned.stdout) == {"deleted": 10}
