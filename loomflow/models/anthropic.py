@@ -6,11 +6,9 @@ Needs the extra: ``pip install 'loomflow[anthropic]'``. The SDK is imported when
 
 from __future__ import annotations
 
-import random
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError
 from ..messages import (
     Message,
     ModelChunk,
@@ -24,14 +22,12 @@ from ..messages import (
 )
 from ._arguments import parse_tool_arguments
 from ._retry import (
-    Backoff,
     Failure,
     IncompleteStreamError,
     is_retryable_status,
     parse_retry_after,
-    stream_with_retries,
-    transport_errors,
 )
+from ._sdk import SdkModel
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
@@ -68,7 +64,7 @@ def _import_sdk() -> Any:
     return anthropic
 
 
-class AnthropicModel:
+class AnthropicModel(SdkModel["AsyncAnthropic"]):
     """A Claude model over the Messages API.
 
     The client is built the SDK's standard way, so ``ANTHROPIC_API_KEY`` and
@@ -92,86 +88,17 @@ class AnthropicModel:
     """
 
     provider = "anthropic"
+    _label = "Anthropic"
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        client: AsyncAnthropic | None = None,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        max_retries: int = 3,
-        backoff: Backoff | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        sdk = _import_sdk()
-        if max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
-        self._name = model
-        self._sdk = sdk
-        self._owns_client = client is None
-        options: dict[str, Any] = {"max_retries": 0}
-        if timeout is not None:
-            options["timeout"] = timeout
-        if client is None:
-            if base_url is not None:
-                options["base_url"] = base_url
-            if api_key is not None:
-                options["api_key"] = api_key
-            try:
-                self._client: AsyncAnthropic = sdk.AsyncAnthropic(**options)
-            except (sdk.AnthropicError, ValueError) as exc:
-                # E.g. no API key anywhere: say so when the model is built, as a loomflow error.
-                raise ConfigurationError(
-                    f"cannot build the Anthropic client for model {model!r}: {exc}"
-                ) from exc
-        else:
-            # A copy sharing the caller's connection pool, with the SDK retries off.
-            self._client = client.with_options(**options)
-        self.max_retries = max_retries
-        self.backoff = backoff or Backoff()
-        self._rng = random.Random()
-        self._transport_errors = transport_errors()
+    @staticmethod
+    def _import_sdk() -> Any:
+        return _import_sdk()
 
-    @property
-    def name(self) -> str:
-        """The model id sent to the API."""
-        return self._name
+    def _new_client(self, sdk: Any, options: dict[str, Any]) -> AsyncAnthropic:
+        return sdk.AsyncAnthropic(**options)  # type: ignore[no-any-return]
 
-    @property
-    def client(self) -> AsyncAnthropic:
-        """The SDK client in use."""
-        return self._client
-
-    async def aclose(self) -> None:
-        """Close the client if this adapter built it."""
-        if self._owns_client:
-            await self._client.close()
-
-    async def __aenter__(self) -> AnthropicModel:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    def stream(
-        self,
-        messages: list[Message],
-        *,
-        tools: Sequence[ToolSpec] = (),
-        settings: ModelSettings | None = None,
-    ) -> AsyncIterator[ModelChunk]:
-        """Stream Claude's answer; the last chunk is the ``ModelResponse``."""
-        request = self._request(messages, list(tools), settings or ModelSettings())
-        return stream_with_retries(
-            lambda: self._attempt(request),
-            self._classify,
-            provider=self.provider,
-            model=self._name,
-            max_retries=self.max_retries,
-            backoff=self.backoff,
-            rng=self._rng,
-        )
+    def _sdk_errors(self, sdk: Any) -> tuple[type[BaseException], ...]:
+        return (sdk.AnthropicError,)
 
     def _request(
         self, messages: list[Message], tools: list[ToolSpec], settings: ModelSettings

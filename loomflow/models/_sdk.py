@@ -1,0 +1,140 @@
+"""What the provider adapters share: building the SDK client, closing it, retrying streams."""
+
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, ClassVar, Generic, Self, TypeVar
+
+from ..errors import ConfigurationError
+from ..messages import Message, ModelChunk, ModelSettings, ToolSpec
+from ._retry import Backoff, Failure, stream_with_retries, transport_errors
+
+__all__ = ["SdkModel"]
+
+ClientT = TypeVar("ClientT")
+
+
+class SdkModel(abc.ABC, Generic[ClientT]):
+    """A model served through an official provider SDK's async client.
+
+    The client is built the SDK's standard way, so its own environment variables work
+    unchanged; ``base_url=``/``api_key=`` override them, or a ready client is used as given (a
+    copy with the SDK's retries off; the original stays the caller's to close). Transient
+    failures are retried here, with backoff, only before the first chunk has been yielded.
+    """
+
+    provider: ClassVar[str]
+    _label: ClassVar[str]  # the provider's name in messages, e.g. "Anthropic"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        client: ClientT | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        max_retries: int = 3,
+        backoff: Backoff | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        sdk = self._import_sdk()
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self._name = model
+        self._sdk = sdk
+        self._owns_client = client is None
+        options: dict[str, Any] = {"max_retries": 0}
+        if timeout is not None:
+            options["timeout"] = timeout
+        if client is None:
+            # Only explicit values are passed: the SDK reads its environment for the rest.
+            if base_url is not None:
+                options["base_url"] = base_url
+            if api_key is not None:
+                options["api_key"] = api_key
+            build_errors: tuple[type[BaseException], ...] = (*self._sdk_errors(sdk), ValueError)
+            try:
+                self._client: ClientT = self._new_client(sdk, options)
+            except build_errors as exc:
+                # E.g. no API key anywhere: say so when the model is built, as a loomflow error.
+                raise ConfigurationError(
+                    f"cannot build the {self._label} client for model {model!r}: {exc}"
+                ) from exc
+        else:
+            # A copy sharing the caller's connection pool, with the SDK retries off.
+            self._client = client.with_options(**options)  # type: ignore[attr-defined]
+        self.max_retries = max_retries
+        self.backoff = backoff or Backoff()
+        self._rng = random.Random()
+        self._transport_errors = transport_errors()
+
+    # -- provider hooks ----------------------------------------------------------------------
+
+    @staticmethod
+    @abc.abstractmethod
+    def _import_sdk() -> Any:
+        """Import the SDK, or raise ImportError naming the extra to install."""
+
+    @abc.abstractmethod
+    def _new_client(self, sdk: Any, options: dict[str, Any]) -> ClientT: ...
+
+    @abc.abstractmethod
+    def _sdk_errors(self, sdk: Any) -> tuple[type[BaseException], ...]: ...
+
+    @abc.abstractmethod
+    def _request(
+        self, messages: list[Message], tools: list[ToolSpec], settings: ModelSettings
+    ) -> dict[str, Any]:
+        """The SDK call's keyword arguments."""
+
+    @abc.abstractmethod
+    def _attempt(self, request: dict[str, Any]) -> AsyncGenerator[ModelChunk, None]:
+        """One streamed attempt."""
+
+    @abc.abstractmethod
+    def _classify(self, exc: Exception) -> Failure | None:
+        """Describe a failure (retryable or not), or ``None`` if it is not the provider's."""
+
+    # -- shared behaviour --------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The model id sent to the API."""
+        return self._name
+
+    @property
+    def client(self) -> ClientT:
+        """The SDK client in use."""
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the client if this adapter built it."""
+        if self._owns_client:
+            await self._client.close()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def stream(
+        self,
+        messages: list[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        settings: ModelSettings | None = None,
+    ) -> AsyncIterator[ModelChunk]:
+        """Stream the model's answer; the last chunk is the ``ModelResponse``."""
+        request = self._request(messages, list(tools), settings or ModelSettings())
+        return stream_with_retries(
+            lambda: self._attempt(request),
+            self._classify,
+            provider=self.provider,
+            model=self._name,
+            max_retries=self.max_retries,
+            backoff=self.backoff,
+            rng=self._rng,
+        )
