@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -69,4 +69,77 @@ class Settings(BaseSettings):
     auto_migrate: bool = Field(
         default=True,
         description="Apply pending schema migrations when a runtime first connects.",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description=(
+            "Base URL of an OTLP/HTTP receiver, e.g. `http://otel-collector:4318`; when set, "
+            "`setup_telemetry()` exports spans to `<url>/v1/traces` (needs the `otel` extra)."
+        ),
+    )
+    otlp_headers: str | None = Field(
+        default=None,
+        description="Extra headers of OTLP export requests, as `name=value,name2=value2`.",
+    )
+    otel_service_name: str | None = Field(
+        default=None,
+        description=(
+            "`service.name` of exported spans; unset, `OTEL_SERVICE_NAME` or else `loomflow`."
+        ),
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description=(
+            "When set, `setup_telemetry()` serves Prometheus metrics at `/metrics` on this port "
+            "(0 picks a free one)."
+        ),
+    )
+    metrics_host: str = Field(
+        default="0.0.0.0",
+        description="Address the metrics endpoint binds; `127.0.0.1` keeps it local.",
+    )
+    telemetry_capture_content: bool = Field(
+        default=False,
+        description=(
+            "Record prompts, completions, tool arguments and tool results on spans. Off by "
+            "default: they may hold personal data."
+        ),
+    )
+    audit_url: str = Field(
+        default="sqlite:///.loomflow/audit.db",
+        description=(
+            "Where the audit log lives: `memory://`, `sqlite:///relative/path.db`, "
+            "`sqlite:////absolute/path.db`, a `postgresql://` DSN, or a JSON-lines file as "
+            "`jsonl:///relative/path.jsonl` (or any path ending in `.jsonl`)."
+        ),
+    )
+    redact_secrets: list[SecretStr] = Field(
+        default_factory=list,
+        description=(
+            "Secret values to redact wherever they appear before the audit log (and loomflow's "
+            'logs) store them; a JSON list in the environment, e.g. \'["s3cr3t-db-pass"]\'. '
+            "Values shorter than 4 characters are ignored."
+        ),
+    )
+    redact_env: list[str] = Field(
+        default_factory=lambda: [
+            "ANTHROPIC_API_KEY",
+            "OPENAI_API_KEY",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "GITHUB_TOKEN",
+        ],
+        description=(
+            "Names of environment variables whose values are secrets to redact like "
+            "`redact_secrets` (read when the redactor is built)."
+        ),
+    )
+    budget_url: str | None = Field(
+        default=None,
+        description=(
+            "Where budget totals live (`memory://`, a `sqlite:///` path or a `postgresql://` "
+            "DSN). Unset, the budget shares the journal's database (`runtime_url`)."
+        ),
     )

@@ -15,6 +15,15 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── OwnershipLostError         this run was fenced out by a newer owner
     │   └── StoreUnavailableError      the database driver failed underneath us
     ├── MigrationError                 the schema could not be brought up to date
+    ├── AuditError                     the audit log could not do what was asked
+    │   └── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
+    ├── CheckpointError                a checkpoint could not be found or read back
+    │   └── CheckpointNotFoundError    no checkpoint with that id for this session and user
+    ├── BudgetError                    the budget would not vouch for a model call
+    │   ├── BudgetExceededError        the call would cross a cap (agents end budget:<cap>)
+    │   ├── BudgetUnavailableError     the budget store failed, so the call was refused
+    │   ├── InvalidUsageError          a token count or cost is negative, NaN or absurd
+    │   └── UnknownModelPriceError     no price is known for the model being charged
     └── ModelError                     a model provider call failed (provider, model, status)
         ├── ModelRetryExhaustedError   transient failures outlasted the retry budget
         └── ScriptExhaustedError       a scripted model was called more often than scripted
@@ -28,8 +37,16 @@ to :class:`ModelError` by one classifier per adapter in ``loomflow.models``, als
 from __future__ import annotations
 
 __all__ = [
+    "AuditError",
+    "AuditIntegrityError",
+    "BudgetError",
+    "BudgetExceededError",
+    "BudgetUnavailableError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "ConfigurationError",
     "CorruptEntryError",
+    "InvalidUsageError",
     "JournalEncodeError",
     "JournalError",
     "LoomflowError",
@@ -43,6 +60,7 @@ __all__ = [
     "ScriptExhaustedError",
     "SessionBusyError",
     "StoreUnavailableError",
+    "UnknownModelPriceError",
     "UserError",
 ]
 
@@ -65,6 +83,22 @@ class ConfigurationError(LoomflowError):
 
 class MigrationError(LoomflowError):
     """A schema migration failed or the database is newer than this library."""
+
+
+class AuditError(LoomflowError):
+    """Base class of the audit log's own failures."""
+
+
+class AuditIntegrityError(AuditError):
+    """The stored audit trail is damaged (truncated, unreadable); appending would hide it."""
+
+
+class CheckpointError(LoomflowError):
+    """A checkpoint exists but cannot be read back (damaged, or from a newer loomflow)."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No checkpoint with the given id exists for this (session, user)."""
 
 
 class JournalError(LoomflowError):
@@ -171,3 +205,47 @@ class ModelRetryExhaustedError(ModelError):
 
 class ScriptExhaustedError(ModelError):
     """A scripted test model was asked for more turns than its script holds."""
+
+
+class BudgetError(LoomflowError):
+    """Base class of the budget's refusals and failures."""
+
+
+class BudgetExceededError(BudgetError):
+    """A model call would cross a cap; agents turn it into a ``budget:<cap>`` interruption.
+
+    Attributes:
+        cap: The cap's name, e.g. ``"user.tokens_total.daily"``.
+        limit: The cap's limit (tokens, USD or seconds).
+        used: What was already spent when the call asked.
+        reserved: What calls in flight held at that moment.
+        requested: What the refused call asked to reserve.
+    """
+
+    def __init__(
+        self, cap: str, limit: float, used: float, reserved: float, requested: float
+    ) -> None:
+        self.cap = cap
+        self.limit = limit
+        self.used = used
+        self.reserved = reserved
+        self.requested = requested
+        super().__init__(
+            f"budget cap {cap} ({limit:g}) reached: {used:g} used, {reserved:g} reserved by "
+            f"calls in flight, {requested:g} requested"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.cap, self.limit, self.used, self.reserved, self.requested))
+
+
+class BudgetUnavailableError(BudgetError):
+    """The budget store could not be reached, so the model call was refused (fail closed)."""
+
+
+class InvalidUsageError(BudgetError, ValueError):
+    """A token count, cost or limit is negative, NaN, infinite or implausibly large."""
+
+
+class UnknownModelPriceError(BudgetError):
+    """The budget cannot price a model call: the model is in no price table it was given."""

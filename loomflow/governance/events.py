@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "BudgetDenied",
+    "BudgetUnavailable",
     "BudgetWarning",
     "GovernanceEvent",
     "GuardrailTripped",
@@ -43,6 +44,14 @@ class BudgetDenied(GovernanceEvent):
     limit: float
     used: float
     requested: float
+    reserved: float = 0.0  # held by other calls in flight when this one asked
+
+
+class BudgetUnavailable(GovernanceEvent):
+    """The budget store failed, so a model call was refused (fail closed); the run raises."""
+
+    type: Literal["budget_unavailable"] = "budget_unavailable"
+    detail: str
 
 
 class PermissionDecided(GovernanceEvent):

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._journal import JournalRun, JournalRuntime, PickledEntryWarning, ReplayStats, StepEvent
+from ._journal import (
+    JournalRun,
+    JournalRuntime,
+    PickledEntryWarning,
+    ReplayStats,
+    StepEvent,
+    StepStart,
+    StepTracer,
+)
 from ._protocol import Runtime
 from ._store import EntryInfo, SessionInfo
 from ._url import runtime_from_url
@@ -31,6 +39,8 @@ __all__ = [
     "SessionInfo",
     "SqliteRuntime",
     "StepEvent",
+    "StepStart",
+    "StepTracer",
     "register_type",
     "runtime_from_url",
 ]

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeAlias, TypeVar, overload
 
 from ulid import ULID
 
@@ -55,6 +55,9 @@ __all__ = [
     "PickledEntryWarning",
     "ReplayStats",
     "StepEvent",
+    "StepNote",
+    "StepStart",
+    "StepTracer",
 ]
 
 log = logging.getLogger("loomflow.runtime")
@@ -111,6 +114,36 @@ class StepEvent:
     outcome: Outcome
     duration_s: float
     write_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepStart:
+    """A journaled step about to be looked up and (maybe) run; handed to step tracers."""
+
+    backend: str
+    session_id: str | None
+    user_id: str | None
+    epoch: int
+    path: tuple[str, ...]
+    name: str
+    kind: str
+    stream: bool
+
+
+StepNote: TypeAlias = Callable[[StepEvent], None]
+
+StepTracer: TypeAlias = Callable[[StepStart], contextlib.AbstractContextManager[StepNote | None]]
+"""Wraps one journaled step (telemetry opens a span here; the runtime imports no tracing).
+
+``tracer(start)`` is entered before the journal lookup and left when the step ends, with the
+step's exception if it raised. What it yields, if callable, gets the step's :class:`StepEvent`
+(hit, miss, divergence, timings) before the observers do. A stream step stays inside the block
+until its stream ends or is abandoned, across its yields, so a tracer must not make anything
+"current" in ``contextvars`` for a stream step.
+"""
+
+# Shared by every untraced step (nullcontext is reusable): no allocation on the hot path.
+_UNTRACED: contextlib.AbstractContextManager[StepNote | None] = contextlib.nullcontext()
 
 
 @dataclass(slots=True)
@@ -232,6 +265,7 @@ class JournalRuntime:
         self._ready: asyncio.Lock | None = None
         self._opened = False
         self._observers: list[Callable[[StepEvent], None]] = []
+        self._tracers: list[StepTracer] = []
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -277,6 +311,30 @@ class JournalRuntime:
     def add_observer(self, observer: Callable[[StepEvent], None]) -> None:
         """Call ``observer`` after every journaled step (telemetry and audit hook in here)."""
         self._observers.append(observer)
+
+    def add_step_tracer(self, tracer: StepTracer) -> None:
+        """Wrap every journaled step of this runtime in ``tracer`` (see :data:`StepTracer`).
+
+        A tracer that fails is logged and ignored: it never breaks a run.
+        """
+        self._tracers.append(tracer)
+
+    def _traced(
+        self, run: JournalRun, path: tuple[str, ...], name: str, stream: bool
+    ) -> contextlib.AbstractContextManager[StepNote | None]:
+        if not self._tracers:
+            return _UNTRACED
+        start = StepStart(
+            backend=self.backend,
+            session_id=run.session_id,
+            user_id=run.user_id,
+            epoch=run.epoch,
+            path=path,
+            name=name,
+            kind=step_kind(name),
+            stream=stream,
+        )
+        return _tracing(self._tracers, start)
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -498,22 +556,23 @@ class JournalRuntime:
         if run.lost:
             raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
-        if idempotency_key is not None:
-            return await self._idempotent_step(
-                run, frame.path, name, fn, args, kwargs, idempotency_key, started
-            )
-        fp = self._fingerprint(name, args, kwargs)
-        pkey = path_key(frame.path)
-        outcome, value = self._lookup(run, frame.path, pkey, name, fp)
-        if outcome == "hit":
-            self._emit(run, frame.path, name, False, "hit", started, 0.0)
-            return value
-        result = fn(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = await result
-        write_s = await self._record(run, pkey, name, fp, "step", result)
-        self._emit(run, frame.path, name, False, outcome, started, write_s)
-        return result
+        with self._traced(run, frame.path, name, False) as note:
+            if idempotency_key is not None:
+                return await self._idempotent_step(
+                    run, frame.path, name, fn, args, kwargs, idempotency_key, started, note
+                )
+            fp = self._fingerprint(name, args, kwargs)
+            pkey = path_key(frame.path)
+            outcome, value = self._lookup(run, frame.path, pkey, name, fp, note)
+            if outcome == "hit":
+                self._emit(run, frame.path, name, False, "hit", started, 0.0, note)
+                return value
+            result = fn(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            write_s = await self._record(run, pkey, name, fp, "step", result)
+            self._emit(run, frame.path, name, False, outcome, started, write_s, note)
+            return result
 
     async def stream_step(
         self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
@@ -529,29 +588,30 @@ class JournalRuntime:
         if run.lost:
             raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
-        fp = self._fingerprint(name, args, kwargs)
-        pkey = path_key(frame.path)
-        outcome, value = self._lookup(run, frame.path, pkey, name, fp)
-        if outcome == "hit":
-            self._emit(run, frame.path, name, True, "hit", started, 0.0)
-            for chunk in value:
-                yield chunk
-            return
-        source = fn(*args, **kwargs)
-        if inspect.isawaitable(source):
-            source = await source
-        chunks: list[Any] = []
-        iterator = source.__aiter__()
-        try:
-            async for chunk in iterator:
-                chunks.append(chunk)
-                yield chunk
-        finally:
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        write_s = await self._record(run, pkey, name, fp, "stream", chunks)
-        self._emit(run, frame.path, name, True, outcome, started, write_s)
+        with self._traced(run, frame.path, name, True) as note:
+            fp = self._fingerprint(name, args, kwargs)
+            pkey = path_key(frame.path)
+            outcome, value = self._lookup(run, frame.path, pkey, name, fp, note)
+            if outcome == "hit":
+                self._emit(run, frame.path, name, True, "hit", started, 0.0, note)
+                for chunk in value:
+                    yield chunk
+                return
+            source = fn(*args, **kwargs)
+            if inspect.isawaitable(source):
+                source = await source
+            chunks: list[Any] = []
+            iterator = source.__aiter__()
+            try:
+                async for chunk in iterator:
+                    chunks.append(chunk)
+                    yield chunk
+            finally:
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            write_s = await self._record(run, pkey, name, fp, "stream", chunks)
+            self._emit(run, frame.path, name, True, outcome, started, write_s, note)
 
     def _fingerprint(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         try:
@@ -560,7 +620,13 @@ class JournalRuntime:
             raise JournalEncodeError(name, exc.type_name, "its arguments") from exc
 
     def _lookup(
-        self, run: JournalRun, path: tuple[str, ...], pkey: str, name: str, fp: str
+        self,
+        run: JournalRun,
+        path: tuple[str, ...],
+        pkey: str,
+        name: str,
+        fp: str,
+        note: StepNote | None = None,
     ) -> tuple[Outcome, Any]:
         slot = run.entries.get((pkey, name))
         if not slot:
@@ -576,7 +642,7 @@ class JournalRuntime:
                 run.epoch,
             )
             if run.strict:
-                self._emit(run, path, name, False, "divergence", time.perf_counter(), 0.0)
+                self._emit(run, path, name, False, "divergence", time.perf_counter(), 0.0, note)
                 raise ReplayDivergenceError(name, pkey, stored, fp)
             return "divergence", None
         try:
@@ -652,6 +718,7 @@ class JournalRuntime:
         kwargs: dict[str, Any],
         key: str,
         started: float,
+        note: StepNote | None = None,
     ) -> Any:
         stored = await self._store.get_idempotent(run.scope.user_key, key)
         if stored is not None:
@@ -667,7 +734,7 @@ class JournalRuntime:
             else:
                 run.stats.hits += 1
                 run.stats.hit_steps.append(name)
-                self._emit(run, path, name, False, "hit", started, 0.0)
+                self._emit(run, path, name, False, "hit", started, 0.0, note)
                 return value
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
@@ -684,7 +751,7 @@ class JournalRuntime:
             raise OwnershipLostError(f"step {name!r} ran but this run lost its turn")
         run.stats.misses += 1
         run.stats.fresh_steps.append(name)
-        self._emit(run, path, name, False, "miss", started, write_s)
+        self._emit(run, path, name, False, "miss", started, write_s, note)
         if winner.value != raw:  # a concurrent writer recorded the key first: its result stands
             return self._decode(winner)
         return result
@@ -698,8 +765,9 @@ class JournalRuntime:
         outcome: Outcome,
         started: float,
         write_s: float,
+        note: StepNote | None = None,
     ) -> None:
-        if not self._observers:
+        if not self._observers and note is None:
             return
         event = StepEvent(
             backend=self.backend,
@@ -714,7 +782,7 @@ class JournalRuntime:
             duration_s=time.perf_counter() - started,
             write_s=write_s,
         )
-        for observer in self._observers:
+        for observer in (note, *self._observers) if note is not None else self._observers:
             try:
                 observer(event)
             except Exception:  # an observer must never break a run
@@ -768,6 +836,51 @@ def _check_text(what: str, value: object) -> None:
         raise UserError(f"{what} must be a non-empty string, not {value!r}")
     if "\x00" in value:
         raise UserError(f"{what} {value!r} contains a NUL character, which no backend can store")
+
+
+@contextlib.contextmanager
+def _tracing(tracers: list[StepTracer], start: StepStart) -> Iterator[StepNote | None]:
+    """Enter every tracer around one step; a failing tracer is logged, never propagated."""
+    entered: list[contextlib.AbstractContextManager[StepNote | None]] = []
+    notes: list[StepNote] = []
+    for tracer in tracers:
+        try:
+            cm = tracer(start)
+            note = cm.__enter__()
+        except Exception:
+            log.exception("step tracer %r failed on entry", tracer)
+            continue
+        entered.append(cm)
+        if callable(note):
+            notes.append(note)
+    failure: BaseException | None = None
+    try:
+        yield (notes[0] if len(notes) == 1 else _fan_out(notes)) if notes else None
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        # Inner tracers leave first. Their return value is ignored: a tracer cannot swallow
+        # the step's exception.
+        for cm in reversed(entered):
+            try:
+                if failure is None:
+                    cm.__exit__(None, None, None)
+                else:
+                    cm.__exit__(type(failure), failure, failure.__traceback__)
+            except Exception:
+                log.exception("step tracer %r failed on exit", cm)
+
+
+def _fan_out(notes: list[StepNote]) -> StepNote:
+    def note(event: StepEvent) -> None:
+        for each in notes:
+            try:
+                each(event)
+            except Exception:
+                log.exception("step note %r failed", each)
+
+    return note
 
 
 class _Skipped(Exception):

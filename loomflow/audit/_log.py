@@ -1,0 +1,468 @@
+"""The audit log component: what the agent loop writes, through the hook seam.
+
+``Agent(audit=AuditLog(store))`` plugs :class:`AuditHooks` into the loop. Every entry is
+redacted before it is handed to the store; the store seals it into the user's chain.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TextIO
+
+from pydantic import BaseModel
+
+from ..agent.hooks import RunHooks, RunInfo
+from ..context import get_run_context
+from ..governance.events import BudgetDenied, BudgetWarning, GuardrailTripped, PermissionDecided
+from ..messages import ModelResponse, ToolCall
+from ..models import cost_usd
+from ..runtime import StepEvent
+from ..tools import Tool, ToolOutcome
+from . import actions
+from ._entry import AuditEntry, AuditRecord
+from ._store import ANY_USER, AuditPage, AuditStore, VerifyReport
+from ._url import audit_store_from_url
+from .redaction import Redactor, install_log_redaction
+
+__all__ = ["AuditHooks", "AuditLog"]
+
+log = logging.getLogger("loomflow.audit")
+
+
+class AuditLog:
+    """The per-user audit trail of agent runs, for compliance teams.
+
+    Args:
+        store: An :class:`~loomflow.audit.AuditStore`, a store URL, or ``None`` for
+            ``Settings().audit_url``.
+        redactor: What to scrub before storage; by default built from ``Settings``
+            (secret shapes, ``redact_secrets``, ``redact_env``).
+        on_error: ``"raise"`` (default) makes a failed audit write fail the run, which stays
+            open and resumable: no action goes unrecorded. ``"log"`` logs and carries on.
+        max_text: Longest string kept in a payload (prompts, results); longer ones are cut.
+        redact_logs: Also scrub loomflow's own log records with this redactor.
+
+    Example:
+        >>> audit = AuditLog("sqlite:///audit.db")
+        >>> agent = Agent("...", model="claude-opus-4-7", audit=audit)
+        >>> page = await audit.query(user_id="alice", action="tool.*")
+    """
+
+    def __init__(
+        self,
+        store: AuditStore | str | None = None,
+        *,
+        redactor: Redactor | None = None,
+        on_error: Literal["raise", "log"] = "raise",
+        max_text: int | None = 2000,
+        redact_logs: bool = True,
+    ) -> None:
+        if on_error not in ("raise", "log"):
+            raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
+        if store is None or isinstance(store, str):
+            from ..config import Settings
+
+            store = audit_store_from_url(store if store is not None else Settings().audit_url)
+        self.store: AuditStore = store
+        self.redactor = redactor if redactor is not None else Redactor.from_settings()
+        self.on_error = on_error
+        self.max_text = max_text
+        if redact_logs:
+            install_log_redaction(self.redactor)
+        self._hooks = AuditHooks(self)
+
+    def __repr__(self) -> str:
+        return f"AuditLog({self.store!r})"
+
+    def as_hooks(self) -> AuditHooks:
+        """The loop hooks that write this log (``Agent(audit=...)`` calls it)."""
+        return self._hooks
+
+    async def record(
+        self,
+        action: str,
+        *,
+        user_id: str | None,
+        actor: str,
+        payload: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+        run_id: str | None = None,
+    ) -> AuditEntry:
+        """Append an entry of your own (a human approval given elsewhere, an export, ...).
+
+        The payload is redacted like the loop's own entries.
+        """
+        entries = await self.store.append(
+            AuditRecord(
+                user_id=user_id,
+                session_id=session_id,
+                run_id=run_id,
+                actor=actor,
+                action=action,
+                payload=self.redactor.value(dict(payload or {}), max_text=self.max_text),
+            )
+        )
+        return entries[0]
+
+    async def query(
+        self,
+        *,
+        user_id: str | None = ANY_USER,
+        session_id: str | None = None,
+        run_id: str | None = None,
+        action: str | None = None,
+        since: dt.datetime | float | None = None,
+        until: dt.datetime | float | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> AuditPage:
+        """One page of entries; see :meth:`AuditStore.query`."""
+        return await self.store.query(
+            user_id=user_id,
+            session_id=session_id,
+            run_id=run_id,
+            action=action,
+            since=since,
+            until=until,
+            limit=limit,
+            cursor=cursor,
+        )
+
+    async def export(self, dest: str | os.PathLike[str] | TextIO, **filters: Any) -> int:
+        """Write matching entries as JSON lines; see :meth:`AuditStore.export`."""
+        return await self.store.export(dest, **filters)
+
+    async def verify(self, *, user_id: str | None = ANY_USER) -> VerifyReport:
+        """Check the hash chains; see :meth:`AuditStore.verify`."""
+        return await self.store.verify(user_id=user_id)
+
+    async def close(self) -> None:
+        """Close the store."""
+        await self.store.close()
+
+
+@dataclass(slots=True)
+class _RunState:
+    info: RunInfo
+    pending: list[AuditRecord] = field(default_factory=list)
+    executed: set[tuple[int, int]] = field(default_factory=set)
+    sensitive: dict[str, frozenset[str]] = field(default_factory=dict)
+
+
+class AuditHooks(RunHooks):
+    """Writes run, model, tool, governance and replay entries (see ``loomflow.audit.actions``).
+
+    A replayed model or tool call is written as ``model.replay`` / ``tool.replay``. Replay
+    divergences come from the runtime's step observer, which this hook registers on the run's
+    runtime the first time it sees it and which reports to the run in whose context the
+    diverging step ran.
+    """
+
+    def __init__(self, audit: AuditLog) -> None:
+        self.audit = audit
+        self._runs: dict[str, _RunState] = {}
+        self._observed: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _record(
+        self, info: RunInfo, action: str, payload: dict[str, Any], actor: str | None = None
+    ) -> AuditRecord:
+        return AuditRecord(
+            user_id=info.user_id,
+            session_id=info.ctx.session_id,
+            run_id=info.ctx.run_id,
+            actor=actor or f"agent:{info.agent_name}",
+            action=action,
+            payload=self.audit.redactor.value(payload, max_text=self.audit.max_text),
+        )
+
+    async def _write(self, info: RunInfo, *records: AuditRecord) -> None:
+        state = self._runs.get(info.run_id)
+        batch = [*(state.pending if state else ()), *records]
+        if state is not None:
+            state.pending = []
+        if not batch:
+            return
+        try:
+            await self.audit.store.append(batch)
+        except Exception:
+            if self.audit.on_error == "raise":
+                raise
+            log.exception("audit write of %d entries failed; the run goes on", len(batch))
+
+    def _sensitive(self, info: RunInfo, name: str) -> frozenset[str] | None:
+        """The tool's declared sensitive argument names, or ``None`` if it is unknown."""
+        tools = getattr(info, "tools", None)  # RunInfo.tools, where the agent provides it
+        found = tools.get(name) if tools is not None else None
+        if isinstance(found, Tool):
+            return found.sensitive
+        state = self._runs.get(info.run_id)
+        return state.sensitive.get(name) if state is not None else None
+
+    def _arguments(self, info: RunInfo, call: ToolCall) -> dict[str, Any]:
+        sensitive = self._sensitive(info, call.name)
+        if sensitive:
+            self.audit.redactor.learn([call.arguments.get(n) for n in sensitive])
+        return self.audit.redactor.arguments(
+            call.arguments, sensitive, max_text=self.audit.max_text
+        )
+
+    def _observe_runtime(self, info: RunInfo) -> None:
+        runtime = getattr(info, "runtime", None)
+        if runtime is None:
+            from ..agent._agent import _active_runtime  # the run's runtime (RunInfo lacks it)
+
+            runtime = _active_runtime.get()
+        add = getattr(runtime, "add_observer", None)
+        if add is None or runtime in self._observed:
+            return
+        self._observed.add(runtime)
+        observed = weakref.ref(self)
+
+        def observer(event: StepEvent) -> None:
+            hooks = observed()
+            if hooks is not None:
+                hooks._on_step(event)
+
+        add(observer)
+
+    def _on_step(self, event: StepEvent) -> None:
+        if event.outcome != "divergence":
+            return
+        state = self._runs.get(get_run_context().run_id or "")
+        if state is None:  # a step of a sub-run without this audit: the enclosing run's
+            candidates = [
+                s
+                for s in self._runs.values()
+                if s.info.ctx.session_id == event.session_id and s.info.user_id == event.user_id
+            ]
+            if not candidates:
+                return
+            state = candidates[-1]
+        state.pending.append(
+            self._record(
+                state.info,
+                actions.REPLAY_DIVERGENCE,
+                {
+                    "step": event.name,
+                    "kind": event.kind,
+                    "path": list(event.path),
+                    "epoch": event.epoch,
+                    "backend": event.backend,
+                },
+                actor="runtime",
+            )
+        )
+
+    # -- hook points ------------------------------------------------------------------------
+
+    async def run_started(self, info: RunInfo) -> None:
+        self._runs[info.run_id] = _RunState(info)
+        self._observe_runtime(info)
+        await self._write(
+            info,
+            self._record(
+                info,
+                actions.RUN_START,
+                {
+                    "agent": info.agent_name,
+                    "model": info.model_name,
+                    "provider": info.provider,
+                    "backend": info.backend,
+                    "epoch": info.epoch,
+                    "resumed": info.resumed,
+                    "prompt": info.prompt,
+                    "metadata": dict(info.ctx.metadata),
+                },
+            ),
+        )
+
+    async def after_model_call(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+    ) -> None:
+        model = response.model or info.model_name
+        cost = cost_usd(model, response.usage, provider=info.provider)
+        payload = {
+            "turn": turn,
+            "model": model,
+            "provider": info.provider,
+            "input_tokens": response.usage.input_tokens,
+            "output_tokens": response.usage.output_tokens,
+            "cost_usd": cost,
+            "finish_reason": response.finish_reason,
+            "tool_calls": [c.name for c in response.tool_calls],
+            "replayed": replayed,
+        }
+        if replayed:
+            payload["billed"] = False  # a replay costs nothing: the journal answered
+        # Learn the sensitive argument values now, before any tool or log line can show them.
+        for call in response.tool_calls:
+            sensitive = self._sensitive(info, call.name)
+            if sensitive:
+                self.audit.redactor.learn([call.arguments.get(n) for n in sensitive])
+        await self._write(
+            info,
+            self._record(info, actions.MODEL_REPLAY if replayed else actions.MODEL_CALL, payload),
+        )
+
+    async def before_tool_call(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
+    ) -> ToolCall | ToolOutcome:
+        state = self._runs.get(info.run_id)
+        if state is not None:
+            state.executed.add((turn, slot))  # every hook before us let it through
+            if tool is not None:
+                state.sensitive[tool.name] = tool.sensitive
+        if tool is not None and tool.sensitive:
+            self.audit.redactor.learn([call.arguments.get(n) for n in tool.sensitive])
+        return call
+
+    async def after_tool_call(
+        self,
+        info: RunInfo,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        outcome: ToolOutcome,
+        *,
+        replayed: bool,
+    ) -> None:
+        arguments = self._arguments(info, call)
+        result: dict[str, Any] = {
+            "turn": turn,
+            "slot": slot,
+            "tool": call.name,
+            "call_id": call.id,
+            "ok": outcome.ok,
+            "error_type": outcome.error_type,
+            "error": outcome.error,
+        }
+        if outcome.ok:
+            result["result"] = outcome.value
+        if replayed:
+            await self._write(
+                info,
+                self._record(
+                    info, actions.TOOL_REPLAY, {**result, "arguments": arguments, "replayed": True}
+                ),
+            )
+            return
+        state = self._runs.get(info.run_id)
+        executed = state is not None and (turn, slot) in state.executed
+        call_payload = {
+            "turn": turn,
+            "slot": slot,
+            "tool": call.name,
+            "call_id": call.id,
+            "arguments": arguments,
+            "executed": executed,
+            "replayed": False,
+        }
+        await self._write(
+            info,
+            self._record(info, actions.TOOL_CALL, call_payload),
+            self._record(info, actions.TOOL_RESULT, {**result, "replayed": False}),
+        )
+
+    async def on_event(self, info: RunInfo, event: BaseModel) -> None:
+        record: AuditRecord | None = None
+        if isinstance(event, PermissionDecided):
+            actor = f"approver:{event.approver}" if event.approver else f"policy:{event.policy}"
+            record = self._record(
+                info,
+                actions.PERMISSION_DECISION,
+                {
+                    "tool": event.tool,
+                    "turn": event.turn,
+                    "slot": event.slot,
+                    "decision": event.decision,
+                    "final": event.final,
+                    "reason": event.reason,
+                    "policy": event.policy,
+                    "approver": event.approver,
+                    "arguments": self.audit.redactor.arguments(
+                        event.arguments,
+                        self._sensitive(info, event.tool) or frozenset(),
+                        max_text=self.audit.max_text,
+                    ),
+                    "edited": event.edited,
+                },
+                actor=actor,
+            )
+        elif isinstance(event, BudgetDenied):
+            record = self._record(
+                info,
+                actions.BUDGET_DENIED,
+                {
+                    "cap": event.cap,
+                    "limit": event.limit,
+                    "used": event.used,
+                    "requested": event.requested,
+                },
+                actor="budget",
+            )
+        elif isinstance(event, BudgetWarning):
+            record = self._record(
+                info,
+                actions.BUDGET_WARNING,
+                {
+                    "cap": event.cap,
+                    "limit": event.limit,
+                    "used": event.used,
+                    "fraction": event.fraction,
+                },
+                actor="budget",
+            )
+        elif isinstance(event, GuardrailTripped):
+            record = self._record(
+                info,
+                actions.GUARDRAIL_TRIP,
+                {
+                    "guardrail": event.name,
+                    "stage": event.stage,
+                    "action": event.action,
+                    "detail": event.detail,
+                },
+                actor=f"guardrail:{event.name}",
+            )
+        elif getattr(event, "type", None) == "budget_unavailable":
+            # Matched by its tag, not its class: the event is newer than the other four.
+            record = self._record(
+                info,
+                actions.BUDGET_UNAVAILABLE,
+                {"detail": str(getattr(event, "detail", ""))},
+                actor="budget",
+            )
+        if record is not None:
+            await self._write(info, record)
+
+    async def run_finished(
+        self, info: RunInfo, result: Any | None, error: BaseException | None
+    ) -> None:
+        try:
+            if result is not None:
+                payload: dict[str, Any] = {
+                    "outcome": "interrupted" if result.interrupted else "completed",
+                    "interruption_reason": result.interruption_reason,
+                    "turns": result.turns,
+                    "tokens_in": result.tokens_in,
+                    "tokens_out": result.tokens_out,
+                    "cost_usd": result.cost_usd,
+                    "replayed_steps": result.replayed_steps,
+                    "fresh_steps": result.fresh_steps,
+                }
+            else:
+                payload = {
+                    "outcome": "failed",
+                    "error_type": type(error).__name__ if error is not None else None,
+                    "error": str(error) if error is not None else None,
+                }
+            await self._write(info, self._record(info, actions.RUN_END, payload))
+        finally:
+            self._runs.pop(info.run_id, None)

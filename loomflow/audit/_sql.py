@@ -1,0 +1,265 @@
+"""The audit log's SQL, shared by the SQLite and PostgreSQL backends.
+
+Appending a user's records is one transaction under a per-user lock (a PostgreSQL advisory
+transaction lock keyed by the user; SQLite's database write lock): read the user's head, insert
+the sealed entries, move the head. ``UNIQUE (user_key, seq)`` backs the lock up: a writer that
+somehow raced would fail rather than fork the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from ..storage import Database, apply_migrations
+from ._entry import GENESIS, AuditEntry, AuditRecord, canonical_json
+from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
+from .migrations import COMPONENT, migrations_for
+
+__all__ = ["SqlAuditStore"]
+
+_COLUMNS = (
+    "id, user_id, seq, time_us, session_id, run_id, actor, action, payload, schema_version, "
+    "prev_hash, hash"
+)
+_INSERT_COLUMNS = (
+    "(user_key, user_id, seq, time_us, session_id, run_id, actor, action, payload, "
+    "schema_version, prev_hash, hash)"
+)
+_HEAD = """
+SELECT CAST({now} * 1000000 AS BIGINT), h.seq, h.hash
+FROM (SELECT 1 AS one) AS clock LEFT JOIN loom_audit_heads h ON h.user_key = $1
+"""
+_MOVE_HEAD = """
+INSERT INTO loom_audit_heads (user_key, user_id, seq, hash) VALUES ($1, $2, $3, $4)
+ON CONFLICT (user_key) DO UPDATE SET seq = excluded.seq, hash = excluded.hash
+"""
+_PAGE = 1000
+
+
+def lock_key(key: str) -> int:
+    """A signed 64-bit advisory-lock key per user (collisions only cost some waiting)."""
+    digest = hashlib.sha256(b"loomflow-audit:" + key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _next_text(prefix: str) -> str:
+    # The smallest string above every string starting with ``prefix``, so that a family
+    # filter (``tool.*``) is an index range instead of a LIKE with escaping rules.
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class SqlAuditStore(AuditStore):
+    """Audit entries in the ``loom_audit`` table of a :class:`~loomflow.storage.Database`.
+
+    Args:
+        db: The database; pass a runtime's ``database`` to share its connection or pool.
+        owns_db: Close ``db`` when the store closes (``False`` for a shared database).
+        auto_migrate: Create or migrate the tables on first use.
+    """
+
+    def __init__(self, db: Database, *, owns_db: bool = True, auto_migrate: bool = True) -> None:
+        self.db = db
+        self.backend = db.backend
+        self._owns_db = owns_db
+        self._auto_migrate = auto_migrate
+        self._ready = False
+        self._open_lock: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.db!r})"
+
+    async def open(self) -> None:
+        if self._ready:
+            return
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            if not self.ready:  # another caller may have opened it while we waited
+                await self._open_now()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the store is connected and migrated."""
+        return self._ready
+
+    async def _open_now(self) -> None:
+        await self.db.open()
+        if self._auto_migrate:
+            try:
+                await self.migrate()
+            except BaseException:
+                if self._owns_db:
+                    await self.db.close()
+                raise
+        self._ready = True
+
+    async def migrate(self) -> int:
+        """Apply pending audit migrations; returns the schema version now in place."""
+        await self.db.open()
+        return await apply_migrations(self.db, COMPONENT, migrations_for(self.db.dialect.name))
+
+    async def close(self) -> None:
+        self._ready = False
+        if self._owns_db:
+            await self.db.close()
+
+    async def _append_chain(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
+        async with self.db.transaction(lock_key=lock_key(key), what="audit append") as tx:
+            now_us, seq, prev = (await tx.fetch(_HEAD, key))[0]
+            seq = int(seq or 0)
+            prev = str(prev) if prev is not None else GENESIS
+            entries: list[AuditEntry] = []
+            for record in records:
+                seq += 1
+                entry = AuditEntry.seal(record, seq=seq, time_us=int(now_us), prev_hash=prev)
+                prev = entry.hash
+                entries.append(entry)
+            args: list[Any] = []
+            rows = []
+            for entry in entries:
+                base = len(args)
+                rows.append("(" + ", ".join(f"${base + i}" for i in range(1, 13)) + ")")
+                args += [
+                    key,
+                    entry.user_id,
+                    entry.seq,
+                    entry.time_us,
+                    entry.session_id,
+                    entry.run_id,
+                    entry.actor,
+                    entry.action,
+                    canonical_json(entry.payload),
+                    entry.schema_version,
+                    entry.prev_hash,
+                    entry.hash,
+                ]
+            await tx.execute(
+                f"INSERT INTO loom_audit {_INSERT_COLUMNS} VALUES {', '.join(rows)}", *args
+            )
+            await tx.execute(_MOVE_HEAD, key, records[0].user_id, seq, prev)
+        return entries
+
+    async def _query(
+        self, where: AuditFilter, limit: int, after: int | None
+    ) -> tuple[list[AuditEntry], int | None]:
+        args: list[Any] = []
+
+        def param(value: Any) -> str:
+            args.append(value)
+            return f"${len(args)}"
+
+        conds: list[str] = []
+        if where.user_key is not None:
+            conds.append(f"user_key = {param(where.user_key)}")
+        if where.session_id is not None:
+            conds.append(f"session_id = {param(where.session_id)}")
+        if where.run_id is not None:
+            conds.append(f"run_id = {param(where.run_id)}")
+        if where.action is not None:
+            conds.append(f"action = {param(where.action)}")
+        if where.action_prefix:
+            conds.append(f"action >= {param(where.action_prefix)}")
+            conds.append(f"action < {param(_next_text(where.action_prefix))}")
+        if where.since_us is not None:
+            conds.append(f"time_us >= {param(where.since_us)}")
+        if where.until_us is not None:
+            conds.append(f"time_us < {param(where.until_us)}")
+        if after is not None:
+            conds.append(f"id > {param(after)}")
+        clause = f" WHERE {' AND '.join(conds)}" if conds else ""
+        sql = f"SELECT {_COLUMNS} FROM loom_audit{clause} ORDER BY id LIMIT {param(limit)}"
+        rows = await self.db.fetch(sql, *args, what="audit query")
+        entries = [_entry(row)[1] for row in rows]
+        return entries, int(rows[-1][0]) if rows else None
+
+    async def _chain_items(self, only: str | None) -> AsyncIterator[ChainItem]:
+        last_key, last_seq = "", 0
+        while True:
+            if only is not None:
+                rows = await self.db.fetch(
+                    f"SELECT user_key, {_COLUMNS} FROM loom_audit WHERE user_key = $1 "
+                    "AND seq > $2 ORDER BY seq LIMIT $3",
+                    only,
+                    last_seq,
+                    _PAGE,
+                    what="audit verify",
+                )
+            else:
+                rows = await self.db.fetch(
+                    f"SELECT user_key, {_COLUMNS} FROM loom_audit "
+                    "WHERE (user_key, seq) > ($1, $2) ORDER BY user_key, seq LIMIT $3",
+                    last_key,
+                    last_seq,
+                    _PAGE,
+                    what="audit verify",
+                )
+            for row in rows:
+                key = str(row[0])
+                problem, entry = _entry(row[1:])
+                yield key, int(row[1]), problem if problem is not None else entry
+            if len(rows) < _PAGE:
+                return
+            last_key, last_seq = str(rows[-1][0]), int(rows[-1][3])
+
+    async def _heads(self, only: str | None) -> dict[str, ChainHead]:
+        if only is None:
+            rows = await self.db.fetch(
+                "SELECT user_key, user_id, seq, hash FROM loom_audit_heads", what="audit heads"
+            )
+        else:
+            rows = await self.db.fetch(
+                "SELECT user_key, user_id, seq, hash FROM loom_audit_heads WHERE user_key = $1",
+                only,
+                what="audit heads",
+            )
+        return {str(r[0]): ChainHead(r[1], int(r[2]), str(r[3])) for r in rows}
+
+
+def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
+    (
+        _id,
+        user_id,
+        seq,
+        time_us,
+        session_id,
+        run_id,
+        actor,
+        action,
+        payload,
+        version,
+        prev,
+        hash_,
+    ) = row
+    problem = None
+    try:
+        data = json.loads(payload)
+        if not isinstance(data, dict):
+            raise ValueError("the payload is not a JSON object")
+    except ValueError as exc:
+        # Shown as-is in queries; verify reports it (its hash cannot match either).
+        data = {"unreadable_payload": str(payload)}
+        problem = ChainProblem(
+            user_id,
+            "unreadable",
+            int(seq),
+            int(_id),
+            f"entry {seq} has an unreadable payload: {exc}",
+        )
+    entry = AuditEntry(
+        schema_version=int(version),
+        user_id=user_id,
+        seq=int(seq),
+        time_us=int(time_us),
+        session_id=session_id,
+        run_id=run_id,
+        actor=actor,
+        action=action,
+        payload=data,
+        prev_hash=prev,
+        hash=hash_,
+    )
+    return problem, entry

@@ -1,0 +1,484 @@
+"""The audit store seam: one abstract class, sibling backends (memory, JSONL, SQLite, PostgreSQL).
+
+Backends only append a user's records under a per-user lock, fetch filtered pages and walk the
+chains; grouping, pagination, export and verification are written once here.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime as dt
+import io
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+from ..errors import UserError
+from ._entry import GENESIS, AuditEntry, AuditRecord, time_us_of, user_key
+
+__all__ = [
+    "ANY_USER",
+    "AuditFilter",
+    "AuditPage",
+    "AuditStore",
+    "ChainHead",
+    "ChainProblem",
+    "VerifyReport",
+]
+
+
+class _AnyUser:
+    def __repr__(self) -> str:
+        return "ANY_USER"
+
+
+ANY_USER: Any = _AnyUser()
+"""Default of ``user_id`` filters: every user (``None`` means the anonymous bucket)."""
+
+ProblemKind = Literal[
+    "edited",
+    "broken_link",
+    "missing",
+    "duplicate",
+    "reordered",
+    "truncated",
+    "head_mismatch",
+    "unanchored",
+    "unreadable",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class AuditFilter:
+    """Which entries a query selects (every field ``None`` selects everything)."""
+
+    user_key: str | None = None
+    session_id: str | None = None
+    run_id: str | None = None
+    action: str | None = None
+    action_prefix: str | None = None
+    since_us: int | None = None
+    until_us: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        user_id: str | None = ANY_USER,
+        session_id: str | None = None,
+        run_id: str | None = None,
+        action: str | None = None,
+        since: dt.datetime | float | None = None,
+        until: dt.datetime | float | None = None,
+    ) -> AuditFilter:
+        """From the public keyword arguments; ``action="tool.*"`` selects a family."""
+        prefix = None
+        if action is not None and action.endswith("*"):
+            prefix, action = action[:-1], None
+        return cls(
+            user_key=None if user_id is ANY_USER else user_key(user_id),
+            session_id=session_id,
+            run_id=run_id,
+            action=action,
+            action_prefix=prefix,
+            since_us=None if since is None else time_us_of(since),
+            until_us=None if until is None else time_us_of(until),
+        )
+
+    def matches(self, entry: AuditEntry) -> bool:
+        """Whether ``entry`` passes (for backends that filter in Python)."""
+        return (
+            (self.user_key is None or user_key(entry.user_id) == self.user_key)
+            and (self.session_id is None or entry.session_id == self.session_id)
+            and (self.run_id is None or entry.run_id == self.run_id)
+            and (self.action is None or entry.action == self.action)
+            and (self.action_prefix is None or entry.action.startswith(self.action_prefix))
+            and (self.since_us is None or entry.time_us >= self.since_us)
+            and (self.until_us is None or entry.time_us < self.until_us)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AuditPage:
+    """One page of a query; pass ``next_cursor`` back to get the next (``None``: no more)."""
+
+    entries: list[AuditEntry]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChainHead:
+    """The last entry of a user's chain as the store recorded it when it wrote that entry."""
+
+    user_id: str | None
+    seq: int
+    hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChainProblem:
+    """One thing ``verify`` found wrong, and where.
+
+    Attributes:
+        user_id: Whose chain.
+        kind: ``edited`` (content does not match its hash), ``broken_link`` (an entry does
+            not link to the one before it: that one was replaced), ``missing`` (entries
+            deleted from the middle), ``duplicate``, ``reordered`` (stored out of order),
+            ``truncated`` (entries missing at the end), ``head_mismatch``, ``unanchored``
+            (entries past the recorded head), ``unreadable`` (a row or line cannot be parsed).
+        seq: The entry (or first missing entry) concerned.
+        position: Where it is stored: a row id, or a line number for JSONL files.
+        detail: A sentence for people.
+    """
+
+    user_id: str | None
+    kind: ProblemKind
+    seq: int | None
+    position: int | None
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "user_id": self.user_id,
+            "kind": self.kind,
+            "seq": self.seq,
+            "position": self.position,
+            "detail": self.detail,
+        }
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """What ``verify`` checked and found. ``ok`` is true when ``problems`` is empty."""
+
+    users: int = 0
+    entries: int = 0
+    problems: list[ChainProblem] = field(default_factory=list)
+    warnings: list[ChainProblem] = field(default_factory=list)
+    heads: list[ChainHead] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "users": self.users,
+            "entries": self.entries,
+            "problems": [p.to_json() for p in self.problems],
+            "warnings": [w.to_json() for w in self.warnings],
+            "heads": [{"user_id": h.user_id, "seq": h.seq, "hash": h.hash} for h in self.heads],
+        }
+
+
+ChainItem = tuple[str, int, AuditEntry | ChainProblem]
+"""``(user_key, position, entry)`` in user-then-seq order, or a problem found while reading."""
+
+
+class AuditStore(abc.ABC):
+    """Where audit entries live. Subclasses implement the ``_``-methods."""
+
+    backend: str
+    #: A head that lags the chain is tampering on SQL stores (head and entry are written in
+    #: one transaction) but only a crash window on JSONL files.
+    head_written_atomically: bool = True
+
+    async def open(self) -> None:  # noqa: B027 - most backends have nothing to open
+        """Connect and create or migrate the schema (idempotent; called on first use)."""
+
+    async def close(self) -> None:  # noqa: B027 - nor anything to close
+        """Release connections and files this store opened."""
+
+    async def __aenter__(self) -> AuditStore:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- writing ----------------------------------------------------------------------------
+
+    async def append(self, records: AuditRecord | Iterable[AuditRecord]) -> list[AuditEntry]:
+        """Seal and store records; each user's chain grows by one entry per record, in order.
+
+        Records of one user are written atomically, under a lock that serialises that user's
+        writers in every process; returns the stored entries.
+        """
+        batch = [records] if isinstance(records, AuditRecord) else list(records)
+        ordered: list[AuditRecord] = []
+        groups: dict[str, list[AuditRecord]] = {}
+        for record in batch:
+            if not isinstance(record, AuditRecord):
+                raise UserError(f"append() takes AuditRecord objects, not {type(record).__name__}")
+            checked = record.checked()
+            ordered.append(checked)
+            groups.setdefault(user_key(checked.user_id), []).append(checked)
+        if not groups:
+            return []
+        await self.open()
+        sealed: dict[int, AuditEntry] = {}
+        for key, group in groups.items():
+            for record, entry in zip(group, await self._append_chain(key, group), strict=True):
+                sealed[id(record)] = entry
+        return [sealed[id(r)] for r in ordered]
+
+    @abc.abstractmethod
+    async def _append_chain(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
+        """Append one user's records after that user's head, atomically and serialised."""
+
+    # -- reading ----------------------------------------------------------------------------
+
+    async def query(
+        self,
+        *,
+        user_id: str | None = ANY_USER,
+        session_id: str | None = None,
+        run_id: str | None = None,
+        action: str | None = None,
+        since: dt.datetime | float | None = None,
+        until: dt.datetime | float | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> AuditPage:
+        """One page of entries in write order.
+
+        Args:
+            user_id: Only this user's entries (``None`` is the anonymous bucket); all users
+                when left out.
+            session_id: Only this session.
+            run_id: Only this run.
+            action: Only this action, or a family such as ``"tool.*"``.
+            since: Entries written at or after this time (datetime or Unix seconds).
+            until: Entries written before this time.
+            limit: Page size (1 to 10 000).
+            cursor: ``next_cursor`` of the previous page.
+        """
+        if not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise UserError(f"limit must be an integer from 1 to 10000, not {limit!r}")
+        after = _parse_cursor(cursor)
+        where = AuditFilter.build(
+            user_id=user_id,
+            session_id=session_id,
+            run_id=run_id,
+            action=action,
+            since=since,
+            until=until,
+        )
+        await self.open()
+        entries, last = await self._query(where, limit, after)
+        more = len(entries) == limit and last is not None
+        return AuditPage(entries, str(last) if more else None)
+
+    @abc.abstractmethod
+    async def _query(
+        self, where: AuditFilter, limit: int, after: int | None
+    ) -> tuple[list[AuditEntry], int | None]:
+        """Up to ``limit`` matching entries stored after position ``after``, and the last
+        position returned."""
+
+    async def entries(self, **filters: Any) -> AsyncIterator[AuditEntry]:
+        """Every matching entry, page by page (the filters of :meth:`query`)."""
+        cursor: str | None = None
+        while True:
+            page = await self.query(**filters, limit=1000, cursor=cursor)
+            for entry in page.entries:
+                yield entry
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def export(self, dest: str | os.PathLike[str] | TextIO, **filters: Any) -> int:
+        """Write matching entries as JSON lines to a path or text stream; returns the count.
+
+        The lines are the entries' exported form, so ``verify_lines`` (or any SHA-256
+        implementation) can re-check them offline.
+        """
+        if isinstance(dest, str | os.PathLike):
+            # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
+            with Path(dest).open("w", encoding="utf-8") as fh:  # noqa: ASYNC230
+                return await self.export(fh, **filters)
+        count = 0
+        buffer = io.StringIO()
+        async for entry in self.entries(**filters):
+            buffer.write(entry.to_line())
+            buffer.write("\n")
+            count += 1
+            if buffer.tell() > 1 << 20:
+                dest.write(buffer.getvalue())
+                buffer = io.StringIO()
+        dest.write(buffer.getvalue())
+        dest.flush()
+        return count
+
+    async def head(self, user_id: str | None) -> ChainHead | None:
+        """The recorded head of a user's chain, or ``None`` if the user has no entries."""
+        await self.open()
+        return (await self._heads(user_key(user_id))).get(user_key(user_id))
+
+    # -- verification -----------------------------------------------------------------------
+
+    async def verify(self, *, user_id: str | None = ANY_USER) -> VerifyReport:
+        """Walk the chains (one user's, or all) and report every break, with its place."""
+        await self.open()
+        only = None if user_id is ANY_USER else user_key(user_id)
+        heads = await self._heads(only)
+        report = VerifyReport()
+        checker: _ChainCheck | None = None
+        seen: set[str] = set()
+        async for key, position, item in self._chain_items(only):
+            if isinstance(item, ChainProblem):
+                report.problems.append(item)
+                continue
+            if checker is None or checker.key != key:
+                if checker is not None:
+                    checker.finish(heads.get(checker.key), report, self.head_written_atomically)
+                checker = _ChainCheck(key, item.user_id)
+                seen.add(key)
+                report.users += 1
+            report.entries += 1
+            checker.feed(position, item, report)
+        if checker is not None:
+            checker.finish(heads.get(checker.key), report, self.head_written_atomically)
+        for key, head in sorted(heads.items()):
+            if key not in seen:  # every entry of the user is gone
+                report.users += 1
+                report.problems.append(
+                    ChainProblem(
+                        head.user_id,
+                        "truncated",
+                        1,
+                        None,
+                        f"all {head.seq} entries are missing (the head records seq {head.seq})",
+                    )
+                )
+        report.heads = [heads[k] for k in sorted(heads)]
+        return report
+
+    @abc.abstractmethod
+    def _chain_items(self, only: str | None) -> AsyncIterator[ChainItem]:
+        """Entries ordered by user key then ``seq``, with their storage position."""
+
+    @abc.abstractmethod
+    async def _heads(self, only: str | None) -> dict[str, ChainHead]:
+        """The recorded head of every user (or of one user key)."""
+
+
+class _ChainCheck:
+    """Checks one user's entries, fed in ``seq`` order."""
+
+    def __init__(self, key: str, user_id: str | None) -> None:
+        self.key = key
+        self.user_id = user_id
+        self.expected = 1
+        self.prev_hash = GENESIS
+        self.prev_position: int | None = None
+        self.last_seq = 0
+        self.last_hash: str | None = None
+
+    def _problem(
+        self, report: VerifyReport, kind: ProblemKind, seq: int | None, pos: int | None, text: str
+    ) -> None:
+        report.problems.append(ChainProblem(self.user_id, kind, seq, pos, text))
+
+    def feed(self, position: int, entry: AuditEntry, report: VerifyReport) -> None:
+        seq = entry.seq
+        if entry.computed_hash() != entry.hash:
+            self._problem(
+                report,
+                "edited",
+                seq,
+                position,
+                f"entry {seq} was changed: it no longer matches its hash",
+            )
+        if seq <= self.last_seq:
+            self._problem(report, "duplicate", seq, position, f"a second entry claims seq {seq}")
+            return
+        if seq > self.expected:
+            gap = (
+                f"entry {self.expected} is"
+                if seq - 1 == self.expected
+                else f"entries {self.expected}-{seq - 1} are"
+            )
+            self._problem(
+                report,
+                "missing",
+                self.expected,
+                position,
+                f"{gap} missing before entry {seq}: deleted",
+            )
+        elif entry.prev_hash != self.prev_hash:
+            self._problem(
+                report,
+                "broken_link",
+                seq - 1 if seq > 1 else seq,
+                position,
+                f"entry {seq} does not link to entry {seq - 1}: entry {seq - 1} was replaced "
+                "or rewritten",
+            )
+        if self.prev_position is not None and position < self.prev_position:
+            self._problem(
+                report,
+                "reordered",
+                seq,
+                position,
+                f"entry {seq} is stored at {position}, before entry {self.last_seq} "
+                f"(at {self.prev_position}): the trail was reordered",
+            )
+        self.expected = seq + 1
+        self.prev_hash = entry.hash
+        self.prev_position = position
+        self.last_seq = seq
+        self.last_hash = entry.hash
+
+    def finish(self, head: ChainHead | None, report: VerifyReport, strict: bool) -> None:
+        if head is None:
+            target = report.problems if strict else report.warnings
+            target.append(
+                ChainProblem(
+                    self.user_id, "unanchored", 1, None, "no head is recorded for this user"
+                )
+            )
+        elif head.seq > self.last_seq:
+            gap = (
+                f"entry {head.seq} is"
+                if head.seq == self.last_seq + 1
+                else f"entries {self.last_seq + 1}-{head.seq} are"
+            )
+            self._problem(
+                report,
+                "truncated",
+                self.last_seq + 1,
+                None,
+                f"{gap} missing at the end: the trail was truncated",
+            )
+        elif head.seq == self.last_seq and head.hash != self.last_hash:
+            self._problem(
+                report,
+                "head_mismatch",
+                head.seq,
+                None,
+                f"the last entry ({head.seq}) is not the one recorded as the head",
+            )
+        elif head.seq < self.last_seq:
+            target = report.problems if strict else report.warnings
+            target.append(
+                ChainProblem(
+                    self.user_id,
+                    "unanchored",
+                    head.seq + 1,
+                    None,
+                    f"entries {head.seq + 1}-{self.last_seq} come after the recorded head "
+                    f"(seq {head.seq})",
+                )
+            )
+
+
+def _parse_cursor(cursor: str | None) -> int | None:
+    if cursor is None:
+        return None
+    if not isinstance(cursor, str) or not cursor.isdigit():
+        raise UserError(f"bad cursor {cursor!r}: pass the next_cursor of a previous page")
+    return int(cursor)

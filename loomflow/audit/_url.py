@@ -1,0 +1,45 @@
+"""Turn an audit store URL (from settings or the command line) into a store."""
+
+from __future__ import annotations
+
+from ..config import Settings
+from ..errors import ConfigurationError
+from ..storage._url import sqlite_path
+from ._store import AuditStore
+
+__all__ = ["audit_store_from_url"]
+
+
+def audit_store_from_url(url: str, *, settings: Settings | None = None) -> AuditStore:
+    """Build the (not yet opened) audit store a URL names.
+
+    ``memory://``; ``jsonl:///relative.jsonl``, ``jsonl:////absolute.jsonl`` or any path ending
+    in ``.jsonl``; ``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (a bare path works
+    too); ``postgresql://…`` or ``postgres://…`` (needs the ``postgres`` extra).
+    """
+    if url.startswith("memory:"):
+        from .inmemory import InMemoryAuditStore
+
+        return InMemoryAuditStore()
+    if url.startswith("jsonl://") or (url.endswith(".jsonl") and "://" not in url):
+        from .jsonl import JsonlAuditStore
+
+        path = url.removeprefix("jsonl://")
+        if url.startswith("jsonl://"):
+            if not path.startswith("/") or path == "/":
+                raise ConfigurationError(f"bad JSONL URL {url!r}: use jsonl:///relative/path.jsonl")
+            path = path[1:]
+        return JsonlAuditStore(path)
+    if url.startswith(("postgresql://", "postgres://")):
+        from .postgres import PostgresAuditStore
+
+        return PostgresAuditStore(url)
+    file = sqlite_path(url)
+    if file is None:
+        raise ConfigurationError(
+            f"unknown audit URL scheme in {url!r}: use memory://, jsonl:///path.jsonl, "
+            "sqlite:///path.db or postgresql://..."
+        )
+    from .sqlite import SqliteAuditStore
+
+    return SqliteAuditStore(file, settings=settings)

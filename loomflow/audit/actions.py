@@ -1,0 +1,69 @@
+"""The actions the agent loop writes to the audit log (the ``action`` field of an entry).
+
+A replayed step is recorded as ``model.replay`` or ``tool.replay``, never as a new call, so a
+query for ``tool.call`` lists exactly the tool executions that really happened.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "ALL",
+    "BUDGET_DENIED",
+    "BUDGET_UNAVAILABLE",
+    "BUDGET_WARNING",
+    "GUARDRAIL_TRIP",
+    "MODEL_CALL",
+    "MODEL_REPLAY",
+    "PERMISSION_DECISION",
+    "REPLAY_DIVERGENCE",
+    "RUN_END",
+    "RUN_START",
+    "TOOL_CALL",
+    "TOOL_REPLAY",
+    "TOOL_RESULT",
+]
+
+RUN_START: Final = "run.start"
+"""A run took its turn: agent, model, prompt (redacted), epoch, whether it resumed."""
+RUN_END: Final = "run.end"
+"""A run returned or raised: outcome, usage, cost, interruption reason, error."""
+MODEL_CALL: Final = "model.call"
+"""A live model call: model, tokens, cost, the tools it asked for."""
+MODEL_REPLAY: Final = "model.replay"
+"""A model call answered from the journal (nothing was billed)."""
+TOOL_CALL: Final = "tool.call"
+"""A live tool call: tool, slot, redacted arguments, whether the tool actually ran."""
+TOOL_RESULT: Final = "tool.result"
+"""The result of a live tool call: ok or error."""
+TOOL_REPLAY: Final = "tool.replay"
+"""A tool call answered from the journal: the tool did not run again."""
+PERMISSION_DECISION: Final = "permission.decision"
+"""A permission decision: allow, deny or ask, the reason, the policy, the approver."""
+BUDGET_DENIED: Final = "budget.denied"
+"""A model call refused by a budget cap (the run ends interrupted)."""
+BUDGET_UNAVAILABLE: Final = "budget.unavailable"
+"""The budget store failed, so a model call was refused (fail closed)."""
+BUDGET_WARNING: Final = "budget.warning"
+"""Spend crossed a warning threshold of a cap."""
+GUARDRAIL_TRIP: Final = "guardrail.trip"
+"""A guardrail blocked or redacted input, output or a tool result."""
+REPLAY_DIVERGENCE: Final = "replay.divergence"
+"""A resumed run reached a journaled step with other inputs; the step ran fresh."""
+
+ALL: Final = (
+    RUN_START,
+    RUN_END,
+    MODEL_CALL,
+    MODEL_REPLAY,
+    TOOL_CALL,
+    TOOL_RESULT,
+    TOOL_REPLAY,
+    PERMISSION_DECISION,
+    BUDGET_DENIED,
+    BUDGET_UNAVAILABLE,
+    BUDGET_WARNING,
+    GUARDRAIL_TRIP,
+    REPLAY_DIVERGENCE,
+)

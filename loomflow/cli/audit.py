@@ -1,0 +1,194 @@
+"""``loomflow audit query|export|verify``: the audit trail for compliance teams.
+
+The store comes from ``--audit-url`` or ``LOOMFLOW_AUDIT_URL``. Tables for people; ``--json``
+for scripts. ``verify`` exits 1 when it finds a problem, so a cron job can alert on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..audit import ANY_USER, AuditEntry, AuditStore, VerifyReport, audit_store_from_url
+from ..config import Settings
+
+__all__ = ["register"]
+
+_AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _when(text: str) -> dt.datetime:
+    """``24h`` / ``7d`` (that long ago), or an ISO 8601 date or time (UTC unless it says)."""
+    match = _AGO.match(text.strip())
+    if match:
+        seconds = float(match[1]) * _UNITS[match[2]]
+        return dt.datetime.now(dt.UTC) - dt.timedelta(seconds=seconds)
+    try:
+        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a time like 2026-05-08T12:00:00Z nor an age like 24h or 7d"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def _filters(parser: argparse.ArgumentParser) -> None:
+    who = parser.add_mutually_exclusive_group()
+    who.add_argument("--user", dest="user_id", help="only this user's entries")
+    who.add_argument("--anonymous", action="store_true", help="only entries without a user")
+    parser.add_argument("--session", dest="session_id", help="only this session")
+    parser.add_argument("--run", dest="run_id", help="only this run")
+    parser.add_argument("--action", help="only this action, or a family such as 'tool.*'")
+    parser.add_argument("--since", type=_when, help="from this time or age (e.g. 24h, 2026-05-01)")
+    parser.add_argument("--until", type=_when, help="before this time or age")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``audit`` command group to the CLI."""
+    audit = subparsers.add_parser("audit", help="query, export and verify the audit log")
+    audit.add_argument(
+        "--audit-url",
+        help="audit store URL (default: LOOMFLOW_AUDIT_URL or sqlite:///.loomflow/audit.db)",
+    )
+    commands = audit.add_subparsers(dest="audit_command", required=True)
+
+    query = commands.add_parser("query", help="list entries, newest page last")
+    _filters(query)
+    query.add_argument("--limit", type=int, default=50, help="page size (50)")
+    query.add_argument("--cursor", help="next_cursor printed by the previous page")
+    query.add_argument("--json", action="store_true", help="one JSON object for scripts")
+
+    export = commands.add_parser("export", help="write entries as JSON lines")
+    _filters(export)
+    export.add_argument("-o", "--output", default="-", help="file to write ('-': stdout)")
+
+    verify = commands.add_parser("verify", help="check every user's hash chain")
+    verify.add_argument("--user", dest="user_id", help="only this user's chain")
+    verify.add_argument("--json", action="store_true", help="the report as JSON")
+
+    audit.set_defaults(handler=_handle)
+
+
+def _filter_args(args: argparse.Namespace) -> dict[str, Any]:
+    user: str | None = ANY_USER
+    if getattr(args, "anonymous", False):
+        user = None
+    elif args.user_id is not None:
+        user = args.user_id
+    return {
+        "user_id": user,
+        "session_id": args.session_id,
+        "run_id": args.run_id,
+        "action": args.action,
+        "since": args.since,
+        "until": args.until,
+    }
+
+
+async def _handle(args: argparse.Namespace) -> int:
+    store = audit_store_from_url(args.audit_url or Settings().audit_url)
+    try:
+        if args.audit_command == "query":
+            return await _query(store, args)
+        if args.audit_command == "export":
+            return await _export(store, args)
+        return await _verify(store, args)
+    finally:
+        await store.close()
+
+
+def _summary(entry: AuditEntry, width: int = 70) -> str:
+    parts = []
+    for key, value in entry.payload.items():
+        if value is None or value == [] or value == {}:
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        parts.append(f"{key}={text}")
+    line = " ".join(parts).replace("\n", " ")
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+async def _query(store: AuditStore, args: argparse.Namespace) -> int:
+    page = await store.query(**_filter_args(args), limit=args.limit, cursor=args.cursor)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "entries": [e.to_json() for e in page.entries],
+                    "next_cursor": page.next_cursor,
+                },
+                ensure_ascii=False,
+            )
+        )
+        return 0
+    if not page.entries:
+        print("no audit entries match")
+        return 0
+    rows: list[tuple[str, ...]] = [
+        ("time (UTC)", "user", "seq", "session", "actor", "action", "details")
+    ]
+    for e in page.entries:
+        rows.append(
+            (
+                e.time.strftime("%Y-%m-%d %H:%M:%S"),
+                "-" if e.user_id is None else e.user_id,
+                str(e.seq),
+                e.session_id or "-",
+                e.actor,
+                e.action,
+                _summary(e),
+            )
+        )
+    _table(rows)
+    if page.next_cursor is not None:
+        print(f"\nmore entries: add --cursor {page.next_cursor}")
+    return 0
+
+
+async def _export(store: AuditStore, args: argparse.Namespace) -> int:
+    if args.output == "-":
+        count = await store.export(sys.stdout, **_filter_args(args))
+    else:
+        count = await store.export(args.output, **_filter_args(args))
+        print(f"exported {count} audit entries to {args.output}", file=sys.stderr)
+    return 0
+
+
+async def _verify(store: AuditStore, args: argparse.Namespace) -> int:
+    report: VerifyReport = await store.verify(
+        user_id=ANY_USER if args.user_id is None else args.user_id
+    )
+    if args.json:
+        print(json.dumps(report.to_json(), ensure_ascii=False))
+        return 0 if report.ok else 1
+    verdict = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
+    print(f"{verdict}: checked {report.entries} entries of {report.users} user(s)")
+    findings = [("problem", p) for p in report.problems] + [("warning", w) for w in report.warnings]
+    if findings:
+        rows: list[tuple[str, ...]] = [("", "user", "kind", "seq", "stored at", "what")]
+        for label, p in findings:
+            rows.append(
+                (
+                    label,
+                    "-" if p.user_id is None else p.user_id,
+                    p.kind,
+                    "-" if p.seq is None else str(p.seq),
+                    "-" if p.position is None else str(p.position),
+                    p.detail,
+                )
+            )
+        print()
+        _table(rows)
+    return 0 if report.ok else 1

@@ -1,0 +1,125 @@
+"""``loomflow budget``: what users and everyone have spent, from the shared budget store.
+
+The store is the one ``LOOMFLOW_BUDGET_URL`` names; unset, it is the journal's database
+(``--url`` or ``LOOMFLOW_RUNTIME_URL``), where a budget sharing the runtime keeps its tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from typing import Any
+
+from ..config import Settings
+from ..errors import ConfigurationError
+from ..governance.budget import BucketUsage, budget_store_from_url
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``budget`` command group to the top-level parser."""
+    budget = subparsers.add_parser("budget", help="budget usage (tokens, cost, model time)")
+    budget.add_argument(
+        "--budget-url",
+        help="budget store URL (default: LOOMFLOW_BUDGET_URL, else the journal URL)",
+    )
+    commands = budget.add_subparsers(dest="budget_command", required=True)
+    show = commands.add_parser("show", help="spent and held totals, per user and for everyone")
+    show.add_argument("--user", dest="user_id", help="only this user's totals")
+    show.add_argument("--json", action="store_true", help="JSON lines for scripts")
+    show.set_defaults(handler=_show)
+    reclaim = commands.add_parser("reclaim", help="settle the reservations of dead workers now")
+    reclaim.add_argument("--json", action="store_true")
+    reclaim.set_defaults(handler=_reclaim)
+
+
+def _url(args: argparse.Namespace) -> str:
+    settings = Settings()
+    url: str = args.budget_url or settings.budget_url or args.url or settings.runtime_url
+    if url.startswith("memory:"):
+        raise ConfigurationError(
+            "a memory:// budget lives inside one process and cannot be inspected from here; "
+            "point LOOMFLOW_BUDGET_URL (or --budget-url) at its SQLite file or PostgreSQL"
+        )
+    return url
+
+
+def _row(usage: BucketUsage) -> dict[str, Any]:
+    t = usage.totals
+    return {
+        "scope": usage.bucket.scope,
+        "user_id": usage.bucket.user_id,
+        "period": usage.bucket.period or "all",
+        "tokens_in": t.tokens_in,
+        "tokens_out": t.tokens_out,
+        "tokens_total": t.tokens_in + t.tokens_out,
+        "cost_usd": t.cost_nanousd / 1e9,
+        "model_seconds": round(t.wall_s, 3),
+        "calls": t.calls,
+        "held_tokens": t.reserved_in + t.reserved_out,
+        "held_cost_usd": t.reserved_cost_nanousd / 1e9,
+        "updated_at": usage.updated_at,
+    }
+
+
+async def _show(args: argparse.Namespace) -> int:
+    store = budget_store_from_url(_url(args))
+    try:
+        usage = await store.usage(args.user_id)
+    finally:
+        await store.close()
+    rows = [_row(u) for u in usage]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    if not rows:
+        who = f" for user {args.user_id!r}" if args.user_id is not None else ""
+        print(f"no budget usage recorded{who}")
+        return 0
+    table: list[tuple[Any, ...]] = [
+        (
+            "scope",
+            "user",
+            "period",
+            "tokens in",
+            "tokens out",
+            "cost USD",
+            "model s",
+            "calls",
+            "held tokens",
+            "updated (UTC)",
+        )
+    ]
+    for r in rows:
+        when = dt.datetime.fromtimestamp(r["updated_at"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.append(
+            (
+                r["scope"],
+                "-" if r["user_id"] is None else r["user_id"],
+                r["period"],
+                r["tokens_in"],
+                r["tokens_out"],
+                f"{r['cost_usd']:.6f}",
+                f"{r['model_seconds']:.1f}",
+                r["calls"],
+                r["held_tokens"],
+                when,
+            )
+        )
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+    return 0
+
+
+async def _reclaim(args: argparse.Namespace) -> int:
+    store = budget_store_from_url(_url(args))
+    try:
+        count = await store.reclaim()
+    finally:
+        await store.close()
+    print(json.dumps({"reclaimed": count}) if args.json else f"reclaimed {count} reservations")
+    return 0

@@ -1,0 +1,687 @@
+"""``StandardBudget``: caps on tokens, cost and time, enforced before every live model call.
+
+The agent plugs it in through :meth:`StandardBudget.as_hooks`:
+
+- before a *live* model call, the budget reserves the most the call can spend (its input,
+  estimated from above, plus ``max_tokens`` of output, priced) in every bucket a cap watches,
+  atomically; a cap that would be crossed ends the run with ``budget:<cap>``;
+- after the call, it charges what the call really spent and frees the rest;
+- a failed call frees its reservation; a replayed call is never charged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Literal, NoReturn, TypeVar
+
+from ulid import ULID
+
+from ...agent.hooks import Interrupt, RunHooks, RunInfo
+from ...errors import (
+    BudgetExceededError,
+    BudgetUnavailableError,
+    InvalidUsageError,
+    MigrationError,
+    StoreUnavailableError,
+    UnknownModelPriceError,
+    UserError,
+)
+from ...messages import Message, ModelResponse, ModelSettings, Usage
+from ...models.pricing import PRICES, ModelPrice, price_for
+from ..events import BudgetDenied, BudgetUnavailable, BudgetWarning
+from ._owner import new_owner
+from ._store import BudgetStore
+from ._types import (
+    MAX_TOKENS_PER_CALL,
+    Amount,
+    Bucket,
+    BucketLimit,
+    Cap,
+    CommitResult,
+    Metric,
+    OnExpiry,
+    Reservation,
+    Totals,
+    _count,
+)
+from .inmemory import InMemoryBudgetStore
+
+__all__ = ["BudgetHooks", "CapStatus", "StandardBudget", "Ticket", "bound_input_tokens"]
+
+log = logging.getLogger("loomflow.governance.budget")
+
+T = TypeVar("T")
+
+# Role markers and separators a chat template adds around each message.
+_PER_MESSAGE_TOKENS = 8
+
+
+def bound_input_tokens(messages: Sequence[Message]) -> int:
+    """An upper bound on the input tokens of ``messages`` for byte-level BPE tokenizers.
+
+    Every token of such a tokenizer (the Claude and GPT families) covers at least one byte of
+    UTF-8, so the byte count plus a few tokens of framing per message bounds the real count
+    from above; on English text it is about four times the real figure. Tool schemas are not
+    in ``messages``: :class:`StandardBudget` adds ``overhead_tokens`` for them.
+    """
+    total = 0
+    for message in messages:
+        total += len(message.content.encode()) + _PER_MESSAGE_TOKENS
+        for call in message.tool_calls:
+            arguments = json.dumps(call.arguments, ensure_ascii=False, separators=(",", ":"))
+            total += len(call.name.encode()) + len(arguments.encode()) + _PER_MESSAGE_TOKENS
+        if message.tool_call_id:
+            total += len(message.tool_call_id.encode())
+    return total
+
+
+def _cost(price: ModelPrice, tokens_in: int, tokens_out: int) -> int:
+    # Decimal keeps list prices such as 0.15 exact; rounding up never undercounts.
+    nano = (
+        Decimal(str(price.input_per_mtok)) * tokens_in
+        + Decimal(str(price.output_per_mtok)) * tokens_out
+    ) * 1000
+    return math.ceil(nano)
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A reservation for one model call, handed back to :meth:`StandardBudget.commit`.
+
+    Attributes:
+        reservation: What the store holds.
+        limits: The caps it was checked against, bucket by bucket.
+        user_id: Whom the call is charged to.
+        model: The model the call was priced for.
+        price: That model's price.
+        started: ``time.monotonic()`` when it was granted (the call's time is measured from
+            here).
+    """
+
+    reservation: Reservation
+    limits: tuple[BucketLimit, ...]
+    user_id: str | None
+    model: str
+    price: ModelPrice
+    started: float
+
+    @property
+    def amount(self) -> Amount:
+        """What the reservation holds."""
+        return self.reservation.amount
+
+
+@dataclass(frozen=True, slots=True)
+class CapStatus:
+    """Where one cap stands for a user (figures in the cap's unit)."""
+
+    cap: str
+    limit: float
+    used: float
+    reserved: float
+    remaining: float
+    fraction: float
+    period: str
+
+
+class StandardBudget:
+    """Per-user, global and per-run caps on tokens, cost and time, kept in a shared store.
+
+    Args:
+        caps: The caps to enforce (see :class:`Cap`). Without any, the budget only records.
+        store: Where totals live: :class:`InMemoryBudgetStore` (the default: one process,
+            lost on exit) or :class:`SqlBudgetStore` on SQLite or PostgreSQL (survives
+            restarts, shared by every worker).
+        mode: ``"hard"`` refuses a call unless its whole reservation fits under every cap, so
+            concurrent calls never overshoot together; ``"soft"`` refuses only once a cap is
+            used up, and a few calls in flight may overshoot it.
+        warn_at: Fractions of a cap at which a :class:`BudgetWarning` is emitted (once, by
+            the call that crosses it).
+        prices: Extra or overriding prices (USD per million tokens) by model id. A model in
+            no table cannot be charged: the call fails with :class:`UnknownModelPriceError`.
+        overhead_tokens: Input tokens added to each reservation for what the messages do not
+            show (tool schemas, provider system prompts).
+        estimate_input_tokens: Replaces :func:`bound_input_tokens`. In hard mode it must not
+            underestimate, or a call may spend more than it reserved.
+        lease_s: How long a reservation outlives a dead worker before it is reclaimed. Live
+            workers renew it every third of that. A dead worker on the same host is noticed
+            at once.
+        on_expiry: What a reclaim does with a dead worker's reservation: ``"charge"`` it as
+            spent (the call may have been billed; never undercounts) or ``"release"`` it
+            (gives the capacity back; a billed call is then missing from the totals).
+        store_timeout_s: How long a store operation may take before the call is refused.
+        clock: Unix time, for calendar windows (tests may pass a fake one).
+
+    Example:
+        >>> budget = StandardBudget(
+        ...     [Cap("tokens_total", 200_000), Cap("cost_usd", 2.0, window="day"),
+        ...      Cap("cost_usd", 500.0, scope="global", window="month")],
+        ...     store=SqlBudgetStore(runtime.database),
+        ... )  # doctest: +SKIP
+        >>> agent = Agent("...", model="claude-opus-4-7", budget=budget)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        caps: Sequence[Cap] = (),
+        *,
+        store: BudgetStore | None = None,
+        mode: Literal["hard", "soft"] = "hard",
+        warn_at: float | Sequence[float] = (0.8,),
+        prices: Mapping[str, ModelPrice] | None = None,
+        overhead_tokens: int = 1024,
+        estimate_input_tokens: Callable[[Sequence[Message]], int] | None = None,
+        lease_s: float = 60.0,
+        on_expiry: OnExpiry = "charge",
+        store_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if isinstance(caps, Cap):
+            raise UserError("caps must be a sequence of Cap, e.g. caps=[Cap(...)]")
+        for cap in caps:
+            if not isinstance(cap, Cap):
+                raise UserError(f"caps must be Cap objects, not {cap!r}")
+        names = [cap.name for cap in caps]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise UserError(f"caps {duplicated} are given more than once")
+        if mode not in ("hard", "soft"):
+            raise UserError(f"mode must be 'hard' or 'soft', not {mode!r}")
+        thresholds = (warn_at,) if isinstance(warn_at, int | float) else tuple(warn_at)
+        for t in thresholds:
+            if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < 1:
+                raise UserError(f"warn_at fractions must lie strictly between 0 and 1, not {t!r}")
+        _count("overhead_tokens", overhead_tokens, MAX_TOKENS_PER_CALL)
+        for what, value in (("lease_s", lease_s), ("store_timeout_s", store_timeout_s)):
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise UserError(f"{what} must be a positive number of seconds, not {value!r}")
+        self.caps: tuple[Cap, ...] = tuple(caps)
+        self.store: BudgetStore = store if store is not None else InMemoryBudgetStore()
+        self.mode = mode
+        self.warn_at: tuple[float, ...] = tuple(sorted(float(t) for t in thresholds))
+        self.prices: Mapping[str, ModelPrice] = {**PRICES, **(prices or {})}
+        for name, price in self.prices.items():
+            for side in (price.input_per_mtok, price.output_per_mtok):
+                if not (isinstance(side, int | float) and math.isfinite(side) and side >= 0):
+                    raise InvalidUsageError(f"price of {name!r} must be finite and >= 0: {price}")
+        self.overhead_tokens = overhead_tokens
+        self._estimate = estimate_input_tokens or bound_input_tokens
+        self.lease_s = float(lease_s)
+        if on_expiry not in ("charge", "release"):
+            raise UserError(f"on_expiry must be 'charge' or 'release', not {on_expiry!r}")
+        self.on_expiry: OnExpiry = on_expiry
+        self.store_timeout_s = float(store_timeout_s)
+        self._clock = clock
+        self._owner = new_owner()
+        self._abandoned: set[asyncio.Future[Any]] = set()
+        self._last_reclaim = -math.inf
+
+    def __repr__(self) -> str:
+        return (
+            f"StandardBudget(caps={[c.name for c in self.caps]}, mode={self.mode!r}, "
+            f"store={self.store!r})"
+        )
+
+    @property
+    def hard(self) -> bool:
+        """Whether reservations must fit under every cap (see ``mode``)."""
+        return self.mode == "hard"
+
+    def as_hooks(self) -> BudgetHooks:
+        """The hooks an :class:`~loomflow.agent.Agent` calls (``Agent(budget=...)`` does it)."""
+        return BudgetHooks(self)
+
+    # -- pricing and sizing ----------------------------------------------------------------
+
+    def price(self, model: str, provider: str | None = None) -> ModelPrice:
+        """The price the budget charges ``model`` at.
+
+        Raises:
+            UnknownModelPriceError: when no table knows the model.
+        """
+        found = price_for(model, provider=provider, prices=self.prices)
+        if found is None:
+            raise UnknownModelPriceError(
+                f"no price is known for model {model!r}, so the budget cannot charge it; "
+                "pass StandardBudget(prices={...}) with its USD per million tokens"
+            )
+        return found
+
+    def size(
+        self,
+        *,
+        model: str,
+        max_tokens: int,
+        messages: Sequence[Message] = (),
+        input_tokens: int | None = None,
+        provider: str | None = None,
+    ) -> tuple[ModelPrice, Amount]:
+        """The most a call can spend: (its price, the amount a reservation holds for it)."""
+        _count("max_tokens", max_tokens, MAX_TOKENS_PER_CALL)
+        price = self.price(model, provider)
+        if input_tokens is None:
+            estimated = self._estimate(messages)
+            input_tokens = _count("estimated input tokens", estimated, MAX_TOKENS_PER_CALL)
+            input_tokens = min(input_tokens + self.overhead_tokens, MAX_TOKENS_PER_CALL)
+        tokens_in = _count("input tokens", input_tokens, MAX_TOKENS_PER_CALL)
+        return price, Amount(tokens_in, max_tokens, _cost(price, tokens_in, max_tokens))
+
+    def actual(self, ticket: Ticket, usage: Usage, *, model: str | None, wall_s: float) -> Amount:
+        """What a finished call spent, priced as the model that answered (validated).
+
+        Raises:
+            InvalidUsageError: for a negative, NaN, non-integer or absurd token count.
+        """
+        tokens_in = _count("reported input tokens", usage.input_tokens, MAX_TOKENS_PER_CALL)
+        tokens_out = _count("reported output tokens", usage.output_tokens, MAX_TOKENS_PER_CALL)
+        price = ticket.price
+        if model:
+            price = price_for(model, prices=self.prices) or price
+        return Amount(tokens_in, tokens_out, _cost(price, tokens_in, tokens_out), wall_s)
+
+    def _plan(
+        self, user_id: str | None, now: float
+    ) -> tuple[tuple[Bucket, ...], list[BucketLimit]]:
+        # The user's all-time bucket is always kept (reports); others only where a cap looks.
+        buckets: dict[str, Bucket] = {}
+        first = Bucket("user", user_id, "")
+        buckets[first.key] = first
+        limits: list[BucketLimit] = []
+        for cap in self.caps:
+            if cap.scope == "run":
+                continue
+            bucket = Bucket.for_window(cap.scope, user_id, cap.window, now)
+            buckets.setdefault(bucket.key, bucket)
+            limits.append(BucketLimit(bucket.key, cap.name, cap.metric, cap.limit))
+        return tuple(buckets.values()), limits
+
+    # -- store access (fail closed) --------------------------------------------------------
+
+    async def _call(self, what: str, operation: Awaitable[T]) -> T:
+        # The operation runs in a task of its own so that a hung store costs the caller no
+        # more than store_timeout_s: cancelling a driver call can itself block (asyncpg rolls
+        # back over the stalled connection), so on timeout the task is cancelled and left to
+        # finish in the background instead of being waited for.
+        task = asyncio.ensure_future(operation)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.store_timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            self._abandoned.add(task)
+            task.add_done_callback(self._forget)
+            raise BudgetUnavailableError(
+                f"the budget store ({self.store.backend}) did not answer {what} within "
+                f"{self.store_timeout_s:g} s, so the model call is refused"
+            )
+        try:
+            return task.result()
+        except (StoreUnavailableError, MigrationError, TimeoutError) as exc:
+            raise BudgetUnavailableError(
+                f"the budget store ({self.store.backend}) failed during {what}, so the model "
+                f"call is refused: {exc}"
+            ) from exc
+
+    def _forget(self, task: asyncio.Future[Any]) -> None:
+        self._abandoned.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("an abandoned budget store call failed", exc_info=task.exception())
+
+    async def reclaim(self) -> int:
+        """Settle the reservations of dead workers now (see ``on_expiry``); return how many."""
+        self._last_reclaim = time.monotonic()
+        return await self._call("reclaim", self.store.reclaim())
+
+    async def _reclaim_if_due(self, every_s: float) -> int:
+        if time.monotonic() - self._last_reclaim < every_s:
+            return 0
+        return await self.reclaim()
+
+    # -- the three operations of a call ----------------------------------------------------
+
+    async def reserve(
+        self,
+        *,
+        user_id: str | None,
+        model: str,
+        max_tokens: int,
+        messages: Sequence[Message] = (),
+        input_tokens: int | None = None,
+        provider: str | None = None,
+    ) -> Ticket:
+        """Reserve the most a model call can spend, or refuse it.
+
+        Raises:
+            BudgetExceededError: a cap would be crossed.
+            BudgetUnavailableError: the store failed (the call must not go ahead).
+            UnknownModelPriceError: the model has no price.
+            InvalidUsageError: a count is negative, NaN or absurd.
+        """
+        price, amount = self.size(
+            model=model,
+            max_tokens=max_tokens,
+            messages=messages,
+            input_tokens=input_tokens,
+            provider=provider,
+        )
+        return await self.reserve_amount(user_id=user_id, model=model, price=price, amount=amount)
+
+    async def reserve_amount(
+        self, *, user_id: str | None, model: str, price: ModelPrice, amount: Amount
+    ) -> Ticket:
+        """Reserve an amount sized by :meth:`size` (see :meth:`reserve`)."""
+        buckets, limits = self._plan(user_id, self._clock())
+        reservation = Reservation(str(ULID()), self._owner, buckets, amount, self.on_expiry)
+        # Dead workers' holds are swept now and then, and again before a refusal (a released
+        # hold frees room; a charged one at least turns into a definite figure).
+        await self._reclaim_if_due(30.0)
+        denial = await self._call(
+            "reservation",
+            self.store.reserve(reservation, limits, hard=self.hard, lease_s=self.lease_s),
+        )
+        if denial is not None and await self._reclaim_if_due(1.0):
+            denial = await self._call(
+                "reservation",
+                self.store.reserve(reservation, limits, hard=self.hard, lease_s=self.lease_s),
+            )
+        if denial is not None:
+            raise BudgetExceededError(
+                denial.cap, denial.limit, denial.used, denial.reserved, denial.requested
+            )
+        return Ticket(reservation, tuple(limits), user_id, model, price, time.monotonic())
+
+    async def commit(
+        self,
+        ticket: Ticket,
+        usage: Usage,
+        *,
+        model: str | None = None,
+        wall_s: float | None = None,
+    ) -> list[BudgetWarning]:
+        """Charge what the call really spent; return the warnings it triggered.
+
+        A usage that fails validation is not trusted: the whole reservation is charged
+        instead (the most the call could have spent), then :class:`InvalidUsageError` raises.
+        """
+        elapsed = time.monotonic() - ticket.started if wall_s is None else wall_s
+        try:
+            actual = self.actual(ticket, usage, model=model, wall_s=elapsed)
+        except InvalidUsageError:
+            held = ticket.amount
+            worst = Amount(held.tokens_in, held.tokens_out, held.cost_nanousd, _clip(elapsed))
+            await self._call("commit", self.store.commit(ticket.reservation, worst))
+            raise
+        if (
+            actual.tokens_in > ticket.amount.tokens_in
+            or actual.tokens_out > ticket.amount.tokens_out
+        ):
+            log.warning(
+                "model %r spent %d/%d tokens (in/out), more than the %d/%d reserved; raise "
+                "overhead_tokens or fix estimate_input_tokens",
+                model or ticket.model,
+                actual.tokens_in,
+                actual.tokens_out,
+                ticket.amount.tokens_in,
+                ticket.amount.tokens_out,
+            )
+        result = await self._call("commit", self.store.commit(ticket.reservation, actual))
+        return self._warnings(ticket.limits, result)
+
+    async def release(self, ticket: Ticket) -> bool:
+        """Give a reservation back uncharged (the call failed before spending)."""
+        return await self._call("release", self.store.release(ticket.reservation.id))
+
+    def _warnings(self, limits: Sequence[BucketLimit], result: CommitResult) -> list[BudgetWarning]:
+        warnings: list[BudgetWarning] = []
+        for limit in limits:
+            after = result.totals.get(limit.bucket)
+            if after is None or limit.limit <= 0:
+                continue
+            crossed = _crossed(
+                self.warn_at,
+                limit.limit,
+                after.minus(result.charged).used(limit.metric),
+                after.used(limit.metric),
+            )
+            if crossed:
+                used = after.used(limit.metric)
+                warnings.append(
+                    BudgetWarning(
+                        cap=limit.cap, limit=limit.limit, used=used, fraction=used / limit.limit
+                    )
+                )
+        return warnings
+
+    # -- reports ---------------------------------------------------------------------------
+
+    async def status(self, user_id: str | None) -> list[CapStatus]:
+        """Where each user and global cap stands for ``user_id`` in the current periods."""
+        buckets, limits = self._plan(user_id, self._clock())
+        period = {b.key: b.period for b in buckets}
+        totals = await self._call("read", self.store.totals([b.key for b in buckets]))
+        out = []
+        for limit in limits:
+            t = totals.get(limit.bucket, Totals())
+            used, held = t.used(limit.metric), t.reserved(limit.metric)
+            out.append(
+                CapStatus(
+                    cap=limit.cap,
+                    limit=limit.limit,
+                    used=used,
+                    reserved=held,
+                    remaining=max(0.0, limit.limit - used - held),
+                    fraction=used / limit.limit if limit.limit else 1.0,
+                    period=period[limit.bucket] or "all time",
+                )
+            )
+        return out
+
+    async def close(self) -> None:
+        """Close the store."""
+        await self.store.close()
+
+
+def _clip(seconds: float) -> float:
+    return min(max(seconds, 0.0), 86400.0) if math.isfinite(seconds) else 0.0
+
+
+def _crossed(thresholds: Sequence[float], limit: float, before: float, after: float) -> bool:
+    return any(before < t * limit <= after for t in thresholds)
+
+
+# -- the agent's hooks ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _RunState:
+    started: float
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cost_nanousd: int = 0
+    tickets: dict[str, tuple[Ticket, asyncio.Task[None]]] = field(default_factory=dict)
+
+    def used(self, metric: Metric) -> float:
+        if metric == "wall_clock_s":
+            return time.monotonic() - self.started
+        return Totals(self.tokens_in, self.tokens_out, self.cost_nanousd).used(metric)
+
+    def held(self, metric: Metric) -> float:
+        return sum(t.amount.value(metric) for t, _ in self.tickets.values())
+
+    def add(self, amount: Amount) -> None:
+        self.tokens_in += amount.tokens_in
+        self.tokens_out += amount.tokens_out
+        self.cost_nanousd += amount.cost_nanousd
+
+
+class BudgetHooks(RunHooks):
+    """Plugs a :class:`StandardBudget` into the agent loop (see the module docstring)."""
+
+    def __init__(self, budget: StandardBudget) -> None:
+        self.budget = budget
+        self._runs: dict[str, _RunState] = {}
+        self._run_caps = tuple(c for c in budget.caps if c.scope == "run")
+
+    def _state(self, info: RunInfo) -> _RunState:
+        state = self._runs.get(info.run_id)
+        if state is None:
+            state = self._runs[info.run_id] = _RunState(time.monotonic())
+        return state
+
+    async def run_started(self, info: RunInfo) -> None:
+        self._state(info)
+
+    async def before_model_call(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
+    ) -> Any:
+        budget = self.budget
+        state = self._state(info)
+        price, amount = budget.size(
+            model=info.model_name,
+            max_tokens=settings.max_tokens,
+            messages=messages,
+            provider=info.provider,
+        )
+        for cap in self._run_caps:
+            used, held = state.used(cap.metric), state.held(cap.metric)
+            if cap.metric == "wall_clock_s":
+                asked, over = 0.0, used >= cap.limit
+            elif budget.hard:
+                asked = amount.value(cap.metric)
+                over = used + held + asked > cap.limit
+            else:
+                asked, over = amount.value(cap.metric), used + held >= cap.limit
+            if over:
+                self._deny(info, BudgetExceededError(cap.name, cap.limit, used, held, asked))
+        try:
+            ticket = await budget.reserve_amount(
+                user_id=info.user_id, model=info.model_name, price=price, amount=amount
+            )
+        except BudgetExceededError as exc:
+            self._deny(info, exc)
+        except BudgetUnavailableError as exc:
+            info.emit(BudgetUnavailable(detail=str(exc)))
+            raise
+        renewal = asyncio.create_task(self._renew(ticket), name="loomflow-budget-lease")
+        state.tickets[ticket.reservation.id] = (ticket, renewal)
+        return ticket
+
+    def _deny(self, info: RunInfo, exc: BudgetExceededError) -> NoReturn:
+        info.emit(
+            BudgetDenied(
+                cap=exc.cap,
+                limit=exc.limit,
+                used=exc.used,
+                requested=exc.requested,
+                reserved=exc.reserved,
+            )
+        )
+        raise Interrupt(f"budget:{exc.cap}", str(exc)) from None
+
+    async def _renew(self, ticket: Ticket) -> None:
+        budget = self.budget
+        while True:
+            await asyncio.sleep(budget.lease_s / 3)
+            try:
+                async with asyncio.timeout(budget.store_timeout_s):
+                    if not await budget.store.renew(ticket.reservation.id, budget.lease_s):
+                        return  # reclaimed: the commit will charge only what exceeds it
+            except Exception as exc:  # the next attempt may succeed; the lease has slack
+                log.warning("renewing budget reservation %s failed: %s", ticket.reservation.id, exc)
+
+    def _take(self, info: RunInfo, token: Any) -> Ticket | None:
+        if not isinstance(token, Ticket):
+            return None
+        state = self._runs.get(info.run_id)
+        entry = state.tickets.pop(token.reservation.id, None) if state else None
+        if entry is not None:
+            entry[1].cancel()
+        return token
+
+    async def after_model_call(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+    ) -> None:
+        state = self._state(info)
+        ticket = None if replayed else self._take(info, token)
+        if ticket is None:
+            # A replayed call is never charged, but it is part of this run's own usage.
+            state.add(self._replayed(info, response))
+            return
+        try:
+            warnings = await self.budget.commit(ticket, response.usage, model=response.model)
+        except BudgetUnavailableError as exc:
+            info.emit(BudgetUnavailable(detail=str(exc)))
+            raise
+        before = (state.tokens_in, state.tokens_out, state.cost_nanousd)
+        state.add(self.budget.actual(ticket, response.usage, model=response.model, wall_s=0.0))
+        for warning in warnings:
+            info.emit(warning)
+        self._run_warnings(info, state, before)
+
+    def _replayed(self, info: RunInfo, response: ModelResponse) -> Amount:
+        usage = response.usage
+        try:
+            price = self.budget.price(response.model or info.model_name, info.provider)
+            return Amount(
+                usage.input_tokens,
+                usage.output_tokens,
+                _cost(price, usage.input_tokens, usage.output_tokens),
+            )
+        except (UnknownModelPriceError, InvalidUsageError):
+            return Amount()
+
+    def _run_warnings(self, info: RunInfo, state: _RunState, before: tuple[int, int, int]) -> None:
+        previous = Totals(*before)
+        for cap in self._run_caps:
+            if cap.metric == "wall_clock_s" or cap.limit <= 0:
+                continue
+            after = state.used(cap.metric)
+            if _crossed(self.budget.warn_at, cap.limit, previous.used(cap.metric), after):
+                info.emit(
+                    BudgetWarning(
+                        cap=cap.name, limit=cap.limit, used=after, fraction=after / cap.limit
+                    )
+                )
+
+    async def model_call_failed(
+        self, info: RunInfo, turn: int, error: BaseException, token: Any
+    ) -> None:
+        ticket = self._take(info, token)
+        if ticket is None:
+            return
+        try:
+            await self.budget.release(ticket)
+        except Exception as exc:
+            # The hold stays until its lease runs out; it is then charged, never lost.
+            log.warning("releasing budget reservation %s failed: %s", ticket.reservation.id, exc)
+
+    async def run_finished(
+        self, info: RunInfo, result: Any | None, error: BaseException | None
+    ) -> None:
+        state = self._runs.pop(info.run_id, None)
+        if state is None:
+            return
+        for ticket, renewal in state.tickets.values():
+            renewal.cancel()
+            # A hold the loop never settled: a run that returned never made the call (a later
+            # hook refused it); a run that raised may have made it (the journal write failed
+            # after the stream ended), so its hold is charged in full.
+            try:
+                if error is None:
+                    await self.budget.release(ticket)
+                else:
+                    held = ticket.amount
+                    await self.budget._call(
+                        "commit", self.budget.store.commit(ticket.reservation, held)
+                    )
+            except Exception as exc:
+                log.warning("settling budget reservation %s failed: %s", ticket.reservation.id, exc)

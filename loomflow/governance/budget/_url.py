@@ -1,0 +1,28 @@
+"""Turn a store URL (from settings or the command line) into a budget store."""
+
+from __future__ import annotations
+
+from ...config import Settings
+from ._store import BudgetStore
+
+__all__ = ["budget_store_from_url"]
+
+
+def budget_store_from_url(
+    url: str | None = None, *, settings: Settings | None = None
+) -> BudgetStore:
+    """The budget store a URL names: ``memory://``, ``sqlite:///budget.db`` or
+    ``postgresql://...`` (the last two open a connection of their own).
+
+    Without ``url``, the settings decide: ``LOOMFLOW_BUDGET_URL``, else the journal's
+    ``LOOMFLOW_RUNTIME_URL`` (the budget then keeps its tables beside the journal's).
+    """
+    s = settings or Settings()
+    url = url or s.budget_url or s.runtime_url
+    if url.startswith("memory:"):
+        from .inmemory import InMemoryBudgetStore
+
+        return InMemoryBudgetStore()
+    from .sql import SqlBudgetStore
+
+    return SqlBudgetStore(url, settings=s)

@@ -1,0 +1,179 @@
+"""A budget store in process memory: for tests, demos and single-process services.
+
+Totals vanish with the process and are not shared between workers; use
+:class:`~loomflow.governance.budget.SqlBudgetStore` for anything that must survive a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ._store import BudgetStore
+from ._types import (
+    Amount,
+    Bucket,
+    BucketLimit,
+    BucketUsage,
+    CommitResult,
+    Denial,
+    Reservation,
+    ReservationInfo,
+    Totals,
+    evaluate,
+    late_charge,
+)
+
+__all__ = ["InMemoryBudgetStore"]
+
+
+@dataclass(slots=True)
+class _Row:
+    bucket: Bucket
+    totals: Totals
+    updated_at: float
+
+
+@dataclass(slots=True)
+class _Hold:
+    reservation: Reservation
+    created_at: float
+    expires_at: float
+
+
+class InMemoryBudgetStore:
+    """Budget totals in a dict. Operations never await while they change state, so each one
+    is atomic within the event loop, like a transaction.
+
+    Args:
+        clock: Unix time for leases (a test may pass a fake one).
+    """
+
+    backend = "memory"
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._rows: dict[str, _Row] = {}
+        self._holds: dict[str, _Hold] = {}
+
+    def __repr__(self) -> str:
+        return f"InMemoryBudgetStore(buckets={len(self._rows)}, holds={len(self._holds)})"
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def migrate(self) -> int:
+        return 0
+
+    def _add(self, bucket: Bucket, spent: Amount, held: Amount, sign: int, calls: int) -> Totals:
+        row = self._rows.get(bucket.key)
+        if row is None:
+            row = self._rows[bucket.key] = _Row(bucket, Totals(), self._clock())
+        t = row.totals
+        row.totals = Totals(
+            t.tokens_in + spent.tokens_in,
+            t.tokens_out + spent.tokens_out,
+            t.cost_nanousd + spent.cost_nanousd,
+            t.wall_s + spent.wall_s,
+            t.calls + calls,
+            max(0, t.reserved_in + sign * held.tokens_in),
+            max(0, t.reserved_out + sign * held.tokens_out),
+            max(0, t.reserved_cost_nanousd + sign * held.cost_nanousd),
+        )
+        row.updated_at = self._clock()
+        return row.totals
+
+    async def reserve(
+        self,
+        reservation: Reservation,
+        limits: Sequence[BucketLimit],
+        *,
+        hard: bool,
+        lease_s: float,
+    ) -> Denial | None:
+        before = {
+            b.key: self._rows[b.key].totals for b in reservation.buckets if b.key in self._rows
+        }
+        denial = evaluate(before, limits, reservation.amount, hard=hard)
+        if denial is not None:
+            return denial
+        now = self._clock()
+        for bucket in reservation.buckets:
+            self._add(bucket, Amount(), reservation.amount, +1, 0)
+        self._holds[reservation.id] = _Hold(reservation, now, now + lease_s)
+        return None
+
+    async def commit(self, reservation: Reservation, actual: Amount) -> CommitResult:
+        hold = self._holds.pop(reservation.id, None)
+        found = hold is not None
+        charged = actual if found else late_charge(reservation, actual)
+        released = reservation.amount if found else Amount()
+        totals = {
+            b.key: self._add(b, charged, released, -1, 1 if found else 0)
+            for b in reservation.buckets
+        }
+        return CommitResult(charged, totals, found)
+
+    async def release(self, reservation_id: str) -> bool:
+        hold = self._holds.pop(reservation_id, None)
+        if hold is None:
+            return False
+        for bucket in hold.reservation.buckets:
+            self._add(bucket, Amount(), hold.reservation.amount, -1, 0)
+        return True
+
+    async def renew(self, reservation_id: str, lease_s: float) -> bool:
+        hold = self._holds.get(reservation_id)
+        if hold is None:
+            return False
+        hold.expires_at = self._clock() + lease_s
+        return True
+
+    async def reclaim(self, *, limit: int = 100) -> int:
+        now = self._clock()
+        expired = sorted(
+            (h for h in self._holds.values() if h.expires_at < now), key=lambda h: h.expires_at
+        )[:limit]
+        for hold in expired:
+            del self._holds[hold.reservation.id]
+            amount = hold.reservation.amount
+            charge = hold.reservation.on_expiry == "charge"
+            for bucket in hold.reservation.buckets:
+                self._add(bucket, amount if charge else Amount(), amount, -1, 1 if charge else 0)
+        return len(expired)
+
+    async def totals(self, keys: Sequence[str]) -> dict[str, Totals]:
+        return {k: self._rows[k].totals for k in keys if k in self._rows}
+
+    async def usage(self, user_id: str | None = None) -> list[BucketUsage]:
+        rows = [
+            BucketUsage(r.bucket, r.totals, r.updated_at)
+            for r in self._rows.values()
+            if user_id is None or (r.bucket.scope == "user" and r.bucket.user_id == user_id)
+        ]
+        return sorted(rows, key=lambda u: _order(u.bucket))
+
+    async def reservations(self) -> list[ReservationInfo]:
+        return [
+            ReservationInfo(
+                h.reservation.id,
+                h.reservation.owner,
+                h.reservation.buckets,
+                h.reservation.amount,
+                h.reservation.on_expiry,
+                h.created_at,
+                h.expires_at,
+            )
+            for h in sorted(self._holds.values(), key=lambda h: h.created_at)
+        ]
+
+
+def _order(bucket: Bucket) -> tuple[str, str, str]:
+    return (bucket.scope, bucket.user_id or "", bucket.period)
+
+
+_check: type[BudgetStore] = InMemoryBudgetStore  # the class must satisfy the protocol

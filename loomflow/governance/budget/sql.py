@@ -1,0 +1,374 @@
+"""The budget store on SQLite or PostgreSQL: the SQL is written once for both.
+
+Atomicity comes from one transaction per operation. A reservation upserts each of its buckets
+in key order (so two reservations never wait on each other in opposite orders), and each
+upsert both locks the row and returns its new totals; the shared ``evaluate`` then decides
+and, on a refusal, the transaction rolls back. PostgreSQL row locks let reservations on
+different users run in parallel; SQLite takes its write lock up front (``BEGIN IMMEDIATE``).
+
+Measured with ``benchmarks/budget_contention.py`` on a 2-core machine (loopback PostgreSQL,
+a user with an all-time and a daily cap, so two buckets per call): a reservation plus its
+commit, the budget's whole share of one model call, costs a median 1.7 ms on PostgreSQL and
+1.2-1.4 ms on SQLite with ``synchronous=FULL`` (two transactions, each one fsync), against
+0.09 ms in memory. That is small next to a model call of a second or more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ...config import Settings
+from ...storage import Database, apply_migrations, database_from_url
+from ._owner import PID_NAMESPACE, owner_is_dead
+from ._store import BudgetStore
+from ._types import (
+    Amount,
+    Bucket,
+    BucketLimit,
+    BucketUsage,
+    CommitResult,
+    Denial,
+    Reservation,
+    ReservationInfo,
+    Totals,
+    evaluate,
+    late_charge,
+)
+from .migrations import COMPONENT, MIGRATIONS
+
+__all__ = ["SqlBudgetStore"]
+
+_COLUMNS = (
+    "tokens_in, tokens_out, cost_nanousd, wall_s, calls, reserved_in, reserved_out, "
+    "reserved_cost_nanousd"
+)
+
+# Spent amounts only grow; held amounts move by a signed delta and never drop below zero
+# (a bucket recreated after a manual clean-up must not start with a negative hold).
+_UPSERT = f"""
+INSERT INTO loom_budget_buckets
+    (bucket, scope, user_id, period, {_COLUMNS}, updated_at)
+VALUES ($1, $2, $3, $4, CAST($5 AS BIGINT), CAST($6 AS BIGINT), CAST($7 AS BIGINT),
+    CAST($8 AS DOUBLE PRECISION), CAST($9 AS BIGINT),
+    CASE WHEN CAST($10 AS BIGINT) > 0 THEN CAST($10 AS BIGINT) ELSE 0 END,
+    CASE WHEN CAST($11 AS BIGINT) > 0 THEN CAST($11 AS BIGINT) ELSE 0 END,
+    CASE WHEN CAST($12 AS BIGINT) > 0 THEN CAST($12 AS BIGINT) ELSE 0 END,
+    {{now}})
+ON CONFLICT (bucket) DO UPDATE SET
+    tokens_in = loom_budget_buckets.tokens_in + CAST($5 AS BIGINT),
+    tokens_out = loom_budget_buckets.tokens_out + CAST($6 AS BIGINT),
+    cost_nanousd = loom_budget_buckets.cost_nanousd + CAST($7 AS BIGINT),
+    wall_s = loom_budget_buckets.wall_s + CAST($8 AS DOUBLE PRECISION),
+    calls = loom_budget_buckets.calls + CAST($9 AS BIGINT),
+    reserved_in = CASE WHEN loom_budget_buckets.reserved_in + CAST($10 AS BIGINT) > 0
+        THEN loom_budget_buckets.reserved_in + CAST($10 AS BIGINT) ELSE 0 END,
+    reserved_out = CASE WHEN loom_budget_buckets.reserved_out + CAST($11 AS BIGINT) > 0
+        THEN loom_budget_buckets.reserved_out + CAST($11 AS BIGINT) ELSE 0 END,
+    reserved_cost_nanousd = CASE
+        WHEN loom_budget_buckets.reserved_cost_nanousd + CAST($12 AS BIGINT) > 0
+        THEN loom_budget_buckets.reserved_cost_nanousd + CAST($12 AS BIGINT) ELSE 0 END,
+    updated_at = {{now}}
+RETURNING {_COLUMNS}
+"""
+_HOLD = """
+INSERT INTO loom_budget_reservations
+    (id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at, expires_at)
+VALUES ($1, $2, $3, CAST($4 AS BIGINT), CAST($5 AS BIGINT), CAST($6 AS BIGINT), $7, {now},
+    {now} + CAST($8 AS DOUBLE PRECISION))
+"""
+_TAKE = """
+DELETE FROM loom_budget_reservations WHERE id = $1
+RETURNING buckets, tokens_in, tokens_out, cost_nanousd
+"""
+# A reclaimer re-checks, inside its own transaction, that the hold is still expired (its
+# owner may have renewed it meanwhile) unless it saw the owner's process is gone.
+_TAKE_DEAD = """
+DELETE FROM loom_budget_reservations
+WHERE id = $1 AND (expires_at < {now} OR owner = $2)
+RETURNING buckets, tokens_in, tokens_out, cost_nanousd, on_expiry
+"""
+_RENEW = """
+UPDATE loom_budget_reservations SET expires_at = {now} + CAST($2 AS DOUBLE PRECISION)
+WHERE id = $1 RETURNING 1
+"""
+_EXPIRED = """
+SELECT id, owner FROM loom_budget_reservations WHERE expires_at < {now}
+ORDER BY expires_at LIMIT $1
+"""
+# Owner ids start with the pid namespace, so a worker can find holds of dead local processes.
+_LOCAL = "SELECT id, owner FROM loom_budget_reservations WHERE owner LIKE $1 LIMIT $2"
+_USAGE = f"SELECT bucket, {_COLUMNS}, updated_at FROM loom_budget_buckets"
+_RESERVATIONS = """
+SELECT id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at,
+    expires_at
+FROM loom_budget_reservations ORDER BY created_at, id
+"""
+
+
+class _Refused(Exception):
+    """Raised inside a reservation's transaction to roll it back."""
+
+    def __init__(self, denial: Denial) -> None:
+        self.denial = denial
+
+
+def _totals(row: Sequence[Any]) -> Totals:
+    return Totals(
+        int(row[0]),
+        int(row[1]),
+        int(row[2]),
+        float(row[3]),
+        int(row[4]),
+        int(row[5]),
+        int(row[6]),
+        int(row[7]),
+    )
+
+
+def _bucket_args(bucket: Bucket) -> tuple[str, str, str | None, str]:
+    return (bucket.key, bucket.scope, bucket.user_id, bucket.period)
+
+
+def _keys(buckets: Sequence[Bucket]) -> str:
+    return json.dumps([b.key for b in buckets])
+
+
+def _buckets(text: str) -> tuple[Bucket, ...]:
+    return tuple(Bucket.from_key(k) for k in json.loads(text))
+
+
+class SqlBudgetStore:
+    """Budget totals in SQLite or PostgreSQL, shared by every worker on that database.
+
+    Args:
+        database: A :class:`~loomflow.storage.Database` to share (a runtime's
+            ``runtime.database``, which this store then never closes), or a store URL
+            (``sqlite:///budget.db``, ``postgresql://...``) for a connection of its own.
+        auto_migrate: Create or upgrade the tables on first use (default from settings).
+        settings: Where defaults come from (``LOOMFLOW_*``).
+
+    Example:
+        >>> store = SqlBudgetStore(runtime.database)  # doctest: +SKIP
+        >>> store = SqlBudgetStore("postgresql://budget@db/loom")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        database: Database | str,
+        *,
+        auto_migrate: bool | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        s = settings or Settings()
+        if isinstance(database, str):
+            self.db = database_from_url(database, settings=s)
+            self._owns_db = True
+        else:
+            self.db = database
+            self._owns_db = False
+        self.backend = self.db.backend
+        self._auto_migrate = s.auto_migrate if auto_migrate is None else auto_migrate
+        self._ready = False
+        self._open_lock: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"SqlBudgetStore({self.db!r})"
+
+    async def open(self) -> None:
+        if self._ready:
+            return
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            if not self._ready:  # another caller may have opened it while we waited
+                await self.db.open()
+                if self._auto_migrate:
+                    await apply_migrations(self.db, COMPONENT, MIGRATIONS)
+                self._ready = True
+
+    async def close(self) -> None:
+        self._ready = False
+        if self._owns_db:
+            await self.db.close()
+
+    async def migrate(self) -> int:
+        await self.db.open()
+        return await apply_migrations(self.db, COMPONENT, MIGRATIONS)
+
+    async def reserve(
+        self,
+        reservation: Reservation,
+        limits: Sequence[BucketLimit],
+        *,
+        hard: bool,
+        lease_s: float,
+    ) -> Denial | None:
+        await self.open()
+        held = reservation.amount
+        try:
+            async with self.db.transaction(what="budget reservation") as tx:
+                before: dict[str, Totals] = {}
+                for bucket in sorted(reservation.buckets, key=lambda b: b.key):
+                    rows = await tx.fetch(
+                        _UPSERT,
+                        *_bucket_args(bucket),
+                        0,
+                        0,
+                        0,
+                        0.0,
+                        0,
+                        held.tokens_in,
+                        held.tokens_out,
+                        held.cost_nanousd,
+                    )
+                    after = _totals(rows[0])
+                    before[bucket.key] = Totals(
+                        after.tokens_in,
+                        after.tokens_out,
+                        after.cost_nanousd,
+                        after.wall_s,
+                        after.calls,
+                        after.reserved_in - held.tokens_in,
+                        after.reserved_out - held.tokens_out,
+                        after.reserved_cost_nanousd - held.cost_nanousd,
+                    )
+                denial = evaluate(before, limits, held, hard=hard)
+                if denial is not None:
+                    raise _Refused(denial)
+                await tx.execute(
+                    _HOLD,
+                    reservation.id,
+                    reservation.owner,
+                    _keys(reservation.buckets),
+                    held.tokens_in,
+                    held.tokens_out,
+                    held.cost_nanousd,
+                    reservation.on_expiry,
+                    float(lease_s),
+                )
+        except _Refused as refused:
+            return refused.denial
+        return None
+
+    async def commit(self, reservation: Reservation, actual: Amount) -> CommitResult:
+        await self.open()
+        async with self.db.transaction(what="budget commit") as tx:
+            rows = await tx.fetch(_TAKE, reservation.id)
+            found = bool(rows)
+            if found:
+                held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
+                charged = actual
+            else:  # reclaimed meanwhile
+                held = Amount()
+                charged = late_charge(reservation, actual)
+            totals = {}
+            for bucket in sorted(reservation.buckets, key=lambda b: b.key):
+                totals[bucket.key] = await self._move(tx, bucket, charged, held, 1 if found else 0)
+        return CommitResult(charged, totals, found)
+
+    @staticmethod
+    async def _move(tx: Any, bucket: Bucket, spent: Amount, freed: Amount, calls: int) -> Totals:
+        rows = await tx.fetch(
+            _UPSERT,
+            *_bucket_args(bucket),
+            spent.tokens_in,
+            spent.tokens_out,
+            spent.cost_nanousd,
+            spent.wall_s,
+            calls,
+            -freed.tokens_in,
+            -freed.tokens_out,
+            -freed.cost_nanousd,
+        )
+        return _totals(rows[0])
+
+    async def release(self, reservation_id: str) -> bool:
+        await self.open()
+        async with self.db.transaction(what="budget release") as tx:
+            rows = await tx.fetch(_TAKE, reservation_id)
+            if not rows:
+                return False
+            held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
+            for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
+                await self._move(tx, bucket, Amount(), held, 0)
+        return True
+
+    async def renew(self, reservation_id: str, lease_s: float) -> bool:
+        await self.open()
+        rows = await self.db.fetch(
+            _RENEW, reservation_id, float(lease_s), what="budget lease renewal"
+        )
+        return bool(rows)
+
+    async def reclaim(self, *, limit: int = 100) -> int:
+        await self.open()
+        candidates: dict[str, str] = {}
+        for row in await self.db.fetch(_EXPIRED, limit, what="budget reclaim"):
+            candidates[str(row[0])] = ""
+        if PID_NAMESPACE != "unknown":
+            for row in await self.db.fetch(
+                _LOCAL, f"{PID_NAMESPACE}:%", limit, what="budget reclaim"
+            ):
+                if owner_is_dead(str(row[1])):
+                    candidates[str(row[0])] = str(row[1])
+        reclaimed = 0
+        for reservation_id, dead_owner in candidates.items():
+            # One transaction per hold: a reclaimer never holds two holds' locks at once, so
+            # it cannot deadlock with a worker committing one of them.
+            async with self.db.transaction(what="budget reclaim") as tx:
+                rows = await tx.fetch(_TAKE_DEAD, reservation_id, dead_owner)
+                if not rows:
+                    continue
+                held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
+                charge = rows[0][4] == "charge"
+                for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
+                    await self._move(
+                        tx, bucket, held if charge else Amount(), held, 1 if charge else 0
+                    )
+                reclaimed += 1
+        return reclaimed
+
+    async def totals(self, keys: Sequence[str]) -> dict[str, Totals]:
+        if not keys:
+            return {}
+        await self.open()
+        marks = ", ".join(f"${i}" for i in range(1, len(keys) + 1))
+        rows = await self.db.fetch(f"{_USAGE} WHERE bucket IN ({marks})", *keys, what="budget read")
+        return {str(r[0]): _totals(r[1:9]) for r in rows}
+
+    async def usage(self, user_id: str | None = None) -> list[BucketUsage]:
+        await self.open()
+        if user_id is None:
+            rows = await self.db.fetch(_USAGE, what="budget read")
+        else:
+            rows = await self.db.fetch(
+                f"{_USAGE} WHERE scope = 'user' AND user_id = $1", user_id, what="budget read"
+            )
+        usage = [
+            BucketUsage(Bucket.from_key(str(r[0])), _totals(r[1:9]), float(r[9])) for r in rows
+        ]
+        return sorted(
+            usage, key=lambda u: (u.bucket.scope, u.bucket.user_id or "", u.bucket.period)
+        )
+
+    async def reservations(self) -> list[ReservationInfo]:
+        await self.open()
+        rows = await self.db.fetch(_RESERVATIONS, what="budget read")
+        return [
+            ReservationInfo(
+                str(r[0]),
+                str(r[1]),
+                _buckets(str(r[2])),
+                Amount(int(r[3]), int(r[4]), int(r[5])),
+                "release" if r[6] == "release" else "charge",
+                float(r[7]),
+                float(r[8]),
+            )
+            for r in rows
+        ]
+
+
+_check: type[BudgetStore] = SqlBudgetStore  # the class must satisfy the protocol

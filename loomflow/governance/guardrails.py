@@ -1,0 +1,336 @@
+"""Guardrails: scan the prompt, the final answer and live tool results, then block or redact.
+
+A guardrail finds spans of text (:meth:`Guardrail.find`). With ``action="block"`` a finding
+ends the run with ``guardrail:<name>``; with ``action="redact"`` each span is replaced by
+``[REDACTED:<kind>]`` and the run goes on. Either way a :class:`GuardrailTripped` event reports
+what kinds were found and how many, never the text itself.
+
+Tool results are checked live, before they are journaled, so the journal only ever holds the
+redacted value and a replay returns it without scanning again.
+
+Built-ins: :class:`RegexGuardrail` (your patterns) and :class:`PIIGuardrail` (e-mail addresses,
+card numbers that pass the Luhn check, and the shapes of common API keys and private keys).
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias, get_args
+
+from pydantic import BaseModel
+
+from ..agent.hooks import Interrupt, RunHooks, RunInfo
+from ..errors import UserError
+from ..messages import ToolCall
+from ..tools import ToolOutcome
+from .events import GuardrailTripped
+
+__all__ = [
+    "ALL_STAGES",
+    "Action",
+    "Finding",
+    "Guardrail",
+    "GuardrailHooks",
+    "PIIGuardrail",
+    "PII_KINDS",
+    "RegexGuardrail",
+    "Stage",
+    "luhn_valid",
+]
+
+Stage: TypeAlias = Literal["input", "output", "tool_result"]
+Action: TypeAlias = Literal["block", "redact"]
+
+ALL_STAGES: frozenset[Stage] = frozenset(get_args(Stage))
+"""Every stage a guardrail can watch."""
+
+# Names go into interruption reasons and metric-free audit payloads: keep them plain.
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A span of text a guardrail objects to; ``kind`` names what it is (``email``, ...)."""
+
+    kind: str
+    start: int
+    end: int
+
+
+class Guardrail(abc.ABC):
+    """Base of guardrails: subclass and implement :meth:`find`.
+
+    Args:
+        name: Short name used in ``guardrail:<name>`` and events.
+        action: ``block`` (interrupt the run) or ``redact`` (replace the spans).
+        stages: Which of ``input``, ``output`` and ``tool_result`` to watch.
+    """
+
+    def __init__(
+        self, name: str, *, action: Action = "block", stages: Iterable[Stage] = ALL_STAGES
+    ) -> None:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise UserError(f"guardrail name {name!r}: use 1-64 letters, digits, '_.:-'")
+        if action not in ("block", "redact"):
+            raise UserError(f"guardrail action must be 'block' or 'redact', not {action!r}")
+        if isinstance(stages, str):
+            raise UserError(f"stages must be a collection, e.g. stages=({stages!r},)")
+        chosen = frozenset(stages)
+        unknown = chosen - ALL_STAGES
+        if unknown or not chosen:
+            raise UserError(f"guardrail stages must be some of {sorted(ALL_STAGES)}, not {stages}")
+        self.name = name
+        self.action: Action = action
+        self.stages: frozenset[Stage] = chosen
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, action={self.action!r})"
+
+    @abc.abstractmethod
+    def find(self, text: str) -> list[Finding]:
+        """Every span of ``text`` this guardrail objects to."""
+
+    def redact(self, text: str, findings: Iterable[Finding] | None = None) -> str:
+        """``text`` with each finding replaced by ``[REDACTED:<kind>]`` (overlaps merged)."""
+        spans = sorted(self.find(text) if findings is None else findings, key=lambda f: f.start)
+        merged: list[tuple[int, int, str]] = []
+        for finding in spans:
+            if merged and finding.start < merged[-1][1]:
+                start, end, kind = merged[-1]
+                merged[-1] = (start, max(end, finding.end), kind)
+            else:
+                merged.append((finding.start, finding.end, finding.kind))
+        out: list[str] = []
+        position = 0
+        for start, end, kind in merged:
+            out += [text[position:start], f"[REDACTED:{kind}]"]
+            position = end
+        out.append(text[position:])
+        return "".join(out)
+
+    def as_hooks(self) -> GuardrailHooks:
+        """The hooks an :class:`~loomflow.agent.Agent` calls (``Agent(guardrails=[...])``)."""
+        return GuardrailHooks(self)
+
+
+class RegexGuardrail(Guardrail):
+    """Finds matches of regular expressions.
+
+    Args:
+        name: The guardrail's name.
+        patterns: One pattern, several, or a mapping of kind to pattern (the kind names the
+            finding in events and redactions; it defaults to the guardrail's name).
+        flags: ``re`` flags for string patterns.
+        action, stages: As for :class:`Guardrail`.
+
+    Example:
+        >>> RegexGuardrail("project_names", r"\\bproject-(?:falcon|osprey)\\b",
+        ...                action="redact").redact("see project-falcon")
+        'see [REDACTED:project_names]'
+    """
+
+    def __init__(
+        self,
+        name: str,
+        patterns: str | re.Pattern[str] | Iterable[str | re.Pattern[str]] | Mapping[str, Any],
+        *,
+        action: Action = "block",
+        stages: Iterable[Stage] = ALL_STAGES,
+        flags: int = 0,
+    ) -> None:
+        super().__init__(name, action=action, stages=stages)
+        if isinstance(patterns, str | re.Pattern):
+            items: list[tuple[str, Any]] = [(name, patterns)]
+        elif isinstance(patterns, Mapping):
+            items = list(patterns.items())
+        else:
+            items = [(name, p) for p in patterns]
+        if not items:
+            raise UserError(f"guardrail {name!r} needs at least one pattern")
+        self.patterns: list[tuple[str, re.Pattern[str]]] = []
+        for kind, pattern in items:
+            try:
+                compiled = (
+                    pattern if isinstance(pattern, re.Pattern) else re.compile(pattern, flags)
+                )
+            except (re.error, TypeError) as exc:
+                raise UserError(f"guardrail {name!r}: bad pattern {pattern!r}: {exc}") from exc
+            self.patterns.append((str(kind), compiled))
+
+    def find(self, text: str) -> list[Finding]:
+        return [
+            Finding(kind, m.start(), m.end())
+            for kind, pattern in self.patterns
+            for m in pattern.finditer(text)
+            if m.end() > m.start()
+        ]
+
+
+def luhn_valid(digits: str) -> bool:
+    """Whether a string of digits passes the Luhn checksum that card numbers carry."""
+    if not digits.isdigit():
+        return False
+    total = 0
+    for index, char in enumerate(reversed(digits)):
+        value = int(char)
+        if index % 2 == 1:
+            value *= 2
+            if value > 9:
+                value -= 9
+        total += value
+    return total % 10 == 0
+
+
+_EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+# 13 to 19 digits, optionally grouped by single spaces or dashes, not part of a longer number.
+_CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d])")
+_API_KEYS = re.compile(
+    "|".join(
+        (
+            r"\bsk-ant-[A-Za-z0-9_-]{20,}",  # Anthropic
+            r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}",  # OpenAI
+            r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",  # AWS access key id
+            r"\bgh[pousr]_[A-Za-z0-9]{36,}\b",  # GitHub tokens
+            r"\bgithub_pat_[A-Za-z0-9_]{22,}",  # GitHub fine-grained tokens
+            r"\bxox[abposr]-[A-Za-z0-9-]{10,}",  # Slack
+            r"\bAIza[0-9A-Za-z_-]{35}",  # Google API keys
+            r"\b[rs]k_live_[A-Za-z0-9]{16,}",  # Stripe secret and restricted keys
+            r"-----BEGIN (?:[A-Z]+ )*PRIVATE KEY-----",  # PEM private keys
+        )
+    )
+)
+
+
+def _cards(text: str) -> list[Finding]:
+    found = []
+    for match in _CARD.finditer(text):
+        digits = re.sub(r"[ -]", "", match.group())
+        # All zeros passes Luhn but is a placeholder, not a card.
+        if 13 <= len(digits) <= 19 and digits.strip("0") and luhn_valid(digits):
+            found.append(Finding("card", match.start(), match.end()))
+    return found
+
+
+PII_KINDS: Mapping[str, Callable[[str], list[Finding]]] = {
+    "email": lambda text: [Finding("email", m.start(), m.end()) for m in _EMAIL.finditer(text)],
+    "card": _cards,
+    "api_key": lambda text: [
+        Finding("api_key", m.start(), m.end()) for m in _API_KEYS.finditer(text)
+    ],
+}
+"""The detectors :class:`PIIGuardrail` knows, by kind."""
+
+
+class PIIGuardrail(Guardrail):
+    """Finds e-mail addresses, card numbers (Luhn-checked) and API-key shapes.
+
+    Args:
+        name: The guardrail's name (``pii``).
+        kinds: Which of ``email``, ``card`` and ``api_key`` to look for.
+        action: ``redact`` (the default) or ``block``.
+        stages: As for :class:`Guardrail`.
+
+    Example:
+        >>> PIIGuardrail().redact("mail bob@example.com, card 4111 1111 1111 1111")
+        'mail [REDACTED:email], card [REDACTED:card]'
+    """
+
+    def __init__(
+        self,
+        name: str = "pii",
+        *,
+        kinds: Iterable[str] = tuple(PII_KINDS),
+        action: Action = "redact",
+        stages: Iterable[Stage] = ALL_STAGES,
+    ) -> None:
+        super().__init__(name, action=action, stages=stages)
+        if isinstance(kinds, str):
+            raise UserError(f"kinds must be a collection, e.g. kinds=({kinds!r},)")
+        self.kinds = tuple(dict.fromkeys(kinds))
+        unknown = [k for k in self.kinds if k not in PII_KINDS]
+        if unknown or not self.kinds:
+            raise UserError(f"unknown PII kinds {unknown}; use some of {sorted(PII_KINDS)}")
+
+    def find(self, text: str) -> list[Finding]:
+        return [finding for kind in self.kinds for finding in PII_KINDS[kind](text)]
+
+
+def _summary(findings: Iterable[Finding]) -> str:
+    counts = Counter(f.kind for f in findings)
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+
+
+class GuardrailHooks(RunHooks):
+    """Plugs one :class:`Guardrail` into the agent loop."""
+
+    def __init__(self, guardrail: Guardrail) -> None:
+        self.guardrail = guardrail
+
+    def _trip(self, info: RunInfo, stage: Stage, findings: list[Finding]) -> None:
+        guardrail = self.guardrail
+        detail = _summary(findings)
+        info.emit(
+            GuardrailTripped(
+                name=guardrail.name, stage=stage, action=guardrail.action, detail=detail
+            )
+        )
+        if guardrail.action == "block":
+            raise Interrupt(f"guardrail:{guardrail.name}", f"{stage} held {detail}")
+
+    def _text(self, info: RunInfo, stage: Stage, text: str) -> str:
+        if stage not in self.guardrail.stages:
+            return text
+        findings = self.guardrail.find(text)
+        if not findings:
+            return text
+        self._trip(info, stage, findings)
+        return self.guardrail.redact(text, findings)
+
+    async def check_input(self, info: RunInfo, prompt: str) -> str:
+        return self._text(info, "input", prompt)
+
+    async def check_output(self, info: RunInfo, text: str) -> str:
+        return self._text(info, "output", text)
+
+    async def check_tool_result(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, outcome: ToolOutcome
+    ) -> ToolOutcome:
+        if "tool_result" not in self.guardrail.stages:
+            return outcome
+        findings: list[Finding] = []
+
+        def scan(text: str) -> str:
+            found = self.guardrail.find(text)
+            findings.extend(found)
+            return self.guardrail.redact(text, found) if found else text
+
+        value = _map_text(outcome.value, scan)
+        error = scan(outcome.error) if outcome.error is not None else None
+        if not findings:
+            return outcome
+        self._trip(info, "tool_result", findings)
+        return outcome.model_copy(update={"value": value, "error": error})
+
+
+def _map_text(value: Any, fn: Callable[[str], str]) -> Any:
+    """Apply ``fn`` to every string (and number, as text) inside a JSON-like value."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int | float):
+        # A card number may come back as a JSON number.
+        text = str(value)
+        mapped = fn(text)
+        return value if mapped == text else mapped
+    if isinstance(value, BaseModel):
+        return _map_text(value.model_dump(mode="json"), fn)
+    if isinstance(value, Mapping):
+        return {key: _map_text(item, fn) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_map_text(item, fn) for item in value]
+    return value

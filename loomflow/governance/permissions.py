@@ -1,0 +1,541 @@
+"""Permissions: decide, right before a tool runs live, whether it may run.
+
+:meth:`StandardPermissions.check` answers ``allow``, ``deny`` or ``ask`` with a reason and the
+name of the policy that decided. Rules come in layers (everyone's, then per role, then per
+user) and every matching rule counts: a ``deny`` anywhere beats an ``ask`` anywhere, which beats
+an ``allow``. A mode then sets what happens when no rule speaks:
+
+- ``default``: plain tools run; tools marked ``edits`` or ``destructive`` need approval.
+- ``acceptEdits``: as ``default``, but tools marked ``edits`` run without approval (unless they
+  are also ``destructive``).
+- ``bypass``: nothing needs approval, so ``ask`` rules allow too; ``deny`` rules still deny.
+- ``readOnly``: tools marked ``edits`` or ``destructive`` are denied, whatever allows them.
+
+An ``ask`` goes to the approval handler, which may allow, deny, edit the arguments, and remember
+its answer for the rest of the run; without a handler the call is denied. A denied call never
+runs: the model receives a ``permission_denied`` tool error and the run goes on. Because the
+check sits inside the journaled tool step, a replayed result is never checked again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final, Literal, TypeAlias, get_args
+
+from ..agent.hooks import RunHooks, RunInfo
+from ..errors import UserError
+from ..messages import ToolCall
+from ..tools import Tool, ToolOutcome
+from .events import PermissionDecided
+
+__all__ = [
+    "Approval",
+    "ApprovalHandler",
+    "ApprovalRequest",
+    "Behavior",
+    "Decision",
+    "Mode",
+    "PERMISSION_DENIED",
+    "PermissionContext",
+    "PermissionHooks",
+    "Policy",
+    "REDACTED",
+    "Rule",
+    "StandardPermissions",
+    "redact_arguments",
+]
+
+log = logging.getLogger("loomflow.governance.permissions")
+
+Mode: TypeAlias = Literal["default", "acceptEdits", "bypass", "readOnly"]
+Behavior: TypeAlias = Literal["allow", "deny", "ask"]
+ArgumentMatcher: TypeAlias = str | Callable[[Any], bool]
+
+PERMISSION_DENIED: Final = "permission_denied"
+"""``ToolOutcome.error_type`` of a call the permission layer refused."""
+REDACTED: Final = "[REDACTED]"
+"""What a sensitive argument's value is replaced with in events."""
+
+_MODES = frozenset(get_args(Mode))
+_BEHAVIORS = frozenset(get_args(Behavior))
+# When roles disagree on the mode, the strictest wins.
+_STRICTNESS = {"bypass": 0, "acceptEdits": 1, "default": 2, "readOnly": 3}
+
+
+def redact_arguments(arguments: Mapping[str, Any], sensitive: frozenset[str]) -> dict[str, Any]:
+    """A copy of ``arguments`` with the values of ``sensitive`` names replaced."""
+    return {k: (REDACTED if k in sensitive else v) for k, v in arguments.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Allow, deny or ask for tool calls that match.
+
+    Args:
+        behavior: ``allow``, ``deny`` or ``ask``.
+        tool: A glob on the tool name (``"*"``, ``"fs_*"``, ``"delete_user"``).
+        args: Per argument name, a glob on the value's text or a predicate on the value; every
+            one must match (a missing argument does not).
+        when: A predicate on the whole arguments dict.
+        destructive: Match only tools with (``True``) or without (``False``) that flag.
+        edits: Match only tools with or without the ``edits`` flag.
+        reason: Said to the model and the audit log when this rule decides.
+
+    Example:
+        >>> Rule.deny("shell", args={"command": "rm *"}, reason="no deletions")  # doctest: +SKIP
+    """
+
+    behavior: Behavior
+    tool: str = "*"
+    args: Mapping[str, ArgumentMatcher] = field(default_factory=dict)
+    when: Callable[[Mapping[str, Any]], bool] | None = None
+    destructive: bool | None = None
+    edits: bool | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.behavior not in _BEHAVIORS:
+            raise UserError(f"rule behavior must be allow, deny or ask, not {self.behavior!r}")
+        if not isinstance(self.tool, str) or not self.tool:
+            raise UserError(f"rule tool must be a non-empty glob, not {self.tool!r}")
+        for name, matcher in self.args.items():
+            if not isinstance(matcher, str) and not callable(matcher):
+                raise UserError(
+                    f"rule argument {name!r}: use a glob string or a predicate, not {matcher!r}"
+                )
+        object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
+
+    @classmethod
+    def allow(cls, tool: str = "*", **options: Any) -> Rule:
+        """A rule that allows matching calls."""
+        return cls("allow", tool, **options)
+
+    @classmethod
+    def deny(cls, tool: str = "*", **options: Any) -> Rule:
+        """A rule that denies matching calls."""
+        return cls("deny", tool, **options)
+
+    @classmethod
+    def ask(cls, tool: str = "*", **options: Any) -> Rule:
+        """A rule that sends matching calls to the approval handler."""
+        return cls("ask", tool, **options)
+
+    def matches(self, call: ToolCall, tool: Tool[..., Any] | None) -> bool:
+        """Whether this rule applies to ``call`` (predicates may raise; the caller denies)."""
+        if not fnmatch.fnmatchcase(call.name, self.tool):
+            return False
+        if self.destructive is not None and bool(tool and tool.destructive) != self.destructive:
+            return False
+        if self.edits is not None and bool(tool and tool.edits) != self.edits:
+            return False
+        for name, matcher in self.args.items():
+            if name not in call.arguments:
+                return False
+            value = call.arguments[name]
+            if isinstance(matcher, str):
+                if not fnmatch.fnmatchcase(
+                    value if isinstance(value, str) else str(value), matcher
+                ):
+                    return False
+            elif not matcher(value):
+                return False
+        return self.when is None or bool(self.when(call.arguments))
+
+    def describe(self) -> str:
+        """A short text naming the rule, for reasons."""
+        parts = [repr(self.tool)]
+        parts += [
+            f"{k}={v!r}" if isinstance(v, str) else f"{k}=<predicate>" for k, v in self.args.items()
+        ]
+        if self.when is not None:
+            parts.append("when=<predicate>")
+        for flag in ("destructive", "edits"):
+            if getattr(self, flag) is not None:
+                parts.append(f"{flag}={getattr(self, flag)}")
+        return f"{self.behavior}({', '.join(parts)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Rules (and optionally a mode) for one role or one user."""
+
+    rules: Sequence[Rule] = ()
+    mode: Mode | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in _MODES:
+            raise UserError(f"unknown permission mode {self.mode!r}; use one of {sorted(_MODES)}")
+        object.__setattr__(self, "rules", tuple(self.rules))
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise UserError(f"policy rules must be Rule objects, not {rule!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The permission layer's answer for one call.
+
+    Attributes:
+        behavior: ``allow``, ``deny`` or ``ask``.
+        reason: Why, in words for people and the model.
+        policy: Which policy decided: ``global``, ``role:<name>``, ``user:<id>``, or ``error``
+            when a rule or the check itself failed (which denies).
+        rule: The rule that decided, if a rule did (not the mode).
+    """
+
+    behavior: Behavior
+    reason: str
+    policy: str
+    rule: Rule | None = None
+
+    @property
+    def allowed(self) -> bool:
+        return self.behavior == "allow"
+
+
+@dataclass(frozen=True, slots=True)
+class PermissionContext:
+    """What a check knows besides the call: the tool's flags, the caller's roles, the run."""
+
+    tool: Tool[..., Any] | None = None
+    roles: tuple[str, ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
+    session_id: str | None = None
+
+    @classmethod
+    def from_metadata(
+        cls,
+        metadata: Mapping[str, Any],
+        *,
+        tool: Tool[..., Any] | None = None,
+        run_id: str | None = None,
+        session_id: str | None = None,
+    ) -> PermissionContext:
+        """Roles come from ``metadata["role"]``: one name, or a list of names."""
+        role = metadata.get("role")
+        if isinstance(role, str):
+            roles: tuple[str, ...] = (role,)
+        elif isinstance(role, list | tuple):
+            roles = tuple(r for r in role if isinstance(r, str))
+        else:
+            roles = ()
+        return cls(tool, roles, metadata, run_id, session_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRequest:
+    """What an approval handler is asked about."""
+
+    call: ToolCall
+    tool: Tool[..., Any] | None
+    user_id: str | None
+    decision: Decision
+    context: PermissionContext
+
+    @property
+    def redacted_arguments(self) -> dict[str, Any]:
+        """The arguments with the tool's sensitive values hidden, for showing to people."""
+        return redact_arguments(
+            self.call.arguments, self.tool.sensitive if self.tool else frozenset()
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    """An approval handler's answer.
+
+    Attributes:
+        behavior: ``allow`` or ``deny``.
+        arguments: For an allow, arguments to run the tool with instead of the model's.
+        remember: Give the same answer to later asks for this tool in this run (an edit
+            applies to its own call only; later calls are allowed with their own arguments).
+        reason: Why (a denial's reason reaches the model).
+        by: Who decided, for the audit log.
+    """
+
+    behavior: Literal["allow", "deny"]
+    arguments: Mapping[str, Any] | None = None
+    remember: bool = False
+    reason: str = ""
+    by: str | None = None
+
+    @classmethod
+    def allow(cls, *, remember: bool = False, reason: str = "", by: str | None = None) -> Approval:
+        return cls("allow", None, remember, reason, by)
+
+    @classmethod
+    def deny(cls, reason: str = "", *, remember: bool = False, by: str | None = None) -> Approval:
+        return cls("deny", None, remember, reason, by)
+
+    @classmethod
+    def edit(
+        cls,
+        arguments: Mapping[str, Any],
+        *,
+        remember: bool = False,
+        reason: str = "",
+        by: str | None = None,
+    ) -> Approval:
+        """Allow the call with ``arguments`` instead of the model's."""
+        return cls("allow", dict(arguments), remember, reason, by)
+
+
+ApprovalHandler: TypeAlias = Callable[
+    [ApprovalRequest], "Approval | bool | Awaitable[Approval | bool]"
+]
+"""Sync or async; ``True``/``False`` are short for allow/deny."""
+
+
+class StandardPermissions:
+    """Rules, modes and approvals for tool calls (see the module docstring).
+
+    Args:
+        mode: The mode for everyone (a role's or user's policy may set another; a user's wins,
+            and among roles the strictest).
+        rules: Rules for everyone (policy ``global``).
+        users: Policies by user id (policy ``user:<id>``).
+        roles: Policies by role name (policy ``role:<name>``); a run's roles come from
+            ``metadata["role"]``.
+        approval: The handler for ``ask`` decisions; without one they are denied.
+        approval_timeout: Seconds a handler may take before the call is denied; ``None``
+            waits forever.
+
+    Example:
+        >>> permissions = StandardPermissions(
+        ...     "default",
+        ...     [Rule.deny("drop_*"), Rule.ask("send_email", args={"to": "*@external.com"})],
+        ...     roles={"admin": Policy(mode="acceptEdits"), "viewer": Policy(mode="readOnly")},
+        ...     approval=ask_on_slack,
+        ... )  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        mode: Mode = "default",
+        rules: Sequence[Rule] = (),
+        *,
+        users: Mapping[str, Policy] | None = None,
+        roles: Mapping[str, Policy] | None = None,
+        approval: ApprovalHandler | None = None,
+        approval_timeout: float | None = 300.0,
+    ) -> None:
+        self.base = Policy(rules, mode)
+        if mode not in _MODES:
+            raise UserError(f"unknown permission mode {mode!r}; use one of {sorted(_MODES)}")
+        self.mode: Mode = mode
+        self.users: Mapping[str, Policy] = MappingProxyType(dict(users or {}))
+        self.roles: Mapping[str, Policy] = MappingProxyType(dict(roles or {}))
+        for what, policies in (("users", self.users), ("roles", self.roles)):
+            for key, policy in policies.items():
+                if not isinstance(policy, Policy):
+                    raise UserError(f"{what}[{key!r}] must be a Policy, not {policy!r}")
+        if approval is not None and not callable(approval):
+            raise UserError(f"approval must be a callable, not {approval!r}")
+        if approval_timeout is not None and not approval_timeout > 0:
+            raise UserError(f"approval_timeout must be positive or None, not {approval_timeout!r}")
+        self.approval = approval
+        self.approval_timeout = approval_timeout
+
+    def __repr__(self) -> str:
+        return (
+            f"StandardPermissions(mode={self.mode!r}, rules={len(self.base.rules)}, "
+            f"users={sorted(self.users)}, roles={sorted(self.roles)})"
+        )
+
+    def as_hooks(self) -> PermissionHooks:
+        """The hooks an :class:`~loomflow.agent.Agent` calls (``Agent(permissions=...)``)."""
+        return PermissionHooks(self)
+
+    def _layers(self, user_id: str | None, roles: Sequence[str]) -> list[tuple[str, Policy]]:
+        layers = [("global", self.base)]
+        layers += [(f"role:{r}", self.roles[r]) for r in dict.fromkeys(roles) if r in self.roles]
+        if user_id is not None and user_id in self.users:
+            layers.append((f"user:{user_id}", self.users[user_id]))
+        return layers
+
+    @staticmethod
+    def _mode(layers: Sequence[tuple[str, Policy]]) -> tuple[Mode, str]:
+        roles: list[tuple[Mode, str]] = []
+        for name, policy in layers:
+            if policy.mode is None:
+                continue
+            if name.startswith("user:"):
+                return policy.mode, name
+            if name.startswith("role:"):
+                roles.append((policy.mode, name))
+        if roles:
+            return max(roles, key=lambda pair: _STRICTNESS[pair[0]])
+        return layers[0][1].mode or "default", "global"
+
+    def check(
+        self,
+        call: ToolCall,
+        *,
+        user_id: str | None = None,
+        context: PermissionContext | None = None,
+    ) -> Decision:
+        """Decide on one call. Never raises for a failing rule: that denies (fail closed).
+
+        Args:
+            call: The tool call as the model made it.
+            user_id: Whom the run works for (selects the user's policy).
+            context: The tool (for its ``edits``/``destructive`` flags), roles and run.
+                Without a tool, the call counts as one to a plain tool.
+        """
+        ctx = context or PermissionContext()
+        tool = ctx.tool
+        layers = self._layers(user_id, ctx.roles)
+        mode, mode_policy = self._mode(layers)
+        matched: dict[Behavior, tuple[str, Rule]] = {}
+        for policy_name, policy in layers:
+            for rule in policy.rules:
+                try:
+                    hit = rule.matches(call, tool)
+                except Exception as exc:
+                    log.error("permission rule %s raised", rule.describe(), exc_info=exc)
+                    return Decision(
+                        "deny",
+                        f"rule {rule.describe()} of policy {policy_name} failed "
+                        f"({type(exc).__name__}: {exc}), so the call is denied",
+                        "error",
+                        rule,
+                    )
+                if hit:
+                    matched.setdefault(rule.behavior, (policy_name, rule))
+        if "deny" in matched:
+            return _by_rule("deny", *matched["deny"])
+        writes = bool(tool and (tool.edits or tool.destructive))
+        if mode == "readOnly" and writes:
+            return Decision(
+                "deny",
+                f"mode readOnly: tool {call.name!r} edits or destroys, and nothing that does may "
+                "run",
+                mode_policy,
+            )
+        if mode == "bypass":
+            return Decision("allow", "mode bypass: no call needs approval", mode_policy)
+        if "ask" in matched:
+            return _by_rule("ask", *matched["ask"])
+        if "allow" in matched:
+            return _by_rule("allow", *matched["allow"])
+        if tool is not None and tool.destructive:
+            return Decision(
+                "ask",
+                f"mode {mode}: tool {call.name!r} is destructive and no rule allows it",
+                mode_policy,
+            )
+        if tool is not None and tool.edits and mode == "default":
+            return Decision(
+                "ask", f"mode default: tool {call.name!r} edits and needs approval", mode_policy
+            )
+        if tool is not None and tool.edits:
+            return Decision("allow", f"mode acceptEdits: tool {call.name!r} edits", mode_policy)
+        return Decision(
+            "allow", f"mode {mode}: tool {call.name!r} neither edits nor destroys", mode_policy
+        )
+
+    async def request_approval(self, request: ApprovalRequest) -> Approval:
+        """Ask the approval handler; no handler, an error or a timeout is a denial."""
+        if self.approval is None:
+            return Approval.deny("the call needs approval and no approval handler is configured")
+        try:
+            async with asyncio.timeout(self.approval_timeout):
+                # Handlers are user code that the type hints do not bind: check what came back.
+                answer: object = self.approval(request)
+                if inspect.isawaitable(answer):
+                    answer = await answer
+        except TimeoutError:
+            return Approval.deny(f"no approval within {self.approval_timeout:g} s")
+        except Exception as exc:
+            log.error("the approval handler raised", exc_info=exc)
+            return Approval.deny(f"the approval handler failed ({type(exc).__name__}: {exc})")
+        if isinstance(answer, bool):
+            return Approval.allow() if answer else Approval.deny("not approved")
+        if isinstance(answer, Approval):
+            return answer
+        return Approval.deny(f"the approval handler returned {answer!r}, not an Approval")
+
+
+def _by_rule(behavior: Behavior, policy: str, rule: Rule) -> Decision:
+    reason = rule.reason or f"rule {rule.describe()} of policy {policy}"
+    return Decision(behavior, reason, policy, rule)
+
+
+class PermissionHooks(RunHooks):
+    """Plugs :class:`StandardPermissions` into the agent loop, before each live tool call."""
+
+    def __init__(self, permissions: StandardPermissions) -> None:
+        self.permissions = permissions
+        self._remembered: dict[str, dict[str, Approval]] = {}
+
+    async def before_tool_call(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
+    ) -> ToolCall | ToolOutcome:
+        permissions = self.permissions
+        context = PermissionContext.from_metadata(
+            info.ctx.metadata, tool=tool, run_id=info.run_id, session_id=info.session_id
+        )
+        try:
+            decision = permissions.check(call, user_id=info.user_id, context=context)
+        except Exception as exc:  # a custom subclass's check: fail closed
+            log.error("the permission check raised", exc_info=exc)
+            decision = Decision(
+                "deny", f"the permission check failed ({type(exc).__name__}: {exc})", "error"
+            )
+        final: Literal["allow", "deny"] = "deny" if decision.behavior == "deny" else "allow"
+        reason, approver, edited, current = decision.reason, None, False, call
+        if decision.behavior == "ask":
+            remembered = self._remembered.get(info.run_id, {}).get(call.name)
+            if remembered is not None:
+                answer, approver = remembered, remembered.by
+                reason = f"{answer.behavior} remembered for this run: {answer.reason or reason}"
+            else:
+                answer = await permissions.request_approval(
+                    ApprovalRequest(call, tool, info.user_id, decision, context)
+                )
+                approver = answer.by
+                reason = answer.reason or (
+                    f"approved: {decision.reason}" if answer.behavior == "allow" else reason
+                )
+                if answer.remember:
+                    self._remembered.setdefault(info.run_id, {})[call.name] = answer
+            final = answer.behavior
+            if final == "allow" and answer.arguments is not None and remembered is None:
+                current = call.model_copy(update={"arguments": dict(answer.arguments)})
+                edited = True
+                # Edited arguments must still pass the deny rules (an approver cannot lift them).
+                recheck = permissions.check(current, user_id=info.user_id, context=context)
+                if recheck.behavior == "deny":
+                    final, reason = "deny", f"the edited arguments are denied: {recheck.reason}"
+        sensitive = tool.sensitive if tool is not None else frozenset()
+        info.emit(
+            PermissionDecided(
+                tool=call.name,
+                turn=turn,
+                slot=slot,
+                decision=decision.behavior,
+                final=final,
+                reason=reason,
+                policy=decision.policy,
+                approver=approver,
+                arguments=redact_arguments(current.arguments, sensitive),
+                edited=edited,
+            )
+        )
+        if final == "deny":
+            return ToolOutcome(
+                ok=False, error_type=PERMISSION_DENIED, error=f"permission denied: {reason}"
+            )
+        return current
+
+    async def run_finished(
+        self, info: RunInfo, result: Any | None, error: BaseException | None
+    ) -> None:
+        self._remembered.pop(info.run_id, None)

@@ -1,0 +1,43 @@
+"""Observability of agent runs: OpenTelemetry spans and Prometheus metrics.
+
+``Agent(telemetry=Telemetry())`` traces every run (``invoke_agent``), every journaled step
+(``loom.workflow.step``) and every live model and tool call (``chat``, ``execute_tool``), and
+counts replay hits, misses and divergences, step and journal-write latencies, runs, tokens,
+cost and governance decisions. No metric label carries a user, session or run id.
+
+Library code depends on ``opentelemetry-api`` only: spans are free until an SDK is configured,
+by the application or by :func:`setup_telemetry` from ``LOOMFLOW_OTLP_ENDPOINT``.
+"""
+
+from __future__ import annotations
+
+from ._metrics import (
+    JOURNAL_WRITE_BUCKETS,
+    KINDS,
+    MAX_LABEL_VALUES,
+    OUTCOMES,
+    RUN_OUTCOMES,
+    STEP_BUCKETS,
+    Metrics,
+    MetricsServer,
+    serve_metrics,
+)
+from ._semconv import STEP_SPAN
+from ._setup import TelemetrySetup, setup_telemetry
+from ._telemetry import Telemetry
+
+__all__ = [
+    "JOURNAL_WRITE_BUCKETS",
+    "KINDS",
+    "MAX_LABEL_VALUES",
+    "Metrics",
+    "MetricsServer",
+    "OUTCOMES",
+    "RUN_OUTCOMES",
+    "STEP_BUCKETS",
+    "STEP_SPAN",
+    "Telemetry",
+    "TelemetrySetup",
+    "serve_metrics",
+    "setup_telemetry",
+]

@@ -1,0 +1,375 @@
+"""Prometheus metrics of journaled runs, with labels that stay bounded by construction.
+
+No metric here has a label for a user, a session or a run: those are unbounded and belong on
+spans and in the audit log. Every label takes its values from a small fixed set (backends, step
+kinds, replay outcomes, run outcomes) or from deployment configuration (model names, budget
+caps, audit actions), and the latter go through :class:`_Bounded`, which folds anything past a
+fixed number of distinct values into ``"other"`` so that a bug elsewhere cannot explode the
+series count.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import start_http_server
+
+from ..runtime._journal import StepEvent
+
+__all__ = [
+    "JOURNAL_WRITE_BUCKETS",
+    "KINDS",
+    "MAX_LABEL_VALUES",
+    "Metrics",
+    "MetricsServer",
+    "OUTCOMES",
+    "RUN_OUTCOMES",
+    "STEP_BUCKETS",
+    "serve_metrics",
+]
+
+KINDS: Final = ("model", "tool", "memory", "custom")
+"""Step kinds, as the runtime classifies step names."""
+OUTCOMES: Final = ("hit", "miss", "divergence", "corrupt")
+"""What the journal did at a step: replayed it, ran it fresh, ran it fresh although the journal
+held other inputs at that position, or ran it fresh because the stored entry was unreadable."""
+RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled")
+"""How a run ended: returned an answer, returned interrupted (max_turns, budget, guardrail),
+raised (stays open, resumable), or was cancelled / abandoned by its caller (also resumable)."""
+
+# Steps range from replayed entries (tens of microseconds) to model calls (tens of seconds).
+STEP_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0,
+)  # fmt: skip
+# One fenced INSERT: ~0.1 ms in memory, ~1-5 ms on SQLite with synchronous=FULL (an fsync), a
+# network round trip plus a commit on PostgreSQL. The alert on p99 sits at 250 ms.
+JOURNAL_WRITE_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+MAX_LABEL_VALUES: Final = 50
+"""Distinct values a configuration-driven label (model, cap, action, ...) may take; the rest
+are counted under ``"other"``."""
+
+_MAX_LABEL_LENGTH = 64
+
+
+class _Bounded:
+    """Maps label values onto at most ``limit`` distinct ones (then ``"other"``)."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: object) -> str:
+        text = str(value or "unknown")[:_MAX_LABEL_LENGTH]
+        if text in self._seen:
+            return text
+        with self._lock:
+            if len(self._seen) >= self.limit:
+                return "other"
+            self._seen.add(text)
+        return text
+
+
+@dataclass(eq=False)
+class _Collectors:
+    """The metric families of one registry (shared by every :class:`Metrics` on it)."""
+
+    steps: Counter
+    step_seconds: Histogram
+    write_seconds: Histogram
+    runs: Counter
+    tokens: Counter
+    cost: Counter
+    budget_denials: Counter
+    permission_decisions: Counter
+    guardrail_trips: Counter
+    audit_entries: Counter
+    bounded: dict[str, _Bounded] = field(default_factory=dict)
+    instrumented: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    prepared: set[str] = field(default_factory=set)
+    # The label children of each (backend, kind, outcome): every step updates three series,
+    # and resolving labels takes a lock and a dict lookup each time.
+    step_children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def bound(self, label: str, value: object) -> str:
+        guard = self.bounded.get(label)
+        if guard is None:
+            guard = self.bounded.setdefault(label, _Bounded())
+        return guard(value)
+
+
+def _build(registry: CollectorRegistry) -> _Collectors:
+    r = registry
+    return _Collectors(
+        steps=Counter(
+            "loomflow_journal_steps",
+            "Journaled steps by replay outcome (hit, miss, divergence, corrupt).",
+            ("backend", "kind", "outcome"),
+            registry=r,
+        ),
+        step_seconds=Histogram(
+            "loomflow_step_duration_seconds",
+            "Wall time of a journaled step: lookup, the call on a miss, and the journal write.",
+            ("backend", "kind", "outcome"),
+            buckets=STEP_BUCKETS,
+            registry=r,
+        ),
+        write_seconds=Histogram(
+            "loomflow_journal_write_seconds",
+            "Time to write (and commit) one journal entry.",
+            ("backend",),
+            buckets=JOURNAL_WRITE_BUCKETS,
+            registry=r,
+        ),
+        runs=Counter(
+            "loomflow_runs",
+            "Agent runs by how they ended and whether they resumed a journaled run.",
+            ("backend", "outcome", "resumed"),
+            registry=r,
+        ),
+        tokens=Counter(
+            "loomflow_model_tokens",
+            "Tokens of live model calls (replayed calls cost nothing and are not counted).",
+            ("provider", "model", "type"),
+            registry=r,
+        ),
+        cost=Counter(
+            "loomflow_model_cost_usd",
+            "Estimated USD cost of live model calls.",
+            ("provider", "model"),
+            registry=r,
+        ),
+        budget_denials=Counter(
+            "loomflow_budget_denials",
+            "Model calls refused by the budget, by cap ('unavailable': the store failed).",
+            ("cap",),
+            registry=r,
+        ),
+        permission_decisions=Counter(
+            "loomflow_permission_decisions",
+            "Permission decisions on live tool calls: the first answer and the final one.",
+            ("decision", "final"),
+            registry=r,
+        ),
+        guardrail_trips=Counter(
+            "loomflow_guardrail_trips",
+            "Guardrails that blocked or redacted input, output or a tool result.",
+            ("stage", "action"),
+            registry=r,
+        ),
+        audit_entries=Counter(
+            "loomflow_audit_entries",
+            "Entries appended to the audit log, by action.",
+            ("action",),
+            registry=r,
+        ),
+    )
+
+
+# A registry refuses a second family with the same name, so every Metrics on one registry
+# shares one set of collectors.
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = (
+    weakref.WeakKeyDictionary()
+)
+_by_registry_lock = threading.Lock()
+
+
+def _collectors_for(registry: CollectorRegistry) -> _Collectors:
+    with _by_registry_lock:
+        found = _by_registry.get(registry)
+        if found is None:
+            found = _by_registry[registry] = _build(registry)
+        return found
+
+
+class Metrics:
+    """loomflow's Prometheus metrics on one registry.
+
+    Args:
+        registry: Where the metrics live; ``None`` is prometheus-client's default registry
+            (what ``start_http_server`` and most frameworks expose). Several ``Metrics`` on one
+            registry share the same series.
+
+    Feed it by giving it to ``Telemetry(metrics=...)`` (agents), by :meth:`instrument` (any
+    journaled runtime), or by calling the recording methods directly; the audit log calls
+    :meth:`audit_entry`.
+
+    Example:
+        >>> registry = CollectorRegistry()
+        >>> metrics = Metrics(registry)
+        >>> metrics.audit_entry("run.start")
+        >>> registry.get_sample_value("loomflow_audit_entries_total", {"action": "run.start"})
+        1.0
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        self._c = _collectors_for(self.registry)
+
+    def __repr__(self) -> str:
+        return f"Metrics(registry={self.registry!r})"
+
+    def instrument(self, runtime: Any) -> None:
+        """Count every journaled step of ``runtime`` (idempotent per registry and runtime).
+
+        The replay series of the runtime's backend are created at 0 right away, so that rates
+        and alerts see a series before its first increment.
+        """
+        add_observer = getattr(runtime, "add_observer", None)
+        if add_observer is None:  # the agent's no-journal passthrough: nothing is journaled
+            return
+        with self._c.lock:
+            if runtime in self._c.instrumented:
+                return
+            self._c.instrumented.add(runtime)
+        add_observer(self.observe_step)
+        self.prepare_backend(str(runtime.backend))
+
+    def prepare_backend(self, backend: str) -> None:
+        """Create the step and run series of ``backend`` at 0."""
+        backend = self._c.bound("backend", backend)
+        if backend in self._c.prepared:
+            return
+        self._c.prepared.add(backend)
+        for kind in KINDS:
+            for outcome in OUTCOMES:
+                self._c.steps.labels(backend, kind, outcome)
+        for run_outcome in RUN_OUTCOMES:
+            for resumed in ("true", "false"):
+                self._c.runs.labels(backend, run_outcome, resumed)
+
+    def observe_step(self, event: StepEvent) -> None:
+        """Record one journaled step (a runtime observer: ``runtime.add_observer(...)``)."""
+        key = (event.backend, event.kind, event.outcome)
+        children = self._c.step_children.get(key)
+        if children is None:
+            backend = self._c.bound("backend", event.backend)
+            kind = event.kind if event.kind in KINDS else "custom"
+            outcome = event.outcome if event.outcome in OUTCOMES else "miss"
+            children = self._c.step_children[key] = (
+                self._c.steps.labels(backend, kind, outcome),
+                self._c.step_seconds.labels(backend, kind, outcome),
+                self._c.write_seconds.labels(backend),
+            )
+        steps, step_seconds, write_seconds = children
+        steps.inc()
+        step_seconds.observe(event.duration_s)
+        if event.write_s > 0:  # only a step that wrote an entry has a write time
+            write_seconds.observe(event.write_s)
+
+    def run_finished(self, *, backend: str, outcome: str, resumed: bool) -> None:
+        """Count a run that ended with ``outcome`` (one of :data:`RUN_OUTCOMES`)."""
+        if outcome not in RUN_OUTCOMES:
+            raise ValueError(f"run outcome must be one of {RUN_OUTCOMES}, not {outcome!r}")
+        self._c.runs.labels(
+            self._c.bound("backend", backend), outcome, "true" if resumed else "false"
+        ).inc()
+
+    def model_usage(
+        self,
+        *,
+        provider: str,
+        model: str,
+        input_tokens: int,
+        output_tokens: int,
+        cost_usd: float | None,
+    ) -> None:
+        """Count the tokens and cost of one live model call."""
+        provider = self._c.bound("provider", provider)
+        model = self._c.bound("model", model)
+        self._c.tokens.labels(provider, model, "input").inc(max(input_tokens, 0))
+        self._c.tokens.labels(provider, model, "output").inc(max(output_tokens, 0))
+        self._c.cost.labels(provider, model).inc(max(cost_usd or 0.0, 0.0))
+
+    def budget_denied(self, cap: str) -> None:
+        """Count a model call the budget refused at ``cap``."""
+        self._c.budget_denials.labels(self._c.bound("cap", cap)).inc()
+
+    def permission_decided(self, decision: str, final: str) -> None:
+        """Count a permission decision (``allow``/``deny``/``ask``) and its final answer."""
+        self._c.permission_decisions.labels(
+            self._c.bound("decision", decision), self._c.bound("final", final)
+        ).inc()
+
+    def guardrail_tripped(self, stage: str, action: str) -> None:
+        """Count a guardrail that acted (``block``/``redact``) at ``stage``."""
+        self._c.guardrail_trips.labels(
+            self._c.bound("stage", stage), self._c.bound("action", action)
+        ).inc()
+
+    def audit_entry(self, action: str) -> None:
+        """Count one audit-log entry of ``action`` (called by the audit log)."""
+        self._c.audit_entries.labels(self._c.bound("action", action)).inc()
+
+    def prepare_permissions(self) -> None:
+        """Create the permission series at 0 (so that a spike alert has a baseline)."""
+        for decision, final in (
+            ("allow", "allow"),
+            ("deny", "deny"),
+            ("ask", "allow"),
+            ("ask", "deny"),
+        ):
+            self._c.permission_decisions.labels(decision, final)
+
+    def as_hooks(self) -> Any:
+        """These metrics, without tracing, as agent hooks: ``Agent(telemetry=metrics)``."""
+        from ._telemetry import Telemetry  # the hooks live with the tracing ones
+
+        return Telemetry(metrics=self, tracing=False).as_hooks()
+
+
+@dataclass(eq=False)
+class MetricsServer:
+    """A running ``/metrics`` endpoint; :meth:`close` (or ``with``) stops it."""
+
+    host: str
+    port: int
+    _server: Any = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
+
+    @property
+    def url(self) -> str:
+        """The scrape URL, e.g. ``http://127.0.0.1:9464/metrics``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_metrics(
+    port: int, *, host: str = "127.0.0.1", registry: CollectorRegistry | None = None
+) -> MetricsServer:
+    """Serve ``registry`` (default: prometheus-client's) at ``http://host:port/metrics``.
+
+    The server runs in a daemon thread. ``port=0`` picks a free port (read it from
+    ``server.port``). Bind ``host="0.0.0.0"`` to be scraped from another container.
+
+    Example:
+        >>> with serve_metrics(0) as server:  # doctest: +SKIP
+        ...     print(server.url)
+    """
+    server, thread = start_http_server(
+        port, addr=host, registry=REGISTRY if registry is None else registry
+    )
+    return MetricsServer(
+        host=host, port=int(server.server_address[1]), _server=server, _thread=thread
+    )

@@ -1,0 +1,72 @@
+"""Span capture for tests of your own agents (needs the OpenTelemetry SDK: the ``otel`` extra).
+
+Example:
+    >>> capture = SpanCapture()  # doctest: +SKIP
+    >>> agent = Agent("...", model=model, runtime=runtime,
+    ...               telemetry=Telemetry(tracer_provider=capture.provider, metrics=False))
+    >>> await agent.run("hi", session_id="s1", user_id="alice")
+    >>> [root] = capture.named("invoke_agent agent")
+    >>> [s.name for s in capture.children(root)]
+    ['loom.workflow.step']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SpanCapture"]
+
+
+class SpanCapture:
+    """An SDK tracer provider that keeps finished spans in memory, with lookup helpers.
+
+    Attributes:
+        provider: Give it to ``Telemetry(tracer_provider=...)``.
+        exporter: The SDK's ``InMemorySpanExporter`` holding the finished spans.
+    """
+
+    def __init__(self) -> None:
+        try:
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+            from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+                InMemorySpanExporter,
+            )
+        except ImportError as exc:
+            raise ImportError(
+                "SpanCapture needs the OpenTelemetry SDK: pip install 'loomflow[otel]'"
+            ) from exc
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+
+    @property
+    def spans(self) -> list[Any]:
+        """Every finished span, in the order they ended."""
+        return list(self.exporter.get_finished_spans())
+
+    def named(self, name: str) -> list[Any]:
+        """The finished spans called ``name``."""
+        return [s for s in self.spans if s.name == name]
+
+    def children(self, parent: Any) -> list[Any]:
+        """The finished spans whose parent is ``parent``, by start time."""
+        spans = [
+            s
+            for s in self.spans
+            if s.parent is not None and s.parent.span_id == parent.context.span_id
+        ]
+        return sorted(spans, key=lambda s: s.start_time or 0)
+
+    def parent_of(self, span: Any) -> Any:
+        """The finished parent of ``span``, or ``None`` if it is not among the captured spans."""
+        if span.parent is None:
+            return None
+        return next(
+            (s for s in self.spans if s.context.span_id == span.parent.span_id),
+            None,
+        )
+
+    def clear(self) -> None:
+        """Forget the spans captured so far."""
+        self.exporter.clear()

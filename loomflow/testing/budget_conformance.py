@@ -1,0 +1,256 @@
+"""One conformance suite for every budget store.
+
+Subclass :class:`BudgetStoreConformance` in a test module and provide a ``make_store``
+fixture: an async factory whose every call returns a store over the *same* storage (as another
+worker process would see it)::
+
+    class TestMyStore(BudgetStoreConformance):
+        @pytest.fixture
+        async def make_store(self):
+            stores = []
+            async def factory():
+                store = MyBudgetStore(DSN)
+                stores.append(store)
+                return store
+            yield factory
+            for store in stores:
+                await store.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+import pytest
+from ulid import ULID
+
+from ..governance.budget import (
+    Amount,
+    Bucket,
+    BucketLimit,
+    BudgetStore,
+    Cap,
+    OnExpiry,
+    Reservation,
+)
+
+__all__ = ["BudgetStoreConformance", "StoreFactory"]
+
+StoreFactory = Callable[[], Awaitable[BudgetStore]]
+
+_ALICE = Bucket("user", "alice")
+_BOB = Bucket("user", "bob")
+_EVERYONE = Bucket("global", None)
+
+
+def _hold(
+    *buckets: Bucket,
+    tokens_in: int = 10,
+    tokens_out: int = 20,
+    cost: int = 0,
+    on_expiry: OnExpiry = "charge",
+) -> Reservation:
+    """A reservation of a fixed amount in ``buckets``."""
+    return Reservation(
+        str(ULID()),
+        "conformance:0:test:x",
+        buckets,
+        Amount(tokens_in, tokens_out, cost),
+        on_expiry,
+    )
+
+
+def _limit(bucket: Bucket, metric: str, value: float) -> BucketLimit:
+    cap = Cap(metric, value, scope=bucket.scope)  # type: ignore[arg-type]
+    return BucketLimit(bucket.key, cap.name, cap.metric, value)
+
+
+async def _reserve(
+    store: BudgetStore,
+    reservation: Reservation,
+    limits: Sequence[BucketLimit] = (),
+    *,
+    hard: bool = True,
+    lease_s: float = 60.0,
+) -> bool:
+    return await store.reserve(reservation, limits, hard=hard, lease_s=lease_s) is None
+
+
+class BudgetStoreConformance:
+    """Behaviour every budget store must show (see the module docstring)."""
+
+    @pytest.fixture
+    async def store(self, make_store: StoreFactory) -> BudgetStore:
+        return await make_store()
+
+    async def test_a_hold_is_visible_until_committed(self, store: BudgetStore) -> None:
+        r = _hold(_ALICE)
+        assert await _reserve(store, r)
+        totals = (await store.totals([_ALICE.key]))[_ALICE.key]
+        assert (totals.reserved_in, totals.reserved_out, totals.tokens_in) == (10, 20, 0)
+        result = await store.commit(r, Amount(7, 5, 0, 0.25))
+        assert result.reservation_found
+        assert result.charged == Amount(7, 5, 0, 0.25)
+        after = result.totals[_ALICE.key]
+        assert (after.tokens_in, after.tokens_out, after.wall_s, after.calls) == (7, 5, 0.25, 1)
+        assert (after.reserved_in, after.reserved_out) == (0, 0)
+        assert await store.reservations() == []
+
+    async def test_release_frees_the_hold_without_charging(self, store: BudgetStore) -> None:
+        r = _hold(_ALICE, _EVERYONE)
+        assert await _reserve(store, r)
+        assert await store.release(r.id)
+        assert not await store.release(r.id)  # a second release finds nothing
+        for totals in (await store.totals([_ALICE.key, _EVERYONE.key])).values():
+            assert (totals.tokens_in, totals.reserved_in, totals.reserved_out) == (0, 0, 0)
+
+    async def test_hard_mode_refuses_what_would_cross_and_changes_nothing(
+        self, store: BudgetStore
+    ) -> None:
+        cap = [_limit(_ALICE, "tokens_total", 100)]
+        first, second, third = (
+            _hold(_ALICE),
+            _hold(_ALICE),
+            _hold(_ALICE, tokens_in=50, tokens_out=1),
+        )
+        assert await _reserve(store, first, cap)  # 30 held
+        assert await _reserve(store, second, cap)  # 60 held
+        denial = await store.reserve(third, cap, hard=True, lease_s=60)
+        assert denial is not None
+        assert (denial.cap, denial.limit, denial.used, denial.reserved) == (
+            "user.tokens_total",
+            100,
+            0,
+            60,
+        )
+        assert denial.requested == 51
+        totals = (await store.totals([_ALICE.key]))[_ALICE.key]
+        assert totals.reserved_in + totals.reserved_out == 60
+        assert {r.id for r in await store.reservations()} == {first.id, second.id}
+
+    async def test_soft_mode_refuses_only_once_the_cap_is_used_up(self, store: BudgetStore) -> None:
+        cap = [_limit(_ALICE, "tokens_total", 40)]
+        assert await _reserve(store, _hold(_ALICE), cap, hard=False)  # 30 of 40 held
+        assert await _reserve(store, _hold(_ALICE), cap, hard=False)  # 60: soft lets it overshoot
+        assert not await _reserve(store, _hold(_ALICE), cap, hard=False)
+
+    async def test_a_reservation_is_all_or_nothing_across_buckets(self, store: BudgetStore) -> None:
+        assert await _reserve(store, _hold(_BOB, _EVERYONE, tokens_in=90, tokens_out=0))
+        caps = [_limit(_ALICE, "tokens_total", 1000), _limit(_EVERYONE, "tokens_in", 99)]
+        assert not await _reserve(store, _hold(_ALICE, _EVERYONE), caps)
+        totals = await store.totals([_ALICE.key, _EVERYONE.key])
+        alice = totals.get(_ALICE.key)
+        assert alice is None or alice.reserved_in == 0  # nothing held for alice either
+        assert totals[_EVERYONE.key].reserved_in == 90
+
+    async def test_users_do_not_share_buckets(self, store: BudgetStore) -> None:
+        tricky = Bucket("user", '["alice"]')
+        anonymous = Bucket("user", None)
+        for bucket in (_ALICE, tricky, anonymous):
+            r = _hold(bucket)
+            assert await _reserve(store, r)
+            await store.commit(r, Amount(1, 1))
+        assert len({_ALICE.key, tricky.key, anonymous.key}) == 3
+        mine = await store.usage("alice")
+        assert [u.bucket for u in mine] == [_ALICE]
+        assert mine[0].totals.tokens_in == 1
+        assert {u.bucket for u in await store.usage()} == {_ALICE, tricky, anonymous}
+
+    async def test_concurrent_reservations_never_overshoot_a_hard_cap(
+        self, make_store: StoreFactory
+    ) -> None:
+        # Two store objects stand for two workers; 40 calls race for room for exactly 13.
+        stores = [await make_store(), await make_store()]
+        cap = [_limit(_ALICE, "tokens_total", 400), _limit(_EVERYONE, "tokens_total", 10_000)]
+        holds = [_hold(_ALICE, _EVERYONE) for _ in range(40)]
+        granted = await asyncio.gather(
+            *(_reserve(stores[i % 2], h, cap) for i, h in enumerate(holds))
+        )
+        assert sum(granted) == 13  # 13 * 30 = 390 <= 400 < 14 * 30
+        totals = (await stores[0].totals([_ALICE.key]))[_ALICE.key]
+        assert totals.reserved_in + totals.reserved_out == 390
+        for h, ok in zip(holds, granted, strict=True):
+            if ok:
+                await stores[1].commit(h, Amount(10, 20))
+        after = await stores[0].totals([_ALICE.key, _EVERYONE.key])
+        assert after[_ALICE.key].tokens_in + after[_ALICE.key].tokens_out == 390
+        assert after[_EVERYONE.key].calls == 13
+
+    async def test_cost_caps_compare_exactly(self, store: BudgetStore) -> None:
+        # 0.3 USD is not exact in binary; a cap of exactly the spend must still admit it.
+        cap = [_limit(_ALICE, "cost_usd", 0.3)]
+        for _ in range(3):
+            r = _hold(_ALICE, cost=100_000_000)
+            assert await _reserve(store, r, cap)
+            await store.commit(r, Amount(10, 20, 100_000_000))
+        assert not await _reserve(store, _hold(_ALICE, cost=1), cap)
+
+    async def test_a_time_cap_refuses_once_reached(self, store: BudgetStore) -> None:
+        cap = [_limit(_ALICE, "wall_clock_s", 1.0)]
+        r = _hold(_ALICE)
+        assert await _reserve(store, r, cap)
+        await store.commit(r, Amount(1, 1, 0, 1.5))  # the call ran past the cap
+        assert not await _reserve(store, _hold(_ALICE), cap)
+
+    async def test_an_expired_hold_is_reclaimed_and_charged_in_full(
+        self, make_store: StoreFactory
+    ) -> None:
+        dead, alive = await make_store(), await make_store()
+        r = _hold(_ALICE, _EVERYONE)
+        assert await _reserve(dead, r, lease_s=0.05)
+        kept = _hold(_ALICE)
+        assert await _reserve(alive, kept, lease_s=60)
+        await asyncio.sleep(0.3)
+        assert await alive.reclaim() == 1
+        assert await alive.reclaim() == 0
+        totals = await alive.totals([_ALICE.key, _EVERYONE.key])
+        # Charged as spent (the call may have been billed), and no longer held.
+        assert (totals[_ALICE.key].tokens_in, totals[_ALICE.key].tokens_out) == (10, 20)
+        assert totals[_ALICE.key].reserved_in == 10  # only the live hold is left
+        assert totals[_EVERYONE.key].reserved_in == 0
+        assert [x.id for x in await alive.reservations()] == [kept.id]
+        # The worker that was thought dead commits late: only the excess is charged.
+        late = await dead.commit(r, Amount(15, 5))
+        assert not late.reservation_found
+        assert late.charged == Amount(5, 0)
+        assert late.totals[_ALICE.key].tokens_in == 15
+        assert late.totals[_ALICE.key].reserved_in == 10
+
+    async def test_an_expired_hold_can_be_released_instead(self, make_store: StoreFactory) -> None:
+        dead, alive = await make_store(), await make_store()
+        cap = [_limit(_ALICE, "tokens_total", 40)]
+        r = _hold(_ALICE, on_expiry="release")
+        assert await _reserve(dead, r, cap, lease_s=0.05)
+        assert not await _reserve(alive, _hold(_ALICE), cap)  # 30 held + 30 > 40
+        await asyncio.sleep(0.3)
+        [info] = await alive.reservations()
+        assert info.on_expiry == "release"
+        assert await alive.reclaim() == 1
+        totals = (await alive.totals([_ALICE.key]))[_ALICE.key]
+        assert (totals.tokens_in, totals.reserved_in, totals.calls) == (0, 0, 0)
+        assert await _reserve(alive, _hold(_ALICE), cap)  # the room is back
+        late = await dead.commit(r, Amount(15, 5))  # nothing was charged for it: all counts
+        assert late.charged == Amount(15, 5)
+
+    async def test_renewal_keeps_a_hold_alive(self, store: BudgetStore) -> None:
+        r = _hold(_ALICE)
+        assert await _reserve(store, r, lease_s=0.2)
+        for _ in range(3):
+            await asyncio.sleep(0.1)
+            assert await store.renew(r.id, 0.2)
+        assert await store.reclaim() == 0
+        assert not await store.renew("no-such-reservation", 1.0)
+        await store.release(r.id)
+        assert not await store.renew(r.id, 1.0)
+
+    async def test_totals_are_shared_by_every_store_object(self, make_store: StoreFactory) -> None:
+        first = await make_store()
+        r = _hold(_ALICE)
+        assert await _reserve(first, r)
+        await first.commit(r, Amount(3, 4))
+        second = await make_store()
+        totals = (await second.totals([_ALICE.key]))[_ALICE.key]
+        assert (totals.tokens_in, totals.tokens_out, totals.calls) == (3, 4, 1)
+        listed = await second.usage()
+        assert listed[0].updated_at > 0

@@ -1,0 +1,349 @@
+"""What the agent loop writes to the audit log: runs, calls, replays, governance, divergences."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent, Tuning
+from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
+from loomflow.audit import AuditLog, AuditRecord, InMemoryAuditStore, SqliteAuditStore, actions
+from loomflow.errors import ReplayDivergenceError, StoreUnavailableError
+from loomflow.governance.events import (
+    BudgetDenied,
+    BudgetUnavailable,
+    BudgetWarning,
+    GuardrailTripped,
+    PermissionDecided,
+)
+from loomflow.messages import Message, ModelSettings, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import InMemoryRuntime, SqliteRuntime
+from loomflow.tools import Tool, ToolOutcome, tool
+
+
+class Crash(BaseException):
+    """Escapes the tool layer (which turns Exceptions into tool errors), like a dying worker."""
+
+
+ran: list[str] = []
+crash_once: list[bool] = []
+
+
+@tool(sensitive=("card",))
+def charge(card: str, amount: int) -> str:
+    """Charge a card."""
+    ran.append(f"charge {amount}")
+    return f"charged {amount}"
+
+
+@tool
+def ship(order: str) -> str:
+    """Ship an order."""
+    if crash_once:
+        crash_once.pop()
+        raise Crash
+    ran.append(f"ship {order}")
+    return "shipped"
+
+
+def plan(messages: list[Message], tools: list[ToolSpec]) -> Any:
+    """Turn 0 charges, turn 1 ships, turn 2 answers."""
+    done = sum(1 for m in messages if m.role == "tool")
+    if done == 0:
+        return [ToolCall(id="c0", name="charge", arguments={"card": "4111-0000", "amount": 7})]
+    if done == 1:
+        return [ToolCall(id="c1", name="ship", arguments={"order": "o-1"})]
+    return "all done"
+
+
+def acts(store: InMemoryAuditStore, run_id: str | None = None) -> list[str]:
+    return [e.action for e in store.all_entries if run_id is None or e.run_id == run_id]
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    ran.clear()
+    crash_once.clear()
+
+
+async def test_a_run_writes_its_calls_in_order_with_user_on_every_entry() -> None:
+    store = InMemoryAuditStore()
+    agent = Agent(
+        "x",
+        model=FunctionModel(plan),
+        tools=[charge, ship],
+        runtime=InMemoryRuntime(),
+        audit=AuditLog(store),
+    )
+    result = await agent.run("buy", session_id="s", user_id="alice", metadata={"ticket": 7})
+    assert acts(store) == [
+        "run.start",
+        "model.call",
+        "tool.call",
+        "tool.result",
+        "model.call",
+        "tool.call",
+        "tool.result",
+        "model.call",
+        "run.end",
+    ]
+    assert {(e.user_id, e.session_id, e.run_id) for e in store.all_entries} == {
+        ("alice", "s", result.run_id)
+    }
+    start, model0, call0, result0 = store.all_entries[:4]
+    assert start.payload["prompt"] == "buy"
+    assert start.payload["metadata"] == {"ticket": 7}
+    assert model0.payload["tool_calls"] == ["charge"]
+    assert model0.payload["input_tokens"] > 0
+    assert model0.payload["replayed"] is False
+    assert call0.payload["arguments"] == {"card": "[REDACTED]", "amount": 7}
+    assert call0.payload["executed"] is True
+    assert result0.payload["ok"] is True
+    assert result0.payload["result"] == "charged 7"
+    end = store.all_entries[-1].payload
+    assert end["outcome"] == "completed"
+    assert (end["turns"], end["tokens_in"]) == (3, result.tokens_in)
+    assert (await store.verify()).ok
+
+
+async def test_a_resumed_run_records_replays_not_new_executions(tmp_path: Path) -> None:
+    store = InMemoryAuditStore()
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    agent = Agent(
+        "x", model=FunctionModel(plan), tools=[charge, ship], runtime=runtime, audit=AuditLog(store)
+    )
+    crash_once.append(True)
+    with pytest.raises(Crash):
+        await agent.run("buy", session_id="s", user_id="alice")
+    first = store.all_entries[0].run_id
+    assert acts(store, first)[-2:] == ["model.call", "run.end"]
+    assert store.all_entries[-1].payload["outcome"] == "failed"
+    assert store.all_entries[-1].payload["error_type"] == "Crash"
+
+    result = await agent.run("buy", session_id="s", user_id="alice")
+    assert acts(store, result.run_id) == [
+        "run.start",
+        "model.replay",
+        "tool.replay",
+        "model.replay",
+        "tool.call",
+        "tool.result",
+        "model.call",
+        "run.end",
+    ]
+    assert ran == ["charge 7", "ship o-1"]  # the charge did not run again
+    replay = next(e for e in store.all_entries if e.action == "tool.replay")
+    assert replay.payload["tool"] == "charge"
+    assert replay.payload["arguments"]["card"] == "[REDACTED]"
+    assert replay.payload["replayed"] is True
+    model_replay = next(e for e in store.all_entries if e.action == "model.replay")
+    assert model_replay.payload["billed"] is False
+    assert store.all_entries[-1].payload["replayed_steps"] == 3
+    assert (await store.verify(user_id="alice")).ok
+    await runtime.close()
+
+
+def _diverging_agent(
+    store: InMemoryAuditStore, runtime: Any, instructions: str, **kw: Any
+) -> Agent:
+    return Agent(
+        instructions,
+        model=FunctionModel(plan),
+        tools=[charge, ship],
+        runtime=runtime,
+        audit=AuditLog(store),
+        **kw,
+    )
+
+
+async def test_a_replay_divergence_is_recorded_where_it_happened() -> None:
+    store = InMemoryAuditStore()
+    runtime = InMemoryRuntime()
+    crash_once.append(True)
+    with pytest.raises(Crash):
+        await _diverging_agent(store, runtime, "v1").run("buy", session_id="s", user_id="bob")
+    # Other instructions change model_call_0's inputs: it runs fresh, and the audit says so.
+    result = await _diverging_agent(store, runtime, "v2").run("buy", session_id="s", user_id="bob")
+    run = acts(store, result.run_id)
+    assert run[:3] == ["run.start", "replay.divergence", "model.call"]
+    divergence = next(e for e in store.all_entries if e.action == "replay.divergence")
+    assert divergence.actor == "runtime"
+    assert divergence.payload["step"] == "model_call_0"
+    assert divergence.payload["kind"] == "model"
+    assert divergence.user_id == "bob"
+
+
+async def test_a_strict_divergence_is_recorded_before_the_failed_run_end() -> None:
+    store = InMemoryAuditStore()
+    runtime = InMemoryRuntime()
+    crash_once.append(True)
+    with pytest.raises(Crash):
+        await _diverging_agent(store, runtime, "v1").run("buy", session_id="s", user_id="bob")
+    strict = _diverging_agent(store, runtime, "v2", tuning=Tuning(strict_replay=True))
+    with pytest.raises(ReplayDivergenceError):
+        await strict.run("buy", session_id="s", user_id="bob")
+    assert acts(store)[-3:] == ["run.start", "replay.divergence", "run.end"]
+    assert store.all_entries[-1].payload["error_type"] == "ReplayDivergenceError"
+
+
+class FakeGovernance(RunHooks):
+    """Emits what the governance layer emits, at the points where it emits it."""
+
+    def __init__(self, *, deny: str | None = None, budget_stop_at: int | None = None) -> None:
+        self.deny = deny
+        self.budget_stop_at = budget_stop_at
+
+    async def before_model_call(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
+    ) -> Any:
+        if turn == self.budget_stop_at:
+            info.emit(BudgetDenied(cap="user.tokens_total", limit=100, used=90, requested=20))
+            raise Interrupt("budget:user.tokens_total")
+        info.emit(BudgetWarning(cap="user.tokens_total", limit=100, used=80, fraction=0.8))
+        return None
+
+    async def before_tool_call(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
+    ) -> ToolCall | ToolOutcome:
+        denied = call.name == self.deny
+        info.emit(
+            PermissionDecided(
+                tool=call.name,
+                turn=turn,
+                slot=slot,
+                decision="ask" if denied else "allow",
+                final="deny" if denied else "allow",
+                reason="needs a human" if denied else "read-only",
+                policy="finance",
+                approver="carol" if denied else None,
+                arguments={"card": "[REDACTED]"} if call.name == "charge" else {},
+            )
+        )
+        if denied:
+            return ToolOutcome(ok=False, error_type="permission_denied", error="carol said no")
+        return call
+
+    async def check_output(self, info: RunInfo, text: str) -> str:
+        info.emit(GuardrailTripped(name="pii", stage="output", action="block", detail="email"))
+        raise Interrupt("guardrail:pii")
+
+
+async def test_governance_decisions_are_recorded_with_who_decided() -> None:
+    store = InMemoryAuditStore()
+    agent = Agent(
+        "x",
+        model=FunctionModel(plan),
+        tools=[charge, ship],
+        permissions=FakeGovernance(deny="charge"),
+        audit=AuditLog(store),
+    )
+    result = await agent.run("buy", session_id="s", user_id="alice")
+    assert result.interruption_reason == "guardrail:pii"
+    assert ran == ["ship o-1"]
+    names = acts(store)
+    assert names[:5] == ["run.start", "budget.warning", "model.call", "permission.decision",
+                         "tool.call"]  # fmt: skip
+    decision = store.all_entries[3]
+    assert decision.actor == "approver:carol"
+    assert decision.payload["decision"] == "ask"
+    assert decision.payload["final"] == "deny"
+    assert decision.payload["policy"] == "finance"
+    denied_call, denied_result = store.all_entries[4], store.all_entries[5]
+    assert denied_call.payload["executed"] is False
+    assert denied_result.payload["error_type"] == "permission_denied"
+    allowed = [e for e in store.all_entries if e.action == "permission.decision"][1]
+    assert allowed.actor == "policy:finance"
+    trip = next(e for e in store.all_entries if e.action == "guardrail.trip")
+    assert trip.payload == {"guardrail": "pii", "stage": "output", "action": "block",
+                            "detail": "email"}  # fmt: skip
+    assert trip.actor == "guardrail:pii"
+    assert names[-1] == "run.end"
+    assert store.all_entries[-1].payload["interruption_reason"] == "guardrail:pii"
+    assert store.all_entries[-1].payload["outcome"] == "interrupted"
+
+
+async def test_a_budget_denial_is_recorded_before_the_interrupted_end() -> None:
+    store = InMemoryAuditStore()
+    agent = Agent(
+        "x",
+        model=FunctionModel(plan),
+        tools=[charge, ship],
+        budget=FakeGovernance(budget_stop_at=1),
+        audit=AuditLog(store),
+    )
+    result = await agent.run("buy", session_id="s", user_id="alice")
+    assert result.interruption_reason == "budget:user.tokens_total"
+    assert acts(store)[-2:] == ["budget.denied", "run.end"]
+    denied = store.all_entries[-2]
+    assert denied.actor == "budget"
+    assert denied.payload == {"cap": "user.tokens_total", "limit": 100, "used": 90,
+                              "requested": 20}  # fmt: skip
+
+
+class BudgetDown(RunHooks):
+    async def before_model_call(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
+    ) -> Any:
+        info.emit(BudgetUnavailable(detail="budget database unreachable"))
+        raise Interrupt("budget:unavailable")
+
+
+async def test_a_budget_outage_is_recorded() -> None:
+    store = InMemoryAuditStore()
+    agent = Agent("x", model=FunctionModel(plan), budget=BudgetDown(), audit=AuditLog(store))
+    await agent.run("buy", session_id="s", user_id="alice")
+    assert acts(store) == ["run.start", "budget.unavailable", "run.end"]
+    assert store.all_entries[1].payload == {"detail": "budget database unreachable"}
+
+
+class BrokenStore(InMemoryAuditStore):
+    async def _append_chain(self, key: str, records: Any) -> Any:
+        raise StoreUnavailableError("audit database is down")
+
+
+async def test_an_audit_outage_fails_the_run_by_default() -> None:
+    agent = Agent("x", model=FunctionModel(plan), tools=[charge], audit=AuditLog(BrokenStore()))
+    with pytest.raises(StoreUnavailableError):
+        await agent.run("buy", session_id="s", user_id="alice")
+    assert ran == []  # nothing ran unrecorded
+
+
+async def test_an_audit_outage_can_be_logged_instead(caplog: pytest.LogCaptureFixture) -> None:
+    audit = AuditLog(BrokenStore(), on_error="log")
+    agent = Agent("x", model=FunctionModel(plan), tools=[charge, ship], audit=audit)
+    with caplog.at_level(logging.ERROR, logger="loomflow.audit"):
+        result = await agent.run("buy", session_id="s", user_id="alice")
+    assert result.output == "all done"
+    assert "audit write" in caplog.text
+
+
+async def test_manual_records_join_the_users_chain(tmp_path: Path) -> None:
+    audit = AuditLog(SqliteAuditStore(tmp_path / "audit.db"))
+    agent = Agent("x", model=FunctionModel(plan), tools=[charge, ship], audit=audit)
+    await agent.run("buy", session_id="s", user_id="alice")
+    entry = await audit.record(
+        "approval.granted",
+        user_id="alice",
+        actor="approver:carol",
+        payload={"ticket": "T-1", "password": "hunter22"},
+    )
+    assert entry.seq == 10
+    assert entry.payload == {"ticket": "T-1", "password": "[REDACTED]"}
+    page = await audit.query(user_id="alice", action="approval.*")
+    assert [e.seq for e in page.entries] == [10]
+    assert (await audit.verify()).ok
+    await audit.close()
+
+
+def test_actions_are_distinct_and_documented() -> None:
+    assert len(set(actions.ALL)) == len(actions.ALL) == 13
+    assert all(a.count(".") == 1 for a in actions.ALL)
+
+
+async def test_records_are_validated() -> None:
+    with pytest.raises(ValueError, match="actor"):
+        AuditRecord(user_id="a", action="x")  # type: ignore[call-arg]

@@ -1,0 +1,117 @@
+"""``loomflow audit query|export|verify`` as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from loomflow.audit import AuditRecord, SqliteAuditStore
+
+
+def loomflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+async def _fill(path: Path) -> None:
+    store = SqliteAuditStore(path)
+    for i in range(5):
+        await store.append(
+            [
+                AuditRecord(
+                    user_id="alice",
+                    session_id="s1",
+                    run_id="r1",
+                    actor="agent:a",
+                    action="tool.call" if i % 2 else "model.call",
+                    payload={"i": i, "tool": "charge"},
+                ),
+                AuditRecord(user_id="bob", session_id="s2", actor="agent:a", action="run.start"),
+            ]
+        )
+    await store.close()
+
+
+async def test_query_export_and_verify(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    url = f"sqlite:///{db}"
+
+    table = loomflow("audit", "--audit-url", url, "query", "--user", "alice", "--limit", "2")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["time", "(UTC)", "user", "seq", "session", "actor", "action",
+                                "details"]  # fmt: skip
+    assert "model.call" in lines[1]
+    assert "i=0 tool=charge" in lines[1]
+    assert "--cursor" in lines[-1]
+    cursor = lines[-1].split("--cursor ")[1]
+
+    second = loomflow(
+        "audit", "--audit-url", url, "query", "--user", "alice", "--limit", "2",
+        "--cursor", cursor, "--json",
+    )  # fmt: skip
+    page = json.loads(second.stdout)
+    assert [e["seq"] for e in page["entries"]] == [3, 4]
+    assert page["next_cursor"] is not None
+
+    # The URL can come from the environment too.
+    tools = loomflow(
+        "audit", "query", "--action", "tool.*", "--since", "1h", "--json",
+        env={"LOOMFLOW_AUDIT_URL": url},
+    )  # fmt: skip
+    assert {e["action"] for e in json.loads(tools.stdout)["entries"]} == {"tool.call"}
+    assert len(json.loads(tools.stdout)["entries"]) == 2
+    future = loomflow("audit", "--audit-url", url, "query", "--since", "2999-01-01")
+    assert future.stdout.strip() == "no audit entries match"
+
+    out = tmp_path / "alice.jsonl"
+    exported = loomflow("audit", "--audit-url", url, "export", "--user", "alice", "-o", str(out))
+    assert exported.returncode == 0
+    assert "exported 5 audit entries" in exported.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["seq"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["user_id"] == "alice" for r in rows)
+    stdout_export = loomflow("audit", "--audit-url", url, "export", "--session", "s2")
+    assert len(stdout_export.stdout.splitlines()) == 5
+
+    ok = loomflow("audit", "--audit-url", url, "verify")
+    assert ok.returncode == 0
+    assert ok.stdout.startswith("OK: checked 10 entries of 2 user(s)")
+
+    with sqlite3.connect(db) as conn:
+        conn.execute("DROP TRIGGER loom_audit_no_delete")
+        conn.execute("DELETE FROM loom_audit WHERE user_id = 'alice' AND seq = 3")
+    broken = loomflow("audit", "--audit-url", url, "verify")
+    assert broken.returncode == 1
+    assert "FAILED: 1 problem(s)" in broken.stdout
+    assert "missing" in broken.stdout
+    assert "entry 3 is missing before entry 4" in broken.stdout
+    as_json = loomflow("audit", "--audit-url", url, "verify", "--json")
+    report = json.loads(as_json.stdout)
+    assert as_json.returncode == 1
+    assert report["problems"][0]["kind"] == "missing"
+    assert report["problems"][0]["user_id"] == "alice"
+    assert report["problems"][0]["seq"] == 3
+    assert loomflow("audit", "--audit-url", url, "verify", "--user", "bob").returncode == 0
+
+
+def test_usage_and_store_errors_have_distinct_exit_codes(tmp_path: Path) -> None:
+    assert loomflow("audit", "query", "--since", "whenever").returncode == 2
+    assert loomflow("audit", "frobnicate").returncode == 2
+    bad = loomflow("audit", "--audit-url", "mysql://x", "verify")
+    assert bad.returncode == 1
+    assert "scheme" in bad.stderr
+    empty = loomflow("audit", "--audit-url", f"sqlite:///{tmp_path / 'new.db'}", "query")
+    assert empty.returncode == 0
+    assert empty.stdout.strip() == "no audit entries match"

@@ -1,0 +1,578 @@
+"""StandardBudget in the agent loop: reserve before, charge after, never charge a replay."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _governance_proxy import TcpProxy
+from pydantic import BaseModel
+
+from loomflow.agent import Agent, RunFinished, Tuning
+from loomflow.agent.hooks import RunHooks, RunInfo
+from loomflow.errors import (
+    BudgetExceededError,
+    BudgetUnavailableError,
+    InvalidUsageError,
+    UnknownModelPriceError,
+    UserError,
+)
+from loomflow.governance import BudgetDenied, BudgetUnavailable, BudgetWarning
+from loomflow.governance.budget import (
+    MAX_TOKENS_PER_CALL,
+    Amount,
+    Bucket,
+    Cap,
+    InMemoryBudgetStore,
+    SqlBudgetStore,
+    StandardBudget,
+    bound_input_tokens,
+)
+from loomflow.messages import Message, ModelResponse, ToolCall, ToolSpec, Usage
+from loomflow.models import FunctionModel
+from loomflow.models.pricing import ModelPrice
+from loomflow.runtime import InMemoryRuntime, SqliteRuntime
+from loomflow.tools import tool
+
+ALICE = Bucket("user", "alice")
+
+
+@tool
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value of {key}"
+
+
+FIXED = Usage(input_tokens=100, output_tokens=20)
+
+
+def tool_then_answer(usage: Usage = FIXED) -> Any:
+    """Two tool turns, then an answer; every call reports ``usage``."""
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        done = sum(1 for m in messages if m.role == "tool")
+        if done < 2:
+            call = ToolCall(id=f"c{done}", name="lookup", arguments={"key": f"k{done}"})
+            return ModelResponse(tool_calls=[call], usage=usage, finish_reason="tool_calls")
+        return ModelResponse(text="done", usage=usage)
+
+    return decide
+
+
+class PricedModel(FunctionModel):
+    """A function model that is not free: the budget must price it."""
+
+    provider = "acme"
+
+
+def agent_with(budget: StandardBudget, model: Any = None, **options: Any) -> Agent:
+    options.setdefault("tuning", Tuning(max_tokens=32))
+    return Agent(
+        "You look things up.",
+        model=model or FunctionModel(tool_then_answer()),
+        tools=[lookup],
+        budget=budget,
+        **options,
+    )
+
+
+async def collect(agent: Agent, prompt: str = "go", **kwargs: Any) -> tuple[Any, list[Any]]:
+    events = [e async for e in agent.stream(prompt, **kwargs)]
+    assert isinstance(events[-1], RunFinished)
+    return events[-1].result, events
+
+
+async def test_a_call_is_reserved_while_it_runs_and_charged_what_it_spent() -> None:
+    store = InMemoryBudgetStore()
+    budget = StandardBudget(store=store, overhead_tokens=100)
+    seen: list[Any] = []
+
+    async def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        seen.append((await store.totals([ALICE.key]))[ALICE.key])
+        return ModelResponse(text="ok", usage=Usage(input_tokens=40, output_tokens=3))
+
+    result, _ = await collect(agent_with(budget, FunctionModel(decide)), user_id="alice")
+    assert result.output == "ok"
+    during = seen[0]
+    assert during.reserved_out == 32  # the call's max_tokens
+    assert during.reserved_in == 100 + bound_input_tokens(
+        [Message.system("You look things up."), Message.user("go")]
+    )
+    after = (await store.totals([ALICE.key]))[ALICE.key]
+    assert (after.tokens_in, after.tokens_out, after.calls) == (40, 3, 1)
+    assert (after.reserved_in, after.reserved_out) == (0, 0)
+    assert after.wall_s > 0
+
+
+def test_the_input_bound_is_an_upper_bound_of_the_scripted_count() -> None:
+    messages = [Message.system("Be brief."), Message.user("héllo wörld " * 50)]
+    from loomflow.models.scripted import approx_tokens
+
+    assert bound_input_tokens(messages) >= sum(approx_tokens(m.content) for m in messages)
+    assert bound_input_tokens(messages) >= len("".join(m.content for m in messages).encode())
+
+
+async def test_a_replayed_model_call_is_never_charged(sqlite_path: Path) -> None:
+    store = InMemoryBudgetStore()
+    budget = StandardBudget(store=store)
+    runtime = SqliteRuntime(sqlite_path)
+    crash = {"armed": True}
+    inner = tool_then_answer()
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        if crash["armed"] and any(m.role == "tool" for m in messages):
+            raise RuntimeError("worker died mid-call")
+        return inner(messages, tools)  # type: ignore[no-any-return]
+
+    model = FunctionModel(decide)
+    agent = agent_with(budget, model, runtime=runtime)
+    with pytest.raises(RuntimeError, match="worker died"):
+        await agent.run("go", session_id="s", user_id="alice")
+    first = (await store.totals([ALICE.key]))[ALICE.key]
+    # One call charged; the failed one released, not charged.
+    assert (first.tokens_in, first.calls, first.reserved_in, first.reserved_out) == (100, 1, 0, 0)
+    crash["armed"] = False
+    result = await agent.run("go", session_id="s", user_id="alice")
+    assert result.replayed_steps >= 2  # model_call_0 and the first tool call came back
+    assert model.calls == 2 + 2  # two before the crash (one failed), two fresh after it
+    total = (await store.totals([ALICE.key]))[ALICE.key]
+    assert (total.tokens_in, total.tokens_out, total.calls) == (300, 60, 3)
+    assert result.tokens_in == 300  # the run's own figures include the replayed call
+    await runtime.close()
+
+
+async def test_crossing_a_cap_interrupts_the_run_before_the_call() -> None:
+    budget = StandardBudget([Cap("tokens_total", 400)], overhead_tokens=100)
+    model = FunctionModel(tool_then_answer())
+    result, events = await collect(agent_with(budget, model), user_id="alice")
+    assert result.interrupted
+    assert result.interruption_reason == "budget:user.tokens_total"
+    assert model.calls == 2  # the third call was refused before it reached the model
+    assert result.turns == 2
+    [denied] = [e for e in events if isinstance(e, BudgetDenied)]
+    assert denied.cap == "user.tokens_total"
+    assert (denied.limit, denied.used, denied.reserved) == (400, 240, 0)
+    assert denied.requested > 160
+    # Another user is not affected by alice's spend: bob gets his own 400 tokens.
+    other, _ = await collect(agent_with(budget, FunctionModel(tool_then_answer())), user_id="bob")
+    assert (other.turns, other.tokens_in + other.tokens_out) == (2, 240)
+
+
+async def test_a_warning_is_emitted_once_by_the_call_that_crosses_it() -> None:
+    budget = StandardBudget([Cap("tokens_total", 1000)], warn_at=(0.3, 0.5), overhead_tokens=64)
+    _, events = await collect(agent_with(budget), user_id="alice")
+    warnings = [e for e in events if isinstance(e, BudgetWarning)]
+    # 120, 240, 360 tokens: 0.3 is crossed by the third call only (0.5 never).
+    assert [(w.cap, w.used, w.fraction) for w in warnings] == [("user.tokens_total", 360, 0.36)]
+
+
+async def test_global_caps_count_every_user_and_windows_start_afresh() -> None:
+    now = [dt.datetime(2026, 5, 8, 23, 0, tzinfo=dt.UTC).timestamp()]
+    budget = StandardBudget(
+        [Cap("tokens_total", 700, scope="global", window="day")],
+        overhead_tokens=100,
+        clock=lambda: now[0],
+    )
+    first, _ = await collect(agent_with(budget), user_id="alice")
+    second, _ = await collect(agent_with(budget), user_id="bob")
+    assert not first.interrupted
+    assert second.interruption_reason == "budget:global.tokens_total.daily"
+    now[0] += 3600  # the next UTC day
+    third, _ = await collect(agent_with(budget), user_id="carol")
+    assert not third.interrupted
+    periods = {u.bucket.period for u in await budget.store.usage() if u.bucket.scope == "global"}
+    assert periods == {"day:2026-05-08", "day:2026-05-09"}
+
+
+async def test_monthly_user_caps_and_status() -> None:
+    now = [dt.datetime(2026, 5, 31, 12, 0, tzinfo=dt.UTC).timestamp()]
+    budget = StandardBudget(
+        [Cap("cost_usd", 0.01, window="month"), Cap("tokens_out", 10_000)],
+        prices={"metered": ModelPrice(10.0, 50.0)},
+        clock=lambda: now[0],
+        overhead_tokens=100,
+    )
+    model = PricedModel(tool_then_answer(), name="metered")
+    result, _ = await collect(agent_with(budget, model), user_id="alice")
+    # Each call costs 100 * 10 + 20 * 50 = 2000 micro-USD, and reserves about 0.004 USD.
+    assert not result.interrupted
+    status = {s.cap: s for s in await budget.status("alice")}
+    month = status["user.cost_usd.monthly"]
+    assert month.used == pytest.approx(0.006)
+    assert month.period == "month:2026-05"
+    assert month.remaining == pytest.approx(0.004)
+    assert status["user.tokens_out"].used == 60
+    again, _ = await collect(
+        agent_with(budget, PricedModel(tool_then_answer(), name="metered")), user_id="alice"
+    )
+    assert again.interruption_reason == "budget:user.cost_usd.monthly"
+    now[0] += 86400  # June
+    june, _ = await collect(
+        agent_with(budget, PricedModel(tool_then_answer(), name="metered")), user_id="alice"
+    )
+    assert not june.interrupted
+
+
+async def test_run_caps_limit_one_run_only() -> None:
+    budget = StandardBudget([Cap("tokens_total", 300, scope="run")], overhead_tokens=20)
+    first, events = await collect(agent_with(budget), user_id="alice")
+    assert first.interruption_reason == "budget:run.tokens_total"
+    assert first.turns == 2
+    assert [e.cap for e in events if isinstance(e, BudgetDenied)] == ["run.tokens_total"]
+    second, _ = await collect(agent_with(budget), user_id="alice")
+    assert second.turns == 2  # a new run starts from zero
+
+
+async def test_a_run_time_cap_is_a_deadline() -> None:
+    budget = StandardBudget([Cap("wall_clock_s", 0.05, scope="run")])
+
+    async def slow(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        await asyncio.sleep(0.1)
+        return tool_then_answer()(messages, tools)  # type: ignore[no-any-return]
+
+    result, _ = await collect(agent_with(budget, FunctionModel(slow)), user_id="alice")
+    assert result.interruption_reason == "budget:run.wall_clock_s"
+    assert result.turns == 1
+
+
+async def test_user_time_caps_count_model_call_seconds() -> None:
+    budget = StandardBudget([Cap("wall_clock_s", 0.05)])
+
+    async def slow(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        await asyncio.sleep(0.1)
+        return tool_then_answer()(messages, tools)  # type: ignore[no-any-return]
+
+    result, _ = await collect(agent_with(budget, FunctionModel(slow)), user_id="alice")
+    assert result.interruption_reason == "budget:user.wall_clock_s"
+    [status] = await budget.status("alice")
+    assert status.used >= 0.1
+
+
+async def test_soft_mode_lets_a_call_start_while_anything_is_left() -> None:
+    hard = StandardBudget([Cap("tokens_total", 300)], overhead_tokens=100)
+    soft = StandardBudget([Cap("tokens_total", 300)], overhead_tokens=100, mode="soft")
+    hard_result, _ = await collect(agent_with(hard), user_id="alice")
+    soft_result, _ = await collect(agent_with(soft), user_id="alice")
+    assert hard_result.turns == 1  # 120 spent + ~190 reserved > 300
+    assert soft_result.turns == 3  # 240 < 300, so the third call starts and overshoots
+    assert not soft_result.interrupted
+    [status] = await soft.status("alice")
+    assert status.used == 360
+
+
+async def test_a_failed_call_gives_its_reservation_back() -> None:
+    store = InMemoryBudgetStore()
+    budget = StandardBudget(store=store)
+
+    def broken(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        raise ConnectionError("provider down")
+
+    with pytest.raises(ConnectionError):
+        await agent_with(budget, FunctionModel(broken)).run("go", user_id="alice")
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    assert (totals.tokens_in, totals.reserved_in, totals.reserved_out, totals.calls) == (0, 0, 0, 0)
+    assert await store.reservations() == []
+
+
+async def test_an_unknown_price_is_refused_before_the_call() -> None:
+    model = PricedModel(tool_then_answer(), name="mystery-model")
+    agent = agent_with(StandardBudget(), model)
+    with pytest.raises(UnknownModelPriceError, match="mystery-model"):
+        await agent.run("go", user_id="alice")
+    assert model.calls == 0
+    priced = StandardBudget(prices={"mystery-model": ModelPrice(1.0, 2.0)})
+    result = await agent_with(priced, PricedModel(tool_then_answer(), name="mystery-model")).run(
+        "go", user_id="alice"
+    )
+    assert not result.interrupted
+    [usage] = await priced.store.usage("alice")
+    assert usage.totals.cost_nanousd == 3 * (100 * 1_000 + 20 * 2_000)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        Usage.model_construct(input_tokens=-5, output_tokens=1),
+        Usage.model_construct(input_tokens=float("nan"), output_tokens=1),
+        Usage.model_construct(input_tokens=10, output_tokens=float("inf")),
+        Usage(input_tokens=10**12, output_tokens=1),
+        Usage.model_construct(input_tokens=True, output_tokens=1),
+    ],
+    ids=["negative", "nan", "infinite", "huge", "bool"],
+)
+async def test_an_impossible_usage_is_rejected_and_charged_at_its_worst(usage: Usage) -> None:
+    store = InMemoryBudgetStore()
+    budget = StandardBudget(store=store, overhead_tokens=50)
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        return ModelResponse.model_construct(
+            text="x", tool_calls=[], usage=usage, finish_reason="stop", model="", type="response"
+        )
+
+    with pytest.raises(InvalidUsageError):
+        await agent_with(budget, FunctionModel(decide)).run("go", user_id="alice")
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    # The reported figures are not trusted: the whole reservation counts as spent.
+    assert totals.tokens_out == 32
+    assert totals.tokens_in > 50
+    assert totals.reserved_in == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_tokens": -1}, "must not be negative"),
+        ({"max_tokens": MAX_TOKENS_PER_CALL + 1}, "implausibly large"),
+        ({"max_tokens": 10, "input_tokens": float("nan")}, "must be an integer"),
+        ({"max_tokens": 10, "input_tokens": 2**70}, "implausibly large"),
+        ({"max_tokens": 1.5}, "must be an integer"),
+    ],
+)
+async def test_direct_reservations_validate_their_counts(
+    options: dict[str, Any], message: str
+) -> None:
+    budget = StandardBudget()
+    with pytest.raises(InvalidUsageError, match=message):
+        await budget.reserve(user_id="alice", model="scripted", **options)
+
+
+@pytest.mark.parametrize("limit", [-1, float("nan"), float("inf"), 1e300, True, "10"])
+def test_caps_refuse_impossible_limits(limit: Any) -> None:
+    with pytest.raises(InvalidUsageError):
+        Cap("tokens_total", limit)
+
+
+@pytest.mark.parametrize(
+    ("amount", "message"),
+    [
+        ({"tokens_in": -1}, "negative"),
+        ({"cost_nanousd": 10**20}, "implausibly large"),
+        ({"wall_s": float("nan")}, "finite"),
+        ({"wall_s": -0.5}, "finite"),
+    ],
+)
+def test_amounts_are_validated_where_the_stores_take_them(
+    amount: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidUsageError, match=message):
+        Amount(**amount)
+
+
+def test_misconfigured_budgets_are_refused() -> None:
+    with pytest.raises(UserError, match="more than once"):
+        StandardBudget([Cap("tokens_in", 1), Cap("tokens_in", 2)])
+    with pytest.raises(UserError, match="window"):
+        Cap("tokens_in", 1, scope="run", window="day")
+    with pytest.raises(UserError, match="metric"):
+        Cap("tokens", 1)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="warn_at"):
+        StandardBudget(warn_at=1.5)
+    with pytest.raises(InvalidUsageError, match="price"):
+        StandardBudget(prices={"bad": ModelPrice(float("nan"), 1.0)})
+    with pytest.raises(UserError, match="sequence"):
+        StandardBudget(Cap("tokens_in", 1))  # type: ignore[arg-type]
+
+
+async def test_direct_use_outside_an_agent() -> None:
+    budget = StandardBudget([Cap("tokens_total", 100)])
+    ticket = await budget.reserve(user_id="u", model="scripted", max_tokens=40, input_tokens=50)
+    with pytest.raises(BudgetExceededError) as refused:
+        await budget.reserve(user_id="u", model="scripted", max_tokens=10, input_tokens=10)
+    assert (refused.value.cap, refused.value.reserved, refused.value.requested) == (
+        "user.tokens_total",
+        90,
+        20,
+    )
+    warnings = await budget.commit(ticket, Usage(input_tokens=45, output_tokens=40))
+    assert [w.cap for w in warnings] == ["user.tokens_total"]  # 85 of 100 crosses 0.8
+    again = await budget.reserve(user_id="u", model="scripted", max_tokens=5, input_tokens=10)
+    assert await budget.release(again)
+
+
+# -- fail closed -----------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+async def test_a_store_that_goes_away_refuses_calls(pg_dsn: str) -> None:
+    proxy = TcpProxy(pg_dsn)
+    store = SqlBudgetStore(await proxy.start())
+    budget = StandardBudget([Cap("tokens_total", 10_000)], store=store)
+    model = FunctionModel(tool_then_answer())
+    first, _ = await collect(agent_with(budget, model), user_id="alice")
+    assert not first.interrupted
+    await proxy.cut()
+    calls = model.calls
+    events: list[Any] = []
+    with pytest.raises(BudgetUnavailableError, match="refused"):
+        async for event in agent_with(budget, model).stream("go", user_id="alice"):
+            events.append(event)
+    assert model.calls == calls  # no unchecked call slipped through
+    assert any(isinstance(e, BudgetUnavailable) for e in events)
+    await store.close()
+
+
+@pytest.mark.postgres
+async def test_a_hung_store_times_out_and_refuses(pg_dsn: str) -> None:
+    proxy = TcpProxy(pg_dsn)
+    store = SqlBudgetStore(await proxy.start())
+    budget = StandardBudget(store=store, store_timeout_s=0.5)
+    model = FunctionModel(tool_then_answer())
+    await agent_with(budget, model).run("go", user_id="alice")  # connected and migrated
+    proxy.stall()
+    with pytest.raises(BudgetUnavailableError, match="did not answer"):
+        await agent_with(budget, model).run("go", user_id="alice")
+    assert model.calls == 3
+    proxy.resume()  # lets the abandoned statement finish, so the pool can close
+    await store.close()
+    await proxy.cut()
+
+
+async def test_an_unreachable_store_refuses_the_first_call(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    store = SqlBudgetStore(f"sqlite:///{blocker / 'budget.db'}")
+    model = FunctionModel(tool_then_answer())
+    with pytest.raises(BudgetUnavailableError) as raised:
+        await agent_with(StandardBudget(store=store), model).run("go", user_id="alice")
+    assert model.calls == 0
+    assert raised.value.__cause__ is not None  # the driver's error is chained
+
+
+async def test_a_budget_shares_the_runtime_database(sqlite_path: Path) -> None:
+    runtime = SqliteRuntime(sqlite_path)
+    store = SqlBudgetStore(runtime.database)
+    budget = StandardBudget([Cap("tokens_total", 10_000)], store=store)
+    await agent_with(budget, runtime=runtime).run("go", session_id="s", user_id="alice")
+    await budget.close()  # a shared database is the runtime's to close
+    [usage] = await store.usage("alice")
+    assert usage.totals.calls == 3
+    await runtime.close()
+    import sqlite3
+
+    with sqlite3.connect(sqlite_path) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"loom_entries", "loom_budget_buckets", "loom_budget_reservations"} <= tables
+
+
+# -- events reach the audit log --------------------------------------------------------------
+
+
+class Recorder(RunHooks):
+    def __init__(self) -> None:
+        self.events: list[BaseModel] = []
+
+    async def on_event(self, info: RunInfo, event: BaseModel) -> None:
+        self.events.append(event)
+
+
+async def test_denials_and_warnings_are_handed_to_every_hook() -> None:
+    audit = Recorder()
+    budget = StandardBudget([Cap("tokens_total", 400)], warn_at=0.5, overhead_tokens=100)
+    agent = agent_with(budget, hooks=[audit])
+    await agent.run("go", user_id="alice")
+    kinds = [type(e).__name__ for e in audit.events]
+    assert kinds == ["BudgetWarning", "BudgetDenied"]
+
+
+async def test_replayed_calls_are_not_charged_after_an_interrupted_run() -> None:
+    runtime = InMemoryRuntime()
+    budget = StandardBudget([Cap("tokens_total", 400)], overhead_tokens=100)
+    agent = agent_with(budget, runtime=runtime)
+    first = await agent.run("go", session_id="s", user_id="alice")
+    assert first.interrupted
+    before = await budget.store.usage("alice")
+    resumed = await agent.resume("go", session_id="s", user_id="alice")
+    assert resumed.replayed_steps >= 3
+    after = await budget.store.usage("alice")
+    assert after[0].totals.tokens_in == before[0].totals.tokens_in
+
+
+def _caplog_names(records: Sequence[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records]
+
+
+async def test_spending_more_than_reserved_is_charged_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    budget = StandardBudget(overhead_tokens=0, estimate_input_tokens=lambda messages: 1)
+    model = FunctionModel(lambda m, t: ModelResponse(text="x", usage=Usage(input_tokens=90)))
+    with caplog.at_level(logging.WARNING, "loomflow.governance.budget"):
+        await agent_with(budget, model).run("go", user_id="alice")
+    [usage] = await budget.store.usage("alice")
+    assert usage.totals.tokens_in == 90
+    assert any("more than the 1/32 reserved" in m for m in _caplog_names(caplog.records))
+
+
+async def test_a_long_call_keeps_its_reservation_alive() -> None:
+    store = InMemoryBudgetStore()
+    budget = StandardBudget([Cap("tokens_total", 10_000)], store=store, lease_s=0.15)
+    other_worker = StandardBudget(store=store)
+    swept: list[int] = []
+
+    async def slow(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        for _ in range(8):  # 0.4 s, well past the 0.15 s lease
+            await asyncio.sleep(0.05)
+            swept.append(await other_worker.reclaim())
+        return ModelResponse(text="ok", usage=FIXED)
+
+    await agent_with(budget, FunctionModel(slow)).run("go", user_id="alice")
+    assert sum(swept) == 0  # renewed in time, never taken for a dead worker's
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    assert (totals.tokens_in, totals.calls, totals.reserved_in) == (100, 1, 0)
+
+
+class RefuseModelCalls(RunHooks):
+    """A hook after the budget that refuses the call the budget has just reserved for."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    async def before_model_call(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: Any
+    ) -> Any:
+        raise self.error
+
+
+async def test_a_hold_the_loop_never_settles_is_released_when_the_run_returns() -> None:
+    from loomflow.agent.hooks import Interrupt
+
+    store = InMemoryBudgetStore()
+    agent = agent_with(StandardBudget(store=store), hooks=[RefuseModelCalls(Interrupt("stop"))])
+    result = await agent.run("go", user_id="alice")
+    assert result.interruption_reason == "stop"
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    assert (totals.tokens_in, totals.reserved_in, totals.reserved_out) == (0, 0, 0)
+    assert await store.reservations() == []
+
+
+async def test_a_hold_the_loop_never_settles_is_charged_when_the_run_raises() -> None:
+    store = InMemoryBudgetStore()
+    agent = agent_with(
+        StandardBudget(store=store, overhead_tokens=10),
+        hooks=[RefuseModelCalls(RuntimeError("boom"))],
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        await agent.run("go", user_id="alice")
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    # The call may have happened (a run can fail after the provider answered): full charge.
+    assert (totals.tokens_out, totals.reserved_out) == (32, 0)
+    assert totals.tokens_in > 10
+
+
+def test_the_store_url_comes_from_the_settings(tmp_path: Path) -> None:
+    from loomflow.config import Settings
+    from loomflow.governance import budget_store_from_url
+
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    own = f"sqlite:///{tmp_path / 'budget.db'}"
+    shared = budget_store_from_url(settings=Settings(runtime_url=journal))
+    assert isinstance(shared, SqlBudgetStore)
+    assert str(shared.db) == f"SqliteDatabase({str(tmp_path / 'journal.db')!r})"
+    separate = budget_store_from_url(settings=Settings(runtime_url=journal, budget_url=own))
+    assert "budget.db" in repr(separate)
+    assert isinstance(budget_store_from_url("memory://"), InMemoryBudgetStore)

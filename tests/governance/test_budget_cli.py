@@ -1,0 +1,104 @@
+"""``loomflow budget``, run as a real subprocess against a store a real agent wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loomflow.agent import Agent
+from loomflow.governance.budget import Cap, SqlBudgetStore, StandardBudget
+from loomflow.messages import ModelResponse, Usage
+from loomflow.models import FunctionModel
+
+
+def loomflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+async def spend(url: str) -> None:
+    budget = StandardBudget(
+        [Cap("tokens_total", 10_000), Cap("tokens_total", 50_000, scope="global")],
+        store=SqlBudgetStore(url),
+    )
+    model = FunctionModel(
+        lambda m, t: ModelResponse(text="ok", usage=Usage(input_tokens=7, output_tokens=5))
+    )
+    agent = Agent("x", model=model, budget=budget)
+    for user in ("alice", "alice", "bob"):
+        await agent.run("go", user_id=user)
+    await budget.close()
+
+
+@pytest.fixture
+def budget_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'budget.db'}"
+    asyncio.run(spend(url))
+    return url
+
+
+def test_show_lists_every_bucket_as_json(budget_url: str) -> None:
+    result = loomflow("budget", "--budget-url", budget_url, "show", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    by_who = {(r["scope"], r["user_id"]): r for r in rows}
+    assert set(by_who) == {("global", None), ("user", "alice"), ("user", "bob")}
+    assert by_who[("user", "alice")]["tokens_total"] == 24
+    assert by_who[("user", "alice")]["calls"] == 2
+    assert by_who[("global", None)]["tokens_in"] == 21
+    assert all(r["held_tokens"] == 0 for r in rows)
+
+
+def test_show_one_user_as_a_table(budget_url: str) -> None:
+    result = loomflow("budget", "show", "--user", "bob", env={"LOOMFLOW_BUDGET_URL": budget_url})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["scope", "user", "period"]
+    assert len(lines) == 2
+    assert lines[1].split()[:5] == ["user", "bob", "all", "7", "5"]
+    nobody = loomflow("budget", "--budget-url", budget_url, "show", "--user", "zoe")
+    assert nobody.stdout.strip() == "no budget usage recorded for user 'zoe'"
+
+
+def test_the_budget_defaults_to_the_journal_database(tmp_path: Path) -> None:
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    asyncio.run(spend(journal))
+    result = loomflow("--url", journal, "budget", "show", "--json")
+    assert len(result.stdout.splitlines()) == 3
+    reclaimed = loomflow("--url", journal, "budget", "reclaim", "--json")
+    assert json.loads(reclaimed.stdout) == {"reclaimed": 0}
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["budget", "--budget-url", "memory://", "show"], 1, "memory://"),
+        (["budget", "--budget-url", "mysql://x", "show"], 1, "scheme"),
+        (["budget", "show", "--bogus"], 2, "unrecognized"),
+        (["budget"], 2, "required"),
+    ],
+)
+def test_errors_have_the_documented_exit_codes(args: list[str], code: int, message: str) -> None:
+    result = loomflow(*args)
+    assert result.returncode == code
+    assert message in result.stderr
+
+
+def test_an_unreachable_store_is_a_loomflow_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = loomflow("budget", "--budget-url", f"sqlite:///{blocker / 'b.db'}", "show")
+    assert result.returncode == 1
+    assert result.stderr.startswith("loomflow: error:")

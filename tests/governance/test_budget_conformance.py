@@ -1,0 +1,53 @@
+"""The budget store conformance suite, run against memory, SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from loomflow.governance.budget import BudgetStore, InMemoryBudgetStore, SqlBudgetStore
+from loomflow.testing.budget_conformance import BudgetStoreConformance, StoreFactory
+
+
+class TestInMemory(BudgetStoreConformance):
+    @pytest.fixture
+    async def make_store(self) -> StoreFactory:
+        shared = InMemoryBudgetStore()
+
+        async def factory() -> BudgetStore:
+            return shared  # one process: every worker sees the same dict
+
+        return factory
+
+
+class TestSqlite(BudgetStoreConformance):
+    @pytest.fixture
+    async def make_store(self, tmp_path: Path) -> AsyncIterator[StoreFactory]:
+        opened: list[SqlBudgetStore] = []
+
+        async def factory() -> BudgetStore:
+            store = SqlBudgetStore(f"sqlite:///{tmp_path / 'budget.db'}")
+            opened.append(store)
+            return store
+
+        yield factory
+        for store in opened:
+            await store.close()
+
+
+@pytest.mark.postgres
+class TestPostgres(BudgetStoreConformance):
+    @pytest.fixture
+    async def make_store(self, pg_dsn: str) -> AsyncIterator[StoreFactory]:
+        opened: list[SqlBudgetStore] = []
+
+        async def factory() -> BudgetStore:
+            store = SqlBudgetStore(pg_dsn)
+            opened.append(store)
+            return store
+
+        yield factory
+        for store in opened:
+            await store.close()

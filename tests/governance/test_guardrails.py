@@ -1,0 +1,193 @@
+"""Guardrails: PII and regex detection; block or redact input, output and live tool results."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent, RunFinished
+from loomflow.errors import UserError
+from loomflow.governance import GuardrailTripped, PIIGuardrail, RegexGuardrail
+from loomflow.governance.guardrails import luhn_valid
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel, ScriptedModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.tools import tool
+
+EMAIL = "jane.doe+billing@example.co.uk"
+CARD = "4111 1111 1111 1111"
+KEY = "sk-ant-api03-" + "x" * 40
+
+
+@pytest.mark.parametrize(
+    ("text", "kinds"),
+    [
+        (f"write to {EMAIL} today", ["email"]),
+        (f"card {CARD} exp 12/29", ["card"]),
+        ("card 4111-1111-1111-1111", ["card"]),
+        ("amex 378282246310005", ["card"]),
+        (f"key {KEY}", ["api_key"]),
+        ("openai sk-proj-" + "A1b2" * 8, ["api_key"]),
+        ("aws AKIAIOSFODNN7EXAMPLE here", ["api_key"]),
+        ("gh ghp_" + "a" * 36, ["api_key"]),
+        ("slack xoxb-1234567890-abcdefghij", ["api_key"]),
+        ("google AIza" + "B" * 35, ["api_key"]),
+        ("stripe sk_live_" + "c" * 24, ["api_key"]),
+        ("-----BEGIN RSA PRIVATE KEY-----\nMIIE...", ["api_key"]),
+    ],
+)
+def test_pii_is_found(text: str, kinds: list[str]) -> None:
+    assert [f.kind for f in PIIGuardrail().find(text)] == kinds
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "card 4111 1111 1111 1112",  # fails the Luhn check
+        "order 1234567890123",  # 13 digits, not a card
+        "call +1 415 555 0100 on 2026-05-08",
+        "0000 0000 0000 0000",  # passes Luhn, but a placeholder
+        "12345678901234567890123",  # longer than any card
+        "the sk-short key and user@localhost",
+        "version 1.2.3, port 8080, total 4111",
+    ],
+)
+def test_ordinary_text_is_not_pii(text: str) -> None:
+    assert PIIGuardrail().find(text) == []
+
+
+def test_luhn() -> None:
+    assert luhn_valid("79927398713")
+    assert not luhn_valid("79927398710")
+    assert not luhn_valid("4111x")
+
+
+def test_redaction_merges_overlaps_and_keeps_the_rest() -> None:
+    guard = RegexGuardrail("secret", {"word": r"top secret", "top": r"top"}, action="redact")
+    assert guard.redact("a top secret plan, top") == ("a [REDACTED:word] plan, [REDACTED:top]")
+    assert PIIGuardrail(kinds=("email",)).redact(f"{EMAIL} and {CARD}") == (
+        f"[REDACTED:email] and {CARD}"
+    )
+
+
+def test_bad_guardrails_are_refused() -> None:
+    with pytest.raises(UserError, match="name"):
+        RegexGuardrail("has spaces", "x")
+    with pytest.raises(UserError, match="bad pattern"):
+        RegexGuardrail("broken", "(unclosed")
+    with pytest.raises(UserError, match="stages"):
+        PIIGuardrail(stages=("everywhere",))  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="collection"):
+        PIIGuardrail(stages="input")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="PII kinds"):
+        PIIGuardrail(kinds=("ssn",))
+    with pytest.raises(UserError, match="action"):
+        PIIGuardrail(action="warn")  # type: ignore[arg-type]
+
+
+async def events_of(agent: Agent, prompt: str, **kwargs: Any) -> tuple[Any, list[Any]]:
+    events = [e async for e in agent.stream(prompt, **kwargs)]
+    assert isinstance(events[-1], RunFinished)
+    return events[-1].result, events
+
+
+def tripped(events: list[Any]) -> list[GuardrailTripped]:
+    return [e for e in events if isinstance(e, GuardrailTripped)]
+
+
+async def test_a_blocked_prompt_never_reaches_the_model() -> None:
+    model = ScriptedModel(["hi"])
+    agent = Agent("x", model=model, guardrails=[PIIGuardrail(action="block")])
+    result, events = await events_of(agent, f"my card is {CARD}, mail {EMAIL}")
+    assert (result.interrupted, result.interruption_reason) == (True, "guardrail:pii")
+    assert model.calls == 0
+    [event] = tripped(events)
+    assert (event.stage, event.action, event.detail) == ("input", "block", "1 card, 1 email")
+    # The event says what was found, never the text itself.
+    assert CARD not in json.dumps(event.model_dump())
+    assert EMAIL not in event.detail
+
+
+async def test_a_redacted_prompt_is_what_the_model_sees() -> None:
+    model = ScriptedModel(["noted"])
+    agent = Agent("x", model=model, guardrails=[PIIGuardrail()])
+    result, events = await events_of(agent, f"reach me at {EMAIL}")
+    assert not result.interrupted
+    assert model.requests[0][-1].content == "reach me at [REDACTED:email]"
+    assert [(e.stage, e.action) for e in tripped(events)] == [("input", "redact")]
+
+
+async def test_an_output_guardrail_blocks_or_redacts_the_answer() -> None:
+    leak = f"the key is {KEY}"
+    blocked = await Agent(
+        "x", model=ScriptedModel([leak]), guardrails=[PIIGuardrail("keys", action="block")]
+    ).run("go")
+    assert blocked.interruption_reason == "guardrail:keys"
+    redacted = await Agent(
+        "x", model=ScriptedModel([leak]), guardrails=[PIIGuardrail(stages=("output",))]
+    ).run("go")
+    assert redacted.output == "the key is [REDACTED:api_key]"
+    assert not redacted.interrupted
+
+
+@tool
+def customer(customer_id: str) -> dict[str, Any]:
+    """Fetch a customer record."""
+    return {"id": customer_id, "email": EMAIL, "card": 4111111111111111, "tier": "gold"}
+
+
+def fetch_then_answer(messages: list[Message], tools: list[ToolSpec]) -> Any:
+    results = [m for m in messages if m.role == "tool"]
+    if not results:
+        return [ToolCall(id="c1", name="customer", arguments={"customer_id": "42"})]
+    return f"record: {results[0].content}"
+
+
+async def test_tool_results_are_redacted_before_the_journal_keeps_them() -> None:
+    runtime = InMemoryRuntime()
+    guarded = Agent(
+        "x",
+        model=FunctionModel(fetch_then_answer),
+        tools=[customer],
+        guardrails=[PIIGuardrail(stages=("tool_result",))],
+        runtime=runtime,
+    )
+    result, events = await events_of(guarded, "go", session_id="s")
+    assert EMAIL not in result.output
+    assert "4111111111111111" not in result.output
+    assert '"email":"[REDACTED:email]"' in result.output
+    assert '"card":"[REDACTED:card]"' in result.output
+    assert '"tier":"gold"' in result.output
+    [event] = tripped(events)
+    assert (event.stage, event.detail) == ("tool_result", "1 card, 1 email")
+    # Resumed without any guardrail, the journal hands back the redacted value.
+    bare = Agent("x", model=FunctionModel(fetch_then_answer), tools=[customer], runtime=runtime)
+    replayed = await bare.resume("go", session_id="s")
+    assert replayed.replayed_steps == 3
+    assert replayed.output == result.output
+
+
+async def test_a_blocked_tool_result_ends_the_run_and_is_not_journaled() -> None:
+    runtime = InMemoryRuntime()
+    agent = Agent(
+        "x",
+        model=FunctionModel(fetch_then_answer),
+        tools=[customer],
+        guardrails=[RegexGuardrail("no_email", r"@example\.", action="block")],
+        runtime=runtime,
+    )
+    result, events = await events_of(agent, "go", session_id="s")
+    assert result.interruption_reason == "guardrail:no_email"
+    assert [(e.name, e.stage) for e in tripped(events)] == [("no_email", "tool_result")]
+    entries = await runtime.entries("s", None)
+    assert [e.name for e in entries] == ["model_call_0"]
+
+
+async def test_stages_limit_where_a_guardrail_looks() -> None:
+    model = ScriptedModel([f"sure, {EMAIL}"])
+    agent = Agent("x", model=model, guardrails=[PIIGuardrail(stages=("input",))])
+    result = await agent.run(f"from {EMAIL}")
+    assert result.output == f"sure, {EMAIL}"
+    assert "[REDACTED:email]" in model.requests[0][-1].content

@@ -1,0 +1,339 @@
+"""StandardPermissions: modes, rules, layers and approvals, checked and run through the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent, RunFinished
+from loomflow.errors import UserError
+from loomflow.governance import (
+    PERMISSION_DENIED,
+    Approval,
+    ApprovalRequest,
+    Decision,
+    PermissionContext,
+    PermissionDecided,
+    Policy,
+    Rule,
+    StandardPermissions,
+)
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.tools import Tool
+
+MODES = ("default", "acceptEdits", "bypass", "readOnly")
+RULES = ("none", "allow", "ask", "deny")
+# The contract, spelled out: per mode and rule, the decision for a tool that is
+# (plain, edits, destructive, edits and destructive). A = allow, S = ask, D = deny.
+EXPECTED = {
+    "default": {"none": "ASSS", "allow": "AAAA", "ask": "SSSS", "deny": "DDDD"},
+    "acceptEdits": {"none": "AASS", "allow": "AAAA", "ask": "SSSS", "deny": "DDDD"},
+    "bypass": {"none": "AAAA", "allow": "AAAA", "ask": "AAAA", "deny": "DDDD"},
+    "readOnly": {"none": "ADDD", "allow": "ADDD", "ask": "SDDD", "deny": "DDDD"},
+}
+LETTER = {"A": "allow", "S": "ask", "D": "deny"}
+FLAGS = [(False, False), (True, False), (False, True), (True, True)]  # (edits, destructive)
+
+ran: list[dict[str, Any]] = []
+
+
+def make_tool(*, edits: bool, destructive: bool) -> Tool[..., Any]:
+    def write_record(record: str, secret: str = "") -> str:
+        """Write a record."""
+        ran.append({"record": record, "secret": secret})
+        return f"wrote {record}"
+
+    return Tool(write_record, edits=edits, destructive=destructive, sensitive=("secret",))
+
+
+def one_call(arguments: dict[str, Any] | None = None, times: int = 1) -> FunctionModel:
+    """Calls ``write_record`` ``times`` times (one per turn), then repeats the last result."""
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        results = [m for m in messages if m.role == "tool"]
+        if len(results) < times:
+            args = arguments or {"record": "r1", "secret": "hunter2"}
+            return [ToolCall(id=f"c{len(results)}", name="write_record", arguments=args)]
+        return f"model saw: {results[-1].content}"
+
+    return FunctionModel(decide)
+
+
+async def run_agent(
+    permissions: StandardPermissions,
+    target: Tool[..., Any],
+    model: FunctionModel | None = None,
+    **kwargs: Any,
+) -> tuple[Any, list[PermissionDecided]]:
+    agent = Agent("x", model=model or one_call(), tools=[target], permissions=permissions)
+    events = [e async for e in agent.stream("go", **kwargs)]
+    assert isinstance(events[-1], RunFinished)
+    return events[-1].result, [e for e in events if isinstance(e, PermissionDecided)]
+
+
+CASES = [
+    (mode, rule, edits, destructive)
+    for mode in MODES
+    for rule in RULES
+    for edits, destructive in FLAGS
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "rule", "edits", "destructive"),
+    CASES,
+    ids=[f"{m}-{r}-{'e' if e else '_'}{'d' if d else '_'}" for m, r, e, d in CASES],
+)
+async def test_every_mode_rule_and_flag(
+    mode: Any, rule: str, edits: bool, destructive: bool
+) -> None:
+    index = FLAGS.index((edits, destructive))
+    expected = LETTER[EXPECTED[mode][rule][index]]
+    rules = [] if rule == "none" else [Rule(rule, "write_*")]  # type: ignore[arg-type]
+    asked: list[ApprovalRequest] = []
+
+    def approve(request: ApprovalRequest) -> Approval:
+        asked.append(request)
+        return Approval.allow(by="reviewer")
+
+    permissions = StandardPermissions(mode, rules, approval=approve)
+    target = make_tool(edits=edits, destructive=destructive)
+    decision = permissions.check(
+        ToolCall(id="c", name="write_record", arguments={"record": "r"}),
+        user_id="u",
+        context=PermissionContext(tool=target),
+    )
+    assert decision.behavior == expected, decision
+
+    # The same case through the agent loop: an ask goes to the handler (which approves).
+    ran.clear()
+    result, [event] = await run_agent(permissions, target, user_id="u")
+    assert event.decision == expected
+    assert len(asked) == (1 if expected == "ask" else 0)
+    assert event.final == ("deny" if expected == "deny" else "allow")
+    assert bool(ran) == (expected != "deny")
+    assert not result.interrupted  # a denial never ends the run
+    if expected == "deny":
+        assert result.output.startswith("model saw: Error: permission denied:")
+    if expected == "ask":
+        assert event.approver == "reviewer"
+
+
+def test_deny_beats_ask_beats_allow_across_layers() -> None:
+    plain = make_tool(edits=False, destructive=False)
+    permissions = StandardPermissions(
+        "default",
+        [Rule.allow("*")],
+        roles={"support": Policy([Rule.ask("write_*")]), "auditor": Policy(mode="readOnly")},
+        users={"mallory": Policy([Rule.deny("write_record", reason="mallory may not write")])},
+    )
+    call = ToolCall(id="c", name="write_record", arguments={"record": "r"})
+
+    def check(user: str, **metadata: Any) -> Decision:
+        ctx = PermissionContext.from_metadata(metadata, tool=plain)
+        return permissions.check(call, user_id=user, context=ctx)
+
+    assert (check("alice").behavior, check("alice").policy) == ("allow", "global")
+    assert (check("alice", role="support").behavior, check("alice", role="support").policy) == (
+        "ask",
+        "role:support",
+    )
+    denied = check("mallory", role="support")
+    assert (denied.behavior, denied.policy, denied.reason) == (
+        "deny",
+        "user:mallory",
+        "mallory may not write",
+    )
+    assert check("alice", role=["support", "nobody"]).behavior == "ask"
+    assert check("alice", role=42).behavior == "allow"  # not a role name: no role
+
+
+def test_the_users_mode_wins_and_among_roles_the_strictest() -> None:
+    edit = make_tool(edits=True, destructive=False)
+    permissions = StandardPermissions(
+        "default",
+        roles={"dev": Policy(mode="acceptEdits"), "viewer": Policy(mode="readOnly")},
+        users={"root": Policy(mode="bypass")},
+    )
+    call = ToolCall(id="c", name="write_record", arguments={})
+
+    def behavior(user: str, roles: list[str]) -> str:
+        ctx = PermissionContext.from_metadata({"role": roles}, tool=edit)
+        return permissions.check(call, user_id=user, context=ctx).behavior
+
+    assert behavior("a", []) == "ask"
+    assert behavior("a", ["dev"]) == "allow"
+    assert behavior("a", ["dev", "viewer"]) == "deny"
+    assert behavior("root", ["viewer"]) == "allow"
+
+
+def test_argument_rules() -> None:
+    permissions = StandardPermissions(
+        "default",
+        [
+            Rule.deny("shell", args={"command": "rm *"}),
+            Rule.ask("shell", args={"command": "sudo *"}),
+            Rule.deny("transfer", args={"amount": lambda v: v > 1000}),
+            Rule.ask("transfer", when=lambda a: a.get("currency") != "EUR"),
+            Rule.deny("fetch", args={"port": "22"}),
+        ],
+    )
+
+    def check(name: str, **arguments: Any) -> str:
+        return permissions.check(ToolCall(id="c", name=name, arguments=arguments)).behavior
+
+    assert check("shell", command="rm -rf /") == "deny"
+    assert check("shell", command="sudo ls") == "ask"
+    assert check("shell", command="ls") == "allow"
+    assert check("shell") == "allow"  # a missing argument does not match
+    assert check("transfer", amount=5000, currency="EUR") == "deny"
+    assert check("transfer", amount=5, currency="USD") == "ask"
+    assert check("transfer", amount=5, currency="EUR") == "allow"
+    assert check("fetch", port=22) == "deny"  # non-strings are matched as text
+
+
+def test_a_failing_rule_denies() -> None:
+    permissions = StandardPermissions("bypass", [Rule.allow("*", when=lambda a: a["missing"])])
+    decision = permissions.check(ToolCall(id="c", name="anything", arguments={}))
+    assert (decision.behavior, decision.policy) == ("deny", "error")
+    assert "KeyError" in decision.reason
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(UserError, match="mode"):
+        StandardPermissions("yolo")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="behavior"):
+        Rule("maybe")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="glob"):
+        Rule.allow("shell", args={"command": 3})
+    with pytest.raises(UserError, match="Policy"):
+        StandardPermissions(roles={"x": [Rule.allow()]})  # type: ignore[dict-item]
+
+
+async def test_no_handler_means_deny_and_the_model_is_told() -> None:
+    ran.clear()
+    target = make_tool(edits=True, destructive=True)
+    result, [event] = await run_agent(StandardPermissions(), target, user_id="u")
+    assert (event.decision, event.final) == ("ask", "deny")
+    assert "no approval handler" in event.reason
+    assert ran == []
+    assert "permission denied" in result.output
+    assert not result.interrupted
+
+
+@pytest.mark.parametrize(
+    ("handler", "reason"),
+    [
+        (lambda request: 1 / 0, "ZeroDivisionError"),
+        (lambda request: "yes", "not an Approval"),
+        (lambda request: False, "not approved"),
+        (lambda request: Approval.deny("too risky", by="ops"), "too risky"),
+    ],
+    ids=["raises", "junk", "false", "deny"],
+)
+async def test_a_handler_that_does_not_approve_denies(handler: Any, reason: str) -> None:
+    ran.clear()
+    target = make_tool(edits=False, destructive=True)
+    _, [event] = await run_agent(StandardPermissions(approval=handler), target)
+    assert event.final == "deny"
+    assert reason in event.reason
+    assert ran == []
+
+
+async def test_a_slow_handler_times_out_into_a_denial() -> None:
+    async def slow(request: ApprovalRequest) -> Approval:
+        await asyncio.sleep(5)
+        return Approval.allow()
+
+    permissions = StandardPermissions(approval=slow, approval_timeout=0.05)
+    _, [event] = await run_agent(permissions, make_tool(edits=False, destructive=True))
+    assert (event.final, event.reason) == ("deny", "no approval within 0.05 s")
+
+
+async def test_an_approver_can_edit_the_arguments() -> None:
+    ran.clear()
+
+    async def edit(request: ApprovalRequest) -> Approval:
+        assert request.redacted_arguments == {"record": "r1", "secret": "[REDACTED]"}
+        return Approval.edit({**request.call.arguments, "record": "r1-reviewed"}, by="lead")
+
+    target = make_tool(edits=False, destructive=True)
+    result, [event] = await run_agent(StandardPermissions(approval=edit), target)
+    assert ran == [{"record": "r1-reviewed", "secret": "hunter2"}]
+    assert (event.final, event.edited, event.approver) == ("allow", True, "lead")
+    assert event.arguments == {"record": "r1-reviewed", "secret": "[REDACTED]"}
+    assert "hunter2" not in json.dumps(event.model_dump())
+    assert result.output == "model saw: wrote r1-reviewed"
+
+
+async def test_edited_arguments_still_face_the_deny_rules() -> None:
+    ran.clear()
+    permissions = StandardPermissions(
+        rules=[Rule.deny("write_record", args={"record": "prod-*"})],
+        approval=lambda request: Approval.edit({"record": "prod-db"}),
+    )
+    _, [event] = await run_agent(permissions, make_tool(edits=False, destructive=True))
+    assert event.final == "deny"
+    assert "edited arguments are denied" in event.reason
+    assert ran == []
+
+
+async def test_a_remembered_answer_holds_for_the_rest_of_the_run_only() -> None:
+    ran.clear()
+    asked: list[str] = []
+
+    def approve(request: ApprovalRequest) -> Approval:
+        asked.append(request.call.id)
+        return Approval.allow(remember=True, by="ops")
+
+    permissions = StandardPermissions(approval=approve)
+    target = make_tool(edits=False, destructive=True)
+    _, events = await run_agent(permissions, target, model=one_call(times=3))
+    assert asked == ["c0"]
+    assert [e.final for e in events] == ["allow"] * 3
+    assert "remembered" in events[1].reason
+    assert len(ran) == 3
+    await run_agent(permissions, target)  # a new run asks again
+    assert len(asked) == 2
+
+
+async def test_a_replayed_tool_result_is_not_checked_again() -> None:
+    checks: list[str] = []
+
+    class Counting(StandardPermissions):
+        def check(self, call: ToolCall, **kwargs: Any) -> Decision:
+            checks.append(call.name)
+            return super().check(call, **kwargs)
+
+    ran.clear()
+    runtime = InMemoryRuntime()
+    permissions = Counting("bypass")
+    target = make_tool(edits=True, destructive=True)
+    agent = Agent("x", model=one_call(), tools=[target], permissions=permissions, runtime=runtime)
+    await agent.run("go", session_id="s", user_id="u")
+    resumed = await agent.resume("go", session_id="s", user_id="u")
+    assert resumed.replayed_steps == 3
+    assert checks == ["write_record"]
+    assert len(ran) == 1
+
+
+async def test_a_denial_is_journaled_and_replays_as_a_denial() -> None:
+    runtime = InMemoryRuntime()
+    agent = Agent(
+        "x",
+        model=one_call(),
+        tools=[make_tool(edits=False, destructive=True)],
+        permissions=StandardPermissions(),
+        runtime=runtime,
+    )
+    first = await agent.run("go", session_id="s")
+    again = await agent.resume("go", session_id="s")
+    assert again.output == first.output
+    tool_messages = [m for m in again.messages if m.role == "tool"]
+    assert tool_messages[0].is_error
+    assert PERMISSION_DENIED == "permission_denied"

@@ -1,0 +1,231 @@
+"""Settings turn on OTLP span export and the metrics endpoint, from the environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from loomflow.config import Settings
+from loomflow.errors import ConfigurationError
+from loomflow.telemetry import setup_telemetry
+
+
+@dataclass
+class Received:
+    paths: list[str] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+
+
+@pytest.fixture
+def otlp_receiver() -> Iterator[tuple[str, Received]]:
+    """A real HTTP server that accepts OTLP/HTTP export requests and keeps them."""
+    received = Received()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers.get("content-length", "0"))
+            received.paths.append(self.path)
+            received.headers.append({k.lower(): v for k, v in self.headers.items()})
+            received.bodies.append(self.rfile.read(length))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+WORKER = """
+import asyncio, urllib.request
+from loomflow.agent import Agent
+from loomflow.models import ScriptedModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.telemetry import Telemetry, setup_telemetry
+
+async def main():
+    setup = setup_telemetry()
+    agent = Agent("x", model=ScriptedModel(["hello"]), runtime=InMemoryRuntime(),
+                  telemetry=Telemetry())
+    await agent.run("hi", session_id="s-otlp", user_id="alice")
+    with urllib.request.urlopen(setup.metrics_server.url, timeout=10) as response:
+        body = response.read().decode()
+    print("METRICS", setup.metrics_server.host, 'loomflow_runs_total{backend="memory"' in body)
+    setup.shutdown()  # flushes the batched spans
+
+asyncio.run(main())
+"""
+
+
+def _env(**values: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOMFLOW_", "OTEL_"))}
+    env.update(values)
+    return env
+
+
+def test_the_environment_turns_on_otlp_export_and_the_metrics_endpoint(
+    otlp_receiver: tuple[str, Received], tmp_path: Path
+) -> None:
+    url, received = otlp_receiver
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER],
+        env=_env(
+            LOOMFLOW_OTLP_ENDPOINT=url,
+            LOOMFLOW_OTLP_HEADERS="x-tenant=acme, x-team = sre",
+            LOOMFLOW_OTEL_SERVICE_NAME="orders-agent",
+            LOOMFLOW_METRICS_PORT="0",
+            LOOMFLOW_METRICS_HOST="127.0.0.1",
+        ),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "METRICS 127.0.0.1 True" in done.stdout
+    assert received.paths
+    assert set(received.paths) == {"/v1/traces"}
+    assert received.headers[0]["x-tenant"] == "acme"
+    assert received.headers[0]["x-team"] == "sre"
+    assert received.headers[0]["content-type"] == "application/x-protobuf"
+    names: set[str] = set()
+    services: set[str] = set()
+    step_users: set[str] = set()
+    for body in received.bodies:
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            for attribute in resource_spans.resource.attributes:
+                if attribute.key == "service.name":
+                    services.add(attribute.value.string_value)
+            for scope_spans in resource_spans.scope_spans:
+                assert scope_spans.scope.name == "loomflow"
+                for span in scope_spans.spans:
+                    names.add(span.name)
+                    if span.name == "loom.workflow.step":
+                        for attribute in span.attributes:
+                            if attribute.key == "user.id":
+                                step_users.add(attribute.value.string_value)
+    assert names == {"invoke_agent agent", "loom.workflow.step", "chat scripted"}
+    assert services == {"orders-agent"}
+    assert step_users == {"alice"}
+
+
+def test_settings_read_the_telemetry_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOMFLOW_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("LOOMFLOW_METRICS_PORT", "9464")
+    monkeypatch.setenv("LOOMFLOW_METRICS_HOST", "127.0.0.1")
+    monkeypatch.setenv("LOOMFLOW_TELEMETRY_CAPTURE_CONTENT", "1")
+    s = Settings()
+    assert s.otlp_endpoint == "http://collector:4318"
+    assert s.metrics_port == 9464
+    assert s.metrics_host == "127.0.0.1"
+    assert s.telemetry_capture_content is True
+    monkeypatch.setenv("LOOMFLOW_METRICS_PORT", "70000")
+    with pytest.raises(ValueError, match="metrics_port"):
+        Settings()
+
+
+def test_with_nothing_configured_nothing_starts() -> None:
+    setup = setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
+    assert setup.tracer_provider is None
+    assert setup.metrics_server is None
+    setup.shutdown()
+
+
+def test_a_provider_can_be_built_without_becoming_global(tmp_path: Path) -> None:
+    from opentelemetry import trace
+
+    before = trace.get_tracer_provider()
+    with setup_telemetry(
+        Settings(otlp_endpoint="http://127.0.0.1:9/v1/traces", metrics_port=None),
+        set_global=False,
+    ) as setup:
+        assert setup.tracer_provider is not None
+        assert trace.get_tracer_provider() is before
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"otlp_endpoint": "collector:4318"}, "must be an http"),
+        ({"otlp_endpoint": "http://c:4318", "otlp_headers": "novalue"}, "not name=value"),
+        ({"otlp_endpoint": "http://c:4318", "otlp_headers": "=x"}, "not name=value"),
+    ],
+)
+def test_bad_export_settings_are_configuration_errors(
+    options: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        setup_telemetry(Settings(metrics_port=None, **options), set_global=False)  # type: ignore[arg-type]
+
+
+def test_a_metrics_port_in_use_is_a_configuration_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match=f"127.0.0.1:{port}"):
+            setup_telemetry(
+                Settings(metrics_port=port, metrics_host="127.0.0.1", otlp_endpoint=None),
+                set_global=False,
+            )
+
+
+NO_SDK = """
+import sys
+sys.modules["opentelemetry.sdk"] = None  # as if the otel extra were not installed
+from loomflow.config import Settings
+from loomflow.telemetry import setup_telemetry
+try:
+    setup_telemetry(Settings(otlp_endpoint="http://127.0.0.1:4318"), set_global=False)
+except ImportError as exc:
+    print("HINT", exc)
+"""
+
+
+def test_export_without_the_sdk_says_what_to_install(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", NO_SDK],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "HINT" in done.stdout
+    assert "pip install 'loomflow[otel]'" in done.stdout
+
+
+def test_the_public_surface_is_exported_and_sorted() -> None:
+    import loomflow.telemetry
+    import loomflow.telemetry.testing
+
+    for module in (loomflow.telemetry, loomflow.telemetry.testing):
+        names = list(module.__all__)
+        assert names == sorted(names), module.__name__
+        for name in names:
+            assert getattr(module, name) is not None
