@@ -119,7 +119,7 @@ class Settings(BaseSettings):
         default_factory=list,
         description=(
             "Secret values to redact wherever they appear before the audit log (and loomflow's "
-            'logs) store them; a JSON list in the environment, e.g. \'["s3cr3t-db-pass"]\'. '
+            "logs) store them; a JSON list in the environment, e.g. '[\"s3cr3t-db-pass\"]'. "
             "Values shorter than 4 characters are ignored."
         ),
     )
