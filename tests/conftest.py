@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,29 @@ async def runtime_factory(
     yield factory
     for runtime in opened:
         await runtime.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_database_threads() -> Iterator[None]:
+    """Fail a test that leaves an aiosqlite connection open.
+
+    An unclosed connection keeps a non-daemon worker thread alive, and the interpreter then
+    waits for it forever at exit: a leak would hang the whole test run instead of failing.
+    """
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    deadline = time.monotonic() + 2.0
+    while True:
+        leaked = [
+            t
+            for t in threading.enumerate()
+            if t.ident not in before
+            and t.is_alive()
+            and not t.daemon
+            and "_connection_worker_thread" in t.name
+        ]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    if leaked:
+        pytest.fail(f"{len(leaked)} aiosqlite connection(s) left open by this test")
