@@ -8,8 +8,15 @@ Step names are part of the journal key and must stay stable across releases:
   hash of the tool name and arguments, never by the provider's call id. A replayed result is
   answered to the *current* call id.
 
+- ``persist_episode_<turns>``: with ``memory=``, the run's own turns written as an episode
+  when the run returns; idempotent (one episode per run, whatever replays or retries).
+
 Steps that a tool makes (a sub-agent used as a tool, say) are keyed under a sub-run named after
 that tool call, so resuming the outer run replays them too.
+
+Memory and checkpoints belong to the *outermost* run of a (session, user): agents running
+inside another run (tools, team workers, debaters) neither recall nor record episodes and
+write no checkpoints, since they share the enclosing run's session and journal key.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import contextlib
 import contextvars
 import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
@@ -26,8 +34,16 @@ from typing import Any
 from pydantic import BaseModel
 from ulid import ULID
 
+from ..checkpoints import (
+    Checkpoint,
+    CheckpointRestored,
+    CheckpointSaved,
+    CheckpointStore,
+    checkpoint_store_for,
+)
 from ..context import RunContext, get_run_context, use_run_context
-from ..errors import UserError
+from ..errors import CheckpointError, CheckpointNotFoundError, UserError
+from ..memory import Memory
 from ..messages import (
     Message,
     ModelResponse,
@@ -120,15 +136,18 @@ class Agent:
         tuning: Loop settings (:class:`Tuning`).
         max_turns: Model calls allowed per run before it stops with ``max_turns``.
         name: A short name used in sub-run keys, spans and tool names.
-        memory: Per-user memory (episodes, facts, blocks).
+        memory: Per-user memory (:class:`~loomflow.memory.Memory`): each outermost run is
+            reminded of the earlier runs of its (session, user), and records its own turns
+            as an episode when it returns.
         budget: Spending caps checked before every live model call.
         permissions: The policy checked before every live tool call.
         audit: The per-user audit log.
         guardrails: Checks on input, output and tool results.
         telemetry: Spans and metrics.
-        hooks: Extra :class:`~loomflow.agent.hooks.RunHooks`. Each component above is (or
-            provides through ``as_hooks()``) a ``RunHooks`` too; the loop calls them in the
-            order guardrails, budget, permissions, memory, audit, telemetry, then ``hooks``.
+        hooks: Extra :class:`~loomflow.agent.hooks.RunHooks`. Each component above except
+            memory (which the loop uses directly) is (or provides through ``as_hooks()``) a
+            ``RunHooks`` too; the loop calls them in the order guardrails, budget,
+            permissions, audit, telemetry, then ``hooks``.
     """
 
     def __init__(
@@ -153,6 +172,11 @@ class Agent:
             raise UserError("instructions must be a string")
         if max_turns < 1:
             raise UserError(f"max_turns must be at least 1, not {max_turns}")
+        if memory is not None and not isinstance(memory, Memory):
+            raise UserError(
+                f"memory must be a loomflow.memory.Memory (InMemoryMemory, SqliteMemory, "
+                f"PostgresMemory, memory_for(runtime)), not {type(memory).__name__}"
+            )
         self.instructions = instructions
         self._model_spec = model
         self._model: Model | None = None if isinstance(model, str) else model
@@ -167,8 +191,11 @@ class Agent:
         self.tuning = tuning or Tuning()
         self.max_turns = max_turns
         self.name = name
+        # Memory is wired into the loop itself (it changes the message stack, which no hook
+        # may); a memory that also offers hooks keeps its place in the order.
+        memory_hooks = memory if hasattr(memory, "as_hooks") else None
         self._hooks = _collect_hooks(
-            [*guardrails, budget, permissions, memory, audit, telemetry, *hooks]
+            [*guardrails, budget, permissions, memory_hooks, audit, telemetry, *hooks]
         )
         self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]
         self._settings = ModelSettings(
@@ -201,14 +228,52 @@ class Agent:
         )
 
     async def resume(
-        self, prompt: str, *, session_id: str, user_id: str | None = None
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        from_checkpoint: str | None = None,
+        fork_session_id: str | None = None,
     ) -> RunResult:
-        """Continue the session's last run, finished or not, replaying its journaled steps.
+        """Continue the session's last run, finished or not.
 
-        Pass the prompt and user of the original run: the journal matches steps by their
-        inputs, so another prompt runs fresh.
+        With ``Tuning(checkpoint=True)`` and a snapshot of that run, the snapshot is restored
+        directly: no replay walk, no memory recall, prior turns neither re-run nor re-billed
+        (their usage is carried into the result). Otherwise the run is replayed from the
+        journal. Pass the prompt and user of the original run: the journal matches steps by
+        their inputs, and a snapshot taken for another prompt is refused.
+
+        ``from_checkpoint=<id>`` (an id from :meth:`list_checkpoints`) forks that snapshot into
+        a new session (``fork_session_id``, or a fresh ULID; see ``RunResult.session_id``) and
+        continues there; the original session is left untouched.
+
+        Raises:
+            CheckpointNotFoundError: ``from_checkpoint`` is not a snapshot of this
+                (session, user).
+            UserError: the snapshot was taken for another prompt, or checkpoints are off.
         """
-        return await self._drain(self._events(prompt, session_id, user_id, None, resume=True))
+        return await self._drain(
+            self._events(
+                prompt,
+                session_id,
+                user_id,
+                None,
+                resume=True,
+                from_checkpoint=from_checkpoint,
+                fork_session_id=fork_session_id,
+            )
+        )
+
+    async def list_checkpoints(
+        self, session_id: str, *, user_id: str | None = None
+    ) -> list[Checkpoint]:
+        """The snapshots of (session, user), newest first (see ``Tuning(checkpoint=True)``)."""
+        if self.runtime is None:
+            raise UserError("an agent without a runtime keeps no checkpoints")
+        return await checkpoint_store_for(self.runtime).list_checkpoints(
+            session_id, user_id=user_id
+        )
 
     def stream(
         self,
@@ -260,14 +325,34 @@ class Agent:
         *,
         resume: bool,
         history: Sequence[Message] = (),
+        from_checkpoint: str | None = None,
+        fork_session_id: str | None = None,
     ) -> AsyncIterator[AgentEvent]:
         if not isinstance(prompt, str):
             raise UserError("prompt must be a string")
         runtime = self._runtime()
         outer = get_run_context()
-        if outer.run_id is not None:  # a sub-run inherits who it works for
+        nested = outer.run_id is not None
+        if nested:  # a sub-run inherits who it works for
             session_id = session_id or outer.session_id
             user_id = user_id if user_id is not None else outer.user_id
+        store = self._checkpoint_store(runtime) if self.tuning.checkpoint and not nested else None
+        source: Checkpoint | None = None
+        if from_checkpoint is not None:
+            if store is None:
+                raise UserError("from_checkpoint= needs an agent with Tuning(checkpoint=True)")
+            source = await store.get(from_checkpoint, session_id=session_id or "", user_id=user_id)
+            if source is None:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint {from_checkpoint!r} in session {session_id!r} of user "
+                    f"{user_id!r}"
+                )
+            _check_prompt(source, prompt)
+            if fork_session_id == session_id:
+                raise UserError("a fork needs a session id of its own")
+            session_id, resume = fork_session_id or str(ULID()), False
+        elif fork_session_id is not None:
+            raise UserError("fork_session_id= goes with from_checkpoint=")
         session_id = session_id or str(ULID())
         async with enclosing_run(
             runtime,
@@ -277,9 +362,30 @@ class Agent:
             resume=resume,
             strict_replay=self.tuning.strict_replay,
         ) as (ctx, run):
+            restore = source
+            if restore is None and resume and store is not None:
+                restore = await _latest_of_run(store, ctx, run, prompt)
             yield RunStarted(run_id=ctx.run_id or "", session_id=session_id, user_id=user_id)
-            async for event in self._loop(runtime, ctx, run, prompt, history):
+            async for event in self._loop(
+                runtime,
+                ctx,
+                run,
+                prompt,
+                history,
+                store=store,
+                restore=restore,
+                forked=source is not None,
+                memory=None if nested else self.memory,
+            ):
                 yield event
+
+    def _checkpoint_store(self, runtime: Any) -> CheckpointStore:
+        if not isinstance(runtime, JournalRuntime):
+            raise UserError(
+                "Tuning(checkpoint=True) needs a journaled runtime (InMemoryRuntime, "
+                "SqliteRuntime or PostgresRuntime): checkpoints are stored beside the journal"
+            )
+        return checkpoint_store_for(runtime)
 
     async def _loop(
         self,
@@ -288,6 +394,11 @@ class Agent:
         run: Any,
         prompt: str,
         history: Sequence[Message],
+        *,
+        store: CheckpointStore | None,
+        restore: Checkpoint | None,
+        forked: bool,
+        memory: Memory | None,
     ) -> AsyncIterator[Any]:
         before = _counts(run)
         pending: list[BaseModel] = []
@@ -299,7 +410,7 @@ class Agent:
             backend=getattr(runtime, "backend", "none"),
             prompt=prompt,
             epoch=getattr(run, "epoch", None),
-            resumed=bool(getattr(run, "resumed", False)),
+            resumed=bool(getattr(run, "resumed", False)) or restore is not None,
             _emit=pending.append,
         )
         hooks = self._hooks
@@ -320,15 +431,74 @@ class Agent:
         turns = 0
         interrupted: str | None = "max_turns"
         messages: list[Message] = []
+        prompt_index = 0  # where the run's own messages start (after system prompt and history)
+        answered = False  # a restored snapshot that already holds the final answer
+        original_prompt = prompt  # what a later resume's prompt is compared with
+
+        async def save(final: bool, parent_id: str | None = None) -> None:
+            if store is None:
+                return
+            saved = await store.put(
+                Checkpoint(
+                    id=str(ULID()),
+                    session_id=ctx.session_id or "",
+                    user_id=ctx.user_id,
+                    run_id=ctx.run_id or "",
+                    epoch=run.epoch,
+                    turn=turns,
+                    final=final,
+                    prompt=original_prompt,
+                    output=output,
+                    messages=list(messages),
+                    prompt_index=prompt_index,
+                    usage=usage,
+                    cost_usd=round(cost, 10),
+                    parent_id=parent_id,
+                ),
+                retention=self.tuning.checkpoint_retention,
+            )
+            info.emit(CheckpointSaved(checkpoint_id=saved.id, turn=turns, final=final))
+
         try:
             for hook in hooks:
                 await hook.run_started(info)
-            for hook in hooks:
-                prompt = await hook.check_input(info, prompt)
-            messages = [Message.system(self.instructions), *history, Message.user(prompt)]
+            if restore is None:
+                for hook in hooks:
+                    prompt = await hook.check_input(info, prompt)
+                recalled = await _recall(memory, ctx, run)
+                messages = [
+                    Message.system(self.instructions),
+                    *recalled,
+                    *history,
+                    Message.user(prompt),
+                ]
+                prompt_index = len(messages) - 1
+            else:
+                # Restored, not replayed: earlier turns are neither re-run nor re-billed (no
+                # hook sees them again) and memory is not consulted: the snapshot holds it all.
+                original_prompt = restore.prompt
+                messages = list(restore.messages)
+                usage, cost, output = restore.usage, restore.cost_usd, restore.output
+                turns, answered = restore.turn, restore.final
+                # A fork's episode starts after the system prompt: the fork's session has no
+                # episodes of its own to recall the forked history from.
+                prompt_index = 1 if forked else restore.prompt_index
+                info.emit(
+                    CheckpointRestored(
+                        checkpoint_id=restore.id,
+                        turn=restore.turn,
+                        forked_from=restore.session_id if forked else None,
+                    )
+                )
+                if forked:  # the fork's own first snapshot: a crash now resumes the fork
+                    await save(restore.final, parent_id=restore.id)
             for event in await flush():
                 yield event
-            for turn in range(self.max_turns):
+            if answered:
+                interrupted = None
+            # Turn numbers continue from a restored snapshot, so model_call_<turn> keys match
+            # what the journal holds for this run.
+            for turn in range(turns, turns if answered else self.max_turns):
                 response: ModelResponse | None = None
                 live = False
                 tokens: list[Any] = [None] * len(hooks)
@@ -380,6 +550,7 @@ class Agent:
                 output = response.text or output
                 if not response.tool_calls:
                     interrupted = None
+                    await save(final=True)
                     break
                 for slot, call in enumerate(response.tool_calls):
                     yield ToolCallStarted(turn=turn, slot=slot, call=call)
@@ -410,6 +581,7 @@ class Agent:
                     yield ToolCallFinished(
                         turn=turn, slot=slot, call=call, outcome=outcome, replayed=replayed
                     )
+                await save(final=False)
                 for event in await flush():
                     yield event
             if interrupted is None:
@@ -423,6 +595,13 @@ class Agent:
             for hook in hooks:
                 await hook.run_finished(info, None, exc)
             raise
+        if memory is not None:
+            try:
+                await _persist_episode(runtime, memory, ctx, run, messages[prompt_index:], output)
+            except BaseException as exc:
+                for hook in hooks:
+                    await hook.run_finished(info, None, exc)
+                raise
         hits, misses = _counts(run)
         result = RunResult(
             output=output,
@@ -437,6 +616,7 @@ class Agent:
             messages=messages,
             replayed_steps=hits - before[0],
             fresh_steps=misses - before[1],
+            restored_from=restore.id if restore is not None else None,
         )
         for hook in hooks:
             await hook.run_finished(info, result, None)
@@ -525,3 +705,96 @@ def _warn_unpriced(model_name: str) -> None:
 def _counts(run: Any) -> tuple[int, int]:
     stats = getattr(run, "stats", None)
     return (stats.hits, stats.misses) if stats is not None else (0, 0)
+
+
+def _check_prompt(checkpoint: Checkpoint, prompt: str) -> None:
+    if checkpoint.prompt != prompt:
+        raise UserError(
+            f"checkpoint {checkpoint.id} of session {checkpoint.session_id!r} was taken for "
+            f"the prompt {checkpoint.prompt[:60]!r}, not {prompt[:60]!r}: resume with the "
+            "original prompt, or use run() for a new request"
+        )
+
+
+async def _latest_of_run(
+    store: CheckpointStore, ctx: RunContext, run: Any, prompt: str
+) -> Checkpoint | None:
+    """The newest snapshot, if it belongs to the run being resumed; else journal replay.
+
+    A snapshot of an *earlier* epoch is not this run's: the last run crashed before its first
+    pass ended, so its journal, not an older transcript, says where it stands.
+    """
+    try:
+        latest = await store.latest(ctx.session_id or "", user_id=ctx.user_id)
+    except CheckpointError:
+        if getattr(run, "strict", False):
+            raise
+        log.warning(
+            "the latest checkpoint of session %r cannot be read; replaying the journal instead",
+            ctx.session_id,
+            exc_info=True,
+        )
+        return None
+    if latest is None or latest.epoch != getattr(run, "epoch", None):
+        return None
+    _check_prompt(latest, prompt)
+    return latest
+
+
+async def _recall(memory: Memory | None, ctx: RunContext, run: Any) -> list[Message]:
+    """What memory reminds a run of: the episodes of *earlier* runs of (session, user).
+
+    Only runs journaled at a lower epoch than this one count. A run that is replayed, even
+    after it finished and recorded its own episode, therefore recalls exactly what it recalled
+    the first time, so its first model call has the same inputs and replays.
+    """
+    if memory is None or ctx.session_id is None:
+        return []
+    epoch = getattr(run, "epoch", None)  # None without a journal: every episode is earlier
+    return await memory.history(ctx.session_id, user_id=ctx.user_id, before_epoch=epoch)
+
+
+async def _persist_episode(
+    runtime: Any, memory: Memory, ctx: RunContext, run: Any, own: list[Message], output: str
+) -> None:
+    """Record the run's turns as an episode, in a journaled step with a per-run key.
+
+    The key names the run's position in the journal (session, user, epoch), not its run id, so
+    a replay or a retry after a crash between the write and its journal entry lands on the
+    same episode: the store replaces it instead of adding one. Replayed with the same inputs,
+    the step is a journal hit and memory is not touched at all.
+    """
+    own = _answered(own)
+    if not own or ctx.session_id is None:
+        return
+    epoch = getattr(run, "epoch", None)
+    # Without a journal there is no replay: the run id is as stable as the run.
+    position: list[Any] = ["epoch", epoch] if epoch is not None else ["run", ctx.run_id]
+    key = json.dumps([ctx.session_id, ctx.user_id, *position], ensure_ascii=False)
+
+    async def write(key: str, messages: list[Message], output: str) -> str:
+        episode = await memory.record_episode(
+            ctx.session_id or "",
+            user_id=ctx.user_id,
+            key=key,
+            messages=messages,
+            output=output,
+            run_id=ctx.run_id,
+            epoch=epoch,
+        )
+        return episode.id
+
+    turns = sum(1 for m in own if m.role == "assistant")
+    await runtime.step(f"persist_episode_{turns}", write, key, own, output)
+
+
+def _answered(messages: list[Message]) -> list[Message]:
+    """Drop a trailing tool request whose results never came (the run was interrupted).
+
+    Providers refuse a transcript with an unanswered tool call, and this one will be sent
+    back to the model by the next run on the session.
+    """
+    out = list(messages)
+    while out and out[-1].role == "assistant" and out[-1].tool_calls:
+        out.pop()
+    return out

@@ -6,6 +6,7 @@ from typing import Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..checkpoints import CheckpointRestored, CheckpointSaved
 from ..messages import Message, TextDelta, ToolCall, ToolCallDelta
 from ..tools import ToolOutcome
 
@@ -31,7 +32,10 @@ class Tuning(_Frozen):
     Attributes:
         strict_replay: Raise ``ReplayDivergenceError`` when a resumed run reaches a journaled
             step with other inputs, instead of running it fresh.
-        checkpoint: Write a transcript snapshot after every pass (see the checkpoints docs).
+        checkpoint: Write a transcript snapshot after every pass of the loop, and let
+            ``resume()`` restore the newest one (see the checkpoints docs).
+        checkpoint_retention: Snapshots kept per (session, user), newest first; ``None``
+            keeps them all.
         parallel_tools: Run the tool calls of one model turn concurrently.
         tool_timeout: Seconds a tool may take when it sets no timeout of its own.
         max_tokens: Output-token cap of each model call.
@@ -40,6 +44,7 @@ class Tuning(_Frozen):
 
     strict_replay: bool | None = None
     checkpoint: bool = False
+    checkpoint_retention: int | None = Field(default=10, ge=1)
     parallel_tools: bool = True
     tool_timeout: float | None = Field(default=None, gt=0)
     max_tokens: int = Field(default=1024, gt=0)
@@ -62,6 +67,7 @@ class RunResult(_Frozen):
         messages: The full transcript, system prompt first.
         replayed_steps: Journaled steps answered from the journal in this run.
         fresh_steps: Journaled steps executed in this run.
+        restored_from: The checkpoint this run restored instead of replaying, if any.
     """
 
     output: str
@@ -76,6 +82,7 @@ class RunResult(_Frozen):
     messages: list[Message] = Field(default_factory=list)
     replayed_steps: int = 0
     fresh_steps: int = 0
+    restored_from: str | None = None
 
 
 class RunStarted(_Frozen):
@@ -124,5 +131,11 @@ class RunFinished(_Frozen):
 
 
 AgentEvent: TypeAlias = (
-    RunStarted | ModelDeltaEvent | ToolCallStarted | ToolCallFinished | RunFinished
+    RunStarted
+    | ModelDeltaEvent
+    | ToolCallStarted
+    | ToolCallFinished
+    | CheckpointSaved
+    | CheckpointRestored
+    | RunFinished
 )

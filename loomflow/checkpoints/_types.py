@@ -1,0 +1,124 @@
+"""What a checkpoint holds, and how its transcript is stored."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import CheckpointError
+from ..messages import Message, Usage
+from ..runtime import codec
+
+__all__ = ["Checkpoint", "CheckpointRestored", "CheckpointSaved"]
+
+
+class Checkpoint(BaseModel):
+    """A snapshot of one run's transcript, taken at the end of a pass of the agent loop.
+
+    Attributes:
+        id: The checkpoint's ULID.
+        session_id: The session of the run.
+        user_id: The user of the run (``None`` is the anonymous bucket).
+        run_id: The run that wrote it.
+        epoch: The journal epoch of that run; a restored run continues in it.
+        turn: Model turns completed when the snapshot was taken (the next turn's number).
+        final: The model had answered without tool calls: the loop was done.
+        prompt: The prompt the run was started with, as the caller passed it.
+        output: The last answer text seen so far.
+        messages: The whole transcript, system prompt first.
+        prompt_index: Position of the run's own prompt in ``messages``; what comes before it
+            is the system prompt and the history rehydrated from memory.
+        usage: Tokens of every model call up to this point.
+        cost_usd: Estimated cost of those calls.
+        parent_id: The checkpoint this one was forked from, if any.
+        created_at: When the store recorded it (the database clock), UTC.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    session_id: str
+    user_id: str | None
+    run_id: str
+    epoch: int = Field(ge=0)
+    turn: int = Field(ge=0)
+    final: bool
+    prompt: str
+    output: str
+    messages: list[Message]
+    prompt_index: int = Field(ge=0)
+    usage: Usage
+    cost_usd: float = Field(ge=0.0)
+    parent_id: str | None = None
+    created_at: dt.datetime | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The checkpoint without its transcript, as JSON-ready data (for listings)."""
+        return {
+            "id": self.id,
+            "session_id": self.session_id,
+            "user_id": self.user_id,
+            "run_id": self.run_id,
+            "epoch": self.epoch,
+            "turn": self.turn,
+            "final": self.final,
+            "messages": len(self.messages),
+            "tokens_in": self.usage.input_tokens,
+            "tokens_out": self.usage.output_tokens,
+            "cost_usd": self.cost_usd,
+            "parent_id": self.parent_id,
+            "created_at": self.created_at.isoformat() if self.created_at else None,
+        }
+
+
+class CheckpointSaved(BaseModel):
+    """Agent event: a snapshot of the transcript was stored at the end of a pass."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["checkpoint_saved"] = "checkpoint_saved"
+    checkpoint_id: str
+    turn: int
+    final: bool
+
+
+class CheckpointRestored(BaseModel):
+    """Agent event: the run continues from a snapshot instead of replaying the journal.
+
+    ``forked_from`` names the snapshot's session when it was forked into a new one.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["checkpoint_restored"] = "checkpoint_restored"
+    checkpoint_id: str
+    turn: int
+    forked_from: str | None = None
+
+
+def timestamp(seconds: float) -> dt.datetime:
+    """A store's Unix seconds as an aware UTC datetime."""
+    return dt.datetime.fromtimestamp(float(seconds), dt.UTC)
+
+
+def encode_messages(messages: list[Message]) -> bytes:
+    """The stored form of a transcript: the journal's tagged JSON."""
+    return codec.dumps(list(messages))
+
+
+def decode_messages(raw: bytes, version: int, checkpoint_id: str) -> list[Message]:
+    """Read a stored transcript back; a damaged one is a :class:`CheckpointError`."""
+    if version > codec.CODEC_VERSION:
+        raise CheckpointError(
+            f"checkpoint {checkpoint_id} was written by a newer codec (v{version}); "
+            "upgrade loomflow"
+        )
+    try:
+        value = codec.loads(raw)
+    except codec.UnknownTagError as exc:
+        raise CheckpointError(f"checkpoint {checkpoint_id} cannot be decoded: {exc}") from exc
+    if not isinstance(value, list) or not all(isinstance(m, Message) for m in value):
+        raise CheckpointError(f"checkpoint {checkpoint_id} does not hold a transcript")
+    return value

@@ -1,0 +1,94 @@
+"""Checkpoints in process memory, beside an :class:`~loomflow.runtime.InMemoryRuntime`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..runtime._store import Scope
+from ._types import Checkpoint, timestamp
+
+__all__ = ["InMemoryCheckpointStore"]
+
+
+def export_document(user_id: str | None, checkpoints: list[Checkpoint]) -> dict[str, Any]:
+    """The JSON-ready form of a user's checkpoints, shared by every backend."""
+    return {
+        "user_id": user_id,
+        "checkpoints": [c.model_dump(mode="json") for c in checkpoints],
+    }
+
+
+class InMemoryCheckpointStore:
+    """Snapshots kept in a dict for as long as this object lives (tests, demos)."""
+
+    backend = "memory"
+
+    def __init__(self) -> None:
+        # scope key -> [(seq, checkpoint)], oldest first; seq orders "newest" exactly.
+        self._rows: dict[str, list[tuple[int, Checkpoint]]] = {}
+        self._users: dict[str, str] = {}  # scope key -> user key
+        self._seq = 0
+
+    def __repr__(self) -> str:
+        return "InMemoryCheckpointStore()"
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def migrate(self) -> int:
+        return 0
+
+    async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
+        scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
+        stored = checkpoint.model_copy(update={"created_at": timestamp(time.time())})
+        self._seq += 1
+        rows = self._rows.setdefault(scope.key, [])
+        rows.append((self._seq, stored))
+        self._users[scope.key] = scope.user_key
+        if retention is not None and len(rows) > retention:
+            del rows[: len(rows) - retention]
+        return stored
+
+    async def latest(self, session_id: str, *, user_id: str | None) -> Checkpoint | None:
+        rows = self._rows.get(Scope.checked(session_id, user_id).key)
+        return rows[-1][1] if rows else None
+
+    async def get(
+        self, checkpoint_id: str, *, session_id: str, user_id: str | None
+    ) -> Checkpoint | None:
+        for _, checkpoint in self._rows.get(Scope.checked(session_id, user_id).key, []):
+            if checkpoint.id == checkpoint_id:
+                return checkpoint
+        return None
+
+    async def list_checkpoints(
+        self, session_id: str, *, user_id: str | None, limit: int | None = None
+    ) -> list[Checkpoint]:
+        rows = self._rows.get(Scope.checked(session_id, user_id).key, [])
+        newest = [c for _, c in reversed(rows)]
+        return newest if limit is None else newest[:limit]
+
+    async def delete_session(self, session_id: str, *, user_id: str | None) -> int:
+        return len(self._rows.pop(Scope.checked(session_id, user_id).key, []))
+
+    async def forget_user(self, user_id: str | None) -> int:
+        user_key = Scope.checked(None, user_id).user_key
+        deleted = 0
+        for key in [k for k, u in self._users.items() if u == user_key]:
+            deleted += len(self._rows.pop(key, []))
+            del self._users[key]
+        return deleted
+
+    async def export_user(self, user_id: str | None) -> dict[str, Any]:
+        user_key = Scope.checked(None, user_id).user_key
+        rows = [
+            row
+            for key, user in self._users.items()
+            if user == user_key
+            for row in self._rows.get(key, [])
+        ]
+        return export_document(user_id, [c for _, c in sorted(rows, key=lambda r: r[0])])

@@ -1,0 +1,128 @@
+"""``loomflow checkpoints list|show|export|forget``: the transcript snapshots of sessions.
+
+Checkpoints live beside the journal, so the store is the journal's: ``--url`` or
+``LOOMFLOW_RUNTIME_URL``. Tables for people; ``--json`` for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_from_url
+from ..config import Settings
+from ..errors import CheckpointNotFoundError
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``checkpoints`` command group to the CLI."""
+    group = subparsers.add_parser(
+        "checkpoints", help="list, show, export or forget transcript snapshots"
+    )
+    commands = group.add_subparsers(dest="checkpoints_command", required=True)
+
+    listing = commands.add_parser("list", help="a session's checkpoints, newest first")
+    listing.add_argument("session_id")
+    listing.add_argument("--user", dest="user_id", help="user id (default: the anonymous bucket)")
+    listing.add_argument("--limit", type=int, help="only the newest N")
+    listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
+
+    show = commands.add_parser("show", help="one checkpoint with its transcript, as JSON")
+    show.add_argument("session_id")
+    show.add_argument("checkpoint_id")
+    show.add_argument("--user", dest="user_id", help="user id (default: the anonymous bucket)")
+
+    export = commands.add_parser("export", help="every checkpoint of a user, as one JSON document")
+    export.add_argument("--user", dest="user_id", required=True)
+    export.add_argument("-o", "--output", default="-", help="file to write ('-': stdout)")
+
+    forget = commands.add_parser("forget", help="delete every checkpoint of a user")
+    forget.add_argument("--user", dest="user_id", required=True)
+    forget.add_argument("--yes", action="store_true", help="really delete (required)")
+    forget.add_argument("--json", action="store_true")
+
+    group.set_defaults(handler=_handle)
+
+
+async def _handle(args: argparse.Namespace) -> int:
+    if args.checkpoints_command == "forget" and not args.yes:
+        print("loomflow: refusing to delete checkpoints without --yes", file=sys.stderr)
+        return 2
+    store = checkpoint_store_from_url(args.url or Settings().runtime_url)
+    try:
+        if args.checkpoints_command == "list":
+            return await _list(store, args)
+        if args.checkpoints_command == "show":
+            return await _show(store, args)
+        if args.checkpoints_command == "export":
+            return await _export(store, args)
+        deleted = await store.forget_user(args.user_id)
+        if args.json:
+            print(json.dumps({"user_id": args.user_id, "deleted": deleted}))
+        else:
+            print(f"deleted {deleted} checkpoints of user {args.user_id!r}")
+        return 0
+    finally:
+        await store.close()
+
+
+async def _list(store: CheckpointStore, args: argparse.Namespace) -> int:
+    found = await store.list_checkpoints(args.session_id, user_id=args.user_id, limit=args.limit)
+    if args.json:
+        for checkpoint in found:
+            print(json.dumps(checkpoint.summary()))
+        return 0
+    if not found:
+        print(f"no checkpoints for session {args.session_id!r} user {args.user_id!r}")
+        return 0
+    _table(
+        [("checkpoint", "written (UTC)", "epoch", "turn", "final", "msgs", "tokens", "parent")]
+        + [_row(c) for c in found]
+    )
+    return 0
+
+
+def _row(c: Checkpoint) -> tuple[str, ...]:
+    when = c.created_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] if c.created_at else "-"
+    return (
+        c.id,
+        when,
+        str(c.epoch),
+        str(c.turn),
+        "yes" if c.final else "no",
+        str(len(c.messages)),
+        f"{c.usage.input_tokens}/{c.usage.output_tokens}",
+        c.parent_id or "-",
+    )
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+async def _show(store: CheckpointStore, args: argparse.Namespace) -> int:
+    found = await store.get(args.checkpoint_id, session_id=args.session_id, user_id=args.user_id)
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"no checkpoint {args.checkpoint_id!r} in session {args.session_id!r} of user "
+            f"{args.user_id!r}"
+        )
+    print(json.dumps(found.model_dump(mode="json"), indent=2, ensure_ascii=False))
+    return 0
+
+
+async def _export(store: CheckpointStore, args: argparse.Namespace) -> int:
+    document = json.dumps(await store.export_user(args.user_id), ensure_ascii=False)
+    if args.output == "-":
+        print(document)
+    else:
+        await asyncio.to_thread(Path(args.output).write_text, document + "\n", encoding="utf-8")
+    return 0

@@ -1,0 +1,382 @@
+"""The memory an agent is given: one class over any :class:`MemoryStore` backend."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from typing import TYPE_CHECKING, Any
+
+from ulid import ULID
+
+from ..config import Settings
+from ..context import get_run_context
+from ..errors import UserError
+from ..messages import Message
+from ..runtime._store import Scope
+from ..storage import PostgresDatabase, SqliteDatabase
+from ..tools import Tool
+from ._protocol import MemoryStore
+from ._sql import SqlMemoryStore
+from ._types import Block, Episode, Fact, seconds
+from .inmemory import InMemoryMemoryStore
+
+if TYPE_CHECKING:
+    import asyncpg
+
+__all__ = ["InMemoryMemory", "Memory", "PostgresMemory", "SqliteMemory"]
+
+
+def _text(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{what} must be a non-empty string, not {value!r}")
+    if "\x00" in value:
+        raise UserError(f"{what} {value!r} contains a NUL character")
+    return value
+
+
+def _content(what: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise UserError(f"{what} must be a string, not {type(value).__name__}")
+    if "\x00" in value:
+        raise UserError(f"{what} contains a NUL character")
+    return value
+
+
+def _user(user_id: object) -> str | None:
+    return Scope.checked(None, user_id).user_id
+
+
+class Memory:
+    """Per-user memory: episodes of sessions, facts with a history, and working blocks.
+
+    Every read and write names the user it is for (``user_id=None`` is the anonymous
+    bucket, a partition of its own); nothing crosses from one user to another.
+
+    Given to an agent (``Agent(memory=...)``), it reminds each outermost run of the earlier
+    runs of the same (session, user) and records the run's own turns as an episode when the
+    run returns; see the memory docs for how that stays exact under replay.
+
+    Args:
+        store: The backend (:class:`InMemoryMemoryStore`, :class:`SqlMemoryStore`, or yours).
+        history_episodes: How many of the latest episodes a run is reminded of (``None``:
+            all of them).
+    """
+
+    def __init__(self, store: MemoryStore, *, history_episodes: int | None = 20) -> None:
+        if history_episodes is not None and history_episodes < 0:
+            raise UserError("history_episodes must be 0 or more, or None for all")
+        self.store = store
+        self.history_episodes = history_episodes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.store!r})"
+
+    @property
+    def backend(self) -> str:
+        """``"memory"``, ``"sqlite"`` or ``"postgres"``."""
+        return self.store.backend
+
+    async def open(self) -> None:
+        """Connect (and migrate) now rather than on first use."""
+        await self.store.open()
+
+    async def close(self) -> None:
+        """Close the connection this memory opened (a runtime's shared one stays open)."""
+        await self.store.close()
+
+    async def migrate(self) -> int:
+        """Apply pending schema migrations; return the version now in place."""
+        return await self.store.migrate()
+
+    async def __aenter__(self) -> Memory:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- episodes ----------------------------------------------------------------------------
+
+    async def record_episode(
+        self,
+        session_id: str,
+        *,
+        user_id: str | None,
+        key: str,
+        messages: list[Message],
+        output: str,
+        run_id: str | None = None,
+        epoch: int | None = None,
+    ) -> Episode:
+        """Store the turns of one run; writing the same ``key`` again replaces, never adds.
+
+        The agent calls this from a journaled step (see the memory docs); call it yourself to
+        import conversations.
+        """
+        episode = Episode(
+            id=str(ULID()),
+            session_id=_text("session_id", session_id),
+            user_id=_user(user_id),
+            key=_text("key", key),
+            run_id=run_id,
+            epoch=epoch,
+            messages=list(messages),
+            output=_content("output", output),
+            created_at=dt.datetime.now(dt.UTC),  # replaced by the store's clock
+        )
+        return await self.store.put_episode(episode)
+
+    async def episodes(
+        self,
+        session_id: str,
+        *,
+        user_id: str | None,
+        before_epoch: int | None = None,
+        limit: int | None = None,
+    ) -> list[Episode]:
+        """The episodes of (session, user), oldest first; the newest ``limit`` of them.
+
+        ``before_epoch`` keeps only runs journaled at a lower epoch than that one.
+        """
+        if limit is not None and limit < 0:
+            raise UserError("limit must be 0 or more")
+        return await self.store.episodes(
+            _text("session_id", session_id),
+            _user(user_id),
+            before_epoch=before_epoch,
+            limit=limit,
+        )
+
+    async def history(
+        self, session_id: str, *, user_id: str | None, before_epoch: int | None = None
+    ) -> list[Message]:
+        """The messages a run on (session, user) is reminded of, oldest first.
+
+        The latest ``history_episodes`` episodes (of runs before ``before_epoch``), flattened.
+        """
+        episodes = await self.episodes(
+            session_id, user_id=user_id, before_epoch=before_epoch, limit=self.history_episodes
+        )
+        return [message for episode in episodes for message in episode.messages]
+
+    async def forget_session(self, session_id: str, *, user_id: str | None) -> int:
+        """Delete the episodes of one (session, user); return how many went."""
+        return await self.store.delete_episodes(_text("session_id", session_id), _user(user_id))
+
+    # -- facts -------------------------------------------------------------------------------
+
+    async def remember(
+        self,
+        subject: str,
+        predicate: str,
+        object: str,
+        *,
+        user_id: str | None,
+        source: str | None = None,
+    ) -> Fact:
+        """Record that ``subject`` ``predicate`` ``object`` holds from now on, for this user.
+
+        It supersedes the user's current fact on the same (subject, predicate); repeating the
+        current object changes nothing. Example: ``remember("alice", "lives_in", "Paris",
+        user_id="alice")``.
+        """
+        return await self.store.remember(
+            str(ULID()),
+            _user(user_id),
+            _text("subject", subject),
+            _text("predicate", predicate),
+            _content("object", object),
+            source,
+        )
+
+    async def retract(self, subject: str, predicate: str, *, user_id: str | None) -> Fact | None:
+        """End the current fact on (subject, predicate) without a successor."""
+        return await self.store.retract(
+            _user(user_id), _text("subject", subject), _text("predicate", predicate)
+        )
+
+    async def facts(
+        self,
+        *,
+        user_id: str | None,
+        subject: str | None = None,
+        predicate: str | None = None,
+        as_of: dt.datetime | float | None = None,
+        history: bool = False,
+    ) -> list[Fact]:
+        """The user's facts, in the order they were recorded.
+
+        By default the current ones; with ``as_of`` (a datetime or Unix seconds) those that
+        were valid then; with ``history=True`` every version, superseded ones included.
+        """
+        if history and as_of is not None:
+            raise UserError("pass as_of or history=True, not both")
+        return await self.store.facts(
+            _user(user_id),
+            subject=None if subject is None else _text("subject", subject),
+            predicate=None if predicate is None else _text("predicate", predicate),
+            as_of=None if as_of is None else seconds(as_of),
+            history=history,
+        )
+
+    # -- working blocks ----------------------------------------------------------------------
+
+    async def set_block(self, name: str, content: str, *, user_id: str | None) -> Block:
+        """Create or overwrite the user's block ``name``."""
+        return await self.store.set_block(
+            _user(user_id), _text("name", name), _content("content", content)
+        )
+
+    async def block(self, name: str, *, user_id: str | None) -> Block | None:
+        """The user's block ``name``, if it exists."""
+        return await self.store.get_block(_user(user_id), _text("name", name))
+
+    async def blocks(self, *, user_id: str | None) -> list[Block]:
+        """Every block of the user, by name."""
+        return await self.store.blocks(_user(user_id))
+
+    async def delete_block(self, name: str, *, user_id: str | None) -> bool:
+        """Delete the user's block ``name``; ``False`` if there was none."""
+        return await self.store.delete_block(_user(user_id), _text("name", name))
+
+    # -- per user ----------------------------------------------------------------------------
+
+    async def forget_user(self, user_id: str | None) -> dict[str, int]:
+        """Delete every episode, fact and block of one user (a right-to-erasure request).
+
+        Returns how many of each went, e.g. ``{"episodes": 3, "facts": 5, "blocks": 1}``.
+        """
+        return await self.store.forget_user(_user(user_id))
+
+    async def export_user(self, user_id: str | None) -> dict[str, Any]:
+        """Everything memory holds about one user, as JSON-ready data.
+
+        ``{"user_id", "exported_at", "episodes", "facts", "blocks"}``, each list in recording
+        order; ``json.dumps`` takes it as is.
+        """
+        uid = _user(user_id)
+        episodes, facts, blocks = await self.store.export_user(uid)
+        return {
+            "user_id": uid,
+            "exported_at": dt.datetime.now(dt.UTC).isoformat(),
+            "episodes": [e.model_dump(mode="json") for e in episodes],
+            "facts": [f.model_dump(mode="json") for f in facts],
+            "blocks": [b.model_dump(mode="json") for b in blocks],
+        }
+
+    # -- tools for the model -----------------------------------------------------------------
+
+    def tools(self) -> list[Tool[..., Any]]:
+        """Tools that let the model use this memory for the user of the run calling them.
+
+        ``remember_fact``, ``recall_facts``, ``read_block`` and ``write_block``. The user
+        comes from the run context, never from the model. They are ordinary tool calls, so
+        the journal replays them instead of writing twice.
+        """
+
+        async def remember_fact(subject: str, predicate: str, value: str) -> str:
+            """Remember a fact about the user's world; it replaces the previous value.
+
+            Args:
+                subject: What the fact is about, e.g. "user" or "project".
+                predicate: The relation, e.g. "prefers_language".
+                value: The value, e.g. "French".
+            """
+            ctx = get_run_context()
+            await self.remember(subject, predicate, value, user_id=ctx.user_id, source=ctx.run_id)
+            return f"remembered: {subject} {predicate} {value}"
+
+        async def recall_facts(subject: str | None = None) -> str:
+            """List what is remembered about the user's world.
+
+            Args:
+                subject: Only facts about this subject.
+            """
+            facts = await self.facts(user_id=get_run_context().user_id, subject=subject)
+            if not facts:
+                return "nothing remembered"
+            return "\n".join(f"{f.subject} {f.predicate} {f.object}" for f in facts)
+
+        async def read_block(name: str) -> str:
+            """Read one of the user's working-memory blocks.
+
+            Args:
+                name: The block's name, e.g. "notes".
+            """
+            found = await self.block(name, user_id=get_run_context().user_id)
+            return found.content if found is not None else f"(no block named {name!r})"
+
+        async def write_block(name: str, content: str) -> str:
+            """Overwrite one of the user's working-memory blocks.
+
+            Args:
+                name: The block's name, e.g. "notes".
+                content: Its new text.
+            """
+            await self.set_block(name, content, user_id=get_run_context().user_id)
+            return f"block {name!r} saved"
+
+        return [
+            Tool(remember_fact, edits=True),
+            Tool(recall_facts),
+            Tool(read_block),
+            Tool(write_block, edits=True),
+        ]
+
+
+class InMemoryMemory(Memory):
+    """Memory that lives as long as this object (tests, demos)."""
+
+    def __init__(self, *, history_episodes: int | None = 20) -> None:
+        super().__init__(InMemoryMemoryStore(), history_episodes=history_episodes)
+
+
+class SqliteMemory(Memory):
+    """Memory in a SQLite file: a path (owned) or a runtime's ``SqliteDatabase`` (shared).
+
+    Example:
+        >>> memory = SqliteMemory(runtime.database)  # on the journal's connection
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike[str] | SqliteDatabase,
+        *,
+        history_episodes: int | None = 20,
+        auto_migrate: bool | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        if isinstance(target, SqliteDatabase):
+            store = SqlMemoryStore(target, auto_migrate=auto_migrate, settings=settings)
+        else:
+            s = settings or Settings()
+            db = SqliteDatabase(
+                target,
+                busy_timeout_ms=s.sqlite_busy_timeout_ms,
+                synchronous=s.sqlite_synchronous,
+            )
+            store = SqlMemoryStore(db, owns_db=True, auto_migrate=auto_migrate, settings=s)
+        super().__init__(store, history_episodes=history_episodes)
+
+
+class PostgresMemory(Memory):
+    """Memory in PostgreSQL: a DSN or pool, or a runtime's ``PostgresDatabase`` (shared)."""
+
+    def __init__(
+        self,
+        target: str | asyncpg.Pool | PostgresDatabase,
+        *,
+        history_episodes: int | None = 20,
+        auto_migrate: bool | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        if isinstance(target, PostgresDatabase):
+            store = SqlMemoryStore(target, auto_migrate=auto_migrate, settings=settings)
+        else:
+            store = SqlMemoryStore(
+                PostgresDatabase(target),  # which closes only a pool it created itself
+                owns_db=True,
+                auto_migrate=auto_migrate,
+                settings=settings,
+            )
+        super().__init__(store, history_episodes=history_episodes)

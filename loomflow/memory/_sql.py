@@ -1,0 +1,376 @@
+"""The memory SQL, written once for SQLite and PostgreSQL.
+
+A store built beside a runtime shares the runtime's :class:`~loomflow.storage.Database` and
+never closes it; one built from a path, DSN or URL owns its database. Tables are migrated on
+first use (component ``memory``). Every statement filters on the user's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from ..config import Settings
+from ..runtime import codec
+from ..runtime._store import Scope
+from ..storage import Database, apply_migrations
+from ._types import (
+    TICK,
+    Block,
+    Episode,
+    Fact,
+    decode_messages,
+    encode_messages,
+    micros,
+    timestamp,
+)
+from .migrations import COMPONENT, MIGRATIONS
+
+__all__ = ["SqlMemoryStore"]
+
+_EPISODE_COLUMNS = (
+    "episode_id, session_id, user_id, episode_key, run_id, epoch, output, codec_version, "
+    "messages, created_at"
+)
+_PUT_EPISODE = """
+INSERT INTO loom_memory_episodes
+    (episode_id, user_key, scope, session_id, user_id, episode_key, run_id, epoch, output,
+     codec_version, messages, created_at, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now})
+ON CONFLICT (user_key, episode_key) DO UPDATE SET
+    run_id = excluded.run_id, epoch = excluded.epoch, output = excluded.output,
+    codec_version = excluded.codec_version, messages = excluded.messages,
+    updated_at = excluded.updated_at
+RETURNING episode_id, created_at
+"""
+_DELETE_EPISODES = "DELETE FROM loom_memory_episodes WHERE scope = $1 RETURNING 1"
+
+_FACT_COLUMNS = (
+    "fact_id, user_id, subject, predicate, object, valid_from, valid_to, superseded_by, source"
+)
+_CURRENT_FACT = f"""
+SELECT {_FACT_COLUMNS} FROM loom_memory_facts
+WHERE user_key = $1 AND subject = $2 AND predicate = $3 AND valid_to IS NULL
+"""
+_CLOSE_FACT = """
+UPDATE loom_memory_facts SET valid_to = $2, superseded_by = $3 WHERE fact_id = $1
+"""
+_INSERT_FACT = """
+INSERT INTO loom_memory_facts
+    (fact_id, user_key, user_id, subject, predicate, object, source, valid_from)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+"""
+
+_BLOCK_COLUMNS = "user_id, name, content, created_at, updated_at"
+_SET_BLOCK = f"""
+INSERT INTO loom_memory_blocks (user_key, name, user_id, content, created_at, updated_at)
+VALUES ($1, $2, $3, $4, {{now}}, {{now}})
+ON CONFLICT (user_key, name) DO UPDATE SET
+    content = excluded.content, updated_at = excluded.updated_at
+RETURNING {_BLOCK_COLUMNS}
+"""
+_GET_BLOCK = f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE user_key = $1 AND name = $2"
+_BLOCKS = f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE user_key = $1 ORDER BY name"
+_DELETE_BLOCK = "DELETE FROM loom_memory_blocks WHERE user_key = $1 AND name = $2 RETURNING 1"
+
+_TABLES = {
+    "episodes": "loom_memory_episodes",
+    "facts": "loom_memory_facts",
+    "blocks": "loom_memory_blocks",
+}
+
+
+def _episode(row: Sequence[Any]) -> Episode:
+    eid, session, user, key, run, epoch, output, version, raw, created = row
+    return Episode(
+        id=eid,
+        session_id=session,
+        user_id=user,
+        key=key,
+        run_id=run,
+        epoch=None if epoch is None else int(epoch),
+        messages=decode_messages(bytes(raw), int(version), eid),
+        output=output,
+        created_at=timestamp(created),
+    )
+
+
+def _fact(row: Sequence[Any]) -> Fact:
+    fid, user, subject, predicate, obj, start, end, superseded_by, source = row
+    return Fact(
+        id=fid,
+        user_id=user,
+        subject=subject,
+        predicate=predicate,
+        object=obj,
+        valid_from=timestamp(start),
+        valid_to=None if end is None else timestamp(end),
+        superseded_by=superseded_by,
+        source=source,
+    )
+
+
+def _block(row: Sequence[Any]) -> Block:
+    user, name, content, created, updated = row
+    return Block(
+        user_id=user,
+        name=name,
+        content=content,
+        created_at=timestamp(created),
+        updated_at=timestamp(updated),
+    )
+
+
+def _fact_lock(user_key: str, subject: str, predicate: str) -> int:
+    # PostgreSQL advisory lock of one (user, subject, predicate): concurrent supersessions
+    # queue instead of tripping the unique index. A CRC collision only serialises more.
+    return zlib.crc32(json.dumps(["loomflow-fact", user_key, subject, predicate]).encode())
+
+
+class SqlMemoryStore:
+    """A :class:`~loomflow.memory.MemoryStore` in a SQLite or PostgreSQL database.
+
+    Args:
+        db: The database (share a runtime's with ``owns_db=False``, the default).
+        owns_db: Close ``db`` when the store is closed.
+        auto_migrate: Create or upgrade the tables on first use (default: the
+            ``LOOMFLOW_AUTO_MIGRATE`` setting).
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        owns_db: bool = False,
+        auto_migrate: bool | None = None,
+        settings: Settings | None = None,
+        opener: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        self.db = db
+        self.backend = db.backend
+        self._owns_db = owns_db
+        self._opener = opener
+        self.auto_migrate = (
+            (settings or Settings()).auto_migrate if auto_migrate is None else auto_migrate
+        )
+        self._migrated = False
+        self._ready_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"SqlMemoryStore({self.db!r})"
+
+    async def open(self) -> None:
+        if not (self._migrated and self.db.is_open):
+            async with self._ready_lock:
+                await self._open_once()
+
+    async def _open_once(self) -> None:
+        if not self.db.is_open:
+            # A shared connection is opened by its owner (the runtime), which then also
+            # closes it; opening it behind the owner's back would leak it past its close().
+            await (self._opener() if self._opener is not None else self.db.open())
+        if not self._migrated:
+            if self.auto_migrate:
+                await apply_migrations(self.db, COMPONENT, MIGRATIONS)
+            self._migrated = True
+
+    async def close(self) -> None:
+        if self._owns_db:
+            await self.db.close()
+
+    async def migrate(self) -> int:
+        await self.db.open()
+        return await apply_migrations(self.db, COMPONENT, MIGRATIONS)
+
+    async def _fetch(self, what: str, sql: str, *args: Any) -> Sequence[Sequence[Any]]:
+        await self.open()
+        return await self.db.fetch(sql, *args, what=f"memory {what}")
+
+    # -- episodes ----------------------------------------------------------------------------
+
+    async def put_episode(self, episode: Episode) -> Episode:
+        scope = Scope(episode.session_id, episode.user_id)
+        rows = await self._fetch(
+            "write",
+            _PUT_EPISODE,
+            episode.id,
+            scope.user_key,
+            scope.key,
+            episode.session_id,
+            episode.user_id,
+            episode.key,
+            episode.run_id,
+            episode.epoch,
+            episode.output,
+            codec.CODEC_VERSION,
+            encode_messages(episode.messages),
+        )
+        return episode.model_copy(update={"id": rows[0][0], "created_at": timestamp(rows[0][1])})
+
+    async def episodes(
+        self,
+        session_id: str,
+        user_id: str | None,
+        *,
+        before_epoch: int | None,
+        limit: int | None,
+    ) -> list[Episode]:
+        args: list[Any] = [Scope(session_id, user_id).key]
+        sql = f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes WHERE scope = $1"
+        if before_epoch is not None:
+            args.append(int(before_epoch))
+            sql += " AND epoch < $2"
+        # Newest first so LIMIT keeps the most recent; COALESCE because PostgreSQL and SQLite
+        # disagree on where NULLs (runs without a journal) sort.
+        sql += " ORDER BY COALESCE(epoch, -1) DESC, seq DESC"
+        if limit is not None:
+            args.append(int(limit))
+            sql += f" LIMIT ${len(args)}"
+        rows = await self._fetch("read", sql, *args)
+        return [_episode(r) for r in reversed(rows)]
+
+    async def delete_episodes(self, session_id: str, user_id: str | None) -> int:
+        key = Scope(session_id, user_id).key
+        return len(await self._fetch("delete", _DELETE_EPISODES, key))
+
+    # -- facts -------------------------------------------------------------------------------
+
+    async def remember(
+        self,
+        fact_id: str,
+        user_id: str | None,
+        subject: str,
+        predicate: str,
+        object: str,
+        source: str | None,
+    ) -> Fact:
+        user_key = Scope(None, user_id).user_key
+        await self.open()
+        lock = _fact_lock(user_key, subject, predicate)
+        async with self.db.transaction(lock_key=lock, what="memory write") as tx:
+            now = micros((await tx.fetch("SELECT {now}"))[0][0])
+            rows = await tx.fetch(_CURRENT_FACT, user_key, subject, predicate)
+            start = now
+            if rows:
+                current = rows[0]
+                if current[4] == object:
+                    return _fact(current)
+                # Every version lasts at least one tick, even when the clock (SQLite's
+                # counts milliseconds) did not move, or moved back, since the last one.
+                start = micros(max(now, float(current[5]) + TICK))
+                await tx.execute(_CLOSE_FACT, current[0], start, fact_id)
+            await tx.execute(
+                _INSERT_FACT, fact_id, user_key, user_id, subject, predicate, object, source, start
+            )
+        return Fact(
+            id=fact_id,
+            user_id=user_id,
+            subject=subject,
+            predicate=predicate,
+            object=object,
+            valid_from=timestamp(start),
+            source=source,
+        )
+
+    async def retract(self, user_id: str | None, subject: str, predicate: str) -> Fact | None:
+        user_key = Scope(None, user_id).user_key
+        await self.open()
+        lock = _fact_lock(user_key, subject, predicate)
+        async with self.db.transaction(lock_key=lock, what="memory write") as tx:
+            rows = await tx.fetch(_CURRENT_FACT, user_key, subject, predicate)
+            if not rows:
+                return None
+            now = micros((await tx.fetch("SELECT {now}"))[0][0])
+            end = micros(max(now, float(rows[0][5]) + TICK))
+            await tx.execute(_CLOSE_FACT, rows[0][0], end, None)
+        return _fact(rows[0]).model_copy(update={"valid_to": timestamp(end)})
+
+    async def facts(
+        self,
+        user_id: str | None,
+        *,
+        subject: str | None,
+        predicate: str | None,
+        as_of: float | None,
+        history: bool,
+    ) -> list[Fact]:
+        args: list[Any] = [Scope(None, user_id).user_key]
+
+        def param(value: Any) -> str:
+            args.append(value)
+            return f"${len(args)}"
+
+        where = ["user_key = $1"]
+        if subject is not None:
+            where.append(f"subject = {param(subject)}")
+        if predicate is not None:
+            where.append(f"predicate = {param(predicate)}")
+        if not history:
+            if as_of is None:
+                where.append("valid_to IS NULL")
+            else:
+                at = param(float(as_of))
+                where.append(f"valid_from <= {at} AND (valid_to IS NULL OR valid_to > {at})")
+        sql = (
+            f"SELECT {_FACT_COLUMNS} FROM loom_memory_facts WHERE "
+            + " AND ".join(where)
+            + " ORDER BY seq"
+        )
+        return [_fact(r) for r in await self._fetch("read", sql, *args)]
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    async def set_block(self, user_id: str | None, name: str, content: str) -> Block:
+        user_key = Scope(None, user_id).user_key
+        rows = await self._fetch("write", _SET_BLOCK, user_key, name, user_id, content)
+        return _block(rows[0])
+
+    async def get_block(self, user_id: str | None, name: str) -> Block | None:
+        rows = await self._fetch("read", _GET_BLOCK, Scope(None, user_id).user_key, name)
+        return _block(rows[0]) if rows else None
+
+    async def blocks(self, user_id: str | None) -> list[Block]:
+        rows = await self._fetch("read", _BLOCKS, Scope(None, user_id).user_key)
+        return [_block(r) for r in rows]
+
+    async def delete_block(self, user_id: str | None, name: str) -> bool:
+        user_key = Scope(None, user_id).user_key
+        return bool(await self._fetch("delete", _DELETE_BLOCK, user_key, name))
+
+    # -- per user ----------------------------------------------------------------------------
+
+    async def forget_user(self, user_id: str | None) -> dict[str, int]:
+        user_key = Scope(None, user_id).user_key
+        await self.open()
+        counts: dict[str, int] = {}
+        # One transaction: a user is forgotten entirely or not at all.
+        async with self.db.transaction(what="memory forget") as tx:
+            for kind, table in _TABLES.items():
+                rows = await tx.fetch(
+                    f"DELETE FROM {table} WHERE user_key = $1 RETURNING 1", user_key
+                )
+                counts[kind] = len(rows)
+        return counts
+
+    async def export_user(
+        self, user_id: str | None
+    ) -> tuple[list[Episode], list[Fact], list[Block]]:
+        user_key = Scope(None, user_id).user_key
+        episodes = await self._fetch(
+            "read",
+            f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes WHERE user_key = $1 ORDER BY seq",
+            user_key,
+        )
+        facts = await self._fetch(
+            "read",
+            f"SELECT {_FACT_COLUMNS} FROM loom_memory_facts WHERE user_key = $1 ORDER BY seq",
+            user_key,
+        )
+        return (
+            [_episode(r) for r in episodes],
+            [_fact(r) for r in facts],
+            await self.blocks(user_id),
+        )

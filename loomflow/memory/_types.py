@@ -1,0 +1,140 @@
+"""The three kinds of memory: episodes, facts and working blocks."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import CorruptEntryError
+from ..messages import Message
+from ..runtime import codec
+
+__all__ = ["Block", "Episode", "Fact"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Episode(_Frozen):
+    """The turns of one run of a session: what the next run on the session is reminded of.
+
+    Attributes:
+        id: The episode's ULID.
+        session_id: The session the run belonged to.
+        user_id: Whose conversation it is (``None`` is the anonymous bucket).
+        key: The idempotency key: one episode per key, however often it is written.
+        run_id: The run that (last) wrote it.
+        epoch: The journal epoch of that run, or ``None`` when it ran without a journal.
+        messages: The run's own messages: its prompt, the model's turns and tool results.
+        output: The run's final answer.
+        created_at: When it was first written (store clock, UTC).
+    """
+
+    id: str
+    session_id: str
+    user_id: str | None
+    key: str
+    run_id: str | None
+    epoch: int | None
+    messages: list[Message]
+    output: str
+    created_at: dt.datetime
+
+
+class Fact(_Frozen):
+    """A (subject, predicate, object) statement about a user's world, valid for a time.
+
+    A newer fact on the same (subject, predicate) supersedes the current one: the old fact's
+    ``valid_to`` becomes the new one's ``valid_from``, and both stay queryable by time.
+
+    Attributes:
+        id: The fact's ULID.
+        user_id: Whose memory holds it.
+        subject: What it is about, e.g. ``"alice"``.
+        predicate: The relation, e.g. ``"lives_in"``.
+        object: The value, e.g. ``"Paris"``.
+        valid_from: When it became true in memory (UTC).
+        valid_to: When a newer fact (or a retraction) ended it; ``None`` while current.
+        superseded_by: The id of the fact that replaced it, if one did.
+        source: Free text naming where it came from (a run id, say).
+    """
+
+    id: str
+    user_id: str | None
+    subject: str
+    predicate: str
+    object: str
+    valid_from: dt.datetime
+    valid_to: dt.datetime | None = None
+    superseded_by: str | None = None
+    source: str | None = None
+
+    @property
+    def current(self) -> bool:
+        """Whether nothing has superseded or retracted it yet."""
+        return self.valid_to is None
+
+
+class Block(_Frozen):
+    """A named piece of working memory a user's agents read and rewrite (notes, a profile).
+
+    Attributes:
+        user_id: Whose memory holds it.
+        name: The block's name, unique per user.
+        content: Its text.
+        created_at: When it was first written (UTC).
+        updated_at: When it was last written (UTC).
+    """
+
+    user_id: str | None
+    name: str
+    content: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+def timestamp(seconds: float) -> dt.datetime:
+    """A store's Unix seconds as an aware UTC datetime."""
+    return dt.datetime.fromtimestamp(float(seconds), dt.UTC)
+
+
+TICK = 1e-6
+"""The shortest validity of a fact version: one microsecond, a datetime's resolution."""
+
+
+def micros(value: float) -> float:
+    """Round Unix seconds to the microsecond, the precision a ``datetime`` carries.
+
+    Fact boundaries are stored rounded, so that a ``valid_from`` read back as a datetime and
+    passed to ``as_of=`` compares equal to the stored number instead of a hair below it.
+    """
+    return round(float(value), 6)
+
+
+def seconds(when: dt.datetime | float) -> float:
+    """Unix seconds of a datetime (naive ones are taken as UTC) or of a number."""
+    if isinstance(when, dt.datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.UTC)
+        return when.timestamp()
+    return float(when)
+
+
+def encode_messages(messages: list[Message]) -> bytes:
+    """The stored form of an episode's messages: the journal's tagged JSON."""
+    return codec.dumps(list(messages))
+
+
+def decode_messages(raw: bytes, version: int, episode_id: str) -> list[Message]:
+    """Read stored messages back; damaged data is a :class:`CorruptEntryError`."""
+    if version > codec.CODEC_VERSION:
+        raise CorruptEntryError(f"episode {episode_id} was written by a newer codec (v{version})")
+    try:
+        value = codec.loads(raw)
+    except codec.UnknownTagError as exc:
+        raise CorruptEntryError(f"episode {episode_id} cannot be decoded: {exc}") from exc
+    if not isinstance(value, list) or not all(isinstance(m, Message) for m in value):
+        raise CorruptEntryError(f"episode {episode_id} does not hold messages")
+    return value

@@ -1,0 +1,237 @@
+"""Checkpoint stores beyond the conformance suite: construction, sharing, migrations, damage."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from loomflow.agent import Agent, Tuning
+from loomflow.checkpoints import (
+    InMemoryCheckpointStore,
+    PostgresCheckpointStore,
+    SqlCheckpointStore,
+    SqliteCheckpointStore,
+    checkpoint_store_for,
+    checkpoint_store_from_url,
+)
+from loomflow.checkpoints.migrations import SCHEMA_VERSION
+from loomflow.errors import (
+    CheckpointError,
+    ConfigurationError,
+    StoreUnavailableError,
+    UserError,
+)
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import InMemoryRuntime, PostgresRuntime, SqliteRuntime
+from loomflow.storage import schema_versions
+from loomflow.testing.checkpoint_conformance import Shop, checkpoint
+
+
+def shopping_agent(runtime: object, shop: Shop, **tuning: object) -> Agent:
+    return Agent(
+        "You shop.",
+        model=shop.model,
+        tools=[shop.tool],
+        runtime=runtime,  # type: ignore[arg-type]
+        tuning=Tuning(checkpoint=True, **tuning),  # type: ignore[arg-type]
+    )
+
+
+async def test_urls_name_their_backend(tmp_path: Path) -> None:
+    assert isinstance(checkpoint_store_from_url("memory://"), InMemoryCheckpointStore)
+    store = checkpoint_store_from_url(f"sqlite:///{tmp_path / 'c.db'}")
+    assert isinstance(store, SqlCheckpointStore)
+    assert store.backend == "sqlite"
+    await store.put(checkpoint())
+    await store.close()
+    assert (tmp_path / "c.db").exists()
+    assert checkpoint_store_from_url("postgresql://u@h/db").backend == "postgres"
+    with pytest.raises(ConfigurationError, match="scheme"):
+        checkpoint_store_from_url("mysql://u@h/db")
+
+
+async def test_a_store_beside_a_runtime_shares_its_connection(sqlite_path: Path) -> None:
+    runtime = SqliteRuntime(sqlite_path)
+    store = checkpoint_store_for(runtime)
+    assert isinstance(store, SqlCheckpointStore)
+    assert store.db is runtime.database
+    assert checkpoint_store_for(runtime) is store  # one store per connection
+    await store.put(checkpoint())
+    await store.close()  # the runtime's connection is not the store's to close
+    assert runtime.database.is_open
+    async with runtime.session("s", "u"):
+        assert await runtime.step("a", lambda: 1) == 1
+    assert await store.latest("s", user_id="u") is not None
+    await runtime.close()
+    with sqlite3.connect(sqlite_path) as conn:  # the journal file holds the checkpoints
+        assert conn.execute("SELECT COUNT(*) FROM loom_checkpoints").fetchone() == (1,)
+
+
+def test_only_journaled_runtimes_have_a_store_beside_them() -> None:
+    class Homemade:
+        backend = "custom"
+
+    with pytest.raises(UserError, match="journal"):
+        checkpoint_store_for(Homemade())
+    memory = InMemoryRuntime()
+    assert isinstance(checkpoint_store_for(memory), InMemoryCheckpointStore)
+
+
+async def test_migrations_are_recorded_once_per_component(sqlite_path: Path) -> None:
+    stores = [SqliteCheckpointStore(sqlite_path, auto_migrate=False) for _ in range(4)]
+    assert await asyncio.gather(*(s.migrate() for s in stores)) == [SCHEMA_VERSION] * 4
+    for store in stores:
+        await store.close()
+    with sqlite3.connect(sqlite_path) as conn:
+        rows = conn.execute(
+            "SELECT version FROM loom_schema_version WHERE component = 'checkpoints'"
+        ).fetchall()
+    assert rows == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+
+
+async def test_without_auto_migrate_the_table_must_be_migrated_first(sqlite_path: Path) -> None:
+    runtime = SqliteRuntime(sqlite_path, auto_migrate=False)
+    await runtime.migrate()
+    store = checkpoint_store_for(runtime)
+    with pytest.raises(StoreUnavailableError, match="no such table"):
+        await store.put(checkpoint())
+    assert await store.migrate() == SCHEMA_VERSION
+    await store.put(checkpoint())
+    assert await store.latest("s", user_id="u") is not None
+    await runtime.close()
+
+
+async def _damage(path: Path, sql: str) -> None:
+    def run() -> None:
+        with sqlite3.connect(path) as conn:
+            conn.execute(sql)
+
+    await asyncio.to_thread(run)
+
+
+async def test_a_damaged_checkpoint_is_a_typed_error(sqlite_path: Path) -> None:
+    store = SqliteCheckpointStore(sqlite_path)
+    await store.put(checkpoint())
+    await _damage(sqlite_path, "UPDATE loom_checkpoints SET messages = X'7b6e6f74'")
+    with pytest.raises(CheckpointError, match="cannot be decoded"):
+        await store.latest("s", user_id="u")
+    await _damage(sqlite_path, "UPDATE loom_checkpoints SET messages = X'5b5d', codec_version = 99")
+    with pytest.raises(CheckpointError, match="newer"):
+        await store.latest("s", user_id="u")
+    await _damage(
+        sqlite_path, "UPDATE loom_checkpoints SET messages = X'5b315d', codec_version = 1"
+    )
+    with pytest.raises(CheckpointError, match="transcript"):
+        await store.latest("s", user_id="u")
+    await store.close()
+
+
+async def test_resume_falls_back_to_the_journal_when_the_snapshot_is_damaged(
+    sqlite_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runtime = SqliteRuntime(sqlite_path)
+    shop = Shop(fail_at=2)
+    agent = shopping_agent(runtime, shop)
+    with pytest.raises(ConnectionError):
+        await agent.run("shop", session_id="s", user_id="u")
+    await _damage(sqlite_path, "UPDATE loom_checkpoints SET messages = X'00'")
+    with caplog.at_level(logging.WARNING, logger="loomflow.agent"):
+        result = await agent.resume("shop", session_id="s", user_id="u")
+    assert result.restored_from is None
+    assert result.replayed_steps == 4  # the journal walk: two model calls, two tool calls
+    assert shop.bought == ["apples", "bread", "cheese"]
+    assert "replaying the journal" in caplog.text
+    await runtime.close()
+
+
+async def test_strict_replay_refuses_a_damaged_snapshot(sqlite_path: Path) -> None:
+    runtime = SqliteRuntime(sqlite_path)
+    agent = shopping_agent(runtime, Shop(), strict_replay=True)
+    await agent.run("shop", session_id="s", user_id="u")
+    await _damage(sqlite_path, "UPDATE loom_checkpoints SET messages = X'00'")
+    with pytest.raises(CheckpointError):
+        await agent.resume("shop", session_id="s", user_id="u")
+    await runtime.close()
+
+
+async def test_misuse_is_a_user_error() -> None:
+    shop = Shop()
+    without_runtime = shopping_agent(None, shop)
+    with pytest.raises(UserError, match="journaled runtime"):
+        await without_runtime.run("shop")
+    with pytest.raises(UserError, match="without a runtime"):
+        await without_runtime.list_checkpoints("s")
+    plain = Agent("x", model=shop.model, tools=[shop.tool], runtime=InMemoryRuntime())
+    with pytest.raises(UserError, match="checkpoint=True"):
+        await plain.resume("shop", session_id="s", from_checkpoint="x")
+    with pytest.raises(UserError, match="from_checkpoint"):
+        await plain.resume("shop", session_id="s", fork_session_id="f")
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        Tuning(checkpoint_retention=0)
+
+
+async def test_an_agent_inside_another_run_writes_no_checkpoints() -> None:
+    runtime = InMemoryRuntime()
+    shop = Shop()
+    worker = shopping_agent(None, shop)
+    worker.name = "worker"
+
+    def lead(messages: list[Message], tools: list[ToolSpec]) -> object:
+        if messages[-1].role == "tool":
+            return messages[-1].content
+        return [ToolCall(id="w", name="worker", arguments={"task": "shop"})]
+
+    outer = Agent(
+        "lead",
+        model=FunctionModel(lead),  # type: ignore[arg-type]
+        tools=[worker.as_tool()],
+        runtime=runtime,
+        tuning=Tuning(checkpoint=True),
+    )
+    result = await outer.run("go", session_id="s", user_id="u")
+    assert result.output.startswith("bought: ")
+    # Only the outer run's two passes: the worker shares its session, not its snapshots.
+    assert [c.turn for c in await outer.list_checkpoints("s", user_id="u")] == [2, 1]
+
+
+@pytest.mark.postgres
+async def test_postgres_stores_from_a_dsn_or_a_pool(pg_dsn: str) -> None:
+    import asyncpg
+
+    owned = PostgresCheckpointStore(pg_dsn)
+    await owned.put(checkpoint())
+    await owned.close()
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    adopted = PostgresCheckpointStore(pool)
+    assert await adopted.latest("s", user_id="u") is not None
+    await adopted.close()
+    assert await pool.fetchval("SELECT count(*) FROM loom_checkpoints") == 1  # pool still open
+    await pool.close()
+    runtime = await PostgresRuntime.connect(pg_dsn)
+    store = checkpoint_store_for(runtime)
+    assert isinstance(store, SqlCheckpointStore)
+    assert store.db is runtime.database
+    assert (await schema_versions(runtime.database))["checkpoints"] == SCHEMA_VERSION
+    await runtime.close()
+
+
+async def test_an_unreachable_database_is_a_store_error() -> None:
+    store = PostgresCheckpointStore("postgresql://nobody@127.0.0.1:1/none")
+    with pytest.raises(StoreUnavailableError, match="connect"):
+        await store.latest("s", user_id="u")
+
+
+def test_public_names_are_exported_and_sorted() -> None:
+    import loomflow.checkpoints
+    import loomflow.memory
+
+    for module in (loomflow.checkpoints, loomflow.memory):
+        names = list(module.__all__)
+        assert names == sorted(names), module.__name__
+        for name in names:
+            assert getattr(module, name) is not None

@@ -1,0 +1,197 @@
+"""Memory beyond the conformance suite: construction, sharing, no journal, limits, damage."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent
+from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
+from loomflow.errors import ConfigurationError, CorruptEntryError, UserError
+from loomflow.memory import (
+    InMemoryMemory,
+    InMemoryMemoryStore,
+    Memory,
+    PostgresMemory,
+    SqliteMemory,
+    SqlMemoryStore,
+    memory_for,
+    memory_from_url,
+)
+from loomflow.memory.migrations import SCHEMA_VERSION
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import InMemoryRuntime, PostgresRuntime, SqliteRuntime
+from loomflow.storage import schema_versions
+from loomflow.testing.memory_conformance import recalling_model
+from loomflow.tools import Tool, tool
+
+
+async def test_urls_name_their_backend(tmp_path: Path) -> None:
+    assert isinstance(memory_from_url("memory://").store, InMemoryMemoryStore)
+    memory = memory_from_url(f"sqlite:///{tmp_path / 'm.db'}")
+    assert memory.backend == "sqlite"
+    await memory.set_block("notes", "x", user_id="u")
+    await memory.close()
+    assert memory_from_url("postgresql://u@h/db").backend == "postgres"
+    with pytest.raises(ConfigurationError, match="scheme"):
+        memory_from_url("mysql://u@h/db")
+
+
+async def test_memory_beside_a_runtime_shares_its_connection(sqlite_path: Path) -> None:
+    runtime = SqliteRuntime(sqlite_path)
+    memory = memory_for(runtime)
+    assert isinstance(memory.store, SqlMemoryStore)
+    assert memory.store.db is runtime.database
+    assert memory_for(runtime).store is memory.store
+    await memory.remember("a", "b", "c", user_id="u")
+    await memory.close()  # not the memory's connection to close
+    assert runtime.database.is_open
+    assert (await schema_versions(runtime.database))["memory"] == SCHEMA_VERSION
+    await runtime.close()
+    assert isinstance(memory_for(InMemoryRuntime()).store, InMemoryMemoryStore)
+
+    class Homemade:
+        backend = "custom"
+
+    with pytest.raises(UserError, match="journal"):
+        memory_for(Homemade())
+
+
+async def test_migrations_are_recorded_once(sqlite_path: Path) -> None:
+    memories = [SqliteMemory(sqlite_path, auto_migrate=False) for _ in range(4)]
+    assert await asyncio.gather(*(m.migrate() for m in memories)) == [SCHEMA_VERSION] * 4
+    for memory in memories:
+        await memory.close()
+    with sqlite3.connect(sqlite_path) as conn:
+        rows = conn.execute(
+            "SELECT version FROM loom_schema_version WHERE component = 'memory'"
+        ).fetchall()
+    assert rows == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+
+
+async def test_without_a_journal_every_run_adds_an_episode() -> None:
+    memory = InMemoryMemory()
+    agent = Agent("x", model=recalling_model(), memory=memory)
+    await agent.run("one", session_id="s", user_id="u")
+    await agent.run("two", session_id="s", user_id="u")
+    answer = await agent.run("what did I say?", session_id="s", user_id="u")
+    assert answer.output == "you said: one | two"
+    episodes = await memory.episodes("s", user_id="u")
+    assert [e.epoch for e in episodes] == [None, None, None]
+    assert len({e.key for e in episodes}) == 3
+
+
+async def test_history_episodes_limits_what_a_run_recalls() -> None:
+    memory = InMemoryMemory(history_episodes=1)
+    agent = Agent("x", model=recalling_model(), runtime=InMemoryRuntime(), memory=memory)
+    for text in ("one", "two", "three"):
+        await agent.run(text, session_id="s", user_id="u")
+    answer = await agent.run("what did I say?", session_id="s", user_id="u")
+    assert answer.output == "you said: three"
+    with pytest.raises(UserError):
+        InMemoryMemory(history_episodes=-1)
+
+
+async def test_an_interrupted_run_records_only_answered_turns() -> None:
+    class StopBeforeTools(RunHooks):
+        async def before_tool_call(
+            self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
+        ) -> ToolCall:
+            raise Interrupt("guardrail:tools", "no tools today")
+
+    class RefuseInput(RunHooks):
+        async def check_input(self, info: RunInfo, prompt: str) -> str:
+            raise Interrupt("guardrail:input")
+
+    @tool
+    def look() -> str:
+        """Look."""
+        return "seen"
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        return [ToolCall(id="l", name="look", arguments={})]
+
+    memory = InMemoryMemory()
+    runtime = InMemoryRuntime()
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[look],
+        runtime=runtime,
+        memory=memory,
+        hooks=[StopBeforeTools()],
+    )
+    result = await agent.run("look around", session_id="s", user_id="u")
+    assert result.interruption_reason == "guardrail:tools"
+    (episode,) = await memory.episodes("s", user_id="u")
+    # The tool request never got its result: it is not handed to the next run's model.
+    assert [m.role for m in episode.messages] == ["user"]
+    refused = Agent("x", model=FunctionModel(decide), memory=memory, hooks=[RefuseInput()])
+    await refused.run("bad input", session_id="t", user_id="u")
+    assert await memory.episodes("t", user_id="u") == []
+
+
+def test_memory_must_be_a_memory() -> None:
+    with pytest.raises(UserError, match="Memory"):
+        Agent("x", model="scripted", memory=object())
+
+
+async def test_a_damaged_episode_is_a_corrupt_entry(sqlite_path: Path) -> None:
+    memory = SqliteMemory(sqlite_path)
+    await memory.record_episode(
+        "s", user_id="u", key="k", messages=[Message.user("hi")], output="", epoch=0
+    )
+
+    def damage() -> None:
+        with sqlite3.connect(sqlite_path) as conn:
+            conn.execute("UPDATE loom_memory_episodes SET messages = X'7b'")
+
+    await asyncio.to_thread(damage)
+    with pytest.raises(CorruptEntryError, match="cannot be decoded"):
+        await memory.episodes("s", user_id="u")
+    await memory.close()
+
+
+async def test_memory_tools_outside_a_run_use_the_anonymous_bucket() -> None:
+    memory = InMemoryMemory()
+    tools = {t.name: t for t in memory.tools()}
+    outcome = await tools["write_block"].invoke({"name": "notes", "content": "hello"})
+    assert outcome.ok
+    block = await memory.block("notes", user_id=None)
+    assert block is not None
+    assert block.content == "hello"
+    read = await tools["read_block"].invoke({"name": "notes"})
+    assert read.as_text() == "hello"
+    assert (await tools["recall_facts"].invoke({})).as_text() == "nothing remembered"
+
+
+async def test_the_store_protocol_is_satisfied() -> None:
+    from loomflow.memory import MemoryStore
+
+    assert isinstance(InMemoryMemoryStore(), MemoryStore)
+    assert isinstance(Memory(InMemoryMemoryStore()).store, MemoryStore)
+
+
+@pytest.mark.postgres
+async def test_postgres_memory_from_a_dsn_a_pool_or_a_runtime(pg_dsn: str) -> None:
+    import asyncpg
+
+    owned = PostgresMemory(pg_dsn)
+    await owned.set_block("notes", "x", user_id="u")
+    await owned.close()
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    adopted = PostgresMemory(pool)
+    assert [b.content for b in await adopted.blocks(user_id="u")] == ["x"]
+    await adopted.close()
+    assert await pool.fetchval("SELECT count(*) FROM loom_memory_blocks") == 1
+    await pool.close()
+    runtime = await PostgresRuntime.connect(pg_dsn)
+    shared = memory_for(runtime)
+    assert isinstance(shared.store, SqlMemoryStore)
+    assert shared.store.db is runtime.database
+    await runtime.close()
