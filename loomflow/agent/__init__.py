@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..checkpoints import CheckpointRestored, CheckpointSaved
 from ._agent import Agent
 from ._types import (
     AgentEvent,
@@ -17,6 +18,8 @@ from ._types import (
 __all__ = [
     "Agent",
     "AgentEvent",
+    "CheckpointRestored",
+    "CheckpointSaved",
     "ModelDeltaEvent",
     "RunFinished",
     "RunResult",

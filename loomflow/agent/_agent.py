@@ -34,6 +34,8 @@ from typing import Any
 from pydantic import BaseModel
 from ulid import ULID
 
+from ..audit.redaction import Redactor
+from ..audit.sealing import SealedValueLost, Sealer
 from ..checkpoints import (
     Checkpoint,
     CheckpointRestored,
@@ -186,6 +188,9 @@ class Agent:
         self.budget = budget
         self.permissions = permissions
         self.audit = audit
+        # Seals sensitive tool arguments before model responses are journaled (see
+        # loomflow.audit.sealing); the audit log's redactor when there is one.
+        self._redactor: Redactor = getattr(audit, "redactor", None) or Redactor.from_settings()
         self.guardrails = tuple(guardrails)
         self.telemetry = telemetry
         self.tuning = tuning or Tuning()
@@ -411,8 +416,11 @@ class Agent:
             prompt=prompt,
             epoch=getattr(run, "epoch", None),
             resumed=bool(getattr(run, "resumed", False)) or restore is not None,
+            tools=self.tools,
+            runtime=runtime,
             _emit=pending.append,
         )
+        sealer = Sealer(self.tools, self._redactor)
         hooks = self._hooks
 
         async def flush() -> list[BaseModel]:
@@ -430,6 +438,7 @@ class Agent:
         output = ""
         turns = 0
         interrupted: str | None = "max_turns"
+        checking_output = False
         messages: list[Message] = []
         prompt_index = 0  # where the run's own messages start (after system prompt and history)
         answered = False  # a restored snapshot that already holds the final answer
@@ -513,10 +522,18 @@ class Agent:
                     nonlocal live
                     live = True
                     for i, hook in enumerate(hooks):
-                        tokens[i] = await hook.before_model_call(info, turn, msgs, settings)
+                        try:
+                            tokens[i] = await hook.before_model_call(info, turn, msgs, settings)
+                        except BaseException as exc:
+                            # Hooks that already reserved (a budget, say) must get it back.
+                            for earlier, token in zip(hooks[:i], tokens[:i], strict=True):
+                                await earlier.model_call_failed(info, turn, exc, token)
+                            raise
                     try:
-                        async for chunk in self.model.stream(msgs, tools=tools, settings=settings):
-                            yield chunk
+                        stream = self.model.stream(msgs, tools=tools, settings=settings)
+                        async with contextlib.aclosing(sealer.stream(stream)) as sealed:
+                            async for chunk in sealed:
+                                yield chunk
                     except BaseException as exc:
                         for hook, token in zip(hooks, tokens, strict=True):
                             await hook.model_call_failed(info, turn, exc, token)
@@ -555,7 +572,7 @@ class Agent:
                 for slot, call in enumerate(response.tool_calls):
                     yield ToolCallStarted(turn=turn, slot=slot, call=call)
                 calls = [
-                    self._call_tool(runtime, info, turn, slot, call)
+                    self._call_tool(runtime, info, turn, slot, call, sealer)
                     for slot, call in enumerate(response.tool_calls)
                 ]
                 try:
@@ -585,13 +602,22 @@ class Agent:
                 for event in await flush():
                     yield event
             if interrupted is None:
+                checking_output = True
+                checked, output = output, ""  # an answer a guardrail blocks must not leave the run
                 for hook in hooks:
-                    output = await hook.check_output(info, output)
+                    checked = await hook.check_output(info, checked)
+                output = checked
         except Interrupt as stop:
             interrupted = stop.reason
+            if checking_output and messages and messages[-1].role == "assistant":
+                messages.pop()  # the blocked answer stays out of the transcript and the episode
             for event in await flush():
                 yield event
         except BaseException as exc:
+            # Hooks still see what was emitted before the failure (a BudgetUnavailable, say):
+            # the audit log records it before the failed run's end.
+            with contextlib.suppress(Exception):
+                await flush()
             for hook in hooks:
                 await hook.run_finished(info, None, exc)
             raise
@@ -625,7 +651,7 @@ class Agent:
         yield RunFinished(result=result)
 
     async def _call_tool(
-        self, runtime: Any, info: RunInfo, turn: int, slot: int, call: ToolCall
+        self, runtime: Any, info: RunInfo, turn: int, slot: int, call: ToolCall, sealer: Sealer
     ) -> tuple[ToolOutcome, bool]:
         step_name = tool_step_name(turn, slot, call)
         live = False
@@ -633,7 +659,10 @@ class Agent:
         async def invoke(tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
             nonlocal live
             live = True
-            current = call
+            try:
+                current = sealer.unseal(call)  # the real values, for this invocation only
+            except SealedValueLost as lost:
+                return sealer.lost(lost)
             answer: ToolOutcome | None = None
             for hook in self._hooks:
                 checked = await hook.before_tool_call(
@@ -650,7 +679,7 @@ class Agent:
                     outcome = await self._invoke(current.name, current.arguments)
             for hook in self._hooks:
                 outcome = await hook.check_tool_result(info, turn, slot, call, outcome)
-            return outcome
+            return sealer.scrub(outcome)  # journaled and shown to the model without secrets
 
         outcome = await runtime.step(step_name, invoke, call.name, call.arguments)
         return outcome, not live

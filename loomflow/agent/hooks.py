@@ -12,7 +12,7 @@ something to the stream (and so to the other hooks) with ``info.emit(event)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ class RunInfo:
     prompt: str
     epoch: int | None = None
     resumed: bool = False
+    tools: Mapping[str, Tool[..., Any]] = field(default_factory=dict)
+    runtime: Any = None
     _emit: Callable[[BaseModel], None] = field(default=lambda _e: None, repr=False)
 
     @property

@@ -120,6 +120,13 @@ async def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "migrate":
             version = await runtime.migrate()
             print(f"journal schema at version {version}")
+            if getattr(runtime, "database", None) is not None:
+                from ..checkpoints import checkpoint_store_for
+                from ..memory import memory_for
+
+                checkpoints = await checkpoint_store_for(runtime).migrate()
+                print(f"checkpoints schema at version {checkpoints}")
+                print(f"memory schema at version {await memory_for(runtime).migrate()}")
             return 0
         if args.command == "runs" and args.runs_command == "list":
             return await _runs_list(runtime, args)

@@ -296,10 +296,12 @@ class JournalRuntime:
         return await self._store.migrate()
 
     async def close(self) -> None:
-        """Close the connection (or pool) this runtime opened."""
-        if self._opened:
-            await self._store.close()
-            self._opened = False
+        """Close the connection (or pool) this runtime opened.
+
+        Also when the runtime itself never connected: a store sharing its database may have.
+        """
+        await self._store.close()
+        self._opened = False
 
     async def __aenter__(self) -> JournalRuntime:
         await self._ensure_open()

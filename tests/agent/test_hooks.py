@@ -137,3 +137,23 @@ def test_components_must_be_hooks() -> None:
 
     with pytest.raises(UserError, match="RunHooks"):
         Agent("x", model="scripted", budget=object())
+
+
+class BlockOutput(RunHooks):
+    async def check_output(self, info: RunInfo, text: str) -> str:
+        raise Interrupt("guardrail:secrets", "answer held a secret")
+
+
+async def test_a_blocked_answer_never_leaves_the_run() -> None:
+    agent = Agent("x", model=ScriptedModelFor("the password is hunter22"), hooks=[BlockOutput()])
+    result = await agent.run("tell me")
+    assert result.interrupted
+    assert result.interruption_reason == "guardrail:secrets"
+    assert result.output == ""
+    assert all("hunter22" not in m.content for m in result.messages)
+
+
+def ScriptedModelFor(text: str) -> Any:
+    from loomflow.models import ScriptedModel
+
+    return ScriptedModel([text])

@@ -122,11 +122,6 @@ def test_canaries_never_reach_logs(traces: Traces) -> None:
         assert canary not in traces.logs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the sealing patch to loomflow/agent/_agent.py (see docs/audit.md); "
-    "remove this marker when it lands",
-)
 def test_canaries_never_reach_the_journal(traces: Traces) -> None:
     assert b"model_call_0" in traces.journal
     for canary in CANARIES:
