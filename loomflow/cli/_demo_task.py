@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..agent import Agent, RunResult
+from ..audit import AuditLog, SqliteAuditStore
+from ..governance import Cap, SqlBudgetStore, StandardBudget
 from ..messages import Message, ToolCall, ToolSpec
 from ..models import FunctionModel
 from ..runtime import JournalRuntime, StepEvent, runtime_from_url
@@ -103,6 +105,22 @@ def model(stop_after: int | None) -> FunctionModel:
     return FunctionModel(decide, name="scripted-order-bot")
 
 
+TOKEN_CAP = 20_000
+
+
+def governance(runtime: JournalRuntime) -> tuple[AuditLog, StandardBudget]:
+    """The audit log and budget of the demo, kept in the journal's own database."""
+    db = getattr(runtime, "database")  # noqa: B009 - SQL runtimes only
+    if db.backend == "sqlite":
+        store: Any = SqliteAuditStore(db)
+    else:
+        from ..audit import PostgresAuditStore
+
+        store = PostgresAuditStore(db)
+    budget = StandardBudget([Cap("tokens_total", TOKEN_CAP)], store=SqlBudgetStore(db))
+    return AuditLog(store), budget
+
+
 async def run_task(
     runtime: JournalRuntime,
     ledger: Path,
@@ -116,11 +134,14 @@ async def run_task(
     """Run (or resume) the order agent as one journaled run; collect step events if asked."""
     if steps is not None:
         runtime.add_observer(steps.append)
+    audit, budget = governance(runtime)
     agent = Agent(
         INSTRUCTIONS,
         model=model(stop_after),
         tools=tools(ledger),
         runtime=runtime,
+        audit=audit,
+        budget=budget,
         name="order-bot",
     )
     if resume:

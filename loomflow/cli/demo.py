@@ -16,7 +16,7 @@ from ulid import ULID
 
 from ..agent import RunResult
 from ..runtime import StepEvent, runtime_from_url
-from ._demo_task import PLAN, TOOL_NAMES, run_task
+from ._demo_task import PLAN, TOOL_NAMES, governance, run_task
 
 USER = "alice@example.com"
 
@@ -94,6 +94,11 @@ def run_demo(*, postgres: str | None, workdir: Path | None, stop_after: int) -> 
         count = str(effects[label]) if label in effects else "-"
         print(f"{label:<34} {status:<22} {count:>12}")
     print(f"\nfinal answer: {result.output}")
+    trail, budget_lines = asyncio.run(_governance_report(url, session))
+    print(f"\naudit trail of {USER} for this session ({len(trail)} entries, both processes):")
+    for line in trail:
+        print(f"  {line}")
+    print("budget:", "; ".join(budget_lines))
     print(f"tokens: {result.tokens_in} in, {result.tokens_out} out; cost ${result.cost_usd:.4f}")
     hits = sum(1 for e in steps if e.outcome == "hit")
     misses = sum(1 for e in steps if e.outcome != "hit")
@@ -121,6 +126,27 @@ def _label(step_name: str) -> str:
         turn, slot = (int(x) for x in step_name.split("_")[2:4])
         return PLAN[turn][slot][0]
     return step_name
+
+
+async def _governance_report(url: str, session: str) -> tuple[list[str], list[str]]:
+    runtime = runtime_from_url(url)
+    try:
+        await runtime.open()
+        audit, budget = governance(runtime)
+        page = await audit.query(user_id=USER, session_id=session, limit=500)
+        trail = []
+        for entry in page.entries:
+            detail = entry.payload.get("tool") or entry.payload.get("outcome") or ""
+            trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}")
+        report = await audit.verify(user_id=USER)
+        trail.append(f"chain verified: {'ok' if report.ok else 'PROBLEMS FOUND'}")
+        caps = [
+            f"{c.cap} used {c.used:,.0f} of {c.limit:,.0f} ({c.fraction:.1%})"
+            for c in await budget.status(USER)
+        ]
+        return trail, caps
+    finally:
+        await runtime.close()
 
 
 async def _resume(url: str, ledger: Path, session: str, steps: list[StepEvent]) -> RunResult:

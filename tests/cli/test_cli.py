@@ -29,6 +29,10 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
     assert "replayed from journal" in out
     assert "ran fresh" in out
     assert "hits=5 misses=5 divergences=0" in out
+    assert "chain verified: ok" in out
+    assert "tool.replay      charge_card" in out  # the replay is audited as a replay
+    assert out.count("tool.call        charge_card") == 1  # and the charge once, as live
+    assert "user.tokens_total used" in out
     ledger = [
         json.loads(line) for line in (tmp_path / "side-effects.jsonl").read_text().splitlines()
     ]
