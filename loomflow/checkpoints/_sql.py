@@ -7,16 +7,16 @@ or URL owns its database. The table is migrated on first use (component ``checkp
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
 from ..messages import Usage
 from ..runtime import codec
 from ..runtime._store import Scope
-from ..storage import Database, PostgresDatabase, SqliteDatabase, apply_migrations
+from ..storage import PostgresDatabase, SqliteDatabase
+from ..storage._component import ComponentStore
 from ._types import Checkpoint, decode_messages, encode_messages, timestamp
 from .inmemory import export_document
 from .migrations import COMPONENT, MIGRATIONS
@@ -78,7 +78,7 @@ def _row(row: Sequence[Any]) -> Checkpoint:
     )
 
 
-class SqlCheckpointStore:
+class SqlCheckpointStore(ComponentStore):
     """Checkpoints in a SQLite or PostgreSQL :class:`~loomflow.storage.Database`.
 
     Args:
@@ -89,54 +89,8 @@ class SqlCheckpointStore:
             ``LOOMFLOW_AUTO_MIGRATE`` setting).
     """
 
-    def __init__(
-        self,
-        db: Database,
-        *,
-        owns_db: bool = False,
-        auto_migrate: bool | None = None,
-        settings: Settings | None = None,
-        opener: Callable[[], Awaitable[object]] | None = None,
-    ) -> None:
-        self.db = db
-        self.backend = db.backend
-        self._owns_db = owns_db
-        self._opener = opener
-        self.auto_migrate = (
-            (settings or Settings()).auto_migrate if auto_migrate is None else auto_migrate
-        )
-        self._migrated = False
-        self._ready_lock = asyncio.Lock()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.db!r})"
-
-    async def open(self) -> None:
-        if not (self._migrated and self.db.is_open):
-            async with self._ready_lock:
-                await self._open_once()
-
-    async def _open_once(self) -> None:
-        if not self.db.is_open:
-            # A shared connection is opened by its owner (the runtime), which then also
-            # closes it; opening it behind the owner's back would leak it past its close().
-            await (self._opener() if self._opener is not None else self.db.open())
-        if not self._migrated:
-            if self.auto_migrate:
-                await apply_migrations(self.db, COMPONENT, MIGRATIONS)
-            self._migrated = True
-
-    async def close(self) -> None:
-        if self._owns_db:
-            await self.db.close()
-
-    async def migrate(self) -> int:
-        await self.db.open()
-        return await apply_migrations(self.db, COMPONENT, MIGRATIONS)
-
-    async def _fetch(self, what: str, sql: str, *args: Any) -> Sequence[Sequence[Any]]:
-        await self.open()
-        return await self.db.fetch(sql, *args, what=f"checkpoint {what}")
+    component = COMPONENT
+    migrations = MIGRATIONS
 
     async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)

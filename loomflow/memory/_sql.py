@@ -7,16 +7,14 @@ first use (component ``memory``). Every statement filters on the user's key.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from ..config import Settings
 from ..runtime import codec
 from ..runtime._store import Scope
-from ..storage import Database, apply_migrations
+from ..storage._component import ComponentStore
 from ._types import (
     TICK,
     Block,
@@ -130,7 +128,7 @@ def _fact_lock(user_key: str, subject: str, predicate: str) -> int:
     return zlib.crc32(json.dumps(["loomflow-fact", user_key, subject, predicate]).encode())
 
 
-class SqlMemoryStore:
+class SqlMemoryStore(ComponentStore):
     """A :class:`~loomflow.memory.MemoryStore` in a SQLite or PostgreSQL database.
 
     Args:
@@ -140,54 +138,8 @@ class SqlMemoryStore:
             ``LOOMFLOW_AUTO_MIGRATE`` setting).
     """
 
-    def __init__(
-        self,
-        db: Database,
-        *,
-        owns_db: bool = False,
-        auto_migrate: bool | None = None,
-        settings: Settings | None = None,
-        opener: Callable[[], Awaitable[object]] | None = None,
-    ) -> None:
-        self.db = db
-        self.backend = db.backend
-        self._owns_db = owns_db
-        self._opener = opener
-        self.auto_migrate = (
-            (settings or Settings()).auto_migrate if auto_migrate is None else auto_migrate
-        )
-        self._migrated = False
-        self._ready_lock = asyncio.Lock()
-
-    def __repr__(self) -> str:
-        return f"SqlMemoryStore({self.db!r})"
-
-    async def open(self) -> None:
-        if not (self._migrated and self.db.is_open):
-            async with self._ready_lock:
-                await self._open_once()
-
-    async def _open_once(self) -> None:
-        if not self.db.is_open:
-            # A shared connection is opened by its owner (the runtime), which then also
-            # closes it; opening it behind the owner's back would leak it past its close().
-            await (self._opener() if self._opener is not None else self.db.open())
-        if not self._migrated:
-            if self.auto_migrate:
-                await apply_migrations(self.db, COMPONENT, MIGRATIONS)
-            self._migrated = True
-
-    async def close(self) -> None:
-        if self._owns_db:
-            await self.db.close()
-
-    async def migrate(self) -> int:
-        await self.db.open()
-        return await apply_migrations(self.db, COMPONENT, MIGRATIONS)
-
-    async def _fetch(self, what: str, sql: str, *args: Any) -> Sequence[Sequence[Any]]:
-        await self.open()
-        return await self.db.fetch(sql, *args, what=f"memory {what}")
+    component = COMPONENT
+    migrations = MIGRATIONS
 
     # -- episodes ----------------------------------------------------------------------------
 
