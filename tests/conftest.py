@@ -71,7 +71,7 @@ def sqlite_path(tmp_path: Path) -> Path:
     return tmp_path / "journal.db"
 
 
-@pytest.fixture(params=["memory", "sqlite", "postgres"])
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def runtime_factory(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[Callable[..., Awaitable[JournalRuntime]]]:
