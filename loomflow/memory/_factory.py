@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..errors import UserError
-from ..storage import Database, database_from_url
+from ..storage import database_from_url
+from ..storage._component import store_beside
 from ._memory import Memory
+from ._protocol import MemoryStore
 from ._sql import SqlMemoryStore
 from .inmemory import InMemoryMemoryStore
 
 __all__ = ["memory_for", "memory_from_url"]
-
-# The store is kept on the object that holds the storage (the SQL runtime's Database, or the
-# in-memory journal), so runtimes over one journal share one store and it lives exactly as
-# long as that storage.
-_ATTRIBUTE = "_loomflow_memory_store"
 
 
 def memory_for(runtime: Any, *, history_episodes: int | None = 20) -> Memory:
@@ -26,26 +23,9 @@ def memory_for(runtime: Any, *, history_episodes: int | None = 20) -> Memory:
     ``SqliteRuntime`` or ``PostgresRuntime`` gets the memory tables in its database, created
     on first use unless the runtime was built with ``auto_migrate=False``.
     """
-    database = getattr(runtime, "database", None)
-    key = database if isinstance(database, Database) else getattr(runtime, "_store", None)
-    if key is None:
-        raise UserError(
-            f"{type(runtime).__name__} keeps no journal to store memory beside; use "
-            "InMemoryMemory, SqliteMemory or PostgresMemory"
-        )
-    store = getattr(key, _ATTRIBUTE, None)
-    if store is None:
-        if isinstance(database, Database):
-            store = SqlMemoryStore(
-                database,
-                auto_migrate=getattr(runtime, "_auto_migrate", None),
-                opener=runtime.open,
-            )
-        elif getattr(runtime, "backend", None) == "memory":
-            store = InMemoryMemoryStore()
-        else:
-            raise UserError(f"no memory backend is known for {type(runtime).__name__}")
-        setattr(key, _ATTRIBUTE, store)
+    sql: Callable[..., MemoryStore] = SqlMemoryStore
+    in_memory: Callable[[], MemoryStore] = InMemoryMemoryStore
+    store = store_beside(runtime, what="memory", sql_store=sql, memory_store=in_memory)
     return Memory(store, history_episodes=history_episodes)
 
 

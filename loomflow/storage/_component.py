@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from ..config import Settings
 from ._database import Database
 from ._migrations import Migration, apply_migrations
 
-__all__ = ["ComponentStore"]
+__all__ = ["ComponentStore", "store_beside"]
+
+T = TypeVar("T")
 
 
 class ComponentStore:
@@ -79,3 +81,41 @@ class ComponentStore:
     async def _fetch(self, what: str, sql: str, *args: Any) -> Sequence[Sequence[Any]]:
         await self.open()
         return await self.db.fetch(sql, *args, what=f"{self.component} {what}")
+
+
+def store_beside(
+    runtime: Any,
+    *,
+    what: str,
+    sql_store: Callable[..., T],
+    memory_store: Callable[[], T],
+) -> T:
+    """The ``what`` store that lives beside ``runtime``'s journal, created once per journal.
+
+    A SQL runtime gets ``sql_store(database, auto_migrate=..., opener=runtime.open)`` on its own
+    connection; an in-memory journal gets ``memory_store()``. The store is kept on the object
+    that holds the storage (the Database, or the in-memory journal), so runtimes over one
+    journal share one store and it lives exactly as long as that storage.
+    """
+    from ..errors import UserError  # here, not at the top: errors imports nothing of ours
+
+    database = getattr(runtime, "database", None)
+    key = database if isinstance(database, Database) else getattr(runtime, "_store", None)
+    if key is None:
+        raise UserError(
+            f"{type(runtime).__name__} keeps no journal to store {what} beside; use "
+            "InMemoryRuntime, SqliteRuntime or PostgresRuntime, or build the store explicitly"
+        )
+    attribute = f"_loomflow_{what.replace(' ', '_')}_store"
+    store: T | None = getattr(key, attribute, None)
+    if store is None:
+        if isinstance(database, Database):
+            store = sql_store(
+                database, auto_migrate=getattr(runtime, "_auto_migrate", None), opener=runtime.open
+            )
+        elif getattr(runtime, "backend", None) == "memory":
+            store = memory_store()
+        else:
+            raise UserError(f"no {what} store is known for {type(runtime).__name__}")
+        setattr(key, attribute, store)
+    return store
