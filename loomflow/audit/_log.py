@@ -16,6 +16,7 @@ from typing import Any, Literal, TextIO
 
 from pydantic import BaseModel
 
+from .._progress import OnProgress
 from ..agent.hooks import RunHooks, RunInfo
 from ..context import get_run_context
 from ..governance.events import BudgetDenied, BudgetWarning, GuardrailTripped, PermissionDecided
@@ -133,13 +134,25 @@ class AuditLog:
             cursor=cursor,
         )
 
-    async def export(self, dest: str | os.PathLike[str] | TextIO, **filters: Any) -> int:
-        """Write matching entries as JSON lines; see :meth:`AuditStore.export`."""
-        return await self.store.export(dest, **filters)
+    async def count(self, **filters: Any) -> int:
+        """How many entries the filters of :meth:`query` select; see :meth:`AuditStore.count`."""
+        return await self.store.count(**filters)
 
-    async def verify(self, *, user_id: str | None = ANY_USER) -> VerifyReport:
+    async def export(
+        self,
+        dest: str | os.PathLike[str] | TextIO,
+        *,
+        on_progress: OnProgress | None = None,
+        **filters: Any,
+    ) -> int:
+        """Write matching entries as JSON lines; see :meth:`AuditStore.export`."""
+        return await self.store.export(dest, on_progress=on_progress, **filters)
+
+    async def verify(
+        self, *, user_id: str | None = ANY_USER, on_progress: OnProgress | None = None
+    ) -> VerifyReport:
         """Check the hash chains; see :meth:`AuditStore.verify`."""
-        return await self.store.verify(user_id=user_id)
+        return await self.store.verify(user_id=user_id, on_progress=on_progress)
 
     async def close(self) -> None:
         """Close the store."""

@@ -146,35 +146,20 @@ class SqlAuditStore(AuditStore):
     async def _query(
         self, where: AuditFilter, limit: int, after: int | None
     ) -> tuple[list[AuditEntry], int | None]:
-        args: list[Any] = []
-
-        def param(value: Any) -> str:
-            args.append(value)
-            return f"${len(args)}"
-
-        conds: list[str] = []
-        if where.user_key is not None:
-            conds.append(f"user_key = {param(where.user_key)}")
-        if where.session_id is not None:
-            conds.append(f"session_id = {param(where.session_id)}")
-        if where.run_id is not None:
-            conds.append(f"run_id = {param(where.run_id)}")
-        if where.action is not None:
-            conds.append(f"action = {param(where.action)}")
-        if where.action_prefix:
-            conds.append(f"action >= {param(where.action_prefix)}")
-            conds.append(f"action < {param(_next_text(where.action_prefix))}")
-        if where.since_us is not None:
-            conds.append(f"time_us >= {param(where.since_us)}")
-        if where.until_us is not None:
-            conds.append(f"time_us < {param(where.until_us)}")
+        conds, args = _conditions(where)
         if after is not None:
-            conds.append(f"id > {param(after)}")
-        clause = f" WHERE {' AND '.join(conds)}" if conds else ""
-        sql = f"SELECT {_COLUMNS} FROM loom_audit{clause} ORDER BY id LIMIT {param(limit)}"
+            args.append(after)
+            conds.append(f"id > ${len(args)}")
+        args.append(limit)
+        sql = f"SELECT {_COLUMNS} FROM loom_audit{_where(conds)} ORDER BY id LIMIT ${len(args)}"
         rows = await self.db.fetch(sql, *args, what="audit query")
         entries = [_entry(row)[1] for row in rows]
         return entries, int(rows[-1][0]) if rows else None
+
+    async def _count(self, where: AuditFilter) -> int:
+        conds, args = _conditions(where)
+        sql = f"SELECT COUNT(*) FROM loom_audit{_where(conds)}"
+        return int((await self.db.fetch(sql, *args, what="audit count"))[0][0])
 
     async def _chain_items(self, only: str | None) -> AsyncIterator[ChainItem]:
         last_key, last_seq = "", 0
@@ -217,6 +202,37 @@ class SqlAuditStore(AuditStore):
                 what="audit heads",
             )
         return {str(r[0]): ChainHead(r[1], int(r[2]), str(r[3])) for r in rows}
+
+
+def _conditions(where: AuditFilter) -> tuple[list[str], list[Any]]:
+    """The SQL conditions of a filter, numbered ``$1..$n``, and their arguments."""
+    args: list[Any] = []
+
+    def param(value: Any) -> str:
+        args.append(value)
+        return f"${len(args)}"
+
+    conds: list[str] = []
+    if where.user_key is not None:
+        conds.append(f"user_key = {param(where.user_key)}")
+    if where.session_id is not None:
+        conds.append(f"session_id = {param(where.session_id)}")
+    if where.run_id is not None:
+        conds.append(f"run_id = {param(where.run_id)}")
+    if where.action is not None:
+        conds.append(f"action = {param(where.action)}")
+    if where.action_prefix:
+        conds.append(f"action >= {param(where.action_prefix)}")
+        conds.append(f"action < {param(_next_text(where.action_prefix))}")
+    if where.since_us is not None:
+        conds.append(f"time_us >= {param(where.since_us)}")
+    if where.until_us is not None:
+        conds.append(f"time_us < {param(where.until_us)}")
+    return conds, args
+
+
+def _where(conds: list[str]) -> str:
+    return f" WHERE {' AND '.join(conds)}" if conds else ""
 
 
 def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:

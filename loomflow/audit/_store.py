@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from .._progress import OnProgress, Progress
 from ..errors import UserError
 from ._entry import GENESIS, AuditEntry, AuditRecord, time_us_of, user_key
 
@@ -33,6 +34,8 @@ class _AnyUser:
     def __repr__(self) -> str:
         return "ANY_USER"
 
+
+_PAGE = 1000  # entries per page when reading everything (export, count, verify's reports)
 
 ANY_USER: Any = _AnyUser()
 """Default of ``user_id`` filters: every user (``None`` means the anonymous bucket)."""
@@ -279,39 +282,76 @@ class AuditStore(abc.ABC):
         """Up to ``limit`` matching entries stored after position ``after``, and the last
         position returned."""
 
-    async def entries(self, **filters: Any) -> AsyncIterator[AuditEntry]:
-        """Every matching entry, page by page (the filters of :meth:`query`)."""
+    async def count(self, **filters: Any) -> int:
+        """How many entries the filters of :meth:`query` select (over all its pages).
+
+        Example:
+            >>> await store.count(user_id="alice", action="tool.*", since=yesterday)
+            42
+        """
+        where = AuditFilter.build(**filters)
+        await self.open()
+        return await self._count(where)
+
+    async def _count(self, where: AuditFilter) -> int:
+        """Count matching entries; this default pages through :meth:`_query`."""
+        count, after = 0, None
+        while True:
+            entries, last = await self._query(where, _PAGE, after)
+            count += len(entries)
+            if len(entries) < _PAGE or last is None:
+                return count
+            after = last
+
+    async def _pages(self, **filters: Any) -> AsyncIterator[list[AuditEntry]]:
         cursor: str | None = None
         while True:
-            page = await self.query(**filters, limit=1000, cursor=cursor)
-            for entry in page.entries:
-                yield entry
+            page = await self.query(**filters, limit=_PAGE, cursor=cursor)
+            yield page.entries
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
 
-    async def export(self, dest: str | os.PathLike[str] | TextIO, **filters: Any) -> int:
+    async def entries(self, **filters: Any) -> AsyncIterator[AuditEntry]:
+        """Every matching entry, page by page (the filters of :meth:`query`)."""
+        async for page in self._pages(**filters):
+            for entry in page:
+                yield entry
+
+    async def export(
+        self,
+        dest: str | os.PathLike[str] | TextIO,
+        *,
+        on_progress: OnProgress | None = None,
+        **filters: Any,
+    ) -> int:
         """Write matching entries as JSON lines to a path or text stream; returns the count.
 
         The lines are the entries' exported form, so ``verify_lines`` (or any SHA-256
-        implementation) can re-check them offline.
+        implementation) can re-check them offline. ``filters`` are those of :meth:`query`.
+        With ``on_progress(done, total)``, the entries are counted first (:meth:`count`) and
+        the callback hears after every page of 1000.
         """
         if isinstance(dest, str | os.PathLike):
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
             with Path(dest).open("w", encoding="utf-8") as fh:  # noqa: ASYNC230
-                return await self.export(fh, **filters)
-        count = 0
+                return await self.export(fh, on_progress=on_progress, **filters)
+        progress = Progress(
+            on_progress, await self.count(**filters) if on_progress is not None else None
+        )
         buffer = io.StringIO()
-        async for entry in self.entries(**filters):
-            buffer.write(entry.to_line())
-            buffer.write("\n")
-            count += 1
+        async for page in self._pages(**filters):
+            for entry in page:
+                buffer.write(entry.to_line())
+                buffer.write("\n")
+            progress.advance(len(page))
             if buffer.tell() > 1 << 20:
                 dest.write(buffer.getvalue())
                 buffer = io.StringIO()
         dest.write(buffer.getvalue())
         dest.flush()
-        return count
+        progress.finish()
+        return progress.done
 
     async def head(self, user_id: str | None) -> ChainHead | None:
         """The recorded head of a user's chain, or ``None`` if the user has no entries."""
@@ -320,15 +360,27 @@ class AuditStore(abc.ABC):
 
     # -- verification -----------------------------------------------------------------------
 
-    async def verify(self, *, user_id: str | None = ANY_USER) -> VerifyReport:
-        """Walk the chains (one user's, or all) and report every break, with its place."""
+    async def verify(
+        self, *, user_id: str | None = ANY_USER, on_progress: OnProgress | None = None
+    ) -> VerifyReport:
+        """Walk the chains (one user's, or all) and report every break, with its place.
+
+        With ``on_progress(done, total)``, the entries are counted first (:meth:`count`) and
+        the callback hears after every 1000 stored items walked.
+        """
         await self.open()
         only = None if user_id is ANY_USER else user_key(user_id)
         heads = await self._heads(only)
         report = VerifyReport()
         checker: _ChainCheck | None = None
         seen: set[str] = set()
+        progress = Progress(
+            on_progress,
+            await self.count(user_id=user_id) if on_progress is not None else None,
+            every=_PAGE,
+        )
         async for key, position, item in self._chain_items(only):
+            progress.advance(1)
             if isinstance(item, ChainProblem):
                 report.problems.append(item)
                 continue
@@ -355,6 +407,7 @@ class AuditStore(abc.ABC):
                     )
                 )
         report.heads = [heads[k] for k in sorted(heads)]
+        progress.finish()
         return report
 
     @abc.abstractmethod

@@ -164,6 +164,18 @@ class JsonlAuditStore(AuditStore):
                 if raw.endswith(b"\n"):
                     yield number, raw
 
+    def _readable(self, after: int) -> Iterator[tuple[int, AuditEntry]]:
+        """Entries on lines after line ``after``; unreadable lines are skipped (verify reports
+        them)."""
+        for number, raw in self._lines():
+            if number <= after:
+                continue
+            try:
+                entry = AuditEntry.from_json(json.loads(raw))
+            except ValueError:
+                continue
+            yield number, entry
+
     # -- the store interface ----------------------------------------------------------------
 
     async def _append_chain(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
@@ -175,13 +187,7 @@ class JsonlAuditStore(AuditStore):
         def scan() -> tuple[list[AuditEntry], int | None]:
             found: list[AuditEntry] = []
             last = None
-            for number, raw in self._lines():
-                if after is not None and number <= after:
-                    continue
-                try:
-                    entry = AuditEntry.from_json(json.loads(raw))
-                except ValueError:
-                    continue
+            for number, entry in self._readable(after or 0):
                 if where.matches(entry):
                     found.append(entry)
                     last = number
@@ -189,6 +195,13 @@ class JsonlAuditStore(AuditStore):
                         break
             return found, last
 
+        return await asyncio.to_thread(scan)
+
+    async def _count(self, where: AuditFilter) -> int:
+        def scan() -> int:
+            return sum(where.matches(entry) for _, entry in self._readable(0))
+
+        # One pass over the file: the default would re-read it from the top for every page.
         return await asyncio.to_thread(scan)
 
     async def _chain_items(self, only: str | None) -> AsyncIterator[ChainItem]:

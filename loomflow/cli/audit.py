@@ -16,6 +16,7 @@ from typing import Any
 
 from ..audit import ANY_USER, AuditEntry, AuditStore, VerifyReport, audit_store_from_url
 from ..config import Settings
+from ._progress import add_no_progress, progress_bar
 
 __all__ = ["register"]
 
@@ -67,10 +68,12 @@ def register(subparsers: Any) -> None:
     export = commands.add_parser("export", help="write entries as JSON lines")
     _filters(export)
     export.add_argument("-o", "--output", default="-", help="file to write ('-': stdout)")
+    add_no_progress(export)
 
     verify = commands.add_parser("verify", help="check every user's hash chain")
     verify.add_argument("--user", dest="user_id", help="only this user's chain")
     verify.add_argument("--json", action="store_true", help="the report as JSON")
+    add_no_progress(verify)
 
     audit.set_defaults(handler=_handle)
 
@@ -158,18 +161,25 @@ async def _query(store: AuditStore, args: argparse.Namespace) -> int:
 
 
 async def _export(store: AuditStore, args: argparse.Namespace) -> int:
-    if args.output == "-":
-        count = await store.export(sys.stdout, **_filter_args(args))
-    else:
-        count = await store.export(args.output, **_filter_args(args))
+    to_stdout = args.output == "-"
+    # Lines written to the terminal the bar is drawn on would tangle with it.
+    enabled = args.progress and not (to_stdout and sys.stdout.isatty())
+    with progress_bar("exporting", unit=" entries", enabled=enabled) as on_progress:
+        count = await store.export(
+            sys.stdout if to_stdout else args.output,
+            on_progress=on_progress,
+            **_filter_args(args),
+        )
+    if not to_stdout:
         print(f"exported {count} audit entries to {args.output}", file=sys.stderr)
     return 0
 
 
 async def _verify(store: AuditStore, args: argparse.Namespace) -> int:
-    report: VerifyReport = await store.verify(
-        user_id=ANY_USER if args.user_id is None else args.user_id
-    )
+    with progress_bar("verifying", unit=" entries", enabled=args.progress) as on_progress:
+        report: VerifyReport = await store.verify(
+            user_id=ANY_USER if args.user_id is None else args.user_id, on_progress=on_progress
+        )
     if args.json:
         print(json.dumps(report.to_json(), ensure_ascii=False))
         return 0 if report.ok else 1

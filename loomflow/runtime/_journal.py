@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeAlias, TypeVar, overload
 
 from ulid import ULID
 
+from .._progress import OnProgress
 from ..config import Settings
 from ..errors import (
     CorruptEntryError,
@@ -814,14 +815,33 @@ class JournalRuntime:
         session_id: str | None = _ANY,
         user_id: str | None = _ANY,
         include_open: bool = False,
+        batch_size: int = 5000,
+        on_progress: OnProgress | None = None,
     ) -> int:
         """Delete journal entries; returns how many went.
 
         Filters combine: entries older than ``older_than``, of ``session_id``, of ``user_id``
         (``None`` is the anonymous bucket; leave the argument out to match every user). The
         entries of open runs (raised or crashed, still resumable) are kept unless
-        ``include_open=True``.
+        ``include_open=True``. With ``older_than`` and no ``session_id``, idempotency results
+        that old (of ``user_id``, if given) go too; otherwise they outlive the runs.
+
+        Rows are deleted ``batch_size`` at a time, each batch its own short statement, so a
+        large prune never holds the tables' locks for long; rows written after the prune began
+        are left for the next one. ``on_progress(done, total)``, if given, hears ``(0, total)``
+        once the rows are counted, then the running count after every batch; ``done`` only
+        grows, and the last call is ``(n, n)`` with ``n`` the return value.
+
+        Example:
+            >>> await runtime.prune(older_than=timedelta(days=30), on_progress=print)
+            0 12000
+            5000 12000
+            10000 12000
+            12000 12000
+            12000
         """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise UserError(f"batch_size must be a positive integer, not {batch_size!r}")
         await self._ensure_open()
         return await self._store.prune(
             older_than_s=older_than.total_seconds() if older_than is not None else None,
@@ -830,6 +850,8 @@ class JournalRuntime:
             user_id=None if user_id is _ANY else user_id,
             by_user=user_id is not _ANY,
             include_open=include_open,
+            batch_size=batch_size,
+            on_progress=on_progress,
         )
 
 

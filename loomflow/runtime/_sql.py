@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from .._progress import OnProgress, Progress
 from ..storage import Database, apply_migrations
 from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
 from .migrations import COMPONENT, MIGRATIONS
@@ -284,14 +286,23 @@ class SqlJournalStore:
         user_id: str | None,
         by_user: bool,
         include_open: bool,
+        batch_size: int,
+        on_progress: OnProgress | None,
     ) -> int:
+        # One reading of the database clock bounds the whole prune: the count and every batch
+        # use the same cutoff, and rows written while the prune runs are left alone, as the
+        # single DELETE this replaces left them (its snapshot could not see them).
+        now = float((await self._fetch_raw("SELECT {now}", []))[0][0])
         args: list[Any] = []
 
         def param(value: Any) -> str:
             args.append(value)
             return f"${len(args)}"
 
-        where: list[str] = []
+        if older_than_s is None:
+            where = [f"created_at <= {param(now)}"]
+        else:
+            where = [f"created_at < {param(now - older_than_s)}"]
         scope_filters: list[str] = []
         if by_session:
             scope_filters.append(
@@ -309,37 +320,74 @@ class SqlJournalStore:
                 + " AND ".join(scope_filters)
                 + ")"
             )
-        if older_than_s is not None:
-            where.append(f"created_at < {{now}} - {param(float(older_than_s))}")
-        entry_where = list(where)
         if not include_open:
-            entry_where.append(
+            where.append(
                 "NOT EXISTS (SELECT 1 FROM loom_sessions s WHERE s.scope = loom_entries.scope"
                 " AND s.open = 1 AND s.epoch = loom_entries.epoch)"
             )
-        clause = (" WHERE " + " AND ".join(entry_where)) if entry_where else ""
-        deleted = await self._fetch_raw(f"DELETE FROM loom_entries{clause} RETURNING 1", args)
-        total = len(deleted)
+        targets = [_Prune("loom_entries", _ENTRY_KEY, where, args)]
         # Idempotency results outlive runs on purpose; only age (with the user filter) drops them.
         if older_than_s is not None and not by_session:
-            idem_args: list[Any] = []
-            idem_where = [f"created_at < {{now}} - ${len(idem_args) + 1}"]
-            idem_args.append(float(older_than_s))
+            idem_where = ["created_at < $1"]
+            idem_args: list[Any] = [now - older_than_s]
             if by_user:
                 idem_args.append(json_user_key(user_id))
-                idem_where.append(f"user_key = ${len(idem_args)}")
-            total += len(
-                await self._fetch_raw(
-                    "DELETE FROM loom_idempotency WHERE "
-                    + " AND ".join(idem_where)
-                    + " RETURNING 1",
-                    idem_args,
+                idem_where.append("user_key = $2")
+            targets.append(_Prune("loom_idempotency", _IDEM_KEY, idem_where, idem_args))
+        return await self._delete(targets, batch_size, on_progress)
+
+    async def _delete(
+        self, targets: list[_Prune], batch_size: int, on_progress: OnProgress | None
+    ) -> int:
+        total = None
+        if on_progress is not None:
+            total = 0
+            for target in targets:
+                total += int((await self._fetch_raw(target.count_sql(), target.args))[0][0])
+        progress = Progress(on_progress, total)
+        for target in targets:
+            while True:
+                deleted = len(
+                    await self._fetch_raw(target.delete_sql(), [*target.args, batch_size])
                 )
-            )
-        return total
+                progress.advance(deleted)
+                if deleted < batch_size:
+                    break
+        progress.finish()
+        return progress.done
 
     async def _fetch_raw(self, sql: str, args: list[Any]) -> Sequence[Sequence[Any]]:
         return await self.db.fetch(sql, *args, what="journal prune")
+
+
+_ENTRY_KEY = "scope, epoch, path, name, fingerprint"  # loom_entries' primary key
+_IDEM_KEY = "user_key, idem_key"  # loom_idempotency's
+
+
+@dataclass(frozen=True, slots=True)
+class _Prune:
+    """The rows of one table that a prune deletes: ``where`` uses ``$1..$len(args)``."""
+
+    table: str
+    key: str
+    where: list[str]
+    args: list[Any]
+
+    def count_sql(self) -> str:
+        return f"SELECT COUNT(*) FROM {self.table} WHERE {' AND '.join(self.where)}"
+
+    def delete_sql(self) -> str:
+        # A batch is picked by primary key (row values work on SQLite >= 3.15 and PostgreSQL
+        # alike; no rowid or ctid), and each batch is one autocommitted statement, so the
+        # locks it takes last as long as one batch does. Measured on 200 000 entries of one
+        # session (2 cores): SQLite 0.68 s in all, no batch of 5000 over 55 ms, against one
+        # 0.67 s DELETE holding the write lock throughout; PostgreSQL 0.97 s in batches of at
+        # most 55 ms, against one 0.59 s statement.
+        return (
+            f"DELETE FROM {self.table} WHERE ({self.key}) IN (SELECT {self.key} FROM "
+            f"{self.table} WHERE {' AND '.join(self.where)} LIMIT ${len(self.args) + 1}) "
+            "RETURNING 1"
+        )
 
 
 def json_user_key(user_id: str | None) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .._progress import OnProgress
 from ..errors import UserError
 from . import codec
 
@@ -187,4 +188,11 @@ class JournalStore(Protocol):
         user_id: str | None,
         by_user: bool,
         include_open: bool,
-    ) -> int: ...
+        batch_size: int,
+        on_progress: OnProgress | None,
+    ) -> int:
+        """Delete what the filters select, ``batch_size`` rows per statement.
+
+        With ``on_progress``, count the rows first and report ``(done, total)`` through a
+        ``loomflow._progress.Progress``; without it, count nothing.
+        """

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._progress import OnProgress, Progress
 from ..config import Settings
 from ._journal import JournalRuntime
 from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
@@ -172,9 +173,11 @@ class InMemoryStore:
         user_id: str | None,
         by_user: bool,
         include_open: bool,
+        batch_size: int,
+        on_progress: OnProgress | None,
     ) -> int:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
-        deleted = 0
+        doomed: list[tuple[dict[Any, Any], Any]] = []  # (container, key) of each row to drop
         for scope_key, runs in self.entries.items():
             row = self.sessions[scope_key]
             if (by_session and row.session_id != session_id) or (
@@ -184,17 +187,28 @@ class InMemoryStore:
             for epoch, run in runs.items():
                 if not include_open and row.open and epoch == row.epoch:
                     continue
-                for entry_key, (_, created) in list(run.items()):
-                    if cutoff is None or created < cutoff:
-                        del run[entry_key]
-                        deleted += 1
+                doomed += [
+                    (run, k)
+                    for k, (_, created) in run.items()
+                    if cutoff is None or created < cutoff
+                ]
         if cutoff is not None and not by_session:
             user_key = Scope(None, user_id).user_key
-            for key, (_, created) in list(self.idempotent.items()):
-                if created < cutoff and (not by_user or key[0] == user_key):
-                    del self.idempotent[key]
-                    deleted += 1
-        return deleted
+            doomed += [
+                (self.idempotent, key)
+                for key, (_, created) in self.idempotent.items()
+                if created < cutoff and (not by_user or key[0] == user_key)
+            ]
+        # Memory holds no locks, so batches here only pace the progress reports. There is no
+        # await in between: no other coroutine ever sees a half-pruned journal.
+        progress = Progress(on_progress, len(doomed) if on_progress is not None else None)
+        for start in range(0, len(doomed), batch_size):
+            batch = doomed[start : start + batch_size]
+            for container, key in batch:
+                del container[key]
+            progress.advance(len(batch))
+        progress.finish()
+        return progress.done
 
 
 class InMemoryRuntime(JournalRuntime):

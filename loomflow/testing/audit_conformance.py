@@ -68,6 +68,11 @@ def rec(user: str | None, action: str = "test.action", **payload: Any) -> AuditR
     )
 
 
+def _collect(calls: list[tuple[int, int | None]]) -> Callable[[int, int | None], None]:
+    """An ``on_progress`` callback that keeps what it hears."""
+    return lambda done, total: calls.append((done, total))
+
+
 class AuditStoreConformance:
     """Behaviour every audit store must show (see the module docstring)."""
 
@@ -223,6 +228,58 @@ class AuditStoreConformance:
         assert parsed["user_id"] == "alice"
         assert parsed["time"].endswith("Z")
         assert AuditEntry.from_json(parsed) == written[0]
+
+    async def test_count_matches_what_the_query_pages_return(self, store: AuditStore) -> None:
+        # More entries than one page (1000), so counting that pages is tested across pages.
+        await store.append([rec("alice", "tool.call", i=i) for i in range(1200)])
+        await store.append(
+            [
+                rec("alice", "model.call", session="s2", run="r2"),
+                rec("bob", "tool.call", session="s1", run="r3"),
+                rec("bob", "toolbox.open", session="s3", run="r4"),
+                rec(None, "tool.result", session="s3", run="r5"),
+            ]
+        )
+        last = (await store.query(run_id="r5")).entries[0].time
+        cases: list[dict[str, Any]] = [
+            {},
+            {"user_id": "alice"},
+            {"user_id": None},
+            {"user_id": "carol"},
+            {"action": "tool.*"},
+            {"session_id": "s1", "action": "tool.call"},
+            {"run_id": "r4"},
+            {"user_id": "bob", "since": last - dt.timedelta(hours=1)},
+            {"since": last},
+            {"until": last},
+        ]
+        for filters in cases:
+            assert await store.count(**filters) == len(
+                [e async for e in store.entries(**filters)]
+            ), filters
+        assert await store.count() == 1204
+        assert await store.count(action="tool.*", user_id="alice") == 1200
+
+    async def test_export_and_verify_report_progress(self, store: AuditStore) -> None:
+        await store.append([rec("alice", i=i) for i in range(1500)])
+        await store.append([rec("bob", i=i) for i in range(10)])
+        exported: list[tuple[int, int | None]] = []
+        out = io.StringIO()
+        assert await store.export(out, user_id="alice", on_progress=_collect(exported)) == 1500
+        assert len(out.getvalue().splitlines()) == 1500
+        assert exported == [(0, 1500), (1000, 1500), (1500, 1500)]  # after every page
+        checked: list[tuple[int, int | None]] = []
+        report = await store.verify(on_progress=_collect(checked))
+        assert report.ok
+        assert checked == [(0, 1510), (1000, 1510), (1510, 1510)]  # every 1000, then the end
+        one: list[tuple[int, int | None]] = []
+        assert (await store.verify(user_id="bob", on_progress=_collect(one))).ok
+        assert one == [(0, 10), (10, 10)]
+        nothing: list[tuple[int, int | None]] = []
+        assert (
+            await store.export(io.StringIO(), user_id="carol", on_progress=_collect(nothing)) == 0
+        )
+        assert nothing == [(0, 0)]
 
     # -- verification -----------------------------------------------------------------------
 

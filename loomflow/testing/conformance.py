@@ -578,6 +578,24 @@ class JournalConformance:
         assert await runtime.prune(older_than=dt.timedelta(seconds=0)) == 1
         assert await runtime.entries("s2", "alice") == []
 
+    async def test_prune_deletes_in_batches_and_reports_progress(
+        self, runtime: JournalRuntime
+    ) -> None:
+        body = Counter()
+        async with runtime.session("done", "u"):
+            for i in range(5):
+                await runtime.step(f"s{i}", body, i)
+        await _raise_in_run(runtime, "open", "u", lambda: runtime.step("a", body, 1))
+        calls: list[tuple[int, int | None]] = []
+        deleted = await runtime.prune(
+            batch_size=2, on_progress=lambda done, total: calls.append((done, total))
+        )
+        assert deleted == 5
+        assert calls == [(0, 5), (2, 5), (4, 5), (5, 5)]  # counted, then batch by batch
+        assert len(await runtime.entries("open", "u")) == 1
+        with pytest.raises(errors.UserError, match="batch_size"):
+            await runtime.prune(batch_size=0)
+
     async def test_sessions_are_listed_newest_first(self, runtime: JournalRuntime) -> None:
         body = Counter()
         async with runtime.session("older", "alice"):

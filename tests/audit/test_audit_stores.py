@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from loomflow.audit import (
+    AuditLog,
     AuditRecord,
     InMemoryAuditStore,
     JsonlAuditStore,
@@ -210,3 +213,22 @@ def test_store_urls(tmp_path: Path) -> None:
     for bad in ("mysql://x", "jsonl://relative.jsonl"):
         with pytest.raises(ConfigurationError):
             audit_store_from_url(bad)
+
+
+async def test_the_audit_log_forwards_count_and_progress() -> None:
+    audit = AuditLog(InMemoryAuditStore(), redact_logs=False)
+    for i in range(3):
+        await audit.record("test.x", user_id="alice", actor="t", payload={"i": i})
+    await audit.record("test.y", user_id="bob", actor="t")
+    assert await audit.count() == 4
+    assert await audit.count(user_id="alice", action="test.*") == 3
+    calls: list[tuple[int, int | None]] = []
+    assert await audit.export(io.StringIO(), user_id="alice", on_progress=_keep(calls)) == 3
+    assert calls == [(0, 3), (3, 3)]
+    calls.clear()
+    assert (await audit.verify(on_progress=_keep(calls))).ok
+    assert calls == [(0, 4), (4, 4)]
+
+
+def _keep(calls: list[tuple[int, int | None]]) -> Callable[[int, int | None], None]:
+    return lambda done, total: calls.append((done, total))
