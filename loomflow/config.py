@@ -70,6 +70,15 @@ class Settings(BaseSettings):
         default=True,
         description="Apply pending schema migrations when a runtime first connects.",
     )
+    journal_retention_days: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "How long journal entries of finished runs are kept: `loomflow journal prune` "
+            "without `--older-than` deletes only entries older than this. Unset, it deletes "
+            "the entries of every finished run."
+        ),
+    )
     otlp_endpoint: str | None = Field(
         default=None,
         description=(

@@ -43,6 +43,7 @@ from ..checkpoints import (
     CheckpointStore,
     checkpoint_store_for,
 )
+from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
 from ..errors import CheckpointError, CheckpointNotFoundError, UserError
 from ..memory import Memory
@@ -180,6 +181,7 @@ class Agent:
                 f"PostgresMemory, memory_for(runtime)), not {type(memory).__name__}"
             )
         self.instructions = instructions
+        self._owned: list[Any] = []  # components from_settings built, closed by aclose()
         self._model_spec = model
         self._model: Model | None = None if isinstance(model, str) else model
         self.tools = ToolRegistry(tools)
@@ -206,6 +208,88 @@ class Agent:
         self._settings = ModelSettings(
             max_tokens=self.tuning.max_tokens, temperature=self.tuning.temperature
         )
+
+    @classmethod
+    def from_settings(
+        cls,
+        instructions: str,
+        *,
+        model: Model | str,
+        settings: Settings | None = None,
+        caps: Sequence[Any] = (),
+        **options: Any,
+    ) -> Agent:
+        """An agent whose journal, audit log, budget and telemetry come from :class:`Settings`.
+
+        The journal is ``runtime_url``; the audit log is ``audit_url``, redacting the
+        configured secrets; the budget keeps ``caps`` (none: it only records usage) in
+        ``budget_url``, else beside the journal (in its database, or in memory). With
+        ``otlp_endpoint`` or ``metrics_port`` set, spans are exported and metrics served, once
+        per process. Close what this built with :meth:`aclose` or ``async with``.
+
+        Args:
+            instructions: The system prompt.
+            model: A model or model string, as for :class:`Agent`.
+            settings: Defaults to ``Settings()`` (``LOOMFLOW_*`` variables and ``.env``).
+            caps: :class:`~loomflow.governance.Cap` objects for the budget.
+            options: Any other :class:`Agent` argument. A ``runtime``, ``audit``, ``budget``
+                or ``telemetry`` given here is used as is, and left for the caller to close.
+
+        Example:
+            >>> # LOOMFLOW_RUNTIME_URL=postgresql://app@db/app LOOMFLOW_METRICS_PORT=9464
+            >>> agent = Agent.from_settings("...", model="claude-opus-4-7")  # doctest: +SKIP
+            >>> await agent.run("hi", session_id="s-1", user_id="ana")  # doctest: +SKIP
+            >>> await agent.aclose()  # doctest: +SKIP
+        """
+        from ..audit import AuditLog, audit_store_from_url
+        from ..governance import InMemoryBudgetStore, SqlBudgetStore, StandardBudget
+        from ..governance.budget import budget_store_from_url
+        from ..runtime import runtime_from_url
+        from ..storage import Database
+        from ..telemetry import Telemetry, setup_telemetry_once
+
+        s = settings or Settings()
+        if caps and "budget" in options:
+            raise UserError("pass either caps= or budget=, not both")
+        owned: list[Any] = []
+        if "runtime" not in options:
+            options["runtime"] = runtime_from_url(s.runtime_url, settings=s)
+            owned.append(options["runtime"])
+        if "audit" not in options:
+            store = audit_store_from_url(s.audit_url, settings=s)
+            options["audit"] = AuditLog(store, redactor=Redactor.from_settings(s))
+            owned.append(options["audit"])
+        if "budget" not in options:
+            # Unless budget_url says otherwise, totals live beside the journal actually used.
+            database = getattr(options["runtime"], "database", None)
+            if s.budget_url:
+                budget_store: Any = budget_store_from_url(s.budget_url, settings=s)
+            elif isinstance(database, Database):
+                budget_store = SqlBudgetStore(database, settings=s)
+            else:
+                budget_store = InMemoryBudgetStore()
+            options["budget"] = StandardBudget(caps, store=budget_store)
+            owned.append(options["budget"])
+        if "telemetry" not in options:
+            if s.otlp_endpoint or s.metrics_port is not None:
+                setup_telemetry_once(s)
+            options["telemetry"] = Telemetry(settings=s)
+        # The stores connect on first use, so a bad option below leaves nothing open.
+        agent = cls(instructions, model=model, **options)
+        agent._owned = owned
+        return agent
+
+    async def aclose(self) -> None:
+        """Close the runtime, audit log and budget that :meth:`from_settings` built."""
+        owned, self._owned = self._owned, []
+        for component in reversed(owned):
+            await component.close()
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     def __repr__(self) -> str:
         return f"Agent(name={self.name!r}, model={self.model.name!r}, tools={list(self.tools)})"
@@ -418,6 +502,7 @@ class Agent:
             resumed=bool(getattr(run, "resumed", False)) or restore is not None,
             tools=self.tools,
             runtime=runtime,
+            redactor=self._redactor,
             _emit=pending.append,
         )
         sealer = Sealer(self.tools, self._redactor)
@@ -700,7 +785,11 @@ class Agent:
 
     def _cost(self, response: ModelResponse) -> float:
         model_name = response.model or self.model.name
-        value = cost_usd(model_name, response.usage, provider=self.model.provider)
+        # A budget's own price table (its prices= overrides) is what the run is charged at.
+        prices = getattr(self.budget, "prices", None)
+        if not isinstance(prices, Mapping):
+            prices = None
+        value = cost_usd(model_name, response.usage, provider=self.model.provider, prices=prices)
         if value is None:
             _warn_unpriced(model_name)
             return 0.0

@@ -12,6 +12,7 @@ from typing import Any
 
 from ulid import ULID
 
+from ..checkpoints import CheckpointRestored, checkpoint_store_for
 from ..context import get_run_context
 from ..errors import UserError
 from ..messages import Message
@@ -44,7 +45,8 @@ class Team:
     """A lead agent that hands tasks to persistent workers, exposed to it as tools.
 
     A worker remembers, within one run, the tasks it was given and its answers; the memory is
-    rebuilt from the lead's (journaled) tool results, so a resumed run gives the worker the same
+    rebuilt from the lead's journaled tool results (or, when the lead resumes from a
+    checkpoint, from the snapshot's transcript), so a resumed run gives the worker the same
     history it had before the crash.
     """
 
@@ -112,6 +114,12 @@ class Team:
                 if run_id is None:
                     run_id = getattr(event, "run_id", None)
                     self._history[run_id or ""] = {}
+                if isinstance(event, CheckpointRestored):
+                    # Earlier turns come back from a snapshot, without ToolCallFinished events:
+                    # the workers' memory is rebuilt from the snapshot's transcript instead.
+                    self._history[run_id or ""] = await self._restored_history(
+                        event.checkpoint_id, session_id, user_id
+                    )
                 if isinstance(event, ToolCallFinished) and event.outcome.ok:
                     worker = event.call.name.removeprefix("ask_")
                     if event.call.name == self.tool_name(worker) and worker in self.workers:
@@ -121,6 +129,32 @@ class Team:
                 yield event
         finally:
             self._history.pop(run_id or "", None)
+
+    async def _restored_history(
+        self, checkpoint_id: str, session_id: str | None, user_id: str | None
+    ) -> dict[str, list[tuple[str, str]]]:
+        runtime = self.lead.runtime
+        if session_id is None or not isinstance(runtime, JournalRuntime):
+            return {}
+        snapshot = await checkpoint_store_for(runtime).get(
+            checkpoint_id, session_id=session_id, user_id=user_id
+        )
+        if snapshot is None:
+            return {}
+        answers = {
+            m.tool_call_id: m.content
+            for m in snapshot.messages
+            if m.role == "tool" and not m.is_error
+        }
+        history: dict[str, list[tuple[str, str]]] = {}
+        for message in snapshot.messages:
+            for call in message.tool_calls:
+                worker = call.name.removeprefix("ask_")
+                asked = call.name == self.tool_name(worker) and worker in self.workers
+                if asked and call.id in answers:
+                    task = str(call.arguments.get("task", ""))
+                    history.setdefault(worker, []).append((task, answers[call.id]))
+        return history
 
 
 class Debate:

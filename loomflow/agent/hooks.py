@@ -51,6 +51,8 @@ class RunInfo:
     resumed: bool = False
     tools: Mapping[str, Tool[..., Any]] = field(default_factory=dict)
     runtime: Any = None
+    # The agent's redactor: what hooks that store or export text scrub it with.
+    redactor: Any = None
     _emit: Callable[[BaseModel], None] = field(default=lambda _e: None, repr=False)
 
     @property

@@ -1,9 +1,11 @@
 """The demo's worker: an order-fulfilment agent whose tools have side effects.
 
-Run as ``python -m loomflow.cli._demo_task URL LEDGER SESSION USER [--stop-after K]``. The model
-is scripted (offline, deterministic). Every tool appends one line to the ledger file, which is
-how the demo proves that no side effect ran twice. With ``--stop-after K`` the worker prints
-``STEP-DONE K`` once the K-th model turn's tool results are journaled, then waits to be killed.
+Run as ``python -m loomflow.cli._demo_task URL LEDGER SESSION USER [--stop-after K] [--model M]``.
+The model is scripted (offline, deterministic) unless ``--model`` names a provider's model. Every
+tool appends one line to the ledger file, which is how the demo proves that no side effect ran
+twice. With ``--stop-after K`` the worker prints ``STEP-DONE K`` when the model is asked for turn
+K (so turns 0..K-1 and their tool results are journaled) and waits there to be killed. A worker
+whose model finished before turn K prints ``RUN-DONE`` instead.
 """
 
 from __future__ import annotations
@@ -14,20 +16,28 @@ import json
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from ..agent import Agent, RunResult
 from ..audit import AuditLog, SqliteAuditStore
+from ..errors import LoomflowError, UserError
 from ..governance import Cap, SqlBudgetStore, StandardBudget
-from ..messages import Message, ToolCall, ToolSpec
-from ..models import FunctionModel
+from ..messages import Message, ModelChunk, ModelSettings, ToolCall, ToolSpec
+from ..models import FunctionModel, Model, resolve_model
+from ..models.pricing import ModelPrice, price_for
 from ..runtime import JournalRuntime, StepEvent, runtime_from_url
 from ..tools import Tool, tool
 
 ORDER = {"order_id": "A-1042", "sku": "LOOM-7", "quantity": 2, "amount_usd": 59.80}
 PROMPT = "Fulfil order A-1042 for the customer and confirm by email."
-INSTRUCTIONS = "You fulfil customer orders with the tools you have, one careful step at a time."
+INSTRUCTIONS = (
+    "You fulfil customer orders with the tools you have. For an order: look it up, reserve its "
+    "stock, charge the card for the order amount, book the shipment, then email the "
+    "confirmation. Call each tool once, wait for its result before the next step, and finish "
+    "with a one-line summary."
+)
 
 # The scripted model's plan: the tool calls of each turn, then a final answer.
 PLAN: list[list[tuple[str, dict[str, Any]]]] = [
@@ -43,8 +53,8 @@ FINAL = "Order A-1042 is reserved, paid ($59.80), shipped (TRK-A-1042) and confi
 TOOL_NAMES = [name for turn in PLAN for name, _ in turn]
 
 
-def _side_effect(ledger: Path, action: str, **details: Any) -> None:
-    record = {"action": action, "pid": os.getpid(), "at": round(time.time(), 3), **details}
+def _side_effect(ledger: Path, action: str, **args: Any) -> None:
+    record = {"action": action, "args": args, "pid": os.getpid(), "at": round(time.time(), 3)}
     with ledger.open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(record) + "\n")
         fh.flush()
@@ -87,14 +97,11 @@ def tools(ledger: Path) -> list[Tool[..., Any]]:
     return [lookup_order, reserve_stock, charge_card, create_shipment, send_confirmation]
 
 
-def model(stop_after: int | None) -> FunctionModel:
-    """The scripted model; with ``stop_after`` it hangs when asked for that turn."""
+def scripted_model() -> FunctionModel:
+    """The offline model: follows :data:`PLAN`, then answers :data:`FINAL`."""
 
     async def decide(messages: list[Message], specs: list[ToolSpec]) -> Any:
         turn = sum(1 for m in messages if m.role == "assistant")
-        if stop_after is not None and turn == stop_after:
-            print(f"STEP-DONE {stop_after}", flush=True)  # turn k's results are journaled
-            await asyncio.Event().wait()  # the parent kills us here
         if turn < len(PLAN):
             return [
                 ToolCall(id=f"call_{turn}_{i}", name=name, arguments=args)
@@ -105,11 +112,66 @@ def model(stop_after: int | None) -> FunctionModel:
     return FunctionModel(decide, name="scripted-order-bot")
 
 
-TOKEN_CAP = 20_000
+class KillPoint:
+    """Wraps the demo's model so the worker stops at a known place, whatever the model.
+
+    When asked for turn ``stop_after`` it prints the handshake and waits to be killed: every
+    earlier turn and its tool results are journaled, and nothing of this turn has run. (The
+    budget has already reserved this call, as it would for a call in flight at a crash.)
+    """
+
+    def __init__(self, inner: Model, stop_after: int | None) -> None:
+        self.inner = inner
+        self.stop_after = stop_after
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def provider(self) -> str:
+        return self.inner.provider
+
+    async def stream(
+        self, messages: list[Message], *, tools: list[ToolSpec], settings: ModelSettings
+    ) -> AsyncIterator[ModelChunk]:
+        turn = sum(1 for m in messages if m.role == "assistant")
+        if turn == self.stop_after:
+            print(f"STEP-DONE {turn}", flush=True)
+            await asyncio.Event().wait()  # the parent kills us here
+        async for chunk in self.inner.stream(messages, tools=tools, settings=settings):
+            yield chunk
 
 
-def governance(runtime: JournalRuntime) -> tuple[AuditLog, StandardBudget]:
-    """The audit log and budget of the demo, kept in the journal's own database."""
+def build_model(spec: str | None) -> Model:
+    """The scripted model, or the provider model ``spec`` names (``anthropic:…``, ``gpt-…``).
+
+    Raises:
+        UserError: ``spec`` names no provider model.
+        ConfigurationError: the provider's SDK or API key is missing.
+    """
+    if spec is None:
+        return scripted_model()
+    model = resolve_model(spec)
+    if model.provider == "scripted":
+        raise UserError(
+            f"--model {spec!r} is a scripted model; the demo's scripted model is the default, "
+            "--model names a provider's model such as 'anthropic:claude-sonnet-4-5'"
+        )
+    return model
+
+
+TOKEN_CAP = 50_000
+
+
+def governance(
+    runtime: JournalRuntime, model: Model | None = None
+) -> tuple[AuditLog, StandardBudget]:
+    """The audit log and budget of the demo, kept in the journal's own database.
+
+    A provider model missing from the price table is charged $0 here (tokens are still capped),
+    so the demo runs with any model id.
+    """
     db = getattr(runtime, "database")  # noqa: B009 - SQL runtimes only
     if db.backend == "sqlite":
         store: Any = SqliteAuditStore(db)
@@ -117,7 +179,12 @@ def governance(runtime: JournalRuntime) -> tuple[AuditLog, StandardBudget]:
         from ..audit import PostgresAuditStore
 
         store = PostgresAuditStore(db)
-    budget = StandardBudget([Cap("tokens_total", TOKEN_CAP)], store=SqlBudgetStore(db))
+    prices = {}
+    if model is not None and price_for(model.name, provider=model.provider) is None:
+        prices[model.name] = ModelPrice(0.0, 0.0)
+    budget = StandardBudget(
+        [Cap("tokens_total", TOKEN_CAP)], store=SqlBudgetStore(db), prices=prices
+    )
     return AuditLog(store), budget
 
 
@@ -127,6 +194,7 @@ async def run_task(
     session_id: str,
     user_id: str,
     *,
+    model: Model,
     stop_after: int | None = None,
     resume: bool = False,
     steps: list[StepEvent] | None = None,
@@ -134,10 +202,10 @@ async def run_task(
     """Run (or resume) the order agent as one journaled run; collect step events if asked."""
     if steps is not None:
         runtime.add_observer(steps.append)
-    audit, budget = governance(runtime)
+    audit, budget = governance(runtime, model)
     agent = Agent(
         INSTRUCTIONS,
-        model=model(stop_after),
+        model=KillPoint(model, stop_after),
         tools=tools(ledger),
         runtime=runtime,
         audit=audit,
@@ -156,13 +224,35 @@ async def _main(argv: list[str]) -> int:
     parser.add_argument("session")
     parser.add_argument("user")
     parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--model")
     args = parser.parse_args(argv)
-    runtime = runtime_from_url(args.url)
     try:
-        await run_task(runtime, args.ledger, args.session, args.user, stop_after=args.stop_after)
-    finally:
-        await runtime.close()
+        model = build_model(args.model)
+        runtime = runtime_from_url(args.url)
+        try:
+            await run_task(
+                runtime,
+                args.ledger,
+                args.session,
+                args.user,
+                model=model,
+                stop_after=args.stop_after,
+            )
+        finally:
+            await runtime.close()
+            await close_model(model)
+    except LoomflowError as exc:
+        print(f"loomflow demo worker: error: {exc}", file=sys.stderr)
+        return 1
+    print("RUN-DONE", flush=True)
     return 0
+
+
+async def close_model(model: Model) -> None:
+    """Close a provider model's HTTP client (the scripted model has none)."""
+    aclose = getattr(model, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import time
 from typing import Any
 
 from ..config import Settings
 from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, budget_store_from_url
+from .main import _duration
 
 __all__ = ["register"]
 
@@ -33,6 +35,17 @@ def register(subparsers: Any) -> None:
     reclaim = commands.add_parser("reclaim", help="settle the reservations of dead workers now")
     reclaim.add_argument("--json", action="store_true")
     reclaim.set_defaults(handler=_reclaim)
+    prune = commands.add_parser(
+        "prune", help="delete day and month totals whose period ended long enough ago"
+    )
+    prune.add_argument(
+        "--older-than",
+        type=_duration,
+        required=True,
+        help="how long after its end a period's totals are kept, e.g. 90d",
+    )
+    prune.add_argument("--json", action="store_true")
+    prune.set_defaults(handler=_prune)
 
 
 def _url(args: argparse.Namespace) -> str:
@@ -122,4 +135,14 @@ async def _reclaim(args: argparse.Namespace) -> int:
     finally:
         await store.close()
     print(json.dumps({"reclaimed": count}) if args.json else f"reclaimed {count} reservations")
+    return 0
+
+
+async def _prune(args: argparse.Namespace) -> int:
+    store = budget_store_from_url(_url(args))
+    try:
+        count = await store.prune(ended_before=time.time() - args.older_than.total_seconds())
+    finally:
+        await store.close()
+    print(json.dumps({"deleted": count}) if args.json else f"deleted {count} budget buckets")
     return 0

@@ -10,19 +10,32 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ulid import ULID
 
 from ..agent import RunResult
+from ..errors import LoomflowError
+from ..messages import Message
+from ..models import Model
 from ..runtime import StepEvent, runtime_from_url
-from ._demo_task import PLAN, TOOL_NAMES, governance, run_task
+from ._demo_task import PLAN, TOKEN_CAP, TOOL_NAMES, build_model, close_model, governance, run_task
 
 USER = "alice@example.com"
 
 
-def _spawn_until_step(url: str, ledger: Path, session: str, stop_after: int, timeout: float) -> int:
-    """Start the worker, wait for its handshake after step ``stop_after``, SIGKILL it."""
+@dataclass
+class _Worker:
+    pid: int
+    killed: bool  # False: the model finished before the kill point and the worker exited
+
+
+def _spawn_until_step(
+    url: str, ledger: Path, session: str, stop_after: int, model: str | None, timeout: float
+) -> _Worker:
+    """Start the worker, wait for its handshake before turn ``stop_after``, SIGKILL it."""
     cmd = [
         sys.executable,
         "-m",
@@ -34,16 +47,27 @@ def _spawn_until_step(url: str, ledger: Path, session: str, stop_after: int, tim
         "--stop-after",
         str(stop_after),
     ]
+    if model is not None:
+        cmd += ["--model", model]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as child:
         assert child.stdout is not None
         try:
-            line = _readline(child, timeout)
-            if line.strip() != f"STEP-DONE {stop_after}":
-                raise RuntimeError(f"worker said {line!r} instead of its handshake")
+            line = _readline(child, timeout).strip()
+            if line == "RUN-DONE":
+                child.wait(timeout=timeout)
+                return _Worker(child.pid, killed=False)
+            if line != f"STEP-DONE {stop_after}":
+                raise LoomflowError(
+                    f"the demo worker said {line!r} instead of its handshake"
+                    if line
+                    else f"the demo worker failed with exit status {child.wait(timeout)} "
+                    "(its error is printed above)"
+                )
         finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait(timeout=10)
-        return child.pid
+            if child.poll() is None:
+                child.send_signal(signal.SIGKILL)
+                child.wait(timeout=10)
+        return _Worker(child.pid, killed=True)
 
 
 def _readline(child: subprocess.Popen[str], timeout: float) -> str:
@@ -51,12 +75,25 @@ def _readline(child: subprocess.Popen[str], timeout: float) -> str:
     with selectors.DefaultSelector() as sel:
         sel.register(child.stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
-            raise TimeoutError(f"worker gave no handshake within {timeout:g}s")
+            raise LoomflowError(f"the demo worker gave no handshake within {timeout:g}s")
     return child.stdout.readline()
 
 
-def run_demo(*, postgres: str | None, workdir: Path | None, stop_after: int) -> int:
+def run_demo(
+    *,
+    postgres: str | None,
+    workdir: Path | None,
+    stop_after: int,
+    model: str | None = None,
+    handshake_s: float = 120.0,
+) -> int:
     """Run the demo story and print the report; returns the process exit code."""
+    if model is None and not 1 <= stop_after < len(PLAN):
+        print(f"--kill-after must be between 1 and {len(PLAN) - 1}", file=sys.stderr)
+        return 2
+    if stop_after < 1:
+        print("--kill-after must be at least 1", file=sys.stderr)
+        return 2
     work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     ledger = work / "side-effects.jsonl"
@@ -66,40 +103,78 @@ def run_demo(*, postgres: str | None, workdir: Path | None, stop_after: int) -> 
     if not postgres:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{journal}{suffix}").unlink(missing_ok=True)
-    session = f"order-A-1042-{ULID()}"  # a new session per demo, so old journals never replay
-    if not 1 <= stop_after < len(PLAN):
-        print(f"--kill-after must be between 1 and {len(PLAN) - 1}", file=sys.stderr)
-        return 2
+    return asyncio.run(_story(url, postgres is not None, work, stop_after, model, handshake_s))
 
-    backend = "PostgreSQL" if postgres else f"SQLite ({journal})"
-    print(f"loomflow demo: journal on {backend}\n")
+
+async def _story(
+    url: str, on_postgres: bool, work: Path, stop_after: int, spec: str | None, handshake_s: float
+) -> int:
+    # Built first, so a missing SDK or API key fails before anything runs.
+    model = build_model(spec)
+    try:
+        return await _tell(url, on_postgres, work, stop_after, spec, model, handshake_s)
+    finally:
+        await close_model(model)
+
+
+async def _tell(
+    url: str,
+    on_postgres: bool,
+    work: Path,
+    stop_after: int,
+    spec: str | None,
+    model: Model,
+    handshake_s: float,
+) -> int:
+    ledger = work / "side-effects.jsonl"
+    session = f"order-A-1042-{ULID()}"  # a new session per demo, so old journals never replay
+    backend = "PostgreSQL" if on_postgres else f"SQLite ({work / 'journal.db'})"
+    who = "a scripted model (offline)" if spec is None else f"{model.provider} model {model.name}"
+    print(f"loomflow demo: journal on {backend}; {who}\n")
     print(f"1. A worker process runs the order agent for {USER} (session {session}).")
-    pid = _spawn_until_step(url, ledger, session, stop_after, timeout=60)
-    print(
-        f"2. After model turn {stop_after} and its tool calls, the worker (pid {pid}) was "
-        "killed with SIGKILL."
+    worker = await asyncio.to_thread(
+        _spawn_until_step, url, ledger, session, stop_after, spec, handshake_s
     )
+    if worker.killed:
+        print(
+            f"2. When the model was asked for turn {stop_after} (turns 0-{stop_after - 1} and "
+            f"their tool calls journaled), the worker (pid {worker.pid}) was killed with SIGKILL."
+        )
+    else:
+        print(
+            f"2. The model finished before turn {stop_after}, so the worker (pid {worker.pid}) "
+            "exited before the kill point; resuming shows a finished run replaying."
+        )
+    held = await _holds(url, model)
     print("3. This process resumes the run: agent.resume(prompt, session_id, user_id).\n")
     steps: list[StepEvent] = []
-    result = asyncio.run(_resume(url, ledger, session, steps))
+    runtime = runtime_from_url(url)
+    try:
+        result = await run_task(
+            runtime, ledger, session, USER, model=model, resume=True, steps=steps
+        )
+    finally:
+        await runtime.close()
 
-    effects = Counter(json.loads(line)["action"] for line in ledger.read_text().splitlines())
+    effects = Counter(_effect_key(json.loads(line)) for line in ledger.read_text().splitlines())
+    calls = _tool_calls(result.messages)
     print(f"{'journaled step':<34} {'on resume':<22} {'side effects':>12}")
     print("-" * 70)
     for event in steps:
         if event.path:
             continue
-        label = _label(event.name)
-        status = "replayed from journal" if event.outcome == "hit" else "ran fresh"
-        count = str(effects[label]) if label in effects else "-"
-        print(f"{label:<34} {status:<22} {count:>12}")
+        call = _call_of(event.name, result.messages)
+        outcome = "replayed from journal" if event.outcome == "hit" else "ran fresh"
+        count = str(effects[call]) if call is not None else "-"
+        label = call[0] if call is not None else event.name
+        print(f"{label:<34} {outcome:<22} {count:>12}")
     print(f"\nfinal answer: {result.output}")
-    trail, budget_lines = asyncio.run(_governance_report(url, session))
-    print(f"\naudit trail of {USER} for this session ({len(trail)} entries, both processes):")
+
+    trail, status = await _governance_report(url, session, model)
+    print(f"\naudit trail of {USER} for this session ({len(trail) - 1} entries, both processes):")
     for line in trail:
         print(f"  {line}")
-    print("budget:", "; ".join(budget_lines))
-    print(f"tokens: {result.tokens_in} in, {result.tokens_out} out; cost ${result.cost_usd:.4f}")
+    _print_budget(result, steps, held, status)
     hits = sum(1 for e in steps if e.outcome == "hit")
     misses = sum(1 for e in steps if e.outcome != "hit")
     divergences = sum(1 for e in steps if e.outcome == "divergence")
@@ -107,32 +182,101 @@ def run_demo(*, postgres: str | None, workdir: Path | None, stop_after: int) -> 
         f"replay metrics: hits={hits} misses={misses} divergences={divergences} "
         f"hit ratio={hits / max(hits + misses, 1):.0%}"
     )
-    repeated = sorted(name for name, count in effects.items() if count != 1)
-    missing = sorted(name for name in TOOL_NAMES if effects[name] == 0)
-    if repeated or missing or result.interrupted:
-        print(f"FAILED: repeated side effects {repeated}, missing {missing}")
+
+    repeated = sorted(name for (name, args), n in effects.items() if n > calls[(name, args)])
+    unmatched = sorted(name for (name, args), n in calls.items() if effects[(name, args)] < n)
+    expected = TOOL_NAMES if spec is None else []
+    missing = sorted(name for name in expected if not any(k[0] == name for k in effects))
+    if repeated or unmatched or missing or result.interrupted:
+        print(
+            f"FAILED: repeated side effects {repeated}, tool calls without their side effect "
+            f"{unmatched}, missing {missing}, interrupted: {result.interrupted}"
+        )
         return 1
     print(
-        f"No side effect ran twice: each of the {len(TOOL_NAMES)} tool actions happened "
-        "exactly once."
+        f"No side effect ran twice: each of the {sum(calls.values())} tool calls the model made "
+        "happened exactly once."
     )
     print(f"Journal and side-effect ledger kept in {work}")
     return 0
 
 
-def _label(step_name: str) -> str:
-    """``tool_call_1_0_<hash>`` -> the tool it called; model calls keep their name."""
-    if step_name.startswith("tool_call_"):
-        turn, slot = (int(x) for x in step_name.split("_")[2:4])
-        return PLAN[turn][slot][0]
-    return step_name
+def _effect_key(record: dict[str, Any]) -> tuple[str, str]:
+    return record["action"], json.dumps(record.get("args", {}), sort_keys=True)
 
 
-async def _governance_report(url: str, session: str) -> tuple[list[str], list[str]]:
+def _tool_calls(messages: list[Message]) -> Counter[tuple[str, str]]:
+    """How often the run called each (tool, arguments): what the ledger must show."""
+    return Counter(
+        (call.name, json.dumps(call.arguments, sort_keys=True))
+        for m in messages
+        if m.role == "assistant"
+        for call in m.tool_calls
+    )
+
+
+def _call_of(step_name: str, messages: list[Message]) -> tuple[str, str] | None:
+    """``tool_call_<turn>_<slot>_<hash>`` -> the (tool, arguments) it ran; None for model calls."""
+    if not step_name.startswith("tool_call_"):
+        return None
+    turn, slot = (int(x) for x in step_name.split("_")[2:4])
+    call = [m for m in messages if m.role == "assistant"][turn].tool_calls[slot]
+    return call.name, json.dumps(call.arguments, sort_keys=True)
+
+
+@dataclass
+class _Budget:
+    used: float
+    reserved: float
+    limit: float
+
+
+async def _holds(url: str, model: Model) -> float:
+    """Tokens the killed worker still holds in the budget store for its call in flight."""
     runtime = runtime_from_url(url)
     try:
         await runtime.open()
-        audit, budget = governance(runtime)
+        _, budget = governance(runtime, model)
+        return sum(
+            r.amount.tokens_in + r.amount.tokens_out
+            for r in await budget.store.reservations()
+            if any(b.scope == "user" and b.user_id == USER for b in r.buckets)
+        )
+    finally:
+        await runtime.close()
+
+
+def _print_budget(result: RunResult, steps: list[StepEvent], held: float, status: _Budget) -> None:
+    spent = result.tokens_in + result.tokens_out
+    calls = [e for e in steps if e.name.startswith("model_call_") and not e.path]
+    before = sum(1 for e in calls if e.outcome == "hit")
+    print(
+        f"budget of {USER}: {status.used:,.0f} of {status.limit:,.0f} tokens used "
+        f"({status.used / status.limit:.1%}), {status.reserved:,.0f} held"
+    )
+    print(
+        f"  {spent:>7,}  by the {len(calls)} model calls that returned ({before} before the kill, "
+        f"{len(calls) - before} after resume;\n           replayed calls are not charged again)"
+    )
+    charged = status.used - spent
+    if held and charged > 0:
+        print(
+            f"  {charged:>7,.0f}  the hold of the call in flight when the worker died "
+            f"({held:,.0f} reserved), charged when this\n           process reclaimed it: "
+            "on_expiry='charge' counts a call the provider may have billed;\n"
+            "           StandardBudget(on_expiry='release') would give it back"
+        )
+    print(
+        f"tokens of the run: {result.tokens_in} in, {result.tokens_out} out; "
+        f"cost ${result.cost_usd:.4f}"
+    )
+
+
+async def _governance_report(url: str, session: str, model: Model) -> tuple[list[str], _Budget]:
+    runtime = runtime_from_url(url)
+    try:
+        await runtime.open()
+        audit, budget = governance(runtime, model)
         page = await audit.query(user_id=USER, session_id=session, limit=500)
         trail = []
         for entry in page.entries:
@@ -140,18 +284,7 @@ async def _governance_report(url: str, session: str) -> tuple[list[str], list[st
             trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}")
         report = await audit.verify(user_id=USER)
         trail.append(f"chain verified: {'ok' if report.ok else 'PROBLEMS FOUND'}")
-        caps = [
-            f"{c.cap} used {c.used:,.0f} of {c.limit:,.0f} ({c.fraction:.1%})"
-            for c in await budget.status(USER)
-        ]
-        return trail, caps
-    finally:
-        await runtime.close()
-
-
-async def _resume(url: str, ledger: Path, session: str, steps: list[StepEvent]) -> RunResult:
-    runtime = runtime_from_url(url)
-    try:
-        return await run_task(runtime, ledger, session, USER, resume=True, steps=steps)
+        cap = next(c for c in await budget.status(USER) if c.cap == "user.tokens_total")
+        return trail, _Budget(cap.used, cap.reserved, float(TOKEN_CAP))
     finally:
         await runtime.close()

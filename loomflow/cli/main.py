@@ -19,6 +19,7 @@ from typing import Any
 from ..config import Settings
 from ..errors import LoomflowError
 from ..runtime import JournalRuntime, runtime_from_url
+from ._progress import add_no_progress, progress_bar
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -29,6 +30,16 @@ def _duration(text: str) -> dt.timedelta:
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h or 7d")
     return dt.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="crash a worker mid-run, resume it, show the replay")
     demo.add_argument("--postgres", metavar="DSN", help="run the story on PostgreSQL")
     demo.add_argument("--workdir", type=Path, help="keep the journal and ledger here")
-    demo.add_argument("--kill-after", type=int, default=3, help="kill after this step (3)")
+    demo.add_argument(
+        "--kill-after", type=int, default=3, help="kill the worker before this model turn (3)"
+    )
+    demo.add_argument(
+        "--model",
+        help="a provider's model, e.g. anthropic:claude-sonnet-4-5 or openai:gpt-5-mini "
+        "(needs its API key; default: the offline scripted model)",
+    )
 
     sub.add_parser("migrate", help="apply pending schema migrations to the journal")
 
@@ -64,11 +82,22 @@ def _parser() -> argparse.ArgumentParser:
         dest="journal_command", required=True
     )
     prune = journal.add_parser("prune", help="delete entries of finished runs")
-    prune.add_argument("--older-than", type=_duration, help="e.g. 7d, 12h")
+    prune.add_argument(
+        "--older-than",
+        type=_duration,
+        help="e.g. 7d, 12h (default: LOOMFLOW_JOURNAL_RETENTION_DAYS; unset: any age)",
+    )
     prune.add_argument("--session", dest="session_id")
     prune.add_argument("--user", dest="user_id")
     prune.add_argument("--include-open", action="store_true", help="also delete open runs")
+    prune.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=5000,
+        help="rows deleted per statement, each its own short transaction (5000)",
+    )
     prune.add_argument("--json", action="store_true")
+    add_no_progress(prune)
 
     for module in _command_modules():
         module.register(sub)
@@ -101,7 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(
-                postgres=args.postgres, workdir=args.workdir, stop_after=args.kill_after
+                postgres=args.postgres,
+                workdir=args.workdir,
+                stop_after=args.kill_after,
+                model=args.model,
             )
         handler = getattr(args, "handler", None)
         if handler is not None:
@@ -231,11 +263,18 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
 
 
 async def _prune(runtime: JournalRuntime, args: argparse.Namespace) -> int:
-    filters: dict[str, Any] = {"older_than": args.older_than, "include_open": args.include_open}
+    older_than = args.older_than
+    retention = Settings().journal_retention_days
+    if older_than is None and retention is not None:
+        older_than = dt.timedelta(days=retention)
+    filters: dict[str, Any] = {"older_than": older_than, "include_open": args.include_open}
     if args.session_id is not None:
         filters["session_id"] = args.session_id
     if args.user_id is not None:
         filters["user_id"] = args.user_id
-    deleted = await runtime.prune(**filters)
+    with progress_bar("pruning", unit=" rows", enabled=args.progress) as on_progress:
+        deleted = await runtime.prune(
+            **filters, batch_size=args.batch_size, on_progress=on_progress
+        )
     print(json.dumps({"deleted": deleted}) if args.json else f"deleted {deleted} journal entries")
     return 0

@@ -95,7 +95,18 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         return _import_sdk()
 
     def _new_client(self, sdk: Any, options: dict[str, Any]) -> AsyncAnthropic:
-        return sdk.AsyncAnthropic(**options)  # type: ignore[no-any-return]
+        client = sdk.AsyncAnthropic(**options)
+        # Recent SDKs accept a client without credentials and fail only when a request is
+        # built, with a bare TypeError; say it now, as the OpenAI SDK does.
+        if (
+            client.api_key is None
+            and client.auth_token is None
+            and getattr(client, "credentials", None) is None
+        ):
+            raise ValueError(
+                "no credentials: set ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN), or pass api_key="
+            )
+        return client  # type: ignore[no-any-return]
 
     def _sdk_errors(self, sdk: Any) -> tuple[type[BaseException], ...]:
         return (sdk.AnthropicError,)

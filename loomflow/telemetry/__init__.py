@@ -23,7 +23,7 @@ from ._metrics import (
     serve_metrics,
 )
 from ._semconv import STEP_SPAN
-from ._setup import TelemetrySetup, setup_telemetry
+from ._setup import TelemetrySetup, setup_telemetry, setup_telemetry_once
 from ._telemetry import Telemetry
 
 __all__ = [
@@ -40,4 +40,5 @@ __all__ = [
     "TelemetrySetup",
     "serve_metrics",
     "setup_telemetry",
+    "setup_telemetry_once",
 ]

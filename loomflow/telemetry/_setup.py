@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,7 +14,7 @@ from ..config import Settings
 from ..errors import ConfigurationError
 from ._metrics import MetricsServer, serve_metrics
 
-__all__ = ["TelemetrySetup", "setup_telemetry"]
+__all__ = ["TelemetrySetup", "setup_telemetry", "setup_telemetry_once"]
 
 _INSTALL_HINT = (
     "exporting spans needs the OpenTelemetry SDK and OTLP exporter: pip install 'loomflow[otel]'"
@@ -80,6 +81,36 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
                 f"cannot serve metrics on {s.metrics_host}:{s.metrics_port}: {exc}"
             ) from exc
     return result
+
+
+_once_lock = threading.Lock()
+_once: tuple[tuple[Any, ...], TelemetrySetup] | None = None
+
+
+def setup_telemetry_once(settings: Settings | None = None) -> TelemetrySetup:
+    """:func:`setup_telemetry` for code that may run many times in one process.
+
+    The first call sets telemetry up (the global tracer provider, the metrics endpoint); later
+    calls with the same export settings return that setup. ``Agent.from_settings`` uses it,
+    so several agents built from one configuration share one exporter and one port.
+
+    Raises:
+        ConfigurationError: a later call asks for a different endpoint, headers, service
+            name or metrics address, which one process cannot serve twice.
+    """
+    global _once
+    s = settings or Settings()
+    key = (s.otlp_endpoint, s.otlp_headers, s.otel_service_name, s.metrics_port, s.metrics_host)
+    with _once_lock:
+        if _once is None:
+            _once = (key, setup_telemetry(s))
+        elif _once[0] != key:
+            raise ConfigurationError(
+                "telemetry is already set up in this process with other export settings "
+                "(OTLP endpoint, headers, service name or metrics address); one process "
+                "exports to one place"
+            )
+        return _once[1]
 
 
 def traces_url(endpoint: str) -> str:

@@ -241,6 +241,8 @@ class Telemetry:
         tracing: ``False`` for metrics only.
         capture_content: Record prompts, completions, tool arguments and tool results on
             spans. Off by default; ``None`` reads ``LOOMFLOW_TELEMETRY_CAPTURE_CONTENT``.
+            Recorded text is scrubbed by the agent's redactor first (secret shapes and
+            configured secrets; sensitive tool arguments are already sealed placeholders).
         settings: Where ``capture_content=None`` is read from (default: the environment).
 
     The first run of an agent instruments the agent's runtime (steps become spans and are
@@ -309,6 +311,12 @@ class _TelemetryHooks(RunHooks):
         self.metrics = owner.metrics
         self.content = owner.capture_content
 
+    @staticmethod
+    def _scrub(info: RunInfo, value: Any) -> str:
+        """Captured content as span text, redacted as the audit log would redact it."""
+        text = value if isinstance(value, str) else _json(value)
+        return info.redactor.text(text) if info.redactor is not None else text
+
     def _run(self, info: RunInfo) -> _LiveRun | None:
         live = _live.get(info.run_id)
         return live if live is not None and live.owner is self else None
@@ -351,7 +359,9 @@ class _TelemetryHooks(RunHooks):
         if live is not None and self.content:
             live.span.set_attribute(
                 sc.GEN_AI_INPUT_MESSAGES,
-                _json([{"role": "user", "parts": [{"type": "text", "content": prompt}]}]),
+                self._scrub(
+                    info, [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]
+                ),
             )
         return prompt
 
@@ -389,13 +399,14 @@ class _TelemetryHooks(RunHooks):
             if self.content:
                 span.set_attribute(
                     sc.GEN_AI_OUTPUT_MESSAGES,
-                    _json(
+                    self._scrub(
+                        info,
                         [
                             {
                                 "role": "assistant",
                                 "parts": [{"type": "text", "content": result.output}],
                             }
-                        ]
+                        ],
                     ),
                 )
         if error is not None:
@@ -430,11 +441,11 @@ class _TelemetryHooks(RunHooks):
         if self.content:
             system = [m for m in messages if m.role == "system"]
             if system:
-                attributes[sc.GEN_AI_SYSTEM_INSTRUCTIONS] = _json(
-                    [{"type": "text", "content": m.content} for m in system]
+                attributes[sc.GEN_AI_SYSTEM_INSTRUCTIONS] = self._scrub(
+                    info, [{"type": "text", "content": m.content} for m in system]
                 )
-            attributes[sc.GEN_AI_INPUT_MESSAGES] = _json(
-                [_message_json(m) for m in messages if m.role != "system"]
+            attributes[sc.GEN_AI_INPUT_MESSAGES] = self._scrub(
+                info, [_message_json(m) for m in messages if m.role != "system"]
             )
         span = self.tracer.start_span(
             f"chat {info.model_name}",
@@ -481,7 +492,7 @@ class _TelemetryHooks(RunHooks):
         if self.content:
             output = _message_json(response.to_message())
             output["finish_reason"] = response.finish_reason
-            span.set_attribute(sc.GEN_AI_OUTPUT_MESSAGES, _json([output]))
+            span.set_attribute(sc.GEN_AI_OUTPUT_MESSAGES, self._scrub(info, [output]))
         token.finish(token.end_ns)
 
     # -- tool calls ------------------------------------------------------------------------
@@ -501,7 +512,7 @@ class _TelemetryHooks(RunHooks):
         if tool is not None and tool.description:
             attributes[sc.GEN_AI_TOOL_DESCRIPTION] = tool.description
         if self.content:
-            attributes[sc.GEN_AI_TOOL_CALL_ARGUMENTS] = _json(call.arguments)
+            attributes[sc.GEN_AI_TOOL_CALL_ARGUMENTS] = self._scrub(info, call.arguments)
         # The parent is the tool's step span, current in this coroutine (or, with no journal,
         # the run's root span).
         parent, live = _parent(info.run_id)
@@ -536,7 +547,7 @@ class _TelemetryHooks(RunHooks):
             span.set_attribute(sc.ERROR_TYPE, outcome.error_type or "tool_error")
             span.set_status(Status(StatusCode.ERROR, (outcome.error or "")[:500]))
         elif self.content:
-            span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, outcome.as_text())
+            span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, self._scrub(info, outcome.as_text()))
         child.release()
         child.finish()
         return outcome

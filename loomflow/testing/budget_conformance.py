@@ -254,3 +254,24 @@ class BudgetStoreConformance:
         assert (totals.tokens_in, totals.tokens_out, totals.calls) == (3, 4, 1)
         listed = await second.usage()
         assert listed[0].updated_at > 0
+
+    async def test_prune_drops_ended_window_buckets_only(self, store: BudgetStore) -> None:
+        # 2026-05-08T12:00Z: the day before and April have ended; May 8 and May have not.
+        cutoff = 1778241600.0
+        names = {
+            "old day": Bucket("user", "alice", "day:2026-05-07"),
+            "old month": Bucket("global", None, "month:2026-04"),
+            "today": Bucket("user", "alice", "day:2026-05-08"),
+            "this month": Bucket("user", "alice", "month:2026-05"),
+            "all time": Bucket("user", "alice", ""),
+            "old but held": Bucket("user", "bob", "day:2026-01-01"),
+        }
+        for name, bucket in names.items():
+            r = _hold(bucket)
+            assert await _reserve(store, r)
+            if name != "old but held":
+                await store.commit(r, Amount(1, 1))
+        assert await store.prune(ended_before=cutoff) == 2
+        left = {u.bucket.key for u in await store.usage()}
+        assert left == {b.key for n, b in names.items() if n not in ("old day", "old month")}
+        assert await store.prune(ended_before=cutoff) == 0  # idempotent

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loomflow.agent import Agent
+from loomflow.agent import Agent, Tuning
 from loomflow.agent.architectures import Debate, Team, Workflow
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
@@ -21,8 +21,9 @@ class Crash(Exception):
     pass
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["replay", "snapshot"])
 async def test_team_workers_remember_within_a_run_and_replay_on_resume(
-    runtime_factory: Factory,
+    runtime_factory: Factory, checkpoint: bool
 ) -> None:
     lookups: list[str] = []
 
@@ -56,7 +57,12 @@ async def test_team_workers_remember_within_a_run_and_replay_on_resume(
     worker = Agent(
         "research", model=FunctionModel(worker_decides), tools=[lookup], name="researcher"
     )
-    lead = Agent("lead", model=FunctionModel(lead_decides), runtime=runtime)
+    lead = Agent(
+        "lead",
+        model=FunctionModel(lead_decides),
+        runtime=runtime,
+        tuning=Tuning(checkpoint=checkpoint),
+    )
     team = Team(lead, [worker])
     with pytest.raises(Crash):
         await team.run("write a report", session_id="s", user_id="u")
@@ -65,8 +71,10 @@ async def test_team_workers_remember_within_a_run_and_replay_on_resume(
     result = await team.resume("write a report", session_id="s", user_id="u")
     assert result.output == "report: research: facts about tides | research: facts about moons"
     assert lookups == ["tides", "moons"]
-    # The second task saw the first exchange in the worker's memory (system+2 history+user).
+    # The second task saw the first exchange in the worker's memory (system+2 history+user),
+    # whether the earlier turns came back by replay or from the lead's snapshot.
     assert seen_histories == [2, 4]
+    assert (result.restored_from is not None) is checkpoint
 
 
 async def test_debate_replays_debaters_on_resume(runtime_factory: Factory) -> None:

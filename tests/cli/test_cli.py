@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 
 
-def loomflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def loomflow(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "loomflow.cli", *args],
         capture_output=True,
@@ -18,6 +21,7 @@ def loomflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
         timeout=120,
         cwd=cwd,
         check=False,
+        env={**os.environ, **env} if env else None,
     )
 
 
@@ -32,7 +36,9 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
     assert "chain verified: ok" in out
     assert "tool.replay      charge_card" in out  # the replay is audited as a replay
     assert out.count("tool.call        charge_card") == 1  # and the charge once, as live
-    assert "user.tokens_total used" in out
+    # The killed worker's hold for its call in flight is charged, and the report says so.
+    assert "the hold of the call in flight when the worker died" in out
+    assert ", 0 held" in out
     ledger = [
         json.loads(line) for line in (tmp_path / "side-effects.jsonl").read_text().splitlines()
     ]
@@ -78,6 +84,15 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     assert people.stdout.strip() == "no sessions in the journal"
     assert "finished" in loomflow("--url", demo_url, "runs", "list").stdout
     assert "epoch" in table.stdout
+    kept = loomflow(
+        "--url",
+        demo_url,
+        "journal",
+        "prune",
+        "--json",
+        env={"LOOMFLOW_JOURNAL_RETENTION_DAYS": "1"},
+    )
+    assert json.loads(kept.stdout) == {"deleted": 0}  # a day's retention keeps today's run
     pruned = loomflow("--url", demo_url, "journal", "prune", "--json")
     assert json.loads(pruned.stdout) == {"deleted": 10}
 
@@ -88,3 +103,136 @@ def test_errors_and_usage_have_distinct_exit_codes(tmp_path: Path) -> None:
     assert "scheme" in bad_url.stderr
     assert loomflow("journal", "prune", "--older-than", "soon").returncode == 2
     assert loomflow("no-such-command").returncode == 2
+
+
+# -- progress bars: drawn on a terminal's stderr, never into pipes --------------------------
+
+
+def loomflow_on_a_terminal(*args: str, columns: int | None = None) -> tuple[int, str, str]:
+    """Run the CLI with stderr on a pseudo-terminal (stdout stays a pipe).
+
+    Returns the exit code, stdout, and what the terminal was sent. ``columns`` sets the
+    terminal's size; without it the terminal reports 0x0, as a bare pty does.
+    """
+    import fcntl
+    import os
+    import select
+    import struct
+    import termios
+    import time
+
+    master, slave = os.openpty()
+    if columns is not None:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    with subprocess.Popen(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    ) as proc:
+        os.close(slave)
+        assert proc.stdout is not None
+        # Read both at once: a child blocked on a full stdout pipe never closes the terminal.
+        piped = proc.stdout.fileno()
+        got: dict[int, bytes] = {master: b"", piped: b""}
+        open_fds = set(got)
+        deadline = time.monotonic() + 120
+        while open_fds and time.monotonic() < deadline:
+            for fd in select.select(list(open_fds), [], [], 1)[0]:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the child closed its end of the terminal
+                    chunk = b""
+                if chunk:
+                    got[fd] += chunk
+                else:
+                    open_fds.discard(fd)
+        os.close(master)
+        code = proc.wait(timeout=10)
+    return code, got[piped].decode(), got[master].decode(errors="replace")
+
+
+async def _journal_with_entries(path: Path, sessions: int, steps: int) -> None:
+    from loomflow.runtime import SqliteRuntime
+
+    runtime = SqliteRuntime(path)
+    try:
+        for s in range(sessions):
+            async with runtime.session(f"s{s}", "alice"):
+                for i in range(steps):
+                    await runtime.step(f"step{i}", lambda i=i: i)
+    finally:
+        await runtime.close()
+
+
+async def test_prune_draws_a_bar_on_a_terminal_and_nothing_into_a_pipe(tmp_path: Path) -> None:
+    db = tmp_path / "j.db"
+    url = f"sqlite:///{db}"
+    await _journal_with_entries(db, 6, 5)
+    code, out, screen = loomflow_on_a_terminal(
+        "--url", url, "journal", "prune", "--batch-size", "7", columns=100
+    )
+    assert code == 0, screen
+    assert out == "deleted 30 journal entries\n"
+    assert "pruning: 100%|" in screen  # tqdm's bar, filled
+    assert "30/30" in screen
+    assert "deleted" not in screen  # the result went to stdout, only the bar to the terminal
+
+    await _journal_with_entries(db, 2, 5)
+    quiet = loomflow_on_a_terminal("--url", url, "journal", "prune", "--no-progress")
+    assert quiet == (0, "deleted 10 journal entries\n", "")
+
+    await _journal_with_entries(db, 2, 5)
+    piped = loomflow("--url", url, "journal", "prune", "--json", "--batch-size", "3")
+    assert (piped.returncode, piped.stdout, piped.stderr) == (0, '{"deleted": 10}\n', "")
+
+
+async def test_audit_export_and_verify_draw_bars_without_touching_stdout(
+    tmp_path: Path,
+) -> None:
+    from loomflow.audit import AuditRecord, SqliteAuditStore
+
+    db = tmp_path / "audit.db"
+    store = SqliteAuditStore(db)
+    try:
+        await store.append(
+            [AuditRecord(user_id=f"u{i % 3}", actor="t", action="tool.call") for i in range(1200)]
+        )
+    finally:
+        await store.close()
+    audit = ("audit", "--audit-url", f"sqlite:///{db}")
+
+    piped = loomflow(*audit, "export", "--user", "u1")
+    assert piped.returncode == 0
+    assert piped.stderr == ""
+    assert len(piped.stdout.splitlines()) == 400
+    # A terminal of unknown size (0x0) still gets a bar; the lines on stdout are unchanged.
+    code, out, screen = loomflow_on_a_terminal(*audit, "export", "--user", "u1")
+    assert code == 0
+    assert out == piped.stdout  # byte for byte
+    assert "exporting: 100%|" in screen
+    assert "400/400" in screen
+
+    code, out, screen = loomflow_on_a_terminal(*audit, "export", "-o", str(tmp_path / "x.jsonl"))
+    assert code == 0
+    assert "1200/1200" in screen
+    assert "exported 1200 audit entries" in screen
+    assert (tmp_path / "x.jsonl").read_text().count("\n") == 1200
+
+    code, out, screen = loomflow_on_a_terminal(*audit, "verify", "--json", columns=120)
+    assert code == 0
+    assert json.loads(out)["entries"] == 1200
+    assert "verifying: 100%|" in screen
+    assert loomflow_on_a_terminal(*audit, "verify", "--no-progress")[2] == ""
+    verified = loomflow(*audit, "verify")
+    assert verified.stderr == ""
+    assert verified.stdout.startswith("OK: checked 1200 entries of 3 user(s)")
+
+
+def test_a_bad_batch_size_is_a_usage_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    for bad in ("0", "-3", "many", "2.5"):
+        result = loomflow("--url", url, "journal", "prune", "--batch-size", bad)
+        assert result.returncode == 2, bad
+        assert "--batch-size" in result.stderr
+        assert "positive whole number" in result.stderr

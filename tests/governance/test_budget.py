@@ -576,3 +576,18 @@ def test_the_store_url_comes_from_the_settings(tmp_path: Path) -> None:
     separate = budget_store_from_url(settings=Settings(runtime_url=journal, budget_url=own))
     assert "budget.db" in repr(separate)
     assert isinstance(budget_store_from_url("memory://"), InMemoryBudgetStore)
+
+
+async def test_the_run_cost_is_priced_with_the_budget_price_table() -> None:
+    # A model only the budget knows the price of: the run's cost_usd agrees with the budget.
+    from loomflow.models import AnthropicModel
+    from loomflow.testing.providers import FakeAnthropicAPI, Reply
+
+    with FakeAnthropicAPI(Reply(text="hi", input_tokens=10_000, output_tokens=1_000)) as api:
+        model = AnthropicModel("claude-inhouse-1", base_url=api.base_url, api_key="test")
+        budget = StandardBudget(prices={"claude-inhouse-1": ModelPrice(100.0, 1000.0)})
+        result = await Agent("x", model=model, budget=budget).run("hello", user_id="ana")
+        await model.aclose()
+    assert result.cost_usd == pytest.approx(1.0 + 1.0)
+    [usage] = [u for u in await budget.store.usage("ana") if u.bucket.scope == "user"]
+    assert usage.totals.cost_nanousd == 2_000_000_000

@@ -102,3 +102,42 @@ def test_an_unreachable_store_is_a_loomflow_error(tmp_path: Path) -> None:
     result = loomflow("budget", "--budget-url", f"sqlite:///{blocker / 'b.db'}", "show")
     assert result.returncode == 1
     assert result.stderr.startswith("loomflow: error:")
+
+
+def test_prune_removes_ended_day_totals_and_keeps_the_rest(tmp_path: Path) -> None:
+    # A daily cap writes day buckets; with a clock 40 days back, those days have long ended.
+    url = f"sqlite:///{tmp_path / 'budget.db'}"
+
+    async def spend_long_ago() -> None:
+        import time
+
+        budget = StandardBudget(
+            [Cap("tokens_total", 10_000, window="day")],
+            store=SqlBudgetStore(url),
+            clock=lambda: time.time() - 40 * 86400,
+        )
+        model = FunctionModel(
+            lambda m, t: ModelResponse(text="ok", usage=Usage(input_tokens=7, output_tokens=5))
+        )
+        await Agent("x", model=model, budget=budget).run("go", user_id="alice")
+        await budget.close()
+
+    asyncio.run(spend_long_ago())
+    asyncio.run(spend(url))  # today's all-time totals
+    before = loomflow("budget", "--budget-url", url, "show", "--json").stdout.splitlines()
+    assert any(json.loads(r)["period"].startswith("day:") for r in before)
+    kept = loomflow("budget", "--budget-url", url, "prune", "--older-than", "60d", "--json")
+    assert json.loads(kept.stdout) == {"deleted": 0}
+    pruned = loomflow("budget", "--budget-url", url, "prune", "--older-than", "30d", "--json")
+    assert pruned.returncode == 0, pruned.stderr
+    assert json.loads(pruned.stdout) == {"deleted": 1}
+    after = [
+        json.loads(r)
+        for r in loomflow("budget", "--budget-url", url, "show", "--json").stdout.splitlines()
+    ]
+    assert {r["period"] for r in after} == {"all"}
+    alice = next(r for r in after if r["user_id"] == "alice")
+    assert alice["calls"] == 3  # the all-time total still counts the old call
+    bad = loomflow("budget", "--budget-url", url, "prune", "--older-than", "soon")
+    assert bad.returncode == 2
+    assert "not a duration" in bad.stderr

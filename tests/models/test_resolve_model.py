@@ -124,3 +124,12 @@ def test_missing_openai_credentials_are_a_configuration_error(
     monkeypatch.delenv("OPENAI_API_KEY")
     with pytest.raises(ConfigurationError, match="OPENAI_API_KEY"):
         resolve_model("gpt-4.1")
+
+
+def test_missing_anthropic_credentials_are_a_configuration_error_when_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The SDK itself would only fail at the first request, with a TypeError.
+    monkeypatch.delenv("ANTHROPIC_API_KEY")
+    with pytest.raises(ConfigurationError, match="ANTHROPIC_API_KEY"):
+        resolve_model("anthropic:claude-sonnet-4-5")

@@ -700,3 +700,40 @@ async def test_without_a_journal_calls_hang_from_the_root(
         "chat function",
     ]
     assert capture.named("loom.workflow.step") == []
+
+
+async def test_captured_content_is_redacted_like_the_audit_log(capture: SpanCapture) -> None:
+    # Opting in to content must not put secrets on spans that the audit log would scrub:
+    # a key-shaped string in the prompt, a configured secret in a tool result, and a sensitive
+    # argument (already a sealed placeholder by the time hooks see it).
+    from loomflow.audit import AuditLog, InMemoryAuditStore
+    from loomflow.audit.redaction import Redactor
+
+    api_key = "sk-ant-api03-" + "q" * 40
+    configured = "corp-vault-pass-2291"
+
+    @tool(sensitive=("card",))
+    def pay(card: str) -> str:
+        """Charge a card."""
+        return f"charged; vault said {configured}"
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "paid"
+        return [ToolCall(id="c1", name="pay", arguments={"card": "4111 1111 1111 1111"})]
+
+    audit = AuditLog(InMemoryAuditStore(), redactor=Redactor(secrets=[configured]))
+    agent = Agent(
+        "you take payments",
+        model=FunctionModel(decide),
+        tools=[pay],
+        runtime=InMemoryRuntime(),
+        audit=audit,
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False, capture_content=True),
+    )
+    await agent.run(f"pay with my key {api_key}", session_id="s", user_id="erin")
+    text = _recorded_text(capture)
+    for secret in (api_key, configured, "4111 1111 1111 1111"):
+        assert secret not in text, secret
+    assert "[REDACTED" in text  # the content is there, scrubbed
+    assert "pay with my key" in text

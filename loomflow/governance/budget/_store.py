@@ -85,3 +85,7 @@ class BudgetStore(Protocol):
 
     async def reservations(self) -> list[ReservationInfo]:
         """Every hold in the store, oldest first."""
+
+    async def prune(self, *, ended_before: float) -> int:
+        """Delete the day and month buckets whose period ended by the Unix time
+        ``ended_before`` and that hold nothing; return how many went. All-time buckets stay."""

@@ -266,6 +266,24 @@ class Bucket:
         return cls(scope, user_id, period)
 
 
+def ended_periods(cutoff: float) -> tuple[str, str]:
+    """Upper bounds (exclusive) of the day and month periods that ended by ``cutoff``.
+
+    Period names sort by time, so ``"day:" <= period < days`` selects every day bucket that
+    ended at or before the Unix time ``cutoff`` (likewise for months).
+    """
+    when = dt.datetime.fromtimestamp(cutoff, dt.UTC)
+    return f"day:{when:%Y-%m-%d}", f"month:{when:%Y-%m}"
+
+
+def period_ended(period: str, cutoff: float) -> bool:
+    """Whether a windowed bucket's ``period`` ended by ``cutoff`` (all-time ones never do)."""
+    days, months = ended_periods(cutoff)
+    if period.startswith("day:"):
+        return period < days
+    return period.startswith("month:") and period < months
+
+
 @dataclass(frozen=True, slots=True)
 class BucketLimit:
     """A cap applied to one bucket, as a store evaluates it."""

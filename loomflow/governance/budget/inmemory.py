@@ -23,6 +23,7 @@ from ._types import (
     Totals,
     evaluate,
     late_charge,
+    period_ended,
 )
 
 __all__ = ["InMemoryBudgetStore"]
@@ -157,6 +158,16 @@ class InMemoryBudgetStore:
         ]
         return sorted(rows, key=lambda u: _order(u.bucket))
 
+    async def prune(self, *, ended_before: float) -> int:
+        gone = [
+            key
+            for key, row in self._rows.items()
+            if period_ended(row.bucket.period, ended_before) and not _holds_anything(row.totals)
+        ]
+        for key in gone:
+            del self._rows[key]
+        return len(gone)
+
     async def reservations(self) -> list[ReservationInfo]:
         return [
             ReservationInfo(
@@ -170,6 +181,10 @@ class InMemoryBudgetStore:
             )
             for h in sorted(self._holds.values(), key=lambda h: h.created_at)
         ]
+
+
+def _holds_anything(t: Totals) -> bool:
+    return bool(t.reserved_in or t.reserved_out or t.reserved_cost_nanousd)
 
 
 def _order(bucket: Bucket) -> tuple[str, str, str]:

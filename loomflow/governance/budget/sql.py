@@ -34,6 +34,7 @@ from ._types import (
     Reservation,
     ReservationInfo,
     Totals,
+    ended_periods,
     evaluate,
     late_charge,
 )
@@ -101,6 +102,13 @@ ORDER BY expires_at LIMIT $1
 # Owner ids start with the pid namespace, so a worker can find holds of dead local processes.
 _LOCAL = "SELECT id, owner FROM loom_budget_reservations WHERE owner LIKE $1 LIMIT $2"
 _USAGE = f"SELECT bucket, {_COLUMNS}, updated_at FROM loom_budget_buckets"
+# Period names sort by time (see ended_periods); a bucket still holding a call is kept.
+_PRUNE = """
+DELETE FROM loom_budget_buckets
+WHERE ((period >= 'day:' AND period < $1) OR (period >= 'month:' AND period < $2))
+    AND reserved_in = 0 AND reserved_out = 0 AND reserved_cost_nanousd = 0
+RETURNING 1
+"""
 _RESERVATIONS = """
 SELECT id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at,
     expires_at
@@ -353,6 +361,12 @@ class SqlBudgetStore:
         return sorted(
             usage, key=lambda u: (u.bucket.scope, u.bucket.user_id or "", u.bucket.period)
         )
+
+    async def prune(self, *, ended_before: float) -> int:
+        await self.open()
+        days, months = ended_periods(ended_before)
+        rows = await self.db.fetch(_PRUNE, days, months, what="budget prune")
+        return len(rows)
 
     async def reservations(self) -> list[ReservationInfo]:
         await self.open()

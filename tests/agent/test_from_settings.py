@@ -1,0 +1,158 @@
+"""``Agent.from_settings``: journal, audit log, budget and telemetry from one Settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loomflow import Agent, ToolCall, tool
+from loomflow.audit import audit_store_from_url
+from loomflow.config import Settings
+from loomflow.errors import UserError
+from loomflow.governance import Cap, StandardBudget
+from loomflow.governance.budget import budget_store_from_url
+from loomflow.models import ScriptedModel
+from loomflow.runtime import InMemoryRuntime, runtime_from_url
+
+
+@tool
+def lookup(order_id: str) -> str:
+    """Look an order up."""
+    return f"{order_id}: shipped"
+
+
+def _model() -> ScriptedModel:
+    return ScriptedModel(
+        [[ToolCall(id="c1", name="lookup", arguments={"order_id": "A-1"})], "A-1 has shipped."]
+    )
+
+
+async def _check_stores(settings: Settings, session: str) -> None:
+    runtime = runtime_from_url(settings.runtime_url)
+    try:
+        entries = await runtime.entries(session, "ana")
+        assert [e.name for e in entries][:1] == ["model_call_0"]
+        assert len(entries) == 3
+    finally:
+        await runtime.close()
+    audit = audit_store_from_url(settings.audit_url)
+    try:
+        page = await audit.query(user_id="ana", session_id=session)
+        assert next(e.action for e in page.entries) == "run.start"
+        assert (await audit.verify(user_id="ana")).ok
+    finally:
+        await audit.close()
+    budget = budget_store_from_url(settings=settings)
+    try:
+        usage = await budget.usage("ana")
+        assert sum(u.totals.calls for u in usage if u.bucket.period == "") == 2
+    finally:
+        await budget.close()
+
+
+async def test_sqlite_journal_and_audit_with_the_budget_beside_the_journal(tmp_path: Path) -> None:
+    settings = Settings(
+        runtime_url=f"sqlite:///{tmp_path / 'journal.db'}",
+        audit_url=f"sqlite:///{tmp_path / 'audit.db'}",
+    )
+    async with Agent.from_settings(
+        "Support.", model=_model(), tools=[lookup], settings=settings
+    ) as agent:
+        result = await agent.run("Where is A-1?", session_id="t-1", user_id="ana")
+        assert result.output == "A-1 has shipped."
+        assert isinstance(agent.budget, StandardBudget)
+    await _check_stores(settings, "t-1")
+
+
+@pytest.mark.postgres
+async def test_postgres_everywhere_from_environment(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOOMFLOW_RUNTIME_URL", pg_dsn)
+    monkeypatch.setenv("LOOMFLOW_AUDIT_URL", pg_dsn)
+    monkeypatch.setenv("LOOMFLOW_BUDGET_URL", pg_dsn)
+    agent = Agent.from_settings("Support.", model=_model(), tools=[lookup])
+    try:
+        await agent.run("Where is A-1?", session_id="t-2", user_id="ana")
+    finally:
+        await agent.aclose()
+    await _check_stores(Settings(), "t-2")
+
+
+async def test_caps_are_enforced_and_explicit_components_are_kept(tmp_path: Path) -> None:
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}", audit_url="memory://")
+    runtime = InMemoryRuntime()
+    agent = Agent.from_settings(
+        "Support.",
+        model=_model(),
+        tools=[lookup],
+        settings=settings,
+        caps=[Cap("tokens_total", 10)],
+        runtime=runtime,
+    )
+    assert agent.runtime is runtime
+    result = await agent.run("Where is A-1?", session_id="t-3", user_id="ana")
+    assert result.interrupted
+    assert result.interruption_reason == "budget:user.tokens_total"
+    await agent.aclose()
+    # Still open: the caller's runtime is not closed by aclose().
+    assert [i.session_id for i in await runtime.sessions()] == ["t-3"]
+    await runtime.close()
+    assert not (tmp_path / "journal.db").exists()  # the settings' journal was never built
+
+
+def test_caps_and_a_budget_together_are_refused() -> None:
+    with pytest.raises(UserError, match="caps= or budget="):
+        Agent.from_settings(
+            "x",
+            model="scripted",
+            caps=[Cap("tokens_total", 10)],
+            budget=StandardBudget(),
+            settings=Settings(runtime_url="memory://", audit_url="memory://"),
+        )
+
+
+def test_metrics_port_serves_metrics_once_per_process(tmp_path: Path) -> None:
+    # In a child process: telemetry set-up is global to a process.
+    script = textwrap.dedent(
+        f"""
+        import asyncio, socket, urllib.request
+        from loomflow import Agent
+        from loomflow.config import Settings
+        from loomflow.errors import ConfigurationError
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        settings = Settings(
+            runtime_url="sqlite:///{tmp_path / "j.db"}", audit_url="memory://",
+            metrics_port=port, metrics_host="127.0.0.1",
+        )
+
+        async def main():
+            async with Agent.from_settings("x", model="scripted", settings=settings) as a:
+                await a.run("hello", session_id="s", user_id="u")
+            # a second agent with the same settings shares the endpoint
+            async with Agent.from_settings("x", model="scripted", settings=settings) as b:
+                await b.run("hello again", session_id="s2", user_id="u")
+
+        asyncio.run(main())
+        body = urllib.request.urlopen(f"http://127.0.0.1:{{port}}/metrics").read().decode()
+        finished = 'backend="sqlite",outcome="finished",resumed="false"'
+        assert "loomflow_runs_total{{" + finished + "}} 2.0" in body, body[-2000:]
+        try:
+            Agent.from_settings("x", model="scripted", settings=settings.model_copy(
+                update={{"metrics_port": port + 1}}))
+        except ConfigurationError as exc:
+            print("refused:", exc)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: telemetry is already set up" in done.stdout
