@@ -64,7 +64,13 @@ def _parser() -> argparse.ArgumentParser:
         "(needs its API key; default: the offline scripted model)",
     )
 
-    sub.add_parser("migrate", help="apply pending schema migrations to the journal")
+    migrate = sub.add_parser(
+        "migrate",
+        help="apply pending schema migrations: journal, checkpoints, memory, budget, audit",
+    )
+    migrate.add_argument(
+        "--audit-url", help="also migrate this audit store (default: LOOMFLOW_AUDIT_URL, if set)"
+    )
 
     runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
         dest="runs_command", required=True
@@ -150,16 +156,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
     runtime = runtime_from_url(args.url or Settings().runtime_url)
     try:
         if args.command == "migrate":
-            version = await runtime.migrate()
-            print(f"journal schema at version {version}")
-            if getattr(runtime, "database", None) is not None:
-                from ..checkpoints import checkpoint_store_for
-                from ..memory import memory_for
-
-                checkpoints = await checkpoint_store_for(runtime).migrate()
-                print(f"checkpoints schema at version {checkpoints}")
-                print(f"memory schema at version {await memory_for(runtime).migrate()}")
-            return 0
+            return await _migrate(runtime, args)
         if args.command == "runs" and args.runs_command == "list":
             return await _runs_list(runtime, args)
         if args.command == "runs":
@@ -169,6 +166,45 @@ async def _dispatch(args: argparse.Namespace) -> int:
         raise AssertionError(args.command)  # argparse only lets known commands through
     finally:
         await runtime.close()
+
+
+async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
+    """Bring every SQL store this deployment uses up to date: a deploy step, run once."""
+    from ..audit import audit_store_from_url
+    from ..checkpoints import checkpoint_store_for
+    from ..governance.budget import SqlBudgetStore, budget_store_from_url
+    from ..memory import memory_for
+
+    settings = Settings()
+    print(f"journal schema at version {await runtime.migrate()}")
+    database = getattr(runtime, "database", None)
+    if database is not None:
+        print(f"checkpoints schema at version {await checkpoint_store_for(runtime).migrate()}")
+        print(f"memory schema at version {await memory_for(runtime).migrate()}")
+    # The budget lives beside the journal unless LOOMFLOW_BUDGET_URL puts it elsewhere.
+    budget: Any = None
+    if settings.budget_url:
+        budget = budget_store_from_url(settings.budget_url, settings=settings)
+    elif database is not None:
+        budget = SqlBudgetStore(database, settings=settings)
+    if budget is not None and budget.backend != "memory":
+        try:
+            print(f"budget schema at version {await budget.migrate()}")
+        finally:
+            await budget.close()
+    # The audit store only when configured: its default is a file in the working directory.
+    audit_url = args.audit_url or (
+        settings.audit_url if "audit_url" in settings.model_fields_set else None
+    )
+    if audit_url:
+        audit = audit_store_from_url(audit_url, settings=settings)
+        try:
+            migrate = getattr(audit, "migrate", None)
+            if migrate is not None:
+                print(f"audit schema at version {await migrate()}")
+        finally:
+            await audit.close()
+    return 0
 
 
 def _table(rows: list[tuple[Any, ...]]) -> None:

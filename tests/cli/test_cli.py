@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -236,3 +237,29 @@ def test_a_bad_batch_size_is_a_usage_error(tmp_path: Path) -> None:
         assert result.returncode == 2, bad
         assert "--batch-size" in result.stderr
         assert "positive whole number" in result.stderr
+
+
+@pytest.mark.postgres
+def test_migrate_brings_every_configured_store_up_to_date(tmp_path: Path, pg_dsn: str) -> None:
+    # Journal on SQLite; budget and audit on PostgreSQL, named by the environment.
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    env = {"LOOMFLOW_BUDGET_URL": pg_dsn, "LOOMFLOW_AUDIT_URL": pg_dsn}
+    done = loomflow("--url", url, "migrate", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for component in ("journal", "checkpoints", "memory", "budget", "audit"):
+        assert f"{component} schema at version" in done.stdout
+    import asyncpg
+
+    async def components() -> set[str]:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            rows = await conn.fetch("SELECT DISTINCT component FROM loom_schema_version")
+        finally:
+            await conn.close()
+        return {r[0] for r in rows}
+
+    assert asyncio.run(components()) == {"budget", "audit"}
+    # Without an audit URL configured, no audit file appears in the working directory.
+    bare = loomflow("--url", url, "migrate", cwd=tmp_path)
+    assert "audit schema" not in bare.stdout
+    assert not (tmp_path / ".loomflow").exists()
