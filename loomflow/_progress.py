@@ -1,7 +1,8 @@
 """Progress reports of long maintenance work (journal prune, audit export and verify).
 
 Library code only calls a plain ``on_progress(done, total)`` callback; drawing a bar is the
-CLI's business (``loomflow.cli._progress``), so the library needs no terminal and no tqdm.
+CLI's business (``loomflow.cli._progress``, with tqdm), so library calls never touch a
+terminal.
 """
 
 from __future__ import annotations

@@ -75,8 +75,9 @@ class Settings(BaseSettings):
         gt=0,
         description=(
             "How long journal entries of finished runs are kept: `loomflow journal prune` "
-            "without `--older-than` deletes only entries older than this. Unset, it deletes "
-            "the entries of every finished run."
+            "without `--older-than` deletes only entries (and idempotency results) older than "
+            "this. Unset, it deletes the entries of every finished run. Keep it longer than "
+            "any task can be redelivered: a pruned run resumed later runs its steps again."
         ),
     )
     otlp_endpoint: str | None = Field(
@@ -116,12 +117,13 @@ class Settings(BaseSettings):
             "default: they may hold personal data."
         ),
     )
-    audit_url: str = Field(
-        default="sqlite:///.loomflow/audit.db",
+    audit_url: str | None = Field(
+        default=None,
         description=(
             "Where the audit log lives: `memory://`, `sqlite:///relative/path.db`, "
             "`sqlite:////absolute/path.db`, a `postgresql://` DSN, or a JSON-lines file as "
-            "`jsonl:///relative/path.jsonl` (or any path ending in `.jsonl`)."
+            "`jsonl:///relative/path.jsonl` (or any path ending in `.jsonl`). Unset, it shares "
+            "the journal's database (`runtime_url`), so every worker writes one chain per user."
         ),
     )
     redact_secrets: list[SecretStr] = Field(
@@ -145,6 +147,12 @@ class Settings(BaseSettings):
             "`redact_secrets` (read when the redactor is built)."
         ),
     )
+
+    @property
+    def audit_store_url(self) -> str:
+        """``audit_url``, or the journal's ``runtime_url`` when it is unset."""
+        return self.audit_url or self.runtime_url
+
     budget_url: str | None = Field(
         default=None,
         description=(

@@ -198,6 +198,7 @@ class Agent:
         self.tuning = tuning or Tuning()
         self.max_turns = max_turns
         self.name = name
+        self.hooks = tuple(hooks)
         # Memory is wired into the loop itself (it changes the message stack, which no hook
         # may); a memory that also offers hooks keeps its place in the order.
         memory_hooks = memory if hasattr(memory, "as_hooks") else None
@@ -221,9 +222,11 @@ class Agent:
     ) -> Agent:
         """An agent whose journal, audit log, budget and telemetry come from :class:`Settings`.
 
-        The journal is ``runtime_url``; the audit log is ``audit_url``, redacting the
-        configured secrets; the budget keeps ``caps`` (none: it only records usage) in
-        ``budget_url``, else beside the journal (in its database, or in memory). With
+        The journal is ``runtime_url``. The audit log (redacting the configured secrets) is
+        ``audit_url`` and the budget's totals ``budget_url``; either, when unset, lives beside
+        the journal (in its database, or in memory). The budget enforces ``caps``; with none it
+        only records usage (a reservation and a commit per model call; pass ``budget=None``
+        to skip it). With
         ``otlp_endpoint`` or ``metrics_port`` set, spans are exported and metrics served, once
         per process. Close what this built with :meth:`aclose` or ``async with``.
 
@@ -241,7 +244,7 @@ class Agent:
             >>> await agent.run("hi", session_id="s-1", user_id="ana")  # doctest: +SKIP
             >>> await agent.aclose()  # doctest: +SKIP
         """
-        from ..audit import AuditLog, audit_store_from_url
+        from ..audit import AuditLog, InMemoryAuditStore, audit_store_beside, audit_store_from_url
         from ..governance import InMemoryBudgetStore, SqlBudgetStore, StandardBudget
         from ..governance.budget import budget_store_from_url
         from ..runtime import runtime_from_url
@@ -255,13 +258,21 @@ class Agent:
         if "runtime" not in options:
             options["runtime"] = runtime_from_url(s.runtime_url, settings=s)
             owned.append(options["runtime"])
+        # Unless their URLs say otherwise, the audit log and the budget live beside the journal
+        # actually used (sharing its connection), so every worker writes to the same place.
+        database = getattr(options["runtime"], "database", None)
         if "audit" not in options:
-            store = audit_store_from_url(s.audit_url, settings=s)
+            if s.audit_url:
+                store: Any = audit_store_from_url(s.audit_url, settings=s)
+            elif isinstance(database, Database):
+                store = audit_store_beside(database)
+            elif options["runtime"] is not None:
+                store = InMemoryAuditStore()  # an in-memory journal: nothing outlives the process
+            else:
+                store = audit_store_from_url(s.audit_store_url, settings=s)
             options["audit"] = AuditLog(store, redactor=Redactor.from_settings(s))
             owned.append(options["audit"])
         if "budget" not in options:
-            # Unless budget_url says otherwise, totals live beside the journal actually used.
-            database = getattr(options["runtime"], "database", None)
             if s.budget_url:
                 budget_store: Any = budget_store_from_url(s.budget_url, settings=s)
             elif isinstance(database, Database):
@@ -279,11 +290,45 @@ class Agent:
         agent._owned = owned
         return agent
 
+    def clone(self, **changes: Any) -> Agent:
+        """A new agent configured like this one, with ``changes`` (any constructor argument).
+
+        Components (runtime, budget, audit log, ...) are shared, not copied. Example:
+        ``agent.clone(tools=[*agent.tools.values(), extra_tool])``.
+        """
+        options: dict[str, Any] = {
+            "model": self._model_spec,
+            "tools": list(self.tools.values()),
+            "runtime": self.runtime,
+            "memory": self.memory,
+            "budget": self.budget,
+            "permissions": self.permissions,
+            "audit": self.audit,
+            "guardrails": self.guardrails,
+            "telemetry": self.telemetry,
+            "tuning": self.tuning,
+            "max_turns": self.max_turns,
+            "name": self.name,
+            "hooks": self.hooks,
+        }
+        options.update(changes)
+        instructions = options.pop("instructions", self.instructions)
+        return type(self)(instructions, **options)
+
     async def aclose(self) -> None:
-        """Close the runtime, audit log and budget that :meth:`from_settings` built."""
+        """Close the runtime, audit log and budget that :meth:`from_settings` built.
+
+        Every one is closed even if another fails; the first failure is raised afterwards.
+        """
         owned, self._owned = self._owned, []
+        failure: BaseException | None = None
         for component in reversed(owned):
-            await component.close()
+            try:
+                await component.close()
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     async def __aenter__(self) -> Agent:
         return self

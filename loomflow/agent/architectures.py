@@ -58,15 +58,9 @@ class Team:
         # run id -> worker -> (task, answer) pairs seen so far in that run
         self._history: dict[str, dict[str, list[tuple[str, str]]]] = {}
         tools = [self._worker_tool(w) for w in workers]
-        self.lead = Agent(
-            lead.instructions,
-            model=lead._model_spec,
-            tools=[*lead.tools.values(), *tools],
-            runtime=lead.runtime,
-            tuning=lead.tuning,
-            max_turns=lead.max_turns,
-            name=lead.name,
-        )
+        # The lead keeps all of its own configuration (journal, budget, permissions, audit,
+        # guardrails, telemetry, memory, hooks); it only gains a tool per worker.
+        self.lead = lead.clone(tools=[*lead.tools.values(), *tools])
 
     @staticmethod
     def tool_name(worker: str) -> str:

@@ -23,7 +23,7 @@ from ._store import (
     ChainProblem,
     VerifyReport,
 )
-from ._url import audit_store_from_url
+from ._url import audit_store_beside, audit_store_from_url
 from .inmemory import InMemoryAuditStore
 from .jsonl import JsonlAuditStore
 from .redaction import Redactor, install_log_redaction
@@ -52,6 +52,7 @@ __all__ = [
     "SqliteAuditStore",
     "VerifyReport",
     "actions",
+    "audit_store_beside",
     "audit_store_from_url",
     "install_log_redaction",
 ]

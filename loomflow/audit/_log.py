@@ -40,7 +40,7 @@ class AuditLog:
 
     Args:
         store: An :class:`~loomflow.audit.AuditStore`, a store URL, or ``None`` for
-            ``Settings().audit_url``.
+            ``LOOMFLOW_AUDIT_URL``, else the journal's ``LOOMFLOW_RUNTIME_URL``.
         redactor: What to scrub before storage; by default built from ``Settings``
             (secret shapes, ``redact_secrets``, ``redact_env``).
         on_error: ``"raise"`` (default) makes a failed audit write fail the run, which stays
@@ -68,7 +68,7 @@ class AuditLog:
         if store is None or isinstance(store, str):
             from ..config import Settings
 
-            store = audit_store_from_url(store if store is not None else Settings().audit_url)
+            store = audit_store_from_url(store if store is not None else Settings().audit_store_url)
         self.store: AuditStore = store
         self.redactor = redactor if redactor is not None else Redactor.from_settings()
         self.on_error = on_error

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from ..config import Settings
 from ..errors import ConfigurationError
+from ..storage import Database, PostgresDatabase, SqliteDatabase
 from ..storage._url import sqlite_path
 from ._store import AuditStore
 
-__all__ = ["audit_store_from_url"]
+__all__ = ["audit_store_beside", "audit_store_from_url"]
 
 
 def audit_store_from_url(url: str, *, settings: Settings | None = None) -> AuditStore:
@@ -43,3 +44,16 @@ def audit_store_from_url(url: str, *, settings: Settings | None = None) -> Audit
     from .sqlite import SqliteAuditStore
 
     return SqliteAuditStore(file, settings=settings)
+
+
+def audit_store_beside(database: Database) -> AuditStore:
+    """An audit store in a journal's own database (sharing its connection; not closed by it)."""
+    if isinstance(database, PostgresDatabase):
+        from .postgres import PostgresAuditStore
+
+        return PostgresAuditStore(database)
+    if isinstance(database, SqliteDatabase):
+        from .sqlite import SqliteAuditStore
+
+        return SqliteAuditStore(database)
+    raise ConfigurationError(f"no audit store can live in a {type(database).__name__}")

@@ -152,6 +152,10 @@ def build_model(spec: str | None) -> Model:
     """
     if spec is None:
         return scripted_model()
+    if not spec.strip():
+        raise UserError(
+            "--model needs a model id, e.g. anthropic:claude-sonnet-4-5 or openai:gpt-5-mini"
+        )
     model = resolve_model(spec)
     if model.provider == "scripted":
         raise UserError(

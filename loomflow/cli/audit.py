@@ -1,6 +1,7 @@
 """``loomflow audit query|export|verify``: the audit trail for compliance teams.
 
-The store comes from ``--audit-url`` or ``LOOMFLOW_AUDIT_URL``. Tables for people; ``--json``
+The store comes from ``--audit-url`` or ``LOOMFLOW_AUDIT_URL``, else it is the journal's
+database (``--url`` or ``LOOMFLOW_RUNTIME_URL``). Tables for people; ``--json``
 for scripts. ``verify`` exits 1 when it finds a problem, so a cron job can alert on it.
 """
 
@@ -55,7 +56,7 @@ def register(subparsers: Any) -> None:
     audit = subparsers.add_parser("audit", help="query, export and verify the audit log")
     audit.add_argument(
         "--audit-url",
-        help="audit store URL (default: LOOMFLOW_AUDIT_URL or sqlite:///.loomflow/audit.db)",
+        help="audit store URL (default: LOOMFLOW_AUDIT_URL, else the journal's database)",
     )
     commands = audit.add_subparsers(dest="audit_command", required=True)
 
@@ -95,7 +96,9 @@ def _filter_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _handle(args: argparse.Namespace) -> int:
-    store = audit_store_from_url(args.audit_url or Settings().audit_url)
+    settings = Settings()
+    url = args.audit_url or settings.audit_url or args.url or settings.runtime_url
+    store = audit_store_from_url(url, settings=settings)
     try:
         if args.audit_command == "query":
             return await _query(store, args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import sys
 import time
 from typing import Any
 
@@ -139,6 +140,14 @@ async def _reclaim(args: argparse.Namespace) -> int:
 
 
 async def _prune(args: argparse.Namespace) -> int:
+    if args.older_than < dt.timedelta(days=1):
+        # Workers' clocks may lag this host's: a period just ended here may be current there.
+        print(
+            "loomflow: error: --older-than must be at least 1d, so no worker can still be "
+            "counting against a period this prune deletes",
+            file=sys.stderr,
+        )
+        return 2
     store = budget_store_from_url(_url(args))
     try:
         count = await store.prune(ended_before=time.time() - args.older_than.total_seconds())

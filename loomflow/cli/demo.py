@@ -12,7 +12,6 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ulid import ULID
 
@@ -23,7 +22,31 @@ from ..models import Model
 from ..runtime import StepEvent, runtime_from_url
 from ._demo_task import PLAN, TOKEN_CAP, TOOL_NAMES, build_model, close_model, governance, run_task
 
-USER = "alice@example.com"
+
+@dataclass
+class _Story:
+    url: str
+    on_postgres: bool
+    work: Path
+    stop_after: int
+    spec: str | None  # the --model given, None for the scripted model
+    model: Model
+    handshake_s: float
+    # New per demo, so an old journal never replays and earlier demos' budget use and audit
+    # entries (in a reused PostgreSQL database) never mix into this report.
+    run: str
+
+    @property
+    def session(self) -> str:
+        return f"order-A-1042-{self.run}"
+
+    @property
+    def user(self) -> str:
+        return f"alice+{self.run[-6:].lower()}@example.com"
+
+    @property
+    def ledger(self) -> Path:
+        return self.work / "side-effects.jsonl"
 
 
 @dataclass
@@ -32,23 +55,22 @@ class _Worker:
     killed: bool  # False: the model finished before the kill point and the worker exited
 
 
-def _spawn_until_step(
-    url: str, ledger: Path, session: str, stop_after: int, model: str | None, timeout: float
-) -> _Worker:
+def _spawn_until_step(story: _Story) -> _Worker:
     """Start the worker, wait for its handshake before turn ``stop_after``, SIGKILL it."""
     cmd = [
         sys.executable,
         "-m",
         "loomflow.cli._demo_task",
-        url,
-        str(ledger),
-        session,
-        USER,
+        story.url,
+        str(story.ledger),
+        story.session,
+        story.user,
         "--stop-after",
-        str(stop_after),
+        str(story.stop_after),
     ]
-    if model is not None:
-        cmd += ["--model", model]
+    if story.spec is not None:
+        cmd += ["--model", story.spec]
+    timeout = story.handshake_s
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as child:
         assert child.stdout is not None
         try:
@@ -56,7 +78,7 @@ def _spawn_until_step(
             if line == "RUN-DONE":
                 child.wait(timeout=timeout)
                 return _Worker(child.pid, killed=False)
-            if line != f"STEP-DONE {stop_after}":
+            if line != f"STEP-DONE {story.stop_after}":
                 raise LoomflowError(
                     f"the demo worker said {line!r} instead of its handshake"
                     if line
@@ -94,84 +116,104 @@ def run_demo(
     if stop_after < 1:
         print("--kill-after must be at least 1", file=sys.stderr)
         return 2
-    work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    ledger = work / "side-effects.jsonl"
-    ledger.unlink(missing_ok=True)
-    journal = work / "journal.db"
-    url = postgres or f"sqlite:///{journal.resolve()}"
-    if not postgres:
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{journal}{suffix}").unlink(missing_ok=True)
-    return asyncio.run(_story(url, postgres is not None, work, stop_after, model, handshake_s))
+    return asyncio.run(_start(postgres, workdir, stop_after, model, handshake_s))
 
 
-async def _story(
-    url: str, on_postgres: bool, work: Path, stop_after: int, spec: str | None, handshake_s: float
+async def _start(
+    postgres: str | None,
+    workdir: Path | None,
+    stop_after: int,
+    spec: str | None,
+    handshake_s: float,
 ) -> int:
-    # Built first, so a missing SDK or API key fails before anything runs.
+    # Built before anything else, so a missing SDK or API key leaves nothing behind.
     model = build_model(spec)
     try:
-        return await _tell(url, on_postgres, work, stop_after, spec, model, handshake_s)
+        work, journal = _prepare(workdir, fresh_journal=postgres is None)
+        story = _Story(
+            url=postgres or f"sqlite:///{journal.resolve()}",
+            on_postgres=postgres is not None,
+            work=work,
+            stop_after=stop_after,
+            spec=spec,
+            model=model,
+            handshake_s=handshake_s,
+            run=str(ULID()),
+        )
+        return await _tell(story)
     finally:
         await close_model(model)
 
 
-async def _tell(
-    url: str,
-    on_postgres: bool,
-    work: Path,
-    stop_after: int,
-    spec: str | None,
-    model: Model,
-    handshake_s: float,
-) -> int:
-    ledger = work / "side-effects.jsonl"
-    session = f"order-A-1042-{ULID()}"  # a new session per demo, so old journals never replay
-    backend = "PostgreSQL" if on_postgres else f"SQLite ({work / 'journal.db'})"
-    who = "a scripted model (offline)" if spec is None else f"{model.provider} model {model.name}"
-    print(f"loomflow demo: journal on {backend}; {who}\n")
-    print(f"1. A worker process runs the order agent for {USER} (session {session}).")
-    worker = await asyncio.to_thread(
-        _spawn_until_step, url, ledger, session, stop_after, spec, handshake_s
+def _prepare(workdir: Path | None, *, fresh_journal: bool) -> tuple[Path, Path]:
+    """The working directory (a new temporary one by default), emptied of an earlier demo's
+    ledger and, on SQLite, journal; returns it and the journal file's path."""
+    work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "side-effects.jsonl").unlink(missing_ok=True)
+    journal = work / "journal.db"
+    if fresh_journal:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{journal}{suffix}").unlink(missing_ok=True)
+    return work, journal
+
+
+async def _tell(story: _Story) -> int:
+    model, k = story.model, story.stop_after
+    backend = "PostgreSQL" if story.on_postgres else f"SQLite ({story.work / 'journal.db'})"
+    who = (
+        "a scripted model (offline)"
+        if story.spec is None
+        else f"{model.provider} model {model.name}"
     )
+    print(f"loomflow demo: journal on {backend}; {who}\n")
+    print(f"1. A worker process runs the order agent for {story.user} (session {story.session}).")
+    worker = await asyncio.to_thread(_spawn_until_step, story)
     if worker.killed:
+        turns = "turn and its" if k == 1 else f"{k} turns and their"
         print(
-            f"2. When the model was asked for turn {stop_after} (turns 0-{stop_after - 1} and "
-            f"their tool calls journaled), the worker (pid {worker.pid}) was killed with SIGKILL."
+            f"2. After the model's first {turns} tool calls were journaled, the worker "
+            f"(pid {worker.pid}) was killed with SIGKILL while starting model call {k}."
         )
     else:
         print(
-            f"2. The model finished before turn {stop_after}, so the worker (pid {worker.pid}) "
-            "exited before the kill point; resuming shows a finished run replaying."
+            f"2. The model finished before turn {k}, so the worker (pid {worker.pid}) exited "
+            "before the kill point; resuming shows a finished run replaying."
         )
-    held = await _holds(url, model)
+    held = await _holds(story)
     print("3. This process resumes the run: agent.resume(prompt, session_id, user_id).\n")
     steps: list[StepEvent] = []
-    runtime = runtime_from_url(url)
+    runtime = runtime_from_url(story.url)
     try:
         result = await run_task(
-            runtime, ledger, session, USER, model=model, resume=True, steps=steps
+            runtime,
+            story.ledger,
+            story.session,
+            story.user,
+            model=model,
+            resume=True,
+            steps=steps,
         )
     finally:
         await runtime.close()
 
-    effects = Counter(_effect_key(json.loads(line)) for line in ledger.read_text().splitlines())
-    calls = _tool_calls(result.messages)
-    print(f"{'journaled step':<34} {'on resume':<22} {'side effects':>12}")
-    print("-" * 70)
+    effects = Counter(json.loads(line)["action"] for line in story.ledger.read_text().splitlines())
+    print(f"{'journaled step':<34} {'on resume':<22} {'tool ran (both processes)':>26}")
+    print("-" * 84)
     for event in steps:
         if event.path:
             continue
-        call = _call_of(event.name, result.messages)
+        tool = _tool_of(event.name, result.messages)
         outcome = "replayed from journal" if event.outcome == "hit" else "ran fresh"
-        count = str(effects[call]) if call is not None else "-"
-        label = call[0] if call is not None else event.name
-        print(f"{label:<34} {outcome:<22} {count:>12}")
+        count = f"{effects[tool]}x" if tool is not None else "-"
+        print(f"{tool or event.name:<34} {outcome:<22} {count:>26}")
     print(f"\nfinal answer: {result.output}")
 
-    trail, status = await _governance_report(url, session, model)
-    print(f"\naudit trail of {USER} for this session ({len(trail) - 1} entries, both processes):")
+    trail, status = await _governance_report(story)
+    print(
+        f"\naudit trail of {story.user} for this session ({len(trail) - 1} entries, "
+        "both processes):"
+    )
     for line in trail:
         print(f"  {line}")
     _print_budget(result, steps, held, status)
@@ -182,46 +224,46 @@ async def _tell(
         f"replay metrics: hits={hits} misses={misses} divergences={divergences} "
         f"hit ratio={hits / max(hits + misses, 1):.0%}"
     )
+    return _verdict(story, result, effects)
 
-    repeated = sorted(name for (name, args), n in effects.items() if n > calls[(name, args)])
-    unmatched = sorted(name for (name, args), n in calls.items() if effects[(name, args)] < n)
-    expected = TOOL_NAMES if spec is None else []
-    missing = sorted(name for name in expected if not any(k[0] == name for k in effects))
-    if repeated or unmatched or missing or result.interrupted:
+
+def _verdict(story: _Story, result: RunResult, effects: Counter[str]) -> int:
+    """0 when every tool call the run made left exactly one side effect, else 1."""
+    calls = _completed_calls(result.messages)
+    repeated = sorted(name for name, n in effects.items() if n > calls[name])
+    lost = sorted(name for name, n in calls.items() if effects[name] < n)
+    expected = TOOL_NAMES if story.spec is None else []
+    missing = sorted(name for name in expected if effects[name] == 0)
+    if repeated or lost or missing or result.interrupted:
         print(
-            f"FAILED: repeated side effects {repeated}, tool calls without their side effect "
-            f"{unmatched}, missing {missing}, interrupted: {result.interrupted}"
+            f"FAILED: side effects repeated {repeated}, tool calls without their side effect "
+            f"{lost}, tools never called {missing}, run interrupted: "
+            f"{result.interruption_reason or 'no'}"
         )
         return 1
     print(
         f"No side effect ran twice: each of the {sum(calls.values())} tool calls the model made "
         "happened exactly once."
     )
-    print(f"Journal and side-effect ledger kept in {work}")
+    print(f"Journal and side-effect ledger kept in {story.work}")
     return 0
 
 
-def _effect_key(record: dict[str, Any]) -> tuple[str, str]:
-    return record["action"], json.dumps(record.get("args", {}), sort_keys=True)
+def _completed_calls(messages: list[Message]) -> Counter[str]:
+    """How many calls of each tool returned a result: what the ledger must show.
+
+    Counted per tool, not per arguments: a tool may normalise what the model sent
+    (``"2"`` becomes ``2``), and a call the tool refused leaves no side effect.
+    """
+    return Counter(m.name or "" for m in messages if m.role == "tool" and not m.is_error)
 
 
-def _tool_calls(messages: list[Message]) -> Counter[tuple[str, str]]:
-    """How often the run called each (tool, arguments): what the ledger must show."""
-    return Counter(
-        (call.name, json.dumps(call.arguments, sort_keys=True))
-        for m in messages
-        if m.role == "assistant"
-        for call in m.tool_calls
-    )
-
-
-def _call_of(step_name: str, messages: list[Message]) -> tuple[str, str] | None:
-    """``tool_call_<turn>_<slot>_<hash>`` -> the (tool, arguments) it ran; None for model calls."""
+def _tool_of(step_name: str, messages: list[Message]) -> str | None:
+    """``tool_call_<turn>_<slot>_<hash>`` -> the tool it ran; None for model calls."""
     if not step_name.startswith("tool_call_"):
         return None
     turn, slot = (int(x) for x in step_name.split("_")[2:4])
-    call = [m for m in messages if m.role == "assistant"][turn].tool_calls[slot]
-    return call.name, json.dumps(call.arguments, sort_keys=True)
+    return [m for m in messages if m.role == "assistant"][turn].tool_calls[slot].name
 
 
 @dataclass
@@ -231,16 +273,16 @@ class _Budget:
     limit: float
 
 
-async def _holds(url: str, model: Model) -> float:
+async def _holds(story: _Story) -> float:
     """Tokens the killed worker still holds in the budget store for its call in flight."""
-    runtime = runtime_from_url(url)
+    runtime = runtime_from_url(story.url)
     try:
         await runtime.open()
-        _, budget = governance(runtime, model)
+        _, budget = governance(runtime, story.model)
         return sum(
             r.amount.tokens_in + r.amount.tokens_out
             for r in await budget.store.reservations()
-            if any(b.scope == "user" and b.user_id == USER for b in r.buckets)
+            if any(b.scope == "user" and b.user_id == story.user for b in r.buckets)
         )
     finally:
         await runtime.close()
@@ -251,7 +293,7 @@ def _print_budget(result: RunResult, steps: list[StepEvent], held: float, status
     calls = [e for e in steps if e.name.startswith("model_call_") and not e.path]
     before = sum(1 for e in calls if e.outcome == "hit")
     print(
-        f"budget of {USER}: {status.used:,.0f} of {status.limit:,.0f} tokens used "
+        f"budget: {status.used:,.0f} of {status.limit:,.0f} tokens used "
         f"({status.used / status.limit:.1%}), {status.reserved:,.0f} held"
     )
     print(
@@ -261,9 +303,10 @@ def _print_budget(result: RunResult, steps: list[StepEvent], held: float, status
     charged = status.used - spent
     if held and charged > 0:
         print(
-            f"  {charged:>7,.0f}  the hold of the call in flight when the worker died "
-            f"({held:,.0f} reserved), charged when this\n           process reclaimed it: "
-            "on_expiry='charge' counts a call the provider may have billed;\n"
+            f"  {charged:>7,.0f}  reserved by the killed worker for the call it was starting; "
+            "this process reclaimed\n           the dead worker's hold and charged it. "
+            "loomflow cannot tell whether a call in flight\n           reached the provider, "
+            "so on_expiry='charge' (the default) never undercounts;\n"
             "           StandardBudget(on_expiry='release') would give it back"
         )
     print(
@@ -272,19 +315,19 @@ def _print_budget(result: RunResult, steps: list[StepEvent], held: float, status
     )
 
 
-async def _governance_report(url: str, session: str, model: Model) -> tuple[list[str], _Budget]:
-    runtime = runtime_from_url(url)
+async def _governance_report(story: _Story) -> tuple[list[str], _Budget]:
+    runtime = runtime_from_url(story.url)
     try:
         await runtime.open()
-        audit, budget = governance(runtime, model)
-        page = await audit.query(user_id=USER, session_id=session, limit=500)
+        audit, budget = governance(runtime, story.model)
+        page = await audit.query(user_id=story.user, session_id=story.session, limit=500)
         trail = []
         for entry in page.entries:
             detail = entry.payload.get("tool") or entry.payload.get("outcome") or ""
             trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}")
-        report = await audit.verify(user_id=USER)
+        report = await audit.verify(user_id=story.user)
         trail.append(f"chain verified: {'ok' if report.ok else 'PROBLEMS FOUND'}")
-        cap = next(c for c in await budget.status(USER) if c.cap == "user.tokens_total")
+        cap = next(c for c in await budget.status(story.user) if c.cap == "user.tokens_total")
         return trail, _Budget(cap.used, cap.reserved, float(TOKEN_CAP))
     finally:
         await runtime.close()

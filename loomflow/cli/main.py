@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         help="apply pending schema migrations: journal, checkpoints, memory, budget, audit",
     )
     migrate.add_argument(
-        "--audit-url", help="also migrate this audit store (default: LOOMFLOW_AUDIT_URL, if set)"
+        "--audit-url", help="the audit store (default: LOOMFLOW_AUDIT_URL, else the journal's)"
     )
 
     runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
@@ -170,7 +170,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
 
 async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     """Bring every SQL store this deployment uses up to date: a deploy step, run once."""
-    from ..audit import audit_store_from_url
+    from ..audit import audit_store_beside, audit_store_from_url
     from ..checkpoints import checkpoint_store_for
     from ..governance.budget import SqlBudgetStore, budget_store_from_url
     from ..memory import memory_for
@@ -192,14 +192,16 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             print(f"budget schema at version {await budget.migrate()}")
         finally:
             await budget.close()
-    # The audit store only when configured: its default is a file in the working directory.
-    audit_url = args.audit_url or (
-        settings.audit_url if "audit_url" in settings.model_fields_set else None
-    )
+    # The audit log lives beside the journal too, unless LOOMFLOW_AUDIT_URL puts it elsewhere.
+    audit_url = args.audit_url or settings.audit_url
+    audit: Any = None
     if audit_url:
         audit = audit_store_from_url(audit_url, settings=settings)
+    elif database is not None:
+        audit = audit_store_beside(database)
+    if audit is not None:
         try:
-            migrate = getattr(audit, "migrate", None)
+            migrate = getattr(audit, "migrate", None)  # JSONL and memory have no schema
             if migrate is not None:
                 print(f"audit schema at version {await migrate()}")
         finally:

@@ -346,13 +346,21 @@ class SqlJournalStore:
                 total += int((await self._fetch_raw(target.count_sql(), target.args))[0][0])
         progress = Progress(on_progress, total)
         for target in targets:
+            # Keyset batches: each one is the key range after the previous batch's last key,
+            # so rows a prune keeps (open runs, younger entries) are read once, not per batch.
+            after: Sequence[Any] | None = None
             while True:
-                deleted = len(
-                    await self._fetch_raw(target.delete_sql(), [*target.args, batch_size])
+                found = await self._fetch_raw(
+                    target.nth_key_sql(after), [*target.args, *(after or ()), batch_size - 1]
                 )
-                progress.advance(deleted)
-                if deleted < batch_size:
+                upto = tuple(found[0]) if found else None
+                deleted = await self._fetch_raw(
+                    target.delete_sql(after, upto), [*target.args, *(after or ()), *(upto or ())]
+                )
+                progress.advance(len(deleted))
+                if upto is None:  # the range ran to the end of the table
                     break
+                after = upto
         progress.finish()
         return progress.done
 
@@ -360,8 +368,15 @@ class SqlJournalStore:
         return await self.db.fetch(sql, *args, what="journal prune")
 
 
-_ENTRY_KEY = "scope, epoch, path, name, fingerprint"  # loom_entries' primary key
-_IDEM_KEY = "user_key, idem_key"  # loom_idempotency's
+# Primary keys, with the SQL types their values are compared as.
+_ENTRY_KEY = (
+    ("scope", "TEXT"),
+    ("epoch", "BIGINT"),
+    ("path", "TEXT"),
+    ("name", "TEXT"),
+    ("fingerprint", "TEXT"),
+)
+_IDEM_KEY = (("user_key", "TEXT"), ("idem_key", "TEXT"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,25 +384,44 @@ class _Prune:
     """The rows of one table that a prune deletes: ``where`` uses ``$1..$len(args)``."""
 
     table: str
-    key: str
+    key: tuple[tuple[str, str], ...]
     where: list[str]
     args: list[Any]
 
     def count_sql(self) -> str:
         return f"SELECT COUNT(*) FROM {self.table} WHERE {' AND '.join(self.where)}"
 
-    def delete_sql(self) -> str:
-        # A batch is picked by primary key (row values work on SQLite >= 3.15 and PostgreSQL
-        # alike; no rowid or ctid), and each batch is one autocommitted statement, so the
-        # locks it takes last as long as one batch does. Measured on 200 000 entries of one
-        # session (2 cores): SQLite 0.68 s in all, no batch of 5000 over 55 ms, against one
-        # 0.67 s DELETE holding the write lock throughout; PostgreSQL 0.97 s in batches of at
-        # most 55 ms, against one 0.59 s statement.
+    def _range(self, after: Sequence[Any] | None, upto: Sequence[Any] | None) -> str:
+        where = list(self.where)
+        first = len(self.args) + 1
+        if after is not None:
+            where.append(_key_compare(self.key, ">", first))
+            first += len(self.key)
+        if upto is not None:
+            where.append(_key_compare(self.key, "<=", first))
+        return " AND ".join(where)
+
+    def nth_key_sql(self, after: Sequence[Any] | None) -> str:
+        """The key that ends the next batch (the last parameter is the batch size - 1)."""
+        limit = len(self.args) + 1 + (len(self.key) if after is not None else 0)
+        columns = ", ".join(name for name, _ in self.key)
         return (
-            f"DELETE FROM {self.table} WHERE ({self.key}) IN (SELECT {self.key} FROM "
-            f"{self.table} WHERE {' AND '.join(self.where)} LIMIT ${len(self.args) + 1}) "
-            "RETURNING 1"
+            f"SELECT {columns} FROM {self.table} WHERE {self._range(after, None)} "
+            f"ORDER BY {columns} LIMIT 1 OFFSET ${limit}"
         )
+
+    def delete_sql(self, after: Sequence[Any] | None, upto: Sequence[Any] | None) -> str:
+        # Each batch is one autocommitted statement over a key range, so the locks it takes
+        # last as long as one batch does; no rowid or ctid, the same SQL on both databases.
+        return f"DELETE FROM {self.table} WHERE {self._range(after, upto)} RETURNING 1"
+
+
+def _key_compare(columns: Sequence[tuple[str, str]], op: str, first: int) -> str:
+    """``(c1, c2, ...) op ($first, ...)``: a row-value comparison, which both databases answer
+    from the primary key index. The casts tell PostgreSQL the parameters' types."""
+    names = ", ".join(name for name, _ in columns)
+    values = ", ".join(f"CAST(${first + i} AS {kind})" for i, (_, kind) in enumerate(columns))
+    return f"({names}) {op} ({values})"
 
 
 def json_user_key(user_id: str | None) -> str:

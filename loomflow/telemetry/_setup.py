@@ -68,6 +68,7 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
     """
     s = settings or Settings()
     result = TelemetrySetup()
+    _remember(s, result)  # so setup_telemetry_once after this reuses it (or refuses clearly)
     if s.otlp_endpoint:
         result.tracer_provider = _tracer_provider(s)
         if set_global:
@@ -84,33 +85,49 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
 
 
 _once_lock = threading.Lock()
+_first_lock = threading.Lock()
 _once: tuple[tuple[Any, ...], TelemetrySetup] | None = None
+
+
+def _export_key(s: Settings) -> tuple[Any, ...]:
+    return (s.otlp_endpoint, s.otlp_headers, s.otel_service_name, s.metrics_port, s.metrics_host)
+
+
+def _remember(s: Settings, setup: TelemetrySetup) -> None:
+    global _once
+    with _once_lock:
+        if _once is None:
+            _once = (_export_key(s), setup)
 
 
 def setup_telemetry_once(settings: Settings | None = None) -> TelemetrySetup:
     """:func:`setup_telemetry` for code that may run many times in one process.
 
     The first call sets telemetry up (the global tracer provider, the metrics endpoint); later
-    calls with the same export settings return that setup. ``Agent.from_settings`` uses it,
-    so several agents built from one configuration share one exporter and one port.
+    calls with the same export settings return that setup, as do calls after the application
+    ran :func:`setup_telemetry` itself. ``Agent.from_settings`` uses it, so several agents
+    built from one configuration share one exporter and one port.
 
     Raises:
-        ConfigurationError: a later call asks for a different endpoint, headers, service
-            name or metrics address, which one process cannot serve twice.
+        ConfigurationError: this process already set telemetry up with a different endpoint,
+            headers, service name or metrics address, which one process cannot serve twice.
     """
-    global _once
     s = settings or Settings()
-    key = (s.otlp_endpoint, s.otlp_headers, s.otel_service_name, s.metrics_port, s.metrics_host)
-    with _once_lock:
-        if _once is None:
-            _once = (key, setup_telemetry(s))
-        elif _once[0] != key:
-            raise ConfigurationError(
-                "telemetry is already set up in this process with other export settings "
-                "(OTLP endpoint, headers, service name or metrics address); one process "
-                "exports to one place"
-            )
-        return _once[1]
+    with _first_lock:  # two threads must not both bind the metrics port
+        with _once_lock:
+            existing = _once
+        if existing is None:
+            setup_telemetry(s)
+            with _once_lock:
+                existing = _once
+    assert existing is not None
+    if existing[0] != _export_key(s):
+        raise ConfigurationError(
+            "telemetry is already set up in this process with other export settings "
+            "(OTLP endpoint, headers, service name or metrics address); one process "
+            "exports to one place"
+        )
+    return existing[1]
 
 
 def traces_url(endpoint: str) -> str:

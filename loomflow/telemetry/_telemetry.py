@@ -31,6 +31,7 @@ import importlib.metadata
 import json
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from pydantic import BaseModel
 
 from ..agent._agent import _active_runtime
 from ..agent.hooks import RunHooks, RunInfo
+from ..audit.redaction import Redactor
 from ..config import Settings
 from ..context import get_run_context
 from ..governance.events import BudgetDenied, BudgetWarning, GuardrailTripped, PermissionDecided
@@ -145,14 +147,40 @@ _traced: weakref.WeakKeyDictionary[Any, _StepTracer] = weakref.WeakKeyDictionary
 _traced_lock = threading.Lock()
 
 
-def _fail(span: Span, exc: BaseException) -> None:
+_fallback_redactor: Redactor | None = None
+
+
+def _redactor(info: RunInfo | None = None) -> Redactor:
+    """The run's redactor, else one built from settings (steps run outside any agent)."""
+    global _fallback_redactor
+    if info is not None and info.redactor is not None:
+        return info.redactor  # type: ignore[no-any-return]
+    if _fallback_redactor is None:
+        _fallback_redactor = Redactor.from_settings()
+    return _fallback_redactor
+
+
+def _fail(span: Span, exc: BaseException, redactor: Redactor | None = None) -> None:
     if isinstance(exc, _CANCELLED):
         span.set_attribute(sc.ERROR_TYPE, "cancelled")
         span.set_status(Status(StatusCode.ERROR, "cancelled"))
         return
-    span.record_exception(exc)
+    # Exported whether or not content is captured, so the message (which may quote a tool's
+    # input or a provider's reply) is redacted like an audit entry.
+    scrub = (redactor or _redactor()).text
+    message = scrub(str(exc))
+    span.add_event(
+        "exception",
+        {
+            "exception.type": type(exc).__qualname__,
+            "exception.message": message,
+            "exception.stacktrace": scrub(
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            ),
+        },
+    )
     span.set_attribute(sc.ERROR_TYPE, type(exc).__qualname__)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:500]))
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {message}"[:500]))
 
 
 class _StepTracer:
@@ -313,9 +341,12 @@ class _TelemetryHooks(RunHooks):
 
     @staticmethod
     def _scrub(info: RunInfo, value: Any) -> str:
-        """Captured content as span text, redacted as the audit log would redact it."""
-        text = value if isinstance(value, str) else _json(value)
-        return info.redactor.text(text) if info.redactor is not None else text
+        """Captured content as span text, redacted as the audit log redacts it: secret values
+        and shapes in every string, and values under sensitive key names (``password``...)."""
+        redactor = _redactor(info)
+        if isinstance(value, str):
+            return redactor.text(value)
+        return _json(redactor.value(value))
 
     def _run(self, info: RunInfo) -> _LiveRun | None:
         live = _live.get(info.run_id)
@@ -384,7 +415,7 @@ class _TelemetryHooks(RunHooks):
         for child in live.children:
             if not child.done:  # a chat span whose after_model_call never came, say
                 if error is not None:
-                    _fail(child.span, error)
+                    _fail(child.span, error, _redactor(info))
                 child.finish(child.end_ns)
         span.set_attribute(sc.LOOM_RUN_OUTCOME, outcome)
         if result is not None:
@@ -410,7 +441,7 @@ class _TelemetryHooks(RunHooks):
                     ),
                 )
         if error is not None:
-            _fail(span, error)
+            _fail(span, error, _redactor(info))
         span.end()
 
     # -- model calls -----------------------------------------------------------------------
@@ -464,7 +495,7 @@ class _TelemetryHooks(RunHooks):
         self, info: RunInfo, turn: int, error: BaseException, token: Any
     ) -> None:
         if isinstance(token, _Child) and not token.done:
-            _fail(token.span, error)
+            _fail(token.span, error, _redactor(info))
             token.finish()
 
     async def after_model_call(
@@ -545,7 +576,8 @@ class _TelemetryHooks(RunHooks):
         span = child.span
         if not outcome.ok:
             span.set_attribute(sc.ERROR_TYPE, outcome.error_type or "tool_error")
-            span.set_status(Status(StatusCode.ERROR, (outcome.error or "")[:500]))
+            error = _redactor(info).text(outcome.error or "")
+            span.set_status(Status(StatusCode.ERROR, error[:500]))
         elif self.content:
             span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, self._scrub(info, outcome.as_text()))
         child.release()

@@ -141,3 +141,47 @@ async def test_workflow_nodes_replay_on_resume(runtime_factory: Factory) -> None
     result = await flow.resume("a poem", session_id="s", user_id="u")
     assert result.output == "published: OUTLINE OF A POEM"
     assert executed == ["outline", "publish", "publish"]
+
+
+async def test_a_team_lead_keeps_its_governance_and_journal() -> None:
+    # The lead is rebuilt with worker tools; its audit log, budget, permissions and hooks stay.
+    from loomflow.audit import AuditLog, InMemoryAuditStore
+    from loomflow.governance import Rule, StandardBudget, StandardPermissions
+    from loomflow.runtime import InMemoryRuntime
+
+    worked: list[str] = []
+
+    def worker_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        worked.append(messages[-1].content)
+        return f"done: {messages[-1].content}"
+
+    def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "finished"
+        return [ToolCall(id="a", name="ask_helper", arguments={"task": "sort"})]
+
+    audit = AuditLog(InMemoryAuditStore())
+    budget = StandardBudget()
+    permissions = StandardPermissions("default", [Rule.deny("ask_helper", reason="not today")])
+    lead = Agent(
+        "lead",
+        model=FunctionModel(lead_decides),
+        runtime=InMemoryRuntime(),
+        audit=audit,
+        budget=budget,
+        permissions=permissions,
+        max_turns=4,
+    )
+    team = Team(lead, [Agent("w", model=FunctionModel(worker_decides), name="helper")])
+    assert team.lead.audit is audit
+    assert team.lead.budget is budget
+    assert team.lead.permissions is permissions
+    assert team.lead.runtime is lead.runtime
+    assert team.lead.max_turns == 4
+    result = await team.run("go", session_id="s", user_id="ana")
+    assert result.output == "finished"
+    actions = [e.action for e in (await audit.query(user_id="ana")).entries]
+    assert "permission.decision" in actions  # the lead's policy saw the worker call
+    assert worked == []  # and refused it
+    usage = await budget.store.usage("ana")
+    assert sum(u.totals.calls for u in usage if u.bucket.period == "") == 2

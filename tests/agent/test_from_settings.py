@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -39,7 +40,7 @@ async def _check_stores(settings: Settings, session: str) -> None:
         assert len(entries) == 3
     finally:
         await runtime.close()
-    audit = audit_store_from_url(settings.audit_url)
+    audit = audit_store_from_url(settings.audit_store_url)
     try:
         page = await audit.query(user_id="ana", session_id=session)
         assert next(e.action for e in page.entries) == "run.start"
@@ -133,6 +134,10 @@ def test_metrics_port_serves_metrics_once_per_process(tmp_path: Path) -> None:
             metrics_port=port, metrics_host="127.0.0.1",
         )
 
+        # The application set telemetry up itself first: agents reuse it, no second bind.
+        from loomflow.telemetry import setup_telemetry
+        setup_telemetry(settings)
+
         async def main():
             async with Agent.from_settings("x", model="scripted", settings=settings) as a:
                 await a.run("hello", session_id="s", user_id="u")
@@ -156,3 +161,36 @@ def test_metrics_port_serves_metrics_once_per_process(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "refused: telemetry is already set up" in done.stdout
+
+
+async def test_without_urls_of_their_own_audit_and_budget_share_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
+    async with Agent.from_settings(
+        "Support.", model=_model(), tools=[lookup], settings=settings
+    ) as agent:
+        await agent.run("Where is A-1?", session_id="t-4", user_id="ana")
+    await _check_stores(settings, "t-4")  # read back through the journal's URL
+    files = await asyncio.to_thread(lambda: sorted(p.name for p in tmp_path.iterdir()))
+    assert [f for f in files if not f.startswith("journal.db")] == []
+
+
+async def test_aclose_closes_everything_even_when_one_close_fails(tmp_path: Path) -> None:
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
+    agent = Agent.from_settings("x", model="scripted", settings=settings)
+    await agent.run("hi", session_id="s", user_id="u")
+    closed: list[str] = []
+
+    async def broken_close() -> None:
+        closed.append("audit")
+        raise OSError("disk went away")
+
+    agent.audit.close = broken_close  # type: ignore[union-attr]
+    with pytest.raises(OSError, match="disk went away"):
+        await agent.aclose()
+    assert closed == ["audit"]
+    # The runtime after it in the list was still closed: it must reopen to be used again.
+    assert agent.runtime is not None
+    assert not agent.runtime.database.is_open  # type: ignore[attr-defined]

@@ -38,7 +38,7 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
     assert "tool.replay      charge_card" in out  # the replay is audited as a replay
     assert out.count("tool.call        charge_card") == 1  # and the charge once, as live
     # The killed worker's hold for its call in flight is charged, and the report says so.
-    assert "the hold of the call in flight when the worker died" in out
+    assert "reserved by the killed worker for the call it was starting" in out
     assert ", 0 held" in out
     ledger = [
         json.loads(line) for line in (tmp_path / "side-effects.jsonl").read_text().splitlines()
@@ -50,9 +50,16 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
 
 @pytest.mark.postgres
 def test_demo_on_postgres(tmp_path: Path, pg_dsn: str) -> None:
-    result = loomflow("demo", "--postgres", pg_dsn, "--workdir", str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert "hits=7 misses=3" in result.stdout
+    # Twice on one database: each demo reports only its own run's budget and audit trail.
+    used = []
+    for _ in range(2):
+        result = loomflow("demo", "--postgres", pg_dsn, "--workdir", str(tmp_path))
+        assert result.returncode == 0, result.stderr
+        assert "hits=7 misses=3" in result.stdout
+        assert "(25 entries, both processes)" in result.stdout
+        budget = next(line for line in result.stdout.splitlines() if line.startswith("budget:"))
+        used.append(int(budget.split()[1].replace(",", "")))
+    assert used[0] == used[1]
 
 
 def test_migrate_show_and_prune(tmp_path: Path) -> None:
@@ -62,23 +69,22 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     import sqlite3
 
     with sqlite3.connect(tmp_path / "journal.db") as conn:
-        session = conn.execute("SELECT session_id FROM loom_sessions").fetchone()[0]
+        session, user = conn.execute("SELECT session_id, user_id FROM loom_sessions").fetchone()
+    assert user.startswith("alice+")  # a user of its own per demo run
     demo_url = f"sqlite:///{tmp_path / 'journal.db'}"
-    shown = loomflow(
-        "--url", demo_url, "runs", "show", session, "--user", "alice@example.com", "--json"
-    )
+    shown = loomflow("--url", demo_url, "runs", "show", session, "--user", user, "--json")
     rows = [json.loads(line) for line in shown.stdout.splitlines()]
     names = [r["name"] for r in rows]
     assert names[:2] == ["model_call_0", names[1]]
     assert names[1].startswith("tool_call_0_0_")
     assert len(names) == 10
-    table = loomflow("--url", demo_url, "runs", "show", session, "--user", "alice@example.com")
+    table = loomflow("--url", demo_url, "runs", "show", session, "--user", user)
     assert "model_call_4" in table.stdout
     assert "replays" in table.stdout
     listed = loomflow("--url", demo_url, "runs", "list", "--json")
     (entry,) = [json.loads(line) for line in listed.stdout.splitlines()]
     assert entry["session_id"] == session
-    assert entry["user_id"] == "alice@example.com"
+    assert entry["user_id"] == user
     assert entry["entries"] == 10
     assert entry["open"] is False
     people = loomflow("--url", demo_url, "runs", "list", "--user", "nobody")
@@ -259,7 +265,13 @@ def test_migrate_brings_every_configured_store_up_to_date(tmp_path: Path, pg_dsn
         return {r[0] for r in rows}
 
     assert asyncio.run(components()) == {"budget", "audit"}
-    # Without an audit URL configured, no audit file appears in the working directory.
+    # Without URLs of their own, the budget and the audit log live in the journal's database.
     bare = loomflow("--url", url, "migrate", cwd=tmp_path)
-    assert "audit schema" not in bare.stdout
+    assert "budget schema at version" in bare.stdout
+    assert "audit schema at version" in bare.stdout
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "j.db") as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    assert {"loom_entries", "loom_budget_buckets", "loom_audit"} <= tables
     assert not (tmp_path / ".loomflow").exists()

@@ -76,7 +76,7 @@ def test_demo_with_a_provider_model_kills_resumes_and_calls_the_api_once_per_tur
     # Two turns came from the killed worker and replay; the other three reach the API once.
     assert requests == len(PLAN) + 1
     assert "hits=5 misses=5 divergences=0" in out
-    assert "the hold of the call in flight when the worker died" in out
+    assert "reserved by the killed worker for the call it was starting" in out
     assert "No side effect ran twice" in out
     ledger = _ledger(tmp_path)
     assert sorted(r["action"] for r in ledger) == sorted(n for turn in PLAN for n, _ in turn)
@@ -128,13 +128,38 @@ def test_a_model_that_finishes_before_the_kill_point_still_resumes_by_replay(
         ("openai:gpt-5-mini", "OPENAI_API_KEY"),
         ("scripted", "is a scripted model"),
         ("mistral-large", "cannot tell which provider"),
+        ("", "--model needs a model id"),
     ],
 )
 def test_a_model_that_cannot_run_fails_before_any_worker_starts(
     spec: str, message: str, tmp_path: Path
 ) -> None:
-    result = _demo(None, "", "--model", spec, "--workdir", str(tmp_path))
+    workdir = tmp_path / "demo"
+    result = _demo(None, "", "--model", spec, "--workdir", str(workdir))
     assert result.returncode == 1
     assert message in result.stderr
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "side-effects.jsonl").exists()
+    assert not workdir.exists()  # nothing was started or left behind
+
+
+def test_arguments_the_tool_normalises_and_calls_it_refuses_are_not_miscounted(
+    tmp_path: Path,
+) -> None:
+    # Real models send "2" for 2 and 60 for 59.8, and sometimes arguments a tool rejects; the
+    # proof compares completed calls per tool with the ledger, so neither looks like a repeat.
+    replies = [
+        _turn(0, [("lookup_order", {"order_id": "A-1042"})]),
+        _turn(1, [("reserve_stock", {"sku": "LOOM-7", "quantity": "lots"})]),  # rejected
+        _turn(2, [("reserve_stock", {"sku": "LOOM-7", "quantity": "2"})]),
+        _turn(3, [("charge_card", {"order_id": "A-1042", "amount_usd": 60})]),
+        Reply(text="Reserved and charged."),
+    ]
+    with FakeOpenAIAPI(*replies) as api:
+        result = _demo(
+            api, "OPENAI", "--model", "gpt-5-mini", "--kill-after", "3", "--workdir", str(tmp_path)
+        )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "each of the 3 tool calls the model made happened exactly once" in result.stdout
+    ledger = _ledger(tmp_path)
+    assert [r["action"] for r in ledger] == ["lookup_order", "reserve_stock", "charge_card"]
+    assert ledger[1]["args"] == {"sku": "LOOM-7", "quantity": 2}

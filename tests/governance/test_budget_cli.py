@@ -138,6 +138,9 @@ def test_prune_removes_ended_day_totals_and_keeps_the_rest(tmp_path: Path) -> No
     assert {r["period"] for r in after} == {"all"}
     alice = next(r for r in after if r["user_id"] == "alice")
     assert alice["calls"] == 3  # the all-time total still counts the old call
+    too_soon = loomflow("budget", "--budget-url", url, "prune", "--older-than", "12h")
+    assert too_soon.returncode == 2
+    assert "at least 1d" in too_soon.stderr
     bad = loomflow("budget", "--budget-url", url, "prune", "--older-than", "soon")
     assert bad.returncode == 2
     assert "not a duration" in bad.stderr

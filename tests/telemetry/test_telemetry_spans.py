@@ -702,38 +702,59 @@ async def test_without_a_journal_calls_hang_from_the_root(
     assert capture.named("loom.workflow.step") == []
 
 
-async def test_captured_content_is_redacted_like_the_audit_log(capture: SpanCapture) -> None:
-    # Opting in to content must not put secrets on spans that the audit log would scrub:
-    # a key-shaped string in the prompt, a configured secret in a tool result, and a sensitive
-    # argument (already a sealed placeholder by the time hooks see it).
+@pytest.mark.parametrize("opted_in", [True, False])
+async def test_spans_carry_no_secret_the_audit_log_would_hide(
+    capture: SpanCapture, opted_in: bool
+) -> None:
+    # Captured content, and error text (exported even without content capture), must not put
+    # on spans what the audit log scrubs: a key-shaped string in the prompt, a configured
+    # secret (one JSON would escape) in a result, a value under a sensitive key name, a card
+    # number in a tool's error, and a declared sensitive argument.
     from loomflow.audit import AuditLog, InMemoryAuditStore
     from loomflow.audit.redaction import Redactor
 
     api_key = "sk-ant-api03-" + "q" * 40
-    configured = "corp-vault-pass-2291"
+    configured = 'corp"vault\\pass-2291'
+    card = "4111 1111 1111 1111"
 
     @tool(sensitive=("card",))
-    def pay(card: str) -> str:
+    def pay(card: str, password: str = "") -> str:
         """Charge a card."""
         return f"charged; vault said {configured}"
 
+    @tool
+    def refund(order: str) -> str:
+        """Refund an order."""
+        raise RuntimeError(f"gateway rejected card {card} with {configured}")
+
     def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
-        if messages[-1].role == "tool":
-            return "paid"
-        return [ToolCall(id="c1", name="pay", arguments={"card": "4111 1111 1111 1111"})]
+        done = sum(1 for m in messages if m.role == "tool")
+        if done == 0:
+            return [
+                ToolCall(id="c1", name="pay", arguments={"card": card, "password": "hunter2xyz"})
+            ]
+        if done == 1:
+            return [ToolCall(id="c2", name="refund", arguments={"order": "A-1"})]
+        return "paid"
 
     audit = AuditLog(InMemoryAuditStore(), redactor=Redactor(secrets=[configured]))
     agent = Agent(
         "you take payments",
         model=FunctionModel(decide),
-        tools=[pay],
+        tools=[pay, refund],
         runtime=InMemoryRuntime(),
         audit=audit,
-        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False, capture_content=True),
+        telemetry=Telemetry(
+            tracer_provider=capture.provider, metrics=False, capture_content=opted_in
+        ),
     )
     await agent.run(f"pay with my key {api_key}", session_id="s", user_id="erin")
     text = _recorded_text(capture)
-    for secret in (api_key, configured, "4111 1111 1111 1111"):
+    statuses = json.dumps([s.status.description for s in capture.spans])
+    for secret in (api_key, configured, json.dumps(configured)[1:-1], card, "hunter2xyz"):
         assert secret not in text, secret
-    assert "[REDACTED" in text  # the content is there, scrubbed
-    assert "pay with my key" in text
+        assert secret not in statuses, secret
+    [refund_span] = capture.named("execute_tool refund")
+    assert "gateway rejected card [REDACTED" in (refund_span.status.description or "")
+    if opted_in:
+        assert "pay with my key [REDACTED" in text  # the content is there, scrubbed
