@@ -26,6 +26,7 @@ from ._store import (
 from ._url import audit_store_beside, audit_store_from_url
 from .inmemory import InMemoryAuditStore
 from .jsonl import JsonlAuditStore
+from .offline import heads_from_json, verify_lines
 from .redaction import Redactor, install_log_redaction
 from .sqlite import SqliteAuditStore
 
@@ -54,7 +55,9 @@ __all__ = [
     "actions",
     "audit_store_beside",
     "audit_store_from_url",
+    "heads_from_json",
     "install_log_redaction",
+    "verify_lines",
 ]
 
 

@@ -327,10 +327,10 @@ class AuditStore(abc.ABC):
     ) -> int:
         """Write matching entries as JSON lines to a path or text stream; returns the count.
 
-        The lines are the entries' exported form, so ``verify_lines`` (or any SHA-256
-        implementation) can re-check them offline. ``filters`` are those of :meth:`query`.
-        With ``on_progress(done, total)``, the entries are counted first (:meth:`count`) and
-        the callback hears after every page of 1000.
+        The lines are the entries' exported form, so ``loomflow.audit.verify_lines`` (or
+        any SHA-256 implementation) can re-check them offline. ``filters`` are those of
+        :meth:`query`. With ``on_progress(done, total)``, the entries are counted first
+        (:meth:`count`) and the callback hears after every page of 1000.
         """
         if isinstance(dest, str | os.PathLike):
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
@@ -435,6 +435,12 @@ class _ChainCheck:
         self, report: VerifyReport, kind: ProblemKind, seq: int | None, pos: int | None, text: str
     ) -> None:
         report.problems.append(ChainProblem(self.user_id, kind, seq, pos, text))
+
+    def start_at(self, entry: AuditEntry) -> None:
+        """Begin mid-chain at ``entry`` (an export from a date on): its own link is unchecked."""
+        self.expected = entry.seq
+        self.prev_hash = entry.prev_hash
+        self.last_seq = entry.seq - 1
 
     def feed(self, position: int, entry: AuditEntry, report: VerifyReport) -> None:
         seq = entry.seq

@@ -13,10 +13,21 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from ..audit import ANY_USER, AuditEntry, AuditStore, VerifyReport, audit_store_from_url
+from ..audit import (
+    ANY_USER,
+    AuditEntry,
+    AuditStore,
+    ChainHead,
+    VerifyReport,
+    audit_store_from_url,
+    heads_from_json,
+    verify_lines,
+)
 from ..config import Settings
+from ..errors import AuditError
 from ._progress import add_no_progress, progress_bar
 
 __all__ = ["register"]
@@ -73,6 +84,16 @@ def register(subparsers: Any) -> None:
 
     verify = commands.add_parser("verify", help="check every user's hash chain")
     verify.add_argument("--user", dest="user_id", help="only this user's chain")
+    verify.add_argument(
+        "--file",
+        type=Path,
+        help="check this export (JSON lines) instead of the store; no database needed",
+    )
+    verify.add_argument(
+        "--heads",
+        type=Path,
+        help="with --file: heads copied earlier (a `verify --json` report) the export must reach",
+    )
     verify.add_argument("--json", action="store_true", help="the report as JSON")
     add_no_progress(verify)
 
@@ -96,6 +117,17 @@ def _filter_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _handle(args: argparse.Namespace) -> int:
+    if getattr(args, "file", None) is not None:
+        if args.user_id is not None:
+            print(
+                "loomflow: error: --user does not go with --file; export that user's trail",
+                file=sys.stderr,
+            )
+            return 2
+        return _verify_file(args)
+    if getattr(args, "heads", None) is not None:
+        print("loomflow: error: --heads goes with --file", file=sys.stderr)
+        return 2
     settings = Settings()
     url = args.audit_url or settings.audit_url or args.url or settings.runtime_url
     store = audit_store_from_url(url, settings=settings)
@@ -178,11 +210,29 @@ async def _export(store: AuditStore, args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_file(args: argparse.Namespace) -> int:
+    heads: list[ChainHead] = []
+    try:
+        if args.heads is not None:
+            heads = heads_from_json(json.loads(args.heads.read_text(encoding="utf-8")))
+        with args.file.open(encoding="utf-8") as lines:
+            report = verify_lines(lines, heads=heads)
+    except OSError as exc:
+        raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    except ValueError as exc:  # bad JSON in the heads file
+        raise AuditError(f"bad --heads file {args.heads}: {exc}") from exc
+    return _report(report, args)
+
+
 async def _verify(store: AuditStore, args: argparse.Namespace) -> int:
     with progress_bar("verifying", unit=" entries", enabled=args.progress) as on_progress:
         report: VerifyReport = await store.verify(
             user_id=ANY_USER if args.user_id is None else args.user_id, on_progress=on_progress
         )
+    return _report(report, args)
+
+
+def _report(report: VerifyReport, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), ensure_ascii=False))
         return 0 if report.ok else 1

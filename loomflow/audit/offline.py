@@ -1,0 +1,103 @@
+"""Checking an exported audit trail without the store: what an auditor handed a file runs.
+
+``loomflow audit export`` writes each entry as one JSON line in its exported form (see
+:mod:`loomflow.audit._entry`); :func:`verify_lines` re-checks such a file with the same rules
+``AuditStore.verify`` applies to the store, plus, optionally, against chain heads copied away
+earlier (the ``heads`` of a ``loomflow audit verify --json`` report).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from ._entry import AuditEntry, user_key
+from ._store import ChainHead, ChainProblem, VerifyReport, _ChainCheck
+
+__all__ = ["heads_from_json", "verify_lines"]
+
+
+def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> VerifyReport:
+    """Check exported audit lines: every hash, every link, no gap, nothing past the heads.
+
+    Each user's entries must come in ``seq`` order, as an export writes them. An export need
+    not start at a user's first entry (``--since`` a date): the first entry's link to the one
+    before is then unchecked, and a warning says so. Filters that pick entries from the middle
+    of a trail (``--session``, ``--action``) leave gaps, which are reported as ``missing``:
+    verify exports of whole trails or time ranges.
+
+    Args:
+        lines: The export's lines (a file object works); blank lines are skipped.
+        heads: Heads recorded earlier. A user's trail in the export must reach each one and
+            end on the same entry at that ``seq``; an export that stops short is ``truncated``.
+
+    Returns:
+        The report; ``ok`` is true when nothing is wrong. ``position`` is the line number.
+    """
+    report = VerifyReport()
+    checks: dict[str, _ChainCheck] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = AuditEntry.from_json(json.loads(line))
+        except (ValueError, TypeError, KeyError, ValidationError) as exc:
+            detail = str(exc).splitlines()[0][:200]
+            report.problems.append(
+                ChainProblem(None, "unreadable", None, number, f"not an audit entry: {detail}")
+            )
+            continue
+        key = user_key(entry.user_id)
+        check = checks.get(key)
+        if check is None:
+            check = checks[key] = _ChainCheck(key, entry.user_id)
+            report.users += 1
+            if entry.seq > 1:
+                check.start_at(entry)
+                report.warnings.append(
+                    ChainProblem(
+                        entry.user_id,
+                        "unanchored",
+                        entry.seq,
+                        number,
+                        f"the export starts at entry {entry.seq}: its link to entry "
+                        f"{entry.seq - 1} cannot be checked here",
+                    )
+                )
+        report.entries += 1
+        check.feed(number, entry, report)
+    for head in heads:
+        found = checks.get(user_key(head.user_id))
+        if found is None:
+            report.problems.append(
+                ChainProblem(
+                    head.user_id,
+                    "truncated",
+                    1,
+                    None,
+                    f"the export holds none of this user's entries; the head records {head.seq}",
+                )
+            )
+            continue
+        found.finish(head, report, strict=False)
+        report.heads.append(head)
+    return report
+
+
+def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> list[ChainHead]:
+    """Heads from a ``verify --json`` report (its ``heads``) or from a list of such objects.
+
+    Raises:
+        ValueError: an item lacks ``seq`` or ``hash``.
+    """
+    items = data.get("heads", []) if isinstance(data, Mapping) else data
+    heads = []
+    for item in items:
+        try:
+            heads.append(ChainHead(item.get("user_id"), int(item["seq"]), str(item["hash"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a chain head: {item!r}") from exc
+    return heads
