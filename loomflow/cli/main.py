@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from ..config import Settings
 from ..errors import LoomflowError
 from ..runtime import JournalRuntime, runtime_from_url
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loomflow", description="Durable, governed and observable agent runs."
     )
+    parser.add_argument("--version", action="version", version=f"loomflow {__version__}")
     parser.add_argument(
         "--url",
         help="journal URL (default: LOOMFLOW_RUNTIME_URL or sqlite:///.loomflow/journal.db)",

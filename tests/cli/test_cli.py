@@ -104,6 +104,14 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     assert json.loads(pruned.stdout) == {"deleted": 10}
 
 
+def test_version() -> None:
+    import loomflow as package
+
+    done = loomflow("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"loomflow {package.__version__}"
+
+
 def test_errors_and_usage_have_distinct_exit_codes(tmp_path: Path) -> None:
     bad_url = loomflow("--url", "mysql://x", "migrate")
     assert bad_url.returncode == 1
