@@ -30,8 +30,8 @@ class Settings(BaseSettings):
     serializer: Literal["json", "pickle"] = Field(
         default="json",
         description=(
-            "Journal value format. `pickle` only to read entries written by loomflow 0.16 or "
-            "older; it runs code from the database on decode."
+            "Journal value format. `pickle` only to read journals written in the older pickle "
+            "format; it runs code from the database on decode."
         ),
     )
     max_payload_bytes: int = Field(

@@ -245,7 +245,7 @@ async def _main(argv: list[str]) -> int:
         finally:
             await runtime.close()
             await close_model(model)
-    except LoomflowError as exc:
+    except (LoomflowError, ImportError) as exc:
         print(f"loomflow demo worker: error: {exc}", file=sys.stderr)
         return 1
     print("RUN-DONE", flush=True)

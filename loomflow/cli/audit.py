@@ -29,6 +29,7 @@ from ..audit import (
 from ..config import Settings
 from ..errors import AuditError
 from ._progress import add_no_progress, progress_bar
+from ._stores import existing
 
 __all__ = ["register"]
 
@@ -130,7 +131,7 @@ async def _handle(args: argparse.Namespace) -> int:
         return 2
     settings = Settings()
     url = args.audit_url or settings.audit_url or args.url or settings.runtime_url
-    store = audit_store_from_url(url, settings=settings)
+    store = audit_store_from_url(existing(url, "audit log"), settings=settings)
     try:
         if args.audit_command == "query":
             return await _query(store, args)
@@ -233,6 +234,9 @@ async def _verify(store: AuditStore, args: argparse.Namespace) -> int:
 
 
 def _report(report: VerifyReport, args: argparse.Namespace) -> int:
+    if report.entries == 0 and not report.problems:
+        # Not a failure (a new deployment has no trail yet), but worth a look from a cron job.
+        print("loomflow: warning: no audit entries to verify", file=sys.stderr)
     if args.json:
         print(json.dumps(report.to_json(), ensure_ascii=False))
         return 0 if report.ok else 1

@@ -16,6 +16,7 @@ from typing import Any
 from ..config import Settings
 from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, budget_store_from_url
+from ._stores import existing
 from .main import _duration
 
 __all__ = ["register"]
@@ -44,6 +45,9 @@ def register(subparsers: Any) -> None:
         type=_duration,
         required=True,
         help="how long after its end a period's totals are kept, e.g. 90d",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="count what would be deleted; delete nothing"
     )
     prune.add_argument("--json", action="store_true")
     prune.set_defaults(handler=_prune)
@@ -79,7 +83,7 @@ def _row(usage: BucketUsage) -> dict[str, Any]:
 
 
 async def _show(args: argparse.Namespace) -> int:
-    store = budget_store_from_url(_url(args))
+    store = budget_store_from_url(existing(_url(args), "budget store"))
     try:
         usage = await store.usage(args.user_id)
     finally:
@@ -130,7 +134,7 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 async def _reclaim(args: argparse.Namespace) -> int:
-    store = budget_store_from_url(_url(args))
+    store = budget_store_from_url(existing(_url(args), "budget store"))
     try:
         count = await store.reclaim()
     finally:
@@ -148,10 +152,19 @@ async def _prune(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    store = budget_store_from_url(_url(args))
+    store = budget_store_from_url(existing(_url(args), "budget store"))
     try:
-        count = await store.prune(ended_before=time.time() - args.older_than.total_seconds())
+        count = await store.prune(
+            ended_before=time.time() - args.older_than.total_seconds(), dry_run=args.dry_run
+        )
     finally:
         await store.close()
-    print(json.dumps({"deleted": count}) if args.json else f"deleted {count} budget buckets")
+    if args.dry_run:
+        print(
+            json.dumps({"would_delete": count})
+            if args.json
+            else f"would delete {count} budget buckets (dry run: nothing deleted)"
+        )
+    else:
+        print(json.dumps({"deleted": count}) if args.json else f"deleted {count} budget buckets")
     return 0

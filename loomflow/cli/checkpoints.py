@@ -16,6 +16,8 @@ from typing import Any
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_from_url
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
+from ..runtime import runtime_from_url
+from ._stores import existing, session_of
 
 __all__ = ["register"]
 
@@ -29,14 +31,22 @@ def register(subparsers: Any) -> None:
 
     listing = commands.add_parser("list", help="a session's checkpoints, newest first")
     listing.add_argument("session_id")
-    listing.add_argument("--user", dest="user_id", help="user id (default: the anonymous bucket)")
+    who = listing.add_mutually_exclusive_group()
+    who.add_argument(
+        "--user", dest="user_id", help="whose session (needed when several users share the id)"
+    )
+    who.add_argument("--anonymous", action="store_true", help="the session without a user")
     listing.add_argument("--limit", type=int, help="only the newest N")
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
 
     show = commands.add_parser("show", help="one checkpoint with its transcript, as JSON")
     show.add_argument("session_id")
     show.add_argument("checkpoint_id")
-    show.add_argument("--user", dest="user_id", help="user id (default: the anonymous bucket)")
+    who = show.add_mutually_exclusive_group()
+    who.add_argument(
+        "--user", dest="user_id", help="whose session (needed when several users share the id)"
+    )
+    who.add_argument("--anonymous", action="store_true", help="the session without a user")
 
     export = commands.add_parser("export", help="every checkpoint of a user, as one JSON document")
     export.add_argument("--user", dest="user_id", required=True)
@@ -54,7 +64,18 @@ async def _handle(args: argparse.Namespace) -> int:
     if args.checkpoints_command == "forget" and not args.yes:
         print("loomflow: refusing to delete checkpoints without --yes", file=sys.stderr)
         return 2
-    store = checkpoint_store_from_url(args.url or Settings().runtime_url)
+    url = existing(args.url or Settings().runtime_url, "journal")
+    if args.checkpoints_command in ("list", "show"):
+        # Which user's snapshots: the journal beside them knows who ran the session.
+        runtime = runtime_from_url(url)
+        try:
+            info = await session_of(
+                runtime, args.session_id, args.user_id, anonymous=args.anonymous
+            )
+        finally:
+            await runtime.close()
+        args.user_id = info.user_id
+    store = checkpoint_store_from_url(url)
     try:
         if args.checkpoints_command == "list":
             return await _list(store, args)

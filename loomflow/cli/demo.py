@@ -126,7 +126,9 @@ async def _start(
     spec: str | None,
     handshake_s: float,
 ) -> int:
-    # Built before anything else, so a missing SDK or API key leaves nothing behind.
+    # Built before anything else, so a missing SDK, driver or API key leaves nothing behind.
+    if postgres is not None:
+        runtime_from_url(postgres)  # names the extra to install when asyncpg is missing
     model = build_model(spec)
     try:
         work, journal = _prepare(workdir, fresh_journal=postgres is None)
@@ -216,7 +218,7 @@ async def _tell(story: _Story) -> int:
     )
     for line in trail:
         print(f"  {line}")
-    _print_budget(result, steps, held, status)
+    _print_budget(result, steps, held, status, free=story.spec is None)
     hits = sum(1 for e in steps if e.outcome == "hit")
     misses = sum(1 for e in steps if e.outcome != "hit")
     divergences = sum(1 for e in steps if e.outcome == "divergence")
@@ -245,7 +247,13 @@ def _verdict(story: _Story, result: RunResult, effects: Counter[str]) -> int:
         f"No side effect ran twice: each of the {sum(calls.values())} tool calls the model made "
         "happened exactly once."
     )
-    print(f"Journal and side-effect ledger kept in {story.work}")
+    if story.on_postgres:
+        print(f"The journal is in your PostgreSQL database; the side-effect ledger in {story.work}")
+        where = "'<the DSN>'"
+    else:
+        print(f"Journal and side-effect ledger kept in {story.work}")
+        where = story.url
+    print(f"Look around: loomflow --url {where} runs show {story.session}")
     return 0
 
 
@@ -288,7 +296,9 @@ async def _holds(story: _Story) -> float:
         await runtime.close()
 
 
-def _print_budget(result: RunResult, steps: list[StepEvent], held: float, status: _Budget) -> None:
+def _print_budget(
+    result: RunResult, steps: list[StepEvent], held: float, status: _Budget, *, free: bool
+) -> None:
     spent = result.tokens_in + result.tokens_out
     calls = [e for e in steps if e.name.startswith("model_call_") and not e.path]
     before = sum(1 for e in calls if e.outcome == "hit")
@@ -311,7 +321,7 @@ def _print_budget(result: RunResult, steps: list[StepEvent], held: float, status
         )
     print(
         f"tokens of the run: {result.tokens_in} in, {result.tokens_out} out; "
-        f"cost ${result.cost_usd:.4f}"
+        f"cost ${result.cost_usd:.4f}" + (" (the scripted model is free)" if free else "")
     )
 
 
@@ -324,7 +334,7 @@ async def _governance_report(story: _Story) -> tuple[list[str], _Budget]:
         trail = []
         for entry in page.entries:
             detail = entry.payload.get("tool") or entry.payload.get("outcome") or ""
-            trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}")
+            trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}".rstrip())
         report = await audit.verify(user_id=story.user)
         trail.append(f"chain verified: {'ok' if report.ok else 'PROBLEMS FOUND'}")
         cap = next(c for c in await budget.status(story.user) if c.cap == "user.tokens_total")

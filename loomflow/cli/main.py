@@ -10,17 +10,21 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from .. import __version__
 from ..config import Settings
 from ..errors import LoomflowError
 from ..runtime import JournalRuntime, runtime_from_url
 from ._progress import add_no_progress, progress_bar
+from ._stores import existing, session_of
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -58,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--postgres", metavar="DSN", help="run the story on PostgreSQL")
     demo.add_argument("--workdir", type=Path, help="keep the journal and ledger here")
     demo.add_argument(
-        "--kill-after", type=int, default=3, help="kill the worker before this model turn (3)"
+        "--kill-after",
+        type=int,
+        default=3,
+        help="kill the worker before this model turn: 1-3 with the scripted model (3)",
     )
     demo.add_argument(
         "--model",
@@ -83,7 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
     show = runs.add_parser("show", help="a session's journal entries")
     show.add_argument("session_id")
-    show.add_argument("--user", dest="user_id", help="user id (default: the anonymous bucket)")
+    who = show.add_mutually_exclusive_group()
+    who.add_argument(
+        "--user", dest="user_id", help="whose run (needed when several users share the id)"
+    )
+    who.add_argument("--anonymous", action="store_true", help="the run without a user")
     show.add_argument("--json", action="store_true", help="JSON lines for scripts")
 
     journal = sub.add_parser("journal", help="journal maintenance").add_subparsers(
@@ -98,6 +109,15 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--session", dest="session_id")
     prune.add_argument("--user", dest="user_id")
     prune.add_argument("--include-open", action="store_true", help="also delete open runs")
+    prune.add_argument(
+        "--all",
+        dest="everything",
+        action="store_true",
+        help="with no other filter: every finished run, whatever its age",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="count what would be deleted; delete nothing"
+    )
     prune.add_argument(
         "--batch-size",
         type=_positive_int,
@@ -150,12 +170,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LoomflowError as exc:
         print(f"loomflow: error: {exc}", file=sys.stderr)
         return 1
+    except ValidationError as exc:  # a LOOMFLOW_* variable (or .env line) that does not parse
+        print(f"loomflow: error: {_bad_settings(exc)}", file=sys.stderr)
+        return 1
+    except ImportError as exc:
+        if "pip install 'loomflow[" not in str(exc):
+            raise
+        print(f"loomflow: error: {exc}", file=sys.stderr)  # an optional extra is missing
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`loomflow ... | head`): stop quietly, as other tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         return 130
 
 
+def _bad_settings(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        field = "_".join(str(part) for part in error["loc"])
+        problems.append(f"LOOMFLOW_{field.upper()}: {error['msg']}")
+    return "bad setting " + "; ".join(problems)
+
+
 async def _dispatch(args: argparse.Namespace) -> int:
-    runtime = runtime_from_url(args.url or Settings().runtime_url)
+    url = args.url or Settings().runtime_url
+    if args.command != "migrate":
+        existing(url, "journal")
+    runtime = runtime_from_url(url)
     try:
         if args.command == "migrate":
             return await _migrate(runtime, args)
@@ -259,7 +303,8 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
 
 
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
-    entries = await runtime.entries(args.session_id, args.user_id)
+    info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
+    entries = await runtime.entries(args.session_id, info.user_id)
     if args.json:
         for e in entries:
             print(
@@ -279,21 +324,13 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             )
         return 0
     if not entries:
-        print(f"no journal entries for session {args.session_id!r} user {args.user_id!r}")
+        print(f"session {args.session_id!r} has no journal entries left (pruned)")
         return 0
-    info = next(
-        (
-            s
-            for s in await runtime.sessions(user_id=args.user_id, limit=10_000)
-            if s.session_id == args.session_id
-        ),
-        None,
-    )
     rows: list[tuple[Any, ...]] = [
         ("epoch", "step", "sub-run", "kind", "bytes", "on resume", "written (UTC)")
     ]
     for e in entries:
-        last = info is not None and e.epoch == (info.epoch if info.open else info.epoch - 1)
+        last = e.epoch == (info.epoch if info.open else info.epoch - 1)
         status = "replays" if last else "kept (earlier run)"
         rows.append(
             (e.epoch, e.name, "/".join(e.path) or "-", e.kind, e.size, status, _when(e.created_at))
@@ -307,11 +344,28 @@ async def _prune(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     retention = Settings().journal_retention_days
     if older_than is None and retention is not None:
         older_than = dt.timedelta(days=retention)
+    unfiltered = older_than is None and args.session_id is None and args.user_id is None
+    if unfiltered and not args.everything:
+        # Deleting every finished run is rarely meant: a redelivered task would run again.
+        print(
+            "loomflow: error: say what to prune: --older-than AGE (or set "
+            "LOOMFLOW_JOURNAL_RETENTION_DAYS), --session, --user, or --all for every finished run",
+            file=sys.stderr,
+        )
+        return 2
     filters: dict[str, Any] = {"older_than": older_than, "include_open": args.include_open}
     if args.session_id is not None:
         filters["session_id"] = args.session_id
     if args.user_id is not None:
         filters["user_id"] = args.user_id
+    if args.dry_run:
+        count = await runtime.prune(**filters, dry_run=True)
+        print(
+            json.dumps({"would_delete": count})
+            if args.json
+            else f"would delete {count} journal entries (dry run: nothing deleted)"
+        )
+        return 0
     with progress_bar("pruning", unit=" rows", enabled=args.progress) as on_progress:
         deleted = await runtime.prune(
             **filters, batch_size=args.batch_size, on_progress=on_progress

@@ -292,7 +292,8 @@ class JournalRuntime:
     async def migrate(self) -> int:
         """Apply pending schema migrations; returns the schema version now in place."""
         if not self._opened:
-            await self._store.open(migrate=False)
+            # Opening with migrate=True is the migration itself (it checks nothing first).
+            await self._store.open(migrate=True)
             self._opened = True
         return await self._store.migrate()
 
@@ -798,14 +799,17 @@ class JournalRuntime:
         await self._ensure_open()
         return await self._store.list_entries(session_id, user_id)
 
-    async def sessions(self, *, user_id: str | None = _ANY, limit: int = 100) -> list[SessionInfo]:
+    async def sessions(
+        self, *, user_id: str | None = _ANY, session_id: str | None = None, limit: int = 100
+    ) -> list[SessionInfo]:
         """The journal's (session, user) pairs, most recently active first.
 
-        ``user_id`` filters (``None`` is the anonymous bucket; leave it out for everyone).
+        ``user_id`` filters (``None`` is the anonymous bucket; leave it out for everyone);
+        ``session_id`` keeps that session's pairs only (one per user who ran it).
         """
         await self._ensure_open()
         return await self._store.list_sessions(
-            None if user_id is _ANY else user_id, user_id is not _ANY, limit
+            None if user_id is _ANY else user_id, user_id is not _ANY, limit, session_id
         )
 
     async def prune(
@@ -817,8 +821,9 @@ class JournalRuntime:
         include_open: bool = False,
         batch_size: int = 5000,
         on_progress: OnProgress | None = None,
+        dry_run: bool = False,
     ) -> int:
-        """Delete journal entries; returns how many went.
+        """Delete journal entries; returns how many went (with ``dry_run``, would go).
 
         Filters combine: entries older than ``older_than``, of ``session_id``, of ``user_id``
         (``None`` is the anonymous bucket; leave the argument out to match every user). The
@@ -852,6 +857,7 @@ class JournalRuntime:
             include_open=include_open,
             batch_size=batch_size,
             on_progress=on_progress,
+            dry_run=dry_run,
         )
 
 

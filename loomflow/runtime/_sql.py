@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._progress import OnProgress, Progress
-from ..storage import Database, apply_migrations
+from ..storage import Database, apply_migrations, require_schema
 from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
 from .migrations import COMPONENT, MIGRATIONS
 
@@ -127,13 +127,15 @@ class SqlJournalStore:
 
     async def open(self, *, migrate: bool) -> None:
         await self.db.open()
-        if migrate:
-            try:
+        try:
+            if migrate:
                 await self.migrate()
-            except BaseException:
-                if self._owns_db:
-                    await self.db.close()  # a half-opened store must not leak its connection
-                raise
+            else:
+                await require_schema(self.db, COMPONENT, MIGRATIONS)
+        except BaseException:
+            if self._owns_db:
+                await self.db.close()  # a half-opened store must not leak its connection
+            raise
 
     async def close(self) -> None:
         if self._owns_db:
@@ -254,16 +256,20 @@ class SqlJournalStore:
         ]
 
     async def list_sessions(
-        self, user_id: str | None, by_user: bool, limit: int
+        self, user_id: str | None, by_user: bool, limit: int, session_id: str | None = None
     ) -> list[SessionInfo]:
-        where = ""
+        conditions: list[str] = []
         args: list[Any] = []
         if by_user:
             if user_id is None:
-                where = "WHERE s.user_id IS NULL"
+                conditions.append("s.user_id IS NULL")
             else:
-                where = "WHERE s.user_id = $1"
                 args.append(user_id)
+                conditions.append(f"s.user_id = ${len(args)}")
+        if session_id is not None:
+            args.append(session_id)
+            conditions.append(f"s.session_id = ${len(args)}")
+        where = ("WHERE " + " AND ".join(conditions)) if conditions else ""
         args.append(limit)
         rows = await self.db.fetch(
             "SELECT s.session_id, s.user_id, s.epoch, s.open, s.owner, s.updated_at, "
@@ -288,6 +294,7 @@ class SqlJournalStore:
         include_open: bool,
         batch_size: int,
         on_progress: OnProgress | None,
+        dry_run: bool = False,
     ) -> int:
         # One reading of the database clock bounds the whole prune: the count and every batch
         # use the same cutoff, and rows written while the prune runs are left alone, as the
@@ -334,6 +341,9 @@ class SqlJournalStore:
                 idem_args.append(json_user_key(user_id))
                 idem_where.append("user_key = $2")
             targets.append(_Prune("loom_idempotency", _IDEM_KEY, idem_where, idem_args))
+        if dry_run:
+            counts = [(await self._fetch_raw(t.count_sql(), t.args))[0][0] for t in targets]
+            return sum(int(c) for c in counts)
         return await self._delete(targets, batch_size, on_progress)
 
     async def _delete(

@@ -176,8 +176,9 @@ class JournalStore(Protocol):
     ) -> list[EntryInfo]: ...
 
     async def list_sessions(
-        self, user_id: str | None, by_user: bool, limit: int
-    ) -> list[SessionInfo]: ...
+        self, user_id: str | None, by_user: bool, limit: int, session_id: str | None = None
+    ) -> list[SessionInfo]:
+        """Sessions newest first; of ``user_id`` when ``by_user``; only ``session_id`` if given."""
 
     async def prune(
         self,
@@ -190,8 +191,10 @@ class JournalStore(Protocol):
         include_open: bool,
         batch_size: int,
         on_progress: OnProgress | None,
+        dry_run: bool = False,
     ) -> int:
-        """Delete what the filters select, ``batch_size`` rows per statement.
+        """Delete what the filters select, ``batch_size`` rows per statement (with
+        ``dry_run``, only count it).
 
         With ``on_progress``, count the rows first and report ``(done, total)`` through a
         ``loomflow._progress.Progress``; without it, count nothing.

@@ -146,7 +146,7 @@ class InMemoryStore:
         return sorted(infos, key=lambda i: (i.epoch, i.seq))
 
     async def list_sessions(
-        self, user_id: str | None, by_user: bool, limit: int
+        self, user_id: str | None, by_user: bool, limit: int, session_id: str | None = None
     ) -> list[SessionInfo]:
         infos = [
             SessionInfo(
@@ -159,7 +159,8 @@ class InMemoryStore:
                 sum(len(run) for run in self.entries.get(key, {}).values()),
             )
             for key, row in self.sessions.items()
-            if not by_user or row.user_id == user_id
+            if (not by_user or row.user_id == user_id)
+            and (session_id is None or row.session_id == session_id)
         ]
         infos.sort(key=lambda i: i.updated_at, reverse=True)
         return infos[:limit]
@@ -175,6 +176,7 @@ class InMemoryStore:
         include_open: bool,
         batch_size: int,
         on_progress: OnProgress | None,
+        dry_run: bool = False,
     ) -> int:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
         doomed: list[tuple[dict[Any, Any], Any]] = []  # (container, key) of each row to drop
@@ -199,6 +201,8 @@ class InMemoryStore:
                 for key, (_, created) in self.idempotent.items()
                 if created < cutoff and (not by_user or key[0] == user_key)
             ]
+        if dry_run:
+            return len(doomed)
         # Memory holds no locks, so batches here only pace the progress reports. There is no
         # await in between: no other coroutine ever sees a half-pruned journal.
         progress = Progress(on_progress, len(doomed) if on_progress is not None else None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ._database import Database, Transaction, translate_errors
 from ._dialect import POSTGRES, SQLITE, Dialect
-from ._migrations import Migration, apply_migrations, schema_versions
+from ._migrations import Migration, apply_migrations, require_schema, schema_versions
 from ._postgres import PostgresDatabase
 from ._sqlite import SqliteDatabase
 from ._url import database_from_url
@@ -24,6 +24,7 @@ __all__ = [
     "SqliteDatabase",
     "Transaction",
     "apply_migrations",
+    "require_schema",
     "database_from_url",
     "schema_versions",
     "translate_errors",

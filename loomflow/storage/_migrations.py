@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..errors import MigrationError
 from ._database import Database, Transaction
 
-__all__ = ["Migration", "apply_migrations", "schema_versions"]
+__all__ = ["Migration", "apply_migrations", "require_schema", "schema_versions"]
 
 _VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS loom_schema_version ("
@@ -84,3 +84,36 @@ async def schema_versions(db: Database) -> dict[str, int]:
             "SELECT component, MAX(version) FROM loom_schema_version GROUP BY component"
         )
     return {str(r[0]): int(r[1]) for r in rows}
+
+
+async def require_schema(db: Database, component: str, migrations: Sequence[Migration]) -> None:
+    """Check, without changing anything, that ``component``'s tables are at the version this
+    loomflow expects (for stores opened with ``auto_migrate=False``).
+
+    Raises:
+        MigrationError: the schema is behind (run ``loomflow migrate``) or ahead (upgrade).
+    """
+    if db.backend == "postgres":
+        found = "SELECT to_regclass('loom_schema_version') IS NOT NULL"
+    else:
+        found = "SELECT COUNT(*) > 0 FROM sqlite_master WHERE name = 'loom_schema_version'"
+    current = 0
+    if (await db.fetch(found, what="schema read"))[0][0]:
+        rows = await db.fetch(
+            "SELECT MAX(version) FROM loom_schema_version WHERE component = $1",
+            component,
+            what="schema read",
+        )
+        current = int(rows[0][0] or 0)
+    latest = len(migrations)
+    if current < latest:
+        raise MigrationError(
+            f"the {component} schema is at version {current} and this loomflow needs {latest}; "
+            "automatic migration is off (LOOMFLOW_AUTO_MIGRATE=false), so run `loomflow "
+            "migrate` first"
+        )
+    if current > latest:
+        raise MigrationError(
+            f"the {component} schema is at version {current}, newer than this loomflow knows "
+            f"({latest}); upgrade loomflow"
+        )

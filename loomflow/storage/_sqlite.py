@@ -79,6 +79,12 @@ class SqliteDatabase(Database):
             if str(self.path) != ":memory:":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             pending = aiosqlite.connect(self.path, isolation_level=None)
+            # A program that forgets to close the database must still exit: aiosqlite's
+            # worker thread would otherwise keep the interpreter alive forever. Stopping it
+            # at exit loses nothing committed (WAL, synchronous=FULL), like a process kill.
+            worker = getattr(pending, "_thread", None)
+            if worker is not None and not worker.is_alive():
+                worker.daemon = True
             try:
                 conn = await pending
             except BaseException:

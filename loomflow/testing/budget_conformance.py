@@ -271,6 +271,8 @@ class BudgetStoreConformance:
             assert await _reserve(store, r)
             if name != "old but held":
                 await store.commit(r, Amount(1, 1))
+        assert await store.prune(ended_before=cutoff, dry_run=True) == 2
+        assert len(await store.usage()) == len(names)  # a dry run deletes nothing
         assert await store.prune(ended_before=cutoff) == 2
         left = {u.bucket.key for u in await store.usage()}
         assert left == {b.key for n, b in names.items() if n not in ("old day", "old month")}

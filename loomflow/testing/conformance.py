@@ -587,6 +587,8 @@ class JournalConformance:
                 await runtime.step(f"s{i}", body, i)
         await _raise_in_run(runtime, "open", "u", lambda: runtime.step("a", body, 1))
         calls: list[tuple[int, int | None]] = []
+        assert await runtime.prune(dry_run=True) == 5  # counted, nothing deleted
+        assert len(await runtime.entries("done", "u")) == 5
         deleted = await runtime.prune(
             batch_size=2, on_progress=lambda done, total: calls.append((done, total))
         )

@@ -112,6 +112,15 @@ def test_usage_and_store_errors_have_distinct_exit_codes(tmp_path: Path) -> None
     bad = loomflow("audit", "--audit-url", "mysql://x", "verify")
     assert bad.returncode == 1
     assert "scheme" in bad.stderr
-    empty = loomflow("audit", "--audit-url", f"sqlite:///{tmp_path / 'new.db'}", "query")
+    missing = loomflow("audit", "--audit-url", f"sqlite:///{tmp_path / 'new.db'}", "query")
+    assert missing.returncode == 1  # a mistyped path is not an empty audit log
+    assert "no audit log at" in missing.stderr
+    assert not (tmp_path / "new.db").exists()
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    empty = loomflow("audit", "--audit-url", url, "query")
     assert empty.returncode == 0
     assert empty.stdout.strip() == "no audit entries match"
+    nothing = loomflow("audit", "--audit-url", url, "verify")
+    assert nothing.returncode == 0
+    assert "no audit entries to verify" in nothing.stderr

@@ -67,9 +67,13 @@ def test_list_newest_first_as_json_and_as_a_table(url: str) -> None:
     assert lines[0].split()[:4] == ["checkpoint", "written", "(UTC)", "epoch"]
     assert len(lines) == 3
     assert rows[0]["id"] in lines[1]
-    nobody = loomflow("--url", url, "checkpoints", "list", "s")
-    assert nobody.returncode == 0
-    assert "no checkpoints" in nobody.stdout
+    # Two users ran session "s": without --user the command asks which one.
+    ambiguous = loomflow("--url", url, "checkpoints", "list", "s")
+    assert ambiguous.returncode == 1
+    assert "several users ('alice', 'bob')" in ambiguous.stderr
+    nobody = loomflow("--url", url, "checkpoints", "list", "s", "--anonymous")
+    assert nobody.returncode == 1
+    assert "no session 's' without a user" in nobody.stderr
 
 
 def test_show_prints_the_transcript_and_refuses_other_users(url: str) -> None:

@@ -100,7 +100,12 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
         env={"LOOMFLOW_JOURNAL_RETENTION_DAYS": "1"},
     )
     assert json.loads(kept.stdout) == {"deleted": 0}  # a day's retention keeps today's run
-    pruned = loomflow("--url", demo_url, "journal", "prune", "--json")
+    refused = loomflow("--url", demo_url, "journal", "prune")
+    assert refused.returncode == 2  # no filter and no retention: say --all
+    assert "--all" in refused.stderr
+    dry = loomflow("--url", demo_url, "journal", "prune", "--all", "--dry-run", "--json")
+    assert json.loads(dry.stdout) == {"would_delete": 10}
+    pruned = loomflow("--url", demo_url, "journal", "prune", "--all", "--json")
     assert json.loads(pruned.stdout) == {"deleted": 10}
 
 
@@ -118,6 +123,46 @@ def test_errors_and_usage_have_distinct_exit_codes(tmp_path: Path) -> None:
     assert "scheme" in bad_url.stderr
     assert loomflow("journal", "prune", "--older-than", "soon").returncode == 2
     assert loomflow("no-such-command").returncode == 2
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["runs", "list"],
+        ["journal", "prune", "--all"],
+        ["checkpoints", "list", "s"],
+        ["budget", "show"],
+        ["audit", "verify"],
+    ],
+)
+def test_commands_that_read_a_store_refuse_a_mistyped_path(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # No empty database is created at the typo, and the exit code says something is wrong.
+    typo = tmp_path / "tpyo" / "journal.db"
+    done = loomflow("--url", f"sqlite:///{typo}", *command, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert f"at {typo}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not typo.parent.exists()
+
+
+def test_a_bad_setting_is_named_without_a_traceback(tmp_path: Path) -> None:
+    done = loomflow("runs", "list", cwd=tmp_path, env={"LOOMFLOW_JOURNAL_RETENTION_DAYS": "0"})
+    assert done.returncode == 1
+    assert "LOOMFLOW_JOURNAL_RETENTION_DAYS" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_without_auto_migration_the_cli_says_to_migrate(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    (tmp_path / "j.db").touch()  # exists, never migrated
+    off = {"LOOMFLOW_AUTO_MIGRATE": "false"}
+    done = loomflow("--url", url, "runs", "list", env=off)
+    assert done.returncode == 1
+    assert "run `loomflow migrate` first" in done.stderr
+    assert loomflow("--url", url, "migrate", env=off).returncode == 0
+    assert loomflow("--url", url, "runs", "list", env=off).returncode == 0
 
 
 # -- progress bars: drawn on a terminal's stderr, never into pipes --------------------------
@@ -185,7 +230,7 @@ async def test_prune_draws_a_bar_on_a_terminal_and_nothing_into_a_pipe(tmp_path:
     url = f"sqlite:///{db}"
     await _journal_with_entries(db, 6, 5)
     code, out, screen = loomflow_on_a_terminal(
-        "--url", url, "journal", "prune", "--batch-size", "7", columns=100
+        "--url", url, "journal", "prune", "--all", "--batch-size", "7", columns=100
     )
     assert code == 0, screen
     assert out == "deleted 30 journal entries\n"
@@ -194,11 +239,11 @@ async def test_prune_draws_a_bar_on_a_terminal_and_nothing_into_a_pipe(tmp_path:
     assert "deleted" not in screen  # the result went to stdout, only the bar to the terminal
 
     await _journal_with_entries(db, 2, 5)
-    quiet = loomflow_on_a_terminal("--url", url, "journal", "prune", "--no-progress")
+    quiet = loomflow_on_a_terminal("--url", url, "journal", "prune", "--all", "--no-progress")
     assert quiet == (0, "deleted 10 journal entries\n", "")
 
     await _journal_with_entries(db, 2, 5)
-    piped = loomflow("--url", url, "journal", "prune", "--json", "--batch-size", "3")
+    piped = loomflow("--url", url, "journal", "prune", "--all", "--json", "--batch-size", "3")
     assert (piped.returncode, piped.stdout, piped.stderr) == (0, '{"deleted": 10}\n', "")
 
 
@@ -283,3 +328,32 @@ def test_migrate_brings_every_configured_store_up_to_date(tmp_path: Path, pg_dsn
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
     assert {"loom_entries", "loom_budget_buckets", "loom_audit"} <= tables
     assert not (tmp_path / ".loomflow").exists()
+
+
+def test_runs_show_finds_the_user_of_a_session_or_asks(tmp_path: Path) -> None:
+    from loomflow.runtime import SqliteRuntime
+
+    path = tmp_path / "j.db"
+
+    async def journal() -> None:
+        runtime = SqliteRuntime(path)
+        for session, user in (("solo", "ana"), ("shared", "ana"), ("shared", "ben"), ("x", None)):
+            async with runtime.session(session, user):
+                await runtime.step("a", lambda: 1)
+        await runtime.close()
+
+    asyncio.run(journal())
+    url = f"sqlite:///{path}"
+    solo = loomflow("--url", url, "runs", "show", "solo", "--json")
+    assert solo.returncode == 0, solo.stderr
+    assert [json.loads(line)["user_id"] for line in solo.stdout.splitlines()] == ["ana"]
+    shared = loomflow("--url", url, "runs", "show", "shared")
+    assert shared.returncode == 1
+    assert "several users ('ana', 'ben')" in shared.stderr
+    ben = loomflow("--url", url, "runs", "show", "shared", "--user", "ben", "--json")
+    assert json.loads(ben.stdout)["user_id"] == "ben"
+    anonymous = loomflow("--url", url, "runs", "show", "x", "--anonymous", "--json")
+    assert json.loads(anonymous.stdout)["user_id"] is None
+    missing = loomflow("--url", url, "runs", "show", "nope")
+    assert missing.returncode == 1
+    assert "no session 'nope'" in missing.stderr

@@ -128,6 +128,8 @@ def test_prune_removes_ended_day_totals_and_keeps_the_rest(tmp_path: Path) -> No
     assert any(json.loads(r)["period"].startswith("day:") for r in before)
     kept = loomflow("budget", "--budget-url", url, "prune", "--older-than", "60d", "--json")
     assert json.loads(kept.stdout) == {"deleted": 0}
+    dry = loomflow("budget", "--budget-url", url, "prune", "--older-than", "30d", "--dry-run")
+    assert dry.stdout.strip() == "would delete 1 budget buckets (dry run: nothing deleted)"
     pruned = loomflow("budget", "--budget-url", url, "prune", "--older-than", "30d", "--json")
     assert pruned.returncode == 0, pruned.stderr
     assert json.loads(pruned.stdout) == {"deleted": 1}

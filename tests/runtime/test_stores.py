@@ -114,3 +114,27 @@ def test_options_come_from_settings_unless_given(monkeypatch: pytest.MonkeyPatch
     assert (rt.turn_timeout, rt.strict_replay) == (7, True)
     assert InMemoryRuntime(turn_timeout=3).turn_timeout == 3
     assert InMemoryRuntime(settings=Settings(lease_seconds=5)).lease_seconds == 5
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_without_auto_migration_an_unmigrated_journal_says_to_migrate(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    def make() -> SqliteRuntime | PostgresRuntime:
+        if backend == "sqlite":
+            return SqliteRuntime(request.getfixturevalue("sqlite_path"), auto_migrate=False)
+        return PostgresRuntime(request.getfixturevalue("pg_dsn"), auto_migrate=False)
+
+    runtime = make()
+    with pytest.raises(MigrationError, match="loomflow migrate"):
+        await runtime.open()
+    await runtime.close()
+    runtime = make()
+    assert await runtime.migrate() == SCHEMA_VERSION  # the deploy step
+    await runtime.close()
+    runtime = make()
+    async with runtime.session("s", "u"):  # now it opens without migrating
+        assert await runtime.step("a", lambda: 1) == 1
+    await runtime.close()

@@ -86,6 +86,7 @@ class BudgetStore(Protocol):
     async def reservations(self) -> list[ReservationInfo]:
         """Every hold in the store, oldest first."""
 
-    async def prune(self, *, ended_before: float) -> int:
+    async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         """Delete the day and month buckets whose period ended by the Unix time
-        ``ended_before`` and that hold nothing; return how many went. All-time buckets stay."""
+        ``ended_before`` and that hold nothing; return how many went (with ``dry_run``, would
+        go). All-time buckets stay."""

@@ -158,14 +158,15 @@ class InMemoryBudgetStore:
         ]
         return sorted(rows, key=lambda u: _order(u.bucket))
 
-    async def prune(self, *, ended_before: float) -> int:
+    async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         gone = [
             key
             for key, row in self._rows.items()
             if period_ended(row.bucket.period, ended_before) and not _holds_anything(row.totals)
         ]
-        for key in gone:
-            del self._rows[key]
+        if not dry_run:
+            for key in gone:
+                del self._rows[key]
         return len(gone)
 
     async def reservations(self) -> list[ReservationInfo]:

@@ -103,12 +103,12 @@ ORDER BY expires_at LIMIT $1
 _LOCAL = "SELECT id, owner FROM loom_budget_reservations WHERE owner LIKE $1 LIMIT $2"
 _USAGE = f"SELECT bucket, {_COLUMNS}, updated_at FROM loom_budget_buckets"
 # Period names sort by time (see ended_periods); a bucket still holding a call is kept.
-_PRUNE = """
-DELETE FROM loom_budget_buckets
+_PRUNABLE = """
 WHERE ((period >= 'day:' AND period < $1) OR (period >= 'month:' AND period < $2))
     AND reserved_in = 0 AND reserved_out = 0 AND reserved_cost_nanousd = 0
-RETURNING 1
 """
+_PRUNE = f"DELETE FROM loom_budget_buckets {_PRUNABLE} RETURNING 1"
+_PRUNABLE_COUNT = f"SELECT COUNT(*) FROM loom_budget_buckets {_PRUNABLE}"
 _RESERVATIONS = """
 SELECT id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at,
     expires_at
@@ -362,9 +362,12 @@ class SqlBudgetStore:
             usage, key=lambda u: (u.bucket.scope, u.bucket.user_id or "", u.bucket.period)
         )
 
-    async def prune(self, *, ended_before: float) -> int:
+    async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         await self.open()
         days, months = ended_periods(ended_before)
+        if dry_run:
+            rows = await self.db.fetch(_PRUNABLE_COUNT, days, months, what="budget read")
+            return int(rows[0][0])
         rows = await self.db.fetch(_PRUNE, days, months, what="budget prune")
         return len(rows)
 
