@@ -142,15 +142,24 @@ async def _handle(args: argparse.Namespace) -> int:
         await store.close()
 
 
+# Shown first in the table's details column, since long payloads are cut at its width.
+_FIRST = ("tool", "decision", "outcome", "reason", "cap", "model")
+
+
 def _summary(entry: AuditEntry, width: int = 70) -> str:
     parts = []
-    for key, value in entry.payload.items():
+    items = sorted(entry.payload.items(), key=lambda kv: (kv[0] not in _FIRST, _rank(kv[0])))
+    for key, value in items:
         if value is None or value == [] or value == {}:
             continue
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         parts.append(f"{key}={text}")
     line = " ".join(parts).replace("\n", " ")
     return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _rank(key: str) -> int:
+    return _FIRST.index(key) if key in _FIRST else 0
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> None:

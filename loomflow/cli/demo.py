@@ -334,6 +334,8 @@ async def _governance_report(story: _Story) -> tuple[list[str], _Budget]:
         trail = []
         for entry in page.entries:
             detail = entry.payload.get("tool") or entry.payload.get("outcome") or ""
+            if entry.action == "run.start":
+                detail = "resumed the open run" if entry.payload.get("resumed") else "new run"
             trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}".rstrip())
         report = await audit.verify(user_id=story.user)
         trail.append(f"chain verified: {'ok' if report.ok else 'PROBLEMS FOUND'}")

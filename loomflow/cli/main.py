@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
         "(needs its API key; default: the offline scripted model)",
     )
 
+    shown = sub.add_parser("settings", help="the effective LOOMFLOW_* settings (secrets hidden)")
+    shown.add_argument("--json", action="store_true", help="one JSON object for scripts")
+
     migrate = sub.add_parser(
         "migrate",
         help="apply pending schema migrations: journal, checkpoints, memory, budget, audit",
@@ -163,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop_after=args.kill_after,
                 model=args.model,
             )
+        if args.command == "settings":
+            return _show_settings(args)
         handler = getattr(args, "handler", None)
         if handler is not None:
             return int(asyncio.run(handler(args)))
@@ -185,6 +190,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except KeyboardInterrupt:
         return 130
+
+
+# Values that may carry credentials: shown only as set or not.
+_SECRET_SETTINGS = ("redact_secrets", "otlp_headers")
+
+
+def _show_settings(args: argparse.Namespace) -> int:
+    settings = Settings()
+    rows: list[tuple[Any, ...]] = [("variable", "value", "from")]
+    document = {}
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if name in _SECRET_SETTINGS or "url" in name:
+            value = _masked(name, value)
+        source = "environment or .env" if name in settings.model_fields_set else "default"
+        document[name] = {"value": value, "from": source}
+        rows.append((f"LOOMFLOW_{name.upper()}", json.dumps(value), source))
+    if args.json:
+        print(json.dumps(document))
+    else:
+        _table(rows)
+    return 0
+
+
+def _masked(name: str, value: Any) -> Any:
+    """Credentials out of what is printed: secret values, headers, URL passwords."""
+    if value in (None, "", []):
+        return value
+    if name in _SECRET_SETTINGS:
+        return "(set, hidden)"
+    return re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", str(value))
 
 
 def _bad_settings(exc: ValidationError) -> str:

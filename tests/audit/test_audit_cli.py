@@ -53,7 +53,7 @@ async def test_query_export_and_verify(tmp_path: Path) -> None:
     assert lines[0].split() == ["time", "(UTC)", "user", "seq", "session", "actor", "action",
                                 "details"]  # fmt: skip
     assert "model.call" in lines[1]
-    assert "i=0 tool=charge" in lines[1]
+    assert "tool=charge i=0" in lines[1]  # the tool first: long details are cut
     assert "--cursor" in lines[-1]
     cursor = lines[-1].split("--cursor ")[1]
 

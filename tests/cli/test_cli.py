@@ -357,3 +357,24 @@ def test_runs_show_finds_the_user_of_a_session_or_asks(tmp_path: Path) -> None:
     missing = loomflow("--url", url, "runs", "show", "nope")
     assert missing.returncode == 1
     assert "no session 'nope'" in missing.stderr
+
+
+def test_settings_shows_effective_values_without_credentials(tmp_path: Path) -> None:
+    env = {
+        "LOOMFLOW_RUNTIME_URL": "postgresql://app:s3cret-pw@db:5432/app",
+        "LOOMFLOW_REDACT_SECRETS": '["hunter2-vault"]',
+        "LOOMFLOW_OTLP_HEADERS": "authorization=Bearer tok-123",
+    }
+    done = loomflow("settings", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for secret in ("s3cret-pw", "hunter2-vault", "tok-123"):
+        assert secret not in done.stdout
+    shown = json.loads(done.stdout)
+    assert shown["runtime_url"] == {
+        "value": "postgresql://app:***@db:5432/app",
+        "from": "environment or .env",
+    }
+    assert shown["lease_seconds"] == {"value": 30.0, "from": "default"}
+    table = loomflow("settings", env=env, cwd=tmp_path)
+    assert "LOOMFLOW_RUNTIME_URL" in table.stdout
+    assert "s3cret-pw" not in table.stdout
