@@ -244,9 +244,9 @@ class Agent:
             >>> await agent.run("hi", session_id="s-1", user_id="ana")  # doctest: +SKIP
             >>> await agent.aclose()  # doctest: +SKIP
         """
-        from ..audit import AuditLog, InMemoryAuditStore, audit_store_beside, audit_store_from_url
-        from ..governance import InMemoryBudgetStore, SqlBudgetStore, StandardBudget
-        from ..governance.budget import budget_store_from_url
+        from ..audit import AuditLog, InMemoryAuditStore, audit_store_for, audit_store_from_url
+        from ..governance import InMemoryBudgetStore, StandardBudget
+        from ..governance.budget import budget_store_for
         from ..runtime import runtime_from_url
         from ..storage import Database
         from ..telemetry import Telemetry, setup_telemetry_once
@@ -260,25 +260,21 @@ class Agent:
             owned.append(options["runtime"])
         # Unless their URLs say otherwise, the audit log and the budget live beside the journal
         # actually used (sharing its connection), so every worker writes to the same place.
-        database = getattr(options["runtime"], "database", None)
+        shared = getattr(options["runtime"], "database", None)
+        database = shared if isinstance(shared, Database) else None
         if "audit" not in options:
-            if s.audit_url:
-                store: Any = audit_store_from_url(s.audit_url, settings=s)
-            elif isinstance(database, Database):
-                store = audit_store_beside(database)
-            elif options["runtime"] is not None:
-                store = InMemoryAuditStore()  # an in-memory journal: nothing outlives the process
-            else:
-                store = audit_store_from_url(s.audit_store_url, settings=s)
+            store: Any = audit_store_for(s, database)
+            if store is None:
+                # No database to share: an in-memory journal keeps its audit in memory too.
+                store = (
+                    InMemoryAuditStore()
+                    if options["runtime"] is not None
+                    else audit_store_from_url(s.audit_store_url, settings=s)
+                )
             options["audit"] = AuditLog(store, redactor=Redactor.from_settings(s))
             owned.append(options["audit"])
         if "budget" not in options:
-            if s.budget_url:
-                budget_store: Any = budget_store_from_url(s.budget_url, settings=s)
-            elif isinstance(database, Database):
-                budget_store = SqlBudgetStore(database, settings=s)
-            else:
-                budget_store = InMemoryBudgetStore()
+            budget_store = budget_store_for(s, database) or InMemoryBudgetStore()
             options["budget"] = StandardBudget(caps, store=budget_store)
             owned.append(options["budget"])
         if "telemetry" not in options:

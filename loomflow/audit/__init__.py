@@ -23,7 +23,7 @@ from ._store import (
     ChainProblem,
     VerifyReport,
 )
-from ._url import audit_store_beside, audit_store_from_url
+from ._url import audit_store_beside, audit_store_for, audit_store_from_url
 from .inmemory import InMemoryAuditStore
 from .jsonl import JsonlAuditStore
 from .offline import heads_from_json, verify_lines
@@ -54,6 +54,7 @@ __all__ = [
     "VerifyReport",
     "actions",
     "audit_store_beside",
+    "audit_store_for",
     "audit_store_from_url",
     "heads_from_json",
     "install_log_redaction",

@@ -8,7 +8,7 @@ from ..storage import Database, PostgresDatabase, SqliteDatabase
 from ..storage._url import sqlite_path
 from ._store import AuditStore
 
-__all__ = ["audit_store_beside", "audit_store_from_url"]
+__all__ = ["audit_store_beside", "audit_store_for", "audit_store_from_url"]
 
 
 def audit_store_from_url(url: str, *, settings: Settings | None = None) -> AuditStore:
@@ -57,3 +57,13 @@ def audit_store_beside(database: Database) -> AuditStore:
 
         return SqliteAuditStore(database)
     raise ConfigurationError(f"no audit store can live in a {type(database).__name__}")
+
+
+def audit_store_for(settings: Settings, database: Database | None) -> AuditStore | None:
+    """Where a deployment keeps its audit log: ``audit_url``'s store, else a store in
+    ``database`` (a journal's, sharing its connection), else ``None``."""
+    if settings.audit_url:
+        return audit_store_from_url(settings.audit_url, settings=settings)
+    if database is not None:
+        return audit_store_beside(database)
+    return None

@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
 # Command groups that live in their own modules (audit, budget, checkpoints, ...): each has
 # ``register(subparsers)`` adding its parser with ``set_defaults(handler=...)``, where the
 # handler is ``async def handler(args) -> int``.
-_PLUGINS = ("audit", "budget", "checkpoints")
+_PLUGINS = ("audit", "budget", "checkpoints", "users")
 
 
 def _command_modules() -> list[Any]:
@@ -252,9 +252,9 @@ async def _dispatch(args: argparse.Namespace) -> int:
 
 async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     """Bring every SQL store this deployment uses up to date: a deploy step, run once."""
-    from ..audit import audit_store_beside, audit_store_from_url
+    from ..audit import audit_store_for, audit_store_from_url
     from ..checkpoints import checkpoint_store_for
-    from ..governance.budget import SqlBudgetStore, budget_store_from_url
+    from ..governance.budget import budget_store_for
     from ..memory import memory_for
 
     settings = Settings()
@@ -263,24 +263,18 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     if database is not None:
         print(f"checkpoints schema at version {await checkpoint_store_for(runtime).migrate()}")
         print(f"memory schema at version {await memory_for(runtime).migrate()}")
-    # The budget lives beside the journal unless LOOMFLOW_BUDGET_URL puts it elsewhere.
-    budget: Any = None
-    if settings.budget_url:
-        budget = budget_store_from_url(settings.budget_url, settings=settings)
-    elif database is not None:
-        budget = SqlBudgetStore(database, settings=settings)
+    # The budget and the audit log live beside the journal unless their URLs say otherwise.
+    budget = budget_store_for(settings, database)
     if budget is not None and budget.backend != "memory":
         try:
             print(f"budget schema at version {await budget.migrate()}")
         finally:
             await budget.close()
-    # The audit log lives beside the journal too, unless LOOMFLOW_AUDIT_URL puts it elsewhere.
-    audit_url = args.audit_url or settings.audit_url
-    audit: Any = None
-    if audit_url:
-        audit = audit_store_from_url(audit_url, settings=settings)
-    elif database is not None:
-        audit = audit_store_beside(database)
+    audit = (
+        audit_store_from_url(args.audit_url, settings=settings)
+        if args.audit_url
+        else audit_store_for(settings, database)
+    )
     if audit is not None:
         try:
             migrate = getattr(audit, "migrate", None)  # JSONL and memory have no schema

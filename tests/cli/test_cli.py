@@ -378,3 +378,31 @@ def test_settings_shows_effective_values_without_credentials(tmp_path: Path) -> 
     table = loomflow("settings", env=env, cwd=tmp_path)
     assert "LOOMFLOW_RUNTIME_URL" in table.stdout
     assert "s3cret-pw" not in table.stdout
+
+
+def test_users_export_gathers_one_users_data_from_every_store(tmp_path: Path) -> None:
+    assert loomflow("demo", "--workdir", str(tmp_path)).returncode == 0
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "journal.db") as conn:
+        (user,) = conn.execute("SELECT user_id FROM loom_sessions").fetchone()
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    out = tmp_path / "dsar.json"
+    done = loomflow("--url", url, "users", "export", user, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["user_id"] == user
+    assert document["counts"]["sessions"] == 1
+    assert len(document["journal"]["entries"]) == 10
+    assert {e["user_id"] for e in document["audit"]} == {user}
+    assert len(document["audit"]) == 25
+    assert document["budget"][0]["calls"] >= 5
+    nobody = json.loads(loomflow("--url", url, "users", "export", "zoe").stdout)
+    assert nobody["counts"] == {
+        "sessions": 0,
+        "journal entries": 0,
+        "checkpoints": 0,
+        "episodes": 0,
+        "audit entries": 0,
+    }
+    assert loomflow("--url", url, "users", "export").returncode == 2  # whom?

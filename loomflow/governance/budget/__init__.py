@@ -25,7 +25,7 @@ from ._types import (
     ReservationInfo,
     Totals,
 )
-from ._url import budget_store_from_url
+from ._url import budget_store_for, budget_store_from_url
 from .inmemory import InMemoryBudgetStore
 from .sql import SqlBudgetStore
 
@@ -52,5 +52,6 @@ __all__ = [
     "Ticket",
     "Totals",
     "bound_input_tokens",
+    "budget_store_for",
     "budget_store_from_url",
 ]

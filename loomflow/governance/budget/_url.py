@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ...config import Settings
+from ...storage import Database
 from ._store import BudgetStore
 
-__all__ = ["budget_store_from_url"]
+__all__ = ["budget_store_for", "budget_store_from_url"]
 
 
 def budget_store_from_url(
@@ -26,3 +27,15 @@ def budget_store_from_url(
     from .sql import SqlBudgetStore
 
     return SqlBudgetStore(url, settings=s)
+
+
+def budget_store_for(settings: Settings, database: Database | None) -> BudgetStore | None:
+    """Where a deployment keeps budget totals: ``budget_url``'s store, else a store in
+    ``database`` (a journal's, sharing its connection), else ``None``."""
+    if settings.budget_url:
+        return budget_store_from_url(settings.budget_url, settings=settings)
+    if database is not None:
+        from .sql import SqlBudgetStore
+
+        return SqlBudgetStore(database, settings=settings)
+    return None
