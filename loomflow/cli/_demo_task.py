@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..agent import Agent, RunResult
-from ..audit import AuditLog, SqliteAuditStore
+from ..audit import AuditLog, audit_store_beside
 from ..errors import LoomflowError, UserError
 from ..governance import Cap, SqlBudgetStore, StandardBudget
 from ..messages import Message, ModelChunk, ModelSettings, ToolCall, ToolSpec
@@ -177,19 +177,13 @@ def governance(
     so the demo runs with any model id.
     """
     db = getattr(runtime, "database")  # noqa: B009 - SQL runtimes only
-    if db.backend == "sqlite":
-        store: Any = SqliteAuditStore(db)
-    else:
-        from ..audit import PostgresAuditStore
-
-        store = PostgresAuditStore(db)
     prices = {}
     if model is not None and price_for(model.name, provider=model.provider) is None:
         prices[model.name] = ModelPrice(0.0, 0.0)
     budget = StandardBudget(
         [Cap("tokens_total", TOKEN_CAP)], store=SqlBudgetStore(db), prices=prices
     )
-    return AuditLog(store), budget
+    return AuditLog(audit_store_beside(db)), budget
 
 
 async def run_task(

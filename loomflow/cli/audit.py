@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +26,19 @@ from ..audit import (
 )
 from ..config import Settings
 from ..errors import AuditError
+from ._format import duration, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
 
 __all__ = ["register"]
 
-_AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
 
 def _when(text: str) -> dt.datetime:
     """``24h`` / ``7d`` (that long ago), or an ISO 8601 date or time (UTC unless it says)."""
-    match = _AGO.match(text.strip())
-    if match:
-        seconds = float(match[1]) * _UNITS[match[2]]
-        return dt.datetime.now(dt.UTC) - dt.timedelta(seconds=seconds)
+    try:
+        return dt.datetime.now(dt.UTC) - duration(text)
+    except argparse.ArgumentTypeError:
+        pass
     try:
         when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
@@ -162,12 +158,6 @@ def _rank(key: str) -> int:
     return _FIRST.index(key) if key in _FIRST else 0
 
 
-def _table(rows: Sequence[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-
-
 async def _query(store: AuditStore, args: argparse.Namespace) -> int:
     page = await store.query(**_filter_args(args), limit=args.limit, cursor=args.cursor)
     if args.json:
@@ -199,7 +189,7 @@ async def _query(store: AuditStore, args: argparse.Namespace) -> int:
                 _summary(e),
             )
         )
-    _table(rows)
+    table(rows)
     if page.next_cursor is not None:
         print(f"\nmore entries: add --cursor {page.next_cursor}")
     return 0
@@ -266,5 +256,5 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
                 )
             )
         print()
-        _table(rows)
+        table(rows)
     return 0 if report.ok else 1

@@ -16,8 +16,9 @@ from typing import Any
 from ..config import Settings
 from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, budget_store_from_url
+from ._format import duration
+from ._format import table as print_table
 from ._stores import existing
-from .main import _duration
 
 __all__ = ["register"]
 
@@ -42,7 +43,7 @@ def register(subparsers: Any) -> None:
     )
     prune.add_argument(
         "--older-than",
-        type=_duration,
+        type=duration,
         required=True,
         help="how long after its end a period's totals are kept, e.g. 90d",
     )
@@ -127,9 +128,7 @@ async def _show(args: argparse.Namespace) -> int:
                 when,
             )
         )
-    widths = [max(len(str(line[i])) for line in table) for i in range(len(table[0]))]
-    for line in table:
-        print("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+    print_table(table)
     return 0
 
 

@@ -17,6 +17,7 @@ from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_from_url
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
 from ..runtime import runtime_from_url
+from ._format import table
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -102,7 +103,7 @@ async def _list(store: CheckpointStore, args: argparse.Namespace) -> int:
     if not found:
         print(f"no checkpoints for session {args.session_id!r} user {args.user_id!r}")
         return 0
-    _table(
+    table(
         [("checkpoint", "written (UTC)", "epoch", "turn", "final", "msgs", "tokens", "parent")]
         + [_row(c) for c in found]
     )
@@ -121,12 +122,6 @@ def _row(c: Checkpoint) -> tuple[str, ...]:
         f"{c.usage.input_tokens}/{c.usage.output_tokens}",
         c.parent_id or "-",
     )
-
-
-def _table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
 
 
 async def _show(store: CheckpointStore, args: argparse.Namespace) -> int:

@@ -23,28 +23,9 @@ from .. import __version__
 from ..config import Settings
 from ..errors import LoomflowError
 from ..runtime import JournalRuntime, runtime_from_url
+from ._format import duration, positive_int, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, session_of
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def _duration(text: str) -> dt.timedelta:
-    match = _DURATION.match(text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h or 7d")
-    return dt.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     prune = journal.add_parser("prune", help="delete entries of finished runs")
     prune.add_argument(
         "--older-than",
-        type=_duration,
+        type=duration,
         help="e.g. 7d, 12h (default: LOOMFLOW_JOURNAL_RETENTION_DAYS; unset: any age)",
     )
     prune.add_argument("--session", dest="session_id")
@@ -123,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     prune.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=5000,
         help="rows deleted per statement, each its own short transaction (5000)",
     )
@@ -210,7 +191,7 @@ def _show_settings(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document))
     else:
-        _table(rows)
+        table(rows)
     return 0
 
 
@@ -285,12 +266,6 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(rows: list[tuple[Any, ...]]) -> None:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-
-
 def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
@@ -328,7 +303,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         rows.append(
             (s.session_id, s.user_id or "-", runs_done, state, s.entries, _when(s.updated_at))
         )
-    _table(rows)
+    table(rows)
     return 0
 
 
@@ -365,7 +340,7 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         rows.append(
             (e.epoch, e.name, "/".join(e.path) or "-", e.kind, e.size, status, _when(e.created_at))
         )
-    _table(rows)
+    table(rows)
     return 0
 
 
