@@ -5,12 +5,67 @@ This is the only settings class in loomflow; the CLI and the agent take their st
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import re
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_serializer, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings"]
+
+# Settings that are URLs and may carry a password (``postgresql://app:pw@db/app``): the code
+# reads the real value, while repr/str, model_dump and `loomflow settings` show it masked.
+_URL_SETTINGS = ("runtime_url", "audit_url", "budget_url", "otlp_endpoint")
+_USERINFO_PASSWORD = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd)=)[^&#]*", re.IGNORECASE)
+
+
+def _masked_url(url: str) -> str:
+    """``url`` with its password (user-info or ``?password=``) replaced by ``***``."""
+    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1***@", url))
+
+
+def _text_list(value: Any) -> Any:
+    """A list from the environment: a JSON list, or comma-separated values (blanks dropped)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not a JSON list ({exc}); or give comma-separated values") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
+    """Refuse a store URL no loomflow store would open, at settings time rather than later."""
+    head = url.split("://", 1)[0].lower() if "://" in url else None
+    if head is None:
+        if "jsonl" in schemes and url.endswith(".jsonl"):
+            return url
+        if not url.strip():
+            raise ValueError(f"an empty {what} URL")
+        return url  # a bare SQLite path
+    if head not in schemes:
+        listed = ", ".join(f"{s}://" for s in schemes)
+        raise ValueError(f"unknown scheme {head}:// in {_masked_url(url)!r}: use {listed}")
+    if head in ("sqlite", "jsonl"):
+        path = url.split("://", 1)[1]
+        if not path.startswith("/") or path == "/":
+            raise ValueError(
+                f"bad {head} URL {url!r}: use {head}:///relative/path or {head}:////absolute/path"
+            )
+    if head in ("postgresql", "postgres"):
+        netloc = urlsplit(url).netloc
+        if "," not in netloc:  # one host; asyncpg also takes a list, which urlsplit cannot
+            try:
+                _ = urlsplit(url).port  # parsed on access: a port that is not a number raises
+            except ValueError:
+                raise ValueError(f"bad port in {_masked_url(url)!r}") from None
+    return url
 
 
 class Settings(BaseSettings):
@@ -87,9 +142,12 @@ class Settings(BaseSettings):
             "`setup_telemetry()` exports spans to `<url>/v1/traces` (needs the `otel` extra)."
         ),
     )
-    otlp_headers: str | None = Field(
+    otlp_headers: SecretStr | None = Field(
         default=None,
-        description="Extra headers of OTLP export requests, as `name=value,name2=value2`.",
+        description=(
+            "Extra headers of OTLP export requests, as `name=value,name2=value2` (kept secret: "
+            "they usually carry a token)."
+        ),
     )
     otel_service_name: str | None = Field(
         default=None,
@@ -107,8 +165,12 @@ class Settings(BaseSettings):
         ),
     )
     metrics_host: str = Field(
-        default="0.0.0.0",
-        description="Address the metrics endpoint binds; `127.0.0.1` keeps it local.",
+        default="127.0.0.1",
+        min_length=1,
+        description=(
+            "Address the metrics endpoint binds. The default keeps it local; a container "
+            "scraped from outside sets `0.0.0.0`."
+        ),
     )
     telemetry_capture_content: bool = Field(
         default=False,
@@ -126,15 +188,15 @@ class Settings(BaseSettings):
             "the journal's database (`runtime_url`), so every worker writes one chain per user."
         ),
     )
-    redact_secrets: list[SecretStr] = Field(
+    redact_secrets: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description=(
             "Secret values to redact wherever they appear before the audit log (and loomflow's "
-            "logs) store them; a JSON list in the environment, e.g. '[\"s3cr3t-db-pass\"]'. "
-            "Values shorter than 4 characters are ignored."
+            "logs) store them: comma-separated (`s3cr3t-db-pass,tok-123`) or a JSON list "
+            '(`["s3cr3t,with-comma"]`). Values shorter than 4 characters are ignored.'
         ),
     )
-    redact_env: list[str] = Field(
+    redact_env: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [
             "ANTHROPIC_API_KEY",
             "OPENAI_API_KEY",
@@ -144,9 +206,39 @@ class Settings(BaseSettings):
         ],
         description=(
             "Names of environment variables whose values are secrets to redact like "
-            "`redact_secrets` (read when the redactor is built)."
+            "`redact_secrets` (read when the redactor is built); comma-separated or a JSON list."
         ),
     )
+
+    _lists = field_validator("redact_secrets", "redact_env", mode="before")(_text_list)
+
+    @field_validator("runtime_url")
+    @classmethod
+    def _journal_url(cls, url: str) -> str:
+        return _check_store_url(url, ("memory", "sqlite", "postgresql", "postgres"), "journal")
+
+    @field_validator("audit_url")
+    @classmethod
+    def _audit_url(cls, url: str | None) -> str | None:
+        schemes = ("memory", "jsonl", "sqlite", "postgresql", "postgres")
+        return None if url is None else _check_store_url(url, schemes, "audit")
+
+    @field_validator("budget_url")
+    @classmethod
+    def _budget_url(cls, url: str | None) -> str | None:
+        schemes = ("memory", "sqlite", "postgresql", "postgres")
+        return None if url is None else _check_store_url(url, schemes, "budget")
+
+    @field_serializer(*_URL_SETTINGS)
+    def _dump_url(self, url: str | None) -> str | None:
+        return None if url is None else _masked_url(url)
+
+    def __repr_args__(self) -> Any:
+        # pydantic builds repr() and str() from these pairs: passwords in URLs stay out.
+        for name, value in super().__repr_args__():
+            if name in _URL_SETTINGS and isinstance(value, str):
+                value = _masked_url(value)
+            yield name, value
 
     @property
     def audit_store_url(self) -> str:

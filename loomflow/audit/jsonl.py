@@ -52,6 +52,35 @@ class JsonlAuditStore(AuditStore):
     def __repr__(self) -> str:
         return f"JsonlAuditStore({str(self.path)!r})"
 
+    async def prepare(self) -> bool:
+        """Create the log and its heads file if missing, and check that the heads are readable
+        and describe no more than the file holds (``loomflow migrate`` runs this).
+
+        Returns whether the log file was created.
+
+        Raises:
+            AuditIntegrityError: the heads file is unreadable, or the log is shorter than it says.
+        """
+        return await asyncio.to_thread(self._prepare_sync)
+
+    def _prepare_sync(self) -> bool:
+        with self._locked():
+            heads = self._read_heads()
+            created = not self.path.exists()
+            if created:
+                self.path.touch(mode=0o640)
+            size = self.path.stat().st_size
+            if size < int(heads["size"]):
+                raise AuditIntegrityError(
+                    f"{self.path} is {size} bytes, shorter than the {heads['size']} bytes already "
+                    "recorded: entries were removed; run `loomflow audit verify`"
+                )
+            if not self.heads_path.exists():
+                # Lines written before the heads existed are taken in, as an append would.
+                heads["size"] = self._adopt_tail(heads, size) if size else 0
+                self._write_heads(heads)
+            return created
+
     # -- files ------------------------------------------------------------------------------
 
     @contextlib.contextmanager

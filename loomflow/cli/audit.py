@@ -26,7 +26,7 @@ from ..audit import (
 )
 from ..config import Settings
 from ..errors import AuditError
-from ._format import duration, table
+from ._format import duration, positive_int, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
 
@@ -70,7 +70,7 @@ def register(subparsers: Any) -> None:
 
     query = commands.add_parser("query", help="list entries, newest page last")
     _filters(query)
-    query.add_argument("--limit", type=int, default=50, help="page size (50)")
+    query.add_argument("--limit", type=positive_int, default=50, help="page size (50)")
     query.add_argument("--cursor", help="next_cursor printed by the previous page")
     query.add_argument("--json", action="store_true", help="one JSON object for scripts")
 

@@ -16,7 +16,7 @@ from typing import Any
 from ..config import Settings
 from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, budget_store_from_url
-from ._format import duration
+from ._format import duration, iso_time
 from ._format import table as print_table
 from ._stores import existing
 
@@ -79,7 +79,7 @@ def _row(usage: BucketUsage) -> dict[str, Any]:
         "calls": t.calls,
         "held_tokens": t.reserved_in + t.reserved_out,
         "held_cost_usd": t.reserved_cost_nanousd / 1e9,
-        "updated_at": usage.updated_at,
+        "updated_at": iso_time(usage.updated_at),
     }
 
 
@@ -113,7 +113,7 @@ async def _show(args: argparse.Namespace) -> int:
         )
     ]
     for r in rows:
-        when = dt.datetime.fromtimestamp(r["updated_at"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        when = r["updated_at"][:19].replace("T", " ")
         table.append(
             (
                 r["scope"],

@@ -17,7 +17,7 @@ from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_from_url
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
 from ..runtime import runtime_from_url
-from ._format import table
+from ._format import iso_time, positive_int, table
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
         "--user", dest="user_id", help="whose session (needed when several users share the id)"
     )
     who.add_argument("--anonymous", action="store_true", help="the session without a user")
-    listing.add_argument("--limit", type=int, help="only the newest N")
+    listing.add_argument("--limit", type=positive_int, help="only the newest N")
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
 
     show = commands.add_parser("show", help="one checkpoint with its transcript, as JSON")
@@ -98,7 +98,9 @@ async def _list(store: CheckpointStore, args: argparse.Namespace) -> int:
     found = await store.list_checkpoints(args.session_id, user_id=args.user_id, limit=args.limit)
     if args.json:
         for checkpoint in found:
-            print(json.dumps(checkpoint.summary()))
+            summary = checkpoint.summary()
+            summary["created_at"] = iso_time(checkpoint.created_at)
+            print(json.dumps(summary))
         return 0
     if not found:
         print(f"no checkpoints for session {args.session_id!r} user {args.user_id!r}")
@@ -136,9 +138,16 @@ async def _show(store: CheckpointStore, args: argparse.Namespace) -> int:
 
 
 async def _export(store: CheckpointStore, args: argparse.Namespace) -> int:
-    document = json.dumps(await store.export_user(args.user_id), ensure_ascii=False)
+    exported = await store.export_user(args.user_id)
+    document = json.dumps(exported, ensure_ascii=False)
     if args.output == "-":
         print(document)
     else:
         await asyncio.to_thread(Path(args.output).write_text, document + "\n", encoding="utf-8")
+        count = len(exported.get("checkpoints", []))
+        # On stderr, as `audit export` does: stdout stays free for the document itself.
+        print(
+            f"exported {count} checkpoints of user {args.user_id!r} to {args.output}",
+            file=sys.stderr,
+        )
     return 0

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import selectors
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +19,7 @@ from pathlib import Path
 from ulid import ULID
 
 from ..agent import RunResult
+from ..config import _masked_url
 from ..errors import LoomflowError
 from ..messages import Message
 from ..models import Model
@@ -45,8 +49,14 @@ class _Story:
         return f"alice+{self.run[-6:].lower()}@example.com"
 
     @property
+    def journal(self) -> Path:
+        """The SQLite journal (not used on PostgreSQL): a name of this demo's own, so a
+        user's ``journal.db`` in the same directory is never touched."""
+        return self.work / f"loomflow-demo-{self.run}.db"
+
+    @property
     def ledger(self) -> Path:
-        return self.work / "side-effects.jsonl"
+        return self.work / f"loomflow-demo-{self.run}-side-effects.jsonl"
 
 
 @dataclass
@@ -111,10 +121,14 @@ def run_demo(
 ) -> int:
     """Run the demo story and print the report; returns the process exit code."""
     if model is None and not 1 <= stop_after < len(PLAN):
-        print(f"--kill-after must be between 1 and {len(PLAN) - 1}", file=sys.stderr)
+        print(
+            f"loomflow: error: --kill-after must be between 1 and {len(PLAN) - 1} with the "
+            "scripted model",
+            file=sys.stderr,
+        )
         return 2
     if stop_after < 1:
-        print("--kill-after must be at least 1", file=sys.stderr)
+        print("loomflow: error: --kill-after must be at least 1", file=sys.stderr)
         return 2
     return asyncio.run(_start(postgres, workdir, stop_after, model, handshake_s))
 
@@ -131,38 +145,28 @@ async def _start(
         runtime_from_url(postgres)  # names the extra to install when asyncpg is missing
     model = build_model(spec)
     try:
-        work, journal = _prepare(workdir, fresh_journal=postgres is None)
+        work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))
+        work.mkdir(parents=True, exist_ok=True)
         story = _Story(
-            url=postgres or f"sqlite:///{journal.resolve()}",
+            url=postgres or "",
             on_postgres=postgres is not None,
-            work=work,
+            work=work.resolve(),
             stop_after=stop_after,
             spec=spec,
             model=model,
             handshake_s=handshake_s,
             run=str(ULID()),
         )
+        if not story.on_postgres:
+            story.url = f"sqlite:///{story.journal}"
         return await _tell(story)
     finally:
         await close_model(model)
 
 
-def _prepare(workdir: Path | None, *, fresh_journal: bool) -> tuple[Path, Path]:
-    """The working directory (a new temporary one by default), emptied of an earlier demo's
-    ledger and, on SQLite, journal; returns it and the journal file's path."""
-    work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "side-effects.jsonl").unlink(missing_ok=True)
-    journal = work / "journal.db"
-    if fresh_journal:
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{journal}{suffix}").unlink(missing_ok=True)
-    return work, journal
-
-
 async def _tell(story: _Story) -> int:
     model, k = story.model, story.stop_after
-    backend = "PostgreSQL" if story.on_postgres else f"SQLite ({story.work / 'journal.db'})"
+    backend = "PostgreSQL" if story.on_postgres else f"SQLite ({story.journal})"
     who = (
         "a scripted model (offline)"
         if story.spec is None
@@ -248,13 +252,40 @@ def _verdict(story: _Story, result: RunResult, effects: Counter[str]) -> int:
         "happened exactly once."
     )
     if story.on_postgres:
-        print(f"The journal is in your PostgreSQL database; the side-effect ledger in {story.work}")
-        where = "'<the DSN>'"
+        print("The journal is in your PostgreSQL database; the side-effect ledger is")
+        print(f"  {story.ledger}")
     else:
-        print(f"Journal and side-effect ledger kept in {story.work}")
-        where = story.url
-    print(f"Look around: loomflow --url {where} runs show {story.session}")
+        print(f"Journal and side-effect ledger kept in {story.work}:")
+        print(f"  {story.journal.name}, {story.ledger.name}")
+    # The DSN as given, password masked: the user puts it back in (or uses PGPASSWORD).
+    where = shlex.quote(_masked_url(story.url))
+    print(f"Look around: {command_name()} --url {where} runs show {story.session}")
     return 0
+
+
+def command_name() -> str:
+    """How the user can run ``loomflow`` from where they are: just ``loomflow`` when that
+    is on PATH and is this program, else the path they ran (``.venv/bin/loomflow``)."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "loomflow"
+    if argv0.endswith("__main__.py") or argv0 == "-m":  # python -m loomflow.cli
+        return f"{shlex.quote(_shorter(sys.executable))} -m loomflow.cli"
+    on_path = shutil.which("loomflow")
+    if on_path is not None and Path(on_path).resolve() == Path(argv0).resolve():
+        return "loomflow"
+    if on_path is not None and os.sep not in argv0:
+        return "loomflow"
+    return shlex.quote(_shorter(argv0))
+
+
+def _shorter(path: str) -> str:
+    """``path`` relative to the working directory when it is inside it (not resolving
+    symlinks: a venv's ``bin/python`` links to the base interpreter)."""
+    absolute = Path(os.path.abspath(path))
+    try:
+        relative = absolute.relative_to(Path.cwd())
+    except ValueError:
+        return str(absolute)
+    return str(relative) if len(relative.parts) > 1 else f"./{relative}"
 
 
 def _completed_calls(messages: list[Message]) -> Counter[str]:

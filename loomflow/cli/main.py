@@ -11,19 +11,20 @@ import asyncio
 import datetime as dt
 import json
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from .. import __version__
-from ..config import Settings
-from ..errors import LoomflowError
-from ..runtime import JournalRuntime, runtime_from_url
-from ._format import duration, positive_int, table
+from ..config import Settings, _check_store_url, _masked_url
+from ..errors import ConfigurationError, LoomflowError
+from ..runtime import JournalRuntime, SessionInfo, runtime_from_url
+from ..runtime._store import path_key
+from ._format import duration, iso_time, positive_int, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, session_of
 
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", type=Path, help="keep the journal and ledger here")
     demo.add_argument(
         "--kill-after",
-        type=int,
+        type=positive_int,
         default=3,
         help="kill the worker before this model turn: 1-3 with the scripted model (3)",
     )
@@ -70,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     listing = runs.add_parser("list", help="sessions in the journal, most recent first")
     listing.add_argument("--user", dest="user_id", help="only this user's sessions")
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--limit", type=positive_int, default=50, help="at most N (50)")
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
     show = runs.add_parser("show", help="a session's journal entries")
     show.add_argument("session_id")
@@ -138,7 +139,19 @@ def _command_modules() -> list[Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
+        # reported here, in one line, before anything runs.
+        Settings()
+        _check_urls(args)
         if args.command == "demo":
+            if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
+                # Anything else would run the story somewhere other than the report says.
+                print(
+                    "loomflow: error: --postgres takes a postgresql:// DSN, not "
+                    f"{_masked_url(args.postgres)!r} (without --postgres the demo uses SQLite)",
+                    file=sys.stderr,
+                )
+                return 2
             from .demo import run_demo
 
             return run_demo(
@@ -159,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:  # a LOOMFLOW_* variable (or .env line) that does not parse
         print(f"loomflow: error: {_bad_settings(exc)}", file=sys.stderr)
         return 1
+    except SettingsError as exc:  # pydantic-settings could not even read a value
+        print(f"loomflow: error: bad setting: {_one_line(str(exc))}", file=sys.stderr)
+        return 1
     except ImportError as exc:
         if "pip install 'loomflow[" not in str(exc):
             raise
@@ -171,6 +187,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except KeyboardInterrupt:
         return 130
+
+
+_POSTGRES = ("postgresql://", "postgres://")
+# The URL options of the commands, and the stores they may name.
+_URL_OPTIONS = {
+    "url": ("--url", ("memory", "sqlite", "postgresql", "postgres")),
+    "audit_url": ("--audit-url", ("memory", "jsonl", "sqlite", "postgresql", "postgres")),
+    "budget_url": ("--budget-url", ("memory", "sqlite", "postgresql", "postgres")),
+    "postgres": ("--postgres", ("postgresql", "postgres")),
+}
+
+
+def _check_urls(args: argparse.Namespace) -> None:
+    """A store URL given on the command line is checked as the same setting would be."""
+    for dest, (option, schemes) in _URL_OPTIONS.items():
+        url = getattr(args, dest, None)
+        if url is None or (dest == "postgres" and not url.startswith(_POSTGRES)):
+            continue
+        try:
+            _check_store_url(url, schemes, option)
+        except ValueError as exc:
+            raise ConfigurationError(f"{option}: {exc}") from None
 
 
 # Values that may carry credentials: shown only as set or not.
@@ -201,15 +239,20 @@ def _masked(name: str, value: Any) -> Any:
         return value
     if name in _SECRET_SETTINGS:
         return "(set, hidden)"
-    return re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", str(value))
+    return _masked_url(str(value))
 
 
 def _bad_settings(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
-        field = "_".join(str(part) for part in error["loc"])
-        problems.append(f"LOOMFLOW_{field.upper()}: {error['msg']}")
+        field, *item = (str(part) for part in error["loc"])
+        where = f"LOOMFLOW_{field.upper()}" + "".join(f"[{i}]" for i in item)
+        problems.append(f"{where}: {_one_line(error['msg'])}")
     return "bad setting " + "; ".join(problems)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 async def _dispatch(args: argparse.Namespace) -> int:
@@ -233,7 +276,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
 
 async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     """Bring every SQL store this deployment uses up to date: a deploy step, run once."""
-    from ..audit import audit_store_for, audit_store_from_url
+    from ..audit import JsonlAuditStore, audit_store_for, audit_store_from_url
     from ..checkpoints import checkpoint_store_for
     from ..governance.budget import budget_store_for
     from ..memory import memory_for
@@ -259,7 +302,11 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     if audit is not None:
         try:
             migrate = getattr(audit, "migrate", None)  # JSONL and memory have no schema
-            if migrate is not None:
+            if isinstance(audit, JsonlAuditStore):
+                created = await audit.prepare()
+                state = "created" if created else "exists, heads checked"
+                print(f"audit log (JSON lines) at {audit.path} ({state}; heads {audit.heads_path})")
+            elif migrate is not None:
                 print(f"audit schema at version {await migrate()}")
         finally:
             await audit.close()
@@ -285,7 +332,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                         "epoch": s.epoch,
                         "open": s.open,
                         "owner": s.owner,
-                        "updated_at": s.updated_at,
+                        "updated_at": iso_time(s.updated_at),
                         "entries": s.entries,
                     }
                 )
@@ -310,6 +357,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
     entries = await runtime.entries(args.session_id, info.user_id)
+    tools = await _tool_names(runtime, info, {e.epoch for e in entries})
     if args.json:
         for e in entries:
             print(
@@ -320,10 +368,11 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                         "epoch": e.epoch,
                         "path": list(e.path),
                         "name": e.name,
+                        "tool": tools.get((e.epoch, path_key(e.path), e.name)),
                         "kind": e.kind,
                         "size": e.size,
                         "seq": e.seq,
-                        "created_at": e.created_at,
+                        "created_at": iso_time(e.created_at),
                     }
                 )
             )
@@ -332,16 +381,52 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         print(f"session {args.session_id!r} has no journal entries left (pruned)")
         return 0
     rows: list[tuple[Any, ...]] = [
-        ("epoch", "step", "sub-run", "kind", "bytes", "on resume", "written (UTC)")
+        ("epoch", "step", "tool", "sub-run", "kind", "bytes", "on resume", "written (UTC)")
     ]
     for e in entries:
         last = e.epoch == (info.epoch if info.open else info.epoch - 1)
         status = "replays" if last else "kept (earlier run)"
-        rows.append(
-            (e.epoch, e.name, "/".join(e.path) or "-", e.kind, e.size, status, _when(e.created_at))
-        )
+        tool = tools.get((e.epoch, path_key(e.path), e.name), "-")
+        where = "/".join(e.path) or "-"
+        rows.append((e.epoch, e.name, tool, where, e.kind, e.size, status, _when(e.created_at)))
     table(rows)
     return 0
+
+
+async def _tool_names(
+    runtime: JournalRuntime, info: SessionInfo, epochs: set[int]
+) -> dict[tuple[int, str, str], str]:
+    """(epoch, sub-run key, step name) -> tool name, for the tool steps of a session.
+
+    A tool step's name carries only a hash of the call; the tool it ran is in the journaled
+    reply of the model call before it, so those replies are read back (JSON values only:
+    the CLI never unpickles, and a value it cannot read leaves the hashed name alone).
+    """
+    from ..agent._agent import tool_step_name
+    from ..messages import ModelResponse
+    from ..runtime import codec
+    from ..runtime._store import Scope
+
+    store = getattr(runtime, "_store", None)
+    if store is None:
+        return {}
+    names: dict[tuple[int, str, str], str] = {}
+    for epoch in sorted(epochs):
+        for row in await store.load_run(Scope(info.session_id, info.user_id), epoch):
+            turn = row.name.removeprefix("model_call_")
+            if turn == row.name or not turn.isdigit() or row.format != "json":
+                continue
+            try:
+                value = codec.loads(row.value)
+            except Exception:  # untrusted data: a damaged value only costs the tool names
+                continue
+            replies = value if isinstance(value, list) else [value]
+            for reply in replies:
+                if isinstance(reply, ModelResponse):
+                    for slot, call in enumerate(reply.tool_calls):
+                        step = tool_step_name(int(turn), slot, call)
+                        names[(epoch, row.path, step)] = call.name
+    return names
 
 
 async def _prune(runtime: JournalRuntime, args: argparse.Namespace) -> int:

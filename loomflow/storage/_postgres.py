@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigurationError
 from ._database import Database, Rows, Transaction
 from ._dialect import POSTGRES
 
@@ -76,9 +77,12 @@ class PostgresDatabase(Database):
         # Our statements are single autocommitted ones that leave no session state, so the
         # pool's reset query (RESET ALL; UNLISTEN *; ...) on every release would be a wasted
         # round trip: measured 454 us -> 350 us per pooled INSERT on loopback.
-        self._pool = await _asyncpg().create_pool(
-            self._dsn, min_size=self._min_size, max_size=self._max_size, reset=_no_reset
-        )
+        try:
+            self._pool = await _asyncpg().create_pool(
+                self._dsn, min_size=self._min_size, max_size=self._max_size, reset=_no_reset
+            )
+        except ValueError as exc:  # asyncpg's DSN parser: a malformed port, option, ...
+            raise ConfigurationError(f"bad PostgreSQL DSN: {exc}") from None
 
     async def _disconnect(self) -> None:
         if self._owns_pool and self._pool is not None:

@@ -158,7 +158,7 @@ def parse_headers(text: str | None) -> dict[str, str]:
 def _tracer_provider(s: Settings) -> Any:
     assert s.otlp_endpoint is not None
     url = traces_url(s.otlp_endpoint)
-    headers = parse_headers(s.otlp_headers)
+    headers = parse_headers(s.otlp_headers.get_secret_value() if s.otlp_headers else None)
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource

@@ -26,6 +26,12 @@ def loomflow(
     )
 
 
+def demo_file(workdir: Path, suffix: str) -> Path:
+    """The one file of a demo run in ``workdir`` (the demo names its files after the run)."""
+    (found,) = workdir.glob(f"loomflow-demo-*{suffix}")
+    return found
+
+
 def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path: Path) -> None:
     result = loomflow("demo", "--workdir", str(tmp_path), "--kill-after", "2")
     assert result.returncode == 0, result.stderr
@@ -41,7 +47,8 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
     assert "reserved by the killed worker for the call it was starting" in out
     assert ", 0 held" in out
     ledger = [
-        json.loads(line) for line in (tmp_path / "side-effects.jsonl").read_text().splitlines()
+        json.loads(line)
+        for line in demo_file(tmp_path, "-side-effects.jsonl").read_text().splitlines()
     ]
     assert len(ledger) == 5
     assert len({r["action"] for r in ledger}) == 5
@@ -68,10 +75,10 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     assert loomflow("demo", "--workdir", str(tmp_path)).returncode == 0
     import sqlite3
 
-    with sqlite3.connect(tmp_path / "journal.db") as conn:
+    with sqlite3.connect(demo_file(tmp_path, ".db")) as conn:
         session, user = conn.execute("SELECT session_id, user_id FROM loom_sessions").fetchone()
     assert user.startswith("alice+")  # a user of its own per demo run
-    demo_url = f"sqlite:///{tmp_path / 'journal.db'}"
+    demo_url = f"sqlite:///{demo_file(tmp_path, '.db')}"
     shown = loomflow("--url", demo_url, "runs", "show", session, "--user", user, "--json")
     rows = [json.loads(line) for line in shown.stdout.splitlines()]
     names = [r["name"] for r in rows]
@@ -384,9 +391,9 @@ def test_users_export_gathers_one_users_data_from_every_store(tmp_path: Path) ->
     assert loomflow("demo", "--workdir", str(tmp_path)).returncode == 0
     import sqlite3
 
-    with sqlite3.connect(tmp_path / "journal.db") as conn:
+    with sqlite3.connect(demo_file(tmp_path, ".db")) as conn:
         (user,) = conn.execute("SELECT user_id FROM loom_sessions").fetchone()
-    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    url = f"sqlite:///{demo_file(tmp_path, '.db')}"
     out = tmp_path / "dsar.json"
     done = loomflow("--url", url, "users", "export", user, "-o", str(out))
     assert done.returncode == 0, done.stderr

@@ -54,7 +54,8 @@ def _demo(
 
 
 def _ledger(workdir: Path) -> list[dict[str, object]]:
-    lines = (workdir / "side-effects.jsonl").read_text().splitlines()
+    (ledger,) = workdir.glob("loomflow-demo-*-side-effects.jsonl")
+    lines = ledger.read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
