@@ -247,7 +247,8 @@ def _bad_settings(exc: ValidationError) -> str:
     for error in exc.errors():
         field, *item = (str(part) for part in error["loc"])
         where = f"LOOMFLOW_{field.upper()}" + "".join(f"[{i}]" for i in item)
-        problems.append(f"{where}: {_one_line(error['msg'])}")
+        message = error["msg"].removeprefix("Value error, ")  # pydantic's label for ours
+        problems.append(f"{where}: {_one_line(message)}")
     return "bad setting " + "; ".join(problems)
 
 

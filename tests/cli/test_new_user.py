@@ -1,0 +1,450 @@
+"""What a new user trips over: the demo, error messages, --limit, migrate, JSON times."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loomflow.cli._format import positive_int
+from loomflow.config import Settings
+
+cli_main = importlib.import_module("loomflow.cli.main")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def loomflow(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        check=False,
+        env={**os.environ, **env} if env else None,
+    )
+
+
+def demo_file(workdir: Path, suffix: str) -> Path:
+    (found,) = workdir.glob(f"loomflow-demo-*{suffix}")
+    return found
+
+
+# -- every command, every setting: one line, no traceback -----------------------------------
+
+
+def _leaves(
+    parser: argparse.ArgumentParser, prefix: list[str]
+) -> Iterator[tuple[list[str], argparse.ArgumentParser]]:
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield prefix, parser
+        return
+    for name, child in groups[0].choices.items():
+        yield from _leaves(child, [*prefix, name])
+
+
+# Values for required arguments whose type checks them.
+_REQUIRED = {"older_than": "90d"}
+
+
+def _argv(path: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    argv = list(path)
+    for action in parser._actions:
+        if not action.required:
+            continue
+        value = _REQUIRED.get(action.dest, "x")
+        argv += [value] if not action.option_strings else [action.option_strings[0], value]
+    try:
+        cli_main._parser().parse_args(argv)
+    except SystemExit:
+        argv.append("x")  # a required group of a positional and a flag (users export)
+    return argv
+
+
+def _commands() -> list[list[str]]:
+    commands = [_argv(path, leaf) for path, leaf in _leaves(cli_main._parser(), [])]
+    for argv in commands:
+        cli_main._parser().parse_args(argv)  # each one parses
+    return commands
+
+
+# A value of each setting that does not parse or that no store would open.
+BAD = {
+    "runtime_url": "mysql://db/app",
+    "serializer": "yaml",
+    "max_payload_bytes": "0",
+    "strict_replay": "perhaps",
+    "turn_timeout_seconds": "-1",
+    "lease_seconds": "soon",
+    "sqlite_busy_timeout_ms": "-5",
+    "sqlite_synchronous": "OFF",
+    "auto_migrate": "maybe",
+    "journal_retention_days": "0",
+    "metrics_port": "70000",
+    "metrics_host": "",
+    "telemetry_capture_content": "sometimes",
+    "audit_url": "ftp://logs/audit",
+    "redact_secrets": '["unterminated',
+    "redact_env": '[{"not": "a name"}]',
+    "budget_url": "sqlite://relative-without-third-slash.db",
+}
+# Free text, read only by setup_telemetry() (which the CLI does not call); it reports a bad
+# endpoint or header as a ConfigurationError.
+ANY_TEXT = {"otlp_endpoint", "otlp_headers", "otel_service_name"}
+
+
+def test_every_setting_has_a_bad_value_here() -> None:
+    assert set(BAD) | ANY_TEXT == set(Settings.model_fields)
+
+
+def test_every_command_reports_every_bad_setting_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    commands = _commands()
+    assert len(commands) >= 17  # demo, settings, migrate, runs, journal, audit, budget, ...
+    capsys.readouterr()  # the usage lines of trying out the arguments
+    for name, bad in BAD.items():
+        variable = f"LOOMFLOW_{name.upper()}"
+        monkeypatch.setenv(variable, bad)
+        for argv in commands:
+            code = cli_main.main(argv)
+            out, err = capsys.readouterr()
+            assert code == 1, (variable, argv, out, err)
+            assert err.count("\n") == 1, (variable, argv, err)
+            assert err.startswith(f"loomflow: error: bad setting {variable}"), (argv, err)
+        monkeypatch.delenv(variable)
+    assert not list(tmp_path.iterdir())  # nothing was created on the way
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://root@127.0.0.1:notaport/postgres",
+        "mysql://root@127.0.0.1/app",
+        "sqlite://no-third-slash.db",
+    ],
+)
+def test_every_command_reports_a_bad_url_in_one_line(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    commands = _commands()
+    capsys.readouterr()
+    for argv in commands:
+        code = cli_main.main(["--url", url, *argv])
+        _, err = capsys.readouterr()
+        assert code == 1, (argv, err)
+        assert err.count("\n") == 1, (argv, err)
+        assert err.startswith("loomflow: error: --url: "), (argv, err)
+
+
+def test_store_url_options_are_checked_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ["audit", "--audit-url", "ftp://x", "query"],
+        ["budget", "--budget-url", "postgresql://u@h:port/db", "show"],
+        ["migrate", "--audit-url", "jsonl://x.jsonl"],
+        ["demo", "--postgres", "postgresql://u@h:nope/db"],
+    ):
+        assert cli_main.main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith("loomflow: error: --"), err
+
+
+def test_real_processes_print_one_line_and_no_traceback(tmp_path: Path) -> None:
+    cases = [
+        (["runs", "list"], {"LOOMFLOW_LEASE_SECONDS": "soon"}, 1),
+        (["demo", "--workdir", str(tmp_path)], {"LOOMFLOW_SERIALIZER": "yaml"}, 1),
+        (["--url", "postgresql://root@127.0.0.1:notaport/postgres", "runs", "list"], {}, 1),
+        # Past the settings check (two hosts), asyncpg's own DSN parser still says one line.
+        (["--url", "postgresql://root@127.0.0.1:5432,127.0.0.1:x/postgres", "runs", "list"], {}, 1),
+        (["demo", "--postgres", "memory://"], {}, 2),
+        (["demo", "--postgres", "sqlite:///x.db"], {}, 2),
+        (["demo", "--kill-after", "9"], {}, 2),
+    ]
+    for argv, env, code in cases:
+        done = loomflow(*argv, cwd=tmp_path, env=env)
+        assert done.returncode == code, (argv, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert done.stderr.count("\n") == 1, (argv, done.stderr)
+        assert done.stderr.startswith("loomflow: error: "), (argv, done.stderr)
+        assert done.stdout == "", argv  # refused before the story started
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_redact_lists_take_plain_comma_separated_values(tmp_path: Path) -> None:
+    env = {"LOOMFLOW_REDACT_SECRETS": "db-pass-1", "LOOMFLOW_REDACT_ENV": "MY_TOKEN, OTHER_KEY"}
+    shown = loomflow("settings", "--json", cwd=tmp_path, env=env)
+    assert shown.returncode == 0, shown.stderr
+    document = json.loads(shown.stdout)
+    assert document["redact_secrets"]["value"] == "(set, hidden)"
+    assert document["redact_env"]["value"] == ["MY_TOKEN", "OTHER_KEY"]
+    assert "db-pass-1" not in shown.stdout
+    pairs = Settings(redact_secrets="a-pass,b-pass", redact_env="X").model_dump(mode="json")
+    assert pairs["redact_secrets"] == ["**********", "**********"]
+    listed = Settings(redact_secrets='["with,comma"]').redact_secrets
+    assert [s.get_secret_value() for s in listed] == ["with,comma"]
+
+
+# -- the demo ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One demo run in a directory that already holds a user's journal and ledger."""
+    work = tmp_path_factory.mktemp("work")
+    for name in ("journal.db", "journal.db-wal", "journal.db-shm", "side-effects.jsonl"):
+        (work / name).write_text(f"the user's own {name}\n")
+    done = loomflow("demo", "--workdir", str(work))
+    assert done.returncode == 0, done.stderr
+    return work, done.stdout
+
+
+def test_the_demo_never_deletes_a_file_it_did_not_create(demo_run: tuple[Path, str]) -> None:
+    work, out = demo_run
+    for name in ("journal.db", "journal.db-wal", "journal.db-shm", "side-effects.jsonl"):
+        assert (work / name).read_text() == f"the user's own {name}\n"
+    journal = demo_file(work, ".db")
+    assert re.fullmatch(r"loomflow-demo-[0-9A-Z]{26}\.db", journal.name)
+    assert f"journal on SQLite ({journal})" in out
+    assert len(demo_file(work, "-side-effects.jsonl").read_text().splitlines()) == 5
+
+
+def test_the_demo_ends_with_a_command_the_user_can_run(demo_run: tuple[Path, str]) -> None:
+    _work, out = demo_run
+    last = out.splitlines()[-1]
+    # Run as `python -m loomflow.cli`, so that is what the line says (not a bare `loomflow`).
+    assert last.startswith("Look around: ")
+    argv = last.removeprefix("Look around: ").split()
+    assert os.path.abspath(argv[0]) == os.path.abspath(sys.executable)  # from this directory
+    assert argv[1:4] == ["-m", "loomflow.cli", "--url"]
+    shown = subprocess.run([*argv, "--json"], capture_output=True, text=True, check=False)
+    assert shown.returncode == 0, shown.stderr
+    assert len(shown.stdout.splitlines()) == 10
+
+
+def test_command_name_is_what_the_user_typed_or_loomflow_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loomflow.cli import demo
+
+    script = tmp_path / ".venv" / "bin" / "loomflow"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "demo"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert demo.command_name() == ".venv/bin/loomflow"  # not on PATH: the path, from here
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert demo.command_name() == "loomflow"  # activated venv
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert demo.command_name() == str(script)  # outside the working directory: absolute
+
+
+def test_runs_show_names_the_tool_of_each_tool_step(demo_run: tuple[Path, str]) -> None:
+    work, _ = demo_run
+    url = f"sqlite:///{demo_file(work, '.db')}"
+    (session,) = re.findall(r"session (order-A-1042-\w+)\)", demo_run[1])
+    rows = [
+        json.loads(line)
+        for line in loomflow("--url", url, "runs", "show", session, "--json").stdout.splitlines()
+    ]
+    tools = [r["tool"] for r in rows if r["name"].startswith("tool_call_")]
+    assert tools == [
+        "lookup_order",
+        "reserve_stock",
+        "charge_card",
+        "create_shipment",
+        "send_confirmation",
+    ]
+    assert all(r["tool"] is None for r in rows if r["name"].startswith("model_call_"))
+    table = loomflow("--url", url, "runs", "show", session).stdout
+    assert re.search(r"tool_call_1_1_[0-9a-f]+\s+charge_card\s", table)
+
+
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
+
+
+def test_json_times_are_iso_8601_utc_in_every_command(demo_run: tuple[Path, str]) -> None:
+    work, out = demo_run
+    url = f"sqlite:///{demo_file(work, '.db')}"
+    (session,) = re.findall(r"session (order-A-1042-\w+)\)", out)
+    runs = json.loads(loomflow("--url", url, "runs", "list", "--json").stdout)
+    shown = loomflow("--url", url, "runs", "show", session, "--json").stdout.splitlines()
+    budget = loomflow("--url", url, "budget", "show", "--json").stdout.splitlines()
+    audit = json.loads(loomflow("--url", url, "audit", "query", "--json").stdout)
+    times = (
+        [runs["updated_at"]]
+        + [json.loads(line)["created_at"] for line in shown]
+        + [json.loads(line)["updated_at"] for line in budget]
+        + [e["time"] for e in audit["entries"]]
+    )
+    assert len(times) > 20
+    for value in times:
+        assert isinstance(value, str), value
+        assert ISO.match(value), value
+
+
+async def test_checkpoint_times_and_export_message(tmp_path: Path) -> None:
+    from loomflow.agent import Agent, Tuning
+    from loomflow.messages import ModelResponse
+    from loomflow.models import FunctionModel
+    from loomflow.runtime import SqliteRuntime
+
+    db = tmp_path / "j.db"
+    runtime = SqliteRuntime(db)
+    try:
+        agent = Agent(
+            "be brief",
+            model=FunctionModel(lambda *_: ModelResponse(text="done")),
+            runtime=runtime,
+            tuning=Tuning(checkpoint=True),
+        )
+        await agent.run("hi", session_id="s1", user_id="ana")
+    finally:
+        await runtime.close()
+    url = f"sqlite:///{db}"
+    listed = await asyncio.to_thread(loomflow, "--url", url, "checkpoints", "list", "s1", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert ISO.match(row["created_at"]), row
+    out = tmp_path / "ana.json"
+    done = await asyncio.to_thread(
+        loomflow, "--url", url, "checkpoints", "export", "--user", "ana", "-o", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert done.stderr == f"exported 1 checkpoints of user 'ana' to {out}\n"
+    assert len(json.loads(out.read_text())["checkpoints"]) == 1
+
+
+@pytest.mark.postgres
+def test_the_postgres_demo_prints_its_real_dsn_with_the_password_masked(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    # Trust authentication ignores the password, so it can stand in for a real one.
+    dsn = pg_dsn.replace("://", "://root:pw-s3cret@", 1) if "@" not in pg_dsn else pg_dsn
+    done = loomflow("demo", "--postgres", dsn, "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "<the DSN>" not in done.stdout
+    assert "pw-s3cret" not in done.stdout
+    last = done.stdout.splitlines()[-1]
+    from loomflow.config import _masked_url
+
+    assert f"--url {_masked_url(dsn)} runs show order-A-1042-" in last.replace("'", "")
+
+
+# -- --limit and other counts ----------------------------------------------------------------
+
+
+def test_every_count_option_takes_a_positive_whole_number() -> None:
+    counts = []
+    for path, leaf in _leaves(cli_main._parser(), []):
+        for action in leaf._actions:
+            if action.dest in ("limit", "batch_size", "kill_after"):
+                counts.append((path, action.dest))
+                assert action.type is positive_int, (path, action.dest)
+    assert {d for _, d in counts} == {"limit", "batch_size", "kill_after"}
+    assert len([p for p, d in counts if d == "limit"]) == 3  # runs, checkpoints, audit
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["runs", "list", "--limit"],
+        ["checkpoints", "list", "s", "--limit"],
+        ["audit", "query", "--limit"],
+    ],
+)
+def test_a_limit_below_one_is_a_usage_error(tmp_path: Path, argv: list[str]) -> None:
+    db = tmp_path / "j.db"
+    assert loomflow("--url", f"sqlite:///{db}", "migrate").returncode == 0
+    for bad in ("0", "-1"):
+        done = loomflow("--url", f"sqlite:///{db}", *argv, bad)
+        assert done.returncode == 2, (argv, bad, done.stdout, done.stderr)
+        assert "positive whole number" in done.stderr
+        assert done.stdout == ""
+
+
+# -- migrate, the settings page, the docs build, the metrics address ----------------------
+
+
+def test_migrate_creates_and_checks_a_jsonl_audit_log(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "audit.jsonl"
+    env = {"LOOMFLOW_AUDIT_URL": str(log)}
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    before = loomflow("--url", url, "audit", "verify", env=env)
+    assert before.returncode == 1
+    assert "loomflow migrate" in before.stderr
+    done = loomflow("--url", url, "migrate", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"audit log (JSON lines) at {log} (created;" in done.stdout
+    assert log.exists()
+    assert json.loads((tmp_path / "logs" / "audit.jsonl.heads").read_text())
+    verified = loomflow("--url", url, "audit", "verify", env=env)
+    assert verified.returncode == 0, verified.stderr
+    again = loomflow("--url", url, "migrate", env=env)
+    assert "(exists, heads checked;" in again.stdout
+    # A log cut shorter than its heads say is reported, in one line.
+    log.write_text("")
+    (tmp_path / "logs" / "audit.jsonl.heads").write_text('{"size": 99, "users": {}}')
+    cut = loomflow("--url", url, "migrate", env=env)
+    assert cut.returncode == 1
+    assert "shorter than the 99 bytes" in cut.stderr
+
+
+def test_the_settings_page_lists_no_setting_with_a_default_as_required() -> None:
+    from loomflow._settings_doc import settings_markdown
+
+    table = settings_markdown()
+    assert "(required)" not in table
+    row = next(line for line in table.splitlines() if "`LOOMFLOW_REDACT_ENV`" in line)
+    assert "ANTHROPIC_API_KEY,OPENAI_API_KEY" in row
+
+
+def test_the_docs_hooks_are_not_copied_into_the_site() -> None:
+    from mkdocs.config import load_config
+    from mkdocs.structure.files import get_files
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    assert config.hooks  # the settings table is still generated
+    assert [f.src_uri for f in get_files(config) if f.src_uri.endswith(".py")] == []
+
+
+def test_metrics_bind_locally_unless_a_container_says_otherwise() -> None:
+    from loomflow.telemetry import serve_metrics
+
+    default = Settings.model_fields["metrics_host"].default
+    assert default == "127.0.0.1"
+    import inspect
+
+    assert inspect.signature(serve_metrics).parameters["host"].default == default
+    compose = (ROOT / "deploy" / "compose.yaml").read_text()
+    assert "LOOMFLOW_METRICS_HOST: 0.0.0.0" in compose  # the scraped worker sets it itself
+
+
+def test_sqlite_journal_of_the_demo_is_a_real_journal(demo_run: tuple[Path, str]) -> None:
+    work, _ = demo_run
+    with sqlite3.connect(demo_file(work, ".db")) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (10,)
