@@ -24,6 +24,7 @@ from ..governance.budget import budget_store_for
 from ..memory import memory_for
 from ..runtime import JournalRuntime, runtime_from_url
 from ..storage import Database
+from ._format import iso_time
 from ._stores import existing
 
 __all__ = ["register"]
@@ -69,7 +70,7 @@ async def export_user(
     entries = []
     for info in sessions:
         for entry in await runtime.entries(info.session_id, user_id):
-            entries.append(dataclasses.asdict(entry))
+            entries.append({**dataclasses.asdict(entry), "created_at": iso_time(entry.created_at)})
     shared = getattr(runtime, "database", None)
     database = shared if isinstance(shared, Database) else None
     checkpoints: dict[str, Any] = {}
@@ -80,9 +81,11 @@ async def export_user(
     audit = await _audit(settings, database, user_id)
     document: dict[str, Any] = {
         "user_id": user_id,
-        "exported_at": dt.datetime.now(dt.UTC).isoformat(),
+        "exported_at": iso_time(dt.datetime.now(dt.UTC)),
         "journal": {
-            "sessions": [dataclasses.asdict(s) for s in sessions],
+            "sessions": [
+                {**dataclasses.asdict(s), "updated_at": iso_time(s.updated_at)} for s in sessions
+            ],
             "entries": entries,
         },
         "checkpoints": checkpoints,
@@ -115,7 +118,7 @@ async def _budget(
             "scope": u.bucket.scope,
             "period": u.bucket.period or "all",
             **dataclasses.asdict(u.totals),
-            "updated_at": u.updated_at,
+            "updated_at": iso_time(u.updated_at),
         }
         for u in usage
     ]

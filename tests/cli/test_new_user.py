@@ -294,13 +294,19 @@ def test_json_times_are_iso_8601_utc_in_every_command(demo_run: tuple[Path, str]
     shown = loomflow("--url", url, "runs", "show", session, "--json").stdout.splitlines()
     budget = loomflow("--url", url, "budget", "show", "--json").stdout.splitlines()
     audit = json.loads(loomflow("--url", url, "audit", "query", "--json").stdout)
+    user = runs["user_id"]
+    exported = json.loads(loomflow("--url", url, "users", "export", user).stdout)
     times = (
         [runs["updated_at"]]
         + [json.loads(line)["created_at"] for line in shown]
         + [json.loads(line)["updated_at"] for line in budget]
         + [e["time"] for e in audit["entries"]]
+        + [exported["exported_at"]]
+        + [s["updated_at"] for s in exported["journal"]["sessions"]]
+        + [e["created_at"] for e in exported["journal"]["entries"]]
+        + [b["updated_at"] for b in exported["budget"]]
     )
-    assert len(times) > 20
+    assert len(times) > 40
     for value in times:
         assert isinstance(value, str), value
         assert ISO.match(value), value
