@@ -129,9 +129,10 @@ def is_registered(cls: type) -> bool:
 
 def _by_name(name: str) -> type | None:
     cls = _registry.get(name)
-    if cls is None:
+    if cls is None and name not in _plain_warned:
         # A class may be renamed after registration (a package re-exporting it sets
-        # __module__), so index the registered classes under their current names again.
+        # __module__), so index the registered classes under their current names again;
+        # once per missed name, so that a row full of unknown names stays cheap.
         _registry.update((_class_name(c), c) for c in _registered)
         cls = _registry.get(name)
     return cls
