@@ -646,6 +646,12 @@ async def test_replacing_an_unreadable_idempotency_row_keeps_a_concurrent_winner
         assert unreadable.value == b"{oops"
         first = StoredEntry("[]", "charge", "", "step", "json", 1, codec.dumps("first"))
         second = StoredEntry("[]", "charge", "", "step", "json", 1, codec.dumps("second"))
+        # A writer fenced out by a newer owner replaces nothing and learns it lost its turn.
+        fenced = await store.put_idempotent(
+            run.scope, run.token - 1, "k", first, replacing=unreadable
+        )
+        assert fenced is None
+        assert await store.get_idempotent(run.scope.user_key, "k") == unreadable
         assert (
             await store.put_idempotent(run.scope, run.token, "k", first, replacing=unreadable)
             == first
