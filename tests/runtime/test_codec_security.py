@@ -660,3 +660,24 @@ async def test_replacing_an_unreadable_idempotency_row_keeps_a_concurrent_winner
         winner = await store.put_idempotent(run.scope, run.token, "k", second, replacing=unreadable)
         assert winner is not None
         assert winner.value == first.value
+
+
+async def test_a_tool_value_too_deep_to_journal_is_a_tool_error_not_a_failed_run() -> None:
+    from loomflow.tools import tool
+
+    @tool
+    def nest(depth: int) -> Any:
+        """Return lists nested ``depth`` deep.
+
+        Args:
+            depth: How deep.
+        """
+        return nested_lists(depth)
+
+    # The journaled outcome wraps the value: one level fewer fits.
+    fits = await nest.invoke({"depth": codec.MAX_DEPTH - 1})
+    assert fits.ok
+    assert codec.loads(codec.dumps(fits)) == fits
+    too_deep = await nest.invoke({"depth": codec.MAX_DEPTH})
+    assert not too_deep.ok
+    assert too_deep.error_type == "tool_error"
