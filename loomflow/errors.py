@@ -108,10 +108,14 @@ class JournalError(LoomflowError):
 class JournalEncodeError(JournalError, TypeError):
     """A step's inputs or result contain a value the journal codec cannot encode."""
 
-    def __init__(self, step: str, type_name: str, where: str) -> None:
+    def __init__(self, step: str, type_name: str, where: str, reason: str | None = None) -> None:
         self.step = step
         self.type_name = type_name
         self.where = where
+        self.reason = reason
+        if reason is not None:
+            super().__init__(f"step {step!r}: {where} {reason}")
+            return
         super().__init__(
             f"step {step!r}: {where} holds a value of type {type_name!r} that the journal "
             "cannot encode; return JSON-like data, a pydantic model, a dataclass or one of "

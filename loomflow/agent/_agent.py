@@ -78,8 +78,6 @@ __all__ = ["Agent"]
 
 log = logging.getLogger("loomflow.agent")
 
-codec.register_type(ToolOutcome)
-
 # The runtime of the run in progress, so that agents used inside it (sub-agents, team workers,
 # debaters) journal under the enclosing run even when they were built without a runtime.
 _active_runtime: contextvars.ContextVar[Any] = contextvars.ContextVar(

@@ -20,7 +20,7 @@ from ._journal import (
 from ._protocol import Runtime
 from ._store import EntryInfo, SessionInfo
 from ._url import runtime_from_url
-from .codec import register_type
+from .codec import is_registered, register_type
 from .inmemory import InMemoryRuntime
 from .sqlite import SqliteRuntime
 
@@ -41,6 +41,7 @@ __all__ = [
     "StepEvent",
     "StepStart",
     "StepTracer",
+    "is_registered",
     "register_type",
     "runtime_from_url",
 ]

@@ -621,7 +621,7 @@ class JournalRuntime:
         try:
             return fingerprint(args, kwargs)
         except codec.UnsupportedValueError as exc:
-            raise JournalEncodeError(name, exc.type_name, "its arguments") from exc
+            raise JournalEncodeError(name, exc.type_name, "its arguments", exc.reason) from exc
 
     def _lookup(
         self,
@@ -689,7 +689,7 @@ class JournalRuntime:
         try:
             raw = codec.dumps(value)
         except codec.UnsupportedValueError as exc:
-            raise JournalEncodeError(name, exc.type_name, "its result") from exc
+            raise JournalEncodeError(name, exc.type_name, "its result", exc.reason) from exc
         return "json", raw
 
     async def _record(
@@ -725,7 +725,9 @@ class JournalRuntime:
         note: StepNote | None = None,
     ) -> Any:
         stored = await self._store.get_idempotent(run.scope.user_key, key)
+        unreadable: StoredEntry | None = None  # replaced by the fresh result below
         if stored is not None:
+            unreadable = stored
             try:
                 value = self._decode(stored)
             except _Skipped:
@@ -748,7 +750,9 @@ class JournalRuntime:
             raise PayloadTooLargeError(name, len(raw), self.max_payload_bytes)
         entry = StoredEntry(path_key(path), name, "", "step", fmt, codec.CODEC_VERSION, raw)
         t0 = time.perf_counter()
-        winner = await self._store.put_idempotent(run.scope, run.token, key, entry)
+        winner = await self._store.put_idempotent(
+            run.scope, run.token, key, entry, replacing=unreadable
+        )
         write_s = time.perf_counter() - t0
         if winner is None:
             run.lost = True

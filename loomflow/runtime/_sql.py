@@ -88,6 +88,15 @@ FROM loom_sessions WHERE scope = $3 AND token = $10{lock}
 ON CONFLICT (user_key, idem_key) DO NOTHING
 RETURNING 1
 """
+# Overwrites an unreadable (pickled or corrupt) idempotency row, and only that row: if a
+# concurrent writer replaced it first, its result stands. Fenced like every write.
+_REPLACE_IDEM = """
+UPDATE loom_idempotency SET scope = $3, name = $4, kind = $5, format = $6,
+    codec_version = $7, value = $8, size = $9, created_at = {now}
+WHERE user_key = $1 AND idem_key = $2 AND format = $11 AND value = $12
+    AND EXISTS (SELECT 1 FROM loom_sessions WHERE scope = $3 AND token = $10{lock})
+RETURNING 1
+"""
 _LIST = """
 SELECT e.epoch, e.path, e.name, e.kind, e.size, e.seq, e.created_at
 FROM loom_entries e WHERE e.scope = $1 ORDER BY e.epoch, e.seq
@@ -106,6 +115,7 @@ _QUERIES = {
     "write": _WRITE,
     "get_idem": _GET_IDEM,
     "put_idem": _PUT_IDEM,
+    "replace_idem": _REPLACE_IDEM,
     "list": _LIST,
 }
 
@@ -217,11 +227,15 @@ class SqlJournalStore:
         return StoredEntry("", name, "", kind, fmt, int(version), bytes(value))
 
     async def put_idempotent(
-        self, scope: Scope, token: int, key: str, entry: StoredEntry
+        self,
+        scope: Scope,
+        token: int,
+        key: str,
+        entry: StoredEntry,
+        *,
+        replacing: StoredEntry | None = None,
     ) -> StoredEntry | None:
-        rows = await self._run(
-            "write",
-            "put_idem",
+        args = (
             scope.user_key,
             key,
             scope.key,
@@ -233,6 +247,15 @@ class SqlJournalStore:
             len(entry.value),
             token,
         )
+        if replacing is not None:
+            if await self._run("write", "replace_idem", *args, replacing.format, replacing.value):
+                return entry
+            current = await self.get_idempotent(scope.user_key, key)
+            if current is not None:
+                unchanged = (current.format, current.value) == (replacing.format, replacing.value)
+                return None if unchanged else current  # unchanged: we were fenced out
+            # The row was pruned meanwhile: insert as usual.
+        rows = await self._run("write", "put_idem", *args)
         if rows:
             return entry
         # Nothing inserted: either an earlier writer holds the key, or we were fenced out.

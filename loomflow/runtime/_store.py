@@ -163,12 +163,19 @@ class JournalStore(Protocol):
     async def get_idempotent(self, user_key: str, key: str) -> StoredEntry | None: ...
 
     async def put_idempotent(
-        self, scope: Scope, token: int, key: str, entry: StoredEntry
+        self,
+        scope: Scope,
+        token: int,
+        key: str,
+        entry: StoredEntry,
+        *,
+        replacing: StoredEntry | None = None,
     ) -> StoredEntry | None:
         """Record a result under an idempotency key.
 
         Returns the entry that is stored afterwards (ours, or an earlier writer's), or
-        ``None`` if ``token`` no longer owns the scope.
+        ``None`` if ``token`` no longer owns the scope. With ``replacing`` (an entry read under
+        the key that could not be decoded), overwrite that entry if it is still the one stored.
         """
 
     async def list_entries(

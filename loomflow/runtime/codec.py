@@ -6,10 +6,15 @@ same way, so decoding is unambiguous. Supported beyond JSON: tuples, sets, bytes
 floats, dicts with non-string keys, ``datetime``/``date``/``time``/``timedelta``, ``Decimal``,
 ``UUID``, enums, dataclasses and pydantic models.
 
-Decoding never imports a module or evaluates stored text. Classes (models, dataclasses, enums)
-are found in :func:`register_type`'s registry or, failing that, in a module that this process
-has *already* imported; an unknown tag or class raises :class:`UnknownTagError`, which the
-runtime treats as a corrupt entry.
+Stored data is untrusted, so decoding rebuilds a class (model, dataclass or enum) only if it
+was registered with :func:`register_type`; loomflow registers its own value types (messages,
+usage, tool calls and outcomes, model responses and stream chunks). The class named by a row is
+looked up in that registry and nowhere else: decoding never imports a module, never looks a
+name up in a loaded module and never runs code of a class that was not registered. A class
+that is not registered decodes as plain data (its fields as a ``dict``, an enum as its value).
+Values nest at most :data:`MAX_DEPTH` containers deep; deeper (or self-containing) values are
+refused by the encoder and stored ones are unreadable. Damaged or malformed data raises
+:class:`UnknownTagError`, which the runtime treats as a corrupt entry.
 
 ``CODEC_VERSION`` is stored beside every value; bump it when an encoding changes and keep the
 decoder for every older version.
@@ -23,8 +28,8 @@ import datetime as dt
 import decimal
 import enum
 import json
+import logging
 import math
-import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -33,12 +38,15 @@ from pydantic import BaseModel
 
 __all__ = [
     "CODEC_VERSION",
+    "MAX_DEPTH",
+    "NestingTooDeepError",
     "UnknownTagError",
     "UnsupportedValueError",
     "canonical_bytes",
     "decode",
     "dumps",
     "encode",
+    "is_registered",
     "loads",
     "register_type",
 ]
@@ -46,19 +54,43 @@ __all__ = [
 CODEC_VERSION = 1
 TAG = "$t"
 
-_registry: dict[str, type] = {}
+MAX_DEPTH = 100
+"""How many containers deep a value may nest (lists, tuples, sets, dicts, models, dataclasses
+and enums each count one level).
+
+Real step results stay far below it; the cap keeps a crafted row (or a value that contains
+itself) from exhausting Python's recursion limit (1000 frames) while it is encoded or decoded.
+"""
+
+log = logging.getLogger("loomflow.runtime.codec")
+
+_registered: set[type] = set()
+_registry: dict[str, type] = {}  # by "module:qualname", rebuilt when a name is missed
+_plain_warned: set[str] = set()
 
 
 class UnsupportedValueError(TypeError):
     """A value has no tagged-JSON encoding."""
 
-    def __init__(self, value: object) -> None:
+    def __init__(self, value: object, reason: str | None = None) -> None:
         self.type_name = type(value).__qualname__
-        super().__init__(f"cannot encode a value of type {self.type_name!r}")
+        self.reason = reason
+        super().__init__(reason or f"cannot encode a value of type {self.type_name!r}")
+
+
+class NestingTooDeepError(UnsupportedValueError):
+    """A value nests more than :data:`MAX_DEPTH` containers deep, or contains itself."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__(
+            value,
+            f"holds a value nested more than {MAX_DEPTH} containers deep, or one that "
+            "contains itself (the limit is loomflow.runtime.codec.MAX_DEPTH)",
+        )
 
 
 class UnknownTagError(ValueError):
-    """Stored data uses a tag or class this process does not know."""
+    """Stored data is damaged, malformed, nested too deep or uses a tag this process lacks."""
 
 
 def _class_name(cls: type) -> str:
@@ -68,12 +100,41 @@ def _class_name(cls: type) -> str:
 def register_type(cls: type) -> type:
     """Allow ``cls`` (a pydantic model, dataclass or enum) to be rebuilt when decoding.
 
-    Usable as a class decorator. Classes already imported in the process are found without
-    registration; registering them makes the lookup independent of import order.
+    Usable as a class decorator. Only registered classes come back as instances: decoding
+    validates a registered model, calls a registered dataclass (``__post_init__`` included)
+    and looks up a registered enum member. Any other class decodes as plain data. Registration
+    is process-wide and keyed by ``module:qualname``; register at import time, in the module
+    that defines the class, so that every process reading the journal has done it.
+
+    Example:
+        >>> @register_type
+        ... @dataclasses.dataclass
+        ... class Invoice:
+        ...     number: str
+        ...     total: decimal.Decimal
     """
-    if not (_is_model_class(cls) or dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
+    if not isinstance(cls, type) or not (
+        _is_model_class(cls) or dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
+    ):
         raise TypeError(f"{cls!r} is not a pydantic model, dataclass or enum")
+    _registered.add(cls)
     _registry[_class_name(cls)] = cls
+    return cls
+
+
+def is_registered(cls: type) -> bool:
+    """Whether decoding rebuilds ``cls`` (see :func:`register_type`)."""
+    return cls in _registered
+
+
+def _by_name(name: str) -> type | None:
+    cls = _registry.get(name)
+    if cls is None and name not in _plain_warned:
+        # A class may be renamed after registration (a package re-exporting it sets
+        # __module__), so index the registered classes under their current names again;
+        # once per missed name, so that a row full of unknown names stays cheap.
+        _registry.update((_class_name(c), c) for c in _registered)
+        cls = _registry.get(name)
     return cls
 
 
@@ -81,22 +142,20 @@ def _is_model_class(cls: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, BaseModel)
 
 
-def _lookup(name: str) -> type:
-    cls = _registry.get(name)
-    if cls is not None:
-        return cls
-    module_name, _, qualname = name.partition(":")
-    module = sys.modules.get(module_name)  # never import: only what the process already loaded
-    obj: Any = module
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise UnknownTagError(f"class {name!r} is not registered nor imported")
-    if isinstance(obj, type) and (
-        _is_model_class(obj) or dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
-    ):
-        return obj
-    raise UnknownTagError(f"{name!r} is not a model, dataclass or enum")
+def _lookup(name: Any) -> type | None:
+    """The registered class of that name, or ``None``: the registry is the only place asked."""
+    if not isinstance(name, str):
+        raise UnknownTagError(f"class name {name!r} is not a string")
+    cls = _by_name(name)
+    if cls is None and name not in _plain_warned and len(_plain_warned) < 1000:
+        # Once per name, and a bounded set: crafted rows must not flood the log or the memory.
+        _plain_warned.add(name)
+        log.warning(
+            "journal data names class %r, which is not registered; it decodes as plain data "
+            "(register it with loomflow.runtime.register_type to get instances back)",
+            name[:200],
+        )
+    return cls
 
 
 def _tagged(tag: str, payload: Any) -> dict[str, Any]:
@@ -108,7 +167,18 @@ def _sort_key(item: Any) -> str:
 
 
 def encode(value: Any) -> Any:
-    """Turn ``value`` into plain JSON data (dicts, lists, str, int, float, bool, None)."""
+    """Turn ``value`` into plain JSON data (dicts, lists, str, int, float, bool, None).
+
+    Raises :class:`UnsupportedValueError` for a value with no encoding and
+    :class:`NestingTooDeepError` for one nested deeper than :data:`MAX_DEPTH` (or cyclic).
+    """
+    try:
+        return _encode(value, 0)
+    except RecursionError:  # a caller already deep in its own stack; same answer as the cap
+        raise NestingTooDeepError(value) from None
+
+
+def _encode(value: Any, depth: int) -> Any:
     # Exact-type checks first: they are the hot path for step arguments and results.
     t = type(value)
     if value is None or t is str or t is bool or t is int:
@@ -118,127 +188,226 @@ def encode(value: Any) -> Any:
             return value
         return _tagged("float", "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
     if t is list:
-        return [encode(v) for v in value]
+        inner = _deeper(value, depth)
+        return [_encode(v, inner) for v in value]
     if t is dict:
+        inner = _deeper(value, depth)
         if TAG not in value and all(type(k) is str for k in value):
-            return {k: encode(v) for k, v in value.items()}
-        pairs = [[encode(k), encode(v)] for k, v in value.items()]
+            return {k: _encode(v, inner) for k, v in value.items()}
+        pairs = [[_encode(k, inner), _encode(v, inner)] for k, v in value.items()]
         pairs.sort(key=lambda p: _sort_key(p[0]))
         return _tagged("dict", pairs)
     if t is tuple:
-        return _tagged("tuple", [encode(v) for v in value])
+        inner = _deeper(value, depth)
+        return _tagged("tuple", [_encode(v, inner) for v in value])
     for kind, handler in _HANDLERS:
         if isinstance(value, kind):
-            return handler(value)
+            return handler(value, depth)
     raise UnsupportedValueError(value)
 
 
-def _encode_set(value: set[Any] | frozenset[Any]) -> Any:
-    items = sorted((encode(v) for v in value), key=_sort_key)
+def _deeper(value: Any, depth: int) -> int:
+    """The depth of a container's items; a container past the cap is refused."""
+    if depth >= MAX_DEPTH:
+        raise NestingTooDeepError(value)
+    return depth + 1
+
+
+def _encode_set(value: set[Any] | frozenset[Any], depth: int) -> Any:
+    inner = _deeper(value, depth)
+    items = sorted((_encode(v, inner) for v in value), key=_sort_key)
     return _tagged("frozenset" if isinstance(value, frozenset) else "set", items)
 
 
-def _encode_model(value: BaseModel) -> Any:
-    fields = {k: encode(getattr(value, k)) for k in type(value).model_fields}
+def _encode_model(value: BaseModel, depth: int) -> Any:
+    inner = _deeper(value, depth)
+    fields = {k: _encode(getattr(value, k), inner) for k in type(value).model_fields}
     return _tagged("model", {"cls": _class_name(type(value)), "fields": fields})
 
 
-def _encode_dataclass(value: Any) -> Any:
-    fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+def _encode_dataclass(value: Any, depth: int) -> Any:
+    inner = _deeper(value, depth)
+    fields = {f.name: _encode(getattr(value, f.name), inner) for f in dataclasses.fields(value)}
     return _tagged("dataclass", {"cls": _class_name(type(value)), "fields": fields})
 
 
-def _encode_enum(value: enum.Enum) -> Any:
-    return _tagged("enum", {"cls": _class_name(type(value)), "value": encode(value.value)})
+def _encode_enum(value: enum.Enum, depth: int) -> Any:
+    inner = _deeper(value, depth)
+    return _tagged("enum", {"cls": _class_name(type(value)), "value": _encode(value.value, inner)})
 
 
-def _encode_datetime(value: dt.datetime) -> Any:
+def _encode_datetime(value: dt.datetime, depth: int) -> Any:
     return _tagged("datetime", value.isoformat())
 
 
-def _encode_any_dataclass(value: Any) -> Any:
+def _encode_any_dataclass(value: Any, depth: int) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _encode_dataclass(value)
+        return _encode_dataclass(value, depth)
     raise UnsupportedValueError(value)
 
 
-_HANDLERS: list[tuple[type | tuple[type, ...], Callable[[Any], Any]]] = [
-    (bool, lambda v: bool(v)),
+_HANDLERS: list[tuple[type | tuple[type, ...], Callable[[Any, int], Any]]] = [
+    (bool, lambda v, d: bool(v)),
     (enum.Enum, _encode_enum),  # before int/str: IntEnum and StrEnum are enums first
-    (str, lambda v: str(v)),
-    (int, lambda v: int(v)),
-    (float, lambda v: encode(float(v))),
-    ((bytes, bytearray, memoryview), lambda v: _tagged("bytes", base64.b64encode(v).decode())),
+    (str, lambda v, d: str(v)),
+    (int, lambda v, d: int(v)),
+    (float, lambda v, d: _encode(float(v), d)),
+    ((bytes, bytearray, memoryview), lambda v, d: _tagged("bytes", base64.b64encode(v).decode())),
     ((set, frozenset), _encode_set),
-    (list, lambda v: [encode(x) for x in v]),
-    (tuple, lambda v: _tagged("tuple", [encode(x) for x in v])),
-    (dict, lambda v: encode(dict(v))),
+    (list, lambda v, d: _encode(list(v), d)),
+    (tuple, lambda v, d: _encode(tuple(v), d)),
+    (dict, lambda v, d: _encode(dict(v), d)),
     (BaseModel, _encode_model),
     (dt.datetime, _encode_datetime),  # before date: datetime is a date subclass
-    (dt.date, lambda v: _tagged("date", v.isoformat())),
-    (dt.time, lambda v: _tagged("time", v.isoformat())),
-    (dt.timedelta, lambda v: _tagged("timedelta", [v.days, v.seconds, v.microseconds])),
-    (decimal.Decimal, lambda v: _tagged("decimal", str(v))),
-    (uuid.UUID, lambda v: _tagged("uuid", str(v))),
+    (dt.date, lambda v, d: _tagged("date", v.isoformat())),
+    (dt.time, lambda v, d: _tagged("time", v.isoformat())),
+    (dt.timedelta, lambda v, d: _tagged("timedelta", [v.days, v.seconds, v.microseconds])),
+    (decimal.Decimal, lambda v, d: _tagged("decimal", str(v))),
+    (uuid.UUID, lambda v, d: _tagged("uuid", str(v))),
     (object, _encode_any_dataclass),
 ]
 
 
 def decode(data: Any) -> Any:
-    """Inverse of :func:`encode`. Raises :class:`UnknownTagError` on unknown tags or classes."""
+    """Inverse of :func:`encode`, for untrusted data.
+
+    Raises :class:`UnknownTagError` (and nothing else) on unknown tags, malformed payloads,
+    nesting deeper than :data:`MAX_DEPTH`, or a registered class that refuses the stored fields.
+    """
+    try:
+        return _decode(data, 0)
+    except RecursionError:  # a caller already deep in its own stack; same answer as the cap
+        raise UnknownTagError(f"nested too deep to decode (more than {MAX_DEPTH})") from None
+
+
+def _inner(depth: int) -> int:
+    if depth >= MAX_DEPTH:
+        raise UnknownTagError(f"nested more than {MAX_DEPTH} containers deep")
+    return depth + 1
+
+
+def _decode(data: Any, depth: int) -> Any:
     t = type(data)
     if t is list:
-        return [decode(v) for v in data]
+        inner = _inner(depth)
+        return [_decode(v, inner) for v in data]
     if t is dict:
         if TAG not in data:
-            return {k: decode(v) for k, v in data.items()}
-        return _decode_tagged(data)
+            inner = _inner(depth)
+            return {k: _decode(v, inner) for k, v in data.items()}
+        return _decode_tagged(data, depth)
     return data
 
 
-def _decode_tagged(data: dict[str, Any]) -> Any:
+def _decode_tagged(data: dict[str, Any], depth: int) -> Any:
     tag = data[TAG]
     payload = data.get("v")
     decoder = _DECODERS.get(tag) if isinstance(tag, str) else None
     if decoder is None:
-        raise UnknownTagError(f"unknown tag {tag!r}")
+        raise UnknownTagError(f"unknown tag {str(tag)[:100]!r}")
     try:
-        return decoder(payload)
+        return decoder(payload, depth)
     except UnknownTagError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, decimal.InvalidOperation) as exc:
         raise UnknownTagError(f"malformed {tag!r} value: {exc}") from exc
 
 
-def _decode_model(payload: dict[str, Any]) -> Any:
+def _items(payload: Any) -> list[Any]:
+    if type(payload) is not list:
+        raise TypeError(f"expected a list, not {type(payload).__name__}")
+    return payload
+
+
+def _fields(payload: Any) -> dict[str, Any]:
+    if type(payload) is not dict:
+        raise TypeError(f"expected an object, not {type(payload).__name__}")
+    return payload
+
+
+def _decode_container(build: Callable[[Any], Any]) -> Callable[[Any, int], Any]:
+    def decoder(payload: Any, depth: int) -> Any:
+        inner = _inner(depth)
+        return build(_decode(v, inner) for v in _items(payload))
+
+    return decoder
+
+
+def _decode_dict(payload: Any, depth: int) -> dict[Any, Any]:
+    inner = _inner(depth)
+    out: dict[Any, Any] = {}
+    for pair in _items(payload):
+        key, value = _items(pair)
+        out[_decode(key, inner)] = _decode(value, inner)
+    return out
+
+
+def _decode_model(payload: Any, depth: int) -> Any:
+    payload = _fields(payload)
+    inner = _inner(depth)
     cls = _lookup(payload["cls"])
-    fields = {k: decode(v) for k, v in payload["fields"].items()}
-    if _is_model_class(cls):
-        return cls.model_validate(fields)  # type: ignore[attr-defined]
-    return cls(**fields)
+    fields = {k: _decode(v, inner) for k, v in _fields(payload["fields"]).items()}
+    if cls is None:
+        return fields
+    try:
+        if _is_model_class(cls):
+            return cls.model_validate(fields)  # type: ignore[attr-defined]
+        return cls(**fields)
+    except Exception as exc:  # registered code ran and refused the stored fields
+        raise UnknownTagError(f"{payload['cls']!r} refused the stored fields: {exc}") from exc
 
 
-def _decode_enum(payload: dict[str, Any]) -> Any:
+def _decode_enum(payload: Any, depth: int) -> Any:
+    payload = _fields(payload)
+    inner = _inner(depth)
     cls = _lookup(payload["cls"])
-    return cls(decode(payload["value"]))
+    value = _decode(payload["value"], inner)
+    if cls is None:
+        return value
+    try:
+        return cls(value)
+    except Exception as exc:
+        raise UnknownTagError(f"{payload['cls']!r} has no member {value!r}: {exc}") from exc
 
 
-_DECODERS: dict[str, Callable[[Any], Any]] = {
-    "float": lambda p: {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[p],
-    "tuple": lambda p: tuple(decode(v) for v in p),
-    "set": lambda p: {decode(v) for v in p},
-    "frozenset": lambda p: frozenset(decode(v) for v in p),
-    "dict": lambda p: {decode(k): decode(v) for k, v in p},
-    "bytes": lambda p: base64.b64decode(p, validate=True),
+def _decode_float(payload: Any, depth: int) -> float:
+    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[payload]
+
+
+def _decode_bytes(payload: Any, depth: int) -> bytes:
+    return base64.b64decode(payload, validate=True)
+
+
+def _decode_timedelta(payload: Any, depth: int) -> dt.timedelta:
+    days, seconds, microseconds = _items(payload)
+    return dt.timedelta(days=days, seconds=seconds, microseconds=microseconds)
+
+
+def _text(parse: Callable[[str], Any]) -> Callable[[Any, int], Any]:
+    def decoder(payload: Any, depth: int) -> Any:
+        if type(payload) is not str:
+            raise TypeError(f"expected a string, not {type(payload).__name__}")
+        return parse(payload)
+
+    return decoder
+
+
+_DECODERS: dict[str, Callable[[Any, int], Any]] = {
+    "float": _decode_float,
+    "tuple": _decode_container(tuple),
+    "set": _decode_container(set),
+    "frozenset": _decode_container(frozenset),
+    "dict": _decode_dict,
+    "bytes": _decode_bytes,
     "model": _decode_model,
     "dataclass": _decode_model,
     "enum": _decode_enum,
-    "datetime": dt.datetime.fromisoformat,
-    "date": dt.date.fromisoformat,
-    "time": dt.time.fromisoformat,
-    "timedelta": lambda p: dt.timedelta(days=p[0], seconds=p[1], microseconds=p[2]),
-    "decimal": decimal.Decimal,
-    "uuid": uuid.UUID,
+    "datetime": _text(dt.datetime.fromisoformat),
+    "date": _text(dt.date.fromisoformat),
+    "time": _text(dt.time.fromisoformat),
+    "timedelta": _decode_timedelta,
+    "decimal": _text(decimal.Decimal),
+    "uuid": _text(uuid.UUID),
 }
 
 
@@ -250,9 +419,15 @@ def dumps(value: Any) -> bytes:
 
 
 def loads(raw: bytes | str) -> Any:
-    """Decode bytes written by :func:`dumps`."""
+    """Decode bytes written by :func:`dumps`; see :func:`decode` for what it refuses."""
     try:
-        data = json.loads(raw)
+        # dumps() writes UTF-8 only; json.loads(bytes) would sniff UTF-16/32 and import
+        # their codecs, and decoding must import nothing.
+        data = json.loads(raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else raw)
+    except RecursionError:
+        # The parser recurses once per bracket: a crafted row of a few thousand nested lists
+        # must read as damaged, not take down the resume.
+        raise UnknownTagError(f"nested too deep to decode (more than {MAX_DEPTH})") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise UnknownTagError(f"not valid JSON: {exc}") from exc
     return decode(data)

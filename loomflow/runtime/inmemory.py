@@ -116,10 +116,21 @@ class InMemoryStore:
         return found[0] if found is not None else None
 
     async def put_idempotent(
-        self, scope: Scope, token: int, key: str, entry: StoredEntry
+        self,
+        scope: Scope,
+        token: int,
+        key: str,
+        entry: StoredEntry,
+        *,
+        replacing: StoredEntry | None = None,
     ) -> StoredEntry | None:
         existing = self.idempotent.get((scope.user_key, key))
-        if existing is not None:
+        stale = (
+            existing is not None
+            and replacing is not None
+            and (existing[0].format, existing[0].value) == (replacing.format, replacing.value)
+        )
+        if existing is not None and not stale:
             return existing[0]
         if self._owned(scope, token) is None:
             return None

@@ -513,7 +513,8 @@ class JournalConformance:
         [
             b"{not json",
             b'{"$t":"no-such-tag","v":1}',
-            b'{"$t":"model","v":{"cls":"nowhere:Missing","fields":{}}}',
+            b'{"$t":"model","v":{"cls":"nowhere:Missing","fields":[]}}',
+            b"[" * 200_000 + b"]" * 200_000,  # nesting that would exhaust the recursion limit
             b"\xff\xfe",
         ],
     )

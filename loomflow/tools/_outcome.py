@@ -7,6 +7,8 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import PydanticSerializationError, to_json
 
+from ..runtime.codec import register_type
+
 __all__ = ["INVALID_ARGUMENTS", "TIMEOUT", "TOOL_ERROR", "UNKNOWN_TOOL", "ToolOutcome"]
 
 INVALID_ARGUMENTS: Final = "invalid_arguments"
@@ -64,3 +66,4 @@ class ToolOutcome(BaseModel):
 # The journal stores a model's class path and looks it up on decode; pin it to the public
 # package so that reorganising private modules never orphans journaled tool results.
 ToolOutcome.__module__ = "loomflow.tools"
+register_type(ToolOutcome)  # every tool call's result is journaled as one

@@ -184,8 +184,9 @@ class Tool(Generic[P, R]):
         except Exception as exc:
             return self._failure(exc)
 
+        outcome = ToolOutcome(ok=True, value=value)
         try:
-            codec.encode(value)
+            codec.encode(outcome)  # as journaled: the outcome adds one level of nesting
         except (TypeError, ValueError, RecursionError) as exc:
             _log.warning("tool %r returned an unstorable value: %s", self.name, exc)
             return ToolOutcome(
@@ -194,7 +195,7 @@ class Tool(Generic[P, R]):
                 error=f"tool {self.name!r} returned a {type(value).__name__}, which cannot be "
                 "recorded; tools must return JSON-like data or pydantic models",
             )
-        return ToolOutcome(ok=True, value=value)
+        return outcome
 
     async def _run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.is_async:
