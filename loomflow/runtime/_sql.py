@@ -15,6 +15,7 @@ from typing import Any
 
 from .._progress import OnProgress, Progress
 from ..storage import Database, apply_migrations, require_schema
+from ._legacy import report_on_open
 from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
 from .migrations import COMPONENT, MIGRATIONS
 
@@ -132,6 +133,7 @@ class SqlJournalStore:
                 await self.migrate()
             else:
                 await require_schema(self.db, COMPONENT, MIGRATIONS)
+            await report_on_open(self.db)  # a loomflow 0.20 journal here must not go unnoticed
         except BaseException:
             if self._owns_db:
                 await self.db.close()  # a half-opened store must not leak its connection
