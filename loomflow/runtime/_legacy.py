@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import LegacyJournalError, LoomflowError, UserError
-from ..storage import Database
+from ..storage import Database, Transaction
 from . import codec
 from ._store import Scope, fingerprint, path_key
 
@@ -314,12 +314,16 @@ async def _inspect(db: Database) -> LegacyJournal | None:
     # (session, user) -> run -> whether every row of that run says it finished
     runs: dict[tuple[Any, Any], dict[Any, bool]] = {}
     runs_known = True
+    unknown_table = False
     for name, columns in present.items():
         count = await db.fetch(f"SELECT COUNT(*) FROM {name}", what="0.20 journal read")
         tables.append(LegacyTable(name, columns, int(count[0][0])))
+        if name == "checkpoints":
+            continue  # snapshots of journal sessions: counted as rows, not as sessions
         session = _pick(columns, _SESSION_NAMES)
         if session is None:
-            runs_known = runs_known and name == "checkpoints"
+            unknown_table = True  # its sessions cannot be counted, so no total can be given
+            runs_known = False
             continue
         sessions_known = True
         user, run, state = (_pick(columns, n) for n in (_USER_NAMES, _RUN_NAMES, _STATE_NAMES))
@@ -328,14 +332,13 @@ async def _inspect(db: Database) -> LegacyJournal | None:
         rows = await db.fetch(f"SELECT DISTINCT {selected} FROM {name}", what="0.20 journal read")
         for session_id, user_id, run_id, state_value in rows:
             pairs.add((session_id, user_id))
-            if name == "checkpoints":
-                continue
             if run is None or state is None:
                 runs_known = False
                 continue
             done = _finished(state_value)
             pair_runs = runs.setdefault((session_id, user_id), {})
             pair_runs[run_id] = pair_runs.get(run_id, True) and done is True
+    sessions_known = sessions_known and not unknown_table
     open_runs: int | None = None
     if runs_known and sessions_known:
         open_runs = 0
@@ -539,41 +542,39 @@ def _rekey_tools(run: _Run, report: LegacyImport) -> None:
         report.tool_steps_rekeyed += 1
 
 
-async def _pairs(db: Database, tables: Sequence[str]) -> list[tuple[Any, Any]]:
-    seen: dict[tuple[Any, Any], None] = {}
+async def _session_ids(db: Database, tables: Sequence[str]) -> list[Any]:
+    seen: dict[Any, None] = {}
     for table in tables:
-        rows = await db.fetch(
-            f"SELECT DISTINCT session_id, user_id FROM {table}", what="0.20 journal read"
-        )
-        for session_id, user_id in rows:
-            seen.setdefault((session_id, user_id), None)
+        rows = await db.fetch(f"SELECT DISTINCT session_id FROM {table}", what="0.20 journal read")
+        for (session_id,) in rows:
+            seen.setdefault(session_id, None)
     return list(seen)
 
 
-async def _rows_of(
-    db: Database, table: str, session_id: Any, user_id: Any, report: LegacyImport
-) -> list[_Row]:
-    args: list[Any] = []
+_Raw = tuple[str, Sequence[Any]]  # (kind, the row's epoch .. created_at as read)
+
+
+async def _raw_rows(
+    db: Database, table: str, sessions: Sequence[Any], into: dict[tuple[Any, Any], list[_Raw]]
+) -> None:
+    """The rows of ``sessions`` (a chunk: one scan of the table per chunk, not per session),
+    grouped by (session, user) as read. Ids are passed back as read, so that they compare in
+    the column's own type."""
+    values = [s for s in sessions if s is not None]
     where = []
-    for column, value in (("session_id", session_id), ("user_id", user_id)):
-        if value is None:
-            where.append(f"{column} IS NULL")
-        else:
-            args.append(value)  # passed back as read, so it compares in the column's own type
-            where.append(f"{column} = ${len(args)}")
-    raw = await db.fetch(
-        "SELECT epoch, seq, step_key, fingerprint, value, finished, created_at "
-        f"FROM {table} WHERE {' AND '.join(where)}",
-        *args,
+    if values:
+        where.append(f"session_id IN ({', '.join(f'${i + 1}' for i in range(len(values)))})")
+    if len(values) < len(sessions):
+        where.append("session_id IS NULL")
+    rows = await db.fetch(
+        "SELECT session_id, user_id, epoch, seq, step_key, fingerprint, value, finished, "
+        f"created_at FROM {table} WHERE {' OR '.join(where)}",
+        *values,
         what="0.20 journal read",
     )
     kind = "stream" if table == "journal_streams" else "step"
-    rows = []
-    for epoch, seq, name, fp, value, finished, created_at in raw:
-        row = _decoded(kind, epoch, seq, name, fp, value, finished, created_at, report)
-        if row is not None:
-            rows.append(row)
-    return rows
+    for row in rows:
+        into.setdefault((row[0], row[1]), []).append((kind, tuple(row[2:])))
 
 
 def _decoded(
@@ -585,6 +586,7 @@ def _decoded(
     value: Any,
     finished: Any,
     created_at: Any,
+    *,
     report: LegacyImport,
 ) -> _Row | None:
     """One 0.20 row checked and decoded, or ``None`` (counted) when it cannot be imported."""
@@ -622,7 +624,6 @@ def _decoded(
     )
 
 
-_HAS_SESSION = "SELECT 1 FROM loom_sessions WHERE scope = $1"
 _INSERT_SESSION = """
 INSERT INTO loom_sessions
     (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at)
@@ -679,25 +680,58 @@ async def import_legacy_journal(runtime: Any) -> LegacyImport:
     if "checkpoints" in present:
         count = await db.fetch("SELECT COUNT(*) FROM checkpoints", what="0.20 journal read")
         report.checkpoints = int(count[0][0])
-    for session_id, user_id in await _pairs(db, tables):
-        scope = _scope_of(session_id, user_id)
-        if scope is None:
-            report.malformed += 1
-            continue
-        if await db.fetch(_HAS_SESSION, scope.key, what="0.20 import"):
-            report.already_present += 1  # imported before, or run since the upgrade
-            continue
-        rows: list[_Row] = []
+    sessions = await _session_ids(db, tables)
+    for start in range(0, len(sessions), _CHUNK):
+        grouped: dict[tuple[Any, Any], list[_Raw]] = {}
         for table in tables:
-            rows += await _rows_of(db, table, session_id, user_id, report)
-        if not rows:
-            continue
-        await _import_session(db, scope, rows, report)
+            await _raw_rows(db, table, sessions[start : start + _CHUNK], grouped)
+        await _import_chunk(db, grouped, report)
     return report
 
 
+# Sessions read, decoded and written together: one scan of each 0.20 table and one transaction
+# per chunk. Measured on SQLite, 1000 sessions of 20 steps: one transaction per session
+# spent most of its time in fsyncs and per-session scans (no index on 0.20's side).
+_CHUNK = 100
+
+
+async def _import_chunk(
+    db: Database, grouped: dict[tuple[Any, Any], list[_Raw]], report: LegacyImport
+) -> None:
+    scopes: dict[tuple[Any, Any], Scope] = {}
+    for pair, raws in grouped.items():
+        scope = _scope_of(*pair)
+        if scope is None:
+            report.malformed += len(raws)
+        else:
+            scopes[pair] = scope
+    keys = [scope.key for scope in scopes.values()]
+    present: set[str] = set()
+    if keys:
+        marks = ", ".join(f"${i + 1}" for i in range(len(keys)))
+        rows = await db.fetch(
+            f"SELECT scope FROM loom_sessions WHERE scope IN ({marks})", *keys, what="0.20 import"
+        )
+        present = {str(r[0]) for r in rows}
+    todo: list[tuple[Scope, list[_Row]]] = []
+    for pair, scope in scopes.items():
+        if scope.key in present:
+            report.already_present += 1  # imported before, or run since the upgrade
+            continue
+        decoded = [_decoded(kind, *raw, report=report) for kind, raw in grouped[pair]]
+        rows_of_pair = [row for row in decoded if row is not None]
+        if rows_of_pair:
+            todo.append((scope, rows_of_pair))
+    if not todo:
+        return
+    # Decoded before the transaction: SQLite's write lock is held for the writes only.
+    async with db.transaction(what="0.20 import") as tx:
+        for scope, rows_of_pair in todo:
+            await _import_session(tx, scope, rows_of_pair, report)
+
+
 async def _import_session(
-    db: Database, scope: Scope, rows: list[_Row], report: LegacyImport
+    tx: Transaction, scope: Scope, rows: list[_Row], report: LegacyImport
 ) -> None:
     runs: dict[int, _Run] = {}
     for row in rows:
@@ -710,39 +744,38 @@ async def _import_session(
         _rekey_tools(run, report)
     updated = max(row.created_at for row in rows)
     root = path_key(())
-    async with db.transaction(what="0.20 import") as tx:
-        claimed = await tx.fetch(
-            _INSERT_SESSION,
-            scope.key,
-            scope.session_id,
-            scope.user_id,
-            last if is_open else last + 1,
-            1 if is_open else 0,
-            updated,
-        )
-        if not claimed:  # a worker (or another import) created it since the check above
-            report.already_present += 1
-            report.tool_steps_rekeyed, report.tool_steps_as_written = rekeyed, as_written
-            return
-        written = 0
-        for epoch, run in sorted(runs.items()):
-            for seq, row in enumerate(run.rows):
-                raw = codec.dumps(row.value)
-                done = await tx.fetch(
-                    _INSERT_ENTRY,
-                    scope.key,
-                    epoch,
-                    root,
-                    row.name,
-                    row.fingerprint,
-                    row.kind,
-                    codec.CODEC_VERSION,
-                    raw,
-                    len(raw),
-                    seq,
-                    row.created_at,
-                )
-                written += len(done)
+    claimed = await tx.fetch(
+        _INSERT_SESSION,
+        scope.key,
+        scope.session_id,
+        scope.user_id,
+        last if is_open else last + 1,
+        1 if is_open else 0,
+        updated,
+    )
+    if not claimed:  # a worker (or another import) created it since the check before
+        report.already_present += 1
+        report.tool_steps_rekeyed, report.tool_steps_as_written = rekeyed, as_written
+        return
+    written = 0
+    for epoch, run in sorted(runs.items()):
+        for seq, row in enumerate(run.rows):
+            raw = codec.dumps(row.value)
+            done = await tx.fetch(
+                _INSERT_ENTRY,
+                scope.key,
+                epoch,
+                root,
+                row.name,
+                row.fingerprint,
+                row.kind,
+                codec.CODEC_VERSION,
+                raw,
+                len(raw),
+                seq,
+                row.created_at,
+            )
+            written += len(done)
     report.sessions += 1
     report.runs += len(runs)
     report.open_runs += is_open
