@@ -308,7 +308,7 @@ class Trip:
     bookings: list[str]
 
 
-def _trip_agent(runtime: JournalRuntime) -> Trip:
+def _trip_agent(runtime: JournalRuntime, *, die_before_answering: bool = False) -> Trip:
     bookings: list[str] = []
 
     @tool
@@ -323,6 +323,8 @@ def _trip_agent(runtime: JournalRuntime) -> Trip:
             return [ToolCall(id="new-1", name="book", arguments={"what": "flight"})]
         if len(done) == 1:
             return [ToolCall(id="new-2", name="book", arguments={"what": "hotel"})]
+        if die_before_answering:
+            raise RuntimeError("the 0.20 worker died here")
         return "trip ready: " + "; ".join(m.content for m in done)
 
     model = FunctionModel(decide)
@@ -563,3 +565,50 @@ async def test_cli_names_the_columns_of_a_layout_it_will_not_import(
         assert "journal_steps" in refused.stderr
         assert "unexpected column(s) blob" in refused.stderr
         assert "missing column(s) seq, step_key" in refused.stderr
+
+
+async def _rows_written_like_this_release(tmp_path: Path) -> list[tuple[Any, ...]]:
+    """A 0.20 journal whose hashes happen to be this release's: a real run that crashed after
+    two bookings, its entries copied into 0.20 rows (tool keys cut to their position)."""
+    scratch = SqliteRuntime(tmp_path / "scratch.db")
+    try:
+        trip = _trip_agent(scratch, die_before_answering=True)
+        with pytest.raises(RuntimeError, match="died here"):
+            await trip.agent.run("plan my trip", session_id="trip", user_id="alice")
+        assert trip.bookings == ["flight", "hotel"]
+    finally:
+        await scratch.close()
+    with sqlite3.connect(tmp_path / "scratch.db") as conn:
+        entries = conn.execute(
+            "SELECT epoch, seq, name, fingerprint, kind, value FROM loom_entries ORDER BY seq"
+        ).fetchall()
+    conn.close()
+    rows: list[tuple[Any, ...]] = []
+    for epoch, seq, name, fp, kind, value in entries:
+        table = "journal_streams" if kind == "stream" else "journal_steps"
+        key = re.sub(r"^(tool_call_\d+_\d+)_[0-9a-f]+$", r"\1", name)
+        rows.append((table, "trip", "alice", epoch, seq, key, fp, bytes(value).decode(), False))
+    return rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_an_open_run_hashed_like_this_release_replays_every_step(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    rows = await _rows_written_like_this_release(tmp_path)
+    assert [r[5] for r in rows] == [
+        "model_call_0",
+        "tool_call_0_0",
+        "model_call_1",
+        "tool_call_1_0",
+    ]
+    async for legacy in _make_legacy(backend, tmp_path, request, rows=rows):
+        runtime = await legacy.open_runtime()
+        report = await import_legacy_journal(runtime)
+        assert (report.sessions, report.open_runs, report.steps) == (1, 1, 4)
+        trip = _trip_agent(runtime)
+        result = await trip.agent.run("plan my trip", session_id="trip", user_id="alice")
+        assert trip.bookings == []
+        assert trip.model.calls == 1  # only the answer the crashed run never got
+        assert result.replayed_steps == 4
+        assert result.output == "trip ready: booked flight #1; booked hotel #2"
