@@ -129,11 +129,12 @@ class SqlJournalStore:
     async def open(self, *, migrate: bool) -> None:
         await self.db.open()
         try:
+            # First, so that a 0.20 journal is reported even when the schema check refuses.
+            await report_on_open(self.db)
             if migrate:
                 await self.migrate()
             else:
                 await require_schema(self.db, COMPONENT, MIGRATIONS)
-            await report_on_open(self.db)  # a loomflow 0.20 journal here must not go unnoticed
         except BaseException:
             if self._owns_db:
                 await self.db.close()  # a half-opened store must not leak its connection

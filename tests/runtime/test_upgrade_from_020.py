@@ -612,3 +612,16 @@ async def test_an_open_run_hashed_like_this_release_replays_every_step(
         assert trip.model.calls == 1  # only the answer the crashed run never got
         assert result.replayed_steps == 4
         assert result.output == "trip ready: booked flight #1; booked hotel #2"
+
+
+async def test_the_warning_comes_even_when_automatic_migration_is_off(
+    legacy: Legacy, caplog: pytest.LogCaptureFixture
+) -> None:
+    from loomflow.errors import MigrationError
+
+    caplog.set_level(logging.WARNING, logger="loomflow.runtime")
+    runtime = await legacy.open_runtime(auto_migrate=False)
+    with pytest.raises(MigrationError, match="loomflow migrate"):
+        await runtime.open()
+    [warned] = _legacy_warnings(caplog)
+    assert "3 sessions, 1 open run" in warned.message
