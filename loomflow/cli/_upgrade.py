@@ -20,7 +20,8 @@ async def legacy_note(runtime: JournalRuntime, *, pending_only: bool = False) ->
 
 
 async def migrate_legacy(runtime: JournalRuntime, *, do_import: bool) -> None:
-    """Report the 0.20 journal after ``migrate``; with ``do_import``, import it first."""
+    """After ``migrate``: say what a 0.20 journal holds or, with ``do_import``, import it and
+    say what was imported and what was not."""
     if getattr(runtime, "database", None) is None:
         if do_import:
             print("no loomflow 0.20 journal in a memory:// journal: nothing to import")

@@ -625,3 +625,12 @@ async def test_the_warning_comes_even_when_automatic_migration_is_off(
         await runtime.open()
     [warned] = _legacy_warnings(caplog)
     assert "3 sessions, 1 open run" in warned.message
+
+
+def test_cli_import_without_a_020_journal_says_so(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    done = _cli("--url", url, "migrate", "--import-0.20")
+    assert done.returncode == 0, done.stderr
+    assert "no loomflow 0.20 journal in this database: nothing to import" in done.stdout
+    listed = _cli("--url", url, "runs", "list")
+    assert listed.stdout == "no sessions in the journal\n"
