@@ -40,4 +40,6 @@ __all__ = [
     "get_run_context",
     "tool",
 ]
-__version__ = "0.1.0"
+# The one place the version is written (pyproject.toml reads it). 0.21 follows 0.20, so
+# `pip install -U loomflow` from a 0.20 install picks this release up.
+__version__ = "0.21.0"

@@ -15,6 +15,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── OwnershipLostError         this run was fenced out by a newer owner
     │   └── StoreUnavailableError      the database driver failed underneath us
     ├── MigrationError                 the schema could not be brought up to date
+    │   └── LegacyJournalError         a loomflow 0.20 journal is not laid out as expected
     ├── AuditError                     the audit log could not do what was asked
     │   └── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
     ├── CheckpointError                a checkpoint could not be found or read back
@@ -49,6 +50,7 @@ __all__ = [
     "InvalidUsageError",
     "JournalEncodeError",
     "JournalError",
+    "LegacyJournalError",
     "LoomflowError",
     "MigrationError",
     "ModelError",
@@ -83,6 +85,32 @@ class ConfigurationError(LoomflowError):
 
 class MigrationError(LoomflowError):
     """A schema migration failed or the database is newer than this library."""
+
+
+class LegacyJournalError(MigrationError):
+    """A loomflow 0.20 journal cannot be imported: its tables are not laid out as expected.
+
+    Attributes:
+        table: The 0.20 table that does not match.
+        missing: Columns the import needs that the table lacks.
+        unexpected: Columns the table has that the import does not know what to do with.
+    """
+
+    def __init__(
+        self, table: str, missing: tuple[str, ...] = (), unexpected: tuple[str, ...] = ()
+    ) -> None:
+        self.table = table
+        self.missing = missing
+        self.unexpected = unexpected
+        problems = []
+        if missing:
+            problems.append(f"missing column(s) {', '.join(missing)}")
+        if unexpected:
+            problems.append(f"unexpected column(s) {', '.join(unexpected)}")
+        super().__init__(
+            f"table {table!r} does not have the loomflow 0.20 layout this release imports "
+            f"({'; '.join(problems)}); nothing was imported and the 0.20 tables are unchanged"
+        )
 
 
 class AuditError(LoomflowError):

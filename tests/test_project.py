@@ -38,3 +38,21 @@ def test_public_names_are_exported_and_sorted() -> None:
         assert names == sorted(names), module.__name__
         for name in names:
             assert getattr(module, name) is not None
+
+
+def test_version_follows_0_20_and_is_written_once() -> None:
+    import importlib.metadata
+    import tomllib
+
+    from packaging.version import Version
+
+    # pip only upgrades a 0.20 install to a release that sorts above it.
+    assert Version(loomflow.__version__) > Version("0.20.999")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"]
+    assert "version" in project["project"]["dynamic"]
+    assert project["tool"]["hatch"]["version"]["path"] == "loomflow/__init__.py"
+    init = (ROOT / "loomflow" / "__init__.py").read_text()
+    assert len(re.findall(r"^__version__ = ", init, flags=re.M)) == 1
+    # What the installed metadata (and so pip) reports is the same string.
+    assert importlib.metadata.version("loomflow") == loomflow.__version__

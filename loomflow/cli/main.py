@@ -27,6 +27,7 @@ from ..runtime._store import path_key
 from ._format import duration, iso_time, positive_int, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, session_of
+from ._upgrade import legacy_note, migrate_legacy, quiet_on_open
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     migrate.add_argument(
         "--audit-url", help="the audit store (default: LOOMFLOW_AUDIT_URL, else the journal's)"
+    )
+    migrate.add_argument(
+        "--import-0.20",
+        dest="import_0_20",
+        action="store_true",
+        help="also import a loomflow 0.20 journal found in the database (its tables are only "
+        "read), so its finished steps replay and its open runs resume",
     )
 
     runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
@@ -261,6 +269,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
     if args.command != "migrate":
         existing(url, "journal")
     runtime = runtime_from_url(url)
+    if args.command == "migrate" or (args.command == "runs" and args.runs_command == "list"):
+        quiet_on_open(runtime)  # these commands say what a 0.20 journal holds themselves
     try:
         if args.command == "migrate":
             return await _migrate(runtime, args)
@@ -311,6 +321,7 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 print(f"audit schema at version {await migrate()}")
         finally:
             await audit.close()
+    await migrate_legacy(runtime, do_import=args.import_0_20)
     return 0
 
 
@@ -323,6 +334,9 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     if args.user_id is not None:
         filters["user_id"] = args.user_id
     sessions = await runtime.sessions(**filters)
+    note = await legacy_note(runtime, pending_only=True)
+    if note is not None and args.json:
+        print(f"loomflow: {note}", file=sys.stderr)  # stdout stays JSON lines
     if args.json:
         for s in sessions:
             print(
@@ -341,6 +355,8 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         return 0
     if not sessions:
         print("no sessions in the journal")
+        if note is not None:
+            print(note)
         return 0
     rows: list[tuple[Any, ...]] = [
         ("session", "user", "runs", "last run", "steps", "updated (UTC)")
@@ -352,6 +368,8 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             (s.session_id, s.user_id or "-", runs_done, state, s.entries, _when(s.updated_at))
         )
     table(rows)
+    if note is not None:
+        print(note)
     return 0
 
 

@@ -17,6 +17,14 @@ from ._journal import (
     StepStart,
     StepTracer,
 )
+from ._legacy import (
+    LAYOUT_0_20,
+    LegacyImport,
+    LegacyJournal,
+    LegacyTable,
+    import_legacy_journal,
+    inspect_legacy_journal,
+)
 from ._protocol import Runtime
 from ._store import EntryInfo, SessionInfo
 from ._url import runtime_from_url
@@ -32,6 +40,10 @@ __all__ = [
     "InMemoryRuntime",
     "JournalRun",
     "JournalRuntime",
+    "LAYOUT_0_20",
+    "LegacyImport",
+    "LegacyJournal",
+    "LegacyTable",
     "PickledEntryWarning",
     "PostgresRuntime",
     "ReplayStats",
@@ -42,6 +54,8 @@ __all__ = [
     "StepStart",
     "StepTracer",
     "is_registered",
+    "import_legacy_journal",
+    "inspect_legacy_journal",
     "register_type",
     "runtime_from_url",
 ]

@@ -15,6 +15,7 @@ from typing import Any
 
 from .._progress import OnProgress, Progress
 from ..storage import Database, apply_migrations, require_schema
+from ._legacy import report_on_open
 from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
 from .migrations import COMPONENT, MIGRATIONS
 
@@ -138,6 +139,8 @@ class SqlJournalStore:
     async def open(self, *, migrate: bool) -> None:
         await self.db.open()
         try:
+            # First, so that a 0.20 journal is reported even when the schema check refuses.
+            await report_on_open(self.db)
             if migrate:
                 await self.migrate()
             else:
