@@ -75,7 +75,8 @@ async def test_postgres_store_shares_the_runtime_pool(pg_dsn: str) -> None:
     async with runtime.session("s", "alice"):
         assert await runtime.step("a", lambda: 1) == 1
     versions = await runtime.database.fetch(
-        "SELECT component, version FROM loom_schema_version WHERE component = 'audit'"
+        "SELECT component, MAX(version) FROM loom_schema_version WHERE component = 'audit' "
+        "GROUP BY component"
     )
     assert [tuple(v) for v in versions] == [("audit", SCHEMA_VERSION)]
     await runtime.close()
