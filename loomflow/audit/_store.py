@@ -185,8 +185,9 @@ class AuditStore(abc.ABC):
     """Where audit entries live. Subclasses implement the ``_``-methods."""
 
     backend: str
-    #: A head that lags the chain is tampering on SQL stores (head and entry are written in
-    #: one transaction) but only a crash window on JSONL files.
+    #: Whether a head that lags the chain is tampering (every backend here: SQL writes head
+    #: and entry in one transaction, JSONL tells a crashed append by its recorded intent).
+    #: A backend that cannot tell sets it false, and entries past the head are warnings.
     head_written_atomically: bool = True
 
     async def open(self) -> None:  # noqa: B027 - most backends have nothing to open
