@@ -233,6 +233,13 @@ async def test_migrate_creates_a_missing_role_nologin_and_refuses_owners(
                 await grant_app_role(db, f"{app_role}_su")
         finally:
             _run(pg_dsn, f'DROP ROLE "{app_role}_su"')
+        # A member of the owning role can act as the owner (ALTER TABLE ... DISABLE TRIGGER).
+        _run(pg_dsn, f'CREATE ROLE "{app_role}_m" LOGIN IN ROLE postgres')
+        try:
+            with pytest.raises(UserError, match="member of the owner"):
+                await grant_app_role(db, f"{app_role}_m")
+        finally:
+            _run(pg_dsn, f'DROP ROLE "{app_role}_m"')
         with pytest.raises(UserError, match="running the migrations"):
             me = (await db.fetch("SELECT current_user"))[0][0]
             await grant_app_role(db, str(me))
