@@ -133,7 +133,10 @@ class JsonlAuditStore(AuditStore):
         last = heads.get("last")
         if not isinstance(last, dict):
             return size == 0 or "last" not in heads  # heads files of 0.1 do not record it
-        raw = self._read(int(last["start"]), size)
+        start = last.get("start")
+        if not isinstance(start, int) or not 0 <= start < size:
+            return False
+        raw = self._read(start, size)
         return raw.endswith(b"\n") and hashlib.sha256(raw).hexdigest() == last.get("sha256")
 
     @staticmethod
@@ -161,9 +164,11 @@ class JsonlAuditStore(AuditStore):
         append is cut off the file; without (for ``verify``), it is only left out.
         """
         pending = heads.pop("pending", None)
-        if not isinstance(pending, dict) or int(pending.get("start", -1)) != int(heads["size"]):
+        if not isinstance(pending, dict):
             return size
-        start, end = int(pending["start"]), int(pending["end"])
+        start, end = pending.get("start"), pending.get("end")
+        if not isinstance(start, int) or not isinstance(end, int) or start != heads["size"]:
+            return size  # not this file's intent: whatever follows the heads is damage
         if size == end:
             raw = self._read(start, end)
             if hashlib.sha256(raw).hexdigest() == pending.get("sha256"):
@@ -306,7 +311,7 @@ class JsonlAuditStore(AuditStore):
             }
             self._write_heads(heads)
             try:
-                self._write_lines(data, start)
+                self._write_lines(data)
                 self._adopt(heads, data, start)
                 del heads["pending"]
                 self._write_heads(heads)
@@ -316,7 +321,7 @@ class JsonlAuditStore(AuditStore):
                 raise
         return entries
 
-    def _write_lines(self, data: bytes, start: int) -> None:
+    def _write_lines(self, data: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         try:
             view = memoryview(data)
