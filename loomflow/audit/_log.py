@@ -10,7 +10,7 @@ import datetime as dt
 import logging
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
@@ -26,7 +26,7 @@ from ..runtime import StepEvent
 from ..tools import Tool, ToolOutcome
 from . import actions
 from ._entry import AuditEntry, AuditRecord
-from ._store import ANY_USER, AuditPage, AuditStore, VerifyReport
+from ._store import ANY_USER, AuditPage, AuditStore, ChainHead, VerifyReport
 from ._url import audit_store_from_url
 from .redaction import Redactor, install_log_redaction
 
@@ -149,10 +149,14 @@ class AuditLog:
         return await self.store.export(dest, on_progress=on_progress, **filters)
 
     async def verify(
-        self, *, user_id: str | None = ANY_USER, on_progress: OnProgress | None = None
+        self,
+        *,
+        user_id: str | None = ANY_USER,
+        on_progress: OnProgress | None = None,
+        heads: Iterable[ChainHead] = (),
     ) -> VerifyReport:
-        """Check the hash chains; see :meth:`AuditStore.verify`."""
-        return await self.store.verify(user_id=user_id, on_progress=on_progress)
+        """Check the hash chains (and heads saved earlier); see :meth:`AuditStore.verify`."""
+        return await self.store.verify(user_id=user_id, on_progress=on_progress, heads=heads)
 
     async def close(self) -> None:
         """Close the store."""

@@ -2,8 +2,9 @@
 
 Appending a user's records is one transaction under a per-user lock (a PostgreSQL advisory
 transaction lock keyed by the user; SQLite's database write lock): read the user's head, insert
-the sealed entries, move the head. ``UNIQUE (user_key, seq)`` backs the lock up: a writer that
-somehow raced would fail rather than fork the chain.
+the sealed entries; a trigger moves the head and refuses an entry that does not extend it.
+``UNIQUE (user_key, seq)`` backs the lock up: a writer that somehow raced would fail rather
+than fork the chain.
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ _INSERT_COLUMNS = (
 _HEAD = """
 SELECT CAST({now} * 1000000 AS BIGINT), h.seq, h.hash
 FROM (SELECT 1 AS one) AS clock LEFT JOIN loom_audit_heads h ON h.user_key = $1
-"""
-_MOVE_HEAD = """
-INSERT INTO loom_audit_heads (user_key, user_id, seq, hash) VALUES ($1, $2, $3, $4)
-ON CONFLICT (user_key) DO UPDATE SET seq = excluded.seq, hash = excluded.hash
 """
 _PAGE = 1000
 
@@ -137,10 +134,10 @@ class SqlAuditStore(AuditStore):
                     entry.prev_hash,
                     entry.hash,
                 ]
+            # The insert trigger moves the head (audit schema version 2).
             await tx.execute(
                 f"INSERT INTO loom_audit {_INSERT_COLUMNS} VALUES {', '.join(rows)}", *args
             )
-            await tx.execute(_MOVE_HEAD, key, records[0].user_id, seq, prev)
         return entries
 
     async def _query(

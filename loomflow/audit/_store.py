@@ -185,8 +185,9 @@ class AuditStore(abc.ABC):
     """Where audit entries live. Subclasses implement the ``_``-methods."""
 
     backend: str
-    #: A head that lags the chain is tampering on SQL stores (head and entry are written in
-    #: one transaction) but only a crash window on JSONL files.
+    #: Whether a head that lags the chain is tampering (every backend here: SQL writes head
+    #: and entry in one transaction, JSONL tells a crashed append by its recorded intent).
+    #: A backend that cannot tell sets it false, and entries past the head are warnings.
     head_written_atomically: bool = True
 
     async def open(self) -> None:  # noqa: B027 - most backends have nothing to open
@@ -361,16 +362,28 @@ class AuditStore(abc.ABC):
     # -- verification -----------------------------------------------------------------------
 
     async def verify(
-        self, *, user_id: str | None = ANY_USER, on_progress: OnProgress | None = None
+        self,
+        *,
+        user_id: str | None = ANY_USER,
+        on_progress: OnProgress | None = None,
+        heads: Iterable[ChainHead] = (),
     ) -> VerifyReport:
         """Walk the chains (one user's, or all) and report every break, with its place.
 
-        With ``on_progress(done, total)``, the entries are counted first (:meth:`count`) and
-        the callback hears after every 1000 stored items walked.
+        Args:
+            user_id: Only this user's chain (all users when left out).
+            on_progress: ``on_progress(done, total)``: the entries are counted first
+                (:meth:`count`) and the callback hears after every 1000 stored items walked.
+            heads: Heads saved earlier, away from this store (the ``heads`` of an older
+                report, see :func:`~loomflow.audit.heads_from_json`). The entry at each saved
+                head's ``seq`` must still be the one it names, and no trail may end before
+                one: that catches a trail rewritten, head included, by someone who can
+                write the storage.
         """
         await self.open()
         only = None if user_id is ANY_USER else user_key(user_id)
-        heads = await self._heads(only)
+        saved = _saved_by_user(heads, only)
+        heads_now, items = await self._verify_source(only)
         report = VerifyReport()
         checker: _ChainCheck | None = None
         seen: set[str] = set()
@@ -379,22 +392,22 @@ class AuditStore(abc.ABC):
             await self.count(user_id=user_id) if on_progress is not None else None,
             every=_PAGE,
         )
-        async for key, position, item in self._chain_items(only):
+        async for key, position, item in items:
             progress.advance(1)
             if isinstance(item, ChainProblem):
                 report.problems.append(item)
                 continue
             if checker is None or checker.key != key:
                 if checker is not None:
-                    checker.finish(heads.get(checker.key), report, self.head_written_atomically)
-                checker = _ChainCheck(key, item.user_id)
+                    self._finish(checker, heads_now.get(checker.key), report)
+                checker = _ChainCheck(key, item.user_id, saved.get(key, ()))
                 seen.add(key)
                 report.users += 1
             report.entries += 1
             checker.feed(position, item, report)
         if checker is not None:
-            checker.finish(heads.get(checker.key), report, self.head_written_atomically)
-        for key, head in sorted(heads.items()):
+            self._finish(checker, heads_now.get(checker.key), report)
+        for key, head in sorted(heads_now.items()):
             if key not in seen:  # every entry of the user is gone
                 report.users += 1
                 report.problems.append(
@@ -406,9 +419,37 @@ class AuditStore(abc.ABC):
                         f"all {head.seq} entries are missing (the head records seq {head.seq})",
                     )
                 )
-        report.heads = [heads[k] for k in sorted(heads)]
+        for key, gone in sorted(saved.items()):
+            if key not in seen and key not in heads_now:  # entries and head both deleted
+                last = max(gone, key=lambda h: h.seq)
+                report.users += 1
+                report.problems.append(
+                    ChainProblem(
+                        last.user_id,
+                        "truncated",
+                        1,
+                        None,
+                        f"all entries and the head are missing, but a saved head records "
+                        f"seq {last.seq}: the trail was deleted",
+                    )
+                )
+        report.heads = [heads_now[k] for k in sorted(heads_now)]
         progress.finish()
         return report
+
+    def _finish(self, checker: _ChainCheck, head: ChainHead | None, report: VerifyReport) -> None:
+        checker.finish(head, report, self.head_written_atomically)
+        checker.finish_saved(report)
+
+    async def _verify_source(
+        self, only: str | None
+    ) -> tuple[dict[str, ChainHead], AsyncIterator[ChainItem]]:
+        """The recorded heads and the entries that ``verify`` compares them with.
+
+        A backend whose heads and entries can be read apart from each other's writes
+        overrides this to read them as one snapshot.
+        """
+        return await self._heads(only), self._chain_items(only)
 
     @abc.abstractmethod
     def _chain_items(self, only: str | None) -> AsyncIterator[ChainItem]:
@@ -422,7 +463,7 @@ class AuditStore(abc.ABC):
 class _ChainCheck:
     """Checks one user's entries, fed in ``seq`` order."""
 
-    def __init__(self, key: str, user_id: str | None) -> None:
+    def __init__(self, key: str, user_id: str | None, saved: Iterable[ChainHead] = ()) -> None:
         self.key = key
         self.user_id = user_id
         self.expected = 1
@@ -430,6 +471,10 @@ class _ChainCheck:
         self.prev_position: int | None = None
         self.last_seq = 0
         self.last_hash: str | None = None
+        self.first_seq: int | None = None
+        # Heads saved away from the store: (seq, hash) pairs the trail must still hold.
+        self.saved = sorted({(h.seq, h.hash) for h in saved})
+        self.saved_at = {seq for seq, _ in self.saved}
 
     def _problem(
         self, report: VerifyReport, kind: ProblemKind, seq: int | None, pos: int | None, text: str
@@ -444,6 +489,8 @@ class _ChainCheck:
 
     def feed(self, position: int, entry: AuditEntry, report: VerifyReport) -> None:
         seq = entry.seq
+        if self.first_seq is None:
+            self.first_seq = seq
         if entry.computed_hash() != entry.hash:
             self._problem(
                 report,
@@ -452,6 +499,19 @@ class _ChainCheck:
                 position,
                 f"entry {seq} was changed: it no longer matches its hash",
             )
+        if seq in self.saved_at:
+            for saved_seq, saved_hash in self.saved:
+                if saved_seq == seq and saved_hash != entry.hash:
+                    # Rewritten from here on with fresh hashes: the chain itself is whole
+                    # again, only the copy kept elsewhere can tell.
+                    self._problem(
+                        report,
+                        "head_mismatch",
+                        seq,
+                        position,
+                        f"entry {seq} is not the entry a saved head recorded at seq {seq}: "
+                        "the trail was rewritten",
+                    )
         if seq <= self.last_seq:
             self._problem(report, "duplicate", seq, position, f"a second entry claims seq {seq}")
             return
@@ -533,6 +593,49 @@ class _ChainCheck:
                     f"(seq {head.seq})",
                 )
             )
+
+    def finish_saved(self, report: VerifyReport) -> None:
+        """Compare the end of the walk with the saved heads (after :meth:`finish`)."""
+        if not self.saved:
+            return
+        furthest = self.saved[-1][0]
+        if furthest > self.last_seq:
+            gap = (
+                f"entry {furthest} is"
+                if furthest == self.last_seq + 1
+                else f"entries {self.last_seq + 1}-{furthest} are"
+            )
+            self._problem(
+                report,
+                "truncated",
+                self.last_seq + 1,
+                None,
+                f"{gap} missing at the end: a saved head records seq {furthest}",
+            )
+        earliest = self.saved[0][0]
+        if self.first_seq is not None and earliest < self.first_seq:
+            report.warnings.append(
+                ChainProblem(
+                    self.user_id,
+                    "unanchored",
+                    earliest,
+                    None,
+                    f"a saved head records seq {earliest}, before the first entry checked "
+                    f"({self.first_seq}): it cannot be compared here",
+                )
+            )
+
+
+def _saved_by_user(heads: Iterable[ChainHead], only: str | None) -> dict[str, list[ChainHead]]:
+    """Saved heads grouped by user key (only one user's with ``only``)."""
+    grouped: dict[str, list[ChainHead]] = {}
+    for head in heads:
+        if not isinstance(head, ChainHead):
+            raise UserError(f"heads must be ChainHead objects, not {type(head).__name__}")
+        key = user_key(head.user_id)
+        if only is None or key == only:
+            grouped.setdefault(key, []).append(head)
+    return grouped
 
 
 def _parse_cursor(cursor: str | None) -> int | None:

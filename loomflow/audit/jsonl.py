@@ -1,10 +1,18 @@
 """The audit log as a JSON-lines file: one exported entry per line, readable with ``jq``.
 
-Appends from several processes take an exclusive ``flock`` on ``<file>.lock``. The head of every
-user's chain is kept in ``<file>.heads`` together with the file size it describes, rewritten
-(atomically, by rename) after each append: the heads are what reveal a truncated tail, and the
-size lets the next writer adopt lines that a crashed writer appended without updating the
-heads, or cut off a line it left half-written.
+Appends from several processes take an exclusive ``flock`` on ``<file>.lock``. Beside the file,
+``<file>.heads`` records every user's chain head, the file size those heads describe and where
+the last line starts, and is rewritten (atomically, by rename) around each append:
+
+1. the append's intent is recorded first: where its bytes will go and their SHA-256;
+2. the lines are written (all of them, or none: a failed write is cut off again);
+3. the new heads and size are recorded, and the intent dropped.
+
+So the next writer can tell a crashed append's lines (they match the intent: adopted, or cut
+if the crash left them half-written) from lines someone else added, and it notices a file that
+shrank or changed at its end. Such damage is pinned on the users whose chains it breaks: their
+appends are refused from then on (``AuditIntegrityError``), everyone else's go on, and
+``verify()`` reports it.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -20,9 +29,17 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import AuditIntegrityError
+from ..errors import AuditError, AuditIntegrityError
 from ._entry import GENESIS, AuditEntry, AuditRecord, user_key
-from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
+from ._store import (
+    AuditFilter,
+    AuditStore,
+    ChainHead,
+    ChainItem,
+    ChainProblem,
+    VerifyReport,
+    _ChainCheck,
+)
 
 __all__ = ["JsonlAuditStore"]
 
@@ -37,11 +54,11 @@ class JsonlAuditStore(AuditStore):
         fsync: Flush every append to disk before returning (power-loss safe).
 
     A file offers no append-only guarantee of its own: ``verify()`` finds edits, deletions,
-    reordering and truncation, but keep the file where only loomflow's processes can write.
+    reordering, truncation and lines added behind the store's back, but keep the file where
+    only loomflow's processes can write.
     """
 
     backend = "jsonl"
-    head_written_atomically = False
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.path = Path(path)
@@ -76,21 +93,26 @@ class JsonlAuditStore(AuditStore):
                     "recorded: entries were removed; run `loomflow audit verify`"
                 )
             if not self.heads_path.exists():
-                # Lines written before the heads existed are taken in, as an append would.
-                heads["size"] = self._adopt_tail(heads, size) if size else 0
+                if size:
+                    # Lines no heads file vouches for may have been written by anyone: adopting
+                    # them here would launder a forged trail.
+                    raise AuditIntegrityError(
+                        f"{self.path} holds entries but its heads file {self.heads_path} is "
+                        "missing: restore it, or check the file with `loomflow audit verify --file`"
+                    )
                 self._write_heads(heads)
             return created
 
     # -- files ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, mode: int = fcntl.LOCK_EX) -> Iterator[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # A fresh descriptor per holder: flock excludes other descriptors, so threads of this
         # process queue here exactly like other processes do.
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o640)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, mode)
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the lock
@@ -102,18 +124,26 @@ class JsonlAuditStore(AuditStore):
             return {"size": 0, "users": {}}
         except ValueError as exc:
             raise AuditIntegrityError(f"{self.heads_path} is unreadable: {exc}") from exc
-        if not isinstance(data, dict) or not isinstance(data.get("users"), dict):
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("users"), dict)
+            or not isinstance(data.get("size"), int)
+        ):
             raise AuditIntegrityError(f"{self.heads_path} is not a heads file")
         return data
 
     def _write_heads(self, heads: dict[str, Any]) -> None:
         tmp = self.heads_path.with_name(self.heads_path.name + f".{os.getpid()}.tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
-            json.dump(heads, fh, ensure_ascii=False, separators=(",", ":"))
-            fh.flush()
-            if self.fsync:
-                os.fsync(fh.fileno())
-        os.replace(tmp, self.heads_path)
+        try:
+            with tmp.open("w", encoding="utf-8") as fh:
+                json.dump(heads, fh, ensure_ascii=False, separators=(",", ":"))
+                fh.flush()
+                if self.fsync:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, self.heads_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         if self.fsync:
             dir_fd = os.open(self.path.parent, os.O_RDONLY)
             try:
@@ -121,43 +151,182 @@ class JsonlAuditStore(AuditStore):
             finally:
                 os.close(dir_fd)
 
-    def _adopt_tail(self, heads: dict[str, Any], size: int) -> int:
-        """Take in lines written after the heads were last saved; cut a torn last line."""
-        start = int(heads["size"])
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _read(self, start: int, end: int) -> bytes:
         with self.path.open("rb") as fh:
             fh.seek(start)
-            tail = fh.read(size - start)
-        complete = tail.rfind(b"\n") + 1
-        if complete < len(tail):
-            log.warning(
-                "%s ends in a half-written line (%d bytes) left by a crashed writer; cut it off",
-                self.path,
-                len(tail) - complete,
-            )
-            os.truncate(self.path, start + complete)
-        for raw in tail[:complete].splitlines():
-            try:
-                entry = AuditEntry.from_json(json.loads(raw))
-            except ValueError:
-                continue  # verify() reports unreadable lines
+            return fh.read(end - start)
+
+    def _last_line_ok(self, heads: dict[str, Any], size: int) -> bool:
+        """Whether the file still ends with the line the heads say was written last."""
+        last = heads.get("last")
+        if not isinstance(last, dict):
+            return size == 0 or "last" not in heads  # heads files of 0.1 do not record it
+        start = last.get("start")
+        if not isinstance(start, int) or not 0 <= start < size:
+            return False
+        raw = self._read(start, size)
+        return raw.endswith(b"\n") and hashlib.sha256(raw).hexdigest() == last.get("sha256")
+
+    @staticmethod
+    def _adopt(heads: dict[str, Any], raw: bytes, start: int) -> None:
+        """Record the lines ``raw`` (written at ``start``, ending in a newline) in ``heads``."""
+        lines = raw.splitlines(keepends=True)
+        for line in lines:
+            entry = AuditEntry.from_json(json.loads(line))
             heads["users"][user_key(entry.user_id)] = {
                 "user_id": entry.user_id,
                 "seq": entry.seq,
                 "hash": entry.hash,
             }
-        return start + complete
+        end = start + len(raw)
+        heads["size"] = end
+        heads["last"] = {
+            "start": end - len(lines[-1]),
+            "sha256": hashlib.sha256(lines[-1]).hexdigest(),
+        }
+
+    def _settle_pending(self, heads: dict[str, Any], size: int, *, repair: bool) -> int:
+        """Finish what an append that stopped half-way left (see the module docstring).
+
+        Returns the size up to which the file is accounted for. With ``repair``, a torn
+        append is cut off the file; without (for ``verify``), it is only left out.
+        """
+        pending = heads.pop("pending", None)
+        if not isinstance(pending, dict):
+            return size
+        start, end = pending.get("start"), pending.get("end")
+        if not isinstance(start, int) or not isinstance(end, int) or start != heads["size"]:
+            return size  # not this file's intent: whatever follows the heads is damage
+        if size == end:
+            raw = self._read(start, end)
+            if hashlib.sha256(raw).hexdigest() == pending.get("sha256"):
+                # Written in full by a process that died before recording it: it was
+                # sealed under the lock from the recorded heads, so it belongs in the chains.
+                self._adopt(heads, raw, start)
+                log.warning(
+                    "%s: adopted %d bytes that an append wrote before its process stopped",
+                    self.path,
+                    end - start,
+                )
+                return size
+        elif start < size < end:
+            # The append never returned, so none of it was acknowledged: it goes as a whole.
+            log.warning(
+                "%s ends in %d bytes of an append whose process stopped mid-write; %s",
+                self.path,
+                size - start,
+                "cut them off" if repair else "they are left out until the next append",
+            )
+            if repair:
+                os.truncate(self.path, start)
+            return start
+        return size
+
+    def _damage(self, heads: dict[str, Any], size: int) -> None:
+        """The file does not end where the heads say: find whose chains broke, and carry on.
+
+        One full pass over the file. Users whose chain no longer checks out (entries gone,
+        changed, or added behind the store's back) are marked damaged, so their appends are
+        refused and the damage stays in view; the heads then describe the file as it is, so
+        every other user can go on appending.
+        """
+        if size and self._read(size - 1, size) != b"\n":
+            # A line someone left without its newline: end it, so that the next entry gets a
+            # line of its own (``verify`` reports the fragment as unreadable).
+            with self.path.open("ab") as fh:
+                fh.write(b"\n")
+            size += 1
+        recorded = {
+            key: ChainHead(h.get("user_id"), int(h["seq"]), str(h["hash"]))
+            for key, h in heads["users"].items()
+        }
+        report = VerifyReport()
+        items = sorted(self._scan(None, size), key=_chain_order)
+        checker: _ChainCheck | None = None
+        seen: set[str] = set()
+        last: tuple[int, bytes] | None = None
+        for key, _seq, number, item in items:
+            if isinstance(item, ChainProblem):
+                continue  # an unreadable line belongs to nobody
+            if checker is None or checker.key != key:
+                if checker is not None:
+                    checker.finish(recorded.get(checker.key), report, True)
+                checker = _ChainCheck(key, item.user_id)
+                seen.add(key)
+            checker.feed(number, item, report)
+        if checker is not None:
+            checker.finish(recorded.get(checker.key), report, True)
+        for key, head in recorded.items():
+            if key not in seen:
+                report.problems.append(
+                    ChainProblem(head.user_id, "truncated", 1, None, "all entries are missing")
+                )
+        damaged: dict[str, Any] = heads.setdefault("damaged", {})
+        for problem in report.problems:
+            key = user_key(problem.user_id)
+            if key not in damaged:
+                damaged[key] = {"user_id": problem.user_id, "problem": problem.kind}
+                log.error(
+                    "%s: the audit trail of user %r is damaged (%s: %s); appends for this user "
+                    "are refused from now on",
+                    self.path,
+                    problem.user_id,
+                    problem.kind,
+                    problem.detail,
+                )
+        for start, raw in self._line_spans(size):
+            last = (start, raw)
+        heads["size"] = size
+        heads["last"] = (
+            None
+            if last is None
+            else {"start": last[0], "sha256": hashlib.sha256(last[1]).hexdigest()}
+        )
+
+    def _line_spans(self, size: int) -> Iterator[tuple[int, bytes]]:
+        """Every complete line within the first ``size`` bytes, with its byte offset."""
+        offset = 0
+        try:
+            fh = self.path.open("rb")
+        except FileNotFoundError:
+            return
+        with fh:
+            for raw in fh:
+                if offset + len(raw) > size or not raw.endswith(b"\n"):
+                    return
+                yield offset, raw
+                offset += len(raw)
 
     def _append_sync(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
+        try:
+            return self._append_locked(key, records)
+        except OSError as exc:
+            # A full disk, a quota, a read-only mount: a typed error, and the file as it was.
+            raise AuditError(
+                f"cannot append to the audit log {self.path}: {exc.strerror or exc}"
+            ) from exc
+
+    def _append_locked(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
         with self._locked():
             heads = self._read_heads()
-            size = self.path.stat().st_size if self.path.exists() else 0
-            if size < int(heads["size"]):
+            size = self._settle_pending(heads, self._size(), repair=True)
+            if size != int(heads["size"]) or not self._last_line_ok(heads, size):
+                self._damage(heads, size)
+                self._write_heads(heads)
+            damage = heads.get("damaged", {}).get(key)
+            if damage is not None:
                 raise AuditIntegrityError(
-                    f"{self.path} is {size} bytes, shorter than the {heads['size']} bytes already "
-                    "recorded: entries were removed; run `loomflow audit verify`"
+                    f"the audit trail of user {records[0].user_id!r} in {self.path} is damaged "
+                    f"({damage.get('problem')}): its appends are refused so that the damage "
+                    "stays in view; run `loomflow audit verify` and restore the file and its "
+                    ".heads from a backup"
                 )
-            if size > int(heads["size"]):
-                size = self._adopt_tail(heads, size)
             head = heads["users"].get(key)
             seq, prev = (int(head["seq"]), str(head["hash"])) if head else (0, GENESIS)
             now_us = time.time_ns() // 1000
@@ -168,19 +337,49 @@ class JsonlAuditStore(AuditStore):
                 prev = entry.hash
                 entries.append(entry)
             data = "".join(e.to_line() + "\n" for e in entries).encode("utf-8")
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
-            try:
-                written = os.write(fd, data)
-                if written != len(data):
-                    raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            heads["size"] = size + len(data)
-            heads["users"][key] = {"user_id": records[0].user_id, "seq": seq, "hash": prev}
+            start = int(heads["size"])
+            heads["pending"] = {
+                "start": start,
+                "end": start + len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
             self._write_heads(heads)
+            try:
+                self._write_lines(data)
+                self._adopt(heads, data, start)
+                del heads["pending"]
+                self._write_heads(heads)
+            except BaseException:
+                if self._intent_open():  # the new heads did not land: nor may the lines
+                    self._cut(start)
+                raise
         return entries
+
+    def _write_lines(self, data: bytes) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        try:
+            view = memoryview(data)
+            while view:  # a write may stop short (a file size limit): go on until it fails
+                written = os.write(fd, view)
+                view = view[written:]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _intent_open(self) -> bool:
+        try:
+            return "pending" in self._read_heads()
+        except (OSError, AuditIntegrityError):
+            return True
+
+    def _cut(self, start: int) -> None:
+        """Take a failed append's bytes off the file again, so no torn line stays behind."""
+        try:
+            if self._size() > start:
+                os.truncate(self.path, start)
+        except OSError as exc:  # e.g. not a regular file; the recorded intent still covers it
+            log.warning("could not cut a failed append off %s: %s", self.path, exc)
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """Complete lines with their 1-based numbers (a line being written is left out)."""
@@ -233,26 +432,56 @@ class JsonlAuditStore(AuditStore):
         # One pass over the file: the default would re-read it from the top for every page.
         return await asyncio.to_thread(scan)
 
-    async def _chain_items(self, only: str | None) -> AsyncIterator[ChainItem]:
-        def scan() -> list[tuple[str, int, int, AuditEntry | ChainProblem]]:
-            items: list[tuple[str, int, int, AuditEntry | ChainProblem]] = []
-            for number, raw in self._lines():
-                try:
-                    entry = AuditEntry.from_json(json.loads(raw))
-                except (ValueError, TypeError) as exc:
-                    problem = ChainProblem(
-                        None, "unreadable", None, number, f"line {number} is not an entry: {exc}"
-                    )
-                    items.append(("", -1, number, problem))
-                    continue
-                key = user_key(entry.user_id)
-                if only is None or key == only:
-                    items.append((key, entry.seq, number, entry))
-            items.sort(key=lambda item: (item[0], item[1], item[2]))
-            return items
+    def _scan(self, only: str | None, size: int) -> list[ScanItem]:
+        """The entries (or unreadable lines) within the first ``size`` bytes."""
+        items: list[ScanItem] = []
+        for number, (_start, raw) in enumerate(self._line_spans(size), start=1):
+            try:
+                entry = AuditEntry.from_json(json.loads(raw))
+            except (ValueError, TypeError) as exc:
+                problem = ChainProblem(
+                    None, "unreadable", None, number, f"line {number} is not an entry: {exc}"
+                )
+                items.append(("", -1, number, problem))
+                continue
+            key = user_key(entry.user_id)
+            if only is None or key == only:
+                items.append((key, entry.seq, number, entry))
+        return items
 
-        for key, _seq, number, item in await asyncio.to_thread(scan):
+    async def _chain_items(self, only: str | None) -> AsyncIterator[ChainItem]:
+        for key, _seq, number, item in await asyncio.to_thread(
+            lambda: sorted(self._scan(only, self._size()), key=_chain_order)
+        ):
             yield key, number, item
+
+    async def _verify_source(
+        self, only: str | None
+    ) -> tuple[dict[str, ChainHead], AsyncIterator[ChainItem]]:
+        def snapshot() -> tuple[dict[str, Any], int]:
+            # Under a shared lock no append is half-done, so heads and size agree, except
+            # after a writer died mid-append: settled here as the next append would.
+            with self._locked(fcntl.LOCK_SH):
+                heads = self._read_heads()
+                size = self._settle_pending(heads, self._size(), repair=False)
+            return heads, size
+
+        heads, size = await asyncio.to_thread(snapshot)
+        recorded = {
+            key: ChainHead(h.get("user_id"), int(h["seq"]), str(h["hash"]))
+            for key, h in heads["users"].items()
+            if only is None or key == only
+        }
+
+        async def items() -> AsyncIterator[ChainItem]:
+            # Lines appended after the snapshot are left for the next verify.
+            scanned = await asyncio.to_thread(
+                lambda: sorted(self._scan(only, size), key=_chain_order)
+            )
+            for key, _seq, number, item in scanned:
+                yield key, number, item
+
+        return recorded, items()
 
     async def _heads(self, only: str | None) -> dict[str, ChainHead]:
         heads = await asyncio.to_thread(self._read_heads)
@@ -261,3 +490,11 @@ class JsonlAuditStore(AuditStore):
             for key, h in heads["users"].items()
             if only is None or key == only
         }
+
+
+ScanItem = tuple[str, int, int, AuditEntry | ChainProblem]
+"""``(user_key, seq, line number, entry or problem)``."""
+
+
+def _chain_order(item: ScanItem) -> tuple[str, int, int]:
+    return item[0], item[1], item[2]

@@ -8,6 +8,7 @@ only PostgreSQL has), so each dialect gets its own list of the same length.
 from __future__ import annotations
 
 from ..storage import Migration
+from ._entry import GENESIS
 
 __all__ = ["COMPONENT", "SCHEMA_VERSION", "migrations_for"]
 
@@ -89,12 +90,71 @@ _POSTGRES_GUARDS = (
 
 _DESCRIPTION = "audit entries with per-user chains and heads; edits refused by triggers"
 
+# Version 2: the database, not the writer, moves a user's head, from the entry being inserted,
+# and refuses an entry that does not extend the head (seq + 1, prev_hash = the head's hash).
+# So the application role needs no write access to the heads at all (``loomflow migrate
+# --app-role`` grants it SELECT only): it cannot move, fork or erase a head, only append an
+# entry that chains on. On PostgreSQL the trigger function runs as the tables' owner
+# (SECURITY DEFINER) with a search_path pinned to the schema it was created in, pg_temp last,
+# so an application role's own objects cannot stand in for the tables.
+_SQLITE_CHAIN = (
+    f"""CREATE TRIGGER loom_audit_chain BEFORE INSERT ON loom_audit
+    WHEN NEW.seq IS NOT COALESCE(
+            (SELECT seq FROM loom_audit_heads WHERE user_key = NEW.user_key), 0) + 1
+        OR NEW.prev_hash IS NOT COALESCE(
+            (SELECT hash FROM loom_audit_heads WHERE user_key = NEW.user_key), '{GENESIS}')
+    BEGIN SELECT RAISE(ABORT, 'loom_audit: an entry must extend its user''s chain head'); END""",
+    """CREATE TRIGGER loom_audit_move_head AFTER INSERT ON loom_audit
+    BEGIN
+        INSERT INTO loom_audit_heads (user_key, user_id, seq, hash)
+        VALUES (NEW.user_key, NEW.user_id, NEW.seq, NEW.hash)
+        ON CONFLICT (user_key) DO UPDATE SET seq = excluded.seq, hash = excluded.hash;
+    END""",
+)
+
+# format() fills in the schema; its own "%" are doubled.
+_POSTGRES_CHAIN = (
+    f"""DO $do$ BEGIN EXECUTE format($fn$
+    CREATE FUNCTION loom_audit_chain() RETURNS trigger LANGUAGE plpgsql
+    SECURITY DEFINER SET search_path = %I, pg_temp AS $body$
+    DECLARE
+        head_seq BIGINT;
+        head_hash TEXT;
+    BEGIN
+        SELECT seq, hash INTO head_seq, head_hash FROM loom_audit_heads
+            WHERE user_key = NEW.user_key FOR UPDATE;
+        IF NOT FOUND THEN
+            head_seq := 0;
+            head_hash := '{GENESIS}';
+        END IF;
+        IF NEW.seq IS DISTINCT FROM head_seq + 1 OR NEW.prev_hash IS DISTINCT FROM head_hash THEN
+            RAISE EXCEPTION 'loom_audit: entry %% of %% does not extend its chain head (seq %%)',
+                NEW.seq, NEW.user_key, head_seq USING ERRCODE = 'integrity_constraint_violation';
+        END IF;
+        INSERT INTO loom_audit_heads (user_key, user_id, seq, hash)
+            VALUES (NEW.user_key, NEW.user_id, NEW.seq, NEW.hash)
+            ON CONFLICT (user_key) DO UPDATE SET seq = excluded.seq, hash = excluded.hash;
+        RETURN NEW;
+    END $body$ $fn$, current_schema()); END $do$""",
+    "REVOKE ALL ON FUNCTION loom_audit_chain() FROM PUBLIC",
+    """CREATE TRIGGER loom_audit_chain BEFORE INSERT ON loom_audit
+    FOR EACH ROW EXECUTE FUNCTION loom_audit_chain()""",
+)
+
+_CHAIN = "heads moved by the database from each inserted entry, which must extend the head"
+
 _MIGRATIONS = {
-    "sqlite": (Migration(_DESCRIPTION, _TABLES + _SQLITE_GUARDS),),
-    "postgres": (Migration(_DESCRIPTION, _TABLES + _POSTGRES_GUARDS),),
+    "sqlite": (
+        Migration(_DESCRIPTION, _TABLES + _SQLITE_GUARDS),
+        Migration(_CHAIN, _SQLITE_CHAIN),
+    ),
+    "postgres": (
+        Migration(_DESCRIPTION, _TABLES + _POSTGRES_GUARDS),
+        Migration(_CHAIN, _POSTGRES_CHAIN),
+    ),
 }
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def migrations_for(dialect: str) -> tuple[Migration, ...]:

@@ -15,13 +15,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from ._entry import AuditEntry, user_key
-from ._store import ChainHead, ChainProblem, VerifyReport, _ChainCheck
+from ._store import ChainHead, ChainProblem, VerifyReport, _ChainCheck, _saved_by_user
 
 __all__ = ["heads_from_json", "verify_lines"]
 
 
 def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> VerifyReport:
-    """Check exported audit lines: every hash, every link, no gap, nothing past the heads.
+    """Check exported audit lines: every hash, every link, no gap, every saved head.
 
     Each user's entries must come in ``seq`` order, as an export writes them. An export need
     not start at a user's first entry (``--since`` a date): the first entry's link to the one
@@ -31,12 +31,15 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
 
     Args:
         lines: The export's lines (a file object works); blank lines are skipped.
-        heads: Heads recorded earlier. A user's trail in the export must reach each one and
-            end on the same entry at that ``seq``; an export that stops short is ``truncated``.
+        heads: Heads recorded earlier. Trails keep growing after a head is saved, so the
+            export may go on past it, but the entry at each saved head's ``seq`` must be the
+            one it names (else ``head_mismatch``: the trail was rewritten), and an export that
+            stops short of a saved head, or lacks a user who has one, is ``truncated``.
 
     Returns:
         The report; ``ok`` is true when nothing is wrong. ``position`` is the line number.
     """
+    saved = _saved_by_user(heads, None)
     report = VerifyReport()
     checks: dict[str, _ChainCheck] = {}
     for number, line in enumerate(lines, 1):
@@ -53,7 +56,7 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
         key = user_key(entry.user_id)
         check = checks.get(key)
         if check is None:
-            check = checks[key] = _ChainCheck(key, entry.user_id)
+            check = checks[key] = _ChainCheck(key, entry.user_id, saved.get(key, ()))
             report.users += 1
             if entry.seq > 1:
                 check.start_at(entry)
@@ -69,21 +72,35 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
                 )
         report.entries += 1
         check.feed(number, entry, report)
-    for head in heads:
-        found = checks.get(user_key(head.user_id))
+    for key, user_heads in saved.items():
+        found = checks.get(key)
+        last = max(user_heads, key=lambda h: h.seq)
+        report.heads.extend(user_heads)
         if found is None:
             report.problems.append(
                 ChainProblem(
-                    head.user_id,
+                    last.user_id,
                     "truncated",
                     1,
                     None,
-                    f"the export holds none of this user's entries; the head records {head.seq}",
+                    f"the export holds none of this user's entries; a saved head records "
+                    f"seq {last.seq}",
                 )
             )
             continue
-        found.finish(head, report, strict=False)
-        report.heads.append(head)
+        found.finish_saved(report)
+        if found.last_seq > last.seq:
+            # The normal case for a growing trail, but nothing vouches for those entries yet.
+            report.warnings.append(
+                ChainProblem(
+                    found.user_id,
+                    "unanchored",
+                    last.seq + 1,
+                    None,
+                    f"entries {last.seq + 1}-{found.last_seq} come after the last saved head "
+                    f"(seq {last.seq}): a later saved head would cover them",
+                )
+            )
     return report
 
 
@@ -94,10 +111,17 @@ def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> li
         ValueError: an item lacks ``seq`` or ``hash``.
     """
     items = data.get("heads", []) if isinstance(data, Mapping) else data
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise ValueError(f"not a list of chain heads: {items!r:.100}")
     heads = []
     for item in items:
         try:
-            heads.append(ChainHead(item.get("user_id"), int(item["seq"]), str(item["hash"])))
+            if not isinstance(item, Mapping):
+                raise TypeError(type(item).__name__)
+            user_id = item.get("user_id")
+            if user_id is not None and not isinstance(user_id, str):
+                raise TypeError("user_id")
+            heads.append(ChainHead(user_id, int(item["seq"]), str(item["hash"])))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a chain head: {item!r}") from exc
+            raise ValueError(f"not a chain head: {item!r:.200}") from exc
     return heads

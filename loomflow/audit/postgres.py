@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from ..storage import PostgresDatabase
@@ -12,13 +13,28 @@ if TYPE_CHECKING:
 
 __all__ = ["PostgresAuditStore"]
 
+log = logging.getLogger("loomflow.audit")
+
+# (database, role) pairs already warned about in this process: once is enough.
+_warned: set[tuple[str, str]] = set()
+
+_WRITER = """
+SELECT current_database(), current_user, r.rolsuper, pg_has_role(current_user, c.relowner, 'MEMBER')
+FROM pg_roles r, pg_class c
+WHERE r.rolname = current_user AND c.oid = to_regclass('loom_audit')
+"""
+
 
 class PostgresAuditStore(SqlAuditStore):
     """Audit entries in PostgreSQL, shared by every worker process.
 
     UPDATE and DELETE of an entry are refused by a row trigger and TRUNCATE by a statement
-    trigger; heads may only move forward. Build it from a DSN, an asyncpg pool (which stays
-    yours), or a runtime's ``database`` to share its pool.
+    trigger; heads are moved by the database, forward only. Build it from a DSN, an asyncpg
+    pool (which stays yours), or a runtime's ``database`` to share its pool.
+
+    The triggers bind every role but the tables' owner and superusers, who can switch them
+    off: connect as a role made with ``loomflow migrate --app-role``. Opening the store as
+    an owner or a superuser logs a warning, once per database and role in a process.
     """
 
     def __init__(
@@ -34,3 +50,21 @@ class PostgresAuditStore(SqlAuditStore):
             return
         db = PostgresDatabase(dsn_or_pool, min_size=min_size, max_size=max_size)
         super().__init__(db, owns_db=True, auto_migrate=auto_migrate)
+
+    async def _open_now(self) -> None:
+        await super()._open_now()
+        rows = await self.db.fetch(_WRITER, what="audit role check")
+        if not rows:
+            return
+        database, role, superuser, owner = rows[0]
+        if not (superuser or owner) or (database, role) in _warned:
+            return
+        _warned.add((database, role))
+        log.warning(
+            "the audit log in database %r is written by role %r, which %s: it can switch the "
+            "append-only triggers off and rewrite the trail unseen. Connect the application as "
+            "a least-privilege role (loomflow migrate --app-role NAME; see docs/security.md)",
+            database,
+            role,
+            "is a superuser" if superuser else "owns the audit tables",
+        )

@@ -89,7 +89,8 @@ def register(subparsers: Any) -> None:
     verify.add_argument(
         "--heads",
         type=Path,
-        help="with --file: heads copied earlier (a `verify --json` report) the export must reach",
+        help="heads saved earlier (a `verify --json` report): the trail must still hold the "
+        "entry each names, with --file or on the store",
     )
     verify.add_argument("--json", action="store_true", help="the report as JSON")
     add_no_progress(verify)
@@ -122,9 +123,6 @@ async def _handle(args: argparse.Namespace) -> int:
             )
             return 2
         return _verify_file(args)
-    if getattr(args, "heads", None) is not None:
-        print("loomflow: error: --heads goes with --file", file=sys.stderr)
-        return 2
     settings = Settings()
     url = args.audit_url or settings.audit_url or args.url or settings.runtime_url
     store = audit_store_from_url(existing(url, "audit log"), settings=settings)
@@ -210,24 +208,34 @@ async def _export(store: AuditStore, args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_file(args: argparse.Namespace) -> int:
-    heads: list[ChainHead] = []
+def _saved_heads(args: argparse.Namespace) -> list[ChainHead]:
+    if args.heads is None:
+        return []
     try:
-        if args.heads is not None:
-            heads = heads_from_json(json.loads(args.heads.read_text(encoding="utf-8")))
+        return heads_from_json(json.loads(args.heads.read_text(encoding="utf-8")))
+    except OSError as exc:
+        raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    except ValueError as exc:  # not JSON, or not a report or a list of heads
+        raise AuditError(f"bad --heads file {args.heads}: {exc}") from exc
+
+
+def _verify_file(args: argparse.Namespace) -> int:
+    heads = _saved_heads(args)
+    try:
         with args.file.open(encoding="utf-8") as lines:
             report = verify_lines(lines, heads=heads)
     except OSError as exc:
         raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc
-    except ValueError as exc:  # bad JSON in the heads file
-        raise AuditError(f"bad --heads file {args.heads}: {exc}") from exc
     return _report(report, args)
 
 
 async def _verify(store: AuditStore, args: argparse.Namespace) -> int:
+    heads = _saved_heads(args)
     with progress_bar("verifying", unit=" entries", enabled=args.progress) as on_progress:
         report: VerifyReport = await store.verify(
-            user_id=ANY_USER if args.user_id is None else args.user_id, on_progress=on_progress
+            user_id=ANY_USER if args.user_id is None else args.user_id,
+            on_progress=on_progress,
+            heads=heads,
         )
     return _report(report, args)
 

@@ -73,6 +73,15 @@ def _parser() -> argparse.ArgumentParser:
         help="also import a loomflow 0.20 journal found in the database (its tables are only "
         "read), so its finished steps replay and its open runs resume",
     )
+    migrate.add_argument(
+        "--app-role",
+        metavar="NAME",
+        help="PostgreSQL: grant this role (created NOLOGIN if missing) only what the "
+        "application needs; audit entries can then only be appended (docs/security.md)",
+    )
+    migrate.add_argument(
+        "--app-login", action="store_true", help="with --app-role: create the role with LOGIN"
+    )
 
     runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
         dest="runs_command", required=True
@@ -295,6 +304,8 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     settings = Settings()
     print(f"journal schema at version {await runtime.migrate()}")
     database = getattr(runtime, "database", None)
+    grants = _AppRoleGrants(args.app_role, args.app_login)
+    await grants.grant(database)
     if database is not None:
         print(f"checkpoints schema at version {await checkpoint_store_for(runtime).migrate()}")
         print(f"memory schema at version {await memory_for(runtime).migrate()}")
@@ -303,6 +314,7 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     if budget is not None and budget.backend != "memory":
         try:
             print(f"budget schema at version {await budget.migrate()}")
+            await grants.grant(getattr(budget, "db", None))
         finally:
             await budget.close()
     audit = (
@@ -319,10 +331,44 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 print(f"audit log (JSON lines) at {audit.path} ({state}; heads {audit.heads_path})")
             elif migrate is not None:
                 print(f"audit schema at version {await migrate()}")
+            await grants.grant(getattr(audit, "db", None))
         finally:
             await audit.close()
     await migrate_legacy(runtime, do_import=args.import_0_20)
-    return 0
+    return grants.finish()
+
+
+class _AppRoleGrants:
+    """``migrate --app-role``: grant the role on each PostgreSQL database migrated."""
+
+    def __init__(self, role: str | None, login: bool) -> None:
+        self.role = role
+        self.login = login
+        self.done: set[str] = set()
+
+    async def grant(self, db: Any) -> None:
+        from ..storage import grant_app_role
+
+        if self.role is None or db is None or db.backend != "postgres":
+            return
+        result = await grant_app_role(db, self.role, login=self.login)
+        where = f"{result.database}.{result.schema}"
+        if where in self.done:  # the audit log or budget beside the journal
+            return
+        self.done.add(where)
+        made = ""
+        if result.created:
+            made = " (created with LOGIN: set its password)" if self.login else " (created NOLOGIN)"
+        print(
+            f"app role {result.role}{made}: {len(result.grants)} tables and sequences granted "
+            f"in {where}; the audit log is append-only for it"
+        )
+
+    def finish(self) -> int:
+        if self.role is not None and not self.done:
+            print("loomflow: error: --app-role needs a PostgreSQL database", file=sys.stderr)
+            return 2
+        return 0
 
 
 def _when(ts: float) -> str:

@@ -11,11 +11,13 @@ from ._database import Database, Transaction, translate_errors
 from ._dialect import POSTGRES, SQLITE, Dialect
 from ._migrations import Migration, apply_migrations, require_schema, schema_versions
 from ._postgres import PostgresDatabase
+from ._roles import AppRoleGrant, grant_app_role
 from ._sqlite import SqliteDatabase
 from ._url import database_from_url
 
 __all__ = [
     "POSTGRES",
+    "AppRoleGrant",
     "SQLITE",
     "Database",
     "Dialect",
@@ -24,6 +26,7 @@ __all__ = [
     "SqliteDatabase",
     "Transaction",
     "apply_migrations",
+    "grant_app_role",
     "require_schema",
     "database_from_url",
     "schema_versions",

@@ -36,8 +36,19 @@ class Migration:
 _LOCK_KEY = zlib.crc32(b"loomflow-migrations")
 
 
+async def _ensure_version_table(db: Database, tx: Transaction) -> None:
+    # Look before creating: ``CREATE TABLE IF NOT EXISTS`` still needs CREATE on the schema,
+    # which the least-privilege application role (``loomflow migrate --app-role``) lacks.
+    if db.backend == "postgres":
+        found = "SELECT to_regclass('loom_schema_version') IS NOT NULL"
+    else:
+        found = "SELECT COUNT(*) > 0 FROM sqlite_master WHERE name = 'loom_schema_version'"
+    if not (await tx.fetch(found))[0][0]:
+        await tx.execute(db.dialect.ddl(_VERSION_TABLE))
+
+
 async def _version(db: Database, tx: Transaction, component: str) -> int:
-    await tx.execute(db.dialect.ddl(_VERSION_TABLE))
+    await _ensure_version_table(db, tx)
     rows = await tx.fetch(
         "SELECT MAX(version) FROM loom_schema_version WHERE component = $1", component
     )
@@ -79,7 +90,7 @@ async def apply_migrations(db: Database, component: str, migrations: Sequence[Mi
 async def schema_versions(db: Database) -> dict[str, int]:
     """Every component's schema version in this database."""
     async with db.transaction(what="schema read") as tx:
-        await tx.execute(db.dialect.ddl(_VERSION_TABLE))
+        await _ensure_version_table(db, tx)
         rows = await tx.fetch(
             "SELECT component, MAX(version) FROM loom_schema_version GROUP BY component"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from loomflow.audit import (
+    GENESIS,
+    AuditEntry,
     AuditRecord,
     ChainHead,
     SqliteAuditStore,
@@ -120,5 +123,154 @@ async def test_the_cli_verifies_a_file_without_any_database(tmp_path: Path) -> N
     missing = cli("verify", "--file", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 1
     assert "cannot read" in missing.stderr
-    assert cli("verify", "--heads", str(heads)).returncode == 2
+    # With --heads and no --file, the store is checked: here the unreachable default.
+    assert cli("verify", "--heads", str(heads)).returncode == 1
     assert cli("verify", "--file", str(export), "--user", "bob").returncode == 2
+
+
+# -- saved heads catch rewrites, wherever the trail ends now ---------------------------------
+
+
+def _rechained(entries: list[AuditEntry], start: int, extra: int) -> list[AuditEntry]:
+    """The trail with entries ``start``.. rewritten and re-hashed, plus ``extra`` new ones:
+    every hash and link is consistent again, as a forger with write access would leave it."""
+    out = entries[: start - 1]
+    prev = out[-1].hash if out else GENESIS
+    forged = [e.model_copy(update={"payload": {"forged": True}}) for e in entries[start - 1 :]] + [
+        entries[-1].model_copy(update={"seq": entries[-1].seq + i, "payload": {"new": i}})
+        for i in range(1, extra + 1)
+    ]
+    for entry in forged:
+        entry = entry.model_copy(update={"prev_hash": prev})
+        entry = entry.model_copy(update={"hash": entry.computed_hash()})
+        out.append(entry)
+        prev = entry.hash
+    return out
+
+
+async def _trail(tmp_path: Path, count: int = 13) -> tuple[SqliteAuditStore, list[AuditEntry]]:
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    await store.append(AuditRecord(user_id="bob", actor="t", action="x"))
+    trail = await store.append(
+        [
+            AuditRecord(user_id="alice", actor="t", action="x", payload={"i": i})
+            for i in range(count)
+        ]
+    )
+    return store, trail
+
+
+async def test_a_rewrite_behind_a_saved_head_fails_though_the_export_grew(tmp_path: Path) -> None:
+    store, trail = await _trail(tmp_path)
+    saved = (await store.verify()).heads  # alice at 13
+    await store.close()
+    forged = _rechained(trail, start=5, extra=1)  # 5..13 rewritten, 14 appended
+    lines = [e.to_line() for e in forged]
+    assert verify_lines(lines).ok  # the chain alone is whole again
+    alice = [h for h in saved if h.user_id == "alice"]
+    report = verify_lines(lines, heads=alice)
+    assert [(p.kind, p.seq) for p in report.problems] == [("head_mismatch", 13)]
+    # A genuine trail that grew past the saved head passes, with a note on the new tail.
+    honest = [*trail, *_rechained(trail, start=len(trail) + 1, extra=2)[len(trail) :]]
+    report = verify_lines([e.to_line() for e in honest], heads=alice)
+    assert report.ok, report.problems
+    assert [(w.kind, w.seq) for w in report.warnings] == [("unanchored", 14)]
+    # Several saved heads: each one's entry is compared.
+    older = ChainHead("alice", 7, trail[6].hash)
+    report = verify_lines(lines, heads=[older, *alice])
+    assert {(p.kind, p.seq) for p in report.problems} == {
+        ("head_mismatch", 7),
+        ("head_mismatch", 13),
+    }
+    # Shorter than a saved head: truncated, even when the short trail is consistent.
+    report = verify_lines([e.to_line() for e in trail[:10]], heads=alice)
+    assert [(p.kind, p.seq) for p in report.problems] == [("truncated", 11)]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "audit", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _sql(path: Path, *statements: str) -> None:
+    with sqlite3.connect(path) as conn:
+        for name in ("loom_audit_no_update", "loom_audit_no_delete", "loom_audit_heads_no_delete"):
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+        conn.execute("DROP TRIGGER IF EXISTS loom_audit_heads_forward")
+        for statement in statements:
+            conn.execute(statement)
+
+
+async def test_the_cli_checks_saved_heads_on_the_store_and_on_exports(tmp_path: Path) -> None:
+    store, trail = await _trail(tmp_path)
+    await store.close()
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    heads = tmp_path / "heads.json"
+    heads.write_text(_cli("--audit-url", url, "verify", "--json").stdout)
+    assert _cli("--audit-url", url, "verify", "--heads", str(heads)).returncode == 0
+
+    # Rewrite alice's 5..13 in the database, head included, and append entry 14.
+    forged = _rechained(trail, start=5, extra=1)
+    db = tmp_path / "audit.db"
+    _sql(
+        db,
+        "DELETE FROM loom_audit WHERE user_id = 'alice' AND seq >= 5",
+        "DELETE FROM loom_audit_heads WHERE user_id = 'alice'",
+    )
+    with sqlite3.connect(db) as conn:
+        for name in ("loom_audit_chain", "loom_audit_move_head"):
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+        for e in forged[4:]:
+            conn.execute(
+                "INSERT INTO loom_audit (user_key, user_id, seq, time_us, session_id, run_id, "
+                "actor, action, payload, schema_version, prev_hash, hash) "
+                "VALUES (?, ?, ?, ?, NULL, NULL, ?, ?, ?, ?, ?, ?)",
+                (
+                    '"alice"',
+                    "alice",
+                    e.seq,
+                    e.time_us,
+                    e.actor,
+                    e.action,
+                    json.dumps(e.payload, sort_keys=True, separators=(",", ":")),
+                    e.schema_version,
+                    e.prev_hash,
+                    e.hash,
+                ),
+            )
+        conn.execute(
+            "INSERT INTO loom_audit_heads VALUES ('\"alice\"', 'alice', ?, ?)",
+            (forged[-1].seq, forged[-1].hash),
+        )
+    assert _cli("--audit-url", url, "verify").returncode == 0  # the store alone is fooled
+    rewritten = _cli("--audit-url", url, "verify", "--heads", str(heads), "--json")
+    assert rewritten.returncode == 1
+    assert [(p["kind"], p["seq"]) for p in json.loads(rewritten.stdout)["problems"]] == [
+        ("head_mismatch", 13)
+    ]
+    export = tmp_path / "export.jsonl"
+    assert _cli("--audit-url", url, "export", "-o", str(export)).returncode == 0
+    assert _cli("verify", "--file", str(export)).returncode == 0
+    assert _cli("verify", "--file", str(export), "--heads", str(heads)).returncode == 1
+
+    # Delete bob's whole trail and his head: only the saved heads still know him.
+    _sql(
+        db,
+        "DELETE FROM loom_audit WHERE user_id = 'bob'",
+        "DELETE FROM loom_audit_heads WHERE user_id = 'bob'",
+    )
+    gone = _cli("--audit-url", url, "verify", "--user", "bob", "--heads", str(heads), "--json")
+    assert gone.returncode == 1
+    assert [(p["user_id"], p["kind"]) for p in json.loads(gone.stdout)["problems"]] == [
+        ("bob", "truncated")
+    ]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"heads": [{"seq": "x"}]}')
+    failed = _cli("--audit-url", url, "verify", "--heads", str(bad))
+    assert failed.returncode == 1
+    assert "bad --heads file" in failed.stderr

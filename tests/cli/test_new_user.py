@@ -420,6 +420,14 @@ def test_migrate_creates_and_checks_a_jsonl_audit_log(tmp_path: Path) -> None:
     cut = loomflow("--url", url, "migrate", env=env)
     assert cut.returncode == 1
     assert "shorter than the 99 bytes" in cut.stderr
+    # Lines that no heads file vouches for are not adopted by migrate: they could be forged.
+    log.write_text('{"user_id": "mallory"}\n')
+    (tmp_path / "logs" / "audit.jsonl.heads").unlink()
+    orphan = loomflow("--url", url, "migrate", env=env)
+    assert orphan.returncode == 1
+    assert "heads file" in orphan.stderr
+    assert len(orphan.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "logs" / "audit.jsonl.heads").exists()
 
 
 def test_the_settings_page_lists_no_setting_with_a_default_as_required() -> None:

@@ -1,0 +1,110 @@
+"""The least-privilege PostgreSQL role an application runs as (``loomflow migrate --app-role``).
+
+The role that runs the migrations owns the tables, and an owner (or a superuser) can switch
+the audit log's triggers off, rewrite it and switch them back on. So the application should
+connect as another role that owns nothing and holds only what its writes need:
+
+- journal, checkpoints, memory and budget tables: ``SELECT, INSERT, UPDATE, DELETE``;
+- ``loom_audit``: ``SELECT, INSERT`` (no ``UPDATE``, ``DELETE``, ``TRUNCATE``, ``TRIGGER``);
+- ``loom_audit_heads`` and ``loom_schema_version``: ``SELECT`` (heads are moved by an insert
+  trigger that runs as the owner, see ``loomflow.audit.migrations``);
+- the tables' sequences: ``USAGE, SELECT``; the schema: ``USAGE``.
+
+Every loomflow table in the schema is covered, so tables that later migrations add are
+granted by running the command again after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigurationError, UserError
+from ._database import Database
+
+__all__ = ["AppRoleGrant", "grant_app_role"]
+
+_READ_WRITE = "SELECT, INSERT, UPDATE, DELETE"
+# Tables the application may not change freely; everything else named loom_* is read-write.
+_RESTRICTED = {
+    "loom_audit": "SELECT, INSERT",
+    "loom_audit_heads": "SELECT",
+    "loom_schema_version": "SELECT",
+}
+
+
+@dataclass(slots=True)
+class AppRoleGrant:
+    """What :func:`grant_app_role` did: the role, whether it was created, and the grants."""
+
+    role: str
+    created: bool
+    database: str
+    schema: str
+    grants: dict[str, str] = field(default_factory=dict)
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+async def grant_app_role(db: Database, role: str, *, login: bool = False) -> AppRoleGrant:
+    """Give ``role`` exactly what a loomflow application needs on this database's tables.
+
+    Run it as the role that ran the migrations (the tables' owner), after them. A missing
+    role is created, ``NOLOGIN`` unless ``login`` (then give it a password yourself, or let
+    login roles inherit it: ``GRANT role TO app_user``). Whatever the role held on loomflow's
+    tables before is revoked first, so running it again tightens a role granted too much.
+
+    Raises:
+        UserError: not PostgreSQL, a bad name, or a role that could undo the audit log's
+            protection (the current role, a superuser, or an owner of the tables).
+    """
+    if db.backend != "postgres":
+        raise UserError("an application role needs PostgreSQL; SQLite has no roles")
+    if not isinstance(role, str) or not role.strip() or len(role.encode()) > 63 or "\x00" in role:
+        raise UserError(f"bad role name {role!r}: 1 to 63 bytes, no NUL")
+    await db.open()
+    quoted = _ident(role)
+    async with db.transaction(what="app role grants") as tx:
+        me, database, schema = (
+            await tx.fetch("SELECT current_user, current_database(), current_schema()")
+        )[0]
+        if schema is None:
+            raise ConfigurationError("no current schema: check the connection's search_path")
+        if role == me:
+            raise UserError(
+                f"{role!r} is the role running the migrations, which owns the tables; name "
+                "another role for the application"
+            )
+        found = await tx.fetch("SELECT rolsuper FROM pg_roles WHERE rolname = $1", role)
+        created = not found
+        if created:
+            await tx.execute(f"CREATE ROLE {quoted} {'LOGIN' if login else 'NOLOGIN'}")
+        elif found[0][0]:
+            raise UserError(f"{role!r} is a superuser, which no trigger or grant can restrict")
+        relations = await tx.fetch(
+            "SELECT c.relname, c.relkind, pg_has_role($1, c.relowner, 'MEMBER') "
+            "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = $2 AND c.relkind IN ('r', 'p', 'S') "
+            "AND c.relname LIKE 'loom\\_%' ORDER BY c.relname",
+            role,
+            schema,
+        )
+        owned = [str(r[0]) for r in relations if r[2]]
+        if owned:
+            raise UserError(
+                f"{role!r} owns (or is a member of the owner of) {', '.join(owned[:3])}: an "
+                "owner can switch the audit triggers off; run the migrations as another role"
+            )
+        if not relations:
+            raise UserError(f"no loomflow tables in schema {schema!r}: run the migrations first")
+        await tx.execute(f"GRANT USAGE ON SCHEMA {_ident(schema)} TO {quoted}")
+        grants: dict[str, str] = {}
+        for name, kind, _owner in relations:
+            target = f"{_ident(schema)}.{_ident(str(name))}"
+            what = "SEQUENCE " if kind == "S" else ""
+            await tx.execute(f"REVOKE ALL ON {what}{target} FROM {quoted}")
+            privileges = "USAGE, SELECT" if kind == "S" else _RESTRICTED.get(str(name), _READ_WRITE)
+            await tx.execute(f"GRANT {privileges} ON {what}{target} TO {quoted}")
+            grants[str(name)] = privileges
+    return AppRoleGrant(role, created, str(database), str(schema), grants)

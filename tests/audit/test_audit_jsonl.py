@@ -1,0 +1,208 @@
+"""The JSONL store after damage, crashes and failed writes.
+
+Damage is pinned on the users whose chains it breaks: their appends are refused, everyone
+else's go on, and ``verify`` reports it. A crashed append is told apart from lines added behind
+the store's back by the intent recorded before the lines are written. Crashes are real process
+deaths (``os._exit`` at a chosen point in a child process); a full disk is ``/dev/full`` and a
+short write is a real file size limit (``RLIMIT_FSIZE``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loomflow.audit import AuditEntry, AuditRecord, JsonlAuditStore
+from loomflow.errors import AuditError, AuditIntegrityError
+
+
+def rec(user: str, **payload: object) -> AuditRecord:
+    return AuditRecord(user_id=user, actor="t", action="test.x", payload=payload)
+
+
+async def _two_users(path: Path) -> JsonlAuditStore:
+    store = JsonlAuditStore(path)
+    for i in range(3):
+        await store.append([rec("alice", i=i), rec("bob", i=i)])
+    return store
+
+
+def _problems(report: object) -> list[tuple[str | None, str, int | None]]:
+    return [(p.user_id, p.kind, p.seq) for p in report.problems]  # type: ignore[attr-defined]
+
+
+async def test_a_deleted_middle_line_stops_only_its_user(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    lines = path.read_text().splitlines(keepends=True)
+    assert json.loads(lines[3])["user_id"] == "bob"
+    del lines[3]  # bob's entry 2
+    path.write_text("".join(lines))
+    (entry,) = await store.append(rec("alice"))
+    assert entry.seq == 4
+    with pytest.raises(AuditIntegrityError, match=r"user 'bob' .* is damaged \(missing\)"):
+        await store.append(rec("bob"))
+    (carol,) = await store.append(rec("carol"))  # a new user is not held up either
+    assert carol.seq == 1
+    with pytest.raises(AuditIntegrityError, match="bob"):  # and it stays refused
+        await JsonlAuditStore(path).append(rec("bob"))
+    report = await store.verify()
+    assert _problems(report) == [("bob", "missing", 2)]
+
+
+async def test_a_truncated_file_stops_only_the_users_it_cut(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]))  # bob's entry 3
+    assert [e.seq for e in await store.append([rec("alice"), rec("alice")])] == [4, 5]
+    with pytest.raises(AuditIntegrityError, match=r"'bob' .* damaged \(truncated\)"):
+        await store.append(rec("bob"))
+    report = await store.verify()
+    assert _problems(report) == [("bob", "truncated", 3)]
+
+
+async def test_a_chained_line_added_behind_the_store_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    head = await store.head("alice")
+    assert head is not None
+    forged = AuditEntry.seal(rec("alice", forged=True), seq=4, time_us=1, prev_hash=head.hash)
+    with path.open("a") as fh:
+        fh.write(forged.to_line() + "\n")
+    report = await store.verify()
+    assert _problems(report) == [("alice", "unanchored", 4)]
+    with pytest.raises(AuditIntegrityError, match=r"'alice' .* damaged \(unanchored\)"):
+        await store.append(rec("alice"))
+    (entry,) = await store.append(rec("bob"))
+    assert entry.seq == 4
+    assert _problems(await store.verify()) == [("alice", "unanchored", 4)]
+
+
+async def test_a_fragment_added_behind_the_store_does_not_glue_to_the_next_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    with path.open("a") as fh:
+        fh.write('{"user_id": "alice", "se')
+    (entry,) = await store.append(rec("alice"))
+    assert entry.seq == 4
+    report = await store.verify()
+    assert [(p.kind, p.position) for p in report.problems] == [("unreadable", 7)]
+    assert report.entries == 7
+
+
+_CHILD = textwrap.dedent(
+    """
+    import asyncio, os, resource, signal, sys
+    from loomflow.audit import AuditRecord, JsonlAuditStore
+
+    path, mode = sys.argv[1], sys.argv[2]
+    store = JsonlAuditStore(path)
+    write_heads, write = store._write_heads, os.write
+
+    def heads_then_die(heads):
+        write_heads(heads)
+        if "pending" in heads:
+            os._exit(9)  # the intent is recorded, no line is written
+
+    def die_before_commit(heads):
+        if "pending" not in heads:
+            os._exit(9)  # the lines are written, the heads do not record them
+        write_heads(heads)
+
+    def half_then_die(fd, data):
+        write(fd, bytes(data[: len(data) // 2]))
+        os._exit(9)
+
+    if mode == "after-intent":
+        store._write_heads = heads_then_die
+    elif mode == "after-lines":
+        store._write_heads = die_before_commit
+    elif mode == "mid-lines":
+        os.write = half_then_die
+    elif mode == "file-size-limit":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+        limit = os.path.getsize(path) + 100  # room for part of the first line only
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    async def main():
+        records = [AuditRecord(user_id="alice", actor="t", action="x", payload={"pad": "p" * 300})]
+        try:
+            await store.append(records * 2)
+        except Exception as exc:
+            print(f"{type(exc).__name__}: {exc}")
+            sys.exit(3)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _child(path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "kept"),
+    [("after-intent", 0), ("mid-lines", 0), ("after-lines", 2)],
+)
+async def test_an_append_whose_process_died_counts_whole_or_not_at_all(
+    tmp_path: Path, mode: str, kept: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    before = path.read_bytes()
+    died = _child(path, mode)
+    assert died.returncode == 9, died.stderr
+    report = await store.verify()  # before any append repairs anything
+    assert report.ok, report.problems
+    assert report.entries == 6 + kept
+    (entry,) = await store.append(rec("alice", after=True))
+    assert entry.seq == 4 + kept
+    report = await store.verify()
+    assert report.ok, report.problems
+    assert report.warnings == []
+    assert report.entries == 7 + kept
+    assert path.read_bytes().startswith(before)
+    if mode == "mid-lines":
+        assert "mid-write" in caplog.text
+    if mode == "after-lines":
+        assert "adopted" in caplog.text
+
+
+async def test_a_short_write_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    before = path.read_bytes()
+    failed = _child(path, "file-size-limit")
+    assert failed.returncode == 3, failed.stderr
+    assert failed.stdout.startswith("AuditError: cannot append to the audit log")
+    assert path.read_bytes() == before  # no torn line left behind
+    (entry,) = await store.append(rec("alice"))
+    assert entry.seq == 4
+    assert (await store.verify()).ok
+
+
+async def test_a_full_disk_is_an_audit_error(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.symlink_to("/dev/full")  # every write fails with ENOSPC
+    store = JsonlAuditStore(path)
+    with pytest.raises(AuditError, match="No space left on device") as failed:
+        await store.append(rec("alice"))
+    assert isinstance(failed.value.__cause__, OSError)
+    assert json.loads(store.heads_path.read_text())["users"] == {}
+    with pytest.raises(AuditError, match="No space left"):  # and again, not a damaged trail
+        await store.append(rec("alice"))
