@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from ..errors import UserError
 from ._database import Database, Rows, Transaction
 from ._dialect import POSTGRES
 
@@ -79,6 +80,16 @@ class PostgresDatabase(Database):
         self._pool = await _asyncpg().create_pool(
             self._dsn, min_size=self._min_size, max_size=self._max_size, reset=_no_reset
         )
+
+    def _forget_connection(self) -> object | None:
+        if not self._owns_pool and self._pool is not None:
+            raise UserError(
+                "this asyncpg pool was created before the process forked and cannot be used "
+                "in the child; give the runtime or store a DSN (it then connects anew in each "
+                "process) or create the pool after the fork"
+            )
+        pool, self._pool = self._pool, None
+        return pool
 
     async def _disconnect(self) -> None:
         if self._owns_pool and self._pool is not None:
