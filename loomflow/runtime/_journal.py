@@ -203,12 +203,14 @@ _held: set[str] = set()
 os.register_at_fork(after_in_child=_held.clear)  # a child holds none of its parent's leases
 
 
+# Counts while the process is stopped and while the machine sleeps, as the database's clock
+# does (CLOCK_MONOTONIC pauses during suspend); Linux only, monotonic() elsewhere.
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
 def _lease_clock() -> float:
     """Seconds on a clock that keeps counting while the process is stopped or suspended."""
     return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
-
-
-_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
 
 
 class JournalRuntime:
