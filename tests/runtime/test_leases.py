@@ -93,6 +93,24 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+async def _finish(worker: _Lines, *pids: int) -> None:
+    """SIGKILL the worker and any process it forked, then wait until its pipes are closed.
+
+    A forked child keeps the pipes open after the worker itself exits; leaving them to the
+    garbage collector would fail a later test with a ResourceWarning.
+    """
+    for pid in (worker.proc.pid, *pids):
+        _kill(pid)
+    assert worker.proc.stdin is not None
+    assert worker.proc.stdout is not None
+    worker.proc.stdin.close()
+    async with asyncio.timeout(10):
+        await worker.proc.stdout.read()  # EOF once every holder of the pipe is gone
+        await worker.proc.wait()
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        await worker.proc.stdin.wait_closed()
+
+
 def _bodies(log: Path) -> list[tuple[int, int]]:
     if not log.exists():
         return []
@@ -146,7 +164,7 @@ async def test_a_forked_child_holds_its_turn_under_its_own_pid(
         finally:
             await runtime.close()
     finally:
-        _kill(child_pid)
+        await _finish(worker, child_pid)
     assert _bodies(log) == [(child_pid, 1), (child_pid, 2)]
 
 
@@ -186,10 +204,7 @@ async def test_a_killed_forked_child_is_taken_over_at_once(
         # The child's lease had 30 s to run; its dead pid frees the turn at once.
         assert took < 3.0, f"waited {took:.1f}s for a dead child's lease"
     finally:
-        _kill(child_pid)
-        if worker.proc.returncode is None:
-            worker.proc.kill()
-        await worker.proc.wait()
+        await _finish(worker, child_pid)
     assert _bodies(log) == [(child_pid, 1)]
 
 
@@ -320,8 +335,7 @@ async def test_a_stopped_sqlite_writer_is_named_not_blamed_on_a_migration(tmp_pa
         finally:
             await runtime.close()
     finally:
-        _kill(pid)
-        await writer.proc.wait()
+        await _finish(writer)
 
 
 # -- a TCP proxy that can cut PostgreSQL away and bring it back --------------------------------
