@@ -14,6 +14,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── SessionBusyError           another run held the (session, user) too long
     │   ├── OwnershipLostError         this run was fenced out by a newer owner
     │   └── StoreUnavailableError      the database driver failed underneath us
+    │       └── StoreLockedError       another process kept the SQLite file's write lock
     ├── MigrationError                 the schema could not be brought up to date
     │   └── LegacyJournalError         a loomflow 0.20 journal is not laid out as expected
     ├── AuditError                     the audit log could not do what was asked
@@ -61,6 +62,7 @@ __all__ = [
     "ReplayDivergenceError",
     "ScriptExhaustedError",
     "SessionBusyError",
+    "StoreLockedError",
     "StoreUnavailableError",
     "UnknownModelPriceError",
     "UserError",
@@ -192,6 +194,28 @@ class OwnershipLostError(JournalError):
 
 class StoreUnavailableError(JournalError):
     """The journal's database failed or could not be reached."""
+
+
+class StoreLockedError(StoreUnavailableError):
+    """Another process held a SQLite file's write lock for longer than the busy timeout.
+
+    ``pid`` is that process when it could be found (Linux), and ``stopped`` tells whether it
+    is stopped (SIGSTOP, a debugger): a stopped holder keeps every writer out until it is
+    continued or ended.
+    """
+
+    def __init__(self, message: str, *, path: str, pid: int | None, stopped: bool) -> None:
+        super().__init__(message)
+        self.path = path
+        self.pid = pid
+        self.stopped = stopped
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only arguments survive pickling
+        return (_rebuild_locked, (str(self), self.path, self.pid, self.stopped))
+
+
+def _rebuild_locked(message: str, path: str, pid: int | None, stopped: bool) -> StoreLockedError:
+    return StoreLockedError(message, path=path, pid=pid, stopped=stopped)
 
 
 class ModelError(LoomflowError):

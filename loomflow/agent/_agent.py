@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel
 from ulid import ULID
 
+from .._cleanup import run_cleanup
 from ..audit.redaction import Redactor
 from ..audit.sealing import SealedValueLost, Sealer
 from ..checkpoints import (
@@ -651,7 +652,11 @@ class Agent:
                         except BaseException as exc:
                             # Hooks that already reserved (a budget, say) must get it back.
                             for earlier, token in zip(hooks[:i], tokens[:i], strict=True):
-                                await earlier.model_call_failed(info, turn, exc, token)
+                                await run_cleanup(
+                                    exc,
+                                    "a hook's model_call_failed",
+                                    earlier.model_call_failed(info, turn, exc, token),
+                                )
                             raise
                     try:
                         stream = self.model.stream(msgs, tools=tools, settings=settings)
@@ -660,7 +665,11 @@ class Agent:
                                 yield chunk
                     except BaseException as exc:
                         for hook, token in zip(hooks, tokens, strict=True):
-                            await hook.model_call_failed(info, turn, exc, token)
+                            await run_cleanup(
+                                exc,
+                                "a hook's model_call_failed",
+                                hook.model_call_failed(info, turn, exc, token),
+                            )
                         raise
 
                 try:
@@ -742,15 +751,17 @@ class Agent:
             # the audit log records it before the failed run's end.
             with contextlib.suppress(Exception):
                 await flush()
-            for hook in hooks:
-                await hook.run_finished(info, None, exc)
+            for hook in hooks:  # the run's own error stays the one raised (see _cleanup)
+                await run_cleanup(exc, "a hook's run_finished", hook.run_finished(info, None, exc))
             raise
         if memory is not None:
             try:
                 await _persist_episode(runtime, memory, ctx, run, messages[prompt_index:], output)
             except BaseException as exc:
                 for hook in hooks:
-                    await hook.run_finished(info, None, exc)
+                    await run_cleanup(
+                        exc, "a hook's run_finished", hook.run_finished(info, None, exc)
+                    )
                 raise
         hits, misses = _counts(run)
         result = RunResult(

@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import hashlib
 import inspect
 import logging
 import os
 import pickle
-import socket
 import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,8 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias, TypeVar, overload
 
-from ulid import ULID
-
+from .._cleanup import attach_cleanup_error
 from .._progress import OnProgress
 from ..config import Settings
 from ..errors import (
@@ -39,6 +36,7 @@ from ..errors import (
     UserError,
 )
 from . import codec
+from ._owner import claim_owner, is_this_process, process_gone
 from ._store import (
     Claim,
     EntryInfo,
@@ -174,6 +172,9 @@ class JournalRun:
     lost: bool = False
     next_seq: int = 0
     occurrences: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
+    # When our lease surely runs out unless renewed, on _lease_clock(); measured from before
+    # each claim or renewal was sent, so it never overstates what the database granted.
+    lease_until: float = 0.0
 
     @property
     def session_id(self) -> str | None:
@@ -195,37 +196,21 @@ _frame: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
 )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (dead, not yet reaped by its parent) answers kill(0) but will never renew
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+# Owner ids of the leases this process's runs hold or are asking for right now. A lease row
+# that names this process but is missing here was left behind by one of our runs whose release
+# failed (the database was down, say): it is taken back at once, not waited out.
+_held: set[str] = set()
+os.register_at_fork(after_in_child=_held.clear)  # a child holds none of its parent's leases
 
 
-def _pid_namespace() -> str:
-    """Who can see our pids: the boot and the pid namespace, not just the hostname.
-
-    Two containers may share a hostname while numbering pids separately; a pid check across
-    them would take a live owner's turn.
-    """
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
-            parts.append(fh.read().strip())
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        return "unknown"  # without /proc only the lease can free a dead owner's turn
-    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
+# Counts while the process is stopped and while the machine sleeps, as the database's clock
+# does (CLOCK_MONOTONIC pauses during suspend); Linux only, monotonic() elsewhere.
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
 
 
-_PID_NAMESPACE = _pid_namespace()
+def _lease_clock() -> float:
+    """Seconds on a clock that keeps counting while the process is stopped or suspended."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
 
 
 class JournalRuntime:
@@ -259,11 +244,9 @@ class JournalRuntime:
         for option in ("max_payload_bytes", "turn_timeout", "lease_seconds"):
             if getattr(self, option) <= 0:
                 raise UserError(f"{option} must be greater than 0")
-        # "<pid namespace>:<pid>:<host>:<unique>": the first two let a waiter on the same
-        # machine tell that a holder's process is gone; the host is for people reading it.
-        self._owner = f"{_PID_NAMESPACE}:{os.getpid()}:{socket.gethostname()}:{ULID()}"
         self._locks: dict[str, asyncio.Lock] = {}
         self._ready: asyncio.Lock | None = None
+        self._pid = os.getpid()
         self._opened = False
         self._observers: list[Callable[[StepEvent], None]] = []
         self._tracers: list[StepTracer] = []
@@ -276,6 +259,12 @@ class JournalRuntime:
         return self._store.backend
 
     async def _ensure_open(self) -> None:
+        if self._pid != os.getpid():
+            # Forked since: the parent's turn locks (maybe held at fork time, maybe bound to its
+            # event loop) are not ours. The store reconnects by itself on next use.
+            self._pid = os.getpid()
+            self._locks = {}
+            self._ready = None
         if self._opened:
             return
         if self._ready is None:
@@ -384,23 +373,30 @@ class JournalRuntime:
                 f"session {session_id!r} of user {user_id!r} stayed busy in this process for "
                 f"{self.turn_timeout:g}s"
             ) from None
+        # A fresh id per claim, naming the process that claims: a runtime built before fork()
+        # must not lend its parent's pid to the child's lease.
+        owner = claim_owner()
+        _held.add(owner)
         try:
-            claim = await self._claim(scope, deadline)
+            claim, asked = await self._claim(scope, deadline, owner)
             run = await self._start(scope, claim, resume, strict_replay)
+            run.lease_until = asked + self.lease_seconds
             heartbeat = asyncio.create_task(self._heartbeat(run), name="loomflow-lease")
             reset = _frame.set(_Frame(run, ()))
             finished = False
+            failure: BaseException | None = None
             try:
                 yield run
                 finished = True
+            except BaseException as exc:
+                failure = exc
+                raise
             finally:
                 _frame.reset(reset)
                 heartbeat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeat
-                released = await self._store.release(
-                    scope, run.token, run.epoch + 1 if finished else None
-                )
+                released = await self._release(run, failure)
                 if not released:
                     run.lost = True
                     log.warning("run on %s ended after losing its turn", scope.key)
@@ -410,22 +406,42 @@ class JournalRuntime:
                     "could be closed; the new owner decides its outcome"
                 )
         finally:
+            _held.discard(owner)  # from here on, a row still naming it was left behind
             lock.release()
             if not lock.locked() and not lock._waiters:  # drop idle locks: sessions are unbounded
                 self._locks.pop(scope.key, None)
 
-    async def _claim(self, scope: Scope, deadline: float) -> Claim:
+    async def _release(self, run: JournalRun, failure: BaseException | None) -> bool:
+        """Give the turn back. If the body raised, its error stays the one the caller sees."""
+        if failure is None:
+            return await self._store.release(run.scope, run.token, run.epoch + 1)
+        try:
+            return await self._store.release(run.scope, run.token, None)
+        except Exception as exc:
+            # The run's own failure is what the caller must act on; the lease this leaves
+            # behind is taken back at once by the next run in this process, and by other
+            # processes once it runs out. The release failure rides along, never instead.
+            attach_cleanup_error(failure, exc, "giving back the session's turn")
+            return True
+
+    async def _claim(self, scope: Scope, deadline: float, owner: str) -> tuple[Claim, float]:
+        """Take the turn; also returns when the winning request was sent (on _lease_clock)."""
         delay = 0.005
         while True:
-            claim = await self._store.try_acquire(scope, self._owner, self.lease_seconds)
+            asked = _lease_clock()
+            claim = await self._store.try_acquire(scope, owner, self.lease_seconds)
             if claim is not None:
-                return claim
+                return claim, asked
             holder = await self._store.holder(scope)
             if holder is not None and self._holder_is_dead(holder[0]):
-                claim = await self._store.steal(scope, holder[1], self._owner, self.lease_seconds)
+                asked = _lease_clock()
+                claim = await self._store.steal(scope, holder[1], owner, self.lease_seconds)
                 if claim is not None:
-                    log.info("took over %s from dead local owner %s", scope.key, holder[0])
-                    return claim
+                    if is_this_process(holder[0]):
+                        log.info("took back %s from an earlier run of this process", scope.key)
+                    else:
+                        log.info("took over %s from dead local owner %s", scope.key, holder[0])
+                    return claim, asked
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise SessionBusyError(
@@ -437,14 +453,11 @@ class JournalRuntime:
             delay = min(delay * 2, 0.25)
 
     def _holder_is_dead(self, owner: str) -> bool:
-        """A holder in our pid namespace whose process no longer exists cannot renew its lease."""
-        namespace, _, rest = owner.partition(":")
-        pid_text, _, _ = rest.partition(":")
-        if namespace != _PID_NAMESPACE or namespace == "unknown" or not pid_text.isdigit():
-            return False
-        pid = int(pid_text)
-        # Our own pid means another runtime in this process: alive by definition.
-        return pid != os.getpid() and not _pid_alive(pid)
+        """Whether the holder can no longer renew: its process is gone, or it is a lease of
+        this process that no run here holds any more (its release failed)."""
+        if is_this_process(owner):
+            return owner not in _held
+        return process_gone(owner)
 
     async def _start(
         self, scope: Scope, claim: Claim, resume: bool, strict: bool | None
@@ -457,8 +470,11 @@ class JournalRuntime:
                 if not claim.open and not await self._store.begin_run(scope, claim.token):
                     raise OwnershipLostError(f"lost {scope.key} while opening the run")
             rows = await self._store.load_run(scope, epoch)
-        except BaseException:
-            await self._store.release(scope, claim.token, None)
+        except BaseException as exc:
+            try:
+                await self._store.release(scope, claim.token, None)
+            except Exception as cleanup:
+                attach_cleanup_error(exc, cleanup, "giving back the session's turn")
             raise
         entries: dict[tuple[str, str], dict[str, StoredEntry]] = {}
         for row in rows:
@@ -478,6 +494,7 @@ class JournalRuntime:
         interval = self.lease_seconds / 3
         while True:
             await asyncio.sleep(interval)
+            asked = _lease_clock()
             try:
                 ok = await self._store.renew(run.scope, run.token, self.lease_seconds)
             except Exception:  # a blip must not kill the run; the lease has slack
@@ -487,6 +504,37 @@ class JournalRuntime:
                 run.lost = True
                 log.error("run on %s lost its turn to a newer owner", run.scope.key)
                 return
+            run.lease_until = max(run.lease_until, asked + self.lease_seconds)
+
+    async def _check_turn(self, run: JournalRun, name: str) -> None:
+        """Refuse to start a step's body once this run may have lost its turn.
+
+        The heartbeat renews every third of a lease, so a run that is keeping up always has
+        more than a third left and pays nothing here. Less means the process was stopped
+        (SIGSTOP, a debugger, a long GC or swap storm) or renewals failed: ask the store,
+        which both checks the fencing token and extends the lease, before any side effect.
+        """
+        if run.lost:
+            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
+        remaining = run.lease_until - _lease_clock()
+        if remaining > self.lease_seconds / 3:
+            return
+        asked = _lease_clock()
+        try:
+            ok = await self._store.renew(run.scope, run.token, self.lease_seconds)
+        except Exception:
+            if remaining > 0:  # still ours for a while: a blip is not a lost turn
+                log.warning("lease check failed for %s", run.scope.key, exc_info=True)
+                return
+            raise
+        if not ok:
+            run.lost = True
+            log.error("run on %s lost its turn to a newer owner", run.scope.key)
+            raise OwnershipLostError(
+                f"step {name!r} was not started: session {run.session_id!r} of user "
+                f"{run.user_id!r} was taken over while this run was paused past its lease"
+            )
+        run.lease_until = max(run.lease_until, asked + self.lease_seconds)
 
     @contextlib.contextmanager
     def subrun(self, name: str) -> Iterator[tuple[str, ...]]:
@@ -571,6 +619,7 @@ class JournalRuntime:
             if outcome == "hit":
                 self._emit(run, frame.path, name, False, "hit", started, 0.0, note)
                 return value
+            await self._check_turn(run, name)
             result = fn(*args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
@@ -601,6 +650,7 @@ class JournalRuntime:
                 for chunk in value:
                     yield chunk
                 return
+            await self._check_turn(run, name)
             source = fn(*args, **kwargs)
             if inspect.isawaitable(source):
                 source = await source
@@ -742,6 +792,7 @@ class JournalRuntime:
                 run.stats.hit_steps.append(name)
                 self._emit(run, path, name, False, "hit", started, 0.0, note)
                 return value
+        await self._check_turn(run, name)
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
             result = await result

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+import os
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import StoreUnavailableError
@@ -14,14 +15,28 @@ __all__ = ["Database", "Transaction", "translate_errors"]
 
 Rows = Sequence[Sequence[Any]]
 
+# Connections a forked child inherited from its parent: held here so that they are never
+# garbage-collected (finalising one would close the parent's socket or SQLite handle).
+_INHERITED: list[object] = []
+
 
 @contextlib.contextmanager
-def translate_errors(driver_errors: tuple[type[BaseException], ...], what: str) -> Iterator[None]:
-    """The one place where driver exceptions become loomflow errors (chained with ``from``)."""
+def translate_errors(
+    driver_errors: tuple[type[BaseException], ...],
+    what: str,
+    explain: Callable[[BaseException, str], StoreUnavailableError | None] | None = None,
+) -> Iterator[None]:
+    """The one place where driver exceptions become loomflow errors (chained with ``from``).
+
+    ``explain``, if given, may turn a driver error into a more telling one (``None``: no).
+    """
     try:
         yield
     except driver_errors as exc:
-        raise StoreUnavailableError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        error = explain(exc, what) if explain is not None else None
+        if error is None:
+            error = StoreUnavailableError(f"{what} failed: {type(exc).__name__}: {exc}")
+        raise error from exc
 
 
 class Transaction(abc.ABC):
@@ -48,6 +63,7 @@ class Database(abc.ABC):
 
     def __init__(self) -> None:
         self._users = 0
+        self._pid = os.getpid()  # the process whose connection this is
 
     @property
     def backend(self) -> str:
@@ -65,20 +81,45 @@ class Database(abc.ABC):
     def is_open(self) -> bool: ...
 
     async def open(self) -> None:
-        """Connect (idempotent)."""
+        """Connect (idempotent). In a process forked after connecting, connect anew."""
+        if self._pid != os.getpid():
+            self._after_fork()
         if not self.is_open:
-            with translate_errors(self.driver_errors, f"{self.backend} connect"):
+            with translate_errors(self.driver_errors, f"{self.backend} connect", self._explain):
                 await self._connect()
 
     async def close(self) -> None:
         """Close the connection or pool this object created (an adopted pool stays open)."""
+        if self._pid != os.getpid():
+            self._after_fork()  # the parent's connection is the parent's to close
         if self.is_open:
             await self._disconnect()
+
+    def _after_fork(self) -> None:
+        """Drop what the parent process connected; it must be neither used nor closed here.
+
+        A forked child shares the parent's sockets and file descriptors but not its threads or
+        event loop: talking on them would garble the parent's conversation with the database,
+        and closing them would end it. The objects are kept referenced (never finalised) and
+        the child opens connections of its own on next use.
+        """
+        inherited = self._forget_connection()
+        self._pid = os.getpid()
+        if inherited is not None:
+            _INHERITED.append(inherited)
+
+    def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        """A backend's more telling error for ``exc``, or ``None`` for the generic one."""
+        return None
+
+    @abc.abstractmethod
+    def _forget_connection(self) -> object | None:
+        """Detach the connection (or pool) without closing it, and return it."""
 
     async def fetch(self, sql: str, *args: Any, what: str = "query") -> Rows:
         """Run one statement (``$n`` placeholders, ``{now}``/``{lock}`` hooks) and fetch rows."""
         await self.open()
-        with translate_errors(self.driver_errors, f"{self.backend} {what}"):
+        with translate_errors(self.driver_errors, f"{self.backend} {what}", self._explain):
             return await self._fetch(self.dialect.sql(sql), *args)
 
     async def execute(self, sql: str, *args: Any, what: str = "statement") -> None:
@@ -94,7 +135,7 @@ class Database(abc.ABC):
     ) -> AsyncIterator[Transaction]:
         """A transaction; with ``lock_key``, serialised with every other holder of that key."""
         await self.open()
-        with translate_errors(self.driver_errors, f"{self.backend} {what}"):
+        with translate_errors(self.driver_errors, f"{self.backend} {what}", self._explain):
             async with self._transaction(lock_key) as tx:
                 yield _Translated(tx, self.dialect)
 

@@ -58,6 +58,17 @@ async def _version(db: Database, tx: Transaction, component: str) -> int:
 async def apply_migrations(db: Database, component: str, migrations: Sequence[Migration]) -> int:
     """Bring ``component``'s tables up to date; return the version now in place."""
     latest = len(migrations)
+    # Most opens find the schema current. Reading the version takes no lock, so a process that
+    # holds SQLite's write lock (busy, or stopped by SIGSTOP) does not block a mere open; the
+    # write lock and the advisory lock are taken only when there is something to apply.
+    current = await _read_version(db, component)
+    if current == latest:
+        return current
+    if current > latest:
+        raise MigrationError(
+            f"the {component} schema is at version {current}, newer than this loomflow knows "
+            f"({latest}); upgrade loomflow"
+        )
     for version, migration in enumerate(migrations, start=1):
         async with db.transaction(lock_key=_LOCK_KEY, what="migration") as tx:
             current = await _version(db, tx, component)
@@ -97,6 +108,22 @@ async def schema_versions(db: Database) -> dict[str, int]:
     return {str(r[0]): int(r[1]) for r in rows}
 
 
+async def _read_version(db: Database, component: str) -> int:
+    """``component``'s schema version, read without any lock (0 if nothing is there yet)."""
+    if db.backend == "postgres":
+        found = "SELECT to_regclass('loom_schema_version') IS NOT NULL"
+    else:
+        found = "SELECT COUNT(*) > 0 FROM sqlite_master WHERE name = 'loom_schema_version'"
+    if not (await db.fetch(found, what="schema read"))[0][0]:
+        return 0
+    rows = await db.fetch(
+        "SELECT MAX(version) FROM loom_schema_version WHERE component = $1",
+        component,
+        what="schema read",
+    )
+    return int(rows[0][0] or 0)
+
+
 async def require_schema(db: Database, component: str, migrations: Sequence[Migration]) -> None:
     """Check, without changing anything, that ``component``'s tables are at the version this
     loomflow expects (for stores opened with ``auto_migrate=False``).
@@ -104,18 +131,7 @@ async def require_schema(db: Database, component: str, migrations: Sequence[Migr
     Raises:
         MigrationError: the schema is behind (run ``loomflow migrate``) or ahead (upgrade).
     """
-    if db.backend == "postgres":
-        found = "SELECT to_regclass('loom_schema_version') IS NOT NULL"
-    else:
-        found = "SELECT COUNT(*) > 0 FROM sqlite_master WHERE name = 'loom_schema_version'"
-    current = 0
-    if (await db.fetch(found, what="schema read"))[0][0]:
-        rows = await db.fetch(
-            "SELECT MAX(version) FROM loom_schema_version WHERE component = $1",
-            component,
-            what="schema read",
-        )
-        current = int(rows[0][0] or 0)
+    current = await _read_version(db, component)
     latest = len(migrations)
     if current < latest:
         raise MigrationError(

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UserError
 from ._database import Database, Rows, Transaction
 from ._dialect import POSTGRES
 
@@ -83,6 +83,16 @@ class PostgresDatabase(Database):
             )
         except ValueError as exc:  # asyncpg's DSN parser: a malformed port, option, ...
             raise ConfigurationError(f"bad PostgreSQL DSN: {exc}") from None
+
+    def _forget_connection(self) -> object | None:
+        if not self._owns_pool and self._pool is not None:
+            raise UserError(
+                "this asyncpg pool was created before the process forked and cannot be used "
+                "in the child; give the runtime or store a DSN (it then connects anew in each "
+                "process) or create the pool after the fork"
+            )
+        pool, self._pool = self._pool, None
+        return pool
 
     async def _disconnect(self) -> None:
         if self._owns_pool and self._pool is not None:

@@ -13,10 +13,55 @@ from typing import Any
 
 import aiosqlite
 
+from ..errors import StoreLockedError, StoreUnavailableError
 from ._database import Database, Rows, Transaction
 from ._dialect import SQLITE
 
 __all__ = ["SqliteDatabase"]
+
+# Byte ranges SQLite locks to write (see its os_unix.c): in WAL mode the write, checkpoint and
+# recovery locks are bytes 120-122 of the -shm file; in rollback mode the pending and reserved
+# bytes of the database file itself.
+_SHM_WRITE_BYTES = (120, 122)
+_DB_WRITE_BYTES = (0x40000000, 0x40000001)
+
+
+def _write_lock_holder(path: Path) -> int | None:
+    """The pid holding ``path``'s SQLite write lock, read from /proc/locks (Linux only)."""
+    wanted: dict[int, tuple[int, int]] = {}
+    for file, byte_range in ((Path(f"{path}-shm"), _SHM_WRITE_BYTES), (path, _DB_WRITE_BYTES)):
+        try:
+            wanted[os.stat(file).st_ino] = byte_range
+        except OSError:
+            continue
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        # "1: POSIX  ADVISORY  WRITE 4242 08:01:1311 120 120"; "->" marks a waiter, not a holder
+        fields = line.split()
+        if len(fields) < 8 or fields[1] == "->" or fields[3] != "WRITE":
+            continue
+        try:
+            pid, inode = int(fields[4]), int(fields[5].rsplit(":", 1)[1])
+            start = int(fields[6])
+            end = int(fields[7]) if fields[7] != "EOF" else 2**63
+        except (ValueError, IndexError):
+            continue
+        span = wanted.get(inode)
+        if span is not None and start <= span[1] and end >= span[0] and pid > 0:
+            return pid
+    return None
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class _Tx(Transaction):
@@ -120,6 +165,39 @@ class SqliteDatabase(Database):
                     raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+    def _forget_connection(self) -> object | None:
+        conn, self._conn = self._conn, None
+        # The parent's locks may have been held at fork time, or bound to its event loop.
+        self._tx_lock = asyncio.Lock()
+        self._open_lock = asyncio.Lock()
+        return conn
+
+    def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        # SQLITE_BUSY after busy_timeout: name who holds the lock rather than the statement
+        # that happened to wait (a schema check, a lease claim) as if it were the problem.
+        if not isinstance(exc, sqlite3.OperationalError) or "database is locked" not in str(exc):
+            return None
+        pid = _write_lock_holder(self.path)
+        stopped = pid is not None and _is_stopped(pid)
+        if pid is None:
+            cause = "another process holds its write lock and kept it"
+        elif pid == os.getpid():
+            cause = "another connection of this process holds its write lock"
+        elif stopped:
+            cause = (
+                f"pid {pid} holds its write lock and is stopped (SIGSTOP or a debugger); no "
+                f"process can write until it is continued (kill -CONT {pid}) or ended"
+            )
+        else:
+            cause = f"pid {pid} holds its write lock and kept it"
+        return StoreLockedError(
+            f"{what} failed: the database file {str(self.path)!r} is locked: {cause} "
+            f"(waited {self.busy_timeout_ms} ms, the busy timeout)",
+            path=str(self.path),
+            pid=pid,
+            stopped=stopped,
+        )
 
     async def _disconnect(self) -> None:
         conn, self._conn = self._conn, None

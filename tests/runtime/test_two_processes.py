@@ -1,8 +1,8 @@
 """Two real processes on one journal (a PostgreSQL database or one SQLite file).
 
 Turn-taking: runs on one (session, user) never interleave across processes. Fencing: a worker
-frozen past its lease loses the turn, and its next write is refused by the store, so the new
-owner's entries stand.
+frozen past its lease loses the turn: it runs no further step body, its write of a body that
+was already running is refused by the store, and the new owner's entries stand.
 """
 
 from __future__ import annotations
@@ -134,12 +134,17 @@ async def test_frozen_owner_is_fenced_out_after_its_lease(
         await h.kill_all(children)
 
     lost = a.last("lost")["error"]
+    a_bodies = [m["step"] for m in h.read_log(log) if m["what"] == "begin" and m["pid"] == a.pid]
     if frozen == "inside_step":
-        # A's body of step 2 did run; the store refused to journal its result.
+        # A's body of step 2 was already running when it lost the turn: it finishes, and the
+        # store refuses to journal its result. Nothing can take back a body in progress.
         assert "ran but was not journaled" in lost
-        assert any(
-            m["what"] == "begin" and m["step"] == 2 and m["pid"] == a.pid for m in h.read_log(log)
-        )
+        assert a_bodies == [1, 2]
+    else:
+        # Continued past its lease, A asks the store before the next body and learns that B
+        # owns the turn: step 2 (which B already ran) does not run a second time.
+        assert "was not started" in lost
+        assert a_bodies == [1]
 
     # B continued A's open run: step 1 replayed from A's entry, steps 2 and 3 its own.
     done = b.last("done")

@@ -36,7 +36,7 @@ from ...errors import (
 from ...messages import Message, ModelResponse, ModelSettings, Usage
 from ...models.pricing import PRICES, ModelPrice, price_for
 from ..events import BudgetDenied, BudgetUnavailable, BudgetWarning
-from ._owner import new_owner
+from ._owner import current_owner
 from ._store import BudgetStore
 from ._types import (
     MAX_TOKENS_PER_CALL,
@@ -219,7 +219,6 @@ class StandardBudget:
         self.on_expiry: OnExpiry = on_expiry
         self.store_timeout_s = float(store_timeout_s)
         self._clock = clock
-        self._owner = new_owner()
         self._abandoned: set[asyncio.Future[Any]] = set()
         self._last_reclaim = -math.inf
 
@@ -380,7 +379,7 @@ class StandardBudget:
     ) -> Ticket:
         """Reserve an amount sized by :meth:`size` (see :meth:`reserve`)."""
         buckets, limits = self._plan(user_id, self._clock())
-        reservation = Reservation(str(ULID()), self._owner, buckets, amount, self.on_expiry)
+        reservation = Reservation(str(ULID()), current_owner(), buckets, amount, self.on_expiry)
         # Dead workers' holds are swept now and then, and again before a refusal (a released
         # hold frees room; a charged one at least turns into a definite figure).
         await self._reclaim_if_due(30.0)

@@ -1,30 +1,25 @@
-"""Who holds a reservation, in a form that lets a worker on the same host see it died."""
+"""Who holds a reservation, in a form that lets a worker on the same host see it died.
+
+The identity and liveness checks are the journal's (``loomflow.runtime._owner``), so a hold and
+a lease of one process always name it the same way.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
+from ...runtime._owner import is_this_process, pid_namespace, process_gone, process_owner
 
-from ulid import ULID
-
-from ...runtime._journal import _PID_NAMESPACE, _pid_alive
-
-__all__ = ["PID_NAMESPACE", "new_owner", "owner_is_dead"]
-
-PID_NAMESPACE = _PID_NAMESPACE
-"""Hash of host, boot and pid namespace: workers that see each other's pids share it."""
+__all__ = ["current_owner", "owner_is_dead", "pid_namespace"]
 
 
-def new_owner() -> str:
-    """``<pid namespace>:<pid>:<host>:<unique>``, the same shape the journal's leases use."""
-    return f"{PID_NAMESPACE}:{os.getpid()}:{socket.gethostname()}:{ULID()}"
+def current_owner() -> str:
+    """The calling process's owner id, read per reservation (a forked child gets its own)."""
+    return process_owner()
 
 
 def owner_is_dead(owner: str) -> bool:
-    """True only when ``owner`` ran in our pid namespace and its process is gone."""
-    namespace, _, rest = owner.partition(":")
-    pid_text = rest.partition(":")[0]
-    if namespace != PID_NAMESPACE or namespace == "unknown" or not pid_text.isdigit():
-        return False  # another host or container: only the lease can tell
-    pid = int(pid_text)
-    return pid != os.getpid() and not _pid_alive(pid)
+    """True only when ``owner`` ran in our pid namespace and its process is gone.
+
+    An id with our pid but not our process's id was left by an earlier process that had our
+    (since reused) pid: that process is gone too.
+    """
+    return process_gone(owner) or (is_this_process(owner) and owner != process_owner())

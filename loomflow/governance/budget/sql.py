@@ -22,7 +22,7 @@ from typing import Any
 
 from ...config import Settings
 from ...storage import Database, apply_migrations, database_from_url
-from ._owner import PID_NAMESPACE, owner_is_dead
+from ._owner import owner_is_dead, pid_namespace
 from ._store import BudgetStore
 from ._types import (
     Amount,
@@ -316,10 +316,9 @@ class SqlBudgetStore:
         candidates: dict[str, str] = {}
         for row in await self.db.fetch(_EXPIRED, limit, what="budget reclaim"):
             candidates[str(row[0])] = ""
-        if PID_NAMESPACE != "unknown":
-            for row in await self.db.fetch(
-                _LOCAL, f"{PID_NAMESPACE}:%", limit, what="budget reclaim"
-            ):
+        namespace = pid_namespace()
+        if namespace != "unknown":
+            for row in await self.db.fetch(_LOCAL, f"{namespace}:%", limit, what="budget reclaim"):
                 if owner_is_dead(str(row[1])):
                     candidates[str(row[0])] = str(row[1])
         reclaimed = 0

@@ -1,0 +1,44 @@
+"""Cleanup that runs while an error propagates must not replace that error.
+
+When a run fails (the budget store is down, a tool raised) and the cleanup after it fails too
+(giving the session's turn back to the same unreachable database), the caller must see the
+first error, the one that says what went wrong. The cleanup's failure is attached to it: as a
+note in the traceback, and in the ``cleanup_errors`` list on the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+
+__all__ = ["attach_cleanup_error", "cleanup_errors", "run_cleanup"]
+
+log = logging.getLogger("loomflow")
+
+
+def attach_cleanup_error(first: BaseException, cleanup: BaseException, what: str) -> None:
+    """Record on ``first`` that ``what`` failed with ``cleanup`` while ``first`` propagated."""
+    log.warning("%s failed after %s", what, type(first).__name__, exc_info=cleanup)
+    first.add_note(f"while handling it, {what} failed: {type(cleanup).__name__}: {cleanup}")
+    try:
+        errors = first.__dict__.setdefault("cleanup_errors", [])
+    except AttributeError:  # an exception type without a __dict__: the note must do
+        return
+    errors.append(cleanup)
+
+
+def cleanup_errors(exc: BaseException) -> list[BaseException]:
+    """The cleanup failures attached to ``exc`` (oldest first); empty if none."""
+    found = getattr(exc, "cleanup_errors", None)
+    return list(found) if isinstance(found, list) else []
+
+
+async def run_cleanup(first: BaseException, what: str, cleanup: Awaitable[object]) -> None:
+    """Await ``cleanup`` while ``first`` propagates; a failure is attached to ``first``.
+
+    Only ``Exception`` is caught: a cancellation during cleanup still cancels.
+    """
+    try:
+        await cleanup
+    except Exception as exc:
+        attach_cleanup_error(first, exc, what)
