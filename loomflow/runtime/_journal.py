@@ -31,6 +31,7 @@ from .._ids import check_key
 from .._progress import OnProgress
 from ..config import Settings
 from ..errors import (
+    ConfigurationError,
     CorruptEntryError,
     JournalEncodeError,
     NoActiveRunError,
@@ -378,8 +379,8 @@ class JournalRuntime:
 
         Raises:
             InvalidIdError: an id is empty, too long or holds a control character.
-            UserError: a run on a *different* journal is open in this context; a sub-run
-                cannot be keyed under it.
+            ConfigurationError: a run on a *different* journal is open in this context; a
+                sub-run cannot be keyed under it.
         """
         scope = Scope.checked(session_id, user_id)
         frame = _frame.get()
@@ -532,7 +533,7 @@ class JournalRuntime:
 
         mine, theirs = await journal_identity(self), await journal_identity(owner)
         if mine != theirs:
-            raise UserError(
+            raise ConfigurationError(
                 f"a run is open on another journal ({owner!r}), so {self!r} cannot key a "
                 "sub-run under it: give the sub-agent (or worker) the enclosing agent's "
                 "runtime, a runtime on the same database, or no runtime at all"
