@@ -142,3 +142,60 @@ def _stores(runtime: JournalRuntime) -> dict[str, Any]:
         "audit": AuditLog(audit_store_beside(database) if database else InMemoryAuditStore()),
         "budget": StandardBudget(caps, store=budget_store or InMemoryBudgetStore()),
     }
+
+
+async def test_deep_nesting_under_long_ids_is_refused_before_the_database(
+    runtime_factory: Factory,
+) -> None:
+    # Each nested session repeats the session id in the sub-run path; with ids of 256 escaped
+    # characters the third level would overflow PostgreSQL's btree entry. It is refused by the
+    # journal, with the step's name, on every backend alike.
+    worst = '"' * MAX_ID_BYTES
+    runtime = await runtime_factory()
+    ran: list[int] = []
+    level = [runtime.session(worst, worst) for _ in range(4)]
+    async with level[0], level[1], level[2]:
+        await runtime.step("level_2", lambda: ran.append(2))
+        async with level[3]:
+            with pytest.raises(UserError, match=r"step 'level_3': its journal key .* over"):
+                await runtime.step("level_3", lambda: ran.append(3))
+    assert ran == [2]
+
+
+async def test_a_second_runtime_object_on_the_journal_joins_the_open_run(
+    runtime_factory: Factory,
+) -> None:
+    first = await runtime_factory(turn_timeout=0.5)
+    second = await runtime_factory(turn_timeout=0.5)
+    async with first.session("s", "u") as run:
+        await first.step("outer", lambda: 1)
+        async with second.session("s", "u") as inner:  # used to wait for its own turn
+            assert inner is run
+            assert second.current_run is run
+            await second.step("inner", lambda: 2)
+    assert {(e.path, e.name) for e in await first.entries("s", "u")} == {
+        ((), "outer"),
+        (("run:s#0",), "inner"),
+    }
+    # Outside any run the second runtime still has none of its own.
+    assert second.current_run is None
+
+
+@pytest.mark.postgres
+async def test_postgres_identity_falls_back_when_the_control_data_is_refused(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loomflow.runtime import PostgresRuntime, _identity
+
+    # Managed services may revoke pg_control_system(); the server's start time stands in.
+    monkeypatch.setattr(_identity, "_PG_IDENTITY", "SELECT * FROM pg_control_system_denied()")
+    first, second = PostgresRuntime(pg_dsn), PostgresRuntime(pg_dsn)
+    try:
+        await first.open()
+        assert await _identity.journal_identity(first) == await _identity.journal_identity(second)
+        async with first.session("s", "u"), second.session("s", "u") as inner:
+            await second.step("inner", lambda: 1)
+        assert inner.stats.misses == 1
+    finally:
+        await first.close()
+        await second.close()
