@@ -127,7 +127,7 @@ class Memory:
             session_id=_session(session_id),
             user_id=_user(user_id),
             key=_key(key),
-            run_id=run_id,
+            run_id=check_id("run_id", run_id),
             epoch=epoch,
             messages=list(messages),
             output=_content("output", output),
