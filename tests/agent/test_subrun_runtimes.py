@@ -202,3 +202,24 @@ async def _refused(parent_rt: JournalRuntime, child_rt: JournalRuntime) -> None:
         await parent.run("go", session_id="s", user_id="u")
     assert s.booked == []
     assert s.parent_saw == []  # a configuration error, not a tool error for the model
+
+
+async def test_two_from_settings_agents_on_memory_urls_are_two_journals() -> None:
+    # Each memory:// runtime is a journal of its own (it lives as long as its object), so a
+    # sub-agent built that way is refused rather than silently journaled apart.
+    settings = Settings(runtime_url="memory://", turn_timeout_seconds=1.0)
+    s = Scenario()
+    async with (
+        Agent.from_settings(
+            "child", model=FunctionModel(s.child_decides), tools=[s.book], settings=settings
+        ) as child,
+        Agent.from_settings(
+            "parent",
+            model=FunctionModel(s.parent_decides),
+            tools=[child.as_tool()],
+            settings=settings,
+        ) as parent,
+    ):
+        with pytest.raises(ConfigurationError, match="another journal"):
+            await parent.run("go", session_id="s", user_id="u")
+    assert s.booked == []
