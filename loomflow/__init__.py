@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._ids import MAX_ID_BYTES, MAX_KEY_BYTES, check_id
 from .agent import (
     Agent,
     AgentEvent,
@@ -14,14 +15,17 @@ from .agent import (
     Tuning,
 )
 from .context import RunContext, get_run_context
-from .errors import LoomflowError, UserError
+from .errors import InvalidIdError, LoomflowError, UserError
 from .messages import Message, ModelResponse, ToolCall, Usage
 from .tools import Tool, ToolOutcome, tool
 
 __all__ = [
     "Agent",
     "AgentEvent",
+    "InvalidIdError",
     "LoomflowError",
+    "MAX_ID_BYTES",
+    "MAX_KEY_BYTES",
     "Message",
     "ModelDeltaEvent",
     "ModelResponse",
@@ -37,6 +41,7 @@ __all__ = [
     "Tuning",
     "Usage",
     "UserError",
+    "check_id",
     "get_run_context",
     "tool",
 ]

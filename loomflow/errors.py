@@ -4,7 +4,8 @@ Every error loomflow raises derives from :class:`LoomflowError`::
 
     LoomflowError
     ├── UserError                      misuse of the API (fix the calling code)
-    │   └── NoActiveRunError           runtime.step() outside runtime.session()
+    │   ├── NoActiveRunError           runtime.step() outside runtime.session()
+    │   └── InvalidIdError             an id is empty, too long or holds a control character
     ├── ConfigurationError             bad settings or an unusable store URL
     ├── JournalError                   the journal could not do what was asked
     │   ├── JournalEncodeError         a value has no journal encoding
@@ -48,6 +49,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigurationError",
     "CorruptEntryError",
+    "InvalidIdError",
     "InvalidUsageError",
     "JournalEncodeError",
     "JournalError",
@@ -79,6 +81,23 @@ class UserError(LoomflowError):
 
 class NoActiveRunError(UserError):
     """A journaled step was requested while no run is open on this runtime."""
+
+
+class InvalidIdError(UserError, ValueError):
+    """An id (session, user, run, checkpoint, idempotency key) breaks the id rules.
+
+    Attributes:
+        field: The argument at fault, e.g. ``"user_id"``.
+        reason: What is wrong with it.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field} {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.field, self.reason))
 
 
 class ConfigurationError(LoomflowError):

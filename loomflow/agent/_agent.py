@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._cleanup import run_cleanup
+from .._ids import check_id
 from ..audit.redaction import Redactor
 from ..audit.sealing import SealedValueLost, Sealer
 from ..checkpoints import (
@@ -61,7 +62,7 @@ from ..messages import (
 from ..models import Model, cost_usd, resolve_model
 from ..runtime import codec
 from ..runtime._journal import JournalRuntime
-from ..tools import Tool, ToolLike, ToolOutcome, ToolRegistry
+from ..tools import TOOL_ERROR, Tool, ToolLike, ToolOutcome, ToolRegistry
 from ._passthrough import Passthrough
 from ._types import (
     AgentEvent,
@@ -459,11 +460,18 @@ class Agent:
     ) -> AsyncIterator[AgentEvent]:
         if not isinstance(prompt, str):
             raise UserError("prompt must be a string")
+        # Refused before anything runs: an empty session id must not become a fresh session
+        # (a redelivered request would repeat its side effects), nor a too-long id a driver
+        # error halfway through the run.
+        check_id("session_id", session_id)
+        check_id("user_id", user_id)
+        check_id("from_checkpoint", from_checkpoint)
+        check_id("fork_session_id", fork_session_id)
         runtime = self._runtime()
         outer = get_run_context()
         nested = outer.run_id is not None
         if nested:  # a sub-run inherits who it works for
-            session_id = session_id or outer.session_id
+            session_id = session_id if session_id is not None else outer.session_id
             user_id = user_id if user_id is not None else outer.user_id
         store = self._checkpoint_store(runtime) if self.tuning.checkpoint and not nested else None
         source: Checkpoint | None = None
@@ -482,7 +490,8 @@ class Agent:
             session_id, resume = fork_session_id or str(ULID()), False
         elif fork_session_id is not None:
             raise UserError("fork_session_id= goes with from_checkpoint=")
-        session_id = session_id or str(ULID())
+        if session_id is None:
+            session_id = str(ULID())
         async with enclosing_run(
             runtime,
             session_id,
@@ -814,7 +823,8 @@ class Agent:
                     outcome = await self._invoke(current.name, current.arguments)
             for hook in self._hooks:
                 outcome = await hook.check_tool_result(info, turn, slot, call, outcome)
-            return sealer.scrub(outcome)  # journaled and shown to the model without secrets
+            # Journaled and shown to the model without secrets, and small enough to journal.
+            return _fit_payload(sealer.scrub(outcome), call.name, runtime)
 
         outcome = await runtime.step(step_name, invoke, call.name, call.arguments)
         return outcome, not live
@@ -844,6 +854,31 @@ class Agent:
             _warn_unpriced(model_name)
             return 0.0
         return value
+
+
+def _fit_payload(outcome: ToolOutcome, tool_name: str, runtime: Any) -> ToolOutcome:
+    """A result over the journal's size cap becomes a tool error the model reads.
+
+    Raising instead would fail the run with the tool's side effects done but unrecorded, and
+    every resume would run the tool again and fail the same way. The error is journaled like
+    any result, so a resume replays it and the tool runs once.
+    """
+    limit = getattr(runtime, "max_payload_bytes", None)
+    if not isinstance(limit, int):
+        return outcome  # no journal, no cap
+    try:
+        size = len(codec.dumps(outcome))
+    except codec.UnsupportedValueError:
+        return outcome  # the journal reports it with the step's name
+    if size <= limit:
+        return outcome
+    log.warning("tool %r returned %d bytes, over the %d-byte journal cap", tool_name, size, limit)
+    return ToolOutcome(
+        ok=False,
+        error_type=TOOL_ERROR,
+        error=f"tool {tool_name!r} returned {size} bytes, more than the {limit} bytes a step "
+        "may store (max_payload_bytes); ask it for less (a narrower query, a page, a summary)",
+    )
 
 
 def _collect_hooks(components: Sequence[Any]) -> list[RunHooks]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ulid import ULID
 
+from .._ids import check_id
 from ..checkpoints import CheckpointRestored, checkpoint_store_for
 from ..context import get_run_context
 from ..errors import UserError
@@ -22,6 +23,12 @@ from ._agent import Agent, enclosing_run, runtime_for
 from ._types import AgentEvent, RunResult, ToolCallFinished
 
 __all__ = ["Debate", "Team", "Workflow"]
+
+
+def _session_or_new(session_id: str | None, user_id: str | None) -> str:
+    # An empty id is refused, not replaced by a fresh one (see loomflow._ids).
+    check_id("user_id", user_id)
+    return check_id("session_id", session_id) or str(ULID())
 
 
 def _combine(
@@ -180,7 +187,7 @@ class Debate:
         resume: bool = False,
     ) -> RunResult:
         runtime = runtime_for(self.runtime)
-        session_id = session_id or str(ULID())
+        session_id = _session_or_new(session_id, user_id)
         async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
             results: list[RunResult] = []
             transcript: list[str] = []
@@ -245,7 +252,7 @@ class Workflow:
         resume: bool = False,
     ) -> RunResult:
         runtime = runtime_for(self.runtime)
-        session_id = session_id or str(ULID())
+        session_id = _session_or_new(session_id, user_id)
         async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
             results: list[RunResult] = []
             text = prompt

@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .._ids import check_id, check_key
 from ..errors import UserError
 
 __all__ = [
@@ -123,11 +124,11 @@ class AuditRecord(BaseModel):
 
     def checked(self) -> AuditRecord:
         """Reject ids no backend can store; make the payload plain JSON."""
-        _check_text("user_id", self.user_id, optional=True)
-        _check_text("session_id", self.session_id, optional=True)
-        _check_text("run_id", self.run_id, optional=True)
+        check_id("user_id", self.user_id)
+        check_id("session_id", self.session_id)
+        check_id("run_id", self.run_id)
         _check_text("actor", self.actor, optional=False)
-        _check_text("action", self.action, optional=False)
+        check_key("action", self.action, optional=False)  # indexed next to the user key
         return self.model_copy(update={"payload": json_safe(self.payload)})
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ulid import ULID
 
+from .._ids import check_id, check_key
 from ..config import Settings
 from ..context import get_run_context
 from ..errors import UserError
@@ -44,6 +45,14 @@ def _content(what: str, value: object) -> str:
 
 def _user(user_id: object) -> str | None:
     return Scope.checked(None, user_id).user_id
+
+
+def _session(session_id: object) -> str:
+    return check_id("session_id", session_id, optional=False) or ""
+
+
+def _key(key: object) -> str:
+    return check_key("key", key, optional=False) or ""
 
 
 class Memory:
@@ -115,10 +124,10 @@ class Memory:
         """
         episode = Episode(
             id=str(ULID()),
-            session_id=_text("session_id", session_id),
+            session_id=_session(session_id),
             user_id=_user(user_id),
-            key=_text("key", key),
-            run_id=run_id,
+            key=_key(key),
+            run_id=check_id("run_id", run_id),
             epoch=epoch,
             messages=list(messages),
             output=_content("output", output),
@@ -141,7 +150,7 @@ class Memory:
         if limit is not None and limit < 0:
             raise UserError("limit must be 0 or more")
         return await self.store.episodes(
-            _text("session_id", session_id),
+            _session(session_id),
             _user(user_id),
             before_epoch=before_epoch,
             limit=limit,
@@ -161,7 +170,7 @@ class Memory:
 
     async def forget_session(self, session_id: str, *, user_id: str | None) -> int:
         """Delete the episodes of one (session, user); return how many went."""
-        return await self.store.delete_episodes(_text("session_id", session_id), _user(user_id))
+        return await self.store.delete_episodes(_session(session_id), _user(user_id))
 
     # -- facts -------------------------------------------------------------------------------
 

@@ -17,15 +17,18 @@ import os
 import pickle
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias, TypeVar, overload
 
 from .._cleanup import attach_cleanup_error
+from .._ids import check_key
 from .._progress import OnProgress
 from ..config import Settings
 from ..errors import (
+    ConfigurationError,
     CorruptEntryError,
     JournalEncodeError,
     NoActiveRunError,
@@ -250,6 +253,8 @@ class JournalRuntime:
         self._opened = False
         self._observers: list[Callable[[StepEvent], None]] = []
         self._tracers: list[StepTracer] = []
+        # Runtimes found to use this one's journal: steps made here may join their runs.
+        self._peers: weakref.WeakSet[JournalRuntime] = weakref.WeakSet()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -333,9 +338,13 @@ class JournalRuntime:
 
     @property
     def current_run(self) -> JournalRun | None:
-        """The run open in this context on this runtime, if any."""
+        """The run open in this context on this runtime (or one it joined), if any."""
         frame = _frame.get()
-        return frame.run if frame is not None and frame.run.runtime is self else None
+        if frame is None or (
+            frame.run.runtime is not self and frame.run.runtime not in self._peers
+        ):
+            return None
+        return frame.run
 
     @contextlib.asynccontextmanager
     async def session(
@@ -353,16 +362,24 @@ class JournalRuntime:
         session's epoch; leaving it by an exception keeps the run open, so running it again
         replays it. ``resume=True`` continues the session's last run even if it finished.
 
-        Inside an open run on this runtime, ``session()`` opens a sub-run instead (keyed under
-        the enclosing run; see :meth:`subrun`).
+        Inside an open run on this journal, ``session()`` opens a sub-run instead (keyed under
+        the enclosing run; see :meth:`subrun`), also when that run was opened by another
+        runtime object on the same database (a sub-agent with a runtime of its own).
+
+        Raises:
+            InvalidIdError: an id is empty, too long or holds a control character.
+            ConfigurationError: a run on a *different* journal is open in this context; a
+                sub-run cannot be keyed under it.
         """
+        scope = Scope.checked(session_id, user_id)
         frame = _frame.get()
-        if frame is not None and frame.run.runtime is self:
+        if frame is not None and frame.run.runtime is not self:
+            await self._join(frame.run.runtime)
+        if frame is not None:
             with self.subrun(f"run:{session_id}"):
                 yield frame.run
             return
         await self._ensure_open()
-        scope = Scope.checked(session_id, user_id)
         deadline = time.monotonic() + self.turn_timeout
         lock = self._locks.setdefault(scope.key, asyncio.Lock())
         try:
@@ -556,9 +573,27 @@ class JournalRuntime:
         finally:
             _frame.reset(reset)
 
+    async def _join(self, owner: JournalRuntime) -> None:
+        """Let this runtime make steps in runs of ``owner``, if both use one journal."""
+        if owner in self._peers:
+            return
+        from ._identity import journal_identity
+
+        mine, theirs = await journal_identity(self), await journal_identity(owner)
+        if mine != theirs:
+            raise ConfigurationError(
+                f"a run is open on another journal ({owner!r}), so {self!r} cannot key a "
+                "sub-run under it: give the sub-agent (or worker) the enclosing agent's "
+                "runtime, a runtime on the same database, or no runtime at all"
+            )
+        await self._ensure_open()
+        self._peers.add(owner)
+
     def _require_frame(self, what: str) -> _Frame:
         frame = _frame.get()
-        if frame is None or frame.run.runtime is not self:
+        if frame is None or (
+            frame.run.runtime is not self and frame.run.runtime not in self._peers
+        ):
             raise NoActiveRunError(
                 f"{what}() needs an open run: call it inside `async with runtime.session(...)`"
             )
@@ -615,6 +650,7 @@ class JournalRuntime:
                 )
             fp = self._fingerprint(name, args, kwargs)
             pkey = path_key(frame.path)
+            _check_key_size(run, pkey, name)
             outcome, value = self._lookup(run, frame.path, pkey, name, fp, note)
             if outcome == "hit":
                 self._emit(run, frame.path, name, False, "hit", started, 0.0, note)
@@ -644,6 +680,7 @@ class JournalRuntime:
         with self._traced(run, frame.path, name, True) as note:
             fp = self._fingerprint(name, args, kwargs)
             pkey = path_key(frame.path)
+            _check_key_size(run, pkey, name)
             outcome, value = self._lookup(run, frame.path, pkey, name, fp, note)
             if outcome == "hit":
                 self._emit(run, frame.path, name, True, "hit", started, 0.0, note)
@@ -917,10 +954,23 @@ class JournalRuntime:
 
 
 def _check_text(what: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise UserError(f"{what} must be a non-empty string, not {value!r}")
-    if "\x00" in value:
-        raise UserError(f"{what} {value!r} contains a NUL character, which no backend can store")
+    check_key(what, value, optional=False)
+
+
+# scope + sub-run path + step name of one journal row, in UTF-8 bytes. With the fingerprint
+# (64), the epoch and the tuple's headers the primary key entry stays under PostgreSQL's
+# 2,704-byte btree limit; deep nesting under long ids is refused here, not by the driver.
+MAX_JOURNAL_KEY_BYTES = 2400
+
+
+def _check_key_size(run: JournalRun, pkey: str, name: str) -> None:
+    size = len(run.scope.key.encode()) + len(pkey.encode()) + len(name.encode())
+    if size > MAX_JOURNAL_KEY_BYTES:
+        raise UserError(
+            f"step {name[:60]!r}: its journal key (session id, user id, sub-run path and step "
+            f"name) is {size} bytes, over the {MAX_JOURNAL_KEY_BYTES}-byte limit; use shorter "
+            "ids or names, or nest fewer sub-runs"
+        )
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .._ids import check_id
 from .._progress import OnProgress
-from ..errors import UserError
 from . import codec
 
 __all__ = [
@@ -46,15 +46,9 @@ class Scope:
 
     @classmethod
     def checked(cls, session_id: object, user_id: object) -> Scope:
-        """Build a scope from caller input, rejecting ids no backend can store."""
-        for what, value in (("session_id", session_id), ("user_id", user_id)):
-            if value is None:
-                continue
-            if not isinstance(value, str):
-                raise UserError(f"{what} must be a string or None, not {type(value).__name__}")
-            if "\x00" in value:
-                raise UserError(f"{what} {value!r} contains a NUL character")
-        return cls(session_id, user_id)  # type: ignore[arg-type]
+        """Build a scope from caller input, rejecting ids no backend can store (see
+        :mod:`loomflow._ids`: the same rule on every backend, memory included)."""
+        return cls(check_id("session_id", session_id), check_id("user_id", user_id))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", _key(self.session_id, self.user_id))

@@ -225,7 +225,7 @@ class JournalConformance:
             ("alice", "bob"),
             ("alice", None),
             (None, "None"),
-            ("", None),
+            (" ", None),
             ('a","b', "a"),
             ('["s","u"]', "u"),
             ("a:b", "a"),

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from ..context import get_run_context
-from ..errors import UserError
+from ..errors import ConfigurationError, UserError
 from ..runtime import codec
 from ._docstring import parse_docstring
 from ._outcome import INVALID_ARGUMENTS, TIMEOUT, TOOL_ERROR, ToolOutcome
@@ -148,7 +148,8 @@ class Tool(Generic[P, R]):
         """Validate ``arguments`` from the model, run the tool and report what happened.
 
         Never raises for bad arguments, a failing tool or a timeout: each becomes a
-        ``ToolOutcome`` with ``ok=False``. Cancellation of the caller still propagates.
+        ``ToolOutcome`` with ``ok=False``. Cancellation of the caller and
+        :class:`~loomflow.errors.ConfigurationError` (a deployment mistake) still propagate.
 
         Args:
             arguments: The decoded JSON object the model sent.
@@ -181,6 +182,10 @@ class Tool(Generic[P, R]):
                 error_type=TIMEOUT,
                 error=f"tool {self.name!r} did not finish within {self.timeout:g} s",
             )
+        except ConfigurationError:
+            # A deployment mistake (a sub-agent on another journal, say): no model can fix it,
+            # so it stops the run instead of becoming a tool error.
+            raise
         except Exception as exc:
             return self._failure(exc)
 

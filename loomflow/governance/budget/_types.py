@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, get_args
 
+from ..._ids import check_id
 from ...errors import InvalidUsageError, UserError
 
 __all__ = [
@@ -238,8 +239,7 @@ class Bucket:
     key: str = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.user_id is not None and "\x00" in self.user_id:
-            raise UserError(f"user_id {self.user_id!r} contains a NUL character")
+        check_id("user_id", self.user_id)  # the same id rule as every other store
         # A JSON array is injective: no user id, however spelled, makes another bucket's key.
         key = json.dumps([self.scope, self.user_id, self.period], separators=(",", ":"))
         object.__setattr__(self, "key", key)
