@@ -148,6 +148,23 @@ class Settings(BaseSettings):
         ),
     )
 
+    redact_pii: bool = Field(
+        default=True,
+        description=(
+            "Redact personal-data shapes (card numbers passing the Luhn check, e-mail addresses, "
+            "IBANs) from audit entries and loomflow's logs. The journal is not affected: mark "
+            "tools whose results are personal data `sensitive_result=True` to seal them there."
+        ),
+    )
+    redact_patterns: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "More personal-data shapes to redact like `redact_pii`, as a JSON object of kind to "
+            'regular expression, e.g. \'{"customer_id": "CUST-[0-9]{8}"}\'; a match becomes '
+            "`[REDACTED:<kind>]`."
+        ),
+    )
+
     @property
     def audit_store_url(self) -> str:
         """``audit_url``, or the journal's ``runtime_url`` when it is unset."""
