@@ -27,6 +27,7 @@ import contextvars
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -193,6 +194,8 @@ class Agent:
         # Seals sensitive tool arguments before model responses are journaled (see
         # loomflow.audit.sealing); the audit log's redactor when there is one.
         self._redactor: Redactor = getattr(audit, "redactor", None) or Redactor.from_settings()
+        # Sealed tool results of this agent's runs, in this process only (see Sealer).
+        self._sealed_results: OrderedDict[str, str] = OrderedDict()
         self.guardrails = tuple(guardrails)
         self.telemetry = telemetry
         self.tuning = tuning or Tuning()
@@ -546,7 +549,7 @@ class Agent:
             redactor=self._redactor,
             _emit=pending.append,
         )
-        sealer = Sealer(self.tools, self._redactor)
+        sealer = Sealer(self.tools, self._redactor, results=self._sealed_results)
         hooks = self._hooks
 
         handed: list[BaseModel] = []  # events the hooks have seen, not yet yielded
@@ -666,17 +669,25 @@ class Agent:
                             for earlier, token in zip(hooks[:i], tokens[:i], strict=True):
                                 await earlier.model_call_failed(info, turn, exc, token)
                             raise
+                    answer: ModelResponse | None = None
                     try:
                         # Hooks and the journal keep sealed tool results; the model reads them.
                         unsealed = sealer.unseal_messages(msgs)
                         stream = self.model.stream(unsealed, tools=tools, settings=settings)
                         async with contextlib.aclosing(sealer.stream(stream)) as sealed:
                             async for chunk in sealed:
+                                if isinstance(chunk, ModelResponse):
+                                    answer = chunk
                                 yield chunk
                     except BaseException as exc:
                         for hook, token in zip(hooks, tokens, strict=True):
                             await hook.model_call_failed(info, turn, exc, token)
                         raise
+                    if answer is not None:
+                        # Before the journal write: a response that was received and paid for
+                        # is on record even if journaling it fails.
+                        for hook, token in zip(hooks, tokens, strict=True):
+                            await hook.model_call_finished(info, turn, answer, token=token)
 
                 try:
                     async for chunk in runtime.stream_step(

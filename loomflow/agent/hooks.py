@@ -97,6 +97,12 @@ class RunHooks:
     ) -> None:
         """A live model call raised (or its stream was abandoned)."""
 
+    async def model_call_finished(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
+    ) -> None:
+        """Live model calls only: the whole response arrived, and is about to be journaled.
+        :meth:`after_model_call` follows once it is."""
+
     async def after_model_call(
         self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
     ) -> None:

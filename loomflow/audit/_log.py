@@ -342,8 +342,27 @@ class AuditHooks(RunHooks):
             # model.start without an outcome, which says exactly that much.
             log.exception("audit write of a failed model call failed")
 
+    async def model_call_finished(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
+    ) -> None:
+        # Written before the response is journaled: if the journal write fails, the resumed
+        # run calls the model again and the trail shows both (billed) calls.
+        await self._model_call(info, turn, response, replayed=False, execution=token)
+
     async def after_model_call(
         self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+    ) -> None:
+        if replayed:  # a live call was written by model_call_finished
+            await self._model_call(info, turn, response, replayed=True, execution=None)
+
+    async def _model_call(
+        self,
+        info: RunInfo,
+        turn: int,
+        response: ModelResponse,
+        *,
+        replayed: bool,
+        execution: str | None,
     ) -> None:
         model = response.model or info.model_name
         cost = cost_usd(model, response.usage, provider=info.provider)
@@ -361,7 +380,7 @@ class AuditHooks(RunHooks):
         if replayed:
             payload["billed"] = False  # a replay costs nothing: the journal answered
         else:
-            payload["execution"] = token
+            payload["execution"] = execution
         # Learn the sensitive argument values now, before any tool or log line can show them.
         for call in response.tool_calls:
             sensitive = self._sensitive(info, call.name)

@@ -23,10 +23,12 @@ value of each live call becomes one ``[sealed-result:<hmac>]`` placeholder befor
 journaled (:meth:`Sealer.seal_result`), so the tool step's journal entry, the transcript the
 run keeps (and so checkpoints, memory episodes, ``RunResult.messages``), events and audit
 entries hold the placeholder. Only the request to the model is rebuilt with the real text
-(:meth:`Sealer.unseal_messages`), in this process. Replayed model calls need no real value
-(the journal answers them, and their fingerprint is taken over the sealed transcript, so it
-matches). A live model call after a restart, whose transcript holds a result sealed by the
-dead process, gets a note instead saying the value is gone and the tool can be called again.
+(:meth:`Sealer.unseal_messages`). The real texts stay in the memory of the process, shared by
+the runs of one agent, so a run resumed by the same agent in the same process still gives the
+model the value. Replayed model calls need no real value (the journal answers them, and their
+fingerprint is taken over the sealed transcript, so it matches). A live model call in another
+process (a resume after a crash), whose transcript holds a result sealed by the dead one, gets
+:data:`SEALED_RESULT_LOST` instead: the value is gone, and the tool can be called again.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import hashlib
 import hmac
 import os
 import re
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
@@ -50,11 +53,10 @@ SEALED_ERROR = "sealed_arguments_lost"
 """``ToolOutcome.error_type`` of a call whose sealed arguments are gone after a restart."""
 
 SEALED_RESULT_LOST = (
-    "[sealed result: its value was kept only in the memory of the run that called the tool "
-    "(the run has since restarted or ended); call the tool again if you need it]"
+    "[sealed result: its value was kept only in the memory of the process that called the "
+    "tool, which is gone; call the tool again if you need it]"
 )
-"""What the model reads for a result another run sealed (before a restart, or recalled from
-memory)."""
+"""What the model reads for a result sealed in another process (before a restart, say)."""
 
 _PLACEHOLDER = re.compile(r"^\[sealed:[0-9a-f]{20}\]$")
 _RESULT_PLACEHOLDER = re.compile(r"^\[sealed-result:[0-9a-f]{20}\]$")
@@ -68,17 +70,31 @@ class Sealer:
     """Seals sensitive tool-call arguments of one run's model responses.
 
     Args:
-        tools: The agent's tools by name (their ``sensitive`` argument names are sealed).
+        tools: The agent's tools by name (their ``sensitive`` argument names are sealed, and
+            the results of those declaring ``sensitive_result``).
         redactor: Also seal arguments holding a secret it recognises, and teach it the sealed
             values so that logs scrub them too.
+        results: Where sealed results are kept (placeholder to text), shared by the runs of
+            one agent so that a run resumed in the same process still reads them; the
+            oldest are forgotten past ``max_results``.
+        max_results: How many sealed results ``results`` keeps.
     """
 
-    def __init__(self, tools: Mapping[str, Tool[..., Any]], redactor: Redactor | None = None):
+    def __init__(
+        self,
+        tools: Mapping[str, Tool[..., Any]],
+        redactor: Redactor | None = None,
+        *,
+        results: OrderedDict[str, str] | None = None,
+        max_results: int = 1024,
+    ):
         self._tools = tools
         self._redactor = redactor
         self._key = os.urandom(32)  # placeholders need only be unique within this process
         self._vault: dict[str, Any] = {}
-        self._results: dict[str, str] = {}  # result placeholder -> the text the model reads
+        # Result placeholder -> the text the model reads.
+        self._results: OrderedDict[str, str] = results if results is not None else OrderedDict()
+        self._max_results = max_results
 
     def _placeholder(self, tool: str, name: str, value: Any) -> str:
         digest = hmac.new(self._key, codec.canonical_bytes([tool, name, value]), hashlib.sha256)
@@ -201,6 +217,8 @@ class Sealer:
         # Not taught to the redactor, unlike sealed arguments: a result's leaves include
         # ordinary words ("active", a city) that must not vanish from every other text.
         self._results[placeholder] = text
+        while len(self._results) > self._max_results:
+            self._results.popitem(last=False)
         return outcome.model_copy(update={"value": placeholder})
 
     def unseal_messages(self, messages: list[Message]) -> list[Message]:
@@ -212,7 +230,11 @@ class Sealer:
         out: list[Message] = []
         for message in messages:
             if message.role == "tool" and _RESULT_PLACEHOLDER.match(message.content):
-                text = self._results.get(message.content, SEALED_RESULT_LOST)
+                text = self._results.get(message.content)
+                if text is None:
+                    text = SEALED_RESULT_LOST
+                else:
+                    self._results.move_to_end(message.content)
                 message = message.model_copy(update={"content": text})
             out.append(message)
         return out

@@ -180,7 +180,7 @@ async def test_a_replay_divergence_is_recorded_where_it_happened() -> None:
     result = await _diverging_agent(store, runtime, "v2").run("buy", session_id="s", user_id="bob")
     run = acts(store, result.run_id)
     # The journal reports a divergence once the step it diverged at has run.
-    assert run[:4] == ["run.start", "model.start", "replay.divergence", "model.call"]
+    assert run[:4] == ["run.start", "model.start", "model.call", "replay.divergence"]
     divergence = next(e for e in store.all_entries if e.action == "replay.divergence")
     assert divergence.actor == "runtime"
     assert divergence.payload["step"] == "model_call_0"

@@ -23,7 +23,13 @@ from typing import Any
 import pytest
 
 from loomflow.agent import Agent
-from loomflow.audit import AuditEntry, AuditLog, SqliteAuditStore, audit_store_from_url
+from loomflow.audit import (
+    AuditEntry,
+    AuditLog,
+    InMemoryAuditStore,
+    SqliteAuditStore,
+    audit_store_from_url,
+)
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
 from loomflow.runtime import SqliteRuntime
@@ -88,6 +94,57 @@ async def test_a_failed_write_after_the_tool_ran_leaves_both_executions_in_the_t
     assert (await audit.verify()).ok
     await runtime.close()
     await audit.close()
+
+
+async def test_a_model_answer_whose_journal_write_failed_is_on_record(tmp_path: Path) -> None:
+    journal = tmp_path / "journal.db"
+    holder: list[sqlite3.Connection] = []
+
+    def answer(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if not holder:  # the provider answers (and bills), then the journal write fails
+            con = sqlite3.connect(journal, timeout=0)
+            con.execute("BEGIN EXCLUSIVE")
+            holder.append(con)
+        return "the answer"
+
+    runtime = SqliteRuntime(journal, busy_timeout_ms=200)
+    audit = AuditLog(SqliteAuditStore(tmp_path / "audit.db"))
+    model = FunctionModel(answer)
+    agent = Agent("x", model=model, runtime=runtime, audit=audit)
+    with pytest.raises(Exception, match="locked"):
+        await agent.run("q", session_id="s", user_id="ana")
+    holder[0].rollback()
+    holder[0].close()
+    await agent.resume("q", session_id="s", user_id="ana")
+    assert model.calls == 2  # the first answer was never journaled: asked again
+
+    entries = (await audit.query(user_id="ana", action="model.*")).entries
+    assert [a for a, _ in trail(entries)] == [
+        "model.start",
+        "model.call",
+        "model.start",
+        "model.call",
+    ]
+    first, second = entries[1].payload, entries[3].payload
+    assert first["execution"] == entries[0].payload["execution"] != second["execution"]
+    assert first["output_tokens"] > 0  # what the first, unjournaled call cost is on record
+    await runtime.close()
+    await audit.close()
+
+
+async def test_a_failing_model_call_is_recorded_as_an_error() -> None:
+    def broken(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        raise ConnectionError("provider unreachable")
+
+    store = InMemoryAuditStore()
+    agent = Agent("x", model=FunctionModel(broken), audit=AuditLog(store))
+    with pytest.raises(ConnectionError):
+        await agent.run("q", session_id="s", user_id="ana")
+    start, error = (e for e in store.all_entries if e.action.startswith("model."))
+    assert (start.action, error.action) == ("model.start", "model.error")
+    assert error.payload["execution"] == start.payload["execution"]
+    assert error.payload["error_type"] == "ConnectionError"
+    assert error.payload["error"] == "provider unreachable"
 
 
 def _wait_for_line(proc: subprocess.Popen[str], expected: str, timeout: float) -> None:

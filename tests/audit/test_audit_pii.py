@@ -265,6 +265,31 @@ async def test_a_replay_matches_the_sealed_transcript_and_a_restart_tells_the_mo
     await third.runtime.close()  # type: ignore[union-attr]
 
 
+async def test_a_run_resumed_by_the_same_agent_gives_the_model_the_real_value() -> None:
+    class Crash(BaseException):
+        pass
+
+    crash = [True]
+
+    def flaky(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool" and crash:
+            crash.pop()
+            raise Crash  # e.g. a store outage: the run fails, and the app resumes it
+        return plan(messages, tools)
+
+    model = FunctionModel(flaky)
+    agent = Agent(
+        "x", model=model, tools=[lookup_customer, last_contact], runtime=InMemoryRuntime()
+    )
+    with pytest.raises(Crash):
+        await agent.run("card?", session_id="s", user_id="ana")
+    result = await agent.resume("card?", session_id="s", user_id="ana")
+    assert ran == ["cu-1"]  # replayed from the journal, sealed there
+    lookup_result = next(m for m in model.requests[-2] if m.name == "lookup_customer")
+    assert CARD in lookup_result.content
+    assert CARD not in str(result.messages)
+
+
 async def test_the_audit_log_of_a_sensitive_tool_shows_the_placeholder() -> None:
     store = InMemoryAuditStore()
     agent = Agent(
