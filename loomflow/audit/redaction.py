@@ -10,8 +10,9 @@ A :class:`Redactor` rewrites text and JSON data so that none of these reach a st
   teaches them to the redactor as soon as it sees them, so that the same value is also
   scrubbed from loomflow's own log records (see :func:`install_log_redaction`);
 - *sensitive keys*: a mapping key such as ``password`` or ``authorization`` hides its value;
-- *personal-data shapes* (:data:`PII_PATTERNS`): payment card numbers that pass the Luhn check,
-  e-mail addresses and IBANs that pass their checksum, plus any patterns you add. These are
+- *personal-data shapes* (:data:`PII_KINDS`): payment card numbers that pass the Luhn check,
+  e-mail addresses and IBANs that pass their checksum (the shapes the PII guardrail finds),
+  plus any patterns you add. These are
   removed from what the audit log and loomflow's logs store, but never from what the agent
   loop journals (``pii=False``): a tool that looks up a customer's e-mail must still hand it
   to the model. Tools whose results are personal data say so with ``sensitive_result=True``.
@@ -29,16 +30,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-from stdnum import iban as _iban
-from stdnum import luhn as _luhn
-
+from .._pii import FINDERS
 from ..config import Settings
 from ..errors import UserError
 from ._entry import json_safe
 
 __all__ = [
     "DEFAULT_SENSITIVE_KEYS",
-    "PII_PATTERNS",
+    "PII_KINDS",
     "PLACEHOLDER",
     "SCRUBBED_LOGGERS",
     "SECRET_PATTERNS",
@@ -61,22 +60,9 @@ SECRET_PATTERNS: tuple[tuple[str, str], ...] = (
 )
 """``(kind, regular expression)`` of the secret shapes found in any string."""
 
-PII_PATTERNS: tuple[tuple[str, str], ...] = (
-    # 13 to 19 digits, single spaces or dashes between them, not part of a longer digit run;
-    # only runs that pass the Luhn check are redacted (about 1 in 10 random runs would).
-    ("card_number", r"(?<![\d.,])\d(?:[ -]?\d){12,18}(?![\d])"),
-    ("email", r"\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b"),
-    # Country code, check digits, then groups of four (printed with or without spaces); only
-    # candidates that pass the ISO 13616 checksum are redacted.
-    ("iban", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?\b"),
-)
-"""``(kind, regular expression)`` of the personal-data shapes the audit log redacts by default."""
-
-# A match of these kinds is redacted only when it passes its checksum.
-_CHECKS: dict[str, Callable[[str], bool]] = {
-    "card_number": lambda text: _luhn.is_valid("".join(c for c in text if c.isdigit())),
-    "iban": _iban.is_valid,
-}
+PII_KINDS: tuple[str, ...] = tuple(FINDERS)
+"""The personal-data kinds redacted by default: ``card`` (13 to 19 digits, spaced or dashed,
+that pass the Luhn check), ``email`` and ``iban`` (that pass the ISO 13616 checksum)."""
 
 DEFAULT_SENSITIVE_KEYS = frozenset(
     {
@@ -117,7 +103,7 @@ class Redactor:
         patterns: Also remove secret *shapes* (:data:`SECRET_PATTERNS`).
         sensitive_keys: Mapping keys whose values are always hidden.
         max_learned: How many learned values to keep (oldest forgotten first).
-        pii: Remove the built-in personal-data shapes (:data:`PII_PATTERNS`).
+        pii: Remove the built-in personal-data shapes (:data:`PII_KINDS`).
         pii_patterns: Personal-data shapes of your own, ``{kind: regular expression}``, used
             whatever ``pii`` says; a match becomes ``[REDACTED:<kind>]``. A call with
             ``pii=False`` (the agent loop's) skips every personal-data shape.
@@ -127,7 +113,7 @@ class Redactor:
         >>> r.text("login with hunter22 and sk-abcdefghijklmnopqrstu")
         'login with [REDACTED] and [REDACTED:api_key]'
         >>> r.text("paid with 4111 1111 1111 1111, receipt to ana@example.com")
-        'paid with [REDACTED:card_number], receipt to [REDACTED:email]'
+        'paid with [REDACTED:card], receipt to [REDACTED:email]'
 
     Raises:
         UserError: a pattern of ``pii_patterns`` is not a valid regular expression.
@@ -153,14 +139,16 @@ class Redactor:
         self._patterns = (
             [(kind, re.compile(rx)) for kind, rx in SECRET_PATTERNS] if patterns else []
         )
-        pii_rx: list[tuple[str, re.Pattern[str]]] = []
-        shapes = [*(PII_PATTERNS if pii else ()), *(pii_patterns or {}).items()]
-        for kind, rx in shapes:
+        finders: list[tuple[str, Callable[[str], list[tuple[int, int]]]]] = (
+            list(FINDERS.items()) if pii else []
+        )
+        for kind, rx in (pii_patterns or {}).items():
             try:
-                pii_rx.append((kind, re.compile(rx)))
-            except re.error as exc:
+                compiled = re.compile(rx)
+            except (re.error, TypeError) as exc:
                 raise UserError(f"redaction pattern {kind!r} is not a valid regex: {exc}") from exc
-        self._pii = pii_rx
+            finders.append((str(kind), _spans_of(compiled)))
+        self._pii = finders
         self._keys = frozenset(_norm_key(k) for k in sensitive_keys)
         self._learned: OrderedDict[str, None] = OrderedDict()
         self._max_learned = max_learned
@@ -220,8 +208,10 @@ class Redactor:
         for kind, pattern in self._patterns:
             text = pattern.sub(f"[REDACTED:{kind}]", text)
         if pii:
-            for kind, pattern in self._pii:
-                text = pattern.sub(_pii_replacement(kind), text)
+            for kind, find in self._pii:
+                # Right to left, so earlier spans keep their offsets.
+                for start, end in reversed(find(text)):
+                    text = f"{text[:start]}[REDACTED:{kind}]{text[end:]}"
         return text
 
     def contains_secret(self, text: str) -> bool:
@@ -274,15 +264,11 @@ class Redactor:
         return out
 
 
-def _pii_replacement(kind: str) -> Callable[[re.Match[str]], str]:
-    check = _CHECKS.get(kind)
+def _spans_of(pattern: re.Pattern[str]) -> Callable[[str], list[tuple[int, int]]]:
+    def find(text: str) -> list[tuple[int, int]]:
+        return [m.span() for m in pattern.finditer(text) if m.end() > m.start()]
 
-    def replace(match: re.Match[str]) -> str:
-        if check is not None and not check(match.group()):
-            return match.group()  # a digit run that is not a card number, say
-        return f"[REDACTED:{kind}]"
-
-    return replace
+    return find
 
 
 def _leaves(value: Any, out: list[str]) -> None:
