@@ -22,10 +22,11 @@ from loomflow.tools import ToolOutcome, tool
 CARD = "4111 1111 1111 1111"  # Luhn-valid test card
 EMAIL = "ana.lopez@example.com"
 IBAN = "DE89 3704 0044 0532 0130 00"
+ADDRESS = "17 Rue des Lilas, Lyon"  # no shape any redactor knows: only sealing hides it
 OTHER_CARD = "5555-5555-5555-4444"
 OTHER_EMAIL = "bo.chen@example.org"
 # Every spelling a store could hold them in.
-SEALED_VALUES = (CARD, CARD.replace(" ", ""), EMAIL)
+SEALED_VALUES = (CARD, CARD.replace(" ", ""), EMAIL, ADDRESS)
 REDACTED_VALUES = (OTHER_CARD, OTHER_CARD.replace("-", ""), OTHER_EMAIL)
 
 ran: list[str] = []
@@ -35,7 +36,7 @@ ran: list[str] = []
 def lookup_customer(customer_id: str) -> dict[str, str]:
     """Find a customer's card and e-mail."""
     ran.append(customer_id)
-    return {"name": "Ana", "card": CARD, "email": EMAIL}
+    return {"name": "Ana", "card": CARD, "email": EMAIL, "address": ADDRESS}
 
 
 @tool
@@ -199,6 +200,7 @@ async def test_no_store_holds_a_sealed_result_and_the_audit_log_holds_no_pii(
     seen = model.requests[1][-1].content
     assert CARD in seen
     assert EMAIL in seen
+    assert ADDRESS in seen
 
     rows = _sqlite_rows(path) if backend == "sqlite" else await _postgres_rows(url)
     everything = "\n".join(rows.values())
@@ -305,3 +307,23 @@ async def test_the_audit_log_of_a_sensitive_tool_shows_the_placeholder() -> None
     assert results[1]["result"] == "wrote from [REDACTED:email], paid with [REDACTED:card]"
     # Events and the run's transcript carry the sealed form too.
     assert CARD not in str(result.messages)
+
+
+async def test_spans_with_content_capture_do_not_show_a_sealed_result() -> None:
+    from loomflow.telemetry import Telemetry
+    from loomflow.telemetry.testing import SpanCapture
+
+    capture = SpanCapture()
+    telemetry = Telemetry(tracer_provider=capture.provider, metrics=False, capture_content=True)
+    agent = Agent(
+        "x",
+        model=FunctionModel(plan),
+        tools=[lookup_customer, last_contact],
+        runtime=InMemoryRuntime(),
+        telemetry=telemetry,
+    )
+    await agent.run("card?", session_id="s", user_id="ana")
+    text = "\n".join(f"{s.name} {dict(s.attributes or {})} {s.events}" for s in capture.spans)
+    assert "last_contact" in text  # content was captured
+    for value in (*SEALED_VALUES, *REDACTED_VALUES):
+        assert value not in text
