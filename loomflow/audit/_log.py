@@ -368,6 +368,7 @@ class AuditHooks(RunHooks):
         cost = cost_usd(model, response.usage, provider=info.provider)
         payload = {
             "turn": turn,
+            "step": f"model_call_{turn}",
             "model": model,
             "provider": info.provider,
             "input_tokens": response.usage.input_tokens,
