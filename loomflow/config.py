@@ -210,7 +210,34 @@ class Settings(BaseSettings):
         ),
     )
 
+    redact_pii: bool = Field(
+        default=True,
+        description=(
+            "Redact personal-data shapes (card numbers passing the Luhn check, e-mail addresses, "
+            "IBANs) from audit entries and loomflow's logs. The journal is not affected: mark "
+            "tools whose results are personal data `sensitive_result=True` to seal them there."
+        ),
+    )
+    redact_patterns: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "More personal-data shapes to redact like `redact_pii`, as a JSON object of kind to "
+            'regular expression, e.g. \'{"customer_id": "CUST-[0-9]{8}"}\'; a match becomes '
+            "`[REDACTED:<kind>]`."
+        ),
+    )
+
     _lists = field_validator("redact_secrets", "redact_env", mode="before")(_text_list)
+
+    @field_validator("redact_patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: dict[str, str]) -> dict[str, str]:
+        for kind, rx in patterns.items():
+            try:
+                re.compile(rx)
+            except re.error as exc:
+                raise ValueError(f"pattern {kind!r} is not a valid regular expression: {exc}") from None
+        return patterns
 
     @field_validator("runtime_url")
     @classmethod

@@ -27,7 +27,8 @@ import contextvars
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -193,6 +194,8 @@ class Agent:
         # Seals sensitive tool arguments before model responses are journaled (see
         # loomflow.audit.sealing); the audit log's redactor when there is one.
         self._redactor: Redactor = getattr(audit, "redactor", None) or Redactor.from_settings()
+        # Sealed tool results of this agent's runs, in this process only (see Sealer).
+        self._sealed_results: OrderedDict[str, str] = OrderedDict()
         self.guardrails = tuple(guardrails)
         self.telemetry = telemetry
         self.tuning = tuning or Tuning()
@@ -554,17 +557,25 @@ class Agent:
             redactor=self._redactor,
             _emit=pending.append,
         )
-        sealer = Sealer(self.tools, self._redactor)
+        sealer = Sealer(self.tools, self._redactor, results=self._sealed_results)
         hooks = self._hooks
 
-        async def flush() -> list[BaseModel]:
-            # Every emitted event reaches every hook once, then the caller's stream.
-            out: list[BaseModel] = []
+        handed: list[BaseModel] = []  # events the hooks have seen, not yet yielded
+
+        async def to_hooks() -> None:
+            # Every emitted event reaches every hook once, then (flush) the caller's stream.
+            # A tool step calls this before its body runs, so the audit trail records a
+            # permission decision before the tool execution it allowed.
             while pending:
                 event = pending.pop(0)
                 for hook in hooks:
                     await hook.on_event(info, event)
-                out.append(event)
+                handed.append(event)
+
+        async def flush() -> list[BaseModel]:
+            await to_hooks()
+            out = handed[:]
+            handed.clear()
             return out
 
         usage = Usage()
@@ -657,6 +668,9 @@ class Agent:
                     live = True
                     for i, hook in enumerate(hooks):
                         try:
+                            # What earlier hooks emitted (a budget warning) is recorded before
+                            # the audit log's model.start.
+                            await to_hooks()
                             tokens[i] = await hook.before_model_call(info, turn, msgs, settings)
                         except BaseException as exc:
                             # Hooks that already reserved (a budget, say) must get it back.
@@ -667,10 +681,15 @@ class Agent:
                                     earlier.model_call_failed(info, turn, exc, token),
                                 )
                             raise
+                    answer: ModelResponse | None = None
                     try:
-                        stream = self.model.stream(msgs, tools=tools, settings=settings)
+                        # Hooks and the journal keep sealed tool results; the model reads them.
+                        unsealed = sealer.unseal_messages(msgs)
+                        stream = self.model.stream(unsealed, tools=tools, settings=settings)
                         async with contextlib.aclosing(sealer.stream(stream)) as sealed:
                             async for chunk in sealed:
+                                if isinstance(chunk, ModelResponse):
+                                    answer = chunk
                                 yield chunk
                     except BaseException as exc:
                         for hook, token in zip(hooks, tokens, strict=True):
@@ -680,6 +699,11 @@ class Agent:
                                 hook.model_call_failed(info, turn, exc, token),
                             )
                         raise
+                    if answer is not None:
+                        # Before the journal write: a response that was received and paid for
+                        # is on record even if journaling it fails.
+                        for hook, token in zip(hooks, tokens, strict=True):
+                            await hook.model_call_finished(info, turn, answer, token=token)
 
                 try:
                     async for chunk in runtime.stream_step(
@@ -714,7 +738,7 @@ class Agent:
                 for slot, call in enumerate(response.tool_calls):
                     yield ToolCallStarted(turn=turn, slot=slot, call=call)
                 calls = [
-                    self._call_tool(runtime, info, turn, slot, call, sealer)
+                    self._call_tool(runtime, info, turn, slot, call, sealer, to_hooks)
                     for slot, call in enumerate(response.tool_calls)
                 ]
                 try:
@@ -795,7 +819,14 @@ class Agent:
         yield RunFinished(result=result)
 
     async def _call_tool(
-        self, runtime: Any, info: RunInfo, turn: int, slot: int, call: ToolCall, sealer: Sealer
+        self,
+        runtime: Any,
+        info: RunInfo,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        sealer: Sealer,
+        to_hooks: Callable[[], Awaitable[None]],
     ) -> tuple[ToolOutcome, bool]:
         step_name = tool_step_name(turn, slot, call)
         live = False
@@ -803,28 +834,41 @@ class Agent:
         async def invoke(tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
             nonlocal live
             live = True
+            executed = False
             try:
                 current = sealer.unseal(call)  # the real values, for this invocation only
             except SealedValueLost as lost:
-                return sealer.lost(lost)
-            answer: ToolOutcome | None = None
-            for hook in self._hooks:
-                checked = await hook.before_tool_call(
-                    info, turn, slot, current, self.tools.get(tool_name)
-                )
-                if isinstance(checked, ToolOutcome):
-                    answer = checked  # denied (or answered) without running the tool
-                    break
-                current = checked
-            if answer is not None:
-                outcome = answer
+                outcome = sealer.lost(lost)
             else:
-                with runtime.subrun(step_name):  # steps the tool makes key under this call
-                    outcome = await self._invoke(current.name, current.arguments)
+                answer: ToolOutcome | None = None
+                for hook in self._hooks:
+                    checked = await hook.before_tool_call(
+                        info, turn, slot, current, self.tools.get(tool_name)
+                    )
+                    if isinstance(checked, ToolOutcome):
+                        answer = checked  # denied (or answered) without running the tool
+                        break
+                    current = checked
+                await to_hooks()  # the decisions just emitted, before what they decided
+                if answer is not None:
+                    outcome = answer
+                else:
+                    # Announced before the body runs: a crash inside it still leaves a trace.
+                    for hook in self._hooks:
+                        await hook.tool_started(info, turn, slot, call, step_name)
+                    executed = True
+                    with runtime.subrun(step_name):  # steps the tool makes key under this call
+                        outcome = await self._invoke(current.name, current.arguments)
+                for hook in self._hooks:
+                    outcome = await hook.check_tool_result(info, turn, slot, call, outcome)
+            # Journaled and shown to hooks without secrets, and sealed if the tool says so.
+            outcome = sealer.seal_result(call.name, sealer.scrub(outcome))
+            outcome = _fit_payload(outcome, call.name, runtime)  # small enough to journal
             for hook in self._hooks:
-                outcome = await hook.check_tool_result(info, turn, slot, call, outcome)
-            # Journaled and shown to the model without secrets, and small enough to journal.
-            return _fit_payload(sealer.scrub(outcome), call.name, runtime)
+                await hook.tool_finished(
+                    info, turn, slot, call, outcome, step=step_name, executed=executed
+                )
+            return outcome
 
         outcome = await runtime.step(step_name, invoke, call.name, call.arguments)
         return outcome, not live

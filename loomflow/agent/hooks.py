@@ -97,6 +97,12 @@ class RunHooks:
     ) -> None:
         """A live model call raised (or its stream was abandoned)."""
 
+    async def model_call_finished(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
+    ) -> None:
+        """Live model calls only: the whole response arrived, and is about to be journaled.
+        :meth:`after_model_call` follows once it is."""
+
     async def after_model_call(
         self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
     ) -> None:
@@ -109,11 +115,33 @@ class RunHooks:
         a ``ToolOutcome`` to answer instead (a denial reaches the model as a tool error)."""
         return call
 
+    async def tool_started(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, step: str
+    ) -> None:
+        """Live tool calls only: every ``before_tool_call`` let the call through and the tool
+        body is about to run (``step`` is the call's journal step name). Raising here keeps
+        the tool from running."""
+
     async def check_tool_result(
         self, info: RunInfo, turn: int, slot: int, call: ToolCall, outcome: ToolOutcome
     ) -> ToolOutcome:
         """Live tool results only, before they are journaled: inspect, redact, or interrupt."""
         return outcome
+
+    async def tool_finished(
+        self,
+        info: RunInfo,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        outcome: ToolOutcome,
+        *,
+        step: str,
+        executed: bool,
+    ) -> None:
+        """Live tool calls only: the final outcome (checked, scrubbed and sealed), *before* it
+        is journaled. ``executed`` is ``False`` when a hook answered instead of the tool.
+        Raising here leaves the call unjournaled, so a resumed run runs it again."""
 
     async def after_tool_call(
         self,

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 from pydantic import BaseModel
+from ulid import ULID
 
 from .._progress import OnProgress
 from ..agent.hooks import RunHooks, RunInfo
 from ..context import get_run_context
 from ..governance.events import BudgetDenied, BudgetWarning, GuardrailTripped, PermissionDecided
-from ..messages import ModelResponse, ToolCall
+from ..messages import Message, ModelResponse, ModelSettings, ToolCall
 from ..models import cost_usd
 from ..runtime import StepEvent
 from ..tools import Tool, ToolOutcome
@@ -167,14 +168,18 @@ class AuditLog:
 class _RunState:
     info: RunInfo
     pending: list[AuditRecord] = field(default_factory=list)
-    executed: set[tuple[int, int]] = field(default_factory=set)
+    executions: dict[str, str] = field(default_factory=dict)  # tool step -> execution id
     sensitive: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 class AuditHooks(RunHooks):
     """Writes run, model, tool, governance and replay entries (see ``loomflow.audit.actions``).
 
-    A replayed model or tool call is written as ``model.replay`` / ``tool.replay``. Replay
+    Live work is written in two halves so that a crash cannot hide it: ``model.start`` before
+    the request is sent and ``model.call`` (or ``model.error``) after; ``tool.call`` before the
+    tool body runs and ``tool.result`` once it returned, before its journal entry is written.
+    Both halves carry the same ``execution`` id. A replayed model or tool call is written as
+    ``model.replay`` / ``tool.replay``. Replay
     divergences come from the runtime's step observer, which this hook registers on the run's
     runtime the first time it sees it and which reports to the run in whose context the
     diverging step ran.
@@ -300,13 +305,74 @@ class AuditHooks(RunHooks):
             ),
         )
 
+    async def before_model_call(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
+    ) -> Any:
+        execution = str(ULID())
+        await self._write(
+            info,
+            self._record(
+                info,
+                actions.MODEL_START,
+                {
+                    "turn": turn,
+                    "step": f"model_call_{turn}",
+                    "model": info.model_name,
+                    "provider": info.provider,
+                    "execution": execution,
+                },
+            ),
+        )
+        return execution  # handed back to after_model_call / model_call_failed
+
+    async def model_call_failed(
+        self, info: RunInfo, turn: int, error: BaseException, token: Any
+    ) -> None:
+        record = self._record(
+            info,
+            actions.MODEL_ERROR,
+            {
+                "turn": turn,
+                "step": f"model_call_{turn}",
+                "execution": token,
+                "error_type": type(error).__name__,
+                "error": str(error),
+            },
+        )
+        try:
+            await self._write(info, record)
+        except Exception:
+            # The run is failing already, with the error that matters; the trail keeps the
+            # model.start without an outcome, which says exactly that much.
+            log.exception("audit write of a failed model call failed")
+
+    async def model_call_finished(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
+    ) -> None:
+        # Written before the response is journaled: if the journal write fails, the resumed
+        # run calls the model again and the trail shows both (billed) calls.
+        await self._model_call(info, turn, response, replayed=False, execution=token)
+
     async def after_model_call(
         self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+    ) -> None:
+        if replayed:  # a live call was written by model_call_finished
+            await self._model_call(info, turn, response, replayed=True, execution=None)
+
+    async def _model_call(
+        self,
+        info: RunInfo,
+        turn: int,
+        response: ModelResponse,
+        *,
+        replayed: bool,
+        execution: str | None,
     ) -> None:
         model = response.model or info.model_name
         cost = cost_usd(model, response.usage, provider=info.provider)
         payload = {
             "turn": turn,
+            "step": f"model_call_{turn}",
             "model": model,
             "provider": info.provider,
             "input_tokens": response.usage.input_tokens,
@@ -318,6 +384,8 @@ class AuditHooks(RunHooks):
         }
         if replayed:
             payload["billed"] = False  # a replay costs nothing: the journal answered
+        else:
+            payload["execution"] = execution
         # Learn the sensitive argument values now, before any tool or log line can show them.
         for call in response.tool_calls:
             sensitive = self._sensitive(info, call.name)
@@ -332,25 +400,31 @@ class AuditHooks(RunHooks):
         self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
     ) -> ToolCall | ToolOutcome:
         state = self._runs.get(info.run_id)
-        if state is not None:
-            state.executed.add((turn, slot))  # every hook before us let it through
-            if tool is not None:
-                state.sensitive[tool.name] = tool.sensitive
+        if state is not None and tool is not None:
+            state.sensitive[tool.name] = tool.sensitive
         if tool is not None and tool.sensitive:
             self.audit.redactor.learn([call.arguments.get(n) for n in tool.sensitive])
         return call
 
-    async def after_tool_call(
-        self,
-        info: RunInfo,
-        turn: int,
-        slot: int,
-        call: ToolCall,
-        outcome: ToolOutcome,
-        *,
-        replayed: bool,
-    ) -> None:
-        arguments = self._arguments(info, call)
+    def _tool_call(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, step: str, *, executed: bool
+    ) -> tuple[str, AuditRecord]:
+        execution = str(ULID())
+        payload = {
+            "turn": turn,
+            "slot": slot,
+            "tool": call.name,
+            "call_id": call.id,
+            "step": step,
+            "execution": execution,
+            "arguments": self._arguments(info, call),
+            "executed": executed,
+            "replayed": False,
+        }
+        return execution, self._record(info, actions.TOOL_CALL, payload)
+
+    @staticmethod
+    def _outcome(turn: int, slot: int, call: ToolCall, outcome: ToolOutcome) -> dict[str, Any]:
         result: dict[str, Any] = {
             "turn": turn,
             "slot": slot,
@@ -362,30 +436,64 @@ class AuditHooks(RunHooks):
         }
         if outcome.ok:
             result["result"] = outcome.value
-        if replayed:
-            await self._write(
-                info,
-                self._record(
-                    info, actions.TOOL_REPLAY, {**result, "arguments": arguments, "replayed": True}
-                ),
-            )
-            return
+        return result
+
+    async def tool_started(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, step: str
+    ) -> None:
+        # Written before the tool body runs: an execution that crashes the process is still
+        # in the trail, as a tool.call with no tool.result.
+        execution, record = self._tool_call(info, turn, slot, call, step, executed=True)
         state = self._runs.get(info.run_id)
-        executed = state is not None and (turn, slot) in state.executed
-        call_payload = {
-            "turn": turn,
-            "slot": slot,
-            "tool": call.name,
-            "call_id": call.id,
-            "arguments": arguments,
-            "executed": executed,
+        if state is not None:
+            state.executions[step] = execution
+        await self._write(info, record)
+
+    async def tool_finished(
+        self,
+        info: RunInfo,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        outcome: ToolOutcome,
+        *,
+        step: str,
+        executed: bool,
+    ) -> None:
+        state = self._runs.get(info.run_id)
+        execution = state.executions.pop(step, None) if state is not None else None
+        records: list[AuditRecord] = []
+        if execution is None:  # answered by a hook (a denial, say): the tool did not run
+            execution, record = self._tool_call(info, turn, slot, call, step, executed=False)
+            records.append(record)
+        result = {
+            **self._outcome(turn, slot, call, outcome),
+            "step": step,
+            "execution": execution,
             "replayed": False,
         }
-        await self._write(
-            info,
-            self._record(info, actions.TOOL_CALL, call_payload),
-            self._record(info, actions.TOOL_RESULT, {**result, "replayed": False}),
-        )
+        # Written before the journal entry: if the journal write then fails, the resumed run
+        # runs the tool again and the trail shows both executions.
+        await self._write(info, *records, self._record(info, actions.TOOL_RESULT, result))
+
+    async def after_tool_call(
+        self,
+        info: RunInfo,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        outcome: ToolOutcome,
+        *,
+        replayed: bool,
+    ) -> None:
+        if not replayed:
+            return  # tool_started and tool_finished wrote it while it happened
+        payload = {
+            **self._outcome(turn, slot, call, outcome),
+            "arguments": self._arguments(info, call),
+            "replayed": True,
+        }
+        await self._write(info, self._record(info, actions.TOOL_REPLAY, payload))
 
     async def on_event(self, info: RunInfo, event: BaseModel) -> None:
         record: AuditRecord | None = None

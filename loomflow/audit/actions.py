@@ -1,7 +1,10 @@
 """The actions the agent loop writes to the audit log (the ``action`` field of an entry).
 
-A replayed step is recorded as ``model.replay`` or ``tool.replay``, never as a new call, so a
-query for ``tool.call`` lists exactly the tool executions that really happened.
+Live work is recorded before it starts and again when it ends, both entries sharing an
+``execution`` id: ``model.start`` then ``model.call`` or ``model.error``; ``tool.call`` then
+``tool.result``. A start with no end is work a crash cut short. A replayed step is recorded
+as ``model.replay`` or ``tool.replay``, never as a new call, so a query for ``tool.call`` lists
+exactly the tool executions that really began.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ __all__ = [
     "BUDGET_WARNING",
     "GUARDRAIL_TRIP",
     "MODEL_CALL",
+    "MODEL_ERROR",
     "MODEL_REPLAY",
+    "MODEL_START",
     "PERMISSION_DECISION",
     "REPLAY_DIVERGENCE",
     "RUN_END",
@@ -29,14 +34,19 @@ RUN_START: Final = "run.start"
 """A run took its turn: agent, model, prompt (redacted), epoch, whether it resumed."""
 RUN_END: Final = "run.end"
 """A run returned or raised: outcome, usage, cost, interruption reason, error."""
+MODEL_START: Final = "model.start"
+"""A live model call is about to be sent: turn, model, its execution id."""
 MODEL_CALL: Final = "model.call"
-"""A live model call: model, tokens, cost, the tools it asked for."""
+"""A live model call returned: model, tokens, cost, the tools it asked for."""
+MODEL_ERROR: Final = "model.error"
+"""A live model call failed or was abandoned: error type and message."""
 MODEL_REPLAY: Final = "model.replay"
 """A model call answered from the journal (nothing was billed)."""
 TOOL_CALL: Final = "tool.call"
-"""A live tool call: tool, slot, redacted arguments, whether the tool actually ran."""
+"""A live tool call, written before the tool runs: tool, slot, redacted arguments, whether the
+tool runs (``executed``; ``False`` when a hook answered instead)."""
 TOOL_RESULT: Final = "tool.result"
-"""The result of a live tool call: ok or error."""
+"""The result of a live tool call, written before it is journaled: ok or error."""
 TOOL_REPLAY: Final = "tool.replay"
 """A tool call answered from the journal: the tool did not run again."""
 PERMISSION_DECISION: Final = "permission.decision"
@@ -55,7 +65,9 @@ REPLAY_DIVERGENCE: Final = "replay.divergence"
 ALL: Final = (
     RUN_START,
     RUN_END,
+    MODEL_START,
     MODEL_CALL,
+    MODEL_ERROR,
     MODEL_REPLAY,
     TOOL_CALL,
     TOOL_RESULT,

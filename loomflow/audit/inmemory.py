@@ -22,7 +22,7 @@ class InMemoryAuditStore(AuditStore):
         >>> store = InMemoryAuditStore()
         >>> agent = Agent("...", model=model, audit=AuditLog(store))
         >>> [e.action for e in store.all_entries]
-        ['run.start', 'model.call', 'run.end']
+        ['run.start', 'model.start', 'model.call', 'run.end']
     """
 
     backend = "memory"

@@ -1,4 +1,4 @@
-"""Redaction before storage: secret shapes, configured secret values, sensitive arguments.
+"""Redaction before storage: secret shapes, configured secret values, sensitive arguments, PII.
 
 A :class:`Redactor` rewrites text and JSON data so that none of these reach a store:
 
@@ -9,7 +9,13 @@ A :class:`Redactor` rewrites text and JSON data so that none of these reach a st
 - *learned values*: the values of tool arguments a tool declares ``sensitive``; the audit hook
   teaches them to the redactor as soon as it sees them, so that the same value is also
   scrubbed from loomflow's own log records (see :func:`install_log_redaction`);
-- *sensitive keys*: a mapping key such as ``password`` or ``authorization`` hides its value.
+- *sensitive keys*: a mapping key such as ``password`` or ``authorization`` hides its value;
+- *personal-data shapes* (:data:`PII_KINDS`): payment card numbers that pass the Luhn check,
+  e-mail addresses and IBANs that pass their checksum (the shapes the PII guardrail finds),
+  plus any patterns you add. These are
+  removed from what the audit log and loomflow's logs store, but never from what the agent
+  loop journals (``pii=False``): a tool that looks up a customer's e-mail must still hand it
+  to the model. Tools whose results are personal data say so with ``sensitive_result=True``.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
+from .._pii import FINDERS
 from ..config import Settings
+from ..errors import UserError
 from ._entry import json_safe
 
 __all__ = [
     "DEFAULT_SENSITIVE_KEYS",
+    "PII_KINDS",
     "PLACEHOLDER",
     "SCRUBBED_LOGGERS",
     "SECRET_PATTERNS",
@@ -50,6 +59,10 @@ SECRET_PATTERNS: tuple[tuple[str, str], ...] = (
     ("bearer_token", r"(?i)\bbearer\s+[A-Za-z0-9\-._~+/]{8,}=*"),
 )
 """``(kind, regular expression)`` of the secret shapes found in any string."""
+
+PII_KINDS: tuple[str, ...] = tuple(FINDERS)
+"""The personal-data kinds redacted by default: ``card`` (13 to 19 digits, spaced or dashed,
+that pass the Luhn check), ``email`` and ``iban`` (that pass the ISO 13616 checksum)."""
 
 DEFAULT_SENSITIVE_KEYS = frozenset(
     {
@@ -90,11 +103,20 @@ class Redactor:
         patterns: Also remove secret *shapes* (:data:`SECRET_PATTERNS`).
         sensitive_keys: Mapping keys whose values are always hidden.
         max_learned: How many learned values to keep (oldest forgotten first).
+        pii: Remove the built-in personal-data shapes (:data:`PII_KINDS`).
+        pii_patterns: Personal-data shapes of your own, ``{kind: regular expression}``, used
+            whatever ``pii`` says; a match becomes ``[REDACTED:<kind>]``. A call with
+            ``pii=False`` (the agent loop's) skips every personal-data shape.
 
     Example:
         >>> r = Redactor(secrets=["hunter22"])
         >>> r.text("login with hunter22 and sk-abcdefghijklmnopqrstu")
         'login with [REDACTED] and [REDACTED:api_key]'
+        >>> r.text("paid with 4111 1111 1111 1111, receipt to ana@example.com")
+        'paid with [REDACTED:card], receipt to [REDACTED:email]'
+
+    Raises:
+        UserError: a pattern of ``pii_patterns`` is not a valid regular expression.
     """
 
     def __init__(
@@ -105,6 +127,8 @@ class Redactor:
         patterns: bool = True,
         sensitive_keys: Collection[str] = DEFAULT_SENSITIVE_KEYS,
         max_learned: int = 4096,
+        pii: bool = True,
+        pii_patterns: Mapping[str, str] | None = None,
     ) -> None:
         values = {s for s in secrets if isinstance(s, str) and len(s) >= _MIN_SECRET}
         for name in env:
@@ -115,6 +139,16 @@ class Redactor:
         self._patterns = (
             [(kind, re.compile(rx)) for kind, rx in SECRET_PATTERNS] if patterns else []
         )
+        finders: list[tuple[str, Callable[[str], list[tuple[int, int]]]]] = (
+            list(FINDERS.items()) if pii else []
+        )
+        for kind, rx in (pii_patterns or {}).items():
+            try:
+                compiled = re.compile(rx)
+            except (re.error, TypeError) as exc:
+                raise UserError(f"redaction pattern {kind!r} is not a valid regex: {exc}") from exc
+            finders.append((str(kind), _spans_of(compiled)))
+        self._pii = finders
         self._keys = frozenset(_norm_key(k) for k in sensitive_keys)
         self._learned: OrderedDict[str, None] = OrderedDict()
         self._max_learned = max_learned
@@ -124,14 +158,21 @@ class Redactor:
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> Redactor:
-        """The redactor ``Settings`` describe (``redact_secrets``, ``redact_env``)."""
+        """The redactor ``Settings`` describe (``redact_secrets``, ``redact_env``,
+        ``redact_pii``, ``redact_patterns``)."""
         s = settings or Settings()
-        return cls(secrets=[v.get_secret_value() for v in s.redact_secrets], env=s.redact_env)
+        return cls(
+            secrets=[v.get_secret_value() for v in s.redact_secrets],
+            env=s.redact_env,
+            pii=s.redact_pii,
+            pii_patterns=s.redact_patterns,
+        )
 
     def __repr__(self) -> str:
         return (
             f"Redactor({len(self._configured)} configured secrets, {len(self._learned)} learned, "
-            f"patterns={'on' if self._patterns else 'off'})"
+            f"patterns={'on' if self._patterns else 'off'}, "
+            f"pii={[kind for kind, _ in self._pii] or 'off'})"
         )
 
     def _compile(self) -> None:
@@ -158,36 +199,47 @@ class Redactor:
             if changed:
                 self._compile()
 
-    def text(self, text: str) -> str:
-        """``text`` with every secret value and secret shape replaced."""
+    def text(self, text: str, *, pii: bool = True) -> str:
+        """``text`` with every secret value and secret shape replaced, and with personal-data
+        shapes replaced too unless ``pii=False``."""
         rx = self._values_rx
         if rx is not None:
             text = rx.sub(PLACEHOLDER, text)
         for kind, pattern in self._patterns:
             text = pattern.sub(f"[REDACTED:{kind}]", text)
+        if pii:
+            for kind, find in self._pii:
+                # Right to left, so earlier spans keep their offsets.
+                for start, end in reversed(find(text)):
+                    text = f"{text[:start]}[REDACTED:{kind}]{text[end:]}"
         return text
 
     def contains_secret(self, text: str) -> bool:
-        """Whether :meth:`text` would change ``text``."""
-        return self.text(text) != text
+        """Whether :meth:`text` would change ``text`` for a secret (personal data aside)."""
+        return self.text(text, pii=False) != text
 
-    def value(self, value: Any, *, max_text: int | None = None) -> Any:
+    def value(self, value: Any, *, max_text: int | None = None, pii: bool = True) -> Any:
         """``value`` as redacted JSON data; strings longer than ``max_text`` are cut."""
-        return self._walk(json_safe(value), max_text)
+        return self._walk(json_safe(value), max_text, pii)
 
-    def _walk(self, value: Any, max_text: int | None) -> Any:
+    def _walk(self, value: Any, max_text: int | None, pii: bool = True) -> Any:
         if isinstance(value, str):
-            out = self.text(value)
+            out = self.text(value, pii=pii)
             if max_text is not None and len(out) > max_text:
                 out = f"{out[:max_text]}…[+{len(out) - max_text} chars]"
             return out
         if isinstance(value, dict):
             return {
-                k: PLACEHOLDER if _norm_key(k) in self._keys else self._walk(v, max_text)
+                k: PLACEHOLDER if _norm_key(k) in self._keys else self._walk(v, max_text, pii)
                 for k, v in value.items()
             }
         if isinstance(value, list):
-            return [self._walk(v, max_text) for v in value]
+            return [self._walk(v, max_text, pii) for v in value]
+        if pii and isinstance(value, int) and not isinstance(value, bool):
+            # A card number returned as a JSON number rather than a string.
+            text = str(value)
+            if self.text(text) != text:
+                return self.text(text)
         return value
 
     def arguments(
@@ -210,6 +262,13 @@ class Redactor:
             hidden = sensitive is None or name in sensitive or _norm_key(name) in self._keys
             out[str(name)] = PLACEHOLDER if hidden else self.value(value, max_text=max_text)
         return out
+
+
+def _spans_of(pattern: re.Pattern[str]) -> Callable[[str], list[tuple[int, int]]]:
+    def find(text: str) -> list[tuple[int, int]]:
+        return [m.span() for m in pattern.finditer(text) if m.end() > m.start()]
+
+    return find
 
 
 def _leaves(value: Any, out: list[str]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeAlias, get_args
 
 from pydantic import BaseModel
 
+from .._pii import find_cards, find_emails, luhn_valid
 from ..agent.hooks import Interrupt, RunHooks, RunInfo
 from ..errors import UserError
 from ..messages import ToolCall
@@ -170,24 +171,6 @@ class RegexGuardrail(Guardrail):
         ]
 
 
-def luhn_valid(digits: str) -> bool:
-    """Whether a string of digits passes the Luhn checksum that card numbers carry."""
-    if not digits.isdigit():
-        return False
-    total = 0
-    for index, char in enumerate(reversed(digits)):
-        value = int(char)
-        if index % 2 == 1:
-            value *= 2
-            if value > 9:
-                value -= 9
-        total += value
-    return total % 10 == 0
-
-
-_EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
-# 13 to 19 digits, optionally grouped by single spaces or dashes, not part of a longer number.
-_CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d])")
 _API_KEYS = re.compile(
     "|".join(
         (
@@ -205,19 +188,10 @@ _API_KEYS = re.compile(
 )
 
 
-def _cards(text: str) -> list[Finding]:
-    found = []
-    for match in _CARD.finditer(text):
-        digits = re.sub(r"[ -]", "", match.group())
-        # All zeros passes Luhn but is a placeholder, not a card.
-        if 13 <= len(digits) <= 19 and digits.strip("0") and luhn_valid(digits):
-            found.append(Finding("card", match.start(), match.end()))
-    return found
-
-
 PII_KINDS: Mapping[str, Callable[[str], list[Finding]]] = {
-    "email": lambda text: [Finding("email", m.start(), m.end()) for m in _EMAIL.finditer(text)],
-    "card": _cards,
+    # The same shapes the audit log's redactor removes (loomflow._pii).
+    "email": lambda text: [Finding("email", *span) for span in find_emails(text)],
+    "card": lambda text: [Finding("card", *span) for span in find_cards(text)],
     "api_key": lambda text: [
         Finding("api_key", m.start(), m.end()) for m in _API_KEYS.finditer(text)
     ],

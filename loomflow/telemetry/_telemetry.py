@@ -579,7 +579,12 @@ class _TelemetryHooks(RunHooks):
             error = _redactor(info).text(outcome.error or "")
             span.set_status(Status(StatusCode.ERROR, error[:500]))
         elif self.content:
-            span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, self._scrub(info, outcome.as_text()))
+            found = info.tools.get(call.name)
+            if found is not None and found.sensitive_result:
+                # Sealed everywhere else; the span must not be the one place it shows.
+                span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, "[sealed-result]")
+            else:
+                span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, self._scrub(info, outcome.as_text()))
         child.release()
         child.finish()
         return outcome

@@ -45,6 +45,8 @@ class Tool(Generic[P, R]):
         destructive: The tool changes or deletes something that cannot be taken back.
         edits: The tool edits files or records (allowed by an "accept edits" permission mode).
         sensitive: Argument names whose values the audit log must redact.
+        sensitive_result: The tool's results are sensitive (personal data, say): sealed before
+            the journal, checkpoints, memory or the audit log see them.
         is_async: Whether ``fn`` is a coroutine function.
     """
 
@@ -61,6 +63,7 @@ class Tool(Generic[P, R]):
         destructive: bool = False,
         edits: bool = False,
         sensitive: Iterable[str] = (),
+        sensitive_result: bool = False,
         localns: Mapping[str, Any] | None = None,
     ) -> None:
         """Wrap ``fn``; :func:`tool` is the usual way in.
@@ -73,6 +76,8 @@ class Tool(Generic[P, R]):
             destructive: Mark the tool as irreversible for permission policies.
             edits: Mark the tool as an edit for the "accept edits" permission mode.
             sensitive: Argument names to redact in the audit log.
+            sensitive_result: Seal every successful result: the model gets the real value,
+                every store a ``[sealed-result:…]`` placeholder (see ``loomflow.audit.sealing``).
             localns: Names for resolving string annotations of locally defined types.
 
         Raises:
@@ -117,6 +122,7 @@ class Tool(Generic[P, R]):
         self.destructive: bool = destructive
         self.edits: bool = edits
         self.sensitive: frozenset[str] = sensitive_names
+        self.sensitive_result: bool = bool(sensitive_result)
         self.is_async: bool = inspect.iscoroutinefunction(fn)
         self._binder = binder
         self._call: Callable[..., Any] = fn  # untyped view for calls built from validated data
@@ -140,7 +146,9 @@ class Tool(Generic[P, R]):
 
     def __repr__(self) -> str:
         flags = "".join(
-            f", {flag}=True" for flag in ("destructive", "edits") if getattr(self, flag)
+            f", {flag}=True"
+            for flag in ("destructive", "edits", "sensitive_result")
+            if getattr(self, flag)
         )
         return f"Tool(name={self.name!r}{flags})"
 
@@ -248,6 +256,7 @@ def tool(
     destructive: bool = False,
     edits: bool = False,
     sensitive: Iterable[str] = (),
+    sensitive_result: bool = False,
 ) -> Callable[[Callable[P, R]], Tool[P, R]]: ...
 
 
@@ -261,6 +270,7 @@ def tool(
     destructive: bool = False,
     edits: bool = False,
     sensitive: Iterable[str] = (),
+    sensitive_result: bool = False,
 ) -> Tool[P, R] | Callable[[Callable[P, R]], Tool[P, R]]:
     """Turn a function into a :class:`Tool`, bare or with options.
 
@@ -279,6 +289,10 @@ def tool(
         ...         cents: Amount to charge, in cents.
         ...     '''
         ...     return "ok"
+        >>> @tool(sensitive_result=True)  # the customer record never reaches a store
+        ... def lookup_customer(customer_id: str) -> dict[str, str]:
+        ...     '''Find a customer's contact details.'''
+        ...     return {"email": "ana@example.com"}
 
     Raises:
         UserError: when the function or an option cannot make a valid tool.
@@ -296,6 +310,7 @@ def tool(
             destructive=destructive,
             edits=edits,
             sensitive=sensitive,
+            sensitive_result=sensitive_result,
             localns=localns,
         )
 

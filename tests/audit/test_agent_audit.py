@@ -82,19 +82,27 @@ async def test_a_run_writes_its_calls_in_order_with_user_on_every_entry() -> Non
     result = await agent.run("buy", session_id="s", user_id="alice", metadata={"ticket": 7})
     assert acts(store) == [
         "run.start",
+        "model.start",
         "model.call",
         "tool.call",
         "tool.result",
+        "model.start",
         "model.call",
         "tool.call",
         "tool.result",
+        "model.start",
         "model.call",
         "run.end",
     ]
     assert {(e.user_id, e.session_id, e.run_id) for e in store.all_entries} == {
         ("alice", "s", result.run_id)
     }
-    start, model0, call0, result0 = store.all_entries[:4]
+    start, model_start0, model0, call0, result0 = store.all_entries[:5]
+    assert model_start0.payload["execution"] == model0.payload["execution"]
+    assert model_start0.payload["step"] == "model_call_0"
+    assert call0.payload["execution"] == result0.payload["execution"]
+    assert call0.payload["step"] == result0.payload["step"]
+    assert call0.payload["step"].startswith("tool_call_0_0_")
     assert start.payload["prompt"] == "buy"
     assert start.payload["metadata"] == {"ticket": 7}
     assert model0.payload["tool_calls"] == ["charge"]
@@ -120,7 +128,8 @@ async def test_a_resumed_run_records_replays_not_new_executions(tmp_path: Path) 
     with pytest.raises(Crash):
         await agent.run("buy", session_id="s", user_id="alice")
     first = store.all_entries[0].run_id
-    assert acts(store, first)[-2:] == ["model.call", "run.end"]
+    # The ship that crashed inside its body began, and never finished: tool.call, no result.
+    assert acts(store, first)[-3:] == ["model.call", "tool.call", "run.end"]
     assert store.all_entries[-1].payload["outcome"] == "failed"
     assert store.all_entries[-1].payload["error_type"] == "Crash"
 
@@ -132,6 +141,7 @@ async def test_a_resumed_run_records_replays_not_new_executions(tmp_path: Path) 
         "model.replay",
         "tool.call",
         "tool.result",
+        "model.start",
         "model.call",
         "run.end",
     ]
@@ -169,7 +179,8 @@ async def test_a_replay_divergence_is_recorded_where_it_happened() -> None:
     # Other instructions change model_call_0's inputs: it runs fresh, and the audit says so.
     result = await _diverging_agent(store, runtime, "v2").run("buy", session_id="s", user_id="bob")
     run = acts(store, result.run_id)
-    assert run[:3] == ["run.start", "replay.divergence", "model.call"]
+    # The journal reports a divergence once the step it diverged at has run.
+    assert run[:4] == ["run.start", "model.start", "model.call", "replay.divergence"]
     divergence = next(e for e in store.all_entries if e.action == "replay.divergence")
     assert divergence.actor == "runtime"
     assert divergence.payload["step"] == "model_call_0"
@@ -245,14 +256,14 @@ async def test_governance_decisions_are_recorded_with_who_decided() -> None:
     assert result.interruption_reason == "guardrail:pii"
     assert ran == ["ship o-1"]
     names = acts(store)
-    assert names[:5] == ["run.start", "budget.warning", "model.call", "permission.decision",
-                         "tool.call"]  # fmt: skip
-    decision = store.all_entries[3]
+    assert names[:6] == ["run.start", "budget.warning", "model.start", "model.call",
+                         "permission.decision", "tool.call"]  # fmt: skip
+    decision = store.all_entries[4]
     assert decision.actor == "approver:carol"
     assert decision.payload["decision"] == "ask"
     assert decision.payload["final"] == "deny"
     assert decision.payload["policy"] == "finance"
-    denied_call, denied_result = store.all_entries[4], store.all_entries[5]
+    denied_call, denied_result = store.all_entries[5], store.all_entries[6]
     assert denied_call.payload["executed"] is False
     assert denied_result.payload["error_type"] == "permission_denied"
     allowed = [e for e in store.all_entries if e.action == "permission.decision"][1]
@@ -331,16 +342,16 @@ async def test_manual_records_join_the_users_chain(tmp_path: Path) -> None:
         actor="approver:carol",
         payload={"ticket": "T-1", "password": "hunter22"},
     )
-    assert entry.seq == 10
+    assert entry.seq == 13  # 3 model.start, 3 model.call, 2 tool.call, 2 tool.result, 2 run
     assert entry.payload == {"ticket": "T-1", "password": "[REDACTED]"}
     page = await audit.query(user_id="alice", action="approval.*")
-    assert [e.seq for e in page.entries] == [10]
+    assert [e.seq for e in page.entries] == [13]
     assert (await audit.verify()).ok
     await audit.close()
 
 
 def test_actions_are_distinct_and_documented() -> None:
-    assert len(set(actions.ALL)) == len(actions.ALL) == 13
+    assert len(set(actions.ALL)) == len(actions.ALL) == 15
     assert all(a.count(".") == 1 for a in actions.ALL)
 
 

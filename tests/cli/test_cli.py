@@ -63,7 +63,7 @@ def test_demo_on_postgres(tmp_path: Path, pg_dsn: str) -> None:
         result = loomflow("demo", "--postgres", pg_dsn, "--workdir", str(tmp_path))
         assert result.returncode == 0, result.stderr
         assert "hits=7 misses=3" in result.stdout
-        assert "(25 entries, both processes)" in result.stdout
+        assert "(31 entries, both processes)" in result.stdout  # 6 model.start
         budget = next(line for line in result.stdout.splitlines() if line.startswith("budget:"))
         used.append(int(budget.split()[1].replace(",", "")))
     assert used[0] == used[1]
@@ -402,7 +402,7 @@ def test_users_export_gathers_one_users_data_from_every_store(tmp_path: Path) ->
     assert document["counts"]["sessions"] == 1
     assert len(document["journal"]["entries"]) == 10
     assert {e["user_id"] for e in document["audit"]} == {user}
-    assert len(document["audit"]) == 25
+    assert len(document["audit"]) == 31
     assert document["budget"][0]["calls"] >= 5
     nobody = json.loads(loomflow("--url", url, "users", "export", "zoe").stdout)
     assert nobody["counts"] == {

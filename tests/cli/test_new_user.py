@@ -100,6 +100,8 @@ BAD = {
     "redact_secrets": '["unterminated',
     "redact_env": '[{"not": "a name"}]',
     "budget_url": "sqlite://relative-without-third-slash.db",
+    "redact_pii": "sometimes",
+    "redact_patterns": '{"order": "ORD-(["}',
 }
 # Free text, read only by setup_telemetry() (which the CLI does not call); it reports a bad
 # endpoint or header as a ConfigurationError.

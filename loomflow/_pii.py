@@ -1,0 +1,58 @@
+"""Shapes of personal data, shared by the PII guardrail and the audit log's redactor.
+
+Each finder returns the ``(start, end)`` spans of one kind in a text. Checksums come from
+python-stdnum, so a digit run is a card number only if it passes the Luhn check and an IBAN
+candidate only if it passes ISO 13616's mod-97 check.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+
+from stdnum import iban as _iban
+from stdnum import luhn as _luhn
+
+__all__ = ["FINDERS", "find_cards", "find_emails", "find_ibans", "luhn_valid"]
+
+Span = tuple[int, int]
+
+EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+# 13 to 19 digits, optionally grouped by single spaces or dashes, not part of a longer number.
+CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d])")
+# Country code, check digits, then groups of four, printed with or without spaces.
+IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?\b")
+
+
+def luhn_valid(digits: str) -> bool:
+    """Whether a string of digits passes the Luhn checksum that card numbers carry."""
+    return digits.isascii() and digits.isdigit() and _luhn.is_valid(digits)
+
+
+def find_emails(text: str) -> list[Span]:
+    """E-mail addresses."""
+    return [m.span() for m in EMAIL.finditer(text)]
+
+
+def find_cards(text: str) -> list[Span]:
+    """Payment card numbers: 13 to 19 digits that pass the Luhn check."""
+    found = []
+    for match in CARD.finditer(text):
+        digits = re.sub(r"[ -]", "", match.group())
+        # All zeros passes Luhn but is a placeholder, not a card.
+        if 13 <= len(digits) <= 19 and digits.strip("0") and luhn_valid(digits):
+            found.append(match.span())
+    return found
+
+
+def find_ibans(text: str) -> list[Span]:
+    """International bank account numbers that pass their checksum."""
+    return [m.span() for m in IBAN.finditer(text) if _iban.is_valid(m.group())]
+
+
+FINDERS: Mapping[str, Callable[[str], list[Span]]] = {
+    "card": find_cards,
+    "email": find_emails,
+    "iban": find_ibans,
+}
+"""The personal-data kinds loomflow recognises, by the name redaction gives them."""
