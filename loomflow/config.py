@@ -236,7 +236,9 @@ class Settings(BaseSettings):
             try:
                 re.compile(rx)
             except re.error as exc:
-                raise ValueError(f"pattern {kind!r} is not a valid regular expression: {exc}") from None
+                raise ValueError(
+                    f"pattern {kind!r} is not a valid regular expression: {exc}"
+                ) from None
         return patterns
 
     @field_validator("runtime_url")
