@@ -94,8 +94,10 @@ def _outcome(value: str) -> str:
     return json.dumps(_model("loomflow.tools:ToolOutcome", ok=True, value=value))
 
 
-# A value the decoder must refuse: it names a class that is no model, dataclass or enum.
-_HOSTILE = json.dumps(_model("subprocess:Popen", args="touch /tmp/pwned-by-0.20"))
+# A value the decoder must refuse: a tag it does not know. (A row naming a class that is not
+# registered, such as subprocess:Popen, decodes as plain data and runs nothing: see
+# tests/runtime/test_codec_security.py.)
+_HOSTILE = json.dumps({"$t": "exec", "v": "touch /tmp/pwned-by-0.20"})
 
 T0 = 1_750_000_000.0
 
@@ -498,7 +500,7 @@ def test_our_tables_never_take_a_020_name() -> None:
     created = set()
     for source in Path(loomflow.__file__).parent.rglob("*.py"):
         text = source.read_text()
-        created.update(re.findall(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+)", text))
+        created.update(re.findall(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+)\s*\(", text))
     assert "loom_checkpoints" in created
     assert created.isdisjoint({"journal_steps", "journal_streams", "checkpoints"})
     assert all(name.startswith("loom_") for name in created)
