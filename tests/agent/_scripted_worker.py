@@ -76,6 +76,7 @@ async def main(journal: Path, ledger: Path, mode: str) -> None:
                         "output": result.output,
                         "turns": result.turns,
                         "replayed": result.replayed_steps,
+                        "run_id": result.run_id,
                     }
                 )
             )

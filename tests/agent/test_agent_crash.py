@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import selectors
 import signal
@@ -10,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from loomflow.memory import Episode, memory_for
+from loomflow.runtime import SqliteRuntime
 
 WORKER = Path(__file__).with_name("_agent_worker.py")
 
@@ -60,7 +64,7 @@ def test_killed_after_a_tool_ran_resumes_without_rerunning_it(
     assert summary["output"] == "done: charged $7"
     assert summary["model_calls"] == 1  # only the second model call; the first replayed
     assert summary["replayed"] == 2  # model_call_0 and the charge
-    assert summary["fresh"] == 1
+    assert summary["fresh"] == 2  # the second model call and the run's episode
     assert ledger.read_text().splitlines() == ["charge 7"]  # the tool did not run again
 
 
@@ -110,3 +114,14 @@ def test_a_scripted_model_resumed_in_a_new_process_runs_each_tool_once(tmp_path:
     assert summary["model_calls"] == 1
     assert summary["turns"] == 4
     assert summary["output"] == "Order 7 is reserved, charged, confirmed and shipped."
+    # The agent's default memory, beside the journal, holds the run once.
+    episodes = asyncio.run(_episodes(journal, "order-7", "alice"))
+    assert [e.run_id for e in episodes] == [summary["run_id"]]
+
+
+async def _episodes(journal: Path, session_id: str, user_id: str) -> list[Episode]:
+    runtime = SqliteRuntime(journal)
+    try:
+        return await memory_for(runtime).episodes(session_id, user_id=user_id)
+    finally:
+        await runtime.close()
