@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from loomflow.agent import Agent
 from loomflow.errors import ModelError, ScriptExhaustedError
 from loomflow.messages import (
     Message,
@@ -200,3 +201,13 @@ async def test_journaled_stream_replays_without_calling_the_model(
     assert replayed == live
     assert model.calls == 2  # every chunk came from the journal
     assert run.stats.hits == 2
+
+
+async def test_a_session_continues_the_script_only_through_memory() -> None:
+    remembering = Agent("x", model=ScriptedModel(["first", "second"]))
+    forgetting = Agent("x", model=ScriptedModel(["first", "second"]), memory=False)
+    for agent, expected in ((remembering, "second"), (forgetting, "first")):
+        await agent.run("one", session_id="s", user_id="u")
+        assert (await agent.run("two", session_id="s", user_id="u")).output == expected
+        # Another session is another conversation: it starts at the first turn.
+        assert (await agent.run("three", session_id="t", user_id="u")).output == "first"
