@@ -8,8 +8,8 @@ Step names are part of the journal key and must stay stable across releases:
   hash of the tool name and arguments, never by the provider's call id. A replayed result is
   answered to the *current* call id.
 
-- ``persist_episode_<turns>``: with ``memory=``, the run's own turns written as an episode
-  when the run returns; idempotent (one episode per run, whatever replays or retries).
+- ``persist_episode_<turns>``: unless ``memory=False``, the run's own turns written as an
+  episode when the run returns; idempotent (one episode per run, whatever replays or retries).
 
 Steps that a tool makes (a sub-agent used as a tool, say) are keyed under a sub-run named after
 that tool call, so resuming the outer run replays them too.
@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from ulid import ULID
@@ -49,7 +49,7 @@ from ..checkpoints import (
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
 from ..errors import CheckpointError, CheckpointNotFoundError, UserError
-from ..memory import Memory
+from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import (
     Message,
     ModelResponse,
@@ -142,7 +142,9 @@ class Agent:
         name: A short name used in sub-run keys, spans and tool names.
         memory: Per-user memory (:class:`~loomflow.memory.Memory`): each outermost run is
             reminded of the earlier runs of its (session, user), and records its own turns
-            as an episode when it returns.
+            as an episode when it returns. By default (``None``) episodes are kept beside
+            the journal (``memory_for(runtime)``), or in this agent's process memory when it
+            has no runtime; ``False`` keeps none.
         budget: Spending caps checked before every live model call.
         permissions: The policy checked before every live tool call.
         audit: The per-user audit log.
@@ -161,7 +163,7 @@ class Agent:
         model: Model | str,
         tools: Sequence[ToolLike] = (),
         runtime: JournalRuntime | None = None,
-        memory: Any = None,
+        memory: Memory | Literal[False] | None = None,
         budget: Any = None,
         permissions: Any = None,
         audit: Any = None,
@@ -176,18 +178,22 @@ class Agent:
             raise UserError("instructions must be a string")
         if max_turns < 1:
             raise UserError(f"max_turns must be at least 1, not {max_turns}")
-        if memory is not None and not isinstance(memory, Memory):
+        if memory is not None and memory is not False and not isinstance(memory, Memory):
             raise UserError(
                 f"memory must be a loomflow.memory.Memory (InMemoryMemory, SqliteMemory, "
-                f"PostgresMemory, memory_for(runtime)), not {type(memory).__name__}"
+                f"PostgresMemory, memory_for(runtime)), None for the default or False for "
+                f"none, not {memory!r}"
             )
+        self._memory_default = memory is None  # so that clone() can move it with the runtime
+        if memory is None:
+            memory = _default_memory(runtime)
         self.instructions = instructions
         self._owned: list[Any] = []  # components from_settings built, closed by aclose()
         self._model_spec = model
         self._model: Model | None = None if isinstance(model, str) else model
         self.tools = ToolRegistry(tools)
         self.runtime = runtime
-        self.memory = memory
+        self.memory: Memory | None = memory or None
         self.budget = budget
         self.permissions = permissions
         self.audit = audit
@@ -225,7 +231,8 @@ class Agent:
     ) -> Agent:
         """An agent whose journal, audit log, budget and telemetry come from :class:`Settings`.
 
-        The journal is ``runtime_url``. The audit log (redacting the configured secrets) is
+        The journal is ``runtime_url``; memory, unless given, lives beside it (as for
+        :class:`Agent`). The audit log (redacting the configured secrets) is
         ``audit_url`` and the budget's totals ``budget_url``; either, when unset, lives beside
         the journal (in its database, or in memory). The budget enforces ``caps``; with none it
         only records usage (a reservation and a commit per model call; pass ``budget=None``
@@ -292,14 +299,14 @@ class Agent:
     def clone(self, **changes: Any) -> Agent:
         """A new agent configured like this one, with ``changes`` (any constructor argument).
 
-        Components (runtime, budget, audit log, ...) are shared, not copied. Example:
-        ``agent.clone(tools=[*agent.tools.values(), extra_tool])``.
+        Components (runtime, memory, budget, audit log, ...) are shared, not copied; a
+        default memory follows the runtime, so ``clone(runtime=other)`` keeps its episodes
+        beside ``other``. Example: ``agent.clone(tools=[*agent.tools.values(), extra_tool])``.
         """
         options: dict[str, Any] = {
             "model": self._model_spec,
             "tools": list(self.tools.values()),
             "runtime": self.runtime,
-            "memory": self.memory,
             "budget": self.budget,
             "permissions": self.permissions,
             "audit": self.audit,
@@ -312,7 +319,16 @@ class Agent:
         }
         options.update(changes)
         instructions = options.pop("instructions", self.instructions)
-        return type(self)(instructions, **options)
+        carried = "memory" not in changes
+        if carried:
+            # Default memory lives beside the journal: a clone on another runtime gets its own
+            # beside that one; otherwise the clone shares this agent's memory (or its absence).
+            moved = self._memory_default and options["runtime"] is not self.runtime
+            options["memory"] = None if moved else (self.memory or False)
+        clone = type(self)(instructions, **options)
+        if carried:
+            clone._memory_default = self._memory_default
+        return clone
 
     async def aclose(self) -> None:
         """Close the runtime, audit log and budget that :meth:`from_settings` built.
@@ -789,7 +805,9 @@ class Agent:
             raise
         if memory is not None:
             try:
-                await _persist_episode(runtime, memory, ctx, run, messages[prompt_index:], output)
+                await _persist_episode(
+                    runtime, memory, ctx, run, messages[prompt_index:], output, self._redactor
+                )
             except BaseException as exc:
                 for hook in hooks:
                     await run_cleanup(
@@ -925,6 +943,27 @@ def _fit_payload(outcome: ToolOutcome, tool_name: str, runtime: Any) -> ToolOutc
     )
 
 
+def _default_memory(runtime: JournalRuntime | None) -> Memory:
+    """The memory of an agent built without ``memory=``: beside its journal, else in process.
+
+    Sharing the journal's storage keeps a session's episodes wherever its runs can be resumed
+    (every worker on one database sees them), and erasing or exporting a user's data there
+    covers them.
+    """
+    if runtime is None:
+        return InMemoryMemory()
+    try:
+        return memory_for(runtime)
+    except UserError:
+        # A journal memory cannot live beside (a runtime of your own): this process keeps it.
+        log.warning(
+            "no memory store is known beside %s; session episodes are kept in this process "
+            "only (pass memory= to choose, or memory=False for none)",
+            type(runtime).__name__,
+        )
+        return InMemoryMemory()
+
+
 def _collect_hooks(components: Sequence[Any]) -> list[RunHooks]:
     hooks: list[RunHooks] = []
     for component in components:
@@ -1002,7 +1041,13 @@ async def _recall(memory: Memory | None, ctx: RunContext, run: Any) -> list[Mess
 
 
 async def _persist_episode(
-    runtime: Any, memory: Memory, ctx: RunContext, run: Any, own: list[Message], output: str
+    runtime: Any,
+    memory: Memory,
+    ctx: RunContext,
+    run: Any,
+    own: list[Message],
+    output: str,
+    redactor: Redactor,
 ) -> None:
     """Record the run's turns as an episode, in a journaled step with a per-run key.
 
@@ -1010,6 +1055,10 @@ async def _persist_episode(
     a replay or a retry after a crash between the write and its journal entry lands on the
     same episode: the store replaces it instead of adding one. Replayed with the same inputs,
     the step is a journal hit and memory is not touched at all.
+
+    Secrets are redacted from what is stored (tool arguments and results are already sealed
+    and scrubbed; a prompt may still hold a key). That happens inside the step, so the step's
+    inputs, and with them its journal key, do not depend on what the redactor has learned.
     """
     own = _answered(own)
     if not own or ctx.session_id is None:
@@ -1024,8 +1073,8 @@ async def _persist_episode(
             ctx.session_id or "",
             user_id=ctx.user_id,
             key=key,
-            messages=messages,
-            output=output,
+            messages=[_redacted(m, redactor) for m in messages],
+            output=redactor.text(output),
             run_id=ctx.run_id,
             epoch=epoch,
         )
@@ -1033,6 +1082,15 @@ async def _persist_episode(
 
     turns = sum(1 for m in own if m.role == "assistant")
     await runtime.step(f"persist_episode_{turns}", write, key, own, output)
+
+
+def _redacted(message: Message, redactor: Redactor) -> Message:
+    calls = [
+        c.model_copy(update={"arguments": redactor.value(c.arguments)}) for c in message.tool_calls
+    ]
+    return message.model_copy(
+        update={"content": redactor.text(message.content), "tool_calls": calls}
+    )
 
 
 def _answered(messages: list[Message]) -> list[Message]:

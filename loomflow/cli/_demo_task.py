@@ -25,7 +25,7 @@ from ..audit import AuditLog, audit_store_beside
 from ..errors import LoomflowError, UserError
 from ..governance import Cap, SqlBudgetStore, StandardBudget
 from ..messages import Message, ModelChunk, ModelSettings, ToolCall, ToolSpec
-from ..models import FunctionModel, Model, resolve_model
+from ..models import Model, ScriptedModel, ScriptTurn, resolve_model
 from ..models.pricing import ModelPrice, price_for
 from ..runtime import JournalRuntime, StepEvent, runtime_from_url
 from ..tools import Tool, tool
@@ -97,19 +97,20 @@ def tools(ledger: Path) -> list[Tool[..., Any]]:
     return [lookup_order, reserve_stock, charge_card, create_shipment, send_confirmation]
 
 
-def scripted_model() -> FunctionModel:
-    """The offline model: follows :data:`PLAN`, then answers :data:`FINAL`."""
+def scripted_model() -> ScriptedModel:
+    """The offline model: follows :data:`PLAN`, then answers :data:`FINAL`.
 
-    async def decide(messages: list[Message], specs: list[ToolSpec]) -> Any:
-        turn = sum(1 for m in messages if m.role == "assistant")
-        if turn < len(PLAN):
-            return [
-                ToolCall(id=f"call_{turn}_{i}", name=name, arguments=args)
-                for i, (name, args) in enumerate(PLAN[turn])
-            ]
-        return FINAL
-
-    return FunctionModel(decide, name="scripted-order-bot")
+    A :class:`ScriptedModel` answers by the conversation it is sent, so the resuming process
+    picks the plan up at the turn the killed worker had reached.
+    """
+    turns: list[ScriptTurn] = [
+        [
+            ToolCall(id=f"call_{turn}_{slot}", name=name, arguments=args)
+            for slot, (name, args) in enumerate(calls)
+        ]
+        for turn, calls in enumerate(PLAN)
+    ]
+    return ScriptedModel([*turns, FINAL], name="scripted-order-bot")
 
 
 class KillPoint:

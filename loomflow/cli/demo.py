@@ -212,7 +212,10 @@ async def _tell(story: _Story) -> int:
         tool = _tool_of(event.name, result.messages)
         outcome = "replayed from journal" if event.outcome == "hit" else "ran fresh"
         count = f"{effects[tool]}x" if tool is not None else "-"
-        print(f"{tool or event.name:<34} {outcome:<22} {count:>26}")
+        label = tool or event.name
+        if event.name.startswith("persist_episode_"):
+            label = "the run's episode (memory)"  # the agent's default memory
+        print(f"{label:<34} {outcome:<22} {count:>26}")
     print(f"\nfinal answer: {result.output}")
 
     trail, status = await _governance_report(story)

@@ -15,7 +15,14 @@ from .anthropic import AnthropicModel
 from .base import Model, complete
 from .openai import OpenAIModel
 from .pricing import PRICES, ModelPrice, cost_usd, price_for
-from .scripted import FunctionModel, ScriptedModel, ScriptTurn, approx_tokens, echo_last_user
+from .scripted import (
+    FunctionModel,
+    ScriptedModel,
+    ScriptTurn,
+    approx_tokens,
+    echo_last_user,
+    script_position,
+)
 
 __all__ = [
     "AnthropicModel",
@@ -33,4 +40,5 @@ __all__ = [
     "echo_last_user",
     "price_for",
     "resolve_model",
+    "script_position",
 ]

@@ -1,9 +1,10 @@
 """Deterministic models for tests, demos and examples: no network, no randomness.
 
-:class:`ScriptedModel` plays back a fixed list of turns; :class:`FunctionModel` answers with a
-function of the conversation. Both stream like a real model (text in a few deltas, one delta per
-tool call, then the :class:`~loomflow.messages.ModelResponse`), count tokens with a fixed rule,
-and count their calls, so a test can assert that a resumed run made no model call at all::
+:class:`ScriptedModel` plays back a fixed list of turns, choosing each from the conversation it
+is sent; :class:`FunctionModel` answers with a function of the conversation. Both stream like a
+real model (text in a few deltas, one delta per tool call, then the
+:class:`~loomflow.messages.ModelResponse`), count tokens with a fixed rule, and count their
+calls, so a test can assert that a resumed run made no model call at all::
 
     model = ScriptedModel([[ToolCall(id="c1", name="add", arguments={"a": 1, "b": 2})], "3"])
     ...
@@ -38,6 +39,7 @@ __all__ = [
     "ScriptedModel",
     "approx_tokens",
     "echo_last_user",
+    "script_position",
 ]
 
 ScriptTurn: TypeAlias = str | ModelResponse | Sequence[ToolCall] | BaseException
@@ -105,20 +107,52 @@ async def _stream_response(response: ModelResponse) -> AsyncIterator[ModelChunk]
     yield response
 
 
+def script_position(messages: Sequence[Message]) -> int:
+    """The script turn a :class:`ScriptedModel` answers ``messages`` with.
+
+    It is the number of assistant messages already in them: each answer the model gave and
+    that is still in the conversation moves the script on by one.
+    """
+    return sum(1 for message in messages if message.role == "assistant")
+
+
 class ScriptedModel:
-    """Plays back scripted turns, one per call to :meth:`stream`.
+    """Plays back scripted turns, choosing each one from the conversation it is sent.
+
+    The turn answered is :func:`script_position` of the request: the number of assistant
+    messages already in it. The first request of a conversation gets turn 0; after one
+    tool-use turn and its results, turn 1; and so on. Like a real deterministic model, the
+    answer depends only on the conversation, never on how often this object was called, so a
+    run resumed in a new process (whose finished model calls replay from the journal) gets
+    the turn that comes next rather than the script's start again.
+
+    What counts is what the model is shown: with memory, a later run of the same session is
+    sent the earlier runs' turns too, so it continues the script where they stopped; a new
+    session, or an agent with ``memory=False``, starts at turn 0. Only the
+    ``history_episodes`` latest episodes are sent back, so keep scripted sessions shorter
+    than that. Give independent conversations a model each.
 
     Args:
-        turns: The answers in call order. A ``str`` is a final text answer, a list of
-            :class:`~loomflow.messages.ToolCall` is a tool-use turn, a ``ModelResponse`` is
-            streamed as given, and an exception instance is raised by that call.
+        turns: The answers in conversation order. A ``str`` is a final text answer, a list of
+            :class:`~loomflow.messages.ToolCall` is a tool-use turn, and a ``ModelResponse``
+            is streamed as given. An exception instance takes no turn of its own: it is
+            raised once, by the first call that reaches the answer after it (then that call
+            repeated gets the answer), to test a failing provider.
         name: The model id reported in responses (``"scripted"`` prices at 0).
-        default: The answer once the script is used up: a string, or a function of the
-            messages. Without one, an extra call raises
+        default: The answer for turns past the script: a string, or a function of the
+            messages. Without one, such a call raises
             :class:`~loomflow.errors.ScriptExhaustedError`.
 
+    Example:
+        >>> model = ScriptedModel(
+        ...     [
+        ...         [ToolCall(id="c1", name="add", arguments={"a": 1, "b": 2})],  # turn 0
+        ...         "1 + 2 = 3",  # turn 1, asked once the tool result is in
+        ...     ]
+        ... )
+
     Attributes:
-        calls: How many times ``stream`` was called.
+        calls: How many times ``stream`` was called on this object.
         requests: The messages of every call, in order.
     """
 
@@ -132,8 +166,17 @@ class ScriptedModel:
         default: str | Callable[[list[Message]], str] | None = None,
     ) -> None:
         self._name = name
-        self._turns = list(turns)
         self._default = default
+        self._answers: list[FunctionResult] = []
+        # _failures[p]: the exceptions still to raise before answer p (one list per position).
+        self._failures: list[list[BaseException]] = [[]]
+        for turn in turns:
+            if isinstance(turn, BaseException):
+                self._failures[-1].append(turn)
+            else:
+                self._answers.append(turn)
+                self._failures.append([])
+        self._reached = 0  # one past the furthest turn answered
         self.calls = 0
         self.requests: list[list[Message]] = []
 
@@ -144,8 +187,9 @@ class ScriptedModel:
 
     @property
     def remaining(self) -> int:
-        """Scripted turns not yet played."""
-        return max(0, len(self._turns) - self.calls)
+        """Scripted turns past the furthest one answered, plus exceptions not yet raised."""
+        pending = sum(len(f) for f in self._failures[self._reached :])
+        return max(0, len(self._answers) - self._reached) + pending
 
     def stream(
         self,
@@ -154,28 +198,38 @@ class ScriptedModel:
         tools: Sequence[ToolSpec] = (),
         settings: ModelSettings | None = None,
     ) -> AsyncIterator[ModelChunk]:
-        """Stream the next scripted turn."""
-        # The turn is taken now, not on first iteration, so call order fixes the script order.
-        index = self.calls
+        """Stream the turn that answers ``messages``."""
+        # The turn (and any exception due before it) is taken now, not on first iteration.
+        position = script_position(messages)
         self.calls += 1
         self.requests.append(list(messages))
-        turn: ScriptTurn | None = self._turns[index] if index < len(self._turns) else None
-        return self._play(turn, index, list(messages))
+        failures = self._failures[min(position, len(self._answers))]
+        failure = failures.pop(0) if failures else None
+        turn: FunctionResult | None = None
+        if failure is None and position < len(self._answers):
+            turn = self._answers[position]
+            self._reached = max(self._reached, position + 1)
+        return self._play(turn, failure, position, list(messages))
 
     async def _play(
-        self, turn: ScriptTurn | None, index: int, messages: list[Message]
+        self,
+        turn: FunctionResult | None,
+        failure: BaseException | None,
+        position: int,
+        messages: list[Message],
     ) -> AsyncIterator[ModelChunk]:
+        if failure is not None:
+            raise failure
         if turn is None:
             if self._default is None:
                 raise ScriptExhaustedError(
                     self.provider,
                     self._name,
-                    f"the script has {len(self._turns)} turn(s) and this is call "
-                    f"{index + 1}; add turns, pass default=, or use FunctionModel",
+                    f"the script has {len(self._answers)} turn(s) and the conversation is at "
+                    f"turn {position + 1} ({position} assistant message(s) already in it); "
+                    "add turns, pass default=, or use FunctionModel",
                 )
             turn = self._default if isinstance(self._default, str) else self._default(messages)
-        if isinstance(turn, BaseException):
-            raise turn
         async for chunk in _stream_response(_build_response(turn, messages, self._name)):
             yield chunk
 

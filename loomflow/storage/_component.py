@@ -8,7 +8,7 @@ from typing import Any, ClassVar, TypeVar
 
 from ..config import Settings
 from ._database import Database
-from ._migrations import Migration, apply_migrations
+from ._migrations import Migration, apply_migrations, require_schema
 
 __all__ = ["ComponentStore", "store_beside"]
 
@@ -68,6 +68,10 @@ class ComponentStore:
         if not self._migrated:
             if self.auto_migrate:
                 await apply_migrations(self.db, self.component, self.migrations)
+            else:
+                # Checked once, so a store nobody migrated says "run loomflow migrate" rather
+                # than failing later on a missing table.
+                await require_schema(self.db, self.component, self.migrations)
             self._migrated = True
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ from loomflow.config import Settings
 from loomflow.errors import UserError
 from loomflow.governance import Cap, StandardBudget
 from loomflow.governance.budget import budget_store_from_url
+from loomflow.memory import memory_for
 from loomflow.models import ScriptedModel
 from loomflow.runtime import InMemoryRuntime, runtime_from_url
 
@@ -37,7 +38,9 @@ async def _check_stores(settings: Settings, session: str) -> None:
     try:
         entries = await runtime.entries(session, "ana")
         assert [e.name for e in entries][:1] == ["model_call_0"]
-        assert len(entries) == 3
+        # Two model calls, the tool call, and the episode memory keeps beside the journal.
+        assert [e.name for e in entries][3:] == ["persist_episode_2"]
+        assert len(await memory_for(runtime).episodes(session, user_id="ana")) == 1
     finally:
         await runtime.close()
     audit = audit_store_from_url(settings.audit_store_url)

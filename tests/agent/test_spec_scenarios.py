@@ -73,7 +73,7 @@ async def test_a_finished_run_resumes_with_zero_model_calls(runtime_factory: Fac
     assert model.calls == calls
     assert ledger.charges == [7]
     assert resumed.output == first.output
-    assert resumed.replayed_steps == 3
+    assert resumed.replayed_steps == 4  # two model calls, the charge, the episode write
     assert resumed.fresh_steps == 0
     assert (resumed.tokens_in, resumed.tokens_out) == (first.tokens_in, first.tokens_out)
 
@@ -103,7 +103,7 @@ async def test_a_new_prompt_on_an_old_session_runs_fresh(runtime_factory: Factor
     calls = model.calls
     resumed = await agent.resume("something else entirely", session_id="s", user_id="u")
     assert model.calls == calls + 2
-    assert resumed.fresh_steps == 2
+    assert resumed.fresh_steps == 3  # and the run's episode, rewritten in place
     assert ledger.charges == [7, 7]
 
 
@@ -203,7 +203,7 @@ async def test_run_and_stream_replay_each_others_model_calls(runtime_factory: Fa
     events = [e async for e in agent._events("charge 7", "s", "u", None, resume=True)]
     result: RunResult = events[-1].result  # type: ignore[union-attr]
     assert model.calls == calls
-    assert result.replayed_steps == 3
+    assert result.replayed_steps == 4  # with the episode write
     replays = [e for e in events if getattr(e, "replayed", None) is not None]
     assert replays
     assert all(e.replayed for e in replays)  # type: ignore[union-attr]

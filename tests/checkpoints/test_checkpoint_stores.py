@@ -22,6 +22,7 @@ from loomflow.checkpoints.migrations import SCHEMA_VERSION
 from loomflow.errors import (
     CheckpointError,
     ConfigurationError,
+    MigrationError,
     StoreUnavailableError,
     UserError,
 )
@@ -98,7 +99,9 @@ async def test_without_auto_migrate_the_table_must_be_migrated_first(sqlite_path
     runtime = SqliteRuntime(sqlite_path, auto_migrate=False)
     await runtime.migrate()
     store = checkpoint_store_for(runtime)
-    with pytest.raises(StoreUnavailableError, match="no such table"):
+    with pytest.raises(
+        MigrationError, match=r"checkpoints schema is at version 0.*loomflow migrate"
+    ):
         await store.put(checkpoint())
     assert await store.migrate() == SCHEMA_VERSION
     await store.put(checkpoint())

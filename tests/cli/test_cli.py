@@ -39,7 +39,9 @@ def test_demo_kills_a_worker_resumes_and_proves_no_side_effect_repeated(tmp_path
     assert "killed with SIGKILL" in out
     assert "replayed from journal" in out
     assert "ran fresh" in out
-    assert "hits=5 misses=5 divergences=0" in out
+    # Four model calls and five tool calls, then the run's episode (written once, fresh).
+    assert "hits=5 misses=6 divergences=0" in out
+    assert "the run's episode (memory)" in out
     assert "chain verified: ok" in out
     assert "tool.replay      charge_card" in out  # the replay is audited as a replay
     assert out.count("tool.call        charge_card") == 1  # and the charge once, as live
@@ -62,7 +64,7 @@ def test_demo_on_postgres(tmp_path: Path, pg_dsn: str) -> None:
     for _ in range(2):
         result = loomflow("demo", "--postgres", pg_dsn, "--workdir", str(tmp_path))
         assert result.returncode == 0, result.stderr
-        assert "hits=7 misses=3" in result.stdout
+        assert "hits=7 misses=4" in result.stdout  # the last miss: the run's episode
         assert "(31 entries, both processes)" in result.stdout  # 6 model.start
         budget = next(line for line in result.stdout.splitlines() if line.startswith("budget:"))
         used.append(int(budget.split()[1].replace(",", "")))
@@ -84,7 +86,8 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     names = [r["name"] for r in rows]
     assert names[:2] == ["model_call_0", names[1]]
     assert names[1].startswith("tool_call_0_0_")
-    assert len(names) == 10
+    assert len(names) == 11
+    assert names[-1] == "persist_episode_5"
     table = loomflow("--url", demo_url, "runs", "show", session, "--user", user)
     assert "model_call_4" in table.stdout
     assert "replays" in table.stdout
@@ -92,7 +95,7 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     (entry,) = [json.loads(line) for line in listed.stdout.splitlines()]
     assert entry["session_id"] == session
     assert entry["user_id"] == user
-    assert entry["entries"] == 10
+    assert entry["entries"] == 11
     assert entry["open"] is False
     people = loomflow("--url", demo_url, "runs", "list", "--user", "nobody")
     assert people.stdout.strip() == "no sessions in the journal"
@@ -111,9 +114,9 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     assert refused.returncode == 2  # no filter and no retention: say --all
     assert "--all" in refused.stderr
     dry = loomflow("--url", demo_url, "journal", "prune", "--all", "--dry-run", "--json")
-    assert json.loads(dry.stdout) == {"would_delete": 10}
+    assert json.loads(dry.stdout) == {"would_delete": 11}
     pruned = loomflow("--url", demo_url, "journal", "prune", "--all", "--json")
-    assert json.loads(pruned.stdout) == {"deleted": 10}
+    assert json.loads(pruned.stdout) == {"deleted": 11}
 
 
 def test_version() -> None:
@@ -400,7 +403,8 @@ def test_users_export_gathers_one_users_data_from_every_store(tmp_path: Path) ->
     document = json.loads(out.read_text())
     assert document["user_id"] == user
     assert document["counts"]["sessions"] == 1
-    assert len(document["journal"]["entries"]) == 10
+    assert len(document["journal"]["entries"]) == 11  # with the episode write
+    assert document["counts"]["episodes"] == 1
     assert {e["user_id"] for e in document["audit"]} == {user}
     assert len(document["audit"]) == 31
     assert document["budget"][0]["calls"] >= 5

@@ -11,6 +11,7 @@ from loomflow.agent import Agent, RunFinished
 from loomflow.errors import UserError
 from loomflow.governance import GuardrailTripped, PIIGuardrail, RegexGuardrail
 from loomflow.governance.guardrails import luhn_valid
+from loomflow.memory import memory_for
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel, ScriptedModel
 from loomflow.runtime import InMemoryRuntime
@@ -165,8 +166,13 @@ async def test_tool_results_are_redacted_before_the_journal_keeps_them() -> None
     # Resumed without any guardrail, the journal hands back the redacted value.
     bare = Agent("x", model=FunctionModel(fetch_then_answer), tools=[customer], runtime=runtime)
     replayed = await bare.resume("go", session_id="s")
-    assert replayed.replayed_steps == 3
+    assert replayed.replayed_steps == 4  # two model calls, the tool call, the episode write
     assert replayed.output == result.output
+    # The episode memory keeps beside the journal holds the redacted result too.
+    [episode] = await memory_for(runtime).episodes("s", user_id=None)
+    stored = json.dumps([m.model_dump() for m in episode.messages])
+    assert "[REDACTED:email]" in stored
+    assert EMAIL not in stored
 
 
 async def test_a_blocked_tool_result_ends_the_run_and_is_not_journaled() -> None:
@@ -182,7 +188,11 @@ async def test_a_blocked_tool_result_ends_the_run_and_is_not_journaled() -> None
     assert result.interruption_reason == "guardrail:no_email"
     assert [(e.name, e.stage) for e in tripped(events)] == [("no_email", "tool_result")]
     entries = await runtime.entries("s", None)
-    assert [e.name for e in entries] == ["model_call_0"]
+    assert [e.name for e in entries] == ["model_call_0", "persist_episode_0"]
+    # The run's episode keeps the prompt only: the tool request whose result was blocked is
+    # dropped with it.
+    [episode] = await memory_for(runtime).episodes("s", user_id=None)
+    assert [m.role for m in episode.messages] == ["user"]
 
 
 async def test_stages_limit_where_a_guardrail_looks() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from loomflow.agent import Agent
 from loomflow.errors import ModelError, ScriptExhaustedError
 from loomflow.messages import (
     Message,
@@ -20,7 +21,14 @@ from loomflow.messages import (
     ToolSpec,
     Usage,
 )
-from loomflow.models import FunctionModel, Model, ScriptedModel, approx_tokens, complete
+from loomflow.models import (
+    FunctionModel,
+    Model,
+    ScriptedModel,
+    approx_tokens,
+    complete,
+    script_position,
+)
 from loomflow.runtime import InMemoryRuntime, JournalRuntime, SqliteRuntime
 
 CALL = ToolCall(id="c1", name="add", arguments={"a": 1, "b": 2})
@@ -83,26 +91,50 @@ async def test_turns_play_in_order_and_calls_are_counted() -> None:
     assert model.requests[1][-1].content == "3"
 
 
+def _after(*answers: ModelResponse) -> list[Message]:
+    """PROMPT followed by the given answers, each tool call answered."""
+    messages = list(PROMPT)
+    for answer in answers:
+        messages.append(answer.to_message())
+        messages += [Message.tool_result(c.id, "3") for c in answer.tool_calls]
+    return messages
+
+
 async def test_an_exhausted_script_raises_a_clear_error() -> None:
     model = ScriptedModel(["only"])
-    await complete(model, PROMPT)
+    first = await complete(model, PROMPT)
     with pytest.raises(ScriptExhaustedError, match="1 turn") as info:
-        await complete(model, PROMPT)
+        await complete(model, _after(first))
     assert isinstance(info.value, ModelError)
     assert info.value.provider == "scripted"
+    assert "turn 2" in str(info.value)
 
 
 async def test_a_default_answers_after_the_script() -> None:
     model = ScriptedModel(["first"], default=lambda messages: f"seen {len(messages)}")
-    assert (await complete(model, PROMPT)).text == "first"
-    assert (await complete(model, PROMPT)).text == "seen 2"
+    first = await complete(model, PROMPT)
+    assert first.text == "first"
+    assert (await complete(model, _after(first))).text == "seen 3"
 
 
-async def test_an_exception_turn_is_raised_by_that_call() -> None:
+async def test_an_exception_is_raised_once_before_the_answer_after_it() -> None:
     model = ScriptedModel([RuntimeError("provider down"), "ok"])
     with pytest.raises(RuntimeError, match="provider down"):
         await complete(model, PROMPT)
-    assert (await complete(model, PROMPT)).text == "ok"
+    assert (await complete(model, PROMPT)).text == "ok"  # the same request, retried
+    assert model.remaining == 0
+
+
+async def test_the_turn_comes_from_the_conversation_not_the_call_count() -> None:
+    model = ScriptedModel([[CALL], "3"])
+    first = await complete(model, PROMPT)
+    # The same request again (a retry, or another process) gets the same turn...
+    assert (await complete(model, PROMPT)).tool_calls == [CALL]
+    # ...and a fresh model object sent the later conversation answers the later turn.
+    fresh = ScriptedModel([[CALL], "3"])
+    assert (await complete(fresh, _after(first))).text == "3"
+    assert fresh.calls == 1
+    assert script_position(_after(first)) == 1
 
 
 async def test_function_model_sync_and_async() -> None:
@@ -169,3 +201,13 @@ async def test_journaled_stream_replays_without_calling_the_model(
     assert replayed == live
     assert model.calls == 2  # every chunk came from the journal
     assert run.stats.hits == 2
+
+
+async def test_a_session_continues_the_script_only_through_memory() -> None:
+    remembering = Agent("x", model=ScriptedModel(["first", "second"]))
+    forgetting = Agent("x", model=ScriptedModel(["first", "second"]), memory=False)
+    for agent, expected in ((remembering, "second"), (forgetting, "first")):
+        await agent.run("one", session_id="s", user_id="u")
+        assert (await agent.run("two", session_id="s", user_id="u")).output == expected
+        # Another session is another conversation: it starts at the first turn.
+        assert (await agent.run("three", session_id="t", user_id="u")).output == "first"

@@ -95,6 +95,7 @@ async def run_workload(
         runtime=runtime,
         telemetry=telemetry,
         hooks=hooks,
+        memory=False,  # the step mix above is model and tool steps only: no episode writes
     )
     expected = Expected()
 

@@ -72,7 +72,8 @@ async def test_a_run_is_one_trace_with_steps_under_the_root_and_calls_under_step
     assert root.parent is None
     steps = steps_by_name(capture)
     tool_step = next(name for name in steps if name.startswith("tool_call_0_0_"))
-    assert set(steps) == {"model_call_0", tool_step, "model_call_1"}
+    # With the episode write of the agent's default memory.
+    assert set(steps) == {"model_call_0", tool_step, "model_call_1", "persist_episode_2"}
     assert {s.context.trace_id for s in capture.spans} == {root.context.trace_id}
     for step in steps.values():
         assert capture.parent_of(step) is root
@@ -86,6 +87,7 @@ async def test_a_run_is_one_trace_with_steps_under_the_root_and_calls_under_step
         assert a["loom.backend"] == "memory"
     assert attrs(steps["model_call_0"])["loom.step.kind"] == "model"
     assert attrs(steps[tool_step])["loom.step.kind"] == "tool"
+    assert attrs(steps["persist_episode_2"])["loom.step.kind"] == "memory"
 
     chats = capture.named("chat function")
     assert [capture.parent_of(c) for c in chats] == [steps["model_call_0"], steps["model_call_1"]]
@@ -106,7 +108,7 @@ async def test_a_run_is_one_trace_with_steps_under_the_root_and_calls_under_step
     assert r["gen_ai.conversation.id"] == "s-1"
     assert r["loom.run.id"] == result.run_id
     assert r["loom.run.outcome"] == "finished"
-    assert r["loom.run.fresh_steps"] == 3
+    assert r["loom.run.fresh_steps"] == 4
     assert r["gen_ai.usage.input_tokens"] == result.tokens_in
     assert root.status.status_code is StatusCode.UNSET
 
@@ -124,7 +126,7 @@ async def test_a_replayed_run_has_step_spans_marked_hit_and_no_call_spans(
     [root] = capture.named("invoke_agent agent")
     assert attrs(root)["loom.run.resumed"] is True
     steps = capture.named("loom.workflow.step")
-    assert len(steps) == 3
+    assert len(steps) == 4  # two model calls, the tool call, the episode write
     assert {attrs(s)["loom.step.replay"] for s in steps} == {"hit"}
     assert all(capture.parent_of(s) is root for s in steps)
     assert capture.named("chat function") == []
@@ -443,7 +445,7 @@ async def test_streaming_and_running_trace_alike(
     events = [e async for e in agent.stream("go", session_id="s")]
     assert isinstance(events[-1], RunFinished)
     [root] = capture.named("invoke_agent agent")
-    assert len(capture.children(root)) == 3
+    assert len(capture.children(root)) == 4  # two model calls, the tool call, the episode
 
 
 async def test_a_runtime_used_without_an_agent_can_be_traced(
@@ -577,7 +579,7 @@ async def test_concurrent_runs_keep_their_spans_apart(
     assert len(roots) == 8
     for root in roots:
         children = capture.children(root)
-        assert len(children) == 3
+        assert len(children) == 4  # two model calls, the tool call, the episode write
         users = {attrs(c)["user.id"] for c in children}
         assert users == {attrs(root)["user.id"]}
         run_ids = {attrs(c)["loom.run.id"] for c in children}
@@ -610,7 +612,7 @@ async def test_step_spans_on_every_backend_across_two_workers(
             crash["on"] = False  # the second worker picks the open run up
     first_root, second_root = capture.named("invoke_agent agent")
     replays = [attrs(s)["loom.step.replay"] for s in capture.children(second_root)]
-    assert replays == ["hit", "hit", "miss"]
+    assert replays == ["hit", "hit", "miss", "miss"]  # the last: the run's episode write
     assert attrs(second_root)["loom.run.resumed"] is True
     for step in capture.named("loom.workflow.step"):
         assert attrs(step)["loom.backend"] == first_worker.backend
