@@ -241,7 +241,7 @@ def test_the_demo_ends_with_a_command_the_user_can_run(demo_run: tuple[Path, str
     assert argv[1:4] == ["-m", "loomflow.cli", "--url"]
     shown = subprocess.run([*argv, "--json"], capture_output=True, text=True, check=False)
     assert shown.returncode == 0, shown.stderr
-    assert len(shown.stdout.splitlines()) == 10
+    assert len(shown.stdout.splitlines()) == 11  # 5 model calls, 5 tool calls, the episode
 
 
 def test_command_name_is_what_the_user_typed_or_loomflow_on_path(
@@ -465,4 +465,6 @@ def test_metrics_bind_locally_unless_a_container_says_otherwise() -> None:
 def test_sqlite_journal_of_the_demo_is_a_real_journal(demo_run: tuple[Path, str]) -> None:
     work, _ = demo_run
     with sqlite3.connect(demo_file(work, ".db")) as conn:
-        assert conn.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (10,)
+        assert conn.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (
+            11,
+        )  # with the episode write

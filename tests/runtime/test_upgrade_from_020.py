@@ -330,7 +330,7 @@ def _trip_agent(runtime: JournalRuntime, *, die_before_answering: bool = False) 
         return "trip ready: " + "; ".join(m.content for m in done)
 
     model = FunctionModel(decide)
-    agent = Agent("You plan trips.", model=model, tools=[book], runtime=runtime)
+    agent = Agent("You plan trips.", model=model, tools=[book], runtime=runtime, memory=False)
     return Trip(agent, model, bookings)
 
 
