@@ -193,6 +193,15 @@ def _traces_exporters() -> list[str]:
     return [n for n in names if n != "none"]
 
 
+def setup_requested(s: Settings) -> bool:
+    """Whether :func:`setup_telemetry` would start anything for ``s`` and the environment.
+
+    For callers that set telemetry up only when configured (``Agent.from_settings``): span
+    export through the standard ``OTEL_*`` variables counts as configured.
+    """
+    return s.metrics_port is not None or _exports_spans(s)
+
+
 def _exports_spans(s: Settings) -> bool:
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False

@@ -165,3 +165,24 @@ def test_loomflow_headers_are_percent_decoded_like_the_standard_ones() -> None:
         "authorization": "Bearer abc",
         "x-a-b": "1,2",
     }
+
+
+def test_setup_is_requested_by_the_standard_endpoint_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loomflow.telemetry._setup import setup_requested
+
+    for name in (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_SDK_DISABLED",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    bare = Settings(otlp_endpoint=None, metrics_port=None)
+    assert not setup_requested(bare)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert setup_requested(bare)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert not setup_requested(bare)
+    assert setup_requested(Settings(otlp_endpoint=None, metrics_port=0))
