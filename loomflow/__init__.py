@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from ._ids import MAX_ID_BYTES, MAX_KEY_BYTES, check_id
 from .agent import (
     Agent,
@@ -18,6 +20,10 @@ from .context import RunContext, get_run_context
 from .errors import InvalidIdError, LoomflowError, UserError
 from .messages import Message, ModelResponse, ToolCall, Usage
 from .tools import Tool, ToolOutcome, tool
+
+# A library leaves logging to the application: without this, a warning of ours reaches stderr
+# through Python's last-resort handler in a program that configured no logging at all.
+logging.getLogger("loomflow").addHandler(logging.NullHandler())
 
 __all__ = [
     "Agent",

@@ -20,6 +20,7 @@ from loomflow.messages import Message, ModelSettings, ToolCall, Usage
 from loomflow.models import AnthropicModel, FunctionModel, cost_usd
 from loomflow.runtime import InMemoryRuntime, JournalRuntime, SqliteRuntime
 from loomflow.telemetry import (
+    BUDGET_CAPS,
     JOURNAL_WRITE_BUCKETS,
     MAX_LABEL_VALUES,
     STEP_BUCKETS,
@@ -281,7 +282,8 @@ def test_configuration_driven_labels_are_capped(registry: CollectorRegistry) -> 
     for n in range(MAX_LABEL_VALUES + 25):
         metrics.budget_denied(f"cap-{n}")
     caps = {s.labels["cap"] for f in registry.collect() for s in f.samples if "cap" in s.labels}
-    assert len(caps) == MAX_LABEL_VALUES + 1
+    # The cap names a Cap can have exist from the start and take no place under the limit.
+    assert len(caps - set(BUDGET_CAPS)) == MAX_LABEL_VALUES + 1
     assert "other" in caps
     assert value(registry, "loomflow_budget_denials_total", cap="other") == 25
     metrics.audit_entry("x" * 500)
@@ -344,6 +346,8 @@ async def test_no_label_is_per_user_or_unbounded_under_a_many_user_workload(
     for (name, label), seen in values.items():
         if label == "le":  # histogram buckets: fixed by the bucket layout
             assert len(seen) <= max(len(STEP_BUCKETS), len(JOURNAL_WRITE_BUCKETS)) + 1
+        elif label == "cap":  # the names a Cap can have, all created at 0 up front
+            assert seen <= set(BUDGET_CAPS), (name, sorted(seen - set(BUDGET_CAPS)))
         else:
             assert len(seen) <= MAX_VALUES, (name, label, sorted(seen))
     # The run mix reached the labels that matter...
