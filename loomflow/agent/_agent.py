@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import hashlib
 import json
 import logging
 from collections import OrderedDict
@@ -37,8 +36,6 @@ from ulid import ULID
 
 from .._cleanup import run_cleanup
 from .._ids import check_id
-from ..audit.redaction import Redactor
-from ..audit.sealing import SealedValueLost, Sealer
 from ..checkpoints import (
     Checkpoint,
     CheckpointRestored,
@@ -49,6 +46,7 @@ from ..checkpoints import (
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
 from ..errors import CheckpointError, CheckpointNotFoundError, UserError
+from ..hooks import Interrupt, RunHooks, RunInfo
 from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import (
     Message,
@@ -61,10 +59,13 @@ from ..messages import (
     Usage,
 )
 from ..models import Model, cost_usd, resolve_model
+from ..redaction import Redactor
 from ..runtime import codec
 from ..runtime._journal import JournalRuntime
+from ..runtime._names import tool_step_name
 from ..tools import TOOL_ERROR, Tool, ToolLike, ToolOutcome, ToolRegistry
 from ._passthrough import Passthrough
+from ._sealing import SealedValueLost, Sealer
 from ._types import (
     AgentEvent,
     ModelDeltaEvent,
@@ -75,7 +76,6 @@ from ._types import (
     ToolCallStarted,
     Tuning,
 )
-from .hooks import Interrupt, RunHooks, RunInfo
 
 __all__ = ["Agent"]
 
@@ -119,12 +119,6 @@ async def enclosing_run(
 def runtime_for(runtime: Any) -> Any:
     """The runtime a run uses: its own, else the enclosing run's, else no journal."""
     return runtime or _active_runtime.get() or Passthrough()
-
-
-def tool_step_name(turn: int, slot: int, call: ToolCall) -> str:
-    """The journal name of a tool call: position plus a hash of tool name and arguments."""
-    digest = hashlib.sha256(codec.canonical_bytes([call.name, call.arguments])).hexdigest()
-    return f"tool_call_{turn}_{slot}_{digest[:16]}"
 
 
 class Agent:
