@@ -34,23 +34,23 @@ from typing import Any, Literal, cast
 from ulid import ULID
 
 from .._ids import check_id
-from ..audit.redaction import Redactor
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
 from ..errors import CheckpointNotFoundError, UserError
+from ..hooks import RunHooks
 from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import Message, ModelSettings, ToolSpec
 from ..models import Model, resolve_model
+from ..redaction import Redactor
 from ..runtime import OpenRun, Runtime
 from ..runtime._journal import JournalRuntime
+from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
 from ._passthrough import Passthrough
 from ._run import _Run, check_prompt, latest_of_run
-from ._run import tool_step_name as tool_step_name  # the CLI and legacy import name tool steps
 from ._seams import HookProvider, RedactingAudit, RunPlugin, hooks_of
 from ._types import AgentEvent, RunFinished, RunResult, RunStarted, Tuning
-from .hooks import RunHooks
 
 __all__ = ["Agent"]
 

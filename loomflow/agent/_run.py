@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -25,8 +24,6 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._cleanup import run_cleanup
-from ..audit.redaction import Redactor
-from ..audit.sealing import SealedValueLost, Sealer
 from ..checkpoints import (
     Checkpoint,
     CheckpointRestored,
@@ -35,6 +32,7 @@ from ..checkpoints import (
 )
 from ..context import RunContext
 from ..errors import CheckpointError, UserError
+from ..hooks import Interrupt, RunHooks, RunInfo
 from ..memory import AgentMemory
 from ..messages import (
     Message,
@@ -47,11 +45,13 @@ from ..messages import (
     Usage,
 )
 from ..models import ModelPrice, cost_usd
+from ..redaction import Redactor
 from ..runtime import OpenRun, Runtime, codec
+from ..runtime._names import tool_step_name
 from ..tools import TOOL_ERROR, ToolOutcome
+from ._sealing import SealedValueLost, Sealer
 from ._seams import PricedBudget
 from ._types import ModelDeltaEvent, RunFinished, RunResult, ToolCallFinished, ToolCallStarted
-from .hooks import Interrupt, RunHooks, RunInfo
 
 if TYPE_CHECKING:
     from ._agent import Agent
@@ -558,12 +558,6 @@ class _Run:
 
 
 # -- helpers the agent uses before a run starts ----------------------------------------------
-
-
-def tool_step_name(turn: int, slot: int, call: ToolCall) -> str:
-    """The journal name of a tool call: position plus a hash of tool name and arguments."""
-    digest = hashlib.sha256(codec.canonical_bytes([call.name, call.arguments])).hexdigest()
-    return f"tool_call_{turn}_{slot}_{digest[:16]}"
 
 
 def check_prompt(checkpoint: Checkpoint, prompt: str) -> None:

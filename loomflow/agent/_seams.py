@@ -1,41 +1,25 @@
 """The seam where budgets, permissions, audit logs, telemetry and guardrails plug into a run.
 
-Each such component is either a :class:`~loomflow.agent.hooks.RunHooks` itself or a
-:class:`HookProvider`, which hands the loop the ``RunHooks`` it acts through. Two of them are
-also read directly, through the small protocols below: a budget's price table (what the run's
-cost is computed at) and an audit log's redactor (what the agent seals tool arguments with).
+Each such component is either a :class:`~loomflow.hooks.RunHooks` itself or a
+:class:`~loomflow.hooks.HookProvider`, which hands the loop the ``RunHooks`` it acts
+through. Two of them are also read directly, through the small protocols below: a budget's
+price table (what the run's cost is computed at) and an audit log's redactor (what the agent
+seals tool arguments with).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import UserError
-from .hooks import RunHooks
+from ..hooks import HookProvider, RunHooks, RunPlugin
 
 if TYPE_CHECKING:
-    from ..audit.redaction import Redactor
     from ..models import ModelPrice
+    from ..redaction import Redactor
 
 __all__ = ["HookProvider", "PricedBudget", "RedactingAudit", "RunPlugin", "hooks_of"]
-
-
-@runtime_checkable
-class HookProvider(Protocol):
-    """A component that plugs into the agent loop through the hooks it returns.
-
-    ``StandardBudget``, ``PermissionPolicy``, ``AuditLog``, ``Telemetry`` and the guardrails
-    are providers; the agent calls ``as_hooks()`` once, when it is built.
-    """
-
-    def as_hooks(self) -> RunHooks:
-        """The hooks the loop calls for this component."""
-        ...
-
-
-RunPlugin: TypeAlias = RunHooks | HookProvider
-"""What ``Agent(budget=, permissions=, audit=, telemetry=, guardrails=)`` accepts."""
 
 
 @runtime_checkable

@@ -484,9 +484,9 @@ async def _tool_names(
     reply of the model call before it, so those replies are read back (JSON values only:
     the CLI never unpickles, and a value it cannot read leaves the hashed name alone).
     """
-    from ..agent._agent import tool_step_name
     from ..messages import ModelResponse
     from ..runtime import codec
+    from ..runtime._names import tool_step_name
     from ..runtime._store import Scope
 
     store = getattr(runtime, "_store", None)

@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import start_http_server
 
 from ..runtime._journal import StepEvent
+from ._hooks import TelemetryHooks
 
 __all__ = [
     "BUDGET_CAPS",
@@ -374,9 +375,8 @@ class Metrics:
 
     def as_hooks(self) -> Any:
         """These metrics, without tracing, as agent hooks: ``Agent(telemetry=metrics)``."""
-        from ._telemetry import Telemetry  # the hooks live with the tracing ones
-
-        return Telemetry(metrics=self, tracing=False).as_hooks()
+        self.prepare_permissions()
+        return TelemetryHooks(None, self, content=False)
 
 
 @dataclass(eq=False)

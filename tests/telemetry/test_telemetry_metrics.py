@@ -6,16 +6,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 from _telemetry_workload import Expected, run_workload
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
-from pydantic import BaseModel
 
 from loomflow.agent import Agent
 from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
-from loomflow.governance import BudgetDenied, GuardrailTripped, PermissionDecided
+from loomflow.governance import (
+    BudgetDenied,
+    BudgetUnavailable,
+    GuardrailTripped,
+    PermissionDecided,
+)
 from loomflow.messages import Message, ModelSettings, ToolCall, Usage
 from loomflow.models import AnthropicModel, FunctionModel, cost_usd
 from loomflow.runtime import InMemoryRuntime, JournalRuntime, SqliteRuntime
@@ -150,11 +154,6 @@ async def test_live_tokens_and_cost_are_counted_by_model_and_replays_are_free(
     assert first.cost_usd == pytest.approx(expected_cost)
 
 
-class BudgetUnavailableLike(BaseModel):
-    type: Literal["budget_unavailable"] = "budget_unavailable"
-    detail: str = "store down"
-
-
 class Governor(RunHooks):
     """Stands in for governance: emits its events, and denies every model call of some users."""
 
@@ -226,7 +225,7 @@ async def test_governance_events_and_audit_entries_are_counted(
 
     class Emitting(RunHooks):
         async def run_started(self, info: RunInfo) -> None:
-            info.emit(BudgetUnavailableLike())
+            info.emit(BudgetUnavailable(detail="store down"))
 
     agent = Agent(
         "x",
