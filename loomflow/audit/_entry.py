@@ -68,6 +68,10 @@ MAX_EXACT_INT: Final = 2**53 - 1
 """Largest integer an IEEE double, and so RFC 8785, holds exactly (and its negative)."""
 
 
+# Raw, these can only stand inside JSON strings, where their escapes mean the same.
+_LINE_BREAKS: Final = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def canonical_json(value: Any) -> str:
     """Python's sorted, compact JSON spelling of ``value``: what hash version 1 is computed
     over, and how payloads are stored and exported (it reads back to the very same values)."""
@@ -300,8 +304,13 @@ class AuditEntry(BaseModel):
         return body
 
     def to_line(self) -> str:
-        """One JSONL line (no newline)."""
-        return canonical_json(self.to_json())
+        """One JSONL line (no newline).
+
+        U+0085, U+2028 and U+2029 are written as escapes: they are valid raw in JSON, but
+        ``str.splitlines`` and other line readers break lines at them. Hashes are computed
+        over the parsed values, never over the line's bytes, so the spelling is free.
+        """
+        return canonical_json(self.to_json()).translate(_LINE_BREAKS)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AuditEntry:
