@@ -26,7 +26,7 @@ from loomflow.audit.migrations import COMPONENT, migrations_for
 from loomflow.errors import AuditError, StoreUnavailableError
 from loomflow.storage import Database, PostgresDatabase, SqliteDatabase, apply_migrations
 
-T0 = 1_778_230_443_512_000  # 2026-05-08T09:14:03.512Z, in microseconds
+T0 = 1_778_230_443_512_000  # 2026-05-08T08:54:03.512Z, in microseconds
 
 # Values whose spelling differs between Python's json.dumps (hash version 1) and RFC 8785,
 # with the RFC 8785 spelling written out by hand rather than by the library under test.
