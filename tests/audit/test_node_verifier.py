@@ -29,6 +29,8 @@ PAYLOAD: dict[str, Any] = {
     "huge": 1e21,
     "negzero": -0.0,
     "tiny": 1.5e-07,
+    "denormal": 5e-324,
+    "max": 1.7976931348623157e308,
     "whole": 5.0,
     "sep": "a\u2028b\u2029c",
     "ctl": "\x00\x1f\x7f",
