@@ -89,6 +89,10 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
     """
     try:
         if hash_version == 2:
+            if _spelled_alike(value):
+                # Byte for byte what rfc8785 writes, about six times faster (it is pure Python),
+                # which is most of verify's time on a long trail.
+                return canonical_json(value).encode("utf-8")
             return rfc8785.dumps(value)
         if hash_version == 1:
             return canonical_json(value).encode("utf-8")
@@ -99,6 +103,31 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
         f"unknown audit hash version {hash_version!r}: this loomflow checks versions "
         f"{', '.join(map(str, HASH_VERSIONS))}"
     )
+
+
+def _spelled_alike(value: Any) -> bool:
+    """Whether Python's sorted JSON spelling of ``value`` is its RFC 8785 form.
+
+    It is for strings (both escape exactly ``"``, ``\\`` and the controls below U+0020,
+    in the same way), booleans, null, and integers within 2**53 - 1. It may not be for
+    floats (``1e-07``, ``5.0``), larger integers (RFC 8785 refuses them), keys beyond U+FFFF
+    (sorted by code points here, by UTF-16 units there) or non-string keys; text that is not
+    UTF-8 fails the encoding. A test compares both ways on generated data.
+    """
+    if isinstance(value, str) or value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return -MAX_EXACT_INT <= value <= MAX_EXACT_INT
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or (key and max(key) > "\uffff"):
+                return False
+            if not _spelled_alike(item):
+                return False
+        return True
+    if isinstance(value, list | tuple):
+        return all(_spelled_alike(item) for item in value)
+    return False  # floats, and anything else (rfc8785 names what it cannot write)
 
 
 def user_key(user_id: str | None) -> str:

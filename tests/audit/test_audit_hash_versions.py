@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import rfc8785
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loomflow.audit import (
     GENESIS,
@@ -21,7 +23,7 @@ from loomflow.audit import (
     SqliteAuditStore,
     verify_lines,
 )
-from loomflow.audit._entry import canonical_json
+from loomflow.audit._entry import canonical_bytes, canonical_json
 from loomflow.audit.migrations import COMPONENT, migrations_for
 from loomflow.errors import AuditError, StoreUnavailableError
 from loomflow.storage import Database, PostgresDatabase, SqliteDatabase, apply_migrations
@@ -384,3 +386,59 @@ def test_the_hash_is_the_same_in_another_process() -> None:
             check=True,
         )
         assert done.stdout.split() == [e.hash for e in entries]
+
+
+# Text that leans on the cases that matter: beyond U+FFFF, just below it, lone surrogates.
+_TEXT = st.text(
+    st.characters()
+    | st.sampled_from(["\ud800", "\udfff", "\U0001f600", "\uffff", "\ue000", "\x00", "\u2028"]),
+    max_size=4,
+)
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_JSON)
+def test_version_2_bytes_are_rfc8785_on_any_json(value: Any) -> None:
+    """The fast path (Python's spelling where it coincides) never differs from rfc8785."""
+    try:
+        expected: bytes | None = rfc8785.dumps(value)
+    except ValueError:  # rfc8785's own errors, and UnicodeEncodeError on a surrogate key
+        expected = None
+    if expected is None:
+        with pytest.raises(AuditError):
+            canonical_bytes(value, 2)
+    else:
+        assert canonical_bytes(value, 2) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"\U0001f600": 1, "\uffff": 2, "a": 3},
+        {"k": [1, 2.0]},
+        {"k": 2**53},
+        {1: "int key"},
+        {"s": "\ud800"},
+        {"\ud800": 1},
+        {"c": '\x00\x1f\x7f\u2028"\\'},
+    ],
+)
+def test_version_2_bytes_are_rfc8785_on_the_edges_of_the_fast_path(value: Any) -> None:
+    try:
+        expected: bytes | None = rfc8785.dumps(value)
+    except ValueError:  # rfc8785's own errors, and UnicodeEncodeError on a surrogate key
+        expected = None
+    if expected is None:
+        with pytest.raises(AuditError):
+            canonical_bytes(value, 2)
+    else:
+        assert canonical_bytes(value, 2) == expected
