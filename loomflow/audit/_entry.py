@@ -90,8 +90,8 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
     try:
         if hash_version == 2:
             if _spelled_alike(value):
-                # Byte for byte what rfc8785 writes, about six times faster (it is pure Python),
-                # which is most of verify's time on a long trail.
+                # Byte for byte what rfc8785 writes, in C: a 2.6 kB entry hashed in ~100 us
+                # rather than ~230 us, and re-hashing is most of verify's time on a long trail.
                 return canonical_json(value).encode("utf-8")
             return rfc8785.dumps(value)
         if hash_version == 1:
