@@ -64,6 +64,7 @@ def rows(
             entry.schema_version,
             entry.prev_hash,
             entry.hash,
+            entry.hash_version,
         )
 
 
@@ -85,6 +86,7 @@ COLUMNS = (
     "schema_version",
     "prev_hash",
     "hash",
+    "hash_version",
 )
 
 

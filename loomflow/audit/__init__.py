@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import actions
-from ._entry import ENTRY_SCHEMA_VERSION, GENESIS, AuditEntry, AuditRecord
+from ._entry import ENTRY_SCHEMA_VERSION, GENESIS, HASH_VERSION, AuditEntry, AuditRecord
 from ._log import AuditHooks, AuditLog
 from ._sql import SqlAuditStore
 from ._store import (
@@ -45,6 +45,7 @@ __all__ = [
     "ChainProblem",
     "ENTRY_SCHEMA_VERSION",
     "GENESIS",
+    "HASH_VERSION",
     "InMemoryAuditStore",
     "JsonlAuditStore",
     "PostgresAuditStore",

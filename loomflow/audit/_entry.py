@@ -1,11 +1,25 @@
 """Audit entries, their canonical form and their hash.
 
 An entry's hash is the SHA-256 of the canonical JSON of every exported field except ``hash``
-itself (keys sorted, no spaces, UTF-8). The exported JSON line of an entry is exactly those
-fields plus ``hash``, so anyone can re-check an export with a few lines of any language::
+itself. The exported JSON line of an entry is exactly those fields plus ``hash``. Which
+canonical JSON depends on the entry's ``hash_version``:
 
-    body = {k: v for k, v in entry.items() if k != "hash"}
-    sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+- **2** (every entry written since 0.21, ``"hash_version": 2`` in its line): RFC 8785, the JSON
+  Canonicalization Scheme, which libraries of most languages implement, so an export can be
+  re-checked outside Python::
+
+      body = {k: v for k, v in entry.items() if k != "hash"}
+      sha256(rfc8785.dumps(body))          # canonicalize(body) in JavaScript
+
+- **1** (older entries, whose line has no ``hash_version``): Python's own spelling,
+  ``json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` in UTF-8,
+  which other languages do not reproduce for every number and key (``1e-07``, keys beyond
+  U+FFFF). Such entries keep verifying in Python; a trail may hold version 1 entries followed
+  by version 2 ones.
+
+RFC 8785 writes numbers as IEEE doubles, so an integer beyond 2**53 - 1 would not survive it:
+:meth:`AuditRecord.checked` stores such integers as decimal strings, and text that cannot be
+UTF-8 (lone surrogates) with U+FFFD in their place.
 
 ``prev_hash`` links each entry to the previous entry *of the same user* (``GENESIS`` for the
 first), and ``seq`` counts that user's entries from 1 without gaps.
@@ -18,17 +32,21 @@ import hashlib
 import json
 from typing import Any, Final
 
+import rfc8785
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._ids import check_id, check_key
 from .._json import canonical_json, json_safe
-from ..errors import UserError
+from ..errors import AuditError, UserError
 
 __all__ = [
     "ENTRY_SCHEMA_VERSION",
     "GENESIS",
+    "HASH_VERSION",
+    "HASH_VERSIONS",
     "AuditEntry",
     "AuditRecord",
+    "canonical_bytes",
     "canonical_json",
     "entry_hash",
     "user_key",
@@ -39,6 +57,69 @@ ENTRY_SCHEMA_VERSION: Final = 1
 
 GENESIS: Final = "0" * 64
 """``prev_hash`` of a user's first entry."""
+
+HASH_VERSION: Final = 2
+"""Hash version of new entries: SHA-256 over RFC 8785 canonical JSON."""
+
+HASH_VERSIONS: Final = (1, 2)
+"""Every hash version this loomflow can check (1: Python's ``json.dumps`` spelling)."""
+
+MAX_EXACT_INT: Final = 2**53 - 1
+"""Largest integer an IEEE double, and so RFC 8785, holds exactly (and its negative)."""
+
+
+# Raw, these can only stand inside JSON strings, where their escapes mean the same.
+_LINE_BREAKS: Final = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
+    """The bytes a hash of ``hash_version`` is computed over.
+
+    Raises:
+        AuditError: ``value`` has no canonical form in that version (a NaN, an integer beyond
+            2**53 - 1 in version 2, text that is not valid Unicode), or the version is unknown.
+    """
+    try:
+        if hash_version == 2:
+            if _spelled_alike(value):
+                # Byte for byte what rfc8785 writes, in C: a 2.6 kB entry hashed in ~100 us
+                # rather than ~230 us, and re-hashing is most of verify's time on a long trail.
+                return canonical_json(value).encode("utf-8")
+            return rfc8785.dumps(value)
+        if hash_version == 1:
+            return canonical_json(value).encode("utf-8")
+    except (rfc8785.CanonicalizationError, ValueError, TypeError) as exc:
+        # UnicodeEncodeError is a ValueError; rfc8785's own errors are too, named for clarity.
+        raise AuditError(f"no canonical JSON (hash version {hash_version}): {exc}") from exc
+    raise AuditError(
+        f"unknown audit hash version {hash_version!r}: this loomflow checks versions "
+        f"{', '.join(map(str, HASH_VERSIONS))}"
+    )
+
+
+def _spelled_alike(value: Any) -> bool:
+    """Whether Python's sorted JSON spelling of ``value`` is its RFC 8785 form.
+
+    It is for strings (both escape exactly ``"``, ``\\`` and the controls below U+0020,
+    in the same way), booleans, null, and integers within 2**53 - 1. It may not be for
+    floats (``1e-07``, ``5.0``), larger integers (RFC 8785 refuses them), keys beyond U+FFFF
+    (sorted by code points here, by UTF-16 units there) or non-string keys; text that is not
+    UTF-8 fails the encoding. A test compares both ways on generated data.
+    """
+    if isinstance(value, str) or value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return -MAX_EXACT_INT <= value <= MAX_EXACT_INT
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or (key and max(key) > "\uffff"):
+                return False
+            if not _spelled_alike(item):
+                return False
+        return True
+    if isinstance(value, list | tuple):
+        return all(_spelled_alike(item) for item in value)
+    return False  # floats, and anything else (rfc8785 names what it cannot write)
 
 
 def user_key(user_id: str | None) -> str:
@@ -74,6 +155,35 @@ def _check_text(what: str, value: object, *, optional: bool) -> None:
         raise UserError(f"{what} {value!r} contains a NUL character, which no backend can store")
 
 
+def portable(value: Any) -> Any:
+    """Plain JSON data (from :func:`json_safe`) that RFC 8785 spells the same everywhere.
+
+    Integers beyond 2**53 - 1 become their decimal strings: every JSON reader that parses
+    numbers as doubles (JavaScript's among them) would round them, and RFC 8785 refuses them.
+    Text that is not valid Unicode (lone surrogates) gets U+FFFD in their place.
+    """
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        return str(value) if abs(value) > MAX_EXACT_INT else value
+    if isinstance(value, str):
+        return _valid_text(value)
+    if isinstance(value, dict):
+        return {_valid_text(k): portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    return value
+
+
+def _valid_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Rejoins a pair split into two code points, replaces a lone half.
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 class AuditRecord(BaseModel):
     """What a writer hands to the store; the store seals it into an :class:`AuditEntry`.
 
@@ -102,7 +212,7 @@ class AuditRecord(BaseModel):
         check_id("run_id", self.run_id)
         _check_text("actor", self.actor, optional=False)
         check_key("action", self.action, optional=False)  # indexed next to the user key
-        return self.model_copy(update={"payload": json_safe(self.payload)})
+        return self.model_copy(update={"payload": portable(json_safe(self.payload))})
 
 
 class AuditEntry(BaseModel):
@@ -110,6 +220,8 @@ class AuditEntry(BaseModel):
 
     Attributes:
         schema_version: Layout version of the entry (:data:`ENTRY_SCHEMA_VERSION`).
+        hash_version: How :attr:`hash` is computed: 2 (RFC 8785, every new entry) or 1
+            (entries written before 0.21; their exported line has no ``hash_version``).
         user_id: Whose trail this belongs to; a top-level field of every entry.
         seq: Position in the user's trail, from 1, without gaps.
         time: When it was written (UTC, microseconds; the database clock on SQL backends).
@@ -125,6 +237,9 @@ class AuditEntry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: int = ENTRY_SCHEMA_VERSION
+    # 1 is what a row or line from before hash versions existed is; strict, so that ``true``
+    # or ``"2"`` in a line is unreadable rather than quietly taken for a version.
+    hash_version: int = Field(default=1, strict=True)
     user_id: str | None
     seq: int
     time_us: int = Field(exclude=True)
@@ -143,9 +258,15 @@ class AuditEntry(BaseModel):
 
     @classmethod
     def seal(cls, record: AuditRecord, *, seq: int, time_us: int, prev_hash: str) -> AuditEntry:
-        """Build the entry that follows ``prev_hash`` in its user's chain."""
+        """Build the entry that follows ``prev_hash`` in its user's chain.
+
+        Raises:
+            AuditError: the record has no RFC 8785 form (pass it through
+                :meth:`AuditRecord.checked` first, as stores do).
+        """
         fields: dict[str, Any] = {
             "schema_version": ENTRY_SCHEMA_VERSION,
+            "hash_version": HASH_VERSION,
             "user_id": record.user_id,
             "seq": seq,
             "time_us": time_us,
@@ -159,9 +280,18 @@ class AuditEntry(BaseModel):
         return cls(**fields, hash=entry_hash(fields))
 
     def to_json(self) -> dict[str, Any]:
-        """The exported form: every field, ``time`` as an ISO 8601 UTC string."""
-        return {
-            "schema_version": self.schema_version,
+        """The exported form: every field, ``time`` as an ISO 8601 UTC string.
+
+        A version 1 entry has no ``hash_version`` key, exactly as it was exported before
+        versions existed (its hash covers the line without one).
+        """
+        return {**self._hashed(), "hash": self.hash}
+
+    def _hashed(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"schema_version": self.schema_version}
+        if self.hash_version != 1:
+            body["hash_version"] = self.hash_version
+        body |= {
             "user_id": self.user_id,
             "seq": self.seq,
             "time": iso_time(self.time_us),
@@ -171,12 +301,17 @@ class AuditEntry(BaseModel):
             "action": self.action,
             "payload": self.payload,
             "prev_hash": self.prev_hash,
-            "hash": self.hash,
         }
+        return body
 
     def to_line(self) -> str:
-        """One JSONL line (no newline)."""
-        return canonical_json(self.to_json())
+        """One JSONL line (no newline).
+
+        U+0085, U+2028 and U+2029 are written as escapes: they are valid raw in JSON, but
+        ``str.splitlines`` and other line readers break lines at them. Hashes are computed
+        over the parsed values, never over the line's bytes, so the spelling is free.
+        """
+        return canonical_json(self.to_json()).translate(_LINE_BREAKS)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AuditEntry:
@@ -188,26 +323,35 @@ class AuditEntry(BaseModel):
         parsed = dt.datetime.strptime(when[:-1], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=dt.UTC)
         return cls(**body, time_us=time_us_of(parsed))
 
+    def canonical_bytes(self) -> bytes:
+        """The bytes :attr:`hash` is the SHA-256 of, in the entry's own hash version.
+
+        Raises:
+            AuditError: the content has no canonical form in that version (tampered data).
+        """
+        return canonical_bytes(self._hashed(), self.hash_version)
+
     def computed_hash(self) -> str:
-        """The hash this entry's content should have (compare with :attr:`hash`)."""
-        return entry_hash(
-            {
-                "schema_version": self.schema_version,
-                "user_id": self.user_id,
-                "seq": self.seq,
-                "time_us": self.time_us,
-                "session_id": self.session_id,
-                "run_id": self.run_id,
-                "actor": self.actor,
-                "action": self.action,
-                "payload": self.payload,
-                "prev_hash": self.prev_hash,
-            }
-        )
+        """The hash this entry's content should have (compare with :attr:`hash`).
+
+        Raises:
+            AuditError: as :meth:`canonical_bytes`.
+        """
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
 
 
 def entry_hash(fields: dict[str, Any]) -> str:
-    """SHA-256 (hex) of an entry's exported fields, ``hash`` excluded."""
+    """SHA-256 (hex) of an entry's fields (``time_us`` for ``time``; ``hash`` excluded).
+
+    ``hash_version`` picks the canonical JSON; left out, or 1, it is version 1, and the body
+    hashed has no ``hash_version`` key (as version 1 entries never had one).
+
+    Raises:
+        AuditError: the fields have no canonical form in that version.
+    """
     body = {k: v for k, v in fields.items() if k not in ("time_us", "hash")}
     body["time"] = iso_time(int(fields["time_us"]))
-    return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+    version = body.pop("hash_version", 1)
+    if version != 1:
+        body["hash_version"] = version
+    return hashlib.sha256(canonical_bytes(body, version)).hexdigest()

@@ -24,11 +24,11 @@ __all__ = ["SqlAuditStore"]
 
 _COLUMNS = (
     "id, user_id, seq, time_us, session_id, run_id, actor, action, payload, schema_version, "
-    "prev_hash, hash"
+    "prev_hash, hash, hash_version"
 )
 _INSERT_COLUMNS = (
     "(user_key, user_id, seq, time_us, session_id, run_id, actor, action, payload, "
-    "schema_version, prev_hash, hash)"
+    "schema_version, prev_hash, hash, hash_version)"
 )
 _HEAD = """
 SELECT CAST({now} * 1000000 AS BIGINT), h.seq, h.hash
@@ -119,7 +119,7 @@ class SqlAuditStore(AuditStore):
             rows = []
             for entry in entries:
                 base = len(args)
-                rows.append("(" + ", ".join(f"${base + i}" for i in range(1, 13)) + ")")
+                rows.append("(" + ", ".join(f"${base + i}" for i in range(1, 14)) + ")")
                 args += [
                     key,
                     entry.user_id,
@@ -133,6 +133,7 @@ class SqlAuditStore(AuditStore):
                     entry.schema_version,
                     entry.prev_hash,
                     entry.hash,
+                    entry.hash_version,
                 ]
             # The insert trigger moves the head (audit schema version 2).
             await tx.execute(
@@ -246,6 +247,7 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         version,
         prev,
         hash_,
+        hash_version,
     ) = row
     problem = None
     try:
@@ -264,6 +266,7 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         )
     entry = AuditEntry(
         schema_version=int(version),
+        hash_version=int(hash_version),
         user_id=user_id,
         seq=int(seq),
         time_us=int(time_us),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from .._progress import OnProgress, Progress
-from ..errors import UserError
+from ..errors import AuditError, UserError
 from ._entry import GENESIS, AuditEntry, AuditRecord, time_us_of, user_key
 
 __all__ = [
@@ -491,14 +491,13 @@ class _ChainCheck:
         seq = entry.seq
         if self.first_seq is None:
             self.first_seq = seq
-        if entry.computed_hash() != entry.hash:
-            self._problem(
-                report,
-                "edited",
-                seq,
-                position,
-                f"entry {seq} was changed: it no longer matches its hash",
-            )
+        try:
+            changed = entry.computed_hash() != entry.hash
+            why = "it no longer matches its hash"
+        except AuditError as exc:  # e.g. a NaN or a huge integer written into the storage
+            changed, why = True, f"its content cannot be hashed ({exc})"
+        if changed:
+            self._problem(report, "edited", seq, position, f"entry {seq} was changed: {why}")
         if seq in self.saved_at:
             for saved_seq, saved_hash in self.saved:
                 if saved_seq == seq and saved_hash != entry.hash:

@@ -143,18 +143,29 @@ _POSTGRES_CHAIN = (
 
 _CHAIN = "heads moved by the database from each inserted entry, which must extend the head"
 
+# Version 3: each entry records how its hash is computed (1: Python's json.dumps spelling, the
+# only one before; 2: RFC 8785). Rows already stored are version 1, which the constant default
+# says without touching them: on both databases, adding a column with a constant default
+# rewrites no row, so no UPDATE trigger fires and a large trail migrates at once. The insert
+# trigger of version 2 reads only NEW.seq, NEW.prev_hash and the heads, so it is unaffected.
+_HASH_VERSION = ("ALTER TABLE loom_audit ADD COLUMN hash_version INTEGER NOT NULL DEFAULT 1",)
+
+_HASHES = "per-entry hash version (2: RFC 8785 canonical JSON); existing entries are version 1"
+
 _MIGRATIONS = {
     "sqlite": (
         Migration(_DESCRIPTION, _TABLES + _SQLITE_GUARDS),
         Migration(_CHAIN, _SQLITE_CHAIN),
+        Migration(_HASHES, _HASH_VERSION),
     ),
     "postgres": (
         Migration(_DESCRIPTION, _TABLES + _POSTGRES_GUARDS),
         Migration(_CHAIN, _POSTGRES_CHAIN),
+        Migration(_HASHES, _HASH_VERSION),
     ),
 }
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def migrations_for(dialect: str) -> tuple[Migration, ...]:

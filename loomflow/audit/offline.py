@@ -23,6 +23,9 @@ __all__ = ["heads_from_json", "verify_lines"]
 def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> VerifyReport:
     """Check exported audit lines: every hash, every link, no gap, every saved head.
 
+    Each line is re-hashed in its own ``hash_version`` (2: RFC 8785; a line without one is
+    version 1, Python's spelling), so an export may mix entries from before and after 0.21.
+
     Each user's entries must come in ``seq`` order, as an export writes them. An export need
     not start at a user's first entry (``--since`` a date): the first entry's link to the one
     before is then unchecked, and a warning says so. Filters that pick entries from the middle

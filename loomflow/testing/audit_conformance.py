@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from ..audit import GENESIS, AuditEntry, AuditRecord, AuditStore
+from ..audit import GENESIS, HASH_VERSION, AuditEntry, AuditRecord, AuditStore
 from ..errors import UserError
 
 __all__ = ["AuditStoreConformance", "AuditTamper", "StoreFactory"]
@@ -149,8 +149,10 @@ class AuditStoreConformance:
         }
         (written,) = await store.append(rec("alice", **payload))
         assert written.payload["nan"] == "nan"
+        assert written.payload["int"] == str(2**63 + 1)  # beyond 2**53: kept exact as text
         (read,) = [e async for e in store.entries(user_id="alice")]
         assert read == written
+        assert read.hash_version == HASH_VERSION
         assert read.computed_hash() == read.hash
         assert (await store.verify()).ok
 

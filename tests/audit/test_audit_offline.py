@@ -228,8 +228,8 @@ async def test_the_cli_checks_saved_heads_on_the_store_and_on_exports(tmp_path: 
         for e in forged[4:]:
             conn.execute(
                 "INSERT INTO loom_audit (user_key, user_id, seq, time_us, session_id, run_id, "
-                "actor, action, payload, schema_version, prev_hash, hash) "
-                "VALUES (?, ?, ?, ?, NULL, NULL, ?, ?, ?, ?, ?, ?)",
+                "actor, action, payload, schema_version, prev_hash, hash, hash_version) "
+                "VALUES (?, ?, ?, ?, NULL, NULL, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     '"alice"',
                     "alice",
@@ -241,6 +241,7 @@ async def test_the_cli_checks_saved_heads_on_the_store_and_on_exports(tmp_path: 
                     e.schema_version,
                     e.prev_hash,
                     e.hash,
+                    e.hash_version,
                 ),
             )
         conn.execute(
