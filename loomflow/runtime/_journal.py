@@ -475,7 +475,9 @@ class JournalRuntime:
         _check_text("step name", name)
         if idempotency_key is not None:
             _check_text("idempotency_key", idempotency_key)
-        run = _live(frame.run, name)
+        run = frame.run
+        if run.lost:
+            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
         with self._signals.traced(run, frame.path, name, False) as note:
             if idempotency_key is not None:
@@ -501,7 +503,9 @@ class JournalRuntime:
         """
         frame = self._require_frame("stream_step")
         _check_text("step name", name)
-        run = _live(frame.run, name)
+        run = frame.run
+        if run.lost:
+            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
         with self._signals.traced(run, frame.path, name, True) as note:
             outcome, value, pkey, fp = self._locate(run, frame.path, name, args, kwargs, note)
@@ -555,7 +559,8 @@ class JournalRuntime:
         if winner is None:
             run.lost = True
             raise OwnershipLostError(f"step {name!r} ran but this run lost its turn")
-        _count_fresh(run, name)
+        run.stats.misses += 1
+        run.stats.fresh_steps.append(name)
         self._signals.emit(run, path, name, False, "miss", started, write_s, note)
         if winner.value != raw:  # a concurrent writer recorded the key first: its result stands
             return self._decode(winner)
@@ -687,7 +692,8 @@ class JournalRuntime:
                 f"{run.user_id!r} now belongs to a newer run"
             )
         run.entries.setdefault((pkey, name), {})[fp] = entry
-        _count_fresh(run, name)
+        run.stats.misses += 1
+        run.stats.fresh_steps.append(name)
         return time.perf_counter() - t0
 
     # -- maintenance -----------------------------------------------------------------------
@@ -761,18 +767,6 @@ class JournalRuntime:
 
 def _check_text(what: str, value: object) -> None:
     check_key(what, value, optional=False)
-
-
-def _live(run: JournalRun, name: str) -> JournalRun:
-    """The run, unless it already lost its turn (no step may start then)."""
-    if run.lost:
-        raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
-    return run
-
-
-def _count_fresh(run: JournalRun, name: str) -> None:
-    run.stats.misses += 1
-    run.stats.fresh_steps.append(name)
 
 
 # scope + sub-run path + step name of one journal row, in UTF-8 bytes. With the fingerprint
