@@ -34,6 +34,11 @@ Every error loomflow raises derives from :class:`LoomflowError`::
         ├── ModelRetryExhaustedError   transient failures outlasted the retry budget
         └── ScriptExhaustedError       a scripted model was called more often than scripted
 
+Outside the tree on purpose: ``loomflow.runtime.codec``'s ``UnsupportedValueError`` (a
+``TypeError``) and ``UnknownTagError`` (a ``ValueError``), which the journal wraps as
+:class:`JournalEncodeError` and :class:`CorruptEntryError`; ``Interrupt``, a hook's control-flow
+signal; and pydantic's ``ValidationError`` from the message and settings models.
+
 Storage errors are their own branch because every store raises them (journal, checkpoints,
 audit, budget and memory share one database): a failing database is not a journal error.
 Before this release :class:`StoreUnavailableError` derived from :class:`JournalError`; code
