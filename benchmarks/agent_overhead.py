@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -30,6 +31,9 @@ from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
 from loomflow.runtime import InMemoryRuntime, JournalRuntime, PostgresRuntime, SqliteRuntime
 from loomflow.tools import tool
+
+# The server the test suite uses (tests/conftest.py), so a bare run needs no flags.
+PG_DSN = os.environ.get("LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 @tool
@@ -101,7 +105,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--pg-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--pg-dsn", default=PG_DSN)
     parser.add_argument("--skip-postgres", action="store_true")
     args = parser.parse_args()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sqlite3
 import statistics
 import tempfile
@@ -27,6 +28,9 @@ from typing import Any
 
 from loomflow.audit import AuditEntry, AuditRecord, AuditStore, PostgresAuditStore, SqliteAuditStore
 from loomflow.audit._entry import GENESIS, canonical_json, user_key
+
+# The server the test suite uses (tests/conftest.py), so a bare run needs no flags.
+PG_DSN = os.environ.get("LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 TARGET = "target-user"
 ACTIONS = ("run.start", "model.call", "tool.call", "tool.result", "run.end")
@@ -228,7 +232,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="sqlite")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--users", type=int, default=10_000)
-    parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--dsn", default=PG_DSN)
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args()
     for backend in ("sqlite", "postgres") if args.backend == "both" else (args.backend,):

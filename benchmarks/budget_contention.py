@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -46,6 +47,9 @@ from loomflow.governance.budget import (
 from loomflow.messages import Message, ModelResponse, ToolCall, ToolSpec, Usage
 from loomflow.models import FunctionModel
 from loomflow.tools import tool
+
+# The server the test suite uses (tests/conftest.py), so a bare run needs no flags.
+PG_DSN = os.environ.get("LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 USAGE = (100, 20)  # tokens in, out of every model call
 TOOL_TURNS = 2  # three model calls per run
@@ -193,7 +197,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--runs", type=int, default=13)
-    parser.add_argument("--pg-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--pg-dsn", default=PG_DSN)
     parser.add_argument("--skip-postgres", action="store_true")
     args = parser.parse_args()
 

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import sqlite3
 import tempfile
 import time
@@ -26,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from loomflow.runtime import JournalRuntime, PostgresRuntime, SqliteRuntime
+
+# The server the test suite uses (tests/conftest.py), so a bare run needs no flags.
+PG_DSN = os.environ.get("LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 PER_SESSION = 1000
 
@@ -127,7 +131,7 @@ async def run_postgres(args: argparse.Namespace, scopes: list[tuple[str, int]]) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
-    parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--dsn", default=PG_DSN)
     parser.add_argument("--keep", type=int, default=500_000)
     parser.add_argument("--delete", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=5000)

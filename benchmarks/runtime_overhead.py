@@ -34,6 +34,7 @@ import asyncio
 import cProfile
 import gc
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -55,6 +56,9 @@ from loomflow.runtime import (
     SqliteRuntime,
     codec,
 )
+
+# The server the test suite uses (tests/conftest.py), so a bare run needs no flags.
+PG_DSN = os.environ.get("LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 USER = "bench-user"
 FRESH_TARGET = 1.3  # x insert floor
@@ -552,7 +556,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume-reps", type=int, default=7, help="timed resumes (default 7)")
     p.add_argument(
         "--pg-dsn",
-        default="postgresql://postgres@127.0.0.1:5432/postgres",
+        default=PG_DSN,
         help="server to create the scratch database on",
     )
     p.add_argument("--skip-postgres", action="store_true")

@@ -5,19 +5,22 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     LoomflowError
     ├── UserError                      misuse of the API (fix the calling code)
     │   ├── NoActiveRunError           runtime.step() outside runtime.session()
-    │   └── InvalidIdError             an id is empty, too long or holds a control character
-    ├── ConfigurationError             bad settings or an unusable store URL
+    │   ├── InvalidArgumentError       an argument's value is not accepted (also ValueError)
+    │   │   └── InvalidIdError         an id is empty, too long or holds a control character
+    │   └── InvalidArgumentTypeError   an argument's type is not accepted (also TypeError)
+    ├── ConfigurationError             bad settings or an unusable store URL (also ValueError)
+    ├── StorageError                   a store's database failed or is at the wrong version
+    │   ├── StoreUnavailableError      the database driver failed underneath us
+    │   │   └── StoreLockedError       another process kept the SQLite file's write lock
+    │   └── MigrationError             the schema could not be brought up to date
+    │       └── LegacyJournalError     a loomflow 0.20 journal is not laid out as expected
     ├── JournalError                   the journal could not do what was asked
-    │   ├── JournalEncodeError         a value has no journal encoding
+    │   ├── JournalEncodeError         a value has no journal encoding (also TypeError)
     │   ├── PayloadTooLargeError       a step result exceeds the size cap
     │   ├── CorruptEntryError          a stored entry cannot be decoded (strict mode)
     │   ├── ReplayDivergenceError      a replayed position got other inputs (strict mode)
     │   ├── SessionBusyError           another run held the (session, user) too long
-    │   ├── OwnershipLostError         this run was fenced out by a newer owner
-    │   └── StoreUnavailableError      the database driver failed underneath us
-    │       └── StoreLockedError       another process kept the SQLite file's write lock
-    ├── MigrationError                 the schema could not be brought up to date
-    │   └── LegacyJournalError         a loomflow 0.20 journal is not laid out as expected
+    │   └── OwnershipLostError         this run was fenced out by a newer owner
     ├── AuditError                     the audit log could not do what was asked
     │   └── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
     ├── CheckpointError                a checkpoint could not be found or read back
@@ -31,13 +34,31 @@ Every error loomflow raises derives from :class:`LoomflowError`::
         ├── ModelRetryExhaustedError   transient failures outlasted the retry budget
         └── ScriptExhaustedError       a scripted model was called more often than scripted
 
+Outside the tree on purpose: ``loomflow.runtime.codec``'s ``UnsupportedValueError`` (a
+``TypeError``) and ``UnknownTagError`` (a ``ValueError``), which the journal wraps as
+:class:`JournalEncodeError` and :class:`CorruptEntryError`; ``Interrupt``, a hook's control-flow
+signal; and pydantic's ``ValidationError`` from the message and settings models.
+
+Storage errors are their own branch because every store raises them (journal, checkpoints,
+audit, budget and memory share one database): a failing database is not a journal error.
+Before this release :class:`StoreUnavailableError` derived from :class:`JournalError`; code
+that caught ``JournalError`` to cover database outages should catch :class:`StorageError`
+too. The classes that also derive from ``ValueError`` or ``TypeError`` do so for callers that
+caught the built-in error before loomflow raised its own.
+
+Every class here survives ``pickle`` with its message and attributes: errors cross process
+pools and are journaled. :class:`LoomflowError` restores the message and attributes without calling
+``__init__`` again, so subclasses need no ``__reduce__`` of their own.
+
 Driver exceptions (``sqlite3``/``aiosqlite``, ``asyncpg``) are mapped to
-:class:`StoreUnavailableError` in one place, ``loomflow.runtime._sql.translate_errors``,
+:class:`StoreUnavailableError` in one place, ``loomflow.storage._database.translate_errors``,
 and always chained with ``from``. Provider SDK exceptions (``anthropic``, ``openai``) are mapped
 to :class:`ModelError` by one classifier per adapter in ``loomflow.models``, also with ``from``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "AuditError",
@@ -49,6 +70,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigurationError",
     "CorruptEntryError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InvalidIdError",
     "InvalidUsageError",
     "JournalEncodeError",
@@ -64,6 +87,7 @@ __all__ = [
     "ReplayDivergenceError",
     "ScriptExhaustedError",
     "SessionBusyError",
+    "StorageError",
     "StoreLockedError",
     "StoreUnavailableError",
     "UnknownModelPriceError",
@@ -71,8 +95,21 @@ __all__ = [
 ]
 
 
+def _rebuild(cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]) -> Any:
+    """Unpickle an error without calling its ``__init__`` (whose arguments are not ``args``)."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class LoomflowError(Exception):
     """Base class of every error raised by loomflow."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # The default rebuilds with ``type(self)(*self.args)``, which breaks every subclass
+        # whose ``__init__`` takes fields rather than the message: restore the state instead.
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 class UserError(LoomflowError):
@@ -83,7 +120,15 @@ class NoActiveRunError(UserError):
     """A journaled step was requested while no run is open on this runtime."""
 
 
-class InvalidIdError(UserError, ValueError):
+class InvalidArgumentError(UserError, ValueError):
+    """An argument or option has a value the call does not accept (the message names it)."""
+
+
+class InvalidArgumentTypeError(UserError, TypeError):
+    """An argument has a type the call does not accept (the message names it)."""
+
+
+class InvalidIdError(InvalidArgumentError):
     """An id (session, user, run, checkpoint, idempotency key) breaks the id rules.
 
     Attributes:
@@ -96,15 +141,16 @@ class InvalidIdError(UserError, ValueError):
         self.reason = reason
         super().__init__(f"{field} {reason}")
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.field, self.reason))
+
+class ConfigurationError(LoomflowError, ValueError):
+    """A setting or store URL is invalid, or the parts given do not fit together."""
 
 
-class ConfigurationError(LoomflowError):
-    """A setting or store URL is invalid."""
+class StorageError(LoomflowError):
+    """Base class of database failures shared by every store (journal, audit, budget, ...)."""
 
 
-class MigrationError(LoomflowError):
+class MigrationError(StorageError):
     """A schema migration failed or the database is newer than this library."""
 
 
@@ -211,8 +257,8 @@ class OwnershipLostError(JournalError):
     """A newer owner took the (session, user) turn; this run may no longer write."""
 
 
-class StoreUnavailableError(JournalError):
-    """The journal's database failed or could not be reached."""
+class StoreUnavailableError(StorageError):
+    """A store's database failed or could not be reached (the driver error is chained)."""
 
 
 class StoreLockedError(StoreUnavailableError):
@@ -228,13 +274,6 @@ class StoreLockedError(StoreUnavailableError):
         self.path = path
         self.pid = pid
         self.stopped = stopped
-
-    def __reduce__(self) -> tuple[object, ...]:  # keyword-only arguments survive pickling
-        return (_rebuild_locked, (str(self), self.path, self.pid, self.stopped))
-
-
-def _rebuild_locked(message: str, path: str, pid: int | None, stopped: bool) -> StoreLockedError:
-    return StoreLockedError(message, path=path, pid=pid, stopped=stopped)
 
 
 class ModelError(LoomflowError):
@@ -255,10 +294,6 @@ class ModelError(LoomflowError):
         where = f" (HTTP {status})" if status is not None else ""
         super().__init__(f"{provider} model {model!r} failed{where}: {detail}")
 
-    def __reduce__(self) -> tuple[object, ...]:
-        # Keyword-shaped __init__ arguments do not survive the default exception pickling.
-        return (type(self), (self.provider, self.model, self.detail, self.status))
-
 
 class ModelRetryExhaustedError(ModelError):
     """Every attempt at a model call hit a transient failure (429, 5xx, connection loss)."""
@@ -273,9 +308,6 @@ class ModelRetryExhaustedError(ModelError):
             f"{provider} model {model!r} failed after {attempts} attempts; last error "
             f"({where}): {detail}",
         )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.provider, self.model, self.detail, self.status, self.attempts))
 
 
 class ScriptExhaustedError(ModelError):
@@ -309,9 +341,6 @@ class BudgetExceededError(BudgetError):
             f"budget cap {cap} ({limit:g}) reached: {used:g} used, {reserved:g} reserved by "
             f"calls in flight, {requested:g} requested"
         )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.cap, self.limit, self.used, self.reserved, self.requested))
 
 
 class BudgetUnavailableError(BudgetError):

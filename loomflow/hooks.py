@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 from pydantic import BaseModel
 
 from .context import RunContext
+from .errors import _rebuild
 from .messages import Message, ModelResponse, ModelSettings, ToolCall
 from .redaction import Redactor
 from .runtime import Runtime
@@ -41,6 +42,9 @@ class Interrupt(Exception):
         self.reason = reason
         self.detail = detail
         super().__init__(f"{reason}: {detail}" if detail else reason)
+
+    def __reduce__(self) -> tuple[object, ...]:  # args holds the joined message, not the fields
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 @dataclass(slots=True)

@@ -39,9 +39,9 @@ __all__ = [
     "DEFAULT_SENSITIVE_KEYS",
     "PII_KINDS",
     "PLACEHOLDER",
+    "Redactor",
     "SCRUBBED_LOGGERS",
     "SECRET_PATTERNS",
-    "Redactor",
     "install_log_redaction",
 ]
 

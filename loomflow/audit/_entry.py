@@ -40,12 +40,12 @@ from .._json import canonical_json, json_safe
 from ..errors import AuditError, UserError
 
 __all__ = [
+    "AuditEntry",
+    "AuditRecord",
     "ENTRY_SCHEMA_VERSION",
     "GENESIS",
     "HASH_VERSION",
     "HASH_VERSIONS",
-    "AuditEntry",
-    "AuditRecord",
     "canonical_bytes",
     "canonical_json",
     "entry_hash",

@@ -19,6 +19,7 @@ from ulid import ULID
 
 from .._progress import OnProgress
 from ..context import get_run_context
+from ..errors import InvalidArgumentError
 from ..governance.events import (
     BudgetDenied,
     BudgetUnavailable,
@@ -72,7 +73,7 @@ class AuditLog:
         redact_logs: bool = True,
     ) -> None:
         if on_error not in ("raise", "log"):
-            raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
+            raise InvalidArgumentError(f"on_error must be 'raise' or 'log', not {on_error!r}")
         if store is None or isinstance(store, str):
             from ..config import Settings
 

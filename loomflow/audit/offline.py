@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..errors import InvalidArgumentError
 from ._entry import AuditEntry, user_key
 from ._store import ChainHead, ChainProblem, VerifyReport, _ChainCheck, _saved_by_user
 
@@ -111,11 +112,11 @@ def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> li
     """Heads from a ``verify --json`` report (its ``heads``) or from a list of such objects.
 
     Raises:
-        ValueError: an item lacks ``seq`` or ``hash``.
+        InvalidArgumentError: an item lacks ``seq`` or ``hash`` (a ``ValueError``).
     """
     items = data.get("heads", []) if isinstance(data, Mapping) else data
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):
-        raise ValueError(f"not a list of chain heads: {items!r:.100}")
+        raise InvalidArgumentError(f"not a list of chain heads: {items!r:.100}")
     heads = []
     for item in items:
         try:
@@ -126,5 +127,5 @@ def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> li
                 raise TypeError("user_id")
             heads.append(ChainHead(user_id, int(item["seq"]), str(item["hash"])))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a chain head: {item!r:.200}") from exc
+            raise InvalidArgumentError(f"not a chain head: {item!r:.200}") from exc
     return heads

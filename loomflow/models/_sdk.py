@@ -7,7 +7,7 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, InvalidArgumentError
 from ..messages import Message, ModelChunk, ModelSettings, ToolSpec
 from ._retry import Backoff, Failure, stream_with_retries, transport_errors
 
@@ -41,7 +41,7 @@ class SdkModel(abc.ABC, Generic[ClientT]):
     ) -> None:
         sdk = self._import_sdk()
         if max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
+            raise InvalidArgumentError(f"max_retries must be >= 0, not {max_retries!r}")
         self._name = model
         self._sdk = sdk
         self._owns_client = client is None

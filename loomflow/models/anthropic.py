@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigurationError
 from ..messages import (
     Message,
     ModelChunk,
@@ -103,7 +104,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             and client.auth_token is None
             and getattr(client, "credentials", None) is None
         ):
-            raise ValueError(
+            raise ConfigurationError(
                 "no credentials: set ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN), or pass api_key="
             )
         return client  # type: ignore[no-any-return]

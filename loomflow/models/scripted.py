@@ -19,7 +19,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeAlias
 
-from ..errors import ScriptExhaustedError
+from ..errors import InvalidArgumentTypeError, ScriptExhaustedError
 from ..messages import (
     Message,
     ModelChunk,
@@ -86,7 +86,9 @@ def _build_response(
         )
     calls = list(answer)
     if not all(isinstance(c, ToolCall) for c in calls):
-        raise TypeError(f"a tool-use turn must be a list of ToolCall, got {answer!r}")
+        raise InvalidArgumentTypeError(
+            f"a tool-use turn must be a list of ToolCall, got {answer!r}"
+        )
     output = _message_tokens(Message.assistant("", calls))
     return ModelResponse(
         tool_calls=calls,

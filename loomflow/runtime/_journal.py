@@ -4,6 +4,13 @@ A run (``runtime.session(...)``) takes the (session, user) turn, loads all of it
 entries in one query, and then answers each ``step()`` from memory: a hit decodes the stored
 value, a miss runs the function and writes one row (fenced by the run's token). Nothing here
 knows which database sits underneath.
+
+Two concerns live beside this module: taking, keeping and checking the turn
+(:mod:`._lease`, on process identity from :mod:`._owner`), and telling tracers and observers
+about each step (:mod:`._tracing`). What stays here is the replay path, one for ``step``,
+``stream_step`` and idempotent steps: look the position up, decode it (a pickled row is
+skipped, a corrupt one runs again, changed inputs are a divergence), and on a hit return the
+value; otherwise check the turn, run the body, encode and size-check its result, and record it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, TypeAlias, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from .._cleanup import attach_cleanup_error
 from .._ids import check_key
@@ -38,8 +45,8 @@ from ..errors import (
     SessionBusyError,
     UserError,
 )
-from . import codec
-from ._owner import claim_owner, is_this_process, process_gone
+from . import _lease, codec
+from ._owner import claim_owner
 from ._store import (
     Claim,
     EntryInfo,
@@ -49,6 +56,14 @@ from ._store import (
     StoredEntry,
     fingerprint,
     path_key,
+)
+from ._tracing import (
+    Outcome,
+    StepEvent,
+    StepNote,
+    StepSignals,
+    StepStart,
+    StepTracer,
 )
 
 __all__ = [
@@ -65,7 +80,6 @@ __all__ = [
 log = logging.getLogger("loomflow.runtime")
 
 T = TypeVar("T")
-Outcome = Literal["hit", "miss", "divergence", "corrupt"]
 _ANY: Any = object()
 
 
@@ -88,64 +102,6 @@ def _warn_pickled_once() -> None:
         PickledEntryWarning,
         stacklevel=4,
     )
-
-
-def step_kind(name: str) -> str:
-    """Classify a step by its name, for metrics and spans (bounded set of values)."""
-    if name.startswith("model_call"):
-        return "model"
-    if name.startswith("tool_call"):
-        return "tool"
-    if name.startswith(("persist_", "memory_")):
-        return "memory"
-    return "custom"
-
-
-@dataclass(frozen=True, slots=True)
-class StepEvent:
-    """What happened at one journaled step; handed to observers (telemetry, audit)."""
-
-    backend: str
-    session_id: str | None
-    user_id: str | None
-    epoch: int
-    path: tuple[str, ...]
-    name: str
-    kind: str
-    stream: bool
-    outcome: Outcome
-    duration_s: float
-    write_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class StepStart:
-    """A journaled step about to be looked up and (maybe) run; handed to step tracers."""
-
-    backend: str
-    session_id: str | None
-    user_id: str | None
-    epoch: int
-    path: tuple[str, ...]
-    name: str
-    kind: str
-    stream: bool
-
-
-StepNote: TypeAlias = Callable[[StepEvent], None]
-
-StepTracer: TypeAlias = Callable[[StepStart], contextlib.AbstractContextManager[StepNote | None]]
-"""Wraps one journaled step (telemetry opens a span here; the runtime imports no tracing).
-
-``tracer(start)`` is entered before the journal lookup and left when the step ends, with the
-step's exception if it raised. What it yields, if callable, gets the step's :class:`StepEvent`
-(hit, miss, divergence, timings) before the observers do. A stream step stays inside the block
-until its stream ends or is abandoned, across its yields, so a tracer must not make anything
-"current" in ``contextvars`` for a stream step.
-"""
-
-# Shared by every untraced step (nullcontext is reusable): no allocation on the hot path.
-_UNTRACED: contextlib.AbstractContextManager[StepNote | None] = contextlib.nullcontext()
 
 
 @dataclass(slots=True)
@@ -175,7 +131,7 @@ class JournalRun:
     lost: bool = False
     next_seq: int = 0
     occurrences: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
-    # When our lease surely runs out unless renewed, on _lease_clock(); measured from before
+    # When our lease surely runs out unless renewed, on _lease.lease_clock(); measured from before
     # each claim or renewal was sent, so it never overstates what the database granted.
     lease_until: float = 0.0
 
@@ -197,23 +153,6 @@ class _Frame:
 _frame: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
     "loomflow_journal_frame", default=None
 )
-
-
-# Owner ids of the leases this process's runs hold or are asking for right now. A lease row
-# that names this process but is missing here was left behind by one of our runs whose release
-# failed (the database was down, say): it is taken back at once, not waited out.
-_held: set[str] = set()
-os.register_at_fork(after_in_child=_held.clear)  # a child holds none of its parent's leases
-
-
-# Counts while the process is stopped and while the machine sleeps, as the database's clock
-# does (CLOCK_MONOTONIC pauses during suspend); Linux only, monotonic() elsewhere.
-_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
-
-
-def _lease_clock() -> float:
-    """Seconds on a clock that keeps counting while the process is stopped or suspended."""
-    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
 
 
 class JournalRuntime:
@@ -251,8 +190,7 @@ class JournalRuntime:
         self._ready: asyncio.Lock | None = None
         self._pid = os.getpid()
         self._opened = False
-        self._observers: list[Callable[[StepEvent], None]] = []
-        self._tracers: list[StepTracer] = []
+        self._signals = StepSignals(store)
         # Runtimes found to use this one's journal: steps made here may join their runs.
         self._peers: weakref.WeakSet[JournalRuntime] = weakref.WeakSet()
 
@@ -308,31 +246,14 @@ class JournalRuntime:
 
     def add_observer(self, observer: Callable[[StepEvent], None]) -> None:
         """Call ``observer`` after every journaled step (telemetry and audit hook in here)."""
-        self._observers.append(observer)
+        self._signals.observers.append(observer)
 
     def add_step_tracer(self, tracer: StepTracer) -> None:
         """Wrap every journaled step of this runtime in ``tracer`` (see :data:`StepTracer`).
 
         A tracer that fails is logged and ignored: it never breaks a run.
         """
-        self._tracers.append(tracer)
-
-    def _traced(
-        self, run: JournalRun, path: tuple[str, ...], name: str, stream: bool
-    ) -> contextlib.AbstractContextManager[StepNote | None]:
-        if not self._tracers:
-            return _UNTRACED
-        start = StepStart(
-            backend=self.backend,
-            session_id=run.session_id,
-            user_id=run.user_id,
-            epoch=run.epoch,
-            path=path,
-            name=name,
-            kind=step_kind(name),
-            stream=stream,
-        )
-        return _tracing(self._tracers, start)
+        self._signals.tracers.append(tracer)
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -393,12 +314,21 @@ class JournalRuntime:
         # A fresh id per claim, naming the process that claims: a runtime built before fork()
         # must not lend its parent's pid to the child's lease.
         owner = claim_owner()
-        _held.add(owner)
+        _lease.held.add(owner)
         try:
-            claim, asked = await self._claim(scope, deadline, owner)
+            claim, asked = await _lease.claim(
+                self._store,
+                scope,
+                owner,
+                lease_seconds=self.lease_seconds,
+                turn_timeout=self.turn_timeout,
+                deadline=deadline,
+            )
             run = await self._start(scope, claim, resume, strict_replay)
             run.lease_until = asked + self.lease_seconds
-            heartbeat = asyncio.create_task(self._heartbeat(run), name="loomflow-lease")
+            heartbeat = asyncio.create_task(
+                _lease.heartbeat(self._store, run, self.lease_seconds), name="loomflow-lease"
+            )
             reset = _frame.set(_Frame(run, ()))
             finished = False
             failure: BaseException | None = None
@@ -413,7 +343,7 @@ class JournalRuntime:
                 heartbeat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeat
-                released = await self._release(run, failure)
+                released = await _lease.release(self._store, run, failure)
                 if not released:
                     run.lost = True
                     log.warning("run on %s ended after losing its turn", scope.key)
@@ -423,58 +353,10 @@ class JournalRuntime:
                     "could be closed; the new owner decides its outcome"
                 )
         finally:
-            _held.discard(owner)  # from here on, a row still naming it was left behind
+            _lease.held.discard(owner)  # from here on, a row still naming it was left behind
             lock.release()
             if not lock.locked() and not lock._waiters:  # drop idle locks: sessions are unbounded
                 self._locks.pop(scope.key, None)
-
-    async def _release(self, run: JournalRun, failure: BaseException | None) -> bool:
-        """Give the turn back. If the body raised, its error stays the one the caller sees."""
-        if failure is None:
-            return await self._store.release(run.scope, run.token, run.epoch + 1)
-        try:
-            return await self._store.release(run.scope, run.token, None)
-        except Exception as exc:
-            # The run's own failure is what the caller must act on; the lease this leaves
-            # behind is taken back at once by the next run in this process, and by other
-            # processes once it runs out. The release failure rides along, never instead.
-            attach_cleanup_error(failure, exc, "giving back the session's turn")
-            return True
-
-    async def _claim(self, scope: Scope, deadline: float, owner: str) -> tuple[Claim, float]:
-        """Take the turn; also returns when the winning request was sent (on _lease_clock)."""
-        delay = 0.005
-        while True:
-            asked = _lease_clock()
-            claim = await self._store.try_acquire(scope, owner, self.lease_seconds)
-            if claim is not None:
-                return claim, asked
-            holder = await self._store.holder(scope)
-            if holder is not None and self._holder_is_dead(holder[0]):
-                asked = _lease_clock()
-                claim = await self._store.steal(scope, holder[1], owner, self.lease_seconds)
-                if claim is not None:
-                    if is_this_process(holder[0]):
-                        log.info("took back %s from an earlier run of this process", scope.key)
-                    else:
-                        log.info("took over %s from dead local owner %s", scope.key, holder[0])
-                    return claim, asked
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise SessionBusyError(
-                    f"session {scope.session_id!r} of user {scope.user_id!r} is held by "
-                    f"{holder[0] if holder else 'another run'}; gave up after "
-                    f"{self.turn_timeout:g}s"
-                )
-            await asyncio.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.25)
-
-    def _holder_is_dead(self, owner: str) -> bool:
-        """Whether the holder can no longer renew: its process is gone, or it is a lease of
-        this process that no run here holds any more (its release failed)."""
-        if is_this_process(owner):
-            return owner not in _held
-        return process_gone(owner)
 
     async def _start(
         self, scope: Scope, claim: Claim, resume: bool, strict: bool | None
@@ -506,52 +388,6 @@ class JournalRuntime:
             entries=entries,
             next_seq=max((r.seq for r in rows), default=-1) + 1,
         )
-
-    async def _heartbeat(self, run: JournalRun) -> None:
-        interval = self.lease_seconds / 3
-        while True:
-            await asyncio.sleep(interval)
-            asked = _lease_clock()
-            try:
-                ok = await self._store.renew(run.scope, run.token, self.lease_seconds)
-            except Exception:  # a blip must not kill the run; the lease has slack
-                log.warning("lease renewal failed for %s", run.scope.key, exc_info=True)
-                continue
-            if not ok:
-                run.lost = True
-                log.error("run on %s lost its turn to a newer owner", run.scope.key)
-                return
-            run.lease_until = max(run.lease_until, asked + self.lease_seconds)
-
-    async def _check_turn(self, run: JournalRun, name: str) -> None:
-        """Refuse to start a step's body once this run may have lost its turn.
-
-        The heartbeat renews every third of a lease, so a run that is keeping up always has
-        more than a third left and pays nothing here. Less means the process was stopped
-        (SIGSTOP, a debugger, a long GC or swap storm) or renewals failed: ask the store,
-        which both checks the fencing token and extends the lease, before any side effect.
-        """
-        if run.lost:
-            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
-        remaining = run.lease_until - _lease_clock()
-        if remaining > self.lease_seconds / 3:
-            return
-        asked = _lease_clock()
-        try:
-            ok = await self._store.renew(run.scope, run.token, self.lease_seconds)
-        except Exception:
-            if remaining > 0:  # still ours for a while: a blip is not a lost turn
-                log.warning("lease check failed for %s", run.scope.key, exc_info=True)
-                return
-            raise
-        if not ok:
-            run.lost = True
-            log.error("run on %s lost its turn to a newer owner", run.scope.key)
-            raise OwnershipLostError(
-                f"step {name!r} was not started: session {run.session_id!r} of user "
-                f"{run.user_id!r} was taken over while this run was paused past its lease"
-            )
-        run.lease_until = max(run.lease_until, asked + self.lease_seconds)
 
     @contextlib.contextmanager
     def subrun(self, name: str) -> Iterator[tuple[str, ...]]:
@@ -643,24 +479,18 @@ class JournalRuntime:
         if run.lost:
             raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
-        with self._traced(run, frame.path, name, False) as note:
+        with self._signals.traced(run, frame.path, name, False) as note:
             if idempotency_key is not None:
                 return await self._idempotent_step(
                     run, frame.path, name, fn, args, kwargs, idempotency_key, started, note
                 )
-            fp = self._fingerprint(name, args, kwargs)
-            pkey = path_key(frame.path)
-            _check_key_size(run, pkey, name)
-            outcome, value = self._lookup(run, frame.path, pkey, name, fp, note)
+            outcome, value, pkey, fp = self._locate(run, frame.path, name, args, kwargs, note)
             if outcome == "hit":
-                self._emit(run, frame.path, name, False, "hit", started, 0.0, note)
+                self._signals.emit(run, frame.path, name, False, "hit", started, 0.0, note)
                 return value
-            await self._check_turn(run, name)
-            result = fn(*args, **kwargs)
-            if inspect.isawaitable(result):
-                result = await result
+            result = await self._run_fresh(run, name, fn, args, kwargs)
             write_s = await self._record(run, pkey, name, fp, "step", result)
-            self._emit(run, frame.path, name, False, outcome, started, write_s, note)
+            self._signals.emit(run, frame.path, name, False, outcome, started, write_s, note)
             return result
 
     async def stream_step(
@@ -677,20 +507,14 @@ class JournalRuntime:
         if run.lost:
             raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
-        with self._traced(run, frame.path, name, True) as note:
-            fp = self._fingerprint(name, args, kwargs)
-            pkey = path_key(frame.path)
-            _check_key_size(run, pkey, name)
-            outcome, value = self._lookup(run, frame.path, pkey, name, fp, note)
+        with self._signals.traced(run, frame.path, name, True) as note:
+            outcome, value, pkey, fp = self._locate(run, frame.path, name, args, kwargs, note)
             if outcome == "hit":
-                self._emit(run, frame.path, name, True, "hit", started, 0.0, note)
+                self._signals.emit(run, frame.path, name, True, "hit", started, 0.0, note)
                 for chunk in value:
                     yield chunk
                 return
-            await self._check_turn(run, name)
-            source = fn(*args, **kwargs)
-            if inspect.isawaitable(source):
-                source = await source
+            source = await self._run_fresh(run, name, fn, args, kwargs)
             chunks: list[Any] = []
             iterator = source.__aiter__()
             try:
@@ -702,26 +526,67 @@ class JournalRuntime:
                 if aclose is not None:
                     await aclose()
             write_s = await self._record(run, pkey, name, fp, "stream", chunks)
-            self._emit(run, frame.path, name, True, outcome, started, write_s, note)
+            self._signals.emit(run, frame.path, name, True, outcome, started, write_s, note)
 
-    def _fingerprint(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        try:
-            return fingerprint(args, kwargs)
-        except codec.UnsupportedValueError as exc:
-            raise JournalEncodeError(name, exc.type_name, "its arguments", exc.reason) from exc
-
-    def _lookup(
+    async def _idempotent_step(
         self,
         run: JournalRun,
         path: tuple[str, ...],
-        pkey: str,
         name: str,
-        fp: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: str,
+        started: float,
         note: StepNote | None = None,
-    ) -> tuple[Outcome, Any]:
+    ) -> Any:
+        """The replay path keyed by the user's idempotency key instead of the run position."""
+        stored = await self._store.get_idempotent(run.scope.user_key, key)
+        if stored is not None:
+            outcome, value = self._read(run, stored, name, "idempotent entry %r", key)
+            if outcome == "hit":
+                self._signals.emit(run, path, name, False, "hit", started, 0.0, note)
+                return value
+        result = await self._run_fresh(run, name, fn, args, kwargs)
+        fmt, raw = self._encode(name, result)
+        # Replaces the unreadable entry read above, if that is what is stored.
+        entry = StoredEntry(path_key(path), name, "", "step", fmt, codec.CODEC_VERSION, raw)
+        t0 = time.perf_counter()
+        winner = await self._store.put_idempotent(
+            run.scope, run.token, key, entry, replacing=stored
+        )
+        write_s = time.perf_counter() - t0
+        if winner is None:
+            run.lost = True
+            raise OwnershipLostError(f"step {name!r} ran but this run lost its turn")
+        run.stats.misses += 1
+        run.stats.fresh_steps.append(name)
+        self._signals.emit(run, path, name, False, "miss", started, write_s, note)
+        if winner.value != raw:  # a concurrent writer recorded the key first: its result stands
+            return self._decode(winner)
+        return result
+
+    # The shared replay path: locate -> read (decode) -> run fresh -> encode -> record.
+
+    def _locate(
+        self,
+        run: JournalRun,
+        path: tuple[str, ...],
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        note: StepNote | None,
+    ) -> tuple[Outcome, Any, str, str]:
+        """Find the step's run position: outcome and value, and the position's keys."""
+        try:
+            fp = fingerprint(args, kwargs)
+        except codec.UnsupportedValueError as exc:
+            raise JournalEncodeError(name, exc.type_name, "its arguments", exc.reason) from exc
+        pkey = path_key(path)
+        _check_key_size(run, pkey, name)
         slot = run.entries.get((pkey, name))
         if not slot:
-            return "miss", None
+            return "miss", None, pkey, fp
         entry = slot.get(fp)
         if entry is None:
             stored = next(iter(slot))
@@ -733,9 +598,22 @@ class JournalRuntime:
                 run.epoch,
             )
             if run.strict:
-                self._emit(run, path, name, False, "divergence", time.perf_counter(), 0.0, note)
+                self._signals.emit(
+                    run, path, name, False, "divergence", time.perf_counter(), 0.0, note
+                )
                 raise ReplayDivergenceError(name, pkey, stored, fp)
-            return "divergence", None
+            return "divergence", None, pkey, fp
+        outcome, value = self._read(run, entry, name, "journal entry for step %r", name)
+        return outcome, value, pkey, fp
+
+    def _read(
+        self, run: JournalRun, entry: StoredEntry, name: str, what: str, label: str
+    ) -> tuple[Outcome, Any]:
+        """Decode a stored entry into a hit, or say why the step must run again.
+
+        A pickled entry this runtime does not read is a miss; a corrupt one is ``"corrupt"``
+        (raised in strict mode). ``what % label`` names the entry in the log.
+        """
         try:
             value = self._decode(entry)
         except _Skipped:
@@ -744,11 +622,27 @@ class JournalRuntime:
             run.stats.corrupt += 1
             if run.strict:
                 raise
-            log.warning("journal entry for step %r is corrupt; running the step again", name)
+            log.warning("%s is corrupt; running the step again", what % label)
             return "corrupt", None
         run.stats.hits += 1
         run.stats.hit_steps.append(name)
         return "hit", value
+
+    async def _run_fresh(
+        self,
+        run: JournalRun,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Check the turn (before any side effect), then call ``fn`` and await its result."""
+        if not _lease.turn_is_fresh(run, self.lease_seconds):
+            await _lease.check_turn(self._store, run, name, self.lease_seconds)
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
 
     def _decode(self, entry: StoredEntry) -> Any:
         if entry.format == "pickle":
@@ -768,23 +662,26 @@ class JournalRuntime:
             raise CorruptEntryError(f"step {entry.name!r}: {exc}") from exc
 
     def _encode(self, name: str, value: Any) -> tuple[str, bytes]:
+        """The stored form of a step's result, refused past the per-step size cap."""
         if self.serializer == "pickle":
             try:
-                return "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                fmt, raw = "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
                 raise JournalEncodeError(name, type(value).__qualname__, "its result") from exc
-        try:
-            raw = codec.dumps(value)
-        except codec.UnsupportedValueError as exc:
-            raise JournalEncodeError(name, exc.type_name, "its result", exc.reason) from exc
-        return "json", raw
+        else:
+            try:
+                fmt, raw = "json", codec.dumps(value)
+            except codec.UnsupportedValueError as exc:
+                raise JournalEncodeError(name, exc.type_name, "its result", exc.reason) from exc
+        if len(raw) > self.max_payload_bytes:
+            raise PayloadTooLargeError(name, len(raw), self.max_payload_bytes)
+        return fmt, raw
 
     async def _record(
         self, run: JournalRun, pkey: str, name: str, fp: str, kind: str, value: Any
     ) -> float:
+        """Write a fresh result at its run position (fenced); returns the write's seconds."""
         fmt, raw = self._encode(name, value)
-        if len(raw) > self.max_payload_bytes:
-            raise PayloadTooLargeError(name, len(raw), self.max_payload_bytes)
         entry = StoredEntry(pkey, name, fp, kind, fmt, codec.CODEC_VERSION, raw, run.next_seq)
         run.next_seq += 1
         t0 = time.perf_counter()
@@ -798,91 +695,6 @@ class JournalRuntime:
         run.stats.misses += 1
         run.stats.fresh_steps.append(name)
         return time.perf_counter() - t0
-
-    async def _idempotent_step(
-        self,
-        run: JournalRun,
-        path: tuple[str, ...],
-        name: str,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        key: str,
-        started: float,
-        note: StepNote | None = None,
-    ) -> Any:
-        stored = await self._store.get_idempotent(run.scope.user_key, key)
-        unreadable: StoredEntry | None = None  # replaced by the fresh result below
-        if stored is not None:
-            unreadable = stored
-            try:
-                value = self._decode(stored)
-            except _Skipped:
-                pass
-            except CorruptEntryError:
-                run.stats.corrupt += 1
-                if run.strict:
-                    raise
-                log.warning("idempotent entry %r is corrupt; running the step again", key)
-            else:
-                run.stats.hits += 1
-                run.stats.hit_steps.append(name)
-                self._emit(run, path, name, False, "hit", started, 0.0, note)
-                return value
-        await self._check_turn(run, name)
-        result = fn(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = await result
-        fmt, raw = self._encode(name, result)
-        if len(raw) > self.max_payload_bytes:
-            raise PayloadTooLargeError(name, len(raw), self.max_payload_bytes)
-        entry = StoredEntry(path_key(path), name, "", "step", fmt, codec.CODEC_VERSION, raw)
-        t0 = time.perf_counter()
-        winner = await self._store.put_idempotent(
-            run.scope, run.token, key, entry, replacing=unreadable
-        )
-        write_s = time.perf_counter() - t0
-        if winner is None:
-            run.lost = True
-            raise OwnershipLostError(f"step {name!r} ran but this run lost its turn")
-        run.stats.misses += 1
-        run.stats.fresh_steps.append(name)
-        self._emit(run, path, name, False, "miss", started, write_s, note)
-        if winner.value != raw:  # a concurrent writer recorded the key first: its result stands
-            return self._decode(winner)
-        return result
-
-    def _emit(
-        self,
-        run: JournalRun,
-        path: tuple[str, ...],
-        name: str,
-        stream: bool,
-        outcome: Outcome,
-        started: float,
-        write_s: float,
-        note: StepNote | None = None,
-    ) -> None:
-        if not self._observers and note is None:
-            return
-        event = StepEvent(
-            backend=self.backend,
-            session_id=run.session_id,
-            user_id=run.user_id,
-            epoch=run.epoch,
-            path=path,
-            name=name,
-            kind=step_kind(name),
-            stream=stream,
-            outcome=outcome,
-            duration_s=time.perf_counter() - started,
-            write_s=write_s,
-        )
-        for observer in (note, *self._observers) if note is not None else self._observers:
-            try:
-                observer(event)
-            except Exception:  # an observer must never break a run
-                log.exception("step observer %r failed", observer)
 
     # -- maintenance -----------------------------------------------------------------------
 
@@ -971,51 +783,6 @@ def _check_key_size(run: JournalRun, pkey: str, name: str) -> None:
             f"name) is {size} bytes, over the {MAX_JOURNAL_KEY_BYTES}-byte limit; use shorter "
             "ids or names, or nest fewer sub-runs"
         )
-
-
-@contextlib.contextmanager
-def _tracing(tracers: list[StepTracer], start: StepStart) -> Iterator[StepNote | None]:
-    """Enter every tracer around one step; a failing tracer is logged, never propagated."""
-    entered: list[contextlib.AbstractContextManager[StepNote | None]] = []
-    notes: list[StepNote] = []
-    for tracer in tracers:
-        try:
-            cm = tracer(start)
-            note = cm.__enter__()
-        except Exception:
-            log.exception("step tracer %r failed on entry", tracer)
-            continue
-        entered.append(cm)
-        if callable(note):
-            notes.append(note)
-    failure: BaseException | None = None
-    try:
-        yield (notes[0] if len(notes) == 1 else _fan_out(notes)) if notes else None
-    except BaseException as exc:
-        failure = exc
-        raise
-    finally:
-        # Inner tracers leave first. Their return value is ignored: a tracer cannot swallow
-        # the step's exception.
-        for cm in reversed(entered):
-            try:
-                if failure is None:
-                    cm.__exit__(None, None, None)
-                else:
-                    cm.__exit__(type(failure), failure, failure.__traceback__)
-            except Exception:
-                log.exception("step tracer %r failed on exit", cm)
-
-
-def _fan_out(notes: list[StepNote]) -> StepNote:
-    def note(event: StepEvent) -> None:
-        for each in notes:
-            try:
-                each(event)
-            except Exception:
-                log.exception("step note %r failed", each)
-
-    return note
 
 
 class _Skipped(Exception):

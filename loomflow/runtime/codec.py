@@ -36,6 +36,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ..errors import InvalidArgumentTypeError, _rebuild
+
 __all__ = [
     "CODEC_VERSION",
     "MAX_DEPTH",
@@ -77,6 +79,9 @@ class UnsupportedValueError(TypeError):
         self.reason = reason
         super().__init__(reason or f"cannot encode a value of type {self.type_name!r}")
 
+    def __reduce__(self) -> tuple[object, ...]:  # __init__ takes the value, which is not kept
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
 
 class NestingTooDeepError(UnsupportedValueError):
     """A value nests more than :data:`MAX_DEPTH` containers deep, or contains itself."""
@@ -116,7 +121,7 @@ def register_type(cls: type) -> type:
     if not isinstance(cls, type) or not (
         _is_model_class(cls) or dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
     ):
-        raise TypeError(f"{cls!r} is not a pydantic model, dataclass or enum")
+        raise InvalidArgumentTypeError(f"{cls!r} is not a pydantic model, dataclass or enum")
     _registered.add(cls)
     _registry[_class_name(cls)] = cls
     return cls

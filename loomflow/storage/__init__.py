@@ -16,19 +16,19 @@ from ._sqlite import SqliteDatabase
 from ._url import database_from_url
 
 __all__ = [
-    "POSTGRES",
     "AppRoleGrant",
-    "SQLITE",
     "Database",
     "Dialect",
     "Migration",
+    "POSTGRES",
     "PostgresDatabase",
+    "SQLITE",
     "SqliteDatabase",
     "Transaction",
     "apply_migrations",
+    "database_from_url",
     "grant_app_role",
     "require_schema",
-    "database_from_url",
     "schema_versions",
     "translate_errors",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiosqlite
 
-from ..errors import StoreLockedError, StoreUnavailableError
+from ..errors import InvalidArgumentError, StoreLockedError, StoreUnavailableError
 from ._database import Database, Rows, Transaction
 from ._dialect import SQLITE
 
@@ -95,7 +95,9 @@ class SqliteDatabase(Database):
     ) -> None:
         super().__init__()
         if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
-            raise ValueError(f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}")
+            raise InvalidArgumentError(
+                f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}"
+            )
         self.path = Path(path)
         self.busy_timeout_ms = int(busy_timeout_ms)
         self.synchronous = synchronous.upper()

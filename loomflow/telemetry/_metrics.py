@@ -18,6 +18,7 @@ from typing import Any, Final
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import start_http_server
 
+from ..errors import InvalidArgumentError
 from ..runtime._journal import StepEvent
 from ._hooks import TelemetryHooks
 
@@ -310,7 +311,9 @@ class Metrics:
     def run_finished(self, *, backend: str, outcome: str, resumed: bool) -> None:
         """Count a run that ended with ``outcome`` (one of :data:`RUN_OUTCOMES`)."""
         if outcome not in RUN_OUTCOMES:
-            raise ValueError(f"run outcome must be one of {RUN_OUTCOMES}, not {outcome!r}")
+            raise InvalidArgumentError(
+                f"run outcome must be one of {RUN_OUTCOMES}, not {outcome!r}"
+            )
         self._c.runs.labels(
             self._c.bound("backend", backend), outcome, "true" if resumed else "false"
         ).inc()

@@ -1,0 +1,181 @@
+"""The (session, user) turn across processes: claim, steal, heartbeat, check, release.
+
+A run holds its turn through a lease row in the journal's database, with a fencing token
+that every step write carries. This module decides when to take a turn (free, expired, or
+held by a process known to be gone: see :mod:`loomflow.runtime._owner`), keeps it renewed,
+and refuses to start a step's body once the turn may have passed to a newer owner. It knows
+nothing of steps or replay; the journal calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Protocol
+
+from .._cleanup import attach_cleanup_error
+from ..errors import OwnershipLostError, SessionBusyError
+from ._owner import is_this_process, process_gone
+from ._store import Claim, JournalStore, Scope
+
+__all__ = [
+    "LeasedRun",
+    "check_turn",
+    "claim",
+    "heartbeat",
+    "held",
+    "holder_is_dead",
+    "lease_clock",
+    "release",
+    "turn_is_fresh",
+]
+
+log = logging.getLogger("loomflow.runtime")
+
+
+class LeasedRun(Protocol):
+    """What the lease logic reads and updates on an open run."""
+
+    scope: Scope
+    token: int
+    epoch: int
+    lost: bool
+    lease_until: float
+
+
+# Owner ids of the leases this process's runs hold or are asking for right now. A lease row
+# that names this process but is missing here was left behind by one of our runs whose release
+# failed (the database was down, say): it is taken back at once, not waited out.
+held: set[str] = set()
+os.register_at_fork(after_in_child=held.clear)  # a child holds none of its parent's leases
+
+
+# Counts while the process is stopped and while the machine sleeps, as the database's clock
+# does (CLOCK_MONOTONIC pauses during suspend); Linux only, monotonic() elsewhere.
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def lease_clock() -> float:
+    """Seconds on a clock that keeps counting while the process is stopped or suspended."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+def holder_is_dead(owner: str) -> bool:
+    """Whether the holder can no longer renew: its process is gone, or it is a lease of
+    this process that no run here holds any more (its release failed)."""
+    if is_this_process(owner):
+        return owner not in held
+    return process_gone(owner)
+
+
+async def claim(
+    store: JournalStore,
+    scope: Scope,
+    owner: str,
+    *,
+    lease_seconds: float,
+    turn_timeout: float,
+    deadline: float,
+) -> tuple[Claim, float]:
+    """Take the turn; also returns when the winning request was sent (on :func:`lease_clock`).
+
+    Raises:
+        SessionBusyError: a live holder kept the turn past ``deadline`` (``time.monotonic``).
+    """
+    delay = 0.005
+    while True:
+        asked = lease_clock()
+        got = await store.try_acquire(scope, owner, lease_seconds)
+        if got is not None:
+            return got, asked
+        holder = await store.holder(scope)
+        if holder is not None and holder_is_dead(holder[0]):
+            asked = lease_clock()
+            got = await store.steal(scope, holder[1], owner, lease_seconds)
+            if got is not None:
+                if is_this_process(holder[0]):
+                    log.info("took back %s from an earlier run of this process", scope.key)
+                else:
+                    log.info("took over %s from dead local owner %s", scope.key, holder[0])
+                return got, asked
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SessionBusyError(
+                f"session {scope.session_id!r} of user {scope.user_id!r} is held by "
+                f"{holder[0] if holder else 'another run'}; gave up after {turn_timeout:g}s"
+            )
+        await asyncio.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.25)
+
+
+async def release(store: JournalStore, run: LeasedRun, failure: BaseException | None) -> bool:
+    """Give the turn back. If the body raised, its error stays the one the caller sees."""
+    if failure is None:
+        return await store.release(run.scope, run.token, run.epoch + 1)
+    try:
+        return await store.release(run.scope, run.token, None)
+    except Exception as exc:
+        # The run's own failure is what the caller must act on; the lease this leaves
+        # behind is taken back at once by the next run in this process, and by other
+        # processes once it runs out. The release failure rides along, never instead.
+        attach_cleanup_error(failure, exc, "giving back the session's turn")
+        return True
+
+
+async def heartbeat(store: JournalStore, run: LeasedRun, lease_seconds: float) -> None:
+    """Renew the lease every third of its length until cancelled or the turn is lost."""
+    interval = lease_seconds / 3
+    while True:
+        await asyncio.sleep(interval)
+        asked = lease_clock()
+        try:
+            ok = await store.renew(run.scope, run.token, lease_seconds)
+        except Exception:  # a blip must not kill the run; the lease has slack
+            log.warning("lease renewal failed for %s", run.scope.key, exc_info=True)
+            continue
+        if not ok:
+            run.lost = True
+            log.error("run on %s lost its turn to a newer owner", run.scope.key)
+            return
+        run.lease_until = max(run.lease_until, asked + lease_seconds)
+
+
+def turn_is_fresh(run: LeasedRun, lease_seconds: float) -> bool:
+    """True when the run surely still holds its turn: more than a third of a lease is left.
+
+    The heartbeat renews every third of a lease, so a run that is keeping up always passes
+    and pays nothing more; otherwise call :func:`check_turn` before any side effect.
+    """
+    return not run.lost and run.lease_until - lease_clock() > lease_seconds / 3
+
+
+async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_seconds: float) -> None:
+    """Refuse to start a step's body once this run may have lost its turn.
+
+    Less than a third of a lease left means the process was stopped (SIGSTOP, a debugger, a
+    long GC or swap storm) or renewals failed: ask the store, which both checks the fencing
+    token and extends the lease, before any side effect.
+    """
+    if run.lost:
+        raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
+    remaining = run.lease_until - lease_clock()
+    if remaining > lease_seconds / 3:
+        return
+    asked = lease_clock()
+    try:
+        ok = await store.renew(run.scope, run.token, lease_seconds)
+    except Exception:
+        if remaining > 0:  # still ours for a while: a blip is not a lost turn
+            log.warning("lease check failed for %s", run.scope.key, exc_info=True)
+            return
+        raise
+    if not ok:
+        run.lost = True
+        log.error("run on %s lost its turn to a newer owner", run.scope.key)
+        raise OwnershipLostError(
+            f"step {name!r} was not started: session {run.scope.session_id!r} of user "
+            f"{run.scope.user_id!r} was taken over while this run was paused past its lease"
+        )
+    run.lease_until = max(run.lease_until, asked + lease_seconds)
