@@ -48,7 +48,7 @@ from ..checkpoints import (
 )
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
-from ..errors import CheckpointError, CheckpointNotFoundError, UserError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptEntryError, UserError
 from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import (
     Message,
@@ -1037,7 +1037,19 @@ async def _recall(memory: Memory | None, ctx: RunContext, run: Any) -> list[Mess
     if memory is None or ctx.session_id is None:
         return []
     epoch = getattr(run, "epoch", None)  # None without a journal: every episode is earlier
-    return await memory.history(ctx.session_id, user_id=ctx.user_id, before_epoch=epoch)
+    try:
+        return await memory.history(ctx.session_id, user_id=ctx.user_id, before_epoch=epoch)
+    except CorruptEntryError:
+        # Like a damaged journal entry or checkpoint: one bad row must not fail every later
+        # run of the session. Strict runs raise.
+        if getattr(run, "strict", False):
+            raise
+        log.warning(
+            "the memory of session %r cannot be read; this run goes on without it",
+            ctx.session_id,
+            exc_info=True,
+        )
+        return []
 
 
 async def _persist_episode(

@@ -121,6 +121,31 @@ _QUERIES = {
 }
 
 
+def _stored(
+    path: str, name: str, fp: str, kind: str, fmt: Any, version: Any, value: Any, seq: Any = 0
+) -> StoredEntry:
+    """A journal or idempotency row as read, never failing on what a row holds.
+
+    SQLite keeps any type in any column, so a row edited by hand may hold text where the
+    value's bytes belong (``UPDATE ... SET value = '{...}'``) or text in a number column. Text
+    is read as its UTF-8 bytes (the stored form is UTF-8 JSON); anything else a row cannot
+    hold makes it an entry in a format no runtime reads, which the journal treats as corrupt
+    (the step runs again; strict mode raises) instead of failing the whole resume.
+    """
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogateescape")
+    if type(seq) is not int:
+        seq = -1  # only orders a run's entries; a damaged one must not break that
+    if (
+        isinstance(value, bytes | bytearray | memoryview)
+        and type(version) is int
+        and isinstance(fmt, str)
+    ):
+        return StoredEntry(path, name, fp, kind, fmt, version, bytes(value), seq)
+    what = f"value {type(value).__name__}, codec_version {type(version).__name__}"
+    return StoredEntry(path, name, fp, kind, f"unreadable row ({what})", 0, b"", seq)
+
+
 def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
     if not rows:
         return None
@@ -198,10 +223,7 @@ class SqlJournalStore:
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         rows = await self._run("read", "load_run", scope.key, epoch)
-        return [
-            StoredEntry(r[0], r[1], r[2], r[3], r[4], int(r[5]), bytes(r[6]), int(r[7]))
-            for r in rows
-        ]
+        return [_stored(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
 
     async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         rows = await self._run(
@@ -227,7 +249,7 @@ class SqlJournalStore:
         if not rows:
             return None
         name, kind, fmt, version, value = rows[0]
-        return StoredEntry("", name, "", kind, fmt, int(version), bytes(value))
+        return _stored("", name, "", kind, fmt, version, value)
 
     async def put_idempotent(
         self,
