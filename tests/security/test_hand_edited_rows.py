@@ -353,3 +353,44 @@ async def test_a_damaged_episode_does_not_fail_every_later_run_of_the_session(
         assert "memory of session 's' cannot be read" in caplog.text
     finally:
         await runtime.close()
+
+
+# -- budget reservations -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buckets", ["not json", "[1, 2]", '["[\\"user\\"]"]'])
+async def test_a_malformed_dead_reservation_does_not_fail_every_model_call(
+    tmp_path: Path, buckets: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from loomflow.governance.budget import Cap, StandardBudget
+    from loomflow.governance.budget.sql import SqlBudgetStore
+
+    path = tmp_path / "budget.db"
+    url = f"sqlite:///{path}"
+    first = StandardBudget([Cap("tokens_total", 100_000)], store=SqlBudgetStore(url))
+    worker = StandardBudget([Cap("tokens_total", 100_000)], store=SqlBudgetStore(url))
+    try:
+        await first.reserve(user_id="alice", model="scripted", max_tokens=10)  # makes tables
+        await asyncio.to_thread(
+            sqlite_exec,
+            path,
+            "INSERT INTO loom_budget_reservations VALUES "
+            f"('crafted', 'someone', '{buckets}', 1, 1, 1, 'charge', 0, 0)",
+        )
+        # A new worker reclaims expired holds before its first reservation.
+        ticket = await worker.reserve(user_id="bob", model="scripted", max_tokens=10)
+        assert ticket is not None
+        assert "'crafted' is malformed and was not reclaimed" in caplog.text
+        rows = await asyncio.to_thread(_reservation_ids, path)
+        assert "crafted" in rows  # left for an operator, not settled blindly
+    finally:
+        await first.close()
+        await worker.close()
+
+
+def _reservation_ids(path: Path) -> list[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return [r[0] for r in conn.execute("SELECT id FROM loom_budget_reservations")]
+    finally:
+        conn.close()
