@@ -384,7 +384,10 @@ class _AppRoleGrants:
 
 
 def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):  # a stored time no date can hold
+        return str(ts)
 
 
 async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:

@@ -394,3 +394,52 @@ def _reservation_ids(path: Path) -> list[str]:
         return [r[0] for r in conn.execute("SELECT id FROM loom_budget_reservations")]
     finally:
         conn.close()
+
+
+# -- journal listings and the session row ------------------------------------------------------
+
+LISTING_EDITS = [
+    "UPDATE loom_entries SET seq = 'x'",
+    "UPDATE loom_entries SET size = 'x'",
+    "UPDATE loom_entries SET created_at = 'x'",
+    "UPDATE loom_entries SET created_at = 1e300",  # PostgreSQL's double holds it too
+    "UPDATE loom_entries SET path = 'not json'",
+    "UPDATE loom_sessions SET updated_at = 1e300",
+]
+
+
+@pytest.mark.parametrize("edit", LISTING_EDITS)
+async def test_cli_listings_show_a_hand_edited_journal_row(tmp_path: Path, edit: str) -> None:
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    try:
+        async with runtime.session("s", "u"):
+            await runtime.step("charge", Counter())
+    finally:
+        await runtime.close()
+    await asyncio.to_thread(sqlite_exec, path, edit)
+    for command in (["runs", "list"], ["runs", "list", "--json"], ["runs", "show", "s"]):
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}", *command],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
+        assert done.returncode == 0, (command, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
+async def test_a_session_row_with_a_text_epoch_is_a_corrupt_entry_error(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    try:
+        async with runtime.session("s", "u"):
+            await runtime.step("charge", Counter())
+        await asyncio.to_thread(sqlite_exec, path, "UPDATE loom_sessions SET epoch = 'x'")
+        with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+            async with runtime.session("s", "u"):
+                pass
+    finally:
+        await runtime.close()
