@@ -342,6 +342,7 @@ class AuditStore(abc.ABC):
         (:meth:`count`) and the callback hears after every page of 1000.
         """
         if isinstance(dest, str | os.PathLike):
+            AuditFilter.build(**filters)  # bad filters fail before the file is created
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
             with Path(dest).open("w", encoding="utf-8") as fh:  # noqa: ASYNC230
                 return await self.export(fh, on_progress=on_progress, **filters)

@@ -109,3 +109,10 @@ def test_a_cli_argument_that_is_not_utf8_is_one_error_line(
     assert "Traceback" not in err
     assert err.startswith("loomflow: error:"), err
     assert "not valid UTF-8" in err, err
+
+
+async def test_an_export_with_a_bad_id_creates_no_file(log: AuditLog, tmp_path: Path) -> None:
+    target = tmp_path / "export.jsonl"
+    with pytest.raises(InvalidIdError):
+        await log.export(target, session_id="")
+    assert not target.exists()
