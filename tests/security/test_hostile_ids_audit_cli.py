@@ -116,3 +116,13 @@ async def test_an_export_with_a_bad_id_creates_no_file(log: AuditLog, tmp_path: 
     with pytest.raises(InvalidIdError):
         await log.export(target, session_id="")
     assert not target.exists()
+
+
+def test_a_heads_file_nested_too_deep_is_one_error_line(tmp_path: Path) -> None:
+    (tmp_path / "heads.json").write_text("[" * 100_000)
+    (tmp_path / "export.jsonl").write_text("")
+    done = _cli(tmp_path, "audit", "verify", "--file", "export.jsonl", "--heads", "heads.json")
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 1, err
+    assert "Traceback" not in err
+    assert err.startswith("loomflow: error: bad --heads file"), err
