@@ -18,7 +18,9 @@ __all__ = ["Settings"]
 # Settings that are URLs and may carry a password (``postgresql://app:pw@db/app``): the code
 # reads the real value, while repr/str, model_dump and `loomflow settings` show it masked.
 _URL_SETTINGS = ("runtime_url", "audit_url", "budget_url", "otlp_endpoint")
-_USERINFO_PASSWORD = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
+# Up to the *last* "@": a password with an unescaped "@", "/", "?" or "#" is still hidden
+# whole (masking a little too much is harmless; showing part of a password is not).
+_USERINFO_PASSWORD = re.compile(r"(://[^:/@?#]*:).*@", re.DOTALL)
 _QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd)=)[^&#]*", re.IGNORECASE)
 
 
@@ -56,7 +58,8 @@ def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
         path = url.split("://", 1)[1]
         if not path.startswith("/") or path == "/":
             raise ValueError(
-                f"bad {head} URL {url!r}: use {head}:///relative/path or {head}:////absolute/path"
+                f"bad {head} URL {_masked_url(url)!r}: use {head}:///relative/path or "
+                f"{head}:////absolute/path"
             )
     if head in ("postgresql", "postgres"):
         netloc = urlsplit(url).netloc
@@ -72,7 +75,13 @@ class Settings(BaseSettings):
     """Everything an operator may set without touching code."""
 
     model_config = SettingsConfigDict(
-        env_prefix="LOOMFLOW_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+        env_prefix="LOOMFLOW_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        # A value that does not parse may be a URL with a password or a mistyped secret:
+        # errors name the setting and the reason, never the value.
+        hide_input_in_errors=True,
     )
 
     runtime_url: str = Field(

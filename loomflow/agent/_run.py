@@ -31,7 +31,7 @@ from ..checkpoints import (
     CheckpointStore,
 )
 from ..context import RunContext
-from ..errors import CheckpointError, UserError
+from ..errors import CheckpointError, CorruptEntryError, UserError
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..memory import AgentMemory
 from ..messages import (
@@ -511,9 +511,21 @@ class _Run:
         if self.memory is None or self.ctx.session_id is None:
             return []
         # Without a journal the epoch is None: every episode is earlier.
-        return await self.memory.history(
-            self.ctx.session_id, user_id=self.ctx.user_id, before_epoch=self.epoch
-        )
+        try:
+            return await self.memory.history(
+                self.ctx.session_id, user_id=self.ctx.user_id, before_epoch=self.epoch
+            )
+        except CorruptEntryError:
+            # Like a damaged journal entry or checkpoint: one bad row must not fail every
+            # later run of the session. Strict runs raise.
+            if self.open_run is not None and self.open_run.strict:
+                raise
+            log.warning(
+                "the memory of session %r cannot be read; this run goes on without it",
+                self.ctx.session_id,
+                exc_info=True,
+            )
+            return []
 
     async def persist_episode(self, memory: AgentMemory) -> None:
         """Record the run's turns as an episode, in a journaled step with a per-run key.

@@ -15,6 +15,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from ..errors import AuditIntegrityError
 from ..storage import Database, apply_migrations
 from ._entry import GENESIS, AuditEntry, AuditRecord, canonical_json
 from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
@@ -199,7 +200,10 @@ class SqlAuditStore(AuditStore):
                 only,
                 what="audit heads",
             )
-        return {str(r[0]): ChainHead(r[1], int(r[2]), str(r[3])) for r in rows}
+        try:
+            return {str(r[0]): ChainHead(r[1], int(r[2]), str(r[3])) for r in rows}
+        except (TypeError, ValueError) as exc:  # a head row edited by hand
+            raise AuditIntegrityError(f"an audit head is malformed: {exc}") from exc
 
 
 def _conditions(where: AuditFilter) -> tuple[list[str], list[Any]]:
@@ -234,6 +238,17 @@ def _where(conds: list[str]) -> str:
 
 
 def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
+    try:
+        return _entry_of(row)
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        # A row edited by hand (SQLite keeps any type in any column): a clear error for
+        # query, export and verify alike, instead of a traceback.
+        raise AuditIntegrityError(
+            f"audit entry {row[0]!r} of user {row[1]!r} is malformed: {exc}"
+        ) from exc
+
+
+def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
     (
         _id,
         user_id,
@@ -254,7 +269,7 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         data = json.loads(payload)
         if not isinstance(data, dict):
             raise ValueError("the payload is not a JSON object")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
         # Shown as-is in queries; verify reports it (its hash cannot match either).
         data = {"unreadable_payload": str(payload)}
         problem = ChainProblem(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from .._ids import check_id, check_key
 from .._progress import OnProgress, Progress
 from ..errors import AuditError, UserError
 from ._entry import GENESIS, AuditEntry, AuditRecord, time_us_of, user_key
@@ -77,6 +78,13 @@ class AuditFilter:
         until: dt.datetime | float | None = None,
     ) -> AuditFilter:
         """From the public keyword arguments; ``action="tool.*"`` selects a family."""
+        # The same id rule as every other store: a lone surrogate or a NUL must be a typed
+        # error here too, not a driver's encoding error.
+        if user_id is not ANY_USER:
+            check_id("user_id", user_id)
+        check_id("session_id", session_id)
+        check_id("run_id", run_id)
+        check_key("action", action)
         prefix = None
         if action is not None and action.endswith("*"):
             prefix, action = action[:-1], None
@@ -334,6 +342,7 @@ class AuditStore(abc.ABC):
         (:meth:`count`) and the callback hears after every page of 1000.
         """
         if isinstance(dest, str | os.PathLike):
+            AuditFilter.build(**filters)  # bad filters fail before the file is created
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
             with Path(dest).open("w", encoding="utf-8") as fh:  # noqa: ASYNC230
                 return await self.export(fh, on_progress=on_progress, **filters)
@@ -356,6 +365,7 @@ class AuditStore(abc.ABC):
 
     async def head(self, user_id: str | None) -> ChainHead | None:
         """The recorded head of a user's chain, or ``None`` if the user has no entries."""
+        check_id("user_id", user_id)
         await self.open()
         return (await self._heads(user_key(user_id))).get(user_key(user_id))
 
@@ -380,6 +390,8 @@ class AuditStore(abc.ABC):
                 one: that catches a trail rewritten, head included, by someone who can
                 write the storage.
         """
+        if user_id is not ANY_USER:
+            check_id("user_id", user_id)
         await self.open()
         only = None if user_id is ANY_USER else user_key(user_id)
         saved = _saved_by_user(heads, only)

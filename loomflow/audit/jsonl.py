@@ -122,7 +122,7 @@ class JsonlAuditStore(AuditStore):
             data = json.loads(self.heads_path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return {"size": 0, "users": {}}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise AuditIntegrityError(f"{self.heads_path} is unreadable: {exc}") from exc
         if (
             not isinstance(data, dict)
@@ -400,7 +400,7 @@ class JsonlAuditStore(AuditStore):
                 continue
             try:
                 entry = AuditEntry.from_json(json.loads(raw))
-            except ValueError:
+            except (ValueError, RecursionError):  # nested too deep to parse: damage too
                 continue
             yield number, entry
 
@@ -438,7 +438,7 @@ class JsonlAuditStore(AuditStore):
         for number, (_start, raw) in enumerate(self._line_spans(size), start=1):
             try:
                 entry = AuditEntry.from_json(json.loads(raw))
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, RecursionError) as exc:  # Recursion: nested too deep
                 problem = ChainProblem(
                     None, "unreadable", None, number, f"line {number} is not an entry: {exc}"
                 )

@@ -51,7 +51,8 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
             continue
         try:
             entry = AuditEntry.from_json(json.loads(line))
-        except (ValueError, TypeError, KeyError, ValidationError) as exc:
+        # RecursionError: a line nested too deep for the JSON parser is damage, not a crash.
+        except (ValueError, TypeError, KeyError, ValidationError, RecursionError) as exc:
             detail = str(exc).splitlines()[0][:200]
             report.problems.append(
                 ChainProblem(None, "unreadable", None, number, f"not an audit entry: {detail}")

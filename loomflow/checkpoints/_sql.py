@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
+from ..errors import CheckpointError
 from ..messages import Usage
 from ..runtime import codec
 from ..runtime._store import Scope
@@ -57,8 +58,19 @@ _EXPORT = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE user_key = $1 ORDER BY
 
 
 def _row(row: Sequence[Any]) -> Checkpoint:
+    try:
+        return _checkpoint(row)
+    except (TypeError, ValueError, ArithmeticError, OSError) as exc:
+        # A row edited by hand (SQLite keeps any type in any column; a created_at of 1e300
+        # fits PostgreSQL's double too) reads as damaged: resume falls back to replay.
+        raise CheckpointError(f"checkpoint {row[0]!r} has a malformed column: {exc}") from exc
+
+
+def _checkpoint(row: Sequence[Any]) -> Checkpoint:
     (cid, session, user, run, epoch, turn, final, prompt, output, index) = row[:10]
     tokens_in, tokens_out, cost, parent, version, raw, created = row[10:]
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape")  # SQLite text where the bytes belong
     return Checkpoint(
         id=cid,
         session_id=session,

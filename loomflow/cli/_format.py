@@ -41,7 +41,10 @@ def iso_time(when: float | dt.datetime | None) -> str | None:
     if isinstance(when, dt.datetime):
         moment = when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
     else:
-        moment = dt.datetime.fromtimestamp(when, dt.UTC)
+        try:
+            moment = dt.datetime.fromtimestamp(when, dt.UTC)
+        except (OverflowError, ValueError, OSError):  # a stored time no date can hold
+            return str(when)
     return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 

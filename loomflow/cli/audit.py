@@ -215,7 +215,7 @@ def _saved_heads(args: argparse.Namespace) -> list[ChainHead]:
         return heads_from_json(json.loads(args.heads.read_text(encoding="utf-8")))
     except OSError as exc:
         raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc
-    except ValueError as exc:  # not JSON, or not a report or a list of heads
+    except (ValueError, RecursionError) as exc:  # not JSON (or nested too deep), not heads
         raise AuditError(f"bad --heads file {args.heads}: {exc}") from exc
 
 

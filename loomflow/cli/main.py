@@ -22,7 +22,7 @@ from pydantic_settings import SettingsError
 
 from .. import __version__
 from ..config import Settings, _check_store_url, _masked_url
-from ..errors import ConfigurationError, LoomflowError
+from ..errors import ConfigurationError, LoomflowError, UserError
 from ..runtime import JournalRuntime, SessionInfo, runtime_from_url
 from ..runtime._store import path_key
 from ._format import duration, iso_time, positive_int, table
@@ -176,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
         # reported here, in one line, before anything runs.
         Settings()
+        _check_text_args(args)
         _check_urls(args)
         if args.command == "demo":
             if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
@@ -231,6 +232,17 @@ _URL_OPTIONS = {
     "budget_url": ("--budget-url", ("memory", "sqlite", "postgresql", "postgres")),
     "postgres": ("--postgres", ("postgresql", "postgres")),
 }
+
+
+def _check_text_args(args: argparse.Namespace) -> None:
+    """Refuse an argument that is not text (bytes that are not UTF-8, kept by Python as lone
+    surrogates): no store can hold it, and the driver would fail with a traceback."""
+    for value in vars(args).values():
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UserError(f"the argument {value!r} is not valid UTF-8 text") from None
 
 
 def _check_urls(args: argparse.Namespace) -> None:
@@ -389,7 +401,10 @@ class _AppRoleGrants:
 
 
 def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):  # a stored time no date can hold
+        return str(ts)
 
 
 async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:

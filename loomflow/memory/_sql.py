@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import CorruptEntryError
 from ..runtime import codec
 from ..runtime._store import Scope
 from ..storage._component import ComponentStore
@@ -82,7 +83,18 @@ _TABLES = {
 
 
 def _episode(row: Sequence[Any]) -> Episode:
+    try:
+        return _episode_of(row)
+    except (TypeError, ValueError, ArithmeticError, OSError) as exc:
+        # A row edited by hand (SQLite keeps any type in any column; a created_at of 1e300
+        # fits PostgreSQL's double too) is damaged data, not a crash.
+        raise CorruptEntryError(f"episode {row[0]!r} has a malformed column: {exc}") from exc
+
+
+def _episode_of(row: Sequence[Any]) -> Episode:
     eid, session, user, key, run, epoch, output, version, raw, created = row
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape")  # SQLite text where the bytes belong
     return Episode(
         id=eid,
         session_id=session,

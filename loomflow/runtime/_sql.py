@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._progress import OnProgress, Progress
+from ..errors import CorruptEntryError
 from ..storage import Database, apply_migrations, require_schema
 from ._legacy import report_on_open
 from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
@@ -121,11 +122,63 @@ _QUERIES = {
 }
 
 
+def _stored(
+    path: str, name: str, fp: str, kind: str, fmt: Any, version: Any, value: Any, seq: Any = 0
+) -> StoredEntry:
+    """A journal or idempotency row as read, never failing on what a row holds.
+
+    SQLite keeps any type in any column, so a row edited by hand may hold text where the
+    value's bytes belong (``UPDATE ... SET value = '{...}'``) or text in a number column. Text
+    is read as its UTF-8 bytes (the stored form is UTF-8 JSON); anything else a row cannot
+    hold makes it an entry in a format no runtime reads, which the journal treats as corrupt
+    (the step runs again; strict mode raises) instead of failing the whole resume.
+    """
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogateescape")
+    if type(seq) is not int:
+        seq = -1  # only orders a run's entries; a damaged one must not break that
+    if (
+        isinstance(value, bytes | bytearray | memoryview)
+        and type(version) is int
+        and isinstance(fmt, str)
+    ):
+        return StoredEntry(path, name, fp, kind, fmt, version, bytes(value), seq)
+    what = f"value {type(value).__name__}, codec_version {type(version).__name__}"
+    return StoredEntry(path, name, fp, kind, f"unreadable row ({what})", 0, b"", seq)
+
+
+# Listings describe rows for people (`runs list`, `runs show`, `users export`): a row edited
+# by hand shows what it holds, or -1 / NaN, instead of failing the whole listing.
+def _int(value: Any) -> int:
+    return value if type(value) is int else -1
+
+
+def _float(value: Any) -> float:
+    return float(value) if type(value) in (int, float) else float("nan")
+
+
+def _path(raw: Any) -> tuple[str, ...]:
+    try:
+        path = json.loads(raw)
+    except (TypeError, ValueError, RecursionError):
+        return (f"<unreadable path {str(raw)[:60]!r}>",)
+    if isinstance(path, list) and all(isinstance(p, str) for p in path):
+        return tuple(path)
+    return (f"<unreadable path {str(raw)[:60]!r}>",)
+
+
 def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
     if not rows:
         return None
     token, epoch, is_open = rows[0]
-    return Claim(int(token), int(epoch), bool(is_open))
+    if type(token) is not int or type(epoch) is not int:
+        # A session row edited by hand (SQLite keeps text in a number column): a typed error
+        # naming the damage, not a ValueError from deep inside a run.
+        raise CorruptEntryError(
+            f"the session's lease row is damaged (token {token!r}, epoch {epoch!r}); "
+            "repair or delete its loom_sessions row"
+        )
+    return Claim(token, epoch, bool(is_open))
 
 
 class SqlJournalStore:
@@ -198,10 +251,7 @@ class SqlJournalStore:
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         rows = await self._run("read", "load_run", scope.key, epoch)
-        return [
-            StoredEntry(r[0], r[1], r[2], r[3], r[4], int(r[5]), bytes(r[6]), int(r[7]))
-            for r in rows
-        ]
+        return [_stored(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
 
     async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         rows = await self._run(
@@ -227,7 +277,7 @@ class SqlJournalStore:
         if not rows:
             return None
         name, kind, fmt, version, value = rows[0]
-        return StoredEntry("", name, "", kind, fmt, int(version), bytes(value))
+        return _stored("", name, "", kind, fmt, version, value)
 
     async def put_idempotent(
         self,
@@ -270,13 +320,13 @@ class SqlJournalStore:
             EntryInfo(
                 session_id,
                 user_id,
-                int(r[0]),
-                tuple(json.loads(r[1])),
-                r[2],
-                r[3],
-                int(r[4]),
-                int(r[5]),
-                float(r[6]),
+                _int(r[0]),
+                _path(r[1]),
+                str(r[2]),
+                str(r[3]),
+                _int(r[4]),
+                _int(r[5]),
+                _float(r[6]),
             )
             for r in rows
         ]
@@ -305,7 +355,7 @@ class SqlJournalStore:
             what="journal read",
         )
         return [
-            SessionInfo(r[0], r[1], int(r[2]), bool(r[3]), r[4], float(r[5]), int(r[6]))
+            SessionInfo(r[0], r[1], _int(r[2]), bool(r[3]), r[4], _float(r[5]), _int(r[6]))
             for r in rows
         ]
 

@@ -314,7 +314,9 @@ def _decode_tagged(data: dict[str, Any], depth: int) -> Any:
         return decoder(payload, depth)
     except UnknownTagError:
         raise
-    except (TypeError, ValueError, KeyError, AttributeError, decimal.InvalidOperation) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+        # ArithmeticError: decimal.InvalidOperation, and the OverflowError of a timedelta
+        # whose stored days or seconds are out of range.
         raise UnknownTagError(f"malformed {tag!r} value: {exc}") from exc
 
 

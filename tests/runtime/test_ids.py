@@ -128,7 +128,9 @@ async def test_every_store_refuses_bad_ids_the_same_way(
     for attempt in attempts:
         with pytest.raises(InvalidIdError, match=re.escape(reason)):
             await attempt()
-    assert (await audit.query(user_id=bad if bad else None)).entries == []
+    with pytest.raises(InvalidIdError, match=re.escape(reason)):
+        await audit.query(user_id=bad)  # reads follow the id rule too
+    assert (await audit.query()).entries == []  # and nothing was written
     await budget.close()
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from ...config import Settings
+from ...errors import BudgetError
 from ...storage import Database, apply_migrations, database_from_url
 from ._owner import owner_is_dead, pid_namespace
 from ._store import BudgetStore
@@ -41,6 +43,8 @@ from ._types import (
 from .migrations import COMPONENT, MIGRATIONS
 
 __all__ = ["SqlBudgetStore"]
+
+log = logging.getLogger("loomflow.governance.budget")
 
 _COLUMNS = (
     "tokens_in, tokens_out, cost_nanousd, wall_s, calls, reserved_in, reserved_out, "
@@ -144,8 +148,15 @@ def _keys(buckets: Sequence[Bucket]) -> str:
     return json.dumps([b.key for b in buckets])
 
 
+class _MalformedHold(BudgetError):
+    """A reservation row whose bucket list cannot be read (edited by hand, or damaged)."""
+
+
 def _buckets(text: str) -> tuple[Bucket, ...]:
-    return tuple(Bucket.from_key(k) for k in json.loads(text))
+    try:
+        return tuple(Bucket.from_key(k) for k in json.loads(text))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise _MalformedHold(f"its bucket list {str(text)[:80]!r} cannot be read: {exc}") from exc
 
 
 class SqlBudgetStore:
@@ -325,17 +336,26 @@ class SqlBudgetStore:
         for reservation_id, dead_owner in candidates.items():
             # One transaction per hold: a reclaimer never holds two holds' locks at once, so
             # it cannot deadlock with a worker committing one of them.
-            async with self.db.transaction(what="budget reclaim") as tx:
-                rows = await tx.fetch(_TAKE_DEAD, reservation_id, dead_owner)
-                if not rows:
-                    continue
-                held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
-                charge = rows[0][4] == "charge"
-                for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
-                    await self._move(
-                        tx, bucket, held if charge else Amount(), held, 1 if charge else 0
-                    )
-                reclaimed += 1
+            try:
+                async with self.db.transaction(what="budget reclaim") as tx:
+                    rows = await tx.fetch(_TAKE_DEAD, reservation_id, dead_owner)
+                    if not rows:
+                        continue
+                    held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
+                    charge = rows[0][4] == "charge"
+                    for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
+                        await self._move(
+                            tx, bucket, held if charge else Amount(), held, 1 if charge else 0
+                        )
+                    reclaimed += 1
+            except (_MalformedHold, ValueError, TypeError) as exc:
+                # Rolled back and left in place: one bad row must not fail the model calls of
+                # every worker (reclaim runs before reservations), nor be settled blindly.
+                log.warning(
+                    "budget reservation %r is malformed and was not reclaimed: %s",
+                    reservation_id,
+                    exc,
+                )
         return reclaimed
 
     async def totals(self, keys: Sequence[str]) -> dict[str, Totals]:

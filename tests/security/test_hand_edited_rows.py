@@ -1,0 +1,445 @@
+"""Rows edited by hand in a real database read as damaged data, never as a Python error.
+
+SQLite keeps any type in any column, so `UPDATE loom_entries SET value = '{...}'` stores text
+where the value's bytes belong, and a number column can hold text; PostgreSQL's double holds
+a created_at of 1e300 that no datetime can. Each case below raised a bare TypeError,
+ValueError, OverflowError or RecursionError from a resume, a checkpoint load, a memory read or
+an audit verify before; now it is the documented outcome (re-run, fall back, a typed error or
+a verify problem).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent, Tuning
+from loomflow.audit import AuditLog, PostgresAuditStore, SqliteAuditStore
+from loomflow.audit.offline import verify_lines
+from loomflow.errors import AuditIntegrityError, CheckpointError, CorruptEntryError
+from loomflow.memory import SqliteMemory
+from loomflow.runtime import PostgresRuntime, SqliteRuntime, codec
+from loomflow.testing.checkpoint_conformance import Shop
+
+
+def sqlite_exec(path: Path, *statements: str) -> None:
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            for sql in statements:
+                conn.execute(sql)
+    finally:
+        conn.close()
+
+
+async def pg_exec(dsn: str, *statements: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        for sql in statements:
+            await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+# -- the codec ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("days", ["1e300", "99999999999", "-99999999999"])
+def test_a_timedelta_out_of_range_is_a_malformed_value(days: str) -> None:
+    raw = f'{{"$t":"timedelta","v":[{days},0,0]}}'.encode()
+    with pytest.raises(codec.UnknownTagError, match="malformed 'timedelta'"):
+        codec.loads(raw)
+
+
+# -- journal rows --------------------------------------------------------------------------------
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self) -> dict[str, int]:
+        self.calls += 1
+        return {"fresh": self.calls}
+
+
+async def _journal_with_open_run(path: Path, body: Counter) -> None:
+    runtime = SqliteRuntime(path)
+    try:
+        with pytest.raises(RuntimeError, match="crash"):
+            async with runtime.session("s", "u"):
+                await runtime.step("charge", body)
+                raise RuntimeError("crash")
+    finally:
+        await runtime.close()
+
+
+async def _resume(path: Path, body: Counter, *, strict: bool = False) -> tuple[Any, int]:
+    runtime = SqliteRuntime(path, strict_replay=strict)
+    try:
+        async with runtime.session("s", "u", resume=True) as run:
+            value = await runtime.step("charge", body)
+            return value, run.stats.corrupt
+    finally:
+        await runtime.close()
+
+
+async def test_a_value_stored_as_sqlite_text_is_read_as_its_json(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    body = Counter()
+    await _journal_with_open_run(path, body)
+    sqlite_exec(path, """UPDATE loom_entries SET value = '{"fresh":41}'""")
+    assert await _resume(path, body) == ({"fresh": 41}, 0)  # the same JSON, read as text
+    assert body.calls == 1
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE loom_entries SET value = '{\"fresh\":'",  # text, and not JSON
+        "UPDATE loom_entries SET codec_version = 'one'",
+    ],
+)
+async def test_a_row_with_text_where_a_value_belongs_is_corrupt(tmp_path: Path, edit: str) -> None:
+    path = tmp_path / "journal.db"
+    body = Counter()
+    await _journal_with_open_run(path, body)
+    sqlite_exec(path, edit)
+    with pytest.raises(CorruptEntryError):
+        await _resume(path, body, strict=True)
+    assert await _resume(path, body) == ({"fresh": 2}, 1)  # ran again, once
+    assert await _resume(path, body) == ({"fresh": 2}, 0)  # and its result replaced the row
+    assert body.calls == 2
+
+
+async def test_a_text_seq_does_not_stop_a_resume(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    body = Counter()
+    await _journal_with_open_run(path, body)
+    sqlite_exec(path, "UPDATE loom_entries SET seq = 'first'")
+    assert await _resume(path, body) == ({"fresh": 1}, 0)
+
+
+async def test_an_idempotency_row_stored_as_text_replays(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    body = Counter()
+    runtime = SqliteRuntime(path)
+    try:
+        async with runtime.session("s", "u"):
+            await runtime.step("pay", body, idempotency_key="order-1")
+        sqlite_exec(path, """UPDATE loom_idempotency SET value = '{"fresh":7}'""")
+        async with runtime.session("s2", "u"):
+            assert await runtime.step("pay", body, idempotency_key="order-1") == {"fresh": 7}
+        assert body.calls == 1
+    finally:
+        await runtime.close()
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+CHECKPOINT_EDITS = {
+    "sqlite": [
+        "UPDATE loom_checkpoints SET messages = 'not json'",
+        "UPDATE loom_checkpoints SET epoch = 'x'",
+        "UPDATE loom_checkpoints SET codec_version = 'x'",
+        "UPDATE loom_checkpoints SET cost_usd = 'x'",
+        "UPDATE loom_checkpoints SET created_at = 1e300",
+    ],
+    "postgres": [
+        "UPDATE loom_checkpoints SET created_at = 1e300",
+        "UPDATE loom_checkpoints SET created_at = 'NaN'",
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit"),
+    [("sqlite", e) for e in CHECKPOINT_EDITS["sqlite"]]
+    + [
+        pytest.param("postgres", e, marks=pytest.mark.postgres)
+        for e in CHECKPOINT_EDITS["postgres"]
+    ],
+)
+async def test_a_hand_edited_checkpoint_falls_back_to_journal_replay(
+    kind: str, edit: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path) if kind == "sqlite" else await PostgresRuntime.connect(dsn)
+    try:
+        shop = Shop(fail_at=2)
+
+        def agent(strict: bool) -> Agent:
+            tuning = Tuning(checkpoint=True, strict_replay=strict)
+            return Agent(
+                "You shop.", model=shop.model, tools=[shop.tool], runtime=runtime, tuning=tuning
+            )
+
+        with pytest.raises(ConnectionError):
+            await agent(False).run("shop", session_id="s", user_id="u")
+        if kind == "sqlite":
+            await asyncio.to_thread(sqlite_exec, path, edit)
+        else:
+            await pg_exec(dsn, edit)
+        with pytest.raises(CheckpointError, match=r"malformed|cannot be decoded"):
+            await agent(True).resume("shop", session_id="s", user_id="u")
+        result = await agent(False).resume("shop", session_id="s", user_id="u")
+        assert result.restored_from is None
+        assert result.replayed_steps == 4
+        assert shop.bought == ["apples", "bread", "cheese"]
+    finally:
+        await runtime.close()
+
+
+# -- memory episodes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE loom_memory_episodes SET created_at = 1e300",
+        "UPDATE loom_memory_episodes SET codec_version = 'x'",
+    ],
+)
+async def test_a_hand_edited_episode_is_a_corrupt_entry(tmp_path: Path, edit: str) -> None:
+    path = tmp_path / "memory.db"
+    memory = SqliteMemory(path)
+    try:
+        await memory.record_episode("s", user_id="u", key="k", messages=[], output="done")
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        with pytest.raises(CorruptEntryError, match="malformed"):
+            await memory.episodes("s", user_id="u")
+    finally:
+        await memory.close()
+
+
+async def test_an_episode_stored_as_sqlite_text_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    memory = SqliteMemory(path)
+    try:
+        await memory.record_episode("s", user_id="u", key="k", messages=[], output="done")
+        await asyncio.to_thread(
+            sqlite_exec, path, "UPDATE loom_memory_episodes SET messages = '[]'"
+        )
+        (episode,) = await memory.episodes("s", user_id="u")
+        assert episode.messages == []
+    finally:
+        await memory.close()
+
+
+# -- audit rows --------------------------------------------------------------------------------
+
+DEEP = "[" * 50_000 + "]" * 50_000  # PostgreSQL TEXT holds it; Python's parser recurses
+
+
+async def _audit_rows(log: AuditLog) -> None:
+    for i in range(3):
+        await log.record("custom.note", user_id="alice", actor="test", payload={"i": i})
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_an_audit_payload_nested_too_deep_is_an_unreadable_entry(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    path = tmp_path / "audit.db"
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    store = SqliteAuditStore(path) if kind == "sqlite" else PostgresAuditStore(dsn)
+    log = AuditLog(store)
+    try:
+        await _audit_rows(log)
+        tamper = f"UPDATE loom_audit SET payload = '{DEEP}' WHERE seq = 2"
+        if kind == "sqlite":
+            await asyncio.to_thread(sqlite_exec, path, "DROP TRIGGER loom_audit_no_update", tamper)
+        else:
+            await pg_exec(
+                dsn,
+                "ALTER TABLE loom_audit DISABLE TRIGGER USER",
+                tamper,
+                "ALTER TABLE loom_audit ENABLE TRIGGER USER",
+            )
+        report = await log.verify()
+        assert not report.ok
+        assert any(p.kind == "unreadable" and p.seq == 2 for p in report.problems)
+        page = await log.query(user_id="alice")
+        assert len(page.entries) == 3
+        assert "unreadable_payload" in page.entries[1].payload
+    finally:
+        await log.close()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE loom_audit SET seq = 'two' WHERE seq = 2",
+        "UPDATE loom_audit SET time_us = 'noon' WHERE seq = 2",
+        "UPDATE loom_audit SET schema_version = 'v1' WHERE seq = 2",
+        "UPDATE loom_audit_heads SET seq = 'three'",
+    ],
+)
+async def test_an_audit_row_with_text_in_a_number_column_is_an_integrity_error(
+    tmp_path: Path, edit: str
+) -> None:
+    path = tmp_path / "audit.db"
+    log = AuditLog(SqliteAuditStore(path))
+    try:
+        await _audit_rows(log)
+        await asyncio.to_thread(
+            sqlite_exec,
+            path,
+            "DROP TRIGGER loom_audit_no_update",
+            "DROP TRIGGER loom_audit_heads_forward",
+            edit,
+        )
+        with pytest.raises(AuditIntegrityError, match="malformed"):
+            await log.verify()
+    finally:
+        await log.close()
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "loomflow.cli", "audit", "verify"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"LOOMFLOW_AUDIT_URL": f"sqlite:///{path}", "PATH": ""},
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert re.match(r"loomflow: error: .*malformed", done.stderr), done.stderr
+
+
+def test_an_export_line_nested_too_deep_is_an_unreadable_line() -> None:
+    good = {"schema_version": 1, "user_id": "alice", "seq": 1, "actor": "a", "action": "x"}
+    report = verify_lines([json.dumps(good), DEEP])
+    assert any(p.kind == "unreadable" and p.position == 2 for p in report.problems)
+
+
+async def test_a_damaged_episode_does_not_fail_every_later_run_of_the_session(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    try:
+        shop = Shop()
+
+        def agent(strict: bool) -> Agent:
+            return Agent(
+                "You shop.",
+                model=shop.model,
+                tools=[shop.tool],
+                runtime=runtime,
+                tuning=Tuning(strict_replay=strict),
+            )
+
+        await agent(False).run("shop", session_id="s", user_id="u")
+        await asyncio.to_thread(
+            sqlite_exec, path, "UPDATE loom_memory_episodes SET messages = X'00'"
+        )
+        with pytest.raises(CorruptEntryError, match="cannot be decoded"):
+            await agent(True).run("shop", session_id="s", user_id="u")
+        result = await agent(False).run("shop", session_id="s", user_id="u")
+        assert result.output.startswith("bought:")
+        assert "memory of session 's' cannot be read" in caplog.text
+    finally:
+        await runtime.close()
+
+
+# -- budget reservations -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buckets", ["not json", "[1, 2]", '["[\\"user\\"]"]'])
+async def test_a_malformed_dead_reservation_does_not_fail_every_model_call(
+    tmp_path: Path, buckets: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from loomflow.governance.budget import Cap, StandardBudget
+    from loomflow.governance.budget.sql import SqlBudgetStore
+
+    path = tmp_path / "budget.db"
+    url = f"sqlite:///{path}"
+    first = StandardBudget([Cap("tokens_total", 100_000)], store=SqlBudgetStore(url))
+    worker = StandardBudget([Cap("tokens_total", 100_000)], store=SqlBudgetStore(url))
+    try:
+        await first.reserve(user_id="alice", model="scripted", max_tokens=10)  # makes tables
+        await asyncio.to_thread(
+            sqlite_exec,
+            path,
+            "INSERT INTO loom_budget_reservations VALUES "
+            f"('crafted', 'someone', '{buckets}', 1, 1, 1, 'charge', 0, 0)",
+        )
+        # A new worker reclaims expired holds before its first reservation.
+        ticket = await worker.reserve(user_id="bob", model="scripted", max_tokens=10)
+        assert ticket is not None
+        assert "'crafted' is malformed and was not reclaimed" in caplog.text
+        rows = await asyncio.to_thread(_reservation_ids, path)
+        assert "crafted" in rows  # left for an operator, not settled blindly
+    finally:
+        await first.close()
+        await worker.close()
+
+
+def _reservation_ids(path: Path) -> list[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return [r[0] for r in conn.execute("SELECT id FROM loom_budget_reservations")]
+    finally:
+        conn.close()
+
+
+# -- journal listings and the session row ------------------------------------------------------
+
+LISTING_EDITS = [
+    "UPDATE loom_entries SET seq = 'x'",
+    "UPDATE loom_entries SET size = 'x'",
+    "UPDATE loom_entries SET created_at = 'x'",
+    "UPDATE loom_entries SET created_at = 1e300",  # PostgreSQL's double holds it too
+    "UPDATE loom_entries SET path = 'not json'",
+    "UPDATE loom_sessions SET updated_at = 1e300",
+]
+
+
+@pytest.mark.parametrize("edit", LISTING_EDITS)
+async def test_cli_listings_show_a_hand_edited_journal_row(tmp_path: Path, edit: str) -> None:
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    try:
+        async with runtime.session("s", "u"):
+            await runtime.step("charge", Counter())
+    finally:
+        await runtime.close()
+    await asyncio.to_thread(sqlite_exec, path, edit)
+    for command in (["runs", "list"], ["runs", "list", "--json"], ["runs", "show", "s"]):
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}", *command],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
+        assert done.returncode == 0, (command, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
+async def test_a_session_row_with_a_text_epoch_is_a_corrupt_entry_error(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    try:
+        async with runtime.session("s", "u"):
+            await runtime.step("charge", Counter())
+        await asyncio.to_thread(sqlite_exec, path, "UPDATE loom_sessions SET epoch = 'x'")
+        with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+            async with runtime.session("s", "u"):
+                pass
+    finally:
+        await runtime.close()
