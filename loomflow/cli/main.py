@@ -302,9 +302,16 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     from ..memory import memory_for
 
     settings = Settings()
-    print(f"journal schema at version {await runtime.migrate()}")
     database = getattr(runtime, "database", None)
     grants = _AppRoleGrants(args.app_role, args.app_login)
+    others = (args.audit_url or settings.audit_url, settings.budget_url)
+    on_postgres = getattr(database, "backend", None) == "postgres" or any(
+        url is not None and url.startswith(_POSTGRES) for url in others
+    )
+    if args.app_role is not None and not on_postgres:
+        # Said before migrating: a command that cannot do what was asked changes nothing.
+        return grants.finish()
+    print(f"journal schema at version {await runtime.migrate()}")
     await grants.grant(database)
     if database is not None:
         print(f"checkpoints schema at version {await checkpoint_store_for(runtime).migrate()}")

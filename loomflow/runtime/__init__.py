@@ -53,9 +53,9 @@ __all__ = [
     "StepEvent",
     "StepStart",
     "StepTracer",
-    "is_registered",
     "import_legacy_journal",
     "inspect_legacy_journal",
+    "is_registered",
     "register_type",
     "runtime_from_url",
 ]

@@ -241,7 +241,10 @@ def test_the_demo_ends_with_a_command_the_user_can_run(demo_run: tuple[Path, str
     assert argv[1:4] == ["-m", "loomflow.cli", "--url"]
     shown = subprocess.run([*argv, "--json"], capture_output=True, text=True, check=False)
     assert shown.returncode == 0, shown.stderr
-    assert len(shown.stdout.splitlines()) == 10
+    steps = [json.loads(line)["name"] for line in shown.stdout.splitlines()]
+    # 5 model calls, 5 tool calls and the run's memory episode (memory is on by default).
+    assert len(steps) == 11
+    assert steps[-1] == "persist_episode_5"
 
 
 def test_command_name_is_what_the_user_typed_or_loomflow_on_path(
@@ -465,4 +468,31 @@ def test_metrics_bind_locally_unless_a_container_says_otherwise() -> None:
 def test_sqlite_journal_of_the_demo_is_a_real_journal(demo_run: tuple[Path, str]) -> None:
     work, _ = demo_run
     with sqlite3.connect(demo_file(work, ".db")) as conn:
-        assert conn.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (10,)
+        # 5 model calls, 5 tool calls and the run's memory episode.
+        assert conn.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (11,)
+
+
+def test_forget_without_yes_is_one_error_line_and_deletes_nothing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    refused = loomflow("--url", url, "checkpoints", "forget", "--user", "alice")
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        "loomflow: error: checkpoints forget deletes every snapshot of the user: "
+        "add --yes to confirm"
+    ]
+    done = loomflow("--url", url, "checkpoints", "forget", "--user", "alice", "--yes", "--json")
+    assert done.returncode == 0, done.stderr
+
+
+def test_app_role_without_postgres_is_refused_before_anything_is_migrated(
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / "journal.db"
+    refused = loomflow("--url", f"sqlite:///{journal}", "migrate", "--app-role", "app")
+    assert refused.returncode == 2
+    assert refused.stdout == ""  # no "schema at version" lines: nothing was migrated
+    assert refused.stderr.splitlines() == [
+        "loomflow: error: --app-role needs a PostgreSQL database"
+    ]
+    assert not journal.exists()
