@@ -366,10 +366,19 @@ async def _governance_report(story: _Story) -> tuple[list[str], _Budget]:
         audit, budget = governance(runtime, story.model)
         page = await audit.query(user_id=story.user, session_id=story.session, limit=500)
         trail = []
+        # A start whose execution has no outcome entry is the work the kill cut short.
+        ended = {
+            e.payload.get("execution")
+            for e in page.entries
+            if e.action in ("model.call", "model.error", "tool.result")
+        }
         for entry in page.entries:
             detail = entry.payload.get("tool") or entry.payload.get("outcome") or ""
             if entry.action == "run.start":
                 detail = "resumed the open run" if entry.payload.get("resumed") else "new run"
+            execution = entry.payload.get("execution")
+            if entry.action in ("model.start", "tool.call") and execution not in (None, *ended):
+                detail = f"{detail} (no outcome: the worker was killed during it)".lstrip()
             trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}".rstrip())
         report = await audit.verify(user_id=story.user)
         trail.append(f"chain verified: {'ok' if report.ok else 'PROBLEMS FOUND'}")

@@ -496,3 +496,13 @@ def test_app_role_without_postgres_is_refused_before_anything_is_migrated(
         "loomflow: error: --app-role needs a PostgreSQL database"
     ]
     assert not journal.exists()
+
+
+def test_the_demo_marks_the_call_the_kill_cut_short(demo_run: tuple[Path, str]) -> None:
+    # The killed worker's last audit entry is a start with no outcome; the trail says why.
+    _work, out = demo_run
+    cut = [line for line in out.splitlines() if "(no outcome" in line]
+    assert len(cut) == 1
+    assert re.fullmatch(
+        r"  #16  model\.start +\(no outcome: the worker was killed during it\)", cut[0]
+    )
