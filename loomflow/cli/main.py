@@ -241,6 +241,9 @@ def _show_settings(args: argparse.Namespace) -> int:
         if name in _SECRET_SETTINGS or "url" in name:
             value = _masked(name, value)
         source = "environment or .env" if name in settings.model_fields_set else "default"
+        if name == "runtime_url" and args.url is not None:
+            # `loomflow --url X settings`: what the other commands would use is X.
+            value, source = _masked(name, args.url), "--url"
         document[name] = {"value": value, "from": source}
         rows.append((f"LOOMFLOW_{name.upper()}", json.dumps(value), source))
     if args.json:

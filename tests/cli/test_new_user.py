@@ -506,3 +506,18 @@ def test_the_demo_marks_the_call_the_kill_cut_short(demo_run: tuple[Path, str]) 
     assert re.fullmatch(
         r"  #16  model\.start +\(no outcome: the worker was killed during it\)", cut[0]
     )
+
+
+def test_settings_shows_the_journal_given_with_url(tmp_path: Path) -> None:
+    # `loomflow --url X settings` reports the journal the other commands would open: X.
+    env = {"LOOMFLOW_RUNTIME_URL": "sqlite:///from-env.db"}
+    url = "postgresql://app:s3cret-pw@db:5432/app"
+    done = loomflow("--url", url, "settings", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["runtime_url"] == {
+        "value": "postgresql://app:***@db:5432/app",
+        "from": "--url",
+    }
+    assert "s3cret-pw" not in done.stdout
+    plain = json.loads(loomflow("settings", "--json", env=env, cwd=tmp_path).stdout)
+    assert plain["runtime_url"] == {"value": "sqlite:///from-env.db", "from": "environment or .env"}
