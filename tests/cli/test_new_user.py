@@ -521,3 +521,24 @@ def test_settings_shows_the_journal_given_with_url(tmp_path: Path) -> None:
     assert "s3cret-pw" not in done.stdout
     plain = json.loads(loomflow("settings", "--json", env=env, cwd=tmp_path).stdout)
     assert plain["runtime_url"] == {"value": "sqlite:///from-env.db", "from": "environment or .env"}
+
+
+def test_without_url_a_missing_default_journal_says_how_to_name_one(tmp_path: Path) -> None:
+    # The README's quick start writes ./journal.db; the CLI's default is .loomflow/journal.db.
+    env = {k: v for k, v in os.environ.items() if k != "LOOMFLOW_RUNTIME_URL"}
+    (tmp_path / "journal.db").touch()
+    done = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "runs", "list"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "loomflow: error: no journal at .loomflow/journal.db, the default journal: name yours "
+        "with --url before the command (`loomflow --url sqlite:///journal.db ...`) or with "
+        "LOOMFLOW_RUNTIME_URL"
+    ]
+    assert not (tmp_path / ".loomflow").exists()
