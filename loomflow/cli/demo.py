@@ -130,6 +130,9 @@ def run_demo(
     if stop_after < 1:
         print("loomflow: error: --kill-after must be at least 1", file=sys.stderr)
         return 2
+    if workdir is not None and workdir.is_file():
+        print(f"loomflow: error: --workdir {workdir} is a file, not a directory", file=sys.stderr)
+        return 2
     return asyncio.run(_start(postgres, workdir, stop_after, model, handshake_s))
 
 
@@ -146,7 +149,14 @@ async def _start(
     model = build_model(spec)
     try:
         work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))
-        work.mkdir(parents=True, exist_ok=True)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file on the way, no permission, a read-only disk
+            print(
+                f"loomflow: error: --workdir {work} cannot be made: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 2
         story = _Story(
             url=postgres or "",
             on_postgres=postgres is not None,

@@ -542,3 +542,17 @@ def test_without_url_a_missing_default_journal_says_how_to_name_one(tmp_path: Pa
         "LOOMFLOW_RUNTIME_URL"
     ]
     assert not (tmp_path / ".loomflow").exists()
+
+
+def test_a_workdir_that_is_not_a_directory_is_one_error_line(tmp_path: Path) -> None:
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine\n")
+    for workdir, problem in (
+        (afile, "is a file, not a directory"),
+        (afile / "sub", "cannot be made: Not a directory"),
+    ):
+        done = loomflow("demo", "--workdir", str(workdir))
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [f"loomflow: error: --workdir {workdir} {problem}"]
+        assert done.stdout == ""
+    assert afile.read_text() == "mine\n"
