@@ -202,6 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave: a bug, shown in full
+            raise
+        # `-o` into a directory that does not exist, a file without permission, ...
+        print(f"loomflow: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -556,3 +556,42 @@ def test_a_workdir_that_is_not_a_directory_is_one_error_line(tmp_path: Path) -> 
         assert done.stderr.splitlines() == [f"loomflow: error: --workdir {workdir} {problem}"]
         assert done.stdout == ""
     assert afile.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["audit", "export", "--user", "u", "-o"],
+        ["users", "export", "u", "-o"],
+        ["checkpoints", "export", "--user", "u", "-o"],
+    ],
+)
+def test_an_output_file_that_cannot_be_written_is_one_error_line(
+    tmp_path: Path, command: list[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    for target, reason in (
+        (tmp_path / "no-such-dir" / "out.json", "No such file or directory"),
+        (tmp_path, "Is a directory"),
+    ):
+        done = loomflow("--url", url, *command, str(target))
+        assert done.returncode == 1
+        assert done.stderr.splitlines() == [f"loomflow: error: {target}: {reason}"]
+
+
+def test_heads_from_a_file_that_is_not_a_verify_report_are_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    export = tmp_path / "alice.json"
+    assert loomflow("--url", url, "users", "export", "alice", "-o", str(export)).returncode == 0
+    # A users export is JSON too; taken as heads it would check nothing and print OK.
+    done = loomflow("--url", url, "audit", "verify", "--heads", str(export))
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"loomflow: error: bad --heads file {export}: it is not a `verify --json` report "
+        '(no "heads")'
+    ]
+    report = tmp_path / "heads.json"
+    report.write_text(loomflow("--url", url, "audit", "verify", "--json").stdout)
+    assert loomflow("--url", url, "audit", "verify", "--heads", str(report)).returncode == 0
