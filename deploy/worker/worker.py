@@ -1,7 +1,8 @@
 """A demo worker that keeps the dashboard busy: scripted agent runs, crashes and resumes.
 
-Everything comes from ``LOOMFLOW_*`` settings: the journal (``LOOMFLOW_RUNTIME_URL``), span
-export (``LOOMFLOW_OTLP_ENDPOINT``) and the metrics port (``LOOMFLOW_METRICS_PORT``). The model
+Everything comes from the environment: the journal (``LOOMFLOW_RUNTIME_URL``), span export
+(the standard ``OTEL_EXPORTER_OTLP_ENDPOINT``, or ``LOOMFLOW_OTLP_ENDPOINT``) and the metrics
+port (``LOOMFLOW_METRICS_PORT``). The model
 is scripted, so no API key or network is needed. Each iteration picks one of 20 users and:
 
 - mostly runs a fresh task (a tool call, then an answer);

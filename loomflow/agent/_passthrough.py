@@ -14,7 +14,8 @@ class Passthrough:
     """No journal: steps run every time, nothing is replayed, runs do not take turns."""
 
     backend = "none"
-    current_run = None
+    current_run: None = None  # no journal, so never a run open on it
+    max_payload_bytes: int | None = None  # nothing is stored, so nothing is too big
 
     async def step(
         self,

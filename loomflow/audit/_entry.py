@@ -16,12 +16,12 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import math
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._ids import check_id, check_key
+from .._json import canonical_json, json_safe
 from ..errors import UserError
 
 __all__ = [
@@ -39,13 +39,6 @@ ENTRY_SCHEMA_VERSION: Final = 1
 
 GENESIS: Final = "0" * 64
 """``prev_hash`` of a user's first entry."""
-
-
-def canonical_json(value: Any) -> str:
-    """The one JSON spelling of ``value`` that hashes are computed over."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
 
 
 def user_key(user_id: str | None) -> str:
@@ -79,26 +72,6 @@ def _check_text(what: str, value: object, *, optional: bool) -> None:
         raise UserError(f"{what} must be a {'string or None' if optional else 'non-empty string'}")
     if "\x00" in value:
         raise UserError(f"{what} {value!r} contains a NUL character, which no backend can store")
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` as plain JSON data (non-finite floats and unknown objects become strings)."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        items = [json_safe(v) for v in value]
-        return sorted(items, key=canonical_json) if isinstance(value, set | frozenset) else items
-    if isinstance(value, BaseModel):
-        return json_safe(value.model_dump(mode="json"))
-    if isinstance(value, dt.datetime | dt.date | dt.time):
-        return value.isoformat()
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return str(value)
 
 
 class AuditRecord(BaseModel):

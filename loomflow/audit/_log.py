@@ -18,18 +18,25 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._progress import OnProgress
-from ..agent.hooks import RunHooks, RunInfo
 from ..context import get_run_context
-from ..governance.events import BudgetDenied, BudgetWarning, GuardrailTripped, PermissionDecided
+from ..governance.events import (
+    BudgetDenied,
+    BudgetUnavailable,
+    BudgetWarning,
+    GovernanceEvent,
+    GuardrailTripped,
+    PermissionDecided,
+)
+from ..hooks import RunHooks, RunInfo
 from ..messages import Message, ModelResponse, ModelSettings, ToolCall
 from ..models import cost_usd
+from ..redaction import Redactor, install_log_redaction
 from ..runtime import StepEvent
 from ..tools import Tool, ToolOutcome
 from . import actions
 from ._entry import AuditEntry, AuditRecord
 from ._store import ANY_USER, AuditPage, AuditStore, ChainHead, VerifyReport
 from ._url import audit_store_from_url
-from .redaction import Redactor, install_log_redaction
 
 __all__ = ["AuditHooks", "AuditLog"]
 
@@ -236,11 +243,7 @@ class AuditHooks(RunHooks):
         )
 
     def _observe_runtime(self, info: RunInfo) -> None:
-        runtime = getattr(info, "runtime", None)
-        if runtime is None:
-            from ..agent._agent import _active_runtime  # the run's runtime (RunInfo lacks it)
-
-            runtime = _active_runtime.get()
+        runtime = info.runtime
         add = getattr(runtime, "add_observer", None)
         if add is None or runtime in self._observed:
             return
@@ -496,76 +499,10 @@ class AuditHooks(RunHooks):
         await self._write(info, self._record(info, actions.TOOL_REPLAY, payload))
 
     async def on_event(self, info: RunInfo, event: BaseModel) -> None:
-        record: AuditRecord | None = None
-        if isinstance(event, PermissionDecided):
-            actor = f"approver:{event.approver}" if event.approver else f"policy:{event.policy}"
-            record = self._record(
-                info,
-                actions.PERMISSION_DECISION,
-                {
-                    "tool": event.tool,
-                    "turn": event.turn,
-                    "slot": event.slot,
-                    "decision": event.decision,
-                    "final": event.final,
-                    "reason": event.reason,
-                    "policy": event.policy,
-                    "approver": event.approver,
-                    "arguments": self.audit.redactor.arguments(
-                        event.arguments,
-                        self._sensitive(info, event.tool) or frozenset(),
-                        max_text=self.audit.max_text,
-                    ),
-                    "edited": event.edited,
-                },
-                actor=actor,
-            )
-        elif isinstance(event, BudgetDenied):
-            record = self._record(
-                info,
-                actions.BUDGET_DENIED,
-                {
-                    "cap": event.cap,
-                    "limit": event.limit,
-                    "used": event.used,
-                    "requested": event.requested,
-                },
-                actor="budget",
-            )
-        elif isinstance(event, BudgetWarning):
-            record = self._record(
-                info,
-                actions.BUDGET_WARNING,
-                {
-                    "cap": event.cap,
-                    "limit": event.limit,
-                    "used": event.used,
-                    "fraction": event.fraction,
-                },
-                actor="budget",
-            )
-        elif isinstance(event, GuardrailTripped):
-            record = self._record(
-                info,
-                actions.GUARDRAIL_TRIP,
-                {
-                    "guardrail": event.name,
-                    "stage": event.stage,
-                    "action": event.action,
-                    "detail": event.detail,
-                },
-                actor=f"guardrail:{event.name}",
-            )
-        elif getattr(event, "type", None) == "budget_unavailable":
-            # Matched by its tag, not its class: the event is newer than the other four.
-            record = self._record(
-                info,
-                actions.BUDGET_UNAVAILABLE,
-                {"detail": str(getattr(event, "detail", ""))},
-                actor="budget",
-            )
-        if record is not None:
-            await self._write(info, record)
+        if isinstance(event, GovernanceEvent):
+            record = event.accept(_GovernanceRecords(self, info))
+            if record is not None:
+                await self._write(info, record)
 
     async def run_finished(
         self, info: RunInfo, result: Any | None, error: BaseException | None
@@ -591,3 +528,64 @@ class AuditHooks(RunHooks):
             await self._write(info, self._record(info, actions.RUN_END, payload))
         finally:
             self._runs.pop(info.run_id, None)
+
+
+@dataclass(slots=True)
+class _GovernanceRecords:
+    """The audit record of each governance event (a :class:`GovernanceVisitor`)."""
+
+    hooks: AuditHooks
+    info: RunInfo
+
+    def permission_decided(self, event: PermissionDecided) -> AuditRecord:
+        audit = self.hooks.audit
+        actor = f"approver:{event.approver}" if event.approver else f"policy:{event.policy}"
+        sensitive = self.hooks._sensitive(self.info, event.tool) or frozenset()
+        payload = {
+            "tool": event.tool,
+            "turn": event.turn,
+            "slot": event.slot,
+            "decision": event.decision,
+            "final": event.final,
+            "reason": event.reason,
+            "policy": event.policy,
+            "approver": event.approver,
+            "arguments": audit.redactor.arguments(
+                event.arguments, sensitive, max_text=audit.max_text
+            ),
+            "edited": event.edited,
+        }
+        return self.hooks._record(self.info, actions.PERMISSION_DECISION, payload, actor=actor)
+
+    def budget_denied(self, event: BudgetDenied) -> AuditRecord:
+        payload = {
+            "cap": event.cap,
+            "limit": event.limit,
+            "used": event.used,
+            "requested": event.requested,
+        }
+        return self.hooks._record(self.info, actions.BUDGET_DENIED, payload, actor="budget")
+
+    def budget_warning(self, event: BudgetWarning) -> AuditRecord:
+        payload = {
+            "cap": event.cap,
+            "limit": event.limit,
+            "used": event.used,
+            "fraction": event.fraction,
+        }
+        return self.hooks._record(self.info, actions.BUDGET_WARNING, payload, actor="budget")
+
+    def budget_unavailable(self, event: BudgetUnavailable) -> AuditRecord:
+        payload = {"detail": event.detail}
+        return self.hooks._record(self.info, actions.BUDGET_UNAVAILABLE, payload, actor="budget")
+
+    def guardrail_tripped(self, event: GuardrailTripped) -> AuditRecord:
+        payload = {
+            "guardrail": event.name,
+            "stage": event.stage,
+            "action": event.action,
+            "detail": event.detail,
+        }
+        return self.hooks._record(
+            self.info, actions.GUARDRAIL_TRIP, payload, actor=f"guardrail:{event.name}"
+        )

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -153,8 +154,24 @@ def _command_modules() -> list[Any]:
     return modules
 
 
+def _log_warnings_to_stderr() -> None:
+    """The library logs to a NullHandler; the CLI is an application, so its warnings show."""
+    logger = logging.getLogger("loomflow")
+    if logging.getLogger().handlers or any(isinstance(h, _CliLogHandler) for h in logger.handlers):
+        return  # the embedding application (or a test harness) set up logging itself
+    handler = _CliLogHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+
+
+class _CliLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    def format(self, record: logging.LogRecord) -> str:
+        return f"loomflow: {record.levelname.lower()}: {record.getMessage()}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _log_warnings_to_stderr()
     try:
         # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
         # reported here, in one line, before anything runs.
@@ -483,9 +500,9 @@ async def _tool_names(
     reply of the model call before it, so those replies are read back (JSON values only:
     the CLI never unpickles, and a value it cannot read leaves the hashed name alone).
     """
-    from ..agent._agent import tool_step_name
     from ..messages import ModelResponse
     from ..runtime import codec
+    from ..runtime._names import tool_step_name
     from ..runtime._store import Scope
 
     store = getattr(runtime, "_store", None)

@@ -30,6 +30,7 @@ from .events import (
     BudgetUnavailable,
     BudgetWarning,
     GovernanceEvent,
+    GovernanceVisitor,
     GuardrailTripped,
     PermissionDecided,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "Decision",
     "Finding",
     "GovernanceEvent",
+    "GovernanceVisitor",
     "Guardrail",
     "GuardrailTripped",
     "InMemoryBudgetStore",

@@ -2,11 +2,16 @@
 
 They are emitted with ``RunInfo.emit`` from the hooks, so they reach the caller of
 ``agent.stream()`` and every other hook's ``on_event`` (audit, telemetry).
+
+A hook that handles them implements :class:`GovernanceVisitor` (one method per event) and
+calls ``event.accept(visitor)``: each event picks its own method, so the events are told
+apart once, by class, and a new event is a new visitor method that mypy asks every handler
+for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,15 +20,38 @@ __all__ = [
     "BudgetUnavailable",
     "BudgetWarning",
     "GovernanceEvent",
+    "GovernanceVisitor",
     "GuardrailTripped",
     "PermissionDecided",
 ]
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class GovernanceVisitor(Protocol[R_co]):
+    """What handles every governance event: one method per event class."""
+
+    def budget_warning(self, event: BudgetWarning) -> R_co: ...
+
+    def budget_denied(self, event: BudgetDenied) -> R_co: ...
+
+    def budget_unavailable(self, event: BudgetUnavailable) -> R_co: ...
+
+    def permission_decided(self, event: PermissionDecided) -> R_co: ...
+
+    def guardrail_tripped(self, event: GuardrailTripped) -> R_co: ...
 
 
 class GovernanceEvent(BaseModel):
     """Base of governance events."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def accept(self, visitor: GovernanceVisitor[R]) -> R | None:
+        """``visitor``'s answer to this event; ``None`` for an event it has no method for
+        (a subclass defined outside loomflow)."""
+        return None
 
 
 class BudgetWarning(GovernanceEvent):
@@ -34,6 +62,9 @@ class BudgetWarning(GovernanceEvent):
     limit: float
     used: float
     fraction: float
+
+    def accept(self, visitor: GovernanceVisitor[R]) -> R:
+        return visitor.budget_warning(self)
 
 
 class BudgetDenied(GovernanceEvent):
@@ -46,12 +77,18 @@ class BudgetDenied(GovernanceEvent):
     requested: float
     reserved: float = 0.0  # held by other calls in flight when this one asked
 
+    def accept(self, visitor: GovernanceVisitor[R]) -> R:
+        return visitor.budget_denied(self)
+
 
 class BudgetUnavailable(GovernanceEvent):
     """The budget store failed, so a model call was refused (fail closed); the run raises."""
 
     type: Literal["budget_unavailable"] = "budget_unavailable"
     detail: str
+
+    def accept(self, visitor: GovernanceVisitor[R]) -> R:
+        return visitor.budget_unavailable(self)
 
 
 class PermissionDecided(GovernanceEvent):
@@ -69,6 +106,9 @@ class PermissionDecided(GovernanceEvent):
     arguments: dict[str, Any] = Field(default_factory=dict)  # already redacted
     edited: bool = False
 
+    def accept(self, visitor: GovernanceVisitor[R]) -> R:
+        return visitor.permission_decided(self)
+
 
 class GuardrailTripped(GovernanceEvent):
     """A guardrail blocked or redacted input, output or a tool result."""
@@ -78,3 +118,6 @@ class GuardrailTripped(GovernanceEvent):
     stage: Literal["input", "output", "tool_result"]
     action: Literal["block", "redact"]
     detail: str = ""
+
+    def accept(self, visitor: GovernanceVisitor[R]) -> R:
+        return visitor.guardrail_tripped(self)

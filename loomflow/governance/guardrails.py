@@ -24,8 +24,8 @@ from typing import Any, Literal, TypeAlias, get_args
 from pydantic import BaseModel
 
 from .._pii import find_cards, find_emails, luhn_valid
-from ..agent.hooks import Interrupt, RunHooks, RunInfo
 from ..errors import UserError
+from ..hooks import Interrupt, RunHooks, RunInfo
 from ..messages import ToolCall
 from ..tools import ToolOutcome
 from .events import GuardrailTripped

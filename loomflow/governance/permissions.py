@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, TypeAlias, get_args
 
-from ..agent.hooks import RunHooks, RunInfo
 from ..errors import UserError
+from ..hooks import RunHooks, RunInfo
 from ..messages import ToolCall
 from ..tools import Tool, ToolOutcome
 from .events import PermissionDecided

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from ._factory import memory_for, memory_from_url
 from ._memory import InMemoryMemory, Memory, PostgresMemory, SqliteMemory
-from ._protocol import MemoryStore
+from ._protocol import AgentMemory, MemoryStore
 from ._sql import SqlMemoryStore
 from ._types import Block, Episode, Fact
 from .inmemory import InMemoryMemoryStore
 
 __all__ = [
+    "AgentMemory",
     "Block",
     "Episode",
     "Fact",

@@ -6,11 +6,44 @@ Every operation takes the user it acts for; no operation reads or writes across 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ._types import Block, Episode, Fact
 
-__all__ = ["MemoryStore"]
+if TYPE_CHECKING:
+    from ..messages import Message
+
+__all__ = ["AgentMemory", "MemoryStore"]
+
+
+@runtime_checkable
+class AgentMemory(Protocol):
+    """What an agent run needs of a memory (:class:`~loomflow.memory.Memory` is one).
+
+    A run recalls the earlier episodes of its (session, user) before its first model call,
+    and records its own turns as one episode when it returns.
+    """
+
+    async def history(
+        self, session_id: str, *, user_id: str | None, before_epoch: int | None = None
+    ) -> list[Message]:
+        """The messages of the session's earlier episodes (journal epoch below
+        ``before_epoch``), oldest first."""
+        ...
+
+    async def record_episode(
+        self,
+        session_id: str,
+        *,
+        user_id: str | None,
+        key: str,
+        messages: list[Message],
+        output: str,
+        run_id: str | None = None,
+        epoch: int | None = None,
+    ) -> Episode:
+        """Store one run's turns; the same ``key`` again replaces that episode, never adds."""
+        ...
 
 
 @runtime_checkable

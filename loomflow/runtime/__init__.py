@@ -25,7 +25,7 @@ from ._legacy import (
     import_legacy_journal,
     inspect_legacy_journal,
 )
-from ._protocol import Runtime
+from ._protocol import OpenRun, Runtime
 from ._store import EntryInfo, SessionInfo
 from ._url import runtime_from_url
 from .codec import is_registered, register_type
@@ -44,6 +44,7 @@ __all__ = [
     "LegacyImport",
     "LegacyJournal",
     "LegacyTable",
+    "OpenRun",
     "PickledEntryWarning",
     "PostgresRuntime",
     "ReplayStats",

@@ -15,15 +15,20 @@ identity is not enough to tell, so each backend names where its rows live:
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import StoreUnavailableError
 from ..storage import PostgresDatabase, SqliteDatabase
 
-if TYPE_CHECKING:
-    from ._journal import JournalRuntime
-
 __all__ = ["journal_identity"]
+
+
+class _Journal(Protocol):
+    """What tells where a runtime journals (a ``JournalRuntime``, which imports this module)."""
+
+    @property
+    def _store(self) -> object: ...
+
 
 _PG_IDENTITY = """
 SELECT (SELECT system_identifier::text FROM pg_control_system()),
@@ -40,7 +45,7 @@ SELECT pg_postmaster_start_time()::text || '@' || coalesce(inet_server_port(), 0
 """
 
 
-async def journal_identity(runtime: JournalRuntime) -> tuple[object, ...]:
+async def journal_identity(runtime: _Journal) -> tuple[object, ...]:
     """A value equal for two runtimes exactly when they journal to the same place."""
     database = getattr(runtime, "database", None)
     if isinstance(database, SqliteDatabase):

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 from ..errors import LegacyJournalError, LoomflowError, UserError
 from ..storage import Database, Transaction
 from . import codec
+from ._names import tool_step_name
 from ._store import Scope, fingerprint, path_key
 
 if TYPE_CHECKING:
@@ -517,8 +518,6 @@ def _rekey_tools(run: _Run, report: LegacyImport) -> None:
     from the model response of that turn, which is what asked for it. The hash 0.20 put in
     its key is never trusted, so the mapping does not depend on how 0.20 computed it.
     """
-    from ..agent._agent import tool_step_name  # the agent builds on the runtime, not back
-
     responses: dict[int, list[ModelResponse]] = {}
     for row in run.rows:
         match = _MODEL_KEY.fullmatch(row.name)

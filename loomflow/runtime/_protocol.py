@@ -4,16 +4,64 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import Any, Protocol, TypeVar, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
-__all__ = ["Runtime"]
+if TYPE_CHECKING:
+    from ._journal import ReplayStats
+
+__all__ = ["OpenRun", "Runtime"]
 
 T = TypeVar("T")
 
 
 @runtime_checkable
+class OpenRun(Protocol):
+    """One run a journal has open, as the agent reads it (a :class:`JournalRun`)."""
+
+    @property
+    def epoch(self) -> int:
+        """The session's epoch the run journals under."""
+        ...
+
+    @property
+    def resumed(self) -> bool:
+        """The run continues one that did not return (it replays what that one journaled)."""
+        ...
+
+    @property
+    def strict(self) -> bool:
+        """A divergence raises instead of running fresh (``strict_replay``)."""
+        ...
+
+    @property
+    def stats(self) -> ReplayStats:
+        """The steps replayed and run fresh so far."""
+        ...
+
+
+@runtime_checkable
 class Runtime(Protocol):
-    """A journal of steps. Implement these three calls to bring your own durable engine."""
+    """A journal of steps: what an agent run needs from one.
+
+    :class:`~loomflow.runtime.JournalRuntime` (``InMemoryRuntime``, ``SqliteRuntime``,
+    ``PostgresRuntime``) implements it, and so does the journal-less runtime an agent uses
+    when it has none (its ``session()`` opens no run: it yields ``None``).
+    """
+
+    @property
+    def backend(self) -> str:
+        """A bounded label for metrics: ``"memory"``, ``"sqlite"``, ``"postgres"``, ..."""
+        ...
+
+    @property
+    def max_payload_bytes(self) -> int | None:
+        """The most bytes one step may store; ``None`` when nothing is stored."""
+        ...
+
+    @property
+    def current_run(self) -> OpenRun | None:
+        """The run open in this context on this runtime, if any."""
+        ...
 
     @overload
     async def step(
@@ -59,8 +107,11 @@ class Runtime(Protocol):
         *,
         resume: bool = False,
         strict_replay: bool | None = None,
-    ) -> AbstractAsyncContextManager[Any]:
-        """Open a run on (session, user); steps inside it are journaled under its epoch."""
+    ) -> AbstractAsyncContextManager[OpenRun | None]:
+        """Open a run on (session, user); steps inside it are journaled under its epoch.
+
+        Yields the open run, or ``None`` from a runtime that keeps no journal.
+        """
         ...
 
     def subrun(self, name: str) -> AbstractContextManager[tuple[str, ...]]:

@@ -6,18 +6,21 @@ counts replay hits, misses and divergences, step and journal-write latencies, ru
 cost and governance decisions. No metric label carries a user, session or run id.
 
 Library code depends on ``opentelemetry-api`` only: spans are free until an SDK is configured,
-by the application or by :func:`setup_telemetry` from ``LOOMFLOW_OTLP_ENDPOINT``.
+by the application or by :func:`setup_telemetry` from the standard ``OTEL_*`` variables
+(``LOOMFLOW_OTLP_*`` override them).
 """
 
 from __future__ import annotations
 
 from ._metrics import (
+    BUDGET_CAPS,
     JOURNAL_WRITE_BUCKETS,
     KINDS,
     MAX_LABEL_VALUES,
     OUTCOMES,
     RUN_OUTCOMES,
     STEP_BUCKETS,
+    STORES,
     Metrics,
     MetricsServer,
     serve_metrics,
@@ -27,6 +30,7 @@ from ._setup import TelemetrySetup, setup_telemetry, setup_telemetry_once
 from ._telemetry import Telemetry
 
 __all__ = [
+    "BUDGET_CAPS",
     "JOURNAL_WRITE_BUCKETS",
     "KINDS",
     "MAX_LABEL_VALUES",
@@ -36,6 +40,7 @@ __all__ = [
     "RUN_OUTCOMES",
     "STEP_BUCKETS",
     "STEP_SPAN",
+    "STORES",
     "Telemetry",
     "TelemetrySetup",
     "serve_metrics",

@@ -19,8 +19,10 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import start_http_server
 
 from ..runtime._journal import StepEvent
+from ._hooks import TelemetryHooks
 
 __all__ = [
+    "BUDGET_CAPS",
     "JOURNAL_WRITE_BUCKETS",
     "KINDS",
     "MAX_LABEL_VALUES",
@@ -29,6 +31,7 @@ __all__ = [
     "OUTCOMES",
     "RUN_OUTCOMES",
     "STEP_BUCKETS",
+    "STORES",
     "serve_metrics",
 ]
 
@@ -40,6 +43,25 @@ held other inputs at that position, or ran it fresh because the stored entry was
 RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled")
 """How a run ended: returned an answer, returned interrupted (max_turns, budget, guardrail),
 raised (stays open, resumable), or was cancelled / abandoned by its caller (also resumable)."""
+STORES: Final = ("journal", "budget", "audit")
+"""Stores whose failures are counted by ``loomflow_store_unavailable_total``."""
+
+
+def _cap_names() -> tuple[str, ...]:
+    # Every name a governance Cap can have: <scope>.<metric>[.daily|.monthly]; run caps have
+    # no window. tests/telemetry checks this against Cap itself.
+    metrics = ("tokens_in", "tokens_out", "tokens_total", "cost_usd", "wall_clock_s")
+    names = [f"run.{m}" for m in metrics]
+    for scope in ("user", "global"):
+        for m in metrics:
+            names += [f"{scope}.{m}", f"{scope}.{m}.daily", f"{scope}.{m}.monthly"]
+    return (*names, "unavailable")
+
+
+BUDGET_CAPS: Final = _cap_names()
+"""Every ``cap`` label a budget denial can carry (35 cap names, and ``unavailable`` when the
+budget store failed). Their series exist at 0 from registration, so that a cap's first burst
+of denials is an increase that rules can see, not the birth of a series."""
 
 # Steps range from replayed entries (tens of microseconds) to model calls (tens of seconds).
 STEP_BUCKETS: Final = (
@@ -60,16 +82,20 @@ _MAX_LABEL_LENGTH = 64
 
 
 class _Bounded:
-    """Maps label values onto at most ``limit`` distinct ones (then ``"other"``)."""
+    """Maps label values onto at most ``limit`` distinct ones (then ``"other"``).
 
-    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+    Values in ``known`` (a fixed set the code defines) pass without taking a place.
+    """
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES, known: frozenset[str] = frozenset()) -> None:
         self.limit = limit
+        self.known = known
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
     def __call__(self, value: object) -> str:
         text = str(value or "unknown")[:_MAX_LABEL_LENGTH]
-        if text in self._seen:
+        if text in self._seen or text in self.known:
             return text
         with self._lock:
             if len(self._seen) >= self.limit:
@@ -92,6 +118,7 @@ class _Collectors:
     permission_decisions: Counter
     guardrail_trips: Counter
     audit_entries: Counter
+    store_unavailable: Counter
     bounded: dict[str, _Bounded] = field(default_factory=dict)
     instrumented: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     prepared: set[str] = field(default_factory=set)
@@ -109,7 +136,7 @@ class _Collectors:
 
 def _build(registry: CollectorRegistry) -> _Collectors:
     r = registry
-    return _Collectors(
+    built = _Collectors(
         steps=Counter(
             "loomflow_journal_steps",
             "Journaled steps by replay outcome (hit, miss, divergence, corrupt).",
@@ -172,7 +199,21 @@ def _build(registry: CollectorRegistry) -> _Collectors:
             ("action",),
             registry=r,
         ),
+        store_unavailable=Counter(
+            "loomflow_store_unavailable",
+            "Operations refused because a store (journal, budget, audit) failed underneath.",
+            ("store",),
+            registry=r,
+        ),
     )
+    # Series born at their first increment hide that increment from increase() and rate():
+    # the label sets that can occur are known and few, so they exist at 0 from the start.
+    built.bounded["cap"] = _Bounded(known=frozenset(BUDGET_CAPS))
+    for cap in BUDGET_CAPS:
+        built.budget_denials.labels(cap)
+    for store in STORES:
+        built.store_unavailable.labels(store)
+    return built
 
 
 # A registry refuses a second family with the same name, so every Metrics on one registry
@@ -291,8 +332,20 @@ class Metrics:
         self._c.cost.labels(provider, model).inc(max(cost_usd or 0.0, 0.0))
 
     def budget_denied(self, cap: str) -> None:
-        """Count a model call the budget refused at ``cap``."""
+        """Count a model call the budget refused at ``cap``.
+
+        ``"unavailable"`` (the budget store failed) also counts as a failure of the budget
+        store in ``loomflow_store_unavailable_total``.
+        """
         self._c.budget_denials.labels(self._c.bound("cap", cap)).inc()
+        if cap == "unavailable":
+            self._c.store_unavailable.labels("budget").inc()
+
+    def store_unavailable(self, store: str) -> None:
+        """Count an operation refused because ``store`` (one of :data:`STORES`) failed."""
+        if store not in STORES:
+            raise ValueError(f"store must be one of {STORES}, not {store!r}")
+        self._c.store_unavailable.labels(store).inc()
 
     def permission_decided(self, decision: str, final: str) -> None:
         """Count a permission decision (``allow``/``deny``/``ask``) and its final answer."""
@@ -322,9 +375,8 @@ class Metrics:
 
     def as_hooks(self) -> Any:
         """These metrics, without tracing, as agent hooks: ``Agent(telemetry=metrics)``."""
-        from ._telemetry import Telemetry  # the hooks live with the tracing ones
-
-        return Telemetry(metrics=self, tracing=False).as_hooks()
+        self.prepare_permissions()
+        return TelemetryHooks(None, self, content=False)
 
 
 @dataclass(eq=False)

@@ -1,4 +1,10 @@
-"""Turn on span export and the metrics endpoint from settings (``LOOMFLOW_*``)."""
+"""Turn on span export and the metrics endpoint from settings.
+
+Span export follows the OpenTelemetry SDK's own environment variables (``OTEL_EXPORTER_OTLP_*``,
+``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_EXPORTER``, ...): the SDK's
+exporter and resource read them, so a deployment configured for any OpenTelemetry service works
+unchanged. The ``LOOMFLOW_OTLP_*`` settings, where set, override them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from opentelemetry import trace
 
@@ -51,10 +57,14 @@ class TelemetrySetup:
 def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True) -> TelemetrySetup:
     """Configure the OpenTelemetry SDK and the metrics endpoint from ``settings``.
 
-    With ``otlp_endpoint`` set, spans are batched and exported over OTLP/HTTP to
-    ``<endpoint>/v1/traces`` (needs ``pip install 'loomflow[otel]'``); with ``metrics_port``
-    set, prometheus-client's default registry is served at ``/metrics``. Either may be left
-    unset. Call it once at process start, before building agents' ``Telemetry``.
+    Spans are batched and exported over OTLP/HTTP (needs ``pip install 'loomflow[otel]'``)
+    when ``otlp_endpoint`` is set or the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is, unless ``OTEL_TRACES_EXPORTER=none`` or
+    ``OTEL_SDK_DISABLED=true``. The SDK reads the other ``OTEL_*`` variables itself (headers,
+    timeout, compression, certificates, service name, resource attributes); ``otlp_endpoint``,
+    ``otlp_headers`` and ``otel_service_name`` override them. With ``metrics_port`` set,
+    prometheus-client's default registry is served at ``/metrics``. Either may be left unset.
+    Call it once at process start, before building agents' ``Telemetry``.
 
     Args:
         settings: Defaults to ``Settings()`` (environment and ``.env``).
@@ -69,7 +79,7 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
     s = settings or Settings()
     result = TelemetrySetup()
     _remember(s, result)  # so setup_telemetry_once after this reuses it (or refuses clearly)
-    if s.otlp_endpoint:
+    if _exports_spans(s):
         result.tracer_provider = _tracer_provider(s)
         if set_global:
             trace.set_tracer_provider(result.tracer_provider)
@@ -90,7 +100,15 @@ _once: tuple[tuple[Any, ...], TelemetrySetup] | None = None
 
 
 def _export_key(s: Settings) -> tuple[Any, ...]:
-    return (s.otlp_endpoint, s.otlp_headers, s.otel_service_name, s.metrics_port, s.metrics_host)
+    otel = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OTEL_")))
+    return (
+        s.otlp_endpoint,
+        s.otlp_headers,
+        s.otel_service_name,
+        s.metrics_port,
+        s.metrics_host,
+        otel,
+    )
 
 
 def _remember(s: Settings, setup: TelemetrySetup) -> None:
@@ -143,7 +161,11 @@ def traces_url(endpoint: str) -> str:
 
 
 def parse_headers(text: str | None) -> dict[str, str]:
-    """``"a=1,b=2"`` → ``{"a": "1", "b": "2"}`` (the format of ``OTEL_EXPORTER_OTLP_HEADERS``)."""
+    """``"a=1,b=2"`` → ``{"a": "1", "b": "2"}`` (the format of ``OTEL_EXPORTER_OTLP_HEADERS``).
+
+    Names and values are percent-decoded, as the OpenTelemetry specification asks
+    (``authorization=Bearer%20abc`` sends ``Bearer abc``).
+    """
     headers: dict[str, str] = {}
     for item in (text or "").split(","):
         if not item.strip():
@@ -151,26 +173,82 @@ def parse_headers(text: str | None) -> dict[str, str]:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
             raise ConfigurationError(f"otlp_headers: {item.strip()!r} is not name=value")
-        headers[name.strip()] = value.strip()
+        headers[unquote(name.strip())] = unquote(value.strip())
     return headers
 
 
+_EXPORTERS = frozenset({"otlp", "console", "none"})
+
+
+def _traces_exporters() -> list[str]:
+    """``OTEL_TRACES_EXPORTER`` as a list (default ``otlp``), checked against what we build."""
+    raw = os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()] or ["otlp"]
+    unknown = sorted(set(names) - _EXPORTERS)
+    if unknown:
+        raise ConfigurationError(
+            f"OTEL_TRACES_EXPORTER: {', '.join(unknown)} is not supported here; "
+            "use otlp, console or none"
+        )
+    return [n for n in names if n != "none"]
+
+
+def setup_requested(s: Settings) -> bool:
+    """Whether :func:`setup_telemetry` would start anything for ``s`` and the environment.
+
+    For callers that set telemetry up only when configured (``Agent.from_settings``): span
+    export through the standard ``OTEL_*`` variables counts as configured.
+    """
+    return s.metrics_port is not None or _exports_spans(s)
+
+
+def _exports_spans(s: Settings) -> bool:
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporters = _traces_exporters()
+    if "console" in exporters:
+        return True
+    if "otlp" not in exporters:
+        return False
+    return bool(
+        s.otlp_endpoint
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+
 def _tracer_provider(s: Settings) -> Any:
-    assert s.otlp_endpoint is not None
-    url = traces_url(s.otlp_endpoint)
-    headers = parse_headers(s.otlp_headers.get_secret_value() if s.otlp_headers else None)
+    exporters = _traces_exporters()
+    # None lets the SDK's exporter read OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT / _HEADERS itself
+    # (it appends /v1/traces to the base endpoint and percent-decodes the headers).
+    url = traces_url(s.otlp_endpoint) if s.otlp_endpoint else None
+    headers = (
+        parse_headers(s.otlp_headers.get_secret_value()) if s.otlp_headers is not None else None
+    )
+    protocol = os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+    ).strip()
+    if "otlp" in exporters and protocol not in ("", "http/protobuf"):
+        raise ConfigurationError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: loomflow exports spans over "
+            "http/protobuf (port 4318 on a collector); set it to http/protobuf or unset it"
+        )
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
-    attributes: dict[str, str] = {}
-    if s.otel_service_name:
-        attributes["service.name"] = s.otel_service_name
-    elif not os.environ.get("OTEL_SERVICE_NAME"):
-        attributes["service.name"] = "loomflow"
-    provider = TracerProvider(resource=Resource.create(attributes))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, headers=headers)))
+    # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; without either
+    # the SDK names the service "unknown_service", which says less than "loomflow".
+    resource = Resource.create({SERVICE_NAME: s.otel_service_name} if s.otel_service_name else {})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "loomflow"}))
+    provider = TracerProvider(resource=resource)
+    if "otlp" in exporters:
+        exporter = OTLPSpanExporter(endpoint=url, headers=headers)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    if "console" in exporters:
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     return provider

@@ -22,7 +22,6 @@ import pytest
 from ulid import ULID
 
 from ..agent import Agent, RunResult, Tuning
-from ..agent.hooks import Interrupt, RunHooks, RunInfo
 from ..checkpoints import (
     Checkpoint,
     CheckpointRestored,
@@ -31,6 +30,7 @@ from ..checkpoints import (
     checkpoint_store_for,
 )
 from ..errors import CheckpointNotFoundError, UserError
+from ..hooks import Interrupt, RunHooks, RunInfo
 from ..messages import Message, ModelResponse, ModelSettings, ToolCall, ToolSpec, Usage
 from ..models import FunctionModel
 from ..runtime import JournalRuntime

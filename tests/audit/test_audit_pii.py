@@ -252,7 +252,7 @@ async def test_a_replay_matches_the_sealed_transcript_and_a_restart_tells_the_mo
     # Both earlier model calls replayed (their fingerprints are over the sealed transcript);
     # the live one reads a note in place of the value the dead run sealed.
     assert second_model.calls == 1
-    assert (result.replayed_steps, result.fresh_steps) == (4, 1)
+    assert (result.replayed_steps, result.fresh_steps) == (4, 2)  # the live call, the episode
     lookup_result = next(m for m in second_model.requests[0] if m.name == "lookup_customer")
     assert lookup_result.content == SEALED_RESULT_LOST
     assert CARD not in str(result.messages)

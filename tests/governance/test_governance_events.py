@@ -11,6 +11,7 @@ from loomflow.agent import Agent, RunFinished, Tuning
 from loomflow.agent.hooks import RunHooks, RunInfo
 from loomflow.governance import (
     BudgetDenied,
+    BudgetUnavailable,
     BudgetWarning,
     Cap,
     GovernanceEvent,
@@ -88,3 +89,42 @@ async def test_governance_events_reach_the_audit_hook_and_the_stream() -> None:
     denied = spy.events[0]
     assert isinstance(denied, PermissionDecided)
     assert (denied.tool, denied.final, denied.policy) == ("drop_table", "deny", "global")
+
+
+def test_each_event_picks_its_own_visitor_method() -> None:
+    # Told apart by class, once: the visitor method names the event class it receives.
+    class Names:
+        def budget_warning(self, event: BudgetWarning) -> str:
+            return type(event).__name__
+
+        def budget_denied(self, event: BudgetDenied) -> str:
+            return type(event).__name__
+
+        def budget_unavailable(self, event: BudgetUnavailable) -> str:
+            return type(event).__name__
+
+        def permission_decided(self, event: PermissionDecided) -> str:
+            return type(event).__name__
+
+        def guardrail_tripped(self, event: GuardrailTripped) -> str:
+            return type(event).__name__
+
+    events: list[GovernanceEvent] = [
+        BudgetWarning(cap="c", limit=1, used=0.9, fraction=0.9),
+        BudgetDenied(cap="c", limit=1, used=1, requested=1),
+        BudgetUnavailable(detail="down"),
+        PermissionDecided(
+            tool="t", turn=0, slot=0, decision="allow", final="allow", reason="r", policy="p"
+        ),
+        GuardrailTripped(name="pii", stage="input", action="block"),
+    ]
+    assert [e.accept(Names()) for e in events] == [type(e).__name__ for e in events]
+    # Every event class loomflow defines has its method (a new one without it would be None).
+    home = GovernanceEvent.__module__
+    ours = {c for c in GovernanceEvent.__subclasses__() if c.__module__ == home}
+    assert {type(e) for e in events} == ours
+
+    class Custom(GovernanceEvent):
+        detail: str = ""
+
+    assert Custom().accept(Names()) is None  # an application's own event: no handler, no crash

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import signal
@@ -450,12 +451,24 @@ async def test_another_runtime_of_this_process_still_waits_for_a_live_run(
     path = tmp_path / "journal.db"
     first = SqliteRuntime(path, lease_seconds=30)
     second = SqliteRuntime(path, lease_seconds=30, turn_timeout=0.5)
-    try:
+    holding, done = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
         async with first.session(SESSION, USER):
-            with pytest.raises(SessionBusyError):
-                async with second.session(SESSION, USER):
-                    raise AssertionError("took a live run's turn")
+            holding.set()
+            await done.wait()
+
+    # The live run is in another task with a context of its own: inside its block a second
+    # runtime on this journal would join it as a sub-run instead (see test_subrun_runtimes).
+    holder = asyncio.create_task(hold(), context=contextvars.Context())
+    try:
+        await holding.wait()
+        with pytest.raises(SessionBusyError):
+            async with second.session(SESSION, USER):
+                raise AssertionError("took a live run's turn")
     finally:
+        done.set()
+        await holder
         await first.close()
         await second.close()
 

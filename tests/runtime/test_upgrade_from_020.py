@@ -330,8 +330,6 @@ def _trip_agent(runtime: JournalRuntime, *, die_before_answering: bool = False) 
         return "trip ready: " + "; ".join(m.content for m in done)
 
     model = FunctionModel(decide)
-    # decide() reads every tool result in the transcript; without memory=False a later run on
-    # the session would be sent the earlier run's bookings and answer without booking.
     agent = Agent("You plan trips.", model=model, tools=[book], runtime=runtime, memory=False)
     return Trip(agent, model, bookings)
 

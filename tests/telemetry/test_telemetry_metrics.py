@@ -6,20 +6,25 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 from _telemetry_workload import Expected, run_workload
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
-from pydantic import BaseModel
 
 from loomflow.agent import Agent
 from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
-from loomflow.governance import BudgetDenied, GuardrailTripped, PermissionDecided
+from loomflow.governance import (
+    BudgetDenied,
+    BudgetUnavailable,
+    GuardrailTripped,
+    PermissionDecided,
+)
 from loomflow.messages import Message, ModelSettings, ToolCall, Usage
 from loomflow.models import AnthropicModel, FunctionModel, cost_usd
 from loomflow.runtime import InMemoryRuntime, JournalRuntime, SqliteRuntime
 from loomflow.telemetry import (
+    BUDGET_CAPS,
     JOURNAL_WRITE_BUCKETS,
     MAX_LABEL_VALUES,
     STEP_BUCKETS,
@@ -149,11 +154,6 @@ async def test_live_tokens_and_cost_are_counted_by_model_and_replays_are_free(
     assert first.cost_usd == pytest.approx(expected_cost)
 
 
-class BudgetUnavailableLike(BaseModel):
-    type: Literal["budget_unavailable"] = "budget_unavailable"
-    detail: str = "store down"
-
-
 class Governor(RunHooks):
     """Stands in for governance: emits its events, and denies every model call of some users."""
 
@@ -225,7 +225,7 @@ async def test_governance_events_and_audit_entries_are_counted(
 
     class Emitting(RunHooks):
         async def run_started(self, info: RunInfo) -> None:
-            info.emit(BudgetUnavailableLike())
+            info.emit(BudgetUnavailable(detail="store down"))
 
     agent = Agent(
         "x",
@@ -281,7 +281,8 @@ def test_configuration_driven_labels_are_capped(registry: CollectorRegistry) -> 
     for n in range(MAX_LABEL_VALUES + 25):
         metrics.budget_denied(f"cap-{n}")
     caps = {s.labels["cap"] for f in registry.collect() for s in f.samples if "cap" in s.labels}
-    assert len(caps) == MAX_LABEL_VALUES + 1
+    # The cap names a Cap can have exist from the start and take no place under the limit.
+    assert len(caps - set(BUDGET_CAPS)) == MAX_LABEL_VALUES + 1
     assert "other" in caps
     assert value(registry, "loomflow_budget_denials_total", cap="other") == 25
     metrics.audit_entry("x" * 500)
@@ -344,6 +345,8 @@ async def test_no_label_is_per_user_or_unbounded_under_a_many_user_workload(
     for (name, label), seen in values.items():
         if label == "le":  # histogram buckets: fixed by the bucket layout
             assert len(seen) <= max(len(STEP_BUCKETS), len(JOURNAL_WRITE_BUCKETS)) + 1
+        elif label == "cap":  # the names a Cap can have, all created at 0 up front
+            assert seen <= set(BUDGET_CAPS), (name, sorted(seen - set(BUDGET_CAPS)))
         else:
             assert len(seen) <= MAX_VALUES, (name, label, sorted(seen))
     # The run mix reached the labels that matter...

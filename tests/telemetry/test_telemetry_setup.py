@@ -6,56 +6,15 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from _otlp import Received
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from loomflow.config import Settings
 from loomflow.errors import ConfigurationError
 from loomflow.telemetry import setup_telemetry
-
-
-@dataclass
-class Received:
-    paths: list[str] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)
-    bodies: list[bytes] = field(default_factory=list)
-
-
-@pytest.fixture
-def otlp_receiver() -> Iterator[tuple[str, Received]]:
-    """A real HTTP server that accepts OTLP/HTTP export requests and keeps them."""
-    received = Received()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            length = int(self.headers.get("content-length", "0"))
-            received.paths.append(self.path)
-            received.headers.append({k.lower(): v for k, v in self.headers.items()})
-            received.bodies.append(self.rfile.read(length))
-            self.send_response(200)
-            self.send_header("content-type", "application/x-protobuf")
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
 
 WORKER = """
 import asyncio, urllib.request

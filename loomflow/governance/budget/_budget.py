@@ -23,7 +23,6 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from ulid import ULID
 
-from ...agent.hooks import Interrupt, RunHooks, RunInfo
 from ...errors import (
     BudgetExceededError,
     BudgetUnavailableError,
@@ -33,6 +32,7 @@ from ...errors import (
     UnknownModelPriceError,
     UserError,
 )
+from ...hooks import Interrupt, RunHooks, RunInfo
 from ...messages import Message, ModelResponse, ModelSettings, Usage
 from ...models.pricing import PRICES, ModelPrice, price_for
 from ..events import BudgetDenied, BudgetUnavailable, BudgetWarning

@@ -1,0 +1,658 @@
+"""One run of an agent: the loop's state as attributes, its passes as methods.
+
+:meth:`_Run.events` reads top to bottom: :meth:`~_Run.start` (hooks, the input check, then
+recalled memory or a restored snapshot), per turn :meth:`~_Run.model_turn` and, while the
+model calls tools, :meth:`~_Run.tool_turn`; then :meth:`~_Run.check_output` and
+:meth:`~_Run.finish` (the episode, the result, the hooks). An :class:`Interrupt` from a hook
+ends it early through :meth:`~_Run.stop`, any other error through :meth:`~_Run.fail`.
+
+What a hook emits (``info.emit``) reaches every hook once (:meth:`~_Run.to_hooks`), then the
+caller's stream (:meth:`~_Run.flush`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+from ulid import ULID
+
+from .._cleanup import run_cleanup
+from ..checkpoints import (
+    Checkpoint,
+    CheckpointRestored,
+    CheckpointSaved,
+    CheckpointStore,
+)
+from ..context import RunContext
+from ..errors import CheckpointError, UserError
+from ..hooks import Interrupt, RunHooks, RunInfo
+from ..memory import AgentMemory
+from ..messages import (
+    Message,
+    ModelResponse,
+    ModelSettings,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+)
+from ..models import ModelPrice, cost_usd
+from ..redaction import Redactor
+from ..runtime import OpenRun, Runtime, codec
+from ..runtime._names import tool_step_name
+from ..tools import TOOL_ERROR, ToolOutcome
+from ._sealing import SealedValueLost, Sealer
+from ._seams import PricedBudget
+from ._types import ModelDeltaEvent, RunFinished, RunResult, ToolCallFinished, ToolCallStarted
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["check_prompt", "latest_of_run", "tool_step_name"]
+
+log = logging.getLogger("loomflow.agent")
+
+
+class _Run:
+    """The state of one run in progress; :meth:`events` runs it."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        runtime: Runtime,
+        ctx: RunContext,
+        open_run: OpenRun | None,
+        prompt: str,
+        history: Sequence[Message],
+        *,
+        store: CheckpointStore | None,
+        restore: Checkpoint | None,
+        forked: bool,
+        memory: AgentMemory | None,
+    ) -> None:
+        self.agent = agent
+        self.runtime = runtime
+        self.ctx = ctx
+        self.open_run = open_run  # None without a journal
+        self.epoch: int | None = open_run.epoch if open_run is not None else None
+        self.prompt = prompt
+        self.original_prompt = prompt  # what a later resume's prompt is compared with
+        self.history = history
+        self.store = store  # where snapshots go (Tuning(checkpoint=True)), if anywhere
+        self.restore = restore  # the snapshot the run continues from, if any
+        self.forked = forked  # restore is another session's snapshot
+        self.memory = memory  # None inside another run, or with memory=False
+        self.hooks: Sequence[RunHooks] = agent._hooks
+        self.before = _counts(open_run)  # the journal's tallies before this run
+        self.pending: list[BaseModel] = []  # emitted, not yet seen by the hooks
+        self.handed: list[BaseModel] = []  # seen by the hooks, not yet yielded
+        self.info = RunInfo(
+            ctx=ctx,
+            agent_name=agent.name,
+            model_name=agent.model.name,
+            provider=agent.model.provider,
+            backend=runtime.backend,
+            prompt=prompt,
+            epoch=self.epoch,
+            resumed=(open_run is not None and open_run.resumed) or restore is not None,
+            tools=agent.tools,
+            runtime=runtime,
+            redactor=agent._redactor,
+            _emit=self.pending.append,
+        )
+        self.sealer = Sealer(agent.tools, agent._redactor, results=agent._sealed_results)
+        # The transcript and its tallies: what a snapshot holds and the result reports.
+        self.messages: list[Message] = []
+        self.prompt_index = 0  # where the run's own messages start (after system and history)
+        self.usage = Usage()
+        self.cost = 0.0
+        self.output = ""
+        self.turns = 0
+        self.interrupted: str | None = "max_turns"
+        self.answered = False  # a restored snapshot that already holds the final answer
+        self.checking_output = False  # an Interrupt now blocks the final answer
+        # The turn in progress.
+        self.tool_calls: list[ToolCall] = []  # what the last model response asked for
+        self.live_model = False  # the model call ran (it was not replayed)
+        self.tokens: list[object] = []  # what each hook's before_model_call returned
+        self.live_tools: set[str] = set()  # tool steps that ran (were not replayed)
+
+    # -- the run, top to bottom ------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[BaseModel]:
+        """Run to the end; the stream of events, :class:`RunFinished` last."""
+        try:
+            for event in await self.start():
+                yield event
+            # Turn numbers continue from a restored snapshot, so model_call_<turn> keys match
+            # what the journal holds for this run.
+            for turn in range(self.turns, self.turns if self.answered else self.agent.max_turns):
+                # aclosing: an abandoned stream closes the turn here, before the hooks hear of
+                # the run's end, as it would if the turn's code were written inline.
+                async with contextlib.aclosing(self.model_turn(turn)) as model_events:
+                    async for event in model_events:
+                        yield event
+                if self.interrupted is None:  # answered without calling a tool
+                    break
+                async with contextlib.aclosing(self.tool_turn(turn)) as tool_events:
+                    async for event in tool_events:
+                        yield event
+            if self.interrupted is None:
+                await self.check_output()
+        except Interrupt as interrupt:
+            for event in await self.stop(interrupt):
+                yield event
+        except BaseException as exc:
+            await self.fail(exc)
+            raise
+        for event in await self.finish():
+            yield event
+
+    async def start(self) -> list[BaseModel]:
+        """Tell the hooks, then build the transcript: fresh, or from the restored snapshot."""
+        for hook in self.hooks:
+            await hook.run_started(self.info)
+        restore = self.restore
+        if restore is None:
+            prompt = self.prompt
+            for hook in self.hooks:
+                prompt = await hook.check_input(self.info, prompt)
+            recalled = await self.recall()
+            self.messages = [
+                Message.system(self.agent.instructions),
+                *recalled,
+                *self.history,
+                Message.user(prompt),
+            ]
+            self.prompt_index = len(self.messages) - 1
+        else:
+            # Restored, not replayed: earlier turns are neither re-run nor re-billed (no
+            # hook sees them again) and memory is not consulted: the snapshot holds it all.
+            self.original_prompt = restore.prompt
+            self.messages = list(restore.messages)
+            self.usage, self.cost, self.output = restore.usage, restore.cost_usd, restore.output
+            self.turns, self.answered = restore.turn, restore.final
+            # A fork's episode starts after the system prompt: the fork's session has no
+            # episodes of its own to recall the forked history from.
+            self.prompt_index = 1 if self.forked else restore.prompt_index
+            self.info.emit(
+                CheckpointRestored(
+                    checkpoint_id=restore.id,
+                    turn=restore.turn,
+                    forked_from=restore.session_id if self.forked else None,
+                )
+            )
+            if self.forked:  # the fork's own first snapshot: a crash now resumes the fork
+                await self.save(restore.final, parent_id=restore.id)
+        events = await self.flush()
+        if self.answered:
+            self.interrupted = None
+        return events
+
+    async def model_turn(self, turn: int) -> AsyncGenerator[BaseModel, None]:
+        """One journaled model call, streamed; an answer without tool calls ends the run."""
+        response: ModelResponse | None = None
+        self.live_model = False
+        self.tokens = [None] * len(self.hooks)
+        try:
+            async for chunk in self.runtime.stream_step(
+                f"model_call_{turn}",
+                functools.partial(self._call_model, turn),  # the turn is not a step input
+                list(self.messages),
+                self.agent._specs,
+                self.agent._settings,
+            ):
+                if isinstance(chunk, ModelResponse):
+                    response = chunk
+                elif isinstance(chunk, TextDelta | ToolCallDelta):
+                    yield ModelDeltaEvent(turn=turn, delta=chunk, replayed=not self.live_model)
+        finally:
+            for event in await self.flush():
+                yield event
+        if response is None:
+            raise UserError(f"model {self.agent.model.name!r} ended a stream without a response")
+        live = self.live_model
+        for hook, token in zip(self.hooks, self.tokens, strict=True):
+            await hook.after_model_call(
+                self.info, turn, response, replayed=not live, token=token if live else None
+            )
+        self.turns += 1
+        self.usage = self.usage + response.usage
+        self.cost += self._cost(response)
+        self.messages.append(response.to_message())
+        self.output = response.text or self.output
+        self.tool_calls = list(response.tool_calls)
+        if not self.tool_calls:
+            self.interrupted = None
+            await self.save(final=True)
+
+    async def tool_turn(self, turn: int) -> AsyncGenerator[BaseModel, None]:
+        """The tool calls of the last response, each a journaled step; results to the model."""
+        calls = self.tool_calls
+        for slot, call in enumerate(calls):
+            yield ToolCallStarted(turn=turn, slot=slot, call=call)
+        steps = [self.call_tool(turn, slot, call) for slot, call in enumerate(calls)]
+        try:
+            if self.agent.tuning.parallel_tools:
+                outcomes = await asyncio.gather(*steps)
+            else:
+                outcomes = [await step for step in steps]
+        finally:
+            for event in await self.flush():
+                yield event
+        for slot, (call, (outcome, replayed)) in enumerate(zip(calls, outcomes, strict=True)):
+            for hook in self.hooks:
+                await hook.after_tool_call(self.info, turn, slot, call, outcome, replayed=replayed)
+            self.messages.append(
+                Message.tool_result(
+                    call.id, outcome.as_text(), name=call.name, is_error=not outcome.ok
+                )
+            )
+            yield ToolCallFinished(
+                turn=turn, slot=slot, call=call, outcome=outcome, replayed=replayed
+            )
+        await self.save(final=False)
+        for event in await self.flush():
+            yield event
+
+    async def check_output(self) -> None:
+        """Let the hooks check (or rewrite) the final answer."""
+        self.checking_output = True
+        checked, self.output = self.output, ""  # an answer a guardrail blocks must not leave
+        for hook in self.hooks:
+            checked = await hook.check_output(self.info, checked)
+        self.output = checked
+
+    async def stop(self, interrupt: Interrupt) -> list[BaseModel]:
+        """A hook interrupted the run: it returns, with the hook's reason."""
+        self.interrupted = interrupt.reason
+        if self.checking_output and self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()  # the blocked answer stays out of the transcript and episode
+        return await self.flush()
+
+    async def fail(self, exc: BaseException) -> None:
+        """The run raised: the hooks hear of it; ``exc`` stays the error raised (see _cleanup)."""
+        # Hooks still see what was emitted before the failure (a BudgetUnavailable, say):
+        # the audit log records it before the failed run's end.
+        with contextlib.suppress(Exception):
+            await self.flush()
+        await self._finished_with(exc)
+
+    async def finish(self) -> list[BaseModel]:
+        """Record the episode, build the result and tell the hooks; the closing events."""
+        if self.memory is not None:
+            try:
+                await self.persist_episode(self.memory)
+            except BaseException as exc:
+                await self._finished_with(exc)
+                raise
+        result = self.result()
+        for hook in self.hooks:
+            await hook.run_finished(self.info, result, None)
+        return [*await self.flush(), RunFinished(result=result)]
+
+    def result(self) -> RunResult:
+        hits, misses = _counts(self.open_run)
+        return RunResult(
+            output=self.output,
+            turns=self.turns,
+            tokens_in=self.usage.input_tokens,
+            tokens_out=self.usage.output_tokens,
+            cost_usd=round(self.cost, 10),
+            session_id=self.ctx.session_id or "",
+            run_id=self.ctx.run_id or "",
+            interrupted=self.interrupted is not None,
+            interruption_reason=self.interrupted,
+            messages=self.messages,
+            replayed_steps=hits - self.before[0],
+            fresh_steps=misses - self.before[1],
+            restored_from=self.restore.id if self.restore is not None else None,
+        )
+
+    # -- events ----------------------------------------------------------------------------
+
+    async def to_hooks(self) -> None:
+        """Hand every emitted event to every hook once; :meth:`flush` then yields them.
+
+        A tool step calls this before its body runs, so the audit trail records a permission
+        decision before the tool execution it allowed.
+        """
+        while self.pending:
+            event = self.pending.pop(0)
+            for hook in self.hooks:
+                await hook.on_event(self.info, event)
+            self.handed.append(event)
+
+    async def flush(self) -> list[BaseModel]:
+        """The emitted events, once every hook has seen them, for the caller's stream."""
+        await self.to_hooks()
+        out = self.handed[:]
+        self.handed.clear()
+        return out
+
+    async def _finished_with(self, exc: BaseException) -> None:
+        for hook in self.hooks:
+            await run_cleanup(exc, "a hook's run_finished", hook.run_finished(self.info, None, exc))
+
+    # -- the model -------------------------------------------------------------------------
+
+    async def _call_model(
+        self, turn: int, msgs: list[Message], tools: list[ToolSpec], settings: ModelSettings
+    ) -> AsyncIterator[Any]:
+        """The live model call of ``turn`` (the journal calls it unless it replays the turn)."""
+        self.live_model = True
+        hooks, tokens = self.hooks, self.tokens
+        for i, hook in enumerate(hooks):
+            try:
+                # What earlier hooks emitted (a budget warning) is recorded before the audit
+                # log's model.start.
+                await self.to_hooks()
+                tokens[i] = await hook.before_model_call(self.info, turn, msgs, settings)
+            except BaseException as exc:
+                # Hooks that already reserved (a budget, say) must get it back.
+                for earlier, token in zip(hooks[:i], tokens[:i], strict=True):
+                    await run_cleanup(
+                        exc,
+                        "a hook's model_call_failed",
+                        earlier.model_call_failed(self.info, turn, exc, token),
+                    )
+                raise
+        answer: ModelResponse | None = None
+        try:
+            # Hooks and the journal keep sealed tool results; the model reads them.
+            unsealed = self.sealer.unseal_messages(msgs)
+            stream = self.agent.model.stream(unsealed, tools=tools, settings=settings)
+            async with contextlib.aclosing(self.sealer.stream(stream)) as sealed:
+                async for chunk in sealed:
+                    if isinstance(chunk, ModelResponse):
+                        answer = chunk
+                    yield chunk
+        except BaseException as exc:
+            for hook, token in zip(hooks, tokens, strict=True):
+                await run_cleanup(
+                    exc,
+                    "a hook's model_call_failed",
+                    hook.model_call_failed(self.info, turn, exc, token),
+                )
+            raise
+        if answer is not None:
+            # Before the journal write: a response that was received and paid for is on
+            # record even if journaling it fails.
+            for hook, token in zip(hooks, tokens, strict=True):
+                await hook.model_call_finished(self.info, turn, answer, token=token)
+
+    def _cost(self, response: ModelResponse) -> float:
+        model = self.agent.model
+        model_name = response.model or model.name
+        value = cost_usd(model_name, response.usage, provider=model.provider, prices=self._prices())
+        if value is None:
+            _warn_unpriced(model_name)
+            return 0.0
+        return value
+
+    def _prices(self) -> Mapping[str, ModelPrice] | None:
+        # A budget's own price table (its prices= overrides) is what the run is charged at.
+        budget = self.agent.budget
+        return budget.prices if isinstance(budget, PricedBudget) else None
+
+    # -- tools -----------------------------------------------------------------------------
+
+    async def call_tool(self, turn: int, slot: int, call: ToolCall) -> tuple[ToolOutcome, bool]:
+        """One tool call as a journaled step: its outcome, and whether it was replayed."""
+        step = tool_step_name(turn, slot, call)
+        live = functools.partial(self._live_tool_call, turn, slot, call, step)
+        outcome = await self.runtime.step(step, live, call.name, call.arguments)
+        return outcome, step not in self.live_tools
+
+    async def _live_tool_call(
+        self,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        step: str,
+        tool_name: str,
+        arguments: dict[str, Any],
+    ) -> ToolOutcome:
+        """What the journal runs for a tool call it does not replay: hooks, then the tool."""
+        self.live_tools.add(step)
+        executed = False
+        try:
+            current = self.sealer.unseal(call)  # the real values, for this invocation only
+        except SealedValueLost as lost:
+            outcome = self.sealer.lost(lost)
+        else:
+            answer: ToolOutcome | None = None
+            for hook in self.hooks:
+                checked = await hook.before_tool_call(
+                    self.info, turn, slot, current, self.agent.tools.get(tool_name)
+                )
+                if isinstance(checked, ToolOutcome):
+                    answer = checked  # denied (or answered) without running the tool
+                    break
+                current = checked
+            await self.to_hooks()  # the decisions just emitted, before what they decided
+            if answer is not None:
+                outcome = answer
+            else:
+                # Announced before the body runs: a crash inside it still leaves a trace.
+                for hook in self.hooks:
+                    await hook.tool_started(self.info, turn, slot, call, step)
+                executed = True
+                with self.runtime.subrun(step):  # steps the tool makes key under this call
+                    outcome = await self._run_tool(current.name, current.arguments)
+            for hook in self.hooks:
+                outcome = await hook.check_tool_result(self.info, turn, slot, call, outcome)
+        # Journaled and shown to hooks without secrets, and sealed if the tool says so.
+        outcome = self.sealer.seal_result(call.name, self.sealer.scrub(outcome))
+        outcome = _fit_payload(outcome, call.name, self.runtime.max_payload_bytes)
+        for hook in self.hooks:
+            await hook.tool_finished(
+                self.info, turn, slot, call, outcome, step=step, executed=executed
+            )
+        return outcome
+
+    async def _run_tool(self, tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        tools, timeout = self.agent.tools, self.agent.tuning.tool_timeout
+        tool = tools.get(tool_name)
+        if tool is None or timeout is None or tool.timeout is not None:
+            return await tools.invoke(tool_name, arguments)
+        try:
+            async with asyncio.timeout(timeout):
+                return await tool.invoke(arguments)
+        except TimeoutError:
+            return ToolOutcome(
+                ok=False,
+                error_type="timeout",
+                error=f"tool {tool_name!r} took longer than {timeout:g}s",
+            )
+
+    # -- checkpoints and memory ------------------------------------------------------------
+
+    async def save(self, final: bool, parent_id: str | None = None) -> None:
+        """Snapshot the transcript (``Tuning(checkpoint=True)``)."""
+        if self.store is None or self.epoch is None:
+            return  # no snapshots asked for (a store always comes with a journal's epoch)
+        saved = await self.store.put(
+            Checkpoint(
+                id=str(ULID()),
+                session_id=self.ctx.session_id or "",
+                user_id=self.ctx.user_id,
+                run_id=self.ctx.run_id or "",
+                epoch=self.epoch,
+                turn=self.turns,
+                final=final,
+                prompt=self.original_prompt,
+                output=self.output,
+                messages=list(self.messages),
+                prompt_index=self.prompt_index,
+                usage=self.usage,
+                cost_usd=round(self.cost, 10),
+                parent_id=parent_id,
+            ),
+            retention=self.agent.tuning.checkpoint_retention,
+        )
+        self.info.emit(CheckpointSaved(checkpoint_id=saved.id, turn=self.turns, final=final))
+
+    async def recall(self) -> list[Message]:
+        """What memory reminds the run of: the episodes of *earlier* runs of (session, user).
+
+        Only runs journaled at a lower epoch than this one count. A run that is replayed, even
+        after it finished and recorded its own episode, therefore recalls exactly what it
+        recalled the first time, so its first model call has the same inputs and replays.
+        """
+        if self.memory is None or self.ctx.session_id is None:
+            return []
+        # Without a journal the epoch is None: every episode is earlier.
+        return await self.memory.history(
+            self.ctx.session_id, user_id=self.ctx.user_id, before_epoch=self.epoch
+        )
+
+    async def persist_episode(self, memory: AgentMemory) -> None:
+        """Record the run's turns as an episode, in a journaled step with a per-run key.
+
+        The key names the run's position in the journal (session, user, epoch), not its run
+        id, so a replay or a retry after a crash between the write and its journal entry lands
+        on the same episode: the store replaces it instead of adding one. Replayed with the
+        same inputs, the step is a journal hit and memory is not touched at all.
+
+        Secrets are redacted from what is stored (tool arguments and results are already
+        sealed and scrubbed; a prompt may still hold a key). That happens inside the step, so
+        the step's inputs, and with them its journal key, do not depend on what the redactor
+        has learned.
+        """
+        own = _answered(self.messages[self.prompt_index :])
+        ctx = self.ctx
+        if not own or ctx.session_id is None:
+            return
+        # Without a journal there is no replay: the run id is as stable as the run.
+        position: list[object] = (
+            ["epoch", self.epoch] if self.epoch is not None else ["run", ctx.run_id]
+        )
+        key = json.dumps([ctx.session_id, ctx.user_id, *position], ensure_ascii=False)
+        turns = sum(1 for m in own if m.role == "assistant")
+        write = functools.partial(self._write_episode, memory)
+        await self.runtime.step(f"persist_episode_{turns}", write, key, own, self.output)
+
+    async def _write_episode(
+        self, memory: AgentMemory, key: str, messages: list[Message], output: str
+    ) -> str:
+        redactor = self.agent._redactor
+        episode = await memory.record_episode(
+            self.ctx.session_id or "",
+            user_id=self.ctx.user_id,
+            key=key,
+            messages=[_redacted(m, redactor) for m in messages],
+            output=redactor.text(output),
+            run_id=self.ctx.run_id,
+            epoch=self.epoch,
+        )
+        return episode.id
+
+
+# -- helpers the agent uses before a run starts ----------------------------------------------
+
+
+def check_prompt(checkpoint: Checkpoint, prompt: str) -> None:
+    if checkpoint.prompt != prompt:
+        raise UserError(
+            f"checkpoint {checkpoint.id} of session {checkpoint.session_id!r} was taken for "
+            f"the prompt {checkpoint.prompt[:60]!r}, not {prompt[:60]!r}: resume with the "
+            "original prompt, or use run() for a new request"
+        )
+
+
+async def latest_of_run(
+    store: CheckpointStore, ctx: RunContext, open_run: OpenRun | None, prompt: str
+) -> Checkpoint | None:
+    """The newest snapshot, if it belongs to the run being resumed; else journal replay.
+
+    A snapshot of an *earlier* epoch is not this run's: the last run crashed before its first
+    pass ended, so its journal, not an older transcript, says where it stands.
+    """
+    try:
+        latest = await store.latest(ctx.session_id or "", user_id=ctx.user_id)
+    except CheckpointError:
+        if open_run is not None and open_run.strict:
+            raise
+        log.warning(
+            "the latest checkpoint of session %r cannot be read; replaying the journal instead",
+            ctx.session_id,
+            exc_info=True,
+        )
+        return None
+    if latest is None or open_run is None or latest.epoch != open_run.epoch:
+        return None
+    check_prompt(latest, prompt)
+    return latest
+
+
+# -- pure helpers of the run ---------------------------------------------------------------
+
+
+def _fit_payload(outcome: ToolOutcome, tool_name: str, limit: int | None) -> ToolOutcome:
+    """A result over the journal's size cap becomes a tool error the model reads.
+
+    Raising instead would fail the run with the tool's side effects done but unrecorded, and
+    every resume would run the tool again and fail the same way. The error is journaled like
+    any result, so a resume replays it and the tool runs once.
+    """
+    if limit is None:
+        return outcome  # no journal, no cap
+    try:
+        size = len(codec.dumps(outcome))
+    except codec.UnsupportedValueError:
+        return outcome  # the journal reports it with the step's name
+    if size <= limit:
+        return outcome
+    log.warning("tool %r returned %d bytes, over the %d-byte journal cap", tool_name, size, limit)
+    return ToolOutcome(
+        ok=False,
+        error_type=TOOL_ERROR,
+        error=f"tool {tool_name!r} returned {size} bytes, more than the {limit} bytes a step "
+        "may store (max_payload_bytes); ask it for less (a narrower query, a page, a summary)",
+    )
+
+
+def _counts(open_run: OpenRun | None) -> tuple[int, int]:
+    """Steps replayed and run fresh so far in ``open_run`` (none without a journal)."""
+    if open_run is None:
+        return (0, 0)
+    return (open_run.stats.hits, open_run.stats.misses)
+
+
+_unpriced: set[str] = set()
+
+
+def _warn_unpriced(model_name: str) -> None:
+    if model_name not in _unpriced:
+        _unpriced.add(model_name)
+        log.warning("no price known for model %r; its cost counts as 0", model_name)
+
+
+def _redacted(message: Message, redactor: Redactor) -> Message:
+    calls = [
+        c.model_copy(update={"arguments": redactor.value(c.arguments)}) for c in message.tool_calls
+    ]
+    return message.model_copy(
+        update={"content": redactor.text(message.content), "tool_calls": calls}
+    )
+
+
+def _answered(messages: list[Message]) -> list[Message]:
+    """Drop a trailing tool request whose results never came (the run was interrupted).
+
+    Providers refuse a transcript with an unanswered tool call, and this one will be sent
+    back to the model by the next run on the session.
+    """
+    out = list(messages)
+    while out and out[-1].role == "assistant" and out[-1].tool_calls:
+        out.pop()
+    return out

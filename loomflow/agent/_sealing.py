@@ -1,0 +1,262 @@
+"""Keeping sensitive tool arguments out of the journal (and of checkpoints and transcripts).
+
+The journal stores each model response so that a resumed run replays it, and a response holds
+the tool calls the model asked for, arguments included. A :class:`Sealer` rewrites the response
+*before* it is journaled: each argument a tool declares ``sensitive`` (and each argument
+holding a secret shape or a configured secret) becomes a placeholder ``[sealed:<hmac>]``, and
+the real value stays in process memory only, in the sealer of the run. Everything downstream
+(the journal, the tool step's key, the transcript the model sees next, checkpoints, events)
+carries the placeholder; only the tool invocation gets the real value back
+(:meth:`Sealer.unseal`).
+
+Replays need no real value: a replayed tool call returns its journaled result. The one case
+that would is a worker that died after journaling the model call but before journaling the
+tool result: the resumed run then has the placeholder and no value, and :meth:`Sealer.unseal`
+raises :class:`SealedValueLost`, which the loop answers to the model as a tool error asking it
+to call the tool again (it still knows the value from the conversation it was given).
+
+The loop also passes tool results through :meth:`Sealer.scrub` before journaling them, so a
+tool that echoes a sealed value does not leak it either.
+
+Results are sealed the same way when the tool says ``sensitive_result=True``: the successful
+value of each live call becomes one ``[sealed-result:<hmac>]`` placeholder before it is
+journaled (:meth:`Sealer.seal_result`), so the tool step's journal entry, the transcript the
+run keeps (and so checkpoints, memory episodes, ``RunResult.messages``), events and audit
+entries hold the placeholder. Only the request to the model is rebuilt with the real text
+(:meth:`Sealer.unseal_messages`). The real texts stay in the memory of the process, shared by
+the runs of one agent, so a run resumed by the same agent in the same process still gives the
+model the value. Replayed model calls need no real value (the journal answers them, and their
+fingerprint is taken over the sealed transcript, so it matches). A live model call in another
+process (a resume after a crash), whose transcript holds a result sealed by the dead one, gets
+:data:`SEALED_RESULT_LOST` instead: the value is gone, and the tool can be called again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
+from typing import Any
+
+from .._json import canonical_json, json_safe
+from ..messages import Message, ModelResponse, ToolCall, ToolCallDelta
+from ..redaction import Redactor
+from ..runtime import codec
+from ..tools import Tool, ToolOutcome
+
+__all__ = ["SEALED_ERROR", "SEALED_RESULT_LOST", "SealedValueLost", "Sealer"]
+
+SEALED_ERROR = "sealed_arguments_lost"
+"""``ToolOutcome.error_type`` of a call whose sealed arguments are gone after a restart."""
+
+SEALED_RESULT_LOST = (
+    "[sealed result: its value was kept only in the memory of the process that called the "
+    "tool, which is gone; call the tool again if you need it]"
+)
+"""What the model reads for a result sealed in another process (before a restart, say)."""
+
+_PLACEHOLDER = re.compile(r"^\[sealed:[0-9a-f]{20}\]$")
+_RESULT_PLACEHOLDER = re.compile(r"^\[sealed-result:[0-9a-f]{20}\]$")
+
+
+class SealedValueLost(LookupError):
+    """A sealed argument's value is not in this process (the run resumed after a crash)."""
+
+
+class Sealer:
+    """Seals sensitive tool-call arguments of one run's model responses.
+
+    Args:
+        tools: The agent's tools by name (their ``sensitive`` argument names are sealed, and
+            the results of those declaring ``sensitive_result``).
+        redactor: Also seal arguments holding a secret it recognises, and teach it the sealed
+            values so that logs scrub them too.
+        results: Where sealed results are kept (placeholder to text), shared by the runs of
+            one agent so that a run resumed in the same process still reads them; the
+            oldest are forgotten past ``max_results``.
+        max_results: How many sealed results ``results`` keeps.
+    """
+
+    def __init__(
+        self,
+        tools: Mapping[str, Tool[..., Any]],
+        redactor: Redactor | None = None,
+        *,
+        results: OrderedDict[str, str] | None = None,
+        max_results: int = 1024,
+    ):
+        self._tools = tools
+        self._redactor = redactor
+        self._key = os.urandom(32)  # placeholders need only be unique within this process
+        self._vault: dict[str, Any] = {}
+        # Result placeholder -> the text the model reads.
+        self._results: OrderedDict[str, str] = results if results is not None else OrderedDict()
+        self._max_results = max_results
+
+    def _placeholder(self, tool: str, name: str, value: Any) -> str:
+        digest = hmac.new(self._key, codec.canonical_bytes([tool, name, value]), hashlib.sha256)
+        return f"[sealed:{digest.hexdigest()[:20]}]"
+
+    def _sensitive(self, tool_name: str, name: str, value: Any) -> bool:
+        found = self._tools.get(tool_name)
+        if found is not None and name in found.sensitive:
+            return True
+        if self._redactor is None:
+            return False
+        return self._redactor.contains_secret(canonical_json(json_safe(value)))
+
+    def seal_call(self, call: ToolCall) -> ToolCall:
+        """``call`` with its sensitive arguments replaced by placeholders."""
+        sealed: dict[str, Any] = {}
+        for name, value in call.arguments.items():
+            if isinstance(value, str) and _PLACEHOLDER.match(value):
+                continue  # already sealed (a replayed response)
+            if self._sensitive(call.name, name, value):
+                placeholder = self._placeholder(call.name, name, value)
+                self._vault[placeholder] = value
+                sealed[name] = placeholder
+                if self._redactor is not None:
+                    self._redactor.learn(value)
+        if not sealed:
+            return call
+        return call.model_copy(update={"arguments": {**call.arguments, **sealed}})
+
+    def seal_response(self, response: ModelResponse) -> ModelResponse:
+        """``response`` with the arguments of its tool calls sealed."""
+        calls = [self.seal_call(c) for c in response.tool_calls]
+        if all(a is b for a, b in zip(calls, response.tool_calls, strict=True)):
+            return response
+        return response.model_copy(update={"tool_calls": calls})
+
+    async def stream(self, chunks: AsyncIterable[Any]) -> AsyncGenerator[Any, None]:
+        """Pass a model stream through, sealed.
+
+        Text streams as it comes. Tool-call deltas are held until the final response: a call
+        with nothing to seal is then replayed delta for delta, a sealed one as a single delta
+        carrying its sealed arguments. Use it with ``contextlib.aclosing`` so an abandoned
+        stream closes the model's stream at once.
+        """
+        source = aiter(chunks)
+        try:
+            async for chunk in self._sealed(source):
+                yield chunk
+        finally:
+            # Close the model's stream now, in this context, not whenever it is collected:
+            # an abandoned stream must release what it holds (spans, connections) at once.
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _sealed(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        held: dict[int, list[ToolCallDelta]] = {}
+        async for chunk in chunks:
+            if isinstance(chunk, ToolCallDelta):
+                held.setdefault(chunk.index, []).append(chunk)
+                continue
+            if isinstance(chunk, ModelResponse):
+                sealed = self.seal_response(chunk)
+                for index in sorted(held):
+                    original = chunk.tool_calls[index] if index < len(chunk.tool_calls) else None
+                    now = sealed.tool_calls[index] if original is not None else None
+                    if original is None or now is original:
+                        for delta in held[index]:
+                            yield delta
+                    else:
+                        assert now is not None
+                        yield ToolCallDelta(
+                            index=index,
+                            id=now.id,
+                            name=now.name,
+                            arguments_delta=canonical_json(now.arguments),
+                        )
+                held.clear()
+                yield sealed
+                continue
+            yield chunk
+        for index in sorted(held):  # a stream that ended without a response
+            for delta in held[index]:
+                yield delta
+
+    def unseal(self, call: ToolCall) -> ToolCall:
+        """``call`` with the real values back, for the tool invocation only.
+
+        Raises:
+            SealedValueLost: a placeholder's value is not known to this process.
+        """
+        restored: dict[str, Any] = {}
+        for name, value in call.arguments.items():
+            if isinstance(value, str) and _PLACEHOLDER.match(value):
+                if value not in self._vault:
+                    raise SealedValueLost(
+                        f"the argument {name!r} of this {call.name!r} call was sealed, and its "
+                        "value did not survive the restart of the run; call the tool again "
+                        "with the same arguments"
+                    )
+                restored[name] = self._vault[value]
+        if not restored:
+            return call
+        return call.model_copy(update={"arguments": {**call.arguments, **restored}})
+
+    def seal_result(self, tool_name: str, outcome: ToolOutcome) -> ToolOutcome:
+        """``outcome`` with its value sealed, if the tool declares ``sensitive_result``.
+
+        Only a successful value is sealed; an error's text goes through :meth:`scrub` like
+        any other tool's.
+        """
+        found = self._tools.get(tool_name)
+        if found is None or not found.sensitive_result or not outcome.ok:
+            return outcome
+        if isinstance(outcome.value, str) and _RESULT_PLACEHOLDER.match(outcome.value):
+            return outcome  # already sealed
+        text = outcome.as_text()
+        digest = hmac.new(self._key, codec.canonical_bytes([tool_name, text]), hashlib.sha256)
+        placeholder = f"[sealed-result:{digest.hexdigest()[:20]}]"
+        # Not taught to the redactor, unlike sealed arguments: a result's leaves include
+        # ordinary words ("active", a city) that must not vanish from every other text.
+        self._results[placeholder] = text
+        while len(self._results) > self._max_results:
+            self._results.popitem(last=False)
+        return outcome.model_copy(update={"value": placeholder})
+
+    def unseal_messages(self, messages: list[Message]) -> list[Message]:
+        """``messages`` as the model must read them: sealed results replaced by their text.
+
+        A result sealed by another process (the run resumed after a crash) becomes
+        :data:`SEALED_RESULT_LOST`. The list given is not changed.
+        """
+        out: list[Message] = []
+        for message in messages:
+            if message.role == "tool" and _RESULT_PLACEHOLDER.match(message.content):
+                text = self._results.get(message.content)
+                if text is None:
+                    text = SEALED_RESULT_LOST
+                else:
+                    self._results.move_to_end(message.content)
+                message = message.model_copy(update={"content": text})
+            out.append(message)
+        return out
+
+    def lost(self, error: SealedValueLost) -> ToolOutcome:
+        """The tool error the model gets for a call whose sealed values are gone."""
+        return ToolOutcome(ok=False, error_type=SEALED_ERROR, error=str(error))
+
+    def scrub(self, outcome: ToolOutcome) -> ToolOutcome:
+        """``outcome`` without sealed values or secrets in its value or error text."""
+        if self._redactor is None:
+            return outcome
+        update: dict[str, Any] = {}
+        if outcome.error is not None:
+            # Secrets only: personal data a tool returns is for the model to read (tools mark
+            # such results sensitive_result=True to keep them out of the journal).
+            error = self._redactor.text(outcome.error, pii=False)
+            if error != outcome.error:
+                update["error"] = error
+        if outcome.ok and outcome.value is not None:
+            plain = json_safe(outcome.value)
+            clean = self._redactor.value(plain, pii=False)
+            if clean != plain:  # only a result that held a secret changes shape
+                update["value"] = clean
+        return outcome.model_copy(update=update) if update else outcome

@@ -1,0 +1,349 @@
+"""Redaction before storage: secret shapes, configured secret values, sensitive arguments, PII.
+
+A :class:`Redactor` rewrites text and JSON data so that none of these reach a store:
+
+- *secret shapes*: API keys (``sk-…``, ``AKIA…``, ``AIza…``, GitHub and Slack tokens), bearer
+  tokens, JSON web tokens and PEM private keys, found anywhere in any string;
+- *configured secret values*: ``Settings.redact_secrets`` and the values of the environment
+  variables named in ``Settings.redact_env``, found anywhere in any string;
+- *learned values*: the values of tool arguments a tool declares ``sensitive``; the audit hook
+  teaches them to the redactor as soon as it sees them, so that the same value is also
+  scrubbed from loomflow's own log records (see :func:`install_log_redaction`);
+- *sensitive keys*: a mapping key such as ``password`` or ``authorization`` hides its value;
+- *personal-data shapes* (:data:`PII_KINDS`): payment card numbers that pass the Luhn check,
+  e-mail addresses and IBANs that pass their checksum (the shapes the PII guardrail finds),
+  plus any patterns you add. These are
+  removed from what the audit log and loomflow's logs store, but never from what the agent
+  loop journals (``pii=False``): a tool that looks up a customer's e-mail must still hand it
+  to the model. Tools whose results are personal data say so with ``sensitive_result=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import traceback
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from ._json import json_safe
+from ._pii import FINDERS
+from .config import Settings
+from .errors import UserError
+
+__all__ = [
+    "DEFAULT_SENSITIVE_KEYS",
+    "PII_KINDS",
+    "PLACEHOLDER",
+    "SCRUBBED_LOGGERS",
+    "SECRET_PATTERNS",
+    "Redactor",
+    "install_log_redaction",
+]
+
+PLACEHOLDER = "[REDACTED]"
+"""What a sensitive argument or a secret value becomes."""
+
+SECRET_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("private_key", r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----"),
+    ("api_key", r"\bsk-[A-Za-z0-9_\-]{16,}"),
+    ("aws_access_key", r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
+    ("google_api_key", r"\bAIza[0-9A-Za-z_\-]{35}"),
+    ("github_token", r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})"),
+    ("slack_token", r"\bxox[abposr]-[A-Za-z0-9\-]{10,}"),
+    ("jwt", r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
+    ("bearer_token", r"(?i)\bbearer\s+[A-Za-z0-9\-._~+/]{8,}=*"),
+)
+"""``(kind, regular expression)`` of the secret shapes found in any string."""
+
+PII_KINDS: tuple[str, ...] = tuple(FINDERS)
+"""The personal-data kinds redacted by default: ``card`` (13 to 19 digits, spaced or dashed,
+that pass the Luhn check), ``email`` and ``iban`` (that pass the ISO 13616 checksum)."""
+
+DEFAULT_SENSITIVE_KEYS = frozenset(
+    {
+        "password",
+        "passwd",
+        "passphrase",
+        "secret",
+        "client_secret",
+        "api_key",
+        "apikey",
+        "x_api_key",
+        "access_token",
+        "refresh_token",
+        "id_token",
+        "auth_token",
+        "token",
+        "authorization",
+        "private_key",
+        "cookie",
+        "set_cookie",
+    }
+)
+"""Mapping keys (compared lower-case, ``-`` read as ``_``) whose values are always hidden."""
+
+_MIN_SECRET = 4  # a shorter "secret" would redact ordinary text everywhere
+
+
+def _norm_key(key: str) -> str:
+    return key.lower().replace("-", "_")
+
+
+class Redactor:
+    """Rewrites text and JSON data before it is stored or logged.
+
+    Args:
+        secrets: Secret values to remove wherever they appear.
+        env: Names of environment variables whose values are secrets.
+        patterns: Also remove secret *shapes* (:data:`SECRET_PATTERNS`).
+        sensitive_keys: Mapping keys whose values are always hidden.
+        max_learned: How many learned values to keep (oldest forgotten first).
+        pii: Remove the built-in personal-data shapes (:data:`PII_KINDS`).
+        pii_patterns: Personal-data shapes of your own, ``{kind: regular expression}``, used
+            whatever ``pii`` says; a match becomes ``[REDACTED:<kind>]``. A call with
+            ``pii=False`` (the agent loop's) skips every personal-data shape.
+
+    Example:
+        >>> r = Redactor(secrets=["hunter22"])
+        >>> r.text("login with hunter22 and sk-abcdefghijklmnopqrstu")
+        'login with [REDACTED] and [REDACTED:api_key]'
+        >>> r.text("paid with 4111 1111 1111 1111, receipt to ana@example.com")
+        'paid with [REDACTED:card], receipt to [REDACTED:email]'
+
+    Raises:
+        UserError: a pattern of ``pii_patterns`` is not a valid regular expression.
+    """
+
+    def __init__(
+        self,
+        *,
+        secrets: Iterable[str] = (),
+        env: Iterable[str] = (),
+        patterns: bool = True,
+        sensitive_keys: Collection[str] = DEFAULT_SENSITIVE_KEYS,
+        max_learned: int = 4096,
+        pii: bool = True,
+        pii_patterns: Mapping[str, str] | None = None,
+    ) -> None:
+        values = {s for s in secrets if isinstance(s, str) and len(s) >= _MIN_SECRET}
+        for name in env:
+            value = os.environ.get(name)
+            if value and len(value) >= _MIN_SECRET:
+                values.add(value)
+        self._configured = frozenset(values)
+        self._patterns = (
+            [(kind, re.compile(rx)) for kind, rx in SECRET_PATTERNS] if patterns else []
+        )
+        finders: list[tuple[str, Callable[[str], list[tuple[int, int]]]]] = (
+            list(FINDERS.items()) if pii else []
+        )
+        for kind, rx in (pii_patterns or {}).items():
+            try:
+                compiled = re.compile(rx)
+            except (re.error, TypeError) as exc:
+                raise UserError(f"redaction pattern {kind!r} is not a valid regex: {exc}") from exc
+            finders.append((str(kind), _spans_of(compiled)))
+        self._pii = finders
+        self._keys = frozenset(_norm_key(k) for k in sensitive_keys)
+        self._learned: OrderedDict[str, None] = OrderedDict()
+        self._max_learned = max_learned
+        self._lock = threading.Lock()  # log records are built on any thread
+        self._values_rx: re.Pattern[str] | None = None
+        self._compile()
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None) -> Redactor:
+        """The redactor ``Settings`` describe (``redact_secrets``, ``redact_env``,
+        ``redact_pii``, ``redact_patterns``)."""
+        s = settings or Settings()
+        return cls(
+            secrets=[v.get_secret_value() for v in s.redact_secrets],
+            env=s.redact_env,
+            pii=s.redact_pii,
+            pii_patterns=s.redact_patterns,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Redactor({len(self._configured)} configured secrets, {len(self._learned)} learned, "
+            f"patterns={'on' if self._patterns else 'off'}, "
+            f"pii={[kind for kind, _ in self._pii] or 'off'})"
+        )
+
+    def _compile(self) -> None:
+        values = sorted(self._configured | self._learned.keys(), key=len, reverse=True)
+        self._values_rx = re.compile("|".join(map(re.escape, values))) if values else None
+
+    def learn(self, value: Any) -> None:
+        """Treat ``value`` (and every string or number inside it) as a secret from now on."""
+        leaves: list[str] = []
+        _leaves(value, leaves)
+        fresh = [v for v in leaves if len(v) >= _MIN_SECRET and v not in self._configured]
+        if not fresh:
+            return
+        with self._lock:
+            changed = False
+            for v in fresh:
+                if v in self._learned:
+                    self._learned.move_to_end(v)
+                    continue
+                self._learned[v] = None
+                changed = True
+                while len(self._learned) > self._max_learned:
+                    self._learned.popitem(last=False)
+            if changed:
+                self._compile()
+
+    def text(self, text: str, *, pii: bool = True) -> str:
+        """``text`` with every secret value and secret shape replaced, and with personal-data
+        shapes replaced too unless ``pii=False``."""
+        rx = self._values_rx
+        if rx is not None:
+            text = rx.sub(PLACEHOLDER, text)
+        for kind, pattern in self._patterns:
+            text = pattern.sub(f"[REDACTED:{kind}]", text)
+        if pii:
+            for kind, find in self._pii:
+                # Right to left, so earlier spans keep their offsets.
+                for start, end in reversed(find(text)):
+                    text = f"{text[:start]}[REDACTED:{kind}]{text[end:]}"
+        return text
+
+    def contains_secret(self, text: str) -> bool:
+        """Whether :meth:`text` would change ``text`` for a secret (personal data aside)."""
+        return self.text(text, pii=False) != text
+
+    def value(self, value: Any, *, max_text: int | None = None, pii: bool = True) -> Any:
+        """``value`` as redacted JSON data; strings longer than ``max_text`` are cut."""
+        return self._walk(json_safe(value), max_text, pii)
+
+    def _walk(self, value: Any, max_text: int | None, pii: bool = True) -> Any:
+        if isinstance(value, str):
+            out = self.text(value, pii=pii)
+            if max_text is not None and len(out) > max_text:
+                out = f"{out[:max_text]}…[+{len(out) - max_text} chars]"
+            return out
+        if isinstance(value, dict):
+            return {
+                k: PLACEHOLDER if _norm_key(k) in self._keys else self._walk(v, max_text, pii)
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [self._walk(v, max_text, pii) for v in value]
+        if pii and isinstance(value, int) and not isinstance(value, bool):
+            # A card number returned as a JSON number rather than a string.
+            text = str(value)
+            if self.text(text) != text:
+                return self.text(text)
+        return value
+
+    def arguments(
+        self,
+        arguments: Mapping[str, Any],
+        sensitive: Collection[str] | None,
+        *,
+        max_text: int | None = None,
+    ) -> dict[str, Any]:
+        """A tool call's arguments for storage.
+
+        Args:
+            arguments: The arguments as the model sent them.
+            sensitive: The tool's declared sensitive argument names; ``None`` when the tool is
+                not known, in which case every value is hidden (names stay visible).
+            max_text: Cut longer strings.
+        """
+        out: dict[str, Any] = {}
+        for name, value in arguments.items():
+            hidden = sensitive is None or name in sensitive or _norm_key(name) in self._keys
+            out[str(name)] = PLACEHOLDER if hidden else self.value(value, max_text=max_text)
+        return out
+
+
+def _spans_of(pattern: re.Pattern[str]) -> Callable[[str], list[tuple[int, int]]]:
+    def find(text: str) -> list[tuple[int, int]]:
+        return [m.span() for m in pattern.finditer(text) if m.end() > m.start()]
+
+    return find
+
+
+def _leaves(value: Any, out: list[str]) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, bool) or value is None:
+        return
+    elif isinstance(value, int | float):
+        out.append(str(value))
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _leaves(v, out)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for v in value:
+            _leaves(v, out)
+
+
+# -- loomflow's own log records -------------------------------------------------------------
+
+SCRUBBED_LOGGERS = ("loomflow", "aiosqlite", "asyncpg")
+"""Loggers (and their children) whose records are scrubbed: loomflow's own, and the database
+drivers', whose debug records print every statement with its parameters."""
+
+_active: weakref.WeakSet[Redactor] = weakref.WeakSet()
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _scrub(record: logging.LogRecord) -> None:
+    redactors = list(_active)
+    if not redactors:
+        return
+
+    def clean(text: str) -> str:
+        for redactor in redactors:
+            text = redactor.text(text)
+        return text
+
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed call still gets logged, as its bare format string
+        message = str(record.msg)
+    record.msg = clean(message)
+    record.args = None
+    if record.exc_info and record.exc_info[1] is not None:
+        # Formatters print exc_text when it is set; the exception object itself (whose
+        # message may hold the secret) is dropped from the record.
+        record.exc_text = clean("".join(traceback.format_exception(*record.exc_info)).rstrip())
+        record.exc_info = None
+    elif record.exc_text:
+        record.exc_text = clean(record.exc_text)
+    if record.stack_info:
+        record.stack_info = clean(record.stack_info)
+
+
+def install_log_redaction(redactor: Redactor) -> None:
+    """Scrub every record of the :data:`SCRUBBED_LOGGERS` with ``redactor`` (and any
+    installed before it) as the record is created, before any handler sees it.
+
+    Records of other loggers (your application's) are left alone. Installed once per process
+    by chaining :func:`logging.setLogRecordFactory`; a garbage-collected redactor drops out.
+    """
+    global _installed
+    _active.add(redactor)
+    with _install_lock:
+        if _installed:
+            return
+        previous: Callable[..., logging.LogRecord] = logging.getLogRecordFactory()
+
+        def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = previous(*args, **kwargs)
+            name = record.name
+            if name.split(".", 1)[0] in SCRUBBED_LOGGERS:
+                _scrub(record)
+            return record
+
+        logging.setLogRecordFactory(factory)
+        _installed = True

@@ -1,0 +1,648 @@
+"""Spans and metrics of agent runs, plugged into the loop as :class:`RunHooks`.
+
+The span tree of one run::
+
+    invoke_agent {agent}                      run_started .. run_finished
+    ├── loom.workflow.step  model_call_0      the runtime's step tracer
+    │   └── chat {model}                      live model calls only
+    ├── loom.workflow.step  tool_call_0_0_…
+    │   └── execute_tool {tool}               live tool executions only
+    │       └── invoke_agent {sub-agent}      an agent used as a tool nests here
+    └── loom.workflow.step  model_call_1      (a replayed step: no child)
+
+Context propagation. The agent loop is an async generator: whatever it made "current" in
+``contextvars`` would stay current in the code consuming its events, and a consumer that
+abandons the stream leaves the loop to be closed later, by the garbage collector, in another
+context, where nothing can be undone. So the root span is never made current. Parents are
+chosen explicitly: a step's parent is the current span when that span belongs to the same run
+(a step or a tool execution of it: a step inside a tool nests under the tool), and otherwise
+the root span of the run in ``get_run_context()``. Only spans whose start and end happen in one
+coroutine are made current: a plain step's span, and the ``execute_tool`` span inside it (so
+work a tool does, a sub-agent say, nests under it). A stream step yields to the consumer in
+between, so it is never made current: its ``chat`` child finds it by (run id, step name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from pydantic import BaseModel
+
+from ..context import get_run_context
+from ..governance.events import (
+    BudgetDenied,
+    BudgetUnavailable,
+    BudgetWarning,
+    GovernanceEvent,
+    GuardrailTripped,
+    PermissionDecided,
+)
+from ..hooks import RunHooks, RunInfo
+from ..messages import Message, ModelResponse, ModelSettings, ToolCall
+from ..models import cost_usd
+from ..redaction import Redactor
+from ..runtime._journal import StepEvent, StepNote, StepStart
+from ..tools import Tool, ToolOutcome
+from . import _semconv as sc
+
+__all__ = ["Counters", "TelemetryHooks", "instrument"]
+
+
+class Counters(Protocol):
+    """What the hooks count with: :class:`~loomflow.telemetry.Metrics` is the one kept here.
+
+    The hooks name this rather than ``Metrics`` because ``Metrics.as_hooks()`` builds them.
+    """
+
+    def instrument(self, runtime: Any) -> None: ...
+
+    def run_finished(self, *, backend: str, outcome: str, resumed: bool) -> None: ...
+
+    def model_usage(
+        self,
+        *,
+        provider: str,
+        model: str,
+        input_tokens: int,
+        output_tokens: int,
+        cost_usd: float | None,
+    ) -> None: ...
+
+    def budget_denied(self, cap: str) -> None: ...
+
+    def permission_decided(self, decision: str, final: str) -> None: ...
+
+    def guardrail_tripped(self, stage: str, action: str) -> None: ...
+
+
+# Exceptions that mean "the caller went away", not "the work failed".
+_CANCELLED = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
+
+
+@dataclass(eq=False)
+class _Child:
+    """A ``chat`` or ``execute_tool`` span opened under a step."""
+
+    span: Span
+    token: Any = None  # the OTel context token of an attached (tool) span
+    var_token: contextvars.Token[_Child | None] | None = None
+    done: bool = False
+    end_ns: int | None = None  # when the step around it ended (chat spans end just after)
+
+    def finish(self, end_ns: int | None = None) -> None:
+        if not self.done:
+            self.done = True
+            self.span.end(end_time=end_ns)
+
+    def release(self) -> None:
+        """Undo what ``before_tool_call`` made current (same context: the step's coroutine)."""
+        if self.token is not None:
+            otel_context.detach(self.token)
+            self.token = None
+        if self.var_token is not None:
+            _current_tool.reset(self.var_token)
+            self.var_token = None
+
+
+@dataclass(eq=False)
+class _OpenStep:
+    """A ``loom.workflow.step`` span between its step's start and end."""
+
+    span: Span
+    children: list[_Child] = field(default_factory=list)
+
+    def note(self, event: StepEvent) -> None:
+        self.span.set_attribute(sc.LOOM_STEP_REPLAY, event.outcome)
+        if event.outcome == "divergence":
+            self.span.add_event(
+                "loom.replay.divergence",
+                {sc.LOOM_STEP_NAME: event.name, sc.LOOM_STEP_EPOCH: event.epoch},
+            )
+
+
+_current_tool: contextvars.ContextVar[_Child | None] = contextvars.ContextVar(
+    "loomflow_telemetry_tool", default=None
+)
+_current_step: contextvars.ContextVar[_OpenStep | None] = contextvars.ContextVar(
+    "loomflow_telemetry_step", default=None
+)
+# Stream steps in progress, by (run id, step name), for their chat spans to find.
+_open_streams: dict[tuple[str, str], list[_OpenStep]] = {}
+
+
+@dataclass(eq=False)
+class _LiveRun:
+    """The root span of a run in progress and the ids of the spans that belong to it."""
+
+    owner: Any
+    span: Span
+    members: set[int] = field(default_factory=set)
+    children: list[_Child] = field(default_factory=list)  # chat and tool spans, to end if left
+
+
+# Runs in progress by run id (the run ids of get_run_context()), for their steps to find.
+_live: dict[str, _LiveRun] = {}
+
+
+def _parent(run_id: str | None) -> tuple[otel_context.Context, _LiveRun | None]:
+    """Where a span opened now belongs: see the module docstring."""
+    current = otel_context.get_current()
+    live = _live.get(run_id or "")
+    if live is None:
+        return current, None
+    if trace.get_current_span(current).get_span_context().span_id in live.members:
+        return current, live
+    return trace.set_span_in_context(live.span, current), live
+
+
+# One step tracer per runtime, whichever Telemetry instrumented it first.
+_traced: weakref.WeakKeyDictionary[Any, _StepTracer] = weakref.WeakKeyDictionary()
+_traced_lock = threading.Lock()
+
+
+_fallback_redactor: Redactor | None = None
+
+
+def _redactor(info: RunInfo | None = None) -> Redactor:
+    """The run's redactor, else one built from settings (steps run outside any agent)."""
+    global _fallback_redactor
+    if info is not None and info.redactor is not None:
+        return info.redactor
+    if _fallback_redactor is None:
+        _fallback_redactor = Redactor.from_settings()
+    return _fallback_redactor
+
+
+def _fail(span: Span, exc: BaseException, redactor: Redactor | None = None) -> None:
+    if isinstance(exc, _CANCELLED):
+        span.set_attribute(sc.ERROR_TYPE, "cancelled")
+        span.set_status(Status(StatusCode.ERROR, "cancelled"))
+        return
+    # Exported whether or not content is captured, so the message (which may quote a tool's
+    # input or a provider's reply) is redacted like an audit entry.
+    scrub = (redactor or _redactor()).text
+    message = scrub(str(exc))
+    span.add_event(
+        "exception",
+        {
+            "exception.type": type(exc).__qualname__,
+            "exception.message": message,
+            "exception.stacktrace": scrub(
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            ),
+        },
+    )
+    span.set_attribute(sc.ERROR_TYPE, type(exc).__qualname__)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {message}"[:500]))
+
+
+class _StepTracer:
+    """The runtime's step tracer: one ``loom.workflow.step`` span per journaled step."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+
+    @contextlib.contextmanager
+    def __call__(self, start: StepStart) -> Iterator[StepNote]:
+        run_id = get_run_context().run_id
+        attributes: dict[str, Any] = {
+            sc.LOOM_STEP_NAME: start.name,
+            sc.LOOM_STEP_KIND: start.kind,
+            sc.LOOM_STEP_EPOCH: start.epoch,
+            sc.LOOM_STEP_PATH: "/".join(start.path),
+            sc.LOOM_STEP_STREAM: start.stream,
+            sc.LOOM_BACKEND: start.backend,
+        }
+        if start.session_id is not None:
+            attributes[sc.SESSION_ID] = start.session_id
+            attributes[sc.GEN_AI_CONVERSATION_ID] = start.session_id
+        if start.user_id is not None:
+            attributes[sc.USER_ID] = start.user_id
+        if run_id:
+            attributes[sc.LOOM_RUN_ID] = run_id
+        parent, live = _parent(run_id)
+        span = self.tracer.start_span(
+            sc.STEP_SPAN, context=parent, kind=SpanKind.INTERNAL, attributes=attributes
+        )
+        if live is not None:
+            live.members.add(span.get_span_context().span_id)
+        step = _OpenStep(span)
+        key = (run_id or "", start.name)
+        token = var_token = None
+        if start.stream:
+            _open_streams.setdefault(key, []).append(step)
+        else:
+            token = otel_context.attach(trace.set_span_in_context(span))
+            var_token = _current_step.set(step)
+        failure: BaseException | None = None
+        try:
+            yield step.note
+        except BaseException as exc:
+            failure = exc
+            _fail(span, exc)
+            raise
+        finally:
+            ended = time.time_ns()
+            for child in step.children:
+                if child.done:
+                    continue
+                if failure is not None or child.token is not None:
+                    # A tool span the hooks never closed (a hook interrupted, the tool raised)
+                    # or a chat span of a failed stream.
+                    if failure is not None:
+                        _fail(child.span, failure)
+                    child.release()
+                    child.finish(ended)
+                else:
+                    child.end_ns = ended  # after_model_call ends it with its response
+            if var_token is not None:
+                _current_step.reset(var_token)
+            if token is not None:
+                otel_context.detach(token)
+            if start.stream:
+                waiting = _open_streams.get(key, [])
+                if step in waiting:
+                    waiting.remove(step)
+                if not waiting:
+                    _open_streams.pop(key, None)
+            span.end(end_time=ended)
+
+
+def instrument(runtime: Any, tracer: Tracer | None, metrics: Counters | None) -> None:
+    """Trace (with ``tracer``) and count (with ``metrics``) every journaled step of ``runtime``.
+
+    Idempotent. A runtime is traced by the first tracer that instruments it; a runtime without
+    a journal (an agent with ``runtime=None``) has no steps and is left alone.
+    """
+    if tracer is not None and hasattr(runtime, "add_step_tracer"):
+        with _traced_lock:
+            fresh = runtime not in _traced
+            if fresh:
+                _traced[runtime] = _StepTracer(tracer)
+        if fresh:
+            runtime.add_step_tracer(_traced[runtime])
+    if metrics is not None:
+        metrics.instrument(runtime)
+
+
+class TelemetryHooks(RunHooks):
+    """Spans and metrics of every run, as the agent loop's hooks (``Telemetry.as_hooks()``)."""
+
+    def __init__(self, tracer: Tracer | None, metrics: Counters | None, *, content: bool) -> None:
+        self.tracer = tracer
+        self.metrics = metrics
+        self.content = content
+
+    @staticmethod
+    def _scrub(info: RunInfo, value: Any) -> str:
+        """Captured content as span text, redacted as the audit log redacts it: secret values
+        and shapes in every string, and values under sensitive key names (``password``...)."""
+        redactor = _redactor(info)
+        if isinstance(value, str):
+            return redactor.text(value)
+        return _json(redactor.value(value))
+
+    def _run(self, info: RunInfo) -> _LiveRun | None:
+        live = _live.get(info.run_id)
+        return live if live is not None and live.owner is self else None
+
+    # -- runs ------------------------------------------------------------------------------
+
+    async def run_started(self, info: RunInfo) -> None:
+        # The run's journal (the enclosing run's for a sub-agent); instrumenting is idempotent.
+        runtime = info.runtime
+        if runtime is not None:
+            instrument(runtime, self.tracer, self.metrics)
+        if self.tracer is None:
+            return
+        attributes: dict[str, Any] = {
+            sc.GEN_AI_OPERATION_NAME: "invoke_agent",
+            sc.GEN_AI_AGENT_NAME: info.agent_name,
+            sc.GEN_AI_PROVIDER_NAME: info.provider,
+            sc.GEN_AI_REQUEST_MODEL: info.model_name,
+            sc.GEN_AI_CONVERSATION_ID: info.session_id,
+            sc.SESSION_ID: info.session_id,
+            sc.LOOM_RUN_ID: info.run_id,
+            sc.LOOM_RUN_RESUMED: info.resumed,
+            sc.LOOM_BACKEND: info.backend,
+        }
+        if info.user_id is not None:
+            attributes[sc.USER_ID] = info.user_id
+        if info.epoch is not None:
+            attributes[sc.LOOM_RUN_EPOCH] = info.epoch
+        # The parent is the current span: the caller's, or the execute_tool span of the tool
+        # this agent serves as.
+        span = self.tracer.start_span(
+            f"invoke_agent {info.agent_name}", kind=SpanKind.INTERNAL, attributes=attributes
+        )
+        _live[info.run_id] = _LiveRun(self, span)
+
+    async def check_input(self, info: RunInfo, prompt: str) -> str:
+        # Recorded here, after the guardrails (earlier hooks) had their say on the prompt.
+        live = self._run(info)
+        if live is not None and self.content:
+            live.span.set_attribute(
+                sc.GEN_AI_INPUT_MESSAGES,
+                self._scrub(
+                    info, [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]
+                ),
+            )
+        return prompt
+
+    async def run_finished(
+        self, info: RunInfo, result: Any | None, error: BaseException | None
+    ) -> None:
+        if error is not None:
+            outcome = "cancelled" if isinstance(error, _CANCELLED) else "failed"
+        elif result is not None and result.interrupted:
+            outcome = "interrupted"
+        else:
+            outcome = "finished"
+        if self.metrics is not None:
+            self.metrics.run_finished(backend=info.backend, outcome=outcome, resumed=info.resumed)
+        live = self._run(info)
+        if live is None:
+            return
+        del _live[info.run_id]
+        span = live.span
+        for child in live.children:
+            if not child.done:  # a chat span whose after_model_call never came, say
+                if error is not None:
+                    _fail(child.span, error, _redactor(info))
+                child.finish(child.end_ns)
+        span.set_attribute(sc.LOOM_RUN_OUTCOME, outcome)
+        if result is not None:
+            span.set_attribute(sc.LOOM_RUN_TURNS, result.turns)
+            span.set_attribute(sc.GEN_AI_USAGE_INPUT_TOKENS, result.tokens_in)
+            span.set_attribute(sc.GEN_AI_USAGE_OUTPUT_TOKENS, result.tokens_out)
+            span.set_attribute(sc.LOOM_RUN_COST_USD, result.cost_usd)
+            span.set_attribute(sc.LOOM_RUN_REPLAYED_STEPS, result.replayed_steps)
+            span.set_attribute(sc.LOOM_RUN_FRESH_STEPS, result.fresh_steps)
+            if result.interruption_reason:
+                span.set_attribute(sc.LOOM_RUN_INTERRUPTION_REASON, result.interruption_reason)
+            if self.content:
+                span.set_attribute(
+                    sc.GEN_AI_OUTPUT_MESSAGES,
+                    self._scrub(
+                        info,
+                        [
+                            {
+                                "role": "assistant",
+                                "parts": [{"type": "text", "content": result.output}],
+                            }
+                        ],
+                    ),
+                )
+        if error is not None:
+            _fail(span, error, _redactor(info))
+        span.end()
+
+    # -- model calls -----------------------------------------------------------------------
+
+    async def before_model_call(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
+    ) -> Any:
+        if self.tracer is None:
+            return None
+        waiting = _open_streams.get((info.run_id, f"model_call_{turn}"))
+        step = waiting[-1] if waiting else None
+        live = self._run(info)
+        if step is not None:
+            parent: otel_context.Context | None = trace.set_span_in_context(step.span)
+        elif live is not None:  # no journal: no step span
+            parent = trace.set_span_in_context(live.span)
+        else:
+            parent = None
+        attributes: dict[str, Any] = {
+            sc.GEN_AI_OPERATION_NAME: "chat",
+            sc.GEN_AI_PROVIDER_NAME: info.provider,
+            sc.GEN_AI_REQUEST_MODEL: info.model_name,
+            sc.GEN_AI_REQUEST_MAX_TOKENS: settings.max_tokens,
+            sc.GEN_AI_CONVERSATION_ID: info.session_id,
+        }
+        if settings.temperature is not None:
+            attributes[sc.GEN_AI_REQUEST_TEMPERATURE] = settings.temperature
+        if self.content:
+            system = [m for m in messages if m.role == "system"]
+            if system:
+                attributes[sc.GEN_AI_SYSTEM_INSTRUCTIONS] = self._scrub(
+                    info, [{"type": "text", "content": m.content} for m in system]
+                )
+            attributes[sc.GEN_AI_INPUT_MESSAGES] = self._scrub(
+                info, [_message_json(m) for m in messages if m.role != "system"]
+            )
+        span = self.tracer.start_span(
+            f"chat {info.model_name}",
+            context=parent,
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+        )
+        child = _Child(span)
+        if step is not None:
+            step.children.append(child)
+        if live is not None:
+            live.children.append(child)
+        return child
+
+    async def model_call_failed(
+        self, info: RunInfo, turn: int, error: BaseException, token: Any
+    ) -> None:
+        if isinstance(token, _Child) and not token.done:
+            _fail(token.span, error, _redactor(info))
+            token.finish()
+
+    async def after_model_call(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+    ) -> None:
+        if replayed:
+            return  # nothing was called, billed or waited for
+        if self.metrics is not None:
+            self.metrics.model_usage(
+                provider=info.provider,
+                model=info.model_name,
+                input_tokens=response.usage.input_tokens,
+                output_tokens=response.usage.output_tokens,
+                cost_usd=cost_usd(
+                    response.model or info.model_name, response.usage, provider=info.provider
+                ),
+            )
+        if not isinstance(token, _Child) or token.done:
+            return
+        span = token.span
+        span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, response.model or info.model_name)
+        span.set_attribute(sc.GEN_AI_USAGE_INPUT_TOKENS, response.usage.input_tokens)
+        span.set_attribute(sc.GEN_AI_USAGE_OUTPUT_TOKENS, response.usage.output_tokens)
+        span.set_attribute(sc.GEN_AI_RESPONSE_FINISH_REASONS, [response.finish_reason])
+        if self.content:
+            output = _message_json(response.to_message())
+            output["finish_reason"] = response.finish_reason
+            span.set_attribute(sc.GEN_AI_OUTPUT_MESSAGES, self._scrub(info, [output]))
+        token.finish(token.end_ns)
+
+    # -- tool calls ------------------------------------------------------------------------
+
+    async def before_tool_call(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
+    ) -> ToolCall | ToolOutcome:
+        if self.tracer is None:
+            return call
+        attributes: dict[str, Any] = {
+            sc.GEN_AI_OPERATION_NAME: "execute_tool",
+            sc.GEN_AI_TOOL_NAME: call.name,
+            sc.GEN_AI_TOOL_CALL_ID: call.id,
+            sc.GEN_AI_TOOL_TYPE: "function",
+            sc.GEN_AI_CONVERSATION_ID: info.session_id,
+        }
+        if tool is not None and tool.description:
+            attributes[sc.GEN_AI_TOOL_DESCRIPTION] = tool.description
+        if self.content:
+            attributes[sc.GEN_AI_TOOL_CALL_ARGUMENTS] = self._scrub(info, call.arguments)
+        # The parent is the tool's step span, current in this coroutine (or, with no journal,
+        # the run's root span).
+        parent, live = _parent(info.run_id)
+        span = self.tracer.start_span(
+            f"execute_tool {call.name}",
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+        )
+        child = _Child(span)
+        # Current while the tool runs, so what the tool does (a sub-agent) nests under it.
+        # Undone in check_tool_result, or by the step's tracer if that never comes; both run
+        # in the step's coroutine, the context this is set in.
+        child.token = otel_context.attach(trace.set_span_in_context(span))
+        child.var_token = _current_tool.set(child)
+        step = _current_step.get()
+        if step is not None:
+            step.children.append(child)
+        if live is not None:
+            live.members.add(span.get_span_context().span_id)
+            live.children.append(child)
+        return call
+
+    async def check_tool_result(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, outcome: ToolOutcome
+    ) -> ToolOutcome:
+        child = _current_tool.get()
+        if child is None or child.done:
+            return outcome
+        span = child.span
+        if not outcome.ok:
+            span.set_attribute(sc.ERROR_TYPE, outcome.error_type or "tool_error")
+            error = _redactor(info).text(outcome.error or "")
+            span.set_status(Status(StatusCode.ERROR, error[:500]))
+        elif self.content:
+            found = info.tools.get(call.name)
+            if found is not None and found.sensitive_result:
+                # Sealed everywhere else; the span must not be the one place it shows.
+                span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, "[sealed-result]")
+            else:
+                span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, self._scrub(info, outcome.as_text()))
+        child.release()
+        child.finish()
+        return outcome
+
+    # -- governance ------------------------------------------------------------------------
+
+    async def on_event(self, info: RunInfo, event: BaseModel) -> None:
+        if isinstance(event, GovernanceEvent):
+            live = self._run(info)
+            event.accept(_GovernanceSignals(self.metrics, live.span if live is not None else None))
+
+
+@dataclass(slots=True)
+class _GovernanceSignals:
+    """A governance event as metrics and as an event on the run's span (a GovernanceVisitor)."""
+
+    metrics: Counters | None
+    span: Span | None
+
+    def budget_denied(self, event: BudgetDenied) -> None:
+        if self.metrics is not None:
+            self.metrics.budget_denied(event.cap)
+        if self.span is not None:
+            self.span.add_event(
+                "loom.budget.denied",
+                {
+                    "loom.budget.cap": event.cap,
+                    "loom.budget.limit": event.limit,
+                    "loom.budget.used": event.used,
+                    "loom.budget.requested": event.requested,
+                },
+            )
+
+    def budget_unavailable(self, event: BudgetUnavailable) -> None:
+        # The store failed and the budget refused the call (fail closed).
+        if self.metrics is not None:
+            self.metrics.budget_denied("unavailable")
+        if self.span is not None:
+            self.span.add_event("loom.budget.unavailable")
+
+    def budget_warning(self, event: BudgetWarning) -> None:
+        if self.span is not None:
+            self.span.add_event(
+                "loom.budget.warning",
+                {"loom.budget.cap": event.cap, "loom.budget.fraction": event.fraction},
+            )
+
+    def permission_decided(self, event: PermissionDecided) -> None:
+        if self.metrics is not None:
+            self.metrics.permission_decided(event.decision, event.final)
+        if self.span is not None:
+            self.span.add_event(
+                "loom.permission.decided",
+                {
+                    sc.GEN_AI_TOOL_NAME: event.tool,
+                    "loom.permission.decision": event.decision,
+                    "loom.permission.final": event.final,
+                    "loom.permission.policy": event.policy,
+                    "loom.permission.reason": event.reason,
+                },
+            )
+
+    def guardrail_tripped(self, event: GuardrailTripped) -> None:
+        if self.metrics is not None:
+            self.metrics.guardrail_tripped(event.stage, event.action)
+        if self.span is not None:
+            self.span.add_event(
+                "loom.guardrail.tripped",
+                {
+                    "loom.guardrail.name": event.name,
+                    "loom.guardrail.stage": event.stage,
+                    "loom.guardrail.action": event.action,
+                },
+            )
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str, separators=(",", ":"))
+
+
+def _message_json(message: Message) -> dict[str, Any]:
+    """A message in the GenAI conventions' shape: a role and a list of typed parts."""
+    parts: list[dict[str, Any]] = []
+    if message.role == "tool":
+        parts.append(
+            {"type": "tool_call_response", "id": message.tool_call_id, "response": message.content}
+        )
+    else:
+        if message.content:
+            parts.append({"type": "text", "content": message.content})
+        parts.extend(
+            {"type": "tool_call", "id": c.id, "name": c.name, "arguments": c.arguments}
+            for c in message.tool_calls
+        )
+    return {"role": message.role, "parts": parts}

@@ -1,0 +1,61 @@
+"""Series that alerts need exist at 0 before their first event; store failures are counted."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from loomflow.governance import Cap
+from loomflow.telemetry import BUDGET_CAPS, STORES, Metrics
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_the_known_cap_names_are_exactly_those_a_cap_can_have() -> None:
+    metrics = ("tokens_in", "tokens_out", "tokens_total", "cost_usd", "wall_clock_s")
+    names = {Cap(m, 1.0, scope="run").name for m in metrics}
+    for scope, metric, window in itertools.product(
+        ("user", "global"), metrics, (None, "day", "month")
+    ):
+        names.add(Cap(metric, 1.0, scope=scope, window=window).name)  # type: ignore[arg-type]
+    assert set(BUDGET_CAPS) == names | {"unavailable"}
+    assert len(BUDGET_CAPS) == len(set(BUDGET_CAPS)) == 36
+
+
+def test_every_budget_cap_and_store_series_exists_at_zero_from_registration() -> None:
+    registry = CollectorRegistry()
+    Metrics(registry)
+    for cap in BUDGET_CAPS:
+        assert sample(registry, "loomflow_budget_denials_total", cap=cap) == 0.0, cap
+    for store in STORES:
+        assert sample(registry, "loomflow_store_unavailable_total", store=store) == 0.0
+
+
+def test_a_first_denial_is_an_increase_of_an_existing_series() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    before = sample(registry, "loomflow_budget_denials_total", cap="global.cost_usd.daily")
+    metrics.budget_denied("global.cost_usd.daily")
+    after = sample(registry, "loomflow_budget_denials_total", cap="global.cost_usd.daily")
+    assert (before, after) == (0.0, 1.0)
+
+
+def test_an_unavailable_budget_store_counts_as_a_store_failure() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    metrics.budget_denied("unavailable")
+    metrics.store_unavailable("journal")
+    metrics.store_unavailable("journal")
+    assert sample(registry, "loomflow_budget_denials_total", cap="unavailable") == 1.0
+    assert sample(registry, "loomflow_store_unavailable_total", store="budget") == 1.0
+    assert sample(registry, "loomflow_store_unavailable_total", store="journal") == 2.0
+    assert sample(registry, "loomflow_store_unavailable_total", store="audit") == 0.0
+
+
+def test_an_unknown_store_is_refused() -> None:
+    with pytest.raises(ValueError, match="store must be one of"):
+        Metrics(CollectorRegistry()).store_unavailable("redis")

@@ -1,0 +1,188 @@
+"""The OpenTelemetry SDK's standard environment variables drive ``setup_telemetry()``.
+
+Each case runs a real process (so the SDK sees the environment as a deployment sets it) that
+exports to a real OTLP/HTTP receiver on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _otlp import Received
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from loomflow.config import Settings
+from loomflow.errors import ConfigurationError
+from loomflow.telemetry import setup_telemetry
+from loomflow.telemetry._setup import parse_headers
+
+WORKER = """
+import asyncio
+from loomflow.agent import Agent
+from loomflow.models import ScriptedModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.telemetry import Telemetry, setup_telemetry
+
+async def main():
+    setup = setup_telemetry()
+    print("PROVIDER", setup.tracer_provider is not None)
+    agent = Agent("x", model=ScriptedModel(["hello"]), runtime=InMemoryRuntime(),
+                  telemetry=Telemetry())
+    await agent.run("hi", session_id="s-env", user_id="bob")
+    setup.shutdown()  # flushes the batched spans
+
+asyncio.run(main())
+"""
+
+
+def run_worker(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LOOMFLOW_", "OTEL_"))}
+    clean.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", WORKER],
+        env=clean,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def resources(received: Received) -> list[dict[str, str]]:
+    found = []
+    for body in received.bodies:
+        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+            found.append({a.key: a.value.string_value for a in resource_spans.resource.attributes})
+    return found
+
+
+def span_names(received: Received) -> set[str]:
+    return {
+        span.name
+        for body in received.bodies
+        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+    }
+
+
+def test_only_the_standard_endpoint_set_exports_spans(
+    otlp_receiver: tuple[str, Received], tmp_path: Path
+) -> None:
+    url, received = otlp_receiver
+    done = run_worker(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=url)
+    assert done.returncode == 0, done.stderr
+    assert "PROVIDER True" in done.stdout
+    # The SDK appends the signal path to the base endpoint.
+    assert set(received.paths) == {"/v1/traces"}
+    assert {"invoke_agent agent", "loom.workflow.step", "chat scripted"} <= span_names(received)
+    # No service name anywhere: ours rather than the SDK's "unknown_service".
+    assert {r["service.name"] for r in resources(received)} == {"loomflow"}
+
+
+def test_percent_encoded_standard_headers_arrive_decoded(
+    otlp_receiver: tuple[str, Received], tmp_path: Path
+) -> None:
+    url, received = otlp_receiver
+    done = run_worker(
+        tmp_path,
+        OTEL_EXPORTER_OTLP_ENDPOINT=url,
+        OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20s3cr%3Dt,x-tenant=acme%2Ceu",
+        OTEL_SERVICE_NAME="orders",
+        OTEL_RESOURCE_ATTRIBUTES="deployment.environment=staging,team=sre",
+    )
+    assert done.returncode == 0, done.stderr
+    assert received.headers
+    assert received.headers[0]["authorization"] == "Bearer s3cr=t"
+    assert received.headers[0]["x-tenant"] == "acme,eu"
+    [resource, *_] = resources(received)
+    assert resource["service.name"] == "orders"
+    assert resource["deployment.environment"] == "staging"
+    assert resource["team"] == "sre"
+
+
+def test_loomflow_settings_override_the_standard_variables(
+    otlp_receiver: tuple[str, Received], tmp_path: Path
+) -> None:
+    url, received = otlp_receiver
+    done = run_worker(
+        tmp_path,
+        # The standard variables point elsewhere (port 9 discards): the overrides must win.
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+        OTEL_EXPORTER_OTLP_HEADERS="authorization=from-otel",
+        OTEL_SERVICE_NAME="from-otel",
+        LOOMFLOW_OTLP_ENDPOINT=url,
+        LOOMFLOW_OTLP_HEADERS="authorization=Bearer%20from-loomflow",
+        LOOMFLOW_OTEL_SERVICE_NAME="from-loomflow",
+    )
+    assert done.returncode == 0, done.stderr
+    assert set(received.paths) == {"/v1/traces"}
+    assert received.headers[0]["authorization"] == "Bearer from-loomflow"
+    assert {r["service.name"] for r in resources(received)} == {"from-loomflow"}
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"OTEL_TRACES_EXPORTER": "none"},
+        {"OTEL_SDK_DISABLED": "true"},
+    ],
+)
+def test_the_standard_switches_turn_export_off(
+    otlp_receiver: tuple[str, Received], tmp_path: Path, env: dict[str, str]
+) -> None:
+    url, received = otlp_receiver
+    done = run_worker(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=url, **env)
+    assert done.returncode == 0, done.stderr
+    assert "PROVIDER False" in done.stdout
+    assert received.bodies == []
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "zipkin is not supported"),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http/protobuf"),
+    ],
+)
+def test_standard_settings_we_cannot_honour_are_configuration_errors(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match=message):
+        setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
+
+
+def test_loomflow_headers_are_percent_decoded_like_the_standard_ones() -> None:
+    assert parse_headers("authorization=Bearer%20abc, x-a%2Db = 1%2C2") == {
+        "authorization": "Bearer abc",
+        "x-a-b": "1,2",
+    }
+
+
+def test_setup_is_requested_by_the_standard_endpoint_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loomflow.telemetry._setup import setup_requested
+
+    for name in (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_SDK_DISABLED",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    bare = Settings(otlp_endpoint=None, metrics_port=None)
+    assert not setup_requested(bare)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert setup_requested(bare)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert not setup_requested(bare)
+    assert setup_requested(Settings(otlp_endpoint=None, metrics_port=0))
