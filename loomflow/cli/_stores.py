@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import Settings
 from ..errors import ConfigurationError, JournalError, UserError
 from ..runtime import JournalRuntime, SessionInfo
 from ..storage._url import sqlite_path
@@ -27,6 +28,13 @@ def existing(url: str, what: str) -> str:
     else:
         path = sqlite_path(url)
     if path is not None and path != ":memory:" and not Path(path).exists():
+        if url == Settings.model_fields["runtime_url"].default:
+            # No --url and no LOOMFLOW_RUNTIME_URL: say how to name the journal a program wrote.
+            raise ConfigurationError(
+                f"no {what} at {path}, the default journal: name yours with --url before "
+                "the command (`loomflow --url sqlite:///journal.db ...`) or with "
+                "LOOMFLOW_RUNTIME_URL"
+            )
         raise ConfigurationError(
             f"no {what} at {path}: check the URL (a new store is made by `loomflow migrate` "
             "or by its first write)"

@@ -212,7 +212,11 @@ def _saved_heads(args: argparse.Namespace) -> list[ChainHead]:
     if args.heads is None:
         return []
     try:
-        return heads_from_json(json.loads(args.heads.read_text(encoding="utf-8")))
+        data = json.loads(args.heads.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and "heads" not in data:
+            # Another JSON document (a users export, say) would check nothing and pass.
+            raise ValueError('it is not a `verify --json` report (no "heads")')
+        return heads_from_json(data)
     except OSError as exc:
         raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc
     except (ValueError, RecursionError) as exc:  # not JSON (or nested too deep), not heads

@@ -63,7 +63,11 @@ def register(subparsers: Any) -> None:
 
 async def _handle(args: argparse.Namespace) -> int:
     if args.checkpoints_command == "forget" and not args.yes:
-        print("loomflow: refusing to delete checkpoints without --yes", file=sys.stderr)
+        print(
+            "loomflow: error: checkpoints forget deletes every snapshot of the user: "
+            "add --yes to confirm",
+            file=sys.stderr,
+        )
         return 2
     url = existing(args.url or Settings().runtime_url, "journal")
     if args.checkpoints_command in ("list", "show"):

@@ -130,6 +130,9 @@ def run_demo(
     if stop_after < 1:
         print("loomflow: error: --kill-after must be at least 1", file=sys.stderr)
         return 2
+    if workdir is not None and workdir.is_file():
+        print(f"loomflow: error: --workdir {workdir} is a file, not a directory", file=sys.stderr)
+        return 2
     return asyncio.run(_start(postgres, workdir, stop_after, model, handshake_s))
 
 
@@ -146,7 +149,14 @@ async def _start(
     model = build_model(spec)
     try:
         work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))
-        work.mkdir(parents=True, exist_ok=True)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file on the way, no permission, a read-only disk
+            print(
+                f"loomflow: error: --workdir {work} cannot be made: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 2
         story = _Story(
             url=postgres or "",
             on_postgres=postgres is not None,
@@ -366,10 +376,19 @@ async def _governance_report(story: _Story) -> tuple[list[str], _Budget]:
         audit, budget = governance(runtime, story.model)
         page = await audit.query(user_id=story.user, session_id=story.session, limit=500)
         trail = []
+        # A start whose execution has no outcome entry is the work the kill cut short.
+        ended = {
+            e.payload.get("execution")
+            for e in page.entries
+            if e.action in ("model.call", "model.error", "tool.result")
+        }
         for entry in page.entries:
             detail = entry.payload.get("tool") or entry.payload.get("outcome") or ""
             if entry.action == "run.start":
                 detail = "resumed the open run" if entry.payload.get("resumed") else "new run"
+            execution = entry.payload.get("execution")
+            if entry.action in ("model.start", "tool.call") and execution not in (None, *ended):
+                detail = f"{detail} (no outcome: the worker was killed during it)".lstrip()
             trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}".rstrip())
         report = await audit.verify(user_id=story.user)
         trail.append(f"chain verified: {'ok' if report.ok else 'PROBLEMS FOUND'}")

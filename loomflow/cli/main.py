@@ -220,6 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave: a bug, shown in full
+            raise
+        # `-o` into a directory that does not exist, a file without permission, ...
+        print(f"loomflow: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -270,6 +276,9 @@ def _show_settings(args: argparse.Namespace) -> int:
         if name in _SECRET_SETTINGS or "url" in name:
             value = _masked(name, value)
         source = "environment or .env" if name in settings.model_fields_set else "default"
+        if name == "runtime_url" and args.url is not None:
+            # `loomflow --url X settings`: what the other commands would use is X.
+            value, source = _masked(name, args.url), "--url"
         document[name] = {"value": value, "from": source}
         rows.append((f"LOOMFLOW_{name.upper()}", json.dumps(value), source))
     if args.json:
@@ -331,9 +340,16 @@ async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     from ..memory import memory_for
 
     settings = Settings()
-    print(f"journal schema at version {await runtime.migrate()}")
     database = getattr(runtime, "database", None)
     grants = _AppRoleGrants(args.app_role, args.app_login)
+    others = (args.audit_url or settings.audit_url, settings.budget_url)
+    on_postgres = getattr(database, "backend", None) == "postgres" or any(
+        url is not None and url.startswith(_POSTGRES) for url in others
+    )
+    if args.app_role is not None and not on_postgres:
+        # Said before migrating: a command that cannot do what was asked changes nothing.
+        return grants.finish()
+    print(f"journal schema at version {await runtime.migrate()}")
     await grants.grant(database)
     if database is not None:
         print(f"checkpoints schema at version {await checkpoint_store_for(runtime).migrate()}")

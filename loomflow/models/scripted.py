@@ -227,9 +227,13 @@ class ScriptedModel:
                 raise ScriptExhaustedError(
                     self.provider,
                     self._name,
-                    f"the script has {len(self._answers)} turn(s) and the conversation is at "
-                    f"turn {position + 1} ({position} assistant message(s) already in it); "
-                    "add turns, pass default=, or use FunctionModel",
+                    # Turns are numbered from 0, as in the docs. The usual cause is memory:
+                    # a later run on the session is sent the earlier runs' turns as well.
+                    f"the script has {len(self._answers)} turn(s), numbered from 0, and the "
+                    f"conversation asks for turn {position} (it already holds {position} "
+                    "assistant message(s), earlier runs on this session included when memory "
+                    "is on); add turns, pass default=, use a new session or memory=False, "
+                    "or use FunctionModel",
                 )
             turn = self._default if isinstance(self._default, str) else self._default(messages)
         async for chunk in _stream_response(_build_response(turn, messages, self._name)):

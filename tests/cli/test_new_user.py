@@ -241,7 +241,10 @@ def test_the_demo_ends_with_a_command_the_user_can_run(demo_run: tuple[Path, str
     assert argv[1:4] == ["-m", "loomflow.cli", "--url"]
     shown = subprocess.run([*argv, "--json"], capture_output=True, text=True, check=False)
     assert shown.returncode == 0, shown.stderr
-    assert len(shown.stdout.splitlines()) == 11  # 5 model calls, 5 tool calls, the episode
+    steps = [json.loads(line)["name"] for line in shown.stdout.splitlines()]
+    # 5 model calls, 5 tool calls and the run's memory episode (memory is on by default).
+    assert len(steps) == 11
+    assert steps[-1] == "persist_episode_5"
 
 
 def test_command_name_is_what_the_user_typed_or_loomflow_on_path(
@@ -465,6 +468,130 @@ def test_metrics_bind_locally_unless_a_container_says_otherwise() -> None:
 def test_sqlite_journal_of_the_demo_is_a_real_journal(demo_run: tuple[Path, str]) -> None:
     work, _ = demo_run
     with sqlite3.connect(demo_file(work, ".db")) as conn:
-        assert conn.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (
-            11,
-        )  # with the episode write
+        # 5 model calls, 5 tool calls and the run's memory episode.
+        assert conn.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (11,)
+
+
+def test_forget_without_yes_is_one_error_line_and_deletes_nothing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    refused = loomflow("--url", url, "checkpoints", "forget", "--user", "alice")
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        "loomflow: error: checkpoints forget deletes every snapshot of the user: "
+        "add --yes to confirm"
+    ]
+    done = loomflow("--url", url, "checkpoints", "forget", "--user", "alice", "--yes", "--json")
+    assert done.returncode == 0, done.stderr
+
+
+def test_app_role_without_postgres_is_refused_before_anything_is_migrated(
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / "journal.db"
+    refused = loomflow("--url", f"sqlite:///{journal}", "migrate", "--app-role", "app")
+    assert refused.returncode == 2
+    assert refused.stdout == ""  # no "schema at version" lines: nothing was migrated
+    assert refused.stderr.splitlines() == [
+        "loomflow: error: --app-role needs a PostgreSQL database"
+    ]
+    assert not journal.exists()
+
+
+def test_the_demo_marks_the_call_the_kill_cut_short(demo_run: tuple[Path, str]) -> None:
+    # The killed worker's last audit entry is a start with no outcome; the trail says why.
+    _work, out = demo_run
+    cut = [line for line in out.splitlines() if "(no outcome" in line]
+    assert len(cut) == 1
+    assert re.fullmatch(
+        r"  #16  model\.start +\(no outcome: the worker was killed during it\)", cut[0]
+    )
+
+
+def test_settings_shows_the_journal_given_with_url(tmp_path: Path) -> None:
+    # `loomflow --url X settings` reports the journal the other commands would open: X.
+    env = {"LOOMFLOW_RUNTIME_URL": "sqlite:///from-env.db"}
+    url = "postgresql://app:s3cret-pw@db:5432/app"
+    done = loomflow("--url", url, "settings", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["runtime_url"] == {
+        "value": "postgresql://app:***@db:5432/app",
+        "from": "--url",
+    }
+    assert "s3cret-pw" not in done.stdout
+    plain = json.loads(loomflow("settings", "--json", env=env, cwd=tmp_path).stdout)
+    assert plain["runtime_url"] == {"value": "sqlite:///from-env.db", "from": "environment or .env"}
+
+
+def test_without_url_a_missing_default_journal_says_how_to_name_one(tmp_path: Path) -> None:
+    # The README's quick start writes ./journal.db; the CLI's default is .loomflow/journal.db.
+    env = {k: v for k, v in os.environ.items() if k != "LOOMFLOW_RUNTIME_URL"}
+    (tmp_path / "journal.db").touch()
+    done = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "runs", "list"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "loomflow: error: no journal at .loomflow/journal.db, the default journal: name yours "
+        "with --url before the command (`loomflow --url sqlite:///journal.db ...`) or with "
+        "LOOMFLOW_RUNTIME_URL"
+    ]
+    assert not (tmp_path / ".loomflow").exists()
+
+
+def test_a_workdir_that_is_not_a_directory_is_one_error_line(tmp_path: Path) -> None:
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine\n")
+    for workdir, problem in (
+        (afile, "is a file, not a directory"),
+        (afile / "sub", "cannot be made: Not a directory"),
+    ):
+        done = loomflow("demo", "--workdir", str(workdir))
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [f"loomflow: error: --workdir {workdir} {problem}"]
+        assert done.stdout == ""
+    assert afile.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["audit", "export", "--user", "u", "-o"],
+        ["users", "export", "u", "-o"],
+        ["checkpoints", "export", "--user", "u", "-o"],
+    ],
+)
+def test_an_output_file_that_cannot_be_written_is_one_error_line(
+    tmp_path: Path, command: list[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    for target, reason in (
+        (tmp_path / "no-such-dir" / "out.json", "No such file or directory"),
+        (tmp_path, "Is a directory"),
+    ):
+        done = loomflow("--url", url, *command, str(target))
+        assert done.returncode == 1
+        assert done.stderr.splitlines() == [f"loomflow: error: {target}: {reason}"]
+
+
+def test_heads_from_a_file_that_is_not_a_verify_report_are_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    export = tmp_path / "alice.json"
+    assert loomflow("--url", url, "users", "export", "alice", "-o", str(export)).returncode == 0
+    # A users export is JSON too; taken as heads it would check nothing and print OK.
+    done = loomflow("--url", url, "audit", "verify", "--heads", str(export))
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"loomflow: error: bad --heads file {export}: it is not a `verify --json` report "
+        '(no "heads")'
+    ]
+    report = tmp_path / "heads.json"
+    report.write_text(loomflow("--url", url, "audit", "verify", "--json").stdout)
+    assert loomflow("--url", url, "audit", "verify", "--heads", str(report)).returncode == 0

@@ -107,7 +107,8 @@ async def test_an_exhausted_script_raises_a_clear_error() -> None:
         await complete(model, _after(first))
     assert isinstance(info.value, ModelError)
     assert info.value.provider == "scripted"
-    assert "turn 2" in str(info.value)
+    # Numbered from 0 as in the docs: the second call asks for turn 1.
+    assert "asks for turn 1 (it already holds 1 assistant message(s)" in str(info.value)
 
 
 async def test_a_default_answers_after_the_script() -> None:
@@ -211,3 +212,20 @@ async def test_a_session_continues_the_script_only_through_memory() -> None:
         assert (await agent.run("two", session_id="s", user_id="u")).output == expected
         # Another session is another conversation: it starts at the first turn.
         assert (await agent.run("three", session_id="t", user_id="u")).output == "first"
+
+
+async def test_running_a_script_again_on_its_session_says_memory_is_why(tmp_path: Path) -> None:
+    # What a new user does with the README's quick start: run the same script twice, on the
+    # same journal and session. The second run is sent the first one's turns (memory).
+    async def run_script() -> str:
+        async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+            agent = Agent("x", model=ScriptedModel(["Refunded."]), runtime=runtime)
+            return (await agent.run("refund", session_id="t-42", user_id="a")).output
+
+    assert await run_script() == "Refunded."
+    with pytest.raises(ScriptExhaustedError) as info:
+        await run_script()
+    message = str(info.value)
+    assert "has 1 turn(s), numbered from 0, and the conversation asks for turn 1" in message
+    assert "earlier runs on this session" in message
+    assert "use a new session or memory=False" in message
