@@ -17,6 +17,7 @@ from .agent import (
 from .context import RunContext, get_run_context
 from .errors import InvalidIdError, LoomflowError, UserError
 from .messages import Message, ModelResponse, ToolCall, Usage
+from .stores import Stores
 from .tools import Tool, ToolOutcome, tool
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "RunFinished",
     "RunResult",
     "RunStarted",
+    "Stores",
     "Tool",
     "ToolCall",
     "ToolCallFinished",

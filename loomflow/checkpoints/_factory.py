@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..storage import database_from_url
 from ..storage._component import store_beside
 from ._protocol import CheckpointStore
 from ._sql import SqlCheckpointStore
@@ -32,8 +31,7 @@ def checkpoint_store_from_url(url: str, *, settings: Settings | None = None) -> 
 
     The store owns the connection it opens; close it with ``await store.close()``.
     """
-    if url.startswith("memory:"):
-        return InMemoryCheckpointStore()
-    return SqlCheckpointStore(
-        database_from_url(url, settings=settings), owns_db=True, settings=settings
-    )
+    from ..stores import store_from_url
+
+    store: CheckpointStore = store_from_url("checkpoints", url, settings=settings)
+    return store

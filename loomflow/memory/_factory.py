@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..storage import database_from_url
 from ..storage._component import store_beside
 from ._memory import Memory
 from ._protocol import MemoryStore
@@ -36,8 +35,7 @@ def memory_from_url(
 
     The memory owns the connection it opens; close it with ``await memory.close()``.
     """
-    if url.startswith("memory:"):
-        return Memory(InMemoryMemoryStore(), history_episodes=history_episodes)
-    db = database_from_url(url, settings=settings)
-    store = SqlMemoryStore(db, owns_db=True, settings=settings)
+    from ..stores import store_from_url
+
+    store: MemoryStore = store_from_url("memory", url, settings=settings)
     return Memory(store, history_episodes=history_episodes)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import Settings
-from ..errors import ConfigurationError
-from ..storage._url import sqlite_path
 from ._journal import JournalRuntime
 
 __all__ = ["runtime_from_url"]
@@ -18,22 +16,10 @@ def runtime_from_url(
     """Build the runtime a URL names.
 
     ``memory://``; ``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (a bare file path
-    works too); ``postgresql://…`` or ``postgres://…`` (needs the ``postgres`` extra).
+    works too); ``postgresql://…`` or ``postgres://…`` (needs the ``postgres`` extra). The
+    schemes are those of :data:`loomflow.stores.SCHEMES`.
     """
-    if url.startswith("memory:"):
-        from .inmemory import InMemoryRuntime
+    from ..stores import store_from_url  # here: the composition root imports the runtimes
 
-        return InMemoryRuntime(settings=settings, **options)
-    if url.startswith(("postgresql://", "postgres://")):
-        from .postgres import PostgresRuntime
-
-        return PostgresRuntime(url, settings=settings, **options)
-    path = sqlite_path(url)
-    if path is None:
-        raise ConfigurationError(
-            f"unknown journal URL scheme in {url!r}: use memory://, sqlite:///path.db or "
-            "postgresql://..."
-        )
-    from .sqlite import SqliteRuntime
-
-    return SqliteRuntime(path, settings=settings, **options)
+    runtime: JournalRuntime = store_from_url("journal", url, settings=settings, **options)
+    return runtime

@@ -18,24 +18,16 @@ def budget_store_from_url(
     Without ``url``, the settings decide: ``LOOMFLOW_BUDGET_URL``, else the journal's
     ``LOOMFLOW_RUNTIME_URL`` (the budget then keeps its tables beside the journal's).
     """
+    from ...stores import store_from_url
+
     s = settings or Settings()
-    url = url or s.budget_url or s.runtime_url
-    if url.startswith("memory:"):
-        from .inmemory import InMemoryBudgetStore
-
-        return InMemoryBudgetStore()
-    from .sql import SqlBudgetStore
-
-    return SqlBudgetStore(url, settings=s)
+    store: BudgetStore = store_from_url("budget", url or s.budget_url or s.runtime_url, settings=s)
+    return store
 
 
 def budget_store_for(settings: Settings, database: Database | None) -> BudgetStore | None:
     """Where a deployment keeps budget totals: ``budget_url``'s store, else a store in
     ``database`` (a journal's, sharing its connection), else ``None``."""
-    if settings.budget_url:
-        return budget_store_from_url(settings.budget_url, settings=settings)
-    if database is not None:
-        from .sql import SqlBudgetStore
+    from ...stores import budget_store_for as placed
 
-        return SqlBudgetStore(database, settings=settings)
-    return None
+    return placed(settings, database)
