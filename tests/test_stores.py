@@ -257,3 +257,45 @@ def test_the_composition_root_is_public() -> None:
     names = list(loomflow.stores.__all__)
     assert names == sorted(names)
     assert all(getattr(loomflow.stores, name) is not None for name in names)
+
+
+@pytest.mark.postgres
+async def test_migrate_grants_the_app_role_once_per_postgresql_database(pg_dsn: str) -> None:
+    import asyncpg
+    from ulid import ULID
+
+    role = f"loom_app_{str(ULID()).lower()}"
+    try:
+        async with Stores(Settings(runtime_url=pg_dsn)) as stores:
+            report = await stores.migrate(app_role=role)
+        # Journal, checkpoints, memory, budget and audit share one database: one grant.
+        granted = [s for s in report.steps if s.store == "app role"]
+        assert len(granted) == 1
+        assert granted[0].message.startswith(f"app role {role} (created NOLOGIN):")
+        assert report.app_role_granted
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            rows = await conn.fetch(
+                "SELECT privilege_type FROM information_schema.role_table_grants "
+                "WHERE grantee = $1 AND table_name = 'loom_audit'",
+                role,
+            )
+        finally:
+            await conn.close()
+        assert sorted(r[0] for r in rows) == ["INSERT", "SELECT"]  # append-only for the app
+    finally:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(
+                f"DO $$ BEGIN IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN "
+                f'DROP OWNED BY "{role}"; DROP ROLE "{role}"; END IF; END $$'
+            )
+        finally:
+            await conn.close()
+
+
+async def test_an_app_role_on_sqlite_is_reported_as_not_granted(tmp_path: Path) -> None:
+    async with Stores(Settings(runtime_url=f"sqlite:///{tmp_path / 'j.db'}")) as stores:
+        report = await stores.migrate(app_role="loom_app")
+    assert not report.app_role_granted
+    assert all(s.store != "app role" for s in report.steps)
