@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         Tuning,
     )
     from .messages import Message, ModelResponse, ToolCall, Usage
+    from .stores import Stores
     from .tools import Tool, ToolOutcome, tool
 
 # Names loaded on first use, so that importing a light module (``loomflow.errors``, say),
@@ -37,6 +38,7 @@ _LAZY = {
     "RunFinished": ".agent",
     "RunResult": ".agent",
     "RunStarted": ".agent",
+    "Stores": ".stores",
     "Tool": ".tools",
     "ToolCall": ".messages",
     "ToolCallFinished": ".agent",
@@ -65,6 +67,7 @@ __all__ = [
     "RunFinished",
     "RunResult",
     "RunStarted",
+    "Stores",
     "Tool",
     "ToolCall",
     "ToolCallFinished",

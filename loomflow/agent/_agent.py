@@ -227,38 +227,28 @@ class Agent:
             >>> await agent.run("hi", session_id="s-1", user_id="ana")  # doctest: +SKIP
             >>> await agent.aclose()  # doctest: +SKIP
         """
-        from ..audit import AuditLog, InMemoryAuditStore, audit_store_for, audit_store_from_url
-        from ..governance import InMemoryBudgetStore, StandardBudget
-        from ..governance.budget import budget_store_for
-        from ..runtime import runtime_from_url
-        from ..storage import Database
+        from ..audit import AuditLog
+        from ..governance import StandardBudget
+        from ..stores import Stores
         from ..telemetry import Telemetry, setup_telemetry_once
 
         s = settings or Settings()
         if caps and "budget" in options:
             raise UserError("pass either caps= or budget=, not both")
         owned: list[Any] = []
+        # Placement is decided in one place (loomflow.stores): unless their URLs say otherwise,
+        # the audit log and the budget live beside the journal actually used (sharing its
+        # connection), so every worker writes to the same place. The agent closes what it took.
+        given = options.get("runtime")
+        stores = Stores(s, runtime=given, journal="runtime" not in options or given is not None)
         if "runtime" not in options:
-            options["runtime"] = runtime_from_url(s.runtime_url, settings=s)
+            options["runtime"] = stores.runtime
             owned.append(options["runtime"])
-        # Unless their URLs say otherwise, the audit log and the budget live beside the journal
-        # actually used (sharing its connection), so every worker writes to the same place.
-        shared = getattr(options["runtime"], "database", None)
-        database = shared if isinstance(shared, Database) else None
         if "audit" not in options:
-            store: Any = audit_store_for(s, database)
-            if store is None:
-                # No database to share: an in-memory journal keeps its audit in memory too.
-                store = (
-                    InMemoryAuditStore()
-                    if options["runtime"] is not None
-                    else audit_store_from_url(s.audit_store_url, settings=s)
-                )
-            options["audit"] = AuditLog(store, redactor=Redactor.from_settings(s))
+            options["audit"] = AuditLog(stores.audit, redactor=Redactor.from_settings(s))
             owned.append(options["audit"])
         if "budget" not in options:
-            budget_store = budget_store_for(s, database) or InMemoryBudgetStore()
-            options["budget"] = StandardBudget(caps, store=budget_store)
+            options["budget"] = StandardBudget(caps, store=stores.budget)
             owned.append(options["budget"])
         if "telemetry" not in options:
             if s.otlp_endpoint or s.metrics_port is not None:

@@ -9,14 +9,14 @@ than fork the chain.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ..errors import AuditIntegrityError
-from ..storage import Database, apply_migrations
+from ..storage import Database
+from ..storage._component import SqlLifecycle
 from ._entry import GENESIS, AuditEntry, AuditRecord, canonical_json
 from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
 from .migrations import COMPONENT, migrations_for
@@ -64,46 +64,35 @@ class SqlAuditStore(AuditStore):
         self.backend = db.backend
         self._owns_db = owns_db
         self._auto_migrate = auto_migrate
-        self._ready = False
-        self._open_lock: asyncio.Lock | None = None
+        self._life = SqlLifecycle(
+            db,
+            COMPONENT,
+            migrations_for(db.dialect.name),
+            owns_db=owns_db,
+            auto_migrate=auto_migrate,
+            on_ready=self._opened,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.db!r})"
 
     async def open(self) -> None:
-        if self._ready:
-            return
-        if self._open_lock is None:
-            self._open_lock = asyncio.Lock()
-        async with self._open_lock:
-            if not self.ready:  # another caller may have opened it while we waited
-                await self._open_now()
+        await self._life.ensure_open()
+
+    async def _opened(self) -> None:
+        """Called once the store is connected and migrated (PostgreSQL checks the role)."""
 
     @property
     def ready(self) -> bool:
         """Whether the store is connected and migrated."""
-        return self._ready
-
-    async def _open_now(self) -> None:
-        await self.db.open()
-        if self._auto_migrate:
-            try:
-                await self.migrate()
-            except BaseException:
-                if self._owns_db:
-                    await self.db.close()
-                raise
-        self._ready = True
+        return self._life.ready
 
     async def migrate(self) -> int:
         """Apply pending audit migrations; returns the schema version now in place."""
-        await self.db.open()
-        return await apply_migrations(self.db, COMPONENT, migrations_for(self.db.dialect.name))
+        return await self._life.migrate()
 
     async def close(self) -> None:
-        self._ready = False
-        if self._owns_db:
-            await self.db.close()
+        await self._life.close()
 
     async def _append_chain(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
         async with self.db.transaction(lock_key=lock_key(key), what="audit append") as tx:

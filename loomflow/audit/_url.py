@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import Settings
 from ..errors import ConfigurationError
 from ..storage import Database, PostgresDatabase, SqliteDatabase
-from ..storage._url import sqlite_path
+from ..storage._schemes import check_scheme, file_path
 from ._store import AuditStore
 
 __all__ = ["audit_store_beside", "audit_store_for", "audit_store_from_url"]
@@ -18,32 +18,22 @@ def audit_store_from_url(url: str, *, settings: Settings | None = None) -> Audit
     in ``.jsonl``; ``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (a bare path works
     too); ``postgresql://…`` or ``postgres://…`` (needs the ``postgres`` extra).
     """
-    if url.startswith("memory:"):
+    scheme = check_scheme("audit", url)
+    if scheme == "memory":
         from .inmemory import InMemoryAuditStore
 
         return InMemoryAuditStore()
-    if url.startswith("jsonl://") or (url.endswith(".jsonl") and "://" not in url):
+    if scheme == "jsonl":
         from .jsonl import JsonlAuditStore
 
-        path = url.removeprefix("jsonl://")
-        if url.startswith("jsonl://"):
-            if not path.startswith("/") or path == "/":
-                raise ConfigurationError(f"bad JSONL URL {url!r}: use jsonl:///relative/path.jsonl")
-            path = path[1:]
-        return JsonlAuditStore(path)
-    if url.startswith(("postgresql://", "postgres://")):
-        from .postgres import PostgresAuditStore
+        return JsonlAuditStore(file_path(url, scheme))
+    if scheme == "sqlite":
+        from .sqlite import SqliteAuditStore
 
-        return PostgresAuditStore(url)
-    file = sqlite_path(url)
-    if file is None:
-        raise ConfigurationError(
-            f"unknown audit URL scheme in {url!r}: use memory://, jsonl:///path.jsonl, "
-            "sqlite:///path.db or postgresql://..."
-        )
-    from .sqlite import SqliteAuditStore
+        return SqliteAuditStore(file_path(url, scheme), settings=settings)
+    from .postgres import PostgresAuditStore
 
-    return SqliteAuditStore(file, settings=settings)
+    return PostgresAuditStore(url)
 
 
 def audit_store_beside(database: Database) -> AuditStore:
@@ -59,11 +49,14 @@ def audit_store_beside(database: Database) -> AuditStore:
     raise ConfigurationError(f"no audit store can live in a {type(database).__name__}")
 
 
-def audit_store_for(settings: Settings, database: Database | None) -> AuditStore | None:
-    """Where a deployment keeps its audit log: ``audit_url``'s store, else a store in
-    ``database`` (a journal's, sharing its connection), else ``None``."""
-    if settings.audit_url:
-        return audit_store_from_url(settings.audit_url, settings=settings)
+def audit_store_for(
+    settings: Settings, database: Database | None, *, url: str | None = None
+) -> AuditStore | None:
+    """Where a deployment keeps its audit log: ``url`` (else ``audit_url``)'s store, else a
+    store in ``database`` (a journal's, sharing its connection), else ``None``."""
+    url = url or settings.audit_url
+    if url:
+        return audit_store_from_url(url, settings=settings)
     if database is not None:
         return audit_store_beside(database)
     return None

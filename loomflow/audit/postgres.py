@@ -51,8 +51,7 @@ class PostgresAuditStore(SqlAuditStore):
         db = PostgresDatabase(dsn_or_pool, min_size=min_size, max_size=max_size)
         super().__init__(db, owns_db=True, auto_migrate=auto_migrate)
 
-    async def _open_now(self) -> None:
-        await super()._open_now()
+    async def _opened(self) -> None:
         rows = await self.db.fetch(_WRITER, what="audit role check")
         if not rows:
             return

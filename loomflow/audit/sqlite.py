@@ -35,12 +35,7 @@ class SqliteAuditStore(SqlAuditStore):
         if isinstance(path_or_database, SqliteDatabase):
             super().__init__(path_or_database, owns_db=False, auto_migrate=auto_migrate)
             return
-        s = settings or Settings()
-        db = SqliteDatabase(
-            path_or_database,
-            busy_timeout_ms=s.sqlite_busy_timeout_ms
-            if busy_timeout_ms is None
-            else busy_timeout_ms,
-            synchronous=s.sqlite_synchronous if synchronous is None else synchronous,
+        db = SqliteDatabase.from_settings(
+            path_or_database, settings, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
         )
         super().__init__(db, owns_db=True, auto_migrate=auto_migrate)

@@ -8,6 +8,7 @@ from typing import Any
 from ..config import Settings
 from ..storage import database_from_url
 from ..storage._component import store_beside
+from ..storage._schemes import check_scheme
 from ._protocol import CheckpointStore
 from ._sql import SqlCheckpointStore
 from .inmemory import InMemoryCheckpointStore
@@ -32,7 +33,7 @@ def checkpoint_store_from_url(url: str, *, settings: Settings | None = None) -> 
 
     The store owns the connection it opens; close it with ``await store.close()``.
     """
-    if url.startswith("memory:"):
+    if check_scheme("checkpoints", url) == "memory":
         return InMemoryCheckpointStore()
     return SqlCheckpointStore(
         database_from_url(url, settings=settings), owns_db=True, settings=settings

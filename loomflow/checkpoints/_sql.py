@@ -190,9 +190,7 @@ class SqliteCheckpointStore(SqlCheckpointStore):
             super().__init__(target, auto_migrate=auto_migrate, settings=settings)
             return
         s = settings or Settings()
-        db = SqliteDatabase(
-            target, busy_timeout_ms=s.sqlite_busy_timeout_ms, synchronous=s.sqlite_synchronous
-        )
+        db = SqliteDatabase.from_settings(target, s)
         super().__init__(db, owns_db=True, auto_migrate=auto_migrate, settings=s)
 
 

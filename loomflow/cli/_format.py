@@ -8,6 +8,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .._timefmt import iso_time
+
 __all__ = ["duration", "iso_time", "positive_int", "table"]
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
@@ -30,22 +32,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
     return value
-
-
-def iso_time(when: float | dt.datetime | None) -> str | None:
-    """A time for ``--json`` output, whatever the store kept (Unix seconds or a datetime):
-    ISO 8601 in UTC with microseconds and ``Z``, the audit log's export format, so every
-    command's JSON reads the same way."""
-    if when is None:
-        return None
-    if isinstance(when, dt.datetime):
-        moment = when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
-    else:
-        try:
-            moment = dt.datetime.fromtimestamp(when, dt.UTC)
-        except (OverflowError, ValueError, OSError):  # a stored time no date can hold
-            return str(when)
-    return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def table(rows: Sequence[Sequence[Any]]) -> None:

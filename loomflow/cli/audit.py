@@ -20,12 +20,12 @@ from ..audit import (
     AuditStore,
     ChainHead,
     VerifyReport,
-    audit_store_from_url,
     heads_from_json,
     verify_lines,
 )
 from ..config import Settings
 from ..errors import AuditError
+from ..stores import Stores
 from ._format import duration, positive_int, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
@@ -125,7 +125,13 @@ async def _handle(args: argparse.Namespace) -> int:
         return _verify_file(args)
     settings = Settings()
     url = args.audit_url or settings.audit_url or args.url or settings.runtime_url
-    store = audit_store_from_url(existing(url, "audit log"), settings=settings)
+    existing(url, "audit log")
+    if args.url:
+        settings = settings.model_copy(update={"runtime_url": args.url})
+    # No journal here: the audit log is at --audit-url, else LOOMFLOW_AUDIT_URL, else in the
+    # journal's database, opened on a connection of its own (Settings.audit_store_url).
+    stores = Stores(settings, journal=False, audit_url=args.audit_url)
+    store = stores.audit
     try:
         if args.audit_command == "query":
             return await _query(store, args)
@@ -133,7 +139,7 @@ async def _handle(args: argparse.Namespace) -> int:
             return await _export(store, args)
         return await _verify(store, args)
     finally:
-        await store.close()
+        await stores.close()
 
 
 # Shown first in the table's details column, since long payloads are cut at its width.

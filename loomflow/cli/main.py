@@ -23,12 +23,13 @@ from pydantic_settings import SettingsError
 from .. import __version__
 from ..config import Settings, _check_store_url, _masked_url
 from ..errors import ConfigurationError, LoomflowError, UserError
-from ..runtime import JournalRuntime, SessionInfo, runtime_from_url
+from ..runtime import JournalRuntime, SessionInfo
 from ..runtime._store import path_key
+from ..stores import SCHEMES, Stores
 from ._format import duration, iso_time, positive_int, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, session_of
-from ._upgrade import legacy_note, migrate_legacy, quiet_on_open
+from ._upgrade import legacy_note, quiet_on_open
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -233,9 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 _POSTGRES = ("postgresql://", "postgres://")
 # The URL options of the commands, and the stores they may name.
 _URL_OPTIONS = {
-    "url": ("--url", ("memory", "sqlite", "postgresql", "postgres")),
-    "audit_url": ("--audit-url", ("memory", "jsonl", "sqlite", "postgresql", "postgres")),
-    "budget_url": ("--budget-url", ("memory", "sqlite", "postgresql", "postgres")),
+    "url": ("--url", SCHEMES["journal"]),
+    "audit_url": ("--audit-url", SCHEMES["audit"]),
+    "budget_url": ("--budget-url", SCHEMES["budget"]),
     "postgres": ("--postgres", ("postgresql", "postgres")),
 }
 
@@ -312,15 +313,21 @@ def _one_line(text: str) -> str:
 
 
 async def _dispatch(args: argparse.Namespace) -> int:
-    url = args.url or Settings().runtime_url
+    settings = Settings()
+    url = args.url or settings.runtime_url
     if args.command != "migrate":
         existing(url, "journal")
-    runtime = runtime_from_url(url)
+    stores = Stores(
+        settings.model_copy(update={"runtime_url": url}),
+        audit_url=getattr(args, "audit_url", None),
+    )
+    runtime = stores.runtime
+    assert runtime is not None  # Stores builds the journal unless told not to
     if args.command == "migrate" or (args.command == "runs" and args.runs_command == "list"):
         quiet_on_open(runtime)  # these commands say what a 0.20 journal holds themselves
     try:
         if args.command == "migrate":
-            return await _migrate(runtime, args)
+            return await _migrate(stores, args)
         if args.command == "runs" and args.runs_command == "list":
             return await _runs_list(runtime, args)
         if args.command == "runs":
@@ -329,91 +336,24 @@ async def _dispatch(args: argparse.Namespace) -> int:
             return await _prune(runtime, args)
         raise AssertionError(args.command)  # argparse only lets known commands through
     finally:
-        await runtime.close()
+        await stores.close()
 
 
-async def _migrate(runtime: JournalRuntime, args: argparse.Namespace) -> int:
-    """Bring every SQL store this deployment uses up to date: a deploy step, run once."""
-    from ..audit import JsonlAuditStore, audit_store_for, audit_store_from_url
-    from ..checkpoints import checkpoint_store_for
-    from ..governance.budget import budget_store_for
-    from ..memory import memory_for
-
-    settings = Settings()
-    database = getattr(runtime, "database", None)
-    grants = _AppRoleGrants(args.app_role, args.app_login)
-    others = (args.audit_url or settings.audit_url, settings.budget_url)
-    on_postgres = getattr(database, "backend", None) == "postgres" or any(
-        url is not None and url.startswith(_POSTGRES) for url in others
-    )
-    if args.app_role is not None and not on_postgres:
+async def _migrate(stores: Stores, args: argparse.Namespace) -> int:
+    """Bring every store this deployment uses up to date: a deploy step, run once."""
+    if args.app_role is not None and not stores.on_postgres():
         # Said before migrating: a command that cannot do what was asked changes nothing.
-        return grants.finish()
-    print(f"journal schema at version {await runtime.migrate()}")
-    await grants.grant(database)
-    if database is not None:
-        print(f"checkpoints schema at version {await checkpoint_store_for(runtime).migrate()}")
-        print(f"memory schema at version {await memory_for(runtime).migrate()}")
-    # The budget and the audit log live beside the journal unless their URLs say otherwise.
-    budget = budget_store_for(settings, database)
-    if budget is not None and budget.backend != "memory":
-        try:
-            print(f"budget schema at version {await budget.migrate()}")
-            await grants.grant(getattr(budget, "db", None))
-        finally:
-            await budget.close()
-    audit = (
-        audit_store_from_url(args.audit_url, settings=settings)
-        if args.audit_url
-        else audit_store_for(settings, database)
+        print("loomflow: error: --app-role needs a PostgreSQL database", file=sys.stderr)
+        return 2
+    report = await stores.migrate(
+        app_role=args.app_role, app_login=args.app_login, import_legacy=args.import_0_20
     )
-    if audit is not None:
-        try:
-            migrate = getattr(audit, "migrate", None)  # JSONL and memory have no schema
-            if isinstance(audit, JsonlAuditStore):
-                created = await audit.prepare()
-                state = "created" if created else "exists, heads checked"
-                print(f"audit log (JSON lines) at {audit.path} ({state}; heads {audit.heads_path})")
-            elif migrate is not None:
-                print(f"audit schema at version {await migrate()}")
-            await grants.grant(getattr(audit, "db", None))
-        finally:
-            await audit.close()
-    await migrate_legacy(runtime, do_import=args.import_0_20)
-    return grants.finish()
-
-
-class _AppRoleGrants:
-    """``migrate --app-role``: grant the role on each PostgreSQL database migrated."""
-
-    def __init__(self, role: str | None, login: bool) -> None:
-        self.role = role
-        self.login = login
-        self.done: set[str] = set()
-
-    async def grant(self, db: Any) -> None:
-        from ..storage import grant_app_role
-
-        if self.role is None or db is None or db.backend != "postgres":
-            return
-        result = await grant_app_role(db, self.role, login=self.login)
-        where = f"{result.database}.{result.schema}"
-        if where in self.done:  # the audit log or budget beside the journal
-            return
-        self.done.add(where)
-        made = ""
-        if result.created:
-            made = " (created with LOGIN: set its password)" if self.login else " (created NOLOGIN)"
-        print(
-            f"app role {result.role}{made}: {len(result.grants)} tables and sequences granted "
-            f"in {where}; the audit log is append-only for it"
-        )
-
-    def finish(self) -> int:
-        if self.role is not None and not self.done:
-            print("loomflow: error: --app-role needs a PostgreSQL database", file=sys.stderr)
-            return 2
-        return 0
+    for step in report.steps:
+        print(step.message)
+    if args.app_role is not None and not report.app_role_granted:
+        print("loomflow: error: --app-role needs a PostgreSQL database", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _when(ts: float) -> str:

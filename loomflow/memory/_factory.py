@@ -8,12 +8,13 @@ from typing import Any
 from ..config import Settings
 from ..storage import database_from_url
 from ..storage._component import store_beside
+from ..storage._schemes import check_scheme
 from ._memory import Memory
 from ._protocol import MemoryStore
 from ._sql import SqlMemoryStore
 from .inmemory import InMemoryMemoryStore
 
-__all__ = ["memory_for", "memory_from_url"]
+__all__ = ["memory_for", "memory_from_url", "memory_store_from_url"]
 
 
 def memory_for(runtime: Any, *, history_episodes: int | None = 20) -> Memory:
@@ -36,8 +37,13 @@ def memory_from_url(
 
     The memory owns the connection it opens; close it with ``await memory.close()``.
     """
-    if url.startswith("memory:"):
-        return Memory(InMemoryMemoryStore(), history_episodes=history_episodes)
-    db = database_from_url(url, settings=settings)
-    store = SqlMemoryStore(db, owns_db=True, settings=settings)
-    return Memory(store, history_episodes=history_episodes)
+    return Memory(memory_store_from_url(url, settings=settings), history_episodes=history_episodes)
+
+
+def memory_store_from_url(url: str, *, settings: Settings | None = None) -> MemoryStore:
+    """The storage behind :func:`memory_from_url` (the store, without the ``Memory`` API)."""
+    if check_scheme("memory", url) == "memory":
+        return InMemoryMemoryStore()
+    return SqlMemoryStore(
+        database_from_url(url, settings=settings), owns_db=True, settings=settings
+    )

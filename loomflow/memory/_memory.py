@@ -359,11 +359,7 @@ class SqliteMemory(Memory):
             store = SqlMemoryStore(target, auto_migrate=auto_migrate, settings=settings)
         else:
             s = settings or Settings()
-            db = SqliteDatabase(
-                target,
-                busy_timeout_ms=s.sqlite_busy_timeout_ms,
-                synchronous=s.sqlite_synchronous,
-            )
+            db = SqliteDatabase.from_settings(target, s)
             store = SqlMemoryStore(db, owns_db=True, auto_migrate=auto_migrate, settings=s)
         super().__init__(store, history_episodes=history_episodes)
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from .._progress import OnProgress, Progress
 from ..errors import CorruptEntryError
-from ..storage import Database, apply_migrations, require_schema
+from ..storage import Database
+from ..storage._component import SqlLifecycle
 from ._legacy import report_on_open
 from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
 from .migrations import COMPONENT, MIGRATIONS
@@ -188,28 +189,25 @@ class SqlJournalStore:
         self.db = db
         self.backend = db.backend
         self._owns_db = owns_db
+        # The runtime decides when to open and whether to migrate; the report of a 0.20
+        # journal comes first, so it is made even when the schema check refuses.
+        self._life = SqlLifecycle(
+            db,
+            COMPONENT,
+            MIGRATIONS,
+            owns_db=owns_db,
+            auto_migrate=True,
+            on_open=report_on_open,
+        )
 
     async def open(self, *, migrate: bool) -> None:
-        await self.db.open()
-        try:
-            # First, so that a 0.20 journal is reported even when the schema check refuses.
-            await report_on_open(self.db)
-            if migrate:
-                await self.migrate()
-            else:
-                await require_schema(self.db, COMPONENT, MIGRATIONS)
-        except BaseException:
-            if self._owns_db:
-                await self.db.close()  # a half-opened store must not leak its connection
-            raise
+        await self._life.open_now(migrate=migrate)
 
     async def close(self) -> None:
-        if self._owns_db:
-            await self.db.close()
+        await self._life.close()
 
     async def migrate(self) -> int:
-        await self.db.open()
-        return await apply_migrations(self.db, COMPONENT, MIGRATIONS)
+        return await self._life.migrate()
 
     async def _run(self, what: str, query: str, *args: Any) -> Sequence[Sequence[Any]]:
         return await self.db.fetch(_QUERIES[query], *args, what=f"journal {what}")

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import Settings
-from ..errors import ConfigurationError
-from ..storage._url import sqlite_path
+from ..storage._schemes import check_scheme, file_path
 from ._journal import JournalRuntime
 
 __all__ = ["runtime_from_url"]
@@ -18,22 +17,19 @@ def runtime_from_url(
     """Build the runtime a URL names.
 
     ``memory://``; ``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (a bare file path
-    works too); ``postgresql://…`` or ``postgres://…`` (needs the ``postgres`` extra).
+    works too); ``postgresql://…`` or ``postgres://…`` (needs the ``postgres`` extra). The
+    schemes are those of :data:`loomflow.stores.SCHEMES`.
     """
-    if url.startswith("memory:"):
+    scheme = check_scheme("journal", url)
+    # Imported here, so that a deployment on one backend never loads the others' drivers.
+    if scheme == "memory":
         from .inmemory import InMemoryRuntime
 
         return InMemoryRuntime(settings=settings, **options)
-    if url.startswith(("postgresql://", "postgres://")):
-        from .postgres import PostgresRuntime
+    if scheme == "sqlite":
+        from .sqlite import SqliteRuntime
 
-        return PostgresRuntime(url, settings=settings, **options)
-    path = sqlite_path(url)
-    if path is None:
-        raise ConfigurationError(
-            f"unknown journal URL scheme in {url!r}: use memory://, sqlite:///path.db or "
-            "postgresql://..."
-        )
-    from .sqlite import SqliteRuntime
+        return SqliteRuntime(file_path(url, scheme), settings=settings, **options)
+    from .postgres import PostgresRuntime
 
-    return SqliteRuntime(path, settings=settings, **options)
+    return PostgresRuntime(url, settings=settings, **options)

@@ -44,12 +44,8 @@ class SqliteRuntime(JournalRuntime):
         """
         s = settings or Settings()
         self.path = Path(path)
-        self._database = SqliteDatabase(
-            path,
-            busy_timeout_ms=s.sqlite_busy_timeout_ms
-            if busy_timeout_ms is None
-            else busy_timeout_ms,
-            synchronous=s.sqlite_synchronous if synchronous is None else synchronous,
+        self._database = SqliteDatabase.from_settings(
+            path, s, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
         )
         super().__init__(SqlJournalStore(self._database), settings=s, **options)
 

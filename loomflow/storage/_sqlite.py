@@ -13,6 +13,7 @@ from typing import Any
 
 import aiosqlite
 
+from ..config import Settings
 from ..errors import InvalidArgumentError, StoreLockedError, StoreUnavailableError
 from ._database import Database, Rows, Transaction
 from ._dialect import SQLITE
@@ -104,6 +105,29 @@ class SqliteDatabase(Database):
         self._conn: aiosqlite.Connection | None = None
         self._tx_lock = asyncio.Lock()
         self._open_lock = asyncio.Lock()
+
+    @classmethod
+    def from_settings(
+        cls,
+        path: str | os.PathLike[str],
+        settings: Settings | None = None,
+        *,
+        busy_timeout_ms: int | None = None,
+        synchronous: str | None = None,
+    ) -> SqliteDatabase:
+        """The database at ``path`` with the ``LOOMFLOW_SQLITE_*`` settings, unless overridden.
+
+        Every SQLite store (journal, checkpoints, memory, budget, audit) is built through here,
+        so the busy timeout and ``synchronous`` mode are read in one place.
+        """
+        s = settings or Settings()
+        return cls(
+            path,
+            busy_timeout_ms=s.sqlite_busy_timeout_ms
+            if busy_timeout_ms is None
+            else busy_timeout_ms,
+            synchronous=s.sqlite_synchronous if synchronous is None else synchronous,
+        )
 
     def __repr__(self) -> str:
         return f"SqliteDatabase({str(self.path)!r})"

@@ -32,9 +32,6 @@ def database_from_url(url: str, *, settings: Settings | None = None) -> Database
         raise ConfigurationError(
             f"unknown store URL scheme in {url!r}: use sqlite:///path.db or postgresql://..."
         )
-    s = settings or Settings()
     from ._sqlite import SqliteDatabase
 
-    return SqliteDatabase(
-        path, busy_timeout_ms=s.sqlite_busy_timeout_ms, synchronous=s.sqlite_synchronous
-    )
+    return SqliteDatabase.from_settings(path, settings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...config import Settings
 from ...storage import Database
+from ...storage._schemes import check_scheme
 from ._store import BudgetStore
 
 __all__ = ["budget_store_for", "budget_store_from_url"]
@@ -20,7 +21,7 @@ def budget_store_from_url(
     """
     s = settings or Settings()
     url = url or s.budget_url or s.runtime_url
-    if url.startswith("memory:"):
+    if check_scheme("budget", url) == "memory":
         from .inmemory import InMemoryBudgetStore
 
         return InMemoryBudgetStore()

@@ -15,7 +15,6 @@ commit, the budget's whole share of one model call, costs a median 1.7 ms on Pos
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Sequence
@@ -23,7 +22,8 @@ from typing import Any
 
 from ...config import Settings
 from ...errors import BudgetError
-from ...storage import Database, apply_migrations, database_from_url
+from ...storage import Database, database_from_url
+from ...storage._component import SqlLifecycle
 from ._owner import owner_is_dead, pid_namespace
 from ._store import BudgetStore
 from ._types import (
@@ -190,32 +190,21 @@ class SqlBudgetStore:
             self._owns_db = False
         self.backend = self.db.backend
         self._auto_migrate = s.auto_migrate if auto_migrate is None else auto_migrate
-        self._ready = False
-        self._open_lock: asyncio.Lock | None = None
+        self._life = SqlLifecycle(
+            self.db, COMPONENT, MIGRATIONS, owns_db=self._owns_db, auto_migrate=self._auto_migrate
+        )
 
     def __repr__(self) -> str:
         return f"SqlBudgetStore({self.db!r})"
 
     async def open(self) -> None:
-        if self._ready:
-            return
-        if self._open_lock is None:
-            self._open_lock = asyncio.Lock()
-        async with self._open_lock:
-            if not self._ready:  # another caller may have opened it while we waited
-                await self.db.open()
-                if self._auto_migrate:
-                    await apply_migrations(self.db, COMPONENT, MIGRATIONS)
-                self._ready = True
+        await self._life.ensure_open()
 
     async def close(self) -> None:
-        self._ready = False
-        if self._owns_db:
-            await self.db.close()
+        await self._life.close()
 
     async def migrate(self) -> int:
-        await self.db.open()
-        return await apply_migrations(self.db, COMPONENT, MIGRATIONS)
+        return await self._life.migrate()
 
     async def reserve(
         self,

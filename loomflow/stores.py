@@ -1,0 +1,441 @@
+"""Where a deployment keeps its data: the one place that builds, migrates and closes the stores.
+
+Five kinds of store hold what loomflow records: the **journal** (``runtime_url``), the
+**checkpoints** and the **memory** (always in the journal's database), the **budget** totals
+(``budget_url``) and the **audit** log (``audit_url``). The budget and the audit log live
+beside the journal, on its connection, unless their URLs name somewhere else; an in-memory
+journal keeps them in memory.
+
+:class:`Stores` makes that decision once, for :meth:`Agent.from_settings
+<loomflow.Agent.from_settings>`, ``loomflow migrate``, ``loomflow users export`` and every
+other command that opens a store. :data:`SCHEMES` is the one table of which URL schemes each
+kind accepts, and :func:`store_from_url` the one function turning a URL into a store.
+
+Example:
+    >>> stores = Stores(Settings(runtime_url="sqlite:///journal.db"))  # doctest: +SKIP
+    >>> for step in (await stores.migrate()).steps:  # doctest: +SKIP
+    ...     print(step.message)
+    >>> await stores.close()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .config import Settings
+from .errors import UserError
+from .storage import Database
+from .storage._schemes import SCHEMES, StoreKind, check_scheme, scheme_of
+
+if TYPE_CHECKING:
+    from .audit import AuditStore
+    from .checkpoints import CheckpointStore
+    from .governance.budget import BudgetStore
+    from .memory import Memory
+    from .runtime import JournalRuntime
+
+__all__ = [
+    "MigrationReport",
+    "MigrationStep",
+    "SCHEMES",
+    "StoreKind",
+    "Stores",
+    "audit_store_for",
+    "budget_store_for",
+    "journal_database",
+    "scheme_of",
+    "store_from_url",
+]
+
+
+def store_from_url(
+    kind: StoreKind, url: str, *, settings: Settings | None = None, **options: Any
+) -> Any:
+    """Build (without connecting) the ``kind`` store a URL names.
+
+    Each store package turns its own URLs into stores, after checking the scheme against the
+    one table, :data:`SCHEMES`; this picks the package. ``options`` go to the runtime's class
+    (``kind="journal"`` only).
+
+    Raises:
+        ConfigurationError: the scheme is not one of ``SCHEMES[kind]`` (the message lists
+            them), or a file URL is malformed.
+    """
+    check_scheme(kind, url)  # before any package is loaded
+    if kind == "journal":
+        from .runtime import runtime_from_url
+
+        return runtime_from_url(url, settings=settings, **options)
+    if options:
+        raise UserError(f"a {kind} store built from a URL takes no options")
+    if kind == "checkpoints":
+        from .checkpoints import checkpoint_store_from_url
+
+        return checkpoint_store_from_url(url, settings=settings)
+    if kind == "memory":
+        from .memory._factory import memory_store_from_url
+
+        return memory_store_from_url(url, settings=settings)
+    if kind == "budget":
+        from .governance.budget import budget_store_from_url
+
+        return budget_store_from_url(url, settings=settings)
+    from .audit import audit_store_from_url
+
+    return audit_store_from_url(url, settings=settings)
+
+
+# -- placement: what lives beside the journal ---------------------------------------------------
+
+
+def journal_database(runtime: object) -> Database | None:
+    """The SQL database a runtime keeps its journal in (``None`` for an in-memory journal)."""
+    database = getattr(runtime, "database", None)
+    return database if isinstance(database, Database) else None
+
+
+def budget_store_for(settings: Settings, database: Database | None) -> BudgetStore | None:
+    """``budget_url``'s store, else one in ``database`` (sharing it), else ``None``."""
+    from .governance.budget import budget_store_for as placed
+
+    return placed(settings, database)
+
+
+def audit_store_for(
+    settings: Settings, database: Database | None, *, url: str | None = None
+) -> AuditStore | None:
+    """``url`` (else ``audit_url``)'s store, else one in ``database`` (sharing it), else None."""
+    from .audit import audit_store_for as placed
+
+    return placed(settings, database, url=url)
+
+
+@dataclass(frozen=True)
+class MigrationStep:
+    """One thing :meth:`Stores.migrate` did.
+
+    Attributes:
+        store: ``journal``, ``checkpoints``, ``memory``, ``budget``, ``audit``, ``app role``
+            or ``0.20 journal``.
+        message: What was done, in one line for an operator.
+        version: The schema version now in place, for a SQL store.
+    """
+
+    store: str
+    message: str
+    version: int | None = None
+
+
+@dataclass
+class MigrationReport:
+    """What :meth:`Stores.migrate` did, in order.
+
+    Attributes:
+        steps: One entry per store migrated, role granted or 0.20 journal handled.
+        app_role_granted: Whether ``app_role`` was granted somewhere (it needs PostgreSQL).
+    """
+
+    steps: list[MigrationStep] = field(default_factory=list)
+    app_role_granted: bool = False
+
+    def versions(self) -> dict[str, int]:
+        """Schema version per SQL store migrated."""
+        return {s.store: s.version for s in self.steps if s.version is not None}
+
+
+class Stores:
+    """The stores of one deployment, placed as the settings say, built on first use.
+
+    Args:
+        settings: Where the URLs come from (default ``Settings()``).
+        runtime: A journal to use instead of building ``runtime_url``'s (left for the caller
+            to close).
+        journal: ``False`` for a deployment without a journal: the audit log is then at
+            ``audit_url`` or, unset, ``runtime_url`` (as ``Settings.audit_store_url`` says).
+        audit_url: Overrides ``settings.audit_url`` (``loomflow migrate --audit-url``).
+
+    Stores this object builds are closed by :meth:`close` (every one, even if one fails;
+    the first failure is raised afterwards). Checkpoints and memory share the journal's
+    connection and are closed with it.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        runtime: JournalRuntime | None = None,
+        journal: bool = True,
+        audit_url: str | None = None,
+    ) -> None:
+        self.settings = settings or Settings()
+        self._runtime = runtime
+        self._journal = journal or runtime is not None
+        self._audit_url = audit_url
+        self._built: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Stores(built={sorted(self._built)})"
+
+    def _once(self, kind: str, build: Callable[[], Any]) -> Any:
+        if kind not in self._built:
+            self._built[kind] = build()
+        return self._built[kind]
+
+    @property
+    def runtime(self) -> JournalRuntime | None:
+        """The journal: the one given, else ``runtime_url``'s (``None`` with ``journal=False``)."""
+        if self._runtime is not None or not self._journal:
+            return self._runtime
+        runtime: JournalRuntime = self._once(
+            "journal",
+            lambda: store_from_url("journal", self.settings.runtime_url, settings=self.settings),
+        )
+        return runtime
+
+    @property
+    def database(self) -> Database | None:
+        """The journal's SQL database, which the stores beside it share."""
+        return journal_database(self.runtime)
+
+    @property
+    def checkpoints(self) -> CheckpointStore | None:
+        """The checkpoint store beside the journal (``None`` without a journal)."""
+        from .checkpoints import checkpoint_store_for
+
+        runtime = self.runtime
+        return None if runtime is None else checkpoint_store_for(runtime)
+
+    @property
+    def memory(self) -> Memory | None:
+        """Memory beside the journal (``None`` without a journal)."""
+        from .memory import memory_for
+
+        runtime = self.runtime
+        return None if runtime is None else memory_for(runtime)
+
+    @property
+    def budget(self) -> BudgetStore:
+        """``budget_url``'s store, else one beside the journal, else an in-memory one."""
+
+        def build() -> BudgetStore:
+            from .governance.budget.inmemory import InMemoryBudgetStore
+
+            return budget_store_for(self.settings, self.database) or InMemoryBudgetStore()
+
+        store: BudgetStore = self._once("budget", build)
+        return store
+
+    @property
+    def audit(self) -> AuditStore:
+        """``audit_url``'s store, else one beside the journal; an in-memory journal keeps its
+        audit log in memory, and no journal at all means ``runtime_url``'s database."""
+
+        def build() -> AuditStore:
+            store = audit_store_for(self.settings, self.database, url=self._audit_url)
+            if store is not None:
+                return store
+            if self.runtime is not None:
+                from .audit.inmemory import InMemoryAuditStore
+
+                return InMemoryAuditStore()
+            found: AuditStore = store_from_url(
+                "audit", self.settings.audit_store_url, settings=self.settings
+            )
+            return found
+
+        store: AuditStore = self._once("audit", build)
+        return store
+
+    def on_postgres(self) -> bool:
+        """Whether any store of this deployment lives in PostgreSQL (nothing is connected)."""
+        places = (self.database, getattr(self.budget, "db", None), getattr(self.audit, "db", None))
+        return any(getattr(db, "backend", None) == "postgres" for db in places)
+
+    async def migrate(
+        self, *, app_role: str | None = None, app_login: bool = False, import_legacy: bool = False
+    ) -> MigrationReport:
+        """Bring every store up to date: a deploy step, run once.
+
+        Migrates the journal, checkpoints, memory (in the journal's database), the budget and
+        the audit log (a JSON-lines log is created and its heads checked); with ``app_role``,
+        grants that PostgreSQL role what the application needs on each database; then reports
+        (or with ``import_legacy`` imports) a loomflow 0.20 journal found in the database.
+        """
+        if app_role is not None and not self.on_postgres():
+            raise UserError("app_role needs a PostgreSQL database; no store here is in one")
+        report = MigrationReport()
+        grants = _AppRoleGrants(app_role, app_login, report)
+        runtime = self.runtime
+        if runtime is not None:
+            version = await runtime.migrate()
+            report.steps.append(
+                MigrationStep("journal", f"journal schema at version {version}", version)
+            )
+        database = self.database
+        await grants.grant(database)
+        if runtime is not None and database is not None:
+            for kind, store in (("checkpoints", self.checkpoints), ("memory", self.memory)):
+                assert store is not None  # there is a journal
+                version = await store.migrate()
+                report.steps.append(
+                    MigrationStep(kind, f"{kind} schema at version {version}", version)
+                )
+        budget = self.budget
+        if budget.backend != "memory":
+            version = await budget.migrate()
+            report.steps.append(
+                MigrationStep("budget", f"budget schema at version {version}", version)
+            )
+            await grants.grant(getattr(budget, "db", None))
+        audit = self.audit
+        from .audit import JsonlAuditStore
+
+        if isinstance(audit, JsonlAuditStore):
+            created = await audit.prepare()
+            state = "created" if created else "exists, heads checked"
+            report.steps.append(
+                MigrationStep(
+                    "audit",
+                    f"audit log (JSON lines) at {audit.path} ({state}; heads {audit.heads_path})",
+                )
+            )
+        elif (migrate := getattr(audit, "migrate", None)) is not None:  # memory has no schema
+            version = await migrate()
+            report.steps.append(
+                MigrationStep("audit", f"audit schema at version {version}", version)
+            )
+        await grants.grant(getattr(audit, "db", None))
+        if runtime is not None:
+            for line in await _legacy(runtime, do_import=import_legacy):
+                report.steps.append(MigrationStep("0.20 journal", line))
+        return report
+
+    async def export_user(self, user_id: str | None) -> dict[str, Any]:
+        """Everything the stores keep about one user (``None``: runs without a user), as one
+        JSON-ready document. Reads only."""
+        runtime = self.runtime
+        sessions = [] if runtime is None else await runtime.sessions(user_id=user_id, limit=10**6)
+        entries = []
+        for info in sessions:
+            assert runtime is not None
+            for entry in await runtime.entries(info.session_id, user_id):
+                entries.append({**dataclasses.asdict(entry), "created_at": _iso(entry.created_at)})
+        checkpoints: dict[str, Any] = {}
+        memory: dict[str, Any] = {}
+        if self.database is not None and self.checkpoints is not None and self.memory is not None:
+            checkpoints = await self.checkpoints.export_user(user_id)
+            memory = await self.memory.export_user(user_id)
+        budget = [
+            {
+                "scope": u.bucket.scope,
+                "period": u.bucket.period or "all",
+                **dataclasses.asdict(u.totals),
+                "updated_at": _iso(u.updated_at),
+            }
+            for u in await self.budget.usage(user_id)
+        ]
+        audit = [entry.to_json() async for entry in self.audit.entries(user_id=user_id)]
+        document: dict[str, Any] = {
+            "user_id": user_id,
+            "exported_at": _iso(dt.datetime.now(dt.UTC)),
+            "journal": {
+                "sessions": [
+                    {**dataclasses.asdict(s), "updated_at": _iso(s.updated_at)} for s in sessions
+                ],
+                "entries": entries,
+            },
+            "checkpoints": checkpoints,
+            "memory": memory,
+            "budget": budget,
+            "audit": audit,
+        }
+        document["counts"] = {
+            "sessions": len(sessions),
+            "journal entries": len(entries),
+            "checkpoints": len(checkpoints.get("checkpoints", [])),
+            "episodes": len(memory.get("episodes", [])),
+            "audit entries": len(audit),
+        }
+        return document
+
+    async def close(self) -> None:
+        """Close every store this object built (all of them, even if one fails; the first
+        failure is raised afterwards). A ``runtime`` passed in stays open."""
+        built, self._built = self._built, {}
+        failure: BaseException | None = None
+        for store in reversed(built.values()):
+            try:
+                await store.close()
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    async def __aenter__(self) -> Stores:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class _AppRoleGrants:
+    """``migrate(app_role=...)``: grant the role once on each PostgreSQL database migrated."""
+
+    def __init__(self, role: str | None, login: bool, report: MigrationReport) -> None:
+        self.role = role
+        self.login = login
+        self.report = report
+        self.done: set[str] = set()
+
+    async def grant(self, db: Database | None) -> None:
+        from .storage import grant_app_role
+
+        if self.role is None or db is None or db.backend != "postgres":
+            return
+        result = await grant_app_role(db, self.role, login=self.login)
+        where = f"{result.database}.{result.schema}"
+        if where in self.done:  # the audit log or budget beside the journal
+            return
+        self.done.add(where)
+        self.report.app_role_granted = True
+        made = ""
+        if result.created:
+            made = " (created with LOGIN: set its password)" if self.login else " (created NOLOGIN)"
+        self.report.steps.append(
+            MigrationStep(
+                "app role",
+                f"app role {result.role}{made}: {len(result.grants)} tables and sequences "
+                f"granted in {where}; the audit log is append-only for it",
+            )
+        )
+
+
+async def _legacy(runtime: JournalRuntime, *, do_import: bool) -> list[str]:
+    """What a loomflow 0.20 journal in the runtime's database holds or, with ``do_import``,
+    what was imported of it."""
+    from .runtime import import_legacy_journal, inspect_legacy_journal
+
+    if journal_database(runtime) is None:
+        if do_import:
+            return ["no loomflow 0.20 journal in a memory:// journal: nothing to import"]
+        return []
+    found = await inspect_legacy_journal(runtime)
+    if not do_import:
+        return [] if found is None else [found.describe()]
+    if found is None:
+        return ["no loomflow 0.20 journal in this database: nothing to import"]
+    done = await import_legacy_journal(runtime)
+    return [
+        done.describe(),
+        "the 0.20 tables were only read; drop them once the imported runs have resumed",
+    ]
+
+
+def _iso(when: float | dt.datetime | None) -> str | None:
+    from ._timefmt import iso_time  # the CLI's --json time format, shared by the export
+
+    return iso_time(when)
