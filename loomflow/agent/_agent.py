@@ -209,9 +209,9 @@ class Agent:
         ``audit_url`` and the budget's totals ``budget_url``; either, when unset, lives beside
         the journal (in its database, or in memory). The budget enforces ``caps``; with none it
         only records usage (a reservation and a commit per model call; pass ``budget=None``
-        to skip it). With
-        ``otlp_endpoint`` or ``metrics_port`` set, spans are exported and metrics served, once
-        per process. Close what this built with :meth:`aclose` or ``async with``.
+        to skip it). With ``otlp_endpoint`` (or the standard ``OTEL_EXPORTER_OTLP_*``
+        variables) or ``metrics_port`` set, spans are exported and metrics served, once per
+        process. Close what this built with :meth:`aclose` or ``async with``.
 
         Args:
             instructions: The system prompt.
@@ -230,7 +230,7 @@ class Agent:
         from ..audit import AuditLog
         from ..governance import StandardBudget
         from ..stores import Stores
-        from ..telemetry import Telemetry, setup_telemetry_once
+        from ..telemetry import Telemetry, setup_requested, setup_telemetry_once
 
         s = settings or Settings()
         if caps and "budget" in options:
@@ -251,7 +251,7 @@ class Agent:
             options["budget"] = StandardBudget(caps, store=stores.budget)
             owned.append(options["budget"])
         if "telemetry" not in options:
-            if s.otlp_endpoint or s.metrics_port is not None:
+            if setup_requested(s):  # LOOMFLOW_* settings or the standard OTEL_* variables
                 setup_telemetry_once(s)
             options["telemetry"] = Telemetry(settings=s)
         # The stores connect on first use, so a bad option below leaves nothing open.

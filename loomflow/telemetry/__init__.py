@@ -26,7 +26,7 @@ from ._metrics import (
     serve_metrics,
 )
 from ._semconv import STEP_SPAN
-from ._setup import TelemetrySetup, setup_telemetry, setup_telemetry_once
+from ._setup import TelemetrySetup, setup_requested, setup_telemetry, setup_telemetry_once
 from ._telemetry import Telemetry
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "Telemetry",
     "TelemetrySetup",
     "serve_metrics",
+    "setup_requested",
     "setup_telemetry",
     "setup_telemetry_once",
 ]
