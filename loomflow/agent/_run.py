@@ -17,7 +17,7 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -44,7 +44,7 @@ from ..messages import (
     ToolSpec,
     Usage,
 )
-from ..models import ModelPrice, cost_usd
+from ..models import cost_usd
 from ..redaction import Redactor
 from ..runtime import OpenRun, Runtime, codec
 from ..runtime._names import tool_step_name
@@ -81,6 +81,10 @@ class _Run:
         self.agent = agent
         self.runtime = runtime
         self.ctx = ctx
+        # A budget's own price table (its prices= overrides) is what the run is charged at.
+        # Looked up once: a protocol isinstance check costs microseconds on every model call.
+        budget = agent.budget
+        self.prices = budget.prices if isinstance(budget, PricedBudget) else None
         self.open_run = open_run  # None without a journal
         self.epoch: int | None = open_run.epoch if open_run is not None else None
         self.prompt = prompt
@@ -392,16 +396,11 @@ class _Run:
     def _cost(self, response: ModelResponse) -> float:
         model = self.agent.model
         model_name = response.model or model.name
-        value = cost_usd(model_name, response.usage, provider=model.provider, prices=self._prices())
+        value = cost_usd(model_name, response.usage, provider=model.provider, prices=self.prices)
         if value is None:
             _warn_unpriced(model_name)
             return 0.0
         return value
-
-    def _prices(self) -> Mapping[str, ModelPrice] | None:
-        # A budget's own price table (its prices= overrides) is what the run is charged at.
-        budget = self.agent.budget
-        return budget.prices if isinstance(budget, PricedBudget) else None
 
     # -- tools -----------------------------------------------------------------------------
 
