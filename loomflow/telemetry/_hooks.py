@@ -245,9 +245,18 @@ class _StepTracer:
     def __init__(self, tracer: Tracer, user_ids: UserIds) -> None:
         self.tracer = tracer
         self.user_ids = user_ids
+        # The default telemetry's tracer: a proxy of the global provider, whatever it becomes.
+        self.proxy = isinstance(tracer, trace.ProxyTracer)
+
+    def __call__(self, start: StepStart) -> contextlib.AbstractContextManager[StepNote | None]:
+        if self.proxy and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            # No SDK installed yet: every span would be a no-op, so build none. (The run's
+            # chat and tool spans, no-ops too, then find no open step, as with no journal.)
+            return _NO_SPAN
+        return self._span(start)
 
     @contextlib.contextmanager
-    def __call__(self, start: StepStart) -> Iterator[StepNote]:
+    def _span(self, start: StepStart) -> Iterator[StepNote]:
         run_id = get_run_context().run_id
         attributes: dict[str, Any] = {
             sc.LOOM_STEP_NAME: start.name,
@@ -309,6 +318,9 @@ class _StepTracer:
                 if not waiting:
                     _open_streams.pop(key, None)
             span.end(end_time=ended)
+
+
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def instrument(
