@@ -180,7 +180,8 @@ class Agent:
         self._sealed_results: OrderedDict[str, str] = OrderedDict()
         self.guardrails = tuple(guardrails)
         if telemetry is None:
-            from ..telemetry import default_telemetry  # the telemetry package imports agent types
+            # Loaded with the first agent, not on import of the agent package.
+            from ..telemetry import default_telemetry
 
             telemetry = default_telemetry()
         self.telemetry: RunPlugin | None = telemetry or None
