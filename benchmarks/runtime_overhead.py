@@ -10,7 +10,11 @@ For a ~200-byte result this measures, per step:
   ``execute_fetchall``, the cheaper being the floor; PostgreSQL is one autocommitted INSERT
   through the asyncpg pool; a primary-key SELECT is the read floor on both;
 * resume: opening a 1,000-step run (lease claim plus its single load query) and replaying
-  all 1,000 steps.
+  all 1,000 steps;
+* telemetry, which is on by default: the per-step cost of the default telemetry (step span
+  through the OpenTelemetry API with no SDK installed, so a no-op; Prometheus counters on the
+  default registry) against ``telemetry=False``, in memory, on ``runtime.step()`` and on whole
+  agent runs, batches alternating.
 
 Batches of fresh steps and of floor inserts alternate, so both see the same disk and cache
 state; each figure is the median over batches of the mean per step.
@@ -442,6 +446,83 @@ async def bench_postgres(args: argparse.Namespace) -> Result:
         await admin.close()
 
 
+# -- telemetry on by default ---------------------------------------------------------------
+
+
+@dataclass
+class TelemetryCost:
+    """Per-step seconds, default telemetry (no SDK) vs telemetry=False, medians of batches."""
+
+    fresh_on: list[float] = field(default_factory=list)
+    fresh_off: list[float] = field(default_factory=list)
+    hit_on: list[float] = field(default_factory=list)
+    hit_off: list[float] = field(default_factory=list)
+    agent_on: list[float] = field(default_factory=list)
+    agent_off: list[float] = field(default_factory=list)
+
+
+async def bench_telemetry(args: argparse.Namespace) -> TelemetryCost:
+    from loomflow.agent import Agent
+    from loomflow.messages import ToolCall
+    from loomflow.models import ScriptedModel
+    from loomflow.telemetry import default_telemetry
+    from loomflow.tools import tool
+
+    @tool
+    def lookup(order: int) -> str:
+        """Look an order up."""
+        return "shipped"
+
+    payload = make_payload(args.payload)
+    cost = TelemetryCost()
+    on, off = InMemoryRuntime(), InMemoryRuntime()
+    default_telemetry().instrument(on)  # what an agent without telemetry= does on its first run
+    turns: list[Any] = [[ToolCall(id="c1", name="lookup", arguments={"order": 7})], "Shipped."]
+    agent_on = Agent("x", model=ScriptedModel(turns), tools=[lookup], runtime=InMemoryRuntime())
+    agent_off = agent_on.clone(runtime=InMemoryRuntime(), telemetry=False)
+    runs = max(args.steps // 8, 5)
+    for batch in range(args.batches + 1):  # the first batch warms up and is dropped
+        for runtime, fresh, hits in (
+            (on, cost.fresh_on, cost.hit_on),
+            (off, cost.fresh_off, cost.hit_off),
+        ):
+            session = f"tel-{batch}"
+            t0 = time.perf_counter()
+            await fresh_batch(runtime, session, args.steps, lambda: payload, {})
+            fresh_s = (time.perf_counter() - t0) / args.steps
+            hit_s = await hit_batch(runtime, session, args.steps)
+            if batch:
+                fresh.append(fresh_s)
+                hits.append(hit_s)
+        for agent, per_step in ((agent_on, cost.agent_on), (agent_off, cost.agent_off)):
+            gc.collect()
+            t0 = time.perf_counter()
+            for i in range(runs):
+                result = await agent.run("where?", session_id=f"a-{batch}-{i}", user_id=USER)
+                assert result.output == "Shipped."
+            # A run journals 4 steps: model call, tool call, model call, memory episode.
+            if batch:
+                per_step.append((time.perf_counter() - t0) / (runs * 4))
+    return cost
+
+
+def report_telemetry(cost: TelemetryCost) -> None:
+    print(
+        "\ntelemetry on by default (no OpenTelemetry SDK installed: spans are the API's "
+        "no-ops), memory backend, us per step, median of batches"
+    )
+    header = f"{'path':<28} {'default':>9} {'telemetry=False':>16} {'added':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, with_, without in (
+        ("runtime.step (fresh)", cost.fresh_on, cost.fresh_off),
+        ("runtime.step (hit)", cost.hit_on, cost.hit_off),
+        ("agent run, per step", cost.agent_on, cost.agent_off),
+    ):
+        a, b = statistics.median(with_), statistics.median(without)
+        print(f"{name:<28} {_us(a):>9} {_us(b):>16} {_us(a - b):>8}")
+
+
 # -- report ----------------------------------------------------------------------------------
 
 
@@ -574,6 +655,7 @@ async def main(args: argparse.Namespace) -> int:
         if not args.skip_postgres:
             results.append(await bench_postgres(args))
         ok = report(results, args)
+        report_telemetry(await bench_telemetry(args))
         if args.profile:
             await profile_hits(args, workdir)
     return 0 if ok else 1

@@ -188,6 +188,23 @@ class Settings(BaseSettings):
             "default: they may hold personal data."
         ),
     )
+    telemetry_user_ids: Literal["plain", "hashed", "omit"] = Field(
+        default="plain",
+        description=(
+            "How spans carry the run's user id (`user_id` and `user.id`): `plain`, `hashed` "
+            "(an HMAC-SHA-256 prefix keyed by `LOOMFLOW_TELEMETRY_USER_ID_KEY`, so it is "
+            "stable across the deployment's processes but cannot be reversed by hashing a "
+            "list of candidate ids) or `omit`. Metrics never carry user ids."
+        ),
+    )
+    telemetry_user_id_key: SecretStr | None = Field(
+        default=None,
+        min_length=16,
+        description=(
+            "The secret key (16 characters or more) of `LOOMFLOW_TELEMETRY_USER_IDS=hashed`; "
+            "the same on every process of a deployment, so that one user hashes alike."
+        ),
+    )
     audit_url: str | None = Field(
         default=None,
         description=(

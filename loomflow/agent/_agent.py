@@ -119,7 +119,10 @@ class Agent:
         permissions: The policy checked before every live tool call.
         audit: The per-user audit log.
         guardrails: Checks on input, output and tool results.
-        telemetry: Spans and metrics.
+        telemetry: Spans and metrics. By default (``None``) every agent of the process shares
+            :func:`~loomflow.telemetry.default_telemetry`: spans on the global tracer provider
+            (no-ops until the application installs an OpenTelemetry SDK) and metrics on
+            prometheus-client's default registry. ``False`` records nothing.
         hooks: Extra :class:`~loomflow.agent.hooks.RunHooks`. Each component above except
             memory (which the loop uses directly) is a ``RunHooks`` too, or provides one
             through ``as_hooks()``; the loop calls them in the order guardrails, budget,
@@ -139,7 +142,7 @@ class Agent:
         permissions: RunPlugin | None = None,
         audit: RunPlugin | None = None,
         guardrails: Sequence[RunPlugin] = (),
-        telemetry: RunPlugin | None = None,
+        telemetry: RunPlugin | Literal[False] | None = None,
         tuning: Tuning | None = None,
         max_turns: int = 10,
         name: str = "agent",
@@ -176,7 +179,12 @@ class Agent:
         # Sealed tool results of this agent's runs, in this process only (see Sealer).
         self._sealed_results: OrderedDict[str, str] = OrderedDict()
         self.guardrails = tuple(guardrails)
-        self.telemetry = telemetry
+        if telemetry is None:
+            # Loaded with the first agent, not on import of the agent package.
+            from ..telemetry import default_telemetry
+
+            telemetry = default_telemetry()
+        self.telemetry: RunPlugin | None = telemetry or None
         self.tuning = tuning or Tuning()
         self.max_turns = max_turns
         self.name = name
@@ -185,7 +193,7 @@ class Agent:
         # may); a memory that also offers hooks keeps its place in the order.
         memory_hooks = memory if isinstance(memory, HookProvider) else None
         self._hooks = hooks_of(
-            [*guardrails, budget, permissions, memory_hooks, audit, telemetry, *hooks]
+            [*guardrails, budget, permissions, memory_hooks, audit, self.telemetry, *hooks]
         )
         self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]
         self._settings = ModelSettings(
@@ -274,7 +282,7 @@ class Agent:
             "permissions": self.permissions,
             "audit": self.audit,
             "guardrails": self.guardrails,
-            "telemetry": self.telemetry,
+            "telemetry": self.telemetry if self.telemetry is not None else False,
             "tuning": self.tuning,
             "max_turns": self.max_turns,
             "name": self.name,

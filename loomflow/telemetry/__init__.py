@@ -27,7 +27,7 @@ from ._metrics import (
 )
 from ._semconv import STEP_SPAN
 from ._setup import TelemetrySetup, setup_requested, setup_telemetry, setup_telemetry_once
-from ._telemetry import Telemetry
+from ._telemetry import Telemetry, default_telemetry
 
 __all__ = [
     "BUDGET_CAPS",
@@ -43,6 +43,7 @@ __all__ = [
     "STORES",
     "Telemetry",
     "TelemetrySetup",
+    "default_telemetry",
     "serve_metrics",
     "setup_requested",
     "setup_telemetry",

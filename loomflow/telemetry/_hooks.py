@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
+import hmac
 import json
 import threading
 import time
@@ -34,7 +36,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -59,6 +61,34 @@ from ..tools import Tool, ToolOutcome
 from . import _semconv as sc
 
 __all__ = ["Counters", "TelemetryHooks", "instrument"]
+
+
+UserIdMode = Literal["plain", "hashed", "omit"]
+USER_ID_MODES: tuple[UserIdMode, ...] = ("plain", "hashed", "omit")
+
+
+@dataclass(frozen=True)
+class UserIds:
+    """How spans carry a run's user id: as is, as a keyed hash, or not at all.
+
+    ``hashed`` is HMAC-SHA-256 under a deployment secret, cut to 16 hex characters (64 bits):
+    the same user hashes alike in every process that shares the key, so a trace search by the
+    hash works, while without the key nobody can recover an id by hashing a list of likely
+    ones (a plain or salted-in-the-open hash falls to exactly that).
+    """
+
+    mode: UserIdMode = "plain"
+    key: bytes | None = None
+
+    def attributes(self, user_id: str | None) -> dict[str, str]:
+        if user_id is None or self.mode == "omit":
+            return {}
+        value = user_id
+        if self.mode == "hashed":
+            assert self.key is not None  # Telemetry checks this
+            digest = hmac.new(self.key, user_id.encode("utf-8"), hashlib.sha256).hexdigest()
+            value = f"h:{digest[:16]}"
+        return {sc.USER_ID: value, sc.USER_ID_DOCUMENTED: value}
 
 
 class Counters(Protocol):
@@ -212,11 +242,21 @@ def _fail(span: Span, exc: BaseException, redactor: Redactor | None = None) -> N
 class _StepTracer:
     """The runtime's step tracer: one ``loom.workflow.step`` span per journaled step."""
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer, user_ids: UserIds) -> None:
         self.tracer = tracer
+        self.user_ids = user_ids
+        # The default telemetry's tracer: a proxy of the global provider, whatever it becomes.
+        self.proxy = isinstance(tracer, trace.ProxyTracer)
+
+    def __call__(self, start: StepStart) -> contextlib.AbstractContextManager[StepNote | None]:
+        if self.proxy and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            # No SDK installed yet: every span would be a no-op, so build none. (The run's
+            # chat and tool spans, no-ops too, then find no open step, as with no journal.)
+            return _NO_SPAN
+        return self._span(start)
 
     @contextlib.contextmanager
-    def __call__(self, start: StepStart) -> Iterator[StepNote]:
+    def _span(self, start: StepStart) -> Iterator[StepNote]:
         run_id = get_run_context().run_id
         attributes: dict[str, Any] = {
             sc.LOOM_STEP_NAME: start.name,
@@ -229,8 +269,7 @@ class _StepTracer:
         if start.session_id is not None:
             attributes[sc.SESSION_ID] = start.session_id
             attributes[sc.GEN_AI_CONVERSATION_ID] = start.session_id
-        if start.user_id is not None:
-            attributes[sc.USER_ID] = start.user_id
+        attributes.update(self.user_ids.attributes(start.user_id))
         if run_id:
             attributes[sc.LOOM_RUN_ID] = run_id
         parent, live = _parent(run_id)
@@ -281,17 +320,26 @@ class _StepTracer:
             span.end(end_time=ended)
 
 
-def instrument(runtime: Any, tracer: Tracer | None, metrics: Counters | None) -> None:
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+def instrument(
+    runtime: Any,
+    tracer: Tracer | None,
+    metrics: Counters | None,
+    user_ids: UserIds | None = None,
+) -> None:
     """Trace (with ``tracer``) and count (with ``metrics``) every journaled step of ``runtime``.
 
-    Idempotent. A runtime is traced by the first tracer that instruments it; a runtime without
-    a journal (an agent with ``runtime=None``) has no steps and is left alone.
+    Idempotent. A runtime is traced by the first tracer that instruments it (with that
+    telemetry's ``user_ids``); a runtime without a journal (an agent with ``runtime=None``) has
+    no steps and is left alone.
     """
     if tracer is not None and hasattr(runtime, "add_step_tracer"):
         with _traced_lock:
             fresh = runtime not in _traced
             if fresh:
-                _traced[runtime] = _StepTracer(tracer)
+                _traced[runtime] = _StepTracer(tracer, user_ids or UserIds())
         if fresh:
             runtime.add_step_tracer(_traced[runtime])
     if metrics is not None:
@@ -301,10 +349,18 @@ def instrument(runtime: Any, tracer: Tracer | None, metrics: Counters | None) ->
 class TelemetryHooks(RunHooks):
     """Spans and metrics of every run, as the agent loop's hooks (``Telemetry.as_hooks()``)."""
 
-    def __init__(self, tracer: Tracer | None, metrics: Counters | None, *, content: bool) -> None:
+    def __init__(
+        self,
+        tracer: Tracer | None,
+        metrics: Counters | None,
+        *,
+        content: bool,
+        user_ids: UserIds | None = None,
+    ) -> None:
         self.tracer = tracer
         self.metrics = metrics
         self.content = content
+        self.user_ids = user_ids or UserIds()
 
     @staticmethod
     def _scrub(info: RunInfo, value: Any) -> str:
@@ -325,7 +381,7 @@ class TelemetryHooks(RunHooks):
         # The run's journal (the enclosing run's for a sub-agent); instrumenting is idempotent.
         runtime = info.runtime
         if runtime is not None:
-            instrument(runtime, self.tracer, self.metrics)
+            instrument(runtime, self.tracer, self.metrics, self.user_ids)
         if self.tracer is None:
             return
         attributes: dict[str, Any] = {
@@ -339,8 +395,7 @@ class TelemetryHooks(RunHooks):
             sc.LOOM_RUN_RESUMED: info.resumed,
             sc.LOOM_BACKEND: info.backend,
         }
-        if info.user_id is not None:
-            attributes[sc.USER_ID] = info.user_id
+        attributes.update(self.user_ids.attributes(info.user_id))
         if info.epoch is not None:
             attributes[sc.LOOM_RUN_EPOCH] = info.epoch
         # The parent is the current span: the caller's, or the execute_tool span of the tool

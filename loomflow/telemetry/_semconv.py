@@ -49,6 +49,7 @@ __all__ = [
     "SESSION_ID",
     "STEP_SPAN",
     "USER_ID",
+    "USER_ID_DOCUMENTED",
 ]
 
 STEP_SPAN: Final = "loom.workflow.step"
@@ -80,6 +81,9 @@ ERROR_TYPE: Final = "error.type"
 # General conventions (user.*, session.*).
 USER_ID: Final = "user.id"
 SESSION_ID: Final = "session.id"
+USER_ID_DOCUMENTED: Final = "user_id"
+"""The name the reference documents give the user on ``loom.workflow.step`` spans; emitted
+beside ``user.id`` (same value)."""
 
 # loomflow's own.
 LOOM_BACKEND: Final = "loom.backend"

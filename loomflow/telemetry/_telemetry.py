@@ -7,17 +7,19 @@ build them too (``Agent(telemetry=metrics)``), so they sit below both.
 from __future__ import annotations
 
 import importlib.metadata
+import threading
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Tracer, TracerProvider
 
 from ..config import Settings
+from ..errors import ConfigurationError
 from ..hooks import RunHooks
-from ._hooks import TelemetryHooks, instrument
+from ._hooks import USER_ID_MODES, TelemetryHooks, UserIdMode, UserIds, instrument
 from ._metrics import Metrics
 
-__all__ = ["Telemetry"]
+__all__ = ["Telemetry", "default_telemetry"]
 
 try:
     _VERSION: str | None = importlib.metadata.version("loomflow")
@@ -41,7 +43,12 @@ class Telemetry:
             spans. Off by default; ``None`` reads ``LOOMFLOW_TELEMETRY_CAPTURE_CONTENT``.
             Recorded text is scrubbed by the agent's redactor first (secret shapes and
             configured secrets; sensitive tool arguments are already sealed placeholders).
-        settings: Where ``capture_content=None`` is read from (default: the environment).
+        user_ids: How spans carry the run's user id (``user_id`` and ``user.id``): ``"plain"``,
+            ``"hashed"`` (HMAC-SHA-256 under ``user_id_key``, first 16 hex digits, prefixed
+            ``h:``) or ``"omit"``; ``None`` reads ``LOOMFLOW_TELEMETRY_USER_IDS``.
+        user_id_key: The secret of ``"hashed"``; ``None`` reads
+            ``LOOMFLOW_TELEMETRY_USER_ID_KEY``. Share it across a deployment's processes.
+        settings: Where ``None`` options are read from (default: the environment).
 
     The first run of an agent instruments the agent's runtime (steps become spans and are
     counted); call :meth:`instrument` to trace a runtime used without an agent.
@@ -58,10 +65,37 @@ class Telemetry:
         metrics: Metrics | bool = True,
         tracing: bool = True,
         capture_content: bool | None = None,
+        user_ids: UserIdMode | None = None,
+        user_id_key: str | bytes | None = None,
         settings: Settings | None = None,
     ) -> None:
+        if capture_content is None or user_ids is None or user_id_key is None:
+            settings = settings or Settings()
         if capture_content is None:
-            capture_content = (settings or Settings()).telemetry_capture_content
+            assert settings is not None
+            capture_content = settings.telemetry_capture_content
+        if user_ids is None:
+            assert settings is not None
+            user_ids = settings.telemetry_user_ids
+        if user_ids not in USER_ID_MODES:
+            raise ConfigurationError(
+                f"user_ids must be one of {', '.join(USER_ID_MODES)}, not {user_ids!r}"
+            )
+        key: bytes | None = None
+        if user_ids == "hashed":
+            if user_id_key is None:
+                assert settings is not None
+                secret = settings.telemetry_user_id_key
+                user_id_key = secret.get_secret_value() if secret is not None else None
+            if user_id_key is None or len(user_id_key) < 16:
+                raise ConfigurationError(
+                    "user_ids='hashed' needs a secret key of 16 characters or more "
+                    "(user_id_key=, or LOOMFLOW_TELEMETRY_USER_ID_KEY): without one the "
+                    "hashes could be reversed by hashing candidate ids"
+                )
+            key = user_id_key.encode("utf-8") if isinstance(user_id_key, str) else user_id_key
+        self.user_ids: UserIdMode = user_ids
+        self._user_ids = UserIds(user_ids, key)
         self.capture_content = capture_content
         self.tracer: Tracer | None = (
             trace.get_tracer("loomflow", _VERSION, tracer_provider=tracer_provider)
@@ -73,12 +107,14 @@ class Telemetry:
         self.metrics: Metrics | None = metrics or None
         if self.metrics is not None:
             self.metrics.prepare_permissions()
-        self._hooks = TelemetryHooks(self.tracer, self.metrics, content=capture_content)
+        self._hooks = TelemetryHooks(
+            self.tracer, self.metrics, content=capture_content, user_ids=self._user_ids
+        )
 
     def __repr__(self) -> str:
         return (
             f"Telemetry(tracing={self.tracer is not None}, metrics={self.metrics!r}, "
-            f"capture_content={self.capture_content})"
+            f"capture_content={self.capture_content}, user_ids={self.user_ids!r})"
         )
 
     def as_hooks(self) -> RunHooks:
@@ -91,4 +127,24 @@ class Telemetry:
         A runtime is traced by the first ``Telemetry`` that instruments it; a runtime without
         a journal (an agent with ``runtime=None``) has no steps and is left alone.
         """
-        instrument(runtime, self.tracer, self.metrics)
+        instrument(runtime, self.tracer, self.metrics, self._user_ids)
+
+
+_default: Telemetry | None = None
+_default_lock = threading.Lock()
+
+
+def default_telemetry() -> Telemetry:
+    """The telemetry of every agent built without ``telemetry=`` (one per process).
+
+    Spans go to the global tracer provider through a proxy tracer, so a provider the
+    application installs later still gets them (until then they are the API's no-ops); metrics
+    go to prometheus-client's default registry. Options are read from the environment when
+    the first such agent is built. One shared instance, so the default registry holds each
+    metric family once however many agents a process builds.
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Telemetry()
+        return _default

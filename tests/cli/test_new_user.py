@@ -96,6 +96,8 @@ BAD = {
     "metrics_port": "70000",
     "metrics_host": "",
     "telemetry_capture_content": "sometimes",
+    "telemetry_user_ids": "masked",
+    "telemetry_user_id_key": "short",
     "audit_url": "ftp://logs/audit",
     "redact_secrets": '["unterminated',
     "redact_env": '[{"not": "a name"}]',
