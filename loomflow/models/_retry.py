@@ -22,13 +22,36 @@ from dataclasses import dataclass
 from ..errors import ModelError, ModelRetryExhaustedError
 from ..messages import ModelChunk
 
-__all__ = ["Backoff", "Failure", "IncompleteStreamError", "stream_with_retries"]
+__all__ = [
+    "Backoff",
+    "Failure",
+    "IncompleteStreamError",
+    "RetryObserver",
+    "observe_retries",
+    "stream_with_retries",
+]
 
 logger = logging.getLogger("loomflow.models")
 
 # Statuses worth another attempt: timeouts, rate limits and server-side failures (Anthropic
 # uses 529 for "overloaded"). Other 4xx mean the request itself is wrong.
 _RETRYABLE_STATUS = frozenset({408, 429})
+
+
+RetryObserver = Callable[[str, str, "int | None", BaseException], None]
+"""Told of every retry: ``(provider, model, status or None, the exception retried)``."""
+
+_observers: list[RetryObserver] = []
+
+
+def observe_retries(observer: RetryObserver) -> None:
+    """Call ``observer`` before every retry of every adapter (idempotent per observer).
+
+    Telemetry counts retries this way: the SDKs' own retries are off, so this loop is the only
+    place that knows a call was attempted again.
+    """
+    if observer not in _observers:
+        _observers.append(observer)
 
 
 def is_retryable_status(status: int) -> bool:
@@ -158,6 +181,11 @@ async def stream_with_retries(
                 ) from exc
             wait = backoff.delay(retries, rng, failure.retry_after)
             retries += 1
+            for observer in _observers:
+                try:
+                    observer(provider, model, failure.status, exc)
+                except Exception:  # counting a retry must never fail the call
+                    logger.exception("retry observer %r failed", observer)
             logger.warning(
                 "%s model %r: transient failure (%s), retry %d/%d in %.2fs",
                 provider,
