@@ -18,15 +18,18 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Final
 
 from ..errors import ModelError, ModelRetryExhaustedError
 from ..messages import ModelChunk
 
 __all__ = [
+    "ERROR_CLASSES",
     "Backoff",
     "Failure",
     "IncompleteStreamError",
     "RetryObserver",
+    "error_class",
     "observe_retries",
     "stream_with_retries",
 ]
@@ -52,6 +55,40 @@ def observe_retries(observer: RetryObserver) -> None:
     """
     if observer not in _observers:
         _observers.append(observer)
+
+
+ERROR_CLASSES: Final = ("rate_limit", "timeout", "connection", "server", "client", "other")
+"""What kind of failure a provider call had (the ``error`` label of error and retry metrics)."""
+
+
+def error_class(status: int | None, exc: BaseException | None = None) -> str:
+    """One of :data:`ERROR_CLASSES` for a failed provider call (HTTP ``status``, if any)."""
+    if status is not None:
+        if status == 429:
+            return "rate_limit"
+        if status == 408:
+            return "timeout"
+        if status >= 500:
+            return "server"
+        return "client" if 400 <= status < 500 else "other"
+    # No status: the cause tells a timeout from a lost connection (ModelError wraps it).
+    for found in (exc, getattr(exc, "__cause__", None)):
+        if found is None:
+            continue
+        if isinstance(found, TimeoutError) or "Timeout" in type(found).__name__:
+            return "timeout"
+    names = {type(e).__name__ for e in (exc, getattr(exc, "__cause__", None)) if e is not None}
+    if isinstance(exc, ModelError | ConnectionError) or names & _CONNECTION_ERRORS:
+        return "connection"
+    return "other"
+
+
+_CONNECTION_ERRORS = frozenset(
+    {
+        "APIConnectionError", "ConnectError", "ReadError", "RemoteProtocolError",
+        "TransportError", "IncompleteStreamError", "ConnectionError",
+    }
+)  # fmt: skip
 
 
 def is_retryable_status(status: int) -> bool:

@@ -42,6 +42,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel
 
 from ..context import get_run_context
+from ..errors import ModelError
 from ..governance.events import (
     BudgetDenied,
     BudgetUnavailable,
@@ -53,7 +54,7 @@ from ..governance.events import (
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..messages import Message, ModelResponse, ModelSettings, ToolCall
 from ..models import cost_usd
-from ..models._retry import observe_retries
+from ..models._retry import error_class, observe_retries
 from ..redaction import Redactor
 from ..runtime._journal import StepEvent, StepNote, StepStart
 from ..tools import Tool, ToolOutcome
@@ -108,8 +109,6 @@ _retry_counters: dict[str, Counters] = {}
 
 
 def _count_retry(provider: str, model: str, status: int | None, exc: BaseException) -> None:
-    from ._metrics import error_class  # here: _metrics imports this module
-
     metrics = _retry_counters.get(get_run_context().run_id or "")
     if metrics is not None:
         metrics.model_retry(provider=provider, model=model, error=error_class(status, exc))
@@ -500,12 +499,10 @@ class TelemetryHooks(RunHooks):
     ) -> None:
         # A refusal by a hook (a budget) or a caller going away is not a provider error.
         if self.metrics is not None and not isinstance(error, (Interrupt, *_CANCELLED)):
-            from ._metrics import error_class  # here: _metrics imports this module
-
             self.metrics.model_error(
                 provider=info.provider,
                 model=info.model_name,
-                error=error_class(getattr(error, "status", None), error),
+                error=error_class(error.status if isinstance(error, ModelError) else None, error),
             )
         if isinstance(token, _Child) and not token.done:
             _fail(token.span, error, _redactor(info))

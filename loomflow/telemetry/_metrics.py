@@ -18,7 +18,8 @@ from typing import Any, Final
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import start_http_server
 
-from ..errors import InvalidArgumentError, ModelError
+from ..errors import InvalidArgumentError
+from ..models._retry import ERROR_CLASSES, error_class
 from ..runtime._journal import StepEvent
 from ._hooks import TelemetryHooks
 
@@ -52,8 +53,6 @@ STORES: Final = ("journal", "budget", "audit")
 """Stores whose failures are counted by ``loomflow_store_unavailable_total``."""
 
 # -- provider errors, retries, tool errors and run duration (one block) ----------------------
-ERROR_CLASSES: Final = ("rate_limit", "timeout", "connection", "server", "client", "other")
-"""The ``error`` label of model errors and retries: what kind of failure it was, never its text."""
 TOOL_ERROR_TYPES: Final = (
     "tool_error", "invalid_arguments", "timeout", "unknown_tool", "sealed_arguments_lost",
     "other",
@@ -62,36 +61,6 @@ TOOL_ERROR_TYPES: Final = (
 # Runs range from one replayed step (milliseconds) to long tool loops (many minutes).
 RUN_BUCKETS: Final = (
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
-)  # fmt: skip
-
-
-def error_class(status: int | None, exc: BaseException | None = None) -> str:
-    """One of :data:`ERROR_CLASSES` for a failed provider call (HTTP ``status``, if any)."""
-    if status is not None:
-        if status == 429:
-            return "rate_limit"
-        if status == 408:
-            return "timeout"
-        if status >= 500:
-            return "server"
-        return "client" if 400 <= status < 500 else "other"
-    # No status: the cause tells a timeout from a lost connection (ModelError wraps it).
-    for found in (exc, getattr(exc, "__cause__", None)):
-        if found is None:
-            continue
-        if isinstance(found, TimeoutError) or "Timeout" in type(found).__name__:
-            return "timeout"
-    names = {type(e).__name__ for e in (exc, getattr(exc, "__cause__", None)) if e is not None}
-    if isinstance(exc, ModelError | ConnectionError) or names & _CONNECTION_ERRORS:
-        return "connection"
-    return "other"
-
-
-_CONNECTION_ERRORS = frozenset(
-    {
-        "APIConnectionError", "ConnectError", "ReadError", "RemoteProtocolError",
-        "TransportError", "IncompleteStreamError", "ConnectionError",
-    }
 )  # fmt: skip
 
 
