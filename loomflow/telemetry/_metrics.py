@@ -372,6 +372,10 @@ class Metrics:
 
     def prepare_model(self, provider: str, model: str) -> None:
         """Create the error and retry series of ``provider``/``model`` at 0 (for ratios)."""
+        key = f"model\x00{provider}\x00{model}"  # every run calls this: once is enough
+        if key in self._c.prepared:
+            return
+        self._c.prepared.add(key)
         provider = self._c.bound("provider", provider)
         model = self._c.bound("model", model)
         for error in ERROR_CLASSES:
