@@ -18,17 +18,77 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Final
 
 from ..errors import ModelError, ModelRetryExhaustedError
 from ..messages import ModelChunk
 
-__all__ = ["Backoff", "Failure", "IncompleteStreamError", "stream_with_retries"]
+__all__ = [
+    "ERROR_CLASSES",
+    "Backoff",
+    "Failure",
+    "IncompleteStreamError",
+    "RetryObserver",
+    "error_class",
+    "observe_retries",
+    "stream_with_retries",
+]
 
 logger = logging.getLogger("loomflow.models")
 
 # Statuses worth another attempt: timeouts, rate limits and server-side failures (Anthropic
 # uses 529 for "overloaded"). Other 4xx mean the request itself is wrong.
 _RETRYABLE_STATUS = frozenset({408, 429})
+
+
+RetryObserver = Callable[[str, str, "int | None", BaseException], None]
+"""Told of every retry: ``(provider, model, status or None, the exception retried)``."""
+
+_observers: list[RetryObserver] = []
+
+
+def observe_retries(observer: RetryObserver) -> None:
+    """Call ``observer`` before every retry of every adapter (idempotent per observer).
+
+    Telemetry counts retries this way: the SDKs' own retries are off, so this loop is the only
+    place that knows a call was attempted again.
+    """
+    if observer not in _observers:
+        _observers.append(observer)
+
+
+ERROR_CLASSES: Final = ("rate_limit", "timeout", "connection", "server", "client", "other")
+"""What kind of failure a provider call had (the ``error`` label of error and retry metrics)."""
+
+
+def error_class(status: int | None, exc: BaseException | None = None) -> str:
+    """One of :data:`ERROR_CLASSES` for a failed provider call (HTTP ``status``, if any)."""
+    if status is not None:
+        if status == 429:
+            return "rate_limit"
+        if status == 408:
+            return "timeout"
+        if status >= 500:
+            return "server"
+        return "client" if 400 <= status < 500 else "other"
+    # No status: the cause tells a timeout from a lost connection (ModelError wraps it).
+    for found in (exc, getattr(exc, "__cause__", None)):
+        if found is None:
+            continue
+        if isinstance(found, TimeoutError) or "Timeout" in type(found).__name__:
+            return "timeout"
+    names = {type(e).__name__ for e in (exc, getattr(exc, "__cause__", None)) if e is not None}
+    if isinstance(exc, ModelError | ConnectionError) or names & _CONNECTION_ERRORS:
+        return "connection"
+    return "other"
+
+
+_CONNECTION_ERRORS = frozenset(
+    {
+        "APIConnectionError", "ConnectError", "ReadError", "RemoteProtocolError",
+        "TransportError", "IncompleteStreamError", "ConnectionError",
+    }
+)  # fmt: skip
 
 
 def is_retryable_status(status: int) -> bool:
@@ -158,6 +218,11 @@ async def stream_with_retries(
                 ) from exc
             wait = backoff.delay(retries, rng, failure.retry_after)
             retries += 1
+            for observer in _observers:
+                try:
+                    observer(provider, model, failure.status, exc)
+                except Exception:  # counting a retry must never fail the call
+                    logger.exception("retry observer %r failed", observer)
             logger.warning(
                 "%s model %r: transient failure (%s), retry %d/%d in %.2fs",
                 provider,

@@ -44,6 +44,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel
 
 from ..context import get_run_context
+from ..errors import ModelError
 from ..governance.events import (
     BudgetDenied,
     BudgetUnavailable,
@@ -52,9 +53,10 @@ from ..governance.events import (
     GuardrailTripped,
     PermissionDecided,
 )
-from ..hooks import RunHooks, RunInfo
+from ..hooks import Interrupt, RunHooks, RunInfo
 from ..messages import Message, ModelResponse, ModelSettings, ToolCall
 from ..models import cost_usd
+from ..models._retry import error_class, observe_retries
 from ..redaction import Redactor
 from ..runtime._journal import StepEvent, StepNote, StepStart
 from ..tools import Tool, ToolOutcome
@@ -99,7 +101,17 @@ class Counters(Protocol):
 
     def instrument(self, runtime: Any) -> None: ...
 
-    def run_finished(self, *, backend: str, outcome: str, resumed: bool) -> None: ...
+    def run_finished(
+        self, *, backend: str, outcome: str, resumed: bool, duration_s: float | None = None
+    ) -> None: ...
+
+    def prepare_model(self, provider: str, model: str) -> None: ...
+
+    def model_error(self, *, provider: str, model: str, error: str) -> None: ...
+
+    def model_retry(self, *, provider: str, model: str, error: str) -> None: ...
+
+    def tool_error(self, *, tool: str, error_type: str | None) -> None: ...
 
     def model_usage(
         self,
@@ -120,6 +132,19 @@ class Counters(Protocol):
 
 # Exceptions that mean "the caller went away", not "the work failed".
 _CANCELLED = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
+
+# Retries happen inside the provider adapter, below the hooks: the retry loop reports them
+# here and they are counted by the metrics of the run in progress (found by its run id).
+_retry_counters: dict[str, Counters] = {}
+
+
+def _count_retry(provider: str, model: str, status: int | None, exc: BaseException) -> None:
+    metrics = _retry_counters.get(get_run_context().run_id or "")
+    if metrics is not None:
+        metrics.model_retry(provider=provider, model=model, error=error_class(status, exc))
+
+
+observe_retries(_count_retry)
 
 
 @dataclass(eq=False)
@@ -361,6 +386,7 @@ class TelemetryHooks(RunHooks):
         self.metrics = metrics
         self.content = content
         self.user_ids = user_ids or UserIds()
+        self._started: dict[str, float] = {}  # run id -> monotonic start, for run duration
 
     @staticmethod
     def _scrub(info: RunInfo, value: Any) -> str:
@@ -382,6 +408,10 @@ class TelemetryHooks(RunHooks):
         runtime = info.runtime
         if runtime is not None:
             instrument(runtime, self.tracer, self.metrics, self.user_ids)
+        if self.metrics is not None:
+            self._started[info.run_id] = time.monotonic()
+            _retry_counters[info.run_id] = self.metrics
+            self.metrics.prepare_model(info.provider, info.model_name)
         if self.tracer is None:
             return
         attributes: dict[str, Any] = {
@@ -427,7 +457,14 @@ class TelemetryHooks(RunHooks):
         else:
             outcome = "finished"
         if self.metrics is not None:
-            self.metrics.run_finished(backend=info.backend, outcome=outcome, resumed=info.resumed)
+            started = self._started.pop(info.run_id, None)
+            _retry_counters.pop(info.run_id, None)
+            self.metrics.run_finished(
+                backend=info.backend,
+                outcome=outcome,
+                resumed=info.resumed,
+                duration_s=None if started is None else time.monotonic() - started,
+            )
         live = self._run(info)
         if live is None:
             return
@@ -515,6 +552,13 @@ class TelemetryHooks(RunHooks):
     async def model_call_failed(
         self, info: RunInfo, turn: int, error: BaseException, token: Any
     ) -> None:
+        # A refusal by a hook (a budget) or a caller going away is not a provider error.
+        if self.metrics is not None and not isinstance(error, (Interrupt, *_CANCELLED)):
+            self.metrics.model_error(
+                provider=info.provider,
+                model=info.model_name,
+                error=error_class(error.status if isinstance(error, ModelError) else None, error),
+            )
         if isinstance(token, _Child) and not token.done:
             _fail(token.span, error, _redactor(info))
             token.finish()
@@ -609,6 +653,23 @@ class TelemetryHooks(RunHooks):
         child.release()
         child.finish()
         return outcome
+
+    async def tool_finished(
+        self,
+        info: RunInfo,
+        turn: int,
+        slot: int,
+        call: ToolCall,
+        outcome: ToolOutcome,
+        *,
+        step: str,
+        executed: bool,
+    ) -> None:
+        # Refusals (a permission denial) are counted by their own metric, not as tool errors;
+        # a name the model made up is not a label value.
+        if self.metrics is not None and executed and not outcome.ok:
+            name = call.name if call.name in info.tools else "unknown"
+            self.metrics.tool_error(tool=name, error_type=outcome.error_type)
 
     # -- governance ------------------------------------------------------------------------
 

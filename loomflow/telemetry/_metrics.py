@@ -19,20 +19,25 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import start_http_server
 
 from ..errors import InvalidArgumentError
+from ..models._retry import ERROR_CLASSES, error_class
 from ..runtime._journal import StepEvent
 from ._hooks import TelemetryHooks
 
 __all__ = [
     "BUDGET_CAPS",
+    "ERROR_CLASSES",
     "JOURNAL_WRITE_BUCKETS",
     "KINDS",
     "MAX_LABEL_VALUES",
     "Metrics",
     "MetricsServer",
     "OUTCOMES",
+    "RUN_BUCKETS",
     "RUN_OUTCOMES",
     "STEP_BUCKETS",
     "STORES",
+    "TOOL_ERROR_TYPES",
+    "error_class",
     "serve_metrics",
 ]
 
@@ -46,6 +51,17 @@ RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled")
 raised (stays open, resumable), or was cancelled / abandoned by its caller (also resumable)."""
 STORES: Final = ("journal", "budget", "audit")
 """Stores whose failures are counted by ``loomflow_store_unavailable_total``."""
+
+# -- provider errors, retries, tool errors and run duration (one block) ----------------------
+TOOL_ERROR_TYPES: Final = (
+    "tool_error", "invalid_arguments", "timeout", "unknown_tool", "sealed_arguments_lost",
+    "other",
+)  # fmt: skip
+"""The ``error_type`` label of tool errors (``ToolOutcome.error_type``, anything else ``other``)."""
+# Runs range from one replayed step (milliseconds) to long tool loops (many minutes).
+RUN_BUCKETS: Final = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+)  # fmt: skip
 
 
 def _cap_names() -> tuple[str, ...]:
@@ -120,6 +136,10 @@ class _Collectors:
     guardrail_trips: Counter
     audit_entries: Counter
     store_unavailable: Counter
+    model_errors: Counter
+    model_retries: Counter
+    tool_errors: Counter
+    run_seconds: Histogram
     bounded: dict[str, _Bounded] = field(default_factory=dict)
     instrumented: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     prepared: set[str] = field(default_factory=set)
@@ -206,6 +226,31 @@ def _build(registry: CollectorRegistry) -> _Collectors:
             ("store",),
             registry=r,
         ),
+        model_errors=Counter(
+            "loomflow_model_errors",
+            "Live model calls that failed (after any retries), by provider, model and error class.",
+            ("provider", "model", "error"),
+            registry=r,
+        ),
+        model_retries=Counter(
+            "loomflow_model_retries",
+            "Provider requests attempted again after a transient failure, by error class.",
+            ("provider", "model", "error"),
+            registry=r,
+        ),
+        tool_errors=Counter(
+            "loomflow_tool_errors",
+            "Executed tool calls that returned an error, by tool and error type.",
+            ("tool", "error_type"),
+            registry=r,
+        ),
+        run_seconds=Histogram(
+            "loomflow_run_duration_seconds",
+            "Wall time of an agent run, from its start to its end, by how it ended.",
+            ("outcome",),
+            buckets=RUN_BUCKETS,
+            registry=r,
+        ),
     )
     # Series born at their first increment hide that increment from increase() and rate():
     # the label sets that can occur are known and few, so they exist at 0 from the start.
@@ -214,6 +259,8 @@ def _build(registry: CollectorRegistry) -> _Collectors:
         built.budget_denials.labels(cap)
     for store in STORES:
         built.store_unavailable.labels(store)
+    for run_outcome in RUN_OUTCOMES:
+        built.run_seconds.labels(run_outcome)
     return built
 
 
@@ -308,8 +355,11 @@ class Metrics:
         if event.write_s > 0:  # only a step that wrote an entry has a write time
             write_seconds.observe(event.write_s)
 
-    def run_finished(self, *, backend: str, outcome: str, resumed: bool) -> None:
-        """Count a run that ended with ``outcome`` (one of :data:`RUN_OUTCOMES`)."""
+    def run_finished(
+        self, *, backend: str, outcome: str, resumed: bool, duration_s: float | None = None
+    ) -> None:
+        """Count a run that ended with ``outcome`` (one of :data:`RUN_OUTCOMES`), and observe
+        its wall time ``duration_s`` when given."""
         if outcome not in RUN_OUTCOMES:
             raise InvalidArgumentError(
                 f"run outcome must be one of {RUN_OUTCOMES}, not {outcome!r}"
@@ -317,6 +367,41 @@ class Metrics:
         self._c.runs.labels(
             self._c.bound("backend", backend), outcome, "true" if resumed else "false"
         ).inc()
+        if duration_s is not None:
+            self._c.run_seconds.labels(outcome).observe(max(duration_s, 0.0))
+
+    def prepare_model(self, provider: str, model: str) -> None:
+        """Create the error and retry series of ``provider``/``model`` at 0 (for ratios)."""
+        key = f"model\x00{provider}\x00{model}"  # every run calls this: once is enough
+        if key in self._c.prepared:
+            return
+        self._c.prepared.add(key)
+        provider = self._c.bound("provider", provider)
+        model = self._c.bound("model", model)
+        for error in ERROR_CLASSES:
+            self._c.model_errors.labels(provider, model, error)
+            self._c.model_retries.labels(provider, model, error)
+
+    def model_error(self, *, provider: str, model: str, error: str) -> None:
+        """Count a live model call that failed with ``error`` (one of :data:`ERROR_CLASSES`)."""
+        self._c.model_errors.labels(
+            self._c.bound("provider", provider),
+            self._c.bound("model", model),
+            error if error in ERROR_CLASSES else "other",
+        ).inc()
+
+    def model_retry(self, *, provider: str, model: str, error: str) -> None:
+        """Count one retry of a provider request after a transient ``error``."""
+        self._c.model_retries.labels(
+            self._c.bound("provider", provider),
+            self._c.bound("model", model),
+            error if error in ERROR_CLASSES else "other",
+        ).inc()
+
+    def tool_error(self, *, tool: str, error_type: str | None) -> None:
+        """Count an executed tool call that returned an error of ``error_type``."""
+        kind = error_type if error_type in TOOL_ERROR_TYPES else "other"
+        self._c.tool_errors.labels(self._c.bound("tool", tool), kind).inc()
 
     def model_usage(
         self,

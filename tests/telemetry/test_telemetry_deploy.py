@@ -69,7 +69,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_alert_rules_pass_promtool_check() -> None:
     done = promtool("check", "rules", str(RULES))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 7 rules found" in done.stdout
+    assert "SUCCESS: 8 rules found" in done.stdout
 
 
 def test_the_alert_rules_pass_their_unit_tests() -> None:
@@ -109,6 +109,7 @@ def exported_names() -> set[str]:
     metrics.budget_denied("user.tokens_total")
     metrics.guardrail_tripped("input", "block")
     metrics.audit_entry("run.start")
+    metrics.tool_error(tool="lookup", error_type="tool_error")
     return {s.name for family in registry.collect() for s in family.samples}
 
 
@@ -376,7 +377,7 @@ def test_a_real_prometheus_scrapes_a_workload_and_the_dashboard_reads_its_replay
     def rules_evaluated() -> bool:
         groups = prometheus.get("/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return len(rules) == 7 and all(r["health"] == "ok" for r in rules)
+        return len(rules) == 8 and all(r["health"] == "ok" for r in rules)
 
     wait_for("the rules to evaluate", rules_evaluated)
 
@@ -384,7 +385,9 @@ def test_a_real_prometheus_scrapes_a_workload_and_the_dashboard_reads_its_replay
         alerts = prometheus.get("/api/v1/alerts")["data"]["alerts"]
         return {a["labels"]["alertname"] for a in alerts}
 
-    # The failed runs (4 of 28) are over the 10% line: that alert becomes pending.
-    active = wait_for("the failing-runs alert", lambda: active_alerts() or None)
-    assert "LoomflowRunsFailing" in active
+    # The failed runs (4 of 28) are over the 10% line: that alert becomes pending. Their
+    # provider failures are 4 of 44 live model calls (9%, over 5%): that one too.
+    wanted = {"LoomflowRunsFailing", "LoomflowModelCallsFailing"}
+    active = wait_for("the failing-runs alerts", lambda: wanted <= active_alerts() or None)
+    active = active_alerts()
     assert "LoomflowReplayDivergence" not in active

@@ -25,8 +25,10 @@ from loomflow.models import AnthropicModel, FunctionModel, cost_usd
 from loomflow.runtime import InMemoryRuntime, JournalRuntime, SqliteRuntime
 from loomflow.telemetry import (
     BUDGET_CAPS,
+    ERROR_CLASSES,
     JOURNAL_WRITE_BUCKETS,
     MAX_LABEL_VALUES,
+    RUN_OUTCOMES,
     STEP_BUCKETS,
     Metrics,
     Telemetry,
@@ -329,6 +331,19 @@ async def test_no_label_is_per_user_or_unbounded_under_a_many_user_workload(
         await sqlite.close()
     for action in AUDIT_ACTIONS:
         metrics.audit_entry(action)
+    # Tool errors too: a tool that fails for every one of a few users.
+    failing = Agent(
+        "x",
+        model=FunctionModel(_call_broken_then_answer),
+        tools=[broken],
+        telemetry=telemetry,
+        memory=False,
+    )
+    for n in range(3):
+        result = await failing.run("go", session_id=f"session-broken-{n}", user_id=f"user-b{n}")
+        more.users.append(f"user-b{n}")
+        more.sessions.append(f"session-broken-{n}")
+        more.run_ids.append(result.run_id)
     identities = _identities(expected, more)
     assert len(identities) > 400
 
@@ -357,10 +372,30 @@ async def test_no_label_is_per_user_or_unbounded_under_a_many_user_workload(
         "failed",
         "cancelled",
     }
+    # The error and duration families are in the sweep above, with samples.
+    assert "other" in values[("loomflow_model_errors", "error")]  # the workload's ProviderDown
+    assert values[("loomflow_model_retries", "error")] == set(ERROR_CLASSES)  # created at 0
+    assert values[("loomflow_tool_errors", "tool")] == {"broken"}
+    assert values[("loomflow_run_duration_seconds", "outcome")] == set(RUN_OUTCOMES)
+    assert (
+        value(registry, "loomflow_tool_errors_total", tool="broken", error_type="tool_error") == 3
+    )
     # ...and no identity reached the exposition text either.
     text = generate_latest(registry).decode()
     assert "user-00" not in text
     assert "session-" not in text
+
+
+@tool
+def broken(item: str) -> str:
+    """Always fails."""
+    raise RuntimeError(f"{item} is unavailable")
+
+
+def _call_broken_then_answer(messages: list[Message], tools: list[Any]) -> Any:
+    if messages[-1].role == "tool":
+        return "sorry"
+    return [ToolCall(id="b1", name="broken", arguments={"item": "x"})]
 
 
 def _identities(*workloads: Expected) -> set[str]:
