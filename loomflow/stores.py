@@ -157,6 +157,9 @@ class Stores:
         journal: ``False`` for a deployment without a journal: the audit log is then at
             ``audit_url`` or, unset, ``runtime_url`` (as ``Settings.audit_store_url`` says).
         audit_url: Overrides ``settings.audit_url`` (``loomflow migrate --audit-url``).
+        checkpoints_url: Open the checkpoint store at this URL, on a connection of its own,
+            instead of beside the journal: ``loomflow checkpoints`` reads snapshots this way so
+            that it never opens (and so migrates) the journal it does not need.
 
     Stores this object builds are closed by :meth:`close` (every one, even if one fails;
     the first failure is raised afterwards). Checkpoints and memory share the journal's
@@ -170,11 +173,13 @@ class Stores:
         runtime: JournalRuntime | None = None,
         journal: bool = True,
         audit_url: str | None = None,
+        checkpoints_url: str | None = None,
     ) -> None:
         self.settings = settings or Settings()
         self._runtime = runtime
         self._journal = journal or runtime is not None
         self._audit_url = audit_url
+        self._checkpoints_url = checkpoints_url
         self._built: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -203,9 +208,15 @@ class Stores:
 
     @property
     def checkpoints(self) -> CheckpointStore | None:
-        """The checkpoint store beside the journal (``None`` without a journal)."""
+        """``checkpoints_url``'s store if one was given, else the checkpoint store beside the
+        journal (``None`` without a journal)."""
         from .checkpoints import checkpoint_store_for
 
+        if (url := self._checkpoints_url) is not None:
+            found: CheckpointStore = self._once(
+                "checkpoints", lambda: store_from_url("checkpoints", url, settings=self.settings)
+            )
+            return found
         runtime = self.runtime
         return None if runtime is None else checkpoint_store_for(runtime)
 

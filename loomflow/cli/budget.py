@@ -15,7 +15,8 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import ConfigurationError
-from ..governance.budget import BucketUsage, budget_store_from_url
+from ..governance.budget import BucketUsage
+from ..stores import Stores
 from ._format import duration, iso_time
 from ._format import table as print_table
 from ._stores import existing
@@ -54,8 +55,14 @@ def register(subparsers: Any) -> None:
     prune.set_defaults(handler=_prune)
 
 
-def _url(args: argparse.Namespace) -> str:
+def _stores(args: argparse.Namespace) -> Stores:
+    """The budget store the options name, through the composition root (no journal opened)."""
     settings = Settings()
+    url = existing(_url(args, settings), "budget store")
+    return Stores(settings.model_copy(update={"budget_url": url}), journal=False)
+
+
+def _url(args: argparse.Namespace, settings: Settings) -> str:
     url: str = args.budget_url or settings.budget_url or args.url or settings.runtime_url
     if url.startswith("memory:"):
         raise ConfigurationError(
@@ -84,11 +91,9 @@ def _row(usage: BucketUsage) -> dict[str, Any]:
 
 
 async def _show(args: argparse.Namespace) -> int:
-    store = budget_store_from_url(existing(_url(args), "budget store"))
-    try:
+    async with _stores(args) as stores:
+        store = stores.budget
         usage = await store.usage(args.user_id)
-    finally:
-        await store.close()
     rows = [_row(u) for u in usage]
     if args.json:
         for row in rows:
@@ -133,11 +138,9 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 async def _reclaim(args: argparse.Namespace) -> int:
-    store = budget_store_from_url(existing(_url(args), "budget store"))
-    try:
+    async with _stores(args) as stores:
+        store = stores.budget
         count = await store.reclaim()
-    finally:
-        await store.close()
     print(json.dumps({"reclaimed": count}) if args.json else f"reclaimed {count} reservations")
     return 0
 
@@ -151,13 +154,11 @@ async def _prune(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    store = budget_store_from_url(existing(_url(args), "budget store"))
-    try:
+    async with _stores(args) as stores:
+        store = stores.budget
         count = await store.prune(
             ended_before=time.time() - args.older_than.total_seconds(), dry_run=args.dry_run
         )
-    finally:
-        await store.close()
     if args.dry_run:
         print(
             json.dumps({"would_delete": count})

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_from_url
+from ..checkpoints import Checkpoint, CheckpointStore
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
-from ..runtime import runtime_from_url
+from ..stores import Stores
 from ._format import iso_time, positive_int, table
 from ._stores import existing, session_of
 
@@ -69,19 +69,22 @@ async def _handle(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    url = existing(args.url or Settings().runtime_url, "journal")
-    if args.checkpoints_command in ("list", "show"):
-        # Which user's snapshots: the journal beside them knows who ran the session.
-        runtime = runtime_from_url(url)
-        try:
+    settings = Settings()
+    url = existing(args.url or settings.runtime_url, "journal")
+    # The checkpoints on a connection of their own: export and forget never open the journal.
+    async with Stores(
+        settings.model_copy(update={"runtime_url": url}), checkpoints_url=url
+    ) as stores:
+        if args.checkpoints_command in ("list", "show"):
+            # Which user's snapshots: the journal beside them knows who ran the session.
+            runtime = stores.runtime
+            assert runtime is not None  # Stores has a journal by default
             info = await session_of(
                 runtime, args.session_id, args.user_id, anonymous=args.anonymous
             )
-        finally:
-            await runtime.close()
-        args.user_id = info.user_id
-    store = checkpoint_store_from_url(url)
-    try:
+            args.user_id = info.user_id
+        store = stores.checkpoints
+        assert store is not None  # checkpoints_url was given
         if args.checkpoints_command == "list":
             return await _list(store, args)
         if args.checkpoints_command == "show":
@@ -94,8 +97,6 @@ async def _handle(args: argparse.Namespace) -> int:
         else:
             print(f"deleted {deleted} checkpoints of user {args.user_id!r}")
         return 0
-    finally:
-        await store.close()
 
 
 async def _list(store: CheckpointStore, args: argparse.Namespace) -> int:
