@@ -3,6 +3,8 @@
 Bulk-loads valid, hash-chained entries (PostgreSQL with ``COPY``, SQLite with one
 ``executemany`` transaction), then times the queries a compliance team runs for one user:
 the first page, a page deep into the user's trail, an action family, and a time range.
+The heads table is left to the database's head trigger (audit migration 2), which checks
+each loaded entry extends its user's chain and moves the head, as in production.
 
     python benchmarks/audit_query.py --backend sqlite --rows 1000000
     python benchmarks/audit_query.py --backend postgres --dsn postgresql://postgres@127.0.0.1/db
@@ -39,8 +41,8 @@ ACTIONS = ("run.start", "model.call", "tool.call", "tool.result", "run.end")
 def rows(
     total: int, users: int, start_us: int, heads: dict[int, tuple[int, str]]
 ) -> Iterator[tuple[Any, ...]]:
-    """``total`` chained entries spread over ``users`` users, in insertion order; ``heads``
-    ends up holding every user's last (seq, hash)."""
+    """``total`` chained entries spread over ``users`` users, in insertion order (the head
+    trigger accepts each one as it arrives); ``heads`` tracks every user's last (seq, hash)."""
     for i in range(total):
         u = i % users
         seq, prev = heads.get(u, (0, GENESIS))
@@ -72,11 +74,6 @@ def rows(
         )
 
 
-def head_rows(heads: dict[int, tuple[int, str]]) -> list[tuple[str, str, int, str]]:
-    """``loom_audit_heads`` rows: (user_key, user_id, seq, hash)."""
-    return [(user_key(f"user-{u:06d}"), f"user-{u:06d}", s, h) for u, (s, h) in heads.items()]
-
-
 COLUMNS = (
     "user_key",
     "user_id",
@@ -105,10 +102,6 @@ async def load_sqlite(store: SqliteAuditStore, path: Path, total: int, users: in
             f"INSERT INTO loom_audit ({', '.join(COLUMNS)}) VALUES ({marks})",
             rows(total, users, start_us, heads),
         )
-        conn.executemany(
-            "INSERT INTO loom_audit_heads (user_key, user_id, seq, hash) VALUES (?, ?, ?, ?)",
-            head_rows(heads),
-        )
         conn.execute("ANALYZE")
 
 
@@ -126,11 +119,6 @@ async def load_postgres(store: PostgresAuditStore, total: int, users: int) -> No
                 batch = []
         if batch:
             await conn.copy_records_to_table("loom_audit", records=batch, columns=COLUMNS)
-        await conn.copy_records_to_table(
-            "loom_audit_heads",
-            records=head_rows(heads),
-            columns=("user_key", "user_id", "seq", "hash"),
-        )
         await conn.execute("ANALYZE loom_audit")
 
 
