@@ -25,6 +25,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   └── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
     ├── CheckpointError                a checkpoint could not be found or read back
     │   └── CheckpointNotFoundError    no checkpoint with that id for this session and user
+    ├── OutputValidationError          the final answer never fitted the run's output_type
     ├── BudgetError                    the budget would not vouch for a model call
     │   ├── BudgetExceededError        the call would cross a cap (agents end budget:<cap>)
     │   ├── BudgetUnavailableError     the budget store failed, so the call was refused
@@ -82,6 +83,7 @@ __all__ = [
     "ModelError",
     "ModelRetryExhaustedError",
     "NoActiveRunError",
+    "OutputValidationError",
     "OwnershipLostError",
     "PayloadTooLargeError",
     "ReplayDivergenceError",
@@ -312,6 +314,30 @@ class ModelRetryExhaustedError(ModelError):
 
 class ScriptExhaustedError(ModelError):
     """A scripted test model was asked for more turns than its script holds."""
+
+
+class OutputValidationError(LoomflowError):
+    """The model's final answer did not validate into the run's ``output_type``.
+
+    Raised once the answer failed validation and every retry (``output_retries``) was spent;
+    the model calls made are journaled, so a resume raises it again without calling the model.
+
+    Attributes:
+        output_type: The name of the pydantic model the answer had to fit.
+        detail: The last validation error.
+        attempts: How many answers were validated and refused.
+        output: The last refused answer (its first 2000 characters).
+    """
+
+    def __init__(self, output_type: str, detail: str, attempts: int = 1, output: str = "") -> None:
+        self.output_type = output_type
+        self.detail = detail
+        self.attempts = attempts
+        self.output = output[:2000]
+        super().__init__(
+            f"the final answer did not fit {output_type} after {attempts} attempt(s); "
+            f"last error: {detail}"
+        )
 
 
 class BudgetError(LoomflowError):

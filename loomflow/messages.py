@@ -28,6 +28,7 @@ __all__ = [
     "ModelChunk",
     "ModelResponse",
     "ModelSettings",
+    "OutputFormat",
     "Role",
     "TextDelta",
     "ToolCall",
@@ -169,6 +170,28 @@ class ModelSettings(_Value):
 
     max_tokens: int = Field(default=1024, gt=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+
+
+@register_type
+class OutputFormat(_Value):
+    """The shape a run's final answer must have (``agent.run(..., output_type=...)``).
+
+    Adapters with native structured output send it to the provider (see
+    ``docs/structured-output.md``); the answer comes back as JSON text in
+    ``ModelResponse.text`` either way.
+
+    Attributes:
+        name: A provider-safe name for the shape (letters, digits, ``_`` and ``-``).
+        json_schema: The JSON schema of the answer object.
+        strict: Whether the schema fits OpenAI's strict mode (every object closed, every
+            property required); adapters send ``strict: false`` otherwise.
+        description: What the answer is, for the model.
+    """
+
+    name: str
+    json_schema: dict[str, Any]
+    strict: bool = False
+    description: str = ""
 
 
 @register_type

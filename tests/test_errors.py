@@ -25,6 +25,7 @@ _ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "ModelError": (("anthropic", "claude-x", "overloaded", 529), {}),
     "ModelRetryExhaustedError": (("openai", "gpt-x", "rate limited", 429, 4), {}),
     "NestingTooDeepError": (([],), {}),
+    "OutputValidationError": (("Weather", "field required", 3, '{"city": 1}'), {}),
     "PayloadTooLargeError": (("model_call_3", 2_000_000, 1_048_576), {}),
     "ReplayDivergenceError": (("tool_call_2_0", '["run:a#0"]', "a" * 64, "b" * 64), {}),
     "ScriptExhaustedError": (("scripted", "scripted", "no turn 4"), {}),

@@ -29,8 +29,9 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast, overload
 
+from pydantic import BaseModel
 from ulid import ULID
 
 from .._ids import check_id
@@ -47,12 +48,15 @@ from ..runtime import OpenRun, Runtime
 from ..runtime._journal import JournalRuntime
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
+from ._output import StructuredOutput, check_output_retries, check_output_type
 from ._passthrough import Passthrough
 from ._run import _Run, check_prompt, latest_of_run
 from ._seams import HookProvider, RedactingAudit, RunPlugin, hooks_of
 from ._types import AgentEvent, RunFinished, RunResult, RunStarted, Tuning
 
 __all__ = ["Agent"]
+
+OutputModel = TypeVar("OutputModel", bound=BaseModel)
 
 log = logging.getLogger("loomflow.agent")
 
@@ -128,6 +132,11 @@ class Agent:
             through ``as_hooks()``; the loop calls them in the order guardrails, budget,
             permissions, audit, telemetry, then ``hooks``. A budget with a ``prices`` table
             prices the run's model calls; an audit log's ``redactor`` seals tool arguments.
+        output_type: The default ``output_type`` of :meth:`run`, :meth:`resume` and
+            :meth:`stream`: a pydantic model the final answer is validated into
+            (``RunResult.parsed``); see ``docs/structured-output.md``.
+        output_retries: How many more answers a run asks for after one fails validation
+            against its ``output_type`` before raising ``OutputValidationError``.
     """
 
     def __init__(
@@ -147,6 +156,8 @@ class Agent:
         max_turns: int = 10,
         name: str = "agent",
         hooks: Sequence[RunHooks] = (),
+        output_type: type[BaseModel] | None = None,
+        output_retries: int = 1,
     ) -> None:
         if not isinstance(instructions, str):
             raise UserError("instructions must be a string")
@@ -199,6 +210,8 @@ class Agent:
         self._settings = ModelSettings(
             max_tokens=self.tuning.max_tokens, temperature=self.tuning.temperature
         )
+        self.output_type = None if output_type is None else check_output_type(output_type)
+        self.output_retries = check_output_retries(output_retries)
 
     @classmethod
     def from_settings(
@@ -287,6 +300,8 @@ class Agent:
             "max_turns": self.max_turns,
             "name": self.name,
             "hooks": self.hooks,
+            "output_type": self.output_type,
+            "output_retries": self.output_retries,
         }
         options.update(changes)
         instructions = options.pop("instructions", self.instructions)
@@ -334,6 +349,7 @@ class Agent:
 
     # -- public API ------------------------------------------------------------------------
 
+    @overload
     async def run(
         self,
         prompt: str,
@@ -341,11 +357,75 @@ class Agent:
         session_id: str | None = None,
         user_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
-    ) -> RunResult:
-        """Run the agent on ``prompt`` until it answers (or is interrupted)."""
+        output_type: None = None,
+        output_retries: int | None = None,
+    ) -> RunResult: ...
+
+    @overload
+    async def run(
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        output_type: type[OutputModel],
+        output_retries: int | None = None,
+    ) -> RunResult[OutputModel]: ...
+
+    async def run(
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        output_type: type[BaseModel] | None = None,
+        output_retries: int | None = None,
+    ) -> RunResult[Any]:
+        """Run the agent on ``prompt`` until it answers (or is interrupted).
+
+        With ``output_type`` (default: the agent's), the final answer is validated into that
+        pydantic model and returned as ``RunResult.parsed``; an answer that does not fit is
+        sent back with the errors, up to ``output_retries`` times (default: the agent's),
+        then :class:`~loomflow.errors.OutputValidationError` is raised.
+        """
         return await self._drain(
-            self.stream(prompt, session_id=session_id, user_id=user_id, metadata=metadata)
+            self.stream(
+                prompt,
+                session_id=session_id,
+                user_id=user_id,
+                metadata=metadata,
+                output_type=output_type,
+                output_retries=output_retries,
+            )
         )
+
+    @overload
+    async def resume(
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        from_checkpoint: str | None = None,
+        fork_session_id: str | None = None,
+        output_type: None = None,
+        output_retries: int | None = None,
+    ) -> RunResult: ...
+
+    @overload
+    async def resume(
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        from_checkpoint: str | None = None,
+        fork_session_id: str | None = None,
+        output_type: type[OutputModel],
+        output_retries: int | None = None,
+    ) -> RunResult[OutputModel]: ...
 
     async def resume(
         self,
@@ -355,7 +435,9 @@ class Agent:
         user_id: str | None = None,
         from_checkpoint: str | None = None,
         fork_session_id: str | None = None,
-    ) -> RunResult:
+        output_type: type[BaseModel] | None = None,
+        output_retries: int | None = None,
+    ) -> RunResult[Any]:
         """Continue the session's last run, finished or not.
 
         With ``Tuning(checkpoint=True)`` and a snapshot of that run, the snapshot is restored
@@ -367,6 +449,9 @@ class Agent:
         ``from_checkpoint=<id>`` (an id from :meth:`list_checkpoints`) forks that snapshot into
         a new session (``fork_session_id``, or a fresh ULID; see ``RunResult.session_id``) and
         continues there; the original session is left untouched.
+
+        Pass the ``output_type`` of the original run (it keys its model calls); the parsed
+        answer is rebuilt by validating the journaled text again.
 
         Raises:
             CheckpointNotFoundError: ``from_checkpoint`` is not a snapshot of this
@@ -382,6 +467,8 @@ class Agent:
                 resume=True,
                 from_checkpoint=from_checkpoint,
                 fork_session_id=fork_session_id,
+                output_type=output_type,
+                output_retries=output_retries,
             )
         )
 
@@ -402,9 +489,23 @@ class Agent:
         session_id: str | None = None,
         user_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        output_type: type[BaseModel] | None = None,
+        output_retries: int | None = None,
     ) -> AsyncIterator[AgentEvent]:
-        """Run the agent and yield its events; the last one is :class:`RunFinished`."""
-        return self._events(prompt, session_id, user_id, metadata, resume=False)
+        """Run the agent and yield its events; the last one is :class:`RunFinished`.
+
+        ``output_type`` and ``output_retries`` work as for :meth:`run`: the final event's
+        ``result.parsed`` holds the validated answer.
+        """
+        return self._events(
+            prompt,
+            session_id,
+            user_id,
+            metadata,
+            resume=False,
+            output_type=output_type,
+            output_retries=output_retries,
+        )
 
     def as_tool(self, name: str | None = None, description: str | None = None) -> Tool[..., Any]:
         """This agent as a tool for another agent; its steps journal under the caller's run."""
@@ -447,9 +548,12 @@ class Agent:
         history: Sequence[Message] = (),
         from_checkpoint: str | None = None,
         fork_session_id: str | None = None,
+        output_type: type[BaseModel] | None = None,
+        output_retries: int | None = None,
     ) -> AsyncIterator[AgentEvent]:
         if not isinstance(prompt, str):
             raise UserError("prompt must be a string")
+        structured = self._structured(output_type, output_retries)
         # Refused before anything runs: an empty session id must not become a fresh session
         # (a redelivered request would repeat its side effects), nor a too-long id a driver
         # error halfway through the run.
@@ -497,11 +601,24 @@ class Agent:
                 restore=restore,
                 forked=source is not None,
                 memory=None if nested else self.memory,
+                structured=structured,
             )
             async for event in run.events():
                 # Hooks' own events (budget warnings, permission decisions, ...) travel the
                 # stream too; AgentEvent names only the agent's.
                 yield cast(AgentEvent, event)
+
+    def _structured(
+        self, output_type: type[BaseModel] | None, output_retries: int | None
+    ) -> StructuredOutput | None:
+        """The run's output contract: the given type and retries, else the agent's."""
+        chosen = output_type if output_type is not None else self.output_type
+        retries = output_retries if output_retries is not None else self.output_retries
+        if chosen is None:
+            if output_retries is not None:
+                check_output_retries(output_retries)
+            return None
+        return StructuredOutput(chosen, retries, tool_names=list(self.tools))
 
     def _checkpoint_store(self, runtime: Runtime) -> CheckpointStore:
         if not isinstance(runtime, JournalRuntime):

@@ -49,6 +49,7 @@ from ..redaction import Redactor
 from ..runtime import OpenRun, Runtime, codec
 from ..runtime._names import tool_step_name
 from ..tools import TOOL_ERROR, ToolOutcome
+from ._output import StructuredOutput
 from ._sealing import SealedValueLost, Sealer
 from ._seams import PricedBudget
 from ._types import ModelDeltaEvent, RunFinished, RunResult, ToolCallFinished, ToolCallStarted
@@ -77,6 +78,7 @@ class _Run:
         restore: Checkpoint | None,
         forked: bool,
         memory: AgentMemory | None,
+        structured: StructuredOutput | None = None,
     ) -> None:
         self.agent = agent
         self.runtime = runtime
@@ -94,6 +96,8 @@ class _Run:
         self.restore = restore  # the snapshot the run continues from, if any
         self.forked = forked  # restore is another session's snapshot
         self.memory = memory  # None inside another run, or with memory=False
+        self.structured = structured  # the output_type contract, if the run has one
+        self.parsed: BaseModel | None = None
         self.hooks: Sequence[RunHooks] = agent._hooks
         self.before = _counts(open_run)  # the journal's tallies before this run
         self.pending: list[BaseModel] = []  # emitted, not yet seen by the hooks
@@ -213,6 +217,8 @@ class _Run:
                 list(self.messages),
                 self.agent._specs,
                 self.agent._settings,
+                # Only runs with an output_type add this input: other runs keep their keys.
+                *(self.structured.step_inputs if self.structured is not None else ()),
             ):
                 if isinstance(chunk, ModelResponse):
                     response = chunk
@@ -235,6 +241,11 @@ class _Run:
         self.output = response.text or self.output
         self.tool_calls = list(response.tool_calls)
         if not self.tool_calls:
+            if self.structured is not None:
+                retry = self.structured.retry_message(self.messages)
+                if retry is not None:  # ask again; the (empty) tool turn saves the snapshot
+                    self.messages.append(retry)
+                    return
             self.interrupted = None
             await self.save(final=True)
 
@@ -274,6 +285,8 @@ class _Run:
         for hook in self.hooks:
             checked = await hook.check_output(self.info, checked)
         self.output = checked
+        if self.structured is not None:
+            self.parsed = self.structured.parse(checked)
 
     async def stop(self, interrupt: Interrupt) -> list[BaseModel]:
         """A hook interrupted the run: it returns, with the hook's reason."""
@@ -319,6 +332,7 @@ class _Run:
             replayed_steps=hits - self.before[0],
             fresh_steps=misses - self.before[1],
             restored_from=self.restore.id if self.restore is not None else None,
+            parsed=self.parsed,
         )
 
     # -- events ----------------------------------------------------------------------------
@@ -349,7 +363,12 @@ class _Run:
     # -- the model -------------------------------------------------------------------------
 
     async def _call_model(
-        self, turn: int, msgs: list[Message], tools: list[ToolSpec], settings: ModelSettings
+        self,
+        turn: int,
+        msgs: list[Message],
+        tools: list[ToolSpec],
+        settings: ModelSettings,
+        *_output: object,  # the output format, which self.structured holds
     ) -> AsyncIterator[Any]:
         """The live model call of ``turn`` (the journal calls it unless it replays the turn)."""
         self.live_model = True
@@ -373,7 +392,11 @@ class _Run:
         try:
             # Hooks and the journal keep sealed tool results; the model reads them.
             unsealed = self.sealer.unseal_messages(msgs)
-            stream = self.agent.model.stream(unsealed, tools=tools, settings=settings)
+            model = self.agent.model
+            if self.structured is not None:
+                stream = self.structured.open_stream(model, unsealed, tools, settings)
+            else:
+                stream = model.stream(unsealed, tools=tools, settings=settings)
             async with contextlib.aclosing(self.sealer.stream(stream)) as sealed:
                 async for chunk in sealed:
                     if isinstance(chunk, ModelResponse):

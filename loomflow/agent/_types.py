@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias
+from typing import Any, Generic, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypeVar
 
 from ..checkpoints import CheckpointRestored, CheckpointSaved
 from ..messages import Message, TextDelta, ToolCall, ToolCallDelta
@@ -24,6 +25,10 @@ __all__ = [
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+OutputT = TypeVar("OutputT", default=Any)
+"""The type of ``RunResult.parsed``: the run's ``output_type`` (``Any`` when unnamed)."""
 
 
 class Tuning(_Frozen):
@@ -51,7 +56,7 @@ class Tuning(_Frozen):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
 
 
-class RunResult(_Frozen):
+class RunResult(_Frozen, Generic[OutputT]):
     """The outcome of one ``agent.run()`` (or the last event of ``agent.stream()``).
 
     Attributes:
@@ -68,6 +73,8 @@ class RunResult(_Frozen):
         replayed_steps: Journaled steps answered from the journal in this run.
         fresh_steps: Journaled steps executed in this run.
         restored_from: The checkpoint this run restored instead of replaying, if any.
+        parsed: The final answer validated into the run's ``output_type`` (an instance of
+            it); ``None`` without an ``output_type`` or when the run was interrupted.
     """
 
     output: str
@@ -83,6 +90,7 @@ class RunResult(_Frozen):
     replayed_steps: int = 0
     fresh_steps: int = 0
     restored_from: str | None = None
+    parsed: OutputT | None = None
 
 
 class RunStarted(_Frozen):
