@@ -212,6 +212,7 @@ class Agent:
         )
         self.output_type = None if output_type is None else check_output_type(output_type)
         self.output_retries = check_output_retries(output_retries)
+        self._structured(None, None)  # a type with no output format is refused here already
 
     @classmethod
     def from_settings(

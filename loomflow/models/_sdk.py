@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from ..errors import ConfigurationError, InvalidArgumentError
-from ..messages import Message, ModelChunk, ModelSettings, ToolSpec
+from ..messages import Message, ModelChunk, ModelSettings, OutputFormat, ToolSpec
 from ._retry import Backoff, Failure, stream_with_retries, transport_errors
 
 __all__ = ["SdkModel"]
@@ -27,6 +27,8 @@ class SdkModel(abc.ABC, Generic[ClientT]):
 
     provider: ClassVar[str]
     _label: ClassVar[str]  # the provider's name in messages, e.g. "Anthropic"
+    # ``stream`` takes ``output=``: the provider itself is asked for an answer of that shape.
+    native_output: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -85,12 +87,18 @@ class SdkModel(abc.ABC, Generic[ClientT]):
 
     @abc.abstractmethod
     def _request(
-        self, messages: list[Message], tools: list[ToolSpec], settings: ModelSettings
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec],
+        settings: ModelSettings,
+        output: OutputFormat | None,
     ) -> dict[str, Any]:
         """The SDK call's keyword arguments."""
 
     @abc.abstractmethod
-    def _attempt(self, request: dict[str, Any]) -> AsyncGenerator[ModelChunk, None]:
+    def _attempt(
+        self, request: dict[str, Any], output: OutputFormat | None
+    ) -> AsyncGenerator[ModelChunk, None]:
         """One streamed attempt."""
 
     @abc.abstractmethod
@@ -126,11 +134,16 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         *,
         tools: Sequence[ToolSpec] = (),
         settings: ModelSettings | None = None,
+        output: OutputFormat | None = None,
     ) -> AsyncIterator[ModelChunk]:
-        """Stream the model's answer; the last chunk is the ``ModelResponse``."""
-        request = self._request(messages, list(tools), settings or ModelSettings())
+        """Stream the model's answer; the last chunk is the ``ModelResponse``.
+
+        With ``output``, the provider is asked for an answer of that shape (natively: see
+        ``docs/structured-output.md``), and the answer's JSON is the response's ``text``.
+        """
+        request = self._request(messages, list(tools), settings or ModelSettings(), output)
         return stream_with_retries(
-            lambda: self._attempt(request),
+            lambda: self._attempt(request, output),
             self._classify,
             provider=self.provider,
             model=self._name,

@@ -6,6 +6,7 @@ Needs the extra: ``pip install 'loomflow[anthropic]'``. The SDK is imported when
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from ..messages import (
     ModelChunk,
     ModelResponse,
     ModelSettings,
+    OutputFormat,
     TextDelta,
     ToolCall,
     ToolCallDelta,
@@ -113,7 +115,11 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         return (sdk.AnthropicError,)
 
     def _request(
-        self, messages: list[Message], tools: list[ToolSpec], settings: ModelSettings
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec],
+        settings: ModelSettings,
+        output: OutputFormat | None,
     ) -> dict[str, Any]:
         system, turns = _to_anthropic_messages(messages)
         request: dict[str, Any] = {
@@ -128,14 +134,32 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                 {"name": t.name, "description": t.description, "input_schema": t.parameters}
                 for t in tools
             ]
+        if output is not None:
+            # The answer is the input of a tool the model must call. Forcing that one tool
+            # would keep the model from using the others, so with tools it must call one of
+            # them ("any"), the answer tool among them.
+            answer_tool = {
+                "name": output.name,
+                "description": output.description,
+                "input_schema": output.json_schema,
+            }
+            request["tools"] = [*request.get("tools", []), answer_tool]
+            request["tool_choice"] = (
+                {"type": "any"} if tools else {"type": "tool", "name": output.name}
+            )
         if settings.temperature is not None:
             # Sent as a body field: recent SDKs no longer list sampling parameters.
             request["extra_body"] = {"temperature": settings.temperature}
         return request
 
-    async def _attempt(self, request: dict[str, Any]) -> AsyncGenerator[ModelChunk, None]:
+    async def _attempt(
+        self, request: dict[str, Any], output: OutputFormat | None
+    ) -> AsyncGenerator[ModelChunk, None]:
         # Content block index -> position among this response's tool calls.
         tool_slots: dict[int, int] = {}
+        # Blocks calling the answer tool of structured output: their input streams as text.
+        answer_blocks: set[int] = set()
+        answer: list[str] = []
         # Arguments text per tool call: decoded here rather than trusting the SDK's
         # partial-JSON snapshot, which turns a truncated object into a smaller valid one.
         arguments: dict[int, list[str]] = {}
@@ -149,7 +173,13 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                 kind = event.type
                 if kind == "content_block_start":
                     block = event.content_block
-                    if block.type == "tool_use":
+                    if (
+                        block.type == "tool_use"
+                        and output is not None
+                        and (block.name == output.name)
+                    ):
+                        answer_blocks.add(event.index)
+                    elif block.type == "tool_use":
                         slot = tool_slots.setdefault(event.index, len(tool_slots))
                         arguments[slot] = []
                         yield ToolCallDelta(index=slot, id=block.id, name=block.name)
@@ -157,6 +187,10 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                     delta = event.delta
                     if delta.type == "text_delta" and delta.text:
                         yield TextDelta(text=delta.text)
+                    elif delta.type == "input_json_delta" and event.index in answer_blocks:
+                        if delta.partial_json:
+                            answer.append(delta.partial_json)
+                            yield TextDelta(text=delta.partial_json)
                     elif delta.type == "input_json_delta" and delta.partial_json:
                         slot = tool_slots[event.index]
                         arguments[slot].append(delta.partial_json)
@@ -166,14 +200,26 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             if not stopped:
                 raise IncompleteStreamError("the event stream ended before message_stop")
             message = await stream.get_final_message()
-        yield self._response(message, ["".join(arguments[i]) for i in sorted(arguments)])
+        yield self._response(
+            message, ["".join(arguments[i]) for i in sorted(arguments)], output, "".join(answer)
+        )
 
-    def _response(self, message: Any, arguments: list[str]) -> ModelResponse:
+    def _response(
+        self,
+        message: Any,
+        arguments: list[str],
+        output: OutputFormat | None = None,
+        answer: str = "",
+    ) -> ModelResponse:
         text: list[str] = []
         calls: list[ToolCall] = []
+        answered: str | None = None
         for block in message.content:
             if block.type == "text":
                 text.append(block.text)
+            elif block.type == "tool_use" and output is not None and block.name == output.name:
+                # No deltas: the start event held the whole input.
+                answered = answer or json.dumps(block.input)
             elif block.type == "tool_use":
                 raw = arguments[len(calls)] if len(calls) < len(arguments) else ""
                 decoded = parse_tool_arguments(
@@ -190,6 +236,10 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             + (getattr(usage, "cache_read_input_tokens", None) or 0)
         )
         stop = message.stop_reason
+        if answered is not None and not calls:
+            # The answer tool's input is the answer; the tool itself never runs. Called beside
+            # other tools, it is dropped: their results come first, and the model answers again.
+            text, stop = [answered], "end_turn"
         return ModelResponse(
             text="".join(text),
             tool_calls=calls,

@@ -17,6 +17,7 @@ from ..messages import (
     ModelChunk,
     ModelResponse,
     ModelSettings,
+    OutputFormat,
     TextDelta,
     ToolCall,
     ToolCallDelta,
@@ -94,7 +95,11 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         return (sdk.OpenAIError,)
 
     def _request(
-        self, messages: list[Message], tools: list[ToolSpec], settings: ModelSettings
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec],
+        settings: ModelSettings,
+        output: OutputFormat | None,
     ) -> dict[str, Any]:
         request: dict[str, Any] = {
             "model": self._name,
@@ -119,9 +124,23 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             ]
         if settings.temperature is not None:
             request["temperature"] = settings.temperature
+        if output is not None:
+            # strict only when the schema has a strict form (see OutputFormat.strict): the
+            # API refuses strict schemas with optional fields or open objects.
+            request["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": output.name,
+                    "description": output.description,
+                    "schema": output.json_schema,
+                    "strict": output.strict,
+                },
+            }
         return request
 
-    async def _attempt(self, request: dict[str, Any]) -> AsyncGenerator[ModelChunk, None]:
+    async def _attempt(
+        self, request: dict[str, Any], output: OutputFormat | None
+    ) -> AsyncGenerator[ModelChunk, None]:
         text: list[str] = []
         calls: dict[int, _PendingCall] = {}
         usage = Usage()
@@ -144,6 +163,12 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
                     if delta is not None and delta.content:
                         text.append(delta.content)
                         yield TextDelta(text=delta.content)
+                    # A structured-output request the model declines: its reason is the text
+                    # (validation then fails and says so).
+                    refusal = getattr(delta, "refusal", None) if delta is not None else None
+                    if refusal:
+                        text.append(refusal)
+                        yield TextDelta(text=refusal)
                     for piece in (delta.tool_calls if delta is not None else None) or ():
                         pending = calls.setdefault(piece.index, _PendingCall())
                         function = piece.function

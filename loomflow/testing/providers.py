@@ -14,11 +14,18 @@ request, and records every request it receives::
         await model.aclose()
 
 The servers run in a background thread, so they work with sync and async clients alike.
+
+Structured-output requests are honoured as the providers do: a request that forces a tool
+(Anthropic ``tool_choice``) gets that tool called, its input being :attr:`Reply.structured`
+(or the reply's text, taken as raw JSON); a request with an OpenAI ``response_format`` of type
+``json_schema`` gets :attr:`Reply.structured` (or the text) as its message content, and a
+``strict`` schema that strict mode would refuse gets the HTTP 400 the real API gives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import re
@@ -65,6 +72,9 @@ class Reply:
             as HTTP, but missing the provider's end-of-message events.
         raw_arguments: Streamed replies only: the JSON text to send as each tool call's
             arguments instead of the encoded ``arguments`` (to test malformed model output).
+        structured: The answer to a structured-output request (a forced Anthropic tool, an
+            OpenAI ``json_schema`` response format), sent as JSON; when ``None`` such a
+            request gets the reply's text as the raw JSON answer (to test malformed output).
     """
 
     text: str | Sequence[str] = ""
@@ -76,6 +86,14 @@ class Reply:
     cut_after: int | None = None
     end_after: int | None = None
     raw_arguments: Sequence[str] | None = None
+    structured: Any = None
+
+    @property
+    def structured_json(self) -> str:
+        """The JSON text of the answer to a structured-output request."""
+        if self.structured is not None:
+            return json.dumps(self.structured)
+        return self.full_text
 
     def arguments_json(self, index: int) -> str:
         """The arguments text streamed for tool call ``index``."""
@@ -333,7 +351,13 @@ class FakeProviderAPI:
         if handler.command != "POST" or path != self.route:
             self._error(out, Failure(404, f"no route {handler.command} {path} on this fake"))
             return
+        refused = self._refuse(record)
+        if refused is not None:
+            self._error(out, refused)
+            return
         answer = self._next()
+        if isinstance(answer, Reply):
+            answer = self._shape(answer, record)
         if answer is None:
             answer = Failure(
                 400,
@@ -383,6 +407,14 @@ class FakeProviderAPI:
         return f"{prefix}{next(self._ids):06d}"
 
     # -- provider formats (subclasses) -------------------------------------------------------
+
+    def _refuse(self, request: RecordedRequest) -> Failure | None:
+        """The error the real API gives a request it refuses outright, if any."""
+        return None
+
+    def _shape(self, reply: Reply, request: RecordedRequest) -> Reply:
+        """The reply as the request's options (a forced tool, a response format) make it."""
+        return reply
 
     def _error(self, out: _Exchange, failure: Failure) -> None:
         raise NotImplementedError
@@ -441,6 +473,50 @@ class FakeAnthropicAPI(FakeProviderAPI):
         if reply.stop_reason is not None:
             return reply.stop_reason
         return "tool_use" if reply.tool_calls else "end_turn"
+
+    @staticmethod
+    def _tool_names(request: RecordedRequest) -> list[str]:
+        body = request.body if isinstance(request.body, dict) else {}
+        tools = body.get("tools")
+        if not isinstance(tools, list):
+            return []
+        return [str(t.get("name")) for t in tools if isinstance(t, dict)]
+
+    def _refuse(self, request: RecordedRequest) -> Failure | None:
+        body = request.body if isinstance(request.body, dict) else {}
+        choice = body.get("tool_choice")
+        if choice is None:
+            return None
+        names = self._tool_names(request)
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool"):
+            return Failure(400, f"tool_choice: unknown form {choice!r}")
+        if choice["type"] == "tool" and choice.get("name") not in names:
+            return Failure(400, f"tool_choice names tool {choice.get('name')!r}, not in tools")
+        if choice["type"] in ("any", "tool") and not names:
+            return Failure(400, "tool_choice requires tools")
+        return None
+
+    def _shape(self, reply: Reply, request: RecordedRequest) -> Reply:
+        body = request.body if isinstance(request.body, dict) else {}
+        choice = body.get("tool_choice")
+        if not isinstance(choice, dict) or choice.get("type") not in ("any", "tool"):
+            return reply
+        if choice["type"] == "any" and reply.tool_calls:
+            return reply  # the model chose one of the tools itself
+        # A forced tool (or "any" with nothing else to call: the last tool offered) is called
+        # with the structured answer as its input.
+        name = str(choice["name"]) if choice["type"] == "tool" else self._tool_names(request)[-1]
+        raw = reply.structured_json
+        try:
+            decoded = json.loads(raw)
+        except ValueError:
+            decoded = None
+        call = ToolCall(
+            id=self._new_id("toolu_fake_"),
+            name=name,
+            arguments=decoded if isinstance(decoded, dict) else {},
+        )
+        return dataclasses.replace(reply, text="", tool_calls=[call], raw_arguments=[raw])
 
     def _message(self, reply: Reply, request: RecordedRequest) -> Any:
         content: list[dict[str, Any]] = []
@@ -544,6 +620,43 @@ class FakeOpenAIAPI(FakeProviderAPI):
             return reply.stop_reason
         return "tool_calls" if reply.tool_calls else "stop"
 
+    @staticmethod
+    def _response_format(request: RecordedRequest) -> Any:
+        body = request.body if isinstance(request.body, dict) else {}
+        return body.get("response_format")
+
+    def _refuse(self, request: RecordedRequest) -> Failure | None:
+        form = self._response_format(request)
+        if form is None:
+            return None
+        if not isinstance(form, dict) or form.get("type") not in (
+            "text",
+            "json_object",
+            "json_schema",
+        ):
+            return Failure(400, f"response_format: unknown form {form!r}")
+        if form["type"] != "json_schema":
+            return None
+        spec = form.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            return Failure(400, "response_format.json_schema needs a name")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            return Failure(400, "response_format.json_schema.schema must be an object")
+        if spec.get("strict") is True:
+            problem = _strict_problem(schema, "schema")
+            if problem is not None:
+                return Failure(
+                    400, f"invalid schema for response_format {spec['name']!r}: {problem}"
+                )
+        return None
+
+    def _shape(self, reply: Reply, request: RecordedRequest) -> Reply:
+        form = self._response_format(request)
+        if not isinstance(form, dict) or form.get("type") != "json_schema" or reply.tool_calls:
+            return reply
+        return dataclasses.replace(reply, text=[reply.structured_json])
+
     def _usage(self, reply: Reply) -> dict[str, int]:
         return {
             "prompt_tokens": reply.input_tokens,
@@ -603,3 +716,28 @@ class FakeOpenAIAPI(FakeProviderAPI):
         if isinstance(options, dict) and options.get("include_usage"):
             yield _sse(None, {**base, "choices": [], "usage": self._usage(reply)})
         yield _sse(None, "[DONE]")
+
+
+def _strict_problem(node: Any, where: str) -> str | None:
+    """Why OpenAI's strict mode would refuse this schema node, or ``None``."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            problem = _strict_problem(item, f"{where}[{i}]")
+            if problem is not None:
+                return problem
+        return None
+    if not isinstance(node, dict):
+        return None
+    if node.get("type") == "object" or "properties" in node:
+        if node.get("additionalProperties") is not False:
+            return f"{where}: additionalProperties must be false in strict mode"
+        properties = node.get("properties") or {}
+        missing = sorted(set(properties) - set(node.get("required") or ()))
+        if missing:
+            return f"{where}: strict mode needs every property required; missing {missing}"
+    for key, value in node.items():
+        if isinstance(value, dict | list) and key not in ("required", "enum", "const", "default"):
+            problem = _strict_problem(value, f"{where}.{key}")
+            if problem is not None:
+                return problem
+    return None
