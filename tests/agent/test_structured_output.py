@@ -94,7 +94,8 @@ async def test_spent_retries_raise_a_typed_error_naming_the_model() -> None:
     error = caught.value
     assert error.output_type == "Weather"
     assert error.attempts == 2
-    assert "temp_c" in error.detail and "city" in error.detail
+    assert "temp_c" in error.detail
+    assert "city" in error.detail
     assert error.output == '{"city": 5, "temp_c": "warm"}'
     assert "Weather" in str(error)
     assert model.calls == 2
@@ -112,7 +113,8 @@ async def test_zero_retries_raise_on_the_first_bad_answer() -> None:
 async def test_retries_count_against_max_turns() -> None:
     model = ScriptedModel(["{}", "{}", GOOD])
     result = await _agent(model, max_turns=2).run("w?", output_type=Weather, output_retries=5)
-    assert result.interrupted and result.interruption_reason == "max_turns"
+    assert result.interrupted
+    assert result.interruption_reason == "max_turns"
     assert result.parsed is None
     assert model.calls == 2
 
@@ -372,7 +374,8 @@ def test_killed_before_the_retry_resumes_without_paying_for_the_first_attempt(
     assert summary["parsed"] == {"vendor": "ACME", "items": 3, "total_eur": 59.0}
     assert summary["turns"] == 2
     assert summary["replayed"] >= 1
-    assert len(summary["feedback"]) == 2 and "items" in summary["feedback"][1]
+    assert len(summary["feedback"]) == 2
+    assert "items" in summary["feedback"][1]
 
 
 def test_the_output_format_is_a_journal_value() -> None:
