@@ -31,7 +31,7 @@ async def test_quick_start_with_the_scripted_model_of_the_testing_section(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the snippet journals to ./journal.db
-    testing = _block("ScriptedModel(")
+    testing = _block('Refunded $20 on order 42.",  # asked')
     namespace: dict[str, Any] = {}
     # The testing section's model, without its `agent = ...` line (the quick start builds it).
     exec(testing[: testing.index("agent = Agent(")], namespace)
@@ -54,3 +54,10 @@ async def test_checkpoints_and_memory_snippet_runs_as_written(tmp_path: Path) ->
     # The second run remembered the first; the resume and the fork restored snapshots.
     assert model.calls == 2
     assert any(m.content == "Hi, I'm Alice." for m in model.requests[1])
+
+
+def test_structured_output_snippet_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    namespace: dict[str, Any] = {"__name__": "readme_snippet"}
+    exec(_block("output_type=Refund"), namespace)  # asyncio.run: this test is not a coroutine
+    assert capsys.readouterr().out == "42 20.0 2\n"
+    assert namespace["model"].calls == 2  # the refused answer and the retry
