@@ -239,7 +239,9 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         if answered is not None and not calls:
             # The answer tool's input is the answer; the tool itself never runs. Called beside
             # other tools, it is dropped: their results come first, and the model answers again.
-            text, stop = [answered], "end_turn"
+            text = [answered]
+            if stop == "tool_use":
+                stop = "end_turn"  # a cut-off answer keeps "max_tokens": it reads as "length"
         return ModelResponse(
             text="".join(text),
             tool_calls=calls,

@@ -75,6 +75,8 @@ class Reply:
         structured: The answer to a structured-output request (a forced Anthropic tool, an
             OpenAI ``json_schema`` response format), sent as JSON; when ``None`` such a
             request gets the reply's text as the raw JSON answer (to test malformed output).
+        refusal: OpenAI only: the model declines, with this reason in the message's
+            ``refusal`` field instead of content (as structured-output requests can).
     """
 
     text: str | Sequence[str] = ""
@@ -87,6 +89,7 @@ class Reply:
     end_after: int | None = None
     raw_arguments: Sequence[str] | None = None
     structured: Any = None
+    refusal: str | None = None
 
     @property
     def structured_json(self) -> str:
@@ -655,6 +658,8 @@ class FakeOpenAIAPI(FakeProviderAPI):
         form = self._response_format(request)
         if not isinstance(form, dict) or form.get("type") != "json_schema" or reply.tool_calls:
             return reply
+        if reply.refusal is not None:
+            return reply
         return dataclasses.replace(reply, text=[reply.structured_json])
 
     def _usage(self, reply: Reply) -> dict[str, int]:
@@ -665,7 +670,11 @@ class FakeOpenAIAPI(FakeProviderAPI):
         }
 
     def _message(self, reply: Reply, request: RecordedRequest) -> Any:
-        message: dict[str, Any] = {"role": "assistant", "content": reply.full_text or None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": reply.full_text or None,
+            "refusal": reply.refusal,
+        }
         if reply.tool_calls:
             message["tool_calls"] = [
                 {
@@ -699,6 +708,8 @@ class FakeOpenAIAPI(FakeProviderAPI):
             return _sse(None, {**base, "choices": [choice]})
 
         yield chunk({"role": "assistant", "content": ""})
+        if reply.refusal is not None:
+            yield chunk({"refusal": reply.refusal})
         for text in reply.deltas():
             yield chunk({"content": text})
         for index, call in enumerate(reply.tool_calls):

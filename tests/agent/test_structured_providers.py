@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from loomflow.agent import Agent, ModelDeltaEvent, RunFinished
 from loomflow.agent._output import StructuredOutput
 from loomflow.errors import OutputValidationError
-from loomflow.messages import Message, ModelResponse, TextDelta, ToolCall
+from loomflow.messages import Message, ModelResponse, TextDelta, ToolCall, ToolSpec
 from loomflow.models import AnthropicModel, OpenAIModel
 from loomflow.runtime import SqliteRuntime
 from loomflow.testing.providers import FakeAnthropicAPI, FakeOpenAIAPI, Reply
@@ -164,6 +164,41 @@ async def test_anthropic_adapter_alone_turns_the_answer_tool_into_text() -> None
     assert Weather.model_validate_json(response.text) == Weather(city="Oslo", temp_c=3.5)
 
 
+async def test_anthropic_answer_beside_another_tool_call_waits_for_its_result() -> None:
+    fmt = StructuredOutput(Weather, 1).format
+    calls = [
+        ToolCall(id="toolu_1", name="lookup", arguments={"city": "Oslo"}),
+        ToolCall(id="toolu_2", name="Weather", arguments=ANSWER),
+    ]
+    spec = ToolSpec(name="lookup", parameters={"type": "object", "properties": {}})
+    with FakeAnthropicAPI(Reply(tool_calls=calls)) as api:
+        model = _anthropic(api)
+        try:
+            chunks = [c async for c in model.stream([Message.user("w?")], tools=[spec], output=fmt)]
+        finally:
+            await model.aclose()
+    response = chunks[-1]
+    assert isinstance(response, ModelResponse)
+    assert [c.name for c in response.tool_calls] == ["lookup"]  # the answer is asked again
+    assert response.text == ""
+    assert response.finish_reason == "tool_calls"
+
+
+async def test_anthropic_cut_off_answer_reads_as_length() -> None:
+    fmt = StructuredOutput(Weather, 1).format
+    reply = Reply(text='{"city": "Os', stop_reason="max_tokens")
+    with FakeAnthropicAPI(reply) as api:
+        model = _anthropic(api)
+        try:
+            chunks = [c async for c in model.stream([Message.user("w?")], output=fmt)]
+        finally:
+            await model.aclose()
+    response = chunks[-1]
+    assert isinstance(response, ModelResponse)
+    assert response.finish_reason == "length"
+    assert response.text == '{"city": "Os'
+
+
 # -- OpenAI: response_format json_schema -------------------------------------------------------
 
 
@@ -253,3 +288,15 @@ async def test_openai_with_tools_keeps_them_beside_the_response_format() -> None
     assert api.request_count == 2
     assert [t["function"]["name"] for t in api.requests[0].body["tools"]] == ["lookup"]
     assert "response_format" in api.requests[0].body
+
+
+async def test_openai_refusal_is_the_refused_answer() -> None:
+    with FakeOpenAIAPI(Reply(refusal="I cannot help with that.")) as api:
+        model = _openai(api)
+        try:
+            with pytest.raises(OutputValidationError) as caught:
+                await _agent(model).run("weather?", output_type=Weather, output_retries=0)
+        finally:
+            await model.aclose()
+    assert caught.value.output == "I cannot help with that."
+    assert "Invalid JSON" in caught.value.detail
