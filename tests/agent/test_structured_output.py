@@ -9,6 +9,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,15 @@ from pydantic import BaseModel, Field, RootModel
 
 from loomflow.agent import Agent, ModelDeltaEvent, RunFinished, Tuning
 from loomflow.agent._output import StructuredOutput
-from loomflow.errors import InvalidArgumentError, InvalidArgumentTypeError, OutputValidationError
+from loomflow.errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    OutputValidationError,
+    ReplayDivergenceError,
+)
 from loomflow.messages import Message, ModelSettings, OutputFormat, ToolCall, ToolSpec
 from loomflow.models import FunctionModel, ScriptedModel
-from loomflow.runtime import SqliteRuntime
+from loomflow.runtime import JournalRuntime, SqliteRuntime
 from loomflow.runtime._store import fingerprint
 from loomflow.tools import tool
 
@@ -384,3 +390,39 @@ def test_the_output_format_is_a_journal_value() -> None:
     fmt = StructuredOutput(Weather, 1).format
     assert codec.loads(codec.dumps(fmt)) == fmt
     assert isinstance(fmt, OutputFormat)
+
+
+async def test_resuming_with_another_output_type_does_not_replay_the_answer(
+    tmp_path: Path,
+) -> None:
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    try:
+        agent = _agent(ScriptedModel([GOOD]), runtime=runtime, output_type=Weather)
+        await agent.run("weather?", session_id="s", user_id="u")
+        strict = agent.clone(model=ScriptedModel([GOOD]), tuning=Tuning(strict_replay=True))
+        with pytest.raises(ReplayDivergenceError, match="model_call_0"):
+            await strict.resume("weather?", session_id="s", user_id="u", output_type=Forecast)
+        lenient_model = ScriptedModel([GOOD])
+        plain = await agent.clone(model=lenient_model, output_type=None).resume(
+            "weather?", session_id="s", user_id="u"
+        )
+        assert lenient_model.calls == 1  # asked afresh: the journaled call had another key
+        assert plain.parsed is None
+    finally:
+        await runtime.close()
+
+
+async def test_every_backend_replays_the_attempts_in_another_worker(
+    runtime_factory: Callable[..., Awaitable[JournalRuntime]],
+) -> None:
+    first_model = ScriptedModel(['{"city": "Oslo"}', GOOD])
+    first = await _agent(first_model, runtime=await runtime_factory(), output_type=Weather).run(
+        "weather?", session_id="s", user_id="u"
+    )
+    assert first_model.calls == 2
+    other_model = ScriptedModel([])
+    other = _agent(other_model, runtime=await runtime_factory(), output_type=Weather)
+    again = await other.resume("weather?", session_id="s", user_id="u")
+    assert other_model.calls == 0
+    assert again.parsed == first.parsed == Weather(city="Oslo", temp_c=3.5)
+    assert again.turns == 2
