@@ -300,3 +300,41 @@ async def test_openai_refusal_is_the_refused_answer() -> None:
             await model.aclose()
     assert caught.value.output == "I cannot help with that."
     assert "Invalid JSON" in caught.value.detail
+
+
+async def test_the_fakes_answer_plain_sdk_calls_in_structured_form() -> None:
+    """Without loomflow in between: what a non-streamed SDK call gets back from the fakes."""
+    with FakeAnthropicAPI(Reply(structured=ANSWER)) as api:
+        client = anthropic.AsyncAnthropic(base_url=api.base_url, api_key="test", max_retries=0)
+        message = await client.messages.create(
+            model="claude-opus-4-7",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "weather?"}],
+            tools=[{"name": "Weather", "input_schema": Weather.model_json_schema()}],
+            tool_choice={"type": "tool", "name": "Weather"},
+        )
+        await client.close()
+    [block] = message.content
+    assert block.type == "tool_use"
+    assert block.name == "Weather"
+    assert block.input == ANSWER
+    assert message.stop_reason == "tool_use"
+
+    with FakeOpenAIAPI(Reply(structured=ANSWER)) as oapi:
+        oclient = openai.AsyncOpenAI(base_url=oapi.base_url, api_key="test", max_retries=0)
+        completion = await oclient.chat.completions.create(
+            model="gpt-4.1",
+            messages=[{"role": "user", "content": "weather?"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "Weather",
+                    "schema": StructuredOutput(Weather, 1).format.json_schema,
+                    "strict": True,
+                },
+            },
+        )
+        await oclient.close()
+    content = completion.choices[0].message.content
+    assert content is not None
+    assert Weather.model_validate_json(content) == Weather(city="Oslo", temp_c=3.5)
