@@ -28,6 +28,7 @@ READER = "reader-token-0123456789abcdef"
 # A user id meant to break pages and paths: markup, a path climb, a slash, non-ASCII.
 HOSTILE = '<script>alert("x")</script>/../évé 🚀'
 BOB = "bob"
+RESUMED = "ana.silva"  # a user whose run was killed and resumed
 BOB_EXTRA = 60  # audit entries added to bob's trail, so that it takes several pages
 
 
@@ -35,6 +36,48 @@ BOB_EXTRA = 60  # audit entries added to bob's trail, so that it takes several p
 def lookup(order_id: str) -> str:
     """Look an order up."""
     return f"{order_id} has shipped"
+
+
+class Crash(BaseException):
+    """Escapes the tool layer, as a dying worker would."""
+
+
+crash_next: list[bool] = []
+
+
+@tool
+def ship(order_id: str) -> str:
+    """Ship an order (the first time, the worker dies instead)."""
+    if crash_next:
+        crash_next.pop()
+        raise Crash
+    return f"{order_id} shipped"
+
+
+async def _crash_and_resume(settings: Settings, user_id: str, session_id: str) -> str:
+    """A run killed at its tool call, then resumed: the model call replays from the journal."""
+
+    def model() -> ScriptedModel:
+        return ScriptedModel(
+            [[ToolCall(id="c1", name="ship", arguments={"order_id": "B-7"})], "B-7 shipped."]
+        )
+
+    crash_next.append(True)
+    async with Agent.from_settings(
+        "Support.", model=model(), tools=[ship], settings=settings
+    ) as agent:
+        try:
+            await agent.run("Ship B-7", session_id=session_id, user_id=user_id)
+        except Crash:
+            pass
+        else:
+            raise AssertionError("the run should have died")
+    async with Agent.from_settings(
+        "Support.", model=model(), tools=[ship], settings=settings
+    ) as agent:
+        result = await agent.run("Ship B-7", session_id=session_id, user_id=user_id)
+        assert result.output == "B-7 shipped."
+        return str(result.run_id)
 
 
 @dataclass
@@ -68,6 +111,7 @@ async def build(root: Path) -> Deployment:
     runs = {}
     for user, session in ((HOSTILE, "s-hostile"), (BOB, "s-bob"), ("..", "s-dots")):
         runs[user] = await _run_agent(settings, user, session)
+    runs[RESUMED] = await _crash_and_resume(settings, RESUMED, "s-resumed")
     async with Stores(settings, journal=False) as stores:
         await stores.audit.append(
             [

@@ -12,7 +12,16 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from console_helpers import ADMIN, BOB, BOB_EXTRA, HOSTILE, READER, Deployment, Server
+from console_helpers import (
+    ADMIN,
+    BOB,
+    BOB_EXTRA,
+    HOSTILE,
+    READER,
+    RESUMED,
+    Deployment,
+    Server,
+)
 
 from loomflow.audit import AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
@@ -178,6 +187,17 @@ def test_a_runs_story(console: Server, deployment: Deployment) -> None:
         # A run of another user is not shown under this one.
         other = deployment.runs[HOSTILE]
         assert http.get("/api/run", params={"user": BOB, "run": other}).status_code == 404
+
+
+def test_a_resumed_runs_story_shows_replayed_steps(console: Server, deployment: Deployment) -> None:
+    with console.client(ADMIN) as http:
+        story = http.get(
+            "/api/run", params={"user": RESUMED, "run": deployment.runs[RESUMED]}
+        ).json()
+    assert story["replayed"] >= 1  # the model call answered from the journal
+    assert story["executed"] >= 1  # the tool call the crash cut short ran again
+    assert story["state"] == "finished"
+    assert "model.replay" in [e["action"] for e in story["entries"]]
 
 
 def test_verification_and_export_check_out_with_the_cli(
