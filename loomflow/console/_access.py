@@ -22,7 +22,15 @@ from typing import Literal
 
 from ..errors import ConfigurationError
 
-__all__ = ["ConsoleAccess", "Principal", "Role", "TokenEntry", "load_tokens", "token_sha256"]
+__all__ = [
+    "ConsoleAccess",
+    "Principal",
+    "Role",
+    "TokenEntry",
+    "cookie_value",
+    "load_tokens",
+    "token_sha256",
+]
 
 Role = Literal["reader", "admin"]
 ROLES: tuple[Role, ...] = ("reader", "admin")
@@ -36,6 +44,16 @@ MIN_TOKEN_LENGTH = 16
 def token_sha256(token: str) -> str:
     """The hex SHA-256 of a token as a tokens file may hold it (``sha256:<hex>``)."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def cookie_value(entry: TokenEntry, key: bytes) -> str:
+    """What the sign-in cookie holds for a token: a keyed hash of its hash.
+
+    The cookie is signed, not encrypted: whoever holds it can read it. A plain SHA-256 of the
+    token there would let them guess weak tokens offline; keyed with the session secret, it
+    tells nothing without that key.
+    """
+    return hmac.new(key, entry.sha256.encode("ascii"), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +164,14 @@ class ConsoleAccess:
         found: TokenEntry | None = None
         for entry in self.tokens:
             if hmac.compare_digest(entry.sha256, digest):
+                found = entry
+        return found
+
+    def by_cookie(self, value: str, key: bytes) -> TokenEntry | None:
+        """The entry a sign-in cookie names (see :func:`cookie_value`), compared like tokens."""
+        found: TokenEntry | None = None
+        for entry in self.tokens:
+            if hmac.compare_digest(cookie_value(entry, key), value):
                 found = entry
         return found
 

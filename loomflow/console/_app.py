@@ -13,6 +13,7 @@ which browsers fold into the path, and the anonymous bucket use ``/trail?user=<i
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import secrets
 from collections.abc import Awaitable, Callable
@@ -36,7 +37,7 @@ from starlette.routing import Route
 
 from ..audit import ANY_USER
 from ..errors import LoomflowError
-from ._access import ConsoleAccess, Principal, Role
+from ._access import ConsoleAccess, Principal, Role, cookie_value
 from ._data import CONSOLE_REFUSED, ConsoleData, TrailFilter
 
 __all__ = ["create_app", "user_url"]
@@ -63,6 +64,17 @@ def user_url(user_id: str | None) -> str:
     if user_id.strip(".") == "":  # "." and "..": a browser would fold them into the path
         return "/trail?" + urlencode({"user": user_id})
     return "/users/" + quote(user_id, safe="")
+
+
+def _local(target: str) -> bool:
+    """Whether a ``next`` address stays on this console (browsers read ``/\\host`` as
+    ``//host``, another site)."""
+    return (
+        target.startswith("/")
+        and not target.startswith(("//", "/\\"))
+        and "\\" not in target
+        and target.isprintable()
+    )
 
 
 def _user_query(user_id: str | None) -> dict[str, str]:
@@ -117,6 +129,8 @@ def create_app(
         secure_cookie: Send the cookie over HTTPS only (set it when served over TLS).
     """
     env = _env()
+    secret = session_secret or secrets.token_urlsafe(32)
+    cookie_key = hashlib.sha256(b"loomflow console cookie\0" + secret.encode("utf-8")).digest()
 
     def render(template: str, request: Request, who: Principal | None, **ctx: Any) -> Response:
         html = env.get_template(template).render(who=who, path=request.url.path, **ctx)
@@ -139,11 +153,11 @@ def create_app(
             value = request.headers.get(access.proxy_header)
             if value is not None:
                 return access.from_proxy(value)
-        digest = request.session.get("token")
-        if isinstance(digest, str):
-            # The cookie holds the token's hash, looked up again on every request: removing
-            # a line from the tokens file (and restarting) ends that person's sessions.
-            entry = access.by_digest(digest)
+        held = request.session.get("token")
+        if isinstance(held, str):
+            # The cookie names the token (keyed hash), looked up again on every request:
+            # removing a line from the tokens file (and restarting) ends those sessions.
+            entry = access.by_cookie(held, cookie_key)
             if entry is not None:
                 return Principal(entry.name, entry.role, "cookie")
         return None
@@ -273,7 +287,7 @@ def create_app(
             "limit": limit,
             "sizes": _PAGE_SIZES,
             "next_url": next_url,
-            "first_url": base if cursor else None,
+            "first_url": _query_url("/trail", user_id, **shown, limit=limit) if cursor else None,
             "verify_url": base + sep + urlencode({**shown, "limit": limit, "verify": 1}),
             "export_url": _query_url("/export", user_id, **shown),
             "heads_url": _query_url("/export/heads", user_id),
@@ -386,7 +400,7 @@ def create_app(
 
     async def signin(request: Request) -> Response:
         target = request.query_params.get("next", "/users")
-        if not target.startswith("/") or target.startswith("//"):
+        if not _local(target):
             target = "/users"  # never sign someone in and send them elsewhere
         error = None
         if request.method == "POST":
@@ -395,8 +409,7 @@ def create_app(
             entry = access.by_token(token) if isinstance(token, str) else None
             if entry is not None:
                 request.session.clear()
-                request.session["token"] = entry.sha256
-                request.session["nonce"] = secrets.token_hex(8)
+                request.session["token"] = cookie_value(entry, cookie_key)
                 return RedirectResponse(target, 303, headers=_headers())
             error = "That token is not known."
         response = render("signin.html", request, None, error=error, next=target)
@@ -432,7 +445,7 @@ def create_app(
     middleware = [
         Middleware(
             SessionMiddleware,
-            secret_key=session_secret or secrets.token_urlsafe(32),
+            secret_key=secret,
             session_cookie="loomflow_console",
             max_age=_SESSION_HOURS * 3600,
             same_site="strict",

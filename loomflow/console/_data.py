@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
+from ..errors import JournalError, LoomflowError
 from ..redaction import Redactor
 from ..runtime import EntryInfo, SessionInfo
 from ..stores import Stores
@@ -223,11 +224,16 @@ class ConsoleData:
         runtime = self.stores.runtime
         session_id = story.session_id
         if runtime is not None and entries:
-            found = await runtime.sessions(user_id=user_id, session_id=session_id, limit=1)
-            if found:
-                story.session = found[0]
-                story.state = _run_state(found[0])
-                story.journal = await runtime.entries(session_id, user_id)
+            try:
+                found = await runtime.sessions(user_id=user_id, session_id=session_id, limit=1)
+                if found:
+                    story.session = found[0]
+                    story.state = _run_state(found[0])
+                    story.journal = await runtime.entries(session_id, user_id)
+            except LoomflowError:
+                # No journal schema here (an audit-only database): the audit entries still
+                # tell the story; the page says the run is not in the journal.
+                pass
         return story
 
     async def runs(self, state: str | None, limit: int = 500) -> list[tuple[SessionInfo, str]]:
@@ -235,5 +241,12 @@ class ConsoleData:
         runtime = self.stores.runtime
         if runtime is None:
             return []
-        listed = [(info, _run_state(info)) for info in await runtime.sessions(limit=limit)]
+        try:
+            sessions = await runtime.sessions(limit=limit)
+        except LoomflowError as exc:
+            raise JournalError(
+                "the journal cannot be read here: the console never creates or migrates it "
+                f"(run `loomflow migrate` if this database should hold one) ({exc})"
+            ) from exc
+        listed = [(info, _run_state(info)) for info in sessions]
         return [(i, s) for i, s in listed if state is None or s == state]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Deployment:
     settings: Settings
     tokens: Path
     runs: dict[str, str]  # user id -> run id of its agent run
+    tables: list[str]  # the database's tables before any console opened it
 
 
 async def _run_agent(settings: Settings, user_id: str, session_id: str) -> str:
@@ -148,7 +150,12 @@ async def build(root: Path) -> Deployment:
     tokens.write_text(
         f"# role token name\nadmin {ADMIN} ada\nreader {READER} rob\n", encoding="utf-8"
     )
-    return Deployment(root, url, settings, tokens, runs)
+    return Deployment(root, url, settings, tokens, runs, tables(root / "journal.db"))
+
+
+def tables(path: Path) -> list[str]:
+    with sqlite3.connect(path) as db:
+        return sorted(r[0] for r in db.execute("SELECT name FROM sqlite_master"))
 
 
 def free_port() -> int:

@@ -4,8 +4,8 @@ paging and filters, redaction, verification, export, and the audit of every quer
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +21,12 @@ from console_helpers import (
     RESUMED,
     Deployment,
     Server,
+    tables,
 )
 
 from loomflow.audit import AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
-from loomflow.console import ConsoleOptions, build_console
+from loomflow.console import ConsoleOptions, build_console, token_sha256
 from loomflow.console._app import user_url
 from loomflow.console._data import _run_state
 from loomflow.errors import ConfigurationError
@@ -287,15 +288,24 @@ def test_the_sign_in_cookie(console: Server) -> None:
         wrong = http.post("/signin", data={"token": "not-a-token-at-all"})
         assert wrong.status_code == 401
         assert "not known" in wrong.text
-        done = http.post(
-            "/signin?next=//evil.example/x", data={"token": READER}, follow_redirects=False
-        )
+        for elsewhere in ("//evil.example/x", "/\\evil.example", "https://evil.example", "/a\nb"):
+            moved = http.post(
+                "/signin",
+                params={"next": elsewhere},
+                data={"token": READER},
+                follow_redirects=False,
+            )
+            assert moved.headers["location"] == "/users", elsewhere  # never off the console
+        done = http.post("/signin?next=/users/bob", data={"token": READER}, follow_redirects=False)
         assert done.status_code == 303
-        assert done.headers["location"] == "/users"  # never off the console
+        assert done.headers["location"] == "/users/bob"
         cookie = done.headers["set-cookie"].lower()
         assert "httponly" in cookie
         assert "samesite=strict" in cookie
-        assert READER not in done.headers["set-cookie"]
+        # Neither the token nor its plain hash is in the (readable, signed) cookie.
+        raw = base64.b64decode(done.cookies["loomflow_console"].split(".")[0] + "==")
+        assert READER.encode() not in raw
+        assert token_sha256(READER).encode() not in raw
         assert http.get("/users").status_code == 200
         assert http.get("/runs").status_code == 403  # the cookie carries the reader's role
         http.post("/signout")
@@ -357,9 +367,11 @@ def test_a_hashed_token_and_the_setting_token(deployment: Deployment, tmp_path: 
             assert http.get("/api/runs").status_code == 200  # LOOMFLOW_CONSOLE_TOKEN: admin
 
 
-def _tables(path: Path) -> list[str]:
-    with sqlite3.connect(path) as db:
-        return sorted(r[0] for r in db.execute("SELECT name FROM sqlite_master"))
+def test_the_console_adds_no_tables(console: Server, deployment: Deployment) -> None:
+    with console.client(ADMIN) as http:
+        for route in ROUTES:
+            http.get("/api" + route)
+    assert tables(deployment.root / "journal.db") == deployment.tables
 
 
 def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> None:
@@ -371,7 +383,7 @@ def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> No
         await store.close()
 
     asyncio.run(make())
-    before = _tables(path)
+    before = tables(path)
     from console_helpers import free_port
 
     port = free_port()
@@ -412,12 +424,18 @@ def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> No
         assert got.status_code == 200
         # "u", and the console's own chain, where that very query was recorded.
         assert [u["user_id"] for u in got.json()["users"]] == ["console:console-token", "u"]
+        # No journal in this database: the runs page says so rather than failing.
+        runs = httpx.get(
+            f"http://127.0.0.1:{port}/api/runs", headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        assert runs.status_code == 400
+        assert "journal" in runs.json()["error"]
     finally:
         proc.terminate()
         proc.wait(30)
         assert proc.stderr is not None
         proc.stderr.close()
-    assert _tables(path) == before  # no journal tables: the console made none
+    assert tables(path) == before  # no journal tables: the console made none
     missing = subprocess.run(
         [
             sys.executable,
