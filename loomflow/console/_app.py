@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 import secrets
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,12 +30,13 @@ from starlette.requests import Request
 from starlette.responses import (
     HTMLResponse,
     JSONResponse,
-    PlainTextResponse,
     RedirectResponse,
     Response,
+    StreamingResponse,
 )
 from starlette.routing import Route
 
+from .._ids import check_id, check_key
 from ..audit import ANY_USER
 from ..errors import LoomflowError
 from ._access import ConsoleAccess, Principal, Role, cookie_value
@@ -86,13 +88,24 @@ def _query_url(path: str, user_id: str | None, **more: Any) -> str:
     return path + "?" + urlencode(params)
 
 
+_AGE = re.compile(r"(\d{1,6})([mhd])")
+_UNITS = {"m": "minutes", "h": "hours", "d": "days"}
+
+
 def _time(text: str | None, what: str) -> dt.datetime | None:
+    """A time from a filter box: an ISO date or time (UTC unless it says), or an age such as
+    ``24h`` or ``7d`` (that long ago), as ``loomflow audit query --since`` takes them."""
     if not text:
         return None
+    if (age := _AGE.fullmatch(text.strip())) is not None:
+        ago = dt.timedelta(**{_UNITS[age.group(2)]: int(age.group(1))})
+        return dt.datetime.now(dt.UTC) - ago
     try:
         when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise _Refused(400, f"{what} must be a date or time like 2026-05-08T12:00") from None
+        raise _Refused(
+            400, f"{what} must be a date or time like 2026-05-08T12:00, or an age like 24h or 7d"
+        ) from None
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
@@ -374,10 +387,14 @@ def create_app(
         user_id = user_of(request)
         where = filters(request)
         await data.record(who, "export", viewed=user_id, details=where.as_json())
-        lines = await data.export_lines(user_id, where)
+        # Bad ids are a 400 now, not a stream cut short after its headers went out.
+        check_id("user_id", user_id)
+        check_id("session_id", where.session_id)
+        check_key("action", where.action)
         name = "audit-export.jsonl"
-        return PlainTextResponse(
-            "".join(line + "\n" for line in lines),
+        # Streamed a page at a time: a long trail is never held in memory whole.
+        return StreamingResponse(
+            data.export_lines(user_id, where),
             media_type="application/x-ndjson",
             headers=_headers() | {"Content-Disposition": f'attachment; filename="{name}"'},
         )

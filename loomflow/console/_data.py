@@ -12,6 +12,7 @@ that cannot audit serves nothing.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ CONSOLE_REFUSED = "console.refused"
 # Actions that make a run's story, grouped as the run page shows them.
 _EXECUTED = ("model.call", "tool.call")
 _REPLAYED = ("model.replay", "tool.replay")
+_EXPORT_CHUNK = 1000  # lines per chunk of a streamed export
 _STORY_LIMIT = 2000  # entries of one run shown; a longer run says so
 
 
@@ -206,11 +208,16 @@ class ConsoleData:
     async def verify(self, user_id: str | Any | None = ANY_USER) -> VerifyReport:
         return await self.stores.audit.verify(user_id=user_id)
 
-    async def export_lines(self, user_id: str | None, where: TrailFilter) -> list[str]:
-        return [
-            entry.to_line()
-            async for entry in self.stores.audit.entries(user_id=user_id, **where.as_kwargs())
-        ]
+    async def export_lines(self, user_id: str | None, where: TrailFilter) -> AsyncIterator[str]:
+        """The selected entries as the lines of ``loomflow audit export``, one page at a time."""
+        lines: list[str] = []
+        async for entry in self.stores.audit.entries(user_id=user_id, **where.as_kwargs()):
+            lines.append(entry.to_line() + "\n")
+            if len(lines) == _EXPORT_CHUNK:
+                yield "".join(lines)
+                lines = []
+        if lines:
+            yield "".join(lines)
 
     async def run(self, user_id: str | None, run_id: str) -> RunStory:
         entries: list[AuditEntry] = []

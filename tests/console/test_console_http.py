@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -465,3 +466,44 @@ def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> No
     )
     assert nobody.returncode == 1
     assert "needs a way in" in nobody.stderr
+
+
+def test_a_tampered_trail_fails_verification_on_the_page(tmp_path: Path) -> None:
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        await store.append(
+            [AuditRecord(user_id="eve", actor="t", action="x", payload={"n": n}) for n in range(3)]
+        )
+        await store.close()
+
+    asyncio.run(make())
+    with sqlite3.connect(path) as db:  # someone with write access to the file
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("""UPDATE loom_audit SET payload = '{"n":99}' WHERE seq = 2""")
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        report = http.get("/api/users/eve", params={"verify": 1}).json()["verify"]
+        assert report["ok"] is False
+        assert [(p["kind"], p["seq"]) for p in report["problems"]] == [("edited", 2)]
+        page = http.get("/users/eve", params={"verify": 1}).text
+        assert "Chain verification FAILED" in page
+        assert "entry 2 was changed" in page
+        everyone = http.get("/api/verify").json()
+        assert everyone["ok"] is False
+        assert "FAILED" in http.get("/verify").text
+        # The console's own chain, written while looking, verifies.
+        mine = http.get("/api/users/console:console-token", params={"verify": 1}).json()
+        assert mine["verify"]["ok"] is True
+
+
+def test_ages_and_bad_filters(console: Server) -> None:
+    with console.client(ADMIN) as http:
+        recent = http.get("/api/users/bob", params={"since": "1d", "limit": 100}).json()
+        assert recent["entries"]  # written minutes ago
+        assert http.get("/api/users/bob", params={"until": "1d"}).json()["entries"] == []
+        bad = http.get("/api/export", params={"user": BOB, "session": "a\x00b"})
+        assert bad.status_code == 400
+        assert "session_id" in bad.json()["error"]
+        assert http.get("/api/verify").json()["ok"] is True
