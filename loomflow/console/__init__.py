@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from ._access import ConsoleAccess, Principal, TokenEntry, load_tokens, token_sha256
 from ._build import ConsoleOptions, build_console, serve
-from ._data import CONSOLE_ACTION, CONSOLE_REFUSED, ConsoleData, console_user_id
+from ._data import CONSOLE_ACTION, CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, console_user_id
 
 __all__ = [
     "CONSOLE_ACTION",
     "CONSOLE_REFUSED",
+    "CONSOLE_SIGNIN",
     "ConsoleAccess",
     "ConsoleData",
     "ConsoleOptions",

@@ -40,7 +40,7 @@ from .._ids import check_id, check_key
 from ..audit import ANY_USER
 from ..errors import LoomflowError
 from ._access import ConsoleAccess, Principal, Role, cookie_value
-from ._data import CONSOLE_REFUSED, ConsoleData, TrailFilter
+from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
 
 __all__ = ["create_app", "user_url"]
 
@@ -426,6 +426,9 @@ def create_app(
             entry = access.by_token(token) if isinstance(token, str) else None
             if entry is not None:
                 request.session.clear()
+                await data.record(
+                    Principal(entry.name, entry.role, "cookie"), "sign in", action=CONSOLE_SIGNIN
+                )
                 request.session["token"] = cookie_value(entry, cookie_key)
                 return RedirectResponse(target, 303, headers=_headers())
             error = "That token is not known."

@@ -26,6 +26,7 @@ from ._access import Principal
 __all__ = [
     "CONSOLE_ACTION",
     "CONSOLE_REFUSED",
+    "CONSOLE_SIGNIN",
     "ConsoleData",
     "RunStory",
     "TrailFilter",
@@ -34,6 +35,8 @@ __all__ = [
 
 CONSOLE_ACTION = "console.query"
 """The audit action of a query the console served."""
+CONSOLE_SIGNIN = "console.signin"
+"""The audit action of a sign-in through the form (a session cookie was handed out)."""
 CONSOLE_REFUSED = "console.refused"
 """The audit action of a request refused for want of a role (a reader asking for admin work)."""
 

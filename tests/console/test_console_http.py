@@ -281,7 +281,7 @@ def test_run_state_prefers_the_fleet_state() -> None:
     assert _run_state(Info()) == "orphaned"  # type: ignore[arg-type]
 
 
-def test_the_sign_in_cookie(console: Server) -> None:
+def test_the_sign_in_cookie(console: Server, deployment: Deployment) -> None:
     with console.client() as http:
         form = http.get("/signin")
         assert form.status_code == 200
@@ -311,6 +311,7 @@ def test_the_sign_in_cookie(console: Server) -> None:
         assert http.get("/runs").status_code == 403  # the cookie carries the reader's role
         http.post("/signout")
         assert http.get("/users", follow_redirects=False).status_code == 303
+    assert _audit(deployment, user_id="console:rob", action="console.signin")
 
 
 def test_a_trusted_proxy_header(deployment: Deployment) -> None:
