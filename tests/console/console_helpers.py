@@ -91,7 +91,7 @@ class Deployment:
     tables: list[str]  # the database's tables before any console opened it
 
 
-async def _run_agent(settings: Settings, user_id: str, session_id: str) -> str:
+async def run_agent(settings: Settings, user_id: str, session_id: str) -> str:
     model = ScriptedModel(
         [[ToolCall(id="c1", name="lookup", arguments={"order_id": "A-1"})], "A-1 has shipped."]
     )
@@ -112,7 +112,7 @@ async def build(root: Path) -> Deployment:
         await stores.migrate()
     runs = {}
     for user, session in ((HOSTILE, "s-hostile"), (BOB, "s-bob"), ("..", "s-dots")):
-        runs[user] = await _run_agent(settings, user, session)
+        runs[user] = await run_agent(settings, user, session)
     runs[RESUMED] = await _crash_and_resume(settings, RESUMED, "s-resumed")
     async with Stores(settings, journal=False) as stores:
         await stores.audit.append(

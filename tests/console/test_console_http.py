@@ -22,6 +22,7 @@ from console_helpers import (
     RESUMED,
     Deployment,
     Server,
+    run_agent,
     tables,
 )
 
@@ -508,3 +509,27 @@ def test_ages_and_bad_filters(console: Server) -> None:
         assert bad.status_code == 400
         assert "session_id" in bad.json()["error"]
         assert http.get("/api/verify").json()["ok"] is True
+
+
+@pytest.mark.postgres
+def test_the_console_on_postgresql(pg_dsn: str) -> None:
+    settings = Settings(runtime_url=pg_dsn, console_token=ADMIN)
+
+    async def make() -> str:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        return await run_agent(settings, HOSTILE, "s-pg")
+
+    run_id = asyncio.run(make())
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        users = http.get("/api/users").json()["users"]
+        assert HOSTILE in [u["user_id"] for u in users]
+        trail = http.get("/api" + user_url(HOSTILE), params={"verify": 1}).json()
+        assert trail["verify"]["ok"] is True
+        assert {e["run_id"] for e in trail["entries"]} == {run_id}
+        story = http.get("/api/run", params={"user": HOSTILE, "run": run_id}).json()
+        assert story["state"] == "finished"
+        assert story["executed"] >= 2
+        runs = http.get("/api/runs").json()["runs"]
+        assert [(r["user_id"], r["state"]) for r in runs] == [(HOSTILE, "finished")]
+        assert "&lt;script&gt;" in http.get(user_url(HOSTILE)).text
