@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from .._ids import check_id, check_key
 from ..audit import ANY_USER
-from ..errors import LoomflowError
+from ..errors import LoomflowError, StorageError, UserError
 from ._access import ConsoleAccess, Principal, Role, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
 
@@ -189,7 +189,12 @@ def create_app(
                             401,
                             headers={"WWW-Authenticate": "Bearer"} | _headers(),
                         )
-                    target = "/signin?" + urlencode({"next": request.url.path})
+                    # The path as sent (still percent-encoded: an id may hold "?" or "/").
+                    raw = request.scope.get("raw_path") or request.url.path.encode()
+                    back = raw.decode("latin-1")
+                    if request.url.query:
+                        back += "?" + request.url.query
+                    target = "/signin?" + urlencode({"next": back})
                     return RedirectResponse(target, 303, headers=_headers())
                 try:
                     if role == "admin" and not who.is_admin:
@@ -203,7 +208,11 @@ def create_app(
                     result = await handler(request, who)
                 except _Refused as exc:
                     return _error(request, who, exc.status, exc.message, api)
-                except LoomflowError as exc:  # a bad id or filter, named by the store
+                except UserError as exc:  # a bad id or filter, named by the store
+                    return _error(request, who, 400, str(exc), api)
+                except StorageError as exc:  # down, locked, unmigrated: not the asker's fault
+                    return _error(request, who, 503, f"a store cannot be used: {exc}", api)
+                except LoomflowError as exc:  # e.g. a journal without its schema
                     return _error(request, who, 400, str(exc), api)
                 if isinstance(result, Response):
                     return result

@@ -9,6 +9,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 from urllib.parse import quote
 
@@ -287,6 +288,10 @@ def test_the_sign_in_cookie(console: Server, deployment: Deployment) -> None:
         form = http.get("/signin")
         assert form.status_code == 200
         assert 'name="token"' in form.text
+        # Sent to the form from a trail, and back to that very trail after signing in.
+        asked = http.get(user_url("a?b/c"), params={"since": "7d"}, follow_redirects=False)
+        back = urllib.parse.parse_qs(urllib.parse.urlsplit(asked.headers["location"]).query)
+        assert back["next"] == ["/users/a%3Fb%2Fc?since=7d"]
         wrong = http.post("/signin", data={"token": "not-a-token-at-all"})
         assert wrong.status_code == 401
         assert "not known" in wrong.text
