@@ -17,7 +17,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -243,6 +243,15 @@ def create_app(
             raise _Refused(400, f"name the user: ?{where}=<id> or ?anonymous=1")
         return value
 
+    def page_size(request: Request, default: str = "25") -> int:
+        try:
+            limit = int(request.query_params.get("limit", default))
+        except ValueError:
+            raise _Refused(400, "limit must be a number") from None
+        if limit not in _PAGE_SIZES:
+            raise _Refused(400, f"limit must be one of {', '.join(map(str, _PAGE_SIZES))}")
+        return limit
+
     def filters(request: Request) -> TrailFilter:
         q = request.query_params
         return TrailFilter(
@@ -272,12 +281,7 @@ def create_app(
     async def trail_of(request: Request, who: Principal, user_id: str | None) -> Any:
         where = filters(request)
         q = request.query_params
-        try:
-            limit = int(q.get("limit", "25"))
-        except ValueError:
-            raise _Refused(400, "limit must be a number") from None
-        if limit not in _PAGE_SIZES:
-            raise _Refused(400, f"limit must be one of {', '.join(map(str, _PAGE_SIZES))}")
+        limit = page_size(request)
         cursor = q.get("cursor") or None
         verify = q.get("verify") == "1"
         await data.record(
@@ -312,6 +316,7 @@ def create_app(
             "first_url": _query_url("/trail", user_id, **shown, limit=limit) if cursor else None,
             "verify_url": base + sep + urlencode({**shown, "limit": limit, "verify": 1}),
             "export_url": _query_url("/export", user_id, **shown),
+            "export_page_url": _query_url("/export", user_id, **shown, limit=limit, cursor=cursor),
             "heads_url": _query_url("/export/heads", user_id),
             "report": report,
             "api": api,
@@ -395,15 +400,26 @@ def create_app(
     async def export(request: Request, who: Principal) -> Response:
         user_id = user_of(request)
         where = filters(request)
-        await data.record(who, "export", viewed=user_id, details=where.as_json())
+        # With ``limit`` (and ``cursor``): the one page shown; without, every page.
+        one_page = "limit" in request.query_params
+        limit = page_size(request) if one_page else None
+        cursor = request.query_params.get("cursor") or None
+        details = where.as_json() | ({"limit": limit, "cursor": cursor} if one_page else {})
+        await data.record(who, "export", viewed=user_id, details=details)
         # Bad ids are a 400 now, not a stream cut short after its headers went out.
         check_id("user_id", user_id)
         check_id("session_id", where.session_id)
         check_key("action", where.action)
         name = "audit-export.jsonl"
-        # Streamed a page at a time: a long trail is never held in memory whole.
+        lines: AsyncIterator[str]
+        if limit is not None:
+            shown = await data.trail(user_id, where, limit=limit, cursor=cursor)
+            lines = _once("".join(e.to_line() + "\n" for e in shown.entries))
+        else:
+            # Streamed a page at a time: a long trail is never held in memory whole.
+            lines = data.export_lines(user_id, where)
         return StreamingResponse(
-            data.export_lines(user_id, where),
+            lines,
             media_type="application/x-ndjson",
             headers=_headers() | {"Content-Disposition": f'attachment; filename="{name}"'},
         )
@@ -482,6 +498,10 @@ def create_app(
         )
     ]
     return Starlette(routes=routes, middleware=middleware)
+
+
+async def _once(text: str) -> AsyncIterator[str]:
+    yield text
 
 
 def _jsonable(value: Any) -> Any:

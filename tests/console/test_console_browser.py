@@ -158,6 +158,12 @@ def test_the_compliance_flow_in_chromium(
     assert len(lines) == 60
     assert shown == 25  # the first page of those 60
     assert all('"action":"note.added"' in line for line in lines)
+    exported.unlink()
+    find(By.ID, "export-page").click()  # this page only
+    deadline = time.monotonic() + 30
+    while not exported.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(exported.read_text(encoding="utf-8").splitlines()) == shown
 
     # Runs by state, for SREs.
     d.get(base + "/runs")

@@ -217,6 +217,16 @@ def test_verification_and_export_check_out_with_the_cli(
         assert export.headers["content-type"].startswith("application/x-ndjson")
         lines = export.text.splitlines()
         assert len(lines) == BOB_EXTRA
+        # "This page": exactly the entries the trail page shows.
+        first = http.get("/api/users/bob", params={"limit": 25}).json()
+        second = http.get(
+            "/api/users/bob", params={"limit": 25, "cursor": first["next_cursor"]}
+        ).json()
+        page = http.get(
+            "/export", params={"user": BOB, "limit": 25, "cursor": first["next_cursor"]}
+        ).text
+        assert [json.loads(line) for line in page.splitlines()] == second["entries"]
+        assert http.get("/api/export", params={"user": BOB, "limit": 7}).status_code == 400
         full = http.get("/export", params={"user": BOB}).text
         heads = http.get("/export/heads", params={"user": BOB}).text
     (tmp_path / "bob.jsonl").write_text(full, encoding="utf-8")
@@ -238,6 +248,15 @@ def test_verification_and_export_check_out_with_the_cli(
         check=False,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    (tmp_path / "page.jsonl").write_text(page, encoding="utf-8")
+    mid = subprocess.run(
+        [*cli, "audit", "verify", "--file", str(tmp_path / "page.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert mid.returncode == 0, mid.stdout + mid.stderr  # a page from mid-chain checks too
     same = subprocess.run(
         [*cli, "--url", deployment.url, "audit", "export", "--user", BOB],
         capture_output=True,
