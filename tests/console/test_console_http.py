@@ -557,3 +557,26 @@ def test_the_console_on_postgresql(pg_dsn: str) -> None:
         runs = http.get("/api/runs").json()["runs"]
         assert [(r["user_id"], r["state"]) for r in runs] == [(HOSTILE, "finished")]
         assert "&lt;script&gt;" in http.get(user_url(HOSTILE)).text
+
+
+def test_loomflow_settings_hides_the_console_secrets(tmp_path: Path) -> None:
+    token, key = "settings-token-0123456789", "k" * 40
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LOOMFLOW_CONSOLE_TOKEN": token,
+        "LOOMFLOW_CONSOLE_SESSION_SECRET": key,
+    }
+    for args in ([], ["--json"]):
+        shown = subprocess.run(
+            [sys.executable, "-m", "loomflow.cli", "settings", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd=tmp_path,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert token not in shown.stdout
+        assert key not in shown.stdout
+        assert shown.stdout.count("(set, hidden)") >= 2
