@@ -187,6 +187,7 @@ def test_a_runs_story(console: Server, deployment: Deployment) -> None:
         assert story["journal"]  # the session's journaled steps
         page = http.get("/run", params={"user": BOB, "run": run_id}).text
         assert "over the limit" in page
+        assert 'id="journal"' in page
         assert "finished" in page
         # A run of another user is not shown under this one.
         other = deployment.runs[HOSTILE]
