@@ -214,6 +214,24 @@ class Settings(BaseSettings):
             "the journal's database (`runtime_url`), so every worker writes one chain per user."
         ),
     )
+    console_token: SecretStr | None = Field(
+        default=None,
+        min_length=16,
+        description=(
+            "An access token (16 characters or more) of `loomflow console`, with the admin "
+            "role; more tokens, with roles, go in a `--tokens-file`. Sent as "
+            "`Authorization: Bearer <token>` or typed into the sign-in form."
+        ),
+    )
+    console_session_secret: SecretStr | None = Field(
+        default=None,
+        min_length=32,
+        description=(
+            "The key (32 characters or more) that signs `loomflow console` sign-in cookies. "
+            "Unset, each console process draws a random one, so signing in again is needed "
+            "after a restart and behind a load balancer each process has its own."
+        ),
+    )
     redact_secrets: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description=(

@@ -46,6 +46,7 @@ FLOORS = [
     ["loomflow.stores"],
     ["loomflow.agent"],
     ["loomflow.testing"],
+    ["loomflow.console"],
     ["loomflow.cli", "loomflow"],
 ]
 

@@ -369,6 +369,11 @@ class AuditStore(abc.ABC):
         await self.open()
         return (await self._heads(user_key(user_id))).get(user_key(user_id))
 
+    async def heads(self) -> list[ChainHead]:
+        """The recorded head of every user's chain: who the log knows, with entry counts."""
+        await self.open()
+        return [head for _, head in sorted((await self._heads(None)).items())]
+
     # -- verification -----------------------------------------------------------------------
 
     async def verify(

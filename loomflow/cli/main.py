@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
 
 from .. import __version__
@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 # Command groups that live in their own modules (audit, budget, checkpoints, ...): each has
 # ``register(subparsers)`` adding its parser with ``set_defaults(handler=...)``, where the
 # handler is ``async def handler(args) -> int``.
-_PLUGINS = ("audit", "budget", "checkpoints", "users")
+_PLUGINS = ("audit", "budget", "checkpoints", "console", "users")
 
 
 def _command_modules() -> list[Any]:
@@ -274,7 +274,9 @@ def _show_settings(args: argparse.Namespace) -> int:
     document = {}
     for name in type(settings).model_fields:
         value = getattr(settings, name)
-        if name in _SECRET_SETTINGS or "url" in name:
+        if isinstance(value, SecretStr) and value.get_secret_value():
+            value = "(set, hidden)"  # every secret field (console token, keys), by its type
+        elif name in _SECRET_SETTINGS or "url" in name:
             value = _masked(name, value)
         source = "environment or .env" if name in settings.model_fields_set else "default"
         if name == "runtime_url" and args.url is not None:

@@ -99,6 +99,8 @@ BAD = {
     "telemetry_user_ids": "masked",
     "telemetry_user_id_key": "short",
     "audit_url": "ftp://logs/audit",
+    "console_token": "short",
+    "console_session_secret": "not-32-characters",
     "redact_secrets": '["unterminated',
     "redact_env": '[{"not": "a name"}]',
     "budget_url": "sqlite://relative-without-third-slash.db",

@@ -1,0 +1,187 @@
+"""Who may use the console: bearer tokens, the sign-in cookie, a trusted proxy header.
+
+Two roles. A **reader** finds users, reads their trails, entries and runs' stories and
+verifies the chain of the user shown. An **admin** may also export a trail (JSON lines and
+heads), verify every user's chain at once and list the journal's runs by state.
+
+Tokens are never kept in memory as given: each is held as its SHA-256, and a presented token
+is hashed and compared with every known hash in constant time (``hmac.compare_digest``), so
+neither the comparison nor the number of tokens compared tells an attacker how close a guess
+came.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ..errors import ConfigurationError
+
+__all__ = [
+    "ConsoleAccess",
+    "Principal",
+    "Role",
+    "TokenEntry",
+    "cookie_value",
+    "load_tokens",
+    "token_sha256",
+]
+
+Role = Literal["reader", "admin"]
+ROLES: tuple[Role, ...] = ("reader", "admin")
+
+_SHA256 = re.compile(r"sha256:([0-9a-f]{64})")
+# Names end up in audit entries and pages: printable, no spaces, bounded.
+_NAME = re.compile(r"[A-Za-z0-9._@+\-]{1,64}")
+MIN_TOKEN_LENGTH = 16
+
+
+def token_sha256(token: str) -> str:
+    """The hex SHA-256 of a token as a tokens file may hold it (``sha256:<hex>``)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def cookie_value(entry: TokenEntry, key: bytes) -> str:
+    """What the sign-in cookie holds for a token: a keyed hash of its hash.
+
+    The cookie is signed, not encrypted: whoever holds it can read it. A plain SHA-256 of the
+    token there would let them guess weak tokens offline; keyed with the session secret, it
+    tells nothing without that key.
+    """
+    return hmac.new(key, entry.sha256.encode("ascii"), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Someone signed in: a name for the audit log and a role."""
+
+    name: str
+    role: Role
+    via: Literal["token", "cookie", "proxy"]
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEntry:
+    """One known token, by its SHA-256."""
+
+    role: Role
+    sha256: str
+    name: str
+
+
+def load_tokens(path: Path) -> list[TokenEntry]:
+    """Read a tokens file: one ``role token name`` per line, ``#`` starts a comment.
+
+    ``role`` is ``reader`` or ``admin``; ``token`` is the token itself (16 characters or more)
+    or, better, ``sha256:<hex>`` of it (``loomflow console --hash-token`` prints that); ``name``
+    is who it belongs to, as the audit log will record it.
+
+    Raises:
+        ConfigurationError: the file cannot be read, or a line is malformed (the message
+            gives its number, never the token).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read tokens file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(f"tokens file {path} is not UTF-8 text") from exc
+    entries: list[TokenEntry] = []
+    names: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        where = f"tokens file {path}, line {number}"
+        if len(parts) != 3:
+            raise ConfigurationError(f"{where}: expected `role token name`")
+        given, token, name = parts
+        if given == "reader":
+            role: Role = "reader"
+        elif given == "admin":
+            role = "admin"
+        else:
+            raise ConfigurationError(f"{where}: role must be reader or admin, not {given!r}")
+        if not _NAME.fullmatch(name):
+            raise ConfigurationError(
+                f"{where}: a name is 1 to 64 letters, digits or ._@+- characters"
+            )
+        if name in names:
+            raise ConfigurationError(f"{where}: the name {name!r} is given twice")
+        names.add(name)
+        if (found := _SHA256.fullmatch(token)) is not None:
+            digest = found.group(1)
+        elif token.startswith("sha256:"):
+            raise ConfigurationError(f"{where}: sha256: takes 64 lowercase hex digits")
+        elif len(token) < MIN_TOKEN_LENGTH:
+            raise ConfigurationError(
+                f"{where}: a token is {MIN_TOKEN_LENGTH} characters or more (or sha256:<hex>)"
+            )
+        else:
+            digest = token_sha256(token)
+        entries.append(TokenEntry(role, digest, name))
+    return entries
+
+
+class ConsoleAccess:
+    """The console's access rules.
+
+    Args:
+        tokens: Known tokens (from a tokens file and ``LOOMFLOW_CONSOLE_TOKEN``).
+        proxy_header: Trust this request header (e.g. ``X-Forwarded-User``) to name the
+            signed-in user; only set it behind a proxy that always sets or strips it.
+        proxy_admins: Names the proxy header may carry that get the admin role (others read).
+    """
+
+    def __init__(
+        self,
+        tokens: Iterable[TokenEntry] = (),
+        *,
+        proxy_header: str | None = None,
+        proxy_admins: Iterable[str] = (),
+    ) -> None:
+        self.tokens = list(tokens)
+        self.proxy_header = proxy_header.lower() if proxy_header else None
+        self.proxy_admins = frozenset(proxy_admins)
+        if not self.tokens and self.proxy_header is None:
+            raise ConfigurationError(
+                "the console needs a way in: set LOOMFLOW_CONSOLE_TOKEN, pass --tokens-file, "
+                "or --trust-proxy-header behind a signing-in proxy"
+            )
+
+    def by_digest(self, digest: str) -> TokenEntry | None:
+        """The entry whose SHA-256 is ``digest``; every entry is compared (constant time)."""
+        found: TokenEntry | None = None
+        for entry in self.tokens:
+            if hmac.compare_digest(entry.sha256, digest):
+                found = entry
+        return found
+
+    def by_cookie(self, value: str, key: bytes) -> TokenEntry | None:
+        """The entry a sign-in cookie names (see :func:`cookie_value`), compared like tokens."""
+        found: TokenEntry | None = None
+        for entry in self.tokens:
+            if hmac.compare_digest(cookie_value(entry, key), value):
+                found = entry
+        return found
+
+    def by_token(self, token: str) -> TokenEntry | None:
+        """The entry a presented token matches, if any."""
+        return self.by_digest(token_sha256(token))
+
+    def from_proxy(self, value: str) -> Principal | None:
+        """The user a trusted proxy named, if the value is a usable name."""
+        name = value.strip()
+        if not _NAME.fullmatch(name):
+            return None
+        return Principal(name, "admin" if name in self.proxy_admins else "reader", "proxy")

@@ -1,0 +1,508 @@
+"""The console's web application: Starlette routes, server-rendered pages, a JSON twin.
+
+Every page ``/x`` has ``/api/x`` returning the same data as JSON for scripts. Pages carry no
+script at all, and the Content-Security-Policy forbids any, so text from the audit log
+(escaped by Jinja2 everywhere) could not run even if an escape were missed.
+
+User ids are arbitrary text (slashes, ``..``, markup, any script): a trail's address is
+``/users/<id>`` with the id percent-encoded as one path segment; an id that is only dots,
+which browsers fold into the path, and the anonymous bucket use ``/trail?user=<id>`` and
+``/trail?anonymous=1``. Every other page names its user in the query string.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Route
+
+from .._ids import check_id, check_key
+from ..audit import ANY_USER
+from ..errors import LoomflowError, StorageError, UserError
+from ._access import ConsoleAccess, Principal, Role, cookie_value
+from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
+
+__all__ = ["create_app", "user_url"]
+
+_SESSION_HOURS = 8
+_CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'"
+)
+_PAGE_SIZES = (10, 25, 50, 100, 500)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def user_url(user_id: str | None) -> str:
+    """The trail page of a user, safe in a URL whatever the id holds."""
+    if user_id is None:
+        return "/trail?anonymous=1"
+    if user_id.strip(".") == "":  # "." and "..": a browser would fold them into the path
+        return "/trail?" + urlencode({"user": user_id})
+    return "/users/" + quote(user_id, safe="")
+
+
+def _local(target: str) -> bool:
+    """Whether a ``next`` address stays on this console (browsers read ``/\\host`` as
+    ``//host``, another site)."""
+    return (
+        target.startswith("/")
+        and not target.startswith(("//", "/\\"))
+        and "\\" not in target
+        and target.isprintable()
+    )
+
+
+def _user_query(user_id: str | None) -> dict[str, str]:
+    return {"anonymous": "1"} if user_id is None else {"user": user_id}
+
+
+def _query_url(path: str, user_id: str | None, **more: Any) -> str:
+    params = _user_query(user_id) | {k: str(v) for k, v in more.items() if v not in (None, "")}
+    return path + "?" + urlencode(params)
+
+
+_AGE = re.compile(r"(\d{1,6})([mhd])")
+_UNITS = {"m": "minutes", "h": "hours", "d": "days"}
+
+
+def _time(text: str | None, what: str) -> dt.datetime | None:
+    """A time from a filter box: an ISO date or time (UTC unless it says), or an age such as
+    ``24h`` or ``7d`` (that long ago), as ``loomflow audit query --since`` takes them."""
+    if not text:
+        return None
+    if (age := _AGE.fullmatch(text.strip())) is not None:
+        ago = dt.timedelta(**{_UNITS[age.group(2)]: int(age.group(1))})
+        return dt.datetime.now(dt.UTC) - ago
+    try:
+        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise _Refused(
+            400, f"{what} must be a date or time like 2026-05-08T12:00, or an age like 24h or 7d"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def _env() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(Path(__file__).parent / "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+    )
+    env.filters["user_url"] = user_url
+    env.globals["query_url"] = _query_url
+    env.filters["pretty"] = lambda v: json.dumps(v, ensure_ascii=False, indent=2)
+    env.filters["when"] = lambda t: t.strftime("%Y-%m-%d %H:%M:%S")
+    env.filters["ts"] = lambda s: dt.datetime.fromtimestamp(s, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return env
+
+
+Handler = Callable[[Request, Principal], Awaitable[dict[str, Any] | Response]]
+
+
+def create_app(
+    data: ConsoleData,
+    access: ConsoleAccess,
+    *,
+    session_secret: str | None = None,
+    secure_cookie: bool = False,
+) -> Starlette:
+    """The console as an ASGI application.
+
+    Args:
+        data: The stores to read (and the audit log to record reads in).
+        access: Who may sign in, and how.
+        session_secret: Signs the sign-in cookie; a random one per process when left out
+            (sign-ins then end when the process does).
+        secure_cookie: Send the cookie over HTTPS only (set it when served over TLS).
+    """
+    env = _env()
+    secret = session_secret or secrets.token_urlsafe(32)
+    cookie_key = hashlib.sha256(b"loomflow console cookie\0" + secret.encode("utf-8")).digest()
+
+    def render(template: str, request: Request, who: Principal | None, **ctx: Any) -> Response:
+        html = env.get_template(template).render(who=who, path=request.url.path, **ctx)
+        return HTMLResponse(html, headers=_headers())
+
+    def _headers() -> dict[str, str]:
+        return {
+            "Content-Security-Policy": _CSP,
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-store",
+        }
+
+    def principal(request: Request) -> Principal | None:
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            entry = access.by_token(auth[7:].strip())
+            return None if entry is None else Principal(entry.name, entry.role, "token")
+        if access.proxy_header is not None:
+            value = request.headers.get(access.proxy_header)
+            if value is not None:
+                return access.from_proxy(value)
+        held = request.session.get("token")
+        if isinstance(held, str):
+            # The cookie names the token (keyed hash), looked up again on every request:
+            # removing a line from the tokens file (and restarting) ends those sessions.
+            entry = access.by_cookie(held, cookie_key)
+            if entry is not None:
+                return Principal(entry.name, entry.role, "cookie")
+        return None
+
+    def page(template: str, role: Role = "reader") -> Callable[[Handler], Callable[..., Any]]:
+        """A route serving ``template`` at its path and JSON at ``/api`` + its path."""
+
+        def wrap(handler: Handler) -> Callable[..., Any]:
+            async def endpoint(request: Request) -> Response:
+                api = request.url.path.startswith("/api/")
+                who = principal(request)
+                if who is None:
+                    if api:
+                        return JSONResponse(
+                            {"error": "sign in: send Authorization: Bearer <token>"},
+                            401,
+                            headers={"WWW-Authenticate": "Bearer"} | _headers(),
+                        )
+                    # The path as sent (still percent-encoded: an id may hold "?" or "/").
+                    raw = request.scope.get("raw_path") or request.url.path.encode()
+                    back = raw.decode("latin-1")
+                    if request.url.query:
+                        back += "?" + request.url.query
+                    target = "/signin?" + urlencode({"next": back})
+                    return RedirectResponse(target, 303, headers=_headers())
+                try:
+                    if role == "admin" and not who.is_admin:
+                        await data.record(
+                            who,
+                            request.url.path,
+                            details={"needs": "admin"},
+                            action=CONSOLE_REFUSED,
+                        )
+                        raise _Refused(403, "this page is for the admin role")
+                    result = await handler(request, who)
+                except _Refused as exc:
+                    return _error(request, who, exc.status, exc.message, api)
+                except UserError as exc:  # a bad id or filter, named by the store
+                    return _error(request, who, 400, str(exc), api)
+                except StorageError as exc:  # down, locked, unmigrated: not the asker's fault
+                    return _error(request, who, 503, f"a store cannot be used: {exc}", api)
+                except LoomflowError as exc:  # e.g. a journal without its schema
+                    return _error(request, who, 400, str(exc), api)
+                if isinstance(result, Response):
+                    return result
+                context = result
+                if api:
+                    return JSONResponse(_jsonable(context.get("api", context)), headers=_headers())
+                return render(template, request, who, **context)
+
+            return endpoint
+
+        return wrap
+
+    def _error(
+        request: Request, who: Principal | None, status: int, message: str, api: bool
+    ) -> Response:
+        if api:
+            return JSONResponse({"error": message}, status, headers=_headers())
+        response = render("error.html", request, who, status=status, message=message)
+        response.status_code = status
+        return response
+
+    def user_of(request: Request, where: str = "user") -> str | None:
+        """The user a query names (``anonymous=1`` is the bucket of runs without one)."""
+        if request.query_params.get("anonymous") == "1":
+            return None
+        value = request.query_params.get(where)
+        if value is None:
+            raise _Refused(400, f"name the user: ?{where}=<id> or ?anonymous=1")
+        return value
+
+    def page_size(request: Request, default: str = "25") -> int:
+        try:
+            limit = int(request.query_params.get("limit", default))
+        except ValueError:
+            raise _Refused(400, "limit must be a number") from None
+        if limit not in _PAGE_SIZES:
+            raise _Refused(400, f"limit must be one of {', '.join(map(str, _PAGE_SIZES))}")
+        return limit
+
+    def filters(request: Request) -> TrailFilter:
+        q = request.query_params
+        return TrailFilter(
+            since=_time(q.get("since"), "since"),
+            until=_time(q.get("until"), "until"),
+            session_id=q.get("session") or None,
+            action=q.get("action") or None,
+        )
+
+    # -- pages ----------------------------------------------------------------------------
+
+    @page("users.html")
+    async def users(request: Request, who: Principal) -> dict[str, Any]:
+        search = request.query_params.get("q", "")
+        await data.record(who, "users", details={"search": search})
+        heads, more = await data.users(search)
+        listed = [
+            {"user_id": h.user_id, "entries": h.seq, "url": user_url(h.user_id)} for h in heads
+        ]
+        return {
+            "search": search,
+            "users": listed,
+            "more": more,
+            "api": {"users": listed, "more": more},
+        }
+
+    async def trail_of(request: Request, who: Principal, user_id: str | None) -> Any:
+        where = filters(request)
+        q = request.query_params
+        limit = page_size(request)
+        cursor = q.get("cursor") or None
+        verify = q.get("verify") == "1"
+        await data.record(
+            who,
+            "trail",
+            viewed=user_id,
+            details=where.as_json() | {"cursor": cursor, "limit": limit, "verify": verify},
+        )
+        page_ = await data.trail(user_id, where, limit=limit, cursor=cursor)
+        report = await data.verify(user_id) if verify else None
+        shown = {k: v for k, v in where.as_json().items() if v}
+        next_url = None
+        if page_.next_cursor is not None:
+            next_url = _query_url("/trail", user_id, **shown, limit=limit, cursor=page_.next_cursor)
+        base = user_url(user_id)
+        sep = "&" if "?" in base else "?"
+        api = {
+            "user_id": user_id,
+            "filters": where.as_json(),
+            "entries": [e.to_json() for e in page_.entries],
+            "next_cursor": page_.next_cursor,
+            "verify": None if report is None else report.to_json(),
+        }
+        return {
+            "user_id": user_id,
+            "filters": where,
+            "form": {k: q.get(k, "") for k in ("since", "until", "session", "action")},
+            "entries": page_.entries,
+            "limit": limit,
+            "sizes": _PAGE_SIZES,
+            "next_url": next_url,
+            "first_url": _query_url("/trail", user_id, **shown, limit=limit) if cursor else None,
+            "verify_url": base + sep + urlencode({**shown, "limit": limit, "verify": 1}),
+            "export_url": _query_url("/export", user_id, **shown),
+            "export_page_url": _query_url("/export", user_id, **shown, limit=limit, cursor=cursor),
+            "heads_url": _query_url("/export/heads", user_id),
+            "report": report,
+            "api": api,
+        }
+
+    @page("trail.html")
+    async def trail_by_path(request: Request, who: Principal) -> Any:
+        return await trail_of(request, who, request.path_params["user_id"])
+
+    @page("trail.html")
+    async def trail_by_query(request: Request, who: Principal) -> Any:
+        return await trail_of(request, who, user_of(request))
+
+    @page("entry.html")
+    async def entry(request: Request, who: Principal) -> Any:
+        user_id = user_of(request)
+        try:
+            seq = int(request.query_params.get("seq", ""))
+        except ValueError:
+            raise _Refused(400, "seq must be a number") from None
+        await data.record(who, "entry", viewed=user_id, details={"seq": seq})
+        found = await data.entry(user_id, seq)
+        if found is None:
+            raise _Refused(404, f"no entry {seq} in this user's trail")
+        payload = data.redactor.value(found.payload)
+        shown = found.to_json() | {"payload": payload}
+        run_url = None
+        if found.run_id is not None:
+            run_url = _query_url("/run", user_id, run=found.run_id)
+        return {
+            "user_id": user_id,
+            "entry": found,
+            "payload": payload,
+            "run_url": run_url,
+            "api": shown,
+        }
+
+    @page("run.html")
+    async def run(request: Request, who: Principal) -> Any:
+        user_id = user_of(request)
+        run_id = request.query_params.get("run")
+        if not run_id:
+            raise _Refused(400, "name the run: ?run=<run id>")
+        await data.record(who, "run", viewed=user_id, details={"run": run_id})
+        story = await data.run(user_id, run_id)
+        if not story.entries:
+            raise _Refused(404, "this user's trail has no entry of that run")
+        return {"story": story, "user_id": user_id, "api": story.to_json()}
+
+    @page("runs.html", role="admin")
+    async def runs(request: Request, who: Principal) -> Any:
+        state = request.query_params.get("state") or None
+        await data.record(who, "runs", details={"state": state})
+        listed = await data.runs(state)
+        rows = [
+            {
+                "session_id": i.session_id,
+                "user_id": i.user_id,
+                "state": s,
+                "epoch": i.epoch,
+                "entries": i.entries,
+                "owner": i.owner,
+                "updated_at": i.updated_at,
+            }
+            for i, s in listed
+        ]
+        return {
+            "runs": rows,
+            "state": state,
+            "has_journal": data.stores.runtime is not None,
+            "api": {"runs": rows},
+        }
+
+    @page("verify.html", role="admin")
+    async def verify_all(request: Request, who: Principal) -> Any:
+        await data.record(who, "verify all")
+        report = await data.verify(ANY_USER)
+        return {"report": report, "api": report.to_json()}
+
+    @page("", role="admin")
+    async def export(request: Request, who: Principal) -> Response:
+        user_id = user_of(request)
+        where = filters(request)
+        # With ``limit`` (and ``cursor``): the one page shown; without, every page.
+        one_page = "limit" in request.query_params
+        limit = page_size(request) if one_page else None
+        cursor = request.query_params.get("cursor") or None
+        details = where.as_json() | ({"limit": limit, "cursor": cursor} if one_page else {})
+        await data.record(who, "export", viewed=user_id, details=details)
+        # Bad ids are a 400 now, not a stream cut short after its headers went out.
+        check_id("user_id", user_id)
+        check_id("session_id", where.session_id)
+        check_key("action", where.action)
+        name = "audit-export.jsonl"
+        lines: AsyncIterator[str]
+        if limit is not None:
+            shown = await data.trail(user_id, where, limit=limit, cursor=cursor)
+            lines = _once("".join(e.to_line() + "\n" for e in shown.entries))
+        else:
+            # Streamed a page at a time: a long trail is never held in memory whole.
+            lines = data.export_lines(user_id, where)
+        return StreamingResponse(
+            lines,
+            media_type="application/x-ndjson",
+            headers=_headers() | {"Content-Disposition": f'attachment; filename="{name}"'},
+        )
+
+    @page("", role="admin")
+    async def export_heads(request: Request, who: Principal) -> Response:
+        user_id = user_of(request)
+        await data.record(who, "export heads", viewed=user_id)
+        report = await data.verify(user_id)
+        # A `loomflow audit verify --json` report: `verify --file x.jsonl --heads this` reads it.
+        return JSONResponse(
+            report.to_json(),
+            headers=_headers() | {"Content-Disposition": 'attachment; filename="heads.json"'},
+        )
+
+    # -- sign-in and health ---------------------------------------------------------------
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    async def signin(request: Request) -> Response:
+        target = request.query_params.get("next", "/users")
+        if not _local(target):
+            target = "/users"  # never sign someone in and send them elsewhere
+        error = None
+        if request.method == "POST":
+            form = await request.form()
+            token = form.get("token")
+            entry = access.by_token(token) if isinstance(token, str) else None
+            if entry is not None:
+                request.session.clear()
+                await data.record(
+                    Principal(entry.name, entry.role, "cookie"), "sign in", action=CONSOLE_SIGNIN
+                )
+                request.session["token"] = cookie_value(entry, cookie_key)
+                return RedirectResponse(target, 303, headers=_headers())
+            error = "That token is not known."
+        response = render("signin.html", request, None, error=error, next=target)
+        if error is not None:
+            response.status_code = 401
+        return response
+
+    async def signout(request: Request) -> Response:
+        request.session.clear()
+        return RedirectResponse("/signin", 303, headers=_headers())
+
+    async def root(request: Request) -> Response:
+        return RedirectResponse("/users", 303)
+
+    routes = [
+        Route("/healthz", healthz),
+        Route("/", root),
+        Route("/signin", signin, methods=["GET", "POST"]),
+        Route("/signout", signout, methods=["POST"]),
+    ]
+    for prefix in ("", "/api"):
+        routes += [
+            Route(f"{prefix}/users", users),
+            Route(prefix + "/users/{user_id:path}", trail_by_path),
+            Route(f"{prefix}/trail", trail_by_query),
+            Route(f"{prefix}/entry", entry),
+            Route(f"{prefix}/run", run),
+            Route(f"{prefix}/runs", runs),
+            Route(f"{prefix}/verify", verify_all),
+            Route(f"{prefix}/export", export),
+            Route(f"{prefix}/export/heads", export_heads),
+        ]
+    middleware = [
+        Middleware(
+            SessionMiddleware,
+            secret_key=secret,
+            session_cookie="loomflow_console",
+            max_age=_SESSION_HOURS * 3600,
+            same_site="strict",
+            https_only=secure_cookie,
+        )
+    ]
+    return Starlette(routes=routes, middleware=middleware)
+
+
+async def _once(text: str) -> AsyncIterator[str]:
+    yield text
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))

@@ -1,0 +1,97 @@
+"""Building the console for a deployment: its stores, its access rules, its server."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..redaction import Redactor
+from ..storage._url import sqlite_path
+from ..stores import Stores
+from ._access import ConsoleAccess, TokenEntry, load_tokens, token_sha256
+from ._data import ConsoleData
+
+__all__ = ["ConsoleOptions", "build_console", "serve"]
+
+
+@dataclass
+class ConsoleOptions:
+    """How to open and guard one console (the ``loomflow console`` flags).
+
+    Attributes:
+        tokens_file: A file of ``role token name`` lines.
+        proxy_header: A request header a signing-in proxy sets to the user's name.
+        proxy_admins: Names that header may carry that get the admin role.
+        audit_url: The audit log (default: ``audit_url``, else the journal's database).
+        secure_cookie: Send the sign-in cookie over HTTPS only.
+    """
+
+    tokens_file: Path | None = None
+    proxy_header: str | None = None
+    proxy_admins: Sequence[str] = field(default_factory=tuple)
+    audit_url: str | None = None
+    secure_cookie: bool = False
+
+
+def _tokens(settings: Settings, options: ConsoleOptions) -> list[TokenEntry]:
+    tokens = [] if options.tokens_file is None else load_tokens(options.tokens_file)
+    if settings.console_token is not None:
+        # The one token of a small deployment is its operator's: admin.
+        digest = token_sha256(settings.console_token.get_secret_value())
+        tokens.append(TokenEntry("admin", digest, "console-token"))
+    return tokens
+
+
+def _has_journal(settings: Settings) -> bool:
+    """Whether the journal is there to read (a missing SQLite file is not made)."""
+    path = sqlite_path(settings.runtime_url)
+    return path is None or path == ":memory:" or Path(path).exists()
+
+
+def build_console(settings: Settings, options: ConsoleOptions) -> tuple[Any, Stores]:
+    """The ASGI application and the stores it reads (close them when done).
+
+    The journal is opened without migrating (``auto_migrate`` off): the console reads it
+    and must leave its schema as it found it. The audit log is written to (every query is
+    recorded there), so it is opened as any writer opens it.
+
+    Raises:
+        ConfigurationError: no way to sign in, or a bad tokens file.
+        ImportError: the ``console`` extra is not installed.
+    """
+    from ._app import create_app
+
+    access = ConsoleAccess(
+        _tokens(settings, options),
+        proxy_header=options.proxy_header,
+        proxy_admins=options.proxy_admins,
+    )
+    reading = settings.model_copy(update={"auto_migrate": False})
+    stores = Stores(reading, journal=_has_journal(settings), audit_url=options.audit_url)
+    secret = settings.console_session_secret
+    app = create_app(
+        ConsoleData(stores, Redactor.from_settings(settings)),
+        access,
+        session_secret=None if secret is None else secret.get_secret_value(),
+        secure_cookie=options.secure_cookie,
+    )
+    return app, stores
+
+
+async def serve(
+    settings: Settings, options: ConsoleOptions, *, host: str = "127.0.0.1", port: int = 8470
+) -> None:
+    """Serve the console until interrupted, then close its stores."""
+    try:
+        import uvicorn
+    except ImportError as exc:  # pragma: no cover - the extra is part of dev
+        raise ImportError("the console needs its extra: pip install 'loomflow[console]'") from exc
+    app, stores = build_console(settings, options)
+    try:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        await uvicorn.Server(config).serve()
+    finally:
+        await stores.close()

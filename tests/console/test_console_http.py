@@ -1,0 +1,583 @@
+"""The console over real HTTP (uvicorn on a free port, httpx): access, roles, hostile ids,
+paging and filters, redaction, verification, export, and the audit of every query."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sqlite3
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from console_helpers import (
+    ADMIN,
+    BOB,
+    BOB_EXTRA,
+    HOSTILE,
+    READER,
+    RESUMED,
+    Deployment,
+    Server,
+    run_agent,
+    tables,
+)
+
+from loomflow.audit import AuditRecord, SqliteAuditStore
+from loomflow.config import Settings
+from loomflow.console import ConsoleOptions, build_console, token_sha256
+from loomflow.console._app import user_url
+from loomflow.console._data import _run_state
+from loomflow.errors import ConfigurationError
+from loomflow.stores import Stores
+
+ROUTES = [
+    "/users",
+    "/users/bob",
+    "/trail?user=bob",
+    "/entry?user=bob&seq=1",
+    "/run?user=bob&run=x",
+    "/runs",
+    "/verify",
+    "/export?user=bob",
+    "/export/heads?user=bob",
+]
+
+
+def _audit(deployment: Deployment, **filters: object) -> list[dict[str, object]]:
+    async def read() -> list[dict[str, object]]:
+        async with Stores(deployment.settings, journal=False) as stores:
+            return [e.to_json() async for e in stores.audit.entries(**filters)]
+
+    return asyncio.run(read())
+
+
+def test_nothing_but_healthz_without_signing_in(console: Server) -> None:
+    with console.client() as http:
+        assert http.get("/healthz").json() == {"ok": True}
+        for route in ROUTES:
+            api = http.get("/api" + route)
+            assert api.status_code == 401, route
+            assert api.headers["www-authenticate"] == "Bearer"
+            page = http.get(route, follow_redirects=False)
+            assert page.status_code == 303, route
+            assert page.headers["location"].startswith("/signin?next=")
+        # A wrong token, or a right one spelled another way, is no better than none.
+        for bad in ("nope", ADMIN + "x", ADMIN[:-1], "x", ADMIN.upper()):
+            assert (
+                http.get("/api/users", headers={"Authorization": f"Bearer {bad}"}).status_code
+                == 401
+            )
+        # The proxy header means nothing unless the console was told to trust it.
+        assert http.get("/api/users", headers={"X-Forwarded-User": "ada"}).status_code == 401
+
+
+def test_a_reader_is_refused_admin_work_and_the_refusal_is_audited(
+    console: Server, deployment: Deployment
+) -> None:
+    with console.client(READER) as http:
+        assert http.get("/api/users").status_code == 200
+        assert http.get(f"/api{user_url(BOB)}").status_code == 200
+        for route in ("/runs", "/verify", "/export?user=bob", "/export/heads?user=bob"):
+            assert http.get("/api" + route).status_code == 403, route
+            page = http.get(route)
+            assert page.status_code == 403
+            assert "Not allowed" in page.text
+    refused = _audit(deployment, user_id="console:rob", action="console.refused")
+    assert {e["payload"]["query"] for e in refused} >= {"/runs", "/api/export"}  # type: ignore[index]
+
+
+def test_hostile_user_ids_are_escaped_and_reach_their_own_trail(
+    console: Server, deployment: Deployment
+) -> None:
+    with console.client(ADMIN) as http:
+        users = http.get("/api/users").json()["users"]
+        ids = {u["user_id"] for u in users}
+        assert {HOSTILE, BOB, ".."} <= ids
+        hostile = next(u for u in users if u["user_id"] == HOSTILE)
+        assert hostile["url"] == "/users/" + quote(HOSTILE, safe="")
+        assert "/" not in hostile["url"].removeprefix("/users/")  # one path segment
+        page = http.get("/users", params={"q": "script"})
+        assert "<script>" not in page.text
+        assert "&lt;script&gt;alert(" in page.text
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        for user in (HOSTILE, ".."):
+            trail = http.get("/api" + user_url(user)).json()
+            assert trail["entries"], user
+            assert {e["user_id"] for e in trail["entries"]} == {user}
+            assert http.get(user_url(user)).status_code == 200
+        assert user_url("..") == "/trail?user=.."  # a browser would fold /users/.. away
+        # Ids that look like paths or are too long are ids, not paths: an empty trail or a
+        # clear refusal, never another user's data or a file.
+        for probe in ("../../etc/passwd", "bob/../bob", "a" * 300, "x\x00y"):
+            got = http.get("/api/trail", params={"user": probe})
+            if got.status_code == 200:
+                assert got.json()["entries"] == []
+            else:
+                assert got.status_code == 400
+                assert "user_id" in got.json()["error"]
+        html = http.get("/trail", params={"user": "<b>x</b>"}).text
+        assert "<b>x</b>" not in html
+        assert "&lt;b&gt;x&lt;/b&gt;" in html
+
+
+def test_a_trail_pages_and_filters(console: Server) -> None:
+    with console.client(ADMIN) as http:
+        seen: list[int] = []
+        url: str | None = "/api/users/bob?limit=25"
+        pages = 0
+        while url is not None:
+            body = http.get(url).json()
+            seen += [e["seq"] for e in body["entries"]]
+            pages += 1
+            url = None
+            if body["next_cursor"] is not None:
+                url = f"/api/users/bob?limit=25&cursor={body['next_cursor']}"
+        assert pages >= 3
+        assert seen == sorted(set(seen))
+        assert seen[0] == 1
+        assert len(seen) == seen[-1]
+        notes = http.get("/api/users/bob", params={"action": "note.*", "limit": 100}).json()
+        assert len(notes["entries"]) == BOB_EXTRA
+        session = http.get("/api/users/bob", params={"session": "s-bob", "limit": 100}).json()
+        assert session["entries"]
+        assert {e["session_id"] for e in session["entries"]} == {"s-bob"}
+        past = http.get("/api/users/bob", params={"until": "2001-01-01"}).json()
+        assert past["entries"] == []
+        future = http.get("/api/users/bob", params={"since": "2999-01-01T00:00Z"}).json()
+        assert future["entries"] == []
+        bad = http.get("/api/users/bob", params={"since": "yesterday-ish"})
+        assert bad.status_code == 400
+        assert "since" in bad.json()["error"]
+        assert http.get("/api/users/bob", params={"limit": "7"}).status_code == 400
+        assert http.get("/api/users/bob", params={"cursor": "x"}).status_code == 400
+
+
+def test_an_entry_is_shown_redacted(console: Server) -> None:
+    with console.client(ADMIN) as http:
+        notes = http.get("/api/users/bob", params={"action": "note.added", "limit": 10}).json()
+        seq = notes["entries"][0]["seq"]
+        assert "s3cr3t-value-xyz" in json.dumps(notes)  # the API's trail is what is stored
+        shown = http.get("/api/entry", params={"user": BOB, "seq": seq}).json()
+        assert "s3cr3t-value-xyz" not in json.dumps(shown)
+        assert "bob@example.com" not in json.dumps(shown)
+        assert "[REDACTED]" in shown["payload"]["note"]
+        page = http.get("/entry", params={"user": BOB, "seq": seq}).text
+        assert "s3cr3t-value-xyz" not in page
+        assert "[REDACTED]" in page
+        assert http.get("/api/entry", params={"user": BOB, "seq": 99999}).status_code == 404
+
+
+def test_a_runs_story(console: Server, deployment: Deployment) -> None:
+    run_id = deployment.runs[BOB]
+    with console.client(ADMIN) as http:
+        story = http.get("/api/run", params={"user": BOB, "run": run_id}).json()
+        assert story["session_id"] == "s-bob"
+        assert story["state"] == "finished"
+        assert story["executed"] >= 2  # a model call and a tool call ran live
+        assert story["replayed"] == 0
+        assert [d["action"] for d in story["decisions"]] == [
+            "permission.decision",
+            "budget.warning",
+        ]
+        assert story["journal"]  # the session's journaled steps
+        page = http.get("/run", params={"user": BOB, "run": run_id}).text
+        assert "over the limit" in page
+        assert 'id="journal"' in page
+        assert "finished" in page
+        # A run of another user is not shown under this one.
+        other = deployment.runs[HOSTILE]
+        assert http.get("/api/run", params={"user": BOB, "run": other}).status_code == 404
+
+
+def test_a_resumed_runs_story_shows_replayed_steps(console: Server, deployment: Deployment) -> None:
+    with console.client(ADMIN) as http:
+        story = http.get(
+            "/api/run", params={"user": RESUMED, "run": deployment.runs[RESUMED]}
+        ).json()
+    assert story["replayed"] >= 1  # the model call answered from the journal
+    assert story["executed"] >= 1  # the tool call the crash cut short ran again
+    assert story["state"] == "finished"
+    assert "model.replay" in [e["action"] for e in story["entries"]]
+
+
+def test_verification_and_export_check_out_with_the_cli(
+    console: Server, deployment: Deployment, tmp_path: Path
+) -> None:
+    with console.client(ADMIN) as http:
+        shown = http.get("/api/users/bob", params={"verify": 1}).json()["verify"]
+        assert shown["ok"]
+        assert shown["entries"] == len(_audit(deployment, user_id=BOB))
+        page = http.get("/users/bob", params={"verify": 1}).text
+        assert "Chain verified" in page
+        export = http.get("/export", params={"user": BOB, "action": "note.*"})
+        assert export.headers["content-type"].startswith("application/x-ndjson")
+        lines = export.text.splitlines()
+        assert len(lines) == BOB_EXTRA
+        # "This page": exactly the entries the trail page shows.
+        first = http.get("/api/users/bob", params={"limit": 25}).json()
+        second = http.get(
+            "/api/users/bob", params={"limit": 25, "cursor": first["next_cursor"]}
+        ).json()
+        page = http.get(
+            "/export", params={"user": BOB, "limit": 25, "cursor": first["next_cursor"]}
+        ).text
+        assert [json.loads(line) for line in page.splitlines()] == second["entries"]
+        assert http.get("/api/export", params={"user": BOB, "limit": 7}).status_code == 400
+        full = http.get("/export", params={"user": BOB}).text
+        heads = http.get("/export/heads", params={"user": BOB}).text
+    (tmp_path / "bob.jsonl").write_text(full, encoding="utf-8")
+    (tmp_path / "heads.json").write_text(heads, encoding="utf-8")
+    cli = [sys.executable, "-m", "loomflow.cli"]
+    checked = subprocess.run(
+        [
+            *cli,
+            "audit",
+            "verify",
+            "--file",
+            str(tmp_path / "bob.jsonl"),
+            "--heads",
+            str(tmp_path / "heads.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    (tmp_path / "page.jsonl").write_text(page, encoding="utf-8")
+    mid = subprocess.run(
+        [*cli, "audit", "verify", "--file", str(tmp_path / "page.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert mid.returncode == 0, mid.stdout + mid.stderr  # a page from mid-chain checks too
+    same = subprocess.run(
+        [*cli, "--url", deployment.url, "audit", "export", "--user", BOB],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert same.returncode == 0, same.stderr
+    assert same.stdout == full  # the same format as `loomflow audit export`
+
+
+def test_every_query_is_audited_in_the_askers_chain(
+    console: Server, deployment: Deployment
+) -> None:
+    before = len(_audit(deployment, user_id=HOSTILE))
+    with console.client(ADMIN) as http:
+        assert http.get("/api" + user_url(HOSTILE), params={"action": "tool.*"}).status_code == 200
+    looks = _audit(deployment, user_id="console:ada", action="console.query")
+    last = looks[-1]["payload"]
+    assert last["viewed_user"] == HOSTILE  # type: ignore[index]
+    assert last["query"] == "trail"
+    assert last["details"]["action"] == "tool.*"  # type: ignore[index]
+    assert len(_audit(deployment, user_id=HOSTILE)) == before  # looking leaves the trail alone
+
+
+def test_runs_by_state(console: Server) -> None:
+    with console.client(ADMIN) as http:
+        runs = http.get("/api/runs").json()["runs"]
+        assert {r["user_id"] for r in runs} >= {BOB, HOSTILE}
+        assert {r["state"] for r in runs} == {"finished"}
+        assert http.get("/api/runs", params={"state": "open"}).json()["runs"] == []
+        assert "<script>alert" not in http.get("/runs").text
+
+
+def test_run_state_prefers_the_fleet_state() -> None:
+    class Info:
+        open = True
+
+    assert _run_state(Info()) == "open"  # type: ignore[arg-type]
+    Info.open = False
+    assert _run_state(Info()) == "finished"  # type: ignore[arg-type]
+    Info.state = "orphaned"  # type: ignore[attr-defined]
+    assert _run_state(Info()) == "orphaned"  # type: ignore[arg-type]
+
+
+def test_the_sign_in_cookie(console: Server, deployment: Deployment) -> None:
+    with console.client() as http:
+        form = http.get("/signin")
+        assert form.status_code == 200
+        assert 'name="token"' in form.text
+        # Sent to the form from a trail, and back to that very trail after signing in.
+        asked = http.get(user_url("a?b/c"), params={"since": "7d"}, follow_redirects=False)
+        back = urllib.parse.parse_qs(urllib.parse.urlsplit(asked.headers["location"]).query)
+        assert back["next"] == ["/users/a%3Fb%2Fc?since=7d"]
+        wrong = http.post("/signin", data={"token": "not-a-token-at-all"})
+        assert wrong.status_code == 401
+        assert "not known" in wrong.text
+        for elsewhere in ("//evil.example/x", "/\\evil.example", "https://evil.example", "/a\nb"):
+            moved = http.post(
+                "/signin",
+                params={"next": elsewhere},
+                data={"token": READER},
+                follow_redirects=False,
+            )
+            assert moved.headers["location"] == "/users", elsewhere  # never off the console
+        done = http.post("/signin?next=/users/bob", data={"token": READER}, follow_redirects=False)
+        assert done.status_code == 303
+        assert done.headers["location"] == "/users/bob"
+        cookie = done.headers["set-cookie"].lower()
+        assert "httponly" in cookie
+        assert "samesite=strict" in cookie
+        # Neither the token nor its plain hash is in the (readable, signed) cookie.
+        raw = base64.b64decode(done.cookies["loomflow_console"].split(".")[0] + "==")
+        assert READER.encode() not in raw
+        assert token_sha256(READER).encode() not in raw
+        assert http.get("/users").status_code == 200
+        assert http.get("/runs").status_code == 403  # the cookie carries the reader's role
+        http.post("/signout")
+        assert http.get("/users", follow_redirects=False).status_code == 303
+    assert _audit(deployment, user_id="console:rob", action="console.signin")
+
+
+def test_a_trusted_proxy_header(deployment: Deployment) -> None:
+    options = ConsoleOptions(proxy_header="X-Forwarded-User", proxy_admins=("ada",))
+    with Server(deployment.settings, options) as server, server.client() as http:
+        assert http.get("/api/users").status_code == 401
+        carol = {"X-Forwarded-User": "carol"}
+        assert http.get("/api/users", headers=carol).status_code == 200
+        assert http.get("/api/runs", headers=carol).status_code == 403
+        assert http.get("/api/runs", headers={"X-Forwarded-User": "ada"}).status_code == 200
+        assert http.get("/api/users", headers={"X-Forwarded-User": "<b>"}).status_code == 401
+    assert _audit(deployment, user_id="console:carol", action="console.query")
+
+
+def test_tokens_files_and_settings_are_checked(deployment: Deployment, tmp_path: Path) -> None:
+    cases = {
+        "root " + "t" * 20 + " x": "role must be reader or admin",
+        "admin short x": "16 characters or more",
+        "admin sha256:abc x": "64 lowercase hex",
+        f"admin {'t' * 20} a\nreader {'u' * 20} a": "given twice",
+        f"admin {'t' * 20}": "expected `role token name`",
+        f"admin {'t' * 20} <b>": "a name is",
+    }
+    for text, message in cases.items():
+        path = tmp_path / "tokens"
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigurationError, match=message) as caught:
+            build_console(deployment.settings, ConsoleOptions(tokens_file=path))
+        assert "t" * 20 not in str(caught.value)  # a token never lands in a message
+    with pytest.raises(ConfigurationError, match="needs a way in"):
+        build_console(deployment.settings, ConsoleOptions())
+    with pytest.raises(ConfigurationError, match="cannot read tokens file"):
+        build_console(deployment.settings, ConsoleOptions(tokens_file=tmp_path / "none"))
+
+
+def test_a_hashed_token_and_the_setting_token(deployment: Deployment, tmp_path: Path) -> None:
+    digest = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "console", "--hash-token"],
+        input="hashed-token-0123456789\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert digest.startswith("sha256:")
+    assert len(digest) == 71
+    (tmp_path / "tokens").write_text(f"reader {digest} hana\n", encoding="utf-8")
+    settings = Settings(runtime_url=deployment.url, console_token="setting-token-0123456789")
+    with Server(settings, ConsoleOptions(tokens_file=tmp_path / "tokens")) as server:
+        with server.client("hashed-token-0123456789") as http:
+            assert http.get("/api/users").status_code == 200
+            assert http.get("/api/runs").status_code == 403
+        with server.client(digest) as http:  # the hash is not itself a token
+            assert http.get("/api/users").status_code == 401
+        with server.client("setting-token-0123456789") as http:
+            assert http.get("/api/runs").status_code == 200  # LOOMFLOW_CONSOLE_TOKEN: admin
+
+
+def test_the_console_adds_no_tables(console: Server, deployment: Deployment) -> None:
+    with console.client(ADMIN) as http:
+        for route in ROUTES:
+            http.get("/api" + route)
+    assert tables(deployment.root / "journal.db") == deployment.tables
+
+
+def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> None:
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        await store.append(AuditRecord(user_id="u", actor="t", action="x"))
+        await store.close()
+
+    asyncio.run(make())
+    before = tables(path)
+    from console_helpers import free_port
+
+    port = free_port()
+    env = {"LOOMFLOW_CONSOLE_TOKEN": ADMIN, "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "loomflow.cli",
+            "--url",
+            f"sqlite:///{path}",
+            "console",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert f"http://127.0.0.1:{port}/" in line
+        import httpx
+
+        for _ in range(100):
+            try:
+                got = httpx.get(
+                    f"http://127.0.0.1:{port}/api/users",
+                    headers={"Authorization": f"Bearer {ADMIN}"},
+                )
+                break
+            except httpx.ConnectError:
+                import time
+
+                time.sleep(0.1)
+        assert got.status_code == 200
+        # "u", and the console's own chain, where that very query was recorded.
+        assert [u["user_id"] for u in got.json()["users"]] == ["console:console-token", "u"]
+        # No journal in this database: the runs page says so rather than failing.
+        runs = httpx.get(
+            f"http://127.0.0.1:{port}/api/runs", headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        assert runs.status_code == 400
+        assert "journal" in runs.json()["error"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.close()
+    assert tables(path) == before  # no journal tables: the console made none
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loomflow.cli",
+            "--url",
+            f"sqlite:///{tmp_path / 'typo.db'}",
+            "console",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert missing.returncode == 1
+    assert "no audit log at" in missing.stderr
+    assert not (tmp_path / "typo.db").exists()
+    nobody = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}", "console"],
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert nobody.returncode == 1
+    assert "needs a way in" in nobody.stderr
+
+
+def test_a_tampered_trail_fails_verification_on_the_page(tmp_path: Path) -> None:
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        await store.append(
+            [AuditRecord(user_id="eve", actor="t", action="x", payload={"n": n}) for n in range(3)]
+        )
+        await store.close()
+
+    asyncio.run(make())
+    with sqlite3.connect(path) as db:  # someone with write access to the file
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("""UPDATE loom_audit SET payload = '{"n":99}' WHERE seq = 2""")
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        report = http.get("/api/users/eve", params={"verify": 1}).json()["verify"]
+        assert report["ok"] is False
+        assert [(p["kind"], p["seq"]) for p in report["problems"]] == [("edited", 2)]
+        page = http.get("/users/eve", params={"verify": 1}).text
+        assert "Chain verification FAILED" in page
+        assert "entry 2 was changed" in page
+        everyone = http.get("/api/verify").json()
+        assert everyone["ok"] is False
+        assert "FAILED" in http.get("/verify").text
+        # The console's own chain, written while looking, verifies.
+        mine = http.get("/api/users/console:console-token", params={"verify": 1}).json()
+        assert mine["verify"]["ok"] is True
+
+
+def test_ages_and_bad_filters(console: Server) -> None:
+    with console.client(ADMIN) as http:
+        recent = http.get("/api/users/bob", params={"since": "1d", "limit": 100}).json()
+        assert recent["entries"]  # written minutes ago
+        assert http.get("/api/users/bob", params={"until": "1d"}).json()["entries"] == []
+        bad = http.get("/api/export", params={"user": BOB, "session": "a\x00b"})
+        assert bad.status_code == 400
+        assert "session_id" in bad.json()["error"]
+        assert http.get("/api/verify").json()["ok"] is True
+
+
+@pytest.mark.postgres
+def test_the_console_on_postgresql(pg_dsn: str) -> None:
+    settings = Settings(runtime_url=pg_dsn, console_token=ADMIN)
+
+    async def make() -> str:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        return await run_agent(settings, HOSTILE, "s-pg")
+
+    run_id = asyncio.run(make())
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        users = http.get("/api/users").json()["users"]
+        assert HOSTILE in [u["user_id"] for u in users]
+        trail = http.get("/api" + user_url(HOSTILE), params={"verify": 1}).json()
+        assert trail["verify"]["ok"] is True
+        assert {e["run_id"] for e in trail["entries"]} == {run_id}
+        story = http.get("/api/run", params={"user": HOSTILE, "run": run_id}).json()
+        assert story["state"] == "finished"
+        assert story["executed"] >= 2
+        runs = http.get("/api/runs").json()["runs"]
+        assert [(r["user_id"], r["state"]) for r in runs] == [(HOSTILE, "finished")]
+        assert "&lt;script&gt;" in http.get(user_url(HOSTILE)).text
+
+
+def test_loomflow_settings_hides_the_console_secrets(tmp_path: Path) -> None:
+    token, key = "settings-token-0123456789", "k" * 40
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LOOMFLOW_CONSOLE_TOKEN": token,
+        "LOOMFLOW_CONSOLE_SESSION_SECRET": key,
+    }
+    for args in ([], ["--json"]):
+        shown = subprocess.run(
+            [sys.executable, "-m", "loomflow.cli", "settings", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd=tmp_path,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert token not in shown.stdout
+        assert key not in shown.stdout
+        assert shown.stdout.count("(set, hidden)") >= 2
