@@ -89,7 +89,8 @@ async def test_a_run_and_its_resume_as_genai_and_loomflow_metrics(
     first = await agent.run("where is order 7?", session_id="s-otel", user_id="ana-otel")
     again = await agent.resume("where is order 7?", session_id="s-otel", user_id="ana-otel")
     await runtime.close()
-    assert again.fresh_steps == 0 and model.calls == 2  # the resume called nothing
+    assert again.fresh_steps == 0
+    assert model.calls == 2
 
     found = reader.collect()
     chat = {
@@ -111,7 +112,8 @@ async def test_a_run_and_its_resume_as_genai_and_loomflow_metrics(
     assert 0 < total(duration) < 10
     # Both scripted answers streamed deltas (a tool-call delta, then text deltas).
     first_chunk = found["gen_ai.client.operation.time_to_first_chunk"]
-    assert first_chunk.unit == "s" and count(first_chunk, **chat) == 2
+    assert first_chunk.unit == "s"
+    assert count(first_chunk, **chat) == 2
     assert total(first_chunk) <= total(duration)
 
     # Ours, with the Prometheus labels as attributes.
@@ -172,7 +174,8 @@ async def test_a_failed_call_has_an_error_type_and_a_refused_one_no_duration(
         await agent.run("hi", session_id="s-err")
     duration = reader.collect()["gen_ai.client.operation.duration"]
     [point] = points(duration)
-    assert point.attributes["error.type"] == "rate_limit" and point.count == 1
+    assert point.attributes["error.type"] == "rate_limit"
+    assert point.count == 1
     errors = reader.collect()["loomflow.model.errors"]
     assert total(errors, provider="scripted", error="rate_limit") == 1
     assert total(reader.collect()["loomflow.runs"], outcome="failed") == 1
@@ -206,7 +209,8 @@ async def test_cache_figures_reach_spans_and_metrics_apart_from_input(
     # ...and the cache parts have their own counter, as in Prometheus.
     cache = found["loomflow.model.cache_tokens"]
     assert cache.unit == "{token}"
-    assert total(cache, type="read") == 700 and total(cache, type="write") == 200
+    assert total(cache, type="read") == 700
+    assert total(cache, type="write") == 200
     labels = {"provider": "scripted", "model": "scripted", "type": "read"}
     assert registry.get_sample_value("loomflow_model_cache_tokens_total", labels) == 700
 
