@@ -57,7 +57,9 @@ async def test_openai_cached_tokens_beyond_the_prompt_are_clipped(
     assert response.usage.cache_read_tokens == 10
 
 
-async def test_zero_cache_figures_mean_no_cache(anthropic_api: FakeAnthropicAPI, fast: Backoff) -> None:
+async def test_zero_cache_figures_mean_no_cache(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
     anthropic_api.add(Reply(text="Hi.", input_tokens=21, output_tokens=3))
     async with AnthropicModel(
         "claude-opus-4-7", base_url=anthropic_api.base_url, api_key="sk-test", backoff=fast
