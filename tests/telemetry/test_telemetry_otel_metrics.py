@@ -295,3 +295,89 @@ def test_the_default_records_to_the_global_meter_provider_and_opt_out_records_no
         "loomflow.journal.steps",
         "loomflow.runs",
     } <= set(out["loud"])
+
+
+# -- export over OTLP, from the standard variables -------------------------------------------
+
+EXPORTER = """
+import asyncio
+from loomflow.agent import Agent
+from loomflow.models import ScriptedModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.telemetry import setup_telemetry
+
+async def main():
+    setup = setup_telemetry()
+    print("METERS", setup.meter_provider is not None)
+    agent = Agent("x", model=ScriptedModel(["hello"]), runtime=InMemoryRuntime())
+    await agent.run("hi", session_id="s-export", user_id="bob-export")
+    setup.shutdown()  # exports what the periodic reader holds
+
+asyncio.run(main())
+"""
+
+
+def _export(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LOOMFLOW_", "OTEL_"))}
+    clean.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", EXPORTER],
+        env=clean,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_otel_metrics_export_over_otlp_when_the_standard_variable_asks(
+    otlp_receiver: tuple[str, Any], tmp_path: Path
+) -> None:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    url, received = otlp_receiver
+    done = _export(
+        tmp_path,
+        OTEL_EXPORTER_OTLP_ENDPOINT=url,
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_SERVICE_NAME="orders",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "METERS True" in done.stdout
+    assert set(received.paths) == {"/v1/metrics"}
+    names: set[str] = set()
+    for body in received.bodies:
+        for resource in ExportMetricsServiceRequest.FromString(body).resource_metrics:
+            service = {a.key: a.value.string_value for a in resource.resource.attributes}
+            assert service["service.name"] == "orders"
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    names.add(metric.name)
+                    kind = metric.WhichOneof("data")
+                    for point in getattr(metric, kind).data_points:
+                        keys = {a.key for a in point.attributes}
+                        values = {a.value.string_value for a in point.attributes}
+                        assert not FORBIDDEN_KEYS & keys, metric.name
+                        assert not {"bob-export", "s-export"} & values, metric.name
+    assert {"gen_ai.client.token.usage", "gen_ai.client.operation.duration"} <= names
+    assert {"loomflow.journal.steps", "loomflow.runs", "loomflow.run.duration"} <= names
+
+
+def test_without_the_metrics_exporter_variable_no_metrics_are_pushed(
+    otlp_receiver: tuple[str, Any], tmp_path: Path
+) -> None:
+    url, received = otlp_receiver
+    done = _export(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=url)
+    assert done.returncode == 0, done.stderr
+    assert "METERS False" in done.stdout
+    assert "/v1/metrics" not in received.paths
+
+
+def test_an_unknown_metrics_exporter_is_a_configuration_error(tmp_path: Path) -> None:
+    done = _export(tmp_path, OTEL_METRICS_EXPORTER="zipkin")
+    assert done.returncode != 0
+    assert "OTEL_METRICS_EXPORTER: zipkin is not supported" in done.stderr
