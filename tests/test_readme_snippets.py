@@ -54,3 +54,10 @@ async def test_checkpoints_and_memory_snippet_runs_as_written(tmp_path: Path) ->
     # The second run remembered the first; the resume and the fork restored snapshots.
     assert model.calls == 2
     assert any(m.content == "Hi, I'm Alice." for m in model.requests[1])
+
+
+async def test_otel_metrics_snippet_runs_as_written() -> None:
+    code = _with_model(_block("InMemoryMetricReader"), "MODEL")
+    namespace: dict[str, Any] = {"MODEL": ScriptedModel(["Hello."])}
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    await namespace["snippet"]()  # its own assert checks the GenAI token metric arrived
