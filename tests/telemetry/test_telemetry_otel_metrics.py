@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent
@@ -22,7 +20,7 @@ from loomflow.messages import ModelResponse, ToolCall, Usage
 from loomflow.models import ScriptedModel
 from loomflow.runtime import SqliteRuntime
 from loomflow.telemetry import OTEL_INSTRUMENTS, Metrics, Telemetry
-from loomflow.telemetry.testing import SpanCapture
+from loomflow.telemetry.testing import MetricCapture, SpanCapture
 from loomflow.tools import tool
 
 FORBIDDEN_KEYS = {"user.id", "user_id", "session.id", "gen_ai.conversation.id", "loom.run.id"}
@@ -32,25 +30,6 @@ FORBIDDEN_KEYS = {"user.id", "user_id", "session.id", "gen_ai.conversation.id", 
 def lookup(order: int) -> str:
     """Look an order up."""
     return "shipped"
-
-
-class Reader:
-    """An SDK meter provider with an in-memory reader, and lookups over what it collected."""
-
-    def __init__(self) -> None:
-        self.reader = InMemoryMetricReader()
-        self.provider = MeterProvider(metric_readers=[self.reader])
-
-    def collect(self) -> dict[str, Any]:
-        data = self.reader.get_metrics_data()
-        found: dict[str, Any] = {}
-        assert data is not None
-        for resource in data.resource_metrics:
-            for scope in resource.scope_metrics:
-                assert scope.scope.name == "loomflow"
-                for metric in scope.metrics:
-                    found[metric.name] = metric
-        return found
 
 
 def points(metric: Any, **attributes: str) -> list[Any]:
@@ -73,12 +52,12 @@ def count(metric: Any, **attributes: str) -> int:
 
 
 @pytest.fixture
-def reader() -> Reader:
-    return Reader()
+def reader() -> MetricCapture:
+    return MetricCapture()
 
 
 async def test_a_run_and_its_resume_as_genai_and_loomflow_metrics(
-    tmp_path: Path, reader: Reader, registry: CollectorRegistry
+    tmp_path: Path, reader: MetricCapture, registry: CollectorRegistry
 ) -> None:
     capture = SpanCapture()
     metrics = Metrics(registry, meter_provider=reader.provider)
@@ -93,6 +72,9 @@ async def test_a_run_and_its_resume_as_genai_and_loomflow_metrics(
     assert model.calls == 2
 
     found = reader.collect()
+    data = reader.reader.get_metrics_data()
+    assert data is not None
+    assert {s.scope.name for r in data.resource_metrics for s in r.scope_metrics} == {"loomflow"}
     chat = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "scripted",
@@ -103,6 +85,12 @@ async def test_a_run_and_its_resume_as_genai_and_loomflow_metrics(
     assert usage.unit == "{token}"
     assert total(usage, **chat, **{"gen_ai.token.type": "input"}) == first.tokens_in
     assert total(usage, **chat, **{"gen_ai.token.type": "output"}) == first.tokens_out
+    # The capture helper reads the same figures.
+    assert reader.total("gen_ai.client.token.usage", **{"gen_ai.token.type": "output"}) == (
+        first.tokens_out
+    )
+    assert reader.count("gen_ai.client.operation.duration") == 2
+    assert reader.total("loomflow.journal.steps", outcome="hit") == again.replayed_steps
     assert count(usage, **{"gen_ai.token.type": "input"}) == 2
     assert list(points(usage)[0].explicit_bounds[:3]) == [1.0, 4.0, 16.0]
     duration = found["gen_ai.client.operation.duration"]
@@ -165,7 +153,7 @@ async def test_a_run_and_its_resume_as_genai_and_loomflow_metrics(
 
 
 async def test_a_failed_call_has_an_error_type_and_a_refused_one_no_duration(
-    reader: Reader, registry: CollectorRegistry
+    reader: MetricCapture, registry: CollectorRegistry
 ) -> None:
     metrics = Metrics(registry, meter_provider=reader.provider)
     model = ScriptedModel([ModelError("scripted", "scripted", "slow down", status=429)])
@@ -182,7 +170,7 @@ async def test_a_failed_call_has_an_error_type_and_a_refused_one_no_duration(
 
 
 async def test_cache_figures_reach_spans_and_metrics_apart_from_input(
-    reader: Reader, registry: CollectorRegistry
+    reader: MetricCapture, registry: CollectorRegistry
 ) -> None:
     capture = SpanCapture()
     metrics = Metrics(registry, meter_provider=reader.provider)
@@ -224,7 +212,7 @@ def test_every_instrument_has_a_conventional_unit_and_a_unique_name() -> None:
         assert (spec.kind == "histogram") == (spec.buckets is not None), spec
 
 
-def test_runs_by_state_is_a_gauge_of_the_latest_report(reader: Reader) -> None:
+def test_runs_by_state_is_a_gauge_of_the_latest_report(reader: MetricCapture) -> None:
     metrics = Metrics(CollectorRegistry(), meter_provider=reader.provider)
     metrics.runs_by_state(backend="postgres", state="orphaned", count=3)
     metrics.runs_by_state(backend="postgres", state="orphaned", count=1)
@@ -233,10 +221,10 @@ def test_runs_by_state_is_a_gauge_of_the_latest_report(reader: Reader) -> None:
     assert point.value == 1
 
 
-def test_metrics_without_otel_build_no_instrument(reader: Reader) -> None:
+def test_metrics_without_otel_build_no_instrument(reader: MetricCapture) -> None:
     metrics = Metrics(CollectorRegistry(), meter_provider=reader.provider, otel=False)
     metrics.audit_entry("run.start")
-    assert reader.reader.get_metrics_data() is None or not reader.collect()
+    assert reader.collect() == {}
 
 
 # The application installs an SDK meter provider as the global one *after* building its
