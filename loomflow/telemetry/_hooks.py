@@ -596,6 +596,18 @@ class TelemetryHooks(RunHooks):
                 seconds=time.perf_counter() - token.started,
             )
 
+    async def model_call_finished(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
+    ) -> None:
+        # The whole response is in, the journal write is still to come: the call's duration
+        # ends here.
+        if self.metrics is not None and isinstance(token, _ModelCall):
+            self.metrics.model_call(
+                provider=info.provider,
+                model=info.model_name,
+                duration_s=time.perf_counter() - token.started,
+            )
+
     async def model_call_failed(
         self, info: RunInfo, turn: int, error: BaseException, token: Any
     ) -> None:
@@ -632,12 +644,6 @@ class TelemetryHooks(RunHooks):
             live.live_usage = live.live_usage + usage
         call = token if isinstance(token, _ModelCall) else None
         if self.metrics is not None:
-            if call is not None:
-                self.metrics.model_call(
-                    provider=info.provider,
-                    model=info.model_name,
-                    duration_s=time.perf_counter() - call.started,
-                )
             self.metrics.model_usage(
                 provider=info.provider,
                 model=info.model_name,

@@ -369,3 +369,26 @@ def test_an_unknown_metrics_exporter_is_a_configuration_error(tmp_path: Path) ->
     done = _export(tmp_path, OTEL_METRICS_EXPORTER="zipkin")
     assert done.returncode != 0
     assert "OTEL_METRICS_EXPORTER: zipkin is not supported" in done.stderr
+
+
+class OnePiece:
+    """A model that answers in one piece (no deltas): it has no time to first chunk."""
+
+    name = "one-piece"
+    provider = "scripted"
+
+    async def stream(self, messages: Any, *, tools: Any, settings: Any) -> Any:
+        yield ModelResponse(text="whole", usage=Usage(input_tokens=3, output_tokens=1))
+
+
+async def test_a_call_answered_in_one_piece_records_a_duration_but_no_first_chunk(
+    reader: MetricCapture,
+) -> None:
+    metrics = Metrics(CollectorRegistry(), meter_provider=reader.provider)
+    agent = Agent("x", model=OnePiece(), telemetry=Telemetry(metrics=metrics, tracing=False))
+    await agent.run("hi", session_id="s-whole")
+    assert (
+        reader.count("gen_ai.client.operation.duration", **{"gen_ai.request.model": "one-piece"})
+        == 1
+    )
+    assert reader.points("gen_ai.client.operation.time_to_first_chunk") == []
