@@ -392,3 +392,37 @@ async def test_a_call_answered_in_one_piece_records_a_duration_but_no_first_chun
         == 1
     )
     assert reader.points("gen_ai.client.operation.time_to_first_chunk") == []
+
+
+async def test_openai_cache_figures_through_the_real_sdk_reach_spans_metrics_and_cost(
+    reader: MetricCapture, registry: CollectorRegistry
+) -> None:
+    from loomflow.models import OpenAIModel, cost_usd
+    from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+    capture = SpanCapture()
+    metrics = Metrics(registry, meter_provider=reader.provider)
+    reply = Reply(text="Hi.", input_tokens=4000, output_tokens=10, cache_read_tokens=3072)
+    with FakeOpenAIAPI(reply) as api:
+        model = OpenAIModel("gpt-4.1", base_url=api.base_url, api_key="sk-test")
+        telemetry = Telemetry(tracer_provider=capture.provider, metrics=metrics)
+        result = await Agent("x", model=model, telemetry=telemetry).run("hi", session_id="s-oa")
+        await model.aclose()
+    [chat] = [s for s in capture.spans if s.name.startswith("chat")]
+    assert chat.attributes["gen_ai.usage.input_tokens"] == 4000
+    assert chat.attributes["gen_ai.usage.cache_read.input_tokens"] == 3072
+    assert "gen_ai.usage.cache_creation.input_tokens" not in chat.attributes
+    assert reader.total("loomflow.model.cache_tokens", provider="openai", type="read") == 3072
+    # 928 uncached at $2, 3,072 cached at $0.50, 10 out at $8 (per million).
+    expected = (928 * 2.0 + 3072 * 0.5 + 10 * 8.0) / 1e6
+    assert result.cost_usd == pytest.approx(expected)
+    assert reader.total("loomflow.model.cost", provider="openai") == pytest.approx(expected)
+    usage = Usage(input_tokens=4000, output_tokens=10, cache_read_tokens=3072)
+    assert cost_usd("gpt-4.1", usage) == pytest.approx(expected)
+    assert (
+        reader.count(
+            "gen_ai.client.operation.time_to_first_chunk",
+            **{"gen_ai.provider.name": "openai", "gen_ai.request.model": "gpt-4.1"},
+        )
+        == 1
+    )
