@@ -12,9 +12,10 @@ For a ~200-byte result this measures, per step:
 * resume: opening a 1,000-step run (lease claim plus its single load query) and replaying
   all 1,000 steps;
 * telemetry, which is on by default: the per-step cost of the default telemetry (step span
-  through the OpenTelemetry API with no SDK installed, so a no-op; Prometheus counters on the
-  default registry) against ``telemetry=False``, in memory, on ``runtime.step()`` and on whole
-  agent runs, batches alternating.
+  and OTel metric instruments through the OpenTelemetry API with no SDK installed, so no-ops;
+  Prometheus counters on the default registry) against ``telemetry=False``, in memory, on
+  ``runtime.step()`` and on whole agent runs, batches alternating; and, apart, what the no-op
+  OTel metrics add (the default against the same telemetry with ``Metrics(otel=False)``).
 
 Batches of fresh steps and of floor inserts alternate, so both see the same disk and cache
 state; each figure is the median over batches of the mean per step.
@@ -459,13 +460,20 @@ class TelemetryCost:
     hit_off: list[float] = field(default_factory=list)
     agent_on: list[float] = field(default_factory=list)
     agent_off: list[float] = field(default_factory=list)
+    # The default telemetry without the OTel instruments (Prometheus and spans only).
+    fresh_prom: list[float] = field(default_factory=list)
+    hit_prom: list[float] = field(default_factory=list)
+    agent_prom: list[float] = field(default_factory=list)
+    # Metrics.observe_step alone (what every step's metrics cost), with and without OTel.
+    observe_otel: list[float] = field(default_factory=list)
+    observe_prom: list[float] = field(default_factory=list)
 
 
 async def bench_telemetry(args: argparse.Namespace) -> TelemetryCost:
     from loomflow.agent import Agent
     from loomflow.messages import ToolCall
     from loomflow.models import ScriptedModel
-    from loomflow.telemetry import default_telemetry
+    from loomflow.telemetry import Metrics, Telemetry, default_telemetry
     from loomflow.tools import tool
 
     @tool
@@ -475,16 +483,20 @@ async def bench_telemetry(args: argparse.Namespace) -> TelemetryCost:
 
     payload = make_payload(args.payload)
     cost = TelemetryCost()
-    on, off = InMemoryRuntime(), InMemoryRuntime()
+    on, off, prom = InMemoryRuntime(), InMemoryRuntime(), InMemoryRuntime()
     default_telemetry().instrument(on)  # what an agent without telemetry= does on its first run
+    prom_only = Telemetry(metrics=Metrics(otel=False))
+    prom_only.instrument(prom)
     turns: list[Any] = [[ToolCall(id="c1", name="lookup", arguments={"order": 7})], "Shipped."]
     agent_on = Agent("x", model=ScriptedModel(turns), tools=[lookup], runtime=InMemoryRuntime())
     agent_off = agent_on.clone(runtime=InMemoryRuntime(), telemetry=False)
+    agent_prom = agent_on.clone(runtime=InMemoryRuntime(), telemetry=prom_only)
     runs = max(args.steps // 8, 5)
     for batch in range(args.batches + 1):  # the first batch warms up and is dropped
         for runtime, fresh, hits in (
             (on, cost.fresh_on, cost.hit_on),
             (off, cost.fresh_off, cost.hit_off),
+            (prom, cost.fresh_prom, cost.hit_prom),
         ):
             session = f"tel-{batch}"
             t0 = time.perf_counter()
@@ -494,7 +506,11 @@ async def bench_telemetry(args: argparse.Namespace) -> TelemetryCost:
             if batch:
                 fresh.append(fresh_s)
                 hits.append(hit_s)
-        for agent, per_step in ((agent_on, cost.agent_on), (agent_off, cost.agent_off)):
+        for agent, per_step in (
+            (agent_on, cost.agent_on),
+            (agent_off, cost.agent_off),
+            (agent_prom, cost.agent_prom),
+        ):
             gc.collect()
             t0 = time.perf_counter()
             for i in range(runs):
@@ -503,24 +519,56 @@ async def bench_telemetry(args: argparse.Namespace) -> TelemetryCost:
             # A run journals 4 steps: model call, tool call, model call, memory episode.
             if batch:
                 per_step.append((time.perf_counter() - t0) / (runs * 4))
+    observe_step_cost(cost, args)
     return cost
+
+
+def observe_step_cost(cost: TelemetryCost, args: argparse.Namespace) -> None:
+    """Time ``Metrics.observe_step`` with the no-op OTel instruments and without them."""
+    from loomflow.runtime import StepEvent
+    from loomflow.telemetry import Metrics
+
+    event = StepEvent(
+        backend="memory", session_id="s", user_id="u", epoch=0, path=(), name="model_call_0",
+        kind="model", stream=True, outcome="miss", duration_s=0.001, write_s=0.0001,
+    )  # fmt: skip
+    calls = args.steps * 50
+    for batch in range(args.batches + 1):
+        for metrics, per_step in (
+            (Metrics(), cost.observe_otel),
+            (Metrics(otel=False), cost.observe_prom),
+        ):
+            observe = metrics.observe_step
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                observe(event)
+            if batch:
+                per_step.append((time.perf_counter() - t0) / calls)
 
 
 def report_telemetry(cost: TelemetryCost) -> None:
     print(
-        "\ntelemetry on by default (no OpenTelemetry SDK installed: spans are the API's "
-        "no-ops), memory backend, us per step, median of batches"
+        "\ntelemetry on by default (no OpenTelemetry SDK installed: spans and OTel metrics are "
+        "the API's no-ops), memory backend, us per step, median of batches; 'OTel metrics' is "
+        "the default minus the same telemetry with Metrics(otel=False)"
     )
-    header = f"{'path':<28} {'default':>9} {'telemetry=False':>16} {'added':>8}"
+    header = (
+        f"{'path':<28} {'default':>9} {'telemetry=False':>16} {'added':>8} {'OTel metrics':>13}"
+    )
     print(header)
     print("-" * len(header))
-    for name, with_, without in (
-        ("runtime.step (fresh)", cost.fresh_on, cost.fresh_off),
-        ("runtime.step (hit)", cost.hit_on, cost.hit_off),
-        ("agent run, per step", cost.agent_on, cost.agent_off),
+    for name, with_, without, prom in (
+        ("runtime.step (fresh)", cost.fresh_on, cost.fresh_off, cost.fresh_prom),
+        ("runtime.step (hit)", cost.hit_on, cost.hit_off, cost.hit_prom),
+        ("agent run, per step", cost.agent_on, cost.agent_off, cost.agent_prom),
     ):
-        a, b = statistics.median(with_), statistics.median(without)
-        print(f"{name:<28} {_us(a):>9} {_us(b):>16} {_us(a - b):>8}")
+        a, b, c = statistics.median(with_), statistics.median(without), statistics.median(prom)
+        print(f"{name:<28} {_us(a):>9} {_us(b):>16} {_us(a - b):>8} {_us(a - c):>13}")
+    on, off = statistics.median(cost.observe_otel), statistics.median(cost.observe_prom)
+    print(
+        f"Metrics.observe_step alone: {_us(on)} us with the no-op OTel instruments, "
+        f"{_us(off)} us without: {_us(on - off)} us per step"
+    )
 
 
 # -- report ----------------------------------------------------------------------------------

@@ -109,6 +109,10 @@ class RunHooks:
     ) -> None:
         """A live model call raised (or its stream was abandoned)."""
 
+    async def model_first_chunk(self, info: RunInfo, turn: int, *, token: Any) -> None:
+        """Live model calls that stream only: the first text or tool-call delta arrived (the
+        time to first chunk ends here). A model that answers in one piece never calls it."""
+
     async def model_call_finished(
         self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
     ) -> None:

@@ -61,15 +61,44 @@ class ToolCall(_Value):
 
 @register_type
 class Usage(_Value):
-    """Token counts of one or more model calls. ``Usage() + other`` adds them up."""
+    """Token counts of one or more model calls. ``Usage() + other`` adds them up.
+
+    Attributes:
+        input_tokens: Every input token, prompt-cache reads and writes included (as the
+            OpenTelemetry GenAI conventions count them).
+        output_tokens: Generated tokens.
+        cache_read_tokens: The part of ``input_tokens`` served from the provider's prompt
+            cache (billed at a lower rate).
+        cache_write_tokens: The part of ``input_tokens`` written to the provider's prompt
+            cache (billed at a higher rate by some providers).
+
+    Journal entries written before the cache fields existed decode with both at 0.
+    """
 
     input_tokens: int = Field(default=0, ge=0)
     output_tokens: int = Field(default=0, ge=0)
+    cache_read_tokens: int = Field(default=0, ge=0)
+    cache_write_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_cache_within_input(self) -> Usage:
+        if self.cache_read_tokens + self.cache_write_tokens > self.input_tokens:
+            raise ValueError(
+                "cache_read_tokens + cache_write_tokens are part of input_tokens and cannot "
+                f"exceed it ({self.cache_read_tokens} + {self.cache_write_tokens} > "
+                f"{self.input_tokens})"
+            )
+        return self
 
     @property
     def total_tokens(self) -> int:
         """Input plus output tokens."""
         return self.input_tokens + self.output_tokens
+
+    @property
+    def uncached_input_tokens(self) -> int:
+        """Input tokens neither read from nor written to a prompt cache."""
+        return self.input_tokens - self.cache_read_tokens - self.cache_write_tokens
 
     def __add__(self, other: Usage) -> Usage:
         if not isinstance(other, Usage):
@@ -77,6 +106,8 @@ class Usage(_Value):
         return Usage(
             input_tokens=self.input_tokens + other.input_tokens,
             output_tokens=self.output_tokens + other.output_tokens,
+            cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
+            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
         )
 
     def __radd__(self, other: object) -> Usage:

@@ -61,3 +61,10 @@ def test_structured_output_snippet_runs_as_written(capsys: pytest.CaptureFixture
     exec(_block("output_type=Refund"), namespace)  # asyncio.run: this test is not a coroutine
     assert capsys.readouterr().out == "42 20.0 2\n"
     assert namespace["model"].calls == 2  # the refused answer and the retry
+
+
+async def test_otel_metrics_snippet_runs_as_written() -> None:
+    code = _with_model(_block("InMemoryMetricReader"), "MODEL")
+    namespace: dict[str, Any] = {"MODEL": ScriptedModel(["Hello."])}
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    await namespace["snippet"]()  # its own assert checks the GenAI token metric arrived

@@ -389,6 +389,7 @@ class _Run:
                     )
                 raise
         answer: ModelResponse | None = None
+        first = True  # the first delta ends the time to first chunk
         try:
             # Hooks and the journal keep sealed tool results; the model reads them.
             unsealed = self.sealer.unseal_messages(msgs)
@@ -401,6 +402,10 @@ class _Run:
                 async for chunk in sealed:
                     if isinstance(chunk, ModelResponse):
                         answer = chunk
+                    elif first:
+                        first = False
+                        for hook, token in zip(hooks, tokens, strict=True):
+                            await hook.model_first_chunk(self.info, turn, token=token)
                     yield chunk
         except BaseException as exc:
             for hook, token in zip(hooks, tokens, strict=True):

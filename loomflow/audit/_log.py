@@ -386,6 +386,12 @@ class AuditHooks(RunHooks):
             "tool_calls": [c.name for c in response.tool_calls],
             "replayed": replayed,
         }
+        # The prompt-cache parts of input_tokens, only when there are any (entries without a
+        # cache stay as they were).
+        if response.usage.cache_read_tokens:
+            payload["cache_read_tokens"] = response.usage.cache_read_tokens
+        if response.usage.cache_write_tokens:
+            payload["cache_write_tokens"] = response.usage.cache_write_tokens
         if replayed:
             payload["billed"] = False  # a replay costs nothing: the journal answered
         else:

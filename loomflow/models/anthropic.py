@@ -229,12 +229,11 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                     decoded = dict(block.input)  # no deltas: the start event held the input
                 calls.append(ToolCall(id=block.id, name=block.name, arguments=decoded))
         usage = message.usage
-        # Prompt-cache reads and writes are input too; counting them keeps token budgets honest.
-        input_tokens = (
-            usage.input_tokens
-            + (getattr(usage, "cache_creation_input_tokens", None) or 0)
-            + (getattr(usage, "cache_read_input_tokens", None) or 0)
-        )
+        # Anthropic reports uncached input apart from cache writes and reads; all three are
+        # input (as the GenAI conventions count it), and the cache parts are kept apart for
+        # pricing at their own rates.
+        writes = max(getattr(usage, "cache_creation_input_tokens", None) or 0, 0)
+        reads = max(getattr(usage, "cache_read_input_tokens", None) or 0, 0)
         stop = message.stop_reason
         if answered is not None and not calls:
             # The answer tool's input is the answer; the tool itself never runs. Called beside
@@ -245,7 +244,12 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         return ModelResponse(
             text="".join(text),
             tool_calls=calls,
-            usage=Usage(input_tokens=input_tokens, output_tokens=usage.output_tokens),
+            usage=Usage(
+                input_tokens=max(usage.input_tokens or 0, 0) + writes + reads,
+                output_tokens=usage.output_tokens,
+                cache_read_tokens=reads,
+                cache_write_tokens=writes,
+            ),
             finish_reason=_FINISH_REASONS.get(stop, stop) if stop else "stop",
             model=message.model or self._name,
         )

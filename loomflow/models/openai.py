@@ -152,10 +152,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             async for chunk in stream:
                 model = chunk.model or model
                 if chunk.usage is not None:
-                    usage = Usage(
-                        input_tokens=chunk.usage.prompt_tokens or 0,
-                        output_tokens=chunk.usage.completion_tokens or 0,
-                    )
+                    usage = _usage(chunk.usage)
                 for choice in chunk.choices:
                     if choice.index != 0:  # only one candidate is ever requested
                         continue
@@ -259,3 +256,16 @@ def _to_openai_message(message: Message) -> dict[str, Any]:
             ],
         }
     return {"role": message.role, "content": message.content}
+
+
+def _usage(reported: Any) -> Usage:
+    """OpenAI's usage figures: prompt tokens include the cached ones (reads; OpenAI reports no
+    cache writes), which are kept apart for pricing at the cached-input rate."""
+    prompt = max(reported.prompt_tokens or 0, 0)
+    details = getattr(reported, "prompt_tokens_details", None)
+    cached = max(getattr(details, "cached_tokens", None) or 0, 0) if details is not None else 0
+    return Usage(
+        input_tokens=prompt,
+        output_tokens=max(reported.completion_tokens or 0, 0),
+        cache_read_tokens=min(cached, prompt),  # a provider's figures are not trusted blindly
+    )

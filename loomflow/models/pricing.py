@@ -1,10 +1,15 @@
 """List prices of model calls, in USD per million tokens.
 
-The figures are the providers' public list prices for standard (non-batch, uncached) input and
-output tokens, read in November 2026 from Anthropic's pricing page
+The figures are the providers' public list prices for standard (non-batch) input and output
+tokens, read in November 2026 from Anthropic's pricing page
 (platform.claude.com/docs/en/about-claude/pricing) and OpenAI's pricing page
 (developers.openai.com/api/docs/pricing). They change: treat :func:`cost_usd` as an estimate
 for budgets and dashboards, not as an invoice, and pass your own table where it matters.
+
+Prompt-cache tokens have their own rates. Anthropic bills a cache read at a tenth of the input
+rate and a cache write (five-minute lifetime) at 1.25 times it; OpenAI bills cached input at a
+model-dependent fraction of the input rate and writes the cache for free (at the input rate).
+A :class:`ModelPrice` without cache rates bills cache tokens as plain input.
 
 Models priced by prompt length (e.g. Claude Haiku 5.5) are left out rather than mispriced.
 """
@@ -29,48 +34,88 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelPrice:
-    """USD per million input and output tokens."""
+    """USD per million tokens: input, output, and prompt-cache reads and writes.
+
+    ``cache_read_per_mtok`` and ``cache_write_per_mtok`` default to the input rate (``None``).
+    """
 
     input_per_mtok: float
     output_per_mtok: float
+    cache_read_per_mtok: float | None = None
+    cache_write_per_mtok: float | None = None
+
+    @property
+    def cache_read_rate(self) -> float:
+        """USD per million input tokens read from a prompt cache."""
+        return self.input_per_mtok if self.cache_read_per_mtok is None else self.cache_read_per_mtok
+
+    @property
+    def cache_write_rate(self) -> float:
+        """USD per million input tokens written to a prompt cache."""
+        if self.cache_write_per_mtok is None:
+            return self.input_per_mtok
+        return self.cache_write_per_mtok
+
+    @property
+    def max_input_rate(self) -> float:
+        """The highest rate an input token can cost (what a reservation must assume)."""
+        return max(self.input_per_mtok, self.cache_read_rate, self.cache_write_rate)
 
     def cost(self, usage: Usage) -> float:
-        """The cost of ``usage`` at this price."""
+        """The cost of ``usage`` at this price, each kind of input token at its own rate."""
         return (
-            usage.input_tokens * self.input_per_mtok + usage.output_tokens * self.output_per_mtok
+            usage.uncached_input_tokens * self.input_per_mtok
+            + usage.cache_read_tokens * self.cache_read_rate
+            + usage.cache_write_tokens * self.cache_write_rate
+            + usage.output_tokens * self.output_per_mtok
         ) / 1_000_000
 
 
+def _anthropic(input_per_mtok: float, output_per_mtok: float) -> ModelPrice:
+    # Cache reads at 0.1x the input rate, five-minute cache writes at 1.25x.
+    return ModelPrice(
+        input_per_mtok,
+        output_per_mtok,
+        round(input_per_mtok * 0.1, 6),
+        round(input_per_mtok * 1.25, 6),
+    )
+
+
+def _openai(input_per_mtok: float, output_per_mtok: float, cached_per_mtok: float) -> ModelPrice:
+    # Cached input at its listed rate; writing the cache costs nothing extra.
+    return ModelPrice(input_per_mtok, output_per_mtok, cached_per_mtok, input_per_mtok)
+
+
 _ANTHROPIC = {
-    "claude-fable-5-1": ModelPrice(10.0, 50.0),
-    "claude-fable-5": ModelPrice(10.0, 50.0),
-    "claude-opus-5-5": ModelPrice(4.0, 20.0),
-    "claude-opus-5": ModelPrice(5.0, 25.0),
-    "claude-opus-4-8": ModelPrice(5.0, 25.0),
-    "claude-opus-4-7": ModelPrice(5.0, 25.0),
-    "claude-opus-4-6": ModelPrice(5.0, 25.0),
-    "claude-opus-4-5": ModelPrice(5.0, 25.0),
-    "claude-sonnet-5-5": ModelPrice(2.0, 10.0),
-    "claude-sonnet-5": ModelPrice(2.0, 10.0),
-    "claude-sonnet-4-6": ModelPrice(3.0, 15.0),
-    "claude-sonnet-4-5": ModelPrice(3.0, 15.0),
-    "claude-haiku-4-5": ModelPrice(1.0, 5.0),
+    "claude-fable-5-1": _anthropic(10.0, 50.0),
+    "claude-fable-5": _anthropic(10.0, 50.0),
+    "claude-opus-5-5": _anthropic(4.0, 20.0),
+    "claude-opus-5": _anthropic(5.0, 25.0),
+    "claude-opus-4-8": _anthropic(5.0, 25.0),
+    "claude-opus-4-7": _anthropic(5.0, 25.0),
+    "claude-opus-4-6": _anthropic(5.0, 25.0),
+    "claude-opus-4-5": _anthropic(5.0, 25.0),
+    "claude-sonnet-5-5": _anthropic(2.0, 10.0),
+    "claude-sonnet-5": _anthropic(2.0, 10.0),
+    "claude-sonnet-4-6": _anthropic(3.0, 15.0),
+    "claude-sonnet-4-5": _anthropic(3.0, 15.0),
+    "claude-haiku-4-5": _anthropic(1.0, 5.0),
 }
 
 _OPENAI = {
-    "gpt-5.4": ModelPrice(2.5, 15.0),
-    "gpt-5.2": ModelPrice(1.75, 14.0),
-    "gpt-5.1": ModelPrice(1.25, 10.0),
-    "gpt-5": ModelPrice(1.25, 10.0),
-    "gpt-5-mini": ModelPrice(0.25, 2.0),
-    "gpt-5-nano": ModelPrice(0.05, 0.4),
-    "gpt-4.1": ModelPrice(2.0, 8.0),
-    "gpt-4.1-mini": ModelPrice(0.4, 1.6),
-    "gpt-4.1-nano": ModelPrice(0.1, 0.4),
-    "gpt-4o": ModelPrice(2.5, 10.0),
-    "gpt-4o-mini": ModelPrice(0.15, 0.6),
-    "o3": ModelPrice(2.0, 8.0),
-    "o4-mini": ModelPrice(1.1, 4.4),
+    "gpt-5.4": _openai(2.5, 15.0, 0.25),
+    "gpt-5.2": _openai(1.75, 14.0, 0.175),
+    "gpt-5.1": _openai(1.25, 10.0, 0.125),
+    "gpt-5": _openai(1.25, 10.0, 0.125),
+    "gpt-5-mini": _openai(0.25, 2.0, 0.025),
+    "gpt-5-nano": _openai(0.05, 0.4, 0.005),
+    "gpt-4.1": _openai(2.0, 8.0, 0.5),
+    "gpt-4.1-mini": _openai(0.4, 1.6, 0.1),
+    "gpt-4.1-nano": _openai(0.1, 0.4, 0.025),
+    "gpt-4o": _openai(2.5, 10.0, 1.25),
+    "gpt-4o-mini": _openai(0.15, 0.6, 0.075),
+    "o3": _openai(2.0, 8.0, 0.5),
+    "o4-mini": _openai(1.1, 4.4, 0.275),
 }
 
 PRICES: Mapping[str, ModelPrice] = MappingProxyType({**_ANTHROPIC, **_OPENAI})
@@ -90,7 +135,7 @@ def _normalize(model_name: str) -> str:
     return _SNAPSHOT.sub("", name)
 
 
-_FREE = ModelPrice(0.0, 0.0)
+_FREE = ModelPrice(0.0, 0.0, 0.0, 0.0)
 
 
 def price_for(

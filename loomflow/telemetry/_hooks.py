@@ -54,7 +54,7 @@ from ..governance.events import (
     PermissionDecided,
 )
 from ..hooks import Interrupt, RunHooks, RunInfo
-from ..messages import Message, ModelResponse, ModelSettings, ToolCall
+from ..messages import Message, ModelResponse, ModelSettings, ToolCall, Usage
 from ..models import cost_usd
 from ..models._retry import error_class, observe_retries
 from ..redaction import Redactor
@@ -111,6 +111,12 @@ class Counters(Protocol):
 
     def model_retry(self, *, provider: str, model: str, error: str) -> None: ...
 
+    def model_call(
+        self, *, provider: str, model: str, duration_s: float, error: str | None = None
+    ) -> None: ...
+
+    def model_first_chunk(self, *, provider: str, model: str, seconds: float) -> None: ...
+
     def tool_error(self, *, tool: str, error_type: str | None) -> None: ...
 
     def model_usage(
@@ -121,6 +127,8 @@ class Counters(Protocol):
         input_tokens: int,
         output_tokens: int,
         cost_usd: float | None,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
     ) -> None: ...
 
     def budget_denied(self, cap: str) -> None: ...
@@ -206,6 +214,17 @@ class _LiveRun:
     span: Span
     members: set[int] = field(default_factory=set)
     children: list[_Child] = field(default_factory=list)  # chat and tool spans, to end if left
+    # Usage of the model calls this invocation made, and of those it replayed from the journal.
+    live_usage: Usage = field(default_factory=Usage)
+    replayed_usage: Usage = field(default_factory=Usage)
+
+
+@dataclass(eq=False, slots=True)
+class _ModelCall:
+    """The token of one live model call: when it started, and its ``chat`` span if traced."""
+
+    started: float
+    child: _Child | None = None
 
 
 # Runs in progress by run id (the run ids of get_run_context()), for their steps to find.
@@ -478,8 +497,21 @@ class TelemetryHooks(RunHooks):
         span.set_attribute(sc.LOOM_RUN_OUTCOME, outcome)
         if result is not None:
             span.set_attribute(sc.LOOM_RUN_TURNS, result.turns)
-            span.set_attribute(sc.GEN_AI_USAGE_INPUT_TOKENS, result.tokens_in)
-            span.set_attribute(sc.GEN_AI_USAGE_OUTPUT_TOKENS, result.tokens_out)
+            # Live calls under the GenAI names (what was billed now, as metrics and the
+            # audit log count it); calls replayed from the journal under loom.usage.replayed.*.
+            _set_usage(span, live.live_usage)
+            replayed = live.replayed_usage
+            span.set_attribute(sc.LOOM_USAGE_REPLAYED_INPUT_TOKENS, replayed.input_tokens)
+            span.set_attribute(sc.LOOM_USAGE_REPLAYED_OUTPUT_TOKENS, replayed.output_tokens)
+            if replayed.cache_read_tokens:
+                span.set_attribute(
+                    sc.LOOM_USAGE_REPLAYED_CACHE_READ_INPUT_TOKENS, replayed.cache_read_tokens
+                )
+            if replayed.cache_write_tokens:
+                span.set_attribute(
+                    sc.LOOM_USAGE_REPLAYED_CACHE_CREATION_INPUT_TOKENS,
+                    replayed.cache_write_tokens,
+                )
             span.set_attribute(sc.LOOM_RUN_COST_USD, result.cost_usd)
             span.set_attribute(sc.LOOM_RUN_REPLAYED_STEPS, result.replayed_steps)
             span.set_attribute(sc.LOOM_RUN_FRESH_STEPS, result.fresh_steps)
@@ -507,8 +539,15 @@ class TelemetryHooks(RunHooks):
     async def before_model_call(
         self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
     ) -> Any:
-        if self.tracer is None:
-            return None
+        call = _ModelCall(time.perf_counter())
+        if self.tracer is not None:
+            call.child = self._chat_span(info, turn, messages, settings)
+        return call
+
+    def _chat_span(
+        self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
+    ) -> _Child:
+        assert self.tracer is not None
         waiting = _open_streams.get((info.run_id, f"model_call_{turn}"))
         step = waiting[-1] if waiting else None
         live = self._run(info)
@@ -549,47 +588,83 @@ class TelemetryHooks(RunHooks):
             live.children.append(child)
         return child
 
+    async def model_first_chunk(self, info: RunInfo, turn: int, *, token: Any) -> None:
+        if self.metrics is not None and isinstance(token, _ModelCall):
+            self.metrics.model_first_chunk(
+                provider=info.provider,
+                model=info.model_name,
+                seconds=time.perf_counter() - token.started,
+            )
+
+    async def model_call_finished(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
+    ) -> None:
+        # The whole response is in, the journal write is still to come: the call's duration
+        # ends here.
+        if self.metrics is not None and isinstance(token, _ModelCall):
+            self.metrics.model_call(
+                provider=info.provider,
+                model=info.model_name,
+                duration_s=time.perf_counter() - token.started,
+            )
+
     async def model_call_failed(
         self, info: RunInfo, turn: int, error: BaseException, token: Any
     ) -> None:
-        # A refusal by a hook (a budget) or a caller going away is not a provider error.
-        if self.metrics is not None and not isinstance(error, (Interrupt, *_CANCELLED)):
-            self.metrics.model_error(
+        call = token if isinstance(token, _ModelCall) else None
+        # A refusal by a hook (a budget) is no provider call; a caller going away is not a
+        # provider error, but the call it abandoned did take time.
+        if self.metrics is not None and call is not None and not isinstance(error, Interrupt):
+            if isinstance(error, _CANCELLED):
+                kind = "cancelled"
+            else:
+                kind = error_class(error.status if isinstance(error, ModelError) else None, error)
+                self.metrics.model_error(provider=info.provider, model=info.model_name, error=kind)
+            self.metrics.model_call(
                 provider=info.provider,
                 model=info.model_name,
-                error=error_class(error.status if isinstance(error, ModelError) else None, error),
+                duration_s=time.perf_counter() - call.started,
+                error=kind,
             )
-        if isinstance(token, _Child) and not token.done:
-            _fail(token.span, error, _redactor(info))
-            token.finish()
+        child = call.child if call is not None else None
+        if child is not None and not child.done:
+            _fail(child.span, error, _redactor(info))
+            child.finish()
 
     async def after_model_call(
         self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
     ) -> None:
-        if replayed:
-            return  # nothing was called, billed or waited for
+        usage = response.usage
+        live = self._run(info)
+        if replayed:  # nothing was called, billed or waited for
+            if live is not None:
+                live.replayed_usage = live.replayed_usage + usage
+            return
+        if live is not None:
+            live.live_usage = live.live_usage + usage
+        call = token if isinstance(token, _ModelCall) else None
         if self.metrics is not None:
             self.metrics.model_usage(
                 provider=info.provider,
                 model=info.model_name,
-                input_tokens=response.usage.input_tokens,
-                output_tokens=response.usage.output_tokens,
-                cost_usd=cost_usd(
-                    response.model or info.model_name, response.usage, provider=info.provider
-                ),
+                input_tokens=usage.input_tokens,
+                output_tokens=usage.output_tokens,
+                cost_usd=cost_usd(response.model or info.model_name, usage, provider=info.provider),
+                cache_read_tokens=usage.cache_read_tokens,
+                cache_write_tokens=usage.cache_write_tokens,
             )
-        if not isinstance(token, _Child) or token.done:
+        child = call.child if call is not None else None
+        if child is None or child.done:
             return
-        span = token.span
+        span = child.span
         span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, response.model or info.model_name)
-        span.set_attribute(sc.GEN_AI_USAGE_INPUT_TOKENS, response.usage.input_tokens)
-        span.set_attribute(sc.GEN_AI_USAGE_OUTPUT_TOKENS, response.usage.output_tokens)
+        _set_usage(span, usage)
         span.set_attribute(sc.GEN_AI_RESPONSE_FINISH_REASONS, [response.finish_reason])
         if self.content:
             output = _message_json(response.to_message())
             output["finish_reason"] = response.finish_reason
             span.set_attribute(sc.GEN_AI_OUTPUT_MESSAGES, self._scrub(info, [output]))
-        token.finish(token.end_ns)
+        child.finish(child.end_ns)
 
     # -- tool calls ------------------------------------------------------------------------
 
@@ -741,6 +816,16 @@ class _GovernanceSignals:
                     "loom.guardrail.action": event.action,
                 },
             )
+
+
+def _set_usage(span: Span, usage: Usage) -> None:
+    """Token counts under the GenAI names; the cache figures only when there are any."""
+    span.set_attribute(sc.GEN_AI_USAGE_INPUT_TOKENS, usage.input_tokens)
+    span.set_attribute(sc.GEN_AI_USAGE_OUTPUT_TOKENS, usage.output_tokens)
+    if usage.cache_read_tokens:
+        span.set_attribute(sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, usage.cache_read_tokens)
+    if usage.cache_write_tokens:
+        span.set_attribute(sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS, usage.cache_write_tokens)
 
 
 def _json(value: Any) -> str:

@@ -15,22 +15,28 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from opentelemetry.metrics import MeterProvider
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import start_http_server
 
 from ..errors import InvalidArgumentError
 from ..models._retry import ERROR_CLASSES, error_class
 from ..runtime._journal import StepEvent
+from . import _semconv as sc
 from ._hooks import TelemetryHooks
+from ._instruments import Instruments, InstrumentSpec, instruments_for
 
 __all__ = [
     "BUDGET_CAPS",
     "ERROR_CLASSES",
+    "GEN_AI_DURATION_BUCKETS",
+    "GEN_AI_TOKEN_BUCKETS",
     "JOURNAL_WRITE_BUCKETS",
     "KINDS",
     "MAX_LABEL_VALUES",
     "Metrics",
     "MetricsServer",
+    "OTEL_INSTRUMENTS",
     "OUTCOMES",
     "RUN_BUCKETS",
     "RUN_OUTCOMES",
@@ -91,6 +97,70 @@ JOURNAL_WRITE_BUCKETS: Final = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 
+# The bucket boundaries the GenAI conventions advise for gen_ai.client.token.usage and for
+# gen_ai.client.operation.duration (also used for the time to first chunk).
+GEN_AI_TOKEN_BUCKETS: Final = (
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
+    4194304.0, 16777216.0, 67108864.0,
+)  # fmt: skip
+GEN_AI_DURATION_BUCKETS: Final = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+
+_S = InstrumentSpec
+OTEL_INSTRUMENTS: Final[dict[str, InstrumentSpec]] = {
+    # GenAI client metrics (semantic conventions), live model calls only.
+    "token_usage": _S(
+        "gen_ai.client.token.usage", "histogram", "{token}",
+        "Tokens of one live model call, by gen_ai.token.type (input, output).",
+        GEN_AI_TOKEN_BUCKETS,
+    ),
+    "operation_duration": _S(
+        "gen_ai.client.operation.duration", "histogram", "s",
+        "Wall time of one live model call, with error.type when it failed.",
+        GEN_AI_DURATION_BUCKETS,
+    ),
+    "time_to_first_chunk": _S(
+        "gen_ai.client.operation.time_to_first_chunk", "histogram", "s",
+        "Time from a streamed model call's request to its first streamed chunk.",
+        GEN_AI_DURATION_BUCKETS,
+    ),
+    # loomflow's own, mirroring the Prometheus families (same attributes as their labels).
+    "steps": _S("loomflow.journal.steps", "counter", "{step}",
+                "Journaled steps by replay outcome (hit, miss, divergence, corrupt)."),
+    "step_seconds": _S("loomflow.step.duration", "histogram", "s",
+                       "Wall time of a journaled step.", STEP_BUCKETS),
+    "write_seconds": _S("loomflow.journal.write.duration", "histogram", "s",
+                        "Time to write (and commit) one journal entry.", JOURNAL_WRITE_BUCKETS),
+    "runs": _S("loomflow.runs", "counter", "{run}",
+               "Agent runs by how they ended and whether they resumed a journaled run."),
+    "run_seconds": _S("loomflow.run.duration", "histogram", "s",
+                      "Wall time of an agent run, by how it ended.", RUN_BUCKETS),
+    "runs_by_state": _S("loomflow.runs.by_state", "gauge", "{run}",
+                        "Runs of a journal in each run state."),
+    "cost": _S("loomflow.model.cost", "counter", "{USD}",
+               "Estimated USD cost of live model calls."),
+    "cache_tokens": _S("loomflow.model.cache_tokens", "counter", "{token}",
+                       "Input tokens of live model calls read from or written to a prompt cache."),
+    "budget_denials": _S("loomflow.budget.denials", "counter", "{call}",
+                         "Model calls refused by the budget, by cap."),
+    "permission_decisions": _S("loomflow.permission.decisions", "counter", "{decision}",
+                               "Permission decisions on live tool calls."),
+    "guardrail_trips": _S("loomflow.guardrail.trips", "counter", "{trip}",
+                          "Guardrails that blocked or redacted something."),
+    "audit_entries": _S("loomflow.audit.entries", "counter", "{entry}",
+                        "Entries appended to the audit log, by action."),
+    "store_unavailable": _S("loomflow.store.unavailable", "counter", "{operation}",
+                            "Operations refused because a store failed underneath."),
+    "model_errors": _S("loomflow.model.errors", "counter", "{call}",
+                       "Live model calls that failed, by error class."),
+    "model_retries": _S("loomflow.model.retries", "counter", "{request}",
+                        "Provider requests attempted again after a transient failure."),
+    "tool_errors": _S("loomflow.tool.errors", "counter", "{call}",
+                      "Executed tool calls that returned an error."),
+}  # fmt: skip
+"""The OpenTelemetry instruments :class:`Metrics` records to, by key (one entry per metric)."""
+
 MAX_LABEL_VALUES: Final = 50
 """Distinct values a configuration-driven label (model, cap, action, ...) may take; the rest
 are counted under ``"other"``."""
@@ -140,6 +210,9 @@ class _Collectors:
     model_retries: Counter
     tool_errors: Counter
     run_seconds: Histogram
+    cache_tokens: Counter
+    model_call_seconds: Histogram
+    first_chunk_seconds: Histogram
     bounded: dict[str, _Bounded] = field(default_factory=dict)
     instrumented: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     prepared: set[str] = field(default_factory=set)
@@ -251,6 +324,27 @@ def _build(registry: CollectorRegistry) -> _Collectors:
             buckets=RUN_BUCKETS,
             registry=r,
         ),
+        cache_tokens=Counter(
+            "loomflow_model_cache_tokens",
+            "Input tokens of live model calls read from (read) or written to (write) a prompt "
+            "cache; they are part of the input tokens of loomflow_model_tokens_total.",
+            ("provider", "model", "type"),
+            registry=r,
+        ),
+        model_call_seconds=Histogram(
+            "loomflow_model_call_duration_seconds",
+            "Wall time of a live model call, by error class ('none' when it succeeded).",
+            ("provider", "model", "error"),
+            buckets=GEN_AI_DURATION_BUCKETS,
+            registry=r,
+        ),
+        first_chunk_seconds=Histogram(
+            "loomflow_model_time_to_first_chunk_seconds",
+            "Time from a streamed model call's request to its first streamed chunk.",
+            ("provider", "model"),
+            buckets=GEN_AI_DURATION_BUCKETS,
+            registry=r,
+        ),
     )
     # Series born at their first increment hide that increment from increase() and rate():
     # the label sets that can occur are known and few, so they exist at 0 from the start.
@@ -281,12 +375,19 @@ def _collectors_for(registry: CollectorRegistry) -> _Collectors:
 
 
 class Metrics:
-    """loomflow's Prometheus metrics on one registry.
+    """loomflow's metrics: Prometheus families on one registry, and OpenTelemetry instruments.
+
+    Every recording method feeds both from here, with the same bounded attributes: the
+    Prometheus series (pulled from ``registry``) and the OTel instruments of
+    :data:`OTEL_INSTRUMENTS` (pushed by whatever reader the meter provider has).
 
     Args:
-        registry: Where the metrics live; ``None`` is prometheus-client's default registry
-            (what ``start_http_server`` and most frameworks expose). Several ``Metrics`` on one
-            registry share the same series.
+        registry: Where the Prometheus families live; ``None`` is prometheus-client's default
+            registry (what ``start_http_server`` and most frameworks expose). Several
+            ``Metrics`` on one registry share the same series.
+        meter_provider: Where the OTel measurements go; ``None`` is the global meter provider,
+            a no-op until the application installs an SDK one (set later is fine).
+        otel: ``False`` for Prometheus only.
 
     Feed it by giving it to ``Telemetry(metrics=...)`` (agents), by :meth:`instrument` (any
     journaled runtime), or by calling the recording methods directly; the audit log calls
@@ -300,12 +401,25 @@ class Metrics:
         1.0
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        meter_provider: MeterProvider | None = None,
+        otel: bool = True,
+    ) -> None:
         self.registry = REGISTRY if registry is None else registry
+        self.meter_provider = meter_provider
         self._c = _collectors_for(self.registry)
+        self._o: Instruments | None = (
+            instruments_for(meter_provider, OTEL_INSTRUMENTS) if otel else None
+        )
+        # The OTel attributes of each (backend, kind, outcome), built once like the label
+        # children: every step records three measurements.
+        self._step_attrs: dict[tuple[str, str, str], tuple[dict[str, str], dict[str, str]]] = {}
 
     def __repr__(self) -> str:
-        return f"Metrics(registry={self.registry!r})"
+        return f"Metrics(registry={self.registry!r}, otel={self._o is not None})"
 
     def instrument(self, runtime: Any) -> None:
         """Count every journaled step of ``runtime`` (idempotent per registry and runtime).
@@ -341,9 +455,7 @@ class Metrics:
         key = (event.backend, event.kind, event.outcome)
         children = self._c.step_children.get(key)
         if children is None:
-            backend = self._c.bound("backend", event.backend)
-            kind = event.kind if event.kind in KINDS else "custom"
-            outcome = event.outcome if event.outcome in OUTCOMES else "miss"
+            backend, kind, outcome = self._step_labels(event)
             children = self._c.step_children[key] = (
                 self._c.steps.labels(backend, kind, outcome),
                 self._c.step_seconds.labels(backend, kind, outcome),
@@ -354,6 +466,26 @@ class Metrics:
         step_seconds.observe(event.duration_s)
         if event.write_s > 0:  # only a step that wrote an entry has a write time
             write_seconds.observe(event.write_s)
+        if self._o is not None:
+            attrs = self._step_attrs.get(key)
+            if attrs is None:
+                backend, kind, outcome = self._step_labels(event)
+                attrs = self._step_attrs[key] = (
+                    {"backend": backend, "kind": kind, "outcome": outcome},
+                    {"backend": backend},
+                )
+            by_key = self._o.by_key
+            by_key["steps"].add(1, attrs[0])
+            by_key["step_seconds"].record(event.duration_s, attrs[0])
+            if event.write_s > 0:
+                by_key["write_seconds"].record(event.write_s, attrs[1])
+
+    def _step_labels(self, event: StepEvent) -> tuple[str, str, str]:
+        return (
+            self._c.bound("backend", event.backend),
+            event.kind if event.kind in KINDS else "custom",
+            event.outcome if event.outcome in OUTCOMES else "miss",
+        )
 
     def run_finished(
         self, *, backend: str, outcome: str, resumed: bool, duration_s: float | None = None
@@ -364,11 +496,29 @@ class Metrics:
             raise InvalidArgumentError(
                 f"run outcome must be one of {RUN_OUTCOMES}, not {outcome!r}"
             )
-        self._c.runs.labels(
-            self._c.bound("backend", backend), outcome, "true" if resumed else "false"
-        ).inc()
+        backend = self._c.bound("backend", backend)
+        was_resumed = "true" if resumed else "false"
+        self._c.runs.labels(backend, outcome, was_resumed).inc()
+        if self._o is not None:
+            self._o.add("runs", 1, {"backend": backend, "outcome": outcome, "resumed": was_resumed})
         if duration_s is not None:
-            self._c.run_seconds.labels(outcome).observe(max(duration_s, 0.0))
+            seconds = max(duration_s, 0.0)
+            self._c.run_seconds.labels(outcome).observe(seconds)
+            if self._o is not None:
+                self._o.record("run_seconds", seconds, {"outcome": outcome})
+
+    def runs_by_state(self, *, backend: str, state: str, count: int) -> None:
+        """Report that ``count`` runs of ``backend``'s journal are in run state ``state`` now
+        (a gauge: the latest report of each state stands)."""
+        if self._o is not None:
+            self._o.set(
+                "runs_by_state",
+                max(count, 0),
+                {
+                    "backend": self._c.bound("backend", backend),
+                    "state": self._c.bound("state", state),
+                },
+            )
 
     def prepare_model(self, provider: str, model: str) -> None:
         """Create the error and retry series of ``provider``/``model`` at 0 (for ratios)."""
@@ -382,26 +532,64 @@ class Metrics:
             self._c.model_errors.labels(provider, model, error)
             self._c.model_retries.labels(provider, model, error)
 
+    def _model_labels(self, provider: str, model: str) -> tuple[str, str]:
+        return self._c.bound("provider", provider), self._c.bound("model", model)
+
+    def _gen_ai(self, provider: str, model: str) -> dict[str, str]:
+        """The GenAI attributes of a chat call (provider and model already bounded)."""
+        return {
+            sc.GEN_AI_OPERATION_NAME: "chat",
+            sc.GEN_AI_PROVIDER_NAME: provider,
+            sc.GEN_AI_REQUEST_MODEL: model,
+        }
+
     def model_error(self, *, provider: str, model: str, error: str) -> None:
         """Count a live model call that failed with ``error`` (one of :data:`ERROR_CLASSES`)."""
-        self._c.model_errors.labels(
-            self._c.bound("provider", provider),
-            self._c.bound("model", model),
-            error if error in ERROR_CLASSES else "other",
-        ).inc()
+        provider, model = self._model_labels(provider, model)
+        error = error if error in ERROR_CLASSES else "other"
+        self._c.model_errors.labels(provider, model, error).inc()
+        if self._o is not None:
+            self._o.add("model_errors", 1, {"provider": provider, "model": model, "error": error})
 
     def model_retry(self, *, provider: str, model: str, error: str) -> None:
         """Count one retry of a provider request after a transient ``error``."""
-        self._c.model_retries.labels(
-            self._c.bound("provider", provider),
-            self._c.bound("model", model),
-            error if error in ERROR_CLASSES else "other",
-        ).inc()
+        provider, model = self._model_labels(provider, model)
+        error = error if error in ERROR_CLASSES else "other"
+        self._c.model_retries.labels(provider, model, error).inc()
+        if self._o is not None:
+            self._o.add("model_retries", 1, {"provider": provider, "model": model, "error": error})
+
+    def model_call(
+        self, *, provider: str, model: str, duration_s: float, error: str | None = None
+    ) -> None:
+        """Observe the wall time of one live model call; ``error`` (an error class, or
+        ``"cancelled"``) when it failed."""
+        provider, model = self._model_labels(provider, model)
+        seconds = max(duration_s, 0.0)
+        if error is not None and error not in ERROR_CLASSES and error != "cancelled":
+            error = "other"
+        self._c.model_call_seconds.labels(provider, model, error or "none").observe(seconds)
+        if self._o is not None:
+            attributes = self._gen_ai(provider, model)
+            if error is not None:
+                attributes[sc.ERROR_TYPE] = error
+            self._o.record("operation_duration", seconds, attributes)
+
+    def model_first_chunk(self, *, provider: str, model: str, seconds: float) -> None:
+        """Observe the time a streamed live model call took to yield its first chunk."""
+        provider, model = self._model_labels(provider, model)
+        seconds = max(seconds, 0.0)
+        self._c.first_chunk_seconds.labels(provider, model).observe(seconds)
+        if self._o is not None:
+            self._o.record("time_to_first_chunk", seconds, self._gen_ai(provider, model))
 
     def tool_error(self, *, tool: str, error_type: str | None) -> None:
         """Count an executed tool call that returned an error of ``error_type``."""
         kind = error_type if error_type in TOOL_ERROR_TYPES else "other"
-        self._c.tool_errors.labels(self._c.bound("tool", tool), kind).inc()
+        tool = self._c.bound("tool", tool)
+        self._c.tool_errors.labels(tool, kind).inc()
+        if self._o is not None:
+            self._o.add("tool_errors", 1, {"tool": tool, "error_type": kind})
 
     def model_usage(
         self,
@@ -411,13 +599,36 @@ class Metrics:
         input_tokens: int,
         output_tokens: int,
         cost_usd: float | None,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
     ) -> None:
-        """Count the tokens and cost of one live model call."""
-        provider = self._c.bound("provider", provider)
-        model = self._c.bound("model", model)
-        self._c.tokens.labels(provider, model, "input").inc(max(input_tokens, 0))
-        self._c.tokens.labels(provider, model, "output").inc(max(output_tokens, 0))
-        self._c.cost.labels(provider, model).inc(max(cost_usd or 0.0, 0.0))
+        """Count the tokens and cost of one live model call.
+
+        ``input_tokens`` is every input token, cache reads and writes included (as the GenAI
+        conventions count them); the cache figures are also counted on their own.
+        """
+        provider, model = self._model_labels(provider, model)
+        inputs, outputs = max(input_tokens, 0), max(output_tokens, 0)
+        reads, writes = max(cache_read_tokens, 0), max(cache_write_tokens, 0)
+        cost = max(cost_usd or 0.0, 0.0)
+        self._c.tokens.labels(provider, model, "input").inc(inputs)
+        self._c.tokens.labels(provider, model, "output").inc(outputs)
+        self._c.cost.labels(provider, model).inc(cost)
+        if reads:
+            self._c.cache_tokens.labels(provider, model, "read").inc(reads)
+        if writes:
+            self._c.cache_tokens.labels(provider, model, "write").inc(writes)
+        if self._o is None:
+            return
+        attributes = self._gen_ai(provider, model)
+        self._o.record("token_usage", inputs, {**attributes, sc.GEN_AI_TOKEN_TYPE: "input"})
+        self._o.record("token_usage", outputs, {**attributes, sc.GEN_AI_TOKEN_TYPE: "output"})
+        labels = {"provider": provider, "model": model}
+        self._o.add("cost", cost, labels)
+        if reads:
+            self._o.add("cache_tokens", reads, {**labels, "type": "read"})
+        if writes:
+            self._o.add("cache_tokens", writes, {**labels, "type": "write"})
 
     def budget_denied(self, cap: str) -> None:
         """Count a model call the budget refused at ``cap``.
@@ -425,31 +636,41 @@ class Metrics:
         ``"unavailable"`` (the budget store failed) also counts as a failure of the budget
         store in ``loomflow_store_unavailable_total``.
         """
-        self._c.budget_denials.labels(self._c.bound("cap", cap)).inc()
+        cap = self._c.bound("cap", cap)
+        self._c.budget_denials.labels(cap).inc()
+        if self._o is not None:
+            self._o.add("budget_denials", 1, {"cap": cap})
         if cap == "unavailable":
-            self._c.store_unavailable.labels("budget").inc()
+            self.store_unavailable("budget")
 
     def store_unavailable(self, store: str) -> None:
         """Count an operation refused because ``store`` (one of :data:`STORES`) failed."""
         if store not in STORES:
             raise ValueError(f"store must be one of {STORES}, not {store!r}")
         self._c.store_unavailable.labels(store).inc()
+        if self._o is not None:
+            self._o.add("store_unavailable", 1, {"store": store})
 
     def permission_decided(self, decision: str, final: str) -> None:
         """Count a permission decision (``allow``/``deny``/``ask``) and its final answer."""
-        self._c.permission_decisions.labels(
-            self._c.bound("decision", decision), self._c.bound("final", final)
-        ).inc()
+        decision, final = self._c.bound("decision", decision), self._c.bound("final", final)
+        self._c.permission_decisions.labels(decision, final).inc()
+        if self._o is not None:
+            self._o.add("permission_decisions", 1, {"decision": decision, "final": final})
 
     def guardrail_tripped(self, stage: str, action: str) -> None:
         """Count a guardrail that acted (``block``/``redact``) at ``stage``."""
-        self._c.guardrail_trips.labels(
-            self._c.bound("stage", stage), self._c.bound("action", action)
-        ).inc()
+        stage, action = self._c.bound("stage", stage), self._c.bound("action", action)
+        self._c.guardrail_trips.labels(stage, action).inc()
+        if self._o is not None:
+            self._o.add("guardrail_trips", 1, {"stage": stage, "action": action})
 
     def audit_entry(self, action: str) -> None:
         """Count one audit-log entry of ``action`` (called by the audit log)."""
-        self._c.audit_entries.labels(self._c.bound("action", action)).inc()
+        action = self._c.bound("action", action)
+        self._c.audit_entries.labels(action).inc()
+        if self._o is not None:
+            self._o.add("audit_entries", 1, {"action": action})
 
     def prepare_permissions(self) -> None:
         """Create the permission series at 0 (so that a spike alert has a baseline)."""

@@ -27,7 +27,10 @@ __all__ = [
     "GEN_AI_TOOL_CALL_RESULT",
     "GEN_AI_TOOL_DESCRIPTION",
     "GEN_AI_TOOL_NAME",
+    "GEN_AI_TOKEN_TYPE",
     "GEN_AI_TOOL_TYPE",
+    "GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS",
+    "GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS",
     "GEN_AI_USAGE_INPUT_TOKENS",
     "GEN_AI_USAGE_OUTPUT_TOKENS",
     "LOOM_BACKEND",
@@ -46,6 +49,10 @@ __all__ = [
     "LOOM_STEP_PATH",
     "LOOM_STEP_REPLAY",
     "LOOM_STEP_STREAM",
+    "LOOM_USAGE_REPLAYED_CACHE_CREATION_INPUT_TOKENS",
+    "LOOM_USAGE_REPLAYED_CACHE_READ_INPUT_TOKENS",
+    "LOOM_USAGE_REPLAYED_INPUT_TOKENS",
+    "LOOM_USAGE_REPLAYED_OUTPUT_TOKENS",
     "SESSION_ID",
     "STEP_SPAN",
     "USER_ID",
@@ -67,6 +74,12 @@ GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
 GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
 GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
+"""Input tokens served from the provider's prompt cache (part of the input tokens)."""
+GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS: Final = "gen_ai.usage.cache_creation.input_tokens"
+"""Input tokens written to the provider's prompt cache (part of the input tokens)."""
+GEN_AI_TOKEN_TYPE: Final = "gen_ai.token.type"
+"""``input`` or ``output``: the attribute of ``gen_ai.client.token.usage``."""
 GEN_AI_INPUT_MESSAGES: Final = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES: Final = "gen_ai.output.messages"
 GEN_AI_SYSTEM_INSTRUCTIONS: Final = "gen_ai.system_instructions"
@@ -103,3 +116,11 @@ LOOM_STEP_PATH: Final = "loom.step.path"
 LOOM_STEP_STREAM: Final = "loom.step.stream"
 LOOM_STEP_REPLAY: Final = "loom.step.replay"
 """``hit``, ``miss``, ``divergence`` or ``corrupt``: what the journal did at the step."""
+LOOM_USAGE_REPLAYED_INPUT_TOKENS: Final = "loom.usage.replayed.input_tokens"
+"""On a run's root span: input tokens of model calls replayed from the journal (not billed
+again; ``gen_ai.usage.input_tokens`` there counts live calls only)."""
+LOOM_USAGE_REPLAYED_OUTPUT_TOKENS: Final = "loom.usage.replayed.output_tokens"
+LOOM_USAGE_REPLAYED_CACHE_READ_INPUT_TOKENS: Final = "loom.usage.replayed.cache_read.input_tokens"
+LOOM_USAGE_REPLAYED_CACHE_CREATION_INPUT_TOKENS: Final = (
+    "loom.usage.replayed.cache_creation.input_tokens"
+)

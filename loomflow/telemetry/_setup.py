@@ -4,6 +4,10 @@ Span export follows the OpenTelemetry SDK's own environment variables (``OTEL_EX
 ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_EXPORTER``, ...): the SDK's
 exporter and resource read them, so a deployment configured for any OpenTelemetry service works
 unchanged. The ``LOOMFLOW_OTLP_*`` settings, where set, override them.
+
+Metric export over OTLP is asked for explicitly, with ``OTEL_METRICS_EXPORTER=otlp``: the same
+figures are already served to Prometheus by pull, and pushing them as well, unasked, to a
+collector that Prometheus also scrapes would count every series twice.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 
 from ..config import Settings
 from ..errors import ConfigurationError
@@ -35,15 +39,21 @@ class TelemetrySetup:
         tracer_provider: The SDK provider exporting spans, or ``None`` when no OTLP endpoint
             is configured.
         metrics_server: The ``/metrics`` endpoint, or ``None`` when no port is configured.
+        meter_provider: The SDK provider exporting OTel metrics, or ``None`` unless
+            ``OTEL_METRICS_EXPORTER`` asks for it.
     """
 
     tracer_provider: Any = None
     metrics_server: MetricsServer | None = None
+    meter_provider: Any = None
 
     def shutdown(self) -> None:
-        """Export the spans still buffered, then stop the exporter and the metrics server."""
+        """Export the spans and metrics still buffered, then stop the exporters and the
+        metrics server."""
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown()
         if self.metrics_server is not None:
             self.metrics_server.close()
 
@@ -64,12 +74,15 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
     timeout, compression, certificates, service name, resource attributes); ``otlp_endpoint``,
     ``otlp_headers`` and ``otel_service_name`` override them. With ``metrics_port`` set,
     prometheus-client's default registry is served at ``/metrics``. Either may be left unset.
-    Call it once at process start, before building agents' ``Telemetry``.
+    With ``OTEL_METRICS_EXPORTER=otlp`` (or ``console``) the OTel metrics are also exported,
+    every ``OTEL_METRIC_EXPORT_INTERVAL`` milliseconds (default 60 000), to the same endpoint
+    (``/v1/metrics``) or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``. Call it once at process
+    start, before building agents' ``Telemetry``.
 
     Args:
         settings: Defaults to ``Settings()`` (environment and ``.env``).
-        set_global: Install the tracer provider as OpenTelemetry's global one, which
-            ``Telemetry()`` uses by default. OpenTelemetry allows this once per process.
+        set_global: Install the tracer (and meter) provider as OpenTelemetry's global one,
+            which ``Telemetry()`` uses by default. OpenTelemetry allows this once per process.
 
     Example:
         >>> # LOOMFLOW_OTLP_ENDPOINT=http://otel-collector:4318 LOOMFLOW_METRICS_PORT=9464
@@ -83,6 +96,10 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
         result.tracer_provider = _tracer_provider(s)
         if set_global:
             trace.set_tracer_provider(result.tracer_provider)
+    if _exports_metrics(s):
+        result.meter_provider = _meter_provider(s)
+        if set_global:
+            metrics.set_meter_provider(result.meter_provider)
     if s.metrics_port is not None:
         try:
             result.metrics_server = serve_metrics(s.metrics_port, host=s.metrics_host)
@@ -160,6 +177,12 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith("/v1/traces") else f"{base}/v1/traces"
 
 
+def signal_url(endpoint: str, signal: str) -> str:
+    """The OTLP/HTTP URL of ``signal`` (``traces``, ``metrics``) from a receiver's base URL."""
+    base = traces_url(endpoint).removesuffix("/v1/traces")
+    return base if base.endswith(f"/v1/{signal}") else f"{base}/v1/{signal}"
+
+
 def parse_headers(text: str | None) -> dict[str, str]:
     """``"a=1,b=2"`` → ``{"a": "1", "b": "2"}`` (the format of ``OTEL_EXPORTER_OTLP_HEADERS``).
 
@@ -199,7 +222,7 @@ def setup_requested(s: Settings) -> bool:
     For callers that set telemetry up only when configured (``Agent.from_settings``): span
     export through the standard ``OTEL_*`` variables counts as configured.
     """
-    return s.metrics_port is not None or _exports_spans(s)
+    return s.metrics_port is not None or _exports_spans(s) or _exports_metrics(s)
 
 
 def _exports_spans(s: Settings) -> bool:
@@ -215,6 +238,69 @@ def _exports_spans(s: Settings) -> bool:
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     )
+
+
+def _metrics_exporters() -> list[str]:
+    """``OTEL_METRICS_EXPORTER`` as a list: empty unless set (see the module docstring)."""
+    raw = os.environ.get("OTEL_METRICS_EXPORTER", "")
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    unknown = sorted(set(names) - _EXPORTERS - {"prometheus"})
+    if unknown:
+        raise ConfigurationError(
+            f"OTEL_METRICS_EXPORTER: {', '.join(unknown)} is not supported here; "
+            "use otlp, console or none (Prometheus pull is LOOMFLOW_METRICS_PORT)"
+        )
+    return [n for n in names if n in ("otlp", "console")]
+
+
+def _exports_metrics(s: Settings) -> bool:
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporters = _metrics_exporters()
+    if "console" in exporters:
+        return True
+    return "otlp" in exporters and bool(
+        s.otlp_endpoint
+        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+
+def _resource(s: Settings) -> Any:
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; without either
+    # the SDK names the service "unknown_service", which says less than "loomflow".
+    resource = Resource.create({SERVICE_NAME: s.otel_service_name} if s.otel_service_name else {})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "loomflow"}))
+    return resource
+
+
+def _meter_provider(s: Settings) -> Any:
+    exporters = _metrics_exporters()
+    headers = (
+        parse_headers(s.otlp_headers.get_secret_value()) if s.otlp_headers is not None else None
+    )
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import (
+            ConsoleMetricExporter,
+            PeriodicExportingMetricReader,
+        )
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+    readers = []
+    if "otlp" in exporters:
+        # None lets the SDK read OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT itself.
+        url = signal_url(s.otlp_endpoint, "metrics") if s.otlp_endpoint else None
+        readers.append(
+            PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=url, headers=headers))
+        )
+    if "console" in exporters:
+        readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+    return MeterProvider(resource=_resource(s), metric_readers=readers)
 
 
 def _tracer_provider(s: Settings) -> Any:
@@ -235,17 +321,11 @@ def _tracer_provider(s: Settings) -> Any:
         )
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
-    # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; without either
-    # the SDK names the service "unknown_service", which says less than "loomflow".
-    resource = Resource.create({SERVICE_NAME: s.otel_service_name} if s.otel_service_name else {})
-    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({SERVICE_NAME: "loomflow"}))
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=_resource(s))
     if "otlp" in exporters:
         exporter = OTLPSpanExporter(endpoint=url, headers=headers)
         provider.add_span_processor(BatchSpanProcessor(exporter))

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import Tracer, TracerProvider
 
 from ..config import Settings
@@ -32,12 +33,15 @@ class Telemetry:
 
     Spans go through ``opentelemetry-api`` and cost nothing until an SDK is configured (by the
     application, or by :func:`~loomflow.telemetry.setup_telemetry` from settings). Metrics go to
-    a Prometheus registry; serve them with :func:`~loomflow.telemetry.serve_metrics`.
+    a Prometheus registry (serve it with :func:`~loomflow.telemetry.serve_metrics`) and, from
+    the same recording calls, to OpenTelemetry instruments of the meter provider.
 
     Args:
         tracer_provider: Where spans go; ``None`` is the global provider (set later is fine).
-        metrics: ``True`` for :class:`Metrics` on prometheus-client's default registry, a
-            :class:`Metrics` for another registry, ``False`` for no metrics.
+        metrics: ``True`` for :class:`Metrics` on prometheus-client's default registry and
+            ``meter_provider``, a :class:`Metrics` of your own, ``False`` for no metrics.
+        meter_provider: Where OTel metrics go when ``metrics=True``; ``None`` is the global
+            meter provider (a no-op until the application installs an SDK one).
         tracing: ``False`` for metrics only.
         capture_content: Record prompts, completions, tool arguments and tool results on
             spans. Off by default; ``None`` reads ``LOOMFLOW_TELEMETRY_CAPTURE_CONTENT``.
@@ -63,6 +67,7 @@ class Telemetry:
         *,
         tracer_provider: TracerProvider | None = None,
         metrics: Metrics | bool = True,
+        meter_provider: MeterProvider | None = None,
         tracing: bool = True,
         capture_content: bool | None = None,
         user_ids: UserIdMode | None = None,
@@ -103,7 +108,7 @@ class Telemetry:
             else None
         )
         if metrics is True:
-            metrics = Metrics()
+            metrics = Metrics(meter_provider=meter_provider)
         self.metrics: Metrics | None = metrics or None
         if self.metrics is not None:
             self.metrics.prepare_permissions()
@@ -139,9 +144,10 @@ def default_telemetry() -> Telemetry:
 
     Spans go to the global tracer provider through a proxy tracer, so a provider the
     application installs later still gets them (until then they are the API's no-ops); metrics
-    go to prometheus-client's default registry. Options are read from the environment when
-    the first such agent is built. One shared instance, so the default registry holds each
-    metric family once however many agents a process builds.
+    go to prometheus-client's default registry and to the global meter provider (a proxy meter
+    too: measurements are no-ops until an SDK provider is installed). Options are read from
+    the environment when the first such agent is built. One shared instance, so the default
+    registry holds each metric family once however many agents a process builds.
     """
     global _default
     with _default_lock:

@@ -62,8 +62,13 @@ class Reply:
         text: The answer text. A string streams in word-sized deltas; a sequence of strings
             streams as exactly those deltas.
         tool_calls: Tool calls to return (their arguments stream in two pieces).
-        input_tokens: Reported prompt tokens.
+        input_tokens: Reported prompt tokens, as the provider counts them: Anthropic's
+            ``input_tokens`` (without the cache), OpenAI's ``prompt_tokens`` (with it).
         output_tokens: Reported completion tokens.
+        cache_read_tokens: Prompt tokens served from the cache (Anthropic's
+            ``cache_read_input_tokens``, OpenAI's ``prompt_tokens_details.cached_tokens``).
+        cache_write_tokens: Prompt tokens written to the cache (Anthropic's
+            ``cache_creation_input_tokens``; OpenAI reports none).
         stop_reason: The provider's own stop/finish reason; by default ``end_turn``/``stop``,
             or ``tool_use``/``tool_calls`` when there are tool calls.
         model: Reported model id; by default the one the request named.
@@ -83,6 +88,8 @@ class Reply:
     tool_calls: Sequence[ToolCall] = ()
     input_tokens: int = 12
     output_tokens: int = 7
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
     stop_reason: str | None = None
     model: str | None = None
     cut_after: int | None = None
@@ -537,13 +544,22 @@ class FakeAnthropicAPI(FakeProviderAPI):
             "content": content,
             "stop_reason": self._stop_reason(reply),
             "stop_sequence": None,
-            "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens},
+            "usage": self._usage(reply, reply.output_tokens),
+        }
+
+    @staticmethod
+    def _usage(reply: Reply, output_tokens: int) -> dict[str, int]:
+        return {
+            "input_tokens": reply.input_tokens,
+            "cache_creation_input_tokens": reply.cache_write_tokens,
+            "cache_read_input_tokens": reply.cache_read_tokens,
+            "output_tokens": output_tokens,
         }
 
     def _events(self, reply: Reply, request: RecordedRequest) -> Iterator[bytes]:
         message = self._message(reply, request)
         message.update(content=[], stop_reason=None)
-        message["usage"] = {"input_tokens": reply.input_tokens, "output_tokens": 1}
+        message["usage"] = self._usage(reply, 1)
         yield _sse("message_start", {"type": "message_start", "message": message})
         yield _sse("ping", {"type": "ping"})
         index = 0
@@ -662,11 +678,12 @@ class FakeOpenAIAPI(FakeProviderAPI):
             return reply
         return dataclasses.replace(reply, text=[reply.structured_json])
 
-    def _usage(self, reply: Reply) -> dict[str, int]:
+    def _usage(self, reply: Reply) -> dict[str, Any]:
         return {
             "prompt_tokens": reply.input_tokens,
             "completion_tokens": reply.output_tokens,
             "total_tokens": reply.input_tokens + reply.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": reply.cache_read_tokens},
         }
 
     def _message(self, reply: Reply, request: RecordedRequest) -> Any:

@@ -358,3 +358,26 @@ def test_actions_are_distinct_and_documented() -> None:
 async def test_records_are_validated() -> None:
     with pytest.raises(ValueError, match="actor"):
         AuditRecord(user_id="a", action="x")  # type: ignore[call-arg]
+
+
+async def test_a_model_call_records_its_cache_tokens_apart() -> None:
+    from loomflow.messages import ModelResponse, Usage
+    from loomflow.models import ScriptedModel
+
+    usage = Usage(input_tokens=1000, output_tokens=5, cache_read_tokens=800, cache_write_tokens=100)
+    store = InMemoryAuditStore()
+    cached = Agent(
+        "x", model=ScriptedModel([ModelResponse(text="ok", usage=usage)]), audit=AuditLog(store)
+    )
+    await cached.run("hi", session_id="s-cache", user_id="alice")
+    [call] = [e for e in store.all_entries if e.action == "model.call"]
+    assert call.payload["input_tokens"] == 1000
+    assert call.payload["cache_read_tokens"] == 800
+    assert call.payload["cache_write_tokens"] == 100
+    # A call without cache keeps the entry shape it always had.
+    plain = Agent("x", model=ScriptedModel(["plain"]), audit=AuditLog(store))
+    await plain.run("again", session_id="s-plain", user_id="alice")
+    last = [e for e in store.all_entries if e.action == "model.call"][-1]
+    assert "cache_read_tokens" not in last.payload
+    assert "cache_write_tokens" not in last.payload
+    assert (await store.verify()).ok

@@ -591,3 +591,39 @@ async def test_the_run_cost_is_priced_with_the_budget_price_table() -> None:
     assert result.cost_usd == pytest.approx(1.0 + 1.0)
     [usage] = [u for u in await budget.store.usage("ana") if u.bucket.scope == "user"]
     assert usage.totals.cost_nanousd == 2_000_000_000
+
+
+async def test_cache_reads_and_writes_are_charged_at_their_own_rates() -> None:
+    # Through the real Anthropic SDK: 1,000 uncached, 8,000 read and 1,000 written tokens.
+    from loomflow.models import AnthropicModel
+    from loomflow.testing.providers import FakeAnthropicAPI, Reply
+
+    price = ModelPrice(100.0, 1000.0, cache_read_per_mtok=10.0, cache_write_per_mtok=125.0)
+    reply = Reply(
+        text="hi", input_tokens=1_000, output_tokens=0, cache_read_tokens=8_000,
+        cache_write_tokens=1_000,
+    )  # fmt: skip
+    with FakeAnthropicAPI(reply) as api:
+        model = AnthropicModel("claude-inhouse-1", base_url=api.base_url, api_key="test")
+        budget = StandardBudget(prices={"claude-inhouse-1": price})
+        result = await Agent("x", model=model, budget=budget).run("hello", user_id="ana")
+        await model.aclose()
+    # $0.10 uncached + $0.08 read + $0.125 written (all 10,000 at the input rate: $1.00).
+    assert result.cost_usd == pytest.approx(0.1 + 0.08 + 0.125)
+    assert result.tokens_in == 10_000  # token caps count every input token
+    [usage] = [u for u in await budget.store.usage("ana") if u.bucket.scope == "user"]
+    assert usage.totals.cost_nanousd == 305_000_000
+    assert usage.totals.tokens_in == 10_000
+
+
+def test_a_reservation_assumes_the_dearest_input_rate() -> None:
+    # Every input token could turn out to be a cache write, dearer than plain input.
+    price = ModelPrice(100.0, 0.0, cache_read_per_mtok=10.0, cache_write_per_mtok=125.0)
+    budget = StandardBudget(prices={"inhouse": price})
+    _, amount = budget.size(model="inhouse", max_tokens=1, input_tokens=1_000)
+    assert amount.cost_nanousd == 125_000_000
+
+
+def test_a_negative_cache_rate_is_refused() -> None:
+    with pytest.raises(InvalidUsageError, match="finite and >= 0"):
+        StandardBudget(prices={"bad": ModelPrice(1.0, 1.0, cache_read_per_mtok=-1.0)})

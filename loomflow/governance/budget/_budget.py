@@ -82,13 +82,37 @@ def bound_input_tokens(messages: Sequence[Message]) -> int:
     return total
 
 
-def _cost(price: ModelPrice, tokens_in: int, tokens_out: int) -> int:
+def _cost(
+    price: ModelPrice,
+    tokens_in: int,
+    tokens_out: int,
+    *,
+    cache_read: int = 0,
+    cache_write: int = 0,
+    input_rate: float | None = None,
+) -> int:
+    """Nano-USD of a call: uncached input, cache reads, cache writes and output, each at its
+    rate (``cache_read`` and ``cache_write`` are part of ``tokens_in``). ``input_rate``
+    replaces the input rate (a reservation assumes the highest)."""
     # Decimal keeps list prices such as 0.15 exact; rounding up never undercounts.
+    rate = price.input_per_mtok if input_rate is None else input_rate
     nano = (
-        Decimal(str(price.input_per_mtok)) * tokens_in
+        Decimal(str(rate)) * (tokens_in - cache_read - cache_write)
+        + Decimal(str(price.cache_read_rate)) * cache_read
+        + Decimal(str(price.cache_write_rate)) * cache_write
         + Decimal(str(price.output_per_mtok)) * tokens_out
     ) * 1000
     return math.ceil(nano)
+
+
+def _usage_cost(price: ModelPrice, usage: Usage, tokens_in: int, tokens_out: int) -> int:
+    return _cost(
+        price,
+        tokens_in,
+        tokens_out,
+        cache_read=usage.cache_read_tokens,
+        cache_write=usage.cache_write_tokens,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +232,12 @@ class StandardBudget:
         self.warn_at: tuple[float, ...] = tuple(sorted(float(t) for t in thresholds))
         self.prices: Mapping[str, ModelPrice] = {**PRICES, **(prices or {})}
         for name, price in self.prices.items():
-            for side in (price.input_per_mtok, price.output_per_mtok):
+            for side in (
+                price.input_per_mtok,
+                price.output_per_mtok,
+                price.cache_read_rate,
+                price.cache_write_rate,
+            ):
                 if not (isinstance(side, int | float) and math.isfinite(side) and side >= 0):
                     raise InvalidUsageError(f"price of {name!r} must be finite and >= 0: {price}")
         self.overhead_tokens = overhead_tokens
@@ -270,7 +299,9 @@ class StandardBudget:
             input_tokens = _count("estimated input tokens", estimated, MAX_TOKENS_PER_CALL)
             input_tokens = min(input_tokens + self.overhead_tokens, MAX_TOKENS_PER_CALL)
         tokens_in = _count("input tokens", input_tokens, MAX_TOKENS_PER_CALL)
-        return price, Amount(tokens_in, max_tokens, _cost(price, tokens_in, max_tokens))
+        # The input could all be cache writes, dearer than plain input at some providers.
+        cost = _cost(price, tokens_in, max_tokens, input_rate=price.max_input_rate)
+        return price, Amount(tokens_in, max_tokens, cost)
 
     def actual(self, ticket: Ticket, usage: Usage, *, model: str | None, wall_s: float) -> Amount:
         """What a finished call spent, priced as the model that answered (validated).
@@ -283,7 +314,9 @@ class StandardBudget:
         price = ticket.price
         if model:
             price = price_for(model, prices=self.prices) or price
-        return Amount(tokens_in, tokens_out, _cost(price, tokens_in, tokens_out), wall_s)
+        return Amount(
+            tokens_in, tokens_out, _usage_cost(price, usage, tokens_in, tokens_out), wall_s
+        )
 
     def _plan(
         self, user_id: str | None, now: float
@@ -633,7 +666,7 @@ class BudgetHooks(RunHooks):
             return Amount(
                 usage.input_tokens,
                 usage.output_tokens,
-                _cost(price, usage.input_tokens, usage.output_tokens),
+                _usage_cost(price, usage, usage.input_tokens, usage.output_tokens),
             )
         except (UnknownModelPriceError, InvalidUsageError):
             return Amount()

@@ -1,0 +1,69 @@
+"""Usage on a run's root span: live calls under gen_ai.usage.*, replayed ones under
+loom.usage.replayed.*, so that a resumed run's span agrees with the metrics and the audit log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from loomflow.agent import Agent
+from loomflow.messages import ModelResponse, ToolCall, Usage
+from loomflow.models import ScriptedModel
+from loomflow.runtime import SqliteRuntime
+from loomflow.telemetry import Metrics, Telemetry
+from loomflow.telemetry.testing import SpanCapture
+from loomflow.tools import tool
+
+
+@tool
+def lookup(order: int) -> str:
+    """Look an order up."""
+    return "shipped"
+
+
+async def test_a_resumed_run_reports_replayed_usage_apart_from_live_usage(tmp_path: Path) -> None:
+    capture = SpanCapture()
+    registry = CollectorRegistry()
+    telemetry = Telemetry(tracer_provider=capture.provider, metrics=Metrics(registry))
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    answer = ModelResponse(
+        text="Shipped.",
+        usage=Usage(
+            input_tokens=400, output_tokens=3, cache_read_tokens=300, cache_write_tokens=50
+        ),
+    )
+    model = ScriptedModel([[ToolCall(id="c1", name="lookup", arguments={"order": 7})], answer])
+    agent = Agent("support", model=model, tools=[lookup], runtime=runtime, telemetry=telemetry)
+    first = await agent.run("where?", session_id="s-usage", user_id="ana")
+    capture_first = {s.name: s for s in capture.spans if s.name.startswith("invoke_agent")}
+    capture.clear()
+    again = await agent.resume("where?", session_id="s-usage", user_id="ana")
+    await runtime.close()
+    assert again.tokens_in == first.tokens_in  # the result still totals the whole run
+
+    [live_root] = capture_first.values()
+    assert live_root.attributes["gen_ai.usage.input_tokens"] == first.tokens_in
+    assert live_root.attributes["gen_ai.usage.output_tokens"] == first.tokens_out
+    assert live_root.attributes["gen_ai.usage.cache_read.input_tokens"] == 300
+    assert live_root.attributes["gen_ai.usage.cache_creation.input_tokens"] == 50
+    assert live_root.attributes["loom.usage.replayed.input_tokens"] == 0
+    assert live_root.attributes["loom.usage.replayed.output_tokens"] == 0
+
+    [resumed_root] = [s for s in capture.spans if s.name.startswith("invoke_agent")]
+    assert resumed_root.attributes["loom.run.resumed"] is True
+    # Nothing was called (or billed) by the resume...
+    assert resumed_root.attributes["gen_ai.usage.input_tokens"] == 0
+    assert resumed_root.attributes["gen_ai.usage.output_tokens"] == 0
+    assert "gen_ai.usage.cache_read.input_tokens" not in resumed_root.attributes
+    # ...and what it replayed is reported under loomflow's own names.
+    assert resumed_root.attributes["loom.usage.replayed.input_tokens"] == first.tokens_in
+    assert resumed_root.attributes["loom.usage.replayed.output_tokens"] == first.tokens_out
+    assert resumed_root.attributes["loom.usage.replayed.cache_read.input_tokens"] == 300
+    assert resumed_root.attributes["loom.usage.replayed.cache_creation.input_tokens"] == 50
+    # The metrics agree with the live figures: the resume added no tokens.
+    tokens = registry.get_sample_value(
+        "loomflow_model_tokens_total",
+        {"provider": "scripted", "model": model.name, "type": "input"},
+    )
+    assert tokens == first.tokens_in
