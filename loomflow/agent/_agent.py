@@ -38,6 +38,7 @@ from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
 from ..errors import CheckpointNotFoundError, UserError
+from ..governance.approvals import DecisionLike, PendingApproval
 from ..hooks import RunHooks
 from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import Message, ModelSettings, ToolSpec
@@ -47,6 +48,7 @@ from ..runtime import OpenRun, Runtime
 from ..runtime._journal import JournalRuntime
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
+from ._approvals import decide, pending_of
 from ._passthrough import Passthrough
 from ._run import _Run, check_prompt, latest_of_run
 from ._seams import HookProvider, RedactingAudit, RunPlugin, hooks_of
@@ -355,6 +357,8 @@ class Agent:
         user_id: str | None = None,
         from_checkpoint: str | None = None,
         fork_session_id: str | None = None,
+        approvals: Mapping[str, DecisionLike] | None = None,
+        decided_by: str | None = None,
     ) -> RunResult:
         """Continue the session's last run, finished or not.
 
@@ -368,11 +372,26 @@ class Agent:
         a new session (``fork_session_id``, or a fresh ULID; see ``RunResult.session_id``) and
         continues there; the original session is left untouched.
 
+        ``approvals={request_id: decision}`` decides tool calls a run stopped at
+        (``StandardPermissions(approval="defer")``, see :meth:`pending_approvals`): each
+        decision is ``Approve()``, ``Approve(arguments={...})`` (run with edited arguments),
+        ``Deny(reason)``, or ``"allow"``/``"deny"``. The decisions are journaled (and audited
+        as made by ``decided_by``) before the run continues: an allowed call then runs once, a
+        denied one reaches the model as a denial. Calls left undecided stop the run again,
+        with the same request ids.
+
         Raises:
             CheckpointNotFoundError: ``from_checkpoint`` is not a snapshot of this
                 (session, user).
             UserError: the snapshot was taken for another prompt, or checkpoints are off.
+            ApprovalNotFoundError: an approval names no request of the session's last run.
+            ApprovalDecidedError: an approval names a request decided before.
+            ApprovalArgumentsError: edited arguments do not fit the tool's schema.
         """
+        if approvals:
+            check_id("session_id", session_id)
+            check_id("user_id", user_id)
+            await decide(self, session_id, user_id, approvals, decided_by)
         return await self._drain(
             self._events(
                 prompt,
@@ -384,6 +403,16 @@ class Agent:
                 fork_session_id=fork_session_id,
             )
         )
+
+    async def pending_approvals(
+        self, session_id: str, *, user_id: str | None = None
+    ) -> list[PendingApproval]:
+        """The tool calls of the session's last run that wait for a decision, read from the
+        journal (so any process on the same database sees them); decide them with
+        :meth:`resume`. A new :meth:`run` on the session leaves them behind."""
+        check_id("session_id", session_id)
+        check_id("user_id", user_id)
+        return await pending_of(self, session_id, user_id)
 
     async def list_checkpoints(
         self, session_id: str, *, user_id: str | None = None
