@@ -7,6 +7,7 @@ decision: the journaled one is applied and the tool runs exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import selectors
 import signal
@@ -65,7 +66,7 @@ async def _pending(url: str) -> list[str]:
 
 @pytest.mark.crash
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-async def test_killed_while_waiting_then_approved_elsewhere_runs_the_tool_once(
+def test_killed_while_waiting_then_approved_elsewhere_runs_the_tool_once(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     url = (
@@ -86,7 +87,7 @@ async def test_killed_while_waiting_then_approved_elsewhere_runs_the_tool_once(
     assert waiting["arguments"] == {"name": "alpha"}
     # The read needed nobody and ran before the stop; the delete did not.
     assert ledger.read_text().splitlines() == ["read beta"]
-    assert await _pending(url) == [waiting["request_id"]]
+    assert asyncio.run(_pending(url)) == [waiting["request_id"]]
 
     approving = _start(url, ledger, "approve-and-die", waiting["request_id"])
     try:
@@ -94,7 +95,7 @@ async def test_killed_while_waiting_then_approved_elsewhere_runs_the_tool_once(
     finally:
         _kill(approving)
     assert ledger.read_text().splitlines() == ["read beta"]
-    assert await _pending(url) == []  # the decision outlived the process that made it
+    assert asyncio.run(_pending(url)) == []  # the decision outlived the process that made it
 
     resumed = subprocess.run(
         [sys.executable, str(WORKER), url, str(ledger), "resume"],
