@@ -236,6 +236,15 @@ async def deferred_decision(
     run, path = _position(info)
     runtime = info.runtime
     assert runtime is not None  # _position checked it
+    if path:
+        # An agent running inside a tool call of another run: its result is journaled as that
+        # call's, so a later decision could never reach it. Fail closed.
+        return RecordedDecision(
+            request_id="",
+            behavior="deny",
+            reason="approval='defer' cannot wait inside a sub-run (an agent used as a tool); "
+            "the call needs approval and is denied",
+        )
     arguments = _shown_arguments(info, shown)
     step = f"{_REQUEST_STEP}{turn}_{slot}"
     inputs: list[Any] = [call.name, arguments, reason, policy]
