@@ -54,8 +54,6 @@ async def decide(
     """Check, journal and audit ``approvals``; the resumed run then applies them."""
     if not isinstance(approvals, Mapping):
         raise UserError(f"approvals must map request ids to decisions, not {approvals!r}")
-    if decided_by is not None and not isinstance(decided_by, str):
-        raise UserError(f"decided_by must be a name, not {decided_by!r}")
     runtime = _journal(agent)
     ledger = await read_approvals(runtime, session_id, user_id)
     check_decidable(ledger, approvals, session_id, user_id)

@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .._ids import check_id
 from ..errors import (
     ApprovalDecidedError,
     ApprovalError,
@@ -138,6 +139,8 @@ def normalize_decision(
     request_id: str, decision: object, decided_by: str | None
 ) -> RecordedDecision:
     """``decision`` (``Approve``, ``Deny``, ``"allow"`` or ``"deny"``) as it is journaled."""
+    # Whoever decided becomes the audit entry's actor: the same rules as for ids.
+    check_id("decided_by", decided_by)
     now = dt.datetime.now(dt.UTC).isoformat()
     if decision == "allow":
         decision = Approve()

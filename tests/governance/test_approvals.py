@@ -19,6 +19,7 @@ from loomflow.errors import (
     ApprovalDecidedError,
     ApprovalNotFoundError,
     InvalidArgumentTypeError,
+    InvalidIdError,
     UserError,
 )
 from loomflow.governance import (
@@ -280,8 +281,17 @@ async def test_unknown_ids_and_bad_input_are_refused(runtime_factory: Factory) -
             user_id="ana",
             approvals={7: "allow"},  # type: ignore[dict-item]
         )
+    for who in ("", "carol\x00", "x" * 1000, 5):
+        with pytest.raises(InvalidIdError):
+            await agent.resume(
+                "clean up",
+                session_id="s1",
+                user_id="ana",
+                approvals={request.request_id: "allow"},
+                decided_by=who,  # type: ignore[arg-type]
+            )
     assert world.deleted == []
-    # A new run on the session leaves the old requests behind.
+    # Nothing above was recorded: the request still waits.
     assert await agent.pending_approvals("s1", user_id="ana") == [request]
 
 
@@ -418,3 +428,31 @@ async def test_an_agent_used_as_a_tool_cannot_wait_and_is_denied(
     assert world.deleted == []
     assert "sub-run" in result.output
     assert await outer.pending_approvals("s1", user_id="ana") == []
+
+
+async def test_a_new_run_leaves_the_old_requests_behind(runtime_factory: Factory) -> None:
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE])
+    (old,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    (new,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    assert new.request_id != old.request_id
+    assert new.epoch == old.epoch + 1
+    assert await agent.pending_approvals("s1", user_id="ana") == [new]
+    with pytest.raises(ApprovalNotFoundError):
+        await agent.resume(
+            "go", session_id="s1", user_id="ana", approvals={old.request_id: "allow"}
+        )
+    assert world.deleted == []
+
+
+async def test_stream_ends_with_the_pending_requests(runtime_factory: Factory) -> None:
+    from loomflow.agent import RunFinished, ToolCallFinished
+
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE, READ])
+    events = [e async for e in agent.stream("go", session_id="s1", user_id="ana")]
+    finished = events[-1]
+    assert isinstance(finished, RunFinished)
+    assert [p.tool for p in finished.result.pending_approvals] == ["delete_record"]
+    # The turn stopped before its results were handed to the model: none is reported yet.
+    assert not [e for e in events if isinstance(e, ToolCallFinished)]
