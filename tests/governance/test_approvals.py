@@ -456,3 +456,44 @@ async def test_stream_ends_with_the_pending_requests(runtime_factory: Factory) -
     assert [p.tool for p in finished.result.pending_approvals] == ["delete_record"]
     # The turn stopped before its results were handed to the model: none is reported yet.
     assert not [e for e in events if isinstance(e, ToolCallFinished)]
+
+
+async def test_crafted_journal_rows_are_not_trusted(tmp_path: Any) -> None:
+    import sqlite3
+
+    from loomflow.errors import CorruptEntryError
+    from loomflow.runtime import SqliteRuntime, codec
+
+    path = tmp_path / "journal.db"
+    world = World()
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE, DELETE_2])
+        first = await agent.run("go", session_id="s1", user_id="ana")
+        alpha, beta = first.pending_approvals
+        # A decision for alpha is journaled without running (a shell's approve)...
+        from loomflow.governance.approvals import journal_decisions, normalize_decision
+
+        await journal_decisions(
+            runtime,
+            "s1",
+            "ana",
+            {alpha.request_id: normalize_decision(alpha.request_id, "allow", "c")},
+        )
+    # ...then someone rewrites the rows: beta's request becomes junk, alpha's decision a shape
+    # no decision has (a "maybe" that must never run the tool).
+    junk = codec.dumps({"request_id": beta.request_id, "tool": 5})
+    maybe = codec.dumps({"request_id": alpha.request_id, "behavior": "maybe", "code": "rm -rf"})
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE loom_entries SET value = ? WHERE name = 'approval_request_0_1'", (junk,))
+        db.execute(
+            "UPDATE loom_entries SET value = ? WHERE name LIKE 'approval_decision_0_0_%'", (maybe,)
+        )
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE, DELETE_2])
+        # The junk request is not listed; alpha's shapeless decision does not count as one.
+        assert [p.request_id for p in await agent.pending_approvals("s1", user_id="ana")] == [
+            alpha.request_id
+        ]
+        with pytest.raises(CorruptEntryError):
+            await agent.resume("go", session_id="s1", user_id="ana")
+    assert world.deleted == []
