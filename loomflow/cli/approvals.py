@@ -35,7 +35,7 @@ from ..redaction import Redactor
 from ..runtime import JournalRuntime
 from ..stores import Stores
 from ._format import positive_int, table
-from ._stores import existing
+from ._stores import existing, session_of
 
 __all__ = ["register"]
 
@@ -62,7 +62,11 @@ def register(subparsers: Any) -> None:
         command = commands.add_parser(name, help=helptext)
         command.add_argument("request_id")
         command.add_argument("--session", dest="session_id", required=True)
-        command.add_argument("--user", dest="user_id", help="whose session (omit for none)")
+        who = command.add_mutually_exclusive_group()
+        who.add_argument(
+            "--user", dest="user_id", help="whose session (needed when several users share the id)"
+        )
+        who.add_argument("--anonymous", action="store_true", help="the session without a user")
         command.add_argument("--by", dest="decided_by", help="who decides (for the audit log)")
         command.add_argument(
             "--reason", required=name == "deny", default="", help="why (shown to the model)"
@@ -90,6 +94,9 @@ async def _handle(args: argparse.Namespace) -> int:
         else:
             decision = Deny(args.reason)
         recorded = normalize_decision(args.request_id, decision, args.decided_by)
+        # Which user's session: the journal knows who ran it when only one user did.
+        info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
+        args.user_id = info.user_id
         decided = await journal_decisions(
             runtime, args.session_id, args.user_id, {args.request_id: recorded}
         )

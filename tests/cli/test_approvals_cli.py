@@ -99,7 +99,15 @@ def test_list_approve_and_deny_from_a_shell(
     assert other.returncode == 0
     assert other.stdout == ""
 
-    common = ["--session", "ops-1", "--user", "ana", "--by", "carol"]
+    # Without --user, the one user who ran the session; a session nobody ran is an error.
+    common = ["--session", "ops-1", "--by", "carol"]
+    nobody = loomflow("--url", url, "approvals", "approve", ops.request_id, "--session", "nope")
+    assert nobody.returncode == 1
+    assert "no session 'nope'" in nobody.stderr
+    anonymous = loomflow(
+        "--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1", "--anonymous"
+    )
+    assert anonymous.returncode == 1
     approved = loomflow(
         "--url", url, "approvals", "approve", ops.request_id, *common,
         "--arguments", '{"to": "ops", "text": "down at 10"}', "--json",
