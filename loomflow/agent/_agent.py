@@ -388,6 +388,11 @@ class Agent:
             ApprovalDecidedError: an approval names a request decided before.
             ApprovalArgumentsError: edited arguments do not fit the tool's schema.
         """
+        if approvals and from_checkpoint is not None:
+            raise UserError(
+                "approvals= continue the stopped run of the session; a fork (from_checkpoint=) "
+                "starts a new session that holds no approval requests"
+            )
         if approvals:
             check_id("session_id", session_id)
             check_id("user_id", user_id)

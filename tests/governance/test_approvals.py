@@ -281,6 +281,21 @@ async def test_unknown_ids_and_bad_input_are_refused(runtime_factory: Factory) -
             user_id="ana",
             approvals={7: "allow"},  # type: ignore[dict-item]
         )
+    with pytest.raises(UserError, match="fork"):
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: "allow"},
+            from_checkpoint="01ABC",
+        )
+    with pytest.raises(UserError, match="map request ids"):
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals=[request.request_id],  # type: ignore[arg-type]
+        )
     for who in ("", "carol\x00", "x" * 1000, 5):
         with pytest.raises(InvalidIdError):
             await agent.resume(
