@@ -43,7 +43,8 @@ from ..hooks import Interrupt, RunInfo
 from ..messages import ToolCall
 from ..runtime import codec
 from ..runtime._journal import JournalRun, JournalRuntime, _Frame, _frame
-from ..runtime._store import Scope, StoredEntry
+from ..runtime._store import Scope, StoredEntry, path_key
+from .events import ApprovalRequested
 
 __all__ = [
     "APPROVAL",
@@ -234,8 +235,6 @@ async def deferred_decision(
     ``shown`` is the call's arguments with the tool's sensitive ones redacted; secrets the
     run's redactor knows are scrubbed here too.
     """
-    from .events import ApprovalRequested  # beside PermissionDecided
-
     run, path = _position(info)
     runtime = info.runtime
     assert runtime is not None  # _position checked it
@@ -284,14 +283,15 @@ async def deferred_decision(
         return request.model_dump(mode="json")
 
     stored = await runtime.step(step, ask, request_id, *inputs)
-    request = _validated(PendingApproval, stored, step)
+    request: PendingApproval = _validated(PendingApproval, stored, step)
+    if request.request_id != request_id:
+        raise CorruptEntryError(f"journal entry {step!r} names another approval request")
+    decided = f"{_DECISION_STEP}{turn}_{slot}_{request_id}"
+    if (path_key(path), decided) not in run.entries:
+        raise ApprovalPending([request])  # nobody decided yet (looked up without a step)
     try:
-        raw = await runtime.step(
-            f"{_DECISION_STEP}{turn}_{slot}_{request.request_id}",
-            _undecided,
-            request.request_id,
-        )
-    except _Undecided:
+        raw = await runtime.step(decided, _undecided, request_id)  # a hit: the decision
+    except _Undecided:  # an unreadable entry the journal chose to run again
         raise ApprovalPending([request]) from None
     recorded: RecordedDecision = _validated(RecordedDecision, raw, step)
     return recorded
