@@ -7,7 +7,11 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── NoActiveRunError           runtime.step() outside runtime.session()
     │   ├── InvalidArgumentError       an argument's value is not accepted (also ValueError)
     │   │   └── InvalidIdError         an id is empty, too long or holds a control character
-    │   └── InvalidArgumentTypeError   an argument's type is not accepted (also TypeError)
+    │   ├── InvalidArgumentTypeError   an argument's type is not accepted (also TypeError)
+    │   └── ApprovalError              a deferred approval cannot be decided as asked
+    │       ├── ApprovalNotFoundError  no pending request with that id in the session's last run
+    │       ├── ApprovalDecidedError   the request was decided already
+    │       └── ApprovalArgumentsError edited arguments do not fit the tool's schema
     ├── ConfigurationError             bad settings or an unusable store URL (also ValueError)
     ├── StorageError                   a store's database failed or is at the wrong version
     │   ├── StoreUnavailableError      the database driver failed underneath us
@@ -62,6 +66,10 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ApprovalArgumentsError",
+    "ApprovalDecidedError",
+    "ApprovalError",
+    "ApprovalNotFoundError",
     "AuditError",
     "AuditIntegrityError",
     "BudgetError",
@@ -142,6 +150,30 @@ class InvalidIdError(InvalidArgumentError):
         self.field = field
         self.reason = reason
         super().__init__(f"{field} {reason}")
+
+
+class ApprovalError(UserError):
+    """A decision on a deferred approval request cannot be applied as given.
+
+    Attributes:
+        request_id: The request at fault (``""`` when the problem is not one request's).
+    """
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        self.request_id = request_id
+        super().__init__(message)
+
+
+class ApprovalNotFoundError(ApprovalError):
+    """No request with that id waits in the last run of that session and user."""
+
+
+class ApprovalDecidedError(ApprovalError):
+    """The request already has a recorded decision; a decision is final."""
+
+
+class ApprovalArgumentsError(ApprovalError, ValueError):
+    """Arguments given with an approval do not validate against the tool's schema."""
 
 
 class ConfigurationError(LoomflowError, ValueError):

@@ -17,6 +17,7 @@ from loomflow.runtime import codec
 
 # Classes whose __init__ takes fields rather than a message, with representative arguments.
 _ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "ApprovalPending": (([],), {}),
     "BudgetExceededError": (("user.tokens_total.daily", 1000.0, 900.0, 50.0, 80.0), {}),
     "Interrupt": (("guardrail:pii", "a card number in the output"), {}),
     "InvalidIdError": (("user_id", "is empty"), {}),

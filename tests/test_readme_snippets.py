@@ -68,3 +68,29 @@ async def test_otel_metrics_snippet_runs_as_written() -> None:
     namespace: dict[str, Any] = {"MODEL": ScriptedModel(["Hello."])}
     exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
     await namespace["snippet"]()  # its own assert checks the GenAI token metric arrived
+
+
+async def test_deferred_approvals_snippet_runs_as_written(tmp_path: Path) -> None:
+    from loomflow.messages import ToolCall
+    from loomflow.tools import tool
+
+    refunded: list[int] = []
+
+    @tool(destructive=True)
+    def refund(order: int) -> str:
+        """Refund an order."""
+        refunded.append(order)
+        return f"refunded {order}"
+
+    code = _with_model(_block('approval="defer"'), "MODEL")
+    model = ScriptedModel(
+        [[ToolCall(id="c1", name="refund", arguments={"order": 42})], "Refunded order 42."]
+    )
+    namespace: dict[str, Any] = {"MODEL": model, "refund": refund}
+    exec("async def snippet(runtime, Agent):\n" + textwrap.indent(code, "    "), namespace)
+    from loomflow import Agent
+
+    async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+        await namespace["snippet"](runtime, Agent)
+    assert refunded == [42]
+    assert model.calls == 2  # the first model call was replayed by the resume

@@ -39,6 +39,7 @@ from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
 from ..errors import CheckpointNotFoundError, UserError
+from ..governance.approvals import DecisionLike, PendingApproval
 from ..hooks import RunHooks
 from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import Message, ModelSettings, ToolSpec
@@ -48,6 +49,7 @@ from ..runtime import OpenRun, Runtime
 from ..runtime._journal import JournalRuntime
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
+from ._approvals import decide, pending_of
 from ._output import StructuredOutput, check_output_retries, check_output_type
 from ._passthrough import Passthrough
 from ._run import _Run, check_prompt, latest_of_run
@@ -413,6 +415,8 @@ class Agent:
         fork_session_id: str | None = None,
         output_type: None = None,
         output_retries: int | None = None,
+        approvals: Mapping[str, DecisionLike] | None = None,
+        decided_by: str | None = None,
     ) -> RunResult: ...
 
     @overload
@@ -426,6 +430,8 @@ class Agent:
         fork_session_id: str | None = None,
         output_type: type[OutputModel],
         output_retries: int | None = None,
+        approvals: Mapping[str, DecisionLike] | None = None,
+        decided_by: str | None = None,
     ) -> RunResult[OutputModel]: ...
 
     async def resume(
@@ -438,6 +444,8 @@ class Agent:
         fork_session_id: str | None = None,
         output_type: type[BaseModel] | None = None,
         output_retries: int | None = None,
+        approvals: Mapping[str, DecisionLike] | None = None,
+        decided_by: str | None = None,
     ) -> RunResult[Any]:
         """Continue the session's last run, finished or not.
 
@@ -454,11 +462,31 @@ class Agent:
         Pass the ``output_type`` of the original run (it keys its model calls); the parsed
         answer is rebuilt by validating the journaled text again.
 
+        ``approvals={request_id: decision}`` decides tool calls a run stopped at
+        (``StandardPermissions(approval="defer")``, see :meth:`pending_approvals`): each
+        decision is ``Approve()``, ``Approve(arguments={...})`` (run with edited arguments),
+        ``Deny(reason)``, or ``"allow"``/``"deny"``. The decisions are journaled (and audited
+        as made by ``decided_by``) before the run continues: an allowed call then runs once, a
+        denied one reaches the model as a denial. Calls left undecided stop the run again,
+        with the same request ids.
+
         Raises:
             CheckpointNotFoundError: ``from_checkpoint`` is not a snapshot of this
                 (session, user).
             UserError: the snapshot was taken for another prompt, or checkpoints are off.
+            ApprovalNotFoundError: an approval names no request of the session's last run.
+            ApprovalDecidedError: an approval names a request decided before.
+            ApprovalArgumentsError: edited arguments do not fit the tool's schema.
         """
+        if approvals and from_checkpoint is not None:
+            raise UserError(
+                "approvals= continue the stopped run of the session; a fork (from_checkpoint=) "
+                "starts a new session that holds no approval requests"
+            )
+        if approvals:
+            check_id("session_id", session_id)
+            check_id("user_id", user_id)
+            await decide(self, session_id, user_id, approvals, decided_by)
         return await self._drain(
             self._events(
                 prompt,
@@ -472,6 +500,16 @@ class Agent:
                 output_retries=output_retries,
             )
         )
+
+    async def pending_approvals(
+        self, session_id: str, *, user_id: str | None = None
+    ) -> list[PendingApproval]:
+        """The tool calls of the session's last run that wait for a decision, read from the
+        journal (so any process on the same database sees them); decide them with
+        :meth:`resume`. A new :meth:`run` on the session leaves them behind."""
+        check_id("session_id", session_id)
+        check_id("user_id", user_id)
+        return await pending_of(self, session_id, user_id)
 
     async def list_checkpoints(
         self, session_id: str, *, user_id: str | None = None

@@ -32,6 +32,7 @@ from ..checkpoints import (
 )
 from ..context import RunContext
 from ..errors import CheckpointError, CorruptEntryError, UserError
+from ..governance.approvals import ApprovalPending, PendingApproval
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..memory import AgentMemory
 from ..messages import (
@@ -132,6 +133,7 @@ class _Run:
         self.live_model = False  # the model call ran (it was not replayed)
         self.tokens: list[object] = []  # what each hook's before_model_call returned
         self.live_tools: set[str] = set()  # tool steps that ran (were not replayed)
+        self.awaiting: list[PendingApproval] = []  # calls of the turn waiting for a person
 
     # -- the run, top to bottom ------------------------------------------------------------
 
@@ -263,6 +265,9 @@ class _Run:
         finally:
             for event in await self.flush():
                 yield event
+        if self.awaiting:
+            # The turn's other calls ran (and are journaled); the run stops for the rest.
+            raise ApprovalPending(sorted(self.awaiting, key=lambda r: r.slot))
         for slot, (call, (outcome, replayed)) in enumerate(zip(calls, outcomes, strict=True)):
             for hook in self.hooks:
                 await hook.after_tool_call(self.info, turn, slot, call, outcome, replayed=replayed)
@@ -291,6 +296,8 @@ class _Run:
     async def stop(self, interrupt: Interrupt) -> list[BaseModel]:
         """A hook interrupted the run: it returns, with the hook's reason."""
         self.interrupted = interrupt.reason
+        if not isinstance(interrupt, ApprovalPending):
+            self.awaiting = []
         if self.checking_output and self.messages and self.messages[-1].role == "assistant":
             self.messages.pop()  # the blocked answer stays out of the transcript and episode
         return await self.flush()
@@ -333,6 +340,7 @@ class _Run:
             fresh_steps=misses - self.before[1],
             restored_from=self.restore.id if self.restore is not None else None,
             parsed=self.parsed,
+            pending_approvals=self.awaiting,
         )
 
     # -- events ----------------------------------------------------------------------------
@@ -436,7 +444,11 @@ class _Run:
         """One tool call as a journaled step: its outcome, and whether it was replayed."""
         step = tool_step_name(turn, slot, call)
         live = functools.partial(self._live_tool_call, turn, slot, call, step)
-        outcome = await self.runtime.step(step, live, call.name, call.arguments)
+        try:
+            outcome = await self.runtime.step(step, live, call.name, call.arguments)
+        except ApprovalPending as pending:  # collected: tool_turn stops the run after the turn
+            self.awaiting.extend(pending.requests)
+            return _AWAITING, False
         return outcome, step not in self.live_tools
 
     async def _live_tool_call(
@@ -668,6 +680,9 @@ def _counts(open_run: OpenRun | None) -> tuple[int, int]:
 
 
 _unpriced: set[str] = set()
+
+# The stand-in outcome of a call waiting for approval (never journaled nor shown to the model).
+_AWAITING = ToolOutcome(ok=False, error_type="approval_pending", error="waiting for approval")
 
 
 def _warn_unpriced(model_name: str) -> None:

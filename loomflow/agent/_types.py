@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypeVar
 
 from ..checkpoints import CheckpointRestored, CheckpointSaved
+from ..governance.approvals import PendingApproval
 from ..messages import Message, TextDelta, ToolCall, ToolCallDelta
 from ..tools import ToolOutcome
 
@@ -68,13 +69,16 @@ class RunResult(_Frozen, Generic[OutputT]):
         session_id: The session the run belongs to (generated when none was given).
         run_id: This run's ULID.
         interrupted: Whether the run stopped before a final answer.
-        interruption_reason: ``max_turns``, ``budget:<cap>`` or ``guardrail:<name>``.
+        interruption_reason: ``max_turns``, ``budget:<cap>``, ``guardrail:<name>``, or
+            ``approval`` when tool calls wait for a person (``approval="defer"``).
         messages: The full transcript, system prompt first.
         replayed_steps: Journaled steps answered from the journal in this run.
         fresh_steps: Journaled steps executed in this run.
         restored_from: The checkpoint this run restored instead of replaying, if any.
         parsed: The final answer validated into the run's ``output_type`` (an instance of
             it); ``None`` without an ``output_type`` or when the run was interrupted.
+        pending_approvals: With ``interruption_reason="approval"``, the tool calls waiting
+            for a decision (pass their ``request_id`` to ``agent.resume(approvals=...)``).
     """
 
     output: str
@@ -91,6 +95,7 @@ class RunResult(_Frozen, Generic[OutputT]):
     fresh_steps: int = 0
     restored_from: str | None = None
     parsed: OutputT | None = None
+    pending_approvals: list[PendingApproval] = Field(default_factory=list)
 
 
 class RunStarted(_Frozen):

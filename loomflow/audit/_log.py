@@ -21,6 +21,7 @@ from .._progress import OnProgress
 from ..context import get_run_context
 from ..errors import InvalidArgumentError
 from ..governance.events import (
+    ApprovalRequested,
     BudgetDenied,
     BudgetUnavailable,
     BudgetWarning,
@@ -563,6 +564,24 @@ class _GovernanceRecords:
             "edited": event.edited,
         }
         return self.hooks._record(self.info, actions.PERMISSION_DECISION, payload, actor=actor)
+
+    def approval_requested(self, event: ApprovalRequested) -> AuditRecord:
+        audit = self.hooks.audit
+        sensitive = self.hooks._sensitive(self.info, event.tool) or frozenset()
+        payload = {
+            "request_id": event.request_id,
+            "tool": event.tool,
+            "turn": event.turn,
+            "slot": event.slot,
+            "reason": event.reason,
+            "policy": event.policy,
+            "arguments": audit.redactor.arguments(
+                event.arguments, sensitive, max_text=audit.max_text
+            ),
+        }
+        return self.hooks._record(
+            self.info, actions.APPROVAL_REQUEST, payload, actor=f"policy:{event.policy}"
+        )
 
     def budget_denied(self, event: BudgetDenied) -> AuditRecord:
         payload = {

@@ -13,6 +13,8 @@ from typing import Final
 
 __all__ = [
     "ALL",
+    "APPROVAL_DECISION",
+    "APPROVAL_REQUEST",
     "BUDGET_DENIED",
     "BUDGET_UNAVAILABLE",
     "BUDGET_WARNING",
@@ -61,6 +63,13 @@ GUARDRAIL_TRIP: Final = "guardrail.trip"
 """A guardrail blocked or redacted input, output or a tool result."""
 REPLAY_DIVERGENCE: Final = "replay.divergence"
 """A resumed run reached a journaled step with other inputs; the step ran fresh."""
+APPROVAL_REQUEST: Final = "approval.request"
+"""A run stopped at a tool call that waits for a person (``approval="defer"``): request id,
+tool, redacted arguments, reason, policy."""
+APPROVAL_DECISION: Final = "approval.decision"
+"""A person decided a deferred request: request id, allow or deny, reason, when, and the
+edited arguments (redacted) if any; the actor is ``approver:<name>``. Written when the decision
+is journaled, before the resumed run applies it (``permission.decision`` follows then)."""
 
 ALL: Final = (
     RUN_START,
@@ -78,4 +87,6 @@ ALL: Final = (
     BUDGET_WARNING,
     GUARDRAIL_TRIP,
     REPLAY_DIVERGENCE,
+    APPROVAL_REQUEST,
+    APPROVAL_DECISION,
 )

@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 # Command groups that live in their own modules (audit, budget, checkpoints, ...): each has
 # ``register(subparsers)`` adding its parser with ``set_defaults(handler=...)``, where the
 # handler is ``async def handler(args) -> int``.
-_PLUGINS = ("audit", "budget", "checkpoints", "console", "users")
+_PLUGINS = ("approvals", "audit", "budget", "checkpoints", "console", "users")
 
 
 def _command_modules() -> list[Any]:

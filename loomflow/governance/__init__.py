@@ -16,6 +16,7 @@ event in the run's stream, which the audit log records.
 
 from __future__ import annotations
 
+from .approvals import Approve, Deny, PendingApproval
 from .budget import (
     BudgetStore,
     Cap,
@@ -26,6 +27,7 @@ from .budget import (
     budget_store_from_url,
 )
 from .events import (
+    ApprovalRequested,
     BudgetDenied,
     BudgetUnavailable,
     BudgetWarning,
@@ -49,6 +51,8 @@ from .permissions import (
 __all__ = [
     "Approval",
     "ApprovalRequest",
+    "ApprovalRequested",
+    "Approve",
     "BudgetDenied",
     "BudgetStore",
     "BudgetUnavailable",
@@ -56,6 +60,7 @@ __all__ = [
     "Cap",
     "CapStatus",
     "Decision",
+    "Deny",
     "Finding",
     "GovernanceEvent",
     "GovernanceVisitor",
@@ -64,6 +69,7 @@ __all__ = [
     "InMemoryBudgetStore",
     "PERMISSION_DENIED",
     "PIIGuardrail",
+    "PendingApproval",
     "PermissionContext",
     "PermissionDecided",
     "Policy",

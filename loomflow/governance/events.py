@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "ApprovalRequested",
     "BudgetDenied",
     "BudgetUnavailable",
     "BudgetWarning",
@@ -41,6 +42,8 @@ class GovernanceVisitor(Protocol[R_co]):
     def permission_decided(self, event: PermissionDecided) -> R_co: ...
 
     def guardrail_tripped(self, event: GuardrailTripped) -> R_co: ...
+
+    def approval_requested(self, event: ApprovalRequested) -> R_co: ...
 
 
 class GovernanceEvent(BaseModel):
@@ -121,3 +124,20 @@ class GuardrailTripped(GovernanceEvent):
 
     def accept(self, visitor: GovernanceVisitor[R]) -> R:
         return visitor.guardrail_tripped(self)
+
+
+class ApprovalRequested(GovernanceEvent):
+    """A tool call needs a person's decision; the run stops until one is recorded
+    (``StandardPermissions(approval="defer")``)."""
+
+    type: Literal["approval_requested"] = "approval_requested"
+    request_id: str
+    tool: str
+    turn: int
+    slot: int
+    reason: str
+    policy: str
+    arguments: dict[str, Any] = Field(default_factory=dict)  # already redacted
+
+    def accept(self, visitor: GovernanceVisitor[R]) -> R:
+        return visitor.approval_requested(self)

@@ -12,7 +12,10 @@ an ``allow``. A mode then sets what happens when no rule speaks:
 - ``readOnly``: tools marked ``edits`` or ``destructive`` are denied, whatever allows them.
 
 An ``ask`` goes to the approval handler, which may allow, deny, edit the arguments, and remember
-its answer for the rest of the run; without a handler the call is denied. A denied call never
+its answer for the rest of the run; without a handler the call is denied. With
+``approval="defer"`` nobody is asked in the process: the run stops at the call and returns
+interrupted, and a decision given later, from any process, continues it
+(:mod:`loomflow.governance.approvals`). A denied call never
 runs: the model receives a ``permission_denied`` tool error and the run goes on. Because the
 check sits inside the journaled tool step, a replayed result is never checked again.
 """
@@ -32,6 +35,7 @@ from ..errors import UserError
 from ..hooks import RunHooks, RunInfo
 from ..messages import ToolCall
 from ..tools import Tool, ToolOutcome
+from .approvals import deferred_decision
 from .events import PermissionDecided
 
 __all__ = [
@@ -303,9 +307,13 @@ class StandardPermissions:
         users: Policies by user id (policy ``user:<id>``).
         roles: Policies by role name (policy ``role:<name>``); a run's roles come from
             ``metadata["role"]``.
-        approval: The handler for ``ask`` decisions; without one they are denied.
+        approval: The handler for ``ask`` decisions; without one they are denied. ``"defer"``
+            stops the run at the call instead (``interruption_reason="approval"``, the requests
+            on ``RunResult.pending_approvals``); ``agent.resume(..., approvals={...})`` or
+            ``loomflow approvals approve|deny`` decides later, from any process. Needs a
+            journaled runtime.
         approval_timeout: Seconds a handler may take before the call is denied; ``None``
-            waits forever.
+            waits forever (not used with ``"defer"``).
 
     Example:
         >>> permissions = StandardPermissions(
@@ -323,7 +331,7 @@ class StandardPermissions:
         *,
         users: Mapping[str, Policy] | None = None,
         roles: Mapping[str, Policy] | None = None,
-        approval: ApprovalHandler | None = None,
+        approval: ApprovalHandler | Literal["defer"] | None = None,
         approval_timeout: float | None = 300.0,
     ) -> None:
         self.base = Policy(rules, mode)
@@ -336,11 +344,15 @@ class StandardPermissions:
             for key, policy in policies.items():
                 if not isinstance(policy, Policy):
                     raise UserError(f"{what}[{key!r}] must be a Policy, not {policy!r}")
-        if approval is not None and not callable(approval):
-            raise UserError(f"approval must be a callable, not {approval!r}")
+        self.deferred = isinstance(approval, str) and approval == "defer"
+        handler = None if isinstance(approval, str) else approval
+        if (isinstance(approval, str) and not self.deferred) or (
+            handler is not None and not callable(handler)
+        ):
+            raise UserError(f"approval must be a callable or 'defer', not {approval!r}")
         if approval_timeout is not None and not approval_timeout > 0:
             raise UserError(f"approval_timeout must be positive or None, not {approval_timeout!r}")
-        self.approval = approval
+        self.approval: ApprovalHandler | None = handler
         self.approval_timeout = approval_timeout
 
     def __repr__(self) -> str:
@@ -496,6 +508,27 @@ class PermissionHooks(RunHooks):
             if remembered is not None:
                 answer, approver = remembered, remembered.by
                 reason = f"{answer.behavior} remembered for this run: {answer.reason or reason}"
+            elif permissions.deferred:
+                # Stops the run (ApprovalPending) until a decision is journaled.
+                shown = redact_arguments(
+                    call.arguments, tool.sensitive if tool is not None else frozenset()
+                )
+                recorded = await deferred_decision(
+                    info, turn, slot, call, shown, decision.reason, decision.policy
+                )
+                answer = Approval(
+                    recorded.behavior,
+                    recorded.arguments,
+                    False,
+                    recorded.reason,
+                    recorded.decided_by,
+                )
+                approver = answer.by
+                reason = answer.reason or (
+                    f"approved: {decision.reason}"
+                    if answer.behavior == "allow"
+                    else f"denied by {approver or 'the approver'}"
+                )
             else:
                 answer = await permissions.request_approval(
                     ApprovalRequest(call, tool, info.user_id, decision, context)

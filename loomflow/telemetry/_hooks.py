@@ -46,6 +46,7 @@ from pydantic import BaseModel
 from ..context import get_run_context
 from ..errors import ModelError
 from ..governance.events import (
+    ApprovalRequested,
     BudgetDenied,
     BudgetUnavailable,
     BudgetWarning,
@@ -801,6 +802,17 @@ class _GovernanceSignals:
                     "loom.permission.final": event.final,
                     "loom.permission.policy": event.policy,
                     "loom.permission.reason": event.reason,
+                },
+            )
+
+    def approval_requested(self, event: ApprovalRequested) -> None:
+        if self.span is not None:
+            self.span.add_event(
+                "loom.approval.requested",
+                {
+                    sc.GEN_AI_TOOL_NAME: event.tool,
+                    "loom.approval.request_id": event.request_id,
+                    "loom.permission.policy": event.policy,
                 },
             )
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from ..context import get_run_context
+from ..context import RunContext, get_run_context
 from ..errors import ConfigurationError, UserError
 from ..runtime import codec
 from ._docstring import parse_docstring
@@ -135,6 +135,19 @@ class Tool(Generic[P, R]):
     def parameters(self) -> dict[str, Any]:
         """The JSON schema of the arguments (a fresh copy each time; mutate freely)."""
         return copy.deepcopy(self._binder.schema)
+
+    def argument_problem(
+        self, arguments: Mapping[str, Any] | None, context: RunContext | None = None
+    ) -> str | None:
+        """What is wrong with ``arguments`` for this tool (one line per problem), or ``None``.
+
+        The same check :meth:`invoke` makes before the tool runs; nothing is run here.
+        """
+        try:
+            self._binder.bind(arguments, context or RunContext())
+        except InvalidArgumentsError as exc:
+            return str(exc)
+        return None
 
     def spec(self) -> dict[str, Any]:
         """Return ``{"name", "description", "parameters"}`` for a model request."""

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from loomflow.agent import Agent, RunFinished, Tuning
 from loomflow.agent.hooks import RunHooks, RunInfo
 from loomflow.governance import (
+    ApprovalRequested,
     BudgetDenied,
     BudgetUnavailable,
     BudgetWarning,
@@ -109,6 +110,9 @@ def test_each_event_picks_its_own_visitor_method() -> None:
         def guardrail_tripped(self, event: GuardrailTripped) -> str:
             return type(event).__name__
 
+        def approval_requested(self, event: ApprovalRequested) -> str:
+            return type(event).__name__
+
     events: list[GovernanceEvent] = [
         BudgetWarning(cap="c", limit=1, used=0.9, fraction=0.9),
         BudgetDenied(cap="c", limit=1, used=1, requested=1),
@@ -117,6 +121,9 @@ def test_each_event_picks_its_own_visitor_method() -> None:
             tool="t", turn=0, slot=0, decision="allow", final="allow", reason="r", policy="p"
         ),
         GuardrailTripped(name="pii", stage="input", action="block"),
+        ApprovalRequested(
+            request_id="apr_1", tool="t", turn=0, slot=0, reason="r", policy="global"
+        ),
     ]
     assert [e.accept(Names()) for e in events] == [type(e).__name__ for e in events]
     # Every event class loomflow defines has its method (a new one without it would be None).

@@ -1,0 +1,177 @@
+"""``loomflow approvals list|approve|deny``: tool calls that wait for a person.
+
+Runs with ``StandardPermissions(approval="defer")`` stop at a call that needs approval and
+journal the request. These commands read the requests from the journal (``--url`` or
+``LOOMFLOW_RUNTIME_URL``) and journal decisions there, with an ``approval.decision`` entry in
+the audit log (``LOOMFLOW_AUDIT_URL``, else beside the journal). They do not continue the run:
+the command line has no agent to run it with. The application's next
+``agent.resume(prompt, session_id=..., user_id=...)`` (no ``approvals=`` needed) applies the
+recorded decision; until then ``approvals list`` no longer shows the request.
+
+Edited arguments (``--arguments``) must be a JSON object; the tool's own schema is checked when
+the resumed run calls the tool (a mismatch reaches the model as an invalid-arguments error).
+``agent.resume(approvals=...)`` checks the schema before recording anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..agent._approvals import audit_decision
+from ..audit import AuditLog
+from ..config import Settings
+from ..errors import InvalidArgumentError
+from ..governance.approvals import (
+    Approve,
+    Deny,
+    PendingApproval,
+    journal_decisions,
+    normalize_decision,
+    read_approvals,
+)
+from ..redaction import Redactor
+from ..runtime import JournalRuntime
+from ..stores import Stores
+from ._format import positive_int, table
+from ._stores import existing, session_of
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``approvals`` command group to the CLI."""
+    group = subparsers.add_parser(
+        "approvals", help="list, approve or deny tool calls that wait for a person"
+    )
+    commands = group.add_subparsers(dest="approvals_command", required=True)
+
+    listing = commands.add_parser("list", help="requests waiting for a decision")
+    listing.add_argument("--user", dest="user_id", help="only this user's sessions")
+    listing.add_argument("--session", dest="session_id", help="only this session")
+    listing.add_argument(
+        "--limit", type=positive_int, default=100, help="look at the N most recent sessions"
+    )
+    listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
+
+    for name, helptext in (
+        ("approve", "allow a waiting call (optionally with edited arguments)"),
+        ("deny", "refuse a waiting call; the reason reaches the model"),
+    ):
+        command = commands.add_parser(name, help=helptext)
+        command.add_argument("request_id")
+        command.add_argument("--session", dest="session_id", required=True)
+        who = command.add_mutually_exclusive_group()
+        who.add_argument(
+            "--user", dest="user_id", help="whose session (needed when several users share the id)"
+        )
+        who.add_argument("--anonymous", action="store_true", help="the session without a user")
+        command.add_argument("--by", dest="decided_by", help="who decides (for the audit log)")
+        command.add_argument(
+            "--reason", required=name == "deny", default="", help="why (shown to the model)"
+        )
+        if name == "approve":
+            command.add_argument(
+                "--arguments", help="a JSON object to run the tool with instead of the model's"
+            )
+        command.add_argument("--json", action="store_true")
+
+    group.set_defaults(handler=_handle)
+
+
+async def _handle(args: argparse.Namespace) -> int:
+    settings = Settings()
+    url = existing(args.url or settings.runtime_url, "journal")
+    async with Stores(settings.model_copy(update={"runtime_url": url})) as stores:
+        runtime = stores.runtime
+        assert runtime is not None  # Stores has a journal by default
+        if args.approvals_command == "list":
+            return await _list(runtime, args)
+        decision: Approve | Deny
+        if args.approvals_command == "approve":
+            decision = Approve(arguments=_edited(args.arguments), reason=args.reason)
+        else:
+            decision = Deny(args.reason)
+        recorded = normalize_decision(args.request_id, decision, args.decided_by)
+        # Which user's session: the journal knows who ran it when only one user did.
+        info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
+        args.user_id = info.user_id
+        decided = await journal_decisions(
+            runtime, args.session_id, args.user_id, {args.request_id: recorded}
+        )
+        request = decided[args.request_id]
+        audit = AuditLog(stores.audit, redactor=Redactor.from_settings(settings), redact_logs=False)
+        await audit_decision(audit, request, recorded, None)
+        summary = {
+            "request_id": request.request_id,
+            "session_id": request.session_id,
+            "user_id": request.user_id,
+            "tool": request.tool,
+            "decision": recorded.behavior,
+            "decided_by": recorded.decided_by,
+            "decided_at": recorded.decided_at,
+        }
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print(
+                f"{recorded.behavior} recorded for {request.request_id} ({request.tool}) in "
+                f"session {request.session_id!r} of user {request.user_id!r}; the application's "
+                "next resume() of that session applies it"
+            )
+        return 0
+
+
+def _edited(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"--arguments is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(
+            f"--arguments must be a JSON object of argument names to values, not "
+            f"{type(value).__name__}"
+        )
+    return value
+
+
+async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
+    filters: dict[str, Any] = {"limit": args.limit}
+    if args.user_id is not None:
+        filters["user_id"] = args.user_id
+    if args.session_id is not None:
+        filters["session_id"] = args.session_id
+    pending: list[PendingApproval] = []
+    for session in await runtime.sessions(**filters):
+        if session.session_id is None:
+            continue
+        ledger = await read_approvals(runtime, session.session_id, session.user_id)
+        pending.extend(ledger.pending)
+    if args.json:
+        for request in pending:
+            print(request.model_dump_json())
+        return 0
+    if not pending:
+        print("no approval requests are waiting")
+        return 0
+    rows: list[tuple[Any, ...]] = [
+        ("request", "session", "user", "tool", "arguments", "requested (UTC)", "reason")
+    ]
+    for r in pending:
+        shown = json.dumps(r.arguments, ensure_ascii=False)
+        rows.append(
+            (
+                r.request_id,
+                r.session_id,
+                r.user_id if r.user_id is not None else "-",
+                r.tool,
+                shown if len(shown) <= 60 else shown[:57] + "...",
+                r.requested_at[:19],
+                r.reason if len(r.reason) <= 60 else r.reason[:57] + "...",
+            )
+        )
+    table(rows)
+    return 0

@@ -1,0 +1,451 @@
+"""Deferred approvals: a tool call that needs a person stops the run, durably.
+
+With ``StandardPermissions(..., approval="defer")`` an ``ask`` does not wait in the process.
+The permission hook journals the request as a step of the run (``approval_request_<turn>_
+<slot>``) and raises :class:`ApprovalPending`; the loop lets the other calls of the turn
+finish, then returns an interrupted result (``interruption_reason="approval"``) listing every
+request of the turn. Nothing is held while a person thinks: no worker, no session turn, no
+budget reservation (reservations live only around a model call, and the run has none open).
+
+A decision is journaled too, as a step of the same run (``approval_decision_<turn>_<slot>_
+<request id>``, whose input is the request id), by :func:`journal_decisions`, before the run
+is resumed. The resumed run replays what it had done, reaches the tool step again, finds the
+request step and then the decision step in the journal, and applies the decision: an allowed
+call runs (once: its result is journaled like any tool step), a denied one reaches the model as
+a ``permission_denied`` tool error. A request without a recorded decision stops the run again,
+with the same id, because the id is a hash of the request's place in the journal.
+
+Everything here reads the journal as untrusted data: rows are decoded by the journal's codec
+and validated into plain models; nothing is imported or run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .._ids import check_id
+from ..errors import (
+    ApprovalDecidedError,
+    ApprovalError,
+    ApprovalNotFoundError,
+    CorruptEntryError,
+    InvalidArgumentTypeError,
+    UserError,
+)
+from ..hooks import Interrupt, RunInfo
+from ..messages import ToolCall
+from ..runtime import codec
+from ..runtime._journal import JournalRun, JournalRuntime, _Frame, _frame
+from ..runtime._store import Scope, StoredEntry, path_key
+from .events import ApprovalRequested
+
+__all__ = [
+    "APPROVAL",
+    "ApprovalPending",
+    "Approve",
+    "DecisionLike",
+    "Deny",
+    "PendingApproval",
+    "RecordedDecision",
+    "journal_decisions",
+    "normalize_decision",
+    "read_approvals",
+]
+
+APPROVAL = "approval"
+"""``RunResult.interruption_reason`` of a run stopped for approvals."""
+
+_REQUEST_STEP = "approval_request_"
+_DECISION_STEP = "approval_decision_"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PendingApproval(_Frozen):
+    """A tool call waiting for a person's decision (``RunResult.pending_approvals``).
+
+    Attributes:
+        request_id: Stable id of the request: the same on every resume of the run.
+        tool: The tool the model asked for.
+        arguments: Its arguments, with sensitive values and secrets redacted.
+        reason: Why the call needs approval (the rule or mode that asked).
+        policy: Which policy asked (``global``, ``role:<name>``, ``user:<id>``).
+        session_id: The session of the run.
+        user_id: Whom the run works for.
+        run_id: The run that first stopped at this call.
+        agent: The agent's name.
+        turn: The model turn that asked for the call.
+        slot: The call's place among that turn's calls.
+        epoch: The journal epoch of the run (a later new run has a higher one).
+        path: The sub-run path of the run in the journal (empty for an outermost run).
+        requested_at: When the run first stopped at this call (UTC, ISO 8601).
+    """
+
+    request_id: str
+    tool: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    reason: str = ""
+    policy: str = ""
+    session_id: str
+    user_id: str | None = None
+    run_id: str = ""
+    agent: str = ""
+    turn: int
+    slot: int
+    epoch: int
+    path: list[str] = Field(default_factory=list)
+    requested_at: str = ""
+
+
+class RecordedDecision(_Frozen):
+    """A decision as journaled: what was decided on a request, by whom and when."""
+
+    request_id: str
+    behavior: Literal["allow", "deny"]
+    arguments: dict[str, Any] | None = None  # edited arguments of an allow
+    reason: str = ""
+    decided_by: str | None = None
+    decided_at: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Approve:
+    """Allow the call, optionally with ``arguments`` instead of the model's (an edit)."""
+
+    arguments: Mapping[str, Any] | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    """Refuse the call; ``reason`` reaches the model in the ``permission_denied`` error."""
+
+    reason: str = ""
+
+
+DecisionLike: TypeAlias = Approve | Deny | Literal["allow", "deny"]
+"""What ``agent.resume(approvals={request_id: ...})`` accepts for one request."""
+
+
+def normalize_decision(
+    request_id: str, decision: object, decided_by: str | None
+) -> RecordedDecision:
+    """``decision`` (``Approve``, ``Deny``, ``"allow"`` or ``"deny"``) as it is journaled."""
+    # Whoever decided becomes the audit entry's actor: the same rules as for ids.
+    check_id("decided_by", decided_by)
+    now = dt.datetime.now(dt.UTC).isoformat()
+    if decision == "allow":
+        decision = Approve()
+    elif decision == "deny":
+        decision = Deny()
+    if isinstance(decision, Approve):
+        arguments = decision.arguments
+        if arguments is not None and not isinstance(arguments, Mapping):
+            raise InvalidArgumentTypeError(
+                f"approval {request_id!r}: arguments must be a mapping of argument names to "
+                f"values, not {type(arguments).__name__}"
+            )
+        edited = dict(arguments) if arguments is not None else None
+        try:
+            codec.canonical_bytes(edited)
+        except codec.UnsupportedValueError as exc:
+            raise InvalidArgumentTypeError(
+                f"approval {request_id!r}: edited arguments must be JSON values ({exc})"
+            ) from None
+        return RecordedDecision(
+            request_id=request_id,
+            behavior="allow",
+            arguments=edited,
+            reason=str(decision.reason),
+            decided_by=decided_by,
+            decided_at=now,
+        )
+    if isinstance(decision, Deny):
+        return RecordedDecision(
+            request_id=request_id,
+            behavior="deny",
+            reason=str(decision.reason),
+            decided_by=decided_by,
+            decided_at=now,
+        )
+    raise InvalidArgumentTypeError(
+        f"approval {request_id!r}: a decision is Approve(...), Deny(reason) or the string "
+        f"'allow' or 'deny', not {decision!r}"
+    )
+
+
+class ApprovalPending(Interrupt):
+    """Raised from a tool step whose call waits for a decision; the loop collects these."""
+
+    def __init__(self, requests: list[PendingApproval]) -> None:
+        self.requests = requests
+        super().__init__(APPROVAL, ", ".join(r.request_id for r in requests))
+
+
+# -- inside a run: the permission hook's side -----------------------------------------------
+
+
+class _Undecided(Exception):
+    """The decision step has no journal entry: nobody decided yet."""
+
+
+def _undecided(request_id: str) -> RecordedDecision:
+    raise _Undecided(request_id)
+
+
+def _position(info: RunInfo) -> tuple[JournalRun, tuple[str, ...]]:
+    runtime = info.runtime
+    run = runtime.current_run if runtime is not None else None
+    frame = _frame.get()
+    if not isinstance(run, JournalRun) or frame is None:
+        raise UserError(
+            "StandardPermissions(approval='defer') needs a journaled runtime (InMemoryRuntime, "
+            "SqliteRuntime or PostgresRuntime): the request and its decision are journal steps"
+        )
+    return run, frame.path
+
+
+def _request_id(run: JournalRun, path: tuple[str, ...], step: str, inputs: list[Any]) -> str:
+    """A hash of the request's place in the journal and of what it asks."""
+    where = [run.scope.key, run.epoch, list(path), step, inputs]
+    return "apr_" + hashlib.sha256(codec.canonical_bytes(where)).hexdigest()[:24]
+
+
+async def deferred_decision(
+    info: RunInfo,
+    turn: int,
+    slot: int,
+    call: ToolCall,
+    shown: dict[str, Any],
+    reason: str,
+    policy: str,
+) -> RecordedDecision:
+    """The journaled decision on this call; raises :class:`ApprovalPending` while there is none.
+
+    The first time, the request is journaled (and announced with ``ApprovalRequested``).
+    ``shown`` is the call's arguments with the tool's sensitive ones redacted; secrets the
+    run's redactor knows are scrubbed here too.
+    """
+    run, path = _position(info)
+    runtime = info.runtime
+    assert runtime is not None  # _position checked it
+    if path:
+        # An agent running inside a tool call of another run: its result is journaled as that
+        # call's, so a later decision could never reach it. Fail closed.
+        return RecordedDecision(
+            request_id="",
+            behavior="deny",
+            reason="approval='defer' cannot wait inside a sub-run (an agent used as a tool); "
+            "the call needs approval and is denied",
+        )
+    arguments = _shown_arguments(info, shown)
+    step = f"{_REQUEST_STEP}{turn}_{slot}"
+    inputs: list[Any] = [call.name, arguments, reason, policy]
+    request_id = _request_id(run, path, step, inputs)
+
+    def ask(request_id: str, tool_name: str, arguments: dict[str, Any], *_: Any) -> dict[str, Any]:
+        request = PendingApproval(
+            request_id=request_id,
+            tool=tool_name,
+            arguments=arguments,
+            reason=reason,
+            policy=policy,
+            session_id=info.session_id,
+            user_id=info.user_id,
+            run_id=info.run_id,
+            agent=info.agent_name,
+            turn=turn,
+            slot=slot,
+            epoch=run.epoch,
+            path=list(path),
+            requested_at=dt.datetime.now(dt.UTC).isoformat(),
+        )
+        info.emit(
+            ApprovalRequested(
+                request_id=request_id,
+                tool=tool_name,
+                turn=turn,
+                slot=slot,
+                reason=reason,
+                policy=policy,
+                arguments=arguments,
+            )
+        )
+        return request.model_dump(mode="json")
+
+    stored = await runtime.step(step, ask, request_id, *inputs)
+    request: PendingApproval = _validated(PendingApproval, stored, step)
+    if request.request_id != request_id:
+        raise CorruptEntryError(f"journal entry {step!r} names another approval request")
+    decided = f"{_DECISION_STEP}{turn}_{slot}_{request_id}"
+    if (path_key(path), decided) not in run.entries:
+        raise ApprovalPending([request])  # nobody decided yet (looked up without a step)
+    try:
+        raw = await runtime.step(decided, _undecided, request_id)  # a hit: the decision
+    except _Undecided:  # an unreadable entry the journal chose to run again
+        raise ApprovalPending([request]) from None
+    recorded: RecordedDecision = _validated(RecordedDecision, raw, step)
+    return recorded
+
+
+def _shown_arguments(info: RunInfo, shown: dict[str, Any]) -> dict[str, Any]:
+    """The arguments as people may see them: sensitive names and secrets redacted."""
+    if info.redactor is not None:
+        value = info.redactor.value(shown)
+        if isinstance(value, dict):
+            shown = value
+    return shown
+
+
+def _validated(model: type[Any], value: object, step: str) -> Any:
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise CorruptEntryError(
+            f"journal entry {step!r} is not an approval record: {exc.errors()[0]['msg']}"
+        ) from None
+
+
+# -- outside a run: listing requests and recording decisions --------------------------------
+
+
+@dataclass(slots=True)
+class Ledger:
+    """The approval requests and decisions of one run of a (session, user)."""
+
+    epoch: int | None = None
+    requests: dict[str, PendingApproval] = field(default_factory=dict)
+    decisions: dict[str, RecordedDecision] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> list[PendingApproval]:
+        """Requests without a decision, in the order the model asked for them."""
+        waiting = [r for r in self.requests.values() if r.request_id not in self.decisions]
+        return sorted(waiting, key=lambda r: (r.path, r.turn, r.slot))
+
+
+def _ledger(epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
+    ledger = Ledger(epoch)
+    for entry in entries:
+        is_request = entry.name.startswith(_REQUEST_STEP)
+        if not is_request and not entry.name.startswith(_DECISION_STEP):
+            continue
+        if entry.format != "json" or entry.codec_version > codec.CODEC_VERSION:
+            continue  # the journal skips such rows too: the step would run again
+        try:
+            value = codec.loads(entry.value)
+        except (codec.UnknownTagError, ValueError):
+            continue  # corrupt: the run would journal the step again
+        try:
+            if is_request:
+                request = PendingApproval.model_validate(value)
+                ledger.requests[request.request_id] = request
+            else:
+                decision = RecordedDecision.model_validate(value)
+                ledger.decisions[decision.request_id] = decision
+        except ValidationError:
+            continue
+    return ledger
+
+
+async def read_approvals(runtime: JournalRuntime, session_id: str, user_id: str | None) -> Ledger:
+    """The requests and decisions of the last run of (session, user), read from the journal.
+
+    Works in any process that reaches the journal's database; reads only (no turn is taken).
+    """
+    scope = Scope.checked(session_id, user_id)
+    sessions = await runtime.sessions(user_id=user_id, session_id=session_id, limit=1)
+    if not sessions:
+        return Ledger()
+    info = sessions[0]
+    epoch = info.epoch if info.open else info.epoch - 1
+    if epoch < 0:
+        return Ledger()
+    rows = await runtime._store.load_run(scope, epoch)
+    return _ledger(epoch, rows)
+
+
+def check_decidable(
+    ledger: Ledger, request_ids: Iterable[str], session: str, user: str | None
+) -> None:
+    """Raise unless every id names a request of ``ledger`` that has no decision yet."""
+    for request_id in request_ids:
+        if not isinstance(request_id, str):
+            raise InvalidArgumentTypeError(
+                f"approval request ids are strings, not {type(request_id).__name__}"
+            )
+        if request_id not in ledger.requests:
+            raise ApprovalNotFoundError(
+                f"no approval request {request_id!r} in the last run of session {session!r} "
+                f"of user {user!r} (see pending_approvals())",
+                request_id,
+            )
+        if request_id in ledger.decisions:
+            done = ledger.decisions[request_id]
+            raise ApprovalDecidedError(
+                f"approval request {request_id!r} was already decided ({done.behavior} by "
+                f"{done.decided_by or 'an unnamed approver'} at {done.decided_at}); a decision "
+                "is final",
+                request_id,
+            )
+
+
+async def journal_decisions(
+    runtime: JournalRuntime,
+    session_id: str,
+    user_id: str | None,
+    decisions: Mapping[str, RecordedDecision],
+) -> dict[str, PendingApproval]:
+    """Journal ``decisions`` as steps of the last run of (session, user); the requests decided.
+
+    Takes the session's turn while writing, so it waits for a run in progress. All ids are
+    checked before anything is written; then each decision is one journal step.
+
+    Raises:
+        ApprovalNotFoundError: an id is not a request of that run.
+        ApprovalDecidedError: a request already has a decision.
+    """
+    if not decisions:
+        return {}
+    # Checked before the turn is taken: a wrong id must not open (and so close) a run.
+    check_decidable(
+        await read_approvals(runtime, session_id, user_id), decisions, session_id, user_id
+    )
+    problem: ApprovalError | None = None
+    decided: dict[str, PendingApproval] = {}
+    async with runtime.session(session_id, user_id, resume=True) as run:
+        assert isinstance(run, JournalRun)  # an outermost session of a JournalRuntime
+        ledger = _ledger(run.epoch, (e for slot in run.entries.values() for e in slot.values()))
+        try:
+            check_decidable(ledger, decisions, session_id, user_id)  # a racing writer
+        except ApprovalError as exc:
+            problem = exc
+        else:
+            for request_id, decision in decisions.items():
+                request = ledger.requests[request_id]
+                reset = _frame.set(_Frame(run, tuple(request.path)))
+                try:
+                    await runtime.step(
+                        f"{_DECISION_STEP}{request.turn}_{request.slot}_{request_id}",
+                        functools.partial(_recorded, decision.model_dump(mode="json")),
+                        request_id,
+                    )
+                finally:
+                    _frame.reset(reset)
+                decided[request_id] = request
+    if problem is not None:  # raised outside the block, so the run is left as it was
+        raise problem
+    return decided
+
+
+def _recorded(value: dict[str, Any], request_id: str) -> dict[str, Any]:
+    return value

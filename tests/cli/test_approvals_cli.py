@@ -1,0 +1,156 @@
+"""``loomflow approvals list|approve|deny`` as real subprocesses, on a journal an agent wrote.
+
+The CLI journals the decision (and audits it); the application's next plain ``resume()``
+applies it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent, RunResult
+from loomflow.audit import AuditLog, actions
+from loomflow.config import Settings
+from loomflow.governance import StandardPermissions
+from loomflow.messages import ToolCall
+from loomflow.models import ScriptedModel
+from loomflow.stores import Stores
+from loomflow.tools import Tool
+
+PROMPT = "Send the two notices."
+SCRIPT = [
+    [
+        ToolCall(id="c0", name="send_notice", arguments={"to": "ops", "text": "down at 9"}),
+        ToolCall(id="c1", name="send_notice", arguments={"to": "all", "text": "down at 9"}),
+    ],
+    "Notices handled.",
+]
+
+
+def loomflow(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+async def _run(url: str, sent: list[dict[str, Any]], *, resume: bool) -> RunResult:
+    def send_notice(to: str, text: str) -> str:
+        """Send a notice."""
+        sent.append({"to": to, "text": text})
+        return f"sent to {to}"
+
+    # Journal and audit log from the settings, as a deployed application builds them.
+    async with Agent.from_settings(
+        "x",
+        model=ScriptedModel(SCRIPT),
+        settings=Settings(runtime_url=url),
+        tools=[Tool(send_notice, edits=True)],
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+        telemetry=False,
+    ) as agent:
+        if resume:
+            return await agent.resume(PROMPT, session_id="ops-1", user_id="ana")
+        return await agent.run(PROMPT, session_id="ops-1", user_id="ana")
+
+
+async def _audit(url: str) -> list[Any]:
+    async with Stores(Settings(runtime_url=url)) as stores:
+        page = await AuditLog(stores.audit, redact_logs=False).query(
+            user_id="ana", action="approval.*"
+        )
+        return page.entries
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_list_approve_and_deny_from_a_shell(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        request.getfixturevalue("pg_dsn")
+        if backend == "postgres"
+        else f"sqlite:///{tmp_path / 'journal.db'}"
+    )
+    sent: list[dict[str, Any]] = []
+    stopped = asyncio.run(_run(url, sent, resume=False))
+    ops, everyone = stopped.pending_approvals
+    assert sent == []
+
+    listed = loomflow("--url", url, "approvals", "list", "--user", "ana", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["request_id"] for r in rows] == [ops.request_id, everyone.request_id]
+    assert rows[0]["arguments"] == {"to": "ops", "text": "down at 9"}
+    table = loomflow("--url", url, "approvals", "list", "--session", "ops-1")
+    assert ops.request_id in table.stdout
+    assert "send_notice" in table.stdout
+    other = loomflow("--url", url, "approvals", "list", "--user", "bob", "--json")
+    assert other.returncode == 0
+    assert other.stdout == ""
+
+    # Without --user, the one user who ran the session; a session nobody ran is an error.
+    common = ["--session", "ops-1", "--by", "carol"]
+    nobody = loomflow("--url", url, "approvals", "approve", ops.request_id, "--session", "nope")
+    assert nobody.returncode == 1
+    assert "no session 'nope'" in nobody.stderr
+    anonymous = loomflow(
+        "--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1", "--anonymous"
+    )
+    assert anonymous.returncode == 1
+    approved = loomflow(
+        "--url", url, "approvals", "approve", ops.request_id, *common,
+        "--arguments", '{"to": "ops", "text": "down at 10"}', "--json",
+    )  # fmt: skip
+    assert approved.returncode == 0, approved.stderr
+    assert json.loads(approved.stdout)["decision"] == "allow"
+
+    # A decision is final; unknown ids, bad JSON and a denial without a reason are refused.
+    again = loomflow("--url", url, "approvals", "deny", ops.request_id, *common, "--reason", "no")
+    assert again.returncode == 1
+    assert "already decided" in again.stderr
+    unknown = loomflow("--url", url, "approvals", "approve", "apr_nope", *common)
+    assert unknown.returncode == 1
+    assert "no approval request 'apr_nope'" in unknown.stderr
+    bad = loomflow(
+        "--url", url, "approvals", "approve", everyone.request_id, *common, "--arguments", "[1]"
+    )
+    assert bad.returncode == 1
+    assert "JSON object" in bad.stderr
+    no_reason = loomflow("--url", url, "approvals", "deny", everyone.request_id, *common)
+    assert no_reason.returncode == 2
+
+    denied = loomflow(
+        "--url", url, "approvals", "deny", everyone.request_id, *common,
+        "--reason", "not to everyone",
+    )  # fmt: skip
+    assert denied.returncode == 0, denied.stderr
+    assert "deny recorded" in denied.stdout
+    empty = loomflow("--url", url, "approvals", "list")
+    assert "no approval requests are waiting" in empty.stdout
+
+    # The application resumes without passing decisions: the journaled ones apply.
+    result = asyncio.run(_run(url, sent, resume=True))
+    assert not result.interrupted
+    assert sent == [{"to": "ops", "text": "down at 10"}]
+    denial = [m.content for m in result.messages if m.role == "tool" and m.tool_call_id == "c1"]
+    assert "not to everyone" in denial[0]
+
+    entries = asyncio.run(_audit(url))
+    decided = [e for e in entries if e.action == actions.APPROVAL_DECISION]
+    assert [(e.actor, e.payload["decision"]) for e in decided] == [
+        ("approver:carol", "allow"),
+        ("approver:carol", "deny"),
+    ]
+    assert decided[0].payload["arguments"] == {"to": "ops", "text": "down at 10"}
+    assert len([e for e in entries if e.action == actions.APPROVAL_REQUEST]) == 2

@@ -1,0 +1,514 @@
+"""Deferred approvals: the run stops at a call that needs a person, and resumes once decided.
+
+Every test runs on the three journals (memory, SQLite file, PostgreSQL database); a second
+runtime object over the same journal plays the other process (the crash test in
+``test_approvals_processes.py`` uses real ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent
+from loomflow.audit import AuditLog, InMemoryAuditStore, actions
+from loomflow.errors import (
+    ApprovalArgumentsError,
+    ApprovalDecidedError,
+    ApprovalNotFoundError,
+    InvalidArgumentTypeError,
+    InvalidIdError,
+    UserError,
+)
+from loomflow.governance import (
+    PERMISSION_DENIED,
+    Approve,
+    Cap,
+    Deny,
+    InMemoryBudgetStore,
+    PendingApproval,
+    Rule,
+    StandardBudget,
+    StandardPermissions,
+)
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import JournalRuntime
+from loomflow.tools import Tool
+
+Factory = Callable[..., Awaitable[JournalRuntime]]
+
+
+class World:
+    """The side effects the tools had, so a test can count them."""
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+        self.read: list[str] = []
+        self.model_calls = 0
+
+    def tools(self) -> list[Tool[..., Any]]:
+        def delete_record(name: str, reason: str = "") -> str:
+            """Delete a record."""
+            self.deleted.append(name)
+            return f"deleted {name}"
+
+        def read_record(name: str) -> str:
+            """Read a record."""
+            self.read.append(name)
+            return f"{name}: ok"
+
+        return [Tool(delete_record, destructive=True), Tool(read_record)]
+
+    def model(self, calls: list[ToolCall]) -> FunctionModel:
+        """Asks for ``calls`` in one turn, then answers with what the tools said."""
+
+        def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+            self.model_calls += 1
+            results = [m for m in messages if m.role == "tool"]
+            if not results:
+                return calls
+            return "saw: " + " | ".join(f"{m.name}={m.content}" for m in results)
+
+        return FunctionModel(decide)
+
+
+DELETE = ToolCall(id="c1", name="delete_record", arguments={"name": "alpha"})
+DELETE_2 = ToolCall(id="c2", name="delete_record", arguments={"name": "beta"})
+READ = ToolCall(id="c3", name="read_record", arguments={"name": "gamma"})
+
+
+def agent_for(
+    world: World, runtime: JournalRuntime, calls: list[ToolCall], **options: Any
+) -> Agent:
+    return Agent(
+        "x",
+        model=world.model(calls),
+        tools=world.tools(),
+        runtime=runtime,
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+        **options,
+    )
+
+
+async def test_the_run_stops_and_lists_every_request_of_the_turn(
+    runtime_factory: Factory,
+) -> None:
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE, READ, DELETE_2])
+    result = await agent.run("clean up", session_id="s1", user_id="ana")
+
+    assert result.interrupted
+    assert result.interruption_reason == "approval"
+    pending = result.pending_approvals
+    assert [(p.tool, p.arguments, p.slot) for p in pending] == [
+        ("delete_record", {"name": "alpha"}, 0),
+        ("delete_record", {"name": "beta"}, 2),
+    ]
+    assert all(p.request_id.startswith("apr_") for p in pending)
+    assert len({p.request_id for p in pending}) == 2
+    assert pending[0].session_id == "s1"
+    assert pending[0].user_id == "ana"
+    assert pending[0].run_id == result.run_id
+    assert "destructive" in pending[0].reason
+    # The call that needed nobody ran now; the others did not.
+    assert world.read == ["gamma"]
+    assert world.deleted == []
+
+    # Another process on the same journal sees the same list.
+    other = agent_for(World(), await runtime_factory(), [DELETE, READ, DELETE_2])
+    assert await other.pending_approvals("s1", user_id="ana") == pending
+    assert await other.pending_approvals("s1", user_id="bob") == []
+    assert await other.pending_approvals("nope", user_id="ana") == []
+
+
+async def test_resume_applies_decisions_once_in_another_process(
+    runtime_factory: Factory,
+) -> None:
+    world = World()
+    calls = [DELETE, READ, DELETE_2]
+    first = await agent_for(world, await runtime_factory(), calls).run(
+        "clean up", session_id="s1", user_id="ana"
+    )
+    alpha, beta = first.pending_approvals
+
+    other_world = World()
+    other = agent_for(other_world, await runtime_factory(), calls)
+    result = await other.resume(
+        "clean up",
+        session_id="s1",
+        user_id="ana",
+        approvals={alpha.request_id: Approve(), beta.request_id: Deny("beta is still in use")},
+        decided_by="carol",
+    )
+    assert not result.interrupted
+    assert result.pending_approvals == []
+    # The allowed call ran once, the read was replayed, the denial reached the model.
+    assert other_world.deleted == ["alpha"]
+    assert other_world.read == []
+    assert "delete_record=deleted alpha" in result.output
+    assert "read_record=gamma: ok" in result.output
+    assert "permission denied" in result.output
+    assert "beta is still in use" in result.output
+    denial = [m for m in result.messages if m.role == "tool" and m.tool_call_id == "c2"]
+    assert denial
+    assert denial[0].is_error
+    assert await other.pending_approvals("s1", user_id="ana") == []
+
+    # Resuming again replays everything: the tool does not run a second time.
+    again = await other.resume("clean up", session_id="s1", user_id="ana")
+    assert again.output == result.output
+    assert other_world.deleted == ["alpha"]
+    assert again.fresh_steps == 0
+
+    # A decision is final.
+    with pytest.raises(ApprovalDecidedError) as caught:
+        await other.resume(
+            "clean up", session_id="s1", user_id="ana", approvals={alpha.request_id: "deny"}
+        )
+    assert caught.value.request_id == alpha.request_id
+    assert "carol" in str(caught.value)
+    assert other_world.deleted == ["alpha"]
+
+
+async def test_resume_without_decisions_stays_interrupted_with_the_same_ids(
+    runtime_factory: Factory,
+) -> None:
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE, DELETE_2])
+    first = await agent.run("clean up", session_id="s1", user_id="ana")
+    again = await agent.resume("clean up", session_id="s1", user_id="ana")
+    assert again.interruption_reason == "approval"
+    assert again.pending_approvals == first.pending_approvals
+    assert world.model_calls == 1  # the model call replayed
+
+    # Deciding one of two: it runs, the other keeps the run waiting.
+    alpha, beta = first.pending_approvals
+    partial = await agent.resume(
+        "clean up", session_id="s1", user_id="ana", approvals={alpha.request_id: "allow"}
+    )
+    assert partial.interruption_reason == "approval"
+    assert [p.request_id for p in partial.pending_approvals] == [beta.request_id]
+    assert world.deleted == ["alpha"]
+    done = await agent.resume(
+        "clean up", session_id="s1", user_id="ana", approvals={beta.request_id: "allow"}
+    )
+    assert not done.interrupted
+    assert world.deleted == ["alpha", "beta"]
+
+
+async def test_edited_arguments_are_validated_and_used(runtime_factory: Factory) -> None:
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE])
+    (request,) = (await agent.run("clean up", session_id="s1", user_id="ana")).pending_approvals
+
+    with pytest.raises(ApprovalArgumentsError) as caught:
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Approve(arguments={"name": 5, "extra": 1})},
+        )
+    assert "delete_record" in str(caught.value)
+    assert "name" in str(caught.value)
+    with pytest.raises(InvalidArgumentTypeError):
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Approve(arguments=["alpha"])},  # type: ignore[arg-type]
+        )
+    with pytest.raises(InvalidArgumentTypeError):
+        await agent.resume(
+            "clean up", session_id="s1", user_id="ana", approvals={request.request_id: "maybe"}
+        )  # type: ignore[dict-item]
+    # Nothing was recorded by the refused decisions: the request still waits.
+    assert await agent.pending_approvals("s1", user_id="ana") == [request]
+
+    result = await agent.resume(
+        "clean up",
+        session_id="s1",
+        user_id="ana",
+        approvals={request.request_id: Approve(arguments={"name": "alpha-copy"})},
+    )
+    assert world.deleted == ["alpha-copy"]
+    assert "deleted alpha-copy" in result.output
+
+
+async def test_edited_arguments_cannot_lift_a_deny_rule(runtime_factory: Factory) -> None:
+    world = World()
+    agent = Agent(
+        "x",
+        model=world.model([DELETE]),
+        tools=world.tools(),
+        runtime=await runtime_factory(),
+        permissions=StandardPermissions(
+            approval="defer", rules=[Rule.deny("delete_record", args={"name": "root"})]
+        ),
+        memory=False,
+    )
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    result = await agent.resume(
+        "go",
+        session_id="s1",
+        user_id="ana",
+        approvals={request.request_id: Approve(arguments={"name": "root"})},
+    )
+    assert world.deleted == []
+    assert "edited arguments are denied" in result.output
+
+
+async def test_unknown_ids_and_bad_input_are_refused(runtime_factory: Factory) -> None:
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE])
+    await agent.run("clean up", session_id="s1", user_id="ana")
+    for bad in ("apr_000000000000000000000000", "", "x" * 300):
+        with pytest.raises(ApprovalNotFoundError):
+            await agent.resume("clean up", session_id="s1", user_id="ana", approvals={bad: "allow"})
+    # Another user's session does not have the request.
+    (request,) = await agent.pending_approvals("s1", user_id="ana")
+    with pytest.raises(ApprovalNotFoundError):
+        await agent.resume(
+            "clean up", session_id="s1", user_id="bob", approvals={request.request_id: "allow"}
+        )
+    with pytest.raises(InvalidArgumentTypeError):
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals={7: "allow"},  # type: ignore[dict-item]
+        )
+    with pytest.raises(UserError, match="fork"):
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: "allow"},
+            from_checkpoint="01ABC",
+        )
+    with pytest.raises(UserError, match="map request ids"):
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals=[request.request_id],  # type: ignore[arg-type]
+        )
+    for who in ("", "carol\x00", "x" * 1000, 5):
+        with pytest.raises(InvalidIdError):
+            await agent.resume(
+                "clean up",
+                session_id="s1",
+                user_id="ana",
+                approvals={request.request_id: "allow"},
+                decided_by=who,  # type: ignore[arg-type]
+            )
+    assert world.deleted == []
+    # Nothing above was recorded: the request still waits.
+    assert await agent.pending_approvals("s1", user_id="ana") == [request]
+
+
+async def test_defer_needs_a_journal() -> None:
+    world = World()
+    agent = Agent(
+        "x",
+        model=world.model([DELETE]),
+        tools=world.tools(),
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+    )
+    with pytest.raises(UserError, match="journaled runtime"):
+        await agent.run("go")
+    with pytest.raises(UserError, match="runtime"):
+        await agent.pending_approvals("s1")
+    assert world.deleted == []
+    with pytest.raises(UserError, match="defer"):
+        StandardPermissions(approval="later")  # type: ignore[arg-type]
+
+
+async def test_audit_records_the_request_and_who_decided(runtime_factory: Factory) -> None:
+    world = World()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = agent_for(world, await runtime_factory(), [DELETE], audit=audit)
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    await agent.resume(
+        "go",
+        session_id="s1",
+        user_id="ana",
+        approvals={request.request_id: Approve(arguments={"name": "alpha2"}, reason="ok")},
+        decided_by="carol",
+    )
+    entries = (await audit.query(user_id="ana", limit=100)).entries
+    by_action = {e.action: e for e in entries}
+    asked = by_action[actions.APPROVAL_REQUEST]
+    assert asked.payload["request_id"] == request.request_id
+    assert asked.payload["tool"] == "delete_record"
+    decided = by_action[actions.APPROVAL_DECISION]
+    assert decided.actor == "approver:carol"
+    assert decided.payload["decision"] == "allow"
+    assert decided.payload["edited"] is True
+    assert decided.payload["arguments"] == {"name": "alpha2"}
+    assert decided.payload["decided_at"]
+    assert decided.run_id == request.run_id
+    applied = [e for e in entries if e.action == actions.PERMISSION_DECISION]
+    assert applied[-1].payload["approver"] == "carol"
+    assert applied[-1].payload["edited"]
+    order = [e.action for e in entries]
+    assert order.index(actions.APPROVAL_DECISION) < order.index(actions.TOOL_CALL)
+
+
+async def test_no_budget_reservation_is_held_while_waiting(runtime_factory: Factory) -> None:
+    world = World()
+    store = InMemoryBudgetStore()
+    budget = StandardBudget([Cap("tokens_total", 1_000_000)], store=store)
+    agent = agent_for(world, await runtime_factory(), [DELETE], budget=budget)
+    result = await agent.run("go", session_id="s1", user_id="ana")
+    assert result.interruption_reason == "approval"
+    assert await store.reservations() == []
+
+
+async def test_the_in_process_handler_still_works(runtime_factory: Factory) -> None:
+    world = World()
+    agent = Agent(
+        "x",
+        model=world.model([DELETE]),
+        tools=world.tools(),
+        runtime=await runtime_factory(),
+        permissions=StandardPermissions(approval=lambda request: True),
+        memory=False,
+    )
+    result = await agent.run("go", session_id="s1", user_id="ana")
+    assert not result.interrupted
+    assert world.deleted == ["alpha"]
+    assert result.pending_approvals == []
+    assert PERMISSION_DENIED not in result.output
+
+
+def test_pending_approval_is_plain_data() -> None:
+    request = PendingApproval(request_id="apr_1", tool="t", session_id="s", turn=0, slot=0, epoch=0)
+    assert PendingApproval.model_validate_json(request.model_dump_json()) == request
+
+
+async def test_memory_and_checkpoints_resume_across_the_wait(runtime_factory: Factory) -> None:
+    from loomflow.agent import Tuning
+    from loomflow.memory import InMemoryMemory
+
+    world = World()
+    runtime = await runtime_factory()
+    agent = Agent(
+        "x",
+        model=world.model([DELETE]),
+        tools=world.tools(),
+        runtime=runtime,
+        permissions=StandardPermissions(approval="defer"),
+        memory=InMemoryMemory(),
+        tuning=Tuning(checkpoint=True),
+    )
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    result = await agent.resume(
+        "go", session_id="s1", user_id="ana", approvals={request.request_id: "allow"}
+    )
+    assert not result.interrupted
+    assert world.deleted == ["alpha"]
+    assert result.output == "saw: delete_record=deleted alpha"
+    assert world.model_calls == 2  # the first model call was not made again
+
+
+async def test_an_agent_used_as_a_tool_cannot_wait_and_is_denied(
+    runtime_factory: Factory,
+) -> None:
+    world = World()
+    runtime = await runtime_factory()
+    # telemetry=False: a denied call inside a nested run trips a telemetry context bug that
+    # has nothing to do with approvals (it happens with any denial there).
+    inner = agent_for(world, runtime, [DELETE], telemetry=False)
+    delegate = ToolCall(id="d1", name="cleaner", arguments={"task": "clean"})
+
+    def outer_model(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        results = [m for m in messages if m.role == "tool"]
+        return [delegate] if not results else "outer saw: " + results[-1].content
+
+    outer = Agent(
+        "outer",
+        model=FunctionModel(outer_model),
+        tools=[inner.as_tool("cleaner")],
+        runtime=runtime,
+        memory=False,
+        telemetry=False,
+    )
+    result = await outer.run("go", session_id="s1", user_id="ana")
+    assert not result.interrupted
+    assert world.deleted == []
+    assert "sub-run" in result.output
+    assert await outer.pending_approvals("s1", user_id="ana") == []
+
+
+async def test_a_new_run_leaves_the_old_requests_behind(runtime_factory: Factory) -> None:
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE])
+    (old,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    (new,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    assert new.request_id != old.request_id
+    assert new.epoch == old.epoch + 1
+    assert await agent.pending_approvals("s1", user_id="ana") == [new]
+    with pytest.raises(ApprovalNotFoundError):
+        await agent.resume(
+            "go", session_id="s1", user_id="ana", approvals={old.request_id: "allow"}
+        )
+    assert world.deleted == []
+
+
+async def test_stream_ends_with_the_pending_requests(runtime_factory: Factory) -> None:
+    from loomflow.agent import RunFinished, ToolCallFinished
+
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE, READ])
+    events = [e async for e in agent.stream("go", session_id="s1", user_id="ana")]
+    finished = events[-1]
+    assert isinstance(finished, RunFinished)
+    assert [p.tool for p in finished.result.pending_approvals] == ["delete_record"]
+    # The turn stopped before its results were handed to the model: none is reported yet.
+    assert not [e for e in events if isinstance(e, ToolCallFinished)]
+
+
+async def test_crafted_journal_rows_are_not_trusted(tmp_path: Any) -> None:
+    import sqlite3
+
+    from loomflow.errors import CorruptEntryError
+    from loomflow.runtime import SqliteRuntime, codec
+
+    path = tmp_path / "journal.db"
+    world = World()
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE, DELETE_2])
+        first = await agent.run("go", session_id="s1", user_id="ana")
+        alpha, beta = first.pending_approvals
+        # A decision for alpha is journaled without running (a shell's approve)...
+        from loomflow.governance.approvals import journal_decisions, normalize_decision
+
+        await journal_decisions(
+            runtime,
+            "s1",
+            "ana",
+            {alpha.request_id: normalize_decision(alpha.request_id, "allow", "c")},
+        )
+    # ...then someone rewrites the rows: beta's request becomes junk, alpha's decision a shape
+    # no decision has (a "maybe" that must never run the tool).
+    junk = codec.dumps({"request_id": beta.request_id, "tool": 5})
+    maybe = codec.dumps({"request_id": alpha.request_id, "behavior": "maybe", "code": "rm -rf"})
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE loom_entries SET value = ? WHERE name = 'approval_request_0_1'", (junk,))
+        db.execute(
+            "UPDATE loom_entries SET value = ? WHERE name LIKE 'approval_decision_0_0_%'", (maybe,)
+        )
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE, DELETE_2])
+        # The junk request is not listed; alpha's shapeless decision does not count as one.
+        assert [p.request_id for p in await agent.pending_approvals("s1", user_id="ana")] == [
+            alpha.request_id
+        ]
+        with pytest.raises(CorruptEntryError):
+            await agent.resume("go", session_id="s1", user_id="ana")
+    assert world.deleted == []
