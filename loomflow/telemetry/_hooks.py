@@ -165,6 +165,7 @@ class _Child:
     var_token: contextvars.Token[_Child | None] | None = None
     done: bool = False
     end_ns: int | None = None  # when the step around it ended (chat spans end just after)
+    call: tuple[str, str] | None = None  # (run id, tool call id) of an execute_tool span
 
     def finish(self, end_ns: int | None = None) -> None:
         if not self.done:
@@ -694,7 +695,7 @@ class TelemetryHooks(RunHooks):
             kind=SpanKind.INTERNAL,
             attributes=attributes,
         )
-        child = _Child(span)
+        child = _Child(span, call=(info.run_id, call.id))
         # Current while the tool runs, so what the tool does (a sub-agent) nests under it.
         # Undone in check_tool_result, or by the step's tracer if that never comes; both run
         # in the step's coroutine, the context this is set in.
@@ -712,7 +713,9 @@ class TelemetryHooks(RunHooks):
         self, info: RunInfo, turn: int, slot: int, call: ToolCall, outcome: ToolOutcome
     ) -> ToolOutcome:
         child = _current_tool.get()
-        if child is None or child.done:
+        # A call refused before it started has no span of its own: the one current here may
+        # be the enclosing run's (this run is an agent used as a tool), not ours to end.
+        if child is None or child.done or child.call != (info.run_id, call.id):
             return outcome
         span = child.span
         if not outcome.ok:

@@ -421,9 +421,7 @@ async def test_an_agent_used_as_a_tool_cannot_wait_and_is_denied(
 ) -> None:
     world = World()
     runtime = await runtime_factory()
-    # telemetry=False: a denied call inside a nested run trips a telemetry context bug that
-    # has nothing to do with approvals (it happens with any denial there).
-    inner = agent_for(world, runtime, [DELETE], telemetry=False)
+    inner = agent_for(world, runtime, [DELETE])
     delegate = ToolCall(id="d1", name="cleaner", arguments={"task": "clean"})
 
     def outer_model(messages: list[Message], tools: list[ToolSpec]) -> Any:
@@ -436,7 +434,6 @@ async def test_an_agent_used_as_a_tool_cannot_wait_and_is_denied(
         tools=[inner.as_tool("cleaner")],
         runtime=runtime,
         memory=False,
-        telemetry=False,
     )
     result = await outer.run("go", session_id="s1", user_id="ana")
     assert not result.interrupted
