@@ -257,11 +257,13 @@ class JsonlAuditStore(AuditStore):
             if checker is None or checker.key != key:
                 if checker is not None:
                     checker.finish(recorded.get(checker.key), report, True)
+                    checker.finish_erasures(report)
                 checker = _ChainCheck(key, item.user_id)
                 seen.add(key)
             checker.feed(number, item, report)
         if checker is not None:
             checker.finish(recorded.get(checker.key), report, True)
+            checker.finish_erasures(report)
         for key, head in recorded.items():
             if key not in seen:
                 report.problems.append(
