@@ -311,7 +311,7 @@ class AuditStoreConformance:
     ) -> None:
         trail = await self._trail(store)
         forged = trail[2].model_copy(update={"payload": {"i": 300}})
-        await tamper.replace(forged.model_copy(update={"hash": forged.computed_hash()}))
+        await tamper.replace(forged.rehashed())
         report = await store.verify()
         assert [(p.kind, p.seq) for p in report.problems] == [("broken_link", 3)]
 
