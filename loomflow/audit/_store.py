@@ -477,10 +477,7 @@ class AuditStore(abc.ABC):
         check_id("user_id", user_id)
         _check_text("reason", reason)
         _check_text("actor", actor)
-        await self.open()
-        hold = await self.legal_hold(user_id)
-        if hold is not None:
-            raise _held(hold)
+        await self.check_not_held(user_id)
         before_us = None if before is None else time_us_of(before)
         count, old = 0, {}
         async for entry in self.entries(user_id=user_id, until=before):
@@ -517,6 +514,13 @@ class AuditStore(abc.ABC):
         Returns how many were erased; atomic per call.
         """
         raise AuditError(f"{type(self).__name__} cannot erase payloads")
+
+    async def check_not_held(self, user_id: str | None) -> None:
+        """Raise :class:`~loomflow.errors.LegalHoldError` (naming the hold) if the user is held."""
+        await self.open()
+        hold = await self.legal_hold(user_id)
+        if hold is not None:
+            raise _held(hold)
 
     async def legal_hold(self, user_id: str | None) -> LegalHold | None:
         """The user's legal hold, or ``None`` if they are not held."""
@@ -829,9 +833,7 @@ class _ChainCheck:
         self.last_seq = seq
         self.last_hash = entry.hash
 
-    def _content(
-        self, entry: AuditEntry, position: int, report: VerifyReport
-    ) -> tuple[bool, str]:
+    def _content(self, entry: AuditEntry, position: int, report: VerifyReport) -> tuple[bool, str]:
         """Whether the entry's content was changed, and how; notes an erased payload."""
         if entry.payload is None:
             report.erased += 1

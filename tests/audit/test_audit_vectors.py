@@ -87,9 +87,7 @@ def vectors_v3() -> list[AuditEntry]:
         payload={"before": None, "entries": 1, "pre_v3": {}, "reason": "forget"},
     ).checked()
     out.append(
-        AuditEntry.seal(
-            erasure, seq=3, time_us=T0 + 3, prev_hash=out[-1].hash, salt="a" * 32
-        )
+        AuditEntry.seal(erasure, seq=3, time_us=T0 + 3, prev_hash=out[-1].hash, salt="a" * 32)
     )
     out[1] = out[1].tombstoned()
     return out
@@ -154,10 +152,12 @@ def test_each_version_3_line_checks_out_with_rfc8785_and_sha256_alone() -> None:
             assert hashlib.sha256(rfc8785.dumps(salted)).hexdigest() == data["payload_digest"]
         assert data["prev_hash"] == prev
         prev = data["hash"]
-    assert lines[1]["payload"] is None and lines[1]["payload_salt"] is None
+    assert lines[1]["payload"] is None
+    assert lines[1]["payload_salt"] is None
     raw = re.findall(r"^\{.*\"hash\":.*\}$", doc, flags=re.MULTILINE)
     report = verify_lines(raw)
-    assert report.ok and report.erased == 1
+    assert report.ok
+    assert report.erased == 1
     assert not verify_lines(raw[:2]).ok  # without the erasure record, the erasure is unauthorised
 
 

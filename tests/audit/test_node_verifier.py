@@ -266,7 +266,7 @@ async def _erased_export(tmp_path: Path) -> tuple[Path, list[str]]:
 async def test_node_accepts_erased_payloads_of_every_version(
     verifier: Path, tmp_path: Path
 ) -> None:
-    export, lines = await _erased_export(tmp_path)
+    export, _ = await _erased_export(tmp_path)
     assert "a1@x.io" not in export.read_text(encoding="utf-8")
     done = _node(verifier, export)
     assert done.returncode == 0, done.stdout
