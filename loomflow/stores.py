@@ -439,6 +439,7 @@ class Stores:
         check_id("user_id", user_id)
         audit = self.audit
         await audit.check_not_held(user_id)
+        await audit.check_can_erase()  # before anything is deleted anywhere
         if not await self._knows(user_id):
             raise UnknownUserError(f"no store holds anything about user {user_id!r}")
         report = ForgetReport(user_id)

@@ -478,6 +478,7 @@ class AuditStore(abc.ABC):
         _check_text("reason", reason)
         _check_text("actor", actor)
         await self.check_not_held(user_id)
+        await self.check_can_erase()
         before_us = None if before is None else time_us_of(before)
         count, old = 0, {}
         async for entry in self.entries(user_id=user_id, until=before):
@@ -514,6 +515,10 @@ class AuditStore(abc.ABC):
         Returns how many were erased; atomic per call.
         """
         raise AuditError(f"{type(self).__name__} cannot erase payloads")
+
+    async def check_can_erase(self) -> None:  # noqa: B027 - only PostgreSQL has roles to check
+        """Raise :class:`~loomflow.errors.ErasureRefusedError` if this store's connection may
+        not erase payloads (checked before anything is deleted anywhere)."""
 
     async def check_not_held(self, user_id: str | None) -> None:
         """Raise :class:`~loomflow.errors.LegalHoldError` (naming the hold) if the user is held."""
@@ -607,6 +612,8 @@ class AuditStore(abc.ABC):
         if not isinstance(older_than, dt.timedelta) or older_than <= dt.timedelta(0):
             raise UserError(f"older_than must be a positive timedelta, not {older_than!r}")
         await self.open()
+        if not dry_run:
+            await self.check_can_erase()
         cutoff = dt.datetime.now(dt.UTC) - older_than
         report = RetentionReport(cutoff)
         held = {user_key(h.user_id) for h in await self.legal_holds()}
