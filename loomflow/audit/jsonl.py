@@ -402,6 +402,8 @@ class JsonlAuditStore(AuditStore):
                     f"the audit trail of user {key} in {self.path} is damaged: restore it "
                     "before erasing"
                 )
+            for stale in self.path.parent.glob(self.path.name + ".*.erase"):
+                stale.unlink(missing_ok=True)  # left by an erasure killed before its rename
             tmp = self.path.with_name(self.path.name + f".{os.getpid()}.erase")
             erased = 0
             last: tuple[int, bytes] | None = None
