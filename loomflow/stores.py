@@ -155,7 +155,7 @@ class ForgetReport:
 
     Attributes:
         user_id: The user forgotten.
-        journal: Journal entries and idempotency results deleted.
+        journal: Journal rows deleted: entries, idempotency results and session rows.
         checkpoints: Checkpoints deleted.
         memory: Memory rows deleted, per kind (episodes, facts, blocks).
         budget: The user's budget buckets deleted (global totals stay).
@@ -419,17 +419,16 @@ class Stores:
     async def forget_user(self, user_id: str | None, *, actor: str = "loomflow") -> ForgetReport:
         """Erase what the stores keep about one user, for an erasure request.
 
-        Deletes the user's journal entries (open runs' too) and idempotency results,
-        checkpoints, memory (episodes, facts, blocks) and per-user budget buckets, then erases
-        the payloads of the user's audit entries, recording the forget (with these counts and
-        no personal data) as an ``audit.erasure`` entry in the user's trail. The chain still
-        verifies afterwards. Each step is idempotent, so running it again after a crash
-        finishes the work. Run it as the tables' owner: the application role may not erase
-        audit payloads.
+        Deletes the user's journal entries (open runs' too), idempotency results and session
+        rows (``JournalRuntime.forget_user``), checkpoints, memory (episodes, facts, blocks)
+        and per-user budget buckets, then erases the payloads of the user's audit entries,
+        recording the forget (with these counts and no personal data) as an ``audit.erasure``
+        entry in the user's trail. The chain still verifies afterwards. Each step is
+        idempotent, so running it again after a crash finishes the work. Run it as the tables'
+        owner: the application role may not erase audit payloads.
 
         Not erased: the user id itself and the other fields of audit entries (action, time,
-        session and run ids, actor), and the journal's session index rows; see
-        docs/audit.md, "Erasure, retention and legal hold".
+        session and run ids, actor); see docs/audit.md, "Erasure, retention and legal hold".
 
         Raises:
             LegalHoldError: the user is under legal hold (nothing is deleted).
@@ -445,9 +444,7 @@ class Stores:
         report = ForgetReport(user_id)
         runtime = self.runtime
         if runtime is not None:
-            report.journal = await runtime.prune(
-                user_id=user_id, include_open=True, older_than=dt.timedelta(0)
-            )
+            report.journal = await runtime.forget_user(user_id)
         if self.database is not None and self.checkpoints is not None and self.memory is not None:
             report.checkpoints = await self.checkpoints.forget_user(user_id)
             report.memory = await self.memory.forget_user(user_id)

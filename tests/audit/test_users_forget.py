@@ -26,7 +26,7 @@ from ulid import ULID
 
 from loomflow import Agent, ToolCall, Tuning, tool
 from loomflow.config import Settings
-from loomflow.errors import ErasureRefusedError, LegalHoldError, UnknownUserError
+from loomflow.errors import ErasureRefusedError, LegalHoldError, UnknownUserError, UserError
 from loomflow.models import ScriptedModel
 from loomflow.stores import Stores
 
@@ -108,6 +108,7 @@ async def test_forget_removes_the_user_from_every_store_and_the_trail_verifies(
 
         after = await stores.export_user("ana")
         assert _has_data(after) == {"entries": 0, "checkpoints": 0, "episodes": 0, "budget": 0}
+        assert after["journal"]["sessions"] == []  # no run holds them: the rows went too
         assert NAME not in json.dumps(after, ensure_ascii=False)
         # The trail is all there, payloads gone, and says what happened without saying who.
         trail = after["audit"]
@@ -325,3 +326,24 @@ async def test_the_cli_holds_releases_and_forgets(tmp_path: Path) -> None:
     assert json.loads(done.stdout)["erased"] == []
     done = _cli(env, "audit", "verify")
     assert done.returncode == 0, done.stdout
+
+
+async def test_an_in_memory_journal_forgets_a_user_and_keeps_the_others() -> None:
+    from loomflow.runtime import InMemoryRuntime
+
+    runtime = InMemoryRuntime()
+    for user in ("ana", "bob"):
+        model = ScriptedModel(
+            [[ToolCall(id="c1", name="lookup", arguments={"order_id": "A-1"})], "Shipped."]
+        )
+        async with Agent("Support.", model=model, tools=[lookup], runtime=runtime) as agent:
+            await agent.run("Where is A-1?", session_id="t-1", user_id=user)
+    assert await runtime.entries("t-1", "ana")
+    deleted = await runtime.forget_user("ana")
+    assert deleted > 1
+    assert await runtime.sessions(user_id="ana") == []
+    assert await runtime.entries("t-1", "ana") == []
+    assert [s.user_id for s in await runtime.sessions()] == ["bob"]
+    assert await runtime.forget_user("ana") == 0
+    with pytest.raises(UserError, match="user_id"):
+        await runtime.forget_user("")
