@@ -500,6 +500,11 @@ class AuditStore(abc.ABC):
         [record] = await self.append(
             AuditRecord(user_id=user_id, actor=actor, action=AUDIT_ERASURE, payload=payload)
         )
+        # A hold placed between the check above and the record comes before the record in the
+        # user's (serialised) trail: it still wins, and nothing is erased.
+        hold = _hold_of(await self._last_hold_entry(user_id, before_seq=record.seq))
+        if hold is not None:
+            raise _held(hold)
         erased = await self._tombstone(
             user_key(user_id), record.seq, before_us, sorted(int(s) for s in old)
         )
@@ -530,10 +535,16 @@ class AuditStore(abc.ABC):
     async def legal_hold(self, user_id: str | None) -> LegalHold | None:
         """The user's legal hold, or ``None`` if they are not held."""
         check_id("user_id", user_id)
+        return _hold_of(await self._last_hold_entry(user_id))
+
+    async def _last_hold_entry(
+        self, user_id: str | None, *, before_seq: int | None = None
+    ) -> AuditEntry | None:
         last: AuditEntry | None = None
         async for entry in self.entries(user_id=user_id, action="legal_hold.*"):
-            last = entry
-        return _hold_of(last)
+            if before_seq is None or entry.seq < before_seq:
+                last = entry
+        return last
 
     async def legal_holds(self) -> list[LegalHold]:
         """Every user under legal hold, in the order the holds were placed."""

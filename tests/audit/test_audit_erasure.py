@@ -345,3 +345,23 @@ async def test_postgres_lets_the_owner_erase_and_nothing_else(pg_dsn: str) -> No
     assert (await store.erase("ana", reason="forget")).erased == 2
     assert (await store.verify()).ok
     await store.close()
+
+
+async def test_a_hold_placed_while_an_erasure_runs_still_wins(store: AuditStore) -> None:
+    await store.append(_records("ana", 2))
+    placed = False
+    append = store.append
+
+    async def racing(records: Any) -> list[AuditEntry]:
+        # The hold lands after erase() checked for one, just before its record is written.
+        nonlocal placed
+        if not placed and getattr(records, "action", None) == "audit.erasure":
+            placed = True
+            await store.place_hold("ana", reason="late subpoena", actor="legal")
+        return await append(records)
+
+    store.append = racing  # type: ignore[method-assign]
+    with pytest.raises(LegalHoldError, match="late subpoena"):
+        await store.erase("ana", reason="forget")
+    assert SECRET in await _stored_text(store)
+    assert (await store.verify()).ok

@@ -306,10 +306,18 @@ async def test_the_cli_holds_releases_and_forgets(tmp_path: Path) -> None:
     assert "subpoena 14" in done.stderr
     done = _cli(env, "audit", "retain", "--older-than", "1d")
     assert done.returncode == 2
+    done = _cli(env, "audit", "retain", "--older-than", "1s", "--yes", "--json")
+    assert done.returncode == 0, done.stderr
+    retained = json.loads(done.stdout)
+    assert (retained["erased"], retained["held"]) == ([], ["ana"])  # old enough, but held
     done = _cli(env, "audit", "retain", "--older-than", "0s", "--yes")
     assert done.returncode == 1  # zero is not an age
     done = _cli(env, "users", "release", "ana", "--reason", "case closed")
     assert done.returncode == 0, done.stderr
+    done = _cli(env, "audit", "retain", "--older-than", "1s", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "erased " in done.stdout
+    assert "of 1 user(s)" in done.stdout
     done = _cli(env, "users", "release", "ana")
     assert done.returncode == 1
     assert "not under legal hold" in done.stderr
