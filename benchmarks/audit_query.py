@@ -71,6 +71,8 @@ def rows(
             entry.prev_hash,
             entry.hash,
             entry.hash_version,
+            entry.payload_digest,
+            entry.payload_salt,
         )
 
 
@@ -88,6 +90,8 @@ COLUMNS = (
     "prev_hash",
     "hash",
     "hash_version",
+    "payload_digest",
+    "payload_salt",
 )
 
 

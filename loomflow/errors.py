@@ -8,10 +8,11 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── InvalidArgumentError       an argument's value is not accepted (also ValueError)
     │   │   └── InvalidIdError         an id is empty, too long or holds a control character
     │   ├── InvalidArgumentTypeError   an argument's type is not accepted (also TypeError)
-    │   └── ApprovalError              a deferred approval cannot be decided as asked
-    │       ├── ApprovalNotFoundError  no pending request with that id in the session's last run
-    │       ├── ApprovalDecidedError   the request was decided already
-    │       └── ApprovalArgumentsError edited arguments do not fit the tool's schema
+    │   ├── ApprovalError              a deferred approval cannot be decided as asked
+    │   │   ├── ApprovalNotFoundError  no pending request with that id in the session's last run
+    │   │   ├── ApprovalDecidedError   the request was decided already
+    │   │   └── ApprovalArgumentsError edited arguments do not fit the tool's schema
+    │   └── UnknownUserError           no store holds anything about the user named
     ├── ConfigurationError             bad settings or an unusable store URL (also ValueError)
     ├── StorageError                   a store's database failed or is at the wrong version
     │   ├── StoreUnavailableError      the database driver failed underneath us
@@ -26,7 +27,9 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── SessionBusyError           another run held the (session, user) too long
     │   └── OwnershipLostError         this run was fenced out by a newer owner
     ├── AuditError                     the audit log could not do what was asked
-    │   └── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
+    │   ├── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
+    │   ├── ErasureRefusedError        the database role may not erase audit payloads
+    │   └── LegalHoldError             the user is under legal hold: nothing may be erased
     ├── CheckpointError                a checkpoint could not be found or read back
     │   └── CheckpointNotFoundError    no checkpoint with that id for this session and user
     ├── OutputValidationError          the final answer never fitted the run's output_type
@@ -79,6 +82,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigurationError",
     "CorruptEntryError",
+    "ErasureRefusedError",
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "InvalidIdError",
@@ -86,6 +90,7 @@ __all__ = [
     "JournalEncodeError",
     "JournalError",
     "LegacyJournalError",
+    "LegalHoldError",
     "LoomflowError",
     "MigrationError",
     "ModelError",
@@ -101,6 +106,7 @@ __all__ = [
     "StoreLockedError",
     "StoreUnavailableError",
     "UnknownModelPriceError",
+    "UnknownUserError",
     "UserError",
 ]
 
@@ -220,6 +226,32 @@ class AuditError(LoomflowError):
 
 class AuditIntegrityError(AuditError):
     """The stored audit trail is damaged (truncated, unreadable); appending would hide it."""
+
+
+class ErasureRefusedError(AuditError):
+    """The store refused to erase audit payloads: the connection's role lacks the right.
+
+    Erasure rewrites payloads in place, which the least-privilege application role may not
+    do; run ``loomflow users forget`` and ``loomflow audit retain`` as the tables' owner.
+    """
+
+
+class LegalHoldError(AuditError):
+    """The user is under legal hold, so their data may not be erased (forget, retention).
+
+    Attributes:
+        user_id: The user.
+        reason: The reason recorded when the hold was placed.
+    """
+
+    def __init__(self, message: str, *, user_id: str | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.user_id = user_id
+        self.reason = reason
+
+
+class UnknownUserError(UserError):
+    """No store holds anything about this user (nothing to forget, no trail to hold)."""
 
 
 class CheckpointError(LoomflowError):

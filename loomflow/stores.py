@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._ids import check_id
 from .config import Settings
-from .errors import UserError
+from .errors import UnknownUserError, UserError
 from .storage import Database
 from .storage._schemes import SCHEMES, StoreKind, check_scheme, scheme_of
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .runtime import JournalRuntime
 
 __all__ = [
+    "ForgetReport",
     "MigrationReport",
     "MigrationStep",
     "SCHEMES",
@@ -145,6 +147,47 @@ class MigrationReport:
     def versions(self) -> dict[str, int]:
         """Schema version per SQL store migrated."""
         return {s.store: s.version for s in self.steps if s.version is not None}
+
+
+@dataclass
+class ForgetReport:
+    """What :meth:`Stores.forget_user` removed, per store (counts only: no personal data).
+
+    Attributes:
+        user_id: The user forgotten.
+        journal: Journal rows deleted: entries, idempotency results and session rows.
+        checkpoints: Checkpoints deleted.
+        memory: Memory rows deleted, per kind (episodes, facts, blocks).
+        budget: The user's budget buckets deleted (global totals stay).
+        audit_erased: Audit payloads erased (the entries stay, chained).
+        audit_record_seq: ``seq`` of the ``audit.erasure`` entry recording the forget.
+    """
+
+    user_id: str | None
+    journal: int = 0
+    checkpoints: int = 0
+    memory: dict[str, int] = field(default_factory=dict)
+    budget: int = 0
+    audit_erased: int = 0
+    audit_record_seq: int | None = None
+
+    def deleted(self) -> dict[str, int]:
+        """What went from the stores other than the audit log, by store."""
+        return {
+            "journal": self.journal,
+            "checkpoints": self.checkpoints,
+            "memory": sum(self.memory.values()),
+            "budget": self.budget,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "user_id": self.user_id,
+            **self.deleted(),
+            "memory_by_kind": dict(self.memory),
+            "audit_erased": self.audit_erased,
+            "audit_record_seq": self.audit_record_seq,
+        }
 
 
 class Stores:
@@ -372,6 +415,58 @@ class Stores:
             "audit entries": len(audit),
         }
         return document
+
+    async def forget_user(self, user_id: str | None, *, actor: str = "loomflow") -> ForgetReport:
+        """Erase what the stores keep about one user, for an erasure request.
+
+        Deletes the user's journal entries (open runs' too), idempotency results and session
+        rows (``JournalRuntime.forget_user``), checkpoints, memory (episodes, facts, blocks)
+        and per-user budget buckets, then erases the payloads of the user's audit entries,
+        recording the forget (with these counts and no personal data) as an ``audit.erasure``
+        entry in the user's trail. The chain still verifies afterwards. Each step is
+        idempotent, so running it again after a crash finishes the work. Run it as the tables'
+        owner: the application role may not erase audit payloads.
+
+        Not erased: the user id itself and the other fields of audit entries (action, time,
+        session and run ids, actor); see docs/audit.md, "Erasure, retention and legal hold".
+
+        Raises:
+            LegalHoldError: the user is under legal hold (nothing is deleted).
+            UnknownUserError: no store holds anything about the user.
+            ErasureRefusedError: the audit store's role may not erase payloads.
+        """
+        check_id("user_id", user_id)
+        audit = self.audit
+        await audit.check_not_held(user_id)
+        await audit.check_can_erase()  # before anything is deleted anywhere
+        if not await self._knows(user_id):
+            raise UnknownUserError(f"no store holds anything about user {user_id!r}")
+        report = ForgetReport(user_id)
+        runtime = self.runtime
+        if runtime is not None:
+            report.journal = await runtime.forget_user(user_id)
+        if self.database is not None and self.checkpoints is not None and self.memory is not None:
+            report.checkpoints = await self.checkpoints.forget_user(user_id)
+            report.memory = await self.memory.forget_user(user_id)
+        report.budget = await self.budget.forget_user(user_id)
+        done = await audit.erase(user_id, reason="forget", actor=actor, deleted=report.deleted())
+        report.audit_erased, report.audit_record_seq = done.erased, done.record_seq
+        return report
+
+    async def _knows(self, user_id: str | None) -> bool:
+        """Whether any store holds something about the user."""
+        runtime = self.runtime
+        if runtime is not None and await runtime.sessions(user_id=user_id, limit=1):
+            return True
+        if await self.audit.head(user_id) is not None or await self.budget.usage(user_id):
+            return True
+        if self.database is not None and self.checkpoints is not None and self.memory is not None:
+            memory = await self.memory.export_user(user_id)
+            if any(memory.get(kind) for kind in ("episodes", "facts", "blocks")):
+                return True
+            if (await self.checkpoints.export_user(user_id)).get("checkpoints"):
+                return True
+        return False
 
     async def close(self) -> None:
         """Close every store this object built (all of them, even if one fails; the first

@@ -6,6 +6,11 @@
 //
 //   npm ci --prefix tools && node tools/verify-audit-export.mjs EXPORT.jsonl [HEADS.json]
 //
+// Hash version 3 entries hash a salted digest of their payload instead of the payload, so a
+// payload may be erased ("payload": null) without breaking the chain; an erased payload must be
+// followed by an audit.erasure entry of the same user, which for an erased version 1 or 2
+// entry also keeps the digest of its other fields.
+//
 // Exit status: 0 intact, 1 a problem found, 2 bad usage or an unreadable file.
 // Version 1 entries (written before loomflow 0.21) hash Python's own JSON spelling, which
 // JavaScript cannot rebuild from parsed values (5.0 and 5 both parse to 5): their links are
@@ -52,6 +57,8 @@ const chains = new Map(); // user key -> {next, prev, last, seen: Map(seq -> has
 let entries = 0;
 let rehashed = 0;
 let version1 = 0;
+let erased = 0;
+const sha256 = (text) => createHash('sha256').update(text, 'utf8').digest('hex');
 let number = 0;
 let fd;
 try {
@@ -85,10 +92,54 @@ for await (const line of createInterface({ input, crlfDelay: Infinity })) {
   const user = JSON.stringify(entry.user_id ?? null);
   const seq = entry.seq;
 
-  if (entry.hash_version === 2) {
+  const user0 = JSON.stringify(entry.user_id ?? null);
+  let chain0 = chains.get(user0);
+  if (chain0 === undefined) {
+    chain0 = { next: 1, prev: GENESIS, last: 0, seen: new Map(), erased: [], records: [] };
+    chains.set(user0, chain0);
+    chain0.fresh = true;
+  }
+  const erasedPayload = entry.payload === null;
+  if (erasedPayload) {
+    erased += 1;
+    if (entry.hash_version !== 3) {
+      // Its hash covered the payload: an erasure record's digest of the rest vouches instead.
+      const { payload: _gone, ...rest } = body;
+      let digest = null;
+      try { digest = sha256(canonicalize(rest)); } catch { digest = 'unhashable'; }
+      chain0.erased.push({ seq: entry.seq, line: number, rest: digest });
+      if (entry.hash_version === undefined || entry.hash_version === 1) version1 += 1;
+    } else {
+      chain0.erased.push({ seq: entry.seq, line: number, rest: null });
+    }
+  }
+  if (entry.hash_version === 3) {
+    const { payload, payload_salt: salt, ...hashed } = body;
     let why = 'it no longer matches its hash';
     try {
-      if (createHash('sha256').update(canonicalize(body), 'utf8').digest('hex') === hash) why = null;
+      if (sha256(canonicalize(hashed)) === hash) why = null;
+      if (!why && payload !== null) {
+        if (typeof salt !== 'string' || typeof entry.payload_digest !== 'string') {
+          why = 'its payload has no salt or digest';
+        } else if (sha256(canonicalize({ payload, salt })) !== entry.payload_digest) {
+          why = 'its payload no longer matches its digest';
+        }
+      }
+    } catch (err) {
+      why = `it has no RFC 8785 form (${err.message})`;
+    }
+    rehashed += 1;
+    if (why) say(problems, number, user, `entry ${seq} was changed: ${why}`);
+    else if (entry.action === 'audit.erasure' && payload !== null && typeof payload === 'object') {
+      const old = payload.pre_v3;
+      chain0.records.push({ seq, old: old && typeof old === 'object' ? old : {} });
+    }
+  } else if (erasedPayload) {
+    // checked against the erasure records at the end
+  } else if (entry.hash_version === 2) {
+    let why = 'it no longer matches its hash';
+    try {
+      if (sha256(canonicalize(body)) === hash) why = null;
     } catch (err) {
       why = `it has no RFC 8785 form (${err.message})`;
     }
@@ -101,10 +152,9 @@ for await (const line of createInterface({ input, crlfDelay: Infinity })) {
     say(problems, number, user, `entry ${seq} has an unknown hash_version ${JSON.stringify(entry.hash_version)}`);
   }
 
-  let chain = chains.get(user);
-  if (chain === undefined) {
-    chain = { next: 1, prev: GENESIS, last: 0, seen: new Map() };
-    chains.set(user, chain);
+  const chain = chains.get(user);
+  if (chain.fresh) {
+    chain.fresh = false;
     if (seq > 1) {
       // An export from a date on: its first link points before the file.
       chain.next = seq;
@@ -141,6 +191,19 @@ for (const [user, heads] of saved) {
   }
 }
 
+for (const [user, chain] of chains) {
+  for (const gone of chain.erased) {
+    const later = chain.records.filter((r) => r.seq > gone.seq).map((r) => r.old);
+    if (!later.length) {
+      say(problems, gone.line, user, `the payload of entry ${gone.seq} is gone, but no erasure record follows it`);
+    } else if (gone.rest !== null && !later.some((old) => old[String(gone.seq)] === gone.rest)) {
+      say(problems, gone.line, user, later.some((old) => String(gone.seq) in old)
+        ? `entry ${gone.seq} was changed after its payload was erased`
+        : `the payload of entry ${gone.seq} is gone, but no erasure record vouches for its other fields`);
+    }
+  }
+}
+
 for (const text of problems) console.log(`problem  ${text}`);
 for (const text of notes) console.log(`note     ${text}`);
 const v1 = version1
@@ -148,7 +211,8 @@ const v1 = version1
   : '';
 console.log(
   `${problems.length ? 'FAILED' : 'ok'}: ${entries} entries of ${chains.size} users, ` +
-    `${rehashed} re-hashed (RFC 8785)${v1}, ${saved.size} users' saved heads, ` +
+    `${rehashed} re-hashed (RFC 8785)${v1}, ${erased ? `${erased} payloads erased, ` : ''}` +
+    `${saved.size} users' saved heads, ` +
     `${problems.length} problems`,
 );
 process.exit(problems.length ? 1 : 0);

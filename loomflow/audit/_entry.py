@@ -11,6 +11,18 @@ canonical JSON depends on the entry's ``hash_version``:
       body = {k: v for k, v in entry.items() if k != "hash"}
       sha256(rfc8785.dumps(body))          # canonicalize(body) in JavaScript
 
+- **3** (every entry written since erasure arrived, ``"hash_version": 3``): RFC 8785 as in
+  version 2, but the hash covers a salted digest of the payload, ``payload_digest``, in place
+  of the payload; ``payload`` and ``payload_salt`` are left out of what is hashed::
+
+      body = {k: v for k, v in entry.items() if k not in ("hash", "payload", "payload_salt")}
+      sha256(rfc8785.dumps(body))
+      payload_digest == sha256(rfc8785.dumps({"payload": payload, "salt": payload_salt}))
+
+  So a payload can be erased (``payload`` and ``payload_salt`` become ``null``) while the
+  chain still verifies; the 128-bit random salt goes with it, so the digest left behind
+  cannot be matched against guessed payloads.
+
 - **1** (older entries, whose line has no ``hash_version``): Python's own spelling,
   ``json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` in UTF-8,
   which other languages do not reproduce for every number and key (``1e-07``, keys beyond
@@ -30,10 +42,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import secrets
 from typing import Any, Final
 
 import rfc8785
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .._ids import check_id, check_key
 from .._json import canonical_json, json_safe
@@ -42,6 +55,7 @@ from ..errors import AuditError, UserError
 __all__ = [
     "AuditEntry",
     "AuditRecord",
+    "DIGESTED_VERSION",
     "ENTRY_SCHEMA_VERSION",
     "GENESIS",
     "HASH_VERSION",
@@ -49,6 +63,8 @@ __all__ = [
     "canonical_bytes",
     "canonical_json",
     "entry_hash",
+    "payload_digest",
+    "rest_digest",
     "user_key",
 ]
 
@@ -58,10 +74,14 @@ ENTRY_SCHEMA_VERSION: Final = 1
 GENESIS: Final = "0" * 64
 """``prev_hash`` of a user's first entry."""
 
-HASH_VERSION: Final = 2
-"""Hash version of new entries: SHA-256 over RFC 8785 canonical JSON."""
+HASH_VERSION: Final = 3
+"""Hash version of new entries: SHA-256 over RFC 8785 canonical JSON, with the payload hashed
+apart (salted) so that it can be erased."""
 
-HASH_VERSIONS: Final = (1, 2)
+DIGESTED_VERSION: Final = 3
+"""The first hash version whose hash covers a digest of the payload instead of the payload."""
+
+HASH_VERSIONS: Final = (1, 2, 3)
 """Every hash version this loomflow can check (1: Python's ``json.dumps`` spelling)."""
 
 MAX_EXACT_INT: Final = 2**53 - 1
@@ -80,7 +100,7 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
             2**53 - 1 in version 2, text that is not valid Unicode), or the version is unknown.
     """
     try:
-        if hash_version == 2:
+        if hash_version in (2, 3):
             if _spelled_alike(value):
                 # Byte for byte what rfc8785 writes, in C: a 2.6 kB entry hashed in ~100 us
                 # rather than ~230 us, and re-hashing is most of verify's time on a long trail.
@@ -220,8 +240,9 @@ class AuditEntry(BaseModel):
 
     Attributes:
         schema_version: Layout version of the entry (:data:`ENTRY_SCHEMA_VERSION`).
-        hash_version: How :attr:`hash` is computed: 2 (RFC 8785, every new entry) or 1
-            (entries written before 0.21; their exported line has no ``hash_version``).
+        hash_version: How :attr:`hash` is computed: 3 (RFC 8785 over a payload digest, every
+            new entry), 2 (RFC 8785 over the payload, 0.21 before erasure) or 1 (entries
+            written before 0.21; their exported line has no ``hash_version``).
         user_id: Whose trail this belongs to; a top-level field of every entry.
         seq: Position in the user's trail, from 1, without gaps.
         time: When it was written (UTC, microseconds; the database clock on SQL backends).
@@ -229,7 +250,9 @@ class AuditEntry(BaseModel):
         run_id: The run, if any.
         actor: Who acted.
         action: What happened.
-        payload: Details, redacted before storage.
+        payload: Details, redacted before storage; ``None`` once erased.
+        payload_digest: Version 3: SHA-256 of the payload and its salt (what the hash covers).
+        payload_salt: Version 3: the random salt of the digest; ``None`` once erased.
         prev_hash: ``hash`` of the user's previous entry (:data:`GENESIS` for the first).
         hash: SHA-256 of the canonical JSON of all the fields above.
     """
@@ -247,9 +270,28 @@ class AuditEntry(BaseModel):
     run_id: str | None = None
     actor: str
     action: str
-    payload: dict[str, Any] = Field(default_factory=dict)
+    payload: dict[str, Any] | None = Field(default_factory=dict)
+    payload_digest: str | None = None
+    payload_salt: str | None = None
     prev_hash: str
     hash: str
+
+    @model_validator(mode="after")
+    def _digest_fields_match_version(self) -> AuditEntry:
+        # Fields a version does not hash may not appear in it: they would ride along unchecked.
+        if self.hash_version < DIGESTED_VERSION:
+            if self.payload_digest is not None or self.payload_salt is not None:
+                raise ValueError(
+                    f"a hash version {self.hash_version} entry has no payload_digest or salt"
+                )
+        elif self.hash_version == DIGESTED_VERSION and not isinstance(self.payload_digest, str):
+            raise ValueError(f"a hash version {self.hash_version} entry needs a payload_digest")
+        return self
+
+    @property
+    def erased(self) -> bool:
+        """Whether the payload was erased (forgotten, or past retention)."""
+        return self.payload is None
 
     @property
     def time(self) -> dt.datetime:
@@ -257,8 +299,20 @@ class AuditEntry(BaseModel):
         return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=self.time_us)
 
     @classmethod
-    def seal(cls, record: AuditRecord, *, seq: int, time_us: int, prev_hash: str) -> AuditEntry:
+    def seal(
+        cls,
+        record: AuditRecord,
+        *,
+        seq: int,
+        time_us: int,
+        prev_hash: str,
+        hash_version: int = HASH_VERSION,
+        salt: str | None = None,
+    ) -> AuditEntry:
         """Build the entry that follows ``prev_hash`` in its user's chain.
+
+        ``hash_version`` and ``salt`` (version 3; random when left out) exist for test
+        vectors; stores always seal new entries in :data:`HASH_VERSION`.
 
         Raises:
             AuditError: the record has no RFC 8785 form (pass it through
@@ -266,7 +320,7 @@ class AuditEntry(BaseModel):
         """
         fields: dict[str, Any] = {
             "schema_version": ENTRY_SCHEMA_VERSION,
-            "hash_version": HASH_VERSION,
+            "hash_version": hash_version,
             "user_id": record.user_id,
             "seq": seq,
             "time_us": time_us,
@@ -277,15 +331,39 @@ class AuditEntry(BaseModel):
             "payload": record.payload,
             "prev_hash": prev_hash,
         }
+        if hash_version >= DIGESTED_VERSION:
+            salt = salt if salt is not None else secrets.token_hex(16)
+            fields["payload_digest"] = payload_digest(record.payload, salt)
+            hashed = {k: v for k, v in fields.items() if k != "payload"}
+            return cls(**fields, payload_salt=salt, hash=entry_hash(hashed))
         return cls(**fields, hash=entry_hash(fields))
+
+    def rehashed(self) -> AuditEntry:
+        """This entry with its payload digest (version 3) and hash recomputed from its current
+        content: what someone rewriting the storage would leave. For tests of ``verify``."""
+        fields: dict[str, Any] = {}
+        if self.hash_version >= DIGESTED_VERSION and self.payload is not None:
+            salt = self.payload_salt or secrets.token_hex(16)
+            fields = {"payload_salt": salt, "payload_digest": payload_digest(self.payload, salt)}
+        entry = self.model_copy(update=fields)
+        return entry.model_copy(update={"hash": entry.computed_hash()})
+
+    def tombstoned(self) -> AuditEntry:
+        """This entry with its payload (and salt) erased; hash and links unchanged."""
+        return self.model_copy(update={"payload": None, "payload_salt": None})
 
     def to_json(self) -> dict[str, Any]:
         """The exported form: every field, ``time`` as an ISO 8601 UTC string.
 
         A version 1 entry has no ``hash_version`` key, exactly as it was exported before
-        versions existed (its hash covers the line without one).
+        versions existed (its hash covers the line without one). A version 3 entry adds
+        ``payload_digest`` and ``payload_salt``; an erased entry has ``"payload": null``.
         """
-        return {**self._hashed(), "hash": self.hash}
+        line = self._hashed()
+        if self.hash_version >= DIGESTED_VERSION:
+            line["payload"] = self.payload
+            line["payload_salt"] = self.payload_salt
+        return {**line, "hash": self.hash}
 
     def _hashed(self) -> dict[str, Any]:
         body: dict[str, Any] = {"schema_version": self.schema_version}
@@ -299,10 +377,35 @@ class AuditEntry(BaseModel):
             "run_id": self.run_id,
             "actor": self.actor,
             "action": self.action,
-            "payload": self.payload,
-            "prev_hash": self.prev_hash,
         }
+        if self.hash_version >= DIGESTED_VERSION:
+            body["payload_digest"] = self.payload_digest
+        else:
+            body["payload"] = self.payload
+        body["prev_hash"] = self.prev_hash
         return body
+
+    def payload_problem(self) -> str | None:
+        """Why a version 3 entry's payload does not match its digest (``None``: it does, or
+        it was erased, or the entry is older and its hash covers the payload itself)."""
+        if self.hash_version < DIGESTED_VERSION or self.payload is None:
+            return None
+        if not isinstance(self.payload_salt, str) or not isinstance(self.payload_digest, str):
+            return "its payload has no salt or digest"
+        try:
+            if payload_digest(self.payload, self.payload_salt) == self.payload_digest:
+                return None
+        except AuditError as exc:
+            return f"its payload cannot be hashed ({exc})"
+        return "its payload no longer matches its digest"
+
+    def rest_digest(self) -> str:
+        """SHA-256 of everything the entry's hash covers except the payload.
+
+        An erasure record lists it for each version 1 or 2 entry it erases: their hash covers
+        the payload, so once it is gone this is what still vouches for the other fields.
+        """
+        return rest_digest(self._hashed())
 
     def to_line(self) -> str:
         """One JSONL line (no newline).
@@ -355,3 +458,18 @@ def entry_hash(fields: dict[str, Any]) -> str:
     if version != 1:
         body["hash_version"] = version
     return hashlib.sha256(canonical_bytes(body, version)).hexdigest()
+
+
+def payload_digest(payload: dict[str, Any] | None, salt: str) -> str:
+    """SHA-256 (hex) of ``{"payload": payload, "salt": salt}`` in RFC 8785 form (version 3).
+
+    Raises:
+        AuditError: the payload has no canonical form.
+    """
+    return hashlib.sha256(canonical_bytes({"payload": payload, "salt": salt}, 3)).hexdigest()
+
+
+def rest_digest(body: dict[str, Any]) -> str:
+    """SHA-256 (hex) of an entry's hashed body without ``payload``, in RFC 8785 form."""
+    rest = {k: v for k, v in body.items() if k != "payload"}
+    return hashlib.sha256(canonical_bytes(rest, 3)).hexdigest()

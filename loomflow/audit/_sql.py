@@ -14,23 +14,27 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ..errors import AuditIntegrityError
+from ..errors import AuditIntegrityError, ErasureRefusedError, StoreUnavailableError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
 from ._entry import GENESIS, AuditEntry, AuditRecord, canonical_json
 from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
+from .actions import KEPT_BY_ERASURE
 from .migrations import COMPONENT, migrations_for
 
 __all__ = ["SqlAuditStore"]
 
 _COLUMNS = (
     "id, user_id, seq, time_us, session_id, run_id, actor, action, payload, schema_version, "
-    "prev_hash, hash, hash_version"
+    "prev_hash, hash, hash_version, payload_digest, payload_salt"
 )
 _INSERT_COLUMNS = (
     "(user_key, user_id, seq, time_us, session_id, run_id, actor, action, payload, "
-    "schema_version, prev_hash, hash, hash_version)"
+    "schema_version, prev_hash, hash, hash_version, payload_digest, payload_salt)"
 )
+_ERASED = "null"  # the payload column of an erased entry
+# Constants of our own, so spelled into the SQL rather than passed as parameters.
+_KEPT = ", ".join(f"'{action}'" for action in KEPT_BY_ERASURE)
 _HEAD = """
 SELECT CAST({now} * 1000000 AS BIGINT), h.seq, h.hash
 FROM (SELECT 1 AS one) AS clock LEFT JOIN loom_audit_heads h ON h.user_key = $1
@@ -109,7 +113,7 @@ class SqlAuditStore(AuditStore):
             rows = []
             for entry in entries:
                 base = len(args)
-                rows.append("(" + ", ".join(f"${base + i}" for i in range(1, 14)) + ")")
+                rows.append("(" + ", ".join(f"${base + i}" for i in range(1, 16)) + ")")
                 args += [
                     key,
                     entry.user_id,
@@ -124,6 +128,8 @@ class SqlAuditStore(AuditStore):
                     entry.prev_hash,
                     entry.hash,
                     entry.hash_version,
+                    entry.payload_digest,
+                    entry.payload_salt,
                 ]
             # The insert trigger moves the head (audit schema version 2).
             await tx.execute(
@@ -177,6 +183,48 @@ class SqlAuditStore(AuditStore):
             if len(rows) < _PAGE:
                 return
             last_key, last_seq = str(rows[-1][0]), int(rows[-1][3])
+
+    async def _tombstone(
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+    ) -> int:
+        erase = f"UPDATE loom_audit SET payload = '{_ERASED}', payload_salt = NULL"
+        live = f"user_key = $1 AND payload <> '{_ERASED}' AND action NOT IN ({_KEPT})"
+        try:
+            # Under the user's append lock, so no entry of theirs is written meanwhile.
+            async with self.db.transaction(lock_key=lock_key(key), what="audit erasure") as tx:
+                args: list[Any] = [key, below_seq]
+                sql = f"{erase} WHERE {live} AND seq < $2 AND hash_version >= 3"
+                if before_us is not None:
+                    args.append(before_us)
+                    sql += " AND time_us < $3"
+                erased = len(await tx.fetch(sql + " RETURNING 1", *args))
+                for at in range(0, len(old_seqs), 500):
+                    chunk = [int(s) for s in old_seqs[at : at + 500] if int(s) < below_seq]
+                    if not chunk:
+                        continue
+                    marks = ", ".join(f"${i}" for i in range(2, len(chunk) + 2))
+                    found = await tx.fetch(
+                        f"{erase} WHERE {live} AND seq IN ({marks}) RETURNING 1", key, *chunk
+                    )
+                    erased += len(found)
+        except StoreUnavailableError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == "42501":  # insufficient_privilege
+                raise ErasureRefusedError(
+                    f"the database role may not erase audit payloads ({exc.__cause__}): run "
+                    "erasure as the role that owns the audit tables, not the application role"
+                ) from exc
+            raise
+        return erased
+
+    async def _payloads_before(self, before_us: int) -> list[tuple[str | None, int]]:
+        rows = await self.db.fetch(
+            "SELECT user_key, MIN(user_id), COUNT(*) FROM loom_audit "
+            f"WHERE time_us < $1 AND payload <> '{_ERASED}' AND action NOT IN ({_KEPT}) "
+            "GROUP BY user_key ORDER BY user_key",
+            before_us,
+            what="audit retention",
+        )
+        return [(r[1], int(r[2])) for r in rows]
 
     async def _heads(self, only: str | None) -> dict[str, ChainHead]:
         if only is None:
@@ -252,11 +300,13 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         prev,
         hash_,
         hash_version,
+        digest,
+        salt,
     ) = row
     problem = None
     try:
         data = json.loads(payload)
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) and not (data is None and payload == _ERASED):
             raise ValueError("the payload is not a JSON object")
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
         # Shown as-is in queries; verify reports it (its hash cannot match either).
@@ -279,6 +329,8 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         actor=actor,
         action=action,
         payload=data,
+        payload_digest=digest,
+        payload_salt=salt,
         prev_hash=prev,
         hash=hash_,
     )

@@ -17,8 +17,17 @@ from typing import Any, Literal, TextIO
 
 from .._ids import check_id, check_key
 from .._progress import OnProgress, Progress
-from ..errors import AuditError, UserError
-from ._entry import GENESIS, AuditEntry, AuditRecord, time_us_of, user_key
+from ..errors import AuditError, LegalHoldError, UserError
+from ._entry import (
+    DIGESTED_VERSION,
+    GENESIS,
+    AuditEntry,
+    AuditRecord,
+    iso_time,
+    time_us_of,
+    user_key,
+)
+from .actions import AUDIT_ERASURE, KEPT_BY_ERASURE, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED
 
 __all__ = [
     "ANY_USER",
@@ -27,6 +36,9 @@ __all__ = [
     "AuditStore",
     "ChainHead",
     "ChainProblem",
+    "ErasureResult",
+    "LegalHold",
+    "RetentionReport",
     "VerifyReport",
 ]
 
@@ -51,6 +63,7 @@ ProblemKind = Literal[
     "head_mismatch",
     "unanchored",
     "unreadable",
+    "erased",
 ]
 
 
@@ -138,7 +151,8 @@ class ChainProblem:
             not link to the one before it: that one was replaced), ``missing`` (entries
             deleted from the middle), ``duplicate``, ``reordered`` (stored out of order),
             ``truncated`` (entries missing at the end), ``head_mismatch``, ``unanchored``
-            (entries past the recorded head), ``unreadable`` (a row or line cannot be parsed).
+            (entries past the recorded head), ``unreadable`` (a row or line cannot be parsed),
+            ``erased`` (a payload is gone with no erasure record after it to authorise it).
         seq: The entry (or first missing entry) concerned.
         position: Where it is stored: a row id, or a line number for JSONL files.
         detail: A sentence for people.
@@ -162,10 +176,15 @@ class ChainProblem:
 
 @dataclass(slots=True)
 class VerifyReport:
-    """What ``verify`` checked and found. ``ok`` is true when ``problems`` is empty."""
+    """What ``verify`` checked and found. ``ok`` is true when ``problems`` is empty.
+
+    ``erased`` counts entries whose payload was erased under an erasure record (their place
+    in the chain still checks out; their payload is gone).
+    """
 
     users: int = 0
     entries: int = 0
+    erased: int = 0
     problems: list[ChainProblem] = field(default_factory=list)
     warnings: list[ChainProblem] = field(default_factory=list)
     heads: list[ChainHead] = field(default_factory=list)
@@ -179,9 +198,68 @@ class VerifyReport:
             "ok": self.ok,
             "users": self.users,
             "entries": self.entries,
+            "erased": self.erased,
             "problems": [p.to_json() for p in self.problems],
             "warnings": [w.to_json() for w in self.warnings],
             "heads": [{"user_id": h.user_id, "seq": h.seq, "hash": h.hash} for h in self.heads],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ErasureResult:
+    """What :meth:`AuditStore.erase` did to one user's trail.
+
+    Attributes:
+        user_id: The user.
+        record_seq: ``seq`` of the ``audit.erasure`` entry written (``None``: nothing to
+            erase, so nothing was written).
+        erased: How many payloads were erased.
+    """
+
+    user_id: str | None
+    record_seq: int | None
+    erased: int
+
+
+@dataclass(frozen=True, slots=True)
+class LegalHold:
+    """A user's legal hold: who placed it, when and why (the ``legal_hold.placed`` entry)."""
+
+    user_id: str | None
+    reason: str
+    actor: str
+    placed_at: dt.datetime
+    seq: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "user_id": self.user_id,
+            "reason": self.reason,
+            "actor": self.actor,
+            "placed_at": iso_time(time_us_of(self.placed_at)),
+            "seq": self.seq,
+        }
+
+
+@dataclass(slots=True)
+class RetentionReport:
+    """What :meth:`AuditStore.retain` did (or, with ``dry_run``, would do).
+
+    Attributes:
+        cutoff: Payloads of entries written before this time were erased.
+        erased: Payloads erased per user (would be, with ``dry_run``).
+        held: Users with payloads past the cut-off left alone: they are under legal hold.
+    """
+
+    cutoff: dt.datetime
+    erased: dict[str | None, int] = field(default_factory=dict)
+    held: list[str | None] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cutoff": iso_time(time_us_of(self.cutoff)),
+            "erased": [{"user_id": u, "entries": n} for u, n in self.erased.items()],
+            "held": self.held,
         }
 
 
@@ -374,6 +452,212 @@ class AuditStore(abc.ABC):
         await self.open()
         return [head for _, head in sorted((await self._heads(None)).items())]
 
+    # -- erasure, retention and legal hold ---------------------------------------------------
+
+    async def erase(
+        self,
+        user_id: str | None,
+        *,
+        reason: str,
+        actor: str = "loomflow",
+        before: dt.datetime | float | None = None,
+        deleted: dict[str, int] | None = None,
+        always_record: bool = True,
+    ) -> ErasureResult:
+        """Erase the payloads of a user's entries (all, or those written before ``before``).
+
+        First an ``audit.erasure`` entry is appended to the user's trail, recording the
+        reason, the cut-off, how many payloads go, ``deleted`` (counts from other stores) and,
+        for entries of hash versions 1 and 2, the digest of everything but the payload; then
+        the payloads of the entries before it are erased. The chain keeps verifying: version 3
+        hashes cover a salted digest of the payload, and ``verify`` accepts an erased payload
+        only when an erasure record follows it. Entries written after the record, and the
+        records of erasures and legal holds, keep their payloads. Running it again finishes
+        what a crash interrupted.
+
+        Raises:
+            LegalHoldError: the user is under legal hold.
+            ErasureRefusedError: the database role may not erase (the application role).
+        """
+        check_id("user_id", user_id)
+        _check_text("reason", reason)
+        _check_text("actor", actor)
+        await self.check_not_held(user_id)
+        await self.check_can_erase()
+        before_us = None if before is None else time_us_of(before)
+        count, old = 0, {}
+        async for entry in self.entries(user_id=user_id, until=before):
+            if entry.payload is None or entry.action in KEPT_BY_ERASURE:
+                continue
+            count += 1
+            if entry.hash_version < DIGESTED_VERSION:
+                old[str(entry.seq)] = entry.rest_digest()
+        if not count and not always_record:
+            return ErasureResult(user_id, None, 0)
+        payload: dict[str, Any] = {
+            "reason": reason,
+            "before": None if before_us is None else iso_time(before_us),
+            "entries": count,
+            "pre_v3": old,
+        }
+        if deleted is not None:
+            payload["deleted"] = dict(deleted)
+        [record] = await self.append(
+            AuditRecord(user_id=user_id, actor=actor, action=AUDIT_ERASURE, payload=payload)
+        )
+        # A hold placed between the check above and the record comes before the record in the
+        # user's (serialised) trail: it still wins, and nothing is erased.
+        hold = _hold_of(await self._last_hold_entry(user_id, before_seq=record.seq))
+        if hold is not None:
+            raise _held(hold)
+        erased = await self._tombstone(
+            user_key(user_id), record.seq, before_us, sorted(int(s) for s in old)
+        )
+        return ErasureResult(user_id, record.seq, erased)
+
+    async def _tombstone(
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+    ) -> int:
+        """Erase the payloads (and salts) of one user's entries before ``below_seq``.
+
+        Version 3 entries (written before ``before_us`` if given) and the older entries at
+        ``old_seqs``; never the actions of ``KEPT_BY_ERASURE``, never one already erased.
+        Returns how many were erased; atomic per call.
+        """
+        raise AuditError(f"{type(self).__name__} cannot erase payloads")
+
+    async def check_can_erase(self) -> None:  # noqa: B027 - only PostgreSQL has roles to check
+        """Raise :class:`~loomflow.errors.ErasureRefusedError` if this store's connection may
+        not erase payloads (checked before anything is deleted anywhere)."""
+
+    async def check_not_held(self, user_id: str | None) -> None:
+        """Raise :class:`~loomflow.errors.LegalHoldError` (naming the hold) if the user is held."""
+        await self.open()
+        hold = await self.legal_hold(user_id)
+        if hold is not None:
+            raise _held(hold)
+
+    async def legal_hold(self, user_id: str | None) -> LegalHold | None:
+        """The user's legal hold, or ``None`` if they are not held."""
+        check_id("user_id", user_id)
+        return _hold_of(await self._last_hold_entry(user_id))
+
+    async def _last_hold_entry(
+        self, user_id: str | None, *, before_seq: int | None = None
+    ) -> AuditEntry | None:
+        last: AuditEntry | None = None
+        async for entry in self.entries(user_id=user_id, action="legal_hold.*"):
+            if before_seq is None or entry.seq < before_seq:
+                last = entry
+        return last
+
+    async def legal_holds(self) -> list[LegalHold]:
+        """Every user under legal hold, in the order the holds were placed."""
+        last: dict[str, AuditEntry] = {}
+        async for entry in self.entries(action="legal_hold.*"):
+            last[user_key(entry.user_id)] = entry
+        holds = [h for e in last.values() if (h := _hold_of(e)) is not None]
+        return sorted(holds, key=lambda h: h.placed_at)
+
+    async def place_hold(
+        self, user_id: str | None, *, reason: str, actor: str = "loomflow"
+    ) -> LegalHold:
+        """Put a user under legal hold: forget and retention refuse to erase their data.
+
+        The hold is a ``legal_hold.placed`` entry in the user's own trail, so it is as
+        durable as the trail and audited by being there.
+
+        Raises:
+            LegalHoldError: the user is already held (release first to change the reason).
+            UserError: an empty reason.
+        """
+        check_id("user_id", user_id)
+        _check_text("reason", reason)
+        _check_text("actor", actor)
+        held = await self.legal_hold(user_id)
+        if held is not None:
+            raise _held(held, "already ")
+        [entry] = await self.append(
+            AuditRecord(
+                user_id=user_id, actor=actor, action=LEGAL_HOLD_PLACED, payload={"reason": reason}
+            )
+        )
+        hold = _hold_of(entry)
+        assert hold is not None
+        return hold
+
+    async def release_hold(
+        self, user_id: str | None, *, actor: str = "loomflow", reason: str = ""
+    ) -> LegalHold:
+        """Release a user's legal hold; returns the hold released.
+
+        Raises:
+            UserError: the user is not under legal hold.
+        """
+        check_id("user_id", user_id)
+        _check_text("actor", actor)
+        held = await self.legal_hold(user_id)
+        if held is None:
+            raise UserError(f"user {user_id!r} is not under legal hold")
+        await self.append(
+            AuditRecord(
+                user_id=user_id,
+                actor=actor,
+                action=LEGAL_HOLD_RELEASED,
+                payload={"reason": reason, "placed_seq": held.seq},
+            )
+        )
+        return held
+
+    async def retain(
+        self,
+        older_than: dt.timedelta,
+        *,
+        actor: str = "loomflow",
+        dry_run: bool = False,
+    ) -> RetentionReport:
+        """Erase the payloads of entries older than ``older_than``, but not of held users.
+
+        Each user with such payloads gets one ``audit.erasure`` entry (reason ``retention``)
+        and loses the payloads written before the cut-off (see :meth:`erase`).
+
+        Raises:
+            UserError: ``older_than`` is not a positive timedelta.
+            ErasureRefusedError: the database role may not erase.
+        """
+        if not isinstance(older_than, dt.timedelta) or older_than <= dt.timedelta(0):
+            raise UserError(f"older_than must be a positive timedelta, not {older_than!r}")
+        await self.open()
+        if not dry_run:
+            await self.check_can_erase()
+        cutoff = dt.datetime.now(dt.UTC) - older_than
+        report = RetentionReport(cutoff)
+        held = {user_key(h.user_id) for h in await self.legal_holds()}
+        counts = await self._payloads_before(time_us_of(cutoff))
+        for user_id, count in counts:
+            if user_key(user_id) in held:
+                report.held.append(user_id)
+            elif dry_run:
+                report.erased[user_id] = count
+            else:
+                done = await self.erase(
+                    user_id, reason="retention", actor=actor, before=cutoff, always_record=False
+                )
+                if done.erased:
+                    report.erased[user_id] = done.erased
+        return report
+
+    async def _payloads_before(self, before_us: int) -> list[tuple[str | None, int]]:
+        """Users with payloads erasure would take that were written before ``before_us``,
+        and how many; this default reads the entries."""
+        counts: dict[str, tuple[str | None, int]] = {}
+        async for entry in self.entries(until=before_us / 1_000_000):
+            if entry.payload is None or entry.action in KEPT_BY_ERASURE:
+                continue
+            key = user_key(entry.user_id)
+            counts[key] = (entry.user_id, counts.get(key, (None, 0))[1] + 1)
+        return [counts[k] for k in sorted(counts)]
+
     # -- verification -----------------------------------------------------------------------
 
     async def verify(
@@ -457,6 +741,7 @@ class AuditStore(abc.ABC):
     def _finish(self, checker: _ChainCheck, head: ChainHead | None, report: VerifyReport) -> None:
         checker.finish(head, report, self.head_written_atomically)
         checker.finish_saved(report)
+        checker.finish_erasures(report)
 
     async def _verify_source(
         self, only: str | None
@@ -492,6 +777,10 @@ class _ChainCheck:
         # Heads saved away from the store: (seq, hash) pairs the trail must still hold.
         self.saved = sorted({(h.seq, h.hash) for h in saved})
         self.saved_at = {seq for seq, _ in self.saved}
+        # Erased payloads wait for an erasure record after them: (seq, position, rest digest
+        # of a version 1 or 2 entry, else None); and the records seen: (seq, pre_v3 digests).
+        self.erased: list[tuple[int, int, str | None]] = []
+        self.records: list[tuple[int, dict[str, Any]]] = []
 
     def _problem(
         self, report: VerifyReport, kind: ProblemKind, seq: int | None, pos: int | None, text: str
@@ -508,13 +797,12 @@ class _ChainCheck:
         seq = entry.seq
         if self.first_seq is None:
             self.first_seq = seq
-        try:
-            changed = entry.computed_hash() != entry.hash
-            why = "it no longer matches its hash"
-        except AuditError as exc:  # e.g. a NaN or a huge integer written into the storage
-            changed, why = True, f"its content cannot be hashed ({exc})"
+        changed, why = self._content(entry, position, report)
         if changed:
             self._problem(report, "edited", seq, position, f"entry {seq} was changed: {why}")
+        elif entry.action == AUDIT_ERASURE and isinstance(entry.payload, dict):
+            old = entry.payload.get("pre_v3")
+            self.records.append((seq, old if isinstance(old, dict) else {}))
         if seq in self.saved_at:
             for saved_seq, saved_hash in self.saved:
                 if saved_seq == seq and saved_hash != entry.hash:
@@ -567,6 +855,54 @@ class _ChainCheck:
         self.prev_position = position
         self.last_seq = seq
         self.last_hash = entry.hash
+
+    def _content(self, entry: AuditEntry, position: int, report: VerifyReport) -> tuple[bool, str]:
+        """Whether the entry's content was changed, and how; notes an erased payload."""
+        if entry.payload is None:
+            report.erased += 1
+            if entry.hash_version < DIGESTED_VERSION:
+                # Its hash covered the payload: only an erasure record's digest of the other
+                # fields vouches for them now (checked in finish_erasures).
+                try:
+                    rest: str | None = entry.rest_digest()
+                except AuditError:
+                    rest = "unhashable"
+                self.erased.append((entry.seq, position, rest))
+                return False, ""
+            self.erased.append((entry.seq, position, None))
+        try:
+            if entry.computed_hash() != entry.hash:
+                return True, "it no longer matches its hash"
+        except AuditError as exc:  # e.g. a NaN or a huge integer written into the storage
+            return True, f"its content cannot be hashed ({exc})"
+        problem = entry.payload_problem()
+        return (True, problem) if problem is not None else (False, "")
+
+    def finish_erasures(self, report: VerifyReport) -> None:
+        """Every erased payload needs an erasure record after it in the trail; an erased
+        version 1 or 2 entry must also match the digest the record kept of its other fields."""
+        for seq, position, rest in self.erased:
+            later = [old for record_seq, old in self.records if record_seq > seq]
+            if not later:
+                self._problem(
+                    report,
+                    "erased",
+                    seq,
+                    position,
+                    f"the payload of entry {seq} is gone, but no erasure record follows it",
+                )
+            elif rest is not None and not any(old.get(str(seq)) == rest for old in later):
+                listed = any(str(seq) in old for old in later)
+                self._problem(
+                    report,
+                    "edited" if listed else "erased",
+                    seq,
+                    position,
+                    f"entry {seq} was changed after its payload was erased"
+                    if listed
+                    else f"the payload of entry {seq} (hash version 1 or 2) is gone, but no "
+                    "erasure record vouches for its other fields",
+                )
 
     def finish(self, head: ChainHead | None, report: VerifyReport, strict: bool) -> None:
         if head is None:
@@ -660,3 +996,31 @@ def _parse_cursor(cursor: str | None) -> int | None:
     if not isinstance(cursor, str) or not cursor.isdigit():
         raise UserError(f"bad cursor {cursor!r}: pass the next_cursor of a previous page")
     return int(cursor)
+
+
+def _check_text(what: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise UserError(f"{what} must be a non-empty string without NUL, not {value!r}")
+
+
+def _hold_of(entry: AuditEntry | None) -> LegalHold | None:
+    if entry is None or entry.action != LEGAL_HOLD_PLACED:
+        return None
+    reason = (entry.payload or {}).get("reason")
+    return LegalHold(
+        entry.user_id,
+        reason if isinstance(reason, str) else "(reason not readable)",
+        entry.actor,
+        entry.time,
+        entry.seq,
+    )
+
+
+def _held(hold: LegalHold, already: str = "") -> LegalHoldError:
+    return LegalHoldError(
+        f"user {hold.user_id!r} is {already}under legal hold since "
+        f"{iso_time(time_us_of(hold.placed_at))} (placed by {hold.actor}: {hold.reason}); "
+        "nothing of theirs may be erased until `loomflow users release` lifts it",
+        user_id=hold.user_id,
+        reason=hold.reason,
+    )

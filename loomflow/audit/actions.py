@@ -15,10 +15,14 @@ __all__ = [
     "ALL",
     "APPROVAL_DECISION",
     "APPROVAL_REQUEST",
+    "AUDIT_ERASURE",
     "BUDGET_DENIED",
     "BUDGET_UNAVAILABLE",
     "BUDGET_WARNING",
     "GUARDRAIL_TRIP",
+    "KEPT_BY_ERASURE",
+    "LEGAL_HOLD_PLACED",
+    "LEGAL_HOLD_RELEASED",
     "MODEL_CALL",
     "MODEL_ERROR",
     "MODEL_REPLAY",
@@ -90,3 +94,15 @@ ALL: Final = (
     APPROVAL_REQUEST,
     APPROVAL_DECISION,
 )
+
+AUDIT_ERASURE: Final = "audit.erasure"
+"""Payloads of the user's earlier entries were erased (``users forget`` or retention). Its
+payload holds no personal data: reason, cut-off, counts, and the digests that keep erased
+entries of hash versions 1 and 2 checkable. Erasure never erases it."""
+LEGAL_HOLD_PLACED: Final = "legal_hold.placed"
+"""A legal hold was placed on the user: forget and retention refuse to erase until released."""
+LEGAL_HOLD_RELEASED: Final = "legal_hold.released"
+"""The user's legal hold was released."""
+
+KEPT_BY_ERASURE: Final = (AUDIT_ERASURE, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED)
+"""Actions whose payloads erasure leaves in place: the record of erasures and holds."""

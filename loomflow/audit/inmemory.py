@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from ._entry import GENESIS, AuditEntry, AuditRecord, user_key
+from ._entry import DIGESTED_VERSION, GENESIS, AuditEntry, AuditRecord, user_key
 from ._store import AuditFilter, AuditStore, ChainHead, ChainItem
+from .actions import KEPT_BY_ERASURE
 
 __all__ = ["InMemoryAuditStore"]
 
@@ -74,3 +75,25 @@ class InMemoryAuditStore(AuditStore):
 
     async def _heads(self, only: str | None) -> dict[str, ChainHead]:
         return {k: h for k, h in self._heads_by_key.items() if only is None or k == only}
+
+    async def _tombstone(
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+    ) -> int:
+        old = set(old_seqs)
+        erased = 0
+        for position, entry in enumerate(self.all_entries):
+            if (
+                user_key(entry.user_id) != key
+                or entry.seq >= below_seq
+                or entry.payload is None
+                or entry.action in KEPT_BY_ERASURE
+            ):
+                continue
+            if entry.hash_version >= DIGESTED_VERSION:
+                if before_us is not None and entry.time_us >= before_us:
+                    continue
+            elif entry.seq not in old:
+                continue
+            self.all_entries[position] = entry.tombstoned()
+            erased += 1
+        return erased

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AuditError, AuditIntegrityError
-from ._entry import GENESIS, AuditEntry, AuditRecord, user_key
+from ._entry import DIGESTED_VERSION, GENESIS, AuditEntry, AuditRecord, user_key
 from ._store import (
     AuditFilter,
     AuditStore,
@@ -40,6 +40,7 @@ from ._store import (
     VerifyReport,
     _ChainCheck,
 )
+from .actions import KEPT_BY_ERASURE
 
 __all__ = ["JsonlAuditStore"]
 
@@ -87,6 +88,9 @@ class JsonlAuditStore(AuditStore):
             if created:
                 self.path.touch(mode=0o640)
             size = self.path.stat().st_size
+            if "rewrite" in heads:  # an erasure stopped around its rename
+                self._settle_rewrite(heads, size)
+                self._write_heads(heads)
             if size < int(heads["size"]):
                 raise AuditIntegrityError(
                     f"{self.path} is {size} bytes, shorter than the {heads['size']} bytes already "
@@ -197,6 +201,7 @@ class JsonlAuditStore(AuditStore):
         Returns the size up to which the file is accounted for. With ``repair``, a torn
         append is cut off the file; without (for ``verify``), it is only left out.
         """
+        size = self._settle_rewrite(heads, size)
         pending = heads.pop("pending", None)
         if not isinstance(pending, dict):
             return size
@@ -228,6 +233,19 @@ class JsonlAuditStore(AuditStore):
             return start
         return size
 
+    def _settle_rewrite(self, heads: dict[str, Any], size: int) -> int:
+        """Finish what an erasure that stopped half-way left: its new file is in place (keep
+        the size and last line it recorded) or it is not (the heads still describe the file)."""
+        rewrite = heads.pop("rewrite", None)
+        if not isinstance(rewrite, dict):
+            return size
+        new_size, last = rewrite.get("size"), rewrite.get("last")
+        if isinstance(new_size, int) and new_size == size:
+            candidate = {"size": new_size, "last": last}
+            if self._last_line_ok(candidate, size):
+                heads["size"], heads["last"] = new_size, last
+        return size
+
     def _damage(self, heads: dict[str, Any], size: int) -> None:
         """The file does not end where the heads say: find whose chains broke, and carry on.
 
@@ -257,11 +275,13 @@ class JsonlAuditStore(AuditStore):
             if checker is None or checker.key != key:
                 if checker is not None:
                     checker.finish(recorded.get(checker.key), report, True)
+                    checker.finish_erasures(report)
                 checker = _ChainCheck(key, item.user_id)
                 seen.add(key)
             checker.feed(number, item, report)
         if checker is not None:
             checker.finish(recorded.get(checker.key), report, True)
+            checker.finish_erasures(report)
         for key, head in recorded.items():
             if key not in seen:
                 report.problems.append(
@@ -354,6 +374,74 @@ class JsonlAuditStore(AuditStore):
                     self._cut(start)
                 raise
         return entries
+
+    def _tombstone_sync(
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+    ) -> int:
+        try:
+            return self._tombstone_locked(key, below_seq, before_us, set(old_seqs))
+        except OSError as exc:
+            raise AuditError(f"cannot erase in the audit log {self.path}: {exc}") from exc
+
+    def _tombstone_locked(
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: set[int]
+    ) -> int:
+        """Rewrite the file with the user's payloads erased, then swap it in by rename.
+
+        The new file's size and last line are recorded in the heads before the rename, so a
+        crash on either side of it leaves heads that describe the file in place.
+        """
+        with self._locked():
+            heads = self._read_heads()
+            size = self._settle_pending(heads, self._size(), repair=True)
+            if size != int(heads["size"]) or not self._last_line_ok(heads, size):
+                self._damage(heads, size)
+                self._write_heads(heads)
+            if key in heads.get("damaged", {}):
+                raise AuditIntegrityError(
+                    f"the audit trail of user {key} in {self.path} is damaged: restore it "
+                    "before erasing"
+                )
+            for stale in self.path.parent.glob(self.path.name + ".*.erase"):
+                stale.unlink(missing_ok=True)  # left by an erasure killed before its rename
+            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.erase")
+            erased = 0
+            last: tuple[int, bytes] | None = None
+            offset = 0
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+                with os.fdopen(fd, "wb") as out:
+                    for _start, raw in self._line_spans(size):
+                        entry = _erasable(raw, key, below_seq, before_us, old_seqs)
+                        if entry is not None:
+                            raw = (entry.tombstoned().to_line() + "\n").encode("utf-8")
+                            erased += 1
+                        out.write(raw)
+                        last = (offset, raw)
+                        offset += len(raw)
+                    out.flush()
+                    if self.fsync:
+                        os.fsync(out.fileno())
+                if not erased:
+                    tmp.unlink()
+                    return 0
+                assert last is not None
+                new_last = {"start": last[0], "sha256": hashlib.sha256(last[1]).hexdigest()}
+                heads["rewrite"] = {"size": offset, "last": new_last}
+                self._write_heads(heads)
+                os.replace(tmp, self.path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            heads.pop("rewrite")
+            heads["size"], heads["last"] = offset, new_last
+            self._write_heads(heads)  # also makes the rename durable (fsyncs the folder)
+            return erased
+
+    async def _tombstone(
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+    ) -> int:
+        return await asyncio.to_thread(self._tombstone_sync, key, below_seq, before_us, old_seqs)
 
     def _write_lines(self, data: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
@@ -494,6 +582,26 @@ class JsonlAuditStore(AuditStore):
 
 ScanItem = tuple[str, int, int, AuditEntry | ChainProblem]
 """``(user_key, seq, line number, entry or problem)``."""
+
+
+def _erasable(
+    raw: bytes, key: str, below_seq: int, before_us: int | None, old_seqs: set[int]
+) -> AuditEntry | None:
+    """The entry on this line if erasure takes its payload (see ``AuditStore._tombstone``)."""
+    try:
+        entry = AuditEntry.from_json(json.loads(raw))
+    except (ValueError, TypeError, RecursionError):
+        return None  # damage stays as it is, for verify to report
+    if (
+        user_key(entry.user_id) != key
+        or entry.seq >= below_seq
+        or entry.payload is None
+        or entry.action in KEPT_BY_ERASURE
+    ):
+        return None
+    if entry.hash_version >= DIGESTED_VERSION:
+        return entry if before_us is None or entry.time_us < before_us else None
+    return entry if entry.seq in old_seqs else None
 
 
 def _chain_order(item: ScanItem) -> tuple[str, int, int]:

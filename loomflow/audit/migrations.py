@@ -152,20 +152,81 @@ _HASH_VERSION = ("ALTER TABLE loom_audit ADD COLUMN hash_version INTEGER NOT NUL
 
 _HASHES = "per-entry hash version (2: RFC 8785 canonical JSON); existing entries are version 1"
 
+# Version 4: erasure. New entries (hash version 3) keep a salted digest of their payload in
+# ``payload_digest``, which is what their hash covers, and the salt in ``payload_salt``; an
+# erased payload is the text ``null`` with no salt. The UPDATE guard is replaced by one that
+# lets an UPDATE through only when it erases a payload and changes nothing else. The
+# application role still cannot erase: it holds no UPDATE privilege on loom_audit, so only the
+# tables' owner can (``loomflow users forget``, ``loomflow audit retain``). DELETE and TRUNCATE
+# stay refused to everyone the triggers bind.
+_DIGEST_COLUMNS = (
+    "ALTER TABLE loom_audit ADD COLUMN payload_digest TEXT",
+    "ALTER TABLE loom_audit ADD COLUMN payload_salt TEXT",
+)
+_UNCHANGED = (
+    "id",
+    "user_key",
+    "user_id",
+    "seq",
+    "time_us",
+    "session_id",
+    "run_id",
+    "actor",
+    "action",
+    "schema_version",
+    "prev_hash",
+    "hash",
+    "hash_version",
+    "payload_digest",
+)
+_SQLITE_ERASE_ONLY = (
+    *_DIGEST_COLUMNS,
+    "DROP TRIGGER loom_audit_no_update",
+    f"""CREATE TRIGGER loom_audit_no_update BEFORE UPDATE ON loom_audit
+    WHEN NOT (NEW.payload = 'null' AND NEW.payload_salt IS NULL AND
+        {" AND ".join(f"NEW.{c} IS OLD.{c}" for c in _UNCHANGED)})
+    BEGIN SELECT RAISE(ABORT,
+        'loom_audit is append-only: UPDATE is refused (erasing a payload is the one exception)');
+    END""",
+)
+_POSTGRES_ERASE_ONLY = (
+    *_DIGEST_COLUMNS,
+    f"""CREATE FUNCTION loom_audit_erase_only() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF NEW.payload = 'null' AND NEW.payload_salt IS NULL
+            AND ({", ".join(f"NEW.{c}" for c in _UNCHANGED)})
+            IS NOT DISTINCT FROM ({", ".join(f"OLD.{c}" for c in _UNCHANGED)}) THEN
+            RETURN NEW;
+        END IF;
+        RAISE EXCEPTION
+            'loom_audit is append-only: UPDATE is refused (erasing a payload is the one exception)'
+            USING ERRCODE = 'insufficient_privilege';
+    END $$""",
+    "DROP TRIGGER loom_audit_no_update_delete ON loom_audit",
+    """CREATE TRIGGER loom_audit_no_delete BEFORE DELETE ON loom_audit
+    FOR EACH ROW EXECUTE FUNCTION loom_audit_refuse()""",
+    """CREATE TRIGGER loom_audit_erase_only BEFORE UPDATE ON loom_audit
+    FOR EACH ROW EXECUTE FUNCTION loom_audit_erase_only()""",
+)
+
+_ERASURE = "payload digests (hash version 3); an UPDATE may only erase a payload"
+
 _MIGRATIONS = {
     "sqlite": (
         Migration(_DESCRIPTION, _TABLES + _SQLITE_GUARDS),
         Migration(_CHAIN, _SQLITE_CHAIN),
         Migration(_HASHES, _HASH_VERSION),
+        Migration(_ERASURE, _SQLITE_ERASE_ONLY),
     ),
     "postgres": (
         Migration(_DESCRIPTION, _TABLES + _POSTGRES_GUARDS),
         Migration(_CHAIN, _POSTGRES_CHAIN),
         Migration(_HASHES, _HASH_VERSION),
+        Migration(_ERASURE, _POSTGRES_ERASE_ONLY),
     ),
 }
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def migrations_for(dialect: str) -> tuple[Migration, ...]:

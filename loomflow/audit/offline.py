@@ -24,8 +24,10 @@ __all__ = ["heads_from_json", "verify_lines"]
 def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> VerifyReport:
     """Check exported audit lines: every hash, every link, no gap, every saved head.
 
-    Each line is re-hashed in its own ``hash_version`` (2: RFC 8785; a line without one is
-    version 1, Python's spelling), so an export may mix entries from before and after 0.21.
+    Each line is re-hashed in its own ``hash_version`` (3: RFC 8785 over a payload digest;
+    2: RFC 8785; a line without one is version 1, Python's spelling), so an export may mix
+    entries from before and after 0.21. An erased payload (``"payload": null``) must be
+    followed by an ``audit.erasure`` entry of the same user in the export.
 
     Each user's entries must come in ``seq`` order, as an export writes them. An export need
     not start at a user's first entry (``--since`` a date): the first entry's link to the one
@@ -106,6 +108,8 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
                     f"(seq {last.seq}): a later saved head would cover them",
                 )
             )
+    for check in checks.values():
+        check.finish_erasures(report)
     return report
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from ..errors import ErasureRefusedError
 from ..storage import PostgresDatabase
 from ._sql import SqlAuditStore
 
@@ -67,3 +68,17 @@ class PostgresAuditStore(SqlAuditStore):
             role,
             "is a superuser" if superuser else "owns the audit tables",
         )
+
+    async def check_can_erase(self) -> None:
+        await self.open()
+        rows = await self.db.fetch(
+            "SELECT current_user, has_table_privilege('loom_audit', 'UPDATE')",
+            what="audit erasure check",
+        )
+        role, allowed = rows[0]
+        if not allowed:
+            raise ErasureRefusedError(
+                f"role {role!r} may not erase audit payloads (it has no UPDATE on loom_audit, "
+                "as the least-privilege application role should not): run erasure and "
+                "retention as the role that owns the audit tables"
+            )

@@ -95,6 +95,17 @@ def register(subparsers: Any) -> None:
     verify.add_argument("--json", action="store_true", help="the report as JSON")
     add_no_progress(verify)
 
+    retain = commands.add_parser(
+        "retain",
+        help="erase the payloads of entries older than an age, except for users on legal hold",
+    )
+    retain.add_argument(
+        "--older-than", required=True, type=duration, help="an age such as 365d or 720h"
+    )
+    retain.add_argument("--dry-run", action="store_true", help="only count what would go")
+    retain.add_argument("--yes", action="store_true", help="really erase (required)")
+    retain.add_argument("--json", action="store_true", help="the report as JSON")
+
     audit.set_defaults(handler=_handle)
 
 
@@ -115,6 +126,13 @@ def _filter_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _handle(args: argparse.Namespace) -> int:
+    if args.audit_command == "retain" and not (args.yes or args.dry_run):
+        print(
+            "loomflow: error: audit retain erases payloads for good: pass --yes "
+            "(or --dry-run to count them first)",
+            file=sys.stderr,
+        )
+        return 2
     if getattr(args, "file", None) is not None:
         if args.user_id is not None:
             print(
@@ -137,6 +155,8 @@ async def _handle(args: argparse.Namespace) -> int:
             return await _query(store, args)
         if args.audit_command == "export":
             return await _export(store, args)
+        if args.audit_command == "retain":
+            return await _retain(store, args)
         return await _verify(store, args)
     finally:
         await stores.close()
@@ -147,6 +167,8 @@ _FIRST = ("tool", "decision", "outcome", "reason", "cap", "model")
 
 
 def _summary(entry: AuditEntry, width: int = 70) -> str:
+    if entry.payload is None:
+        return "[payload erased]"
     parts = []
     items = sorted(entry.payload.items(), key=lambda kv: (kv[0] not in _FIRST, _rank(kv[0])))
     for key, value in items:
@@ -258,7 +280,8 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), ensure_ascii=False))
         return 0 if report.ok else 1
     verdict = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
-    print(f"{verdict}: checked {report.entries} entries of {report.users} user(s)")
+    erased = f" ({report.erased} payloads erased, on record)" if report.erased else ""
+    print(f"{verdict}: checked {report.entries} entries of {report.users} user(s){erased}")
     findings = [("problem", p) for p in report.problems] + [("warning", w) for w in report.warnings]
     if findings:
         rows: list[tuple[str, ...]] = [("", "user", "kind", "seq", "stored at", "what")]
@@ -276,3 +299,19 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
         print()
         table(rows)
     return 0 if report.ok else 1
+
+
+async def _retain(store: AuditStore, args: argparse.Namespace) -> int:
+    report = await store.retain(args.older_than, actor="cli:audit-retain", dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.to_json() | {"dry_run": args.dry_run}, ensure_ascii=False))
+        return 0
+    total = sum(report.erased.values())
+    verb = "would erase" if args.dry_run else "erased"
+    print(
+        f"{verb} {total} payload(s) of {len(report.erased)} user(s) written before "
+        f"{report.cutoff.isoformat(timespec='seconds')}"
+    )
+    for user in report.held:
+        print(f"kept (legal hold): {'-' if user is None else user}")
+    return 0

@@ -378,15 +378,17 @@ async def _governance_report(story: _Story) -> tuple[list[str], _Budget]:
         trail = []
         # A start whose execution has no outcome entry is the work the kill cut short.
         ended = {
-            e.payload.get("execution")
+            (e.payload or {}).get("execution")
             for e in page.entries
             if e.action in ("model.call", "model.error", "tool.result")
         }
         for entry in page.entries:
-            detail = entry.payload.get("tool") or entry.payload.get("outcome") or ""
+            detail = (entry.payload or {}).get("tool") or (entry.payload or {}).get("outcome") or ""
             if entry.action == "run.start":
-                detail = "resumed the open run" if entry.payload.get("resumed") else "new run"
-            execution = entry.payload.get("execution")
+                detail = (
+                    "resumed the open run" if (entry.payload or {}).get("resumed") else "new run"
+                )
+            execution = (entry.payload or {}).get("execution")
             if entry.action in ("model.start", "tool.call") and execution not in (None, *ended):
                 detail = f"{detail} (no outcome: the worker was killed during it)".lstrip()
             trail.append(f"#{entry.seq:<3} {entry.action:<16} {detail}".rstrip())

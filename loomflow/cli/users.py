@@ -1,10 +1,15 @@
-"""``loomflow users export``: everything loomflow keeps about one user, in one JSON document.
+"""``loomflow users export|forget|hold|release|holds``: one user's data across every store.
 
-For a data-subject access request: the user's journal (sessions and the steps recorded for
-them), checkpoints, memory, budget totals and audit trail, each read from where the settings
-put it. Nothing is changed. Step *values* are not included: they are replay data in
-loomflow's codec, and what they hold of the conversation is in the checkpoints, memory and
+``export``, for a data-subject access request: the user's journal (sessions and the steps
+recorded for them), checkpoints, memory, budget totals and audit trail, each read from where
+the settings put it. Nothing is changed. Step *values* are not included: they are replay data
+in loomflow's codec, and what they hold of the conversation is in the checkpoints, memory and
 (redacted) audit trail.
+
+``forget``, for an erasure request: deletes the user's journal entries, checkpoints, memory
+and budget buckets and erases their audit payloads, keeping the chain verifiable (see
+``Stores.forget_user``). ``hold``/``release`` place and lift a legal hold, which forget and
+``audit retain`` respect; ``holds`` lists them.
 """
 
 from __future__ import annotations
@@ -34,7 +39,81 @@ def register(subparsers: Any) -> None:
     who.add_argument("user_id", nargs="?", help="the user id")
     who.add_argument("--anonymous", action="store_true", help="the runs without a user")
     export.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
-    group.set_defaults(handler=_export)
+
+    forget = commands.add_parser(
+        "forget",
+        help="delete a user's journal, checkpoints, memory and budget; erase audit payloads",
+    )
+    _who(forget)
+    forget.add_argument("--yes", action="store_true", help="really erase (required)")
+    forget.add_argument("--json", action="store_true", help="the report as JSON")
+
+    hold = commands.add_parser("hold", help="place a legal hold: nothing of the user is erased")
+    _who(hold)
+    hold.add_argument("--reason", required=True, help="why (kept in the audit trail)")
+
+    release = commands.add_parser("release", help="lift a user's legal hold")
+    _who(release)
+    release.add_argument("--reason", default="", help="why (kept in the audit trail)")
+
+    holds = commands.add_parser("holds", help="list the users under legal hold")
+    holds.add_argument("--json", action="store_true", help="as JSON")
+    group.set_defaults(handler=_handle)
+
+
+def _who(parser: argparse.ArgumentParser) -> None:
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument("user_id", nargs="?", help="the user id")
+    who.add_argument("--anonymous", action="store_true", help="the runs without a user")
+
+
+def _stores(args: argparse.Namespace) -> Stores:
+    settings = Settings()
+    url = existing(args.url or settings.runtime_url, "journal")
+    if settings.audit_url:
+        existing(settings.audit_url, "audit log")
+    return Stores(settings.model_copy(update={"runtime_url": url}))
+
+
+async def _handle(args: argparse.Namespace) -> int:
+    command = args.users_command
+    if command == "export":
+        return await _export(args)
+    if command == "forget" and not args.yes:
+        print(
+            "loomflow: error: users forget deletes the user's data for good: pass --yes",
+            file=sys.stderr,
+        )
+        return 2
+    user: str | None = None
+    if command != "holds":
+        user = None if args.anonymous else args.user_id
+    async with _stores(args) as stores:
+        audit = stores.audit
+        if command == "forget":
+            report = await stores.forget_user(user, actor="cli:users-forget")
+            if args.json:
+                print(json.dumps(report.to_json(), ensure_ascii=False))
+            else:
+                gone = ", ".join(f"{k}: {v}" for k, v in report.deleted().items())
+                print(
+                    f"forgot user {user!r}: deleted {gone}; erased {report.audit_erased} audit "
+                    f"payload(s), recorded as audit entry {report.audit_record_seq}"
+                )
+        elif command == "hold":
+            placed = await audit.place_hold(user, reason=args.reason, actor="cli:users-hold")
+            print(f"user {user!r} is under legal hold (audit entry {placed.seq})")
+        elif command == "release":
+            await audit.release_hold(user, actor="cli:users-release", reason=args.reason)
+            print(f"released the legal hold of user {user!r}")
+        else:
+            found = await audit.legal_holds()
+            if args.json:
+                print(json.dumps([h.to_json() for h in found], ensure_ascii=False))
+            else:
+                for h in found:
+                    print(f"{h.user_id}\t{h.placed_at.isoformat(timespec='seconds')}\t{h.reason}")
+    return 0
 
 
 async def _export(args: argparse.Namespace) -> int:

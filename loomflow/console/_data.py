@@ -128,7 +128,7 @@ class RunStory:
         total = 0.0
         for entry in self.entries:
             if entry.action == "model.call":
-                cost = entry.payload.get("cost_usd")
+                cost = (entry.payload or {}).get("cost_usd")
                 if isinstance(cost, int | float) and not isinstance(cost, bool):
                     total += float(cost)
         return total

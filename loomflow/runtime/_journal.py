@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any, Literal, TypeVar, overload
 
 from .._cleanup import attach_cleanup_error
-from .._ids import check_key
+from .._ids import check_id, check_key
 from .._progress import OnProgress
 from ..config import Settings
 from ..errors import (
@@ -763,6 +763,17 @@ class JournalRuntime:
             on_progress=on_progress,
             dry_run=dry_run,
         )
+
+    async def forget_user(self, user_id: str | None) -> int:
+        """Delete what the journal keeps about one user, for an erasure request.
+
+        Every entry of the user's runs (open ones too), their idempotency results, and their
+        session rows, except the row of a session a live run still leases (its entries go;
+        the row goes with the next forget). Returns how many rows were deleted.
+        """
+        check_id("user_id", user_id)
+        deleted = await self.prune(user_id=user_id, include_open=True, older_than=timedelta(0))
+        return deleted + await self._store.forget_sessions(user_id)
 
 
 def _check_text(what: str, value: object) -> None:

@@ -448,6 +448,18 @@ class SqlJournalStore:
         progress.finish()
         return progress.done
 
+    async def forget_sessions(self, user_id: str | None) -> int:
+        cond, args = ("user_id = $1", [user_id]) if user_id is not None else ("user_id IS NULL", [])
+        rows = await self.db.fetch(
+            f"DELETE FROM loom_sessions WHERE {cond} "
+            "AND (owner IS NULL OR lease_until < {now}) "
+            "AND NOT EXISTS (SELECT 1 FROM loom_entries e WHERE e.scope = loom_sessions.scope) "
+            "RETURNING 1",
+            *args,
+            what="journal forget",
+        )
+        return len(rows)
+
     async def _fetch_raw(self, sql: str, args: list[Any]) -> Sequence[Sequence[Any]]:
         return await self.db.fetch(sql, *args, what="journal prune")
 

@@ -181,6 +181,10 @@ class JournalStore(Protocol):
     ) -> list[SessionInfo]:
         """Sessions newest first; of ``user_id`` when ``by_user``; only ``session_id`` if given."""
 
+    async def forget_sessions(self, user_id: str | None) -> int:
+        """Delete the user's session rows that hold no entries and that no live run leases;
+        return how many went."""
+
     async def prune(
         self,
         *,

@@ -176,6 +176,20 @@ class InMemoryStore:
         infos.sort(key=lambda i: i.updated_at, reverse=True)
         return infos[:limit]
 
+    async def forget_sessions(self, user_id: str | None) -> int:
+        now = time.time()
+        gone = [
+            key
+            for key, row in self.sessions.items()
+            if row.user_id == user_id
+            and (row.owner is None or row.lease_until < now)
+            and not any(self.entries.get(key, {}).values())
+        ]
+        for key in gone:
+            del self.sessions[key]
+            self.entries.pop(key, None)
+        return len(gone)
+
     async def prune(
         self,
         *,

@@ -157,6 +157,20 @@ class BudgetStoreConformance:
         assert mine[0].totals.tokens_in == 1
         assert {u.bucket for u in await store.usage()} == {_ALICE, tricky, anonymous}
 
+    async def test_forget_user_drops_only_that_users_buckets(self, store: BudgetStore) -> None:
+        tricky = Bucket("user", '["alice"]')
+        anonymous = Bucket("user", None)
+        for bucket in (_ALICE, tricky, anonymous):
+            r = _hold(bucket, _EVERYONE)
+            assert await _reserve(store, r)
+            await store.commit(r, Amount(1, 1))
+        assert await store.forget_user("alice") == 1
+        assert await store.usage("alice") == []
+        left = {u.bucket for u in await store.usage()}
+        assert left == {tricky, anonymous, _EVERYONE}  # global totals name no user: kept
+        assert await store.forget_user(None) == 1
+        assert await store.forget_user("alice") == 0
+
     async def test_concurrent_reservations_never_overshoot_a_hard_cap(
         self, make_store: StoreFactory
     ) -> None:

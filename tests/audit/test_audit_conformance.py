@@ -124,7 +124,7 @@ class TestJsonl(AuditStoreConformance):
 
 _CONTENT = (
     "user_key, user_id, seq, time_us, session_id, run_id, actor, action, payload, "
-    "schema_version, prev_hash, hash"
+    "schema_version, prev_hash, hash, payload_digest, payload_salt"
 )
 
 
@@ -142,6 +142,8 @@ def _row(entry: AuditEntry) -> tuple[Any, ...]:
         entry.schema_version,
         entry.prev_hash,
         entry.hash,
+        entry.payload_digest,
+        entry.payload_salt,
     )
 
 
@@ -165,8 +167,11 @@ class SqliteTamper:
 
     async def replace(self, entry: AuditEntry) -> None:
         self._run(
-            "UPDATE loom_audit SET payload = ?, hash = ? WHERE user_key = ? AND seq = ?",
+            "UPDATE loom_audit SET payload = ?, payload_digest = ?, payload_salt = ?, hash = ? "
+            "WHERE user_key = ? AND seq = ?",
             canonical_json(entry.payload),
+            entry.payload_digest,
+            entry.payload_salt,
             entry.hash,
             user_key(entry.user_id),
             entry.seq,
@@ -243,11 +248,14 @@ class PostgresTamper:
 
     async def replace(self, entry: AuditEntry) -> None:
         await self._run(
-            "UPDATE loom_audit SET payload = $1, hash = $2 WHERE user_key = $3 AND seq = $4",
+            "UPDATE loom_audit SET payload = $1, payload_digest = $5, payload_salt = $6, "
+            "hash = $2 WHERE user_key = $3 AND seq = $4",
             canonical_json(entry.payload),
             entry.hash,
             user_key(entry.user_id),
             entry.seq,
+            entry.payload_digest,
+            entry.payload_salt,
         )
 
     async def delete(self, user_id: str | None, seq: int) -> None:
@@ -266,8 +274,9 @@ class PostgresTamper:
         )
         # One statement reads one snapshot: each row takes the other's content at once.
         await self._run(
-            "UPDATE loom_audit a SET (seq, time_us, payload, prev_hash, hash) = "
-            "(-b.seq, b.time_us, b.payload, b.prev_hash, b.hash) FROM loom_audit b "
+            "UPDATE loom_audit a SET (seq, time_us, payload, prev_hash, hash, payload_digest, "
+            "payload_salt) = (-b.seq, b.time_us, b.payload, b.prev_hash, b.hash, "
+            "b.payload_digest, b.payload_salt) FROM loom_audit b "
             "WHERE a.user_key = $1 AND b.user_key = $1 AND a.seq < 0 AND b.seq < 0 "
             "AND a.seq <> b.seq",
             key,

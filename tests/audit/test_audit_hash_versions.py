@@ -78,7 +78,7 @@ def _body(line_or_entry: str | AuditEntry) -> dict[str, Any]:
 
 def test_a_new_entry_is_version_2_and_hashes_its_rfc8785_form() -> None:
     record = AuditRecord(user_id="alice", actor="a", action="x", payload=TRICKY).checked()
-    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS)
+    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS, hash_version=2)
     assert entry.hash_version == 2
     line = json.loads(entry.to_line())
     assert line["hash_version"] == 2
@@ -108,14 +108,14 @@ def test_a_new_entry_is_version_2_and_hashes_its_rfc8785_form() -> None:
 )
 def test_numbers_and_text_take_their_rfc8785_spelling(value: Any, spelled: bytes) -> None:
     record = AuditRecord(user_id="u", actor="a", action="x", payload={"v": value}).checked()
-    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS)
+    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS, hash_version=2)
     assert b'"payload":{"v":' + spelled + b"}" in entry.canonical_bytes()
 
 
 def test_keys_sort_by_utf16_units_in_version_2_and_by_code_points_in_version_1() -> None:
     payload = {"\uffff": 1, "\U0001f600": 2}
     record = AuditRecord(user_id="u", actor="a", action="x", payload=payload).checked()
-    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS)
+    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS, hash_version=2)
     assert '{"\U0001f600":2,"\uffff":1}'.encode() in entry.canonical_bytes()
     old = entry.model_copy(update={"hash_version": 1})
     assert '{"\uffff":1,"\U0001f600":2}'.encode() in old.canonical_bytes()
@@ -143,7 +143,7 @@ def test_integers_beyond_2_53_are_stored_as_strings_and_bad_text_is_replaced() -
         "lone": "a\ufffdb",
         "\ufffdkey": True,
     }
-    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS)
+    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS, hash_version=2)
     assert verify_lines([entry.to_line()]).ok
 
 
@@ -156,7 +156,7 @@ def test_sealing_content_without_a_canonical_form_is_a_typed_error(payload: Any)
         user_id="u", session_id=None, run_id=None, actor="a", action="x", payload=payload
     )
     with pytest.raises(AuditError, match="hash version 2"):
-        AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS)
+        AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS, hash_version=2)
 
 
 def _v2_chain(count: int, start: AuditEntry | None = None) -> list[AuditEntry]:
@@ -167,7 +167,9 @@ def _v2_chain(count: int, start: AuditEntry | None = None) -> list[AuditEntry]:
         record = AuditRecord(
             user_id="alice", actor="agent:new", action="tool.call", payload={"i": i, **TRICKY}
         ).checked()
-        entry = AuditEntry.seal(record, seq=seq, time_us=T0 + 100 + seq, prev_hash=prev)
+        entry = AuditEntry.seal(
+            record, seq=seq, time_us=T0 + 100 + seq, prev_hash=prev, hash_version=2
+        )
         out.append(entry)
         prev = entry.hash
     return out
@@ -207,7 +209,7 @@ def test_an_export_mixing_versions_verifies_and_every_kind_of_tampering_is_found
     [
         ({"payload": {"n": float("nan")}}, "cannot be hashed"),
         ({"payload": {"n": 2**60}}, "cannot be hashed"),
-        ({"hash_version": 3}, "unknown audit hash version 3"),
+        ({"hash_version": 4}, "unknown audit hash version 4"),
     ],
 )
 def test_content_that_cannot_be_hashed_is_reported_as_edited(
@@ -253,24 +255,24 @@ async def _old_sql_trail(db: Database, trail: list[AuditEntry]) -> None:
 
 
 async def _upgrade_and_extend(store: SqliteAuditStore | Any, old: list[AuditEntry]) -> None:
-    assert await store.migrate() == 3
+    assert await store.migrate() == 4
     assert (await store.verify()).ok  # the version 1 rows, untouched by the migration
     new = await store.append(
         [AuditRecord(user_id="alice", actor="agent:new", action="x", payload=TRICKY)] * 2
     )
     assert [(e.seq, e.hash_version, e.prev_hash) for e in new] == [
-        (4, 2, old[-1].hash),
-        (5, 2, new[0].hash),
+        (4, 3, old[-1].hash),
+        (5, 3, new[0].hash),
     ]
     stored = [e async for e in store.entries(user_id="alice")]
-    assert [e.hash_version for e in stored] == [1, 1, 1, 2, 2]
+    assert [e.hash_version for e in stored] == [1, 1, 1, 3, 3]
     assert stored[:3] == old
     report = await store.verify()
     assert report.ok, report.problems
     assert (report.entries, report.heads[0].hash) == (5, new[-1].hash)
 
 
-async def test_a_sqlite_trail_written_before_hash_versions_goes_on_as_version_2(
+async def test_a_sqlite_trail_written_before_hash_versions_goes_on_as_version_3(
     tmp_path: Path,
 ) -> None:
     old = _v1_trail(3)
@@ -300,7 +302,7 @@ async def test_a_sqlite_trail_written_before_hash_versions_goes_on_as_version_2(
         await store.close()
 
 
-async def test_a_postgres_trail_written_before_hash_versions_goes_on_as_version_2(
+async def test_a_postgres_trail_written_before_hash_versions_goes_on_as_version_3(
     pg_dsn: str,
 ) -> None:
     from loomflow.audit import PostgresAuditStore
@@ -335,7 +337,7 @@ def _write_old_jsonl(path: Path, old: list[AuditEntry]) -> None:
     Path(str(path) + ".heads").write_text(json.dumps(heads), encoding="utf-8")
 
 
-async def test_a_jsonl_trail_written_before_hash_versions_goes_on_as_version_2(
+async def test_a_jsonl_trail_written_before_hash_versions_goes_on_as_version_3(
     tmp_path: Path,
 ) -> None:
     old = _v1_trail(3)
@@ -344,9 +346,9 @@ async def test_a_jsonl_trail_written_before_hash_versions_goes_on_as_version_2(
     store = JsonlAuditStore(path, fsync=False)
     assert (await store.verify()).ok
     new = await store.append(AuditRecord(user_id="alice", actor="a", action="x", payload=TRICKY))
-    assert (new[0].seq, new[0].hash_version, new[0].prev_hash) == (4, 2, old[-1].hash)
+    assert (new[0].seq, new[0].hash_version, new[0].prev_hash) == (4, 3, old[-1].hash)
     lines = path.read_text(encoding="utf-8").splitlines()
-    assert json.loads(lines[-1])["hash_version"] == 2
+    assert json.loads(lines[-1])["hash_version"] == 3
     assert "hash_version" not in json.loads(lines[0])
     report = await store.verify()
     assert report.ok, report.problems
@@ -357,7 +359,7 @@ def test_export_lines_escape_the_characters_line_readers_break_at() -> None:
     record = AuditRecord(
         user_id="u", actor="a", action="x", payload={"t": "a\u2028b\u2029c\x85d"}
     ).checked()
-    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS)
+    entry = AuditEntry.seal(record, seq=1, time_us=T0, prev_hash=GENESIS, hash_version=2)
     line = entry.to_line()
     assert '"t":"a\\u2028b\\u2029c\\u0085d"' in line
     assert line.splitlines() == [line]

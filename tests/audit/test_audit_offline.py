@@ -142,7 +142,7 @@ def _rechained(entries: list[AuditEntry], start: int, extra: int) -> list[AuditE
     ]
     for entry in forged:
         entry = entry.model_copy(update={"prev_hash": prev})
-        entry = entry.model_copy(update={"hash": entry.computed_hash()})
+        entry = entry.rehashed()
         out.append(entry)
         prev = entry.hash
     return out
@@ -228,8 +228,9 @@ async def test_the_cli_checks_saved_heads_on_the_store_and_on_exports(tmp_path: 
         for e in forged[4:]:
             conn.execute(
                 "INSERT INTO loom_audit (user_key, user_id, seq, time_us, session_id, run_id, "
-                "actor, action, payload, schema_version, prev_hash, hash, hash_version) "
-                "VALUES (?, ?, ?, ?, NULL, NULL, ?, ?, ?, ?, ?, ?, ?)",
+                "actor, action, payload, schema_version, prev_hash, hash, hash_version, "
+                "payload_digest, payload_salt) "
+                "VALUES (?, ?, ?, ?, NULL, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     '"alice"',
                     "alice",
@@ -242,6 +243,8 @@ async def test_the_cli_checks_saved_heads_on_the_store_and_on_exports(tmp_path: 
                     e.prev_hash,
                     e.hash,
                     e.hash_version,
+                    e.payload_digest,
+                    e.payload_salt,
                 ),
             )
         conn.execute(

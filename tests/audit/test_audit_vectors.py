@@ -54,8 +54,62 @@ def vectors() -> list[AuditEntry]:
             user_id="ana", session_id="ticket-77", actor=actor, action=action, payload=payload
         ).checked()
         prev = out[-1].hash if out else GENESIS
-        out.append(AuditEntry.seal(record, seq=seq, time_us=T0 + seq * 1000, prev_hash=prev))
+        out.append(
+            AuditEntry.seal(
+                record, seq=seq, time_us=T0 + seq * 1000, prev_hash=prev, hash_version=2
+            )
+        )
     return out
+
+
+START3, END3 = "<!-- audit-vectors-v3:start -->", "<!-- audit-vectors-v3:end -->"
+_SALTS = ("9c1f0e5a2b7d4c3e8f6a1b2c3d4e5f60", "0f1e2d3c4b5a69788796a5b4c3d2e1f0")
+
+
+def vectors_v3() -> list[AuditEntry]:
+    """User ``ben``: a version 3 entry, one whose payload was erased, and the erasure record."""
+    records = [
+        AuditRecord(
+            user_id="ben", actor="agent:refunds", action="tool.call", payload={"email": "ben@x.io"}
+        ),
+        AuditRecord(user_id="ben", actor="agent:refunds", action="tool.result", payload={"ok": 1}),
+    ]
+    out: list[AuditEntry] = []
+    for seq, (record, salt) in enumerate(zip(records, _SALTS, strict=True), start=1):
+        prev = out[-1].hash if out else GENESIS
+        out.append(
+            AuditEntry.seal(record.checked(), seq=seq, time_us=T0 + seq, prev_hash=prev, salt=salt)
+        )
+    erasure = AuditRecord(
+        user_id="ben",
+        actor="cli:users-forget",
+        action="audit.erasure",
+        payload={"before": None, "entries": 1, "pre_v3": {}, "reason": "forget"},
+    ).checked()
+    out.append(
+        AuditEntry.seal(erasure, seq=3, time_us=T0 + 3, prev_hash=out[-1].hash, salt="a" * 32)
+    )
+    out[1] = out[1].tombstoned()
+    return out
+
+
+def section_v3() -> str:
+    """The generated version 3 vectors."""
+    kept, erased, record = vectors_v3()
+    assert kept.payload_salt is not None
+    digest_input = {"payload": kept.payload, "salt": kept.payload_salt}
+    digest_form = rfc8785.dumps(digest_input).decode("utf-8")
+    return (
+        f"**Entry 1** keeps its payload. First the payload digest, over the payload and its "
+        f"salt:\n\n```json\n{kept.to_line()}\n```\n\n"
+        f"```text\n{digest_form}\n{kept.payload_digest}\n```\n\n"
+        f"Then the hash, over the line without `hash`, `payload` and `payload_salt`:\n\n"
+        f"```text\n{kept.canonical_bytes().decode('utf-8')}\n{kept.hash}\n```\n\n"
+        f"**Entry 2** had its payload erased: `payload` and `payload_salt` are `null`, and its "
+        f"hash is checked as before, over what is left.\n\n```json\n{erased.to_line()}\n```\n\n"
+        f"**Entry 3** is the erasure record that authorises it (any erasure record later in "
+        f"the trail does).\n\n```json\n{record.to_line()}\n```\n"
+    )
 
 
 def section() -> str:
@@ -72,11 +126,39 @@ def section() -> str:
     return "\n".join(parts)
 
 
-def _documented() -> str:
+def _documented(start: str = START, end: str = END) -> str:
     text = DOCS.read_text(encoding="utf-8")
-    assert text.count(START) == 1, "the vectors' start marker is missing"
-    assert text.count(END) == 1, "the vectors' end marker is missing"
-    return text.split(START)[1].split(END)[0]
+    assert text.count(start) == 1, "the vectors' start marker is missing"
+    assert text.count(end) == 1, "the vectors' end marker is missing"
+    return text.split(start)[1].split(end)[0]
+
+
+def test_the_documented_version_3_vectors_are_what_the_code_computes() -> None:
+    assert _documented(START3, END3) == "\n" + section_v3() + "\n", (
+        "docs/audit.md's test vectors are stale: run python tests/audit/test_audit_vectors.py"
+    )
+
+
+def test_each_version_3_line_checks_out_with_rfc8785_and_sha256_alone() -> None:
+    doc = _documented(START3, END3)
+    lines = [json.loads(x) for x in re.findall(r"^\{.*\"hash\":.*\}$", doc, flags=re.MULTILINE)]
+    assert [x["hash_version"] for x in lines] == [3, 3, 3]
+    prev = GENESIS
+    for data in lines:
+        body = {k: v for k, v in data.items() if k not in ("hash", "payload", "payload_salt")}
+        assert hashlib.sha256(rfc8785.dumps(body)).hexdigest() == data["hash"]
+        if data["payload"] is not None:
+            salted = {"payload": data["payload"], "salt": data["payload_salt"]}
+            assert hashlib.sha256(rfc8785.dumps(salted)).hexdigest() == data["payload_digest"]
+        assert data["prev_hash"] == prev
+        prev = data["hash"]
+    assert lines[1]["payload"] is None
+    assert lines[1]["payload_salt"] is None
+    raw = re.findall(r"^\{.*\"hash\":.*\}$", doc, flags=re.MULTILINE)
+    report = verify_lines(raw)
+    assert report.ok
+    assert report.erased == 1
+    assert not verify_lines(raw[:2]).ok  # without the erasure record, the erasure is unauthorised
 
 
 def test_the_documented_vectors_are_what_the_code_computes() -> None:
@@ -124,7 +206,8 @@ def test_the_vectors_cover_what_python_spells_differently() -> None:
 if __name__ == "__main__":
     text = DOCS.read_text(encoding="utf-8")
     head, rest = text.split(START)
-    DOCS.write_text(
-        head + START + "\n" + section() + "\n" + END + rest.split(END)[1], encoding="utf-8"
-    )
+    text = head + START + "\n" + section() + "\n" + END + rest.split(END)[1]
+    head, rest = text.split(START3)
+    text = head + START3 + "\n" + section_v3() + "\n" + END3 + rest.split(END3)[1]
+    DOCS.write_text(text, encoding="utf-8")
     print(f"rewrote the test vectors in {DOCS}", file=sys.stderr)

@@ -113,7 +113,7 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 async def test_node_accepts_a_real_export_and_its_heads(verifier: Path, tmp_path: Path) -> None:
     export, heads, lines = await _export(tmp_path)
-    assert all(json.loads(line)["hash_version"] == 2 for line in lines)
+    assert all(json.loads(line)["hash_version"] == 3 for line in lines)
     done = _node(verifier, export, heads)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1] == (
@@ -141,7 +141,7 @@ async def test_node_finds_an_edited_entry(verifier: Path, tmp_path: Path) -> Non
         ("drop", "entries 2-2 are missing before entry 3"),
         ("relink", "entry 3 was changed"),
         ("truncate", "the export ends before the saved head at seq 4: truncated"),
-        ("version", "has an unknown hash_version 3"),
+        ("version", "has an unknown hash_version 4"),
     ],
 )
 async def test_node_finds_deletions_relinks_truncation_and_unknown_versions(
@@ -157,7 +157,7 @@ async def test_node_finds_deletions_relinks_truncation_and_unknown_versions(
     elif tamper == "truncate":
         del lines[alice[3]]
     else:
-        lines[alice[0]] = canonical_json(json.loads(lines[alice[0]]) | {"hash_version": 3})
+        lines[alice[0]] = canonical_json(json.loads(lines[alice[0]]) | {"hash_version": 4})
     done = _node(verifier, _write(tmp_path / "tampered.jsonl", lines), heads)
     assert done.returncode == 1, done.stdout
     assert expected in done.stdout
@@ -205,3 +205,94 @@ def test_node_reports_an_unreadable_export_with_status_2(verifier: Path, tmp_pat
     done = _node(verifier, tmp_path / "absent.jsonl")
     assert done.returncode == 2
     assert "cannot read" in done.stderr
+
+
+def test_node_agrees_with_the_version_3_vectors(verifier: Path, tmp_path: Path) -> None:
+    section = (ROOT / "docs" / "audit.md").read_text(encoding="utf-8")
+    section = section.split("<!-- audit-vectors-v3:start -->")[1]
+    section = section.split("<!-- audit-vectors-v3:end -->")[0]
+    lines = re.findall(r"^\{.*\"hash\":.*\}$", section, flags=re.MULTILINE)
+    assert len(lines) == 3
+    done = _node(verifier, _write(tmp_path / "v3.jsonl", lines))
+    assert done.returncode == 0, done.stdout
+    assert "3 re-hashed (RFC 8785), 1 payloads erased" in done.stdout
+    # The erased entry without the record after it: an unauthorised erasure.
+    done = _node(verifier, _write(tmp_path / "cut.jsonl", lines[:2]))
+    assert done.returncode == 1
+    assert "the payload of entry 2 is gone, but no erasure record follows it" in done.stdout
+
+
+async def _erased_export(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A SQLite trail whose first two entries are hash version 2, then a forget of the user."""
+    store = SqliteAuditStore(tmp_path / "erased.db")
+    try:
+        await store.open()
+        old = []
+        for seq in (1, 2):
+            record = AuditRecord(
+                user_id="ana", actor="a", action="tool.call", payload={"email": f"a{seq}@x.io"}
+            ).checked()
+            prev = old[-1].hash if old else "0" * 64
+            old.append(
+                AuditEntry.seal(record, seq=seq, time_us=seq, prev_hash=prev, hash_version=2)
+            )
+        for e in old:
+            await store.db.fetch(
+                "INSERT INTO loom_audit (user_key, user_id, seq, time_us, session_id, run_id, "
+                "actor, action, payload, schema_version, prev_hash, hash, hash_version) "
+                "VALUES ($1, $2, $3, $4, NULL, NULL, $5, $6, $7, 1, $8, $9, 2)",
+                '"ana"',
+                e.user_id,
+                e.seq,
+                e.time_us,
+                e.actor,
+                e.action,
+                canonical_json(e.payload),
+                e.prev_hash,
+                e.hash,
+            )
+        await store.append(
+            AuditRecord(user_id="ana", actor="a", action="tool.result", payload=PAYLOAD)
+        )
+        await store.erase("ana", reason="forget")
+        assert (await store.verify()).ok
+        export = tmp_path / "erased.jsonl"
+        await store.export(export)
+    finally:
+        await store.close()
+    return export, export.read_text(encoding="utf-8").splitlines()
+
+
+async def test_node_accepts_erased_payloads_of_every_version(
+    verifier: Path, tmp_path: Path
+) -> None:
+    export, _ = await _erased_export(tmp_path)
+    assert "a1@x.io" not in export.read_text(encoding="utf-8")
+    done = _node(verifier, export)
+    assert done.returncode == 0, done.stdout
+    assert "3 payloads erased" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("tamper", "expected"),
+    [
+        ("relabel", "entry 1 was changed after its payload was erased"),
+        ("unrecorded", "no erasure record follows it"),
+        ("payload", "entry 4 was changed: its payload no longer matches its digest"),
+    ],
+)
+async def test_node_finds_tampering_around_erasure(
+    verifier: Path, tmp_path: Path, tamper: str, expected: str
+) -> None:
+    _, lines = await _erased_export(tmp_path)
+    if tamper == "relabel":  # an erased version 2 entry's action rewritten
+        lines[0] = canonical_json(json.loads(lines[0]) | {"action": "tool.replay"})
+    elif tamper == "unrecorded":  # the erasure record dropped from the end
+        lines = lines[:-1]
+    else:
+        data = json.loads(lines[3])
+        data["payload"]["reason"] = "retention"
+        lines[3] = canonical_json(data)
+    done = _node(verifier, _write(tmp_path / "t.jsonl", lines))
+    assert done.returncode == 1, done.stdout
+    assert expected in done.stdout

@@ -86,6 +86,11 @@ class BudgetStore(Protocol):
     async def reservations(self) -> list[ReservationInfo]:
         """Every hold in the store, oldest first."""
 
+    async def forget_user(self, user_id: str | None) -> int:
+        """Delete every bucket of one user (``None``: the anonymous user's); return how many.
+
+        Global buckets keep their totals, which name no user."""
+
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         """Delete the day and month buckets whose period ended by the Unix time
         ``ended_before`` and that hold nothing; return how many went (with ``dry_run``, would

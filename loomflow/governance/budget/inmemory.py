@@ -158,6 +158,16 @@ class InMemoryBudgetStore:
         ]
         return sorted(rows, key=lambda u: _order(u.bucket))
 
+    async def forget_user(self, user_id: str | None) -> int:
+        gone = [
+            key
+            for key, row in self._rows.items()
+            if row.bucket.scope == "user" and row.bucket.user_id == user_id
+        ]
+        for key in gone:
+            del self._rows[key]
+        return len(gone)
+
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         gone = [
             key

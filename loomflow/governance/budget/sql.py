@@ -370,6 +370,22 @@ class SqlBudgetStore:
             usage, key=lambda u: (u.bucket.scope, u.bucket.user_id or "", u.bucket.period)
         )
 
+    async def forget_user(self, user_id: str | None) -> int:
+        await self.open()
+        if user_id is None:
+            rows = await self.db.fetch(
+                "DELETE FROM loom_budget_buckets WHERE scope = 'user' AND user_id IS NULL "
+                "RETURNING 1",
+                what="budget forget",
+            )
+        else:
+            rows = await self.db.fetch(
+                "DELETE FROM loom_budget_buckets WHERE scope = 'user' AND user_id = $1 RETURNING 1",
+                user_id,
+                what="budget forget",
+            )
+        return len(rows)
+
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         await self.open()
         days, months = ended_periods(ended_before)

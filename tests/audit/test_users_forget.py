@@ -1,0 +1,357 @@
+"""``Stores.forget_user`` and ``loomflow users forget|hold|release``, over real agent runs.
+
+Each test runs a real agent (scripted model, real tools) for two users on SQLite files or a
+PostgreSQL database, forgets one, and checks what every store still holds; the audit trail
+must verify afterwards. A forget killed half-way (a real SIGKILL) leaves a state ``audit
+verify`` accepts, and running it again finishes the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from ulid import ULID
+
+from loomflow import Agent, ToolCall, Tuning, tool
+from loomflow.config import Settings
+from loomflow.errors import ErasureRefusedError, LegalHoldError, UnknownUserError, UserError
+from loomflow.models import ScriptedModel
+from loomflow.stores import Stores
+
+HERE = Path(__file__).resolve().parent
+NAME = "Ana Lindqvist of flat 4B"  # personal data no redactor shape catches
+
+
+@tool
+def lookup(order_id: str) -> str:
+    """Look an order up."""
+    return f"{order_id}: shipped to {NAME}"
+
+
+async def _runs(settings: Settings, *users: str) -> None:
+    """One real agent run per user: journal, checkpoint, memory, budget and audit entries."""
+    async with Stores(settings) as stores:
+        for user in users:
+            model = ScriptedModel(
+                [
+                    [ToolCall(id="c1", name="lookup", arguments={"order_id": "A-1"})],
+                    f"A-1 has shipped to {NAME}.",
+                ]
+            )
+            async with Agent.from_settings(
+                "Support.",
+                model=model,
+                tools=[lookup],
+                settings=settings,
+                runtime=stores.runtime,
+                memory=stores.memory,
+                tuning=Tuning(checkpoint=True),
+            ) as agent:
+                result = await agent.run(
+                    f"Where is A-1? I am {NAME}", session_id="t-1", user_id=user
+                )
+                assert result.output == f"A-1 has shipped to {NAME}."
+
+
+def _settings(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Settings:
+    if kind == "sqlite":
+        return Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
+    if kind == "sqlite+jsonl":
+        return Settings(
+            runtime_url=f"sqlite:///{tmp_path / 'journal.db'}",
+            audit_url=f"jsonl:///{tmp_path / 'audit.jsonl'}",
+        )
+    return Settings(runtime_url=request.getfixturevalue("pg_dsn"))
+
+
+def _has_data(document: dict[str, Any]) -> dict[str, int]:
+    return {
+        "entries": len(document["journal"]["entries"]),
+        "checkpoints": len(document["checkpoints"].get("checkpoints", [])),
+        "episodes": len(document["memory"].get("episodes", [])),
+        "budget": len(document["budget"]),
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["sqlite", "sqlite+jsonl", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_forget_removes_the_user_from_every_store_and_the_trail_verifies(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    settings = _settings(kind, tmp_path, request)
+    await _runs(settings, "ana", "bob")
+    async with Stores(settings) as stores:
+        before = await stores.export_user("ana")
+        assert all(_has_data(before).values()), _has_data(before)
+        assert NAME in json.dumps(before, ensure_ascii=False)
+        heads = (await stores.audit.verify()).heads
+
+        report = await stores.forget_user("ana", actor="test")
+        assert report.journal > 0
+        assert report.checkpoints > 0
+        assert sum(report.memory.values()) > 0
+        assert report.budget > 0
+        assert report.audit_erased == len(before["audit"])
+
+        after = await stores.export_user("ana")
+        assert _has_data(after) == {"entries": 0, "checkpoints": 0, "episodes": 0, "budget": 0}
+        assert after["journal"]["sessions"] == []  # no run holds them: the rows went too
+        assert NAME not in json.dumps(after, ensure_ascii=False)
+        # The trail is all there, payloads gone, and says what happened without saying who.
+        trail = after["audit"]
+        assert len(trail) == len(before["audit"]) + 1
+        assert [e["payload"] for e in trail[:-1]] == [None] * len(before["audit"])
+        record = trail[-1]
+        assert record["action"] == "audit.erasure"
+        assert record["actor"] == "test"
+        assert record["payload"]["deleted"] == report.deleted()
+        verified = await stores.audit.verify(heads=heads)
+        assert verified.ok, verified.problems
+        assert verified.erased == len(before["audit"])
+        # Bob's data is untouched.
+        bob = await stores.export_user("bob")
+        assert all(_has_data(bob).values())
+        assert all(e["payload"] is not None for e in bob["audit"])
+
+
+async def test_forget_refuses_unknown_and_held_users_and_deletes_nothing(tmp_path: Path) -> None:
+    settings = _settings("sqlite", tmp_path, pytest.FixtureRequest)  # type: ignore[arg-type]
+    await _runs(settings, "ana")
+    async with Stores(settings) as stores:
+        with pytest.raises(UnknownUserError, match="'nobody'"):
+            await stores.forget_user("nobody")
+        assert await stores.audit.count(user_id="nobody") == 0
+        await stores.audit.place_hold("ana", reason="litigation L-7", actor="legal:dana")
+        with pytest.raises(LegalHoldError, match="litigation L-7") as caught:
+            await stores.forget_user("ana")
+        assert caught.value.user_id == "ana"
+        kept = await stores.export_user("ana")
+        assert all(_has_data(kept).values())
+        assert await stores.audit.count(user_id="ana", action="audit.erasure") == 0
+        await stores.audit.release_hold("ana", actor="legal:dana")
+        assert (await stores.forget_user("ana")).journal > 0
+
+
+# -- the least-privilege role on PostgreSQL ---------------------------------------------------
+
+
+def _as(dsn: str, role: str) -> str:
+    scheme, _, rest = dsn.partition("://")
+    return f"{scheme}://{role}@{rest.partition('@')[2]}"
+
+
+def _sql(dsn: str, *statements: str) -> None:
+    async def execute() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            for statement in statements:
+                await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, execute()).result()
+
+
+@pytest.fixture
+def app_role(pg_dsn: str) -> Iterator[str]:
+    name = f"loom_app_{str(ULID()).lower()}"
+    yield name
+    _sql(
+        pg_dsn,
+        f"DO $$ BEGIN IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{name}') THEN "
+        f'DROP OWNED BY "{name}"; DROP ROLE "{name}"; END IF; END $$',
+    )
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**clean, **env},
+    )
+
+
+@pytest.mark.postgres
+async def test_the_app_role_cannot_forget_and_the_owner_can(pg_dsn: str, app_role: str) -> None:
+    _sql(pg_dsn, f'CREATE ROLE "{app_role}" LOGIN')
+    migrated = _cli({"LOOMFLOW_RUNTIME_URL": pg_dsn}, "migrate", "--app-role", app_role)
+    assert migrated.returncode == 0, migrated.stderr
+    app = Settings(runtime_url=_as(pg_dsn, app_role))
+    await _runs(app, "ana")  # the application works through its role
+    async with Stores(app) as stores:
+        with pytest.raises(ErasureRefusedError, match=f"role '{app_role}' may not erase"):
+            await stores.forget_user("ana")
+        # Refused before anything was deleted, in any store.
+        assert all(_has_data(await stores.export_user("ana")).values())
+        # Nor can it erase payloads by hand, the one UPDATE the trigger lets through.
+        audit = stores.audit
+        with pytest.raises(ErasureRefusedError):
+            await audit._tombstone('"ana"', 10**6, None, [])
+        # Holds are appended entries: the role can place and release them.
+        await audit.place_hold("ana", reason="audit request", actor="app")
+        await audit.release_hold("ana", actor="app")
+    done = _cli({"LOOMFLOW_RUNTIME_URL": _as(pg_dsn, app_role)}, "users", "forget", "ana", "--yes")
+    assert done.returncode == 1
+    assert "may not erase audit payloads" in done.stderr
+    done = _cli({"LOOMFLOW_RUNTIME_URL": pg_dsn}, "users", "forget", "ana", "--yes")
+    assert done.returncode == 0, done.stderr
+    verify = _cli({"LOOMFLOW_RUNTIME_URL": pg_dsn}, "audit", "verify")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "payloads erased, on record" in verify.stdout
+
+
+# -- a forget killed half-way -----------------------------------------------------------------
+
+
+def _forget_killed_at(env: dict[str, str], where: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    return subprocess.run(
+        [sys.executable, str(HERE / "_forget_worker.py"), "ana", where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**clean, **env},
+    )
+
+
+def _leftovers(folder: Path) -> list[Path]:
+    return list(folder.glob("audit.jsonl.*.erase"))
+
+
+@pytest.mark.parametrize(("audit", "where"), [("sqlite", "tombstone"), ("jsonl", "rename")])
+async def test_a_forget_killed_half_way_verifies_and_a_rerun_completes(
+    tmp_path: Path, audit: str, where: str
+) -> None:
+    env = {"LOOMFLOW_RUNTIME_URL": f"sqlite:///{tmp_path / 'journal.db'}"}
+    if audit == "jsonl":
+        env["LOOMFLOW_AUDIT_URL"] = f"jsonl:///{tmp_path / 'audit.jsonl'}"
+    settings = Settings(
+        runtime_url=env["LOOMFLOW_RUNTIME_URL"], audit_url=env.get("LOOMFLOW_AUDIT_URL")
+    )
+    await _runs(settings, "ana", "bob")
+    killed = _forget_killed_at(env, where)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    stored = tmp_path / ("audit.jsonl" if audit == "jsonl" else "journal.db")
+    assert NAME in stored.read_bytes().decode(
+        "utf-8", "replace"
+    )  # the payloads were not yet erased
+
+    verify = _cli(env, "audit", "verify")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    again = _cli(env, "users", "forget", "ana", "--yes", "--json")
+    assert again.returncode == 0, again.stderr
+    report = json.loads(again.stdout)
+    assert report["journal"] == 0  # the killed run deleted these already
+    assert report["audit_erased"] > 0
+    verify = _cli(env, "audit", "verify", "--json")
+    assert verify.returncode == 0, verify.stdout
+    assert json.loads(verify.stdout)["erased"] == report["audit_erased"]
+    async with Stores(settings) as stores:
+        trail = (await stores.export_user("ana"))["audit"]
+        assert [e["action"] for e in trail[-2:]] == ["audit.erasure", "audit.erasure"]
+        assert NAME not in json.dumps(trail, ensure_ascii=False)
+        assert (await stores.audit.verify()).ok
+    if audit == "sqlite":
+        with sqlite3.connect(stored) as conn:
+            rows = conn.execute("SELECT payload FROM loom_audit WHERE user_id = 'ana'").fetchall()
+        assert all(NAME not in r[0] for r in rows)
+    else:
+        assert _leftovers(tmp_path) == []  # the killed run's rewritten copy is gone
+        lines = [json.loads(x) for x in stored.read_text(encoding="utf-8").splitlines()]
+        assert all(NAME not in json.dumps(x) for x in lines if x["user_id"] == "ana")
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+async def test_the_cli_holds_releases_and_forgets(tmp_path: Path) -> None:
+    env = {"LOOMFLOW_RUNTIME_URL": f"sqlite:///{tmp_path / 'journal.db'}"}
+    await _runs(Settings(runtime_url=env["LOOMFLOW_RUNTIME_URL"]), "ana")
+
+    done = _cli(env, "users", "forget", "ana")
+    assert done.returncode == 2
+    assert "pass --yes" in done.stderr
+    done = _cli(env, "users", "hold", "ana", "--reason", "subpoena 14")
+    assert done.returncode == 0, done.stderr
+    assert "under legal hold" in done.stdout
+    done = _cli(env, "users", "holds", "--json")
+    assert [(h["user_id"], h["reason"]) for h in json.loads(done.stdout)] == [
+        ("ana", "subpoena 14")
+    ]
+    done = _cli(env, "users", "hold", "ana", "--reason", "again")
+    assert done.returncode == 1
+    assert "already under legal hold" in done.stderr
+    done = _cli(env, "users", "forget", "ana", "--yes")
+    assert done.returncode == 1
+    assert "under legal hold" in done.stderr
+    assert "subpoena 14" in done.stderr
+    done = _cli(env, "audit", "retain", "--older-than", "1d")
+    assert done.returncode == 2
+    done = _cli(env, "audit", "retain", "--older-than", "1s", "--yes", "--json")
+    assert done.returncode == 0, done.stderr
+    retained = json.loads(done.stdout)
+    assert (retained["erased"], retained["held"]) == ([], ["ana"])  # old enough, but held
+    done = _cli(env, "audit", "retain", "--older-than", "0s", "--yes")
+    assert done.returncode == 1  # zero is not an age
+    done = _cli(env, "users", "release", "ana", "--reason", "case closed")
+    assert done.returncode == 0, done.stderr
+    done = _cli(env, "audit", "retain", "--older-than", "1s", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "erased " in done.stdout
+    assert "of 1 user(s)" in done.stdout
+    done = _cli(env, "users", "release", "ana")
+    assert done.returncode == 1
+    assert "not under legal hold" in done.stderr
+    done = _cli(env, "users", "forget", "nobody", "--yes")
+    assert done.returncode == 1
+    assert "no store holds anything about user 'nobody'" in done.stderr
+    done = _cli(env, "users", "forget", "ana", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "forgot user 'ana'" in done.stdout
+    done = _cli(env, "audit", "query", "--user", "ana")
+    assert "[payload erased]" in done.stdout
+    done = _cli(env, "audit", "retain", "--older-than", "1d", "--dry-run", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["erased"] == []
+    done = _cli(env, "audit", "verify")
+    assert done.returncode == 0, done.stdout
+
+
+async def test_an_in_memory_journal_forgets_a_user_and_keeps_the_others() -> None:
+    from loomflow.runtime import InMemoryRuntime
+
+    runtime = InMemoryRuntime()
+    for user in ("ana", "bob"):
+        model = ScriptedModel(
+            [[ToolCall(id="c1", name="lookup", arguments={"order_id": "A-1"})], "Shipped."]
+        )
+        async with Agent("Support.", model=model, tools=[lookup], runtime=runtime) as agent:
+            await agent.run("Where is A-1?", session_id="t-1", user_id=user)
+    assert await runtime.entries("t-1", "ana")
+    deleted = await runtime.forget_user("ana")
+    assert deleted > 1
+    assert await runtime.sessions(user_id="ana") == []
+    assert await runtime.entries("t-1", "ana") == []
+    assert [s.user_id for s in await runtime.sessions()] == ["bob"]
+    assert await runtime.forget_user("ana") == 0
+    with pytest.raises(UserError, match="user_id"):
+        await runtime.forget_user("")
