@@ -383,7 +383,7 @@ def test_every_count_option_takes_a_positive_whole_number() -> None:
                 counts.append((path, action.dest))
                 assert action.type is positive_int, (path, action.dest)
     assert {d for _, d in counts} == {"limit", "batch_size", "kill_after"}
-    assert len([p for p, d in counts if d == "limit"]) == 3  # runs, checkpoints, audit
+    assert len([p for p, d in counts if d == "limit"]) == 4  # runs, approvals, checkpoints, audit
 
 
 @pytest.mark.parametrize(
@@ -392,6 +392,7 @@ def test_every_count_option_takes_a_positive_whole_number() -> None:
         ["runs", "list", "--limit"],
         ["checkpoints", "list", "s", "--limit"],
         ["audit", "query", "--limit"],
+        ["approvals", "list", "--limit"],
     ],
 )
 def test_a_limit_below_one_is_a_usage_error(tmp_path: Path, argv: list[str]) -> None:
