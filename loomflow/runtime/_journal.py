@@ -849,19 +849,55 @@ class JournalRuntime:
             )
         return found
 
-    async def claim_orphan(
-        self, orphan: Orphan, owner: str, *, backoff: float
-    ) -> OrphanClaim | None:
-        """Take an orphan's turn for ``owner`` and count an attempt, unless someone else
-        took it since it was read. The next retry is due ``backoff`` seconds from now."""
-        return await self._store.claim_orphan(
-            Scope(orphan.session_id, orphan.user_id),
-            orphan.token,
-            owner,
-            self.lease_seconds,
-            backoff,
-            orphan.owner_dead,
-        )
+    async def claim_orphan(self, orphan: Orphan, *, backoff: float) -> OrphanClaim | None:
+        """Take an orphan's turn and count an attempt, unless someone else took it since it
+        was read (``None`` then). A failed attempt is retried ``backoff`` seconds from now.
+
+        The claim is a lease like a run's, fenced by the same token: two recoverers never
+        both win it. Resume the run inside :meth:`adopt` to hand the turn to it.
+        """
+        await self._ensure_open()
+        owner = claim_owner()
+        _lease.held.add(owner)  # alive to this process from before the claim lands
+        try:
+            got = await self._store.claim_orphan(
+                Scope(orphan.session_id, orphan.user_id),
+                orphan.token,
+                owner,
+                self.lease_seconds,
+                backoff,
+                orphan.owner_dead,
+            )
+        except BaseException:
+            _lease.held.discard(owner)
+            raise
+        if got is None:
+            _lease.held.discard(owner)
+            return None
+        return OrphanClaim(got.token, got.attempts, owner, orphan.session_id, orphan.user_id)
+
+    @contextlib.asynccontextmanager
+    async def adopt(self, claim: OrphanClaim) -> AsyncIterator[None]:
+        """Hand a claimed orphan's turn to the run opened inside the block (in this task).
+
+        The run's own claim takes the turn over from the recoverer at once (no waiting out
+        the lease). Leaving the block gives back the recoverer's claim if no run took it.
+        """
+        scope = Scope(claim.session_id, claim.user_id)
+        reset = _lease.adopting.set((scope.key, claim.owner))
+        try:
+            yield
+        finally:
+            _lease.adopting.reset(reset)
+            _lease.held.discard(claim.owner)
+            try:  # fenced by the claim's token: a no-op once a run took the turn over
+                await self._store.release(scope, claim.token, None)
+            except Exception:
+                log.warning("could not give back the recovery claim on %s", scope.key)
+
+    async def requeue(self, session_id: str | None, user_id: str | None) -> None:
+        """Make an orphan that nobody holds due for recovery at once (a worker stopping)."""
+        await self._store.requeue(Scope(session_id, user_id))
 
     async def dead_letter(
         self, session_id: str | None, user_id: str | None, error: str, *, token: int | None = None

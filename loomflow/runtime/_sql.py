@@ -105,6 +105,10 @@ _DEAD_LETTER_FREE = """
 UPDATE loom_sessions SET status = 'failed', last_error = $2, updated_at = {now}
 WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
 """
+_REQUEUE = """
+UPDATE loom_sessions SET retry_at = 0
+WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
+"""
 _NOTE_ERROR = """
 UPDATE loom_sessions SET last_error = $2
 WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
@@ -186,6 +190,7 @@ _QUERIES = {
     "dead_letter_seen": _DEAD_LETTER_SEEN,
     "dead_letter_free": _DEAD_LETTER_FREE,
     "note_error": _NOTE_ERROR,
+    "requeue": _REQUEUE,
     "count_closed": _COUNT_CLOSED,
     "state_rows": _STATE_ROWS,
     "release_keep": _RELEASE_KEEP,
@@ -390,6 +395,9 @@ class SqlJournalStore:
 
     async def note_error(self, scope: Scope, error: str) -> None:
         await self._run("write", "note_error", scope.key, error)
+
+    async def requeue(self, scope: Scope) -> None:
+        await self._run("write", "requeue", scope.key)
 
     async def count_states(self) -> dict[str, int]:
         counts = dict.fromkeys(RUN_STATES, 0)

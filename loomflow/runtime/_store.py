@@ -184,6 +184,9 @@ class OrphanClaim:
 
     token: int
     attempts: int
+    owner: str = ""
+    session_id: str | None = None
+    user_id: str | None = None
 
 
 class JournalStore(Protocol):
@@ -253,6 +256,9 @@ class JournalStore(Protocol):
 
     async def note_error(self, scope: Scope, error: str) -> None:
         """Record a recovery attempt's failure on the open run nobody holds."""
+
+    async def requeue(self, scope: Scope) -> None:
+        """Make the open run nobody holds due for recovery now (its worker stopped)."""
 
     async def count_states(self) -> dict[str, int]:
         """How many sessions are in each state (see :data:`RUN_STATES`)."""

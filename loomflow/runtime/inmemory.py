@@ -218,6 +218,11 @@ class InMemoryStore:
         if row is not None and row.owner is None and row.open and row.status is None:
             row.last_error = error
 
+    async def requeue(self, scope: Scope) -> None:
+        row = self.sessions.get(scope.key)
+        if row is not None and row.owner is None and row.open and row.status is None:
+            row.retry_at = 0.0
+
     async def count_states(self) -> dict[str, int]:
         now = time.time()
         counts = dict.fromkeys(RUN_STATES, 0)
