@@ -227,7 +227,7 @@ async def test_health_ready_and_metrics_endpoints(tmp_path: Path) -> None:
 
         assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
         async with asyncio.timeout(30):
-            while (await asyncio.to_thread(get, "/readyz"))[0] != 200:
+            while (await asyncio.to_thread(get, "/readyz"))[0] != 200:  # noqa: ASYNC110 - HTTP
                 await asyncio.sleep(0.1)
         status, body = await asyncio.to_thread(get, "/metrics")
         assert status == 200
