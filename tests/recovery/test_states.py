@@ -80,7 +80,7 @@ async def test_a_run_records_what_resuming_needs(runtime_factory: Factory) -> No
         assert (info.agent, info.config) == ("orders", "f" * 64)
     orphan_free = await runtime.orphans()
     assert orphan_free == []
-    with pytest.raises(Exception, match="record must be a loomflow.runtime.RunRecord"):
+    with pytest.raises(Exception, match=r"record must be a loomflow\.runtime\.RunRecord"):
         async with runtime.session("t", "ana", record={"prompt": "x"}):  # type: ignore[arg-type]
             pass
     assert decode_record(b'{"prompt": "hi"}') == {"prompt": "hi"}
