@@ -188,7 +188,7 @@ class Recovery:
         self.metrics.runs_by_state(self.runtime.backend, report.states)
         if self._stopping:
             return report
-        for orphan in await self.runtime.orphans(self.batch):
+        for orphan in await self.runtime.orphans(self.batch, prefer=sorted(self.agents)):
             await self._consider(orphan, report)
         return report
 

@@ -287,3 +287,17 @@ async def test_run_forever_resumes_and_stop_hands_the_run_over_at_once(
     assert await _states(runtime) == {"loop-0": "finished"}
     assert tool_counts(ledger, "ship") == {"loop-0": 1}
     assert (await first.sweep()).resumed == []  # a stopped recoverer takes no more work
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_orphans_of_other_agents_never_crowd_out_this_recoverers_own(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 3, "crowd")
+    runtime = _runtime(worker)
+    assert isinstance(runtime, SqliteRuntime)
+    await runtime.database.execute(
+        "UPDATE loom_sessions SET agent = 'billing', retry_at = -1 WHERE session_id != 'crowd-2'"
+    )
+    report = await Recovery(runtime, worker, batch=1, metrics=_metrics()).sweep()
+    assert [r.session_id for r in report.resumed] == ["crowd-2"]
