@@ -96,6 +96,10 @@ def load_app(spec: str) -> dict[str, Agent]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise UserError(f"APP {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    except Exception as exc:  # the application's own import failed: say so in one line
+        raise UserError(
+            f"APP {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
     target: Any = module
     for part in attribute.split("."):
         try:
@@ -105,7 +109,12 @@ def load_app(spec: str) -> dict[str, Agent]:
                 f"APP {spec!r}: {module_name!r} has no attribute {attribute!r}"
             ) from None
     if callable(target) and not isinstance(target, Mapping):
-        target = target()
+        try:
+            target = target()
+        except Exception as exc:
+            raise UserError(
+                f"APP {spec!r}: the factory raised {type(exc).__name__}: {exc}"
+            ) from exc
         if inspect.isawaitable(target):
             raise UserError(f"APP {spec!r}: the factory must be a plain function, not async")
     if not isinstance(target, Mapping) or not target:

@@ -248,13 +248,9 @@ class Recovery:
             agent.name,
             claim.attempts,
         )
-        await self._audit(
-            RUN_RECOVER,
-            orphan,
-            {"agent": agent.name, "attempt": claim.attempts, "waited_s": round(orphan.waited, 3)},
-        )
         task = asyncio.create_task(
-            self._resume(agent, claim, prompt, metadata), name=f"loomflow-recover-{ref.session_id}"
+            self._resume(agent, claim, prompt, metadata, orphan.waited),
+            name=f"loomflow-recover-{ref.session_id}",
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -284,7 +280,12 @@ class Recovery:
         await self._audit(RUN_DEAD_LETTER, orphan, {"agent": orphan.agent, "error": error})
 
     async def _resume(
-        self, agent: Agent, claim: OrphanClaim, prompt: str, metadata: dict[str, Any] | None
+        self,
+        agent: Agent,
+        claim: OrphanClaim,
+        prompt: str,
+        metadata: dict[str, Any] | None,
+        waited: float,
     ) -> None:
         session_id = claim.session_id
         assert session_id is not None  # agents never open a run without a session id
@@ -292,6 +293,14 @@ class Recovery:
         error: str | None = None
         try:
             async with self.runtime.adopt(claim):
+                # Audited before anything runs: if the audit log refuses, the run is not
+                # resumed (the claim is given back and the attempt counts as failed).
+                await self._audit_ids(
+                    RUN_RECOVER,
+                    session_id,
+                    claim.user_id,
+                    {"agent": agent.name, "attempt": claim.attempts, "waited_s": round(waited, 3)},
+                )
                 await agent.resume(
                     prompt, session_id=session_id, user_id=claim.user_id, metadata=metadata
                 )
