@@ -28,6 +28,7 @@ _ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "NestingTooDeepError": (([],), {}),
     "OutputValidationError": (("Weather", "field required", 3, '{"city": 1}'), {}),
     "PayloadTooLargeError": (("model_call_3", 2_000_000, 1_048_576), {}),
+    "RunCancelledError": (("order-7", "ana"), {}),
     "ReplayDivergenceError": (("tool_call_2_0", '["run:a#0"]', "a" * 64, "b" * 64), {}),
     "ScriptExhaustedError": (("scripted", "scripted", "no turn 4"), {}),
     "StoreLockedError": (

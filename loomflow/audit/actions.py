@@ -29,7 +29,10 @@ __all__ = [
     "MODEL_START",
     "PERMISSION_DECISION",
     "REPLAY_DIVERGENCE",
+    "RUN_CANCEL",
+    "RUN_DEAD_LETTER",
     "RUN_END",
+    "RUN_RECOVER",
     "RUN_START",
     "TOOL_CALL",
     "TOOL_REPLAY",
@@ -74,6 +77,13 @@ APPROVAL_DECISION: Final = "approval.decision"
 """A person decided a deferred request: request id, allow or deny, reason, when, and the
 edited arguments (redacted) if any; the actor is ``approver:<name>``. Written when the decision
 is journaled, before the resumed run applies it (``permission.decision`` follows then)."""
+RUN_RECOVER: Final = "run.recover"
+"""A recoverer (actor ``worker:<id>``) claimed an orphaned run and resumed it: agent, attempt;
+written again when the resumed run ends, with its outcome."""
+RUN_DEAD_LETTER: Final = "run.dead_letter"
+"""A recoverer gave up on a run after its attempts (the run is ``failed``): the last error."""
+RUN_CANCEL: Final = "run.cancel"
+"""Someone cancelled a run (actor: who asked, e.g. ``cli:<login>``)."""
 
 ALL: Final = (
     RUN_START,
@@ -93,6 +103,9 @@ ALL: Final = (
     REPLAY_DIVERGENCE,
     APPROVAL_REQUEST,
     APPROVAL_DECISION,
+    RUN_RECOVER,
+    RUN_DEAD_LETTER,
+    RUN_CANCEL,
 )
 
 AUDIT_ERASURE: Final = "audit.erasure"

@@ -39,6 +39,7 @@ from starlette.routing import Route
 from .._ids import check_id, check_key
 from ..audit import ANY_USER
 from ..errors import LoomflowError, StorageError, UserError
+from ..runtime import RUN_STATES
 from ._access import ConsoleAccess, Principal, Role, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
 
@@ -369,6 +370,8 @@ def create_app(
     @page("runs.html", role="admin")
     async def runs(request: Request, who: Principal) -> Any:
         state = request.query_params.get("state") or None
+        if state is not None and state not in RUN_STATES:
+            raise _Refused(400, f"state must be one of {', '.join(RUN_STATES)}")
         await data.record(who, "runs", details={"state": state})
         listed = await data.runs(state)
         rows = [

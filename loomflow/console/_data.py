@@ -53,8 +53,8 @@ def console_user_id(principal: Principal) -> str:
 
 
 def _run_state(info: SessionInfo) -> str:
-    """A run's state: the fleet work's ``SessionInfo.state`` when there is one."""
-    return getattr(info, "state", None) or ("open" if info.open else "finished")
+    """A run's state as the journal computes it (running, orphaned, open, finished, ...)."""
+    return info.state
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +252,7 @@ class ConsoleData:
         if runtime is None:
             return []
         try:
-            sessions = await runtime.sessions(limit=limit)
+            sessions = await runtime.sessions(limit=limit, state=state)
         except LoomflowError as exc:
             raise JournalError(
                 "the journal cannot be read here: the console never creates or migrates it "

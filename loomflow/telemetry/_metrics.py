@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from opentelemetry.metrics import MeterProvider
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
 from ..errors import InvalidArgumentError
 from ..models._retry import ERROR_CLASSES, error_class
+from ..runtime import RUN_STATES
 from ..runtime._journal import StepEvent
 from . import _semconv as sc
 from ._hooks import TelemetryHooks
@@ -38,6 +39,8 @@ __all__ = [
     "MetricsServer",
     "OTEL_INSTRUMENTS",
     "OUTCOMES",
+    "RECOVERY_BUCKETS",
+    "RECOVERY_OUTCOMES",
     "RUN_BUCKETS",
     "RUN_OUTCOMES",
     "STEP_BUCKETS",
@@ -55,6 +58,19 @@ held other inputs at that position, or ran it fresh because the stored entry was
 RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled")
 """How a run ended: returned an answer, returned interrupted (max_turns, budget, guardrail),
 raised (stays open, resumable), or was cancelled / abandoned by its caller (also resumable)."""
+RECOVERY_OUTCOMES: Final = (
+    "resumed", "finished", "retry_failed", "dead_lettered", "unregistered", "claim_lost",
+    "cancelled",
+)  # fmt: skip
+"""What a recoverer did with an orphaned run: claimed and resumed it; the resumed run finished;
+the resumed run raised (retried later); gave up on it (``failed``); left it alone (no agent
+registered under its name, or a changed configuration); lost the claim to another recoverer;
+found it cancelled while resuming it."""
+# From a lease running out to a recoverer resuming the run: a lease (30 s by default) plus a
+# sweep interval is the expected range, minutes mean no worker is sweeping.
+RECOVERY_BUCKETS: Final = (
+    0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+)  # fmt: skip
 STORES: Final = ("journal", "budget", "audit")
 """Stores whose failures are counted by ``loomflow_store_unavailable_total``."""
 
@@ -158,6 +174,11 @@ OTEL_INSTRUMENTS: Final[dict[str, InstrumentSpec]] = {
                         "Provider requests attempted again after a transient failure."),
     "tool_errors": _S("loomflow.tool.errors", "counter", "{call}",
                       "Executed tool calls that returned an error."),
+    "recoveries": _S("loomflow.recoveries", "counter", "{run}",
+                     "What recoverers did with orphaned runs, by outcome."),
+    "recovery_delay": _S("loomflow.recovery.delay", "histogram", "s",
+                         "Time from a run being orphaned to a recoverer resuming it.",
+                         RECOVERY_BUCKETS),
 }  # fmt: skip
 """The OpenTelemetry instruments :class:`Metrics` records to, by key (one entry per metric)."""
 
@@ -213,6 +234,9 @@ class _Collectors:
     cache_tokens: Counter
     model_call_seconds: Histogram
     first_chunk_seconds: Histogram
+    runs_by_state: Gauge
+    recoveries: Counter
+    recovery_delay: Histogram
     bounded: dict[str, _Bounded] = field(default_factory=dict)
     instrumented: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     prepared: set[str] = field(default_factory=set)
@@ -345,6 +369,24 @@ def _build(registry: CollectorRegistry) -> _Collectors:
             buckets=GEN_AI_DURATION_BUCKETS,
             registry=r,
         ),
+        runs_by_state=Gauge(
+            "loomflow_runs_by_state",
+            "Sessions of the journal by the state of their last run, as of the last sweep.",
+            ("state", "backend"),
+            registry=r,
+        ),
+        recoveries=Counter(
+            "loomflow_recoveries",
+            "What recoverers did with orphaned runs, by outcome.",
+            ("outcome",),
+            registry=r,
+        ),
+        recovery_delay=Histogram(
+            "loomflow_recovery_delay_seconds",
+            "Time from a run being orphaned (its lease ran out) to a recoverer resuming it.",
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        ),
     )
     # Series born at their first increment hide that increment from increase() and rate():
     # the label sets that can occur are known and few, so they exist at 0 from the start.
@@ -355,6 +397,8 @@ def _build(registry: CollectorRegistry) -> _Collectors:
         built.store_unavailable.labels(store)
     for run_outcome in RUN_OUTCOMES:
         built.run_seconds.labels(run_outcome)
+    for recovery_outcome in RECOVERY_OUTCOMES:
+        built.recoveries.labels(recovery_outcome)
     return built
 
 
@@ -506,19 +550,6 @@ class Metrics:
             self._c.run_seconds.labels(outcome).observe(seconds)
             if self._o is not None:
                 self._o.record("run_seconds", seconds, {"outcome": outcome})
-
-    def runs_by_state(self, *, backend: str, state: str, count: int) -> None:
-        """Report that ``count`` runs of ``backend``'s journal are in run state ``state`` now
-        (a gauge: the latest report of each state stands)."""
-        if self._o is not None:
-            self._o.set(
-                "runs_by_state",
-                max(count, 0),
-                {
-                    "backend": self._c.bound("backend", backend),
-                    "state": self._c.bound("state", state),
-                },
-            )
 
     def prepare_model(self, provider: str, model: str) -> None:
         """Create the error and retry series of ``provider``/``model`` at 0 (for ratios)."""
@@ -681,6 +712,32 @@ class Metrics:
             ("ask", "deny"),
         ):
             self._c.permission_decisions.labels(decision, final)
+
+    def runs_by_state(self, backend: str, counts: dict[str, int]) -> None:
+        """Set the runs-by-state gauge of ``backend`` from a sweep's count (every state set,
+        zeros included, so a state that empties reads 0 rather than its last value)."""
+        backend = self._c.bound("backend", backend)
+        for state in RUN_STATES:
+            count = max(counts.get(state, 0), 0)
+            self._c.runs_by_state.labels(state, backend).set(count)
+            if self._o is not None:
+                self._o.set("runs_by_state", count, {"backend": backend, "state": state})
+
+    def recovery(self, outcome: str) -> None:
+        """Count one thing a recoverer did (one of :data:`RECOVERY_OUTCOMES`)."""
+        if outcome not in RECOVERY_OUTCOMES:
+            raise InvalidArgumentError(
+                f"recovery outcome must be one of {RECOVERY_OUTCOMES}, not {outcome!r}"
+            )
+        self._c.recoveries.labels(outcome).inc()
+        if self._o is not None:
+            self._o.add("recoveries", 1, {"outcome": outcome})
+
+    def recovery_delay(self, seconds: float) -> None:
+        """Record how long a run waited orphaned before a recoverer resumed it."""
+        self._c.recovery_delay.observe(max(0.0, seconds))
+        if self._o is not None:
+            self._o.record("recovery_delay", max(0.0, seconds), {})
 
     def as_hooks(self) -> Any:
         """These metrics, without tracing, as agent hooks: ``Agent(telemetry=metrics)``."""

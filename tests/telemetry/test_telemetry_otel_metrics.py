@@ -214,11 +214,26 @@ def test_every_instrument_has_a_conventional_unit_and_a_unique_name() -> None:
 
 def test_runs_by_state_is_a_gauge_of_the_latest_report(reader: MetricCapture) -> None:
     metrics = Metrics(CollectorRegistry(), meter_provider=reader.provider)
-    metrics.runs_by_state(backend="postgres", state="orphaned", count=3)
-    metrics.runs_by_state(backend="postgres", state="orphaned", count=1)
+    metrics.runs_by_state("postgres", {"orphaned": 3, "running": 2})
+    metrics.runs_by_state("postgres", {"orphaned": 1})
     gauge = reader.collect()["loomflow.runs.by_state"]
     [point] = points(gauge, backend="postgres", state="orphaned")
     assert point.value == 1
+    [emptied] = points(gauge, backend="postgres", state="running")
+    assert emptied.value == 0  # a state that empties reads 0, not its last value
+
+
+def test_recoveries_reach_the_meter_without_run_attributes(reader: MetricCapture) -> None:
+    metrics = Metrics(CollectorRegistry(), meter_provider=reader.provider)
+    metrics.recovery("resumed")
+    metrics.recovery("resumed")
+    metrics.recovery_delay(2.5)
+    collected = reader.collect()
+    [point] = points(collected["loomflow.recoveries"], outcome="resumed")
+    assert point.value == 2
+    [delay] = points(collected["loomflow.recovery.delay"])
+    assert delay.count == 1
+    assert delay.sum == 2.5
 
 
 def test_metrics_without_otel_build_no_instrument(reader: MetricCapture) -> None:
