@@ -145,6 +145,9 @@ def test_the_dashboard_is_provisionable() -> None:
         "Permission decisions per second",
         "Tokens per second by model",
         "Cost by model (USD per hour)",
+        "Runs by state",
+        "Recoveries per second by outcome",
+        "Orphaned to resumed delay (p50, p99)",
     ):
         assert wanted in titles
     # No panel groups or filters by an identity: there is none to group by.
