@@ -21,6 +21,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── ReplayDivergenceError      a replayed position got other inputs (strict mode)
     │   ├── SessionBusyError           another run held the (session, user) too long
     │   └── OwnershipLostError         this run was fenced out by a newer owner
+    │       └── RunCancelledError      ... because someone cancelled the run
     ├── AuditError                     the audit log could not do what was asked
     │   └── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
     ├── CheckpointError                a checkpoint could not be found or read back
@@ -85,6 +86,7 @@ __all__ = [
     "OwnershipLostError",
     "PayloadTooLargeError",
     "ReplayDivergenceError",
+    "RunCancelledError",
     "ScriptExhaustedError",
     "SessionBusyError",
     "StorageError",
@@ -255,6 +257,19 @@ class SessionBusyError(JournalError):
 
 class OwnershipLostError(JournalError):
     """A newer owner took the (session, user) turn; this run may no longer write."""
+
+
+class RunCancelledError(OwnershipLostError):
+    """The run was cancelled (``runtime.cancel``, ``loomflow runs cancel``); it stopped at a
+    step boundary and is never recovered."""
+
+    def __init__(self, session_id: str | None, user_id: str | None) -> None:
+        self.session_id = session_id
+        self.user_id = user_id
+        super().__init__(
+            f"session {session_id!r} of user {user_id!r} was cancelled; the run stopped at a "
+            "step boundary and will not be recovered"
+        )
 
 
 class StoreUnavailableError(StorageError):

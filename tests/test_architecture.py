@@ -45,6 +45,7 @@ FLOORS = [
     ["loomflow.audit", "loomflow.telemetry"],
     ["loomflow.stores"],
     ["loomflow.agent"],
+    ["loomflow.recovery"],
     ["loomflow.testing"],
     ["loomflow.cli", "loomflow"],
 ]
@@ -62,6 +63,7 @@ HIGH_LAYERS = (
 AGENT_IMPORTERS = {
     "loomflow": "the top-level package hands out Agent and its events (loaded on first use)",
     "loomflow.cli": "the command line runs agents (demo, worker)",
+    "loomflow.recovery": "recovery resumes orphaned runs through the registered agents",
     "loomflow.testing.checkpoint_conformance": (
         "the checkpoint suite checks that a store restores a real agent's run; test helpers, "
         "imported only by tests"
@@ -92,6 +94,7 @@ DYNAMIC_IMPORTS = {
     "loomflow": "lazy public names: the modules in loomflow._LAZY, added as arrows below",
     "loomflow.models._retry": "the provider SDKs' error modules, outside loomflow",
     "loomflow.cli.main": "its own subcommand modules, loomflow.cli.<name>",
+    "loomflow.cli.worker": "the application `loomflow worker APP` names, outside loomflow",
 }
 
 

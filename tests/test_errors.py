@@ -26,6 +26,7 @@ _ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "ModelRetryExhaustedError": (("openai", "gpt-x", "rate limited", 429, 4), {}),
     "NestingTooDeepError": (([],), {}),
     "PayloadTooLargeError": (("model_call_3", 2_000_000, 1_048_576), {}),
+    "RunCancelledError": (("order-7", "ana"), {}),
     "ReplayDivergenceError": (("tool_call_2_0", '["run:a#0"]', "a" * 64, "b" * 64), {}),
     "ScriptExhaustedError": (("scripted", "scripted", "no turn 4"), {}),
     "StoreLockedError": (

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -43,8 +45,8 @@ from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import Message, ModelSettings, ToolSpec
 from ..models import Model, resolve_model
 from ..redaction import Redactor
-from ..runtime import OpenRun, Runtime
-from ..runtime._journal import JournalRuntime
+from ..runtime import OpenRun, RunRecord, Runtime, codec
+from ..runtime._journal import JournalRun, JournalRuntime
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
 from ._passthrough import Passthrough
@@ -72,6 +74,7 @@ async def enclosing_run(
     *,
     resume: bool = False,
     strict_replay: bool | None = None,
+    record: RunRecord | None = None,
 ) -> AsyncIterator[tuple[RunContext, OpenRun | None]]:
     """Open a run: its RunContext, the shared runtime for agents inside it, and its journal."""
     ctx = RunContext(
@@ -84,7 +87,7 @@ async def enclosing_run(
     try:
         with use_run_context(ctx):
             async with runtime.session(
-                session_id, user_id, resume=resume, strict_replay=strict_replay
+                session_id, user_id, resume=resume, strict_replay=strict_replay, record=record
             ) as run:
                 yield ctx, run
     finally:
@@ -109,7 +112,9 @@ class Agent:
             agent's run, whose runtime it then shares).
         tuning: Loop settings (:class:`Tuning`).
         max_turns: Model calls allowed per run before it stops with ``max_turns``.
-        name: A short name used in sub-run keys, spans and tool names.
+        name: A short name used in sub-run keys, spans and tool names. It is also the name
+            each run records for recovery: register the agent under it
+            (``Recovery(runtime, {agent.name: agent})``).
         memory: Per-user memory (:class:`~loomflow.memory.Memory`): each outermost run is
             reminded of the earlier runs of its (session, user), and records its own turns
             as an episode when it returns. By default (``None``) episodes are kept beside
@@ -325,6 +330,33 @@ class Agent:
     def __repr__(self) -> str:
         return f"Agent(name={self.name!r}, model={self.model.name!r}, tools={list(self.tools)})"
 
+    def config_fingerprint(self) -> str:
+        """A digest of what shapes this agent's steps: instructions, model, tools, limits.
+
+        Stored with each run; a recoverer refuses to resume a run with an agent whose
+        fingerprint differs (its journaled steps would diverge from what the agent now does).
+        """
+        model = self._model_spec if isinstance(self._model_spec, str) else self.model.name
+        shape = {
+            "instructions": self.instructions,
+            "model": model,
+            "tools": [spec.model_dump(mode="json") for spec in self._specs],
+            "max_turns": self.max_turns,
+        }
+        digest = json.dumps(shape, sort_keys=True, default=str, ensure_ascii=False)
+        return hashlib.sha256(digest.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def _record(self, prompt: str, metadata: Mapping[str, Any] | None) -> RunRecord:
+        inputs: dict[str, Any] = {"prompt": prompt}
+        if metadata:
+            try:
+                codec.dumps(dict(metadata))
+                inputs["metadata"] = dict(metadata)
+            except codec.UnsupportedValueError:
+                # The run goes ahead; only a recovery of it will lack the metadata.
+                log.warning("run metadata has no journal encoding; it is not kept for recovery")
+        return RunRecord(self.name, self.config_fingerprint(), inputs)
+
     @property
     def model(self) -> Model:
         """The model, resolved from its string on first use."""
@@ -355,6 +387,7 @@ class Agent:
         user_id: str | None = None,
         from_checkpoint: str | None = None,
         fork_session_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
         """Continue the session's last run, finished or not.
 
@@ -366,7 +399,8 @@ class Agent:
 
         ``from_checkpoint=<id>`` (an id from :meth:`list_checkpoints`) forks that snapshot into
         a new session (``fork_session_id``, or a fresh ULID; see ``RunResult.session_id``) and
-        continues there; the original session is left untouched.
+        continues there; the original session is left untouched. ``metadata`` is the run
+        context's metadata, as for :meth:`run`.
 
         Raises:
             CheckpointNotFoundError: ``from_checkpoint`` is not a snapshot of this
@@ -378,7 +412,7 @@ class Agent:
                 prompt,
                 session_id,
                 user_id,
-                None,
+                metadata,
                 resume=True,
                 from_checkpoint=from_checkpoint,
                 fork_session_id=fork_session_id,
@@ -481,6 +515,7 @@ class Agent:
             metadata,
             resume=resume,
             strict_replay=self.tuning.strict_replay,
+            record=None if nested else self._record(prompt, metadata),
         ) as (ctx, open_run):
             restore = source
             if restore is None and resume and store is not None:
@@ -499,6 +534,13 @@ class Agent:
                 memory=None if nested else self.memory,
             )
             async for event in run.events():
+                if (
+                    isinstance(event, RunFinished)
+                    and not nested
+                    and isinstance(open_run, JournalRun)
+                    and event.result.interrupted
+                ):
+                    open_run.outcome = "interrupted"  # stored as the run's final status
                 # Hooks' own events (budget warnings, permission decisions, ...) travel the
                 # stream too; AgentEvent names only the agent's.
                 yield cast(AgentEvent, event)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..runtime import RunRecord
 
 __all__ = ["Passthrough"]
 
@@ -47,6 +50,7 @@ class Passthrough:
         *,
         resume: bool = False,
         strict_replay: bool | None = None,
+        record: RunRecord | None = None,
     ) -> AsyncIterator[None]:
         yield None
 

@@ -23,7 +23,10 @@ __all__ = [
     "MODEL_START",
     "PERMISSION_DECISION",
     "REPLAY_DIVERGENCE",
+    "RUN_CANCEL",
+    "RUN_DEAD_LETTER",
     "RUN_END",
+    "RUN_RECOVER",
     "RUN_START",
     "TOOL_CALL",
     "TOOL_REPLAY",
@@ -61,6 +64,13 @@ GUARDRAIL_TRIP: Final = "guardrail.trip"
 """A guardrail blocked or redacted input, output or a tool result."""
 REPLAY_DIVERGENCE: Final = "replay.divergence"
 """A resumed run reached a journaled step with other inputs; the step ran fresh."""
+RUN_RECOVER: Final = "run.recover"
+"""A recoverer (actor ``worker:<id>``) claimed an orphaned run and resumed it: agent, attempt;
+written again when the resumed run ends, with its outcome."""
+RUN_DEAD_LETTER: Final = "run.dead_letter"
+"""A recoverer gave up on a run after its attempts (the run is ``failed``): the last error."""
+RUN_CANCEL: Final = "run.cancel"
+"""Someone cancelled a run (actor: who asked, e.g. ``cli:<login>``)."""
 
 ALL: Final = (
     RUN_START,
@@ -78,4 +88,7 @@ ALL: Final = (
     BUDGET_WARNING,
     GUARDRAIL_TRIP,
     REPLAY_DIVERGENCE,
+    RUN_RECOVER,
+    RUN_DEAD_LETTER,
+    RUN_CANCEL,
 )

@@ -23,7 +23,7 @@ from pydantic_settings import SettingsError
 from .. import __version__
 from ..config import Settings, _check_store_url, _masked_url
 from ..errors import ConfigurationError, LoomflowError, UserError
-from ..runtime import JournalRuntime, SessionInfo
+from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
 from ._format import duration, iso_time, positive_int, table
@@ -92,6 +92,22 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--user", dest="user_id", help="only this user's sessions")
     listing.add_argument("--limit", type=positive_int, default=50, help="at most N (50)")
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
+    listing.add_argument(
+        "--state",
+        choices=(*RUN_STATES, "unreadable"),
+        help="only runs in this state (running, orphaned, open, finished, ...)",
+    )
+    cancel = runs.add_parser(
+        "cancel", help="cancel a session's open run: it stops at its next step, wherever it runs"
+    )
+    cancel.add_argument("session_id")
+    who = cancel.add_mutually_exclusive_group()
+    who.add_argument("--user", dest="user_id", help="whose run")
+    who.add_argument("--anonymous", action="store_true", help="the run without a user")
+    cancel.add_argument(
+        "--audit-url", help="the audit store (default: LOOMFLOW_AUDIT_URL, else the journal's)"
+    )
+    cancel.add_argument("--json", action="store_true")
     show = runs.add_parser("show", help="a session's journal entries")
     show.add_argument("session_id")
     who = show.add_mutually_exclusive_group()
@@ -139,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
 # Command groups that live in their own modules (audit, budget, checkpoints, ...): each has
 # ``register(subparsers)`` adding its parser with ``set_defaults(handler=...)``, where the
 # handler is ``async def handler(args) -> int``.
-_PLUGINS = ("audit", "budget", "checkpoints", "users")
+_PLUGINS = ("audit", "budget", "checkpoints", "users", "worker")
 
 
 def _command_modules() -> list[Any]:
@@ -330,6 +346,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
             return await _migrate(stores, args)
         if args.command == "runs" and args.runs_command == "list":
             return await _runs_list(runtime, args)
+        if args.command == "runs" and args.runs_command == "cancel":
+            return await _runs_cancel(stores, args)
         if args.command == "runs":
             return await _runs_show(runtime, args)
         if args.command == "journal":
@@ -367,6 +385,8 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     filters: dict[str, Any] = {"limit": args.limit}
     if args.user_id is not None:
         filters["user_id"] = args.user_id
+    if args.state is not None:
+        filters["state"] = args.state
     sessions = await runtime.sessions(**filters)
     note = await legacy_note(runtime, pending_only=True)
     if note is not None and args.json:
@@ -378,6 +398,10 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                     {
                         "session_id": s.session_id,
                         "user_id": s.user_id,
+                        "state": s.state,
+                        "agent": s.agent,
+                        "attempts": s.attempts,
+                        "last_error": s.last_error,
                         "epoch": s.epoch,
                         "open": s.open,
                         "owner": s.owner,
@@ -388,23 +412,69 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             )
         return 0
     if not sessions:
-        print("no sessions in the journal")
+        print("no sessions in the journal" if args.state is None else f"no {args.state} runs")
         if note is not None:
             print(note)
         return 0
     rows: list[tuple[Any, ...]] = [
-        ("session", "user", "runs", "last run", "steps", "updated (UTC)")
+        ("session", "user", "runs", "last run", "agent", "steps", "updated (UTC)")
     ]
     for s in sessions:
-        state = "running" if s.owner else ("open (resumable)" if s.open else "finished")
         runs_done = s.epoch + (1 if s.open else 0)
+        state = s.state
+        if s.state == "failed" and s.last_error:
+            state = f"failed: {s.last_error[:60]}"
         rows.append(
-            (s.session_id, s.user_id or "-", runs_done, state, s.entries, _when(s.updated_at))
+            (
+                s.session_id,
+                s.user_id or "-",
+                runs_done,
+                state,
+                s.agent or "-",
+                s.entries,
+                _when(s.updated_at),
+            )
         )
     table(rows)
     if note is not None:
         print(note)
     return 0
+
+
+async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
+    """Cancel an open run, audited with the person at the terminal as the actor."""
+    from ..audit import AuditLog
+    from ..recovery import cancel_run
+
+    runtime = stores.runtime
+    assert runtime is not None
+    user_id = None if args.anonymous else args.user_id
+    audit = AuditLog(stores.audit, on_error="raise", redact_logs=False)
+    cancelled = await cancel_run(
+        runtime, args.session_id, user_id=user_id, audit=audit, actor=f"cli:{_login()}"
+    )
+    if args.json:
+        print(
+            json.dumps({"session_id": args.session_id, "user_id": user_id, "cancelled": cancelled})
+        )
+    elif cancelled:
+        print(f"cancelled the open run of session {args.session_id!r} of user {user_id!r}")
+    else:
+        print(
+            f"loomflow: error: session {args.session_id!r} of user {user_id!r} has no open run "
+            "to cancel",
+            file=sys.stderr,
+        )
+    return 0 if cancelled else 1
+
+
+def _login() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (containers): still say it was a person
+        return "unknown"
 
 
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:

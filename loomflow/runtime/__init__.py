@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 from ._journal import (
     JournalRun,
     JournalRuntime,
+    Orphan,
     PickledEntryWarning,
     ReplayStats,
     StepEvent,
     StepStart,
     StepTracer,
+    decode_record,
 )
 from ._legacy import (
     LAYOUT_0_20,
@@ -26,7 +28,7 @@ from ._legacy import (
     inspect_legacy_journal,
 )
 from ._protocol import OpenRun, Runtime
-from ._store import EntryInfo, SessionInfo
+from ._store import RUN_STATES, EntryInfo, OrphanClaim, RunRecord, SessionInfo
 from ._url import runtime_from_url
 from .codec import is_registered, register_type
 from .inmemory import InMemoryRuntime
@@ -45,15 +47,20 @@ __all__ = [
     "LegacyJournal",
     "LegacyTable",
     "OpenRun",
+    "Orphan",
+    "OrphanClaim",
     "PickledEntryWarning",
     "PostgresRuntime",
+    "RUN_STATES",
     "ReplayStats",
+    "RunRecord",
     "Runtime",
     "SessionInfo",
     "SqliteRuntime",
     "StepEvent",
     "StepStart",
     "StepTracer",
+    "decode_record",
     "import_legacy_journal",
     "inspect_legacy_journal",
     "is_registered",

@@ -37,20 +37,26 @@ from ..config import Settings
 from ..errors import (
     ConfigurationError,
     CorruptEntryError,
+    InvalidArgumentError,
     JournalEncodeError,
     NoActiveRunError,
     OwnershipLostError,
     PayloadTooLargeError,
     ReplayDivergenceError,
+    RunCancelledError,
     SessionBusyError,
     UserError,
 )
 from . import _lease, codec
 from ._owner import claim_owner
+from ._states import UNREADABLE
 from ._store import (
+    RUN_STATES,
     Claim,
     EntryInfo,
     JournalStore,
+    OrphanClaim,
+    RunRecord,
     Scope,
     SessionInfo,
     StoredEntry,
@@ -69,6 +75,7 @@ from ._tracing import (
 __all__ = [
     "JournalRun",
     "JournalRuntime",
+    "Orphan",
     "PickledEntryWarning",
     "ReplayStats",
     "StepEvent",
@@ -134,6 +141,10 @@ class JournalRun:
     # When our lease surely runs out unless renewed, on _lease.lease_clock(); measured from before
     # each claim or renewal was sent, so it never overstates what the database granted.
     lease_until: float = 0.0
+    # How the run ended when it returns normally: None (finished) or "interrupted". The agent
+    # sets it; the release stores it as the run's status.
+    outcome: str | None = None
+    cancelled: bool = False  # fenced out by a cancel (see _lease.fenced_out)
 
     @property
     def session_id(self) -> str | None:
@@ -142,6 +153,55 @@ class JournalRun:
     @property
     def user_id(self) -> str | None:
         return self.scope.user_id
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """An open run that nobody is running, as :meth:`JournalRuntime.orphans` finds it.
+
+    ``record`` is the encoded inputs its agent stored (decode with :func:`decode_record`);
+    ``waited`` is how long it has been orphaned, as far as the row tells (since its lease ran
+    out, or its retry fell due).
+    """
+
+    session_id: str | None
+    user_id: str | None
+    agent: str | None
+    config: str | None
+    record: bytes | None
+    token: int
+    attempts: int
+    owner_dead: bool
+    waited: float
+
+
+def _encode_record(record: RunRecord | None) -> tuple[str, str, bytes] | None:
+    if record is None:
+        return None
+    if not isinstance(record, RunRecord):
+        raise UserError(f"record must be a loomflow.runtime.RunRecord, not {record!r}")
+    try:
+        raw = codec.dumps(dict(record.inputs))
+    except codec.UnsupportedValueError as exc:
+        raise JournalEncodeError("run record", exc.type_name, "its inputs", exc.reason) from exc
+    return record.agent, record.config, raw
+
+
+def decode_record(raw: bytes | None) -> dict[str, Any]:
+    """The inputs a run stored, read with the journal's codec (never runs code).
+
+    Raises:
+        CorruptEntryError: the stored record is missing or is not a readable mapping.
+    """
+    if raw is None:
+        raise CorruptEntryError("the run stored no record (opened before 0.21, or not by an agent)")
+    try:
+        value = codec.loads(raw)
+    except Exception as exc:  # any damage, however crafted, is a corrupt record
+        raise CorruptEntryError(f"the run's record cannot be decoded: {exc}"[:300]) from exc
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise CorruptEntryError(f"the run's record is not a mapping: {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +335,7 @@ class JournalRuntime:
         *,
         resume: bool = False,
         strict_replay: bool | None = None,
+        record: RunRecord | None = None,
     ) -> AsyncIterator[JournalRun]:
         """Open a run on ``(session_id, user_id)`` and journal the steps made inside it.
 
@@ -286,6 +347,9 @@ class JournalRuntime:
         Inside an open run on this journal, ``session()`` opens a sub-run instead (keyed under
         the enclosing run; see :meth:`subrun`), also when that run was opened by another
         runtime object on the same database (a sub-agent with a runtime of its own).
+
+        ``record`` (a :class:`RunRecord`) is stored with a new run so that a recoverer can
+        resume it without the caller (see :mod:`loomflow.recovery`); a sub-run ignores it.
 
         Raises:
             InvalidIdError: an id is empty, too long or holds a control character.
@@ -324,7 +388,7 @@ class JournalRuntime:
                 turn_timeout=self.turn_timeout,
                 deadline=deadline,
             )
-            run = await self._start(scope, claim, resume, strict_replay)
+            run = await self._start(scope, claim, resume, strict_replay, _encode_record(record))
             run.lease_until = asked + self.lease_seconds
             heartbeat = asyncio.create_task(
                 _lease.heartbeat(self._store, run, self.lease_seconds), name="loomflow-lease"
@@ -348,6 +412,9 @@ class JournalRuntime:
                     run.lost = True
                     log.warning("run on %s ended after losing its turn", scope.key)
             if finished and not released:
+                await _lease.fenced_out(self._store, run)
+                if run.cancelled:
+                    raise RunCancelledError(session_id, user_id)
                 raise OwnershipLostError(
                     f"session {session_id!r} of user {user_id!r} was taken over before the run "
                     "could be closed; the new owner decides its outcome"
@@ -359,14 +426,19 @@ class JournalRuntime:
                 self._locks.pop(scope.key, None)
 
     async def _start(
-        self, scope: Scope, claim: Claim, resume: bool, strict: bool | None
+        self,
+        scope: Scope,
+        claim: Claim,
+        resume: bool,
+        strict: bool | None,
+        record: tuple[str, str, bytes] | None = None,
     ) -> JournalRun:
         try:
             if resume and not claim.open and claim.epoch > 0:
                 epoch = claim.epoch - 1  # continue the last, finished run
             else:
                 epoch = claim.epoch
-                if not claim.open and not await self._store.begin_run(scope, claim.token):
+                if not claim.open and not await self._store.begin_run(scope, claim.token, record):
                     raise OwnershipLostError(f"lost {scope.key} while opening the run")
             rows = await self._store.load_run(scope, epoch)
         except BaseException as exc:
@@ -477,7 +549,7 @@ class JournalRuntime:
             _check_text("idempotency_key", idempotency_key)
         run = frame.run
         if run.lost:
-            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
+            raise _lease.lost_error(run, f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
         with self._signals.traced(run, frame.path, name, False) as note:
             if idempotency_key is not None:
@@ -505,7 +577,7 @@ class JournalRuntime:
         _check_text("step name", name)
         run = frame.run
         if run.lost:
-            raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
+            raise _lease.lost_error(run, f"step {name!r}: this run lost its turn to a newer owner")
         started = time.perf_counter()
         with self._signals.traced(run, frame.path, name, True) as note:
             outcome, value, pkey, fp = self._locate(run, frame.path, name, args, kwargs, note)
@@ -557,8 +629,8 @@ class JournalRuntime:
         )
         write_s = time.perf_counter() - t0
         if winner is None:
-            run.lost = True
-            raise OwnershipLostError(f"step {name!r} ran but this run lost its turn")
+            await _lease.fenced_out(self._store, run)
+            raise _lease.lost_error(run, f"step {name!r} ran but this run lost its turn")
         run.stats.misses += 1
         run.stats.fresh_steps.append(name)
         self._signals.emit(run, path, name, False, "miss", started, write_s, note)
@@ -686,10 +758,11 @@ class JournalRuntime:
         run.next_seq += 1
         t0 = time.perf_counter()
         if not await self._store.write_entry(run.scope, run.token, run.epoch, entry):
-            run.lost = True
-            raise OwnershipLostError(
+            await _lease.fenced_out(self._store, run)
+            raise _lease.lost_error(
+                run,
                 f"step {name!r} ran but was not journaled: session {run.session_id!r} of user "
-                f"{run.user_id!r} now belongs to a newer run"
+                f"{run.user_id!r} now belongs to a newer run",
             )
         run.entries.setdefault((pkey, name), {})[fp] = entry
         run.stats.misses += 1
@@ -704,17 +777,139 @@ class JournalRuntime:
         return await self._store.list_entries(session_id, user_id)
 
     async def sessions(
-        self, *, user_id: str | None = _ANY, session_id: str | None = None, limit: int = 100
+        self,
+        *,
+        user_id: str | None = _ANY,
+        session_id: str | None = None,
+        limit: int = 100,
+        state: str | None = None,
     ) -> list[SessionInfo]:
         """The journal's (session, user) pairs, most recently active first.
 
         ``user_id`` filters (``None`` is the anonymous bucket; leave it out for everyone);
-        ``session_id`` keeps that session's pairs only (one per user who ran it).
+        ``session_id`` keeps that session's pairs only (one per user who ran it); ``state``
+        keeps runs in that state (one of :data:`RUN_STATES`, or ``"unreadable"``).
+        Each :class:`SessionInfo` carries its run's true ``state``.
+
+        Raises:
+            InvalidArgumentError: ``state`` is not a known state.
         """
+        if state is not None and state not in (*RUN_STATES, UNREADABLE):
+            raise InvalidArgumentError(
+                f"state must be one of {', '.join((*RUN_STATES, UNREADABLE))}, not {state!r}"
+            )
         await self._ensure_open()
         return await self._store.list_sessions(
-            None if user_id is _ANY else user_id, user_id is not _ANY, limit, session_id
+            None if user_id is _ANY else user_id, user_id is not _ANY, limit, session_id, state
         )
+
+    async def count_states(self) -> dict[str, int]:
+        """How many sessions are in each run state (every state present, zeros included)."""
+        await self._ensure_open()
+        return await self._store.count_states()
+
+    async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
+        """Cancel the open run of (session, user), wherever it runs.
+
+        The run is closed as ``cancelled`` at once and its fencing token bumped: the process
+        running it (this one or another) is refused its next journal write or lease renewal,
+        and raises :class:`~loomflow.errors.RunCancelledError`. A step already under way when
+        the cancel lands finishes, but its result is not recorded and no step starts after it.
+        A cancelled run is never recovered; a new run on the session starts afresh.
+
+        Returns ``False`` when there is no open run to cancel (finished, already cancelled).
+        """
+        scope = Scope.checked(session_id, user_id)
+        await self._ensure_open()
+        return await self._store.cancel(scope)
+
+    async def orphans(self, limit: int = 100) -> list[Orphan]:
+        """Open runs nobody is running: lease expired, owner process gone, or a recovery
+        retry due. For recoverers (:mod:`loomflow.recovery`); read-only."""
+        await self._ensure_open()
+        found = []
+        for row in await self._store.open_runs(limit):
+            dead = row.owner is not None and _lease.holder_is_dead(row.owner)
+            expired = row.owner is None or row.lease_until < row.now
+            if not (dead or expired):
+                continue
+            since = row.retry_at if row.owner is None else row.lease_until
+            found.append(
+                Orphan(
+                    session_id=row.session_id,
+                    user_id=row.user_id,
+                    agent=row.agent,
+                    config=row.config,
+                    record=row.record,
+                    token=row.token,
+                    attempts=row.attempts,
+                    owner_dead=dead,
+                    waited=max(0.0, row.now - since) if since > 0 else 0.0,
+                )
+            )
+        return found
+
+    async def claim_orphan(self, orphan: Orphan, *, backoff: float) -> OrphanClaim | None:
+        """Take an orphan's turn and count an attempt, unless someone else took it since it
+        was read (``None`` then). A failed attempt is retried ``backoff`` seconds from now.
+
+        The claim is a lease like a run's, fenced by the same token: two recoverers never
+        both win it. Resume the run inside :meth:`adopt` to hand the turn to it.
+        """
+        await self._ensure_open()
+        owner = claim_owner()
+        _lease.held.add(owner)  # alive to this process from before the claim lands
+        try:
+            got = await self._store.claim_orphan(
+                Scope(orphan.session_id, orphan.user_id),
+                orphan.token,
+                owner,
+                self.lease_seconds,
+                backoff,
+                orphan.owner_dead,
+            )
+        except BaseException:
+            _lease.held.discard(owner)
+            raise
+        if got is None:
+            _lease.held.discard(owner)
+            return None
+        return OrphanClaim(got.token, got.attempts, owner, orphan.session_id, orphan.user_id)
+
+    @contextlib.asynccontextmanager
+    async def adopt(self, claim: OrphanClaim) -> AsyncIterator[None]:
+        """Hand a claimed orphan's turn to the run opened inside the block (in this task).
+
+        The run's own claim takes the turn over from the recoverer at once (no waiting out
+        the lease). Leaving the block gives back the recoverer's claim if no run took it.
+        """
+        scope = Scope(claim.session_id, claim.user_id)
+        reset = _lease.adopting.set((scope.key, claim.owner))
+        try:
+            yield
+        finally:
+            _lease.adopting.reset(reset)
+            _lease.held.discard(claim.owner)
+            try:  # fenced by the claim's token: a no-op once a run took the turn over
+                await self._store.release(scope, claim.token, None)
+            except Exception:
+                log.warning("could not give back the recovery claim on %s", scope.key)
+
+    async def requeue(self, session_id: str | None, user_id: str | None) -> None:
+        """Make an orphan that nobody holds due for recovery at once (a worker stopping)."""
+        await self._store.requeue(Scope(session_id, user_id))
+
+    async def dead_letter(
+        self, session_id: str | None, user_id: str | None, error: str, *, token: int | None = None
+    ) -> bool:
+        """Mark the open run ``failed`` with ``error``: recovery gave up on it."""
+        return await self._store.dead_letter(Scope(session_id, user_id), token, error[:4000])
+
+    async def note_recovery_error(
+        self, session_id: str | None, user_id: str | None, error: str
+    ) -> None:
+        """Record why a recovery attempt failed (the run stays orphaned until its retry)."""
+        await self._store.note_error(Scope(session_id, user_id), error[:4000])
 
     async def prune(
         self,

@@ -10,24 +10,28 @@ nothing of steps or replay; the journal calls it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import time
 from typing import Protocol
 
 from .._cleanup import attach_cleanup_error
-from ..errors import OwnershipLostError, SessionBusyError
+from ..errors import OwnershipLostError, RunCancelledError, SessionBusyError
 from ._owner import is_this_process, process_gone
 from ._store import Claim, JournalStore, Scope
 
 __all__ = [
     "LeasedRun",
+    "adopting",
     "check_turn",
     "claim",
+    "fenced_out",
     "heartbeat",
     "held",
     "holder_is_dead",
     "lease_clock",
+    "lost_error",
     "release",
     "turn_is_fresh",
 ]
@@ -43,6 +47,8 @@ class LeasedRun(Protocol):
     epoch: int
     lost: bool
     lease_until: float
+    outcome: str | None
+    cancelled: bool
 
 
 # Owner ids of the leases this process's runs hold or are asking for right now. A lease row
@@ -60,6 +66,14 @@ _BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
 def lease_clock() -> float:
     """Seconds on a clock that keeps counting while the process is stopped or suspended."""
     return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+# A recoverer claims an orphaned run under an owner id of its own (kept in ``held``, so it
+# reads as alive), then resumes it in this task: the run's claim takes the turn over from that
+# owner id at once. Set to (scope key, owner id) around the resume.
+adopting: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "loomflow_adopting", default=None
+)
 
 
 def holder_is_dead(owner: str) -> bool:
@@ -91,7 +105,9 @@ async def claim(
         if got is not None:
             return got, asked
         holder = await store.holder(scope)
-        if holder is not None and holder_is_dead(holder[0]):
+        if holder is not None and (
+            holder_is_dead(holder[0]) or adopting.get() == (scope.key, holder[0])
+        ):
             asked = lease_clock()
             got = await store.steal(scope, holder[1], owner, lease_seconds)
             if got is not None:
@@ -113,7 +129,7 @@ async def claim(
 async def release(store: JournalStore, run: LeasedRun, failure: BaseException | None) -> bool:
     """Give the turn back. If the body raised, its error stays the one the caller sees."""
     if failure is None:
-        return await store.release(run.scope, run.token, run.epoch + 1)
+        return await store.release(run.scope, run.token, run.epoch + 1, run.outcome)
     try:
         return await store.release(run.scope, run.token, None)
     except Exception as exc:
@@ -136,7 +152,7 @@ async def heartbeat(store: JournalStore, run: LeasedRun, lease_seconds: float) -
             log.warning("lease renewal failed for %s", run.scope.key, exc_info=True)
             continue
         if not ok:
-            run.lost = True
+            await fenced_out(store, run)
             log.error("run on %s lost its turn to a newer owner", run.scope.key)
             return
         run.lease_until = max(run.lease_until, asked + lease_seconds)
@@ -159,7 +175,7 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
     token and extends the lease, before any side effect.
     """
     if run.lost:
-        raise OwnershipLostError(f"step {name!r}: this run lost its turn to a newer owner")
+        raise lost_error(run, f"step {name!r}: this run lost its turn to a newer owner")
     remaining = run.lease_until - lease_clock()
     if remaining > lease_seconds / 3:
         return
@@ -172,10 +188,33 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
             return
         raise
     if not ok:
-        run.lost = True
+        await fenced_out(store, run)
         log.error("run on %s lost its turn to a newer owner", run.scope.key)
-        raise OwnershipLostError(
+        raise lost_error(
+            run,
             f"step {name!r} was not started: session {run.scope.session_id!r} of user "
-            f"{run.scope.user_id!r} was taken over while this run was paused past its lease"
+            f"{run.scope.user_id!r} was taken over while this run was paused past its lease",
         )
     run.lease_until = max(run.lease_until, asked + lease_seconds)
+
+
+async def fenced_out(store: JournalStore, run: LeasedRun) -> None:
+    """Note that a fenced write or renewal failed, and whether a cancel is the reason.
+
+    Read only on this rare path: a cancel bumps the token, so checking for it costs nothing
+    on the steps of a run that was not cancelled.
+    """
+    run.lost = True
+    if run.cancelled:
+        return
+    try:
+        run.cancelled = await store.run_status(run.scope) == "cancelled"
+    except Exception:  # the run is fenced out either way; the reason is a courtesy
+        log.warning("could not read why %s was fenced out", run.scope.key, exc_info=True)
+
+
+def lost_error(run: LeasedRun, message: str) -> OwnershipLostError:
+    """The error a fenced-out run raises: :class:`RunCancelledError` when it was cancelled."""
+    if run.cancelled:
+        return RunCancelledError(run.scope.session_id, run.scope.user_id)
+    return OwnershipLostError(message)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_chec
 
 if TYPE_CHECKING:
     from ._journal import ReplayStats
+    from ._store import RunRecord
 
 __all__ = ["OpenRun", "Runtime"]
 
@@ -107,10 +108,12 @@ class Runtime(Protocol):
         *,
         resume: bool = False,
         strict_replay: bool | None = None,
+        record: RunRecord | None = None,
     ) -> AbstractAsyncContextManager[OpenRun | None]:
         """Open a run on (session, user); steps inside it are journaled under its epoch.
 
-        Yields the open run, or ``None`` from a runtime that keeps no journal.
+        Yields the open run, or ``None`` from a runtime that keeps no journal. ``record``
+        is what a recoverer needs to resume the run without its caller (kept by journals).
         """
         ...
 

@@ -18,7 +18,17 @@ from ..errors import CorruptEntryError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
 from ._legacy import report_on_open
-from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
+from ._states import UNREADABLE, run_state
+from ._store import (
+    RUN_STATES,
+    Claim,
+    EntryInfo,
+    OrphanClaim,
+    RunRow,
+    Scope,
+    SessionInfo,
+    StoredEntry,
+)
 from .migrations import COMPONENT, MIGRATIONS
 
 __all__ = ["SqlJournalStore"]
@@ -48,10 +58,69 @@ UPDATE loom_sessions SET lease_until = {now} + $3
 WHERE scope = $1 AND token = $2 AND owner IS NOT NULL RETURNING token
 """
 _BEGIN = "UPDATE loom_sessions SET open = 1 WHERE scope = $1 AND token = $2 RETURNING token"
+# A new run: its record replaces the last run's, and it starts with a clean slate.
+_BEGIN_RECORD = """
+UPDATE loom_sessions SET open = 1, agent = $3, config = $4, record = $5, status = NULL,
+    attempts = 0, last_error = NULL, retry_at = 0, created_at = {now}
+WHERE scope = $1 AND token = $2 RETURNING token
+"""
 _RELEASE_ADVANCE = """
 UPDATE loom_sessions SET owner = NULL, lease_until = 0, open = 0, updated_at = {now},
-    epoch = CASE WHEN epoch < $3 THEN $3 ELSE epoch END
+    epoch = CASE WHEN epoch < $3 THEN $3 ELSE epoch END, status = $4
 WHERE scope = $1 AND token = $2 RETURNING token
+"""
+_STATUS = "SELECT status FROM loom_sessions WHERE scope = $1"
+# Cancel closes the run and bumps the token in one statement: the next fenced write (or lease
+# renewal) of whoever runs it fails, and that run then reads the status to say why.
+_CANCEL = """
+UPDATE loom_sessions SET status = 'cancelled', owner = NULL, lease_until = 0, open = 0,
+    token = token + 1, epoch = epoch + 1, updated_at = {now}
+WHERE scope = $1 AND open = 1 AND (status IS NULL OR status = 'failed') RETURNING token
+"""
+# Open runs a sweep looks at (served by the partial index on open runs): an owner whose lease
+# may have run out, or a failed recovery attempt whose retry is due.
+_OPEN_RUNS = """
+SELECT session_id, user_id, owner, token, lease_until, {now}, attempts, retry_at, agent,
+    config, record
+FROM loom_sessions
+WHERE open = 1 AND status IS NULL AND retry_at <= {now}
+    AND (owner IS NOT NULL OR attempts > 0)
+ORDER BY retry_at, updated_at LIMIT $1
+"""
+# Compare-and-set on the token: of two recoverers that saw the same orphan, one wins. A lease
+# renewed since it was read (a slow owner, not a dead one) keeps the run with its owner.
+_CLAIM_ORPHAN = """
+UPDATE loom_sessions SET owner = $2, token = token + 1, lease_until = {now} + $4,
+    attempts = attempts + 1, retry_at = {now} + $5, updated_at = {now}
+WHERE scope = $1 AND token = $3 AND open = 1 AND status IS NULL
+    AND (owner IS NULL OR lease_until < {now} OR CAST($6 AS INTEGER) = 1)
+RETURNING token, attempts
+"""
+_DEAD_LETTER_SEEN = """
+UPDATE loom_sessions SET status = 'failed', owner = NULL, lease_until = 0, last_error = $3,
+    token = token + 1, updated_at = {now}
+WHERE scope = $1 AND token = $2 AND open = 1 AND status IS NULL RETURNING 1
+"""
+_DEAD_LETTER_FREE = """
+UPDATE loom_sessions SET status = 'failed', last_error = $2, updated_at = {now}
+WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
+"""
+_REQUEUE = """
+UPDATE loom_sessions SET retry_at = 0
+WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
+"""
+_NOTE_ERROR = """
+UPDATE loom_sessions SET last_error = $2
+WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
+"""
+# Finished runs are counted by the database; the few rows with an owner, an open run or a
+# final status are read so their state can be worked out (liveness is checked here).
+_COUNT_CLOSED = """
+SELECT COUNT(*) FROM loom_sessions WHERE open = 0 AND owner IS NULL AND status IS NULL
+"""
+_STATE_ROWS = """
+SELECT open, owner, lease_until, {now}, status, attempts FROM loom_sessions
+WHERE open = 1 OR owner IS NOT NULL OR status IS NOT NULL
 """
 _RELEASE_KEEP = """
 UPDATE loom_sessions SET owner = NULL, lease_until = 0, updated_at = {now}
@@ -112,7 +181,18 @@ _QUERIES = {
     "steal": _STEAL,
     "renew": _RENEW,
     "begin": _BEGIN,
+    "begin_record": _BEGIN_RECORD,
     "release_advance": _RELEASE_ADVANCE,
+    "status": _STATUS,
+    "cancel": _CANCEL,
+    "open_runs": _OPEN_RUNS,
+    "claim_orphan": _CLAIM_ORPHAN,
+    "dead_letter_seen": _DEAD_LETTER_SEEN,
+    "dead_letter_free": _DEAD_LETTER_FREE,
+    "note_error": _NOTE_ERROR,
+    "requeue": _REQUEUE,
+    "count_closed": _COUNT_CLOSED,
+    "state_rows": _STATE_ROWS,
     "release_keep": _RELEASE_KEEP,
     "load_run": _LOAD_RUN,
     "write": _WRITE,
@@ -239,13 +319,103 @@ class SqlJournalStore:
     async def renew(self, scope: Scope, token: int, lease_s: float) -> bool:
         return bool(await self._run("lease renewal", "renew", scope.key, token, float(lease_s)))
 
-    async def begin_run(self, scope: Scope, token: int) -> bool:
-        return bool(await self._run("write", "begin", scope.key, token))
+    async def begin_run(
+        self, scope: Scope, token: int, record: tuple[str, str, bytes] | None = None
+    ) -> bool:
+        if record is None:
+            return bool(await self._run("write", "begin", scope.key, token))
+        return bool(await self._run("write", "begin_record", scope.key, token, *record))
 
-    async def release(self, scope: Scope, token: int, advance_to: int | None) -> bool:
+    async def release(
+        self, scope: Scope, token: int, advance_to: int | None, status: str | None = None
+    ) -> bool:
         if advance_to is None:
             return bool(await self._run("write", "release_keep", scope.key, token))
-        return bool(await self._run("write", "release_advance", scope.key, token, advance_to))
+        return bool(
+            await self._run("write", "release_advance", scope.key, token, advance_to, status)
+        )
+
+    async def run_status(self, scope: Scope) -> str | None:
+        rows = await self._run("read", "status", scope.key)
+        return rows[0][0] if rows and isinstance(rows[0][0], str) else None
+
+    async def cancel(self, scope: Scope) -> bool:
+        return bool(await self._run("cancel", "cancel", scope.key))
+
+    async def open_runs(self, limit: int) -> list[RunRow]:
+        rows = await self._run("read", "open_runs", limit)
+        found = []
+        for r in rows:
+            session_id, user_id, owner, token, lease_until, now, attempts, retry_at = r[:8]
+            agent, config, record = r[8:11]
+            found.append(
+                RunRow(
+                    session_id,
+                    user_id,
+                    owner if isinstance(owner, str) else None,
+                    _int(token),
+                    _float(lease_until),
+                    float(now),
+                    _int(attempts),
+                    _float(retry_at),
+                    agent if isinstance(agent, str) else None,
+                    config if isinstance(config, str) else None,
+                    bytes(record) if isinstance(record, bytes | bytearray | memoryview) else None,
+                )
+            )
+        return found
+
+    async def claim_orphan(
+        self,
+        scope: Scope,
+        seen_token: int,
+        owner: str,
+        lease_s: float,
+        backoff_s: float,
+        owner_dead: bool,
+    ) -> OrphanClaim | None:
+        rows = await self._run(
+            "recovery claim",
+            "claim_orphan",
+            scope.key,
+            owner,
+            seen_token,
+            float(lease_s),
+            float(backoff_s),
+            int(owner_dead),
+        )
+        if not rows:
+            return None
+        return OrphanClaim(_int(rows[0][0]), _int(rows[0][1]))
+
+    async def dead_letter(self, scope: Scope, seen_token: int | None, error: str) -> bool:
+        if seen_token is None:
+            return bool(await self._run("write", "dead_letter_free", scope.key, error))
+        return bool(await self._run("write", "dead_letter_seen", scope.key, seen_token, error))
+
+    async def note_error(self, scope: Scope, error: str) -> None:
+        await self._run("write", "note_error", scope.key, error)
+
+    async def requeue(self, scope: Scope) -> None:
+        await self._run("write", "requeue", scope.key)
+
+    async def count_states(self) -> dict[str, int]:
+        counts = dict.fromkeys(RUN_STATES, 0)
+        closed = await self._run("read", "count_closed")
+        counts["finished"] += int(closed[0][0])
+        for is_open, owner, lease_until, now, status, attempts in await self._run(
+            "read", "state_rows"
+        ):
+            state = run_state(
+                open=is_open,
+                owner=owner,
+                lease_until=lease_until,
+                now=float(now),
+                status=status,
+                attempts=attempts,
+            )
+            counts[state] = counts.get(state, 0) + 1
+        return counts
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         rows = await self._run("read", "load_run", scope.key, epoch)
@@ -330,7 +500,12 @@ class SqlJournalStore:
         ]
 
     async def list_sessions(
-        self, user_id: str | None, by_user: bool, limit: int, session_id: str | None = None
+        self,
+        user_id: str | None,
+        by_user: bool,
+        limit: int,
+        session_id: str | None = None,
+        state: str | None = None,
     ) -> list[SessionInfo]:
         conditions: list[str] = []
         args: list[Any] = []
@@ -343,19 +518,35 @@ class SqlJournalStore:
         if session_id is not None:
             args.append(session_id)
             conditions.append(f"s.session_id = ${len(args)}")
+        if state is not None:
+            conditions.append(_STATE_PREFILTER[state])
         where = ("WHERE " + " AND ".join(conditions)) if conditions else ""
-        args.append(limit)
-        rows = await self.db.fetch(
-            "SELECT s.session_id, s.user_id, s.epoch, s.open, s.owner, s.updated_at, "
-            "(SELECT COUNT(*) FROM loom_entries e WHERE e.scope = s.scope) "
-            f"FROM loom_sessions s {where} ORDER BY s.updated_at DESC LIMIT ${len(args)}",
-            *args,
-            what="journal read",
-        )
-        return [
-            SessionInfo(r[0], r[1], _int(r[2]), bool(r[3]), r[4], _float(r[5]), _int(r[6]))
-            for r in rows
-        ]
+        found: list[SessionInfo] = []
+        # The state filter is finished in Python (an owner's liveness is not in the row), so
+        # rows are read page by page until ``limit`` of them match.
+        page = max(limit, 200)
+        offset = 0
+        while len(found) < limit:
+            rows = await self.db.fetch(
+                "SELECT s.session_id, s.user_id, s.epoch, s.open, s.owner, s.updated_at, "
+                "(SELECT COUNT(*) FROM loom_entries e WHERE e.scope = s.scope), "
+                "s.lease_until, {now}, s.status, s.attempts, s.agent, s.config, s.last_error, "
+                f"s.created_at FROM loom_sessions s {where} "
+                f"ORDER BY s.updated_at DESC, s.scope LIMIT ${len(args) + 1} "
+                f"OFFSET ${len(args) + 2}",
+                *args,
+                page,
+                offset,
+                what="journal read",
+            )
+            for r in rows:
+                info = _session_info(r)
+                if state is None or info.state == state:
+                    found.append(info)
+            if len(rows) < page:
+                break
+            offset += page
+        return found[:limit]
 
     async def prune(
         self,
@@ -450,6 +641,41 @@ class SqlJournalStore:
 
     async def _fetch_raw(self, sql: str, args: list[Any]) -> Sequence[Sequence[Any]]:
         return await self.db.fetch(sql, *args, what="journal prune")
+
+
+# SQL that narrows ``runs list --state``; :func:`run_state` decides on what it lets through.
+_STATE_PREFILTER = {
+    "running": "s.owner IS NOT NULL",
+    "orphaned": "s.open = 1 AND s.status IS NULL",
+    "open": "s.open = 1 AND s.status IS NULL AND s.owner IS NULL AND s.attempts = 0",
+    "finished": "s.open = 0 AND s.status IS NULL",
+    "interrupted": "s.status = 'interrupted'",
+    "failed": "s.status = 'failed'",
+    "cancelled": "s.status = 'cancelled'",
+    UNREADABLE: "1 = 1",
+}
+
+
+def _session_info(r: Sequence[Any]) -> SessionInfo:
+    """A listing row; a damaged one reads as ``unreadable`` (and -1/NaN), never an error."""
+    state = run_state(
+        open=r[3], owner=r[4], lease_until=r[7], now=float(r[8]), status=r[9], attempts=r[10]
+    )
+    return SessionInfo(
+        r[0] if isinstance(r[0], str) else None,
+        r[1] if isinstance(r[1], str) else None,
+        _int(r[2]),
+        bool(r[3]) if type(r[3]) is int else False,
+        r[4] if isinstance(r[4], str) else None,
+        _float(r[5]),
+        _int(r[6]),
+        state=state,
+        agent=r[11] if isinstance(r[11], str) else None,
+        config=r[12] if isinstance(r[12], str) else None,
+        attempts=_int(r[10]),
+        last_error=r[13] if isinstance(r[13], str) else None,
+        created_at=_float(r[14]),
+    )
 
 
 # Primary keys, with the SQL types their values are compared as.

@@ -22,11 +22,35 @@ __all__ = [
     "Claim",
     "EntryInfo",
     "JournalStore",
+    "OrphanClaim",
+    "RUN_STATES",
+    "RunRecord",
+    "RunRow",
     "Scope",
     "SessionInfo",
     "StoredEntry",
     "fingerprint",
 ]
+
+RUN_STATES = (
+    "running",
+    "orphaned",
+    "open",
+    "finished",
+    "interrupted",
+    "failed",
+    "cancelled",
+)
+"""The states a run can be in, as ``runtime.sessions()`` and ``loomflow runs list`` report them.
+
+``running``: a live owner holds its lease. ``orphaned``: open, but its lease ran out or its
+owner's process is gone (or a recovery attempt raised and a retry is due): a recoverer picks
+it up. ``open``: it raised to its caller and is resumable, but nothing retries it.
+``finished``/``interrupted``: it returned an answer / returned stopped early. ``failed``:
+recovery gave up after its attempts (a dead letter, with the last error). ``cancelled``:
+someone cancelled it; it is never recovered. A row whose stored status no release wrote (a
+hand-edited row) is reported as ``unreadable`` instead of failing the listing.
+"""
 
 
 def _key(*parts: str | None) -> str:
@@ -114,6 +138,55 @@ class SessionInfo:
     owner: str | None  # the worker holding the turn right now, if any
     updated_at: float
     entries: int
+    state: str = "finished"  # one of RUN_STATES, or "unreadable" for a damaged row
+    agent: str | None = None  # the registered name of the agent that opened the last run
+    config: str | None = None  # that agent's configuration fingerprint
+    attempts: int = 0  # recovery attempts of the open run
+    last_error: str | None = None  # the last recovery failure (the dead letter's reason)
+    created_at: float = 0.0  # when the last run began
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """What resuming a run needs without its caller, handed over when the run opens.
+
+    The runtime does not read it: ``agent`` (the registered name) and ``config`` (a
+    fingerprint of the agent's configuration) are stored as columns so that a recoverer can
+    pick the agent and refuse a changed one; ``inputs`` (prompt, metadata, ...) is stored
+    with the journal's tagged-JSON codec, never pickle, and read back the same way.
+    """
+
+    agent: str
+    config: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    """An open run as a recoverer reads it (raw: the recoverer decides if it is orphaned)."""
+
+    session_id: str | None
+    user_id: str | None
+    owner: str | None
+    token: int
+    lease_until: float
+    now: float  # the database clock when the row was read
+    attempts: int
+    retry_at: float
+    agent: str | None
+    config: str | None
+    record: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class OrphanClaim:
+    """A recoverer's claim on an orphaned run: the lease it holds and its attempt number."""
+
+    token: int
+    attempts: int
+    owner: str = ""
+    session_id: str | None = None
+    user_id: str | None = None
 
 
 class JournalStore(Protocol):
@@ -142,11 +215,53 @@ class JournalStore(Protocol):
 
     async def renew(self, scope: Scope, token: int, lease_s: float) -> bool: ...
 
-    async def begin_run(self, scope: Scope, token: int) -> bool:
-        """Mark the session's current epoch as holding an open run."""
+    async def begin_run(
+        self, scope: Scope, token: int, record: tuple[str, str, bytes] | None = None
+    ) -> bool:
+        """Mark the session's current epoch as holding an open run.
 
-    async def release(self, scope: Scope, token: int, advance_to: int | None) -> bool:
-        """Give the turn back; with ``advance_to``, close the run and move the epoch on."""
+        ``record`` is (agent, config, encoded inputs); a new run also starts with no status,
+        no attempts and no last error.
+        """
+
+    async def release(
+        self, scope: Scope, token: int, advance_to: int | None, status: str | None = None
+    ) -> bool:
+        """Give the turn back; with ``advance_to``, close the run (with ``status``, e.g.
+        ``"interrupted"``) and move the epoch on."""
+
+    async def run_status(self, scope: Scope) -> str | None:
+        """The stored status of the session's run (``"cancelled"``, ...), if any."""
+
+    async def cancel(self, scope: Scope) -> bool:
+        """Close the session's open run as cancelled and fence out whoever runs it."""
+
+    async def open_runs(self, limit: int) -> list[RunRow]:
+        """Open runs with no final status that have an owner or a retry due, oldest first."""
+
+    async def claim_orphan(
+        self,
+        scope: Scope,
+        seen_token: int,
+        owner: str,
+        lease_s: float,
+        backoff_s: float,
+        owner_dead: bool,
+    ) -> OrphanClaim | None:
+        """Take an orphaned run (if it still holds ``seen_token``) and count an attempt."""
+
+    async def dead_letter(self, scope: Scope, seen_token: int | None, error: str) -> bool:
+        """Mark the open run ``failed`` with ``error`` (only if it still holds
+        ``seen_token``, or, with ``None``, if nobody holds it)."""
+
+    async def note_error(self, scope: Scope, error: str) -> None:
+        """Record a recovery attempt's failure on the open run nobody holds."""
+
+    async def requeue(self, scope: Scope) -> None:
+        """Make the open run nobody holds due for recovery now (its worker stopped)."""
+
+    async def count_states(self) -> dict[str, int]:
+        """How many sessions are in each state (see :data:`RUN_STATES`)."""
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         """Every entry of one run, in one query."""
@@ -177,9 +292,15 @@ class JournalStore(Protocol):
     ) -> list[EntryInfo]: ...
 
     async def list_sessions(
-        self, user_id: str | None, by_user: bool, limit: int, session_id: str | None = None
+        self,
+        user_id: str | None,
+        by_user: bool,
+        limit: int,
+        session_id: str | None = None,
+        state: str | None = None,
     ) -> list[SessionInfo]:
-        """Sessions newest first; of ``user_id`` when ``by_user``; only ``session_id`` if given."""
+        """Sessions newest first; of ``user_id`` when ``by_user``; only ``session_id`` if given;
+        only runs in ``state`` if given."""
 
     async def prune(
         self,

@@ -14,7 +14,17 @@ from typing import Any
 from .._progress import OnProgress, Progress
 from ..config import Settings
 from ._journal import JournalRuntime
-from ._store import Claim, EntryInfo, Scope, SessionInfo, StoredEntry
+from ._states import run_state
+from ._store import (
+    RUN_STATES,
+    Claim,
+    EntryInfo,
+    OrphanClaim,
+    RunRow,
+    Scope,
+    SessionInfo,
+    StoredEntry,
+)
 
 __all__ = ["InMemoryRuntime"]
 
@@ -29,6 +39,24 @@ class _SessionRow:
     token: int = 0
     lease_until: float = 0.0
     updated_at: float = 0.0
+    agent: str | None = None
+    config: str | None = None
+    record: bytes | None = None
+    status: str | None = None
+    attempts: int = 0
+    last_error: str | None = None
+    retry_at: float = 0.0
+    created_at: float = 0.0
+
+    def state(self, now: float) -> str:
+        return run_state(
+            open=self.open,
+            owner=self.owner,
+            lease_until=self.lease_until,
+            now=now,
+            status=self.status,
+            attempts=self.attempts,
+        )
 
 
 class InMemoryStore:
@@ -83,14 +111,22 @@ class InMemoryStore:
         row.lease_until = time.time() + lease_s
         return True
 
-    async def begin_run(self, scope: Scope, token: int) -> bool:
+    async def begin_run(
+        self, scope: Scope, token: int, record: tuple[str, str, bytes] | None = None
+    ) -> bool:
         row = self._owned(scope, token)
         if row is None:
             return False
         row.open = True
+        if record is not None:
+            row.agent, row.config, row.record = record
+            row.status, row.attempts, row.last_error, row.retry_at = None, 0, None, 0.0
+            row.created_at = time.time()
         return True
 
-    async def release(self, scope: Scope, token: int, advance_to: int | None) -> bool:
+    async def release(
+        self, scope: Scope, token: int, advance_to: int | None, status: str | None = None
+    ) -> bool:
         row = self._owned(scope, token)
         if row is None:
             return False
@@ -98,7 +134,102 @@ class InMemoryStore:
         if advance_to is not None:
             row.epoch = max(row.epoch, advance_to)
             row.open = False
+            row.status = status
         return True
+
+    async def run_status(self, scope: Scope) -> str | None:
+        row = self.sessions.get(scope.key)
+        return row.status if row is not None else None
+
+    async def cancel(self, scope: Scope) -> bool:
+        row = self.sessions.get(scope.key)
+        if row is None or not row.open or row.status not in (None, "failed"):
+            return False
+        row.status, row.owner, row.lease_until, row.open = "cancelled", None, 0.0, False
+        row.token += 1
+        row.epoch += 1
+        row.updated_at = time.time()
+        return True
+
+    async def open_runs(self, limit: int) -> list[RunRow]:
+        now = time.time()
+        rows = [
+            row
+            for row in self.sessions.values()
+            if row.open
+            and row.status is None
+            and row.retry_at <= now
+            and (row.owner is not None or row.attempts > 0)
+        ]
+        rows.sort(key=lambda r: (r.retry_at, r.updated_at))
+        return [
+            RunRow(
+                r.session_id,
+                r.user_id,
+                r.owner,
+                r.token,
+                r.lease_until,
+                now,
+                r.attempts,
+                r.retry_at,
+                r.agent,
+                r.config,
+                r.record,
+            )
+            for r in rows[:limit]
+        ]
+
+    async def claim_orphan(
+        self,
+        scope: Scope,
+        seen_token: int,
+        owner: str,
+        lease_s: float,
+        backoff_s: float,
+        owner_dead: bool,
+    ) -> OrphanClaim | None:
+        now = time.time()
+        row = self._owned(scope, seen_token)
+        if row is None or not row.open or row.status is not None:
+            return None
+        if row.owner is not None and row.lease_until >= now and not owner_dead:
+            return None
+        row.owner, row.token, row.lease_until = owner, row.token + 1, now + lease_s
+        row.attempts += 1
+        row.retry_at, row.updated_at = now + backoff_s, now
+        return OrphanClaim(row.token, row.attempts)
+
+    async def dead_letter(self, scope: Scope, seen_token: int | None, error: str) -> bool:
+        row = self.sessions.get(scope.key)
+        if row is None or not row.open or row.status is not None:
+            return False
+        if seen_token is None:
+            if row.owner is not None:
+                return False
+        elif row.token != seen_token:
+            return False
+        else:
+            row.owner, row.lease_until, row.token = None, 0.0, row.token + 1
+        row.status, row.last_error, row.updated_at = "failed", error, time.time()
+        return True
+
+    async def note_error(self, scope: Scope, error: str) -> None:
+        row = self.sessions.get(scope.key)
+        if row is not None and row.owner is None and row.open and row.status is None:
+            row.last_error = error
+
+    async def requeue(self, scope: Scope) -> None:
+        row = self.sessions.get(scope.key)
+        if row is not None and row.owner is None and row.open and row.status is None:
+            row.retry_at = 0.0
+
+    async def count_states(self) -> dict[str, int]:
+        now = time.time()
+        counts = dict.fromkeys(RUN_STATES, 0)
+        for row in self.sessions.values():
+            state = row.state(now)
+            counts[state] = counts.get(state, 0) + 1
+        return counts
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         run = self.entries.get(scope.key, {}).get(epoch, {})
@@ -157,8 +288,14 @@ class InMemoryStore:
         return sorted(infos, key=lambda i: (i.epoch, i.seq))
 
     async def list_sessions(
-        self, user_id: str | None, by_user: bool, limit: int, session_id: str | None = None
+        self,
+        user_id: str | None,
+        by_user: bool,
+        limit: int,
+        session_id: str | None = None,
+        state: str | None = None,
     ) -> list[SessionInfo]:
+        now = time.time()
         infos = [
             SessionInfo(
                 row.session_id,
@@ -168,11 +305,19 @@ class InMemoryStore:
                 row.owner,
                 row.updated_at,
                 sum(len(run) for run in self.entries.get(key, {}).values()),
+                state=row.state(now),
+                agent=row.agent,
+                config=row.config,
+                attempts=row.attempts,
+                last_error=row.last_error,
+                created_at=row.created_at,
             )
             for key, row in self.sessions.items()
             if (not by_user or row.user_id == user_id)
             and (session_id is None or row.session_id == session_id)
         ]
+        if state is not None:
+            infos = [i for i in infos if i.state == state]
         infos.sort(key=lambda i: i.updated_at, reverse=True)
         return infos[:limit]
 

@@ -60,6 +60,22 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
     ),
+    Migration(
+        "run records for recovery: agent name, configuration fingerprint, inputs, attempts, "
+        "last error and the run's final status (interrupted, failed, cancelled)",
+        (
+            "ALTER TABLE loom_sessions ADD COLUMN agent TEXT",
+            "ALTER TABLE loom_sessions ADD COLUMN config TEXT",
+            "ALTER TABLE loom_sessions ADD COLUMN record {blob}",
+            "ALTER TABLE loom_sessions ADD COLUMN status TEXT",
+            "ALTER TABLE loom_sessions ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE loom_sessions ADD COLUMN last_error TEXT",
+            "ALTER TABLE loom_sessions ADD COLUMN retry_at {double} NOT NULL DEFAULT 0",
+            "ALTER TABLE loom_sessions ADD COLUMN created_at {double} NOT NULL DEFAULT 0",
+            # A sweep reads open runs only: with 10,000 finished sessions it must not scan them.
+            "CREATE INDEX loom_sessions_open ON loom_sessions (retry_at) WHERE open = 1",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -15,11 +15,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
 from ..errors import InvalidArgumentError
 from ..models._retry import ERROR_CLASSES, error_class
+from ..runtime import RUN_STATES
 from ..runtime._journal import StepEvent
 from ._hooks import TelemetryHooks
 
@@ -32,6 +33,8 @@ __all__ = [
     "Metrics",
     "MetricsServer",
     "OUTCOMES",
+    "RECOVERY_BUCKETS",
+    "RECOVERY_OUTCOMES",
     "RUN_BUCKETS",
     "RUN_OUTCOMES",
     "STEP_BUCKETS",
@@ -49,6 +52,19 @@ held other inputs at that position, or ran it fresh because the stored entry was
 RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled")
 """How a run ended: returned an answer, returned interrupted (max_turns, budget, guardrail),
 raised (stays open, resumable), or was cancelled / abandoned by its caller (also resumable)."""
+RECOVERY_OUTCOMES: Final = (
+    "resumed", "finished", "retry_failed", "dead_lettered", "unregistered", "claim_lost",
+    "cancelled",
+)  # fmt: skip
+"""What a recoverer did with an orphaned run: claimed and resumed it; the resumed run finished;
+the resumed run raised (retried later); gave up on it (``failed``); left it alone (no agent
+registered under its name, or a changed configuration); lost the claim to another recoverer;
+found it cancelled while resuming it."""
+# From a lease running out to a recoverer resuming the run: a lease (30 s by default) plus a
+# sweep interval is the expected range, minutes mean no worker is sweeping.
+RECOVERY_BUCKETS: Final = (
+    0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+)  # fmt: skip
 STORES: Final = ("journal", "budget", "audit")
 """Stores whose failures are counted by ``loomflow_store_unavailable_total``."""
 
@@ -140,6 +156,9 @@ class _Collectors:
     model_retries: Counter
     tool_errors: Counter
     run_seconds: Histogram
+    runs_by_state: Gauge
+    recoveries: Counter
+    recovery_delay: Histogram
     bounded: dict[str, _Bounded] = field(default_factory=dict)
     instrumented: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     prepared: set[str] = field(default_factory=set)
@@ -251,6 +270,24 @@ def _build(registry: CollectorRegistry) -> _Collectors:
             buckets=RUN_BUCKETS,
             registry=r,
         ),
+        runs_by_state=Gauge(
+            "loomflow_runs_by_state",
+            "Sessions of the journal by the state of their last run, as of the last sweep.",
+            ("state", "backend"),
+            registry=r,
+        ),
+        recoveries=Counter(
+            "loomflow_recoveries",
+            "What recoverers did with orphaned runs, by outcome.",
+            ("outcome",),
+            registry=r,
+        ),
+        recovery_delay=Histogram(
+            "loomflow_recovery_delay_seconds",
+            "Time from a run being orphaned (its lease ran out) to a recoverer resuming it.",
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        ),
     )
     # Series born at their first increment hide that increment from increase() and rate():
     # the label sets that can occur are known and few, so they exist at 0 from the start.
@@ -261,6 +298,8 @@ def _build(registry: CollectorRegistry) -> _Collectors:
         built.store_unavailable.labels(store)
     for run_outcome in RUN_OUTCOMES:
         built.run_seconds.labels(run_outcome)
+    for recovery_outcome in RECOVERY_OUTCOMES:
+        built.recoveries.labels(recovery_outcome)
     return built
 
 
@@ -460,6 +499,25 @@ class Metrics:
             ("ask", "deny"),
         ):
             self._c.permission_decisions.labels(decision, final)
+
+    def runs_by_state(self, backend: str, counts: dict[str, int]) -> None:
+        """Set the runs-by-state gauge of ``backend`` from a sweep's count (every state set,
+        zeros included, so a state that empties reads 0 rather than its last value)."""
+        backend = self._c.bound("backend", backend)
+        for state in RUN_STATES:
+            self._c.runs_by_state.labels(state, backend).set(counts.get(state, 0))
+
+    def recovery(self, outcome: str) -> None:
+        """Count one thing a recoverer did (one of :data:`RECOVERY_OUTCOMES`)."""
+        if outcome not in RECOVERY_OUTCOMES:
+            raise InvalidArgumentError(
+                f"recovery outcome must be one of {RECOVERY_OUTCOMES}, not {outcome!r}"
+            )
+        self._c.recoveries.labels(outcome).inc()
+
+    def recovery_delay(self, seconds: float) -> None:
+        """Record how long a run waited orphaned before a recoverer resumed it."""
+        self._c.recovery_delay.observe(max(0.0, seconds))
 
     def as_hooks(self) -> Any:
         """These metrics, without tracing, as agent hooks: ``Agent(telemetry=metrics)``."""

@@ -351,7 +351,7 @@ async def test_manual_records_join_the_users_chain(tmp_path: Path) -> None:
 
 
 def test_actions_are_distinct_and_documented() -> None:
-    assert len(set(actions.ALL)) == len(actions.ALL) == 15
+    assert len(set(actions.ALL)) == len(actions.ALL) == 18
     assert all(a.count(".") == 1 for a in actions.ALL)
 
 

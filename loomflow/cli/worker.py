@@ -1,0 +1,246 @@
+"""``loomflow worker APP``: a process that recovers orphaned runs, with health and metrics.
+
+``APP`` is ``module:attribute`` naming a mapping of agent names to agents, or a function of no
+arguments returning one (it may be async). The recoverer uses the journal of the agents (the
+first one's runtime) and the first one's audit log. It sweeps at start and then every
+``--interval`` seconds, serves ``/metrics`` (prometheus-client's default registry),
+``/healthz`` and ``/readyz`` (200 once a sweep has reached the journal) on ``--host``:``--port``,
+and on SIGTERM or SIGINT stops taking work, releases the leases of the runs it is resuming
+(another worker takes them over at once) and exits 0.
+
+``--once``: one sweep, wait for the runs it resumed, exit: 0 when all of them finished (or were
+cancelled), 1 when one of them raised (it is retried, or dead-lettered, by a later sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from ..agent import Agent
+from ..audit import AuditLog
+from ..errors import UserError
+from ..recovery import Recovery, SweepReport
+from ._format import positive_int
+
+__all__ = ["load_app", "register"]
+
+log = logging.getLogger("loomflow.worker")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``worker`` command to the CLI."""
+    worker = subparsers.add_parser(
+        "worker", help="recover orphaned runs: sweep, resume, serve /metrics /healthz /readyz"
+    )
+    worker.add_argument(
+        "app", help="module:attribute, a mapping of agent names to agents or a factory of one"
+    )
+    worker.add_argument("--once", action="store_true", help="one sweep, wait, exit")
+    worker.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
+    worker.add_argument(
+        "--port", type=int, default=None, help="HTTP port (9464; 0 picks one; --once: none)"
+    )
+    worker.add_argument("--interval", type=float, default=10.0, help="seconds between sweeps (10)")
+    worker.add_argument(
+        "--max-attempts", type=positive_int, default=5, help="claims before a run is failed (5)"
+    )
+    worker.add_argument(
+        "--concurrency", type=positive_int, default=10, help="runs resumed at once (10)"
+    )
+    worker.add_argument("--worker-id", help="name in the audit log (default: host:pid)")
+    worker.add_argument("--json", action="store_true", help="sweep reports as JSON lines")
+    worker.set_defaults(handler=_handle)
+
+
+def load_app(spec: str) -> dict[str, Agent]:
+    """The agents ``module:attribute`` names (a mapping, or a factory returning one).
+
+    Raises:
+        UserError: the spec is malformed, the module or attribute is missing, or it is not
+            (and does not return) a mapping of names to agents.
+    """
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UserError(f"APP must be module:attribute (e.g. myapp.workers:AGENTS), not {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise UserError(f"APP {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    target: Any = module
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise UserError(
+                f"APP {spec!r}: {module_name!r} has no attribute {attribute!r}"
+            ) from None
+    if callable(target) and not isinstance(target, Mapping):
+        target = target()
+        if inspect.isawaitable(target):
+            raise UserError(f"APP {spec!r}: the factory must be a plain function, not async")
+    if not isinstance(target, Mapping) or not target:
+        raise UserError(
+            f"APP {spec!r} must be a non-empty mapping of agent names to agents (or a function "
+            f"returning one), not {type(target).__name__}"
+        )
+    agents: dict[str, Agent] = {}
+    for name, agent in target.items():
+        if not isinstance(name, str) or not isinstance(agent, Agent):
+            raise UserError(
+                f"APP {spec!r}: entry {name!r} must map a name to a loomflow Agent, not "
+                f"{type(agent).__name__}"
+            )
+        agents[name] = agent
+    return agents
+
+
+class _Health:
+    """What /healthz and /readyz answer: alive while serving; ready once the store answered."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+
+def _serve(host: str, port: int, health: _Health) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._answer(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                self._answer(200, b"ok\n")
+            elif path == "/readyz":
+                if health.ready:
+                    self._answer(200, b"ready\n")
+                else:
+                    self._answer(503, b"not ready: the journal has not answered yet\n")
+            else:
+                self._answer(404, b"not found\n")
+
+        def _answer(self, status: int, body: bytes, kind: str = "text/plain") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None  # scrapes every few seconds would flood the log
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="loomflow-worker-http", daemon=True).start()
+    return server
+
+
+def _summary(report: SweepReport) -> dict[str, Any]:
+    def refs(items: list[Any]) -> list[dict[str, Any]]:
+        return [
+            {"session_id": r.session_id, "user_id": r.user_id, "agent": r.agent, "reason": r.reason}
+            for r in items
+        ]
+
+    return {
+        "resumed": refs(report.resumed),
+        "unregistered": refs(report.unregistered),
+        "dead_lettered": refs(report.dead_lettered),
+        "claim_lost": refs(report.claim_lost),
+        "deferred": refs(report.deferred),
+        "states": report.states,
+    }
+
+
+def _print(report: SweepReport, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(_summary(report)), flush=True)
+        return
+    print(
+        f"sweep: resumed {len(report.resumed)}, left alone {len(report.unregistered)}, "
+        f"dead-lettered {len(report.dead_lettered)}, lost to another worker "
+        f"{len(report.claim_lost)}, deferred {len(report.deferred)}",
+        flush=True,
+    )
+    for ref in report.unregistered:
+        print(f"  left alone: session {ref.session_id!r} of {ref.user_id!r}: {ref.reason}")
+    for ref in report.dead_lettered:
+        print(f"  dead letter: session {ref.session_id!r} of {ref.user_id!r}: {ref.reason}")
+
+
+async def _handle(args: argparse.Namespace) -> int:
+    agents = load_app(args.app)
+    first = next(iter(agents.values()))
+    runtime = first.runtime
+    if runtime is None:
+        raise UserError(f"agent {first.name!r} has no runtime: there is no journal to recover")
+    audit = first.audit if isinstance(first.audit, AuditLog) else None
+    recovery = Recovery(
+        runtime,
+        agents,
+        max_attempts=args.max_attempts,
+        interval=args.interval,
+        worker_id=args.worker_id,
+        audit=audit,
+        concurrency=args.concurrency,
+    )
+    health = _Health()
+    port = args.port if args.port is not None else (None if args.once else 9464)
+    server = _serve(args.host, port, health) if port is not None else None
+    if server is not None:
+        print(
+            json.dumps({"event": "serving", "host": args.host, "port": server.server_address[1]}),
+            flush=True,
+        )
+    try:
+        if args.once:
+            report = await recovery.sweep()
+            health.ready = True
+            _print(report, args.json)
+            await recovery.wait()
+            return 1 if recovery.failures else 0
+        return await _serve_forever(recovery, health, args.json)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        await runtime.close()
+
+
+async def _serve_forever(recovery: Recovery, health: _Health, as_json: bool) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "started", "worker": recovery.worker_id}), flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                report = await recovery.sweep()
+                health.ready = True
+                if report.resumed or report.dead_lettered or report.unregistered:
+                    _print(report, as_json)
+            except Exception:
+                health.ready = False
+                log.warning("sweep failed; trying again in %gs", recovery.interval, exc_info=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), recovery.interval)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    await recovery.stop()
+    print(json.dumps({"event": "stopped", "worker": recovery.worker_id}), flush=True)
+    sys.stdout.flush()
+    return 0

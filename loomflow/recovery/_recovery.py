@@ -1,0 +1,385 @@
+"""The recoverer: sweeps for orphaned runs and resumes them through registered agents.
+
+One sweep reads the open runs nobody is running (:meth:`JournalRuntime.orphans`), and for each
+one decides: no agent registered under its name, or a changed configuration -> left alone and
+reported; an unreadable record or no attempts left -> dead letter (``failed``); otherwise
+claim it (a compare-and-set on its fencing token, so of two recoverers one wins) and resume
+it in a task of its own. Attempts are counted at the claim, so a worker killed while resuming
+a run uses one up too; a failed attempt is retried after a backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..agent import Agent
+from ..audit import AuditLog
+from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
+from ..errors import CorruptEntryError, InvalidArgumentError, RunCancelledError, UserError
+from ..runtime import JournalRuntime, Orphan, OrphanClaim, decode_record
+from ..telemetry import Metrics
+
+__all__ = ["Recovery", "RunRef", "SweepReport", "default_backoff"]
+
+log = logging.getLogger("loomflow.recovery")
+
+
+def default_backoff(attempt: int) -> float:
+    """Seconds before retrying after failed attempt ``attempt`` (1, 2, 4, ... up to 300)."""
+    return float(min(300, 2 ** max(0, attempt - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class RunRef:
+    """One run a sweep acted on (or left alone), and why."""
+
+    session_id: str | None
+    user_id: str | None
+    agent: str | None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class SweepReport:
+    """What one :meth:`Recovery.sweep` did.
+
+    Attributes:
+        resumed: Orphans claimed and now resuming (in tasks; :meth:`Recovery.wait` for them).
+        unregistered: Orphans left alone: no agent is registered under the name they
+            recorded, or the registered agent's configuration changed (``reason`` says which).
+        dead_lettered: Runs marked ``failed``: out of attempts, or an unreadable record.
+        claim_lost: Orphans another recoverer claimed first.
+        deferred: Orphans left for the next sweep (this recoverer is at its concurrency).
+        states: How many sessions were in each state when the sweep began.
+    """
+
+    resumed: list[RunRef] = field(default_factory=list)
+    unregistered: list[RunRef] = field(default_factory=list)
+    dead_lettered: list[RunRef] = field(default_factory=list)
+    claim_lost: list[RunRef] = field(default_factory=list)
+    deferred: list[RunRef] = field(default_factory=list)
+    states: dict[str, int] = field(default_factory=dict)
+
+
+class Recovery:
+    """Finds runs that outlived their worker and resumes them.
+
+    Args:
+        runtime: The journal the runs are in (shared by every worker).
+        agents: The agents that may be resumed, by name. A run records its agent's
+            ``name``, so register each agent under it: ``{agent.name: agent}``.
+        max_attempts: Claims of one run before it is given up (``failed``, a dead letter
+            with its last error). A claim whose worker dies counts as an attempt too.
+        backoff: Seconds before retrying after attempt ``n`` failed: a number, or a function
+            of ``n`` (:func:`default_backoff`).
+        interval: Seconds between sweeps in :meth:`run_forever`.
+        worker_id: This recoverer's name in the audit log (actor ``worker:<id>``); by
+            default ``<host>:<pid>``.
+        audit: Where recoveries, dead letters and their outcomes are recorded.
+        concurrency: Most runs this recoverer resumes at once; more wait for a later sweep.
+        metrics: Prometheus metrics (default: prometheus-client's default registry).
+        batch: Most orphans read per sweep.
+
+    A registered agent whose configuration fingerprint differs from the one the run stored
+    is refused (reported in ``unregistered`` with the reason, the run left alone): its
+    journaled steps were made by another configuration, and resuming them under this one
+    would replay or diverge unpredictably. Deploy the old configuration under the name to
+    drain such runs, or cancel them.
+    """
+
+    def __init__(
+        self,
+        runtime: JournalRuntime,
+        agents: Mapping[str, Agent],
+        *,
+        max_attempts: int = 5,
+        backoff: float | Callable[[int], float] = default_backoff,
+        interval: float = 10.0,
+        worker_id: str | None = None,
+        audit: AuditLog | None = None,
+        concurrency: int = 10,
+        metrics: Metrics | None = None,
+        batch: int = 100,
+    ) -> None:
+        if not isinstance(runtime, JournalRuntime):
+            raise UserError(
+                "Recovery needs a journaled runtime (SqliteRuntime, PostgresRuntime or "
+                f"InMemoryRuntime), not {runtime!r}"
+            )
+        if not isinstance(agents, Mapping):
+            raise UserError(f"agents must be a mapping of names to agents, not {agents!r}")
+        for name, agent in agents.items():
+            if not isinstance(agent, Agent):
+                raise UserError(f"agents[{name!r}] is not a loomflow Agent: {agent!r}")
+            if agent.name != name:
+                raise UserError(
+                    f"agents[{name!r}] is named {agent.name!r}: runs record their agent's name, "
+                    f"so register it as {{{agent.name!r}: agent}} (or build it with "
+                    f"name={name!r})"
+                )
+            if agent.runtime is None:
+                raise UserError(f"agents[{name!r}] has no runtime: it would journal nothing")
+        for option, value in (("max_attempts", max_attempts), ("concurrency", concurrency)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{option} must be a positive integer, not {value!r}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise InvalidArgumentError(f"batch must be a positive integer, not {batch!r}")
+        if not isinstance(interval, int | float) or not interval > 0:
+            raise InvalidArgumentError(f"interval must be a positive number, not {interval!r}")
+        if not callable(backoff) and not (isinstance(backoff, int | float) and backoff >= 0):
+            raise InvalidArgumentError(
+                f"backoff must be seconds (>= 0) or a function of the attempt, not {backoff!r}"
+            )
+        self.runtime = runtime
+        self.agents = dict(agents)
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.interval = float(interval)
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.audit = audit
+        self.concurrency = concurrency
+        self.batch = batch
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._wake: asyncio.Event | None = None
+        self._reported: set[tuple[str | None, str | None, str]] = set()
+        self.failures = 0  # resumed runs of this recoverer that raised (``worker --once``)
+
+    @property
+    def actor(self) -> str:
+        """How this recoverer appears in the audit log."""
+        return f"worker:{self.worker_id}"
+
+    @property
+    def active(self) -> int:
+        """Runs this recoverer is resuming right now."""
+        return len(self._tasks)
+
+    def _delay(self, attempt: int) -> float:
+        value = self.backoff(attempt) if callable(self.backoff) else self.backoff
+        return max(0.0, float(value))
+
+    # -- sweeping --------------------------------------------------------------------------
+
+    async def sweep(self) -> SweepReport:
+        """Look once for orphaned runs; claim and start resuming those this recoverer may.
+
+        Returns at once: the runs it resumed go on in tasks (see :meth:`wait`).
+        """
+        report = SweepReport()
+        report.states = await self.runtime.count_states()
+        self.metrics.runs_by_state(self.runtime.backend, report.states)
+        if self._stopping:
+            return report
+        for orphan in await self.runtime.orphans(self.batch):
+            await self._consider(orphan, report)
+        return report
+
+    async def _consider(self, orphan: Orphan, report: SweepReport) -> None:
+        ref = RunRef(orphan.session_id, orphan.user_id, orphan.agent)
+        agent = self.agents.get(orphan.agent) if orphan.agent is not None else None
+        if agent is None:
+            why = (
+                "the run stored no agent name (opened before 0.21 or outside an agent)"
+                if orphan.agent is None
+                else f"no agent registered as {orphan.agent!r}"
+            )
+            self._leave(report, ref, why)
+            return
+        if orphan.config is not None and orphan.config != agent.config_fingerprint():
+            self._leave(
+                report,
+                ref,
+                f"agent {orphan.agent!r} is registered with another configuration than the run "
+                "was started with",
+            )
+            return
+        try:
+            inputs = decode_record(orphan.record)
+            prompt = inputs.get("prompt")
+            if not isinstance(prompt, str):
+                raise CorruptEntryError("the run's record holds no prompt text")
+            metadata = inputs.get("metadata")
+            if metadata is not None and not isinstance(metadata, dict):
+                raise CorruptEntryError("the run's record holds metadata that is not a mapping")
+        except CorruptEntryError as exc:
+            await self._dead_letter(report, orphan, ref, f"unreadable run record: {exc}")
+            return
+        if orphan.attempts >= self.max_attempts:
+            await self._dead_letter(
+                report,
+                orphan,
+                ref,
+                f"gave up after {orphan.attempts} attempts; its worker died during the last",
+            )
+            return
+        if self._stopping or len(self._tasks) >= self.concurrency:
+            report.deferred.append(ref)
+            return
+        claim = await self.runtime.claim_orphan(orphan, backoff=self._delay(orphan.attempts + 1))
+        if claim is None:
+            report.claim_lost.append(ref)
+            self.metrics.recovery("claim_lost")
+            return
+        report.resumed.append(ref)
+        self.metrics.recovery("resumed")
+        self.metrics.recovery_delay(orphan.waited)
+        log.info(
+            "resuming session %r of user %r with agent %r (attempt %d)",
+            orphan.session_id,
+            orphan.user_id,
+            agent.name,
+            claim.attempts,
+        )
+        await self._audit(
+            RUN_RECOVER,
+            orphan,
+            {"agent": agent.name, "attempt": claim.attempts, "waited_s": round(orphan.waited, 3)},
+        )
+        task = asyncio.create_task(
+            self._resume(agent, claim, prompt, metadata), name=f"loomflow-recover-{ref.session_id}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _leave(self, report: SweepReport, ref: RunRef, why: str) -> None:
+        report.unregistered.append(RunRef(ref.session_id, ref.user_id, ref.agent, why))
+        key = (ref.session_id, ref.user_id, why)
+        if key not in self._reported:  # counted and logged once per run, not every sweep
+            self._reported.add(key)
+            self.metrics.recovery("unregistered")
+            log.warning(
+                "left orphaned session %r of user %r alone: %s", ref.session_id, ref.user_id, why
+            )
+
+    async def _dead_letter(
+        self, report: SweepReport, orphan: Orphan, ref: RunRef, error: str
+    ) -> None:
+        if not await self.runtime.dead_letter(
+            orphan.session_id, orphan.user_id, error, token=orphan.token
+        ):
+            report.claim_lost.append(ref)
+            self.metrics.recovery("claim_lost")
+            return
+        report.dead_lettered.append(RunRef(ref.session_id, ref.user_id, ref.agent, error))
+        self.metrics.recovery("dead_lettered")
+        log.error("gave up on session %r of user %r: %s", ref.session_id, ref.user_id, error)
+        await self._audit(RUN_DEAD_LETTER, orphan, {"agent": orphan.agent, "error": error})
+
+    async def _resume(
+        self, agent: Agent, claim: OrphanClaim, prompt: str, metadata: dict[str, Any] | None
+    ) -> None:
+        session_id = claim.session_id
+        assert session_id is not None  # agents never open a run without a session id
+        outcome = "finished"
+        error: str | None = None
+        try:
+            async with self.runtime.adopt(claim):
+                await agent.resume(
+                    prompt, session_id=session_id, user_id=claim.user_id, metadata=metadata
+                )
+        except RunCancelledError:
+            outcome = "cancelled"
+        except asyncio.CancelledError:
+            # stop(): the run's lease was given back on the way out; make it due at once so
+            # another worker takes it over now, not after the backoff.
+            await self._quietly(self.runtime.requeue(session_id, claim.user_id))
+            raise
+        except Exception as exc:
+            self.failures += 1
+            error = f"{type(exc).__name__}: {exc}"[:4000]
+            if claim.attempts >= self.max_attempts:
+                outcome = "dead_lettered"
+                await self._quietly(self.runtime.dead_letter(session_id, claim.user_id, error))
+            else:
+                outcome = "retry_failed"
+                await self._quietly(
+                    self.runtime.note_recovery_error(session_id, claim.user_id, error)
+                )
+            log.warning(
+                "resumed session %r of user %r raised (attempt %d of %d): %s",
+                session_id,
+                claim.user_id,
+                claim.attempts,
+                self.max_attempts,
+                error,
+            )
+        self.metrics.recovery(outcome)
+        payload: dict[str, Any] = {"agent": agent.name, "attempt": claim.attempts}
+        payload["outcome"] = outcome
+        if error is not None:
+            payload["error"] = error
+        action = RUN_DEAD_LETTER if outcome == "dead_lettered" else RUN_RECOVER
+        await self._quietly(self._audit_ids(action, session_id, claim.user_id, payload))
+
+    async def _audit(self, action: str, orphan: Orphan, payload: dict[str, Any]) -> None:
+        await self._audit_ids(action, orphan.session_id, orphan.user_id, payload)
+
+    async def _audit_ids(
+        self, action: str, session_id: str | None, user_id: str | None, payload: dict[str, Any]
+    ) -> None:
+        if self.audit is None:
+            return
+        await self.audit.record(
+            action, user_id=user_id, session_id=session_id, actor=self.actor, payload=payload
+        )
+
+    @staticmethod
+    async def _quietly(work: Any) -> None:
+        try:
+            await work
+        except Exception:  # bookkeeping after the run: the run's own outcome already stands
+            log.warning("recovery bookkeeping failed", exc_info=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Wait until every run this recoverer resumed has ended (finished, raised, ...)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def run_forever(self) -> None:
+        """Sweep now and then every ``interval`` seconds until :meth:`stop`.
+
+        A sweep that fails (the database is down, say) is logged and tried again next time.
+        """
+        self._wake = asyncio.Event()
+        while not self._stopping:
+            try:
+                await self.sweep()
+            except Exception:
+                log.warning(
+                    "recovery sweep failed; trying again in %gs", self.interval, exc_info=True
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+
+    async def stop(self, *, grace: float = 0.0) -> None:
+        """Stop taking work and give back the runs in progress.
+
+        Runs still resuming after ``grace`` seconds are stopped at once; their leases are
+        released and they are made due for recovery, so another worker takes them over
+        immediately instead of after the lease runs out.
+        """
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._tasks and grace > 0:
+            await asyncio.wait(list(self._tasks), timeout=grace)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def __aenter__(self) -> Recovery:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

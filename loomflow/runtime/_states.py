@@ -1,0 +1,53 @@
+"""A run's true state, derived from its session row and the liveness of its owner.
+
+The row alone cannot tell ``running`` from ``orphaned``: a worker killed with SIGKILL leaves
+its owner id and an unexpired lease behind. So the lease (on the database's clock) and, on the
+same host, the owner's process (:mod:`._owner`) are both consulted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._lease import holder_is_dead
+from ._store import RUN_STATES
+
+__all__ = ["FINAL_STATUSES", "UNREADABLE", "run_state"]
+
+# What a session row's ``status`` column may hold besides NULL: the run's own final word.
+FINAL_STATUSES = ("interrupted", "failed", "cancelled")
+UNREADABLE = "unreadable"
+
+
+def run_state(
+    *,
+    open: Any,
+    owner: Any,
+    lease_until: Any,
+    now: float,
+    status: Any,
+    attempts: Any,
+    epoch: Any = 1,
+) -> str:
+    """One of :data:`RUN_STATES`, or ``"unreadable"`` for a row no release could have written."""
+    if status is not None and status not in FINAL_STATUSES:
+        return UNREADABLE  # a hand-edited row: say so instead of guessing
+    if owner is not None and not isinstance(owner, str):
+        return UNREADABLE
+    if type(attempts) is not int or type(lease_until) not in (int, float):
+        return UNREADABLE
+    if status == "cancelled":
+        return "cancelled"
+    live = owner is not None and lease_until >= now and not holder_is_dead(owner)
+    if live:
+        return "running"
+    if status is not None:
+        return str(status)
+    if open:
+        if owner is not None or attempts > 0:
+            return "orphaned"
+        return "open"
+    return "finished"
+
+
+assert set(FINAL_STATUSES) < set(RUN_STATES)

@@ -1,0 +1,106 @@
+"""The application the recovery tests run in real processes: one order agent on a journal.
+
+Configured by environment variables, as a deployed app would be:
+
+- ``FLEET_URL``: the journal (``sqlite:///...`` or ``postgresql://...``);
+- ``FLEET_LEDGER``: a file every tool call appends one JSON line to (pid, tool, session), which
+  is how the tests count side effects;
+- ``FLEET_BLOCK=1``: ``ship`` writes a ``blocked`` line and then waits forever (to be killed);
+- ``FLEET_FAIL=1``: ``ship`` raises (a run that cannot succeed);
+- ``FLEET_INSTRUCTIONS``: the agent's instructions (changing them changes its fingerprint).
+
+``python _app.py start N PREFIX`` starts N runs (sessions ``PREFIX-0`` ...) of user ``ana`` at
+once and prints ``started``; with ``FLEET_BLOCK=1`` they block in ``ship`` until killed.
+``loomflow worker _app:agents`` serves them (with this directory on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+from loomflow.agent import Agent
+from loomflow.audit import AuditLog
+from loomflow.errors import ConfigurationError
+from loomflow.messages import ToolCall
+from loomflow.models import ScriptedModel
+from loomflow.runtime import runtime_from_url
+from loomflow.tools import tool
+
+PROMPT = "Fulfil the order."
+SCRIPT = [
+    [ToolCall(id="c0", name="reserve", arguments={"sku": "LOOM-7"})],
+    [ToolCall(id="c1", name="ship", arguments={"order": 7})],
+    "Reserved and shipped.",
+]
+
+
+def _mark(tool_name: str) -> None:
+    from loomflow.context import get_run_context
+
+    ctx = get_run_context()
+    line = json.dumps(
+        {"pid": os.getpid(), "tool": tool_name, "session": ctx.session_id, "t": time.time()}
+    )
+    fd = os.open(os.environ["FLEET_LEDGER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@tool
+def reserve(sku: str) -> str:
+    """Reserve stock."""
+    _mark("reserve")
+    return f"reserved {sku}"
+
+
+@tool
+async def ship(order: int) -> str:
+    """Book the shipment."""
+    if os.environ.get("FLEET_BLOCK") == "1":
+        _mark("blocked")
+        await asyncio.Event().wait()
+    if os.environ.get("FLEET_FAIL") == "1":
+        _mark("failed")
+        # ConfigurationError stops the run (other tool errors go back to the model).
+        raise ConfigurationError("the carrier is down")
+    _mark("ship")
+    return f"shipped {order}"
+
+
+def agents() -> dict[str, Agent]:
+    """The worker's registry (a factory: ``loomflow worker _app:agents``)."""
+    lease = float(os.environ.get("FLEET_LEASE", "30"))
+    runtime = runtime_from_url(os.environ["FLEET_URL"], lease_seconds=lease)
+    audit = AuditLog(f"{os.environ['FLEET_URL']}", redact_logs=False)
+    agent = Agent(
+        os.environ.get("FLEET_INSTRUCTIONS", "You fulfil orders."),
+        model=ScriptedModel(SCRIPT),
+        tools=[reserve, ship],
+        runtime=runtime,
+        memory=False,
+        audit=audit,
+        telemetry=False,
+        name="orders",
+    )
+    return {"orders": agent}
+
+
+async def start(count: int, prefix: str) -> None:
+    agent = agents()["orders"]
+    tasks = [
+        asyncio.create_task(agent.run(PROMPT, session_id=f"{prefix}-{i}", user_id="ana"))
+        for i in range(count)
+    ]
+    print("started", flush=True)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    print(json.dumps([repr(r) if isinstance(r, BaseException) else r.output for r in results]))
+
+
+if __name__ == "__main__":
+    asyncio.run(start(int(sys.argv[2]), sys.argv[3]))

@@ -1,0 +1,257 @@
+"""Recovery of runs whose worker was SIGKILLed: true states, claims, attempts, dead letters.
+
+Each test starts the app's runs in a real child process, blocks them inside a tool, kills the
+child with SIGKILL, and recovers in this process through :class:`loomflow.recovery.Recovery`
+on a real SQLite file or a real PostgreSQL database. The ledger (one line per tool execution)
+says what ran where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import _app
+import pytest
+from _fleet import start_and_kill, tool_counts
+from prometheus_client import CollectorRegistry
+
+from loomflow.agent import Agent
+from loomflow.audit import AuditLog
+from loomflow.errors import InvalidArgumentError, UserError
+from loomflow.recovery import Recovery, default_backoff
+from loomflow.runtime import JournalRuntime, SqliteRuntime
+from loomflow.telemetry import Metrics
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'journal.db'}"
+    return str(request.getfixturevalue("pg_dsn"))
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Path:
+    return tmp_path / "ledger.jsonl"
+
+
+@pytest.fixture
+def app_env(monkeypatch: pytest.MonkeyPatch, journal_url: str, ledger: Path) -> Iterator[None]:
+    monkeypatch.setenv("FLEET_URL", journal_url)
+    monkeypatch.setenv("FLEET_LEDGER", str(ledger))
+    monkeypatch.delenv("FLEET_BLOCK", raising=False)
+    monkeypatch.delenv("FLEET_FAIL", raising=False)
+    return
+
+
+@pytest.fixture
+async def worker(app_env: None) -> AsyncIterator[dict[str, Agent]]:
+    """The app's agents in this process (a recovering worker), closed afterwards."""
+    built = _app.agents()
+    yield built
+    await _close(built)
+
+
+async def _close(built: dict[str, Agent]) -> None:
+    for agent in built.values():
+        assert agent.runtime is not None
+        await agent.runtime.close()
+        if isinstance(agent.audit, AuditLog):
+            await agent.audit.close()
+
+
+def _runtime(agents: dict[str, Agent]) -> JournalRuntime:
+    runtime = agents["orders"].runtime
+    assert runtime is not None
+    return runtime
+
+
+def _metrics() -> Metrics:
+    return Metrics(CollectorRegistry())
+
+
+async def _states(runtime: JournalRuntime) -> dict[str | None, str]:
+    return {s.session_id: s.state for s in await runtime.sessions(limit=1000)}
+
+
+async def test_a_sigkilled_owner_shows_orphaned_and_is_recovered_once(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 3, "order")
+    runtime = _runtime(worker)
+    states = await _states(runtime)
+    # The killed process's leases have not run out (30 s): liveness says they are orphans.
+    assert states == {f"order-{i}": "orphaned" for i in range(3)}
+    listed = await runtime.sessions(state="orphaned")
+    assert {s.session_id for s in listed} == {f"order-{i}" for i in range(3)}
+    assert all(s.agent == "orders" and s.user_id == "ana" for s in listed)
+    assert await runtime.sessions(state="running") == []
+
+    metrics = _metrics()
+    audit = worker["orders"].audit
+    assert isinstance(audit, AuditLog)
+    recovery = Recovery(runtime, worker, metrics=metrics, worker_id="test", audit=audit)
+    report = await recovery.sweep()
+    assert sorted(r.session_id or "" for r in report.resumed) == [f"order-{i}" for i in range(3)]
+    assert report.states["orphaned"] == 3
+    await recovery.wait()
+    assert await _states(runtime) == {f"order-{i}": "finished" for i in range(3)}
+    # reserve ran once per run (before the kill; replayed after), ship once (after).
+    assert tool_counts(ledger, "reserve") == {f"order-{i}": 1 for i in range(3)}
+    assert tool_counts(ledger, "ship") == {f"order-{i}": 1 for i in range(3)}
+    sample = metrics.registry.get_sample_value
+    assert sample("loomflow_recoveries_total", {"outcome": "resumed"}) == 3
+    assert sample("loomflow_recoveries_total", {"outcome": "finished"}) == 3
+    assert sample("loomflow_recoveries_total", {"outcome": "dead_lettered"}) == 0
+    assert sample("loomflow_recovery_delay_seconds_count", {}) == 3
+    backend = runtime.backend
+    assert sample("loomflow_runs_by_state", {"state": "orphaned", "backend": backend}) == 3
+    # Audited with the worker as actor.
+    entries = (await audit.query(user_id="ana", action="run.recover")).entries
+    assert {e.actor for e in entries} == {"worker:test"}
+    assert sum(1 for e in entries if e.payload.get("outcome") == "finished") == 3
+    # Nothing left to do.
+    again = await recovery.sweep()
+    assert again.resumed == []
+    assert again.states["finished"] == 3
+
+
+async def test_two_recoverers_sweeping_at_once_never_resume_one_run_twice(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 6, "race")
+    other = _app.agents()  # a second worker: its own runtime and connection
+    try:
+        first = Recovery(_runtime(worker), worker, metrics=_metrics(), worker_id="a")
+        second = Recovery(_runtime(other), other, metrics=_metrics(), worker_id="b")
+        reports = await asyncio.gather(first.sweep(), second.sweep())
+        await asyncio.gather(first.wait(), second.wait())
+    finally:
+        await _close(other)
+    mine = {r.session_id for r in reports[0].resumed}
+    theirs = {r.session_id for r in reports[1].resumed}
+    assert not mine & theirs
+    assert mine | theirs == {f"race-{i}" for i in range(6)}
+    assert tool_counts(ledger, "ship") == {f"race-{i}": 1 for i in range(6)}
+    assert set((await _states(_runtime(worker))).values()) == {"finished"}
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_attempts_backoff_and_dead_letter(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await start_and_kill(journal_url, ledger, 1, "fail")
+    monkeypatch.setenv("FLEET_FAIL", "1")
+    runtime = _runtime(worker)
+    metrics = _metrics()
+    slow = Recovery(runtime, worker, max_attempts=2, backoff=60, metrics=metrics)
+    assert len((await slow.sweep()).resumed) == 1
+    await slow.wait()
+    [info] = await runtime.sessions()
+    assert (info.state, info.attempts) == ("orphaned", 1)
+    assert info.last_error == "ConfigurationError: the carrier is down"
+    # The retry is not due for 60 s: a sweep now leaves it.
+    assert (await slow.sweep()).resumed == []
+    fast = Recovery(runtime, worker, max_attempts=2, backoff=0, metrics=metrics)
+    # Backoff 0 from here on, but the pending retry_at was set by the first claim.
+    assert isinstance(runtime, SqliteRuntime)
+    await runtime.database.execute("UPDATE loom_sessions SET retry_at = 0")
+    assert len((await fast.sweep()).resumed) == 1
+    await fast.wait()
+    [info] = await runtime.sessions()
+    assert (info.state, info.attempts) == ("failed", 2)
+    assert info.last_error == "ConfigurationError: the carrier is down"
+    assert (await fast.sweep()).resumed == []  # a dead letter stays put, visible
+    assert [s.session_id for s in await runtime.sessions(state="failed")] == ["fail-0"]
+    assert tool_counts(ledger, "failed") == {"fail-0": 2}
+    sample = metrics.registry.get_sample_value
+    assert sample("loomflow_recoveries_total", {"outcome": "retry_failed"}) == 1
+    assert sample("loomflow_recoveries_total", {"outcome": "dead_lettered"}) == 1
+    assert fast.failures == 1
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_unregistered_and_changed_agents_are_left_alone(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await start_and_kill(journal_url, ledger, 1, "alone")
+    runtime = _runtime(worker)
+    other = worker["orders"].clone(name="billing")
+    report = await Recovery(runtime, {"billing": other}, metrics=_metrics()).sweep()
+    assert report.resumed == []
+    [left] = report.unregistered
+    assert left.session_id == "alone-0"
+    assert "no agent registered as 'orders'" in left.reason
+    changed = worker["orders"].clone(instructions="You fulfil orders, differently.")
+    report = await Recovery(runtime, {"orders": changed}, metrics=_metrics()).sweep()
+    assert report.resumed == []
+    assert "another configuration" in report.unregistered[0].reason
+    assert (await _states(runtime)) == {"alone-0": "orphaned"}
+    assert tool_counts(ledger, "ship") == {}
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_a_worker_killed_too_often_is_dead_lettered(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 1, "dies")
+    runtime = _runtime(worker)
+    assert isinstance(runtime, SqliteRuntime)
+    # As if two recoverers had claimed it and died: attempts are counted at the claim.
+    await runtime.database.execute("UPDATE loom_sessions SET attempts = 2")
+    report = await Recovery(runtime, worker, max_attempts=2, metrics=_metrics()).sweep()
+    [dead] = report.dead_lettered
+    assert "gave up after 2 attempts" in dead.reason
+    [info] = await runtime.sessions()
+    assert info.state == "failed"
+    assert info.last_error == dead.reason
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_crafted_rows_never_break_the_listing_or_the_sweep(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 3, "bad")
+    runtime = _runtime(worker)
+    assert isinstance(runtime, SqliteRuntime)
+    db = runtime.database
+    await db.execute("UPDATE loom_sessions SET status = 'exploded' WHERE session_id = 'bad-0'")
+    await db.execute("UPDATE loom_sessions SET record = X'00ff' WHERE session_id = 'bad-1'")
+    await db.execute(
+        'UPDATE loom_sessions SET record = CAST(\'{"__t": "os.system"}\' AS BLOB) '
+        "WHERE session_id = 'bad-2'"
+    )
+    states = await _states(runtime)
+    assert states["bad-0"] == "unreadable"
+    assert [s.session_id for s in await runtime.sessions(state="unreadable")] == ["bad-0"]
+    report = await Recovery(runtime, worker, metrics=_metrics()).sweep()
+    assert report.resumed == []
+    assert {r.session_id for r in report.dead_lettered} == {"bad-1", "bad-2"}
+    assert all("unreadable run record" in r.reason for r in report.dead_lettered)
+    assert (await _states(runtime))["bad-1"] == "failed"
+    with pytest.raises(InvalidArgumentError, match="state must be one of"):
+        await runtime.sessions(state="zombie")
+
+
+async def test_bad_registrations_are_refused(worker: dict[str, Agent]) -> None:
+    runtime = _runtime(worker)
+    agent = worker["orders"]
+    with pytest.raises(UserError, match="is named 'orders'"):
+        Recovery(runtime, {"shipping": agent})
+    with pytest.raises(UserError, match="no runtime"):
+        Recovery(runtime, {"orders": agent.clone(runtime=None)})
+    with pytest.raises(UserError, match="not a loomflow Agent"):
+        Recovery(runtime, {"orders": object()})  # type: ignore[dict-item]
+    with pytest.raises(InvalidArgumentError, match="max_attempts"):
+        Recovery(runtime, worker, max_attempts=0)
+    with pytest.raises(UserError, match="journaled runtime"):
+        Recovery(object(), worker)  # type: ignore[arg-type]
+    assert [default_backoff(n) for n in (1, 2, 3, 20)] == [1.0, 2.0, 4.0, 300.0]
