@@ -110,6 +110,7 @@ def exported_names() -> set[str]:
     metrics.guardrail_tripped("input", "block")
     metrics.audit_entry("run.start")
     metrics.tool_error(tool="lookup", error_type="tool_error")
+    metrics.runs_by_state("sqlite", {"orphaned": 1})  # set by a recovery worker's sweep
     return {s.name for family in registry.collect() for s in family.samples}
 
 
