@@ -54,3 +54,26 @@ async def test_checkpoints_and_memory_snippet_runs_as_written(tmp_path: Path) ->
     # The second run remembered the first; the resume and the fork restored snapshots.
     assert model.calls == 2
     assert any(m.content == "Hi, I'm Alice." for m in model.requests[1])
+
+
+async def test_recovery_snippet_resumes_an_orphaned_run(tmp_path: Path) -> None:
+    from loomflow.agent import Agent
+    from loomflow.runtime import RunRecord
+
+    namespace: dict[str, Any] = {}
+    exec(_block("Recovery(runtime"), namespace)
+    async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+        agent = Agent(
+            "x", model=ScriptedModel(["done"]), runtime=runtime, memory=False, name="orders"
+        )
+        record = RunRecord("orders", agent.config_fingerprint(), {"prompt": "go"})
+        # An orphan as a crashed worker leaves it: open, held by an owner whose lease ran out.
+        async with runtime.session("s-1", "ana", record=record):
+            pass
+        await runtime.database.execute(
+            "UPDATE loom_sessions SET open = 1, owner = 'x:1:h:u', lease_until = 0"
+        )
+        report = await namespace["recover_once"](runtime, agent)
+        assert [r.session_id for r in report.resumed] == ["s-1"]
+        [info] = await runtime.sessions()
+        assert info.state == "finished"

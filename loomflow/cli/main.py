@@ -421,7 +421,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     ]
     for s in sessions:
         runs_done = s.epoch + (1 if s.open else 0)
-        state = s.state
+        state = "open (resumable)" if s.state == "open" else s.state
         if s.state == "failed" and s.last_error:
             state = f"failed: {s.last_error[:60]}"
         rows.append(

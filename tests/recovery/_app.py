@@ -5,7 +5,8 @@ Configured by environment variables, as a deployed app would be:
 - ``FLEET_URL``: the journal (``sqlite:///...`` or ``postgresql://...``);
 - ``FLEET_LEDGER``: a file every tool call appends one JSON line to (pid, tool, session), which
   is how the tests count side effects;
-- ``FLEET_BLOCK=1``: ``ship`` writes a ``blocked`` line and then waits forever (to be killed);
+- ``FLEET_BLOCK=1``: ``ship`` writes a ``blocked`` line and then waits forever (to be killed),
+  or, with ``FLEET_GATE=<path>``, until that file exists;
 - ``FLEET_FAIL=1``: ``ship`` raises (a run that cannot succeed);
 - ``FLEET_INSTRUCTIONS``: the agent's instructions (changing them changes its fingerprint).
 
@@ -64,7 +65,10 @@ async def ship(order: int) -> str:
     """Book the shipment."""
     if os.environ.get("FLEET_BLOCK") == "1":
         _mark("blocked")
-        await asyncio.Event().wait()
+        gate = os.environ.get("FLEET_GATE")
+        # Polled: the gate is a file another process creates, there is no event to wait on.
+        while gate is None or not os.path.exists(gate):  # noqa: ASYNC110, ASYNC240
+            await asyncio.sleep(0.05)
     if os.environ.get("FLEET_FAIL") == "1":
         _mark("failed")
         # ConfigurationError stops the run (other tool errors go back to the model).

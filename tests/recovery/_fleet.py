@@ -73,3 +73,25 @@ async def cli(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int
         out, err = await proc.communicate()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+async def wait_for(ledger: Path, tool: str, count: int, timeout: float = 60) -> None:  # noqa: ASYNC109
+    async with asyncio.timeout(timeout):
+        while sum(tool_counts(ledger, tool).values()) < count:  # noqa: ASYNC110 - a file
+            await asyncio.sleep(0.05)
+
+
+async def start_blocked(url: str, ledger: Path, count: int, prefix: str, gate: Path) -> Any:
+    """Start ``count`` runs in a live child, blocked in ``ship`` until ``gate`` exists."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(APP),
+        "start",
+        str(count),
+        prefix,
+        env=app_env(url, ledger, FLEET_BLOCK="1", FLEET_GATE=str(gate)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    await wait_for(ledger, "blocked", count)
+    return proc

@@ -1,0 +1,123 @@
+"""``loomflow runs list --state/--json`` and ``runs cancel``: true states, crafted rows, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loomflow.errors import ConfigurationError
+from loomflow.runtime import RunRecord, SqliteRuntime
+
+
+def loomflow(*args: str, journal: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{journal}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+def _json_rows(out: str) -> dict[str, dict[str, object]]:
+    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+    return {str(r["session_id"]): r for r in rows}
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Path:
+    """A journal with a finished run, an open (raised) run and an open run to cancel."""
+    path = tmp_path / "journal.db"
+
+    async def build() -> None:
+        runtime = SqliteRuntime(path)
+        record = RunRecord("orders", "c" * 64, {"prompt": "hi"})
+        try:
+            async with runtime.session("done", "ana", record=record):
+                await runtime.step("s", lambda: 1)
+            for session in ("raised", "victim"):
+                with pytest.raises(ConfigurationError):
+                    async with runtime.session(session, "ana", record=record):
+                        raise ConfigurationError("boom")
+        finally:
+            await runtime.close()
+
+    asyncio.run(build())
+    return path
+
+
+def test_list_reports_true_states_as_json_and_table(journal: Path) -> None:
+    result = loomflow("runs", "list", "--json", journal=journal)
+    assert result.returncode == 0, result.stderr
+    rows = _json_rows(result.stdout)
+    assert {k: r["state"] for k, r in rows.items()} == {
+        "done": "finished",
+        "raised": "open",
+        "victim": "open",
+    }
+    assert rows["done"]["agent"] == "orders"
+    result = loomflow("runs", "list", "--state", "open", "--json", journal=journal)
+    assert set(_json_rows(result.stdout)) == {"raised", "victim"}
+    table = loomflow("runs", "list", journal=journal).stdout
+    assert "finished" in table
+    assert "orders" in table
+    assert loomflow("runs", "list", "--state", "failed", journal=journal).stdout.strip() == (
+        "no failed runs"
+    )
+
+
+def test_cancel_from_the_cli(journal: Path) -> None:
+    result = loomflow("runs", "cancel", "victim", "--user", "ana", "--json", journal=journal)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "session_id": "victim",
+        "user_id": "ana",
+        "cancelled": True,
+    }
+    rows = _json_rows(loomflow("runs", "list", "--json", journal=journal).stdout)
+    assert rows["victim"]["state"] == "cancelled"
+    assert rows["raised"]["state"] == "open"
+    # Finished, unknown, or another user's: nothing to cancel, a clear message, exit 1.
+    for args in (["done", "--user", "ana"], ["nope", "--user", "ana"], ["raised", "--user", "bo"]):
+        result = loomflow("runs", "cancel", *args, journal=journal)
+        assert result.returncode == 1
+        assert "has no open run to cancel" in result.stderr
+    result = loomflow("runs", "cancel", "", "--user", "ana", journal=journal)
+    assert result.returncode == 1
+    assert "session_id" in result.stderr
+    # The cancel is in the audit log beside the journal, with the person as actor.
+    result = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{journal}", "audit", "query",
+         "--user", "ana", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    entries = json.loads(result.stdout)["entries"]
+    cancels = [e for e in entries if e["action"] == "run.cancel"]
+    assert len(cancels) == 1
+    assert cancels[0]["actor"].startswith("cli:")
+
+
+def test_crafted_rows_are_listed_as_unreadable_not_a_crash(journal: Path) -> None:
+    with sqlite3.connect(journal) as conn:
+        conn.execute("UPDATE loom_sessions SET status = 'pwned' WHERE session_id = 'done'")
+        conn.execute("UPDATE loom_sessions SET attempts = 'many' WHERE session_id = 'raised'")
+        conn.execute("UPDATE loom_sessions SET owner = X'00ff' WHERE session_id = 'victim'")
+    result = loomflow("runs", "list", "--json", journal=journal)
+    assert result.returncode == 0, result.stderr
+    rows = _json_rows(result.stdout)
+    assert {r["state"] for r in rows.values()} == {"unreadable"}
+    result = loomflow("runs", "list", journal=journal)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("unreadable") == 3
+    result = loomflow("runs", "list", "--state", "unreadable", "--json", journal=journal)
+    assert len(_json_rows(result.stdout)) == 3

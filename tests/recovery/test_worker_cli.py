@@ -1,0 +1,245 @@
+"""``loomflow worker`` and ``loomflow runs cancel|list`` as real processes on real journals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from _fleet import APP, app_env, cli, start_and_kill, start_blocked, tool_counts, wait_for
+
+from loomflow.audit import AuditLog
+from loomflow.recovery import Recovery
+from loomflow.runtime import runtime_from_url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'journal.db'}"
+    return str(request.getfixturevalue("pg_dsn"))
+
+
+def _rows(out: str) -> dict[str, dict[str, object]]:
+    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+    return {str(r["session_id"]): r for r in rows}
+
+
+async def test_worker_once_recovers_the_orphans_and_lists_show_true_states(
+    journal_url: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    env = app_env(journal_url, ledger)
+    await start_and_kill(journal_url, ledger, 2, "once")
+    code, out, err = await cli("--url", journal_url, "runs", "list", "--json", env=env)
+    assert code == 0, err
+    assert {k: r["state"] for k, r in _rows(out).items()} == {
+        "once-0": "orphaned",
+        "once-1": "orphaned",
+    }
+    code, out, err = await cli(
+        "--url", journal_url, "runs", "list", "--state", "running", "--json", env=env
+    )
+    assert (code, out) == (0, "")
+    code, out, err = await cli("worker", "_app:agents", "--once", "--json", env=env)
+    assert code == 0, err
+    report = json.loads(out.splitlines()[-1])
+    assert sorted(r["session_id"] for r in report["resumed"]) == ["once-0", "once-1"]
+    assert report["states"]["orphaned"] == 2
+    assert tool_counts(ledger, "ship") == {"once-0": 1, "once-1": 1}
+    code, out, err = await cli(
+        "--url", journal_url, "runs", "list", "--state", "finished", "--json", env=env
+    )
+    rows = _rows(out)
+    assert set(rows) == {"once-0", "once-1"}
+    assert all(r["state"] == "finished" and r["agent"] == "orders" for r in rows.values())
+    code, out, err = await cli("--url", journal_url, "runs", "list", env=env)
+    assert code == 0
+    assert out.count("finished") == 2
+    code, out, err = await cli("--url", journal_url, "runs", "list", "--state", "zombie", env=env)
+    assert code == 2
+    assert "invalid choice" in err
+
+
+async def test_worker_once_exits_1_when_a_resumed_run_fails(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(url, ledger, 1, "bad")
+    code, out, _err = await cli(
+        "worker", "_app:agents", "--once", env=app_env(url, ledger, FLEET_FAIL="1")
+    )
+    assert code == 1
+    assert "resumed 1" in out
+    code, out, _ = await cli("--url", url, "runs", "list", "--json", env=app_env(url, ledger))
+    row = _rows(out)["bad-0"]
+    assert row["state"] == "orphaned"
+    assert row["attempts"] == 1
+    assert row["last_error"] == "ConfigurationError: the carrier is down"
+
+
+async def test_sigterm_releases_the_run_for_another_worker_at_once(
+    journal_url: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(journal_url, ledger, 1, "term")
+    # The first worker resumes the run and blocks in ship again; its lease is 30 s.
+    blocking = app_env(journal_url, ledger, FLEET_BLOCK="1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "loomflow.cli",
+        "worker",
+        "_app:agents",
+        "--port",
+        "0",
+        "--interval",
+        "0.2",
+        env=blocking,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await wait_for(ledger, "blocked", 2)
+        assert [line for line in ledger.read_text().splitlines() if str(proc.pid) in line]
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert '"event": "stopped"' in out.decode()
+    # Released: the next worker takes it now, far sooner than the 30 s lease.
+    started = time.monotonic()
+    code, out_text, err_text = await cli(
+        "worker", "_app:agents", "--once", env=app_env(journal_url, ledger)
+    )
+    assert code == 0, err_text
+    assert "resumed 1" in out_text
+    assert time.monotonic() - started < 20
+    assert tool_counts(ledger, "ship") == {"term-0": 1}
+    assert tool_counts(ledger, "reserve") == {"term-0": 1}
+
+
+async def test_cancel_stops_a_run_in_another_process_and_is_audited(
+    journal_url: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    gate = tmp_path / "gate"
+    env = app_env(journal_url, ledger)
+    proc = await start_blocked(journal_url, ledger, 1, "cancel", gate)
+    try:
+        code, out, _ = await cli("--url", journal_url, "runs", "list", "--json", env=env)
+        assert _rows(out)["cancel-0"]["state"] == "running"
+        code, out, err = await cli(
+            "--url", journal_url, "runs", "cancel", "cancel-0", "--user", "ana", env=env
+        )
+        assert code == 0, err
+        assert "cancelled" in out
+        gate.touch()  # the step under way finishes; its result is refused, no step follows
+        async with asyncio.timeout(30):
+            child_out, child_err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, child_err.decode()[-3000:]
+    assert "RunCancelledError" in child_out.decode()
+    code, out, _ = await cli("--url", journal_url, "runs", "list", "--json", env=env)
+    assert _rows(out)["cancel-0"]["state"] == "cancelled"
+    # Nothing to cancel twice; never recovered.
+    code, _, err = await cli(
+        "--url", journal_url, "runs", "cancel", "cancel-0", "--user", "ana", env=env
+    )
+    assert code == 1
+    assert "no open run" in err
+    runtime = runtime_from_url(journal_url)
+    audit = AuditLog(journal_url, redact_logs=False)
+    try:
+        import _app
+
+        agent = _app.Agent("x", model="scripted", runtime=runtime, name="orders", memory=False)
+        report = await Recovery(runtime, {"orders": agent}).sweep()
+        assert report.resumed == []
+        assert report.states["cancelled"] == 1
+        entries = (await audit.query(user_id="ana", action="run.cancel")).entries
+        assert [e.actor.startswith("cli:") for e in entries] == [True]
+        assert entries[0].session_id == "cancel-0"
+    finally:
+        await audit.close()
+        await runtime.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nocolon", "APP must be module:attribute"),
+        ("no_such_module_anywhere:agents", "cannot import module"),
+        ("_app:nothing_here", "has no attribute"),
+        ("_app:PROMPT", "must be a non-empty mapping"),
+        ("_app:SCRIPT", "must be a non-empty mapping"),
+    ],
+)
+async def test_bad_app_specs_are_clear_errors(spec: str, message: str, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    code, _out, err = await cli(
+        "worker", spec, "--once", env=app_env(url, tmp_path / "ledger.jsonl")
+    )
+    assert code == 1
+    assert message in err
+    assert "Traceback" not in err
+
+
+async def test_health_ready_and_metrics_endpoints(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "loomflow.cli",
+        "worker",
+        "_app:agents",
+        "--port",
+        "0",
+        "--interval",
+        "0.2",
+        env=app_env(url, tmp_path / "ledger.jsonl"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        serving = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        base = f"http://127.0.0.1:{serving['port']}"
+
+        def get(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(base + path, timeout=5) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
+        async with asyncio.timeout(30):
+            while (await asyncio.to_thread(get, "/readyz"))[0] != 200:  # noqa: ASYNC110 - HTTP
+                await asyncio.sleep(0.1)
+        status, body = await asyncio.to_thread(get, "/metrics")
+        assert status == 200
+        assert 'loomflow_recoveries_total{outcome="dead_lettered"} 0.0' in body
+        assert 'loomflow_runs_by_state{backend="sqlite",state="finished"}' in body
+        assert (await asyncio.to_thread(get, "/nope"))[0] == 404
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            await proc.wait()
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert APP.exists()
