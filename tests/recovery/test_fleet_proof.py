@@ -40,10 +40,12 @@ from loomflow.runtime import runtime_from_url
 
 HERE = Path(__file__).parent
 RUNS = 40
-LEASE = 2.0  # seconds; short so that the proof is quick
+# Seconds. On one host a killed owner is seen dead at once, so the lease is not waited out;
+# it stays long enough that a worker starved of CPU on a busy machine keeps renewing it.
+LEASE = 3.0
 INTERVAL = 1.0  # seconds between a worker's sweeps
 PAUSE = 1.0  # seconds each tool works after its effect: the window a kill lands in
-SLACK = 2.0  # process scheduling on a busy 2-core machine, the claim, the replay
+SLACK = 2.0  # process scheduling on a busy 2-core machine, the claims, the replay
 EFFECTS = ("card", "pack", "ship")  # side effects; the rest of the ledger are milestones
 
 
@@ -256,7 +258,13 @@ def check_the_proof(fleet: Fleet) -> dict[str, Any]:
     # Runs killed with their worker were resumed within the lease plus one sweep interval.
     assert delays, "no kill landed while a worker held runs"
     assert max(delays) <= LEASE + INTERVAL + SLACK, sorted(delays)
-    return {"resumed_after_kill": len(delays), "max_delay_s": max(delays), "repeats": repeats}
+    delays.sort()
+    return {
+        "resumed_after_kill": len(delays),
+        "p50_delay_s": round(delays[len(delays) // 2], 3),
+        "max_delay_s": round(delays[-1], 3),
+        "repeats": repeats,
+    }
 
 
 async def check_the_journal(url: str) -> None:
