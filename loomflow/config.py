@@ -123,6 +123,23 @@ class Settings(BaseSettings):
             "A crashed worker's turn is free after this long (at once if it ran on this host)."
         ),
     )
+    recovery_interval_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "Seconds between a recovery worker's sweeps for orphaned runs (`loomflow worker`, "
+            "`Recovery.run_forever`). A crashed run is resumed within about lease_seconds "
+            "plus this."
+        ),
+    )
+    recovery_max_attempts: int = Field(
+        default=5,
+        ge=1,
+        description=(
+            "Claims of one orphaned run before recovery gives up on it and marks it failed "
+            "(a dead letter keeping its last error)."
+        ),
+    )
     sqlite_busy_timeout_ms: int = Field(
         default=5000, ge=0, description="SQLite busy_timeout for contended writes."
     )

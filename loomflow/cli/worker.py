@@ -54,9 +54,15 @@ def register(subparsers: Any) -> None:
     worker.add_argument(
         "--port", type=int, default=None, help="HTTP port (9464; 0 picks one; --once: none)"
     )
-    worker.add_argument("--interval", type=float, default=10.0, help="seconds between sweeps (10)")
     worker.add_argument(
-        "--max-attempts", type=positive_int, default=5, help="claims before a run is failed (5)"
+        "--interval",
+        type=_seconds,
+        help="seconds between sweeps (LOOMFLOW_RECOVERY_INTERVAL_SECONDS, 10)",
+    )
+    worker.add_argument(
+        "--max-attempts",
+        type=positive_int,
+        help="claims before a run is failed (LOOMFLOW_RECOVERY_MAX_ATTEMPTS, 5)",
     )
     worker.add_argument(
         "--concurrency", type=positive_int, default=10, help="runs resumed at once (10)"
@@ -64,6 +70,16 @@ def register(subparsers: Any) -> None:
     worker.add_argument("--worker-id", help="name in the audit log (default: host:pid)")
     worker.add_argument("--json", action="store_true", help="sweep reports as JSON lines")
     worker.set_defaults(handler=_handle)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    return value
 
 
 def load_app(spec: str) -> dict[str, Agent]:
@@ -80,6 +96,10 @@ def load_app(spec: str) -> dict[str, Agent]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise UserError(f"APP {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    except Exception as exc:  # the application's own import failed: say so in one line
+        raise UserError(
+            f"APP {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
     target: Any = module
     for part in attribute.split("."):
         try:
@@ -89,7 +109,12 @@ def load_app(spec: str) -> dict[str, Agent]:
                 f"APP {spec!r}: {module_name!r} has no attribute {attribute!r}"
             ) from None
     if callable(target) and not isinstance(target, Mapping):
-        target = target()
+        try:
+            target = target()
+        except Exception as exc:
+            raise UserError(
+                f"APP {spec!r}: the factory raised {type(exc).__name__}: {exc}"
+            ) from exc
         if inspect.isawaitable(target):
             raise UserError(f"APP {spec!r}: the factory must be a plain function, not async")
     if not isinstance(target, Mapping) or not target:

@@ -22,6 +22,7 @@ from typing import Any
 from ..agent import Agent
 from ..audit import AuditLog
 from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
+from ..config import Settings
 from ..errors import CorruptEntryError, InvalidArgumentError, RunCancelledError, UserError
 from ..runtime import JournalRuntime, Orphan, OrphanClaim, decode_record
 from ..telemetry import Metrics
@@ -77,15 +78,18 @@ class Recovery:
             ``name``, so register each agent under it: ``{agent.name: agent}``.
         max_attempts: Claims of one run before it is given up (``failed``, a dead letter
             with its last error). A claim whose worker dies counts as an attempt too.
+            Default: ``LOOMFLOW_RECOVERY_MAX_ATTEMPTS`` (5).
         backoff: Seconds before retrying after attempt ``n`` failed: a number, or a function
             of ``n`` (:func:`default_backoff`).
-        interval: Seconds between sweeps in :meth:`run_forever`.
+        interval: Seconds between sweeps in :meth:`run_forever`. Default:
+            ``LOOMFLOW_RECOVERY_INTERVAL_SECONDS`` (10).
         worker_id: This recoverer's name in the audit log (actor ``worker:<id>``); by
             default ``<host>:<pid>``.
         audit: Where recoveries, dead letters and their outcomes are recorded.
         concurrency: Most runs this recoverer resumes at once; more wait for a later sweep.
         metrics: Prometheus metrics (default: prometheus-client's default registry).
         batch: Most orphans read per sweep.
+        settings: Where the defaults come from (by default, ``LOOMFLOW_*``).
 
     A registered agent whose configuration fingerprint differs from the one the run stored
     is refused (reported in ``unregistered`` with the reason, the run left alone): its
@@ -99,14 +103,15 @@ class Recovery:
         runtime: JournalRuntime,
         agents: Mapping[str, Agent],
         *,
-        max_attempts: int = 5,
+        max_attempts: int | None = None,
         backoff: float | Callable[[int], float] = default_backoff,
-        interval: float = 10.0,
+        interval: float | None = None,
         worker_id: str | None = None,
         audit: AuditLog | None = None,
         concurrency: int = 10,
         metrics: Metrics | None = None,
         batch: int = 100,
+        settings: Settings | None = None,
     ) -> None:
         if not isinstance(runtime, JournalRuntime):
             raise UserError(
@@ -126,6 +131,10 @@ class Recovery:
                 )
             if agent.runtime is None:
                 raise UserError(f"agents[{name!r}] has no runtime: it would journal nothing")
+        if max_attempts is None or interval is None:
+            s = settings or Settings()
+            max_attempts = s.recovery_max_attempts if max_attempts is None else max_attempts
+            interval = s.recovery_interval_seconds if interval is None else interval
         for option, value in (("max_attempts", max_attempts), ("concurrency", concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{option} must be a positive integer, not {value!r}")
@@ -179,7 +188,7 @@ class Recovery:
         self.metrics.runs_by_state(self.runtime.backend, report.states)
         if self._stopping:
             return report
-        for orphan in await self.runtime.orphans(self.batch):
+        for orphan in await self.runtime.orphans(self.batch, prefer=sorted(self.agents)):
             await self._consider(orphan, report)
         return report
 
@@ -239,13 +248,9 @@ class Recovery:
             agent.name,
             claim.attempts,
         )
-        await self._audit(
-            RUN_RECOVER,
-            orphan,
-            {"agent": agent.name, "attempt": claim.attempts, "waited_s": round(orphan.waited, 3)},
-        )
         task = asyncio.create_task(
-            self._resume(agent, claim, prompt, metadata), name=f"loomflow-recover-{ref.session_id}"
+            self._resume(agent, claim, prompt, metadata, orphan.waited),
+            name=f"loomflow-recover-{ref.session_id}",
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -275,7 +280,12 @@ class Recovery:
         await self._audit(RUN_DEAD_LETTER, orphan, {"agent": orphan.agent, "error": error})
 
     async def _resume(
-        self, agent: Agent, claim: OrphanClaim, prompt: str, metadata: dict[str, Any] | None
+        self,
+        agent: Agent,
+        claim: OrphanClaim,
+        prompt: str,
+        metadata: dict[str, Any] | None,
+        waited: float,
     ) -> None:
         session_id = claim.session_id
         assert session_id is not None  # agents never open a run without a session id
@@ -283,6 +293,14 @@ class Recovery:
         error: str | None = None
         try:
             async with self.runtime.adopt(claim):
+                # Audited before anything runs: if the audit log refuses, the run is not
+                # resumed (the claim is given back and the attempt counts as failed).
+                await self._audit_ids(
+                    RUN_RECOVER,
+                    session_id,
+                    claim.user_id,
+                    {"agent": agent.name, "attempt": claim.attempts, "waited_s": round(waited, 3)},
+                )
                 await agent.resume(
                     prompt, session_id=session_id, user_id=claim.user_id, metadata=metadata
                 )

@@ -25,7 +25,7 @@ import pickle
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, overload
@@ -823,12 +823,13 @@ class JournalRuntime:
         await self._ensure_open()
         return await self._store.cancel(scope)
 
-    async def orphans(self, limit: int = 100) -> list[Orphan]:
+    async def orphans(self, limit: int = 100, *, prefer: Sequence[str] = ()) -> list[Orphan]:
         """Open runs nobody is running: lease expired, owner process gone, or a recovery
-        retry due. For recoverers (:mod:`loomflow.recovery`); read-only."""
+        retry due; those of the agents named in ``prefer`` first. For recoverers
+        (:mod:`loomflow.recovery`); read-only."""
         await self._ensure_open()
         found = []
-        for row in await self._store.open_runs(limit):
+        for row in await self._store.open_runs(limit, tuple(prefer)):
             dead = row.owner is not None and _lease.holder_is_dead(row.owner)
             expired = row.owner is None or row.lease_until < row.now
             if not (dead or expired):

@@ -85,7 +85,7 @@ SELECT session_id, user_id, owner, token, lease_until, {now}, attempts, retry_at
 FROM loom_sessions
 WHERE open = 1 AND status IS NULL AND retry_at <= {now}
     AND (owner IS NOT NULL OR attempts > 0)
-ORDER BY retry_at, updated_at LIMIT $1
+ORDER BY {prefer}retry_at, updated_at LIMIT $1
 """
 # Compare-and-set on the token: of two recoverers that saw the same orphan, one wins. A lease
 # renewed since it was read (a slow owner, not a dead one) keeps the run with its owner.
@@ -185,7 +185,6 @@ _QUERIES = {
     "release_advance": _RELEASE_ADVANCE,
     "status": _STATUS,
     "cancel": _CANCEL,
-    "open_runs": _OPEN_RUNS,
     "claim_orphan": _CLAIM_ORPHAN,
     "dead_letter_seen": _DEAD_LETTER_SEEN,
     "dead_letter_free": _DEAD_LETTER_FREE,
@@ -342,8 +341,17 @@ class SqlJournalStore:
     async def cancel(self, scope: Scope) -> bool:
         return bool(await self._run("cancel", "cancel", scope.key))
 
-    async def open_runs(self, limit: int) -> list[RunRow]:
-        rows = await self._run("read", "open_runs", limit)
+    async def open_runs(self, limit: int, prefer: Sequence[str] = ()) -> list[RunRow]:
+        # Runs of agents this recoverer serves come first, so that many orphans it must leave
+        # alone (another deployment's agents) never crowd its own out of the batch.
+        names = list(prefer)[:100]
+        order = ""
+        if names:
+            marks = ", ".join(f"${i + 2}" for i in range(len(names)))
+            order = f"CASE WHEN agent IN ({marks}) THEN 0 ELSE 1 END, "
+        rows = await self.db.fetch(
+            _OPEN_RUNS.replace("{prefer}", order), limit, *names, what="journal read"
+        )
         found = []
         for r in rows:
             session_id, user_id, owner, token, lease_until, now, attempts, retry_at = r[:8]

@@ -236,8 +236,9 @@ class JournalStore(Protocol):
     async def cancel(self, scope: Scope) -> bool:
         """Close the session's open run as cancelled and fence out whoever runs it."""
 
-    async def open_runs(self, limit: int) -> list[RunRow]:
-        """Open runs with no final status that have an owner or a retry due, oldest first."""
+    async def open_runs(self, limit: int, prefer: Sequence[str] = ()) -> list[RunRow]:
+        """Open runs with no final status that have an owner or a retry due: those of the
+        agents named in ``prefer`` first, then oldest retry first."""
 
     async def claim_orphan(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +152,7 @@ class InMemoryStore:
         row.updated_at = time.time()
         return True
 
-    async def open_runs(self, limit: int) -> list[RunRow]:
+    async def open_runs(self, limit: int, prefer: Sequence[str] = ()) -> list[RunRow]:
         now = time.time()
         rows = [
             row
@@ -161,7 +162,7 @@ class InMemoryStore:
             and row.retry_at <= now
             and (row.owner is not None or row.attempts > 0)
         ]
-        rows.sort(key=lambda r: (r.retry_at, r.updated_at))
+        rows.sort(key=lambda r: (r.agent not in prefer, r.retry_at, r.updated_at))
         return [
             RunRow(
                 r.session_id,

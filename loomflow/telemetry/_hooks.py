@@ -44,7 +44,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel
 
 from ..context import get_run_context
-from ..errors import ModelError
+from ..errors import ModelError, RunCancelledError
 from ..governance.events import (
     BudgetDenied,
     BudgetUnavailable,
@@ -130,8 +130,9 @@ class Counters(Protocol):
     def guardrail_tripped(self, stage: str, action: str) -> None: ...
 
 
-# Exceptions that mean "the caller went away", not "the work failed".
-_CANCELLED = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
+# Exceptions that mean "the caller went away" (or someone cancelled the run: runtime.cancel),
+# not "the work failed".
+_CANCELLED = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt, RunCancelledError)
 
 # Retries happen inside the provider adapter, below the hooks: the retry loop reports them
 # here and they are counted by the metrics of the run in progress (found by its run id).

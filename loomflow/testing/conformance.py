@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from .. import errors
-from ..runtime import _journal, codec
+from ..runtime import RunRecord, _journal, codec, decode_record
 from ..runtime._journal import JournalRuntime, PickledEntryWarning
-from ..runtime._store import StoredEntry, path_key
+from ..runtime._store import Scope, StoredEntry, path_key
 
 __all__ = ["JournalConformance", "RuntimeFactory"]
 
@@ -446,6 +446,72 @@ class JournalConformance:
                 await old.step("b", body, 2)
         assert len(body.calls) == 2  # the body ran, but its result was not journaled
         assert [e.name for e in await new.entries("s", "u")] == ["a"]
+
+    # -- run states, cancel, orphan claims ------------------------------------------------
+
+    async def test_run_states_follow_the_run(self, make_runtime: RuntimeFactory) -> None:
+        runtime = await make_runtime()
+        record = RunRecord("agent-a", "f" * 64, {"prompt": "p"})
+
+        async def state() -> str:
+            [info] = await runtime.sessions(session_id="s")
+            return info.state
+
+        async with runtime.session("s", "u", record=record):
+            assert await state() == "running"
+        assert await state() == "finished"
+        with pytest.raises(RuntimeError):
+            async with runtime.session("s", "u", record=record):
+                raise RuntimeError("raised to its caller")
+        assert await state() == "open"
+        [info] = await runtime.sessions(state="open")
+        assert (info.agent, info.config, info.attempts) == ("agent-a", "f" * 64, 0)
+        assert await runtime.orphans() == []  # raised, not orphaned: nothing retries it
+        assert await runtime.cancel("s", "u") is True
+        assert await state() == "cancelled"
+        assert await runtime.cancel("s", "u") is False
+        counts = await runtime.count_states()
+        assert counts["cancelled"] == 1
+        assert sum(counts.values()) == 1
+
+    async def test_a_cancelled_run_is_fenced_out_with_a_typed_error(
+        self, make_runtime: RuntimeFactory
+    ) -> None:
+        old, canceller = await make_runtime(), await make_runtime()
+        body = Counter()
+        with pytest.raises(errors.RunCancelledError):
+            async with old.session("s", "u"):
+                await old.step("a", body, 1)
+                assert await canceller.cancel("s", "u") is True
+                await old.step("b", body, 2)
+        assert len(body.calls) == 2  # the step under way ran; its result was refused
+        assert [e.name for e in await canceller.entries("s", "u")] == ["a"]
+
+    async def test_only_one_claim_on_an_orphan_wins(self, make_runtime: RuntimeFactory) -> None:
+        first, second = await make_runtime(), await make_runtime()
+        record = RunRecord("agent-a", "f" * 64, {"prompt": "p"})
+        with pytest.raises(RuntimeError):
+            async with first.session("s", "u", record=record):
+                raise RuntimeError("crash stand-in")
+        assert await first.orphans() == []
+        # A worker takes the run and dies: its lease runs out at once.
+        scope_holder = await first._store.try_acquire(
+            Scope("s", "u"), "0:1:gone:owner", 0.001
+        )  # a holder whose lease runs out at once
+        assert scope_holder is not None
+        await asyncio.sleep(0.05)
+        [orphan] = await first.orphans()
+        assert (orphan.agent, decode_record(orphan.record)) == ("agent-a", {"prompt": "p"})
+        claims = await asyncio.gather(
+            first.claim_orphan(orphan, backoff=0), second.claim_orphan(orphan, backoff=0)
+        )
+        winners = [c for c in claims if c is not None]
+        assert len(winners) == 1
+        assert winners[0].attempts == 1
+        async with first.adopt(winners[0]):
+            pass  # nobody took the turn over: leaving gives the claim back
+        [info] = await first.sessions()
+        assert (info.owner, info.attempts) == (None, 1)
 
     # -- values --------------------------------------------------------------------------
 

@@ -89,6 +89,8 @@ BAD = {
     "strict_replay": "perhaps",
     "turn_timeout_seconds": "-1",
     "lease_seconds": "soon",
+    "recovery_interval_seconds": "0",
+    "recovery_max_attempts": "none",
     "sqlite_busy_timeout_ms": "-5",
     "sqlite_synchronous": "OFF",
     "auto_migrate": "maybe",

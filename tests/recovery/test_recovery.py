@@ -255,3 +255,49 @@ async def test_bad_registrations_are_refused(worker: dict[str, Agent]) -> None:
     with pytest.raises(UserError, match="journaled runtime"):
         Recovery(object(), worker)  # type: ignore[arg-type]
     assert [default_backoff(n) for n in (1, 2, 3, 20)] == [1.0, 2.0, 4.0, 300.0]
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_run_forever_resumes_and_stop_hands_the_run_over_at_once(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await start_and_kill(journal_url, ledger, 1, "loop")
+    runtime = _runtime(worker)
+    monkeypatch.setenv("FLEET_BLOCK", "1")  # the resumed run blocks in ship again
+    first = Recovery(runtime, worker, interval=0.05, metrics=_metrics(), backoff=300)
+    loop = asyncio.create_task(first.run_forever())
+    async with asyncio.timeout(30):
+        while sum(tool_counts(ledger, "blocked").values()) < 2:  # noqa: ASYNC110 - a file
+            await asyncio.sleep(0.05)
+    assert first.active == 1
+    assert await _states(runtime) == {"loop-0": "running"}
+    await first.stop()
+    await loop
+    assert first.active == 0
+    # Released and due now, although the backoff after this claim was 300 s.
+    [info] = await runtime.sessions()
+    assert (info.state, info.owner, info.attempts) == ("orphaned", None, 1)
+    monkeypatch.delenv("FLEET_BLOCK")
+    second = Recovery(runtime, worker, metrics=_metrics())
+    assert [r.session_id for r in (await second.sweep()).resumed] == ["loop-0"]
+    await second.wait()
+    assert await _states(runtime) == {"loop-0": "finished"}
+    assert tool_counts(ledger, "ship") == {"loop-0": 1}
+    assert (await first.sweep()).resumed == []  # a stopped recoverer takes no more work
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_orphans_of_other_agents_never_crowd_out_this_recoverers_own(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 3, "crowd")
+    runtime = _runtime(worker)
+    assert isinstance(runtime, SqliteRuntime)
+    await runtime.database.execute(
+        "UPDATE loom_sessions SET agent = 'billing', retry_at = -1 WHERE session_id != 'crowd-2'"
+    )
+    report = await Recovery(runtime, worker, batch=1, metrics=_metrics()).sweep()
+    assert [r.session_id for r in report.resumed] == ["crowd-2"]

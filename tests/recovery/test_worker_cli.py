@@ -185,6 +185,8 @@ async def test_cancel_stops_a_run_in_another_process_and_is_audited(
         ("_app:nothing_here", "has no attribute"),
         ("_app:PROMPT", "must be a non-empty mapping"),
         ("_app:SCRIPT", "must be a non-empty mapping"),
+        ("_app:start", "the factory raised TypeError"),
+        ("_app:ship", "the factory raised"),
     ],
 )
 async def test_bad_app_specs_are_clear_errors(spec: str, message: str, tmp_path: Path) -> None:
