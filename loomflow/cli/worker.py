@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from ..agent import Agent
 from ..audit import AuditLog
-from ..errors import UserError
+from ..errors import ConfigurationError, UserError
 from ..recovery import Recovery, SweepReport
 from ._format import positive_int
 
@@ -166,7 +166,13 @@ def _serve(host: str, port: int, health: _Health) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: Any) -> None:
             return None  # scrapes every few seconds would flood the log
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:  # port taken, address not on this host, no permission
+        raise ConfigurationError(
+            f"cannot serve /metrics, /healthz and /readyz on {host}:{port}: {exc.strerror or exc}"
+            " (choose another --port or --host)"
+        ) from exc
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="loomflow-worker-http", daemon=True).start()
     return server

@@ -258,6 +258,8 @@ class Recovery:
     def _leave(self, report: SweepReport, ref: RunRef, why: str) -> None:
         report.unregistered.append(RunRef(ref.session_id, ref.user_id, ref.agent, why))
         key = (ref.session_id, ref.user_id, why)
+        if len(self._reported) >= 100_000:  # bounded memory for a worker that runs for months
+            self._reported.clear()
         if key not in self._reported:  # counted and logged once per run, not every sweep
             self._reported.add(key)
             self.metrics.recovery("unregistered")

@@ -18,7 +18,7 @@ from ..errors import CorruptEntryError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
 from ._legacy import report_on_open
-from ._states import UNREADABLE, run_state
+from ._states import FINAL_STATUSES, UNREADABLE, run_state
 from ._store import (
     RUN_STATES,
     Claim,
@@ -116,11 +116,11 @@ WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
 # Finished runs are counted by the database; the few rows with an owner, an open run or a
 # final status are read so their state can be worked out (liveness is checked here).
 _COUNT_CLOSED = """
-SELECT COUNT(*) FROM loom_sessions WHERE open = 0 AND owner IS NULL AND status IS NULL
+SELECT status, COUNT(*) FROM loom_sessions WHERE open = 0 AND owner IS NULL GROUP BY status
 """
 _STATE_ROWS = """
 SELECT open, owner, lease_until, {now}, status, attempts FROM loom_sessions
-WHERE open = 1 OR owner IS NOT NULL OR status IS NOT NULL
+WHERE open = 1 OR owner IS NOT NULL
 """
 _RELEASE_KEEP = """
 UPDATE loom_sessions SET owner = NULL, lease_until = 0, updated_at = {now}
@@ -409,8 +409,14 @@ class SqlJournalStore:
 
     async def count_states(self) -> dict[str, int]:
         counts = dict.fromkeys(RUN_STATES, 0)
-        closed = await self._run("read", "count_closed")
-        counts["finished"] += int(closed[0][0])
+        for status, count in await self._run("read", "count_closed"):
+            if status is None:
+                state = "finished"
+            elif status in FINAL_STATUSES:
+                state = str(status)
+            else:
+                state = UNREADABLE
+            counts[state] = counts.get(state, 0) + int(count)
         for is_open, owner, lease_until, now, status, attempts in await self._run(
             "read", "state_rows"
         ):

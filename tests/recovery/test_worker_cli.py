@@ -245,3 +245,19 @@ async def test_health_ready_and_metrics_endpoints(tmp_path: Path) -> None:
             proc.kill()
             await proc.wait()
     assert APP.exists()
+
+
+async def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = await cli(
+            "worker", "_app:agents", "--port", str(port), env=app_env(url, tmp_path / "l.jsonl")
+        )
+    assert code == 1
+    assert f"cannot serve /metrics, /healthz and /readyz on 127.0.0.1:{port}" in err
+    assert "Traceback" not in err
