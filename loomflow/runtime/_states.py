@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from ._lease import holder_is_dead
-from ._store import RUN_STATES
 
 __all__ = ["FINAL_STATUSES", "UNREADABLE", "run_state"]
 
@@ -27,9 +26,9 @@ def run_state(
     now: float,
     status: Any,
     attempts: Any,
-    epoch: Any = 1,
 ) -> str:
-    """One of :data:`RUN_STATES`, or ``"unreadable"`` for a row no release could have written."""
+    """One of :data:`~loomflow.runtime.RUN_STATES`, or ``"unreadable"`` for a row no release
+    could have written."""
     if status is not None and status not in FINAL_STATUSES:
         return UNREADABLE  # a hand-edited row: say so instead of guessing
     if owner is not None and not isinstance(owner, str):
@@ -48,6 +47,3 @@ def run_state(
             return "orphaned"
         return "open"
     return "finished"
-
-
-assert set(FINAL_STATUSES) < set(RUN_STATES)

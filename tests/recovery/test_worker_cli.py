@@ -261,3 +261,23 @@ async def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     assert code == 1
     assert f"cannot serve /metrics, /healthz and /readyz on 127.0.0.1:{port}" in err
     assert "Traceback" not in err
+
+
+async def test_two_worker_processes_at_once_resume_each_run_once(
+    journal_url: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    env = app_env(journal_url, ledger)
+    await start_and_kill(journal_url, ledger, 6, "pair")
+    results = await asyncio.gather(
+        *(
+            cli("worker", "_app:agents", "--once", "--json", "--worker-id", name, env=env)
+            for name in ("w1", "w2")
+        )
+    )
+    resumed: list[str] = []
+    for code, out, err in results:
+        assert code == 0, err
+        resumed += [r["session_id"] for r in json.loads(out.splitlines()[-1])["resumed"]]
+    assert sorted(resumed) == [f"pair-{i}" for i in range(6)]  # each by exactly one worker
+    assert tool_counts(ledger, "ship") == {f"pair-{i}": 1 for i in range(6)}
