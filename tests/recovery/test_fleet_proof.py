@@ -15,8 +15,9 @@ SIGKILLed at random moments while they hold runs. Afterwards, from the ledger ev
   never ran twice, although the ``charge`` tool around the payment did re-run;
 - every run killed with its worker was resumed within the lease plus the sweep interval.
 
-On PostgreSQL with 4 workers and on one SQLite file with 2 worker processes at a time. The
-seed of the random kill moments is printed, to replay a failure.
+On PostgreSQL with 4 workers and on one SQLite file with 2 worker processes at a time; and on
+PostgreSQL with one worker frozen (SIGSTOP) instead of killed, whose runs must wait for its
+lease. The seed of the random kill moments is printed, to replay a failure.
 """
 
 from __future__ import annotations
@@ -49,11 +50,18 @@ SLACK = 2.0  # process scheduling on a busy 2-core machine, the claims, the repl
 EFFECTS = ("card", "pack", "ship")  # side effects; the rest of the ledger are milestones
 
 
+def stopped(pid: int) -> bool:
+    """Whether the kernel has stopped the process (state ``T`` in /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
 @dataclass
 class Killed:
     pid: int
     at: float  # when the signal was sent
-    dead: float  # when the process was seen dead
+    dead: float  # when the process was seen dead (or stopped)
+    frozen: bool = False  # SIGSTOP: alive to the kernel, so only its lease running out tells
 
 
 @dataclass
@@ -157,22 +165,40 @@ class Fleet:
                 held[line["pid"]].add(session)
         return held
 
-    async def kill_one_holding_runs(self, rng: random.Random) -> Killed:
-        """SIGKILL a random live worker that is in the middle of runs right now."""
+    def live(self) -> list[asyncio.subprocess.Process]:
+        gone = {k.pid for k in self.killed}
+        return [w for w in self.workers if w.returncode is None and w.pid not in gone]
+
+    async def kill_one_holding_runs(self, rng: random.Random, *, freeze: bool = False) -> Killed:
+        """SIGKILL (or SIGSTOP) a random live worker that is in the middle of runs right now."""
         async with asyncio.timeout(30):
             while True:
                 held = self.in_flight()
-                live = [w for w in self.workers if w.returncode is None and held.get(w.pid)]
-                if live:
+                candidates = [w for w in self.live() if held.get(w.pid)]
+                if candidates:
                     break
                 await asyncio.sleep(0.05)
-        victim = rng.choice(live)
+        victim = rng.choice(candidates)
         sent = time.time()
-        victim.send_signal(signal.SIGKILL)
-        await victim.wait()
-        killed = Killed(victim.pid, sent, time.time())
+        if freeze:
+            victim.send_signal(signal.SIGSTOP)
+            async with asyncio.timeout(10):
+                while not stopped(victim.pid):  # noqa: ASYNC110 - the kernel's word, polled
+                    await asyncio.sleep(0.01)
+        else:
+            victim.send_signal(signal.SIGKILL)
+            await victim.wait()
+        killed = Killed(victim.pid, sent, time.time(), frozen=freeze)
         self.killed.append(killed)
         return killed
+
+    async def end_frozen(self) -> None:
+        """A frozen worker is never continued (it would finish its step in flight): killed."""
+        for killed in self.killed:
+            for worker in self.workers:
+                if worker.pid == killed.pid and killed.frozen and worker.returncode is None:
+                    worker.send_signal(signal.SIGKILL)
+                    await worker.wait()
 
     async def wait_all_finished(self, within: float) -> None:
         runtime = runtime_from_url(self.url)
@@ -213,6 +239,8 @@ def check_the_proof(fleet: Fleet) -> dict[str, Any]:
     """Every assertion the module docstring lists, from the ledger; the figures measured."""
     killed_at = {k.pid: k.at for k in fleet.killed}
     dead_at = {k.pid: k.dead for k in fleet.killed}
+    frozen = {k.pid for k in fleet.killed if k.frozen}
+    frozen_delays: list[float] = []
     by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for line in fleet.lines():
         by_session[line["session"]].append(line)
@@ -234,7 +262,9 @@ def check_the_proof(fleet: Fleet) -> dict[str, Any]:
             first_later = min(x["t"] for x in lines if x["pid"] == later)
             last_earlier = max(x["t"] for x in lines if x["pid"] == earlier)
             assert last_earlier <= dead_at[earlier] < first_later, session
-            if earlier != fleet.killed[0].pid:  # the seeder: no worker was up yet
+            if earlier in frozen:
+                frozen_delays.append(first_later - killed_at[earlier])
+            elif earlier != fleet.killed[0].pid:  # the seeder: no worker was up yet
                 delays.append(first_later - killed_at[earlier])
         # No promised-once effect was repeated: an effect ran again only after the process
         # that ran it was killed with that effect as its last line on the run (in flight).
@@ -258,9 +288,18 @@ def check_the_proof(fleet: Fleet) -> dict[str, Any]:
     # Runs killed with their worker were resumed within the lease plus one sweep interval.
     assert delays, "no kill landed while a worker held runs"
     assert max(delays) <= LEASE + INTERVAL + SLACK, sorted(delays)
+    if frozen:
+        # A frozen worker looks alive: its runs wait for the lease (renewed every third of
+        # it, so at least two thirds were left), then for a sweep.
+        assert frozen_delays, "the frozen worker's runs were never taken over"
+        assert min(frozen_delays) >= LEASE / 2, sorted(frozen_delays)
+        assert max(frozen_delays) <= LEASE + INTERVAL + SLACK, sorted(frozen_delays)
     delays.sort()
     return {
         "resumed_after_kill": len(delays),
+        "frozen_delays_s": [round(min(frozen_delays), 3), round(max(frozen_delays), 3)]
+        if frozen_delays
+        else [],
         "p50_delay_s": round(delays[len(delays) // 2], 3),
         "max_delay_s": round(delays[-1], 3),
         "repeats": repeats,
@@ -282,7 +321,9 @@ async def check_the_journal(url: str) -> None:
         assert 1 <= s.attempts <= 3, s
 
 
-async def prove(fleet: Fleet, *, workers: int, kills: int, replace: bool) -> dict[str, Any]:
+async def prove(
+    fleet: Fleet, *, workers: int, kills: int, replace: bool, freeze_first: bool = False
+) -> dict[str, Any]:
     seed = random.randrange(1 << 30)
     print(f"fleet proof: random seed {seed}")
     rng = random.Random(seed)
@@ -290,15 +331,16 @@ async def prove(fleet: Fleet, *, workers: int, kills: int, replace: bool) -> dic
     try:
         for _ in range(workers):
             await fleet.start_worker()
-        for _ in range(kills):
+        for n in range(kills):
             # A random moment while some worker is inside runs, then kill one that is.
             await fleet.wait_for_runs_in_workers()
             await asyncio.sleep(rng.uniform(0.1, PAUSE * 1.5))
-            await fleet.kill_one_holding_runs(rng)
+            await fleet.kill_one_holding_runs(rng, freeze=freeze_first and n == 0)
             if replace:
                 await fleet.start_worker()
         await fleet.wait_all_finished(within=60)
     finally:
+        await fleet.end_frozen()
         codes = await fleet.stop()
     assert codes, "every worker was killed"
     assert all(code == 0 for code in codes), codes
@@ -329,4 +371,17 @@ async def test_two_worker_processes_on_one_sqlite_file_recover_40_runs_through_k
     fleet = Fleet(url, tmp_path / "ledger.jsonl", tmp_path, concurrency=RUNS)
     figures = await prove(fleet, workers=2, kills=2, replace=True)
     assert figures["resumed_after_kill"] >= 2
+    assert time.monotonic() - started < 90
+
+
+@pytest.mark.postgres
+async def test_a_frozen_worker_loses_its_runs_after_its_lease_and_a_killed_one_at_once(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    # SIGSTOP stands for a worker on another host that went silent (a partition, a frozen
+    # VM): its process exists, so only the lease tells that it is gone.
+    started = time.monotonic()
+    fleet = Fleet(pg_dsn, tmp_path / "ledger.jsonl", tmp_path, concurrency=20)
+    figures = await prove(fleet, workers=3, kills=2, replace=False, freeze_first=True)
+    assert figures["frozen_delays_s"]
     assert time.monotonic() - started < 90
