@@ -57,9 +57,8 @@ _RENEW = """
 UPDATE loom_sessions SET lease_until = {now} + $3
 WHERE scope = $1 AND token = $2 AND owner IS NOT NULL RETURNING token
 """
-_BEGIN = "UPDATE loom_sessions SET open = 1 WHERE scope = $1 AND token = $2 RETURNING token"
-# A new run: its record replaces the last run's, and it starts with a clean slate.
-_BEGIN_RECORD = """
+# A new run: its record (or none) replaces the last run's, and it starts with a clean slate.
+_BEGIN = """
 UPDATE loom_sessions SET open = 1, agent = $3, config = $4, record = $5, status = NULL,
     attempts = 0, last_error = NULL, retry_at = 0, created_at = {now}
 WHERE scope = $1 AND token = $2 RETURNING token
@@ -181,7 +180,6 @@ _QUERIES = {
     "steal": _STEAL,
     "renew": _RENEW,
     "begin": _BEGIN,
-    "begin_record": _BEGIN_RECORD,
     "release_advance": _RELEASE_ADVANCE,
     "status": _STATUS,
     "cancel": _CANCEL,
@@ -321,9 +319,8 @@ class SqlJournalStore:
     async def begin_run(
         self, scope: Scope, token: int, record: tuple[str, str, bytes] | None = None
     ) -> bool:
-        if record is None:
-            return bool(await self._run("write", "begin", scope.key, token))
-        return bool(await self._run("write", "begin_record", scope.key, token, *record))
+        agent, config, raw = record if record is not None else (None, None, None)
+        return bool(await self._run("write", "begin", scope.key, token, agent, config, raw))
 
     async def release(
         self, scope: Scope, token: int, advance_to: int | None, status: str | None = None

@@ -35,8 +35,7 @@ def run_state(
         return UNREADABLE
     if type(attempts) is not int or type(lease_until) not in (int, float):
         return UNREADABLE
-    if status == "cancelled":
-        return "cancelled"
+    # A cancel clears the owner, so a live owner is a run begun (or resumed by hand) since.
     live = owner is not None and lease_until >= now and not holder_is_dead(owner)
     if live:
         return "running"

@@ -220,8 +220,9 @@ class JournalStore(Protocol):
     ) -> bool:
         """Mark the session's current epoch as holding an open run.
 
-        ``record`` is (agent, config, encoded inputs); a new run also starts with no status,
-        no attempts and no last error.
+        ``record`` is (agent, config, encoded inputs), or ``None`` for a run opened without
+        one; either way it replaces the last run's, and a new run starts with no status, no
+        attempts and no last error.
         """
 
     async def release(

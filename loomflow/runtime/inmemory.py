@@ -119,10 +119,9 @@ class InMemoryStore:
         if row is None:
             return False
         row.open = True
-        if record is not None:
-            row.agent, row.config, row.record = record
-            row.status, row.attempts, row.last_error, row.retry_at = None, 0, None, 0.0
-            row.created_at = time.time()
+        row.agent, row.config, row.record = record if record is not None else (None, None, None)
+        row.status, row.attempts, row.last_error, row.retry_at = None, 0, None, 0.0
+        row.created_at = time.time()
         return True
 
     async def release(

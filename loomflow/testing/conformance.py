@@ -473,6 +473,14 @@ class JournalConformance:
         counts = await runtime.count_states()
         assert counts["cancelled"] == 1
         assert sum(counts.values()) == 1
+        # A new run of the session (here one without a record) starts with a clean slate.
+        with pytest.raises(RuntimeError):
+            async with runtime.session("s", "u"):
+                assert await state() == "running"
+                raise RuntimeError("raised again")
+        assert await state() == "open"
+        [info] = await runtime.sessions()
+        assert (info.agent, info.config) == (None, None)
 
     async def test_a_cancelled_run_is_fenced_out_with_a_typed_error(
         self, make_runtime: RuntimeFactory
