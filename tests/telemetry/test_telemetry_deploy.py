@@ -69,7 +69,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_alert_rules_pass_promtool_check() -> None:
     done = promtool("check", "rules", str(RULES))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 8 rules found" in done.stdout
+    assert "SUCCESS: 12 rules found" in done.stdout
 
 
 def test_the_alert_rules_pass_their_unit_tests() -> None:
@@ -110,6 +110,7 @@ def exported_names() -> set[str]:
     metrics.guardrail_tripped("input", "block")
     metrics.audit_entry("run.start")
     metrics.tool_error(tool="lookup", error_type="tool_error")
+    metrics.runs_by_state("sqlite", {"orphaned": 1})  # set by a recovery worker's sweep
     return {s.name for family in registry.collect() for s in family.samples}
 
 
@@ -145,6 +146,9 @@ def test_the_dashboard_is_provisionable() -> None:
         "Permission decisions per second",
         "Tokens per second by model",
         "Cost by model (USD per hour)",
+        "Runs by state",
+        "Recoveries per second by outcome",
+        "Orphaned to resumed delay (p50, p99)",
     ):
         assert wanted in titles
     # No panel groups or filters by an identity: there is none to group by.
@@ -377,7 +381,7 @@ def test_a_real_prometheus_scrapes_a_workload_and_the_dashboard_reads_its_replay
     def rules_evaluated() -> bool:
         groups = prometheus.get("/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return len(rules) == 8 and all(r["health"] == "ok" for r in rules)
+        return len(rules) == 12 and all(r["health"] == "ok" for r in rules)
 
     wait_for("the rules to evaluate", rules_evaluated)
 
