@@ -3,6 +3,9 @@
 Every class here is a frozen pydantic model registered with the journal codec, because model
 calls are journaled: a replayed call hands back exactly the chunks the live call produced, and
 freezing them keeps one consumer from editing a value another consumer (or the journal) holds.
+They are values all the way down: the journal keeps each instance's encoding (see
+:func:`loomflow.runtime.codec.mark_immutable`), so build a new one (``model_copy(update=...)``)
+instead of changing a nested dict such as ``ToolCall.arguments`` in place.
 
 A model stream yields :class:`TextDelta` and :class:`ToolCallDelta` chunks while the answer is
 being produced, and always ends with the complete :class:`ModelResponse`::
@@ -21,7 +24,7 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .runtime.codec import register_type
+from .runtime.codec import mark_immutable, register_type
 
 __all__ = [
     "Message",
@@ -44,6 +47,7 @@ class _Value(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+@mark_immutable
 @register_type
 class ToolCall(_Value):
     """A request from the model to run one tool.
@@ -59,6 +63,7 @@ class ToolCall(_Value):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+@mark_immutable
 @register_type
 class Usage(_Value):
     """Token counts of one or more model calls. ``Usage() + other`` adds them up.
@@ -117,6 +122,7 @@ class Usage(_Value):
         return NotImplemented
 
 
+@mark_immutable
 @register_type
 class Message(_Value):
     """One entry of a conversation transcript.
@@ -175,6 +181,7 @@ class Message(_Value):
         )
 
 
+@mark_immutable
 @register_type
 class ToolSpec(_Value):
     """A tool as the model sees it.
@@ -190,6 +197,7 @@ class ToolSpec(_Value):
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
+@mark_immutable
 @register_type
 class ModelSettings(_Value):
     """Sampling settings of a model call.
@@ -203,6 +211,7 @@ class ModelSettings(_Value):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
 
 
+@mark_immutable
 @register_type
 class OutputFormat(_Value):
     """The shape a run's final answer must have (``agent.run(..., output_type=...)``).
@@ -225,6 +234,7 @@ class OutputFormat(_Value):
     description: str = ""
 
 
+@mark_immutable
 @register_type
 class TextDelta(_Value):
     """A piece of the answer's text, in stream order."""
@@ -233,6 +243,7 @@ class TextDelta(_Value):
     text: str
 
 
+@mark_immutable
 @register_type
 class ToolCallDelta(_Value):
     """A piece of a tool call while it streams.
@@ -248,6 +259,7 @@ class ToolCallDelta(_Value):
     arguments_delta: str = ""
 
 
+@mark_immutable
 @register_type
 class ModelResponse(_Value):
     """The complete result of one model call: always the last chunk of a stream.

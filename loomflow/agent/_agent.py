@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._ids import check_id
+from .._json import canonical_json, json_safe
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
@@ -63,6 +64,9 @@ __all__ = ["Agent"]
 OutputModel = TypeVar("OutputModel", bound=BaseModel)
 
 log = logging.getLogger("loomflow.agent")
+
+RECORD_WITHHELD = "withheld"
+"""Key of a run record naming inputs kept out of the journal because they held a secret."""
 
 # The runtime of the run in progress, so that agents used inside it (sub-agents, team workers,
 # debaters) journal under the enclosing run even when they were built without a runtime.
@@ -365,15 +369,34 @@ class Agent:
         return hashlib.sha256(digest.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _record(self, prompt: str, metadata: Mapping[str, Any] | None) -> RunRecord:
-        inputs: dict[str, Any] = {"prompt": prompt}
+        # The journal never holds a secret the redactor recognises (the canary tests), and a
+        # redacted prompt would resume as another run (its steps' fingerprints differ). So a
+        # prompt or metadata holding one is withheld: the record says so, and a recoverer
+        # leaves the run to the application instead of resuming it with the wrong inputs.
+        inputs: dict[str, Any] = {}
+        withheld: list[str] = []
+        if self._redactor.contains_secret(prompt):
+            withheld.append("prompt")
+        else:
+            inputs["prompt"] = prompt
         if metadata:
             try:
                 codec.dumps(dict(metadata))
-                inputs["metadata"] = dict(metadata)
+                if self._redactor.contains_secret(canonical_json(json_safe(dict(metadata)))):
+                    withheld.append("metadata")
+                else:
+                    inputs["metadata"] = dict(metadata)
             except codec.UnsupportedValueError:
                 # The run goes ahead; only a recovery of it will lack the metadata.
                 log.warning("run metadata has no journal encoding; it is not kept for recovery")
+        if withheld:
+            inputs[RECORD_WITHHELD] = withheld
         return RunRecord(self.name, self.config_fingerprint(), inputs)
+
+    @property
+    def redactor(self) -> Redactor:
+        """What keeps secrets out of this agent's journal, audit entries and spans."""
+        return self._redactor
 
     @property
     def model(self) -> Model:

@@ -52,11 +52,6 @@ def console_user_id(principal: Principal) -> str:
     return f"console:{principal.name}"
 
 
-def _run_state(info: SessionInfo) -> str:
-    """A run's state as the journal computes it (running, orphaned, open, finished, ...)."""
-    return info.state
-
-
 @dataclass(frozen=True, slots=True)
 class TrailFilter:
     """The filters of a trail page (and of its export)."""
@@ -238,7 +233,7 @@ class ConsoleData:
                 found = await runtime.sessions(user_id=user_id, session_id=session_id, limit=1)
                 if found:
                     story.session = found[0]
-                    story.state = _run_state(found[0])
+                    story.state = found[0].state
                     story.journal = await runtime.entries(session_id, user_id)
             except LoomflowError:
                 # No journal schema here (an audit-only database): the audit entries still
@@ -258,5 +253,5 @@ class ConsoleData:
                 "the journal cannot be read here: the console never creates or migrates it "
                 f"(run `loomflow migrate` if this database should hold one) ({exc})"
             ) from exc
-        listed = [(info, _run_state(info)) for info in sessions]
+        listed = [(info, info.state) for info in sessions]
         return [(i, s) for i, s in listed if state is None or s == state]

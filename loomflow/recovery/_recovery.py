@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..agent import Agent
+from ..agent._agent import RECORD_WITHHELD
 from ..audit import AuditLog
 from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
 from ..config import Settings
@@ -213,6 +214,16 @@ class Recovery:
             return
         try:
             inputs = decode_record(orphan.record)
+            withheld = inputs.get(RECORD_WITHHELD)
+            if withheld:
+                names = " and ".join(map(str, withheld)) if isinstance(withheld, list) else "inputs"
+                self._leave(
+                    report,
+                    ref,
+                    f"its {names} held a secret and were not journaled; the application that "
+                    "started it must resume it",
+                )
+                return
             prompt = inputs.get("prompt")
             if not isinstance(prompt, str):
                 raise CorruptEntryError("the run's record holds no prompt text")
@@ -315,7 +326,8 @@ class Recovery:
             raise
         except Exception as exc:
             self.failures += 1
-            error = f"{type(exc).__name__}: {exc}"[:4000]
+            # Journaled as the run's last error, so the agent's redactor sees it first.
+            error = agent.redactor.text(f"{type(exc).__name__}: {exc}")[:4000]
             if claim.attempts >= self.max_attempts:
                 outcome = "dead_lettered"
                 await self._quietly(self.runtime.dead_letter(session_id, claim.user_id, error))

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "encode",
     "is_registered",
     "loads",
+    "mark_immutable",
     "register_type",
 ]
 
@@ -205,6 +207,8 @@ def _encode(value: Any, depth: int) -> Any:
     if t is tuple:
         inner = _deeper(value, depth)
         return _tagged("tuple", [_encode(v, inner) for v in value])
+    if t in _values:
+        return _encode_value(value, depth)
     for kind, handler in _HANDLERS:
         if isinstance(value, kind):
             return handler(value, depth)
@@ -222,6 +226,55 @@ def _encode_set(value: set[Any] | frozenset[Any], depth: int) -> Any:
     inner = _deeper(value, depth)
     items = sorted((_encode(v, inner) for v in value), key=_sort_key)
     return _tagged("frozenset" if isinstance(value, frozenset) else "set", items)
+
+
+# Classes whose instances are values: frozen models that nobody changes after building them
+# (loomflow's messages, tool calls, usage, responses; see mark_immutable). Their encoding is
+# kept per instance, so the transcript a model call journals and fingerprints is walked once
+# per message instead of once per turn: with 10 turns, 11 walks of a growing list (O(n^2))
+# became one walk per message. Keyed by id() with a weak reference that both proves the entry
+# is this instance's and drops it when the instance goes.
+_values: set[type] = set()
+
+
+class _PerInstance:
+    """What was computed for a value instance, at a depth (see :func:`mark_immutable`)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
+
+    def get(self, value: Any, depth: int) -> Any:
+        kept = self._kept.get(id(value))
+        # Made at this depth or deeper: this depth stays within MAX_DEPTH too.
+        if kept is not None and kept[0]() is value and depth <= kept[1]:
+            return kept[2]
+        return None
+
+    def put(self, value: Any, depth: int, out: Any) -> None:
+        key = id(value)
+        pop = self._kept.pop
+        self._kept[key] = (weakref.ref(value, lambda _ref: pop(key, None)), depth, out)
+
+
+_encoded = _PerInstance()  # instance -> its encoding (JSON data)
+_canonical = _PerInstance()  # instance -> its canonical JSON text
+
+
+def mark_immutable(cls: type[BaseModel]) -> type[BaseModel]:
+    """Let the encoder keep the encoding of each ``cls`` instance (for loomflow's frozen
+    value types: their fields, nested ones included, are never changed after building)."""
+    if not _is_model_class(cls) or not cls.model_config.get("frozen"):
+        raise InvalidArgumentTypeError(f"{cls!r} is not a frozen pydantic model")
+    _values.add(cls)
+    return cls
+
+
+def _encode_value(value: BaseModel, depth: int) -> Any:
+    out = _encoded.get(value, depth)
+    if out is None:
+        out = _encode_model(value, depth)
+        _encoded.put(value, depth, out)
+    return out
 
 
 def _encode_model(value: BaseModel, depth: int) -> Any:
@@ -442,6 +495,29 @@ def loads(raw: bytes | str) -> Any:
 
 def canonical_bytes(value: Any) -> bytes:
     """The canonical encoding used for fingerprints: sorted keys, no whitespace, UTF-8."""
+    try:
+        return _canonical_text(value, 0).encode()
+    except RecursionError:
+        raise NestingTooDeepError(value) from None
+
+
+def _canonical_text(value: Any, depth: int) -> str:
+    # Lists (a step's argument list, a transcript) are joined from their items' texts, so a
+    # value instance's text is made once (byte for byte what one json.dumps would give).
+    t = type(value)
+    if t is list:
+        inner = _deeper(value, depth)
+        return "[" + ",".join([_canonical_text(v, inner) for v in value]) + "]"
+    if t in _values:
+        text = _canonical.get(value, depth)
+        if text is None:
+            text = _canonical_json(_encode_value(value, depth))
+            _canonical.put(value, depth, text)
+        return str(text)
+    return _canonical_json(_encode(value, depth))
+
+
+def _canonical_json(data: Any) -> str:
     return json.dumps(
-        encode(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode()
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )

@@ -31,7 +31,6 @@ from loomflow.audit import AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
 from loomflow.console import ConsoleOptions, build_console, token_sha256
 from loomflow.console._app import user_url
-from loomflow.console._data import _run_state
 from loomflow.errors import ConfigurationError
 from loomflow.stores import Stores
 
@@ -290,17 +289,6 @@ def test_runs_by_state(console: Server) -> None:
         assert {r["state"] for r in runs} == {"finished"}
         assert http.get("/api/runs", params={"state": "open"}).json()["runs"] == []
         assert "<script>alert" not in http.get("/runs").text
-
-
-def test_run_state_prefers_the_fleet_state() -> None:
-    class Info:
-        open = True
-
-    assert _run_state(Info()) == "open"  # type: ignore[arg-type]
-    Info.open = False
-    assert _run_state(Info()) == "finished"  # type: ignore[arg-type]
-    Info.state = "orphaned"  # type: ignore[attr-defined]
-    assert _run_state(Info()) == "orphaned"  # type: ignore[arg-type]
 
 
 def test_the_sign_in_cookie(console: Server, deployment: Deployment) -> None:

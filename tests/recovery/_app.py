@@ -98,7 +98,11 @@ def agents() -> dict[str, Agent]:
 async def start(count: int, prefix: str) -> None:
     agent = agents()["orders"]
     tasks = [
-        asyncio.create_task(agent.run(PROMPT, session_id=f"{prefix}-{i}", user_id="ana"))
+        asyncio.create_task(
+            agent.run(
+                os.environ.get("FLEET_PROMPT", PROMPT), session_id=f"{prefix}-{i}", user_id="ana"
+            )
+        )
         for i in range(count)
     ]
     print("started", flush=True)

@@ -21,7 +21,7 @@ from loomflow.agent import Agent
 from loomflow.audit import AuditLog
 from loomflow.errors import InvalidArgumentError, UserError
 from loomflow.recovery import Recovery, default_backoff
-from loomflow.runtime import JournalRuntime, SqliteRuntime
+from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record
 from loomflow.telemetry import Metrics
 
 
@@ -196,6 +196,32 @@ async def test_unregistered_and_changed_agents_are_left_alone(
     assert "another configuration" in report.unregistered[0].reason
     assert (await _states(runtime)) == {"alone-0": "orphaned"}
     assert tool_counts(ledger, "ship") == {}
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_a_prompt_holding_a_secret_is_not_journaled_and_is_left_to_the_app(
+    worker: dict[str, Agent], journal_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    secret = "sk-live0123456789abcdefSECRET"
+    await start_and_kill(journal_url, ledger, 1, "key", FLEET_PROMPT=f"Fulfil it. Key {secret}")
+    raw = b"".join(p.read_bytes() for p in tmp_path.glob("journal.db*"))
+    assert secret.encode() not in raw  # nor in the audit log, which shares the file here
+    runtime = _runtime(worker)
+    [orphan] = await runtime.orphans()
+    assert decode_record(orphan.record) == {"withheld": ["prompt"]}  # withheld whole
+    report = await Recovery(runtime, worker, metrics=_metrics()).sweep()
+    assert report.resumed == []
+    [left] = report.unregistered
+    assert left.session_id == "key-0"
+    assert "prompt held a secret" in left.reason
+    assert (await _states(runtime)) == {"key-0": "orphaned"}
+    # The application, which still has the prompt, resumes it as usual.
+    result = await worker["orders"].resume(
+        f"Fulfil it. Key {secret}", session_id="key-0", user_id="ana"
+    )
+    assert not result.interrupted
+    assert tool_counts(ledger, "reserve") == {"key-0": 1}
+    assert tool_counts(ledger, "ship") == {"key-0": 1}
 
 
 @pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)

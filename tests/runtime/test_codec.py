@@ -16,6 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+from loomflow.errors import InvalidArgumentTypeError
+from loomflow.messages import Message, ToolCall
 from loomflow.runtime import codec
 from loomflow.runtime._store import Scope, fingerprint
 
@@ -139,3 +141,69 @@ def test_register_type_rejects_arbitrary_classes() -> None:
 def test_malformed_tagged_payloads_are_unknown_tags() -> None:
     with pytest.raises(codec.UnknownTagError):
         codec.loads(json.dumps({"$t": "timedelta", "v": "nope"}))
+
+
+# -- kept encodings of value instances (codec.mark_immutable) ---------------------------------
+
+_calls = st.lists(
+    st.builds(
+        ToolCall,
+        id=st.text(min_size=1, max_size=5),
+        name=st.text(min_size=1, max_size=5),
+        arguments=st.dictionaries(st.text(max_size=5), values, max_size=3),
+    ),
+    max_size=2,
+)
+messages = st.one_of(
+    st.builds(Message, role=st.just("user"), content=st.text(max_size=20)),
+    st.builds(Message, role=st.just("assistant"), content=st.text(max_size=20), tool_calls=_calls),
+)
+
+
+def _one_dumps(value: Any) -> bytes:
+    """The canonical bytes as one json.dumps of the whole encoding (the definition)."""
+    return json.dumps(
+        codec.encode(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
+
+
+@given(st.lists(st.one_of(messages, values), max_size=5), st.lists(messages, max_size=4))
+def test_canonical_bytes_of_kept_values_match_one_dumps(
+    items: list[Any], shared: list[Any]
+) -> None:
+    transcript = [*shared, *items]
+    for _ in range(2):  # the second time from the kept texts
+        assert codec.canonical_bytes([[1, transcript], {}]) == _one_dumps([[1, transcript], {}])
+        assert codec.canonical_bytes(transcript) == _one_dumps(transcript)
+    assert fingerprint((1, transcript), {}) == fingerprint((1, list(transcript)), {})
+
+
+def test_a_kept_value_still_counts_towards_the_depth_cap() -> None:
+    message = Message(role="user", content="x")
+    codec.canonical_bytes([message])  # kept at a shallow depth
+    deep: list[Any] = [message]
+    for _ in range(codec.MAX_DEPTH):
+        deep = [deep]
+    with pytest.raises(codec.NestingTooDeepError):
+        codec.canonical_bytes(deep)
+    with pytest.raises(codec.NestingTooDeepError):
+        codec.dumps(deep)
+
+
+def test_kept_encodings_go_with_their_instances() -> None:
+    import gc
+
+    from loomflow.runtime.codec import _canonical, _encoded
+
+    before = (len(_encoded._kept), len(_canonical._kept))
+    batch = [Message(role="user", content=f"m{i}") for i in range(50)]
+    codec.canonical_bytes(batch)
+    assert len(_encoded._kept) >= before[0] + 50
+    del batch
+    gc.collect()
+    assert (len(_encoded._kept), len(_canonical._kept)) <= before
+
+
+def test_mark_immutable_takes_frozen_models_only() -> None:
+    with pytest.raises(InvalidArgumentTypeError, match="frozen pydantic model"):
+        codec.mark_immutable(Point)
