@@ -32,9 +32,7 @@ def tool_counts(ledger: Path, tool: str) -> Counter[str]:
     return Counter(line["session"] for line in ledger_lines(ledger) if line["tool"] == tool)
 
 
-async def start_and_kill(
-    url: str, ledger: Path, count: int, prefix: str, **extra_env: str
-) -> int:
+async def start_and_kill(url: str, ledger: Path, count: int, prefix: str, **extra_env: str) -> int:
     """Start ``count`` runs in a child that blocks them in ``ship``; SIGKILL it; its pid."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -72,6 +72,10 @@ def _metrics() -> Metrics:
     return Metrics(CollectorRegistry())
 
 
+def _file_bytes(folder: Path, pattern: str) -> bytes:
+    return b"".join(p.read_bytes() for p in folder.glob(pattern))
+
+
 async def _states(runtime: JournalRuntime) -> dict[str | None, str]:
     return {s.session_id: s.state for s in await runtime.sessions(limit=1000)}
 
@@ -204,8 +208,8 @@ async def test_a_prompt_holding_a_secret_is_not_journaled_and_is_left_to_the_app
 ) -> None:
     secret = "sk-live0123456789abcdefSECRET"
     await start_and_kill(journal_url, ledger, 1, "key", FLEET_PROMPT=f"Fulfil it. Key {secret}")
-    raw = b"".join(p.read_bytes() for p in tmp_path.glob("journal.db*"))
-    assert secret.encode() not in raw  # nor in the audit log, which shares the file here
+    # Nor in the audit log, which shares the file here.
+    assert secret.encode() not in _file_bytes(tmp_path, "journal.db*")
     runtime = _runtime(worker)
     [orphan] = await runtime.orphans()
     assert decode_record(orphan.record) == {"withheld": ["prompt"]}  # withheld whole
