@@ -67,6 +67,19 @@ log = logging.getLogger("loomflow.agent")
 
 RECORD_WITHHELD = "withheld"
 """Key of a run record naming inputs kept out of the journal because they held a secret."""
+RECORD_OUTPUT = "output"
+"""Key of a run record describing the run's structured output (see :func:`output_contract`)."""
+
+
+def output_contract(structured: StructuredOutput) -> dict[str, Any]:
+    """A run's output contract as its record stores it: type name, format digest, retries."""
+    shape = canonical_json(structured.format.model_dump(mode="json"))
+    return {
+        "type": structured.type.__qualname__,
+        "format": hashlib.sha256(shape.encode("utf-8", "surrogatepass")).hexdigest(),
+        "retries": structured.retries,
+    }
+
 
 # The runtime of the run in progress, so that agents used inside it (sub-agents, team workers,
 # debaters) journal under the enclosing run even when they were built without a runtime.
@@ -368,7 +381,12 @@ class Agent:
         digest = json.dumps(shape, sort_keys=True, default=str, ensure_ascii=False)
         return hashlib.sha256(digest.encode("utf-8", "surrogatepass")).hexdigest()
 
-    def _record(self, prompt: str, metadata: Mapping[str, Any] | None) -> RunRecord:
+    def _record(
+        self,
+        prompt: str,
+        metadata: Mapping[str, Any] | None,
+        structured: StructuredOutput | None = None,
+    ) -> RunRecord:
         # The journal never holds a secret the redactor recognises (the canary tests), and a
         # redacted prompt would resume as another run (its steps' fingerprints differ). So a
         # prompt or metadata holding one is withheld: the record says so, and a recoverer
@@ -391,7 +409,17 @@ class Agent:
                 log.warning("run metadata has no journal encoding; it is not kept for recovery")
         if withheld:
             inputs[RECORD_WITHHELD] = withheld
+        if structured is not None:
+            # The output format keys the run's model calls, and a class cannot be stored (a
+            # recoverer never imports): its digest lets a recoverer check the agent it resumes
+            # with asks for the same format (see output_contract).
+            inputs[RECORD_OUTPUT] = output_contract(structured)
         return RunRecord(self.name, self.config_fingerprint(), inputs)
+
+    def default_output_contract(self) -> dict[str, Any] | None:
+        """What a run of this agent with its default ``output_type`` records (or ``None``)."""
+        structured = self._structured(None, None)
+        return None if structured is None else output_contract(structured)
 
     @property
     def redactor(self) -> Redactor:
@@ -683,7 +711,7 @@ class Agent:
             metadata,
             resume=resume,
             strict_replay=self.tuning.strict_replay,
-            record=None if nested else self._record(prompt, metadata),
+            record=None if nested else self._record(prompt, metadata, structured),
         ) as (ctx, open_run):
             restore = source
             if restore is None and resume and store is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..agent import Agent
-from ..agent._agent import RECORD_WITHHELD
+from ..agent._agent import RECORD_OUTPUT, RECORD_WITHHELD
 from ..audit import AuditLog
 from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
 from ..config import Settings
@@ -222,6 +222,22 @@ class Recovery:
                     ref,
                     f"its {names} held a secret and were not journaled; the application that "
                     "started it must resume it",
+                )
+                return
+            wanted = inputs.get(RECORD_OUTPUT)
+            if wanted != agent.default_output_contract():
+                # A per-call output_type keys the run's model calls; resumed without it (or
+                # with another), the run would diverge and pay for its calls again.
+                what = (
+                    f"output_type {wanted.get('type')!r}"
+                    if isinstance(wanted, dict)
+                    else "no output_type"
+                )
+                self._leave(
+                    report,
+                    ref,
+                    f"the run asked for {what}, which agent {agent.name!r} does not give by "
+                    "default; register an agent built with that output_type",
                 )
                 return
             prompt = inputs.get("prompt")

@@ -253,6 +253,9 @@ class JournalRuntime:
         self._signals = StepSignals(store)
         # Runtimes found to use this one's journal: steps made here may join their runs.
         self._peers: weakref.WeakSet[JournalRuntime] = weakref.WeakSet()
+        # The runs open through this object, by scope key, so that a cancel made in this
+        # process stops them before their next step instead of at their next write.
+        self._live: dict[str, JournalRun] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -390,6 +393,7 @@ class JournalRuntime:
             )
             run = await self._start(scope, claim, resume, strict_replay, _encode_record(record))
             run.lease_until = asked + self.lease_seconds
+            self._live[scope.key] = run  # one run per scope at a time: the turn lock
             heartbeat = asyncio.create_task(
                 _lease.heartbeat(self._store, run, self.lease_seconds), name="loomflow-lease"
             )
@@ -404,6 +408,8 @@ class JournalRuntime:
                 raise
             finally:
                 _frame.reset(reset)
+                if self._live.get(scope.key) is run:
+                    del self._live[scope.key]
                 heartbeat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeat
@@ -811,17 +817,25 @@ class JournalRuntime:
     async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
         """Cancel the open run of (session, user), wherever it runs.
 
-        The run is closed as ``cancelled`` at once and its fencing token bumped: the process
-        running it (this one or another) is refused its next journal write or lease renewal,
-        and raises :class:`~loomflow.errors.RunCancelledError`. A step already under way when
-        the cancel lands finishes, but its result is not recorded and no step starts after it.
+        The run is closed as ``cancelled`` at once and its fencing token bumped, and it
+        raises :class:`~loomflow.errors.RunCancelledError`. Run through this runtime object, it
+        starts no step after the cancel. Run elsewhere (another process, say), it learns of the
+        cancel at its next journal write or lease renewal (every third of a lease): a step body
+        that starts before then runs, but its result is not recorded, and no step starts after
+        it. A step already under way finishes, unrecorded.
         A cancelled run is never recovered; a new run on the session starts afresh.
 
         Returns ``False`` when there is no open run to cancel (finished, already cancelled).
         """
         scope = Scope.checked(session_id, user_id)
         await self._ensure_open()
-        return await self._store.cancel(scope)
+        cancelled = await self._store.cancel(scope)
+        if cancelled:
+            for runtime in (self, *self._peers):
+                live = runtime._live.get(scope.key)
+                if live is not None:
+                    live.lost = live.cancelled = True
+        return cancelled
 
     async def orphans(self, limit: int = 100, *, prefer: Sequence[str] = ()) -> list[Orphan]:
         """Open runs nobody is running: lease expired, owner process gone, or a recovery

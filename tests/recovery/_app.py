@@ -8,7 +8,8 @@ Configured by environment variables, as a deployed app would be:
 - ``FLEET_BLOCK=1``: ``ship`` writes a ``blocked`` line and then waits forever (to be killed),
   or, with ``FLEET_GATE=<path>``, until that file exists;
 - ``FLEET_FAIL=1``: ``ship`` raises (a run that cannot succeed);
-- ``FLEET_INSTRUCTIONS``: the agent's instructions (changing them changes its fingerprint).
+- ``FLEET_INSTRUCTIONS``: the agent's instructions (changing them changes its fingerprint);
+- ``FLEET_OUTPUT=1``: ``start`` asks each run for ``output_type=Note`` (the model answers JSON).
 
 ``python _app.py start N PREFIX`` starts N runs (sessions ``PREFIX-0`` ...) of user ``ana`` at
 once and prints ``started``; with ``FLEET_BLOCK=1`` they block in ``ship`` until killed.
@@ -22,6 +23,8 @@ import json
 import os
 import sys
 import time
+
+from pydantic import BaseModel
 
 from loomflow.agent import Agent
 from loomflow.audit import AuditLog
@@ -37,6 +40,13 @@ SCRIPT = [
     [ToolCall(id="c1", name="ship", arguments={"order": 7})],
     "Reserved and shipped.",
 ]
+JSON_SCRIPT = [*SCRIPT[:2], '{"note": "Reserved and shipped."}']
+
+
+class Note(BaseModel):
+    """The structured answer of a run started with ``FLEET_OUTPUT=1``."""
+
+    note: str
 
 
 def _mark(tool_name: str) -> None:
@@ -97,10 +107,17 @@ def agents() -> dict[str, Agent]:
 
 async def start(count: int, prefix: str) -> None:
     agent = agents()["orders"]
+    options = {}
+    if os.environ.get("FLEET_OUTPUT") == "1":
+        agent = agent.clone(model=ScriptedModel(JSON_SCRIPT))
+        options["output_type"] = Note
     tasks = [
         asyncio.create_task(
             agent.run(
-                os.environ.get("FLEET_PROMPT", PROMPT), session_id=f"{prefix}-{i}", user_id="ana"
+                os.environ.get("FLEET_PROMPT", PROMPT),
+                session_id=f"{prefix}-{i}",
+                user_id="ana",
+                **options,
             )
         )
         for i in range(count)

@@ -16,10 +16,12 @@ import _app
 import pytest
 from _fleet import start_and_kill, tool_counts
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 
 from loomflow.agent import Agent
 from loomflow.audit import AuditLog
 from loomflow.errors import InvalidArgumentError, UserError
+from loomflow.models import ScriptedModel
 from loomflow.recovery import Recovery, default_backoff
 from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record
 from loomflow.telemetry import Metrics
@@ -226,6 +228,37 @@ async def test_a_prompt_holding_a_secret_is_not_journaled_and_is_left_to_the_app
     assert not result.interrupted
     assert tool_counts(ledger, "reserve") == {"key-0": 1}
     assert tool_counts(ledger, "ship") == {"key-0": 1}
+
+
+async def test_a_per_call_output_type_needs_an_agent_that_gives_it(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 1, "typed", FLEET_OUTPUT="1")
+    runtime = _runtime(worker)
+    [orphan] = await runtime.orphans()
+    assert decode_record(orphan.record)["output"]["type"] == "Note"
+    # The plain agent would resume without the format, diverge and pay for its calls again.
+    report = await Recovery(runtime, worker, metrics=_metrics()).sweep()
+    assert report.resumed == []
+    assert "asked for output_type 'Note'" in report.unregistered[0].reason
+
+    class Note(BaseModel):  # the same name, another shape: still refused
+        text: str
+
+    lookalike = worker["orders"].clone(output_type=Note)
+    report = await Recovery(runtime, {"orders": lookalike}, metrics=_metrics()).sweep()
+    assert report.resumed == []
+    typed = worker["orders"].clone(model=ScriptedModel(_app.JSON_SCRIPT), output_type=_app.Note)
+    recovery = Recovery(runtime, {"orders": typed}, metrics=_metrics())
+    report = await recovery.sweep()
+    assert [r.session_id for r in report.resumed] == ["typed-0"]
+    await recovery.wait()
+    assert (await _states(runtime)) == {"typed-0": "finished"}
+    assert tool_counts(ledger, "reserve") == {"typed-0": 1}  # replayed, not run again
+    assert tool_counts(ledger, "ship") == {"typed-0": 1}
+    result = await typed.resume(_app.PROMPT, session_id="typed-0", user_id="ana")
+    assert result.parsed == _app.Note(note="Reserved and shipped.")
+    assert result.fresh_steps == 0
 
 
 @pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)

@@ -86,6 +86,35 @@ async def test_a_run_records_what_resuming_needs(runtime_factory: Factory) -> No
     assert decode_record(b'{"prompt": "hi"}') == {"prompt": "hi"}
 
 
+async def test_a_cancel_between_steps_starts_no_further_step(runtime_factory: Factory) -> None:
+    runtime = await runtime_factory()
+    ran: list[str] = []
+
+    def body(name: str) -> str:
+        ran.append(name)
+        return name
+
+    with pytest.raises(RunCancelledError):
+        async with runtime.session("between", "ana"):
+            await runtime.step("one", body, "one")
+            assert await runtime.cancel("between", "ana") is True  # this process, this runtime
+            await runtime.step("two", body, "two")
+    assert ran == ["one"]  # "two" never started
+    assert await _state(runtime, "between") == "cancelled"
+
+    # Through another runtime object (as from another process) the cancel is seen at the next
+    # write: that step's body may run, but nothing of it is journaled.
+    ran.clear()
+    other = await runtime_factory()
+    with pytest.raises(RunCancelledError):
+        async with runtime.session("elsewhere", "ana"):
+            await runtime.step("one", body, "one")
+            assert await other.cancel("elsewhere", "ana") is True
+            await runtime.step("two", body, "two")
+    assert [e.name for e in await runtime.entries("elsewhere", "ana")] == ["one"]
+    assert await _state(runtime, "elsewhere") == "cancelled"
+
+
 async def test_cancel_stops_the_run_at_its_next_step_and_is_final(
     runtime_factory: Factory,
 ) -> None:
