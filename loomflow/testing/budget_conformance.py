@@ -97,6 +97,22 @@ class BudgetStoreConformance:
         assert (after.reserved_in, after.reserved_out) == (0, 0)
         assert await store.reservations() == []
 
+    async def test_record_charges_without_a_hold(self, store: BudgetStore) -> None:
+        result = await store.record((_ALICE, _EVERYONE), Amount(3, 4, 9, 0.5))
+        assert result.charged == Amount(3, 4, 9, 0.5)
+        again = await store.record((_ALICE,), Amount(1, 1, 1, 0.0))
+        alice = again.totals[_ALICE.key]
+        assert (alice.tokens_in, alice.tokens_out, alice.cost_nanousd, alice.calls) == (4, 5, 10, 2)
+        assert (alice.reserved_in, alice.reserved_out, alice.reserved_cost_nanousd) == (0, 0, 0)
+        everyone = (await store.totals([_EVERYONE.key]))[_EVERYONE.key]
+        assert (everyone.tokens_in, everyone.calls) == (3, 1)
+        assert await store.reservations() == []
+        # A hold taken meanwhile by another call is left as it is.
+        r = _hold(_ALICE)
+        assert await _reserve(store, r)
+        held = (await store.record((_ALICE,), Amount(1, 0, 0))).totals[_ALICE.key]
+        assert (held.reserved_in, held.tokens_in) == (10, 5)
+
     async def test_release_frees_the_hold_without_charging(self, store: BudgetStore) -> None:
         r = _hold(_ALICE, _EVERYONE)
         assert await _reserve(store, r)

@@ -39,6 +39,9 @@ from loomflow.models.pricing import ModelPrice
 from loomflow.runtime import InMemoryRuntime, SqliteRuntime
 from loomflow.tools import tool
 
+# A cap that never binds: with a cap the budget reserves before each call (a budget without
+# caps only records afterwards; see the tests of that path below).
+WATCHED = [Cap("tokens_total", 10**12)]
 ALICE = Bucket("user", "alice")
 
 
@@ -89,7 +92,7 @@ async def collect(agent: Agent, prompt: str = "go", **kwargs: Any) -> tuple[Any,
 
 async def test_a_call_is_reserved_while_it_runs_and_charged_what_it_spent() -> None:
     store = InMemoryBudgetStore()
-    budget = StandardBudget(store=store, overhead_tokens=100)
+    budget = StandardBudget(WATCHED, store=store, overhead_tokens=100)
     seen: list[Any] = []
 
     async def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
@@ -109,6 +112,46 @@ async def test_a_call_is_reserved_while_it_runs_and_charged_what_it_spent() -> N
     assert after.wall_s > 0
 
 
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_a_budget_without_caps_only_records(backend: str, tmp_path: Path) -> None:
+    store: Any = (
+        InMemoryBudgetStore()
+        if backend == "memory"
+        else SqlBudgetStore(f"sqlite:///{tmp_path / 'b.db'}")
+    )
+    budget = StandardBudget(store=store)
+    seen: list[Any] = []
+
+    async def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        seen.append(await store.reservations())
+        return ModelResponse(text="ok", usage=Usage(input_tokens=40, output_tokens=3))
+
+    agent = agent_with(budget, FunctionModel(decide))
+    for _ in range(2):
+        result, _ = await collect(agent, user_id="alice")
+        assert result.output == "ok"
+    assert seen == [[], []]  # nothing held while the calls ran
+    after = (await store.totals([ALICE.key]))[ALICE.key]
+    assert (after.tokens_in, after.tokens_out, after.calls) == (80, 6, 2)
+    assert (after.reserved_in, after.reserved_out) == (0, 0)
+    assert after.wall_s > 0
+    await store.close()
+
+
+async def test_a_recording_budget_whose_store_is_down_fails_the_run_after_the_call(
+    tmp_path: Path,
+) -> None:
+    # No cap to protect, so the call is not refused up front; its charge cannot be recorded,
+    # and the run says so instead of dropping the figure.
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    store = SqlBudgetStore(f"sqlite:///{blocker / 'budget.db'}")
+    model = FunctionModel(tool_then_answer())
+    with pytest.raises(BudgetUnavailableError, match="during commit"):
+        await agent_with(StandardBudget(store=store), model).run("go", user_id="alice")
+    assert model.calls == 1
+
+
 def test_the_input_bound_is_an_upper_bound_of_the_scripted_count() -> None:
     messages = [Message.system("Be brief."), Message.user("héllo wörld " * 50)]
     from loomflow.models.scripted import approx_tokens
@@ -119,7 +162,7 @@ def test_the_input_bound_is_an_upper_bound_of_the_scripted_count() -> None:
 
 async def test_a_replayed_model_call_is_never_charged(sqlite_path: Path) -> None:
     store = InMemoryBudgetStore()
-    budget = StandardBudget(store=store)
+    budget = StandardBudget(WATCHED, store=store)
     runtime = SqliteRuntime(sqlite_path)
     crash = {"armed": True}
     inner = tool_then_answer()
@@ -267,7 +310,7 @@ async def test_soft_mode_lets_a_call_start_while_anything_is_left() -> None:
 
 async def test_a_failed_call_gives_its_reservation_back() -> None:
     store = InMemoryBudgetStore()
-    budget = StandardBudget(store=store)
+    budget = StandardBudget(WATCHED, store=store)
 
     def broken(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
         raise ConnectionError("provider down")
@@ -420,7 +463,7 @@ async def test_a_store_that_goes_away_refuses_calls(pg_dsn: str) -> None:
 async def test_a_hung_store_times_out_and_refuses(pg_dsn: str) -> None:
     proxy = TcpProxy(pg_dsn)
     store = SqlBudgetStore(await proxy.start())
-    budget = StandardBudget(store=store, store_timeout_s=0.5)
+    budget = StandardBudget(WATCHED, store=store, store_timeout_s=0.5)
     model = FunctionModel(tool_then_answer())
     await agent_with(budget, model).run("go", user_id="alice")  # connected and migrated
     proxy.stall()
@@ -438,7 +481,7 @@ async def test_an_unreachable_store_refuses_the_first_call(tmp_path: Path) -> No
     store = SqlBudgetStore(f"sqlite:///{blocker / 'budget.db'}")
     model = FunctionModel(tool_then_answer())
     with pytest.raises(BudgetUnavailableError) as raised:
-        await agent_with(StandardBudget(store=store), model).run("go", user_id="alice")
+        await agent_with(StandardBudget(WATCHED, store=store), model).run("go", user_id="alice")
     assert model.calls == 0
     assert raised.value.__cause__ is not None  # the driver's error is chained
 
@@ -542,7 +585,9 @@ async def test_a_hold_the_loop_never_settles_is_released_when_the_run_returns() 
     from loomflow.agent.hooks import Interrupt
 
     store = InMemoryBudgetStore()
-    agent = agent_with(StandardBudget(store=store), hooks=[RefuseModelCalls(Interrupt("stop"))])
+    agent = agent_with(
+        StandardBudget(WATCHED, store=store), hooks=[RefuseModelCalls(Interrupt("stop"))]
+    )
     result = await agent.run("go", user_id="alice")
     assert result.interruption_reason == "stop"
     totals = (await store.totals([ALICE.key]))[ALICE.key]
@@ -553,7 +598,7 @@ async def test_a_hold_the_loop_never_settles_is_released_when_the_run_returns() 
 async def test_a_call_refused_by_a_later_hook_gives_its_hold_back() -> None:
     store = InMemoryBudgetStore()
     agent = agent_with(
-        StandardBudget(store=store, overhead_tokens=10),
+        StandardBudget(WATCHED, store=store, overhead_tokens=10),
         hooks=[RefuseModelCalls(RuntimeError("boom"))],
     )
     with pytest.raises(RuntimeError, match="boom"):

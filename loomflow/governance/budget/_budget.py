@@ -127,6 +127,9 @@ class Ticket:
         price: That model's price.
         started: ``time.monotonic()`` when it was granted (the call's time is measured from
             here).
+        held: Whether the store holds the reservation. A call no cap watches holds nothing
+            (a budget that only records): its commit is one write, and a worker that dies
+            during it leaves nothing to reclaim (and charges nothing for it).
     """
 
     reservation: Reservation
@@ -135,6 +138,7 @@ class Ticket:
     model: str
     price: ModelPrice
     started: float
+    held: bool = True
 
     @property
     def amount(self) -> Amount:
@@ -342,6 +346,12 @@ class StandardBudget:
         # back over the stalled connection), so on timeout the task is cancelled and left to
         # finish in the background instead of being waited for.
         task = asyncio.ensure_future(operation)
+        # A commit comes after the call: its figure is what is lost, not the call.
+        outcome = (
+            "the call's charge is not recorded"
+            if what == "commit"
+            else ("the model call is refused")
+        )
         try:
             done, _ = await asyncio.wait({task}, timeout=self.store_timeout_s)
         except asyncio.CancelledError:
@@ -353,14 +363,13 @@ class StandardBudget:
             task.add_done_callback(self._forget)
             raise BudgetUnavailableError(
                 f"the budget store ({self.store.backend}) did not answer {what} within "
-                f"{self.store_timeout_s:g} s, so the model call is refused"
+                f"{self.store_timeout_s:g} s, so {outcome}"
             )
         try:
             return task.result()
         except (StoreUnavailableError, MigrationError, TimeoutError) as exc:
             raise BudgetUnavailableError(
-                f"the budget store ({self.store.backend}) failed during {what}, so the model "
-                f"call is refused: {exc}"
+                f"the budget store ({self.store.backend}) failed during {what}, so {outcome}: {exc}"
             ) from exc
 
     def _forget(self, task: asyncio.Future[Any]) -> None:
@@ -413,6 +422,10 @@ class StandardBudget:
         """Reserve an amount sized by :meth:`size` (see :meth:`reserve`)."""
         buckets, limits = self._plan(user_id, self._clock())
         reservation = Reservation(str(ULID()), current_owner(), buckets, amount, self.on_expiry)
+        if not limits:
+            # No cap watches these buckets, so there is nothing to hold against: skip the
+            # reservation round trip (1.2-1.7 ms a call with its commit) and only record.
+            return Ticket(reservation, (), user_id, model, price, time.monotonic(), held=False)
         # Dead workers' holds are swept now and then, and again before a refusal (a released
         # hold frees room; a charged one at least turns into a definite figure).
         await self._reclaim_if_due(30.0)
@@ -450,7 +463,7 @@ class StandardBudget:
         except InvalidUsageError:
             held = ticket.amount
             worst = Amount(held.tokens_in, held.tokens_out, held.cost_nanousd, _clip(elapsed))
-            await self._call("commit", self.store.commit(ticket.reservation, worst))
+            await self.charge(ticket, worst)
             raise
         if (
             actual.tokens_in > ticket.amount.tokens_in
@@ -465,11 +478,19 @@ class StandardBudget:
                 ticket.amount.tokens_in,
                 ticket.amount.tokens_out,
             )
-        result = await self._call("commit", self.store.commit(ticket.reservation, actual))
+        result = await self.charge(ticket, actual)
         return self._warnings(ticket.limits, result)
+
+    async def charge(self, ticket: Ticket, amount: Amount) -> CommitResult:
+        """Charge ``amount`` for the ticket's call as it stands (no checks or warnings)."""
+        if not ticket.held:
+            return await self._call("commit", self.store.record(ticket.reservation.buckets, amount))
+        return await self._call("commit", self.store.commit(ticket.reservation, amount))
 
     async def release(self, ticket: Ticket) -> bool:
         """Give a reservation back uncharged (the call failed before spending)."""
+        if not ticket.held:
+            return True
         return await self._call("release", self.store.release(ticket.reservation.id))
 
     def _warnings(self, limits: Sequence[BucketLimit], result: CommitResult) -> list[BudgetWarning]:
@@ -539,7 +560,7 @@ class _RunState:
     tokens_in: int = 0
     tokens_out: int = 0
     cost_nanousd: int = 0
-    tickets: dict[str, tuple[Ticket, asyncio.Task[None]]] = field(default_factory=dict)
+    tickets: dict[str, tuple[Ticket, asyncio.Task[None] | None]] = field(default_factory=dict)
 
     def used(self, metric: Metric) -> float:
         if metric == "wall_clock_s":
@@ -603,7 +624,11 @@ class BudgetHooks(RunHooks):
         except BudgetUnavailableError as exc:
             info.emit(BudgetUnavailable(detail=str(exc)))
             raise
-        renewal = asyncio.create_task(self._renew(ticket), name="loomflow-budget-lease")
+        renewal = (
+            asyncio.create_task(self._renew(ticket), name="loomflow-budget-lease")
+            if ticket.held
+            else None
+        )
         state.tickets[ticket.reservation.id] = (ticket, renewal)
         return ticket
 
@@ -635,7 +660,7 @@ class BudgetHooks(RunHooks):
             return None
         state = self._runs.get(info.run_id)
         entry = state.tickets.pop(token.reservation.id, None) if state else None
-        if entry is not None:
+        if entry is not None and entry[1] is not None:
             entry[1].cancel()
         return token
 
@@ -703,7 +728,8 @@ class BudgetHooks(RunHooks):
         if state is None:
             return
         for ticket, renewal in state.tickets.values():
-            renewal.cancel()
+            if renewal is not None:
+                renewal.cancel()
             # A hold the loop never settled: a run that returned never made the call (a later
             # hook refused it); a run that raised may have made it (the journal write failed
             # after the stream ended), so its hold is charged in full.
@@ -711,9 +737,6 @@ class BudgetHooks(RunHooks):
                 if error is None:
                     await self.budget.release(ticket)
                 else:
-                    held = ticket.amount
-                    await self.budget._call(
-                        "commit", self.budget.store.commit(ticket.reservation, held)
-                    )
+                    await self.budget.charge(ticket, ticket.amount)
             except Exception as exc:
                 log.warning("settling budget reservation %s failed: %s", ticket.reservation.id, exc)

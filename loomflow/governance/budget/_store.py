@@ -21,6 +21,7 @@ from typing import Protocol
 
 from ._types import (
     Amount,
+    Bucket,
     BucketLimit,
     BucketUsage,
     CommitResult,
@@ -65,6 +66,12 @@ class BudgetStore(Protocol):
         If the reservation was reclaimed meanwhile, a charged hold already counts the held
         amount, so only the part of ``actual`` above it is charged; a released one charges
         ``actual`` in full.
+        """
+
+    async def record(self, buckets: Sequence[Bucket], actual: Amount) -> CommitResult:
+        """Charge a call that held nothing (no cap watches its buckets), in one transaction.
+
+        Counts one call in each bucket, like :meth:`commit` of a found hold.
         """
 
     async def release(self, reservation_id: str) -> bool:

@@ -119,6 +119,10 @@ class InMemoryBudgetStore:
         }
         return CommitResult(charged, totals, found)
 
+    async def record(self, buckets: Sequence[Bucket], actual: Amount) -> CommitResult:
+        totals = {b.key: self._add(b, actual, Amount(), 0, 1) for b in buckets}
+        return CommitResult(actual, totals, True)
+
     async def release(self, reservation_id: str) -> bool:
         hold = self._holds.pop(reservation_id, None)
         if hold is None:

@@ -293,6 +293,14 @@ class SqlBudgetStore:
         )
         return _totals(rows[0])
 
+    async def record(self, buckets: Sequence[Bucket], actual: Amount) -> CommitResult:
+        await self.open()
+        async with self.db.transaction(what="budget record") as tx:
+            totals = {}
+            for bucket in sorted(buckets, key=lambda b: b.key):  # the lock order of reserve
+                totals[bucket.key] = await self._move(tx, bucket, actual, Amount(), 1)
+        return CommitResult(actual, totals, True)
+
     async def release(self, reservation_id: str) -> bool:
         await self.open()
         async with self.db.transaction(what="budget release") as tx:
