@@ -327,13 +327,16 @@ class OwnershipLostError(JournalError):
 
 class RunCancelledError(OwnershipLostError):
     """The run was cancelled (``runtime.cancel``, ``loomflow runs cancel``); it stopped at a
-    step boundary and is never recovered."""
+    step boundary and is never recovered, nor resumed (``resume()`` raises this too)."""
 
-    def __init__(self, session_id: str | None, user_id: str | None) -> None:
+    def __init__(
+        self, session_id: str | None, user_id: str | None, message: str | None = None
+    ) -> None:
         self.session_id = session_id
         self.user_id = user_id
         super().__init__(
-            f"session {session_id!r} of user {user_id!r} was cancelled; the run stopped at a "
+            message
+            or f"session {session_id!r} of user {user_id!r} was cancelled; the run stopped at a "
             "step boundary and will not be recovered"
         )
 

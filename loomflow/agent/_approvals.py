@@ -96,8 +96,13 @@ async def audit_decision(
     decision: RecordedDecision,
     tool: Tool[..., Any] | None,
 ) -> None:
-    """Write ``approval.decision``: who decided what on which request, when, with which edits."""
-    sensitive = tool.sensitive if tool is not None else frozenset()
+    """Write ``approval.decision``: who decided what on which request, when, with which edits.
+
+    Edited values are redacted under the sensitive names the request recorded (the tool was
+    known when the run asked), and the tool's own when it is at hand: the command line decides
+    without the tool, and its audit entry must hide the same values.
+    """
+    sensitive = frozenset(request.sensitive) | (tool.sensitive if tool is not None else frozenset())
     edited = decision.arguments
     await audit.record(
         actions.APPROVAL_DECISION,

@@ -10,7 +10,7 @@ from typing import Any
 
 from .._timefmt import iso_time
 
-__all__ = ["duration", "iso_time", "positive_int", "table"]
+__all__ = ["duration", "iso_time", "login", "positive_int", "table"]
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -22,6 +22,16 @@ def duration(text: str) -> dt.timedelta:
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h or 7d")
     return dt.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+
+
+def login() -> str:
+    """Who is at the terminal, for audit actors (``cli:<login>``)."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (containers): still say it was a person
+        return "unknown"
 
 
 def positive_int(text: str) -> int:

@@ -10,7 +10,9 @@ recorded decision; until then ``approvals list`` no longer shows the request.
 
 Edited arguments (``--arguments``) must be a JSON object; the tool's own schema is checked when
 the resumed run calls the tool (a mismatch reaches the model as an invalid-arguments error).
-``agent.resume(approvals=...)`` checks the schema before recording anything.
+``agent.resume(approvals=...)`` checks the schema before recording anything. The audit entry
+redacts the edited values of the argument names the request recorded as sensitive. A run that
+was cancelled while it waited refuses the decision (``RunCancelledError``, exit status 1).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..governance.approvals import (
 from ..redaction import Redactor
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import positive_int, table
+from ._format import login, positive_int, table
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -67,7 +69,11 @@ def register(subparsers: Any) -> None:
             "--user", dest="user_id", help="whose session (needed when several users share the id)"
         )
         who.add_argument("--anonymous", action="store_true", help="the session without a user")
-        command.add_argument("--by", dest="decided_by", help="who decides (for the audit log)")
+        command.add_argument(
+            "--by",
+            dest="decided_by",
+            help="who decides, for the journal and the audit log (default: cli:<login>)",
+        )
         command.add_argument(
             "--reason", required=name == "deny", default="", help="why (shown to the model)"
         )
@@ -93,7 +99,10 @@ async def _handle(args: argparse.Namespace) -> int:
             decision = Approve(arguments=_edited(args.arguments), reason=args.reason)
         else:
             decision = Deny(args.reason)
-        recorded = normalize_decision(args.request_id, decision, args.decided_by)
+        # Without --by, still name the person at the terminal (as `runs cancel` does): the
+        # audit actor becomes approver:cli:<login>, never a bare "approver".
+        decided_by = args.decided_by or f"cli:{login()}"
+        recorded = normalize_decision(args.request_id, decision, decided_by)
         # Which user's session: the journal knows who ran it when only one user did.
         info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
         args.user_id = info.user_id
@@ -102,6 +111,7 @@ async def _handle(args: argparse.Namespace) -> int:
         )
         request = decided[args.request_id]
         audit = AuditLog(stores.audit, redactor=Redactor.from_settings(settings), redact_logs=False)
+        # No tool here: the request's recorded sensitive names redact the edited values.
         await audit_decision(audit, request, recorded, None)
         summary = {
             "request_id": request.request_id,

@@ -26,7 +26,7 @@ from ..errors import ConfigurationError, LoomflowError, UserError
 from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
-from ._format import duration, iso_time, positive_int, table
+from ._format import duration, iso_time, login, positive_int, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, session_of
 from ._upgrade import legacy_note, quiet_on_open
@@ -98,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
         help="only runs in this state (running, orphaned, open, finished, ...)",
     )
     cancel = runs.add_parser(
-        "cancel", help="cancel a session's open run: it stops at its next step, wherever it runs"
+        "cancel",
+        help="cancel a session's open run (it stops at its next step, wherever it runs) or "
+        "its interrupted one (one waiting for approval is then never resumed)",
     )
     cancel.add_argument("session_id")
     who = cancel.add_mutually_exclusive_group()
@@ -444,7 +446,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
 
 
 async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
-    """Cancel an open run, audited with the person at the terminal as the actor."""
+    """Cancel an open or interrupted run, audited with the person at the terminal as actor."""
     from ..audit import AuditLog
     from ..recovery import cancel_run
 
@@ -453,30 +455,21 @@ async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
     user_id = None if args.anonymous else args.user_id
     audit = AuditLog(stores.audit, on_error="raise", redact_logs=False)
     cancelled = await cancel_run(
-        runtime, args.session_id, user_id=user_id, audit=audit, actor=f"cli:{_login()}"
+        runtime, args.session_id, user_id=user_id, audit=audit, actor=f"cli:{login()}"
     )
     if args.json:
         print(
             json.dumps({"session_id": args.session_id, "user_id": user_id, "cancelled": cancelled})
         )
     elif cancelled:
-        print(f"cancelled the open run of session {args.session_id!r} of user {user_id!r}")
+        print(f"cancelled the run of session {args.session_id!r} of user {user_id!r}")
     else:
         print(
-            f"loomflow: error: session {args.session_id!r} of user {user_id!r} has no open run "
-            "to cancel",
+            f"loomflow: error: session {args.session_id!r} of user {user_id!r} has no open or "
+            "interrupted run to cancel",
             file=sys.stderr,
         )
     return 0 if cancelled else 1
-
-
-def _login() -> str:
-    import getpass
-
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (containers): still say it was a person
-        return "unknown"
 
 
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from ..errors import (
     ApprovalNotFoundError,
     CorruptEntryError,
     InvalidArgumentTypeError,
+    RunCancelledError,
     UserError,
 )
 from ..hooks import Interrupt, RunInfo
@@ -79,6 +80,8 @@ class PendingApproval(_Frozen):
         arguments: Its arguments, with sensitive values and secrets redacted.
         reason: Why the call needs approval (the rule or mode that asked).
         policy: Which policy asked (``global``, ``role:<name>``, ``user:<id>``).
+        sensitive: The argument names the tool declares sensitive, so that whoever decides
+            without the tool at hand (the command line) still redacts edited values.
         session_id: The session of the run.
         user_id: Whom the run works for.
         run_id: The run that first stopped at this call.
@@ -95,6 +98,7 @@ class PendingApproval(_Frozen):
     arguments: dict[str, Any] = Field(default_factory=dict)
     reason: str = ""
     policy: str = ""
+    sensitive: list[str] = Field(default_factory=list)
     session_id: str
     user_id: str | None = None
     run_id: str = ""
@@ -228,12 +232,14 @@ async def deferred_decision(
     shown: dict[str, Any],
     reason: str,
     policy: str,
+    sensitive: Iterable[str] = (),
 ) -> RecordedDecision:
     """The journaled decision on this call; raises :class:`ApprovalPending` while there is none.
 
     The first time, the request is journaled (and announced with ``ApprovalRequested``).
     ``shown`` is the call's arguments with the tool's sensitive ones redacted; secrets the
-    run's redactor knows are scrubbed here too.
+    run's redactor knows are scrubbed here too. ``sensitive`` (the tool's sensitive argument
+    names) is recorded with the request, outside its id, for redacting edits later.
     """
     run, path = _position(info)
     runtime = info.runtime
@@ -259,6 +265,7 @@ async def deferred_decision(
             arguments=arguments,
             reason=reason,
             policy=policy,
+            sensitive=sorted(sensitive),
             session_id=info.session_id,
             user_id=info.user_id,
             run_id=info.run_id,
@@ -325,10 +332,13 @@ class Ledger:
     epoch: int | None = None
     requests: dict[str, PendingApproval] = field(default_factory=dict)
     decisions: dict[str, RecordedDecision] = field(default_factory=dict)
+    cancelled: bool = False  # the run was cancelled: nothing of it waits any more
 
     @property
     def pending(self) -> list[PendingApproval]:
         """Requests without a decision, in the order the model asked for them."""
+        if self.cancelled:
+            return []
         waiting = [r for r in self.requests.values() if r.request_id not in self.decisions]
         return sorted(waiting, key=lambda r: (r.path, r.turn, r.slot))
 
@@ -371,13 +381,22 @@ async def read_approvals(runtime: JournalRuntime, session_id: str, user_id: str 
     if epoch < 0:
         return Ledger()
     rows = await runtime._store.load_run(scope, epoch)
-    return _ledger(epoch, rows)
+    ledger = _ledger(epoch, rows)
+    ledger.cancelled = info.state == "cancelled"
+    return ledger
 
 
 def check_decidable(
     ledger: Ledger, request_ids: Iterable[str], session: str, user: str | None
 ) -> None:
     """Raise unless every id names a request of ``ledger`` that has no decision yet."""
+    if ledger.cancelled:
+        raise RunCancelledError(
+            session,
+            user,
+            f"session {session!r} of user {user!r} was cancelled while it waited for approval; "
+            "its requests can no longer be decided (a new run of the session starts afresh)",
+        )
     for request_id in request_ids:
         if not isinstance(request_id, str):
             raise InvalidArgumentTypeError(
@@ -408,11 +427,13 @@ async def journal_decisions(
     """Journal ``decisions`` as steps of the last run of (session, user); the requests decided.
 
     Takes the session's turn while writing, so it waits for a run in progress. All ids are
-    checked before anything is written; then each decision is one journal step.
+    checked before anything is written; then each decision is one journal step. The run is
+    left in the state it was in (``interrupted``, as it stopped): only a resume continues it.
 
     Raises:
         ApprovalNotFoundError: an id is not a request of that run.
         ApprovalDecidedError: a request already has a decision.
+        RunCancelledError: the run was cancelled (before or while the decisions were written).
     """
     if not decisions:
         return {}
@@ -424,6 +445,9 @@ async def journal_decisions(
     decided: dict[str, PendingApproval] = {}
     async with runtime.session(session_id, user_id, resume=True) as run:
         assert isinstance(run, JournalRun)  # an outermost session of a JournalRuntime
+        # Writing a decision does not continue the run: closing this block normally would
+        # otherwise store it as finished, and it would list so until it is really resumed.
+        run.keep_state = True
         ledger = _ledger(run.epoch, (e for slot in run.entries.values() for e in slot.values()))
         try:
             check_decidable(ledger, decisions, session_id, user_id)  # a racing writer

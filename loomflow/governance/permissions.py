@@ -510,11 +510,10 @@ class PermissionHooks(RunHooks):
                 reason = f"{answer.behavior} remembered for this run: {answer.reason or reason}"
             elif permissions.deferred:
                 # Stops the run (ApprovalPending) until a decision is journaled.
-                shown = redact_arguments(
-                    call.arguments, tool.sensitive if tool is not None else frozenset()
-                )
+                sensitive = tool.sensitive if tool is not None else frozenset()
+                shown = redact_arguments(call.arguments, sensitive)
                 recorded = await deferred_decision(
-                    info, turn, slot, call, shown, decision.reason, decision.policy
+                    info, turn, slot, call, shown, decision.reason, decision.policy, sensitive
                 )
                 answer = Approval(
                     recorded.behavior,

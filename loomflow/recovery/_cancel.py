@@ -17,11 +17,12 @@ async def cancel_run(
     audit: AuditLog | None = None,
     actor: str = "api",
 ) -> bool:
-    """Cancel the open run of (session, user) and, if one was cancelled, audit it.
+    """Cancel the open or interrupted run of (session, user) and, if one was cancelled, audit it.
 
     The process running it stops at its next step boundary with
-    :class:`~loomflow.errors.RunCancelledError`; the run is never recovered. Returns ``False``
-    (and audits nothing) when the session has no open run. See
+    :class:`~loomflow.errors.RunCancelledError`; the run is never recovered, and a run that
+    waited for approval is never resumed (deciding or resuming it raises that error). Returns
+    ``False`` (and audits nothing) when the session has no such run (finished, say). See
     :meth:`JournalRuntime.cancel <loomflow.runtime.JournalRuntime.cancel>`.
     """
     cancelled = await runtime.cancel(session_id, user_id)

@@ -144,6 +144,10 @@ class JournalRun:
     # How the run ended when it returns normally: None (finished) or "interrupted". The agent
     # sets it; the release stores it as the run's status.
     outcome: str | None = None
+    # Leave the run as it was found (open or closed, with its status) when the block ends
+    # normally: journaling an approval decision writes into a stopped run without continuing
+    # it, and must not make it look finished.
+    keep_state: bool = False
     cancelled: bool = False  # fenced out by a cancel (see _lease.fenced_out)
 
     @property
@@ -441,6 +445,14 @@ class JournalRuntime:
     ) -> JournalRun:
         try:
             if resume and not claim.open and claim.epoch > 0:
+                if await self._store.run_status(scope) == "cancelled":
+                    raise RunCancelledError(
+                        scope.session_id,
+                        scope.user_id,
+                        f"session {scope.session_id!r} of user {scope.user_id!r} was "
+                        "cancelled; a cancelled run is not resumed (a new run of the session "
+                        "starts afresh)",
+                    )
                 epoch = claim.epoch - 1  # continue the last, finished run
             else:
                 epoch = claim.epoch
@@ -815,17 +827,19 @@ class JournalRuntime:
         return await self._store.count_states()
 
     async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
-        """Cancel the open run of (session, user), wherever it runs.
+        """Cancel the open or interrupted run of (session, user), wherever it runs.
 
         The run is closed as ``cancelled`` at once and its fencing token bumped, and it
         raises :class:`~loomflow.errors.RunCancelledError`. Run through this runtime object, it
         starts no step after the cancel. Run elsewhere (another process, say), it learns of the
         cancel at its next journal write or lease renewal (every third of a lease): a step body
         that starts before then runs, but its result is not recorded, and no step starts after
-        it. A step already under way finishes, unrecorded.
-        A cancelled run is never recovered; a new run on the session starts afresh.
+        it. A step already under way finishes, unrecorded. An interrupted run (one that stopped
+        early, e.g. to wait for approval) is cancellable too, so that nobody's later decision
+        runs its tool. A cancelled run is never recovered, and ``session(resume=True)`` of it
+        raises ``RunCancelledError``; a new run on the session starts afresh.
 
-        Returns ``False`` when there is no open run to cancel (finished, already cancelled).
+        Returns ``False`` when there is no run to cancel (finished, already cancelled).
         """
         scope = Scope.checked(session_id, user_id)
         await self._ensure_open()

@@ -48,6 +48,7 @@ class LeasedRun(Protocol):
     lost: bool
     lease_until: float
     outcome: str | None
+    keep_state: bool
     cancelled: bool
 
 
@@ -128,8 +129,10 @@ async def claim(
 
 async def release(store: JournalStore, run: LeasedRun, failure: BaseException | None) -> bool:
     """Give the turn back. If the body raised, its error stays the one the caller sees."""
-    if failure is None:
+    if failure is None and not run.keep_state:
         return await store.release(run.scope, run.token, run.epoch + 1, run.outcome)
+    if failure is None:  # hand the turn back and change nothing else
+        return await store.release(run.scope, run.token, None)
     try:
         return await store.release(run.scope, run.token, None)
     except Exception as exc:

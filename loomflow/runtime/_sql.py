@@ -70,11 +70,16 @@ WHERE scope = $1 AND token = $2 RETURNING token
 """
 _STATUS = "SELECT status FROM loom_sessions WHERE scope = $1"
 # Cancel closes the run and bumps the token in one statement: the next fenced write (or lease
-# renewal) of whoever runs it fails, and that run then reads the status to say why.
+# renewal) of whoever runs it fails, and that run then reads the status to say why. An
+# interrupted run (waiting for approval, say) is closed already: its epoch moved on when it
+# stopped, so only its status changes, and a resume of it is refused from then on.
 _CANCEL = """
 UPDATE loom_sessions SET status = 'cancelled', owner = NULL, lease_until = 0, open = 0,
-    token = token + 1, epoch = epoch + 1, updated_at = {now}
-WHERE scope = $1 AND open = 1 AND (status IS NULL OR status = 'failed') RETURNING token
+    token = token + 1, epoch = CASE WHEN open = 1 THEN epoch + 1 ELSE epoch END,
+    updated_at = {now}
+WHERE scope = $1 AND (
+    (open = 1 AND (status IS NULL OR status = 'failed')) OR (open = 0 AND status = 'interrupted')
+) RETURNING token
 """
 # Open runs a sweep looks at (served by the partial index on open runs): an owner whose lease
 # may have run out, or a failed recovery attempt whose retry is due.

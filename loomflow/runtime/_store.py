@@ -235,7 +235,8 @@ class JournalStore(Protocol):
         """The stored status of the session's run (``"cancelled"``, ...), if any."""
 
     async def cancel(self, scope: Scope) -> bool:
-        """Close the session's open run as cancelled and fence out whoever runs it."""
+        """Mark the session's open or interrupted run cancelled (closing an open one) and
+        fence out whoever runs it; a finished or already cancelled run is left alone."""
 
     async def open_runs(self, limit: int, prefer: Sequence[str] = ()) -> list[RunRow]:
         """Open runs with no final status that have an owner or a retry due: those of the

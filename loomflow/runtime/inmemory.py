@@ -143,11 +143,15 @@ class InMemoryStore:
 
     async def cancel(self, scope: Scope) -> bool:
         row = self.sessions.get(scope.key)
-        if row is None or not row.open or row.status not in (None, "failed"):
+        if row is None:
             return False
+        waiting = not row.open and row.status == "interrupted"  # closed, its epoch moved on
+        if not waiting and (not row.open or row.status not in (None, "failed")):
+            return False
+        if row.open:
+            row.epoch += 1
         row.status, row.owner, row.lease_until, row.open = "cancelled", None, 0.0, False
         row.token += 1
-        row.epoch += 1
         row.updated_at = time.time()
         return True
 

@@ -482,6 +482,40 @@ class JournalConformance:
         [info] = await runtime.sessions()
         assert (info.agent, info.config) == (None, None)
 
+    async def test_an_interrupted_run_can_be_cancelled_and_is_not_resumed(
+        self, make_runtime: RuntimeFactory
+    ) -> None:
+        runtime = await make_runtime()
+
+        async def state() -> str:
+            [info] = await runtime.sessions(session_id="s")
+            return info.state
+
+        async with runtime.session("s", "u") as run:
+            await runtime.step("a", Counter(), 1)
+            run.outcome = "interrupted"  # as an agent stopped to wait for approval
+        [before] = await runtime.sessions()
+        # A write that leaves the run as it was (a decision journaled, not resumed).
+        async with runtime.session("s", "u", resume=True) as run:
+            run.keep_state = True
+            await runtime.step("b", Counter(), 2)
+        assert await state() == "interrupted"
+        assert await runtime.cancel("s", "u") is True
+        assert await state() == "cancelled"
+        [after] = await runtime.sessions()
+        assert (after.epoch, after.open) == (before.epoch, False)  # closed already: no new epoch
+        assert await runtime.cancel("s", "u") is False
+        with pytest.raises(errors.RunCancelledError):
+            async with runtime.session("s", "u", resume=True):
+                pass
+        assert await state() == "cancelled"
+        assert [e.name for e in await runtime.entries("s", "u")] == ["a", "b"]
+        # A finished run is not cancellable.
+        async with runtime.session("s", "u"):
+            pass
+        assert await runtime.cancel("s", "u") is False
+        assert await state() == "finished"
+
     async def test_a_cancelled_run_is_fenced_out_with_a_typed_error(
         self, make_runtime: RuntimeFactory
     ) -> None:

@@ -154,3 +154,78 @@ def test_list_approve_and_deny_from_a_shell(
     ]
     assert decided[0].payload["arguments"] == {"to": "ops", "text": "down at 10"}
     assert len([e for e in entries if e.action == actions.APPROVAL_REQUEST]) == 2
+
+
+async def _run_sensitive(url: str, sent: list[dict[str, Any]], *, resume: bool) -> RunResult:
+    def send_notice(to: str, text: str) -> str:
+        """Send a notice."""
+        sent.append({"to": to, "text": text})
+        return f"sent to {to}"
+
+    async with Agent.from_settings(
+        "x",
+        model=ScriptedModel(SCRIPT),
+        settings=Settings(runtime_url=url),
+        tools=[Tool(send_notice, edits=True, sensitive={"text"})],
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+        telemetry=False,
+    ) as agent:
+        if resume:
+            return await agent.resume(PROMPT, session_id="ops-1", user_id="ana")
+        return await agent.run(PROMPT, session_id="ops-1", user_id="ana")
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_decision_from_a_shell_keeps_the_run_waiting_and_a_cancel_ends_it(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    import getpass
+
+    url = (
+        request.getfixturevalue("pg_dsn")
+        if backend == "postgres"
+        else f"sqlite:///{tmp_path / 'journal.db'}"
+    )
+    sent: list[dict[str, Any]] = []
+    ops, everyone = asyncio.run(_run_sensitive(url, sent, resume=False)).pending_approvals
+    assert ops.sensitive == ["text"]
+
+    def state() -> str:
+        listed = loomflow("--url", url, "runs", "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        [row] = [json.loads(line) for line in listed.stdout.splitlines()]
+        return str(row["state"])
+
+    # Without --by the person at the terminal is named; the edit's sensitive value is hidden.
+    approved = loomflow(
+        "--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1",
+        "--arguments", '{"to": "ops", "text": "code 4711"}', "--json",
+    )  # fmt: skip
+    assert approved.returncode == 0, approved.stderr
+    assert json.loads(approved.stdout)["decided_by"] == f"cli:{getpass.getuser()}"
+    assert state() == "interrupted"  # decided, not resumed: it still waits
+
+    [decided] = [e for e in asyncio.run(_audit(url)) if e.action == actions.APPROVAL_DECISION]
+    assert decided.actor == f"approver:cli:{getpass.getuser()}"
+    assert decided.payload["arguments"] == {"to": "ops", "text": "[REDACTED]"}
+    assert "4711" not in json.dumps([e.payload for e in asyncio.run(_audit(url))])
+
+    # The waiting run can be cancelled; then nothing decides or resumes it.
+    cancelled = loomflow("--url", url, "runs", "cancel", "ops-1", "--user", "ana")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert state() == "cancelled"
+    late = loomflow(
+        "--url", url, "approvals", "deny", everyone.request_id, "--session", "ops-1",
+        "--reason", "too late",
+    )  # fmt: skip
+    assert late.returncode == 1
+    assert "was cancelled" in late.stderr
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.stdout == ""
+    from loomflow.errors import RunCancelledError
+
+    with pytest.raises(RunCancelledError):
+        asyncio.run(_run_sensitive(url, sent, resume=True))
+    assert sent == []
+    assert state() == "cancelled"

@@ -90,7 +90,7 @@ def test_cancel_from_the_cli(journal: Path) -> None:
     for args in (["done", "--user", "ana"], ["nope", "--user", "ana"], ["raised", "--user", "bo"]):
         result = loomflow("runs", "cancel", *args, journal=journal)
         assert result.returncode == 1
-        assert "has no open run to cancel" in result.stderr
+        assert "has no open or interrupted run to cancel" in result.stderr
     result = loomflow("runs", "cancel", "", "--user", "ana", journal=journal)
     assert result.returncode == 1
     assert "session_id" in result.stderr

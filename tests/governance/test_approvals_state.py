@@ -1,0 +1,181 @@
+"""What deciding does to a stopped run's state, cancelling a run that waits, and redaction of
+edited sensitive arguments; on the three journals (memory, SQLite file, PostgreSQL database).
+
+A decision journaled without resuming (the command line's ``approve``, or a crash between
+deciding and resuming) must leave the run ``interrupted``; a cancelled run must never run the
+tool it waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent
+from loomflow.agent._approvals import audit_decision
+from loomflow.audit import AuditLog, InMemoryAuditStore, actions
+from loomflow.errors import RunCancelledError
+from loomflow.governance import Approve, StandardPermissions
+from loomflow.governance.approvals import journal_decisions, normalize_decision
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.recovery import cancel_run
+from loomflow.runtime import JournalRuntime
+from loomflow.tools import Tool
+
+Factory = Callable[..., Awaitable[JournalRuntime]]
+
+TRANSFER = ToolCall(id="c1", name="transfer", arguments={"account": "A-1", "pin": "1234"})
+
+
+class Bank:
+    """One destructive tool whose ``pin`` is sensitive; counts what really ran."""
+
+    def __init__(self) -> None:
+        self.transfers: list[dict[str, Any]] = []
+
+    def agent(self, runtime: JournalRuntime, audit: AuditLog | None = None) -> Agent:
+        def transfer(account: str, pin: str = "") -> str:
+            """Move the money."""
+            self.transfers.append({"account": account, "pin": pin})
+            return f"moved from {account}"
+
+        def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+            if not [m for m in messages if m.role == "tool"]:
+                return [TRANSFER]
+            return "done"
+
+        return Agent(
+            "bank",
+            model=FunctionModel(decide),
+            tools=[Tool(transfer, destructive=True, sensitive={"pin"}, edits=True)],
+            runtime=runtime,
+            permissions=StandardPermissions(approval="defer"),
+            memory=False,
+            audit=audit,
+        )
+
+
+async def _state(runtime: JournalRuntime, session_id: str = "s1") -> str:
+    [info] = await runtime.sessions(session_id=session_id)
+    return info.state
+
+
+async def test_a_decision_alone_leaves_the_run_interrupted(runtime_factory: Factory) -> None:
+    bank = Bank()
+    runtime = await runtime_factory()
+    agent = bank.agent(runtime)
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+    assert await _state(runtime) == "interrupted"
+
+    # Another process journals the decision without resuming (the CLI's approve).
+    other = await runtime_factory()
+    decision = normalize_decision(request.request_id, Approve(), "kim")
+    await journal_decisions(other, "s1", "ana", {request.request_id: decision})
+    assert await _state(other) == "interrupted"  # not "finished": nothing has continued
+    assert [s.state for s in await other.sessions(state="interrupted")] == ["interrupted"]
+    assert await other.sessions(state="finished") == []
+    assert await agent.pending_approvals("s1", user_id="ana") == []
+    assert bank.transfers == []
+
+    # The application's next resume applies it and the run finishes.
+    result = await agent.resume("pay", session_id="s1", user_id="ana")
+    assert not result.interrupted
+    assert await _state(runtime) == "finished"
+
+
+async def test_a_run_waiting_for_approval_can_be_cancelled(runtime_factory: Factory) -> None:
+    bank = Bank()
+    runtime = await runtime_factory()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = bank.agent(runtime, audit)
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+
+    other = await runtime_factory()
+    assert await cancel_run(other, "s1", user_id="ana", audit=audit, actor="cli:ops") is True
+    assert await _state(other) == "cancelled"
+    assert await cancel_run(other, "s1", user_id="ana", audit=audit) is False  # once
+    cancels = (await audit.query(user_id="ana", action=actions.RUN_CANCEL)).entries
+    assert [(e.actor, e.session_id) for e in cancels] == [("cli:ops", "s1")]
+    # Nothing waits any more, and no decision can be recorded or applied.
+    assert await agent.pending_approvals("s1", user_id="ana") == []
+    with pytest.raises(RunCancelledError, match="cancelled"):
+        await agent.resume(
+            "pay", session_id="s1", user_id="ana", approvals={request.request_id: "allow"}
+        )
+    decision = normalize_decision(request.request_id, Approve(), "kim")
+    with pytest.raises(RunCancelledError):
+        await journal_decisions(other, "s1", "ana", {request.request_id: decision})
+    with pytest.raises(RunCancelledError):
+        await agent.resume("pay", session_id="s1", user_id="ana")
+    assert bank.transfers == []
+    assert not (await audit.query(user_id="ana", action=actions.APPROVAL_DECISION)).entries
+    assert await _state(other) == "cancelled"
+
+    # A new run of the session starts afresh.
+    again = await agent.run("pay", session_id="s1", user_id="ana")
+    assert again.interruption_reason == "approval"
+    assert await _state(runtime) == "interrupted"
+
+
+async def test_a_decided_run_cancelled_before_its_resume_does_not_run_the_tool(
+    runtime_factory: Factory,
+) -> None:
+    bank = Bank()
+    runtime = await runtime_factory()
+    agent = bank.agent(runtime)
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+    decision = normalize_decision(request.request_id, Approve(), "kim")
+    await journal_decisions(runtime, "s1", "ana", {request.request_id: decision})
+    assert await runtime.cancel("s1", "ana") is True
+    with pytest.raises(RunCancelledError):
+        await agent.resume("pay", session_id="s1", user_id="ana")
+    assert bank.transfers == []
+
+
+async def test_finished_runs_stay_not_cancellable(runtime_factory: Factory) -> None:
+    runtime = await runtime_factory()
+    async with runtime.session("s1", "ana"):
+        pass
+    assert await _state(runtime) == "finished"
+    assert await runtime.cancel("s1", "ana") is False
+    assert await _state(runtime) == "finished"
+
+
+async def test_edited_sensitive_arguments_are_redacted_in_the_audit_log(
+    runtime_factory: Factory,
+) -> None:
+    bank = Bank()
+    runtime = await runtime_factory()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = bank.agent(runtime, audit)
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+    # The request carries the names the tool declares sensitive, for whoever decides later.
+    assert request.sensitive == ["pin"]
+    assert request.arguments == {"account": "A-1", "pin": "[REDACTED]"}
+
+    # The command line's path: no agent, so no tool; the request's names are enough.
+    edited = normalize_decision(
+        request.request_id, Approve(arguments={"account": "A-2", "pin": "9876"}), "kim"
+    )
+    other = await runtime_factory()
+    decided = await journal_decisions(other, "s1", "ana", {request.request_id: edited})
+    await audit_decision(audit, decided[request.request_id], edited, None)
+    [entry] = (await audit.query(user_id="ana", action=actions.APPROVAL_DECISION)).entries
+    assert entry.payload["arguments"] == {"account": "A-2", "pin": "[REDACTED]"}
+    assert "9876" not in str(entry.payload)
+
+    # The agent's path redacts the same way.
+    (second,) = (await agent.run("pay", session_id="s2", user_id="ana")).pending_approvals
+    await agent.resume(
+        "pay",
+        session_id="s2",
+        user_id="ana",
+        approvals={second.request_id: Approve(arguments={"account": "A-3", "pin": "5555"})},
+        decided_by="kim",
+    )
+    entries = (await audit.query(user_id="ana", limit=100)).entries
+    assert "9876" not in str([e.payload for e in entries])
+    assert "5555" not in str([e.payload for e in entries])
