@@ -125,9 +125,21 @@ class Database(abc.ABC):
     async def execute(self, sql: str, *args: Any, what: str = "statement") -> None:
         await self.fetch(sql, *args, what=what)
 
+    async def count(self, sql: str, *args: Any, what: str = "statement") -> int:
+        """Run one writing statement (committed on return) and return how many rows it
+        changed: a conditional write learns whether it happened without ``RETURNING``,
+        which costs SQLite a quarter more than the write itself."""
+        await self.open()
+        with translate_errors(self.driver_errors, f"{self.backend} {what}", self._explain):
+            return await self._count(self.dialect.sql(sql), *args)
+
     @abc.abstractmethod
     async def _fetch(self, sql: str, *args: Any) -> Rows:
         """Run SQL already in the dialect's form; committed on return."""
+
+    @abc.abstractmethod
+    async def _count(self, sql: str, *args: Any) -> int:
+        """Run SQL already in the dialect's form; committed on return; rows changed."""
 
     @contextlib.asynccontextmanager
     async def transaction(

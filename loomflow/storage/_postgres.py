@@ -102,6 +102,10 @@ class PostgresDatabase(Database):
     async def _fetch(self, sql: str, *args: Any) -> Rows:
         return await self.pool.fetch(sql, *args)  # type: ignore[no-any-return]
 
+    async def _count(self, sql: str, *args: Any) -> int:
+        status: str = await self.pool.execute(sql, *args)  # e.g. "INSERT 0 1", "UPDATE 2"
+        return int(status.rsplit(" ", 1)[-1])
+
     @contextlib.asynccontextmanager
     async def _transaction(self, lock_key: int | None) -> AsyncIterator[Transaction]:
         async with self.pool.acquire() as conn, conn.transaction():
