@@ -245,7 +245,39 @@ def _parent(run_id: str | None) -> tuple[otel_context.Context, _LiveRun | None]:
     return trace.set_span_in_context(live.span, current), live
 
 
-# One step tracer per runtime, whichever Telemetry instrumented it first.
+@dataclass(frozen=True, slots=True, eq=False)
+class _Tracing:
+    """Where a run's step spans go and how they carry its user id: one telemetry's choice."""
+
+    tracer: Tracer | None  # None: that telemetry traces nothing (metrics only)
+    user_ids: UserIds
+    # A proxy of the global provider (the default telemetry's): a no-op until an SDK is set.
+    proxy: bool
+
+    @classmethod
+    def of(cls, tracer: Tracer | None, user_ids: UserIds | None) -> _Tracing:
+        return cls(tracer, user_ids or UserIds(), isinstance(tracer, trace.ProxyTracer))
+
+
+# The telemetry of each agent run in progress, by run id, set by its hooks' run_started: the
+# step tracer is one per runtime, and agents sharing a runtime may each have their own
+# provider and user-id mode.
+_run_tracing: dict[str, _Tracing] = {}
+
+# Set once a telemetry with a tracer of its own (not the global provider's proxy) has traced
+# in this process. Until then, while no SDK is installed, one check answers for every step
+# (the hot path): each span would be a no-op. Process-wide, not per runtime, because a step
+# follows its run's telemetry, which need not be the one that instrumented the step's runtime.
+_explicit_tracing = False
+
+
+def _note(tracing: _Tracing) -> None:
+    global _explicit_tracing
+    if tracing.tracer is not None and not tracing.proxy:
+        _explicit_tracing = True
+
+
+# One step tracer per runtime.
 _traced: weakref.WeakKeyDictionary[Any, _StepTracer] = weakref.WeakKeyDictionary()
 _traced_lock = threading.Lock()
 
@@ -287,24 +319,35 @@ def _fail(span: Span, exc: BaseException, redactor: Redactor | None = None) -> N
 
 
 class _StepTracer:
-    """The runtime's step tracer: one ``loom.workflow.step`` span per journaled step."""
+    """The runtime's step tracer: one ``loom.workflow.step`` span per journaled step.
 
-    def __init__(self, tracer: Tracer, user_ids: UserIds) -> None:
-        self.tracer = tracer
-        self.user_ids = user_ids
-        # The default telemetry's tracer: a proxy of the global provider, whatever it becomes.
-        self.proxy = isinstance(tracer, trace.ProxyTracer)
+    A step of an agent's run is traced by that run's telemetry (``_run_tracing``); a step
+    outside any agent's run (a runtime used directly, a workflow's own nodes, an agent built
+    with ``telemetry=False``) by ``fallback``, the first telemetry that instrumented the runtime.
+    """
+
+    def __init__(self, fallback: _Tracing) -> None:
+        self.fallback = fallback
 
     def __call__(self, start: StepStart) -> contextlib.AbstractContextManager[StepNote | None]:
-        if self.proxy and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        if not _explicit_tracing and isinstance(
+            trace.get_tracer_provider(), trace.ProxyTracerProvider
+        ):
             # No SDK installed yet: every span would be a no-op, so build none. (The run's
             # chat and tool spans, no-ops too, then find no open step, as with no journal.)
             return _NO_SPAN
-        return self._span(start)
+        run_id = get_run_context().run_id
+        tracing = _run_tracing.get(run_id, self.fallback) if run_id else self.fallback
+        if tracing.tracer is None or (
+            tracing.proxy and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        ):
+            return _NO_SPAN
+        return self._span(start, run_id, tracing.tracer, tracing.user_ids)
 
     @contextlib.contextmanager
-    def _span(self, start: StepStart) -> Iterator[StepNote]:
-        run_id = get_run_context().run_id
+    def _span(
+        self, start: StepStart, run_id: str | None, tracer: Tracer, user_ids: UserIds
+    ) -> Iterator[StepNote]:
         attributes: dict[str, Any] = {
             sc.LOOM_STEP_NAME: start.name,
             sc.LOOM_STEP_KIND: start.kind,
@@ -316,11 +359,11 @@ class _StepTracer:
         if start.session_id is not None:
             attributes[sc.SESSION_ID] = start.session_id
             attributes[sc.GEN_AI_CONVERSATION_ID] = start.session_id
-        attributes.update(self.user_ids.attributes(start.user_id))
+        attributes.update(user_ids.attributes(start.user_id))
         if run_id:
             attributes[sc.LOOM_RUN_ID] = run_id
         parent, live = _parent(run_id)
-        span = self.tracer.start_span(
+        span = tracer.start_span(
             sc.STEP_SPAN, context=parent, kind=SpanKind.INTERNAL, attributes=attributes
         )
         if live is not None:
@@ -378,15 +421,18 @@ def instrument(
 ) -> None:
     """Trace (with ``tracer``) and count (with ``metrics``) every journaled step of ``runtime``.
 
-    Idempotent. A runtime is traced by the first tracer that instruments it (with that
-    telemetry's ``user_ids``); a runtime without a journal (an agent with ``runtime=None``) has
-    no steps and is left alone.
+    Idempotent. The steps of an agent's run are traced by that agent's telemetry (its tracer
+    and ``user_ids``), whichever telemetry instrumented the runtime; steps made outside any
+    agent's run, by the first tracer that instrumented it. A runtime without a journal (an
+    agent with ``runtime=None``) has no steps and is left alone.
     """
     if tracer is not None and hasattr(runtime, "add_step_tracer"):
+        tracing = _Tracing.of(tracer, user_ids)
+        _note(tracing)
         with _traced_lock:
             fresh = runtime not in _traced
             if fresh:
-                _traced[runtime] = _StepTracer(tracer, user_ids or UserIds())
+                _traced[runtime] = _StepTracer(tracing)
         if fresh:
             runtime.add_step_tracer(_traced[runtime])
     if metrics is not None:
@@ -408,6 +454,7 @@ class TelemetryHooks(RunHooks):
         self.metrics = metrics
         self.content = content
         self.user_ids = user_ids or UserIds()
+        self._tracing = _Tracing.of(tracer, self.user_ids)
         self._started: dict[str, float] = {}  # run id -> monotonic start, for run duration
 
     @staticmethod
@@ -428,6 +475,11 @@ class TelemetryHooks(RunHooks):
     async def run_started(self, info: RunInfo) -> None:
         # The run's journal (the enclosing run's for a sub-agent); instrumenting is idempotent.
         runtime = info.runtime
+        # Registered before instrumenting, and even without a tracer: this run's steps follow
+        # this telemetry, not the runtime's first (a metrics-only or "omit" agent's steps must
+        # not be traced with another agent's tracer or user-id mode).
+        _run_tracing[info.run_id] = self._tracing
+        _note(self._tracing)
         if runtime is not None:
             instrument(runtime, self.tracer, self.metrics, self.user_ids)
         if self.metrics is not None:
@@ -478,6 +530,8 @@ class TelemetryHooks(RunHooks):
             outcome = "interrupted"
         else:
             outcome = "finished"
+        if _run_tracing.get(info.run_id) is self._tracing:
+            del _run_tracing[info.run_id]
         if self.metrics is not None:
             started = self._started.pop(info.run_id, None)
             _retry_counters.pop(info.run_id, None)

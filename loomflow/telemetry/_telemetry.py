@@ -55,7 +55,8 @@ class Telemetry:
         settings: Where ``None`` options are read from (default: the environment).
 
     The first run of an agent instruments the agent's runtime (steps become spans and are
-    counted); call :meth:`instrument` to trace a runtime used without an agent.
+    counted); call :meth:`instrument` to trace a runtime used without an agent. Agents that
+    share a runtime each trace their own runs' steps, with their own provider and ``user_ids``.
 
     Example:
         >>> telemetry = Telemetry(metrics=Metrics(CollectorRegistry()))  # doctest: +SKIP
@@ -129,8 +130,9 @@ class Telemetry:
     def instrument(self, runtime: Any) -> None:
         """Trace and count every journaled step of ``runtime`` (idempotent).
 
-        A runtime is traced by the first ``Telemetry`` that instruments it; a runtime without
-        a journal (an agent with ``runtime=None``) has no steps and is left alone.
+        The steps of an agent's run follow that agent's telemetry; steps made outside any
+        agent's run follow the first ``Telemetry`` that instrumented the runtime. A runtime
+        without a journal (an agent with ``runtime=None``) has no steps and is left alone.
         """
         instrument(runtime, self.tracer, self.metrics, self._user_ids)
 

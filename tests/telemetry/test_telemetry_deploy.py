@@ -69,7 +69,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_alert_rules_pass_promtool_check() -> None:
     done = promtool("check", "rules", str(RULES))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 12 rules found" in done.stdout
+    assert "SUCCESS: 13 rules found" in done.stdout
 
 
 def test_the_alert_rules_pass_their_unit_tests() -> None:
@@ -381,7 +381,7 @@ def test_a_real_prometheus_scrapes_a_workload_and_the_dashboard_reads_its_replay
     def rules_evaluated() -> bool:
         groups = prometheus.get("/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return len(rules) == 12 and all(r["health"] == "ok" for r in rules)
+        return len(rules) == 13 and all(r["health"] == "ok" for r in rules)
 
     wait_for("the rules to evaluate", rules_evaluated)
 
