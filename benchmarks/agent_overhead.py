@@ -88,13 +88,18 @@ async def count_writes(runtime: JournalRuntime, turns: int) -> int:
     """Commits that write during one fresh run (traced on the runtime's own database)."""
     db: Any = runtime.database  # type: ignore[attr-defined]
     writes = 0
-    fetch, transaction = db._fetch, db._transaction
+    fetch, count, transaction = db._fetch, db._count, db._transaction
 
     async def counting_fetch(sql: str, *args: Any) -> Any:
         nonlocal writes
         if sql.lstrip().split(None, 1)[0].upper() in WRITES:
             writes += 1
         return await fetch(sql, *args)
+
+    async def counting_count(sql: str, *args: Any) -> Any:
+        nonlocal writes
+        writes += 1  # Database.count runs writing statements only
+        return await count(sql, *args)
 
     @contextlib.asynccontextmanager
     async def counting_transaction(lock_key: int | None) -> AsyncIterator[Any]:
@@ -117,11 +122,11 @@ async def count_writes(runtime: JournalRuntime, turns: int) -> int:
             yield tx
         writes += wrote  # one commit, however many statements
 
-    db._fetch, db._transaction = counting_fetch, counting_transaction
+    db._fetch, db._count, db._transaction = counting_fetch, counting_count, counting_transaction
     try:
         await _agent(runtime, turns).run("count", session_id=f"count-{ULID()}", user_id="u")
     finally:
-        del db._fetch, db._transaction
+        del db._fetch, db._count, db._transaction
     return writes
 
 

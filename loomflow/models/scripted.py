@@ -59,6 +59,8 @@ def approx_tokens(text: str) -> int:
 
 
 def _message_tokens(message: Message) -> int:
+    if not message.tool_calls:
+        return approx_tokens(message.content)
     calls = "".join(c.name + json.dumps(c.arguments, sort_keys=True) for c in message.tool_calls)
     return approx_tokens(message.content) + approx_tokens(calls)
 

@@ -81,6 +81,8 @@ class Scope:
 
 def path_key(path: Sequence[str]) -> str:
     """Encode a sub-run path (a tuple of segments) injectively."""
+    if not path:
+        return "[]"  # the outermost run: every step of a plain run, no encoding needed
     return _key(*path)
 
 

@@ -514,7 +514,14 @@ def _canonical_text(value: Any, depth: int) -> str:
             text = _canonical_json(_encode_value(value, depth))
             _canonical.put(value, depth, text)
         return str(text)
+    if t is int:  # a turn or slot number: the text json.dumps gives, without its set-up
+        return int.__repr__(value)
+    if t is str:
+        return _json_string(value)
     return _canonical_json(_encode(value, depth))
+
+
+_json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
 
 
 def _canonical_json(data: Any) -> str:
