@@ -16,11 +16,15 @@ from pydantic import BaseModel
 __all__ = ["canonical_json", "json_safe"]
 
 
+# Built once (json.dumps builds an encoder per call when given options).
+_canonical = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+).encode
+
+
 def canonical_json(value: Any) -> str:
     """The one JSON spelling of ``value`` that hashes are computed over."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
+    return _canonical(value)
 
 
 def json_safe(value: Any) -> Any:

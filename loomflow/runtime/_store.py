@@ -56,7 +56,10 @@ hand-edited row) is reported as ``unreadable`` instead of failing the listing.
 def _key(*parts: str | None) -> str:
     # JSON arrays of strings/nulls are injective: no user id, however it is spelled
     # (quotes, separators, "None"), can produce another scope's key.
-    return json.dumps(list(parts), ensure_ascii=False, separators=(",", ":"))
+    return _compact(list(parts))
+
+
+_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 @dataclass(frozen=True, slots=True)
