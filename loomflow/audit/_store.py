@@ -17,7 +17,7 @@ from typing import Any, Literal, TextIO
 
 from .._ids import check_id, check_key
 from .._progress import OnProgress, Progress
-from ..errors import AuditError, LegalHoldError, UserError
+from ..errors import AuditError, InvalidArgumentError, LegalHoldError, UserError
 from ._entry import (
     DIGESTED_VERSION,
     GENESIS,
@@ -622,15 +622,21 @@ class AuditStore(abc.ABC):
         and loses the payloads written before the cut-off (see :meth:`erase`).
 
         Raises:
-            UserError: ``older_than`` is not a positive timedelta.
+            UserError: ``older_than`` is not a positive timedelta, or reaches before year 1
+                (:class:`~loomflow.errors.InvalidArgumentError`).
             ErasureRefusedError: the database role may not erase.
         """
         if not isinstance(older_than, dt.timedelta) or older_than <= dt.timedelta(0):
             raise UserError(f"older_than must be a positive timedelta, not {older_than!r}")
+        try:
+            cutoff = dt.datetime.now(dt.UTC) - older_than
+        except OverflowError:  # timedelta(days=999_999): before year 1
+            raise InvalidArgumentError(
+                f"older_than {older_than!r} is out of range: it reaches back before year 1"
+            ) from None
         await self.open()
         if not dry_run:
             await self.check_can_erase()
-        cutoff = dt.datetime.now(dt.UTC) - older_than
         report = RetentionReport(cutoff)
         held = {user_key(h.user_id) for h in await self.legal_holds()}
         counts = await self._payloads_before(time_us_of(cutoff))

@@ -31,7 +31,7 @@ from loomflow.audit import (
     verify_lines,
 )
 from loomflow.audit._entry import canonical_json, user_key
-from loomflow.errors import LegalHoldError, UserError
+from loomflow.errors import InvalidArgumentError, LegalHoldError, UserError
 
 SECRET = "ana.secret@example.com"
 
@@ -292,6 +292,22 @@ async def test_erase_refuses_bad_arguments(
         await store.erase("a\x00b", reason="forget")
     with pytest.raises(UserError, match="older_than"):
         await store.retain(dt.timedelta(0))
+
+
+async def test_times_out_of_range_are_refused_not_overflowed(store: AuditStore) -> None:
+    await store.append(_records("ana", 2))
+    with pytest.raises(InvalidArgumentError, match="older_than"):
+        await store.retain(dt.timedelta(days=999_999_999), dry_run=True)
+    for bad in (1e300, -1e300, float("inf"), float("nan")):
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            await store.query(since=bad)
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            await store.count(until=bad)
+    # The ends of the calendar are times like any other.
+    early = dt.datetime(1, 1, 1, tzinfo=dt.UTC)
+    late = dt.datetime(9999, 12, 31, tzinfo=dt.UTC)
+    assert len((await store.query(since=early, until=late)).entries) == 2
+    assert (await store.retain(dt.timedelta(days=365_000), dry_run=True)).erased == {}
 
 
 async def test_sqlite_verify_catches_a_payload_erased_behind_its_back(tmp_path: Path) -> None:

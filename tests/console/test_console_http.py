@@ -524,6 +524,40 @@ def test_ages_and_bad_filters(console: Server) -> None:
         assert http.get("/api/verify").json()["ok"] is True
 
 
+def test_times_out_of_range_are_a_400_naming_the_filter(console: Server) -> None:
+    hostile = [
+        ("since", "999999d"),
+        ("until", "99999999999d"),
+        ("since", "9" * 5000 + "d"),
+        ("since", "9999-12-31T23:59:59-12:00"),  # year 10000 once in UTC
+        ("until", "0001-01-01T00:00:00+05:00"),  # year 0 once in UTC
+    ]
+    routes = [
+        ("/users/bob", {}),
+        ("/trail", {"user": BOB}),
+        ("/export", {"user": BOB}),
+        ("/export", {"user": BOB, "limit": "25"}),
+    ]
+    with console.client(ADMIN) as http:
+        for name, value in hostile:
+            for route, extra in routes:
+                params = extra | {name: value}
+                api = http.get("/api" + route, params=params)
+                assert api.status_code == 400, (route, name, value, api.text[:200])
+                error = api.json()["error"]
+                assert error.startswith(f"{name}: "), error
+                assert "out of range" in error, error
+                page = http.get(route, params=params)
+                assert page.status_code == 400, (route, name, value)
+                assert f"{name}: " in page.text
+                assert "out of range" in page.text
+                assert len(page.text) < 20_000  # the 5000 digits are not echoed back whole
+        # The longest age there is, and the ends of the calendar, are fine.
+        for name, value in (("since", "365000d"), ("since", "0001-01-01"), ("until", "9999-12-31")):
+            assert http.get("/api/users/bob", params={name: value}).status_code == 200, value
+        assert http.get("/api/verify").json()["ok"] is True
+
+
 @pytest.mark.postgres
 def test_the_console_on_postgresql(pg_dsn: str) -> None:
     settings = Settings(runtime_url=pg_dsn, console_token=ADMIN)
