@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_serializer, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ._timefmt import MAX_AGE
+
 __all__ = ["Settings"]
 
 # Settings that are URLs and may carry a password (``postgresql://app:pw@db/app``): the code
@@ -154,6 +156,7 @@ class Settings(BaseSettings):
     journal_retention_days: float | None = Field(
         default=None,
         gt=0,
+        le=MAX_AGE.days,  # 1000 years: beyond it the cutoff is no date (and inf overflows)
         description=(
             "How long journal entries of finished runs are kept: `loomflow journal prune` "
             "without `--older-than` deletes only entries (and idempotency results) older than "

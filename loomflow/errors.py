@@ -30,7 +30,8 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     ├── AuditError                     the audit log could not do what was asked
     │   ├── AuditIntegrityError        the stored trail is damaged (run ``audit verify``)
     │   ├── ErasureRefusedError        the database role may not erase audit payloads
-    │   └── LegalHoldError             the user is under legal hold: nothing may be erased
+    │   ├── LegalHoldError             the user is under legal hold: nothing may be erased
+    │   └── ProtectedChainError        a console chain (who looked at what) cannot be forgotten
     ├── CheckpointError                a checkpoint could not be found or read back
     │   └── CheckpointNotFoundError    no checkpoint with that id for this session and user
     ├── OutputValidationError          the final answer never fitted the run's output_type
@@ -100,6 +101,7 @@ __all__ = [
     "OutputValidationError",
     "OwnershipLostError",
     "PayloadTooLargeError",
+    "ProtectedChainError",
     "ReplayDivergenceError",
     "RunCancelledError",
     "ScriptExhaustedError",
@@ -250,6 +252,19 @@ class LegalHoldError(AuditError):
         super().__init__(message)
         self.user_id = user_id
         self.reason = reason
+
+
+class ProtectedChainError(AuditError):
+    """The chain is the console's record of who looked at what (user id ``console:<name>``):
+    forgetting it would erase that record, so ``forget_user`` refuses it.
+
+    Attributes:
+        user_id: The chain named.
+    """
+
+    def __init__(self, message: str, *, user_id: str | None = None) -> None:
+        super().__init__(message)
+        self.user_id = user_id
 
 
 class UnknownUserError(UserError):

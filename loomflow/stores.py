@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._ids import check_id
 from .config import Settings
-from .errors import UnknownUserError, UserError
+from .errors import ProtectedChainError, UnknownUserError, UserError
 from .storage import Database
 from .storage._schemes import SCHEMES, StoreKind, check_scheme, scheme_of
 
@@ -161,6 +161,8 @@ class ForgetReport:
         budget: The user's budget buckets deleted (global totals stay).
         audit_erased: Audit payloads erased (the entries stay, chained).
         audit_record_seq: ``seq`` of the ``audit.erasure`` entry recording the forget.
+        console_erased: Payloads of console chains (``console:<name>``) erased because they
+            named the user: the looks at their trail, searches for them.
     """
 
     user_id: str | None
@@ -170,6 +172,7 @@ class ForgetReport:
     budget: int = 0
     audit_erased: int = 0
     audit_record_seq: int | None = None
+    console_erased: int = 0
 
     def deleted(self) -> dict[str, int]:
         """What went from the stores other than the audit log, by store."""
@@ -187,6 +190,7 @@ class ForgetReport:
             "memory_by_kind": dict(self.memory),
             "audit_erased": self.audit_erased,
             "audit_record_seq": self.audit_record_seq,
+            "console_erased": self.console_erased,
         }
 
 
@@ -423,24 +427,41 @@ class Stores:
         rows (``JournalRuntime.forget_user``), checkpoints, memory (episodes, facts, blocks)
         and per-user budget buckets, then erases the payloads of the user's audit entries,
         recording the forget (with these counts and no personal data) as an ``audit.erasure``
-        entry in the user's trail. The chain still verifies afterwards. Each step is
+        entry in the user's trail. Last, the console's chains (``console:<name>``) lose the
+        payloads of the entries that name the user (a look at their trail, a search for
+        them), each chain with an ``audit.erasure`` entry of its own listing the seqs, so
+        the user's id is left in no payload and every chain still verifies. Each step is
         idempotent, so running it again after a crash finishes the work. Run it as the tables'
         owner: the application role may not erase audit payloads.
 
-        Not erased: the user id itself and the other fields of audit entries (action, time,
-        session and run ids, actor); see docs/audit.md, "Erasure, retention and legal hold".
+        Not erased: the user id itself on the user's own entries and the other fields of audit
+        entries (action, time, session and run ids, actor); see docs/audit.md, "Erasure,
+        retention and legal hold". A console look at the user after the forget names them
+        again; forget again to erase it.
 
         Raises:
-            LegalHoldError: the user is under legal hold (nothing is deleted).
+            LegalHoldError: the user, or a console chain naming them, is under legal hold
+                (nothing is deleted).
+            ProtectedChainError: ``user_id`` is a console chain (``console:<name>``).
             UnknownUserError: no store holds anything about the user.
             ErasureRefusedError: the audit store's role may not erase payloads.
         """
+        from .audit.actions import CONSOLE_CHAINS
+
         check_id("user_id", user_id)
+        if user_id is not None and user_id.startswith(CONSOLE_CHAINS):
+            raise ProtectedChainError(
+                f"{user_id!r} is a console chain, the record of who looked at what: it is not "
+                "forgotten (forgetting a user erases the entries of it that name them)",
+                user_id=user_id,
+            )
         audit = self.audit
         await audit.check_not_held(user_id)
         await audit.check_can_erase()  # before anything is deleted anywhere
         if not await self._knows(user_id):
             raise UnknownUserError(f"no store holds anything about user {user_id!r}")
+        for chain in await self._console_mentions(user_id):
+            await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
         report = ForgetReport(user_id)
         runtime = self.runtime
         if runtime is not None:
@@ -451,7 +472,30 @@ class Stores:
         report.budget = await self.budget.forget_user(user_id)
         done = await audit.erase(user_id, reason="forget", actor=actor, deleted=report.deleted())
         report.audit_erased, report.audit_record_seq = done.erased, done.record_seq
+        # Looked up again: a look at the user while the stores were being emptied counts too.
+        for chain, seqs in (await self._console_mentions(user_id)).items():
+            erased = await audit.erase_entries(chain, seqs, reason="forget", actor=actor)
+            report.console_erased += erased.erased
         return report
+
+    async def _console_mentions(self, user_id: str | None) -> dict[str, list[int]]:
+        """The entries of console chains whose payload names ``user_id``, by chain.
+
+        "Names" is any text in the payload holding the id (the viewed user, a search, a
+        path), keys included. The anonymous bucket has no id to name: nothing is found."""
+        from .audit.actions import CONSOLE_CHAINS, KEPT_BY_ERASURE
+
+        if user_id is None:
+            return {}
+        found: dict[str, list[int]] = {}
+        for head in await self.audit.heads():
+            chain = head.user_id
+            if chain is None or not chain.startswith(CONSOLE_CHAINS):
+                continue
+            async for entry in self.audit.entries(user_id=chain):
+                if entry.action not in KEPT_BY_ERASURE and _names(entry.payload, user_id):
+                    found.setdefault(chain, []).append(entry.seq)
+        return found
 
     async def _knows(self, user_id: str | None) -> bool:
         """Whether any store holds something about the user."""
@@ -545,3 +589,14 @@ def _iso(when: float | dt.datetime | None) -> str | None:
     from ._timefmt import iso_time  # the CLI's --json time format, shared by the export
 
     return iso_time(when)
+
+
+def _names(value: Any, user_id: str) -> bool:
+    """Whether a payload (JSON) holds ``user_id`` in any of its texts, keys included."""
+    if isinstance(value, str):
+        return user_id in value
+    if isinstance(value, dict):
+        return any(_names(k, user_id) or _names(v, user_id) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_names(v, user_id) for v in value)
+    return False

@@ -50,7 +50,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .._ids import check_id, check_key
 from .._json import canonical_json, json_safe
-from ..errors import AuditError, UserError
+from .._timefmt import holdable_seconds
+from ..errors import AuditError, InvalidArgumentError, UserError
 
 __all__ = [
     "AuditEntry",
@@ -163,6 +164,9 @@ def time_us_of(value: dt.datetime | float | int) -> int:
         return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise UserError(f"a time must be a datetime or Unix seconds, not {value!r}")
+    if not holdable_seconds(value):
+        # inf, NaN, 1e300: round() would raise, or make an integer no column can bind.
+        raise InvalidArgumentError(f"{value!r} Unix seconds is out of range: no date holds it")
     return round(value * 1_000_000)
 
 

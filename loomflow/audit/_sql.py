@@ -185,19 +185,27 @@ class SqlAuditStore(AuditStore):
             last_key, last_seq = str(rows[-1][0]), int(rows[-1][3])
 
     async def _tombstone(
-        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+        self,
+        key: str,
+        below_seq: int,
+        before_us: int | None,
+        old_seqs: Sequence[int],
+        *,
+        sweep: bool = True,
     ) -> int:
         erase = f"UPDATE loom_audit SET payload = '{_ERASED}', payload_salt = NULL"
         live = f"user_key = $1 AND payload <> '{_ERASED}' AND action NOT IN ({_KEPT})"
         try:
             # Under the user's append lock, so no entry of theirs is written meanwhile.
             async with self.db.transaction(lock_key=lock_key(key), what="audit erasure") as tx:
-                args: list[Any] = [key, below_seq]
-                sql = f"{erase} WHERE {live} AND seq < $2 AND hash_version >= 3"
-                if before_us is not None:
-                    args.append(before_us)
-                    sql += " AND time_us < $3"
-                erased = len(await tx.fetch(sql + " RETURNING 1", *args))
+                erased = 0
+                if sweep:
+                    args: list[Any] = [key, below_seq]
+                    sql = f"{erase} WHERE {live} AND seq < $2 AND hash_version >= 3"
+                    if before_us is not None:
+                        args.append(before_us)
+                        sql += " AND time_us < $3"
+                    erased = len(await tx.fetch(sql + " RETURNING 1", *args))
                 for at in range(0, len(old_seqs), 500):
                     chunk = [int(s) for s in old_seqs[at : at + 500] if int(s) < below_seq]
                     if not chunk:

@@ -17,7 +17,7 @@ from typing import Any, Literal, TextIO
 
 from .._ids import check_id, check_key
 from .._progress import OnProgress, Progress
-from ..errors import AuditError, LegalHoldError, UserError
+from ..errors import AuditError, InvalidArgumentError, LegalHoldError, UserError
 from ._entry import (
     DIGESTED_VERSION,
     GENESIS,
@@ -515,14 +515,77 @@ class AuditStore(abc.ABC):
         )
         return ErasureResult(user_id, record.seq, erased)
 
+    async def erase_entries(
+        self,
+        user_id: str | None,
+        seqs: Iterable[int],
+        *,
+        reason: str,
+        actor: str = "loomflow",
+    ) -> ErasureResult:
+        """Erase the payloads of the chosen entries of one user's chain, and no others.
+
+        For a chain whose entries name someone else: after a forget, the console's chains
+        (``console:<name>``) lose the payloads of the looks at the forgotten user, while the
+        rest of who looked at what stays. As with :meth:`erase`, an ``audit.erasure`` entry
+        (the reason, the ``seqs`` erased, their count, ``pre_v3`` digests) is appended first,
+        so the chain keeps verifying. Seqs already erased, missing, or of erasure and hold
+        records are skipped; with none left nothing is written (``record_seq`` is ``None``).
+
+        Raises:
+            LegalHoldError: the chain's user is under legal hold.
+            ErasureRefusedError: the database role may not erase (the application role).
+        """
+        check_id("user_id", user_id)
+        _check_text("reason", reason)
+        _check_text("actor", actor)
+        await self.check_not_held(user_id)
+        await self.check_can_erase()
+        wanted = {int(s) for s in seqs}
+        chosen: list[int] = []
+        old: dict[str, str] = {}
+        if wanted:
+            async for entry in self.entries(user_id=user_id):
+                if entry.seq not in wanted or entry.payload is None:
+                    continue
+                if entry.action in KEPT_BY_ERASURE:
+                    continue
+                chosen.append(entry.seq)
+                if entry.hash_version < DIGESTED_VERSION:
+                    old[str(entry.seq)] = entry.rest_digest()
+        if not chosen:
+            return ErasureResult(user_id, None, 0)
+        payload = {
+            "reason": reason,
+            "before": None,
+            "entries": len(chosen),
+            "seqs": chosen,
+            "pre_v3": old,
+        }
+        [record] = await self.append(
+            AuditRecord(user_id=user_id, actor=actor, action=AUDIT_ERASURE, payload=payload)
+        )
+        hold = _hold_of(await self._last_hold_entry(user_id, before_seq=record.seq))
+        if hold is not None:  # placed meanwhile: it still wins, as in erase()
+            raise _held(hold)
+        erased = await self._tombstone(user_key(user_id), record.seq, None, chosen, sweep=False)
+        return ErasureResult(user_id, record.seq, erased)
+
     async def _tombstone(
-        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+        self,
+        key: str,
+        below_seq: int,
+        before_us: int | None,
+        old_seqs: Sequence[int],
+        *,
+        sweep: bool = True,
     ) -> int:
         """Erase the payloads (and salts) of one user's entries before ``below_seq``.
 
-        Version 3 entries (written before ``before_us`` if given) and the older entries at
-        ``old_seqs``; never the actions of ``KEPT_BY_ERASURE``, never one already erased.
-        Returns how many were erased; atomic per call.
+        Version 3 entries (written before ``before_us`` if given; none with ``sweep=False``)
+        and the entries at ``old_seqs``, whatever their version; never the actions of
+        ``KEPT_BY_ERASURE``, never one already erased. Returns how many were erased; atomic
+        per call.
         """
         raise AuditError(f"{type(self).__name__} cannot erase payloads")
 
@@ -622,15 +685,21 @@ class AuditStore(abc.ABC):
         and loses the payloads written before the cut-off (see :meth:`erase`).
 
         Raises:
-            UserError: ``older_than`` is not a positive timedelta.
+            UserError: ``older_than`` is not a positive timedelta, or reaches before year 1
+                (:class:`~loomflow.errors.InvalidArgumentError`).
             ErasureRefusedError: the database role may not erase.
         """
         if not isinstance(older_than, dt.timedelta) or older_than <= dt.timedelta(0):
             raise UserError(f"older_than must be a positive timedelta, not {older_than!r}")
+        try:
+            cutoff = dt.datetime.now(dt.UTC) - older_than
+        except OverflowError:  # timedelta(days=999_999): before year 1
+            raise InvalidArgumentError(
+                f"older_than {older_than!r} is out of range: it reaches back before year 1"
+            ) from None
         await self.open()
         if not dry_run:
             await self.check_can_erase()
-        cutoff = dt.datetime.now(dt.UTC) - older_than
         report = RetentionReport(cutoff)
         held = {user_key(h.user_id) for h in await self.legal_holds()}
         counts = await self._payloads_before(time_us_of(cutoff))

@@ -19,6 +19,7 @@ __all__ = [
     "BUDGET_DENIED",
     "BUDGET_UNAVAILABLE",
     "BUDGET_WARNING",
+    "CONSOLE_CHAINS",
     "GUARDRAIL_TRIP",
     "KEPT_BY_ERASURE",
     "LEGAL_HOLD_PLACED",
@@ -119,3 +120,8 @@ LEGAL_HOLD_RELEASED: Final = "legal_hold.released"
 
 KEPT_BY_ERASURE: Final = (AUDIT_ERASURE, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED)
 """Actions whose payloads erasure leaves in place: the record of erasures and holds."""
+
+CONSOLE_CHAINS: Final = "console:"
+"""Not an action: the prefix of the user ids of the console's own chains (``console:<name>``),
+where each query records who looked at what. Their payloads name the users looked at, so a
+forget erases those payloads; the chains themselves cannot be forgotten."""

@@ -77,7 +77,13 @@ class InMemoryAuditStore(AuditStore):
         return {k: h for k, h in self._heads_by_key.items() if only is None or k == only}
 
     async def _tombstone(
-        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+        self,
+        key: str,
+        below_seq: int,
+        before_us: int | None,
+        old_seqs: Sequence[int],
+        *,
+        sweep: bool = True,
     ) -> int:
         old = set(old_seqs)
         erased = 0
@@ -89,11 +95,19 @@ class InMemoryAuditStore(AuditStore):
                 or entry.action in KEPT_BY_ERASURE
             ):
                 continue
-            if entry.hash_version >= DIGESTED_VERSION:
-                if before_us is not None and entry.time_us >= before_us:
-                    continue
-            elif entry.seq not in old:
+            if not _taken(entry, before_us, old, sweep):
                 continue
             self.all_entries[position] = entry.tombstoned()
             erased += 1
         return erased
+
+
+def _taken(entry: AuditEntry, before_us: int | None, old: set[int], sweep: bool) -> bool:
+    """Whether erasure takes this (live, early enough) entry: listed, or swept by time."""
+    if entry.seq in old:
+        return True
+    return (
+        sweep
+        and entry.hash_version >= DIGESTED_VERSION
+        and (before_us is None or entry.time_us < before_us)
+    )

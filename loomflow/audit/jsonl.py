@@ -376,15 +376,15 @@ class JsonlAuditStore(AuditStore):
         return entries
 
     def _tombstone_sync(
-        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int], sweep: bool
     ) -> int:
         try:
-            return self._tombstone_locked(key, below_seq, before_us, set(old_seqs))
+            return self._tombstone_locked(key, below_seq, before_us, set(old_seqs), sweep)
         except OSError as exc:
             raise AuditError(f"cannot erase in the audit log {self.path}: {exc}") from exc
 
     def _tombstone_locked(
-        self, key: str, below_seq: int, before_us: int | None, old_seqs: set[int]
+        self, key: str, below_seq: int, before_us: int | None, old_seqs: set[int], sweep: bool
     ) -> int:
         """Rewrite the file with the user's payloads erased, then swap it in by rename.
 
@@ -412,7 +412,7 @@ class JsonlAuditStore(AuditStore):
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
                 with os.fdopen(fd, "wb") as out:
                     for _start, raw in self._line_spans(size):
-                        entry = _erasable(raw, key, below_seq, before_us, old_seqs)
+                        entry = _erasable(raw, key, below_seq, before_us, old_seqs, sweep)
                         if entry is not None:
                             raw = (entry.tombstoned().to_line() + "\n").encode("utf-8")
                             erased += 1
@@ -439,9 +439,17 @@ class JsonlAuditStore(AuditStore):
             return erased
 
     async def _tombstone(
-        self, key: str, below_seq: int, before_us: int | None, old_seqs: Sequence[int]
+        self,
+        key: str,
+        below_seq: int,
+        before_us: int | None,
+        old_seqs: Sequence[int],
+        *,
+        sweep: bool = True,
     ) -> int:
-        return await asyncio.to_thread(self._tombstone_sync, key, below_seq, before_us, old_seqs)
+        return await asyncio.to_thread(
+            self._tombstone_sync, key, below_seq, before_us, old_seqs, sweep
+        )
 
     def _write_lines(self, data: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
@@ -585,7 +593,7 @@ ScanItem = tuple[str, int, int, AuditEntry | ChainProblem]
 
 
 def _erasable(
-    raw: bytes, key: str, below_seq: int, before_us: int | None, old_seqs: set[int]
+    raw: bytes, key: str, below_seq: int, before_us: int | None, old_seqs: set[int], sweep: bool
 ) -> AuditEntry | None:
     """The entry on this line if erasure takes its payload (see ``AuditStore._tombstone``)."""
     try:
@@ -599,9 +607,11 @@ def _erasable(
         or entry.action in KEPT_BY_ERASURE
     ):
         return None
-    if entry.hash_version >= DIGESTED_VERSION:
+    if entry.seq in old_seqs:
+        return entry
+    if sweep and entry.hash_version >= DIGESTED_VERSION:
         return entry if before_us is None or entry.time_us < before_us else None
-    return entry if entry.seq in old_seqs else None
+    return None
 
 
 def _chain_order(item: ScanItem) -> tuple[str, int, int]:

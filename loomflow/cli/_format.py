@@ -4,24 +4,34 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import re
 from collections.abc import Sequence
 from typing import Any
 
-from .._timefmt import iso_time
+from .._timefmt import iso_time, parse_age, parse_when
+from ..errors import InvalidArgumentError
 
-__all__ = ["duration", "iso_time", "login", "positive_int", "table"]
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+__all__ = ["duration", "iso_time", "login", "positive_int", "table", "when"]
 
 
 def duration(text: str) -> dt.timedelta:
-    """``30m``, ``12h``, ``7d``... as an argparse type."""
-    match = _DURATION.match(text.strip())
-    if not match:
+    """``30m``, ``12h``, ``7d``... as an argparse type (every ``--older-than``)."""
+    try:
+        age = parse_age(text)
+    except InvalidArgumentError as exc:
+        # ArgumentTypeError, not the ValueError it is: argparse would hide the message.
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if age is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h or 7d")
-    return dt.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+    return age
+
+
+def when(text: str) -> dt.datetime:
+    """``24h`` / ``7d`` (that long ago), or an ISO 8601 date or time (UTC unless it says), as
+    an argparse type (``--since``, ``--until``)."""
+    try:
+        return parse_when(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def login() -> str:

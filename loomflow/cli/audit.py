@@ -8,7 +8,6 @@ for scripts. ``verify`` exits 1 when it finds a problem, so a cron job can alert
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -26,26 +25,11 @@ from ..audit import (
 from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
-from ._format import duration, positive_int, table
+from ._format import duration, positive_int, table, when
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
 
 __all__ = ["register"]
-
-
-def _when(text: str) -> dt.datetime:
-    """``24h`` / ``7d`` (that long ago), or an ISO 8601 date or time (UTC unless it says)."""
-    try:
-        return dt.datetime.now(dt.UTC) - duration(text)
-    except argparse.ArgumentTypeError:
-        pass
-    try:
-        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a time like 2026-05-08T12:00:00Z nor an age like 24h or 7d"
-        ) from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
 def _filters(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +39,8 @@ def _filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session", dest="session_id", help="only this session")
     parser.add_argument("--run", dest="run_id", help="only this run")
     parser.add_argument("--action", help="only this action, or a family such as 'tool.*'")
-    parser.add_argument("--since", type=_when, help="from this time or age (e.g. 24h, 2026-05-01)")
-    parser.add_argument("--until", type=_when, help="before this time or age")
+    parser.add_argument("--since", type=when, help="from this time or age (e.g. 24h, 2026-05-01)")
+    parser.add_argument("--until", type=when, help="before this time or age")
 
 
 def register(subparsers: Any) -> None:

@@ -99,6 +99,11 @@ async def _handle(args: argparse.Namespace) -> int:
                 print(
                     f"forgot user {user!r}: deleted {gone}; erased {report.audit_erased} audit "
                     f"payload(s), recorded as audit entry {report.audit_record_seq}"
+                    + (
+                        f"; erased {report.console_erased} console payload(s) naming them"
+                        if report.console_erased
+                        else ""
+                    )
                 )
         elif command == "hold":
             placed = await audit.place_hold(user, reason=args.reason, actor="cli:users-hold")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -37,8 +36,9 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from .._ids import check_id, check_key
+from .._timefmt import parse_when
 from ..audit import ANY_USER
-from ..errors import LoomflowError, StorageError, UserError
+from ..errors import InvalidArgumentError, LoomflowError, StorageError, UserError
 from ..runtime import RUN_STATES
 from ._access import ConsoleAccess, Principal, Role, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
@@ -89,25 +89,17 @@ def _query_url(path: str, user_id: str | None, **more: Any) -> str:
     return path + "?" + urlencode(params)
 
 
-_AGE = re.compile(r"(\d{1,6})([mhd])")
-_UNITS = {"m": "minutes", "h": "hours", "d": "days"}
-
-
 def _time(text: str | None, what: str) -> dt.datetime | None:
     """A time from a filter box: an ISO date or time (UTC unless it says), or an age such as
-    ``24h`` or ``7d`` (that long ago), as ``loomflow audit query --since`` takes them."""
+    ``24h`` or ``7d`` (that long ago), read as ``loomflow audit query --since`` reads them.
+    A value out of range (``999999d``, ``9999-12-31T23:00-05:00``) is a 400 naming the box,
+    never an OverflowError."""
     if not text:
         return None
-    if (age := _AGE.fullmatch(text.strip())) is not None:
-        ago = dt.timedelta(**{_UNITS[age.group(2)]: int(age.group(1))})
-        return dt.datetime.now(dt.UTC) - ago
     try:
-        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise _Refused(
-            400, f"{what} must be a date or time like 2026-05-08T12:00, or an age like 24h or 7d"
-        ) from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+        return parse_when(text)
+    except InvalidArgumentError as exc:
+        raise _Refused(400, f"{what}: {exc}") from None
 
 
 def _env() -> Environment:

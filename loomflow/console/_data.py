@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
+from ..audit.actions import CONSOLE_CHAINS
 from ..errors import JournalError, LoomflowError
 from ..redaction import Redactor
 from ..runtime import EntryInfo, SessionInfo
@@ -49,7 +50,7 @@ _STORY_LIMIT = 2000  # entries of one run shown; a longer run says so
 
 def console_user_id(principal: Principal) -> str:
     """The audit chain a console user's own queries go to."""
-    return f"console:{principal.name}"
+    return f"{CONSOLE_CHAINS}{principal.name}"
 
 
 @dataclass(frozen=True, slots=True)

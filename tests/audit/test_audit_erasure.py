@@ -31,7 +31,7 @@ from loomflow.audit import (
     verify_lines,
 )
 from loomflow.audit._entry import canonical_json, user_key
-from loomflow.errors import LegalHoldError, UserError
+from loomflow.errors import InvalidArgumentError, LegalHoldError, UserError
 
 SECRET = "ana.secret@example.com"
 
@@ -206,6 +206,33 @@ async def test_erased_entries_of_hash_version_2_are_vouched_for_by_the_record(
     assert kinds == [("erased", 1), ("erased", 2), ("erased", 3)]
 
 
+async def test_erase_entries_takes_only_the_chosen_payloads_and_the_chain_verifies(
+    store: AuditStore,
+) -> None:
+    old = await _v2_entries(store, "console:ops", 2)  # seqs 1-2, hash version 2
+    await store.append(_records("console:ops", 4))  # seqs 3-6
+    await store.append(_records("bob", 2))
+    done = await store.erase_entries("console:ops", [2, 4, 6, 99], reason="forget")
+    assert done.erased == 3
+    chain = [e async for e in store.entries(user_id="console:ops")]
+    assert [e.seq for e in chain if e.payload is None] == [2, 4, 6]
+    record = chain[-1]
+    assert record.action == "audit.erasure"
+    assert record.payload is not None
+    assert record.payload["seqs"] == [2, 4, 6]
+    assert record.payload["pre_v3"] == {"2": old[1].rest_digest()}
+    report = await store.verify()
+    assert report.ok, report.problems
+    assert report.erased == 3
+    # Again: nothing left to take, nothing written; records and holds are never taken.
+    again = await store.erase_entries("console:ops", [2, 4, record.seq], reason="forget")
+    assert (again.erased, again.record_seq) == (0, None)
+    assert len([e async for e in store.entries(user_id="console:ops")]) == len(chain)
+    await store.place_hold("console:ops", reason="audit of the audit")
+    with pytest.raises(LegalHoldError):
+        await store.erase_entries("console:ops", [3], reason="forget")
+
+
 async def test_retention_erases_only_old_payloads_and_spares_held_users(
     store: AuditStore,
 ) -> None:
@@ -292,6 +319,22 @@ async def test_erase_refuses_bad_arguments(
         await store.erase("a\x00b", reason="forget")
     with pytest.raises(UserError, match="older_than"):
         await store.retain(dt.timedelta(0))
+
+
+async def test_times_out_of_range_are_refused_not_overflowed(store: AuditStore) -> None:
+    await store.append(_records("ana", 2))
+    with pytest.raises(InvalidArgumentError, match="older_than"):
+        await store.retain(dt.timedelta(days=999_999_999), dry_run=True)
+    for bad in (1e300, -1e300, float("inf"), float("nan")):
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            await store.query(since=bad)
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            await store.count(until=bad)
+    # The ends of the calendar are times like any other.
+    early = dt.datetime(1, 1, 1, tzinfo=dt.UTC)
+    late = dt.datetime(9999, 12, 31, tzinfo=dt.UTC)
+    assert len((await store.query(since=early, until=late)).entries) == 2
+    assert (await store.retain(dt.timedelta(days=365_000), dry_run=True)).erased == {}
 
 
 async def test_sqlite_verify_catches_a_payload_erased_behind_its_back(tmp_path: Path) -> None:

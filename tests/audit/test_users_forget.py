@@ -25,8 +25,15 @@ import pytest
 from ulid import ULID
 
 from loomflow import Agent, ToolCall, Tuning, tool
+from loomflow.audit import AuditRecord
 from loomflow.config import Settings
-from loomflow.errors import ErasureRefusedError, LegalHoldError, UnknownUserError, UserError
+from loomflow.errors import (
+    ErasureRefusedError,
+    LegalHoldError,
+    ProtectedChainError,
+    UnknownUserError,
+    UserError,
+)
 from loomflow.models import ScriptedModel
 from loomflow.stores import Stores
 
@@ -281,6 +288,35 @@ async def test_a_forget_killed_half_way_verifies_and_a_rerun_completes(
 
 
 # -- the command line -------------------------------------------------------------------------
+
+
+async def test_console_chains_are_not_forgotten_and_a_held_one_blocks_the_forget(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
+    await _runs(settings, "ana")
+    async with Stores(settings) as stores:
+        look = AuditRecord(
+            user_id="console:ops",
+            actor="console:ops",
+            action="console.query",
+            payload={"query": "trail", "viewed_user": "ana"},
+        )
+        await stores.audit.append(look)
+        with pytest.raises(ProtectedChainError, match="console chain") as refused:
+            await stores.forget_user("console:ops")
+        assert refused.value.user_id == "console:ops"
+        await stores.audit.place_hold("console:ops", reason="inquiry into who looked")
+        before = await stores.export_user("ana")
+        with pytest.raises(LegalHoldError, match="console:ops"):
+            await stores.forget_user("ana")
+        after = await stores.export_user("ana")
+        assert _has_data(after) == _has_data(before)  # nothing deleted anywhere
+        assert after["audit"] == before["audit"]
+        await stores.audit.release_hold("console:ops")
+        report = await stores.forget_user("ana")
+        assert report.console_erased == 1
+        assert (await stores.audit.verify()).ok
 
 
 async def test_the_cli_holds_releases_and_forgets(tmp_path: Path) -> None:

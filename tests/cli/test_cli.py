@@ -135,6 +135,59 @@ def test_errors_and_usage_have_distinct_exit_codes(tmp_path: Path) -> None:
     assert loomflow("no-such-command").returncode == 2
 
 
+# Every option that takes an age or a time, with a value no datetime can hold.
+_OUT_OF_RANGE = [
+    ("audit", "query", "--since", "999999999d"),
+    ("audit", "query", "--since", "999999d"),
+    ("audit", "query", "--until", "99999999999d"),
+    ("audit", "query", "--since", "9" * 400 + "w"),
+    ("audit", "query", "--since", "9999-12-31T23:59:59-12:00"),  # year 10000 in UTC
+    ("audit", "query", "--until", "0001-01-01T00:00:00+05:00"),  # year 0 in UTC
+    ("audit", "export", "--since", "999999999d"),
+    ("audit", "export", "--until", "9999-12-31T23:00-05:00"),
+    ("audit", "retain", "--dry-run", "--older-than", "9999999d"),
+    ("audit", "retain", "--dry-run", "--older-than", "999999999999999999999d"),
+    ("journal", "prune", "--dry-run", "--older-than", "99999999999999d"),
+    ("budget", "prune", "--dry-run", "--older-than", "9999999d"),
+]
+
+
+def test_ages_and_times_out_of_range_are_usage_errors(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    for argv in _OUT_OF_RANGE:
+        done = loomflow("--url", url, *argv)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert "Traceback" not in done.stderr, argv
+        assert done.stdout == ""
+        # argparse's report, as for any bad option value: the option named, then why.
+        last = done.stderr.strip().splitlines()[-1]
+        assert f": error: argument {argv[-2]}: " in last, (argv, last)
+        assert "out of range" in last, (argv, last)
+    # The longest age there is (1000 years) still works, everywhere.
+    for argv in (
+        ("audit", "query", "--since", "365000d"),
+        ("audit", "retain", "--dry-run", "--older-than", "365000d"),
+        ("journal", "prune", "--dry-run", "--older-than", "365000d"),
+        ("budget", "prune", "--dry-run", "--older-than", "52142w"),
+    ):
+        done = loomflow("--url", url, *argv)
+        assert done.returncode == 0, (argv, done.stderr)
+    # The retention setting is an age too: out of range, it is a bad setting, not a crash.
+    for days in ("1e12", "inf"):
+        done = loomflow(
+            "--url",
+            url,
+            "journal",
+            "prune",
+            "--dry-run",
+            env={"LOOMFLOW_JOURNAL_RETENTION_DAYS": days},
+        )
+        assert done.returncode == 1, (days, done.stderr)
+        assert done.stderr.startswith("loomflow: error: bad setting LOOMFLOW_JOURNAL_RETENTION")
+        assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(
     "command",
     [

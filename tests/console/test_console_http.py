@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import sqlite3
 import subprocess
 import sys
 import urllib.parse
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
+import asyncpg
 import pytest
 from console_helpers import (
     ADMIN,
@@ -522,6 +525,193 @@ def test_ages_and_bad_filters(console: Server) -> None:
         assert bad.status_code == 400
         assert "session_id" in bad.json()["error"]
         assert http.get("/api/verify").json()["ok"] is True
+
+
+def test_times_out_of_range_are_a_400_naming_the_filter(console: Server) -> None:
+    hostile = [
+        ("since", "999999d"),
+        ("until", "99999999999d"),
+        ("since", "9" * 5000 + "d"),
+        ("since", "9999-12-31T23:59:59-12:00"),  # year 10000 once in UTC
+        ("until", "0001-01-01T00:00:00+05:00"),  # year 0 once in UTC
+    ]
+    routes = [
+        ("/users/bob", {}),
+        ("/trail", {"user": BOB}),
+        ("/export", {"user": BOB}),
+        ("/export", {"user": BOB, "limit": "25"}),
+    ]
+    with console.client(ADMIN) as http:
+        for name, value in hostile:
+            for route, extra in routes:
+                params = extra | {name: value}
+                api = http.get("/api" + route, params=params)
+                assert api.status_code == 400, (route, name, value, api.text[:200])
+                error = api.json()["error"]
+                assert error.startswith(f"{name}: "), error
+                assert "out of range" in error, error
+                page = http.get(route, params=params)
+                assert page.status_code == 400, (route, name, value)
+                assert f"{name}: " in page.text
+                assert "out of range" in page.text
+                assert len(page.text) < 20_000  # the 5000 digits are not echoed back whole
+        # The longest age there is, and the ends of the calendar, are fine.
+        for name, value in (("since", "365000d"), ("since", "0001-01-01"), ("until", "9999-12-31")):
+            assert http.get("/api/users/bob", params={name: value}).status_code == 200, value
+        assert http.get("/api/verify").json()["ok"] is True
+
+
+FORGOTTEN = "forget-me-7731"  # not an email: the redactor would hide that one itself
+
+
+def _forget_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LOOMFLOW_RUNTIME_URL": settings.runtime_url}
+    if settings.audit_url:
+        env["LOOMFLOW_AUDIT_URL"] = settings.audit_url
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "users", "forget", *args, "--yes", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+def _raw(folder: Path) -> bytes:
+    """Every byte SQLite or the JSON-lines store left on disk (WAL and heads included)."""
+    return b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file())
+
+
+@pytest.mark.parametrize(
+    "kind", ["sqlite", "jsonl", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_a_forget_erases_the_console_looks_at_the_user(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    if kind == "postgres":
+        settings = Settings(runtime_url=request.getfixturevalue("pg_dsn"), console_token=ADMIN)
+    else:
+        settings = Settings(
+            runtime_url=f"sqlite:///{store_dir / 'journal.db'}",
+            audit_url=f"jsonl:///{store_dir / 'audit.jsonl'}" if kind == "jsonl" else None,
+            console_token=ADMIN,
+        )
+
+    async def make() -> dict[str, str]:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        return {u: await run_agent(settings, u, f"s-{i}") for i, u in enumerate((FORGOTTEN, BOB))}
+
+    runs = asyncio.run(make())
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        looks = [
+            ("/api" + user_url(FORGOTTEN), {}),
+            (user_url(FORGOTTEN), {"since": "7d"}),
+            ("/api/users", {"q": FORGOTTEN}),  # a search naming them
+            ("/api/entry", {"user": FORGOTTEN, "seq": "1"}),
+            ("/api/run", {"user": FORGOTTEN, "run": runs[FORGOTTEN]}),
+            ("/api/export", {"user": FORGOTTEN}),
+            ("/api/export/heads", {"user": FORGOTTEN}),
+        ]
+        for route, params in looks:
+            assert http.get(route, params=params).status_code == 200, route
+        assert http.get("/api" + user_url(BOB)).status_code == 200
+        assert http.get("/api/users", params={"q": "forget"}).status_code == 200  # not the id
+    chain = "console:console-token"
+
+    async def read() -> list[Any]:
+        async with Stores(settings, journal=False) as stores:
+            return [e async for e in stores.audit.entries()]
+
+    before = asyncio.run(read())
+    if kind != "postgres":
+        assert b'"viewed_user":"' + FORGOTTEN.encode() in _raw(store_dir)  # the bytes searched
+    assert len([e for e in before if e.user_id == chain and FORGOTTEN in e.to_line()]) == 7
+
+    # The console's own chain is the record of who looked at what: never forgotten.
+    refused = _forget_cli(settings, chain)
+    assert refused.returncode == 1, refused.stderr
+    assert "loomflow: error: " in refused.stderr
+    assert "console chain" in refused.stderr
+    assert asyncio.run(read()) == before  # nothing deleted, nothing recorded
+
+    done = _forget_cli(settings, FORGOTTEN)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["console_erased"] == 7
+
+    after = asyncio.run(read())
+    # The id is left only as the user id of the forgotten user's own (erased) entries.
+    for entry in after:
+        if entry.user_id != FORGOTTEN:
+            assert FORGOTTEN not in entry.to_line(), entry.to_line()
+        elif entry.action != "audit.erasure":
+            assert entry.payload is None
+    mine = [e for e in after if e.user_id == chain]
+    record = mine[-1]
+    assert record.action == "audit.erasure"
+    assert record.payload is not None
+    assert record.payload["entries"] == 7
+    assert record.payload["reason"] == "forget"
+    erased = [e.seq for e in mine if e.payload is None]
+    assert record.payload["seqs"] == erased
+    assert len(erased) == 7
+    # Who looked at bob, and the search that did not name the user, are still on record.
+    kept = [e.payload for e in mine if e.payload is not None and e.action == "console.query"]
+    assert any(p.get("viewed_user") == BOB for p in kept)
+    assert any(p.get("details") == {"search": "forget"} for p in kept)
+
+    async def verify() -> Any:
+        async with Stores(settings, journal=False) as stores:
+            return await stores.audit.verify()
+
+    report_ = asyncio.run(verify())
+    assert report_.ok, report_.problems
+    # A second forget finds nothing more to erase in the console's chain.
+    again = _forget_cli(settings, FORGOTTEN)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["console_erased"] == 0
+    if kind == "postgres":
+
+        async def stored() -> list[Any]:
+            conn = await asyncpg.connect(settings.runtime_url)
+            try:
+                return await conn.fetch(
+                    "SELECT user_id, payload FROM loom_audit "
+                    "WHERE strpos(payload, $1) > 0 OR (user_id <> $1 AND strpos(user_id, $1) > 0)",
+                    FORGOTTEN,
+                )
+            finally:
+                await conn.close()
+
+        assert asyncio.run(stored()) == []
+    else:
+        needle = FORGOTTEN.encode()
+        if kind == "jsonl":
+            log = store_dir / "audit.jsonl"
+            for line in log.read_bytes().splitlines():
+                if needle in line:  # only on a line of their own, as its user id
+                    stays = json.loads(line)
+                    assert stays["user_id"] == FORGOTTEN
+                    assert stays["payload"] is None or stays["action"] == "audit.erasure"
+                    assert needle not in json.dumps(stays["payload"]).encode()
+            log.unlink()
+            for heads in store_dir.glob("audit.jsonl.heads"):  # their chain's head, no other
+                recorded = json.loads(heads.read_bytes())
+                recorded["users"].pop(json.dumps(FORGOTTEN))
+                assert needle not in json.dumps(recorded).encode()
+                heads.unlink()
+        # In no JSON value anywhere on disk (a viewed user, a search), WAL pages included.
+        assert b'":"' + needle not in _raw(store_dir)
+        if kind == "sqlite":
+            with sqlite3.connect(store_dir / "journal.db") as db:
+                rows = db.execute(
+                    "SELECT user_id FROM loom_audit WHERE instr(payload, ?) > 0", (FORGOTTEN,)
+                ).fetchall()
+            assert rows == []
 
 
 @pytest.mark.postgres

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from loomflow.errors import InvalidArgumentError
 from loomflow.governance.budget import BudgetStore, InMemoryBudgetStore, SqlBudgetStore
 from loomflow.testing.budget_conformance import BudgetStoreConformance, StoreFactory
 
@@ -51,3 +52,12 @@ class TestPostgres(BudgetStoreConformance):
         yield factory
         for store in opened:
             await store.close()
+
+
+async def test_a_prune_cutoff_no_date_holds_is_refused(tmp_path: Path) -> None:
+    for store in (InMemoryBudgetStore(), SqlBudgetStore(f"sqlite:///{tmp_path / 'b.db'}")):
+        for bad in (float("inf"), float("nan"), -1e15):
+            with pytest.raises(InvalidArgumentError, match="out of range"):
+                await store.prune(ended_before=bad, dry_run=True)
+        assert await store.prune(ended_before=-3e10, dry_run=True) == 0  # year 1019: fine
+        await store.close()

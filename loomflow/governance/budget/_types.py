@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, get_args
 
 from ..._ids import check_id
-from ...errors import InvalidUsageError, UserError
+from ...errors import InvalidArgumentError, InvalidUsageError, UserError
 
 __all__ = [
     "Amount",
@@ -272,7 +272,10 @@ def ended_periods(cutoff: float) -> tuple[str, str]:
     Period names sort by time, so ``"day:" <= period < days`` selects every day bucket that
     ended at or before the Unix time ``cutoff`` (likewise for months).
     """
-    when = dt.datetime.fromtimestamp(cutoff, dt.UTC)
+    try:
+        when = dt.datetime.fromtimestamp(cutoff, dt.UTC)
+    except (OverflowError, ValueError, OSError):  # inf, NaN, or before year 1
+        raise InvalidArgumentError(f"{cutoff!r} is out of range as a Unix time") from None
     return f"day:{when:%Y-%m-%d}", f"month:{when:%Y-%m}"
 
 

@@ -21,6 +21,7 @@ from ._types import (
     Reservation,
     ReservationInfo,
     Totals,
+    ended_periods,
     evaluate,
     late_charge,
     period_ended,
@@ -173,6 +174,7 @@ class InMemoryBudgetStore:
         return len(gone)
 
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
+        ended_periods(ended_before)  # refuses a cutoff no date holds, as the SQL store does
         gone = [
             key
             for key, row in self._rows.items()
