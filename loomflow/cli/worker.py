@@ -1,12 +1,12 @@
 """``loomflow worker APP``: a process that recovers orphaned runs, with health and metrics.
 
-``APP`` is ``module:attribute`` naming a mapping of agent names to agents, or a function of no
-arguments returning one (it may be async). The recoverer uses the journal of the agents (the
-first one's runtime) and the first one's audit log. It sweeps at start and then every
-``--interval`` seconds, serves ``/metrics`` (prometheus-client's default registry),
-``/healthz`` and ``/readyz`` (200 once a sweep has reached the journal) on ``--host``:``--port``,
-and on SIGTERM or SIGINT stops taking work, releases the leases of the runs it is resuming
-(another worker takes them over at once) and exits 0.
+``APP`` is ``module:attribute`` naming a mapping of agent names to agents, or a plain function
+of no arguments returning one. The recoverer uses the journal of the agents (the first one's
+runtime; every agent must journal to that database) and the first one's audit log. It sweeps
+at start and then every ``--interval`` seconds, serves ``/metrics`` (prometheus-client's default
+registry), ``/healthz`` and ``/readyz`` (200 once a sweep has reached the journal) on
+``--host``:``--port``, and on SIGTERM or SIGINT stops taking work, releases the leases of the
+runs it is resuming (another worker takes them over at once) and exits 0.
 
 ``--once``: one sweep, wait for the runs it resumed, exit: 0 when all of them finished (or were
 cancelled), 1 when one of them raised (it is retried, or dead-lettered, by a later sweep).

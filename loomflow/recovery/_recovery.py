@@ -24,7 +24,13 @@ from ..agent._agent import RECORD_OUTPUT, RECORD_WITHHELD
 from ..audit import AuditLog
 from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
 from ..config import Settings
-from ..errors import CorruptEntryError, InvalidArgumentError, RunCancelledError, UserError
+from ..errors import (
+    ConfigurationError,
+    CorruptEntryError,
+    InvalidArgumentError,
+    RunCancelledError,
+    UserError,
+)
 from ..runtime import JournalRuntime, Orphan, OrphanClaim, decode_record
 from ..telemetry import Metrics
 
@@ -161,6 +167,7 @@ class Recovery:
         self._stopping = False
         self._wake: asyncio.Event | None = None
         self._reported: set[tuple[str | None, str | None, str]] = set()
+        self._journals_checked = False
         self.failures = 0  # resumed runs of this recoverer that raised (``worker --once``)
 
     @property
@@ -184,6 +191,8 @@ class Recovery:
 
         Returns at once: the runs it resumed go on in tasks (see :meth:`wait`).
         """
+        if not self._journals_checked:
+            await self._check_journals()
         report = SweepReport()
         report.states = await self.runtime.count_states()
         self.metrics.runs_by_state(self.runtime.backend, report.states)
@@ -192,6 +201,23 @@ class Recovery:
         for orphan in await self.runtime.orphans(self.batch, prefer=sorted(self.agents)):
             await self._consider(orphan, report)
         return report
+
+    async def _check_journals(self) -> None:
+        # Claims are made on self.runtime and the run is resumed through the agent's runtime:
+        # both must be one journal, or the resumed run would journal elsewhere.
+        from ..runtime._identity import journal_identity
+
+        mine = await journal_identity(self.runtime)
+        for name, agent in self.agents.items():
+            theirs = agent.runtime
+            if theirs is self.runtime:
+                continue
+            if not isinstance(theirs, JournalRuntime) or await journal_identity(theirs) != mine:
+                raise ConfigurationError(
+                    f"agents[{name!r}] journals to {theirs!r}, not to the journal this "
+                    f"recoverer reads ({self.runtime!r}): register agents of one journal"
+                )
+        self._journals_checked = True
 
     async def _consider(self, orphan: Orphan, report: SweepReport) -> None:
         ref = RunRef(orphan.session_id, orphan.user_id, orphan.agent)

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from loomflow.agent import Agent
 from loomflow.audit import AuditLog
-from loomflow.errors import InvalidArgumentError, UserError
+from loomflow.errors import ConfigurationError, InvalidArgumentError, UserError
 from loomflow.models import ScriptedModel
 from loomflow.recovery import Recovery, default_backoff
 from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record
@@ -300,6 +300,32 @@ async def test_crafted_rows_never_break_the_listing_or_the_sweep(
     assert (await _states(runtime))["bad-1"] == "failed"
     with pytest.raises(InvalidArgumentError, match="state must be one of"):
         await runtime.sessions(state="zombie")
+
+
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_agents_of_another_journal_are_refused_before_any_claim(
+    worker: dict[str, Agent], journal_url: str, ledger: Path, tmp_path: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 1, "elsewhere")
+    runtime = _runtime(worker)
+    other = SqliteRuntime(tmp_path / "other.db")
+    stray = worker["orders"].clone(runtime=other)
+    try:
+        with pytest.raises(ConfigurationError, match=r"agents\['orders'\] journals to"):
+            await Recovery(runtime, {"orders": stray}, metrics=_metrics()).sweep()
+        assert (await _states(runtime)) == {"elsewhere-0": "orphaned"}  # nothing claimed
+        # A second runtime object on the same file is the same journal: accepted.
+        same = SqliteRuntime(Path(journal_url.removeprefix("sqlite:///")))
+        try:
+            twin = worker["orders"].clone(runtime=same)
+            recovery = Recovery(runtime, {"orders": twin}, metrics=_metrics())
+            assert [r.session_id for r in (await recovery.sweep()).resumed] == ["elsewhere-0"]
+            await recovery.wait()
+            assert (await _states(runtime)) == {"elsewhere-0": "finished"}
+        finally:
+            await same.close()
+    finally:
+        await other.close()
 
 
 async def test_bad_registrations_are_refused(worker: dict[str, Agent]) -> None:
