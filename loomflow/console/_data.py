@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
-from ..audit.actions import CONSOLE_CHAINS
+from ..audit.actions import CONSOLE_CHAINS, RUN_END
 from ..errors import JournalError, LoomflowError
 from ..redaction import Redactor
 from ..runtime import EntryInfo, SessionInfo
@@ -51,6 +51,24 @@ _STORY_LIMIT = 2000  # entries of one run shown; a longer run says so
 def console_user_id(principal: Principal) -> str:
     """The audit chain a console user's own queries go to."""
     return f"{CONSOLE_CHAINS}{principal.name}"
+
+
+def _state_of_run(entries: list[AuditEntry], session_state: str) -> str:
+    """A run's own state: what its ``run.end`` says when it returned, else its session's.
+
+    The session row describes the session's latest run; an older run of a reused session
+    that returned keeps the outcome it returned with.
+    """
+    for entry in reversed(entries):
+        if entry.action == RUN_END and isinstance(entry.payload, dict):
+            outcome = entry.payload.get("outcome")
+            if outcome == "completed":
+                return "finished"
+            if outcome == "interrupted":
+                # A run waiting for approval may be cancelled after it returned.
+                return "cancelled" if session_state == "cancelled" else "interrupted"
+            break  # it raised: open, resumed since, cancelled... the session row knows
+    return session_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +252,7 @@ class ConsoleData:
                 found = await runtime.sessions(user_id=user_id, session_id=session_id, limit=1)
                 if found:
                     story.session = found[0]
-                    story.state = found[0].state
+                    story.state = _state_of_run(entries, found[0].state)
                     story.journal = await runtime.entries(session_id, user_id)
             except LoomflowError:
                 # No journal schema here (an audit-only database): the audit entries still
