@@ -56,6 +56,7 @@ from ._approvals import decide, pending_of
 from ._output import StructuredOutput, check_output_retries, check_output_type
 from ._passthrough import Passthrough
 from ._run import _Run, check_prompt, latest_of_run
+from ._sealing import SealedArguments
 from ._seams import HookProvider, RedactingAudit, RunPlugin, hooks_of
 from ._types import AgentEvent, RunFinished, RunResult, RunStarted, Tuning
 
@@ -213,6 +214,7 @@ class Agent:
         )
         # Sealed tool results of this agent's runs, in this process only (see Sealer).
         self._sealed_results: OrderedDict[str, str] = OrderedDict()
+        self._sealed_arguments = SealedArguments()
         self.guardrails = tuple(guardrails)
         if telemetry is None:
             # Loaded with the first agent, not on import of the agent package.

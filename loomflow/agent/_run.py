@@ -117,7 +117,12 @@ class _Run:
             redactor=agent._redactor,
             _emit=self.pending.append,
         )
-        self.sealer = Sealer(agent.tools, agent._redactor, results=agent._sealed_results)
+        self.sealer = Sealer(
+            agent.tools,
+            agent._redactor,
+            results=agent._sealed_results,
+            arguments=agent._sealed_arguments,
+        )
         # The transcript and its tallies: what a snapshot holds and the result reports.
         self.messages: list[Message] = []
         self.prompt_index = 0  # where the run's own messages start (after system and history)

@@ -47,7 +47,7 @@ from ..redaction import Redactor
 from ..runtime import codec
 from ..tools import Tool, ToolOutcome
 
-__all__ = ["SEALED_ERROR", "SEALED_RESULT_LOST", "SealedValueLost", "Sealer"]
+__all__ = ["SEALED_ERROR", "SEALED_RESULT_LOST", "SealedArguments", "SealedValueLost", "Sealer"]
 
 SEALED_ERROR = "sealed_arguments_lost"
 """``ToolOutcome.error_type`` of a call whose sealed arguments are gone after a restart."""
@@ -64,6 +64,27 @@ _RESULT_PLACEHOLDER = re.compile(r"^\[sealed-result:[0-9a-f]{20}\]$")
 
 class SealedValueLost(LookupError):
     """A sealed argument's value is not in this process (the run resumed after a crash)."""
+
+
+class SealedArguments(OrderedDict[str, Any]):
+    """Sealed argument values (placeholder to value) of one agent's runs, in this process.
+
+    Shared by the runs of one agent, like sealed results, so that a run resumed in the same
+    process (an approval endpoint resuming the run that waited, say) still hands the tool its
+    real arguments. The oldest values are forgotten past ``max_size``; a run that needs one
+    then gets :class:`SealedValueLost`, as after a restart.
+    """
+
+    def __init__(self, max_size: int = 4096) -> None:
+        super().__init__()
+        self.key = os.urandom(32)  # placeholders need only be unique within this process
+        self.max_size = max_size
+
+    def __setitem__(self, placeholder: str, value: Any) -> None:
+        super().__setitem__(placeholder, value)
+        self.move_to_end(placeholder)
+        while len(self) > self.max_size:
+            self.popitem(last=False)
 
 
 class Sealer:
@@ -87,11 +108,15 @@ class Sealer:
         *,
         results: OrderedDict[str, str] | None = None,
         max_results: int = 1024,
+        arguments: SealedArguments | None = None,
     ):
         self._tools = tools
         self._redactor = redactor
-        self._key = os.urandom(32)  # placeholders need only be unique within this process
-        self._vault: dict[str, Any] = {}
+        # Sealed argument values, and the key of their placeholders, shared by the runs of one
+        # agent (see SealedArguments): a run resumed in this process still has the values.
+        shared = arguments if arguments is not None else SealedArguments()
+        self._key = shared.key
+        self._vault = shared
         # Result placeholder -> the text the model reads.
         self._results: OrderedDict[str, str] = results if results is not None else OrderedDict()
         self._max_results = max_results

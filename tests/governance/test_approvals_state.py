@@ -179,3 +179,28 @@ async def test_edited_sensitive_arguments_are_redacted_in_the_audit_log(
     entries = (await audit.query(user_id="ana", limit=100)).entries
     assert "9876" not in str([e.payload for e in entries])
     assert "5555" not in str([e.payload for e in entries])
+
+
+async def test_a_sealed_argument_reaches_the_tool_when_the_same_agent_resumes(
+    runtime_factory: Factory,
+) -> None:
+    # The server pattern: the request handler that got "pending" and the approval endpoint
+    # that resumes run in one process with one agent, which still holds the sealed value.
+    bank = Bank()
+    runtime = await runtime_factory()
+    agent = bank.agent(runtime)
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+    result = await agent.resume(
+        "pay", session_id="s1", user_id="ana", approvals={request.request_id: Approve()}
+    )
+    assert result.output == "done"
+    assert bank.transfers == [{"account": "A-1", "pin": "1234"}]
+
+    # Another agent object (as after a restart) never had the value: the tool does not run
+    # with a placeholder; the model is told the value is gone.
+    (again,) = (await agent.run("pay", session_id="s2", user_id="ana")).pending_approvals
+    fresh = bank.agent(await runtime_factory())
+    await fresh.resume(
+        "pay", session_id="s2", user_id="ana", approvals={again.request_id: Approve()}
+    )
+    assert bank.transfers == [{"account": "A-1", "pin": "1234"}]
