@@ -56,6 +56,9 @@ def browser(tmp_path: Path) -> Iterator[WebDriver]:
     # The system driver, by path: selenium's manager never fetches one.
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
+    # A click that submits a form returns before the next page is in: every lookup waits up
+    # to this long for its element (a loaded CI machine lost the race once).
+    driver.implicitly_wait(10)
     try:
         yield driver
     finally:
@@ -76,6 +79,15 @@ def _sign_in(driver: WebDriver, base: str, token: str, then: str = "/users") -> 
     d.find_element(By.ID, "token").send_keys(token)
     d.find_element(By.ID, "signin").click()
     WebDriverWait(d, 30).until(lambda drv: "/signin" not in drv.current_url)
+
+
+def _absent(driver: WebDriver, by: str, value: str) -> bool:
+    """No such element on the page, asked without the implicit wait (it would wait it out)."""
+    driver.implicitly_wait(0)
+    try:
+        return not driver.find_elements(by, value)
+    finally:
+        driver.implicitly_wait(10)
 
 
 def test_the_compliance_flow_in_chromium(
@@ -183,10 +195,10 @@ def test_a_reader_is_refused_admin_pages_in_chromium(browser: WebDriver, console
     d = browser
     _sign_in(d, console.base, READER)
     assert "Find a user" in d.page_source
-    assert not d.find_elements(By.LINK_TEXT, "Runs")
+    assert _absent(d, By.LINK_TEXT, "Runs")
     d.get(console.base + "/runs")
     assert "Not allowed" in d.find_element(By.TAG_NAME, "h1").text
     assert "admin role" in d.find_element(By.ID, "error").text
     _shot(d, "refused")
     d.get(console.base + "/users/bob")
-    assert not d.find_elements(By.ID, "export")
+    assert _absent(d, By.ID, "export")

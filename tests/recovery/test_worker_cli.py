@@ -159,7 +159,7 @@ async def test_cancel_stops_a_run_in_another_process_and_is_audited(
         "--url", journal_url, "runs", "cancel", "cancel-0", "--user", "ana", env=env
     )
     assert code == 1
-    assert "no open run" in err
+    assert "no open or interrupted run" in err
     runtime = runtime_from_url(journal_url)
     audit = AuditLog(journal_url, redact_logs=False)
     try:
