@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
 __all__ = [
     "UNTRACED",
@@ -85,7 +85,8 @@ until its stream ends or is abandoned, across its yields, so a tracer must not m
 "current" in ``contextvars`` for a stream step.
 """
 
-# Shared by every untraced step (nullcontext is reusable): no allocation on the hot path.
+# Shared by every untraced step (nullcontext is reusable): no allocation on the hot path. A
+# tracer returns it to say it has nothing to trace for a step (no SDK installed, say).
 UNTRACED: contextlib.AbstractContextManager[StepNote | None] = contextlib.nullcontext()
 
 
@@ -121,7 +122,8 @@ class StepSignals:
         self, run: _Run, path: tuple[str, ...], name: str, stream: bool
     ) -> contextlib.AbstractContextManager[StepNote | None]:
         """The block one step runs in: every tracer entered, or a shared no-op."""
-        if not self.tracers:
+        tracers = self.tracers
+        if not tracers:
             return UNTRACED
         start = StepStart(
             backend=self.store.backend,
@@ -133,7 +135,16 @@ class StepSignals:
             kind=step_kind(name),
             stream=stream,
         )
-        return _tracing(self.tracers, start)
+        if len(tracers) == 1:
+            # The usual case (the default telemetry), without the generator of _tracing: with
+            # no OpenTelemetry SDK installed this is the whole cost a step pays for spans.
+            try:
+                cm = tracers[0](start)
+            except Exception:
+                log.exception("step tracer %r failed on entry", tracers[0])
+                return UNTRACED
+            return UNTRACED if cm is UNTRACED else _Guarded(cm)
+        return _tracing(tracers, start)
 
     def emit(
         self,
@@ -167,6 +178,33 @@ class StepSignals:
                 observer(event)
             except Exception:  # an observer must never break a run
                 log.exception("step observer %r failed", observer)
+
+
+class _Guarded:
+    """One tracer's block, whose failures are logged, never propagated (as in _tracing)."""
+
+    __slots__ = ("cm", "entered")
+
+    def __init__(self, cm: contextlib.AbstractContextManager[StepNote | None]) -> None:
+        self.cm = cm
+        self.entered = False
+
+    def __enter__(self) -> StepNote | None:
+        try:
+            note = self.cm.__enter__()
+        except Exception:
+            log.exception("step tracer block %r failed on entry", self.cm)
+            return None
+        self.entered = True
+        return note if callable(note) else None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self.entered:
+            return
+        try:
+            self.cm.__exit__(*exc_info)  # its return value is ignored: it cannot swallow
+        except Exception:
+            log.exception("step tracer block %r failed on exit", self.cm)
 
 
 @contextlib.contextmanager

@@ -60,6 +60,7 @@ from ..models import cost_usd
 from ..models._retry import error_class, observe_retries
 from ..redaction import Redactor
 from ..runtime._journal import StepEvent, StepNote, StepStart
+from ..runtime._tracing import UNTRACED
 from ..tools import Tool, ToolOutcome
 from . import _semconv as sc
 
@@ -410,7 +411,7 @@ class _StepTracer:
             span.end(end_time=ended)
 
 
-_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+_NO_SPAN = UNTRACED  # the runtime skips a step its tracer returns this for
 
 
 def instrument(
