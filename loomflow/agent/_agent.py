@@ -215,6 +215,7 @@ class Agent:
         # Sealed tool results of this agent's runs, in this process only (see Sealer).
         self._sealed_results: OrderedDict[str, str] = OrderedDict()
         self._sealed_arguments = SealedArguments()
+        self._config_digest: tuple[tuple[Any, ...], object, str] | None = None
         self.guardrails = tuple(guardrails)
         if telemetry is None:
             # Loaded with the first agent, not on import of the agent package.
@@ -374,6 +375,12 @@ class Agent:
         fingerprint differs (its journaled steps would diverge from what the agent now does).
         """
         model = self._model_spec if isinstance(self._model_spec, str) else self.model.name
+        # Every run stores it: kept while what it digests is unchanged (the tool specs are
+        # frozen values built once per agent).
+        inputs = (self.instructions, model, self._specs, self.max_turns)
+        kept = self._config_digest
+        if kept is not None and kept[0] == inputs[:2] + inputs[3:] and kept[1] is self._specs:
+            return kept[2]
         shape = {
             "instructions": self.instructions,
             "model": model,
@@ -381,7 +388,9 @@ class Agent:
             "max_turns": self.max_turns,
         }
         digest = json.dumps(shape, sort_keys=True, default=str, ensure_ascii=False)
-        return hashlib.sha256(digest.encode("utf-8", "surrogatepass")).hexdigest()
+        value = hashlib.sha256(digest.encode("utf-8", "surrogatepass")).hexdigest()
+        self._config_digest = (inputs[:2] + inputs[3:], self._specs, value)
+        return value
 
     def _record(
         self,
@@ -713,7 +722,13 @@ class Agent:
             metadata,
             resume=resume,
             strict_replay=self.tuning.strict_replay,
-            record=None if nested else self._record(prompt, metadata, structured),
+            # Only a journal keeps a record (recovery reads it); building one costs a
+            # fingerprint of the configuration and a secret scan of the prompt.
+            record=(
+                self._record(prompt, metadata, structured)
+                if not nested and isinstance(runtime, JournalRuntime)
+                else None
+            ),
         ) as (ctx, open_run):
             restore = source
             if restore is None and resume and store is not None:
