@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._ids import check_id
-from .._json import canonical_json, json_safe
+from .._json import canonical_json
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
@@ -376,10 +376,10 @@ class Agent:
         """
         model = self._model_spec if isinstance(self._model_spec, str) else self.model.name
         # Every run stores it: kept while what it digests is unchanged (the tool specs are
-        # frozen values built once per agent).
-        inputs = (self.instructions, model, self._specs, self.max_turns)
+        # frozen values built once per agent, so their identity stands for them).
+        key = (self.instructions, model, self.max_turns)
         kept = self._config_digest
-        if kept is not None and kept[0] == inputs[:2] + inputs[3:] and kept[1] is self._specs:
+        if kept is not None and kept[0] == key and kept[1] is self._specs:
             return kept[2]
         shape = {
             "instructions": self.instructions,
@@ -389,7 +389,7 @@ class Agent:
         }
         digest = json.dumps(shape, sort_keys=True, default=str, ensure_ascii=False)
         value = hashlib.sha256(digest.encode("utf-8", "surrogatepass")).hexdigest()
-        self._config_digest = (inputs[:2] + inputs[3:], self._specs, value)
+        self._config_digest = (key, self._specs, value)
         return value
 
     def _record(
@@ -410,8 +410,7 @@ class Agent:
             inputs["prompt"] = prompt
         if metadata:
             try:
-                codec.dumps(dict(metadata))
-                if self._redactor.contains_secret(canonical_json(json_safe(dict(metadata)))):
+                if self._redactor.contains_secret(codec.dumps(dict(metadata)).decode()):
                     withheld.append("metadata")
                 else:
                     inputs["metadata"] = dict(metadata)

@@ -502,18 +502,25 @@ class AuditStore(abc.ABC):
         }
         if deleted is not None:
             payload["deleted"] = dict(deleted)
+        seq = await self._record_erasure(user_id, actor, payload)
+        erased = await self._tombstone(
+            user_key(user_id), seq, before_us, sorted(int(s) for s in old)
+        )
+        return ErasureResult(user_id, seq, erased)
+
+    async def _record_erasure(self, user_id: str | None, actor: str, payload: Any) -> int:
+        """Append the ``audit.erasure`` record that vouches for what follows; its seq.
+
+        A hold placed between the caller's check and the record comes before the record in
+        the user's (serialised) trail: it still wins, and nothing is erased.
+        """
         [record] = await self.append(
             AuditRecord(user_id=user_id, actor=actor, action=AUDIT_ERASURE, payload=payload)
         )
-        # A hold placed between the check above and the record comes before the record in the
-        # user's (serialised) trail: it still wins, and nothing is erased.
         hold = _hold_of(await self._last_hold_entry(user_id, before_seq=record.seq))
         if hold is not None:
             raise _held(hold)
-        erased = await self._tombstone(
-            user_key(user_id), record.seq, before_us, sorted(int(s) for s in old)
-        )
-        return ErasureResult(user_id, record.seq, erased)
+        return record.seq
 
     async def erase_entries(
         self,
@@ -562,14 +569,9 @@ class AuditStore(abc.ABC):
             "seqs": chosen,
             "pre_v3": old,
         }
-        [record] = await self.append(
-            AuditRecord(user_id=user_id, actor=actor, action=AUDIT_ERASURE, payload=payload)
-        )
-        hold = _hold_of(await self._last_hold_entry(user_id, before_seq=record.seq))
-        if hold is not None:  # placed meanwhile: it still wins, as in erase()
-            raise _held(hold)
-        erased = await self._tombstone(user_key(user_id), record.seq, None, chosen, sweep=False)
-        return ErasureResult(user_id, record.seq, erased)
+        seq = await self._record_erasure(user_id, actor, payload)
+        erased = await self._tombstone(user_key(user_id), seq, None, chosen, sweep=False)
+        return ErasureResult(user_id, seq, erased)
 
     async def _tombstone(
         self,

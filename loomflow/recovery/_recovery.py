@@ -32,6 +32,7 @@ from ..errors import (
     UserError,
 )
 from ..runtime import JournalRuntime, Orphan, OrphanClaim, decode_record
+from ..runtime._identity import journal_identity
 from ..telemetry import Metrics
 
 __all__ = ["Recovery", "RunRef", "SweepReport", "default_backoff"]
@@ -205,8 +206,6 @@ class Recovery:
     async def _check_journals(self) -> None:
         # Claims are made on self.runtime and the run is resumed through the agent's runtime:
         # both must be one journal, or the resumed run would journal elsewhere.
-        from ..runtime._identity import journal_identity
-
         mine = await journal_identity(self.runtime)
         for name, agent in self.agents.items():
             theirs = agent.runtime

@@ -474,7 +474,7 @@ _DECODERS: dict[str, Callable[[Any, int], Any]] = {
 # Built once: json.dumps with any non-default option builds a JSONEncoder per call, about
 # 2 us of a 5 us encoding of a small step result.
 _compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-_sorted = json.JSONEncoder(
+_canonical_json = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
 ).encode
 
@@ -530,7 +530,3 @@ def _canonical_text(value: Any, depth: int) -> str:
 
 
 _json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
-
-
-def _canonical_json(data: Any) -> str:
-    return _sorted(data)

@@ -44,7 +44,9 @@ def loomflow(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def _run(url: str, sent: list[dict[str, Any]], *, resume: bool) -> RunResult:
+async def _run(
+    url: str, sent: list[dict[str, Any]], *, resume: bool, sensitive: frozenset[str] = frozenset()
+) -> RunResult:
     def send_notice(to: str, text: str) -> str:
         """Send a notice."""
         sent.append({"to": to, "text": text})
@@ -55,7 +57,7 @@ async def _run(url: str, sent: list[dict[str, Any]], *, resume: bool) -> RunResu
         "x",
         model=ScriptedModel(SCRIPT),
         settings=Settings(runtime_url=url),
-        tools=[Tool(send_notice, edits=True)],
+        tools=[Tool(send_notice, edits=True, sensitive=sensitive)],
         permissions=StandardPermissions(approval="defer"),
         memory=False,
         telemetry=False,
@@ -156,26 +158,6 @@ def test_list_approve_and_deny_from_a_shell(
     assert len([e for e in entries if e.action == actions.APPROVAL_REQUEST]) == 2
 
 
-async def _run_sensitive(url: str, sent: list[dict[str, Any]], *, resume: bool) -> RunResult:
-    def send_notice(to: str, text: str) -> str:
-        """Send a notice."""
-        sent.append({"to": to, "text": text})
-        return f"sent to {to}"
-
-    async with Agent.from_settings(
-        "x",
-        model=ScriptedModel(SCRIPT),
-        settings=Settings(runtime_url=url),
-        tools=[Tool(send_notice, edits=True, sensitive={"text"})],
-        permissions=StandardPermissions(approval="defer"),
-        memory=False,
-        telemetry=False,
-    ) as agent:
-        if resume:
-            return await agent.resume(PROMPT, session_id="ops-1", user_id="ana")
-        return await agent.run(PROMPT, session_id="ops-1", user_id="ana")
-
-
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_a_decision_from_a_shell_keeps_the_run_waiting_and_a_cancel_ends_it(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
@@ -188,7 +170,9 @@ def test_a_decision_from_a_shell_keeps_the_run_waiting_and_a_cancel_ends_it(
         else f"sqlite:///{tmp_path / 'journal.db'}"
     )
     sent: list[dict[str, Any]] = []
-    ops, everyone = asyncio.run(_run_sensitive(url, sent, resume=False)).pending_approvals
+    ops, everyone = asyncio.run(
+        _run(url, sent, resume=False, sensitive=frozenset({"text"}))
+    ).pending_approvals
     assert ops.sensitive == ["text"]
 
     def state() -> str:
@@ -226,6 +210,6 @@ def test_a_decision_from_a_shell_keeps_the_run_waiting_and_a_cancel_ends_it(
     from loomflow.errors import RunCancelledError
 
     with pytest.raises(RunCancelledError):
-        asyncio.run(_run_sensitive(url, sent, resume=True))
+        asyncio.run(_run(url, sent, resume=True, sensitive=frozenset({"text"})))
     assert sent == []
     assert state() == "cancelled"

@@ -347,11 +347,8 @@ class StandardBudget:
         # finish in the background instead of being waited for.
         task = asyncio.ensure_future(operation)
         # A commit comes after the call: its figure is what is lost, not the call.
-        outcome = (
-            "the call's charge is not recorded"
-            if what == "commit"
-            else ("the model call is refused")
-        )
+        refused = "the model call is refused"
+        outcome = "the call's charge is not recorded" if what == "commit" else refused
         try:
             done, _ = await asyncio.wait({task}, timeout=self.store_timeout_s)
         except asyncio.CancelledError:
