@@ -605,7 +605,7 @@ class _Run:
             self.ctx.session_id or "",
             user_id=self.ctx.user_id,
             key=key,
-            messages=[_redacted(m, redactor) for m in messages],
+            messages=[_redacted(redactor, m) for m in messages],
             output=redactor.text(output),
             run_id=self.ctx.run_id,
             epoch=self.epoch,
@@ -696,13 +696,21 @@ def _warn_unpriced(model_name: str) -> None:
         log.warning("no price known for model %r; its cost counts as 0", model_name)
 
 
-def _redacted(message: Message, redactor: Redactor) -> Message:
-    calls = [
-        c.model_copy(update={"arguments": redactor.value(c.arguments)}) for c in message.tool_calls
-    ]
-    return message.model_copy(
-        update={"content": redactor.text(message.content), "tool_calls": calls}
-    )
+def _redacted(redactor: Redactor, message: Message) -> Message:
+    """``message`` with secrets redacted; the same instance when there were none (its
+    encoding is then already kept, see loomflow._memo)."""
+    content = redactor.text(message.content)
+    calls = []
+    changed = content != message.content
+    for call in message.tool_calls:
+        arguments = redactor.value(call.arguments)
+        if arguments != call.arguments:
+            call = call.model_copy(update={"arguments": arguments})
+            changed = True
+        calls.append(call)
+    if not changed:
+        return message
+    return message.model_copy(update={"content": content, "tool_calls": calls})
 
 
 def _answered(messages: list[Message]) -> list[Message]:

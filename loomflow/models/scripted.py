@@ -19,6 +19,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeAlias
 
+from .._memo import PerInstance
 from ..errors import InvalidArgumentTypeError, ScriptExhaustedError
 from ..messages import (
     Message,
@@ -58,7 +59,18 @@ def approx_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
+_tokens: PerInstance[int] = PerInstance()  # messages are frozen: counted once each
+
+
 def _message_tokens(message: Message) -> int:
+    count = _tokens.get(message, 0)
+    if count is None:
+        count = _count_tokens(message)
+        _tokens.put(message, 0, count)
+    return count
+
+
+def _count_tokens(message: Message) -> int:
     if not message.tool_calls:
         return approx_tokens(message.content)
     calls = "".join(c.name + json.dumps(c.arguments, sort_keys=True) for c in message.tool_calls)

@@ -31,12 +31,12 @@ import json
 import logging
 import math
 import uuid
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 
+from .._memo import PerInstance
 from ..errors import InvalidArgumentTypeError, _rebuild
 
 __all__ = [
@@ -232,32 +232,14 @@ def _encode_set(value: set[Any] | frozenset[Any], depth: int) -> Any:
 # (loomflow's messages, tool calls, usage, responses; see mark_immutable). Their encoding is
 # kept per instance, so the transcript a model call journals and fingerprints is walked once
 # per message instead of once per turn: with 10 turns, 11 walks of a growing list (O(n^2))
-# became one walk per message. Keyed by id() with a weak reference that both proves the entry
-# is this instance's and drops it when the instance goes.
+# became one walk per message (see loomflow._memo).
 _values: set[type] = set()
 
 
-class _PerInstance:
-    """What was computed for a value instance, at a depth (see :func:`mark_immutable`)."""
-
-    def __init__(self) -> None:
-        self._kept: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
-
-    def get(self, value: Any, depth: int) -> Any:
-        kept = self._kept.get(id(value))
-        # Made at this depth or deeper: this depth stays within MAX_DEPTH too.
-        if kept is not None and kept[0]() is value and depth <= kept[1]:
-            return kept[2]
-        return None
-
-    def put(self, value: Any, depth: int, out: Any) -> None:
-        key = id(value)
-        pop = self._kept.pop
-        self._kept[key] = (weakref.ref(value, lambda _ref: pop(key, None)), depth, out)
-
-
-_encoded = _PerInstance()  # instance -> its encoding (JSON data)
-_canonical = _PerInstance()  # instance -> its canonical JSON text
+# Tagged with the depth they were made at: made at a depth or deeper, they are good at this
+# depth too (within MAX_DEPTH).
+_encoded: PerInstance[Any] = PerInstance()  # instance -> its encoding (JSON data)
+_canonical: PerInstance[str] = PerInstance()  # instance -> its canonical JSON text
 
 
 def mark_immutable(cls: type[BaseModel]) -> type[BaseModel]:
@@ -270,7 +252,7 @@ def mark_immutable(cls: type[BaseModel]) -> type[BaseModel]:
 
 
 def _encode_value(value: BaseModel, depth: int) -> Any:
-    out = _encoded.get(value, depth)
+    out = _encoded.get(value, depth, at_most=True)
     if out is None:
         out = _encode_model(value, depth)
         _encoded.put(value, depth, out)
@@ -515,11 +497,11 @@ def _canonical_text(value: Any, depth: int) -> str:
         inner = _deeper(value, depth)
         return "[" + ",".join([_canonical_text(v, inner) for v in value]) + "]"
     if t in _values:
-        text = _canonical.get(value, depth)
+        text = _canonical.get(value, depth, at_most=True)
         if text is None:
             text = _canonical_json(_encode_value(value, depth))
             _canonical.put(value, depth, text)
-        return str(text)
+        return text
     if t is int:  # a turn or slot number: the text json.dumps gives, without its set-up
         return int.__repr__(value)
     if t is str:

@@ -468,8 +468,16 @@ class TelemetryHooks(RunHooks):
         return _json(redactor.value(value))
 
     def _run(self, info: RunInfo) -> _LiveRun | None:
+        """The run's spans, if it has any (see :meth:`_traces`)."""
         live = _live.get(info.run_id)
         return live if live is not None and live.owner is self else None
+
+    def _traces(self) -> bool:
+        """Whether a run starting now gets spans: not without a tracer, nor while the tracer
+        is the global API's and no SDK is installed (every span would be a no-op; building
+        them cost about 20 us per turn). A run keeps the answer it started with."""
+        unset = isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        return self.tracer is not None and not (self._tracing.proxy and unset)
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -487,7 +495,7 @@ class TelemetryHooks(RunHooks):
             self._started[info.run_id] = time.monotonic()
             _retry_counters[info.run_id] = self.metrics
             self.metrics.prepare_model(info.provider, info.model_name)
-        if self.tracer is None:
+        if self.tracer is None or not self._traces():
             return
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: "invoke_agent",
@@ -598,7 +606,7 @@ class TelemetryHooks(RunHooks):
         self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
     ) -> Any:
         call = _ModelCall(time.perf_counter())
-        if self.tracer is not None:
+        if self._run(info) is not None:
             call.child = self._chat_span(info, turn, messages, settings)
         return call
 
@@ -729,7 +737,7 @@ class TelemetryHooks(RunHooks):
     async def before_tool_call(
         self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
     ) -> ToolCall | ToolOutcome:
-        if self.tracer is None:
+        if self.tracer is None or self._run(info) is None:
             return call
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: "execute_tool",

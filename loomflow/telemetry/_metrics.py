@@ -212,6 +212,24 @@ class _Bounded:
         return text
 
 
+@dataclass(frozen=True, slots=True)
+class _ModelSeries:
+    """The label children a successful live model call updates, and its bounded labels."""
+
+    provider: str
+    model: str
+    first_chunk: Any
+    call_seconds: Any
+    input_tokens: Any
+    output_tokens: Any
+    cost: Any
+
+
+# Model names come from configuration, but a caller may pass anything: past this many the
+# series are resolved per call (the labels themselves are bounded either way).
+_MAX_MODEL_SERIES = 256
+
+
 @dataclass(eq=False)
 class _Collectors:
     """The metric families of one registry (shared by every :class:`Metrics` on it)."""
@@ -243,6 +261,8 @@ class _Collectors:
     # The label children of each (backend, kind, outcome): every step updates three series,
     # and resolving labels takes a lock and a dict lookup each time.
     step_children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = field(default_factory=dict)
+    # The same for the series every live model call updates, per (provider, model) as given.
+    model_children: dict[tuple[str, str], _ModelSeries] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def bound(self, label: str, value: object) -> str:
@@ -566,6 +586,24 @@ class Metrics:
     def _model_labels(self, provider: str, model: str) -> tuple[str, str]:
         return self._c.bound("provider", provider), self._c.bound("model", model)
 
+    def _model_series(self, provider: str, model: str) -> _ModelSeries:
+        series = self._c.model_children.get((provider, model))
+        if series is None:
+            p, m = self._model_labels(provider, model)
+            c = self._c
+            series = _ModelSeries(
+                p,
+                m,
+                c.first_chunk_seconds.labels(p, m),
+                c.model_call_seconds.labels(p, m, "none"),
+                c.tokens.labels(p, m, "input"),
+                c.tokens.labels(p, m, "output"),
+                c.cost.labels(p, m),
+            )
+            if len(c.model_children) < _MAX_MODEL_SERIES:
+                c.model_children[(provider, model)] = series
+        return series
+
     def _gen_ai(self, provider: str, model: str) -> dict[str, str]:
         """The GenAI attributes of a chat call (provider and model already bounded)."""
         return {
@@ -595,11 +633,16 @@ class Metrics:
     ) -> None:
         """Observe the wall time of one live model call; ``error`` (an error class, or
         ``"cancelled"``) when it failed."""
-        provider, model = self._model_labels(provider, model)
         seconds = max(duration_s, 0.0)
-        if error is not None and error not in ERROR_CLASSES and error != "cancelled":
-            error = "other"
-        self._c.model_call_seconds.labels(provider, model, error or "none").observe(seconds)
+        if error is None:
+            series = self._model_series(provider, model)
+            series.call_seconds.observe(seconds)
+            provider, model = series.provider, series.model
+        else:
+            provider, model = self._model_labels(provider, model)
+            if error not in ERROR_CLASSES and error != "cancelled":
+                error = "other"
+            self._c.model_call_seconds.labels(provider, model, error).observe(seconds)
         if self._o is not None:
             attributes = self._gen_ai(provider, model)
             if error is not None:
@@ -608,11 +651,13 @@ class Metrics:
 
     def model_first_chunk(self, *, provider: str, model: str, seconds: float) -> None:
         """Observe the time a streamed live model call took to yield its first chunk."""
-        provider, model = self._model_labels(provider, model)
+        series = self._model_series(provider, model)
         seconds = max(seconds, 0.0)
-        self._c.first_chunk_seconds.labels(provider, model).observe(seconds)
+        series.first_chunk.observe(seconds)
         if self._o is not None:
-            self._o.record("time_to_first_chunk", seconds, self._gen_ai(provider, model))
+            self._o.record(
+                "time_to_first_chunk", seconds, self._gen_ai(series.provider, series.model)
+            )
 
     def tool_error(self, *, tool: str, error_type: str | None) -> None:
         """Count an executed tool call that returned an error of ``error_type``."""
@@ -638,13 +683,15 @@ class Metrics:
         ``input_tokens`` is every input token, cache reads and writes included (as the GenAI
         conventions count them); the cache figures are also counted on their own.
         """
-        provider, model = self._model_labels(provider, model)
+        series = self._model_series(provider, model)
+        provider, model = series.provider, series.model
         inputs, outputs = max(input_tokens, 0), max(output_tokens, 0)
         reads, writes = max(cache_read_tokens, 0), max(cache_write_tokens, 0)
         cost = max(cost_usd or 0.0, 0.0)
-        self._c.tokens.labels(provider, model, "input").inc(inputs)
-        self._c.tokens.labels(provider, model, "output").inc(outputs)
-        self._c.cost.labels(provider, model).inc(cost)
+        series.input_tokens.inc(inputs)
+        series.output_tokens.inc(outputs)
+        if cost:
+            series.cost.inc(cost)
         if reads:
             self._c.cache_tokens.labels(provider, model, "read").inc(reads)
         if writes:

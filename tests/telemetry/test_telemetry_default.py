@@ -232,3 +232,71 @@ def test_hashed_user_ids_need_a_real_key(monkeypatch: pytest.MonkeyPatch) -> Non
         Telemetry(metrics=False, user_ids="hashed", user_id_key="short")
     with pytest.raises(ConfigurationError, match="plain, hashed, omit"):
         Telemetry(metrics=False, user_ids="masked")  # type: ignore[arg-type]
+
+
+# Runs once with no SDK installed (counting the spans the proxy tracer is asked for), then
+# installs one and runs again.
+APP_LATE_SDK = """
+import asyncio, json
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from loomflow.agent import Agent
+from loomflow.messages import ToolCall
+from loomflow.models import ScriptedModel
+from loomflow.runtime import SqliteRuntime
+from loomflow.tools import tool
+
+asked = []
+start_span = trace.ProxyTracer.start_span
+def counting(self, name, *args, **kwargs):
+    asked.append(name)
+    return start_span(self, name, *args, **kwargs)
+trace.ProxyTracer.start_span = counting
+
+@tool
+async def lookup(order: int) -> str:
+    \"\"\"Look an order up.\"\"\"
+    return "shipped"
+
+def script():
+    return ScriptedModel([[ToolCall(id="c1", name="lookup", arguments={"order": 7})], "Shipped."])
+
+async def main():
+    runtime = SqliteRuntime("journal.db")
+    await Agent("x", model=script(), tools=[lookup], runtime=runtime).run(
+        "where?", session_id="s-1", user_id="ana"
+    )
+    before = list(asked)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    await Agent("x", model=script(), tools=[lookup], runtime=runtime).run(
+        "where?", session_id="s-2", user_id="ana"
+    )
+    await runtime.close()
+    names = sorted({s.name.split(" ")[0] for s in exporter.get_finished_spans()})
+    print(json.dumps({"before": before, "after": names}))
+
+asyncio.run(main())
+"""
+
+
+def test_no_spans_are_built_before_an_sdk_is_installed_and_all_after(tmp_path: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LOOMFLOW_", "OTEL_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", APP_LATE_SDK],
+        env=clean,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    # Every span would have been a no-op: the proxy tracer was not even asked for one.
+    assert found["before"] == []
+    assert found["after"] == ["chat", "execute_tool", "invoke_agent", "loom.workflow.step"]

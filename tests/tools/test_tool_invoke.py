@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from loomflow import RunContext, get_run_context
 from loomflow.context import use_run_context
+from loomflow.errors import UserError
 from loomflow.runtime import codec
 from loomflow.tools import ToolOutcome, tool
 
@@ -305,6 +306,32 @@ async def test_sync_tools_run_in_a_thread_and_see_the_context() -> None:
     assert outcome.value["user"] == "alice"
     assert outcome.value["run"] == "run-alice"
     assert outcome.value["thread"] != threading.get_ident()
+
+
+async def test_a_non_blocking_sync_tool_runs_on_the_event_loop() -> None:
+    @tool(blocking=False)
+    def here(tag: str) -> dict[str, Any]:
+        return {"tag": tag, "user": get_run_context().user_id, "thread": threading.get_ident()}
+
+    assert here.blocking is False
+    assert sync_probe.blocking is True
+    assert async_probe.blocking is False  # async tools never take a thread
+    with use_run_context(_ctx("alice")):
+        outcome = await here.invoke({"tag": "t"})
+    assert outcome.value == {"tag": "t", "user": "alice", "thread": threading.get_ident()}
+
+
+def test_blocking_is_refused_where_it_cannot_mean_anything() -> None:
+    async def coro() -> int:
+        return 1
+
+    def quick() -> int:
+        return 1
+
+    with pytest.raises(UserError, match="blocking= applies to sync functions"):
+        tool(blocking=True)(coro)
+    with pytest.raises(UserError, match="a timeout needs blocking=True"):
+        tool(blocking=False, timeout=1)(quick)
 
 
 async def test_context_is_injected_into_sync_and_async_tools() -> None:
