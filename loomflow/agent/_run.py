@@ -139,6 +139,7 @@ class _Run:
         self.tokens: list[object] = []  # what each hook's before_model_call returned
         self.live_tools: set[str] = set()  # tool steps that ran (were not replayed)
         self.awaiting: list[PendingApproval] = []  # calls of the turn waiting for a person
+        self.transcript = codec.GrowingHasher()  # the fingerprint state of self.messages
 
     # -- the run, top to bottom ------------------------------------------------------------
 
@@ -221,7 +222,11 @@ class _Run:
             async for chunk in self.runtime.stream_step(
                 f"model_call_{turn}",
                 functools.partial(self._call_model, turn),  # the turn is not a step input
-                list(self.messages),
+                # With a journal, a snapshot that hashes only the messages added since the
+                # last call (the step's fingerprint); without one, nothing hashes it.
+                self.transcript.snapshot(self.messages)
+                if self.open_run is not None
+                else list(self.messages),
                 self.agent._specs,
                 self.agent._settings,
                 # Only runs with an output_type add this input: other runs keep their keys.

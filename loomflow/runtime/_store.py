@@ -8,7 +8,6 @@ taken the (session, user) turn.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,8 +89,9 @@ def path_key(path: Sequence[str]) -> str:
 
 
 def fingerprint(args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-    """SHA-256 of the canonical tagged-JSON encoding of a step's inputs."""
-    return hashlib.sha256(codec.canonical_bytes([list(args), kwargs])).hexdigest()
+    """SHA-256 of the canonical tagged-JSON encoding of a step's inputs (resumed from a kept
+    state for a growing first argument, see :class:`~loomflow.runtime.codec.GrowingList`)."""
+    return codec.step_fingerprint(list(args), kwargs)
 
 
 @dataclass(frozen=True, slots=True)

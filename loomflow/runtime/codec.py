@@ -27,6 +27,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import hashlib
 import json
 import logging
 import math
@@ -42,6 +43,8 @@ from ..errors import InvalidArgumentTypeError, _rebuild
 __all__ = [
     "CODEC_VERSION",
     "MAX_DEPTH",
+    "GrowingHasher",
+    "GrowingList",
     "NestingTooDeepError",
     "UnknownTagError",
     "UnsupportedValueError",
@@ -53,6 +56,7 @@ __all__ = [
     "loads",
     "mark_immutable",
     "register_type",
+    "step_fingerprint",
 ]
 
 CODEC_VERSION = 1
@@ -493,7 +497,7 @@ def _canonical_text(value: Any, depth: int) -> str:
     # Lists (a step's argument list, a transcript) are joined from their items' texts, so a
     # value instance's text is made once (byte for byte what one json.dumps would give).
     t = type(value)
-    if t is list:
+    if t is list or t is GrowingList:
         inner = _deeper(value, depth)
         return "[" + ",".join([_canonical_text(v, inner) for v in value]) + "]"
     if t in _values:
@@ -512,3 +516,69 @@ def _canonical_text(value: Any, depth: int) -> str:
 
 
 _json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
+
+
+# -- fingerprints of a list that grows from step to step --------------------------------------
+#
+# A step's inputs are fingerprinted as SHA-256 over canonical_bytes([list(args), kwargs]). The
+# agent's model call passes its transcript first, and the transcript only grows: hashing it
+# again at every call is O(n) per call and O(n^2) per run. SHA-256 can be resumed from a state,
+# so a transcript whose state after its last item is kept costs only its new items.
+
+_GROWING_PREFIX = b"[[["  # the canonical text up to the first item of the first argument
+_ITEM_DEPTH = 3  # that item's depth: outer list, argument list, the list itself
+
+
+class GrowingList(list[Any]):
+    """A snapshot of a step's first argument that grows from call to call (the agent's
+    transcript), carrying the SHA-256 state of the step-input encoding up to its last item.
+
+    It encodes, compares and iterates as a plain list; :func:`step_fingerprint` uses the state,
+    and gives byte for byte what it gives for the plain list. Built by :class:`GrowingHasher`.
+    """
+
+    __slots__ = ("_state",)
+
+    def __init__(self, items: list[Any], state: hashlib._Hash) -> None:
+        super().__init__(items)
+        self._state = state
+
+
+class GrowingHasher:
+    """Hashes the items of a growing list once each, and hands out :class:`GrowingList`
+    snapshots. A list that is not the last one plus new items (an item replaced or removed)
+    is hashed again from its start."""
+
+    __slots__ = ("_items", "_state")
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._state = hashlib.sha256(_GROWING_PREFIX)
+
+    def snapshot(self, items: list[Any]) -> GrowingList:
+        kept = self._items
+        if len(items) < len(kept) or any(a is not b for a, b in zip(kept, items, strict=False)):
+            self._items, self._state = [], hashlib.sha256(_GROWING_PREFIX)
+            kept = self._items
+        state = self._state
+        for item in items[len(kept) :]:
+            text = _canonical_text(item, _ITEM_DEPTH)
+            state.update((f",{text}" if kept else text).encode())
+            kept.append(item)
+        return GrowingList(items, state.copy())
+
+
+def step_fingerprint(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> str:
+    """SHA-256 (hex) of ``canonical_bytes([list(args), kwargs])``, resumed from the kept state
+    when the first argument is a :class:`GrowingList`."""
+    first = args[0] if args else None
+    if type(first) is not GrowingList:
+        return hashlib.sha256(canonical_bytes([list(args), kwargs])).hexdigest()
+    try:
+        rest = "".join([f",{_canonical_text(a, 2)}" for a in args[1:]])
+        tail = f"]{rest}],{_canonical_text(kwargs, 1)}]"
+    except RecursionError:
+        raise NestingTooDeepError(args) from None
+    state: hashlib._Hash = first._state.copy()
+    state.update(tail.encode())
+    return state.hexdigest()
