@@ -387,15 +387,18 @@ class JournalRuntime:
         owner = claim_owner()
         _lease.held.add(owner)
         try:
-            claim, asked = await _lease.claim(
-                self._store,
-                scope,
-                owner,
-                lease_seconds=self.lease_seconds,
-                turn_timeout=self.turn_timeout,
-                deadline=deadline,
-            )
-            run = await self._start(scope, claim, resume, strict_replay, _encode_record(record))
+            encoded = _encode_record(record)
+            claim, asked = (None, 0.0) if resume else await self._try_begin(scope, owner, encoded)
+            if claim is None:  # busy, or a run to continue: claim, then open it if need be
+                claim, asked = await _lease.claim(
+                    self._store,
+                    scope,
+                    owner,
+                    lease_seconds=self.lease_seconds,
+                    turn_timeout=self.turn_timeout,
+                    deadline=deadline,
+                )
+            run = await self._start(scope, claim, resume, strict_replay, encoded)
             run.lease_until = asked + self.lease_seconds
             self._live[scope.key] = run  # one run per scope at a time: the turn lock
             heartbeat = asyncio.create_task(
@@ -434,6 +437,18 @@ class JournalRuntime:
             lock.release()
             if not lock.locked() and not lock._waiters:  # drop idle locks: sessions are unbounded
                 self._locks.pop(scope.key, None)
+
+    async def _try_begin(
+        self, scope: Scope, owner: str, record: tuple[str, str, bytes] | None
+    ) -> tuple[Claim | None, float]:
+        """A new run on a free session whose last run closed: claimed and opened in one
+        write. ``None`` when that is not the case (or the store cannot do it)."""
+        try_begin = getattr(self._store, "try_begin", None)  # stores from before 0.21 lack it
+        if try_begin is None:
+            return None, 0.0
+        asked = _lease.lease_clock()
+        claim: Claim | None = await try_begin(scope, owner, self.lease_seconds, record)
+        return claim, asked
 
     async def _start(
         self,

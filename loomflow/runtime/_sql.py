@@ -46,6 +46,26 @@ ON CONFLICT (scope) DO UPDATE SET
 WHERE loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now}
 RETURNING token, epoch, open
 """
+# A new run in one commit: the turn is taken and the run opened (as _BEGIN does) only where
+# the session has no open run to continue; otherwise nothing changes and the caller claims
+# with _ACQUIRE.
+_ACQUIRE_NEW = """
+INSERT INTO loom_sessions
+    (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at, agent,
+     config, record, status, attempts, last_error, retry_at, created_at)
+VALUES ($1, $2, $3, 0, 1, $4, 1, {now} + $5, {now}, $6, $7, $8, NULL, 0, NULL, 0, {now})
+ON CONFLICT (scope) DO UPDATE SET
+    owner = excluded.owner,
+    token = loom_sessions.token + 1,
+    lease_until = excluded.lease_until,
+    updated_at = excluded.updated_at,
+    open = 1, agent = excluded.agent, config = excluded.config, record = excluded.record,
+    status = NULL, attempts = 0, last_error = NULL, retry_at = 0,
+    created_at = excluded.created_at
+WHERE (loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now})
+    AND loom_sessions.open = 0
+RETURNING token, epoch, open
+"""
 _HOLDER = "SELECT owner, token FROM loom_sessions WHERE scope = $1 AND owner IS NOT NULL"
 _STEAL = """
 UPDATE loom_sessions SET owner = $2, token = token + 1, lease_until = {now} + $4,
@@ -180,6 +200,7 @@ FROM loom_entries e WHERE e.scope = $1 ORDER BY e.epoch, e.seq
 
 _QUERIES = {
     "acquire": _ACQUIRE,
+    "acquire_new": _ACQUIRE_NEW,
     "holder": _HOLDER,
     "steal": _STEAL,
     "renew": _RENEW,
@@ -303,6 +324,25 @@ class SqlJournalStore:
                 scope.user_id,
                 owner,
                 float(lease_s),
+            )
+        )
+
+    async def try_begin(
+        self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
+    ) -> Claim | None:
+        agent, config, raw = record if record is not None else (None, None, None)
+        return _claim(
+            await self._run(
+                "acquire",
+                "acquire_new",
+                scope.key,
+                scope.session_id,
+                scope.user_id,
+                owner,
+                float(lease_s),
+                agent,
+                config,
+                raw,
             )
         )
 

@@ -210,6 +210,18 @@ class JournalStore(Protocol):
     async def try_acquire(self, scope: Scope, owner: str, lease_s: float) -> Claim | None:
         """Take the turn if nobody holds it or the holder's lease ran out."""
 
+    async def try_begin(
+        self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
+    ) -> Claim | None:
+        """Take the turn and open a new run, in one write, if the turn is free *and* the
+        session has no open run; else change nothing and return ``None``.
+
+        What :meth:`try_acquire` then :meth:`begin_run` do, with one commit instead of two
+        for the common case (a new run on a session whose last run closed). The claim it
+        returns is open. A store may always return ``None``: the journal then claims and
+        opens in two steps. (Stores written before 0.21 lack it; the journal does the same.)
+        """
+
     async def holder(self, scope: Scope) -> tuple[str, int] | None:
         """The current holder's owner id and token, or ``None`` if the turn is free."""
 

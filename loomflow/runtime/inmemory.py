@@ -92,6 +92,19 @@ class InMemoryStore:
         row.updated_at = now
         return Claim(row.token, row.epoch, row.open)
 
+    async def try_begin(
+        self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
+    ) -> Claim | None:
+        row = self.sessions.get(scope.key)
+        if row is not None and (
+            row.open or (row.owner is not None and row.lease_until >= time.time())
+        ):
+            return None
+        claim = await self.try_acquire(scope, owner, lease_s)
+        if claim is None or not await self.begin_run(scope, claim.token, record):
+            return None
+        return Claim(claim.token, claim.epoch, True)
+
     async def holder(self, scope: Scope) -> tuple[str, int] | None:
         row = self.sessions.get(scope.key)
         return (row.owner, row.token) if row is not None and row.owner is not None else None
