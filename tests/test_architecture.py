@@ -28,6 +28,7 @@ FLOORS = [
         "loomflow._cleanup",
         "loomflow._ids",
         "loomflow._json",
+        "loomflow._memo",
         "loomflow._pii",
         "loomflow._progress",
         "loomflow._settings_doc",

@@ -42,9 +42,9 @@ from ..errors import InvalidArgumentTypeError, _rebuild
 
 __all__ = [
     "CODEC_VERSION",
-    "MAX_DEPTH",
     "GrowingHasher",
     "GrowingList",
+    "MAX_DEPTH",
     "NestingTooDeepError",
     "UnknownTagError",
     "UnsupportedValueError",
