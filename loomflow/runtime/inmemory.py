@@ -84,26 +84,34 @@ class InMemoryStore:
         return row if row is not None and row.token == token else None
 
     async def try_acquire(self, scope: Scope, owner: str, lease_s: float) -> Claim | None:
-        now = time.time()
         row = self.sessions.setdefault(scope.key, _SessionRow(scope.session_id, scope.user_id))
-        if row.owner is not None and row.lease_until >= now:
+        if row.owner is not None and row.lease_until >= time.time():
             return None
-        row.owner, row.token, row.lease_until = owner, row.token + 1, now + lease_s
-        row.updated_at = now
+        self._take(row, owner, lease_s)
         return Claim(row.token, row.epoch, row.open)
 
     async def try_begin(
         self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
     ) -> Claim | None:
-        row = self.sessions.get(scope.key)
-        if row is not None and (
-            row.open or (row.owner is not None and row.lease_until >= time.time())
-        ):
+        row = self.sessions.setdefault(scope.key, _SessionRow(scope.session_id, scope.user_id))
+        if row.open or (row.owner is not None and row.lease_until >= time.time()):
             return None
-        claim = await self.try_acquire(scope, owner, lease_s)
-        if claim is None or not await self.begin_run(scope, claim.token, record):
-            return None
-        return Claim(claim.token, claim.epoch, True)
+        self._take(row, owner, lease_s)
+        self._open(row, record)
+        return Claim(row.token, row.epoch, True)
+
+    @staticmethod
+    def _take(row: _SessionRow, owner: str, lease_s: float) -> None:
+        now = time.time()
+        row.owner, row.token, row.lease_until = owner, row.token + 1, now + lease_s
+        row.updated_at = now
+
+    @staticmethod
+    def _open(row: _SessionRow, record: tuple[str, str, bytes] | None) -> None:
+        row.open = True
+        row.agent, row.config, row.record = record if record is not None else (None, None, None)
+        row.status, row.attempts, row.last_error, row.retry_at = None, 0, None, 0.0
+        row.created_at = time.time()
 
     async def holder(self, scope: Scope) -> tuple[str, int] | None:
         row = self.sessions.get(scope.key)
@@ -131,10 +139,7 @@ class InMemoryStore:
         row = self._owned(scope, token)
         if row is None:
             return False
-        row.open = True
-        row.agent, row.config, row.record = record if record is not None else (None, None, None)
-        row.status, row.attempts, row.last_error, row.retry_at = None, 0, None, 0.0
-        row.created_at = time.time()
+        self._open(row, record)
         return True
 
     async def release(
