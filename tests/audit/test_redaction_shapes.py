@@ -1,0 +1,88 @@
+"""The shapes redaction and the PII finders use find exactly what their plain forms find.
+
+The shipped regular expressions are written literal-first so that ``re`` can skip ahead (see
+``loomflow.redaction.SECRET_PATTERNS``); the plain forms below are how one would first write
+them. On any text, both must match the same spans.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loomflow import _pii
+from loomflow.redaction import SECRET_PATTERNS, Redactor
+
+PLAIN_SECRETS = {
+    "private_key": r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----",
+    "api_key": r"\bsk-[A-Za-z0-9_\-]{16,}",
+    "aws_access_key": r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
+    "google_api_key": r"\bAIza[0-9A-Za-z_\-]{35}",
+    "github_token": r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})",
+    "slack_token": r"\bxox[abposr]-[A-Za-z0-9\-]{10,}",
+    "jwt": r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}",
+    "bearer_token": r"(?i)\bbearer\s+[A-Za-z0-9\-._~+/]{8,}=*",
+}
+PLAIN_PII = {
+    "card": r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d])",
+    "iban": r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?\b",
+}
+
+# Pieces that start, end or break every shape, so that generated texts hit the edges.
+PIECES = [
+    "sk-", "AKIA", "ASIA", "AIza", "ghp_", "gho_", "github_pat_", "xoxb-", "xoxz-", "eyJ",
+    "Bearer ", "bEaReR\t", "bearer", "-----BEGIN RSA PRIVATE KEY-----",
+    "-----END RSA PRIVATE KEY-----", "GB82", "WEST", "1234", "4111 1111 1111 1111",
+    "4111-1111-1111-1111", "@", "ana@example.com", ".", "=", "_", "-", " ", "\n", "x", "Z",
+    "0", "9", "é", "\u017f", "\u212a",  # long s, Kelvin sign (they fold to s, k)
+    "aaaaaaaaaaaaaaaa", "ABCDEFGHIJKLMNOP", "0123456789",
+]  # fmt: skip
+texts = st.lists(st.sampled_from(PIECES) | st.text(max_size=3), max_size=30).map("".join)
+
+
+def _spans(pattern: re.Pattern[str], text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in pattern.finditer(text)]
+
+
+SHIPPED = dict(SECRET_PATTERNS)
+PAIRS = [(re.compile(PLAIN_SECRETS[kind]), re.compile(SHIPPED[kind])) for kind in PLAIN_SECRETS] + [
+    (re.compile(PLAIN_PII["card"]), _pii.CARD),
+    (re.compile(PLAIN_PII["iban"]), _pii.IBAN),
+]
+
+
+def test_every_shipped_secret_shape_has_its_plain_form() -> None:
+    assert set(SHIPPED) == set(PLAIN_SECRETS)
+
+
+@settings(max_examples=600, deadline=None)
+@given(texts)
+def test_the_shapes_match_what_their_plain_forms_match(text: str) -> None:
+    for plain, shipped in PAIRS:
+        assert _spans(shipped, text) == _spans(plain, text), (plain.pattern, text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts)
+def test_emails_are_found_with_or_without_the_quick_check(text: str) -> None:
+    assert _pii.find_emails(text) == _spans(_pii.EMAIL, text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts)
+def test_redacted_text_is_what_the_plain_shapes_give(text: str) -> None:
+    expected = text
+    for kind, rx in PLAIN_SECRETS.items():
+        expected = re.sub(rx, f"[REDACTED:{kind}]", expected)
+    assert Redactor(pii=False).text(text) == expected
+
+
+def test_a_shape_is_found_mid_text_and_not_inside_a_word() -> None:
+    r = Redactor(pii=False)
+    key = "sk-" + "a1" * 10
+    assert r.text(f"use {key} now") == "use [REDACTED:api_key] now"
+    assert r.text(f"task{key}") == f"task{key}"  # no word boundary before it
+    assert r.text("BEARER abcdefgh12") == "[REDACTED:bearer_token]"
+    assert r.text("unbearer abcdefgh12") == "unbearer abcdefgh12"
