@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +17,11 @@ if TYPE_CHECKING:
     import asyncpg
 
 __all__ = ["PostgresDatabase"]
+
+log = logging.getLogger("loomflow.storage")
+
+_LANE_RETRY_S = 1.0  # after the lane broke or could not connect, the pool serves meanwhile
+_LANE_CONNECT_TIMEOUT_S = 10.0
 
 
 def _asyncpg() -> Any:
@@ -53,11 +61,21 @@ class PostgresDatabase(Database):
         super().__init__()
         driver = _asyncpg()
         self.driver_errors = (driver.PostgresError, driver.InterfaceError, OSError)
+        self._server_errors: tuple[type[BaseException], ...] = (driver.PostgresError,)
         self._dsn = dsn_or_pool if isinstance(dsn_or_pool, str) else None
         self._pool: asyncpg.Pool | None = None if isinstance(dsn_or_pool, str) else dsn_or_pool
         self._owns_pool = isinstance(dsn_or_pool, str)
         self._min_size = min_size
         self._max_size = max_size
+        # The lane: one connection of our own, outside the pool, for single statements. Taking
+        # a pooled connection costs a statement tens of microseconds (about a tenth of a
+        # loopback INSERT); the lane serves the statement whenever no other statement is on it,
+        # and the pool serves the rest (concurrent statements, transactions). Only a pool we
+        # created gets one: an adopted pool's size is its owner's to decide.
+        self._lane: asyncpg.Connection | None = None
+        self._lane_busy = False
+        self._lane_task: asyncio.Task[None] | None = None
+        self._lane_retry_at = 0.0
 
     def __repr__(self) -> str:
         return f"PostgresDatabase(<{'dsn' if self._owns_pool else 'pool'}>)"
@@ -91,20 +109,107 @@ class PostgresDatabase(Database):
                 "in the child; give the runtime or store a DSN (it then connects anew in each "
                 "process) or create the pool after the fork"
             )
-        pool, self._pool = self._pool, None
-        return pool
+        inherited = (self._pool, self._lane, self._lane_task)
+        self._pool, self._lane, self._lane_task, self._lane_busy = None, None, None, False
+        return inherited if any(part is not None for part in inherited) else None
 
     async def _disconnect(self) -> None:
+        task, self._lane_task = self._lane_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            with contextlib.suppress(Exception):
+                await lane.close(timeout=5)
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
 
     async def _fetch(self, sql: str, *args: Any) -> Rows:
-        return await self.pool.fetch(sql, *args)  # type: ignore[no-any-return]
+        lane = self._take_lane()
+        if lane is None:
+            return await self.pool.fetch(sql, *args)  # type: ignore[no-any-return]
+        try:
+            return await lane.fetch(sql, *args)  # type: ignore[no-any-return]
+        except BaseException as exc:
+            self._after_lane_error(lane, exc)
+            raise
+        finally:
+            self._lane_busy = False
 
     async def _count(self, sql: str, *args: Any) -> int:
-        status: str = await self.pool.execute(sql, *args)  # e.g. "INSERT 0 1", "UPDATE 2"
+        lane = self._take_lane()
+        status: str  # e.g. "INSERT 0 1", "UPDATE 2"
+        if lane is None:
+            status = await self.pool.execute(sql, *args)
+        else:
+            try:
+                status = await lane.execute(sql, *args)
+            except BaseException as exc:
+                self._after_lane_error(lane, exc)
+                raise
+            finally:
+                self._lane_busy = False
         return int(status.rsplit(" ", 1)[-1])
+
+    # -- the lane ----------------------------------------------------------------------------
+
+    def _take_lane(self) -> asyncpg.Connection | None:
+        """The lane, marked busy, if it is connected and free; else ``None`` (use the pool)."""
+        lane = self._lane
+        if lane is not None and lane.is_closed():  # the server or the network ended it
+            self._drop_lane(lane)
+            lane = None
+        if lane is None:
+            self._start_lane()
+            return None
+        if self._lane_busy:
+            return None
+        self._lane_busy = True
+        return lane
+
+    def _after_lane_error(self, lane: asyncpg.Connection, exc: BaseException) -> None:
+        # An error the server answered with leaves the connection usable. Anything else (the
+        # connection broke, or the caller was cancelled mid-statement, which leaves asyncpg
+        # waiting on the server) makes the lane unfit: the pool serves until a new one is up.
+        if isinstance(exc, self._server_errors) and not lane.is_closed():
+            return
+        self._drop_lane(lane)
+
+    def _drop_lane(self, lane: asyncpg.Connection) -> None:
+        if self._lane is lane:
+            self._lane = None
+            self._lane_retry_at = time.monotonic() + _LANE_RETRY_S
+        lane.terminate()
+
+    def _start_lane(self) -> None:
+        """Connect the lane in the background (statements meanwhile use the pool)."""
+        if (
+            not self._owns_pool
+            or self._pool is None
+            or self._lane_task is not None
+            or time.monotonic() < self._lane_retry_at
+        ):
+            return
+        self._lane_task = asyncio.get_running_loop().create_task(
+            self._connect_lane(), name="loomflow-pg-lane"
+        )
+
+    async def _connect_lane(self) -> None:
+        try:
+            lane = await _asyncpg().connect(self._dsn, timeout=_LANE_CONNECT_TIMEOUT_S)
+        except Exception as exc:  # the pool keeps serving; a later statement tries again
+            log.debug("PostgreSQL lane connection failed: %r", exc)
+            self._lane_retry_at = time.monotonic() + _LANE_RETRY_S
+            self._lane_task = None
+            return
+        self._lane_task = None
+        if self._pool is None or self._lane is not None:  # closed (or forked) meanwhile
+            lane.terminate()
+            return
+        self._lane = lane
 
     @contextlib.asynccontextmanager
     async def _transaction(self, lock_key: int | None) -> AsyncIterator[Transaction]:
