@@ -71,10 +71,13 @@ def _message_tokens(message: Message) -> int:
 
 
 def _count_tokens(message: Message) -> int:
-    if not message.tool_calls:
-        return approx_tokens(message.content)
-    calls = "".join(c.name + json.dumps(c.arguments, sort_keys=True) for c in message.tool_calls)
-    return approx_tokens(message.content) + approx_tokens(calls)
+    return approx_tokens(message.content) + _call_tokens(message.tool_calls)
+
+
+def _call_tokens(calls: Sequence[ToolCall]) -> int:
+    if not calls:
+        return 0
+    return approx_tokens("".join(c.name + json.dumps(c.arguments, sort_keys=True) for c in calls))
 
 
 def echo_last_user(messages: Sequence[Message]) -> str:
@@ -90,7 +93,7 @@ def _build_response(
 ) -> ModelResponse:
     if isinstance(answer, ModelResponse):
         return answer
-    input_tokens = sum(_message_tokens(m) for m in messages)
+    input_tokens = sum(map(_message_tokens, messages))
     if isinstance(answer, str):
         return ModelResponse(
             text=answer,
@@ -103,7 +106,7 @@ def _build_response(
         raise InvalidArgumentTypeError(
             f"a tool-use turn must be a list of ToolCall, got {answer!r}"
         )
-    output = _message_tokens(Message.assistant("", calls))
+    output = _call_tokens(calls)  # what the assistant message of these calls counts
     return ModelResponse(
         tool_calls=calls,
         usage=Usage(input_tokens=input_tokens, output_tokens=output),

@@ -12,7 +12,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loomflow import _pii
+from loomflow import _pii, redaction
 from loomflow.redaction import SECRET_PATTERNS, Redactor
 
 PLAIN_SECRETS = {
@@ -86,3 +86,42 @@ def test_a_shape_is_found_mid_text_and_not_inside_a_word() -> None:
     assert r.text(f"task{key}") == f"task{key}"  # no word boundary before it
     assert r.text("BEARER abcdefgh12") == "[REDACTED:bearer_token]"
     assert r.text("unbearer abcdefgh12") == "unbearer abcdefgh12"
+
+
+def _min_width(pattern: str) -> int:
+    # re's own parser (private, but the one authority on what a pattern can match).
+    return int(re._parser.parse(pattern).getwidth()[0])  # type: ignore[attr-defined]
+
+
+def test_the_length_shortcut_is_no_longer_than_any_shape() -> None:
+    widths = [_min_width(rx) for _, rx in SECRET_PATTERNS]
+    assert min(widths) == redaction._SHORTEST_SHAPE
+    pii = [_min_width(p.pattern) for p in (_pii.EMAIL, _pii.CARD, _pii.IBAN)]
+    assert min(pii) == redaction._SHORTEST_BUILTIN_PII
+
+
+def _unhurried(redactor: Redactor) -> Redactor:
+    """The same redactor with the length shortcut off: every rule runs on every text."""
+    redactor._shortest = redactor._shortest_secret = 0
+    return redactor
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts, st.booleans())
+def test_the_length_shortcut_changes_no_result(text: str, pii: bool) -> None:
+    for make in (
+        lambda: Redactor(),
+        lambda: Redactor(secrets=["abcd", "longer-secret"]),
+        lambda: Redactor(pii_patterns={"code": "Q"}),
+        lambda: Redactor(patterns=False, pii=False),
+    ):
+        quick, full = make(), _unhurried(make())
+        for cut in range(0, len(text) + 1, 3):  # short prefixes are the ones it skips
+            assert quick.text(text[:cut], pii=pii) == full.text(text[:cut], pii=pii)
+
+
+def test_learned_secrets_lower_the_shortcut() -> None:
+    r = Redactor()
+    assert r.text("wxyz") == "wxyz"
+    r.learn({"password": "wxyz"})
+    assert r.text("wxyz") == "[REDACTED]"
