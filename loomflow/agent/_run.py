@@ -268,7 +268,9 @@ class _Run:
             yield ToolCallStarted(turn=turn, slot=slot, call=call)
         steps = [self.call_tool(turn, slot, call) for slot, call in enumerate(calls)]
         try:
-            if self.agent.tuning.parallel_tools:
+            # A single call is awaited as in sequential mode: gather would wrap it in a task
+            # of its own, one more loop iteration per turn for nothing to overlap.
+            if self.agent.tuning.parallel_tools and len(steps) > 1:
                 outcomes = await asyncio.gather(*steps)
             else:
                 outcomes = [await step for step in steps]
