@@ -9,7 +9,8 @@ plain function, which loomflow runs in a worker thread (``@tool(blocking=False)`
 For each backend a run of ``--turns`` tool turns plus an answer turn is first traced once to
 count the commits that write (journal entries, the run's claim and release, the episode); the
 *floor* of a turn is that many raw INSERT commits of a journal-sized row through the same
-driver (``benchmarks/runtime_overhead.py``'s floors), divided by the turns. Then ``--rounds``
+driver (``benchmarks/runtime_overhead.py``'s floors), divided by the turns; the inserts are
+timed in groups of one run's worth, as the runs are timed whole. Then ``--rounds``
 rounds alternate a batch of fresh runs with a batch of floor inserts, so both see the same
 disk and machine; each round gives a ratio, and the median ratio is held against the target.
 Replays resume each finished run (every step replayed). The no-journal figure is the loop
@@ -170,18 +171,21 @@ async def replays(agent: Agent, sessions: list[str], turns: int) -> float:
     return statistics.median(per_turn)
 
 
-async def floor_batch(floor: SqliteFloor | PostgresFloor, batch: int, n: int) -> float:
-    """Median seconds of one raw INSERT commit of a journal-sized row (the cheaper variant)."""
+async def floor_batch(floor: SqliteFloor | PostgresFloor, batch: int, writes: int) -> float:
+    """Seconds per raw INSERT commit of a journal-sized row, timed as runs are: groups of
+    ``writes`` commits (one run's worth), the median group's mean; the cheaper variant."""
     raw = b'{"role":"assistant","text":"' + b"x" * 400 + b'"}'
-    ops = floor.insert_ops(batch, n, raw)
+    groups = 4
+    ops = floor.insert_ops(batch, writes * groups, raw)
     best = float("inf")
     for op in ops.values():
-        times = []
-        for i in range(n):
+        means = []
+        for g in range(groups):
             t0 = time.perf_counter()
-            await op(i)
-            times.append(time.perf_counter() - t0)
-        best = min(best, statistics.median(times))
+            for i in range(g * writes, (g + 1) * writes):
+                await op(i)
+            means.append((time.perf_counter() - t0) / writes)
+        best = min(best, statistics.median(means))
     return best
 
 
@@ -197,7 +201,7 @@ async def bench_backend(
     await agent.run("warm up", session_id=f"warm-{ULID()}", user_id="u")
     for batch in range(args.rounds):
         fresh, sessions = await fresh_runs(agent, args.turns, args.runs)
-        per_write = await floor_batch(floor, batch, figures.writes_per_run * 2)
+        per_write = await floor_batch(floor, batch, figures.writes_per_run)
         figures.fresh.append(fresh)
         figures.floor.append(per_write * figures.writes_per_run / (args.turns + 1))
         figures.replay.append(await replays(agent, sessions, args.turns))
@@ -277,8 +281,8 @@ def report(
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=10)
-    parser.add_argument("--runs", type=int, default=8, help="fresh runs per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=12, help="fresh runs per round")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--pg-dsn", default=PG_DSN)
     parser.add_argument("--skip-postgres", action="store_true")
     args = parser.parse_args()
