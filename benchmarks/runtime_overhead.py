@@ -110,14 +110,20 @@ async def fresh_batch(
     try:
         async with runtime.session(session, USER) as run:
             gc.collect()
+            names = [*floor_ops, None]  # None: the step
             for i in range(n):
-                for name, op in floor_ops.items():
+                # Each call takes each place in turn: a commit right after another file's
+                # fsync is not the one that follows the same file's, and neither side should
+                # always get the same seat.
+                shift = i % len(names)
+                for name in names[shift:] + names[:shift]:
                     t0 = clock()
-                    await op(i)
-                    floors[name].append(clock() - t0)
-                t0 = clock()
-                await runtime.step(f"step-{i}", produce)
-                steps.append(clock() - t0)
+                    if name is None:
+                        await runtime.step(f"step-{i}", produce)
+                        steps.append(clock() - t0)
+                    else:
+                        await floor_ops[name](i)
+                        floors[name].append(clock() - t0)
             assert run.stats.misses == n
             raise _KeepOpen
     except _KeepOpen:
