@@ -596,15 +596,15 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
         "mean us per replayed step.\n"
     )
     header = (
-        f"{'backend':<9} {'fresh us':>10} {'insert floor us':>16} {'fresh/floor':>12} "
-        f"{'target':>9} {'hit us':>8} {'(<=25)':>7} {'read floor us':>14}"
+        f"{'backend':<13} {'fresh us':>10} {'insert floor us':>16} {'fresh/floor':>12} "
+        f"{'target':>16} {'hit us':>8} {'(<=25)':>7} {'read floor us':>14}"
     )
     print(header)
     print("-" * len(header))
     all_ok = True
     for r in results:
         if r.note:
-            print(f"{r.backend:<9} {r.note}")
+            print(f"{r.backend:<13} {r.note}")
             continue
         fresh = statistics.median(r.fresh)
         hit = statistics.median(r.hit)
@@ -616,13 +616,13 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
             ratio = fresh / floor[1]
             ratio_ok = ratio <= FRESH_TARGETS[r.backend]
             all_ok &= ratio_ok
-            floor_s, ratio_s, verdict = _us(floor[1]), f"{ratio:.2f}x", _verdict(ratio_ok)
+            floor_s, ratio_s, verdict = _us(floor[1]), f"{ratio:.3f}x", _verdict(ratio_ok)
         all_ok &= hit_ok
         read = _us(statistics.median(r.read_floor)) if r.read_floor else "-"
         if floor is not None:
             verdict = f"<={FRESH_TARGETS[r.backend]}x {verdict}"
         print(
-            f"{r.backend:<9} {_us(fresh):>10} {floor_s:>16} {ratio_s:>12} {verdict:>9} "
+            f"{r.backend:<13} {_us(fresh):>10} {floor_s:>16} {ratio_s:>12} {verdict:>16} "
             f"{hit * 1e6:>8.1f} {_verdict(hit_ok):>7} {read:>14}"
         )
 
