@@ -137,7 +137,7 @@ class PostgresDatabase(Database):
             self._after_lane_error(lane, exc)
             raise
         finally:
-            self._lane_busy = False
+            self._free_lane(lane)
 
     async def _count(self, sql: str, *args: Any) -> int:
         lane = self._take_lane()
@@ -151,7 +151,7 @@ class PostgresDatabase(Database):
                 self._after_lane_error(lane, exc)
                 raise
             finally:
-                self._lane_busy = False
+                self._free_lane(lane)
         return int(status.rsplit(" ", 1)[-1])
 
     # -- the lane ----------------------------------------------------------------------------
@@ -178,9 +178,13 @@ class PostgresDatabase(Database):
             return
         self._drop_lane(lane)
 
+    def _free_lane(self, lane: asyncpg.Connection) -> None:
+        if self._lane is lane:  # a lane dropped meanwhile is not its successor's to free
+            self._lane_busy = False
+
     def _drop_lane(self, lane: asyncpg.Connection) -> None:
         if self._lane is lane:
-            self._lane = None
+            self._lane, self._lane_busy = None, False
             self._lane_retry_at = time.monotonic() + _LANE_RETRY_S
         lane.terminate()
 

@@ -155,3 +155,23 @@ async def test_closing_closes_the_lane(pg_dsn: str) -> None:
     await db.close()
     assert lane.is_closed()
     assert db._lane is None
+
+
+async def test_a_statement_ending_on_a_dropped_lane_leaves_its_successor_busy(pg_dsn: str) -> None:
+    import asyncpg
+
+    db = PostgresDatabase(pg_dsn)
+    try:
+        lane = await _lane_up(db)
+        assert db._take_lane() is lane  # a statement is on it
+        db._drop_lane(lane)  # another statement found it broken
+        successor = await asyncpg.connect(pg_dsn)
+        db._lane = successor
+        assert db._take_lane() is successor  # the next statement has the new lane
+        db._free_lane(lane)  # the first statement ends (its finally)
+        assert db._take_lane() is None  # the new lane is still taken: no second statement on it
+        db._free_lane(successor)
+        assert db._take_lane() is successor
+        db._free_lane(successor)
+    finally:
+        await db.close()
