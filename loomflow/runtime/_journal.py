@@ -460,7 +460,10 @@ class JournalRuntime:
     ) -> JournalRun:
         try:
             if resume and not claim.open and claim.epoch > 0:
-                if await self._store.run_status(scope) == "cancelled":
+                cancelled = claim.cancelled
+                if cancelled is None:  # a store that does not read it with the claim
+                    cancelled = await self._store.run_status(scope) == "cancelled"
+                if cancelled:
                     raise RunCancelledError(
                         scope.session_id,
                         scope.user_id,

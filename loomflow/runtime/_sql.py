@@ -44,7 +44,7 @@ ON CONFLICT (scope) DO UPDATE SET
     lease_until = excluded.lease_until,
     updated_at = excluded.updated_at
 WHERE loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now}
-RETURNING token, epoch, open
+RETURNING token, epoch, open, status
 """
 # A new run in one commit: the turn is taken and the run opened (as _BEGIN does) only where
 # the session has no open run to continue; otherwise nothing changes and the caller claims
@@ -64,14 +64,14 @@ ON CONFLICT (scope) DO UPDATE SET
     created_at = excluded.created_at
 WHERE (loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now})
     AND loom_sessions.open = 0
-RETURNING token, epoch, open
+RETURNING token, epoch, open, status
 """
 _HOLDER = "SELECT owner, token FROM loom_sessions WHERE scope = $1 AND owner IS NOT NULL"
 _STEAL = """
 UPDATE loom_sessions SET owner = $2, token = token + 1, lease_until = {now} + $4,
     updated_at = {now}
 WHERE scope = $1 AND token = $3
-RETURNING token, epoch, open
+RETURNING token, epoch, open, status
 """
 _RENEW = """
 UPDATE loom_sessions SET lease_until = {now} + $3
@@ -273,7 +273,7 @@ def _path(raw: Any) -> tuple[str, ...]:
 def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
     if not rows:
         return None
-    token, epoch, is_open = rows[0]
+    token, epoch, is_open, status = rows[0]
     if type(token) is not int or type(epoch) is not int:
         # A session row edited by hand (SQLite keeps text in a number column): a typed error
         # naming the damage, not a ValueError from deep inside a run.
@@ -281,7 +281,7 @@ def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
             f"the session's lease row is damaged (token {token!r}, epoch {epoch!r}); "
             "repair or delete its loom_sessions row"
         )
-    return Claim(token, epoch, bool(is_open))
+    return Claim(token, epoch, bool(is_open), status == "cancelled")
 
 
 class SqlJournalStore:

@@ -96,11 +96,17 @@ def fingerprint(args: Sequence[Any], kwargs: dict[str, Any]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """What a store returns when a run takes the (session, user) turn."""
+    """What a store returns when a run takes the (session, user) turn.
+
+    ``cancelled`` says whether the session's run was cancelled, read in the same statement
+    as the claim; ``None`` (a store that does not read it) makes a resume ask
+    :meth:`JournalStore.run_status` instead.
+    """
 
     token: int
     epoch: int
     open: bool
+    cancelled: bool | None = None
 
 
 @dataclass(slots=True)

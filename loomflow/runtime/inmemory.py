@@ -88,7 +88,7 @@ class InMemoryStore:
         if row.owner is not None and row.lease_until >= time.time():
             return None
         self._take(row, owner, lease_s)
-        return Claim(row.token, row.epoch, row.open)
+        return Claim(row.token, row.epoch, row.open, row.status == "cancelled")
 
     async def try_begin(
         self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
@@ -98,7 +98,7 @@ class InMemoryStore:
             return None
         self._take(row, owner, lease_s)
         self._open(row, record)
-        return Claim(row.token, row.epoch, True)
+        return Claim(row.token, row.epoch, True, False)
 
     @staticmethod
     def _take(row: _SessionRow, owner: str, lease_s: float) -> None:
@@ -124,7 +124,7 @@ class InMemoryStore:
         if row is None:
             return None
         row.owner, row.token, row.lease_until = owner, row.token + 1, time.time() + lease_s
-        return Claim(row.token, row.epoch, row.open)
+        return Claim(row.token, row.epoch, row.open, row.status == "cancelled")
 
     async def renew(self, scope: Scope, token: int, lease_s: float) -> bool:
         row = self._owned(scope, token)

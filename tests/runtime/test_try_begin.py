@@ -3,6 +3,9 @@
 It may only act where claim-then-open would have opened a new run: the turn is free (or its
 lease ran out) and the session has no open run. Anywhere else it must change nothing, so the
 journal's two-step path still sees the session as it was.
+
+Claims also say whether the session's run was cancelled, so that a resume makes no separate
+status read; a store whose claims do not say is asked apart.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
+
+from loomflow.errors import RunCancelledError
 from loomflow.runtime import JournalRuntime
-from loomflow.runtime._store import Scope
+from loomflow.runtime._store import Claim, Scope
 
 Factory = Callable[..., Awaitable[JournalRuntime]]
 RECORD = ("triage", '{"model":"m"}', b'{"prompt":"hi"}')
@@ -148,3 +154,76 @@ async def test_a_store_without_it_claims_then_opens(runtime_factory: Factory) ->
     async with runtime.session("s-old", "u1"):
         assert await runtime.step("a", lambda: 2) == 2
     assert [e.name for e in await runtime.entries("s-old", "u1")] == ["a", "a"]
+
+
+# -- a resume reads whether the run was cancelled with its claim ------------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+def _count(store: Any, name: str) -> list[str]:
+    calls: list[str] = []
+    real = getattr(store, name)
+
+    async def counted(*args: Any) -> Any:
+        calls.append(name)
+        return await real(*args)
+
+    setattr(store, name, counted)
+    return calls
+
+
+async def _cancelled_run(runtime: JournalRuntime, session: str) -> None:
+    with pytest.raises(_Stop):
+        async with runtime.session(session, "u1"):
+            assert await runtime.step("a", lambda: 1) == 1
+            raise _Stop  # leaves the run open
+    assert await runtime.cancel(session, "u1")
+
+
+async def test_a_resume_learns_of_a_cancel_from_its_claim(runtime_factory: Factory) -> None:
+    runtime = await runtime_factory()
+    await runtime.open()
+    await _cancelled_run(runtime, "s-cancelled")
+    async with runtime.session("s-done", "u1"):
+        await runtime.step("a", lambda: 1)
+    reads = _count(runtime._store, "run_status")
+    with pytest.raises(RunCancelledError):
+        async with runtime.session("s-cancelled", "u1", resume=True):
+            pass
+    async with runtime.session("s-done", "u1", resume=True) as run:
+        assert await runtime.step("a", lambda: 2) == 1  # replayed
+        assert run.stats.hits == 1
+    assert reads == []
+
+
+class _ClaimsWithoutStatus:
+    """A store whose claims do not say whether the run was cancelled (written before 0.21)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._inner, name)
+        if name not in ("try_acquire", "steal"):
+            return real
+
+        async def plain(*args: Any) -> Any:
+            claim = await real(*args)
+            return None if claim is None else Claim(claim.token, claim.epoch, claim.open)
+
+        return plain
+
+
+async def test_a_store_whose_claims_lack_it_is_asked_apart(runtime_factory: Factory) -> None:
+    runtime = await runtime_factory()
+    await runtime.open()
+    await _cancelled_run(runtime, "s-old-cancelled")
+    runtime._store = _ClaimsWithoutStatus(runtime._store)
+    reads = _count(runtime._store._inner, "run_status")
+    with pytest.raises(RunCancelledError):
+        async with runtime.session("s-old-cancelled", "u1", resume=True):
+            pass
+    assert reads == ["run_status"]
