@@ -35,6 +35,20 @@ async def _open_row(store: Any, scope: Scope) -> Any:
     return rows[0] if rows else None
 
 
+def _count(store: Any, *names: str) -> list[str]:
+    """Note each call of the store methods ``names``, in order, in the list returned."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(store, name)
+
+        async def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append(_name)
+            return await _real(*args)
+
+        setattr(store, name, counted)
+    return calls
+
+
 async def test_a_fresh_session_is_claimed_and_opened_with_its_record(
     runtime_factory: Factory,
 ) -> None:
@@ -116,16 +130,7 @@ async def test_an_expired_claim_that_never_opened_a_run_is_taken(
 async def test_a_new_run_takes_one_store_call_to_open(runtime_factory: Factory) -> None:
     runtime = await runtime_factory()
     await runtime.open()
-    store = runtime._store
-    calls: list[str] = []
-    for name in ("try_begin", "try_acquire", "begin_run"):
-        real = getattr(store, name)
-
-        async def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
-            calls.append(_name)
-            return await _real(*args)
-
-        setattr(store, name, counted)
+    calls = _count(runtime._store, "try_begin", "try_acquire", "begin_run")
     async with runtime.session("s-count", "u1"):
         assert await runtime.step("a", lambda: 1) == 1
     async with runtime.session("s-count", "u1"):  # the next run of a closed session too
@@ -161,18 +166,6 @@ async def test_a_store_without_it_claims_then_opens(runtime_factory: Factory) ->
 
 class _Stop(Exception):
     pass
-
-
-def _count(store: Any, name: str) -> list[str]:
-    calls: list[str] = []
-    real = getattr(store, name)
-
-    async def counted(*args: Any) -> Any:
-        calls.append(name)
-        return await real(*args)
-
-    setattr(store, name, counted)
-    return calls
 
 
 async def _cancelled_run(runtime: JournalRuntime, session: str) -> None:
