@@ -91,7 +91,10 @@ def check_contention(url: str, rows: list[dict[str, Any]]) -> int:
     assert used == sum(r["tokens"] for r in alice)
     assert {r["reason"] for r in alice if r["interrupted"]} == {"budget:user.tokens_total"}
     assert any(r["interrupted"] for r in alice)
-    assert any(not r["interrupted"] for r in alice)
+    # The cap was spent, not refused early. (Whether some run of alice's also finished depends
+    # on scheduling: 50 first calls of 120 tokens spend exactly the 6,000, and with quick
+    # store writes they can all come before any second call, so every run stops at its second.)
+    assert used > CAP // 2, f"alice spent {used} of {CAP}: calls were refused with room left"
     # bob spends on his own cap: every one of his runs finished, whatever alice did.
     assert all(not r["interrupted"] and r["turns"] == 3 for r in bob)
     assert asyncio.run(spent(url, "bob"))[0] == sum(r["tokens"] for r in bob) == 360 * len(bob)
