@@ -95,6 +95,7 @@ _MIN_SECRET = 4  # a shorter "secret" would redact ordinary text everywhere
 # shorter string is returned as it is, without a regex scan. Most strings a run stores are.
 _SHORTEST_SHAPE = 15  # "xoxb-" and ten characters, or "bearer " and eight
 _SHORTEST_BUILTIN_PII = 6  # "a@b.cd"
+_NO_RULE = 1 << 30  # the shortest text a kind of rule that is off can change: none
 
 
 def _norm_key(key: str) -> str:
@@ -158,9 +159,8 @@ class Redactor:
                 raise UserError(f"redaction pattern {kind!r} is not a valid regex: {exc}") from exc
             finders.append((str(kind), _spans_of(compiled)))
         self._pii = finders
-        pii_floor = _SHORTEST_BUILTIN_PII if pii else 1 << 30
         # A pattern of one's own may match a single character (an empty match changes nothing).
-        self._shortest_pii = 1 if pii_patterns else pii_floor
+        self._shortest_pii = 1 if pii_patterns else _SHORTEST_BUILTIN_PII if pii else _NO_RULE
         self._keys = frozenset(_norm_key(k) for k in sensitive_keys)
         self._learned: OrderedDict[str, None] = OrderedDict()
         self._max_learned = max_learned
@@ -190,11 +190,10 @@ class Redactor:
     def _compile(self) -> None:
         values = sorted(self._configured | self._learned.keys(), key=len, reverse=True)
         self._values_rx = re.compile("|".join(map(re.escape, values))) if values else None
-        shortest = min(
-            len(values[-1]) if values else 1 << 30, _SHORTEST_SHAPE if self._patterns else 1 << 30
+        self._shortest_secret = min(
+            len(values[-1]) if values else _NO_RULE, _SHORTEST_SHAPE if self._patterns else _NO_RULE
         )
-        self._shortest_secret = shortest
-        self._shortest = min(shortest, self._shortest_pii)
+        self._shortest = min(self._shortest_secret, self._shortest_pii)
 
     def learn(self, value: Any) -> None:
         """Treat ``value`` (and every string or number inside it) as a secret from now on."""

@@ -123,7 +123,7 @@ class InMemoryStore:
         row = self._owned(scope, seen_token)
         if row is None:
             return None
-        row.owner, row.token, row.lease_until = owner, row.token + 1, time.time() + lease_s
+        self._take(row, owner, lease_s)
         return Claim(row.token, row.epoch, row.open, row.status == "cancelled")
 
     async def renew(self, scope: Scope, token: int, lease_s: float) -> bool:

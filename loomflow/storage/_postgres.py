@@ -128,31 +128,25 @@ class PostgresDatabase(Database):
             await pool.close()
 
     async def _fetch(self, sql: str, *args: Any) -> Rows:
+        return await self._single("fetch", sql, args)  # type: ignore[no-any-return]
+
+    async def _count(self, sql: str, *args: Any) -> int:
+        status: str = await self._single("execute", sql, args)  # e.g. "INSERT 0 1", "UPDATE 2"
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def _single(self, method: str, sql: str, args: tuple[Any, ...]) -> Any:
+        """One statement through ``method`` (``fetch`` or ``execute``, which a connection and
+        the pool both have): on the lane if it is free, else on the pool."""
         lane = self._take_lane()
         if lane is None:
-            return await self.pool.fetch(sql, *args)  # type: ignore[no-any-return]
+            return await getattr(self.pool, method)(sql, *args)
         try:
-            return await lane.fetch(sql, *args)  # type: ignore[no-any-return]
+            return await getattr(lane, method)(sql, *args)
         except BaseException as exc:
             self._after_lane_error(lane, exc)
             raise
         finally:
             self._free_lane(lane)
-
-    async def _count(self, sql: str, *args: Any) -> int:
-        lane = self._take_lane()
-        status: str  # e.g. "INSERT 0 1", "UPDATE 2"
-        if lane is None:
-            status = await self.pool.execute(sql, *args)
-        else:
-            try:
-                status = await lane.execute(sql, *args)
-            except BaseException as exc:
-                self._after_lane_error(lane, exc)
-                raise
-            finally:
-                self._free_lane(lane)
-        return int(status.rsplit(" ", 1)[-1])
 
     # -- the lane ----------------------------------------------------------------------------
 
@@ -207,9 +201,9 @@ class PostgresDatabase(Database):
         except Exception as exc:  # the pool keeps serving; a later statement tries again
             log.debug("PostgreSQL lane connection failed: %r", exc)
             self._lane_retry_at = time.monotonic() + _LANE_RETRY_S
-            self._lane_task = None
             return
-        self._lane_task = None
+        finally:
+            self._lane_task = None
         if self._pool is None or self._lane is not None:  # closed (or forked) meanwhile
             lane.terminate()
             return
