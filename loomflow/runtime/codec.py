@@ -503,19 +503,59 @@ def _canonical_text(value: Any, depth: int) -> str:
     if t in _values:
         text = _canonical.get(value, depth, at_most=True)
         if text is None:
-            text = _canonical_json(_encode_value(value, depth))
+            text = _value_text(value, depth)
             _canonical.put(value, depth, text)
         return text
-    if t is int:  # a turn or slot number: the text json.dumps gives, without its set-up
-        return int.__repr__(value)
     if t is str:
         return _json_string(value)
-    if t is dict and not value:  # a step called without keyword arguments
-        return "{}"
+    if t is int:  # a turn or slot number: the text json.dumps gives, without its set-up
+        return int.__repr__(value)
+    if value is None:
+        return "null"
+    if t is bool:
+        return "true" if value else "false"
+    if t is dict and TAG not in value and all([type(k) is str for k in value]):
+        # Tool arguments, a step's keyword arguments: printed key by key in sorted order,
+        # as the canonical encoder prints a plain object.
+        inner = _deeper(value, depth)
+        return (
+            "{"
+            + ",".join(
+                [_json_string(k) + ":" + _canonical_text(value[k], inner) for k in sorted(value)]
+            )
+            + "}"
+        )
     return _canonical_json(_encode(value, depth))
 
 
 _json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
+
+
+def _value_text(value: BaseModel, depth: int) -> str:
+    """The canonical text of a value instance, byte for byte
+    ``_canonical_json(_encode_value(value, depth))``, joined from its fields' texts.
+
+    A new message is fingerprinted once, and building its tagged encoding only for the JSON
+    encoder to sort and print it cost twice this; nested values reuse their own kept texts.
+    """
+    cls = type(value)
+    layout = _layouts.get(cls)
+    if layout is None:
+        layout = _layouts[cls] = _layout(cls)
+    head, keys = layout
+    inner = _deeper(value, depth)
+    fields = ",".join([key + _canonical_text(getattr(value, name), inner) for name, key in keys])
+    return head + fields + "}}}"
+
+
+def _layout(cls: type[BaseModel]) -> tuple[str, list[tuple[str, str]]]:
+    """The fixed parts of a value class's canonical text: the tag and class name before its
+    fields, and each field's quoted key, in the sorted order the canonical encoder prints."""
+    head = f'{{"{TAG}":"model","v":{{"cls":{_json_string(_class_name(cls))},"fields":{{'
+    return head, [(name, _json_string(name) + ":") for name in sorted(cls.model_fields)]
+
+
+_layouts: dict[type, tuple[str, list[tuple[str, str]]]] = {}
 
 
 # -- fingerprints of a list that grows from step to step --------------------------------------

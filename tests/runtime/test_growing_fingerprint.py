@@ -8,13 +8,14 @@ snapshots (growth, an item replaced, the list cut short).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loomflow.messages import Message, ModelSettings, ToolCall
+from loomflow.messages import Message, ModelResponse, ModelSettings, ToolCall, Usage
 from loomflow.runtime import codec
 from loomflow.runtime._store import fingerprint
 
@@ -89,3 +90,42 @@ def test_a_too_deep_later_argument_is_refused_as_with_a_list() -> None:
         fingerprint((snapshot, deep), {})
     with pytest.raises(codec.NestingTooDeepError):
         fingerprint(([Message.user("x")], deep), {})
+
+
+def _reference(value: Any) -> bytes:
+    """The canonical encoding as the json module prints the tagged encoding."""
+    return json.dumps(
+        codec.encode(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
+
+
+responses = st.builds(
+    lambda text, args, tokens: ModelResponse(
+        text=text,
+        tool_calls=[ToolCall(id="c1", name="t", arguments=args)],
+        usage=Usage(input_tokens=tokens, output_tokens=tokens // 2),
+        model="m",
+    ),
+    st.text(max_size=10),
+    st.dictionaries(st.text(max_size=4), json_values, max_size=3),
+    st.integers(0, 10_000),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(messages, responses, json_values), max_size=4))
+def test_values_and_objects_print_as_the_json_encoder_prints_their_encoding(
+    value: list[Any],
+) -> None:
+    # Messages and plain objects are printed field by field and key by key; what they print
+    # must stay the json module's canonical text, or journals written before would not replay.
+    assert codec.canonical_bytes(value) == _reference(value)
+
+
+def test_a_message_fingerprint_is_the_one_earlier_releases_wrote() -> None:
+    # Pinned from the release before the field-by-field printing (0.2x journals hold it).
+    call = ToolCall(id="c3", name="lookup", arguments={"page": 3, "key": "k", "n": None, "b": True})
+    transcript = [Message.user("hi \u00e9"), Message.assistant("", [call])]
+    assert fingerprint((transcript, ModelSettings()), {}) == (
+        "fdbe5ae6a146e997c636721f928899bc8b5926c8e620b027afe53e6d59552f75"
+    )
