@@ -123,7 +123,7 @@ def test_values_and_objects_print_as_the_json_encoder_prints_their_encoding(
 
 
 def test_a_message_fingerprint_is_the_one_earlier_releases_wrote() -> None:
-    # Pinned from the release before the field-by-field printing (0.2x journals hold it).
+    # Pinned from the commit before the field-by-field printing: journals it wrote hold it.
     call = ToolCall(id="c3", name="lookup", arguments={"page": 3, "key": "k", "n": None, "b": True})
     transcript = [Message.user("hi \u00e9"), Message.assistant("", [call])]
     assert fingerprint((transcript, ModelSettings()), {}) == (
