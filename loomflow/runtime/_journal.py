@@ -98,6 +98,15 @@ class PickledEntryWarning(UserWarning):
 _pickle_warned = False
 
 
+def _not_journaled(run: JournalRun, name: str) -> OwnershipLostError:
+    """A body ran, but its result was refused: the session belongs to a newer run now."""
+    return _lease.lost_error(
+        run,
+        f"step {name!r} ran but was not journaled: session {run.session_id!r} of user "
+        f"{run.user_id!r} now belongs to a newer run",
+    )
+
+
 def _warn_pickled_once() -> None:
     global _pickle_warned
     if _pickle_warned:
@@ -585,7 +594,7 @@ class JournalRuntime:
             _check_text("idempotency_key", idempotency_key)
         run = frame.run
         if run.lost:
-            raise _lease.lost_error(run, f"step {name!r}: this run lost its turn to a newer owner")
+            raise _lease.not_started_error(run, name, "now belongs to a newer run")
         started = time.perf_counter()
         with self._signals.traced(run, frame.path, name, False) as note:
             if idempotency_key is not None:
@@ -613,7 +622,7 @@ class JournalRuntime:
         _check_text("step name", name)
         run = frame.run
         if run.lost:
-            raise _lease.lost_error(run, f"step {name!r}: this run lost its turn to a newer owner")
+            raise _lease.not_started_error(run, name, "now belongs to a newer run")
         started = time.perf_counter()
         with self._signals.traced(run, frame.path, name, True) as note:
             outcome, value, pkey, fp = self._locate(run, frame.path, name, args, kwargs, note)
@@ -666,7 +675,7 @@ class JournalRuntime:
         write_s = time.perf_counter() - t0
         if winner is None:
             await _lease.fenced_out(self._store, run)
-            raise _lease.lost_error(run, f"step {name!r} ran but this run lost its turn")
+            raise _not_journaled(run, name)
         run.stats.misses += 1
         run.stats.fresh_steps.append(name)
         self._signals.emit(run, path, name, False, "miss", started, write_s, note)
@@ -795,11 +804,7 @@ class JournalRuntime:
         t0 = time.perf_counter()
         if not await self._store.write_entry(run.scope, run.token, run.epoch, entry):
             await _lease.fenced_out(self._store, run)
-            raise _lease.lost_error(
-                run,
-                f"step {name!r} ran but was not journaled: session {run.session_id!r} of user "
-                f"{run.user_id!r} now belongs to a newer run",
-            )
+            raise _not_journaled(run, name)
         run.entries.setdefault((pkey, name), {})[fp] = entry
         run.stats.misses += 1
         run.stats.fresh_steps.append(name)

@@ -32,6 +32,7 @@ __all__ = [
     "holder_is_dead",
     "lease_clock",
     "lost_error",
+    "not_started_error",
     "release",
     "turn_is_fresh",
 ]
@@ -178,7 +179,7 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
     token and extends the lease, before any side effect.
     """
     if run.lost:
-        raise lost_error(run, f"step {name!r}: this run lost its turn to a newer owner")
+        raise not_started_error(run, name, "now belongs to a newer run")
     remaining = run.lease_until - lease_clock()
     if remaining > lease_seconds / 3:
         return
@@ -193,10 +194,8 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
     if not ok:
         await fenced_out(store, run)
         log.error("run on %s lost its turn to a newer owner", run.scope.key)
-        raise lost_error(
-            run,
-            f"step {name!r} was not started: session {run.scope.session_id!r} of user "
-            f"{run.scope.user_id!r} was taken over while this run was paused past its lease",
+        raise not_started_error(
+            run, name, "was taken over while this run was paused past its lease"
         )
     run.lease_until = max(run.lease_until, asked + lease_seconds)
 
@@ -221,3 +220,16 @@ def lost_error(run: LeasedRun, message: str) -> OwnershipLostError:
     if run.cancelled:
         return RunCancelledError(run.scope.session_id, run.scope.user_id)
     return OwnershipLostError(message)
+
+
+def not_started_error(run: LeasedRun, name: str, why: str) -> OwnershipLostError:
+    """The error for a step whose body was refused: one wording whichever check saw it first.
+
+    The heartbeat, a failed write or the check before a body may each be the first to learn
+    the turn is gone; the caller needs to know the same thing either way: nothing ran.
+    """
+    return lost_error(
+        run,
+        f"step {name!r} was not started: session {run.scope.session_id!r} of user "
+        f"{run.scope.user_id!r} {why}",
+    )

@@ -270,6 +270,30 @@ async def test_a_run_stalled_past_its_lease_starts_no_body(
         await runtime.close()
 
 
+async def test_a_lost_turn_the_heartbeat_saw_first_reads_the_same(
+    backend: tuple[str, str],
+) -> None:
+    """Whichever check learns first that the turn is gone, the step says it was not started."""
+    lease = 0.5
+    runtime = _runtime(backend, lease_seconds=lease, turn_timeout=10)
+    called: list[str] = []
+    try:
+        with pytest.raises(OwnershipLostError, match="'step-2' was not started") as caught:
+            async with runtime.session(SESSION, USER) as run:
+                await runtime.step("step-1", lambda: called.append("A") or "A")
+                assert _take_over_in_thread(backend, lease * 1.5, "step-2") == ["B"]
+                for _ in range(100):  # let the heartbeat wake and be refused
+                    if run.lost:
+                        break
+                    await asyncio.sleep(0.02)
+                assert run.lost
+                await runtime.step("step-2", lambda: called.append("A") or "A")
+        assert "now belongs to a newer run" in str(caught.value)
+        assert called == ["A"]
+    finally:
+        await runtime.close()
+
+
 async def test_a_run_that_keeps_its_lease_pays_no_extra_round_trip(
     backend: tuple[str, str],
 ) -> None:
