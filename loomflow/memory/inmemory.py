@@ -16,6 +16,18 @@ class _User:
     """Everything one user owns: deleting this object forgets them."""
 
     episodes: list[Episode] = field(default_factory=list)  # in recording order
+    # Where each episode key and each session's episodes sit in ``episodes``: a run recalls
+    # and records its session's episodes without scanning every session of the user.
+    at_key: dict[str, int] = field(default_factory=dict)
+    by_session: dict[str, list[int]] = field(default_factory=dict)
+
+    def index(self) -> None:
+        """Rebuild both indexes (after episodes were removed)."""
+        self.at_key = {e.key: i for i, e in enumerate(self.episodes)}
+        self.by_session = {}
+        for i, e in enumerate(self.episodes):
+            self.by_session.setdefault(e.session_id, []).append(i)
+
     facts: list[Fact] = field(default_factory=list)  # in recording order
     blocks: dict[str, Block] = field(default_factory=dict)
 
@@ -47,13 +59,17 @@ class InMemoryMemoryStore:
 
     async def put_episode(self, episode: Episode) -> Episode:
         user = self._user(episode.user_id)
-        for i, old in enumerate(user.episodes):
-            if old.key == episode.key:
-                user.episodes[i] = episode.model_copy(
-                    update={"id": old.id, "created_at": old.created_at}
-                )
-                return user.episodes[i]
+        i = user.at_key.get(episode.key)
+        if i is not None:
+            # As the SQL stores' upsert: the first recording's id, session and time stay.
+            old = user.episodes[i]
+            user.episodes[i] = episode.model_copy(
+                update={"id": old.id, "session_id": old.session_id, "created_at": old.created_at}
+            )
+            return user.episodes[i]
         stored = episode.model_copy(update={"created_at": timestamp(time.time())})
+        user.at_key[stored.key] = len(user.episodes)
+        user.by_session.setdefault(stored.session_id, []).append(len(user.episodes))
         user.episodes.append(stored)
         return stored
 
@@ -65,11 +81,13 @@ class InMemoryMemoryStore:
         before_epoch: int | None,
         limit: int | None,
     ) -> list[Episode]:
+        user = self._users.get(Scope(None, user_id).user_key)
+        if user is None:
+            return []
         found = [
             e
-            for e in self._user(user_id).episodes
-            if e.session_id == session_id
-            and (before_epoch is None or (e.epoch is not None and e.epoch < before_epoch))
+            for e in (user.episodes[i] for i in user.by_session.get(session_id, ()))
+            if before_epoch is None or (e.epoch is not None and e.epoch < before_epoch)
         ]
         # Journal order first; the sort is stable, so recording order breaks ties (and a
         # replaced episode keeps its place).
@@ -82,7 +100,9 @@ class InMemoryMemoryStore:
         user = self._user(user_id)
         kept = [e for e in user.episodes if e.session_id != session_id]
         deleted = len(user.episodes) - len(kept)
-        user.episodes = kept
+        if deleted:
+            user.episodes = kept
+            user.index()
         return deleted
 
     # -- facts -------------------------------------------------------------------------------

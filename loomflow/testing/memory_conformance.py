@@ -126,6 +126,43 @@ class MemoryConformance:
         assert await memory.episodes("s", user_id="u") == []
         assert len(await memory.episodes("t", user_id="u")) == 1
 
+    async def test_an_episode_key_written_from_another_session_keeps_its_session(
+        self, memory: Memory
+    ) -> None:
+        first = await memory.record_episode(
+            "s", user_id="u", key="k", messages=_says("u", "v1"), output="1", epoch=0
+        )
+        await memory.record_episode(
+            "t", user_id="u", key="k", messages=_says("u", "v2"), output="2", epoch=1
+        )
+        assert await memory.episodes("t", user_id="u") == []
+        (kept,) = await memory.episodes("s", user_id="u")
+        assert (kept.id, kept.session_id, kept.output) == (first.id, "s", "2")
+
+    async def test_sessions_stay_apart_across_forgetting_and_recording(
+        self, memory: Memory
+    ) -> None:
+        async def record(session: str, key: str, epoch: int) -> None:
+            await memory.record_episode(
+                session, user_id="u", key=key, messages=_says("u", key), output=key, epoch=epoch
+            )
+
+        for i in range(3):
+            await record("s", f"s{i}", i)
+            await record("t", f"t{i}", i)
+        assert await memory.forget_session("s", user_id="u") == 3
+        await record("t", "t3", 3)
+        await record("s", "s-new", 0)
+        await record("t", "t1", 1)  # replaces in place, order unchanged
+        assert [e.output for e in await memory.episodes("t", user_id="u")] == [
+            "t0",
+            "t1",
+            "t2",
+            "t3",
+        ]
+        assert [e.output for e in await memory.episodes("s", user_id="u")] == ["s-new"]
+        assert await memory.episodes("s", user_id="other") == []
+
     # -- facts -------------------------------------------------------------------------------
 
     async def test_a_newer_fact_supersedes_and_both_stay_queryable(self, memory: Memory) -> None:
