@@ -20,6 +20,8 @@ class _User:
     # and records its session's episodes without scanning every session of the user.
     at_key: dict[str, int] = field(default_factory=dict)
     by_session: dict[str, list[int]] = field(default_factory=dict)
+    facts: list[Fact] = field(default_factory=list)  # in recording order
+    blocks: dict[str, Block] = field(default_factory=dict)
 
     def index(self) -> None:
         """Rebuild both indexes (after episodes were removed)."""
@@ -27,9 +29,6 @@ class _User:
         self.by_session = {}
         for i, e in enumerate(self.episodes):
             self.by_session.setdefault(e.session_id, []).append(i)
-
-    facts: list[Fact] = field(default_factory=list)  # in recording order
-    blocks: dict[str, Block] = field(default_factory=dict)
 
 
 class InMemoryMemoryStore:

@@ -225,8 +225,9 @@ def lost_error(run: LeasedRun, message: str) -> OwnershipLostError:
 def not_started_error(run: LeasedRun, name: str, why: str) -> OwnershipLostError:
     """The error for a step whose body was refused: one wording whichever check saw it first.
 
-    The heartbeat, a failed write or the check before a body may each be the first to learn
-    the turn is gone; the caller needs to know the same thing either way: nothing ran.
+    The heartbeat, an earlier refused write or the check before a body may each be the first
+    to learn the turn is gone; the caller needs to know the same thing either way: this body
+    did not run.
     """
     return lost_error(
         run,
