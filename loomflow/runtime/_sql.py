@@ -156,7 +156,9 @@ FROM loom_entries WHERE scope = $1 AND epoch = $2
 """
 # The ownership check and the write are one statement: a run fenced out by a newer token
 # inserts nothing. PostgreSQL also locks the session row FOR SHARE, so a takeover waits for
-# an in-flight write to commit instead of racing it.
+# an in-flight write to commit instead of racing it. A run position holds an entry already
+# only when the step ran again over one it could not read (corrupt, or pickled): the write
+# is tried as a plain insert, and only a duplicate key retries it as _REWRITE.
 _WRITE = """
 INSERT INTO loom_entries
     (scope, epoch, path, name, fingerprint, kind, format, codec_version, value, size, seq,
@@ -165,11 +167,15 @@ SELECT CAST($1 AS TEXT), CAST($2 AS BIGINT), CAST($3 AS TEXT), CAST($4 AS TEXT),
     CAST($5 AS TEXT), CAST($6 AS TEXT), CAST($7 AS TEXT), CAST($8 AS INTEGER), $9,
     CAST($10 AS INTEGER), CAST($11 AS INTEGER), {now}
 FROM loom_sessions WHERE scope = $1 AND token = $12{lock}
-ON CONFLICT (scope, epoch, path, name, fingerprint) DO UPDATE SET
+"""
+_REWRITE = (
+    _WRITE
+    + """ON CONFLICT (scope, epoch, path, name, fingerprint) DO UPDATE SET
     kind = excluded.kind, format = excluded.format, codec_version = excluded.codec_version,
     value = excluded.value, size = excluded.size, seq = excluded.seq,
     created_at = excluded.created_at
 """
+)
 _GET_IDEM = """
 SELECT name, kind, format, codec_version, value
 FROM loom_idempotency WHERE user_key = $1 AND idem_key = $2
@@ -479,8 +485,7 @@ class SqlJournalStore:
     async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         # A row count, not RETURNING: on SQLite RETURNING made the fenced write cost 1.2x a
         # plain INSERT at synchronous=FULL and 2.3x at NORMAL; counted, it costs the same.
-        changed = await self.db.count(
-            _WRITE,
+        args = (
             scope.key,
             epoch,
             entry.path,
@@ -493,9 +498,11 @@ class SqlJournalStore:
             len(entry.value),
             entry.seq,
             token,
-            what="journal write",
         )
-        return changed > 0
+        added = await self.db.insert_new(_WRITE, *args, what="journal write")
+        if added is None:  # the position holds an entry the step ran again over
+            added = await self.db.count(_REWRITE, *args, what="journal write")
+        return added > 0
 
     async def get_idempotent(self, user_key: str, key: str) -> StoredEntry | None:
         rows = await self._run("read", "get_idem", user_key, key)

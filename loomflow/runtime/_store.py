@@ -91,7 +91,12 @@ def path_key(path: Sequence[str]) -> str:
 def fingerprint(args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """SHA-256 of the canonical tagged-JSON encoding of a step's inputs (resumed from a kept
     state for a growing first argument, see :class:`~loomflow.runtime.codec.GrowingList`)."""
+    if not args and not kwargs:
+        return _NO_INPUTS
     return codec.step_fingerprint(list(args), kwargs)
+
+
+_NO_INPUTS = codec.step_fingerprint([], {})  # a step called with no arguments
 
 
 @dataclass(frozen=True, slots=True)

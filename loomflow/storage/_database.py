@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import StoreUnavailableError
 from ._dialect import Dialect
 
-__all__ = ["Database", "Transaction", "translate_errors"]
+__all__ = ["Database", "Transaction", "store_error", "translate_errors"]
 
 Rows = Sequence[Sequence[Any]]
 
@@ -33,10 +33,19 @@ def translate_errors(
     try:
         yield
     except driver_errors as exc:
-        error = explain(exc, what) if explain is not None else None
-        if error is None:
-            error = StoreUnavailableError(f"{what} failed: {type(exc).__name__}: {exc}")
-        raise error from exc
+        raise store_error(exc, what, explain) from exc
+
+
+def store_error(
+    exc: BaseException,
+    what: str,
+    explain: Callable[[BaseException, str], StoreUnavailableError | None] | None = None,
+) -> StoreUnavailableError:
+    """The loomflow error for the driver error ``exc`` (raise it ``from exc``)."""
+    error = explain(exc, what) if explain is not None else None
+    if error is None:
+        error = StoreUnavailableError(f"{what} failed: {type(exc).__name__}: {exc}")
+    return error
 
 
 class Transaction(abc.ABC):
@@ -116,11 +125,17 @@ class Database(abc.ABC):
     def _forget_connection(self) -> object | None:
         """Detach the connection (or pool) without closing it, and return it."""
 
+    # fetch, count and insert_new run on every journal write and read: they translate driver
+    # errors inline rather than through translate_errors (a generator per statement).
+
     async def fetch(self, sql: str, *args: Any, what: str = "query") -> Rows:
         """Run one statement (``$n`` placeholders, ``{now}``/``{lock}`` hooks) and fetch rows."""
-        await self.open()
-        with translate_errors(self.driver_errors, f"{self.backend} {what}", self._explain):
+        if not self.is_open or self._pid != os.getpid():
+            await self.open()
+        try:
             return await self._fetch(self.dialect.sql(sql), *args)
+        except self.driver_errors as exc:
+            raise store_error(exc, f"{self.backend} {what}", self._explain) from exc
 
     async def execute(self, sql: str, *args: Any, what: str = "statement") -> None:
         await self.fetch(sql, *args, what=what)
@@ -129,9 +144,32 @@ class Database(abc.ABC):
         """Run one writing statement (committed on return) and return how many rows it
         changed: a conditional write learns whether it happened without ``RETURNING``,
         which costs SQLite a quarter more than the write itself."""
-        await self.open()
-        with translate_errors(self.driver_errors, f"{self.backend} {what}", self._explain):
+        if not self.is_open or self._pid != os.getpid():
+            await self.open()
+        try:
             return await self._count(self.dialect.sql(sql), *args)
+        except self.driver_errors as exc:
+            raise store_error(exc, f"{self.backend} {what}", self._explain) from exc
+
+    async def insert_new(self, sql: str, *args: Any, what: str = "statement") -> int | None:
+        """Run one ``INSERT`` (committed on return) and return how many rows it added, or
+        ``None`` when a row with the same unique key is already there (nothing is added).
+
+        For a write that almost never meets its own key: an ``ON CONFLICT`` clause costs
+        PostgreSQL a speculative insertion on every call, this only the rare retry.
+        """
+        if not self.is_open or self._pid != os.getpid():
+            await self.open()
+        try:
+            return await self._count(self.dialect.sql(sql), *args)
+        except self.driver_errors as exc:
+            if self._is_duplicate_key(exc):
+                return None
+            raise store_error(exc, f"{self.backend} {what}", self._explain) from exc
+
+    @abc.abstractmethod
+    def _is_duplicate_key(self, exc: BaseException) -> bool:
+        """Whether the driver error ``exc`` says a unique key was already taken."""
 
     @abc.abstractmethod
     async def _fetch(self, sql: str, *args: Any) -> Rows:

@@ -62,6 +62,7 @@ class PostgresDatabase(Database):
         driver = _asyncpg()
         self.driver_errors = (driver.PostgresError, driver.InterfaceError, OSError)
         self._server_errors: tuple[type[BaseException], ...] = (driver.PostgresError,)
+        self._duplicate_key: type[BaseException] = driver.UniqueViolationError
         self._dsn = dsn_or_pool if isinstance(dsn_or_pool, str) else None
         self._pool: asyncpg.Pool | None = None if isinstance(dsn_or_pool, str) else dsn_or_pool
         self._owns_pool = isinstance(dsn_or_pool, str)
@@ -126,6 +127,9 @@ class PostgresDatabase(Database):
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
+
+    def _is_duplicate_key(self, exc: BaseException) -> bool:
+        return isinstance(exc, self._duplicate_key)
 
     async def _fetch(self, sql: str, *args: Any) -> Rows:
         return await self._single("fetch", sql, args)  # type: ignore[no-any-return]

@@ -225,6 +225,12 @@ class SqliteDatabase(Database):
             stopped=stopped,
         )
 
+    def _is_duplicate_key(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.IntegrityError) and exc.sqlite_errorcode in (
+            sqlite3.SQLITE_CONSTRAINT_PRIMARYKEY,
+            sqlite3.SQLITE_CONSTRAINT_UNIQUE,
+        )
+
     async def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:

@@ -447,6 +447,29 @@ class JournalConformance:
         assert len(body.calls) == 2  # the body ran, but its result was not journaled
         assert [e.name for e in await new.entries("s", "u")] == ["a"]
 
+    async def test_a_fenced_out_run_cannot_rewrite_an_entry(
+        self, make_runtime: RuntimeFactory
+    ) -> None:
+        # A write over a position that already holds an entry takes the store's rewrite path;
+        # it is fenced as strictly as a first write.
+        old, new = await make_runtime(), await make_runtime()
+        await new.open()
+        body = Counter()
+        with pytest.raises(RuntimeError, match="kept open"):
+            async with old.session("s", "u") as run:
+                await old.step("a", body, 1)
+                [(stored_fp, entry)] = run.entries[(path_key(()), "a")].items()
+                holder = await new._store.holder(run.scope)
+                assert holder is not None
+                assert await new._store.steal(run.scope, holder[1], "newer-owner", 30.0)
+                forged = StoredEntry(
+                    entry.path, "a", stored_fp, "step", "json", codec.CODEC_VERSION, b'"forged"'
+                )
+                assert not await old._store.write_entry(run.scope, run.token, run.epoch, forged)
+                raise RuntimeError("kept open")
+        rows = await new._store.load_run(run.scope, run.epoch)
+        assert [(r.name, r.value) for r in rows] == [("a", entry.value)]
+
     # -- run states, cancel, orphan claims ------------------------------------------------
 
     async def test_run_states_follow_the_run(self, make_runtime: RuntimeFactory) -> None:
