@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import StoreUnavailableError
 from ._dialect import Dialect
 
-__all__ = ["Database", "Transaction", "store_error", "translate_errors"]
+__all__ = ["Database", "Transaction", "translate_errors"]
 
 Rows = Sequence[Sequence[Any]]
 
@@ -125,8 +125,8 @@ class Database(abc.ABC):
     def _forget_connection(self) -> object | None:
         """Detach the connection (or pool) without closing it, and return it."""
 
-    # fetch, count and insert_new run on every journal write and read: they translate driver
-    # errors inline rather than through translate_errors (a generator per statement).
+    # fetch and count run on every journal write and read: they translate driver errors
+    # inline rather than through translate_errors (a generator per statement).
 
     async def fetch(self, sql: str, *args: Any, what: str = "query") -> Rows:
         """Run one statement (``$n`` placeholders, ``{now}``/``{lock}`` hooks) and fetch rows."""
@@ -158,14 +158,12 @@ class Database(abc.ABC):
         For a write that almost never meets its own key: an ``ON CONFLICT`` clause costs
         PostgreSQL a speculative insertion on every call, this only the rare retry.
         """
-        if not self.is_open or self._pid != os.getpid():
-            await self.open()
         try:
-            return await self._count(self.dialect.sql(sql), *args)
-        except self.driver_errors as exc:
-            if self._is_duplicate_key(exc):
+            return await self.count(sql, *args, what=what)
+        except StoreUnavailableError as error:
+            if error.__cause__ is not None and self._is_duplicate_key(error.__cause__):
                 return None
-            raise store_error(exc, f"{self.backend} {what}", self._explain) from exc
+            raise
 
     @abc.abstractmethod
     def _is_duplicate_key(self, exc: BaseException) -> bool:

@@ -450,8 +450,7 @@ class JournalConformance:
     async def test_a_fenced_out_run_cannot_rewrite_an_entry(
         self, make_runtime: RuntimeFactory
     ) -> None:
-        # A write over a position that already holds an entry takes the store's rewrite path;
-        # it is fenced as strictly as a first write.
+        # Over a position that already holds an entry, a stale token writes nothing either.
         old, new = await make_runtime(), await make_runtime()
         await new.open()
         body = Counter()
