@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import itertools
+import re
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -479,10 +482,8 @@ class Stores:
         return report
 
     async def _console_mentions(self, user_id: str | None) -> dict[str, list[int]]:
-        """The entries of console chains whose payload names ``user_id``, by chain.
-
-        "Names" is any text in the payload holding the id (the viewed user, a search, a
-        path), keys included. The anonymous bucket has no id to name: nothing is found."""
+        """The entries of console chains whose payload names ``user_id`` (see :func:`_names`),
+        by chain. The anonymous bucket has no id to name: nothing is found."""
         from .audit.actions import CONSOLE_CHAINS, KEPT_BY_ERASURE
 
         if user_id is None:
@@ -591,12 +592,31 @@ def _iso(when: float | dt.datetime | None) -> str | None:
     return iso_time(when)
 
 
-def _names(value: Any, user_id: str) -> bool:
-    """Whether a payload (JSON) holds ``user_id`` in any of its texts, keys included."""
-    if isinstance(value, str):
-        return user_id in value
-    if isinstance(value, dict):
-        return any(_names(k, user_id) or _names(v, user_id) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_names(v, user_id) for v in value)
-    return False
+def _names(payload: Any, user_id: str) -> bool:
+    """Whether a console entry's payload names ``user_id``: as the user it viewed, as the
+    user of the page it refused, or as a whole word of what the person looking typed (a
+    search, a session filter). Not as part of a longer id ("al" in "alice"), nor as one of
+    the entry's own words (a role called "admin", the query "users")."""
+    if not isinstance(payload, dict):
+        return False
+    if payload.get("viewed_user") == user_id:
+        return True
+    query = payload.get("query")
+    if isinstance(query, str) and query.startswith("/"):
+        # A user's pages are /users/<id> and /api/users/<id>, the id quoted whole.
+        parts = query.split("/")
+        for before, part in itertools.pairwise(parts):
+            if before == "users" and urllib.parse.unquote(part) == user_id:
+                return True
+    details = payload.get("details")
+    if not isinstance(details, dict):
+        return False
+    # Case-blind, as the console's search is: a search for "ALICE" listed alice.
+    word = re.compile(rf"(?<!\w){re.escape(user_id)}(?!\w)", re.IGNORECASE)
+    typed = [details.get(key) for key in _TYPED_DETAILS]
+    return any(isinstance(text, str) and word.search(text) for text in typed)
+
+
+# The details of a console entry that hold what someone typed (the rest are the console's own
+# words and numbers: a limit, a seq, "needs": "admin").
+_TYPED_DETAILS = ("search", "session")

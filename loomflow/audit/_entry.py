@@ -46,7 +46,7 @@ import secrets
 from typing import Any, Final
 
 import rfc8785
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .._ids import check_id, check_key
 from .._json import canonical_json, json_safe
@@ -222,11 +222,12 @@ class AuditRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    user_id: str | None
-    session_id: str | None = None
-    run_id: str | None = None
-    actor: str
-    action: str
+    # Strict: b"alice" must not be taken for "alice" (checked() then names a bad id).
+    user_id: str | None = Field(strict=True)
+    session_id: str | None = Field(default=None, strict=True)
+    run_id: str | None = Field(default=None, strict=True)
+    actor: str = Field(strict=True)
+    action: str = Field(strict=True)
     payload: dict[str, Any] = Field(default_factory=dict)
 
     def checked(self) -> AuditRecord:
@@ -422,13 +423,18 @@ class AuditEntry(BaseModel):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AuditEntry:
-        """Parse an exported line's object (raises ``ValueError`` on a malformed one)."""
+        """Parse an exported line's object (raises ``ValueError`` on a malformed one).
+
+        Strictly: a line that says ``"seq": "2"`` or ``"seq": 3.0`` is not the entry its
+        writer hashed, and a lax parse would hash the number it was coerced to instead (the
+        Node verifier, reading the line as it is, would disagree).
+        """
         body = dict(data)
         when = body.pop("time")
         if not isinstance(when, str) or not when.endswith("Z"):
             raise ValueError(f"bad time {when!r}")
         parsed = dt.datetime.strptime(when[:-1], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=dt.UTC)
-        return cls(**body, time_us=time_us_of(parsed))
+        return cls.model_validate({**body, "time_us": time_us_of(parsed)}, strict=True)
 
     def canonical_bytes(self) -> bytes:
         """The bytes :attr:`hash` is the SHA-256 of, in the entry's own hash version.
@@ -445,6 +451,17 @@ class AuditEntry(BaseModel):
             AuditError: as :meth:`canonical_bytes`.
         """
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+
+def unreadable_reason(exc: BaseException) -> str:
+    """Why stored data is not an entry, in one line: each field pydantic refused, and why."""
+    if isinstance(exc, ValidationError):
+        fields = [
+            f"{'.'.join(str(part) for part in error['loc']) or 'entry'}: {error['msg']}"
+            for error in exc.errors(include_url=False)
+        ]
+        return "; ".join(fields)[:300]
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
 def entry_hash(fields: dict[str, Any]) -> str:

@@ -17,9 +17,10 @@ from typing import Any, Literal, TextIO
 from pydantic import BaseModel
 from ulid import ULID
 
+from .._ids import check_id
 from .._progress import OnProgress
 from ..context import get_run_context
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UserError
 from ..governance.events import (
     ApprovalRequested,
     BudgetDenied,
@@ -43,6 +44,10 @@ from ._url import audit_store_from_url
 __all__ = ["AuditHooks", "AuditLog"]
 
 log = logging.getLogger("loomflow.audit")
+
+# Actions whose entries mean something to loomflow itself: an erasure authorises erased
+# payloads, a hold blocks erasure, and the console's entries are its record of looks.
+_RESERVED_ACTIONS = ("audit.", "legal_hold.", "console.")
 
 
 class AuditLog:
@@ -107,7 +112,30 @@ class AuditLog:
         """Append an entry of your own (a human approval given elsewhere, an export, ...).
 
         The payload is redacted like the loop's own entries.
+
+        Raises:
+            InvalidIdError: an id is not a string, is empty or too long, or holds a control
+                character.
+            UserError: ``action`` is one loomflow keeps for itself (``audit.*``,
+                ``legal_hold.*``, ``console.*``: erasures, holds and the console's record of
+                looks, which verification and erasure rely on), or ``user_id`` names a
+                console chain (``console:<name>``).
         """
+        check_id("user_id", user_id)
+        check_id("session_id", session_id)
+        check_id("run_id", run_id)
+        if isinstance(action, str) and action.startswith(_RESERVED_ACTIONS):
+            raise UserError(
+                f"action {action[:80]!r} is kept for loomflow's own entries: use "
+                "place_hold()/release_hold() for holds and Stores.forget_user() or retain() "
+                "for erasures, and name your own actions outside audit.*, legal_hold.* and "
+                "console.*"
+            )
+        if isinstance(user_id, str) and user_id.startswith(actions.CONSOLE_CHAINS):
+            raise UserError(
+                f"user id {user_id[:80]!r} names a console chain (console:<name>), which only "
+                "the console writes"
+            )
         entries = await self.store.append(
             AuditRecord(
                 user_id=user_id,

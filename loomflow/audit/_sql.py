@@ -14,10 +14,12 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from ..errors import AuditIntegrityError, ErasureRefusedError, StoreUnavailableError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
-from ._entry import GENESIS, AuditEntry, AuditRecord, canonical_json
+from ._entry import GENESIS, AuditEntry, AuditRecord, canonical_json, unreadable_reason
 from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
 from .actions import KEPT_BY_ERASURE
 from .migrations import COMPONENT, migrations_for
@@ -326,20 +328,43 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
             int(_id),
             f"entry {seq} has an unreadable payload: {exc}",
         )
-    entry = AuditEntry(
-        schema_version=int(version),
-        hash_version=int(hash_version),
-        user_id=user_id,
-        seq=int(seq),
-        time_us=int(time_us),
-        session_id=session_id,
-        run_id=run_id,
-        actor=actor,
-        action=action,
-        payload=data,
-        payload_digest=digest,
-        payload_salt=salt,
-        prev_hash=prev,
-        hash=hash_,
-    )
-    return problem, entry
+    fields: dict[str, Any] = {
+        "schema_version": int(version),
+        "hash_version": int(hash_version),
+        "user_id": user_id,
+        "seq": int(seq),
+        "time_us": int(time_us),
+        "session_id": session_id,
+        "run_id": run_id,
+        "actor": actor,
+        "action": action,
+        "payload": data,
+        "payload_digest": digest,
+        "payload_salt": salt,
+        "prev_hash": prev,
+        "hash": hash_,
+    }
+    try:
+        return problem, AuditEntry(**fields)
+    except ValidationError as exc:
+        # A row edited into an entry no writer makes (a hash version relabelled, a digest
+        # dropped, a number where text belongs): queries show it as stored, and verify
+        # reports it in its place and goes on with the rest of the chain and the other users.
+        why = unreadable_reason(exc)
+        kept = {
+            k: v if k in _NUMBERS or v is None or k == "payload" else str(v)
+            for k, v in fields.items()
+        }
+        return (
+            ChainProblem(
+                user_id if user_id is None else str(user_id),
+                "unreadable",
+                int(seq),
+                int(_id),
+                f"entry {seq} does not read as an audit entry: {why}",
+            ),
+            AuditEntry.model_construct(set(kept), **kept),
+        )
+
+
+_NUMBERS = ("schema_version", "hash_version", "seq", "time_us")

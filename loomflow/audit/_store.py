@@ -612,7 +612,9 @@ class AuditStore(abc.ABC):
     ) -> AuditEntry | None:
         last: AuditEntry | None = None
         async for entry in self.entries(user_id=user_id, action="legal_hold.*"):
-            if before_seq is None or entry.seq < before_seq:
+            # Only a placement or a release moves a hold: any other entry under the prefix
+            # (a note an app wrote by hand, say) leaves the hold as it was.
+            if entry.action in _HOLD_ACTIONS and (before_seq is None or entry.seq < before_seq):
                 last = entry
         return last
 
@@ -620,7 +622,8 @@ class AuditStore(abc.ABC):
         """Every user under legal hold, in the order the holds were placed."""
         last: dict[str, AuditEntry] = {}
         async for entry in self.entries(action="legal_hold.*"):
-            last[user_key(entry.user_id)] = entry
+            if entry.action in _HOLD_ACTIONS:
+                last[user_key(entry.user_id)] = entry
         holds = [h for e in last.values() if (h := _hold_of(e)) is not None]
         return sorted(holds, key=lambda h: h.placed_at)
 
@@ -766,8 +769,8 @@ class AuditStore(abc.ABC):
         )
         async for key, position, item in items:
             progress.advance(1)
-            if isinstance(item, ChainProblem):
-                report.problems.append(item)
+            if isinstance(item, ChainProblem) and item.seq is None:
+                report.problems.append(item)  # a line that belongs to nobody
                 continue
             if checker is None or checker.key != key:
                 if checker is not None:
@@ -775,6 +778,12 @@ class AuditStore(abc.ABC):
                 checker = _ChainCheck(key, item.user_id, saved.get(key, ()))
                 seen.add(key)
                 report.users += 1
+            if isinstance(item, ChainProblem):
+                # A row that is there but cannot be read: reported as that, not also as a
+                # gap in the chain; the link of the entry after it cannot be checked.
+                report.problems.append(item)
+                checker.skip(position, item, report)
+                continue
             report.entries += 1
             checker.feed(position, item, report)
         if checker is not None:
@@ -840,7 +849,7 @@ class _ChainCheck:
         self.key = key
         self.user_id = user_id
         self.expected = 1
-        self.prev_hash = GENESIS
+        self.prev_hash: str | None = GENESIS
         self.prev_position: int | None = None
         self.last_seq = 0
         self.last_hash: str | None = None
@@ -863,6 +872,33 @@ class _ChainCheck:
         self.expected = entry.seq
         self.prev_hash = entry.prev_hash
         self.last_seq = entry.seq - 1
+
+    def skip(self, position: int, problem: ChainProblem, report: VerifyReport) -> None:
+        """The stored entry at ``problem.seq`` cannot be read (``problem`` says so): the
+        entries before it must still be there, and the chain goes on after it."""
+        seq = problem.seq
+        assert seq is not None
+        if self.first_seq is None:
+            self.first_seq = seq
+        if seq <= self.last_seq:
+            return  # a second row claiming a seq: the unreadable report is enough
+        if seq > self.expected:
+            self._gap(report, seq, position)
+        self.expected = seq + 1
+        self.prev_hash = None  # unknown: the next entry's link goes unchecked
+        self.prev_position = position
+        self.last_seq = seq
+        self.last_hash = None
+
+    def _gap(self, report: VerifyReport, seq: int, position: int) -> None:
+        gap = (
+            f"entry {self.expected} is"
+            if seq - 1 == self.expected
+            else f"entries {self.expected}-{seq - 1} are"
+        )
+        self._problem(
+            report, "missing", self.expected, position, f"{gap} missing before entry {seq}: deleted"
+        )
 
     def feed(self, position: int, entry: AuditEntry, report: VerifyReport) -> None:
         seq = entry.seq
@@ -891,19 +927,8 @@ class _ChainCheck:
             self._problem(report, "duplicate", seq, position, f"a second entry claims seq {seq}")
             return
         if seq > self.expected:
-            gap = (
-                f"entry {self.expected} is"
-                if seq - 1 == self.expected
-                else f"entries {self.expected}-{seq - 1} are"
-            )
-            self._problem(
-                report,
-                "missing",
-                self.expected,
-                position,
-                f"{gap} missing before entry {seq}: deleted",
-            )
-        elif entry.prev_hash != self.prev_hash:
+            self._gap(report, seq, position)
+        elif self.prev_hash is not None and entry.prev_hash != self.prev_hash:
             self._problem(
                 report,
                 "broken_link",
@@ -996,7 +1021,7 @@ class _ChainCheck:
                 None,
                 f"{gap} missing at the end: the trail was truncated",
             )
-        elif head.seq == self.last_seq and head.hash != self.last_hash:
+        elif head.seq == self.last_seq and self.last_hash not in (None, head.hash):
             self._problem(
                 report,
                 "head_mismatch",
@@ -1061,11 +1086,23 @@ def _saved_by_user(heads: Iterable[ChainHead], only: str | None) -> dict[str, li
     return grouped
 
 
+_HOLD_ACTIONS = (LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED)
+_MAX_SEQ = 2**63 - 1  # a BIGINT, and the largest INTEGER SQLite stores
+
+
 def _parse_cursor(cursor: str | None) -> int | None:
     if cursor is None:
         return None
-    if not isinstance(cursor, str) or not cursor.isdigit():
-        raise UserError(f"bad cursor {cursor!r}: pass the next_cursor of a previous page")
+    # ASCII digits only (str.isdigit also takes "²", which int() refuses), and a seq the
+    # databases can hold: anything else was not a next_cursor we gave out.
+    if (
+        not isinstance(cursor, str)
+        or not (cursor.isascii() and cursor.isdigit())
+        or len(cursor) > 19  # before int(): Python refuses to parse over 4,300 digits
+        or int(cursor) > _MAX_SEQ
+    ):
+        shown = cursor[:40] if isinstance(cursor, str) else cursor
+        raise UserError(f"bad cursor {shown!r}: pass the next_cursor of a previous page")
     return int(cursor)
 
 

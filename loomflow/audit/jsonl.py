@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AuditError, AuditIntegrityError
-from ._entry import DIGESTED_VERSION, GENESIS, AuditEntry, AuditRecord, user_key
+from ._entry import (
+    DIGESTED_VERSION,
+    GENESIS,
+    AuditEntry,
+    AuditRecord,
+    unreadable_reason,
+    user_key,
+)
 from ._store import (
     AuditFilter,
     AuditStore,
@@ -536,7 +543,11 @@ class JsonlAuditStore(AuditStore):
                 entry = AuditEntry.from_json(json.loads(raw))
             except (ValueError, TypeError, RecursionError) as exc:  # Recursion: nested too deep
                 problem = ChainProblem(
-                    None, "unreadable", None, number, f"line {number} is not an entry: {exc}"
+                    None,
+                    "unreadable",
+                    None,
+                    number,
+                    f"line {number} is not an entry: {unreadable_reason(exc)}",
                 )
                 items.append(("", -1, number, problem))
                 continue

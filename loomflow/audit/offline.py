@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import InvalidArgumentError
-from ._entry import AuditEntry, user_key
+from ._entry import AuditEntry, unreadable_reason, user_key
 from ._store import ChainHead, ChainProblem, VerifyReport, _ChainCheck, _saved_by_user
 
 __all__ = ["heads_from_json", "verify_lines"]
@@ -55,7 +55,7 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
             entry = AuditEntry.from_json(json.loads(line))
         # RecursionError: a line nested too deep for the JSON parser is damage, not a crash.
         except (ValueError, TypeError, KeyError, ValidationError, RecursionError) as exc:
-            detail = str(exc).splitlines()[0][:200]
+            detail = unreadable_reason(exc)
             report.problems.append(
                 ChainProblem(None, "unreadable", None, number, f"not an audit entry: {detail}")
             )

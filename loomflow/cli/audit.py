@@ -264,7 +264,12 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), ensure_ascii=False))
         return 0 if report.ok else 1
     verdict = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
-    erased = f" ({report.erased} payloads erased, on record)" if report.erased else ""
+    unauthorised = sum(1 for p in report.problems if p.kind == "erased")
+    erased = ""
+    if report.erased:
+        # "on record" only when every erased payload has an erasure record that covers it.
+        on_record = "on record" if not unauthorised else f"{unauthorised} with no erasure record"
+        erased = f" ({report.erased} payloads erased, {on_record})"
     print(f"{verdict}: checked {report.entries} entries of {report.users} user(s){erased}")
     findings = [("problem", p) for p in report.problems] + [("warning", w) for w in report.warnings]
     if findings:

@@ -532,7 +532,7 @@ async def _tool_names(
     for epoch in sorted(epochs):
         for row in await store.load_run(Scope(info.session_id, info.user_id), epoch):
             turn = row.name.removeprefix("model_call_")
-            if turn == row.name or not turn.isdigit() or row.format != "json":
+            if turn == row.name or not (turn.isascii() and turn.isdigit()) or row.format != "json":
                 continue
             try:
                 value = codec.loads(row.value)

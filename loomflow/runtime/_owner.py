@@ -85,7 +85,11 @@ def _local_pid(owner: str) -> int | None:
     """The owner's pid if it ran in our pid namespace (else its pid means nothing here)."""
     namespace, _, rest = owner.partition(":")
     pid_text = rest.partition(":")[0]
-    if namespace == "unknown" or namespace != pid_namespace() or not pid_text.isdigit():
+    if (
+        namespace == "unknown"
+        or namespace != pid_namespace()
+        or not (pid_text.isascii() and pid_text.isdigit())
+    ):
         return None
     return int(pid_text)
 

@@ -12,7 +12,6 @@ import asyncio
 import datetime as dt
 import json
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +33,6 @@ from loomflow.audit._entry import canonical_json, user_key
 from loomflow.errors import InvalidArgumentError, LegalHoldError, UserError
 
 SECRET = "ana.secret@example.com"
-
-
-@pytest.fixture(
-    params=["memory", "sqlite", "jsonl", pytest.param("postgres", marks=pytest.mark.postgres)]
-)
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AuditStore]:
-    kind = request.param
-    made: AuditStore
-    if kind == "memory":
-        made = InMemoryAuditStore()
-    elif kind == "sqlite":
-        made = SqliteAuditStore(tmp_path / "audit.db")
-    elif kind == "jsonl":
-        made = JsonlAuditStore(tmp_path / "audit.jsonl", fsync=False)
-    else:
-        made = PostgresAuditStore(request.getfixturevalue("pg_dsn"))
-    await made.open()
-    yield made
-    await made.close()
 
 
 def _records(user: str, n: int, **extra: Any) -> list[AuditRecord]:

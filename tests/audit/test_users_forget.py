@@ -391,3 +391,47 @@ async def test_an_in_memory_journal_forgets_a_user_and_keeps_the_others() -> Non
     assert await runtime.forget_user("ana") == 0
     with pytest.raises(UserError, match="user_id"):
         await runtime.forget_user("")
+
+
+async def test_a_forget_erases_the_console_looks_that_name_the_user_and_no_others(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
+    looks: list[dict[str, Any]] = [
+        {"query": "trail", "viewed_user": "alice"},
+        {"query": "trail", "viewed_user": "al"},
+        {"query": "users", "details": {"search": "ALICE"}},  # the search is case-blind
+        {"query": "users", "details": {"search": "ali"}},  # names nobody in particular
+        {"query": "/users/alice/export", "details": {"needs": "admin"}},  # a refused page
+        {"query": "trail", "viewed_user": "bob", "details": {"session": "alice-s1"}},
+        {"query": "users", "details": {"search": ""}},
+    ]
+    async with Stores(settings) as stores:
+        for user in ("al", "alice", "admin", "users", "bob"):
+            await stores.audit.append(
+                AuditRecord(user_id=user, actor="agent:x", action="tool.call", payload={"n": 1})
+            )
+        await stores.audit.append(
+            [
+                AuditRecord(
+                    user_id="console:ops",
+                    actor="console:ops",
+                    action="console.query",
+                    payload={"role": "admin", "via": "token", **look},
+                )
+                for look in looks
+            ]
+        )
+
+        async def erased() -> list[int]:
+            chain = [e async for e in stores.audit.entries(user_id="console:ops")]
+            return [e.seq for e in chain if e.payload is None]
+
+        # Neither a prefix of a longer id, nor the entries' own words (a role, a query).
+        for user in ("al", "admin", "users"):
+            await stores.forget_user(user)
+        assert await erased() == [2]
+        report = await stores.forget_user("alice")
+        assert report.console_erased == 4
+        assert await erased() == [1, 2, 3, 5, 6]
+        assert (await stores.audit.verify()).ok

@@ -1,0 +1,162 @@
+"""What an application, a crafted cursor or a hand-edited row can and cannot do to the trail.
+
+Holds move only with their own placement and release; actions loomflow gives meaning to are
+not the application's to write; a cursor is a seq we handed out or a clear error; a row
+edited into something no writer makes is reported where it is, and the other users' chains
+are still checked.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from loomflow.audit import (
+    AuditLog,
+    AuditRecord,
+    AuditStore,
+    InMemoryAuditStore,
+    PostgresAuditStore,
+    SqliteAuditStore,
+    verify_lines,
+)
+from loomflow.errors import InvalidIdError, LegalHoldError, UserError
+
+
+def _record(user: str, action: str = "tool.call", **payload: Any) -> AuditRecord:
+    return AuditRecord(user_id=user, actor="agent:x", action=action, payload=payload or {"n": 1})
+
+
+async def test_only_a_release_lifts_a_hold(store: AuditStore) -> None:
+    await store.append(_record("bob"))
+    await store.place_hold("bob", reason="litigation L-7", actor="legal:dana")
+    # Written straight to the store (AuditLog.record refuses the prefix): a note, and a
+    # look-alike of a release under another name.
+    await store.append(_record("bob", "legal_hold.reviewed", note="still needed"))
+    await store.append(_record("bob", "legal_hold.released_later"))
+    hold = await store.legal_hold("bob")
+    assert hold is not None
+    assert hold.reason == "litigation L-7"
+    assert [h.user_id for h in await store.legal_holds()] == ["bob"]
+    with pytest.raises(LegalHoldError, match="litigation L-7"):
+        await store.erase("bob", reason="forget")
+    await store.release_hold("bob", actor="legal:dana")
+    assert await store.legal_hold("bob") is None
+
+
+@pytest.mark.parametrize(
+    "action", ["legal_hold.placed", "legal_hold.released", "legal_hold.note", "audit.erasure",
+               "console.query", "console.signin"]
+)  # fmt: skip
+async def test_the_log_refuses_actions_loomflow_gives_meaning_to(action: str) -> None:
+    log = AuditLog(InMemoryAuditStore())
+    with pytest.raises(UserError, match="kept for loomflow's own entries"):
+        await log.record(action, user_id="bob", actor="app")
+    with pytest.raises(UserError, match="console chain"):
+        await log.record("app.note", user_id="console:ops", actor="app")
+    assert await log.store.count() == 0
+    entry = await log.record("legal.review", user_id="bob", actor="app", payload={"ok": True})
+    assert entry.seq == 1  # a name of the application's own is fine
+
+
+@pytest.mark.parametrize("bad", [b"bob", 5, "", "a\x00b", "x" * 300])
+async def test_the_log_refuses_ids_that_are_not_ids(bad: Any) -> None:
+    log = AuditLog(InMemoryAuditStore())
+    with pytest.raises(InvalidIdError, match="user_id"):
+        await log.record("app.note", user_id=bad, actor="app")
+    with pytest.raises(InvalidIdError, match="session_id"):
+        await log.record("app.note", user_id="bob", session_id=bad, actor="app")
+    assert await log.store.count() == 0
+    # Nor does the record model take bytes for text (they would land in the user "bob").
+    with pytest.raises(ValueError, match="user_id"):
+        AuditRecord(user_id=b"bob", actor="app", action="app.note")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    ["99999999999999999999999", str(2**63), "²", "١٢", "1" * 5000, "-1", " 1", "1.0", ""],
+)
+async def test_a_cursor_we_never_gave_out_is_a_user_error(store: AuditStore, cursor: str) -> None:
+    await store.append([_record("ana"), _record("ana")])
+    with pytest.raises(UserError, match="bad cursor"):
+        await store.query(user_id="ana", cursor=cursor, limit=1)
+    page = await store.query(user_id="ana", limit=1)
+    assert page.next_cursor is not None
+    rest = await store.query(user_id="ana", cursor=page.next_cursor, limit=5)
+    assert [e.seq for e in rest.entries] == [2]
+    assert (await store.query(user_id="ana", cursor=str(2**63 - 1))).entries == []
+
+
+async def _relabel_sqlite(path: Path, sql: str) -> None:
+    with sqlite3.connect(path) as conn:  # as someone with the file would: triggers first
+        conn.execute("DROP TRIGGER loom_audit_no_update")
+        conn.execute(sql)
+
+
+async def _relabel_postgres(dsn: str, sql: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("SET session_replication_role = replica")  # triggers off
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE loom_audit SET hash_version = 2 WHERE user_id = 'alice' AND seq = 2",
+        "UPDATE loom_audit SET payload_digest = NULL WHERE user_id = 'alice' AND seq = 2",
+    ],
+)
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_row_no_writer_makes_is_reported_in_place_and_the_rest_is_checked(
+    kind: str, edit: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    store: AuditStore
+    if kind == "sqlite":
+        store = SqliteAuditStore(tmp_path / "audit.db")
+    else:
+        dsn = request.getfixturevalue("pg_dsn")
+        store = PostgresAuditStore(dsn)
+    await store.open()
+    try:
+        await store.append([_record("alice") for _ in range(3)] + [_record("bob")] * 2)
+        assert (await store.verify()).ok
+        if kind == "sqlite":
+            await _relabel_sqlite(tmp_path / "audit.db", edit)
+        else:
+            await _relabel_postgres(dsn, edit)
+        report = await store.verify()
+        assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [
+            ("alice", "unreadable", 2)
+        ], report.problems
+        assert "does not read as an audit entry" in report.problems[0].detail
+        assert report.users == 2
+        assert (await store.verify(user_id="bob")).ok
+        # Queries still read every row, the edited one as it is stored.
+        page = await store.query(limit=10)
+        assert [(e.user_id, e.seq) for e in page.entries] == [
+            ("alice", 1), ("alice", 2), ("alice", 3), ("bob", 1), ("bob", 2)
+        ]  # fmt: skip
+    finally:
+        await store.close()
+
+
+async def test_an_export_line_with_retyped_numbers_is_unreadable(tmp_path: Path) -> None:
+    store = InMemoryAuditStore()
+    await store.append([_record("ana") for _ in range(3)])
+    lines = [e.to_line() for e in [e async for e in store.entries(user_id="ana")]]
+    assert verify_lines(lines).ok
+    for field, value in (("seq", "2"), ("seq", 2.0), ("schema_version", "1")):
+        data = json.loads(lines[1])
+        data[field] = value
+        report = verify_lines([lines[0], json.dumps(data), lines[2]])
+        kinds = [(p.kind, p.position) for p in report.problems]
+        assert ("unreadable", 2) in kinds, (field, value, report.problems)
+        assert field in report.problems[0].detail
