@@ -117,3 +117,79 @@ async def test_recovery_snippet_resumes_an_orphaned_run(tmp_path: Path) -> None:
         assert [r.session_id for r in report.resumed] == ["s-1"]
         [info] = await runtime.sessions()
         assert info.state == "finished"
+
+
+def test_journal_your_own_steps_replays_what_a_killed_process_finished(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = _block('runtime.step("charge", charge')
+    killed = code.replace(
+        """    print(f"receipt {receipt['receipt']} sent")""",
+        "    import os\n    os._exit(9)  # the process dies after charge returned",
+    )
+    assert killed != code
+
+    def run(source: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", source], cwd=tmp_path, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+
+    assert run(killed).returncode == 9
+    resumed = run(code)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines() == ["receipt r-1 sent", "1 1"]  # not charged again
+    again = run(code)  # a finished run: the next one starts afresh
+    assert again.stdout.splitlines() == ["charging 59.8 for order-42", "receipt r-1 sent", "0 2"]
+
+
+def test_governance_snippet_writes_what_the_cli_then_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import subprocess
+    import sys
+
+    from loomflow import Agent, ToolCall, tool
+
+    @tool
+    def find_customer(name: str) -> str:
+        """Find a customer."""
+        return "c-1"
+
+    @tool(destructive=True)
+    def delete_customer(customer_id: str) -> str:
+        """Delete a customer."""
+        raise AssertionError("a denied tool ran")
+
+    monkeypatch.chdir(tmp_path)  # the snippet's journal and audit log are ./journal.db
+    call = ToolCall(id="c1", name="delete_customer", arguments={"customer_id": "c-1"})
+    namespace: dict[str, Any] = {
+        "Agent": Agent,
+        "find_customer": find_customer,
+        "delete_customer": delete_customer,
+        "MODEL": ScriptedModel([[call], "I may not delete customers."]),
+    }
+
+    async def run() -> None:
+        async with SqliteRuntime("./journal.db") as runtime:
+            namespace["runtime"] = runtime
+            exec(_with_model(_block("SqlBudgetStore(runtime.database)"), "MODEL"), namespace)
+            agent = namespace["agent"]
+            result = await agent.run("delete c-1", session_id="s-1", user_id="alice")
+            assert "permission denied" in result.messages[-2].content
+            await agent.audit.close()
+
+    asyncio.run(run())
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "loomflow.cli", "--url", "sqlite:///journal.db", *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "alice" in cli("budget", "show")
+    assert "permission.decision" in cli("audit", "query", "--user", "alice")

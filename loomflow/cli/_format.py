@@ -56,6 +56,19 @@ def positive_int(text: str) -> int:
 
 def table(rows: Sequence[Sequence[Any]]) -> None:
     """Print rows (the first is the header) as left-aligned columns."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    shown = [[printable(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(shown[0]))]
+    for row in shown:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def printable(value: Any) -> str:
+    """``value`` as text safe for a terminal: control and format characters escaped.
+
+    Ids are checked when written, but a listing shows what the database holds, and a crafted
+    row's escape sequence would retitle or clear the terminal, or a line break forge a row.
+    """
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)

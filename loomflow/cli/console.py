@@ -83,10 +83,5 @@ async def _handle(args: argparse.Namespace) -> int:
         audit_url=args.audit_url,
         secure_cookie=args.secure_cookie,
     )
-    print(
-        f"loomflow console on http://{args.host}:{args.port}/ (Ctrl-C stops it)",
-        file=sys.stderr,
-        flush=True,
-    )
     await serve(settings, options, host=args.host, port=args.port)
     return 0

@@ -104,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     cancel.add_argument("session_id")
     who = cancel.add_mutually_exclusive_group()
-    who.add_argument("--user", dest="user_id", help="whose run")
+    who.add_argument(
+        "--user", dest="user_id", help="whose run (needed when several users share the id)"
+    )
     who.add_argument("--anonymous", action="store_true", help="the run without a user")
     cancel.add_argument(
         "--audit-url", help="the audit store (default: LOOMFLOW_AUDIT_URL, else the journal's)"
@@ -453,6 +455,8 @@ async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
     runtime = stores.runtime
     assert runtime is not None
     user_id = None if args.anonymous else args.user_id
+    if not args.anonymous and user_id is None:  # the one user who ran it, as `runs show` finds
+        user_id = (await session_of(runtime, args.session_id, None, anonymous=False)).user_id
     audit = AuditLog(stores.audit, on_error="raise", redact_logs=False)
     cancelled = await cancel_run(
         runtime, args.session_id, user_id=user_id, audit=audit, actor=f"cli:{login()}"

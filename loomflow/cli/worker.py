@@ -21,6 +21,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -92,6 +93,11 @@ def load_app(spec: str) -> dict[str, Agent]:
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise UserError(f"APP must be module:attribute (e.g. myapp.workers:AGENTS), not {spec!r}")
+    # As `python -m` would: the application's package is found in the directory the worker
+    # starts in (an installed console script's sys.path does not hold it).
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,8 @@ async def serve(
         raise ImportError("the console needs its extra: pip install 'loomflow[console]'") from exc
     app, stores = build_console(settings, options)
     try:
+        # Announced once it can be signed in to: a console with no way in fails before this.
+        print(f"loomflow console on http://{host}:{port}/ (Ctrl-C stops it)", file=sys.stderr)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
         await uvicorn.Server(config).serve()
     finally:

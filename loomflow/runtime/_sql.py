@@ -276,13 +276,22 @@ def _path(raw: Any) -> tuple[str, ...]:
     return (f"<unreadable path {str(raw)[:60]!r}>",)
 
 
+_LAST_NUMBER = 2**63 - 1  # an epoch or token here could not grow by one (BIGINT, INTEGER)
+
+
 def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
     if not rows:
         return None
     token, epoch, is_open, status = rows[0]
-    if type(token) is not int or type(epoch) is not int:
-        # A session row edited by hand (SQLite keeps text in a number column): a typed error
-        # naming the damage, not a ValueError from deep inside a run.
+    if (
+        type(token) is not int
+        or type(epoch) is not int
+        or not 0 <= epoch < _LAST_NUMBER
+        or not 0 < token < _LAST_NUMBER
+    ):
+        # A session row edited by hand (SQLite keeps text in a number column, a BIGINT takes
+        # a number no run reaches): a typed error naming the damage before any step runs,
+        # not a ValueError or an overflow when the run closes.
         raise CorruptEntryError(
             f"the session's lease row is damaged (token {token!r}, epoch {epoch!r}); "
             "repair or delete its loom_sessions row"

@@ -52,7 +52,7 @@ async def _version(db: Database, tx: Transaction, component: str) -> int:
     rows = await tx.fetch(
         "SELECT MAX(version) FROM loom_schema_version WHERE component = $1", component
     )
-    return int(rows[0][0] or 0)
+    return _stored_version(rows[0][0], component)
 
 
 async def apply_migrations(db: Database, component: str, migrations: Sequence[Migration]) -> int:
@@ -105,7 +105,7 @@ async def schema_versions(db: Database) -> dict[str, int]:
         rows = await tx.fetch(
             "SELECT component, MAX(version) FROM loom_schema_version GROUP BY component"
         )
-    return {str(r[0]): int(r[1]) for r in rows}
+    return {str(r[0]): _stored_version(r[1], str(r[0])) for r in rows}
 
 
 async def _read_version(db: Database, component: str) -> int:
@@ -121,7 +121,20 @@ async def _read_version(db: Database, component: str) -> int:
         component,
         what="schema read",
     )
-    return int(rows[0][0] or 0)
+    return _stored_version(rows[0][0], component)
+
+
+def _stored_version(value: object, component: str) -> int:
+    """A version read back from ``loom_schema_version`` (untrusted: SQLite keeps any type)."""
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        raise MigrationError(
+            f"the {component} schema version in loom_schema_version is {value!r}, not a "
+            f"version number: the table was edited; restore its rows for component "
+            f"{component!r} (each applied migration's number) from a backup"
+        )
+    return value
 
 
 async def require_schema(db: Database, component: str, migrations: Sequence[Migration]) -> None:

@@ -85,7 +85,8 @@ class SqliteDatabase(Database):
     """
 
     dialect = SQLITE
-    driver_errors = (sqlite3.Error, OSError)
+    # OverflowError: sqlite3 refuses to bind an int beyond 64 bits (a number from a crafted row)
+    driver_errors = (sqlite3.Error, OSError, OverflowError)
 
     def __init__(
         self,
@@ -200,6 +201,9 @@ class SqliteDatabase(Database):
         return conn
 
     def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        opening = self._explain_connect(exc, what) if what.endswith(" connect") else None
+        if opening is not None:
+            return opening
         # SQLITE_BUSY after busy_timeout: name who holds the lock rather than the statement
         # that happened to wait (a schema check, a lease claim) as if it were the problem.
         if not isinstance(exc, sqlite3.OperationalError) or "database is locked" not in str(exc):
@@ -223,6 +227,24 @@ class SqliteDatabase(Database):
             path=str(self.path),
             pid=pid,
             stopped=stopped,
+        )
+
+    def _explain_connect(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        """A file that cannot be opened: say which, and the likely reason (sqlite3 names
+        neither: "unable to open database file")."""
+        path = str(self.path)
+        if isinstance(exc, FileExistsError | NotADirectoryError):
+            why = f"{str(self.path.parent)!r} is a file, not a directory"
+        elif isinstance(exc, PermissionError):
+            why = f"no permission to create its directory ({exc.strerror})"
+        elif isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
+            why = "the file is not a SQLite database"
+        elif isinstance(exc, sqlite3.OperationalError) and "unable to open" in str(exc):
+            why = "SQLite cannot open or create it: is its directory writable by this user?"
+        else:
+            return None  # locked (see _explain), or nothing better to say than the error
+        return StoreUnavailableError(
+            f"{what} failed: {path!r}: {why} ({type(exc).__name__}: {exc})"
         )
 
     def _is_duplicate_key(self, exc: BaseException) -> bool:

@@ -484,6 +484,7 @@ def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> No
     )
     assert nobody.returncode == 1
     assert "needs a way in" in nobody.stderr
+    assert "console on http" not in nobody.stderr  # never announced: it could not serve
 
 
 def test_a_tampered_trail_fails_verification_on_the_page(tmp_path: Path) -> None:

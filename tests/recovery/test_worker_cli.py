@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -138,11 +139,10 @@ async def test_cancel_stops_a_run_in_another_process_and_is_audited(
     try:
         code, out, _ = await cli("--url", journal_url, "runs", "list", "--json", env=env)
         assert _rows(out)["cancel-0"]["state"] == "running"
-        code, out, err = await cli(
-            "--url", journal_url, "runs", "cancel", "cancel-0", "--user", "ana", env=env
-        )
+        # Without --user: the one user who ran the session, as `runs show` finds it.
+        code, out, err = await cli("--url", journal_url, "runs", "cancel", "cancel-0", env=env)
         assert code == 0, err
-        assert "cancelled" in out
+        assert "cancelled the run of session 'cancel-0' of user 'ana'" in out
         gate.touch()  # the step under way finishes; its result is refused, no step follows
         async with asyncio.timeout(30):
             child_out, child_err = await proc.communicate()
@@ -281,3 +281,37 @@ async def test_two_worker_processes_at_once_resume_each_run_once(
         resumed += [r["session_id"] for r in json.loads(out.splitlines()[-1])["resumed"]]
     assert sorted(resumed) == [f"pair-{i}" for i in range(6)]  # each by exactly one worker
     assert tool_counts(ledger, "ship") == {f"pair-{i}": 1 for i in range(6)}
+
+
+async def test_the_installed_command_imports_the_app_from_where_it_starts(tmp_path: Path) -> None:
+    # The README's layout: a package in the project directory, no PYTHONPATH. The console
+    # script's sys.path holds its own bin directory, not the one it was started in.
+    package = tmp_path / "myapp"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "workers.py").write_text(
+        "from loomflow import Agent\n"
+        "from loomflow.models import ScriptedModel\n"
+        "from loomflow.runtime import SqliteRuntime\n"
+        "agent = Agent('x', name='orders', model=ScriptedModel(['done']),\n"
+        "              runtime=SqliteRuntime('journal.db'))\n"
+        "AGENTS = {agent.name: agent}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    env.pop("PYTHONPATH", None)
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "loomflow"),
+        "--url",
+        "sqlite:///journal.db",
+        "worker",
+        "myapp.workers:AGENTS",
+        "--once",
+        cwd=tmp_path,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert "sweep:" in out.decode()

@@ -443,3 +443,100 @@ async def test_a_session_row_with_a_text_epoch_is_a_corrupt_entry_error(tmp_path
                 pass
     finally:
         await runtime.close()
+
+
+_TOP = 2**63 - 1  # the largest BIGINT / SQLite INTEGER: one more does not fit
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        f"UPDATE loom_sessions SET epoch = {_TOP}",
+        "UPDATE loom_sessions SET epoch = -1",
+        f"UPDATE loom_sessions SET token = {_TOP}",  # the next claim adds one (SQLite: a REAL)
+        "UPDATE loom_sessions SET token = -5",
+    ],
+)
+async def test_a_session_number_no_run_reaches_is_refused_before_any_step(
+    tmp_path: Path, edit: str
+) -> None:
+    path = tmp_path / "journal.db"
+    body = Counter()
+    runtime = SqliteRuntime(path)
+    try:
+        async with runtime.session("s", "u"):
+            await runtime.step("charge", body)
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+            async with runtime.session("s", "u"):
+                await runtime.step("charge", body)
+        assert body.calls == 1  # the refused run ran nothing
+    finally:
+        await runtime.close()
+
+
+@pytest.mark.postgres
+async def test_a_postgres_epoch_at_the_top_of_bigint_is_refused_before_any_step(
+    pg_dsn: str,
+) -> None:
+    body = Counter()
+    runtime = await PostgresRuntime.connect(pg_dsn)
+    try:
+        async with runtime.session("s-top", "u"):
+            await runtime.step("charge", body)
+        await pg_exec(pg_dsn, f"UPDATE loom_sessions SET epoch = {_TOP} WHERE session_id = 's-top'")
+        with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+            async with runtime.session("s-top", "u"):
+                await runtime.step("charge", body)
+        assert body.calls == 1
+    finally:
+        await runtime.close()
+
+
+def _cli(path: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}", *command],
+        capture_output=True, text=True, cwd=path.parent, timeout=120,
+    )  # fmt: skip
+
+
+async def _journal_edited(tmp_path: Path, *edits: str) -> Path:
+    """A journal of one finished one-step run, then edited by hand."""
+    path = tmp_path / "journal.db"
+    async with SqliteRuntime(path) as runtime, runtime.session("s", "u"):
+        await runtime.step("charge", Counter())
+    await asyncio.to_thread(sqlite_exec, path, *edits)
+    return path
+
+
+async def test_a_text_schema_version_is_a_migration_error_naming_the_table(tmp_path: Path) -> None:
+    from loomflow.errors import MigrationError
+
+    path = await _journal_edited(
+        tmp_path,
+        "UPDATE loom_schema_version SET version = 'two' WHERE component = 'journal' "
+        "AND version = (SELECT MAX(version) FROM loom_schema_version WHERE component = 'journal')",
+    )
+    with pytest.raises(MigrationError, match="loom_schema_version is 'two'"):
+        async with SqliteRuntime(path) as runtime, runtime.session("s", "u"):
+            pass
+    for command in (["runs", "list"], ["migrate"]):
+        done = await asyncio.to_thread(_cli, path, *command)
+        assert done.returncode == 1, command
+        assert done.stderr.startswith("loomflow: error: the journal schema version"), done.stderr
+        assert "Traceback" not in done.stderr
+
+
+async def test_listings_escape_the_control_characters_of_a_crafted_row(tmp_path: Path) -> None:
+    path = await _journal_edited(
+        tmp_path,
+        "UPDATE loom_sessions SET session_id = 'evil' || char(27) || ']0;pwned' || char(7), "
+        "user_id = 'u' || char(13) || char(10) || 'bob  bob  1  finished'",
+        "UPDATE loom_entries SET name = 'x' || char(27) || '[2Kfake'",
+    )
+    listing = await asyncio.to_thread(_cli, path, "runs", "list")
+    assert listing.returncode == 0, listing.stderr
+    assert "\x1b" not in listing.stdout
+    assert "\r" not in listing.stdout
+    assert r"evil\x1b]0;pwned\x07" in listing.stdout
+    assert len(listing.stdout.splitlines()) == 2  # the header and the one row: none forged
