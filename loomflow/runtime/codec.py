@@ -242,8 +242,8 @@ _values: set[type] = set()
 
 # Tagged with the depth they were made at: made at a depth or deeper, they are good at this
 # depth too (within MAX_DEPTH).
+# Their printed texts are kept the same way, by the printers further down.
 _encoded: PerInstance[Any] = PerInstance()  # instance -> its encoding (JSON data)
-_canonical: PerInstance[str] = PerInstance()  # instance -> its canonical JSON text
 
 
 def mark_immutable(cls: type[BaseModel]) -> type[BaseModel]:
@@ -463,11 +463,96 @@ _compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan
 _canonical_json = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
 ).encode
+_json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
+
+
+class _Printer:
+    """Prints the JSON text of ``encode(value)`` without building the encoding first.
+
+    Byte for byte what one of the encoders above gives for the whole encoding, but joined from
+    the texts of the parts: a list from its items, a plain dict key by key, a pydantic model
+    field by field. A value instance (see :func:`mark_immutable`) keeps its text, so a
+    transcript that is stored, fingerprinted or checkpointed again and again prints each
+    message once; building its tagged encoding only for the JSON encoder to print it cost
+    twice as much. What has no direct printing goes to the encoder whole.
+    """
+
+    __slots__ = ("_kept", "_layouts", "_sort", "_whole")
+
+    def __init__(self, whole: Callable[[Any], str], *, sort: bool) -> None:
+        self._whole = whole  # the encoder this printer matches
+        self._sort = sort  # keys in sorted order (the canonical form) or as built
+        # Tagged with the depth a text was made at: made at a depth or deeper, it is good at
+        # this depth too (within MAX_DEPTH).
+        self._kept: PerInstance[str] = PerInstance()
+        self._layouts: dict[type, tuple[str, list[tuple[str, str]]]] = {}
+
+    def text(self, value: Any, depth: int) -> str:
+        t = type(value)
+        if t is str:
+            return _json_string(value)
+        if t is list or t is GrowingList:
+            inner = _deeper(value, depth)
+            text = self.text
+            return "[" + ",".join([text(v, inner) for v in value]) + "]"
+        if t in _values:
+            kept = self._kept.get(value, depth, at_most=True)
+            if kept is None:
+                kept = self._model(value, depth)
+                self._kept.put(value, depth, kept)
+            return kept
+        if t is int:  # a turn or slot number: the text json.dumps gives, without its set-up
+            return int.__repr__(value)
+        if value is None:
+            return "null"
+        if t is bool:
+            return "true" if value else "false"
+        if t is float and math.isfinite(value):
+            return float.__repr__(value)
+        if t is dict and TAG not in value and all([type(k) is str for k in value]):
+            # Tool arguments and results, a step's keyword arguments: a plain JSON object.
+            inner = _deeper(value, depth)
+            text = self.text
+            keys = sorted(value) if self._sort else value
+            return (
+                "{" + ",".join([_json_string(k) + ":" + text(value[k], inner) for k in keys]) + "}"
+            )
+        if isinstance(value, BaseModel):  # a tool outcome, a user's model: never kept
+            return self._model(value, depth)
+        return self._whole(_encode(value, depth))
+
+    def _model(self, value: BaseModel, depth: int) -> str:
+        cls = type(value)
+        layout = self._layouts.get(cls)
+        if layout is None:
+            layout = self._layouts[cls] = self._layout(cls)
+        head, keys = layout
+        inner = _deeper(value, depth)
+        text = self.text
+        return (
+            head + ",".join([key + text(getattr(value, name), inner) for name, key in keys]) + "}}}"
+        )
+
+    def _layout(self, cls: type[BaseModel]) -> tuple[str, list[tuple[str, str]]]:
+        """The fixed parts of a model's text: its tag and class name before the fields (in
+        that order either way: "$t" sorts before "v", "cls" before "fields"), and each
+        field's quoted key, in the order the encoder prints them."""
+        head = f'{{"{TAG}":"model","v":{{"cls":{_json_string(_class_name(cls))},"fields":{{'
+        names = sorted(cls.model_fields) if self._sort else list(cls.model_fields)
+        return head, [(name, _json_string(name) + ":") for name in names]
+
+
+_compact_printer = _Printer(_compact, sort=False)  # the stored form
+_canonical_printer = _Printer(_canonical_json, sort=True)  # the fingerprinted form
+_canonical_text = _canonical_printer.text
 
 
 def dumps(value: Any) -> bytes:
     """Encode ``value`` to compact UTF-8 JSON bytes (the stored form)."""
-    return _compact(encode(value)).encode()
+    try:
+        return _compact_printer.text(value, 0).encode()
+    except RecursionError:  # a caller already deep in its own stack; same answer as the cap
+        raise NestingTooDeepError(value) from None
 
 
 def loads(raw: bytes | str) -> Any:
@@ -491,71 +576,6 @@ def canonical_bytes(value: Any) -> bytes:
         return _canonical_text(value, 0).encode()
     except RecursionError:
         raise NestingTooDeepError(value) from None
-
-
-def _canonical_text(value: Any, depth: int) -> str:
-    # Lists (a step's argument list, a transcript) are joined from their items' texts, so a
-    # value instance's text is made once (byte for byte what one json.dumps would give).
-    t = type(value)
-    if t is list or t is GrowingList:
-        inner = _deeper(value, depth)
-        return "[" + ",".join([_canonical_text(v, inner) for v in value]) + "]"
-    if t in _values:
-        text = _canonical.get(value, depth, at_most=True)
-        if text is None:
-            text = _value_text(value, depth)
-            _canonical.put(value, depth, text)
-        return text
-    if t is str:
-        return _json_string(value)
-    if t is int:  # a turn or slot number: the text json.dumps gives, without its set-up
-        return int.__repr__(value)
-    if value is None:
-        return "null"
-    if t is bool:
-        return "true" if value else "false"
-    if t is dict and TAG not in value and all([type(k) is str for k in value]):
-        # Tool arguments, a step's keyword arguments: printed key by key in sorted order,
-        # as the canonical encoder prints a plain object.
-        inner = _deeper(value, depth)
-        return (
-            "{"
-            + ",".join(
-                [_json_string(k) + ":" + _canonical_text(value[k], inner) for k in sorted(value)]
-            )
-            + "}"
-        )
-    return _canonical_json(_encode(value, depth))
-
-
-_json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
-
-
-def _value_text(value: BaseModel, depth: int) -> str:
-    """The canonical text of a value instance, byte for byte
-    ``_canonical_json(_encode_value(value, depth))``, joined from its fields' texts.
-
-    A new message is fingerprinted once, and building its tagged encoding only for the JSON
-    encoder to sort and print it cost twice this; nested values reuse their own kept texts.
-    """
-    cls = type(value)
-    layout = _layouts.get(cls)
-    if layout is None:
-        layout = _layouts[cls] = _layout(cls)
-    head, keys = layout
-    inner = _deeper(value, depth)
-    fields = ",".join([key + _canonical_text(getattr(value, name), inner) for name, key in keys])
-    return head + fields + "}}}"
-
-
-def _layout(cls: type[BaseModel]) -> tuple[str, list[tuple[str, str]]]:
-    """The fixed parts of a value class's canonical text: the tag and class name before its
-    fields, and each field's quoted key, in the sorted order the canonical encoder prints."""
-    head = f'{{"{TAG}":"model","v":{{"cls":{_json_string(_class_name(cls))},"fields":{{'
-    return head, [(name, _json_string(name) + ":") for name in sorted(cls.model_fields)]
-
-
-_layouts: dict[type, tuple[str, list[tuple[str, str]]]] = {}
 
 
 # -- fingerprints of a list that grows from step to step --------------------------------------

@@ -20,6 +20,7 @@ from loomflow.errors import InvalidArgumentTypeError
 from loomflow.messages import Message, ToolCall
 from loomflow.runtime import codec
 from loomflow.runtime._store import Scope, fingerprint
+from loomflow.tools import ToolOutcome
 
 
 @codec.register_type
@@ -193,18 +194,54 @@ def test_a_kept_value_still_counts_towards_the_depth_cap() -> None:
 def test_kept_encodings_go_with_their_instances() -> None:
     import gc
 
-    from loomflow.runtime.codec import _canonical, _encoded
+    from loomflow.runtime.codec import _canonical_printer, _compact_printer, _encoded
 
-    before = (len(_encoded._kept), len(_canonical._kept))
+    kept = (_encoded._kept, _canonical_printer._kept, _compact_printer._kept)
+    before = [len(k) for k in kept]
     batch = [Message(role="user", content=f"m{i}") for i in range(50)]
     codec.canonical_bytes(batch)  # the fingerprint's text, kept per message
-    codec.dumps(batch)  # the stored encoding, kept per message
-    assert len(_canonical._kept) >= before[1] + 50
-    assert len(_encoded._kept) >= before[0] + 50
+    codec.dumps(batch)  # the stored text, kept per message
+    codec.encode(batch)  # the encoding, kept per message
+    assert [len(k) for k in kept] >= [n + 50 for n in before]
     del batch
     gc.collect()
-    assert len(_encoded._kept) <= before[0]
-    assert len(_canonical._kept) <= before[1]
+    assert all(len(k) <= n for k, n in zip(kept, before, strict=True))
+
+
+# Models that are not value classes (a tool outcome, a user's model) are printed field by
+# field too, without being kept: a user may change what their fields hold.
+_models = st.one_of(
+    st.builds(Point, x=st.integers(), y=st.lists(st.integers(), max_size=3).map(tuple)),
+    st.builds(ToolOutcome, ok=st.booleans(), value=values, error=st.one_of(st.none(), st.text())),
+)
+_printed = st.recursive(
+    st.one_of(values, messages, _models, st.sampled_from([math.inf, -math.inf, -0.0, 1e16])),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@given(_printed)
+def test_printed_texts_are_byte_for_byte_the_encoders(value: Any) -> None:
+    encoding = codec.encode(value)
+    stored = json.dumps(encoding, separators=(",", ":"), ensure_ascii=False).encode()
+    for _ in range(2):  # the second time from the kept texts
+        assert codec.dumps(value) == stored
+        assert codec.canonical_bytes(value) == _one_dumps(value)
+    assert codec.loads(stored) == codec.loads(codec.dumps(value))
+
+
+def test_a_user_model_is_printed_again_after_it_changes() -> None:
+    class Draft(BaseModel):
+        lines: list[str]
+
+    draft = Draft(lines=["a"])
+    first = codec.dumps(draft)
+    draft.lines.append("b")  # not frozen, so its text is never kept
+    assert codec.dumps(draft) != first
+    assert codec.loads(codec.dumps(draft)) == {"lines": ["a", "b"]}
 
 
 def test_mark_immutable_takes_frozen_models_only() -> None:
