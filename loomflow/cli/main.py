@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import difflib
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from ..errors import ConfigurationError, LoomflowError, UserError
 from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
-from ._format import duration, iso_time, login, positive_int, table
+from ._format import duration, iso_time, login, positive_int, printable, table
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, session_of
 from ._upgrade import legacy_note, quiet_on_open
@@ -290,6 +291,7 @@ _SECRET_SETTINGS = ("redact_secrets", "otlp_headers")
 
 def _show_settings(args: argparse.Namespace) -> int:
     settings = Settings()
+    _warn_unknown_variables(type(settings).model_fields)
     rows: list[tuple[Any, ...]] = [("variable", "value", "from")]
     document = {}
     for name in type(settings).model_fields:
@@ -309,6 +311,26 @@ def _show_settings(args: argparse.Namespace) -> int:
     else:
         table(rows)
     return 0
+
+
+# LOOMFLOW_ variables that are not settings but are read on purpose (the test suite's DSN).
+_OTHER_VARIABLES = ("LOOMFLOW_TEST_PG_DSN",)
+
+
+def _warn_unknown_variables(fields: Iterable[str]) -> None:
+    """A LOOMFLOW_ variable that names no setting is ignored: say so, with the likely one."""
+    names = [name.upper() for name in fields]
+    for variable in sorted(os.environ):
+        name = variable.removeprefix("LOOMFLOW_")
+        if name == variable or name in names or variable in _OTHER_VARIABLES:
+            continue
+        # Compared without the shared prefix, which would make every name look close.
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+        hint = f" (did you mean LOOMFLOW_{close[0]}?)" if close else ""
+        print(
+            f"loomflow: warning: {printable(variable)} is not a setting and is ignored{hint}",
+            file=sys.stderr,
+        )
 
 
 def _masked(name: str, value: Any) -> Any:

@@ -34,13 +34,17 @@ from .migrations import COMPONENT, MIGRATIONS
 __all__ = ["SqlJournalStore"]
 
 
+# A takeover adds one to the token; a token SQLite holds as text (a hand-edited row) would
+# silently become 1 ('tok' + 1), the crashed owner's number, so it is returned unchanged
+# instead and the claim reports the row as damaged (text never equals itself plus 0).
 _ACQUIRE = """
 INSERT INTO loom_sessions
     (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at)
 VALUES ($1, $2, $3, 0, 0, $4, 1, {now} + $5, {now})
 ON CONFLICT (scope) DO UPDATE SET
     owner = excluded.owner,
-    token = loom_sessions.token + 1,
+    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0 THEN loom_sessions.token + 1
+        ELSE loom_sessions.token END,
     lease_until = excluded.lease_until,
     updated_at = excluded.updated_at
 WHERE loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now}
@@ -56,7 +60,8 @@ INSERT INTO loom_sessions
 VALUES ($1, $2, $3, 0, 1, $4, 1, {now} + $5, {now}, $6, $7, $8, NULL, 0, NULL, 0, {now})
 ON CONFLICT (scope) DO UPDATE SET
     owner = excluded.owner,
-    token = loom_sessions.token + 1,
+    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0 THEN loom_sessions.token + 1
+        ELSE loom_sessions.token END,
     lease_until = excluded.lease_until,
     updated_at = excluded.updated_at,
     open = 1, agent = excluded.agent, config = excluded.config, record = excluded.record,
@@ -68,8 +73,9 @@ RETURNING token, epoch, open, status
 """
 _HOLDER = "SELECT owner, token FROM loom_sessions WHERE scope = $1 AND owner IS NOT NULL"
 _STEAL = """
-UPDATE loom_sessions SET owner = $2, token = token + 1, lease_until = {now} + $4,
-    updated_at = {now}
+UPDATE loom_sessions SET owner = $2,
+    token = CASE WHEN token = token + 0 THEN token + 1 ELSE token END,
+    lease_until = {now} + $4, updated_at = {now}
 WHERE scope = $1 AND token = $3
 RETURNING token, epoch, open, status
 """

@@ -204,7 +204,7 @@ def test_a_decision_from_a_shell_keeps_the_run_waiting_and_a_cancel_ends_it(
         "--reason", "too late",
     )  # fmt: skip
     assert late.returncode == 1
-    assert "was cancelled" in late.stderr
+    assert "was cancelled while it waited for approval" in late.stderr
     listed = loomflow("--url", url, "approvals", "list", "--json")
     assert listed.stdout == ""
     from loomflow.errors import RunCancelledError
@@ -213,3 +213,12 @@ def test_a_decision_from_a_shell_keeps_the_run_waiting_and_a_cancel_ends_it(
         asyncio.run(_run(url, sent, resume=True, sensitive=frozenset({"text"})))
     assert sent == []
     assert state() == "cancelled"
+
+
+def test_a_cancelled_run_that_asked_nothing_is_not_said_to_have_waited() -> None:
+    from loomflow.errors import RunCancelledError
+    from loomflow.governance.approvals import Ledger, check_decidable
+
+    with pytest.raises(RunCancelledError, match="asked for no approval") as caught:
+        check_decidable(Ledger(epoch=0, cancelled=True), ["apr_x"], "ops-2", "ana")
+    assert "waited" not in str(caught.value)

@@ -441,6 +441,19 @@ def test_settings_shows_effective_values_without_credentials(tmp_path: Path) -> 
     table = loomflow("settings", env=env, cwd=tmp_path)
     assert "LOOMFLOW_RUNTIME_URL" in table.stdout
     assert "s3cret-pw" not in table.stdout
+    assert "warning" not in done.stderr + table.stderr  # every variable above is a setting
+
+
+def test_settings_warns_of_a_variable_that_names_no_setting(tmp_path: Path) -> None:
+    env = {"LOOMFLOW_LEASE_SECOND": "5", "LOOMFLOW_WHATEVER": "1"}
+    done = loomflow("settings", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["lease_seconds"]["value"] == 30.0  # the typo changed nothing
+    assert (
+        "LOOMFLOW_LEASE_SECOND is not a setting and is ignored (did you mean "
+        "LOOMFLOW_LEASE_SECONDS?)" in done.stderr
+    )
+    assert "LOOMFLOW_WHATEVER is not a setting and is ignored\n" in done.stderr
 
 
 def test_users_export_gathers_one_users_data_from_every_store(tmp_path: Path) -> None:

@@ -455,6 +455,10 @@ _TOP = 2**63 - 1  # the largest BIGINT / SQLite INTEGER: one more does not fit
         "UPDATE loom_sessions SET epoch = -1",
         f"UPDATE loom_sessions SET token = {_TOP}",  # the next claim adds one (SQLite: a REAL)
         "UPDATE loom_sessions SET token = -5",
+        # Text: 'tok' + 1 is 1 in SQLite, the number the last owner held; it must not be
+        # taken for a token that grew.
+        "UPDATE loom_sessions SET token = 'tok'",
+        "UPDATE loom_sessions SET token = 'tok', owner = 'gone', lease_until = 0, open = 1",
     ],
 )
 async def test_a_session_number_no_run_reaches_is_refused_before_any_step(
