@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import itertools
-import re
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -593,30 +590,18 @@ def _iso(when: float | dt.datetime | None) -> str | None:
 
 
 def _names(payload: Any, user_id: str) -> bool:
-    """Whether a console entry's payload names ``user_id``: as the user it viewed, as the
-    user of the page it refused, or as a whole word of what the person looking typed (a
-    search, a session filter). Not as part of a longer id ("al" in "alice"), nor as one of
-    the entry's own words (a role called "admin", the query "users")."""
+    """Whether a console entry's payload names ``user_id``: as the user it viewed (a trail,
+    an entry, a run, an export), or as the whole text of a search for users (case-blind, as
+    the search is: "ALICE" listed alice).
+
+    Not as part of a longer id ("al" in "alice", "bob" in "bob@corp.com": other users, whose
+    looks stay on record), nor as one of the entry's own words (a role called "admin", the
+    query "users"). A filter inside a viewed trail (a session) is about the viewed user.
+    """
     if not isinstance(payload, dict):
         return False
     if payload.get("viewed_user") == user_id:
         return True
-    query = payload.get("query")
-    if isinstance(query, str) and query.startswith("/"):
-        # A user's pages are /users/<id> and /api/users/<id>, the id quoted whole.
-        parts = query.split("/")
-        for before, part in itertools.pairwise(parts):
-            if before == "users" and urllib.parse.unquote(part) == user_id:
-                return True
     details = payload.get("details")
-    if not isinstance(details, dict):
-        return False
-    # Case-blind, as the console's search is: a search for "ALICE" listed alice.
-    word = re.compile(rf"(?<!\w){re.escape(user_id)}(?!\w)", re.IGNORECASE)
-    typed = [details.get(key) for key in _TYPED_DETAILS]
-    return any(isinstance(text, str) and word.search(text) for text in typed)
-
-
-# The details of a console entry that hold what someone typed (the rest are the console's own
-# words and numbers: a limit, a seq, "needs": "admin").
-_TYPED_DETAILS = ("search", "session")
+    search = details.get("search") if isinstance(details, dict) else None
+    return isinstance(search, str) and search.strip().casefold() == user_id.casefold()

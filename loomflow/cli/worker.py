@@ -93,11 +93,12 @@ def load_app(spec: str) -> dict[str, Agent]:
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise UserError(f"APP must be module:attribute (e.g. myapp.workers:AGENTS), not {spec!r}")
-    # As `python -m` would: the application's package is found in the directory the worker
-    # starts in (an installed console script's sys.path does not hold it).
+    # The application's package may sit in the directory the worker starts in (an installed
+    # console script's sys.path does not hold it). Looked in last, not first as `python -m`
+    # does: a stray file there must not shadow the standard library or an installed package.
     here = os.getcwd()
     if here not in sys.path:
-        sys.path.insert(0, here)
+        sys.path.append(here)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -101,8 +101,8 @@ _STATUS = "SELECT status FROM loom_sessions WHERE scope = $1"
 # stopped, so only its status changes, and a resume of it is refused from then on.
 _CANCEL = """
 UPDATE loom_sessions SET status = 'cancelled', owner = NULL, lease_until = 0, open = 0,
-    token = token + 1, epoch = CASE WHEN open = 1 THEN epoch + 1 ELSE epoch END,
-    updated_at = {now}
+    token = CASE WHEN token = token + 0 THEN token + 1 ELSE token END,
+    epoch = CASE WHEN open = 1 THEN epoch + 1 ELSE epoch END, updated_at = {now}
 WHERE scope = $1 AND (
     (open = 1 AND (status IS NULL OR status = 'failed')) OR (open = 0 AND status = 'interrupted')
 ) RETURNING token
@@ -282,6 +282,13 @@ def _path(raw: Any) -> tuple[str, ...]:
     return (f"<unreadable path {str(raw)[:60]!r}>",)
 
 
+def _damaged(token: object, epoch: object = None) -> CorruptEntryError:
+    numbers = f"token {token!r}" + ("" if epoch is None else f", epoch {epoch!r}")
+    return CorruptEntryError(
+        f"the session's lease row is damaged ({numbers}); repair or delete its loom_sessions row"
+    )
+
+
 _LAST_NUMBER = 2**63 - 1  # an epoch or token here could not grow by one (BIGINT, INTEGER)
 
 
@@ -298,10 +305,7 @@ def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
         # A session row edited by hand (SQLite keeps text in a number column, a BIGINT takes
         # a number no run reaches): a typed error naming the damage before any step runs,
         # not a ValueError or an overflow when the run closes.
-        raise CorruptEntryError(
-            f"the session's lease row is damaged (token {token!r}, epoch {epoch!r}); "
-            "repair or delete its loom_sessions row"
-        )
+        raise _damaged(token, epoch)
     return Claim(token, epoch, bool(is_open), status == "cancelled")
 
 
@@ -369,7 +373,12 @@ class SqlJournalStore:
 
     async def holder(self, scope: Scope) -> tuple[str, int] | None:
         rows = await self._run("read", "holder", scope.key)
-        return (str(rows[0][0]), int(rows[0][1])) if rows else None
+        if not rows:
+            return None
+        owner, token = rows[0]
+        if type(token) is not int:  # read before any claim statement could check it
+            raise _damaged(token)
+        return str(owner), token
 
     async def steal(
         self, scope: Scope, seen_token: int, owner: str, lease_s: float

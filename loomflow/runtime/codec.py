@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -466,6 +467,10 @@ _canonical_json = json.JSONEncoder(
 _json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
 
 
+# A model class's printed parts: the class name they were made for, the head, the field keys.
+_Layout = tuple[str, str, list[tuple[str, str]]]
+
+
 class _Printer:
     """Prints the JSON text of ``encode(value)`` without building the encoding first.
 
@@ -485,7 +490,8 @@ class _Printer:
         # Tagged with the depth a text was made at: made at a depth or deeper, it is good at
         # this depth too (within MAX_DEPTH).
         self._kept: PerInstance[str] = PerInstance()
-        self._layouts: dict[type, tuple[str, list[tuple[str, str]]]] = {}
+        # Weakly keyed: a model class made per call (pydantic.create_model) may go away.
+        self._layouts: weakref.WeakKeyDictionary[type, _Layout] = weakref.WeakKeyDictionary()
 
     def text(self, value: Any, depth: int) -> str:
         t = type(value)
@@ -523,23 +529,24 @@ class _Printer:
 
     def _model(self, value: BaseModel, depth: int) -> str:
         cls = type(value)
+        name = _class_name(cls)
         layout = self._layouts.get(cls)
-        if layout is None:
-            layout = self._layouts[cls] = self._layout(cls)
-        head, keys = layout
+        if layout is None or layout[0] != name:  # a class renamed since (see _by_name)
+            layout = self._layouts[cls] = self._layout(cls, name)
+        _, head, keys = layout
         inner = _deeper(value, depth)
         text = self.text
         return (
             head + ",".join([key + text(getattr(value, name), inner) for name, key in keys]) + "}}}"
         )
 
-    def _layout(self, cls: type[BaseModel]) -> tuple[str, list[tuple[str, str]]]:
+    def _layout(self, cls: type[BaseModel], name: str) -> _Layout:
         """The fixed parts of a model's text: its tag and class name before the fields (in
         that order either way: "$t" sorts before "v", "cls" before "fields"), and each
         field's quoted key, in the order the encoder prints them."""
-        head = f'{{"{TAG}":"model","v":{{"cls":{_json_string(_class_name(cls))},"fields":{{'
-        names = sorted(cls.model_fields) if self._sort else list(cls.model_fields)
-        return head, [(name, _json_string(name) + ":") for name in names]
+        head = f'{{"{TAG}":"model","v":{{"cls":{_json_string(name)},"fields":{{'
+        fields = sorted(cls.model_fields) if self._sort else list(cls.model_fields)
+        return name, head, [(field, _json_string(field) + ":") for field in fields]
 
 
 _compact_printer = _Printer(_compact, sort=False)  # the stored form

@@ -247,3 +247,26 @@ def test_a_user_model_is_printed_again_after_it_changes() -> None:
 def test_mark_immutable_takes_frozen_models_only() -> None:
     with pytest.raises(InvalidArgumentTypeError, match="frozen pydantic model"):
         codec.mark_immutable(Point)
+
+
+def test_a_model_class_renamed_after_printing_is_printed_under_its_new_name() -> None:
+    import gc
+    import weakref
+
+    from pydantic import create_model
+
+    made: Any = create_model("Made", n=(int, 0))
+    first = codec.dumps(made(n=1))
+    assert b'"cls":"' + made.__module__.encode() + b":Made" in first
+    made.__qualname__ = "Renamed"  # a package re-exporting a class may rename it
+    again = codec.dumps(made(n=1))
+    assert (
+        again
+        == json.dumps(codec.encode(made(n=1)), separators=(",", ":"), ensure_ascii=False).encode()
+    )
+    assert b":Renamed" in again
+    # And a class made per call goes away with its last use: the layouts hold it weakly.
+    gone = weakref.ref(made)
+    del made
+    gc.collect()
+    assert gone() is None

@@ -459,6 +459,8 @@ _TOP = 2**63 - 1  # the largest BIGINT / SQLite INTEGER: one more does not fit
         # taken for a token that grew.
         "UPDATE loom_sessions SET token = 'tok'",
         "UPDATE loom_sessions SET token = 'tok', owner = 'gone', lease_until = 0, open = 1",
+        # Held by a live owner: the takeover reads the holder's token first.
+        "UPDATE loom_sessions SET token = 'tok', owner = 'gone', lease_until = 1e18, open = 1",
     ],
 )
 async def test_a_session_number_no_run_reaches_is_refused_before_any_step(
@@ -471,10 +473,11 @@ async def test_a_session_number_no_run_reaches_is_refused_before_any_step(
         async with runtime.session("s", "u"):
             await runtime.step("charge", body)
         await asyncio.to_thread(sqlite_exec, path, edit)
-        with pytest.raises(CorruptEntryError, match="lease row is damaged"):
-            async with runtime.session("s", "u"):
-                await runtime.step("charge", body)
-        assert body.calls == 1  # the refused run ran nothing
+        for _ in range(2):  # the first refusal must leave nothing that reads differently
+            with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+                async with runtime.session("s", "u"):
+                    await runtime.step("charge", body)
+        assert body.calls == 1  # the refused runs ran nothing
     finally:
         await runtime.close()
 
@@ -544,3 +547,20 @@ async def test_listings_escape_the_control_characters_of_a_crafted_row(tmp_path:
     assert "\r" not in listing.stdout
     assert r"evil\x1b]0;pwned\x07" in listing.stdout
     assert len(listing.stdout.splitlines()) == 2  # the header and the one row: none forged
+
+
+async def test_a_cancel_leaves_a_text_token_for_the_next_claim_to_report(tmp_path: Path) -> None:
+    from loomflow.recovery import cancel_run
+
+    path = await _journal_edited(tmp_path, "UPDATE loom_sessions SET token = 'tok', open = 1")
+    runtime = SqliteRuntime(path)
+    try:
+        assert await cancel_run(runtime, "s", user_id="u")
+        with sqlite3.connect(path) as conn:
+            (token,) = conn.execute("SELECT token FROM loom_sessions").fetchone()
+        assert token == "tok"  # not 'tok' + 1, which is 1
+        with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+            async with runtime.session("s", "u"):
+                pass
+    finally:
+        await runtime.close()
