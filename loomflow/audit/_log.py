@@ -45,10 +45,6 @@ __all__ = ["AuditHooks", "AuditLog"]
 
 log = logging.getLogger("loomflow.audit")
 
-# Actions whose entries mean something to loomflow itself: an erasure authorises erased
-# payloads, a hold blocks erasure, and the console's entries are its record of looks.
-_RESERVED_ACTIONS = ("audit.", "legal_hold.", "console.")
-
 
 class AuditLog:
     """The per-user audit trail of agent runs, for compliance teams.
@@ -124,7 +120,7 @@ class AuditLog:
         check_id("user_id", user_id)
         check_id("session_id", session_id)
         check_id("run_id", run_id)
-        if isinstance(action, str) and action.startswith(_RESERVED_ACTIONS):
+        if isinstance(action, str) and action.startswith(actions.RESERVED_PREFIXES):
             raise UserError(
                 f"action {action[:80]!r} is kept for loomflow's own entries: use "
                 "place_hold()/release_hold() for holds and Stores.forget_user() or retain() "

@@ -30,6 +30,7 @@ __all__ = [
     "MODEL_START",
     "PERMISSION_DECISION",
     "REPLAY_DIVERGENCE",
+    "RESERVED_PREFIXES",
     "RUN_CANCEL",
     "RUN_DEAD_LETTER",
     "RUN_END",
@@ -120,6 +121,11 @@ LEGAL_HOLD_RELEASED: Final = "legal_hold.released"
 
 KEPT_BY_ERASURE: Final = (AUDIT_ERASURE, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED)
 """Actions whose payloads erasure leaves in place: the record of erasures and holds."""
+
+RESERVED_PREFIXES: Final = ("audit.", "legal_hold.", "console.")
+"""Prefixes of the actions loomflow acts on (an erasure record authorises erased payloads, a
+hold blocks erasure, the console's entries are its record of looks): ``AuditLog.record``
+refuses them."""
 
 CONSOLE_CHAINS: Final = "console:"
 """Not an action: the prefix of the user ids of the console's own chains (``console:<name>``),

@@ -391,17 +391,18 @@ def check_decidable(
 ) -> None:
     """Raise unless every id names a request of ``ledger`` that has no decision yet."""
     if ledger.cancelled:
-        # Say "while it waited" only of a run that had requests: a run cancelled mid-step
-        # asked nobody anything.
-        waited = " while it waited for approval" if ledger.requests else ""
+        # "While it waited" only of a run that had requests: one cancelled mid-step asked
+        # nobody anything.
+        why = (
+            "while it waited for approval; its requests can no longer be decided"
+            if ledger.requests
+            else "and its last run asked for no approval"
+        )
         raise RunCancelledError(
             session,
             user,
-            f"session {session!r} of user {user!r} was cancelled{waited}; its requests can no "
-            "longer be decided (a new run of the session starts afresh)"
-            if ledger.requests
-            else f"session {session!r} of user {user!r} was cancelled; its last run asked for "
-            "no approval, and a new run of the session starts afresh",
+            f"session {session!r} of user {user!r} was cancelled {why} (a new run of the "
+            "session starts afresh)",
         )
     for request_id in request_ids:
         if not isinstance(request_id, str):

@@ -529,10 +529,10 @@ class _Printer:
 
     def _model(self, value: BaseModel, depth: int) -> str:
         cls = type(value)
-        name = _class_name(cls)
+        cls_name = _class_name(cls)
         layout = self._layouts.get(cls)
-        if layout is None or layout[0] != name:  # a class renamed since (see _by_name)
-            layout = self._layouts[cls] = self._layout(cls, name)
+        if layout is None or layout[0] != cls_name:  # a class renamed since (see _by_name)
+            layout = self._layouts[cls] = self._layout(cls, cls_name)
         _, head, keys = layout
         inner = _deeper(value, depth)
         text = self.text

@@ -202,7 +202,7 @@ def test_kept_encodings_go_with_their_instances() -> None:
     codec.canonical_bytes(batch)  # the fingerprint's text, kept per message
     codec.dumps(batch)  # the stored text, kept per message
     codec.encode(batch)  # the encoding, kept per message
-    assert [len(k) for k in kept] >= [n + 50 for n in before]
+    assert all(len(k) >= n + 50 for k, n in zip(kept, before, strict=True))
     del batch
     gc.collect()
     assert all(len(k) <= n for k, n in zip(kept, before, strict=True))
