@@ -7,10 +7,11 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
+from .._printable import printable
 from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
 
-__all__ = ["duration", "iso_time", "login", "positive_int", "table", "when"]
+__all__ = ["duration", "iso_time", "login", "positive_int", "printable", "table", "when"]
 
 
 def duration(text: str) -> dt.timedelta:
@@ -60,15 +61,3 @@ def table(rows: Sequence[Sequence[Any]]) -> None:
     widths = [max(len(r[i]) for r in shown) for i in range(len(shown[0]))]
     for row in shown:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-
-
-def printable(value: Any) -> str:
-    """``value`` as text safe for a terminal: control and format characters escaped.
-
-    Ids are checked when written, but a listing shows what the database holds, and a crafted
-    row's escape sequence would retitle or clear the terminal, or a line break forge a row.
-    """
-    text = str(value)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)

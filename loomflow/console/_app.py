@@ -36,6 +36,7 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from .._ids import check_id, check_key
+from .._printable import printable
 from .._timefmt import parse_when
 from ..audit import ANY_USER
 from ..errors import InvalidArgumentError, LoomflowError, StorageError, UserError
@@ -102,6 +103,17 @@ def _time(text: str | None, what: str) -> dt.datetime | None:
         raise _Refused(400, f"{what}: {exc}") from None
 
 
+def _pretty(value: Any) -> str:
+    """A payload as indented JSON with every non-printable character as a JSON escape (see
+    :func:`printable`): ``json`` escapes only C0 controls, and leaves a bidirectional override
+    or a line separator inside a string raw. Outside strings the text is ASCII punctuation,
+    digits and the indentation, so escaping character by character keeps the layout."""
+    text = json.dumps(value, ensure_ascii=False, indent=2)
+    if text.replace("\n", "").isprintable():
+        return text
+    return "".join(c if c == "\n" or c.isprintable() else json.dumps(c)[1:-1] for c in text)
+
+
 def _env() -> Environment:
     env = Environment(
         loader=FileSystemLoader(Path(__file__).parent / "templates"),
@@ -109,7 +121,8 @@ def _env() -> Environment:
     )
     env.filters["user_url"] = user_url
     env.globals["query_url"] = _query_url
-    env.filters["pretty"] = lambda v: json.dumps(v, ensure_ascii=False, indent=2)
+    env.filters["shown"] = printable
+    env.filters["pretty"] = _pretty
     env.filters["when"] = lambda t: t.strftime("%Y-%m-%d %H:%M:%S")
     env.filters["ts"] = lambda s: dt.datetime.fromtimestamp(s, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
     return env

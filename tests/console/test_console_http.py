@@ -127,6 +127,46 @@ def test_hostile_user_ids_are_escaped_and_reach_their_own_trail(
         assert "&lt;b&gt;x&lt;/b&gt;" in html
 
 
+def test_bidirectional_overrides_and_line_separators_are_shown_escaped(tmp_path: Path) -> None:
+    # Valid ids (only control characters are refused), but shown raw an override makes
+    # "bob\u202eexe.gpj" read as "bobjpg.exe", and a separator breaks a row in two.
+    spoof, actor, session = "bob\u202eexe.gpj", "agent:x\u2028y", "s\u2066z"
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        record = AuditRecord(
+            user_id=spoof,
+            session_id=session,
+            run_id="r\u200fr",
+            actor=actor,
+            action="custom.\u202ename",
+            payload={"note": "a\u202eb\u0085c", "tool": "t\u2029u"},
+        )
+        await store.append([record])
+        await store.close()
+
+    asyncio.run(make())
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        # The API hands back the ids as stored; only what a person reads is escaped.
+        assert {u["user_id"] for u in http.get("/api/users").json()["users"]} >= {spoof}
+        pages = {
+            "users": http.get("/users").text,
+            "trail": http.get(user_url(spoof)).text,
+            "entry": http.get("/entry", params={"user": spoof, "seq": 1}).text,
+        }
+        for name, page in pages.items():
+            shown = page.replace('value="' + spoof + '"', "")  # the filter form's round trip
+            for raw in ("\u202e", "\u2028", "\u2029", "\u2066", "\u200f", "\x85"):
+                assert raw not in shown, (name, hex(ord(raw)))
+        assert "bob\\u202eexe.gpj" in pages["users"]
+        assert "agent:x\\u2028y" in pages["trail"]
+        assert "s\\u2066z" in pages["trail"]
+        assert "custom.\\u202ename" in pages["entry"]
+        assert "a\\u202eb\\u0085c" in pages["entry"]  # the payload, as JSON escapes
+
+
 def test_a_trail_pages_and_filters(console: Server) -> None:
     with console.client(ADMIN) as http:
         seen: list[int] = []

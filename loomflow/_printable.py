@@ -1,0 +1,25 @@
+"""Text read back from a store, made safe to show a person (a terminal or a console page).
+
+Ids are checked when written (see ``_ids``), but that rule only refuses control characters:
+a line separator (U+2028) or a bidirectional override (U+202E) is a valid id, and a crafted
+row may hold anything. Shown raw, an override turns ``bob\\u202eexe.gpj`` into what reads as
+``bobjpg.exe``, a line separator forges a row of a listing, and a terminal escape retitles
+or clears the terminal. So every id, name and value a listing or page shows goes through
+:func:`printable`, which writes each character Python calls non-printable (controls, format
+characters such as the bidirectional ones, separators other than the space) as a visible
+``\\u`` or ``\\x`` escape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["printable"]
+
+
+def printable(value: Any) -> str:
+    """``str(value)`` with every non-printable character written as its escape."""
+    text = str(value)
+    if text.isprintable():  # nearly always: no copy
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
