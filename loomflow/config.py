@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ._timefmt import MAX_AGE
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "scheme_without_slashes"]
 
 # Settings that are URLs and may carry a password (``postgresql://app:pw@db/app``): the code
 # reads the real value, while repr/str, model_dump and `loomflow settings` show it masked.
@@ -44,10 +44,36 @@ def _text_list(value: Any) -> Any:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+# "sqlite:journal.db" or "postgres:db-host/app" has no "//", so it would read as a bare file
+# path: a SQLite file of that odd name in the working directory, while whoever wrote it
+# believes the journal is somewhere else (a PostgreSQL server, say).
+_SCHEME_WITHOUT_SLASHES = re.compile(r"(sqlite|jsonl|postgres|postgresql):(?!//)", re.IGNORECASE)
+
+
+def scheme_without_slashes(url: str) -> str | None:
+    """Why ``url``, which holds no ``://``, is not a file path but a store URL missing its
+    ``//`` (``sqlite:journal.db``); ``None`` when it may be a path."""
+    found = _SCHEME_WITHOUT_SLASHES.match(url)
+    if found is None:
+        return None
+    scheme = found.group(1).lower()
+    if scheme.startswith("postgres"):  # the rest may hold a password no mask recognises
+        return (
+            f"a URL starting {found.group(0)!r} lacks the '//' after its scheme and would be "
+            "taken for a file path: use postgresql://user@host:5432/database"
+        )
+    return (
+        f"{url!r} lacks the '//' after its scheme and would be taken for a file path: use "
+        f"{scheme}:///relative/path or {scheme}:////absolute/path"
+    )
+
+
 def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
     """Refuse a store URL no loomflow store would open, at settings time rather than later."""
     head = url.split("://", 1)[0].lower() if "://" in url else None
     if head is None:
+        if (problem := scheme_without_slashes(url)) is not None:
+            raise ValueError(problem)
         if "jsonl" in schemes and url.endswith(".jsonl"):
             return url
         if not url.strip():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from loomflow import Agent, ToolCall, tool
 from loomflow.audit import AuditLog, JsonlAuditStore, SqliteAuditStore, audit_store_from_url
@@ -178,6 +179,39 @@ def test_the_old_url_functions_go_through_the_one_table(build: object, kind: str
 def test_a_malformed_sqlite_url_is_refused_for_every_kind(kind: str) -> None:
     with pytest.raises(ConfigurationError, match="bad SQLite URL"):
         store_from_url(kind, "sqlite://journal.db")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["journal", "checkpoints", "memory", "budget", "audit"])
+@pytest.mark.parametrize(
+    "url", ["sqlite:journal.db", "sqlite:/srv/journal.db", "SQLite:x.db", "postgres:db-host/app"]
+)
+def test_a_scheme_without_its_slashes_is_not_taken_for_a_file_name(
+    kind: str, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Read as a bare path, "postgres:db-host/app" would be a SQLite file in the working
+    # directory while its writer believes the journal is on a server.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match="lacks the '//' after its scheme"):
+        store_from_url(kind, url)  # type: ignore[arg-type]
+    setting = (
+        "audit_url" if kind == "audit" else "budget_url" if kind == "budget" else "runtime_url"
+    )
+    with pytest.raises(ValidationError, match="lacks the '//' after its scheme"):
+        Settings(**{setting: url})
+    assert list(tmp_path.iterdir()) == []  # no file of that name was made
+
+
+def test_the_refusal_of_a_postgres_url_without_slashes_shows_no_password() -> None:
+    with pytest.raises(ValidationError) as raised:
+        Settings(runtime_url="postgresql:app:hunter2@db/app")
+    assert "hunter2" not in str(raised.value)
+    assert "postgresql://user@host:5432/database" in str(raised.value)
+
+
+def test_bare_paths_that_look_like_schemes_are_still_paths(tmp_path: Path) -> None:
+    # A drive letter, or a file whose name merely starts with a scheme's letters.
+    for url in ("C:/data/journal.db", "sqlite-journal.db", str(tmp_path / "postgres:x.db")):
+        assert Settings(runtime_url=url).runtime_url == url
 
 
 async def test_every_sqlite_store_reads_the_sqlite_settings(tmp_path: Path) -> None:

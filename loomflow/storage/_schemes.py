@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
+from ..config import scheme_without_slashes
 from ..errors import ConfigurationError
 
 __all__ = ["SCHEMES", "StoreKind", "check_scheme", "file_path", "scheme_of"]
@@ -32,9 +33,14 @@ def scheme_of(url: str) -> str:
     """The scheme of a store URL: ``memory``, ``jsonl``, ``sqlite``, ``postgresql``, ...
 
     A bare path is ``sqlite``, or ``jsonl`` when it ends in ``.jsonl``.
+
+    Raises:
+        ConfigurationError: ``url`` spells a scheme without its ``//`` (``sqlite:x.db``).
     """
     if url.startswith("memory:"):
         return "memory"
+    if (problem := scheme_without_slashes(url)) is not None:
+        raise ConfigurationError(problem)
     if "://" not in url:
         return "jsonl" if url.endswith(".jsonl") else "sqlite"
     return url.split("://", 1)[0].lower()

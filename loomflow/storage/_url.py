@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import Settings
+from ..config import Settings, scheme_without_slashes
 from ..errors import ConfigurationError
 from ._database import Database
 
@@ -18,6 +18,8 @@ def sqlite_path(url: str) -> str | None:
         return path[1:]  # sqlite:///x.db -> x.db ; sqlite:////abs/x.db -> /abs/x.db
     if "://" in url:
         return None
+    if (problem := scheme_without_slashes(url)) is not None:
+        raise ConfigurationError(problem)
     return url
 
 
