@@ -8,6 +8,7 @@ cluster-wide lock and re-reads the version inside it, so concurrent migrators ap
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +81,15 @@ async def apply_migrations(db: Database, component: str, migrations: Sequence[Mi
             if current >= version:
                 continue
             for statement in migration.statements:
+                if (there := await _already_there(db, tx, statement)) is not None:
+                    raise MigrationError(
+                        f"loom_schema_version records the {component} schema at version "
+                        f"{current}, but {there}, which migration {version} "
+                        f"({migration.description}) adds, already exists: the version table "
+                        f"lost rows (edited, or restored apart from the tables); restore its "
+                        f"rows for component {component!r} from a backup before opening"
+                    )
+            for statement in migration.statements:
                 await tx.execute(db.dialect.ddl(statement))
             await tx.execute(
                 "INSERT INTO loom_schema_version (component, version, description, applied_at)"
@@ -96,6 +106,35 @@ async def apply_migrations(db: Database, component: str, migrations: Sequence[Mi
             f"({latest}); upgrade loomflow"
         )
     return current
+
+
+_CREATES = re.compile(r"\s*CREATE\s+TABLE\s+(?!IF\s)(\w+)", re.IGNORECASE)
+_ADDS = re.compile(r"\s*ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(?!IF\s)(\w+)", re.IGNORECASE)
+
+
+async def _already_there(db: Database, tx: Transaction, statement: str) -> str | None:
+    """The table or column ``statement`` adds, if the database has it already: the schema is
+    further along than the version table says, and running the statement would fail with an
+    error ("table exists") that reads like an outage."""
+    postgres = db.backend == "postgres"
+    if (create := _CREATES.match(statement)) is not None:
+        table = create.group(1)
+        sql = (
+            "SELECT to_regclass($1) IS NOT NULL"
+            if postgres
+            else "SELECT COUNT(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = $1"
+        )
+        return f"table {table}" if (await tx.fetch(sql, table))[0][0] else None
+    if (add := _ADDS.match(statement)) is not None:
+        table, column = add.group(1), add.group(2)
+        sql = (
+            "SELECT COUNT(*) > 0 FROM information_schema.columns WHERE table_schema = "
+            "current_schema() AND table_name = $1 AND column_name = $2"
+            if postgres
+            else "SELECT COUNT(*) > 0 FROM pragma_table_info($1) WHERE name = $2"
+        )
+        return f"column {table}.{column}" if (await tx.fetch(sql, table, column))[0][0] else None
+    return None
 
 
 async def schema_versions(db: Database) -> dict[str, int]:

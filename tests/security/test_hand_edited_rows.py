@@ -534,6 +534,52 @@ async def test_a_text_schema_version_is_a_migration_error_naming_the_table(tmp_p
         assert "Traceback" not in done.stderr
 
 
+LOST_VERSION_ROWS = [
+    ("DELETE FROM loom_schema_version", "table loom_sessions"),
+    (
+        "DELETE FROM loom_schema_version WHERE component = 'journal' AND version = 2",
+        "column loom_sessions.",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit", "named"),
+    [("sqlite", e, n) for e, n in LOST_VERSION_ROWS]
+    + [pytest.param("postgres", e, n, marks=pytest.mark.postgres) for e, n in LOST_VERSION_ROWS],
+)
+async def test_lost_version_rows_are_a_migration_error_not_an_outage(
+    kind: str, edit: str, named: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # Re-running the migrations would fail with "table already exists", which read as the
+    # store being unavailable; the schema is further along than its version table says.
+    from loomflow.errors import MigrationError
+
+    assert kind in ("sqlite", "postgres")
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    path = tmp_path / "journal.db"
+
+    def runtime() -> Any:
+        return SqliteRuntime(path) if kind == "sqlite" else PostgresRuntime(dsn)
+
+    async with runtime() as journal, journal.session("s", "u"):
+        await journal.step("charge", Counter())
+    if kind == "sqlite":
+        await asyncio.to_thread(sqlite_exec, path, edit)
+    else:
+        await pg_exec(dsn, edit)
+    with pytest.raises(MigrationError, match=f"{named}.*already exists.*restore its rows"):
+        async with runtime() as journal, journal.session("s2", "u"):
+            pass
+    if kind == "sqlite":
+        done = await asyncio.to_thread(_cli, path, "migrate")
+        assert done.returncode == 1
+        assert "already exists: the version table lost rows" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+        with sqlite3.connect(path) as db:  # nothing journaled was touched
+            assert db.execute("SELECT COUNT(*) FROM loom_entries").fetchone() == (1,)
+
+
 async def test_listings_escape_the_control_characters_of_a_crafted_row(tmp_path: Path) -> None:
     path = await _journal_edited(
         tmp_path,
