@@ -31,9 +31,8 @@ def existing(url: str, what: str) -> str:
         if url == Settings.model_fields["runtime_url"].default:
             # No --url and no LOOMFLOW_RUNTIME_URL: say how to name the journal a program wrote.
             raise ConfigurationError(
-                f"no {what} at {path}, the default journal: name yours with --url before "
-                "the command (`loomflow --url sqlite:///journal.db ...`) or with "
-                "LOOMFLOW_RUNTIME_URL"
+                f"no {what} at {path}, the default journal: name yours with --url "
+                "(`loomflow --url sqlite:///journal.db ...`) or with LOOMFLOW_RUNTIME_URL"
             )
         raise ConfigurationError(
             f"no {what} at {path}: check the URL (a new store is made by `loomflow migrate` "

@@ -38,10 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="loomflow", description="Durable, governed and observable agent runs."
     )
     parser.add_argument("--version", action="version", version=f"loomflow {__version__}")
-    parser.add_argument(
-        "--url",
-        help="journal URL (default: LOOMFLOW_RUNTIME_URL or sqlite:///.loomflow/journal.db)",
-    )
+    parser.add_argument("--url", help=_URL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="crash a worker mid-run, resume it, show the replay")
@@ -154,7 +151,22 @@ def _parser() -> argparse.ArgumentParser:
 
     for module in _command_modules():
         module.register(sub)
+    _url_after_commands(parser)
     return parser
+
+
+_URL_HELP = "journal URL (default: LOOMFLOW_RUNTIME_URL or sqlite:///.loomflow/journal.db)"
+
+
+def _url_after_commands(parser: argparse.ArgumentParser) -> None:
+    """Accept ``--url`` after the command too (``loomflow runs list --url ...``), where people
+    put it once they have typed the command. Suppressed as a default, so a ``--url`` given
+    before the command is kept when none comes after it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.add_argument("--url", default=argparse.SUPPRESS, help=_URL_HELP)
+                _url_after_commands(command)
 
 
 # Command groups that live in their own modules (audit, budget, checkpoints, ...): each has

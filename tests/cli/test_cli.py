@@ -100,6 +100,13 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     people = loomflow("--url", demo_url, "runs", "list", "--user", "nobody")
     assert people.stdout.strip() == "no sessions in the journal"
     assert "finished" in loomflow("--url", demo_url, "runs", "list").stdout
+    # --url after the command, where people type it; the later one wins over an earlier one.
+    after = loomflow("runs", "list", "--json", "--url", demo_url)
+    assert [json.loads(line)["session_id"] for line in after.stdout.splitlines()] == [session]
+    later = loomflow("--url", url, "runs", "show", session, "--user", user, "--url", demo_url)
+    assert "model_call_4" in later.stdout
+    earlier = loomflow("--url", url, "runs", "list", "--json")  # url's journal is empty
+    assert earlier.stdout.strip() == ""
     assert "epoch" in table.stdout
     kept = loomflow(
         "--url",

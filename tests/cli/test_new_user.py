@@ -545,8 +545,7 @@ def test_without_url_a_missing_default_journal_says_how_to_name_one(tmp_path: Pa
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
         "loomflow: error: no journal at .loomflow/journal.db, the default journal: name yours "
-        "with --url before the command (`loomflow --url sqlite:///journal.db ...`) or with "
-        "LOOMFLOW_RUNTIME_URL"
+        "with --url (`loomflow --url sqlite:///journal.db ...`) or with LOOMFLOW_RUNTIME_URL"
     ]
     assert not (tmp_path / ".loomflow").exists()
 
