@@ -30,6 +30,7 @@ FLOORS = [
         "loomflow._json",
         "loomflow._memo",
         "loomflow._pii",
+        "loomflow._printable",
         "loomflow._progress",
         "loomflow._settings_doc",
         "loomflow._timefmt",
