@@ -98,6 +98,24 @@ class PickledEntryWarning(UserWarning):
 _pickle_warned = False
 
 
+def _damaged_keys(rows: list[StoredEntry]) -> list[tuple[StoredEntry, str]]:
+    """Rows whose key columns hold what no step looks up: a hand-edited SQLite row may hold
+    any type in any column, and such a row is never matched, so without this its step would
+    silently run a second time even under ``strict_replay``. (A fingerprint that is text but
+    not this release's is left alone: a journal imported from 0.20 keeps its own.)"""
+    damaged = []
+    for row in rows:
+        for column, value in (
+            ("path", row.path),
+            ("name", row.name),
+            ("fingerprint", row.fingerprint),
+        ):
+            if type(value) is not str:
+                damaged.append((row, f"a {type(value).__name__} for its {column}"))
+                break
+    return damaged
+
+
 def _not_journaled(run: JournalRun, name: str) -> OwnershipLostError:
     """A body ran, but its result was refused: the session belongs to a newer run now."""
     return _lease.lost_error(
@@ -486,25 +504,41 @@ class JournalRuntime:
                 if not claim.open and not await self._store.begin_run(scope, claim.token, record):
                     raise OwnershipLostError(f"lost {scope.key} while opening the run")
             rows = await self._store.load_run(scope, epoch)
+            strict = self.strict_replay if strict is None else strict
+            damaged = _damaged_keys(rows)
+            if damaged and strict:
+                row, why = damaged[0]
+                raise CorruptEntryError(
+                    f"the journal row at position {row.seq} of run {epoch} of {scope.key} has "
+                    f"{why}: no step can match it, so its step would run again; repair or "
+                    "delete the row (strict_replay)"
+                )
         except BaseException as exc:
             try:
                 await self._store.release(scope, claim.token, None)
             except Exception as cleanup:
                 attach_cleanup_error(exc, cleanup, "giving back the session's turn")
             raise
+        for row, why in damaged:
+            log.warning(
+                "journal row at position %d of %s has %s; its step runs again", row.seq,
+                scope.key, why,
+            )  # fmt: skip
         entries: dict[tuple[str, str], dict[str, StoredEntry]] = {}
         for row in rows:
             entries.setdefault((row.path, row.name), {})[row.fingerprint] = row
-        return JournalRun(
+        run = JournalRun(
             runtime=self,
             scope=scope,
             epoch=epoch,
             token=claim.token,
-            strict=self.strict_replay if strict is None else strict,
+            strict=strict,
             resumed=bool(rows),
             entries=entries,
             next_seq=max((r.seq for r in rows), default=-1) + 1,
         )
+        run.stats.corrupt += len(damaged)
+        return run
 
     @contextlib.contextmanager
     def subrun(self, name: str) -> Iterator[tuple[str, ...]]:

@@ -122,6 +122,30 @@ async def test_a_row_with_text_where_a_value_belongs_is_corrupt(tmp_path: Path, 
     assert body.calls == 2
 
 
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        # TEXT affinity turns a number into text; a blob stays a blob.
+        ("UPDATE loom_entries SET name = CAST('charge' AS BLOB)", "a bytes for its name"),
+        ("UPDATE loom_entries SET path = CAST(path AS BLOB)", "a bytes for its path"),
+        ("UPDATE loom_entries SET fingerprint = x'00ff'", "a bytes for its fingerprint"),
+    ],
+)
+async def test_a_row_whose_key_columns_no_step_can_match_is_corrupt(
+    tmp_path: Path, edit: str, named: str
+) -> None:
+    # Never matched, such a row used to let its step run again silently, strict or not.
+    path = tmp_path / "journal.db"
+    body = Counter()
+    await _journal_with_open_run(path, body)
+    sqlite_exec(path, edit)
+    with pytest.raises(CorruptEntryError, match=f"position 0 of run 0 .* has {named}"):
+        await _resume(path, body, strict=True)
+    assert body.calls == 1  # strict: nothing ran
+    assert await _resume(path, body) == ({"fresh": 2}, 1)  # counted, and run again once
+    assert body.calls == 2
+
+
 async def test_a_text_seq_does_not_stop_a_resume(tmp_path: Path) -> None:
     path = tmp_path / "journal.db"
     body = Counter()
