@@ -148,9 +148,19 @@ def user_key(user_id: str | None) -> str:
     return json.dumps(user_id, ensure_ascii=False)
 
 
+MIN_TIME_US = -62_135_596_800_000_000  # 0001-01-01T00:00:00Z, in microseconds since 1970
+MAX_TIME_US = 253_402_300_799_999_999  # 9999-12-31T23:59:59.999999Z
+
+
+def _within_dates(time_us: int) -> int:
+    """``time_us`` held to the years 1 to 9999. Entries are refused outside them, but a row
+    edited by hand is shown (and reported by verify) rather than failing every query."""
+    return min(max(time_us, MIN_TIME_US), MAX_TIME_US)
+
+
 def iso_time(time_us: int) -> str:
     """Microseconds since the epoch as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (exact, no float)."""
-    seconds, micros = divmod(time_us, 1_000_000)
+    seconds, micros = divmod(_within_dates(time_us), 1_000_000)
     stamp = dt.datetime(1970, 1, 1) + dt.timedelta(seconds=seconds)
     return stamp.strftime("%Y-%m-%dT%H:%M:%S") + f".{micros:06d}Z"
 
@@ -270,7 +280,9 @@ class AuditEntry(BaseModel):
     hash_version: int = Field(default=1, strict=True)
     user_id: str | None
     seq: int
-    time_us: int = Field(exclude=True)
+    # Within the years 1 to 9999, which every reader turns into a date: a row edited to 1e17
+    # years reads as unreadable instead of an OverflowError in the middle of a verify.
+    time_us: int = Field(exclude=True, ge=MIN_TIME_US, le=MAX_TIME_US)
     session_id: str | None = None
     run_id: str | None = None
     actor: str
@@ -301,7 +313,8 @@ class AuditEntry(BaseModel):
     @property
     def time(self) -> dt.datetime:
         """The entry's time as an aware UTC datetime."""
-        return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=self.time_us)
+        since = dt.timedelta(microseconds=_within_dates(self.time_us))
+        return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + since
 
     @classmethod
     def seal(
@@ -429,8 +442,12 @@ class AuditEntry(BaseModel):
         writer hashed, and a lax parse would hash the number it was coerced to instead (the
         Node verifier, reading the line as it is, would disagree).
         """
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         body = dict(data)
-        when = body.pop("time")
+        when = body.pop("time", None)
+        if when is None:
+            raise ValueError("no time")
         if not isinstance(when, str) or not when.endswith("Z"):
             raise ValueError(f"bad time {when!r}")
         parsed = dt.datetime.strptime(when[:-1], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=dt.UTC)

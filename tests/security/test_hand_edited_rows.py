@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from loomflow.agent import Agent, Tuning
-from loomflow.audit import AuditLog, PostgresAuditStore, SqliteAuditStore
+from loomflow.audit import AuditLog, JsonlAuditStore, PostgresAuditStore, SqliteAuditStore
 from loomflow.audit.offline import verify_lines
 from loomflow.errors import AuditIntegrityError, CheckpointError, CorruptEntryError
 from loomflow.memory import SqliteMemory
@@ -300,6 +300,71 @@ async def test_an_audit_payload_nested_too_deep_is_an_unreadable_entry(
         assert "unreadable_payload" in page.entries[1].payload
     finally:
         await log.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.mark.parametrize("time_us", [-99_999_999_999_999_999, 9_000_000_000_000_000_000])
+async def test_an_audit_time_no_date_can_hold_is_an_unreadable_entry(
+    kind: str, time_us: int, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # Both fit a 64-bit column; neither is a date, and each was an OverflowError mid-verify.
+    path = tmp_path / "audit.db"
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    store = SqliteAuditStore(path) if kind == "sqlite" else PostgresAuditStore(dsn)
+    log = AuditLog(store)
+    try:
+        await _audit_rows(log)
+        tamper = f"UPDATE loom_audit SET time_us = {time_us} WHERE seq = 2"
+        if kind == "sqlite":
+            await asyncio.to_thread(sqlite_exec, path, "DROP TRIGGER loom_audit_no_update", tamper)
+        else:
+            await pg_exec(
+                dsn,
+                "ALTER TABLE loom_audit DISABLE TRIGGER USER",
+                tamper,
+                "ALTER TABLE loom_audit ENABLE TRIGGER USER",
+            )
+        report = await log.verify()
+        assert [(p.kind, p.seq) for p in report.problems] == [("unreadable", 2)]
+        assert "time_us" in report.problems[0].detail
+        page = await log.query(user_id="alice")  # shown, at the nearest date
+        assert [e.seq for e in page.entries] == [1, 2, 3]
+        assert page.entries[1].time.year in (1, 9999)
+        lines = [e.to_json() async for e in log.store.entries(user_id="alice")]
+        assert len(lines) == 3
+    finally:
+        await log.close()
+
+
+async def test_an_exported_line_without_its_time_is_an_unreadable_line(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(JsonlAuditStore(path))
+    try:
+        await _audit_rows(log)
+    finally:
+        await log.close()
+    lines = path.read_text().splitlines()
+    edited = json.loads(lines[1])
+    del edited["time"]
+    lines[1] = json.dumps(edited)
+    path.write_text("\n".join(lines) + "\n")
+    log = AuditLog(JsonlAuditStore(path))
+    try:
+        report = await log.verify()
+    finally:
+        await log.close()
+    assert ("unreadable", "no time") in [(p.kind, p.detail[-7:]) for p in report.problems]
+    offline = verify_lines(lines)
+    assert any(p.kind == "unreadable" for p in offline.problems)
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "loomflow.cli", "audit", "verify"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env={"LOOMFLOW_AUDIT_URL": f"jsonl:///{path}", "PATH": ""},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "line 2 is not an entry: no time" in done.stdout
 
 
 @pytest.mark.parametrize(
