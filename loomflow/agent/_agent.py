@@ -41,7 +41,7 @@ from .._json import canonical_json
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
-from ..errors import CheckpointNotFoundError, UserError
+from ..errors import CheckpointError, CheckpointNotFoundError, UserError
 from ..governance.approvals import DecisionLike, PendingApproval
 from ..hooks import RunHooks
 from ..memory import InMemoryMemory, Memory, memory_for
@@ -55,7 +55,7 @@ from ..tools import Tool, ToolLike, ToolRegistry
 from ._approvals import decide, pending_of
 from ._output import StructuredOutput, check_output_retries, check_output_type
 from ._passthrough import Passthrough
-from ._run import _Run, check_prompt, latest_of_run
+from ._run import _Run, check_prompt, inconsistency, latest_of_run
 from ._sealing import SealedArguments
 from ._seams import HookProvider, RedactingAudit, RunPlugin, hooks_of
 from ._types import AgentEvent, RunFinished, RunResult, RunStarted, Tuning
@@ -795,6 +795,8 @@ async def _fork_source(
             f"no checkpoint {checkpoint_id!r} in session {session_id!r} of user {user_id!r}"
         )
     check_prompt(source, prompt)
+    if (why := inconsistency(source)) is not None:
+        raise CheckpointError(f"checkpoint {checkpoint_id!r} cannot be forked: it {why}")
     return source
 
 

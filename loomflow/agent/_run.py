@@ -632,6 +632,26 @@ def check_prompt(checkpoint: Checkpoint, prompt: str) -> None:
         )
 
 
+def inconsistency(checkpoint: Checkpoint) -> str | None:
+    """What in a snapshot disagrees with its own transcript, if anything.
+
+    Every model turn adds one assistant message after the run's prompt, and a finished run
+    ends on an answer without tool calls. A snapshot edited to say otherwise (``turn = 5``
+    over one turn's messages) would have the loop look for journal steps of turns that never
+    ran, and so run the tools of the turns that did run a second time.
+    """
+    messages, at = checkpoint.messages, checkpoint.prompt_index
+    if not 0 <= at < len(messages) or messages[at].role != "user":
+        return f"puts its prompt at message {at} of {len(messages)}, which is not a user message"
+    turns = sum(1 for m in messages[at + 1 :] if m.role == "assistant")
+    if checkpoint.turn != turns:
+        return f"says turn {checkpoint.turn}, but its transcript holds {turns} model turn(s)"
+    last = messages[-1]
+    if checkpoint.final and not (last.role == "assistant" and not last.tool_calls):
+        return "is marked final, but its transcript does not end on an answer"
+    return None
+
+
 async def latest_of_run(
     store: CheckpointStore, ctx: RunContext, open_run: OpenRun | None, prompt: str
 ) -> Checkpoint | None:
@@ -642,6 +662,8 @@ async def latest_of_run(
     """
     try:
         latest = await store.latest(ctx.session_id or "", user_id=ctx.user_id)
+        if latest is not None and (why := inconsistency(latest)) is not None:
+            raise CheckpointError(f"checkpoint {latest.id} of session {ctx.session_id!r} {why}")
     except CheckpointError:
         if open_run is not None and open_run.strict:
             raise

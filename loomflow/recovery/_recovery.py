@@ -285,7 +285,13 @@ class Recovery:
         if self._stopping or len(self._tasks) >= self.concurrency:
             report.deferred.append(ref)
             return
-        claim = await self.runtime.claim_orphan(orphan, backoff=self._delay(orphan.attempts + 1))
+        try:
+            claim = await self.runtime.claim_orphan(
+                orphan, backoff=self._delay(orphan.attempts + 1)
+            )
+        except CorruptEntryError as exc:  # a lease row no claim can fence: this run only
+            await self._dead_letter(report, orphan, ref, f"unreadable lease row: {exc}")
+            return
         if claim is None:
             report.claim_lost.append(ref)
             self.metrics.recovery("claim_lost")

@@ -36,14 +36,17 @@ __all__ = ["SqlJournalStore"]
 
 # A takeover adds one to the token; a token SQLite holds as text (a hand-edited row) would
 # silently become 1 ('tok' + 1), the crashed owner's number, so it is returned unchanged
-# instead and the claim reports the row as damaged (text never equals itself plus 0).
+# instead and the claim reports the row as damaged (text never equals itself plus 0). So is
+# one at the top of BIGINT, where PostgreSQL would fail the statement ("bigint out of
+# range") as if the database were down. Every statement that bumps a number guards it so.
 _ACQUIRE = """
 INSERT INTO loom_sessions
     (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at)
 VALUES ($1, $2, $3, 0, 0, $4, 1, {now} + $5, {now})
 ON CONFLICT (scope) DO UPDATE SET
     owner = excluded.owner,
-    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0 THEN loom_sessions.token + 1
+    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0
+        AND loom_sessions.token < 9223372036854775807 THEN loom_sessions.token + 1
         ELSE loom_sessions.token END,
     lease_until = excluded.lease_until,
     updated_at = excluded.updated_at
@@ -60,7 +63,8 @@ INSERT INTO loom_sessions
 VALUES ($1, $2, $3, 0, 1, $4, 1, {now} + $5, {now}, $6, $7, $8, NULL, 0, NULL, 0, {now})
 ON CONFLICT (scope) DO UPDATE SET
     owner = excluded.owner,
-    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0 THEN loom_sessions.token + 1
+    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0
+        AND loom_sessions.token < 9223372036854775807 THEN loom_sessions.token + 1
         ELSE loom_sessions.token END,
     lease_until = excluded.lease_until,
     updated_at = excluded.updated_at,
@@ -74,7 +78,8 @@ RETURNING token, epoch, open, status
 _HOLDER = "SELECT owner, token FROM loom_sessions WHERE scope = $1 AND owner IS NOT NULL"
 _STEAL = """
 UPDATE loom_sessions SET owner = $2,
-    token = CASE WHEN token = token + 0 THEN token + 1 ELSE token END,
+    token = CASE WHEN token = token + 0 AND token < 9223372036854775807 THEN token + 1
+        ELSE token END,
     lease_until = {now} + $4, updated_at = {now}
 WHERE scope = $1 AND token = $3
 RETURNING token, epoch, open, status
@@ -101,8 +106,10 @@ _STATUS = "SELECT status FROM loom_sessions WHERE scope = $1"
 # stopped, so only its status changes, and a resume of it is refused from then on.
 _CANCEL = """
 UPDATE loom_sessions SET status = 'cancelled', owner = NULL, lease_until = 0, open = 0,
-    token = CASE WHEN token = token + 0 THEN token + 1 ELSE token END,
-    epoch = CASE WHEN open = 1 THEN epoch + 1 ELSE epoch END, updated_at = {now}
+    token = CASE WHEN token = token + 0 AND token < 9223372036854775807 THEN token + 1
+        ELSE token END,
+    epoch = CASE WHEN open = 1 AND epoch < 9223372036854775807 THEN epoch + 1 ELSE epoch END,
+    updated_at = {now}
 WHERE scope = $1 AND (
     (open = 1 AND (status IS NULL OR status = 'failed')) OR (open = 0 AND status = 'interrupted')
 ) RETURNING token
@@ -120,7 +127,9 @@ ORDER BY {prefer}retry_at, updated_at LIMIT $1
 # Compare-and-set on the token: of two recoverers that saw the same orphan, one wins. A lease
 # renewed since it was read (a slow owner, not a dead one) keeps the run with its owner.
 _CLAIM_ORPHAN = """
-UPDATE loom_sessions SET owner = $2, token = token + 1, lease_until = {now} + $4,
+UPDATE loom_sessions SET owner = $2,
+    token = CASE WHEN token < 9223372036854775807 THEN token + 1 ELSE token END,
+    lease_until = {now} + $4,
     attempts = attempts + 1, retry_at = {now} + $5, updated_at = {now}
 WHERE scope = $1 AND token = $3 AND open = 1 AND status IS NULL
     AND (owner IS NULL OR lease_until < {now} OR CAST($6 AS INTEGER) = 1)
@@ -128,7 +137,8 @@ RETURNING token, attempts
 """
 _DEAD_LETTER_SEEN = """
 UPDATE loom_sessions SET status = 'failed', owner = NULL, lease_until = 0, last_error = $3,
-    token = token + 1, updated_at = {now}
+    token = CASE WHEN token < 9223372036854775807 THEN token + 1 ELSE token END,
+    updated_at = {now}
 WHERE scope = $1 AND token = $2 AND open = 1 AND status IS NULL RETURNING 1
 """
 _DEAD_LETTER_FREE = """
@@ -465,7 +475,10 @@ class SqlJournalStore:
         )
         if not rows:
             return None
-        return OrphanClaim(_int(rows[0][0]), _int(rows[0][1]))
+        token = rows[0][0]
+        if type(token) is not int or not 0 < token < _LAST_NUMBER:
+            raise _damaged(token)  # the guard above left it unchanged: no fencing is possible
+        return OrphanClaim(token, _int(rows[0][1]))
 
     async def dead_letter(self, scope: Scope, seen_token: int | None, error: str) -> bool:
         if seen_token is None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from loomflow.agent import Agent
 from loomflow.audit import AuditLog
-from loomflow.errors import ConfigurationError, InvalidArgumentError, UserError
+from loomflow.errors import ConfigurationError, CorruptEntryError, InvalidArgumentError, UserError
 from loomflow.models import ScriptedModel
 from loomflow.recovery import Recovery, default_backoff
 from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record
@@ -300,6 +300,25 @@ async def test_crafted_rows_never_break_the_listing_or_the_sweep(
     assert (await _states(runtime))["bad-1"] == "failed"
     with pytest.raises(InvalidArgumentError, match="state must be one of"):
         await runtime.sessions(state="zombie")
+
+
+async def test_a_token_at_the_top_of_bigint_fails_its_own_run_not_the_sweep(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    # PostgreSQL failed the whole claim statement ("bigint out of range") for one such row,
+    # as a StoreUnavailableError, and no orphan behind it was ever recovered.
+    await start_and_kill(journal_url, ledger, 2, "top")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute(f"UPDATE loom_sessions SET token = {2**63 - 1} WHERE session_id = 'top-0'")
+    recovery = Recovery(runtime, worker, metrics=_metrics())
+    report = await recovery.sweep()
+    await recovery.wait()
+    assert [r.session_id for r in report.resumed] == ["top-1"]
+    assert [r.session_id for r in report.dead_lettered] == ["top-0"]
+    assert "lease row is damaged" in report.dead_lettered[0].reason
+    with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+        await worker["orders"].resume("again", session_id="top-0", user_id="ana")
 
 
 @pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)

@@ -172,6 +172,15 @@ async def test_an_idempotency_row_stored_as_text_replays(tmp_path: Path) -> None
 # -- checkpoints -----------------------------------------------------------------------------
 
 
+# Values a snapshot's transcript disagrees with: restored, the loop would look for journal
+# steps of turns that never ran and run the tools of the turns that did a second time.
+_INCONSISTENT = [
+    "UPDATE loom_checkpoints SET turn = 5",
+    "UPDATE loom_checkpoints SET turn = 0",
+    "UPDATE loom_checkpoints SET turn = 2147483647",
+    "UPDATE loom_checkpoints SET final = 1",
+    "UPDATE loom_checkpoints SET prompt_index = 0",
+]
 CHECKPOINT_EDITS = {
     "sqlite": [
         "UPDATE loom_checkpoints SET messages = 'not json'",
@@ -179,10 +188,12 @@ CHECKPOINT_EDITS = {
         "UPDATE loom_checkpoints SET codec_version = 'x'",
         "UPDATE loom_checkpoints SET cost_usd = 'x'",
         "UPDATE loom_checkpoints SET created_at = 1e300",
+        *_INCONSISTENT,
     ],
     "postgres": [
         "UPDATE loom_checkpoints SET created_at = 1e300",
         "UPDATE loom_checkpoints SET created_at = 'NaN'",
+        *_INCONSISTENT,
     ],
 }
 
@@ -216,7 +227,9 @@ async def test_a_hand_edited_checkpoint_falls_back_to_journal_replay(
             await asyncio.to_thread(sqlite_exec, path, edit)
         else:
             await pg_exec(dsn, edit)
-        with pytest.raises(CheckpointError, match=r"malformed|cannot be decoded"):
+        with pytest.raises(
+            CheckpointError, match=r"malformed|cannot be decoded|model turn|answer|user message"
+        ):
             await agent(True).resume("shop", session_id="s", user_id="u")
         result = await agent(False).resume("shop", session_id="s", user_id="u")
         assert result.restored_from is None
