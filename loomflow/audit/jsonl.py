@@ -141,6 +141,18 @@ class JsonlAuditStore(AuditStore):
             or not isinstance(data.get("size"), int)
         ):
             raise AuditIntegrityError(f"{self.heads_path} is not a heads file")
+        for key, head in data["users"].items():
+            # Each head is read as (seq, hash): an edited one is the file's damage to report,
+            # not a ValueError in a verify or in the next run's append.
+            if (
+                not isinstance(head, dict)
+                or type(head.get("seq")) is not int
+                or not isinstance(head.get("hash"), str)
+            ):
+                raise AuditIntegrityError(
+                    f"{self.heads_path} is unreadable: the head of user key {key[:80]!r} is "
+                    f"{str(head)[:80]!r}, not a seq number and a hash"
+                )
         return data
 
     def _write_heads(self, heads: dict[str, Any]) -> None:

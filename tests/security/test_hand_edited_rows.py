@@ -490,6 +490,69 @@ async def test_a_malformed_dead_reservation_does_not_fail_every_model_call(
         await worker.close()
 
 
+@pytest.mark.parametrize("edit", ["tokens_in = 'x'", "wall_s = x'00'", "calls = 1.5"])
+async def test_a_budget_bucket_with_text_for_a_total_is_a_storage_error(
+    tmp_path: Path, edit: str
+) -> None:
+    from loomflow.errors import StorageError
+    from loomflow.governance.budget import Cap, StandardBudget
+    from loomflow.governance.budget.sql import SqlBudgetStore
+
+    path = tmp_path / "budget.db"
+    store = SqlBudgetStore(f"sqlite:///{path}")
+    budget = StandardBudget([Cap("tokens_total", 100_000)], store=store)
+    try:
+        ticket = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        assert ticket is not None
+        await asyncio.to_thread(sqlite_exec, path, f"UPDATE loom_budget_buckets SET {edit}")
+        with pytest.raises(StorageError, match="budget bucket row is damaged"):
+            await store.usage()  # was a ValueError from int('x')
+    finally:
+        await budget.close()
+    done = await asyncio.to_thread(_cli, path, "budget", "show")
+    assert done.returncode == 1
+    assert done.stderr.startswith("loomflow: error: a budget bucket row is damaged"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_jsonl_head_with_text_for_its_seq_is_an_integrity_error(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+
+    async def write() -> None:
+        log = AuditLog(JsonlAuditStore(path))
+        try:
+            await _audit_rows(log)
+        finally:
+            await log.close()
+
+    asyncio.run(write())
+    heads = path.with_name(path.name + ".heads")
+    data = json.loads(heads.read_text())
+    for head in data["users"].values():
+        head["seq"] = "x"
+    heads.write_text(json.dumps(data))
+
+    async def verify_and_append() -> None:
+        log = AuditLog(JsonlAuditStore(path))
+        try:
+            with pytest.raises(AuditIntegrityError, match="head of user key"):
+                await log.verify()
+            with pytest.raises(AuditIntegrityError, match="head of user key"):
+                await log.record("custom.note", user_id="alice", actor="t", payload={})
+        finally:
+            await log.close()
+
+    asyncio.run(verify_and_append())
+    done = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "audit", "verify"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env={"LOOMFLOW_AUDIT_URL": f"jsonl:///{path}", "PATH": ""},
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("loomflow: error:"), done.stderr
+
+
 def _reservation_ids(path: Path) -> list[str]:
     conn = sqlite3.connect(path)
     try:

@@ -27,8 +27,7 @@ from ...errors import (
     BudgetExceededError,
     BudgetUnavailableError,
     InvalidUsageError,
-    MigrationError,
-    StoreUnavailableError,
+    StorageError,
     UnknownModelPriceError,
     UserError,
 )
@@ -364,7 +363,7 @@ class StandardBudget:
             )
         try:
             return task.result()
-        except (StoreUnavailableError, MigrationError, TimeoutError) as exc:
+        except (StorageError, TimeoutError) as exc:  # down, unmigrated, or a damaged row
             raise BudgetUnavailableError(
                 f"the budget store ({self.store.backend}) failed during {what}, so {outcome}: {exc}"
             ) from exc

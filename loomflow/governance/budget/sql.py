@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...config import Settings
-from ...errors import BudgetError
+from ...errors import BudgetError, StorageError
 from ...storage import Database, database_from_url
 from ...storage._component import SqlLifecycle
 from ._owner import owner_is_dead, pid_namespace
@@ -128,15 +128,18 @@ class _Refused(Exception):
 
 
 def _totals(row: Sequence[Any]) -> Totals:
+    """A bucket row's totals; a row edited by hand (SQLite keeps text in a number column, or
+    a blob) is a typed error naming it, not a ValueError in the middle of a listing."""
+    numbers = (*row[:3], *row[4:8])
+    if not all(type(n) is int for n in numbers) or type(row[3]) not in (int, float):
+        shown = ", ".join(repr(v)[:40] for v in row[:8])
+        raise StorageError(
+            f"a budget bucket row is damaged (totals {shown}): repair or delete it in "
+            "loom_budget_buckets"
+        )
+    tokens_in, tokens_out, cost, calls, reserved_in, reserved_out, reserved_cost = numbers
     return Totals(
-        int(row[0]),
-        int(row[1]),
-        int(row[2]),
-        float(row[3]),
-        int(row[4]),
-        int(row[5]),
-        int(row[6]),
-        int(row[7]),
+        tokens_in, tokens_out, cost, float(row[3]), calls, reserved_in, reserved_out, reserved_cost
     )
 
 
