@@ -11,7 +11,17 @@ from .._printable import printable
 from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
 
-__all__ = ["duration", "iso_time", "login", "positive_int", "printable", "table", "when"]
+__all__ = [
+    "duration",
+    "fixed_port",
+    "iso_time",
+    "login",
+    "port",
+    "positive_int",
+    "printable",
+    "table",
+    "when",
+]
 
 
 def duration(text: str) -> dt.timedelta:
@@ -52,6 +62,26 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port as an argparse type: 0 (let the system pick one) to 65535."""
+    return _port(text, 0)
+
+
+def fixed_port(text: str) -> int:
+    """A TCP port chosen by the user, 1 to 65535 (a server that prints its own address)."""
+    return _port(text, 1)
+
+
+def _port(text: str, lowest: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not lowest <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port ({lowest} to 65535)")
     return value
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from ._format import positive_int
+from ._format import fixed_port
 from ._stores import existing
 
 __all__ = ["register"]
@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
         "console", help="serve the compliance console: audit trails, runs and verification"
     )
     console.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    console.add_argument("--port", type=positive_int, default=8470, help="port (8470)")
+    console.add_argument("--port", type=fixed_port, default=8470, help="port (8470)")
     console.add_argument(
         "--audit-url",
         help="audit store URL (default: LOOMFLOW_AUDIT_URL, else the journal's database)",

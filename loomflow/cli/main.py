@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import difflib
+import errno
 import json
 import logging
 import os
@@ -207,42 +209,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _log_warnings_to_stderr()
     try:
-        # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
-        # reported here, in one line, before anything runs.
-        Settings()
-        _check_text_args(args)
-        _check_urls(args)
-        if args.command == "demo":
-            if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
-                # Anything else would run the story somewhere other than the report says.
-                print(
-                    "loomflow: error: --postgres takes a postgresql:// DSN, not "
-                    f"{_masked_url(args.postgres)!r} (without --postgres the demo uses SQLite)",
-                    file=sys.stderr,
-                )
-                return 2
-            from .demo import run_demo
-
-            return run_demo(
-                postgres=args.postgres,
-                workdir=args.workdir,
-                stop_after=args.kill_after,
-                model=args.model,
-            )
-        if args.command == "settings":
-            return _show_settings(args)
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            return int(asyncio.run(handler(args)))
-        return asyncio.run(_dispatch(args))
+        code = _command(args)
+        sys.stdout.flush()  # a full disk under stdout is reported here, not at exit
+        return code
     except LoomflowError as exc:
-        print(f"loomflow: error: {exc}", file=sys.stderr)
+        # One line, whatever the message quotes: a reason or id read from a store may hold
+        # line breaks or terminal escapes.
+        print(f"loomflow: error: {printable(exc)}", file=sys.stderr)
         return 1
     except ValidationError as exc:  # a LOOMFLOW_* variable (or .env line) that does not parse
         print(f"loomflow: error: {_bad_settings(exc)}", file=sys.stderr)
         return 1
     except SettingsError as exc:  # pydantic-settings could not even read a value
         print(f"loomflow: error: bad setting: {_one_line(str(exc))}", file=sys.stderr)
+        return 1
+    except UnicodeDecodeError as exc:  # a .env saved as UTF-16 or Latin-1
+        print(f"loomflow: error: a file read is not UTF-8 text (a .env saved as UTF-16?): {exc}",
+              file=sys.stderr)  # fmt: skip
         return 1
     except ImportError as exc:
         if "pip install 'loomflow[" not in str(exc):
@@ -255,13 +238,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 141
     except OSError as exc:
-        if exc.filename is None:  # not about a path the user gave: a bug, shown in full
-            raise
-        # `-o` into a directory that does not exist, a file without permission, ...
-        print(f"loomflow: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        if exc.filename is not None:
+            # `-o` into a directory that does not exist, a file without permission, ...
+            print(f"loomflow: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        elif exc.errno in _WRITE_FAILURES:  # a full disk under -o or stdout
+            _drop_pending_output()
+            print(f"loomflow: error: the output could not be written: {exc.strerror}",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            raise  # not about the output or a path the user gave: a bug, shown in full
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+# Errors of a write that are the output's place, not loomflow: a full disk or quota, a file
+# too large, a read-only filesystem, a device error.
+_WRITE_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+
+
+def _drop_pending_output() -> None:
+    """Point stdout at /dev/null, so that what could not be written is not retried (and
+    failed again, as a traceback) when the interpreter flushes it at exit."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Run the parsed command; ``main`` turns what it raises into one line and an exit code."""
+    # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
+    # reported here, in one line, before anything runs.
+    Settings()
+    _check_text_args(args)
+    _check_urls(args)
+    if args.command == "demo":
+        if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
+            # Anything else would run the story somewhere other than the report says.
+            print(
+                "loomflow: error: --postgres takes a postgresql:// DSN, not "
+                f"{_masked_url(args.postgres)!r} (without --postgres the demo uses SQLite)",
+                file=sys.stderr,
+            )
+            return 2
+        from .demo import run_demo
+
+        return run_demo(
+            postgres=args.postgres,
+            workdir=args.workdir,
+            stop_after=args.kill_after,
+            model=args.model,
+        )
+    if args.command == "settings":
+        return _show_settings(args)
+    handler = getattr(args, "handler", None)
+    if handler is not None:
+        return int(asyncio.run(handler(args)))
+    return asyncio.run(_dispatch(args))
 
 
 _POSTGRES = ("postgresql://", "postgres://")

@@ -15,6 +15,7 @@ and budget buckets and erases their audit payloads, keeping the chain verifiable
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
+from ._format import printable, table
 from ._stores import existing
 
 __all__ = ["register"]
@@ -107,17 +109,25 @@ async def _handle(args: argparse.Namespace) -> int:
                 )
         elif command == "hold":
             placed = await audit.place_hold(user, reason=args.reason, actor="cli:users-hold")
-            print(f"user {user!r} is under legal hold (audit entry {placed.seq})")
+            print(f"user {printable(repr(user))} is under legal hold (audit entry {placed.seq})")
         elif command == "release":
             await audit.release_hold(user, actor="cli:users-release", reason=args.reason)
             print(f"released the legal hold of user {user!r}")
         else:
             found = await audit.legal_holds()
-            if args.json:
-                print(json.dumps([h.to_json() for h in found], ensure_ascii=False))
-            else:
+            if args.json:  # JSON Lines, as every listing
                 for h in found:
-                    print(f"{h.user_id}\t{h.placed_at.isoformat(timespec='seconds')}\t{h.reason}")
+                    print(json.dumps(h.to_json(), ensure_ascii=False))
+            elif not found:
+                print("no user is under legal hold")
+            else:
+                rows: list[tuple[Any, ...]] = [("user", "placed (UTC)", "by", "reason")]
+                for h in found:
+                    reason = h.reason if len(h.reason) <= 60 else h.reason[:57] + "..."
+                    placed = h.placed_at.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+                    user = "-" if h.user_id is None else h.user_id
+                    rows.append((user, placed, h.actor, reason))
+                table(rows)  # escapes what a crafted id or reason could do to a terminal
     return 0
 
 

@@ -35,7 +35,7 @@ from ..agent import Agent
 from ..audit import AuditLog
 from ..errors import ConfigurationError, UserError
 from ..recovery import Recovery, SweepReport
-from ._format import positive_int
+from ._format import port, positive_int
 
 __all__ = ["load_app", "register"]
 
@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
     worker.add_argument("--once", action="store_true", help="one sweep, wait, exit")
     worker.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
     worker.add_argument(
-        "--port", type=int, default=None, help="HTTP port (9464; 0 picks one; --once: none)"
+        "--port", type=port, default=None, help="HTTP port (9464; 0 picks one; --once: none)"
     )
     worker.add_argument(
         "--interval",

@@ -329,10 +329,24 @@ async def test_the_cli_holds_releases_and_forgets(tmp_path: Path) -> None:
     done = _cli(env, "users", "hold", "ana", "--reason", "subpoena 14")
     assert done.returncode == 0, done.stderr
     assert "under legal hold" in done.stdout
-    done = _cli(env, "users", "holds", "--json")
-    assert [(h["user_id"], h["reason"]) for h in json.loads(done.stdout)] == [
+    done = _cli(env, "users", "holds", "--json")  # JSON Lines, as every listing
+    assert [(h["user_id"], h["reason"]) for h in map(json.loads, done.stdout.splitlines())] == [
         ("ana", "subpoena 14")
     ]
+    # A reason or id that would drive the terminal or forge a row is shown escaped.
+    done = _cli(env, "users", "hold", "b\u202eob", "--reason", "\x1b[2Jwiped\nforged row")
+    assert done.returncode == 0, done.stderr
+    table = _cli(env, "users", "holds").stdout.splitlines()
+    assert table[0].split() == ["user", "placed", "(UTC)", "by", "reason"]
+    assert len(table) == 3  # the header and two holds: no forged row
+    assert "\x1b" not in "".join(table)
+    assert "\u202e" not in "".join(table)
+    assert r"\x1b[2Jwiped\nforged row" in table[2] or r"\x1b[2Jwiped\nforged row" in table[1]
+    refused = _cli(env, "users", "forget", "b\u202eob", "--yes")
+    assert refused.returncode == 1
+    assert len(refused.stderr.splitlines()) == 1
+    assert "\x1b" not in refused.stderr
+    assert _cli(env, "users", "release", "b\u202eob").returncode == 0
     done = _cli(env, "users", "hold", "ana", "--reason", "again")
     assert done.returncode == 1
     assert "already under legal hold" in done.stderr

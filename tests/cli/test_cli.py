@@ -235,6 +235,37 @@ def test_without_auto_migration_the_cli_says_to_migrate(tmp_path: Path) -> None:
     assert loomflow("--url", url, "runs", "list", env=off).returncode == 0
 
 
+def test_a_full_disk_a_bad_port_and_a_utf16_env_file_are_one_line_each(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    for command in (["runs", "list"], ["settings"]):  # stdout on a full disk
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                [sys.executable, "-m", "loomflow.cli", "--url", url, *command],
+                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+            )  # fmt: skip
+        assert done.returncode == 1, command
+        assert done.stderr.splitlines() == [
+            "loomflow: error: the output could not be written: No space left on device"
+        ], command
+    assert loomflow("--url", url, "users", "hold", "bob", "--reason", "r").returncode == 0
+    written = loomflow("--url", url, "audit", "export", "-o", "/dev/full")
+    assert written.returncode == 1
+    assert written.stderr.endswith("could not be written: No space left on device\n")
+    for command in (["worker", "app:agents", "--once", "--port", "99999"],
+                    ["worker", "app:agents", "--port", "-1"],
+                    ["console", "--port", "70000"], ["console", "--port", "0"]):  # fmt: skip
+        refused = loomflow(*command, cwd=tmp_path)
+        assert refused.returncode == 2, command
+        assert "is not a port" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    (tmp_path / ".env").write_text("LOOMFLOW_RUNTIME_URL=memory://\n", encoding="utf-16")
+    odd = loomflow("runs", "list", cwd=tmp_path)
+    assert odd.returncode == 1
+    assert odd.stderr.startswith("loomflow: error: a file read is not UTF-8 text"), odd.stderr
+    assert "Traceback" not in odd.stderr
+
+
 # -- progress bars: drawn on a terminal's stderr, never into pipes --------------------------
 
 
