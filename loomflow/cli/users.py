@@ -124,9 +124,9 @@ async def _handle(args: argparse.Namespace) -> int:
                 rows: list[tuple[Any, ...]] = [("user", "placed (UTC)", "by", "reason")]
                 for h in found:
                     reason = h.reason if len(h.reason) <= 60 else h.reason[:57] + "..."
-                    placed = h.placed_at.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+                    since = h.placed_at.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
                     user = "-" if h.user_id is None else h.user_id
-                    rows.append((user, placed, h.actor, reason))
+                    rows.append((user, since, h.actor, reason))
                 table(rows)  # escapes what a crafted id or reason could do to a terminal
     return 0
 
