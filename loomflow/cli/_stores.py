@@ -19,8 +19,16 @@ def existing(url: str, what: str) -> str:
     and then report that all is well (an ``audit verify`` cron job would pass on a typo).
 
     Raises:
-        ConfigurationError: a SQLite or JSON-lines store whose file does not exist.
+        ConfigurationError: a SQLite or JSON-lines store whose file does not exist, or a
+            ``memory://`` store (it lives inside one process: a command started on its own
+            would read an empty one, or write a hold or a cancellation that is gone at exit).
     """
+    if url.startswith("memory:"):
+        raise ConfigurationError(
+            f"a memory:// {what} lives inside the process that made it, so a command cannot "
+            "read or change it: point the command at the SQLite file or PostgreSQL database "
+            "the application uses"
+        )
     if url.startswith("jsonl://"):
         path: str | None = url.removeprefix("jsonl://")[1:]  # as audit_store_from_url reads it
     elif "://" not in url and url.endswith(".jsonl"):

@@ -61,10 +61,20 @@ def register(subparsers: Any) -> None:
 async def _handle(args: argparse.Namespace) -> int:
     if args.hash_token:
         from ..console import token_sha256
+        from ..console._access import MIN_TOKEN_LENGTH
 
         token = sys.stdin.readline().strip()
         if not token:
             print("loomflow: error: no token on stdin", file=sys.stderr)
+            return 2
+        if len(token) < MIN_TOKEN_LENGTH:
+            # The console refuses a short plain token; its hash must not be a way around that.
+            print(
+                f"loomflow: error: the token is {len(token)} characters; a console token is "
+                f"{MIN_TOKEN_LENGTH} or more (`python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))'` makes one)",
+                file=sys.stderr,
+            )
             return 2
         print(f"sha256:{token_sha256(token)}")
         return 0

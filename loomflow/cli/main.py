@@ -406,6 +406,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
     url = args.url or settings.runtime_url
     if args.command != "migrate":
         existing(url, "journal")
+        if getattr(args, "audit_url", None):  # runs cancel: its record must reach the real log
+            existing(args.audit_url, "audit log")
     stores = Stores(
         settings.model_copy(update={"runtime_url": url}),
         audit_url=getattr(args, "audit_url", None),

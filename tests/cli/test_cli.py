@@ -266,6 +266,28 @@ def test_a_full_disk_a_bad_port_and_a_utf16_env_file_are_one_line_each(tmp_path:
     assert "Traceback" not in odd.stderr
 
 
+def test_a_memory_store_and_a_mistyped_audit_url_are_refused_not_written(tmp_path: Path) -> None:
+    # A memory:// store of a command's own is empty and gone at exit: a hold placed there, or
+    # a verify that passes on it, would be a report of something that never happened.
+    for command in (
+        ["users", "hold", "bob", "--reason", "litigation"],
+        ["audit", "verify"],
+        ["runs", "list"],
+        ["approvals", "list"],
+    ):
+        done = loomflow("--url", "memory://", *command, cwd=tmp_path)
+        assert done.returncode == 1, command
+        assert "lives inside the process that made it" in done.stderr, command
+        assert done.stdout == "", command
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    typo = f"sqlite:///{tmp_path / 'audti.db'}"
+    cancel = loomflow("--url", url, "runs", "cancel", "s1", "--user", "ana", "--audit-url", typo)
+    assert cancel.returncode == 1
+    assert "no audit log at" in cancel.stderr
+    assert not (tmp_path / "audti.db").exists()
+
+
 # -- progress bars: drawn on a terminal's stderr, never into pipes --------------------------
 
 

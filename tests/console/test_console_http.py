@@ -414,6 +414,13 @@ def test_a_hashed_token_and_the_setting_token(deployment: Deployment, tmp_path: 
     ).stdout.strip()
     assert digest.startswith("sha256:")
     assert len(digest) == 71
+    short = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "console", "--hash-token"],
+        input="short\n", capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert short.returncode == 2  # a short plain token is refused; so is hashing one
+    assert short.stdout == ""
+    assert "16 or more" in short.stderr
     (tmp_path / "tokens").write_text(f"reader {digest} hana\n", encoding="utf-8")
     settings = Settings(runtime_url=deployment.url, console_token="setting-token-0123456789")
     with Server(settings, ConsoleOptions(tokens_file=tmp_path / "tokens")) as server:
