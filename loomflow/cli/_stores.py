@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from ..config import Settings
-from ..errors import ConfigurationError, JournalError, UserError
+from ..config import Settings, _masked_url
+from ..errors import ConfigurationError, JournalError, MigrationError, UserError
 from ..runtime import JournalRuntime, SessionInfo
 from ..storage._url import sqlite_path
 
-__all__ = ["existing", "session_of"]
+__all__ = ["existing", "refuse_unready", "session_of"]
 
 
 def existing(url: str, what: str) -> str:
@@ -79,3 +83,113 @@ async def session_of(
             "pick one with --user (or --anonymous)"
         )
     return found[0]
+
+
+# -- commands that read or tidy never change a schema --------------------------------------
+
+
+def _latest_versions(dialect: str) -> dict[str, int]:
+    """Each component's schema version this loomflow writes, on ``dialect``."""
+    from ..audit.migrations import COMPONENT as AUDIT
+    from ..audit.migrations import migrations_for
+    from ..checkpoints.migrations import COMPONENT as CHECKPOINTS
+    from ..checkpoints.migrations import MIGRATIONS as CHECKPOINT_M
+    from ..governance.budget.migrations import COMPONENT as BUDGET
+    from ..governance.budget.migrations import MIGRATIONS as BUDGET_M
+    from ..memory.migrations import COMPONENT as MEMORY
+    from ..memory.migrations import MIGRATIONS as MEMORY_M
+    from ..runtime.migrations import COMPONENT as JOURNAL
+    from ..runtime.migrations import MIGRATIONS as JOURNAL_M
+
+    return {
+        JOURNAL: len(JOURNAL_M),
+        MEMORY: len(MEMORY_M),
+        CHECKPOINTS: len(CHECKPOINT_M),
+        BUDGET: len(BUDGET_M),
+        AUDIT: len(migrations_for(dialect)),
+    }
+
+
+_VERSIONS = "SELECT component, MAX(version) FROM loom_schema_version GROUP BY component"
+_LEGACY = ("journal_steps", "journal_streams")  # a 0.20 journal: its own commands report it
+
+
+def _sqlite_versions(path: str) -> dict[str, Any] | None:
+    """The versions in a SQLite file, read through a read-only connection (no WAL switch,
+    no file made); ``None`` when that cannot be told (the command then says why)."""
+    if not Path(path).is_file():
+        return None  # not there: the command's own check says so
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return None
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "loom_schema_version" not in tables:
+            return None if tables & set(_LEGACY) else {}
+        return {str(c): v for c, v in conn.execute(_VERSIONS)}
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+
+
+async def _postgres_versions(dsn: str) -> dict[str, Any] | None:
+    try:
+        import asyncpg
+    except ImportError:
+        return None
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except Exception:  # unreachable or a DSN asyncpg refuses: the command's open says why
+        return None
+    try:
+        found = await conn.fetchval("SELECT to_regclass('loom_schema_version') IS NOT NULL")
+        if not found:
+            legacy = await conn.fetchval(
+                "SELECT count(*) FROM unnest($1::text[]) AS t(name) "
+                "WHERE to_regclass(t.name) IS NOT NULL",
+                list(_LEGACY),
+            )
+            return None if legacy else {}
+        return {str(r[0]): r[1] for r in await conn.fetch(_VERSIONS)}
+    except asyncpg.PostgresError:
+        return None
+    finally:
+        await conn.close()
+
+
+async def refuse_unready(urls: Sequence[str | None]) -> None:
+    """Refuse databases a command that only reads or tidies would otherwise change: one
+    that holds no loomflow store (another application's database, an empty file), and one
+    whose schema is older than this loomflow's (upgrading it is ``loomflow migrate``'s job,
+    done when every worker runs the new release, not a side effect of a listing).
+
+    Raises:
+        ConfigurationError: no loomflow store is in the database.
+        MigrationError: a store's schema is behind this release.
+    """
+    for url in dict.fromkeys(u for u in urls if u):
+        if url.startswith(("postgresql://", "postgres://")):
+            versions, dialect = await _postgres_versions(url), "postgres"
+        else:
+            path = sqlite_path(url) if not url.endswith(".jsonl") else None
+            if path is None or path == ":memory:":
+                continue  # not a SQL store
+            versions, dialect = await asyncio.to_thread(_sqlite_versions, path), "sqlite"
+        if versions is None:
+            continue
+        shown = _masked_url(url)
+        if not versions:
+            raise ConfigurationError(
+                f"{shown!r} holds no loomflow store yet: check the URL, or run `loomflow "
+                "migrate` first to create one (other commands add no tables to a database)"
+            )
+        latest = _latest_versions(dialect)
+        for component, version in sorted(versions.items()):
+            if type(version) is int and component in latest and version < latest[component]:
+                raise MigrationError(
+                    f"the {component} schema in {shown!r} is at version {version} and this "
+                    f"loomflow needs {latest[component]}: run `loomflow migrate` once every "
+                    "worker runs this release (other commands never change a schema)"
+                )

@@ -31,7 +31,7 @@ from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
 from ._format import duration, iso_time, login, positive_int, printable, table
 from ._progress import add_no_progress, progress_bar
-from ._stores import existing, session_of
+from ._stores import existing, refuse_unready, session_of
 from ._upgrade import legacy_note, quiet_on_open
 
 
@@ -269,9 +269,11 @@ def _command(args: argparse.Namespace) -> int:
     """Run the parsed command; ``main`` turns what it raises into one line and an exit code."""
     # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
     # reported here, in one line, before anything runs.
-    Settings()
+    settings = Settings()
     _check_text_args(args)
     _check_urls(args)
+    if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
+        asyncio.run(refuse_unready(_databases(args, settings)))
     if args.command == "demo":
         if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
             # Anything else would run the story somewhere other than the report says.
@@ -295,6 +297,23 @@ def _command(args: argparse.Namespace) -> int:
     if handler is not None:
         return int(asyncio.run(handler(args)))
     return asyncio.run(_dispatch(args))
+
+
+# The commands that create or upgrade tables: the others read or tidy a store and must not
+# change the schema of a database they are pointed at (another application's, an old one).
+_CHANGES_SCHEMAS = ("migrate", "demo", "worker", "settings")
+
+
+def _databases(args: argparse.Namespace, settings: Settings) -> list[str | None]:
+    """The store URLs a command may open: its own options first, then the settings."""
+    journal = args.url or settings.runtime_url
+    audit = getattr(args, "audit_url", None) or settings.audit_url
+    budget = getattr(args, "budget_url", None) or settings.budget_url
+    if args.command == "audit":
+        return [audit or journal]
+    if args.command == "budget":
+        return [budget or journal]
+    return [journal, audit, budget]
 
 
 _POSTGRES = ("postgresql://", "postgres://")

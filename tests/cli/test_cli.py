@@ -235,6 +235,40 @@ def test_without_auto_migration_the_cli_says_to_migrate(tmp_path: Path) -> None:
     assert loomflow("--url", url, "runs", "list", env=off).returncode == 0
 
 
+def test_commands_that_read_add_no_tables_and_upgrade_no_schema(tmp_path: Path) -> None:
+    import sqlite3
+
+    app = tmp_path / "app.db"  # another application's database, named by mistake
+    with sqlite3.connect(app) as db:
+        db.execute("CREATE TABLE customers (id INTEGER)")
+    for command in (["runs", "list"], ["budget", "show"], ["audit", "verify"],
+                    ["users", "export", "bob"], ["checkpoints", "list", "s"],
+                    ["approvals", "list"], ["users", "hold", "bob", "--reason", "r"]):  # fmt: skip
+        done = loomflow("--url", f"sqlite:///{app}", *command)
+        assert done.returncode == 1, command
+        assert "holds no loomflow store yet" in done.stderr, command
+    with sqlite3.connect(app) as db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    assert tables == ["customers"]
+    # A journal one release behind: a listing must not upgrade it under the old workers.
+    old = tmp_path / "old.db"
+    url = f"sqlite:///{old}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    with sqlite3.connect(old) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_delete")
+        db.execute(
+            "DELETE FROM loom_schema_version WHERE component = 'journal' AND version = "
+            "(SELECT MAX(version) FROM loom_schema_version WHERE component = 'journal')"
+        )
+        before = db.execute("SELECT COUNT(*) FROM loom_schema_version").fetchone()
+    for command in (["runs", "list"], ["budget", "show"], ["users", "export", "bob"]):
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 1, command
+        assert "run `loomflow migrate` once every worker runs this release" in done.stderr
+    with sqlite3.connect(old) as db:
+        assert db.execute("SELECT COUNT(*) FROM loom_schema_version").fetchone() == before
+
+
 def test_a_full_disk_a_bad_port_and_a_utf16_env_file_are_one_line_each(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'j.db'}"
     assert loomflow("--url", url, "migrate").returncode == 0
