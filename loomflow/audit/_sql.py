@@ -295,6 +295,14 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         ) from exc
 
 
+def _whole(value: Any, column: str) -> int:
+    """A number column as stored: SQLite keeps 12.5 or '3' in an INTEGER column, and int()
+    would read them as 12 and 3, an entry its writer never hashed."""
+    if type(value) is not int:
+        raise ValueError(f"{column} is {value!r}, not a whole number")
+    return value
+
+
 def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
     (
         _id,
@@ -313,6 +321,9 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         digest,
         salt,
     ) = row
+    seq = _whole(seq, "seq")
+    version, hash_version = _whole(version, "schema_version"), _whole(hash_version, "hash_version")
+    time_us = _whole(time_us, "time_us")
     problem = None
     try:
         data = json.loads(payload)

@@ -904,6 +904,17 @@ class _ChainCheck:
         seq = entry.seq
         if self.first_seq is None:
             self.first_seq = seq
+        if user_key(entry.user_id) != self.key:
+            # The key is what queries and erasure look up, and no hash covers it: entries
+            # moved under another key verify as a chain but vanish from their user's trail.
+            self._problem(
+                report,
+                "edited",
+                seq,
+                position,
+                f"entry {seq} of user {entry.user_id!r} is filed under the trail key "
+                f"{self.key[:80]!r}: its user's queries and erasure would miss it",
+            )
         changed, why = self._content(entry, position, report)
         if changed:
             self._problem(report, "edited", seq, position, f"entry {seq} was changed: {why}")

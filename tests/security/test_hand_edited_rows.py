@@ -349,6 +349,44 @@ async def test_an_audit_time_no_date_can_hold_is_an_unreadable_entry(
         await log.close()
 
 
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_entries_moved_under_another_trail_key_are_reported(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # No hash covers the key queries and erasure look up: moving a trail, head and all, kept
+    # every chain intact while the user's own trail came back empty.
+    path = tmp_path / "audit.db"
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    store = SqliteAuditStore(path) if kind == "sqlite" else PostgresAuditStore(dsn)
+    log = AuditLog(store)
+    try:
+        await _audit_rows(log)
+        moves = (
+            """UPDATE loom_audit SET user_key = '"zz"' WHERE user_key = '"alice"'""",
+            """UPDATE loom_audit_heads SET user_key = '"zz"' WHERE user_key = '"alice"'""",
+        )
+        if kind == "sqlite":
+            await asyncio.to_thread(
+                sqlite_exec, path, "DROP TRIGGER loom_audit_no_update",
+                "DROP TRIGGER IF EXISTS loom_audit_heads_forward", *moves,
+            )  # fmt: skip
+        else:
+            await pg_exec(
+                dsn, "ALTER TABLE loom_audit DISABLE TRIGGER USER",
+                "ALTER TABLE loom_audit_heads DISABLE TRIGGER USER", *moves,
+            )  # fmt: skip
+        report = await log.verify()
+        assert not report.ok
+        assert [(p.kind, p.seq) for p in report.problems] == [
+            ("edited", 1),
+            ("edited", 2),
+            ("edited", 3),
+        ]
+        assert "filed under the trail key" in report.problems[0].detail
+    finally:
+        await log.close()
+
+
 async def test_an_exported_line_without_its_time_is_an_unreadable_line(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     log = AuditLog(JsonlAuditStore(path))
@@ -384,6 +422,7 @@ async def test_an_exported_line_without_its_time_is_an_unreadable_line(tmp_path:
     "edit",
     [
         "UPDATE loom_audit SET seq = 'two' WHERE seq = 2",
+        "UPDATE loom_audit SET seq = 2.5 WHERE seq = 2",  # int() read it as 2: verified OK
         "UPDATE loom_audit SET time_us = 'noon' WHERE seq = 2",
         "UPDATE loom_audit SET schema_version = 'v1' WHERE seq = 2",
         "UPDATE loom_audit_heads SET seq = 'three'",
