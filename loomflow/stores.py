@@ -35,7 +35,7 @@ from .storage._schemes import SCHEMES, StoreKind, check_scheme, scheme_of
 if TYPE_CHECKING:
     from .audit import AuditStore
     from .checkpoints import CheckpointStore
-    from .governance.budget import BudgetStore
+    from .governance.budget import BucketUsage, BudgetStore
     from .memory import Memory
     from .runtime import JournalRuntime
 
@@ -394,7 +394,7 @@ class Stores:
                 **dataclasses.asdict(u.totals),
                 "updated_at": _iso(u.updated_at),
             }
-            for u in await self.budget.usage(user_id)
+            for u in await self._budget_of(user_id)
         ]
         audit = [entry.to_json() async for entry in self.audit.entries(user_id=user_id)]
         document: dict[str, Any] = {
@@ -495,12 +495,24 @@ class Stores:
                     found.setdefault(chain, []).append(entry.seq)
         return found
 
+    async def _budget_of(self, user_id: str | None) -> list[BucketUsage]:
+        """The user's own budget buckets. ``usage(None)`` is every bucket of everyone, so the
+        anonymous user's are picked out of it (an export of the anonymous bucket must not
+        carry other users' totals)."""
+        if user_id is not None:
+            return await self.budget.usage(user_id)
+        return [
+            u
+            for u in await self.budget.usage()
+            if u.bucket.scope == "user" and u.bucket.user_id is None
+        ]
+
     async def _knows(self, user_id: str | None) -> bool:
         """Whether any store holds something about the user."""
         runtime = self.runtime
         if runtime is not None and await runtime.sessions(user_id=user_id, limit=1):
             return True
-        if await self.audit.head(user_id) is not None or await self.budget.usage(user_id):
+        if await self.audit.head(user_id) is not None or await self._budget_of(user_id):
             return True
         if self.database is not None and self.checkpoints is not None and self.memory is not None:
             memory = await self.memory.export_user(user_id)

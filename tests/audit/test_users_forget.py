@@ -449,3 +449,16 @@ async def test_a_forget_erases_the_console_looks_that_name_the_user_and_no_other
         assert report.console_erased == 2
         assert await erased() == [1, 2, 3]
         assert (await stores.audit.verify()).ok
+
+
+async def test_the_anonymous_user_is_not_everyone_in_the_budget(tmp_path: Path) -> None:
+    # budget.usage(None) lists every bucket of every user: the anonymous user's export carried
+    # the others' totals, and a forget of an anonymous bucket that held nothing "succeeded".
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
+    await _runs(settings, "ana")
+    async with Stores(settings) as stores:
+        assert (await stores.export_user("ana"))["budget"]
+        assert (await stores.export_user(None))["budget"] == []
+        with pytest.raises(UnknownUserError, match="user None"):
+            await stores.forget_user(None)
+        assert await stores.audit.head(None) is None  # the refusal wrote no trail for None
