@@ -138,6 +138,7 @@ class Settings(BaseSettings):
     turn_timeout_seconds: float = Field(
         default=60.0,
         gt=0,
+        allow_inf_nan=False,  # inf would never time out, nan compares false to all
         description=(
             "How long a run waits for another run on the same (session, user) to finish "
             "before failing with SessionBusyError."
@@ -146,6 +147,7 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(
         default=30.0,
         gt=0,
+        allow_inf_nan=False,  # inf would never time out, nan compares false to all
         description=(
             "Ownership lease of a (session, user) turn, renewed while the run is alive. "
             "A crashed worker's turn is free after this long (at once if it ran on this host)."
@@ -154,6 +156,7 @@ class Settings(BaseSettings):
     recovery_interval_seconds: float = Field(
         default=10.0,
         gt=0,
+        allow_inf_nan=False,  # inf would never time out, nan compares false to all
         description=(
             "Seconds between a recovery worker's sweeps for orphaned runs (`loomflow worker`, "
             "`Recovery.run_forever`). A crashed run is resumed within about lease_seconds "
@@ -182,6 +185,7 @@ class Settings(BaseSettings):
     journal_retention_days: float | None = Field(
         default=None,
         gt=0,
+        allow_inf_nan=False,
         le=MAX_AGE.days,  # 1000 years: beyond it the cutoff is no date (and inf overflows)
         description=(
             "How long journal entries of finished runs are kept: `loomflow journal prune` "
@@ -347,6 +351,32 @@ class Settings(BaseSettings):
     def _budget_url(cls, url: str | None) -> str | None:
         schemes = ("memory", "sqlite", "postgresql", "postgres")
         return None if url is None else _check_store_url(url, schemes, "budget")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_endpoint(cls, url: str | None) -> str | None:
+        # Checked here, not only when telemetry is set up: a typo would otherwise pass
+        # `loomflow settings` and every command, then stop the application at its first agent.
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"{_masked_url(url)!r} is not an http(s) URL like http://otel-collector:4318"
+            )
+        return url
+
+    @field_validator("otlp_headers")
+    @classmethod
+    def _otlp_headers(cls, headers: SecretStr | None) -> SecretStr | None:
+        if headers is None:
+            return None
+        for i, item in enumerate(headers.get_secret_value().split(","), start=1):
+            name, equals, _ = item.partition("=")
+            if item.strip() and not (equals and name.strip()):
+                # The item itself is not shown: it usually carries a token.
+                raise ValueError(f"item {i} is not name=value (the value is kept secret)")
+        return headers
 
     @field_serializer(*_URL_SETTINGS)
     def _dump_url(self, url: str | None) -> str | None:

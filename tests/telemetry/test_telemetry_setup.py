@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _otlp import Received
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from pydantic import SecretStr, ValidationError
 
 from loomflow.config import Settings
 from loomflow.errors import ConfigurationError
@@ -136,8 +137,16 @@ def test_a_provider_can_be_built_without_becoming_global(tmp_path: Path) -> None
 def test_bad_export_settings_are_configuration_errors(
     options: dict[str, str], message: str
 ) -> None:
+    # Refused with the other settings, before any command or agent runs...
+    with pytest.raises(ValidationError, match=message.removeprefix("must be ")):
+        Settings(metrics_port=None, **options)  # type: ignore[arg-type]
+    # ...and by the set-up itself, for settings built around the checks.
+    unchecked = Settings.model_construct(
+        metrics_port=None,
+        **{k: SecretStr(v) if k == "otlp_headers" else v for k, v in options.items()},
+    )
     with pytest.raises(ConfigurationError, match=message):
-        setup_telemetry(Settings(metrics_port=None, **options), set_global=False)  # type: ignore[arg-type]
+        setup_telemetry(unchecked, set_global=False)
 
 
 def test_a_metrics_port_in_use_is_a_configuration_error() -> None:
