@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
+from ..errors import ConfigurationError
 from ..redaction import Redactor
 from ..storage._url import sqlite_path
 from ..stores import Stores
@@ -92,9 +94,22 @@ async def serve(
         raise ImportError("the console needs its extra: pip install 'loomflow[console]'") from exc
     app, stores = build_console(settings, options)
     try:
-        # Announced once it can be signed in to: a console with no way in fails before this.
+        listening = _listen(host, port)
+        # Announced once it can be signed in to and is listening: a console with no way in,
+        # or an address it cannot bind, fails before this with one line.
         print(f"loomflow console on http://{host}:{port}/ (Ctrl-C stops it)", file=sys.stderr)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-        await uvicorn.Server(config).serve()
+        await uvicorn.Server(config).serve(sockets=[listening])
     finally:
         await stores.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port), or a ConfigurationError naming why not (a host
+    that does not resolve, a port in use, one below 1024 without the right)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except (OSError, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigurationError(f"the console cannot listen on {host}:{port}: {why}") from None

@@ -807,3 +807,24 @@ def test_loomflow_settings_hides_the_console_secrets(tmp_path: Path) -> None:
         assert token not in shown.stdout
         assert key not in shown.stdout
         assert shown.stdout.count("(set, hidden)") >= 2
+
+
+def test_an_address_the_console_cannot_listen_on_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    env = {**os.environ, "LOOMFLOW_RUNTIME_URL": url, "LOOMFLOW_CONSOLE_TOKEN": ADMIN}
+    subprocess.run([sys.executable, "-m", "loomflow.cli", "migrate"], env=env, check=True,
+                   capture_output=True)  # fmt: skip
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args in (["--host", "999.1.1.1"], ["--port", str(port)]):
+            done = subprocess.run(
+                [sys.executable, "-m", "loomflow.cli", "console", *args],
+                env=env, capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert done.returncode == 1, (args, done.stderr)
+            assert done.stderr.startswith("loomflow: error: the console cannot listen on")
+            assert done.stderr.count("\n") == 1, done.stderr  # not announced, then failed
