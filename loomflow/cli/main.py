@@ -24,6 +24,7 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
 
 from .. import __version__
+from .._ids import check_id
 from ..config import Settings, _check_store_url, _masked_url
 from ..errors import ConfigurationError, LoomflowError, UserError
 from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
@@ -328,13 +329,22 @@ _URL_OPTIONS = {
 
 def _check_text_args(args: argparse.Namespace) -> None:
     """Refuse an argument that is not text (bytes that are not UTF-8, kept by Python as lone
-    surrogates): no store can hold it, and the driver would fail with a traceback."""
+    surrogates): no store can hold it, and the driver would fail with a traceback. Session
+    and user ids get the SDK's own rule, so an empty, overlong or control-character id is
+    named as such instead of being looked up (and echoed back whole) as "no session"."""
     for value in vars(args).values():
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 raise UserError(f"the argument {value!r} is not valid UTF-8 text") from None
+    for dest in _ID_ARGUMENTS:
+        value = getattr(args, dest, None)
+        if isinstance(value, str):
+            check_id(dest, value)
+
+
+_ID_ARGUMENTS = ("session_id", "user_id")
 
 
 def _check_urls(args: argparse.Namespace) -> None:
@@ -506,7 +516,13 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             )
         return 0
     if not sessions:
-        print("no sessions in the journal" if args.state is None else f"no {args.state} runs")
+        which = "" if args.state is None else f"{args.state} "
+        whose = "" if args.user_id is None else f" of user {printable(repr(args.user_id))}"
+        print(
+            f"no {which}runs{whose} in the journal"
+            if which or whose
+            else "no sessions in the journal"
+        )
         if note is not None:
             print(note)
         return 0

@@ -98,7 +98,7 @@ def test_migrate_show_and_prune(tmp_path: Path) -> None:
     assert entry["entries"] == 11
     assert entry["open"] is False
     people = loomflow("--url", demo_url, "runs", "list", "--user", "nobody")
-    assert people.stdout.strip() == "no sessions in the journal"
+    assert people.stdout.strip() == "no runs of user 'nobody' in the journal"
     assert "finished" in loomflow("--url", demo_url, "runs", "list").stdout
     # --url after the command, where people type it; the later one wins over an earlier one.
     after = loomflow("runs", "list", "--json", "--url", demo_url)
@@ -298,6 +298,22 @@ def test_a_full_disk_a_bad_port_and_a_utf16_env_file_are_one_line_each(tmp_path:
     assert odd.returncode == 1
     assert odd.stderr.startswith("loomflow: error: a file read is not UTF-8 text"), odd.stderr
     assert "Traceback" not in odd.stderr
+
+
+def test_session_and_user_ids_on_the_command_line_meet_the_id_rule(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    for command, named in (
+        (["runs", "show", ""], "session_id must not be empty"),
+        (["runs", "show", "x" * 100_000], "session_id is 100000 bytes long"),
+        (["runs", "list", "--user", ""], "user_id must not be empty"),
+        (["budget", "show", "--user", "a\nb"], "user_id contains the control character"),
+        (["journal", "prune", "--session", ""], "session_id must not be empty"),
+    ):
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 1, command
+        assert done.stderr.startswith(f"loomflow: error: {named}"), (command, done.stderr)
+        assert len(done.stderr) < 300, command  # an overlong id is not echoed back whole
 
 
 def test_a_memory_store_and_a_mistyped_audit_url_are_refused_not_written(tmp_path: Path) -> None:

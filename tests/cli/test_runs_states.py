@@ -71,7 +71,7 @@ def test_list_reports_true_states_as_json_and_table(journal: Path) -> None:
     assert "finished" in table
     assert "orders" in table
     assert loomflow("runs", "list", "--state", "failed", journal=journal).stdout.strip() == (
-        "no failed runs"
+        "no failed runs in the journal"
     )
 
 
