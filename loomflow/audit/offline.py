@@ -29,7 +29,9 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
     entries from before and after 0.21. An erased payload (``"payload": null``) must be
     followed by an ``audit.erasure`` entry of the same user in the export.
 
-    Each user's entries must come in ``seq`` order, as an export writes them. An export need
+    Each user's entries are checked in ``seq`` order, as a store's are, with their line
+    numbers as positions: a line that is not where an export writes it is ``reordered``, as
+    on the store. An export need
     not start at a user's first entry (``--since`` a date): the first entry's link to the one
     before is then unchecked, and a warning says so. Filters that pick entries from the middle
     of a trail (``--session``, ``--action``) leave gaps, which are reported as ``missing``:
@@ -48,6 +50,10 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
     saved = _saved_by_user(heads, None)
     report = VerifyReport()
     checks: dict[str, _ChainCheck] = {}
+    # Each user's entries are checked in seq order, with their line numbers as positions, as
+    # a store's are: a line moved elsewhere in the file is then "reordered" (as on the
+    # store), not a deleted entry plus a duplicate, and one line with a huge seq is one gap.
+    trails: dict[str, list[tuple[int, int, AuditEntry]]] = {}
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -60,25 +66,47 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
                 ChainProblem(None, "unreadable", None, number, f"not an audit entry: {detail}")
             )
             continue
-        key = user_key(entry.user_id)
-        check = checks.get(key)
-        if check is None:
-            check = checks[key] = _ChainCheck(key, entry.user_id, saved.get(key, ()))
-            report.users += 1
-            if entry.seq > 1:
-                check.start_at(entry)
-                report.warnings.append(
-                    ChainProblem(
-                        entry.user_id,
-                        "unanchored",
-                        entry.seq,
-                        number,
-                        f"the export starts at entry {entry.seq}: its link to entry "
-                        f"{entry.seq - 1} cannot be checked here",
-                    )
+        trails.setdefault(user_key(entry.user_id), []).append((entry.seq, number, entry))
+    for key, trail in trails.items():
+        for _seq, number, entry in sorted(trail, key=lambda item: (item[0], item[1])):
+            _feed_line(checks, key, number, entry, saved, report)
+    _finish_lines(checks, saved, report)
+    return report
+
+
+def _feed_line(
+    checks: dict[str, _ChainCheck],
+    key: str,
+    number: int,
+    entry: AuditEntry,
+    saved: Mapping[str, Any],
+    report: VerifyReport,
+) -> None:
+    """Check one line's entry against its user's chain (begun at its first seq)."""
+    check = checks.get(key)
+    if check is None:
+        check = checks[key] = _ChainCheck(key, entry.user_id, saved.get(key, ()))
+        report.users += 1
+        if entry.seq > 1:
+            check.start_at(entry)
+            report.warnings.append(
+                ChainProblem(
+                    entry.user_id,
+                    "unanchored",
+                    entry.seq,
+                    number,
+                    f"the export starts at entry {entry.seq}: its link to entry "
+                    f"{entry.seq - 1} cannot be checked here",
                 )
-        report.entries += 1
-        check.feed(number, entry, report)
+            )
+    report.entries += 1
+    check.feed(number, entry, report)
+
+
+def _finish_lines(
+    checks: dict[str, _ChainCheck], saved: Mapping[str, Any], report: VerifyReport
+) -> None:
+    """What can be told only at the end: saved heads reached, erasures recorded."""
     for key, user_heads in saved.items():
         found = checks.get(key)
         last = max(user_heads, key=lambda h: h.seq)
@@ -110,7 +138,6 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
             )
     for check in checks.values():
         check.finish_erasures(report)
-    return report
 
 
 def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> list[ChainHead]:

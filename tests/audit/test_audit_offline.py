@@ -52,7 +52,8 @@ async def test_an_untouched_export_verifies_against_its_heads(tmp_path: Path) ->
     [
         ("edit", "edited"),
         ("delete", "missing"),
-        ("swap", "missing"),
+        ("swap", "reordered"),  # as on a store, not a deletion plus a duplicate
+        ("move_to_end", "reordered"),
         ("drop_tail", "truncated"),
         ("garbage", "unreadable"),
     ],
@@ -67,6 +68,8 @@ async def test_tampering_with_an_export_is_found(tmp_path: Path, tamper: str, ki
         del lines[3]
     elif tamper == "swap":
         lines[1], lines[2] = lines[2], lines[1]
+    elif tamper == "move_to_end":
+        lines.append(lines.pop(2))
     elif tamper == "drop_tail":
         lines = lines[:-1]
     else:
@@ -75,6 +78,8 @@ async def test_tampering_with_an_export_is_found(tmp_path: Path, tamper: str, ki
     report = verify_lines(lines, heads=alice)
     assert not report.ok
     assert kind in {p.kind for p in report.problems}, report.problems
+    if kind == "reordered":  # nothing was deleted or duplicated
+        assert {p.kind for p in report.problems} == {"reordered"}, report.problems
 
 
 async def test_an_export_from_a_date_on_is_checked_from_its_first_entry(tmp_path: Path) -> None:
