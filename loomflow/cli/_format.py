@@ -33,6 +33,10 @@ def duration(text: str) -> dt.timedelta:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if age is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h or 7d")
+    if age <= dt.timedelta(0):
+        # "Older than nothing" is everything: a prune or retention of every finished run or
+        # payload must be asked for by name (--all), not reached by a zero.
+        raise argparse.ArgumentTypeError(f"{text!r} is no age: give one such as 30m, 12h or 7d")
     return age
 
 
@@ -55,13 +59,16 @@ def login() -> str:
         return "unknown"
 
 
+_MAX_COUNT = 1_000_000_000  # a count past it is a typo, and no database column binds 10**20
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    if not 1 <= value <= _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to {_MAX_COUNT:,}")
     return value
 
 

@@ -43,6 +43,14 @@ def _filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until", type=when, help="before this time or age")
 
 
+def _page_size(text: str) -> int:
+    """A query page of 1 to 10,000 entries (the store's cap), as an argparse type."""
+    value = positive_int(text)
+    if value > 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than a page holds (10000)")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Add the ``audit`` command group to the CLI."""
     audit = subparsers.add_parser("audit", help="query, export and verify the audit log")
@@ -54,7 +62,7 @@ def register(subparsers: Any) -> None:
 
     query = commands.add_parser("query", help="list entries, newest page last")
     _filters(query)
-    query.add_argument("--limit", type=positive_int, default=50, help="page size (50)")
+    query.add_argument("--limit", type=_page_size, default=50, help="page size (50, at most 10000)")
     query.add_argument("--cursor", help="next_cursor printed by the previous page")
     query.add_argument("--json", action="store_true", help="one JSON object for scripts")
 

@@ -468,7 +468,7 @@ def test_a_bad_batch_size_is_a_usage_error(tmp_path: Path) -> None:
         result = loomflow("--url", url, "journal", "prune", "--batch-size", bad)
         assert result.returncode == 2, bad
         assert "--batch-size" in result.stderr
-        assert "positive whole number" in result.stderr
+        assert "is not a whole number from 1 to" in result.stderr
 
 
 @pytest.mark.postgres
