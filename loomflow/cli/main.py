@@ -463,6 +463,9 @@ async def _dispatch(args: argparse.Namespace) -> int:
 
 async def _migrate(stores: Stores, args: argparse.Namespace) -> int:
     """Bring every store this deployment uses up to date: a deploy step, run once."""
+    if args.app_login and args.app_role is None:
+        print("loomflow: error: --app-login goes with --app-role NAME", file=sys.stderr)
+        return 2
     if args.app_role is not None and not stores.on_postgres():
         # Said before migrating: a command that cannot do what was asked changes nothing.
         print("loomflow: error: --app-role needs a PostgreSQL database", file=sys.stderr)

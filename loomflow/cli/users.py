@@ -40,7 +40,9 @@ def register(subparsers: Any) -> None:
     who = export.add_mutually_exclusive_group(required=True)
     who.add_argument("user_id", nargs="?", help="the user id")
     who.add_argument("--anonymous", action="store_true", help="the runs without a user")
-    export.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    export.add_argument(
+        "-o", "--output", type=Path, help="write here instead of stdout ('-': stdout)"
+    )
 
     forget = commands.add_parser(
         "forget",
@@ -140,7 +142,7 @@ async def _export(args: argparse.Namespace) -> int:
     async with Stores(settings.model_copy(update={"runtime_url": url})) as stores:
         document = await stores.export_user(user)
     text = json.dumps(document, ensure_ascii=False, indent=2)
-    if args.output is None:
+    if args.output is None or str(args.output) == "-":  # "-" is stdout, as for the others
         print(text)
     else:
         args.output.write_text(text + "\n", encoding="utf-8")

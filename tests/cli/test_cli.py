@@ -316,6 +316,19 @@ def test_session_and_user_ids_on_the_command_line_meet_the_id_rule(tmp_path: Pat
         assert len(done.stderr) < 300, command  # an overlong id is not echoed back whole
 
 
+def test_dash_is_stdout_and_app_login_needs_an_app_role(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    assert loomflow("--url", url, "users", "hold", "bob", "--reason", "r").returncode == 0
+    done = loomflow("--url", url, "users", "export", "bob", "-o", "-", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["user_id"] == "bob"
+    assert not (tmp_path / "-").exists()
+    lone = loomflow("--url", url, "migrate", "--app-login")
+    assert lone.returncode == 2
+    assert "--app-login goes with --app-role" in lone.stderr
+
+
 def test_a_memory_store_and_a_mistyped_audit_url_are_refused_not_written(tmp_path: Path) -> None:
     # A memory:// store of a command's own is empty and gone at exit: a hold placed there, or
     # a verify that passes on it, would be a report of something that never happened.
