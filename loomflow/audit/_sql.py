@@ -296,8 +296,8 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
 
 
 def _whole(value: Any, column: str) -> int:
-    """A number column as stored: SQLite keeps 12.5 or '3' in an INTEGER column, and int()
-    would read them as 12 and 3, an entry its writer never hashed."""
+    """A number column as stored: SQLite keeps 12.5 or 'two' in an INTEGER column, and int()
+    would read 12.5 as 12, an entry its writer never hashed."""
     if type(value) is not int:
         raise ValueError(f"{column} is {value!r}, not a whole number")
     return value

@@ -49,6 +49,7 @@ class _AnyUser:
 
 
 _PAGE = 1000  # entries per page when reading everything (export, count, verify's reports)
+MAX_PAGE = 10_000  # the largest page a query returns
 
 ANY_USER: Any = _AnyUser()
 """Default of ``user_id`` filters: every user (``None`` means the anonymous bucket)."""
@@ -346,8 +347,8 @@ class AuditStore(abc.ABC):
             limit: Page size (1 to 10 000).
             cursor: ``next_cursor`` of the previous page.
         """
-        if not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise UserError(f"limit must be an integer from 1 to 10000, not {limit!r}")
+        if not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+            raise UserError(f"limit must be an integer from 1 to {MAX_PAGE}, not {limit!r}")
         after = _parse_cursor(cursor)
         where = AuditFilter.build(
             user_id=user_id,

@@ -22,6 +22,7 @@ from ..audit import (
     heads_from_json,
     verify_lines,
 )
+from ..audit._store import MAX_PAGE
 from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
@@ -46,8 +47,8 @@ def _filters(parser: argparse.ArgumentParser) -> None:
 def _page_size(text: str) -> int:
     """A query page of 1 to 10,000 entries (the store's cap), as an argparse type."""
     value = positive_int(text)
-    if value > 10_000:
-        raise argparse.ArgumentTypeError(f"{text!r} is more than a page holds (10000)")
+    if value > MAX_PAGE:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than a page holds ({MAX_PAGE})")
     return value
 
 

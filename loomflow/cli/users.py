@@ -24,7 +24,7 @@ from typing import Any
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import printable, table
+from ._format import table
 from ._stores import existing
 
 __all__ = ["register"]
@@ -111,7 +111,7 @@ async def _handle(args: argparse.Namespace) -> int:
                 )
         elif command == "hold":
             placed = await audit.place_hold(user, reason=args.reason, actor="cli:users-hold")
-            print(f"user {printable(repr(user))} is under legal hold (audit entry {placed.seq})")
+            print(f"user {user!r} is under legal hold (audit entry {placed.seq})")
         elif command == "release":
             await audit.release_hold(user, actor="cli:users-release", reason=args.reason)
             print(f"released the legal hold of user {user!r}")

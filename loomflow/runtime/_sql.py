@@ -34,38 +34,52 @@ from .migrations import COMPONENT, MIGRATIONS
 __all__ = ["SqlJournalStore"]
 
 
-# A takeover adds one to the token; a token SQLite holds as text (a hand-edited row) would
-# silently become 1 ('tok' + 1), the crashed owner's number, so it is returned unchanged
-# instead and the claim reports the row as damaged (text never equals itself plus 0). So is
-# one at the top of BIGINT, where PostgreSQL would fail the statement ("bigint out of
-# range") as if the database were down. Every statement that bumps a number guards it so.
-_ACQUIRE = """
+_LAST_NUMBER = 2**63 - 1  # an epoch or token here could not grow by one (BIGINT, INTEGER)
+
+
+def _bumped(column: str) -> str:
+    """``column + 1``, except for a value no run reaches, which is left as it is for the
+    claim to report the row as damaged. A token SQLite holds as text (a hand-edited row)
+    would silently become 1 ('tok' + 1), the crashed owner's number; text never equals
+    itself plus 0. One at the top of BIGINT would make PostgreSQL fail the statement
+    ("bigint out of range") as if the database were down."""
+    return (
+        f"CASE WHEN {column} = {column} + 0 AND {column} < {_LAST_NUMBER} THEN {column} + 1 "
+        f"ELSE {column} END"
+    )
+
+
+# A takeover adds one to the token (see _bumped for the rows it leaves alone).
+_ACQUIRE = (
+    """
 INSERT INTO loom_sessions
     (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at)
 VALUES ($1, $2, $3, 0, 0, $4, 1, {now} + $5, {now})
 ON CONFLICT (scope) DO UPDATE SET
     owner = excluded.owner,
-    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0
-        AND loom_sessions.token < 9223372036854775807 THEN loom_sessions.token + 1
-        ELSE loom_sessions.token END,
+    token = """
+    + _bumped("loom_sessions.token")
+    + """,
     lease_until = excluded.lease_until,
     updated_at = excluded.updated_at
 WHERE loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now}
 RETURNING token, epoch, open, status
 """
+)
 # A new run in one commit: the turn is taken and the run opened (as _BEGIN does) only where
 # the session has no open run to continue; otherwise nothing changes and the caller claims
 # with _ACQUIRE.
-_ACQUIRE_NEW = """
+_ACQUIRE_NEW = (
+    """
 INSERT INTO loom_sessions
     (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at, agent,
      config, record, status, attempts, last_error, retry_at, created_at)
 VALUES ($1, $2, $3, 0, 1, $4, 1, {now} + $5, {now}, $6, $7, $8, NULL, 0, NULL, 0, {now})
 ON CONFLICT (scope) DO UPDATE SET
     owner = excluded.owner,
-    token = CASE WHEN loom_sessions.token = loom_sessions.token + 0
-        AND loom_sessions.token < 9223372036854775807 THEN loom_sessions.token + 1
-        ELSE loom_sessions.token END,
+    token = """
+    + _bumped("loom_sessions.token")
+    + """,
     lease_until = excluded.lease_until,
     updated_at = excluded.updated_at,
     open = 1, agent = excluded.agent, config = excluded.config, record = excluded.record,
@@ -75,15 +89,19 @@ WHERE (loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now})
     AND loom_sessions.open = 0
 RETURNING token, epoch, open, status
 """
+)
 _HOLDER = "SELECT owner, token FROM loom_sessions WHERE scope = $1 AND owner IS NOT NULL"
-_STEAL = """
+_STEAL = (
+    """
 UPDATE loom_sessions SET owner = $2,
-    token = CASE WHEN token = token + 0 AND token < 9223372036854775807 THEN token + 1
-        ELSE token END,
+    token = """
+    + _bumped("token")
+    + """,
     lease_until = {now} + $4, updated_at = {now}
 WHERE scope = $1 AND token = $3
 RETURNING token, epoch, open, status
 """
+)
 _RENEW = """
 UPDATE loom_sessions SET lease_until = {now} + $3
 WHERE scope = $1 AND token = $2 AND owner IS NOT NULL RETURNING token
@@ -104,16 +122,22 @@ _STATUS = "SELECT status FROM loom_sessions WHERE scope = $1"
 # renewal) of whoever runs it fails, and that run then reads the status to say why. An
 # interrupted run (waiting for approval, say) is closed already: its epoch moved on when it
 # stopped, so only its status changes, and a resume of it is refused from then on.
-_CANCEL = """
+_CANCEL = (
+    """
 UPDATE loom_sessions SET status = 'cancelled', owner = NULL, lease_until = 0, open = 0,
-    token = CASE WHEN token = token + 0 AND token < 9223372036854775807 THEN token + 1
-        ELSE token END,
-    epoch = CASE WHEN open = 1 AND epoch < 9223372036854775807 THEN epoch + 1 ELSE epoch END,
+    token = """
+    + _bumped("token")
+    + """,
+    epoch = CASE WHEN open = 1 AND epoch < """
+    + str(_LAST_NUMBER)
+    + """ THEN epoch + 1
+        ELSE epoch END,
     updated_at = {now}
 WHERE scope = $1 AND (
     (open = 1 AND (status IS NULL OR status = 'failed')) OR (open = 0 AND status = 'interrupted')
 ) RETURNING token
 """
+)
 # Open runs a sweep looks at (served by the partial index on open runs): an owner whose lease
 # may have run out, or a failed recovery attempt whose retry is due.
 _OPEN_RUNS = """
@@ -126,21 +150,29 @@ ORDER BY {prefer}retry_at, updated_at LIMIT $1
 """
 # Compare-and-set on the token: of two recoverers that saw the same orphan, one wins. A lease
 # renewed since it was read (a slow owner, not a dead one) keeps the run with its owner.
-_CLAIM_ORPHAN = """
+_CLAIM_ORPHAN = (
+    """
 UPDATE loom_sessions SET owner = $2,
-    token = CASE WHEN token < 9223372036854775807 THEN token + 1 ELSE token END,
+    token = """
+    + _bumped("token")
+    + """,
     lease_until = {now} + $4,
     attempts = attempts + 1, retry_at = {now} + $5, updated_at = {now}
 WHERE scope = $1 AND token = $3 AND open = 1 AND status IS NULL
     AND (owner IS NULL OR lease_until < {now} OR CAST($6 AS INTEGER) = 1)
 RETURNING token, attempts
 """
-_DEAD_LETTER_SEEN = """
+)
+_DEAD_LETTER_SEEN = (
+    """
 UPDATE loom_sessions SET status = 'failed', owner = NULL, lease_until = 0, last_error = $3,
-    token = CASE WHEN token < 9223372036854775807 THEN token + 1 ELSE token END,
+    token = """
+    + _bumped("token")
+    + """,
     updated_at = {now}
 WHERE scope = $1 AND token = $2 AND open = 1 AND status IS NULL RETURNING 1
 """
+)
 _DEAD_LETTER_FREE = """
 UPDATE loom_sessions SET status = 'failed', last_error = $2, updated_at = {now}
 WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
@@ -297,9 +329,6 @@ def _damaged(token: object, epoch: object = None) -> CorruptEntryError:
     return CorruptEntryError(
         f"the session's lease row is damaged ({numbers}); repair or delete its loom_sessions row"
     )
-
-
-_LAST_NUMBER = 2**63 - 1  # an epoch or token here could not grow by one (BIGINT, INTEGER)
 
 
 def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:

@@ -11,11 +11,13 @@ a verify problem).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import sqlite3
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -285,34 +287,53 @@ async def _audit_rows(log: AuditLog) -> None:
         await log.record("custom.note", user_id="alice", actor="test", payload={"i": i})
 
 
+Tamper = Callable[..., Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _edited_audit(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[AuditLog, Tamper]]:
+    """Alice's three entries in a real audit store, and a way to edit its rows past the
+    append-only triggers, as someone with write access to the database can."""
+    path = tmp_path / "audit.db"
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    log = AuditLog(SqliteAuditStore(path) if kind == "sqlite" else PostgresAuditStore(dsn))
+
+    async def tamper(*statements: str) -> None:
+        if kind == "sqlite":
+            await asyncio.to_thread(
+                sqlite_exec, path, "DROP TRIGGER IF EXISTS loom_audit_no_update",
+                "DROP TRIGGER IF EXISTS loom_audit_heads_forward", *statements,
+            )  # fmt: skip
+        else:
+            tables = ("loom_audit", "loom_audit_heads")
+            await pg_exec(
+                dsn,
+                *(f"ALTER TABLE {t} DISABLE TRIGGER USER" for t in tables),
+                *statements,
+                *(f"ALTER TABLE {t} ENABLE TRIGGER USER" for t in tables),
+            )
+
+    try:
+        await _audit_rows(log)
+        yield log, tamper
+    finally:
+        await log.close()
+
+
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def test_an_audit_payload_nested_too_deep_is_an_unreadable_entry(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    path = tmp_path / "audit.db"
-    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
-    store = SqliteAuditStore(path) if kind == "sqlite" else PostgresAuditStore(dsn)
-    log = AuditLog(store)
-    try:
-        await _audit_rows(log)
-        tamper = f"UPDATE loom_audit SET payload = '{DEEP}' WHERE seq = 2"
-        if kind == "sqlite":
-            await asyncio.to_thread(sqlite_exec, path, "DROP TRIGGER loom_audit_no_update", tamper)
-        else:
-            await pg_exec(
-                dsn,
-                "ALTER TABLE loom_audit DISABLE TRIGGER USER",
-                tamper,
-                "ALTER TABLE loom_audit ENABLE TRIGGER USER",
-            )
+    async with _edited_audit(kind, request, tmp_path) as (log, tamper):
+        await tamper(f"UPDATE loom_audit SET payload = '{DEEP}' WHERE seq = 2")
         report = await log.verify()
         assert not report.ok
         assert any(p.kind == "unreadable" and p.seq == 2 for p in report.problems)
         page = await log.query(user_id="alice")
         assert len(page.entries) == 3
         assert "unreadable_payload" in page.entries[1].payload
-    finally:
-        await log.close()
 
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -321,22 +342,8 @@ async def test_an_audit_time_no_date_can_hold_is_an_unreadable_entry(
     kind: str, time_us: int, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     # Both fit a 64-bit column; neither is a date, and each was an OverflowError mid-verify.
-    path = tmp_path / "audit.db"
-    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
-    store = SqliteAuditStore(path) if kind == "sqlite" else PostgresAuditStore(dsn)
-    log = AuditLog(store)
-    try:
-        await _audit_rows(log)
-        tamper = f"UPDATE loom_audit SET time_us = {time_us} WHERE seq = 2"
-        if kind == "sqlite":
-            await asyncio.to_thread(sqlite_exec, path, "DROP TRIGGER loom_audit_no_update", tamper)
-        else:
-            await pg_exec(
-                dsn,
-                "ALTER TABLE loom_audit DISABLE TRIGGER USER",
-                tamper,
-                "ALTER TABLE loom_audit ENABLE TRIGGER USER",
-            )
+    async with _edited_audit(kind, request, tmp_path) as (log, tamper):
+        await tamper(f"UPDATE loom_audit SET time_us = {time_us} WHERE seq = 2")
         report = await log.verify()
         assert [(p.kind, p.seq) for p in report.problems] == [("unreadable", 2)]
         assert "time_us" in report.problems[0].detail
@@ -345,8 +352,6 @@ async def test_an_audit_time_no_date_can_hold_is_an_unreadable_entry(
         assert page.entries[1].time.year in (1, 9999)
         lines = [e.to_json() async for e in log.store.entries(user_id="alice")]
         assert len(lines) == 3
-    finally:
-        await log.close()
 
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -355,26 +360,11 @@ async def test_entries_moved_under_another_trail_key_are_reported(
 ) -> None:
     # No hash covers the key queries and erasure look up: moving a trail, head and all, kept
     # every chain intact while the user's own trail came back empty.
-    path = tmp_path / "audit.db"
-    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
-    store = SqliteAuditStore(path) if kind == "sqlite" else PostgresAuditStore(dsn)
-    log = AuditLog(store)
-    try:
-        await _audit_rows(log)
-        moves = (
+    async with _edited_audit(kind, request, tmp_path) as (log, tamper):
+        await tamper(
             """UPDATE loom_audit SET user_key = '"zz"' WHERE user_key = '"alice"'""",
             """UPDATE loom_audit_heads SET user_key = '"zz"' WHERE user_key = '"alice"'""",
         )
-        if kind == "sqlite":
-            await asyncio.to_thread(
-                sqlite_exec, path, "DROP TRIGGER loom_audit_no_update",
-                "DROP TRIGGER IF EXISTS loom_audit_heads_forward", *moves,
-            )  # fmt: skip
-        else:
-            await pg_exec(
-                dsn, "ALTER TABLE loom_audit DISABLE TRIGGER USER",
-                "ALTER TABLE loom_audit_heads DISABLE TRIGGER USER", *moves,
-            )  # fmt: skip
         report = await log.verify()
         assert not report.ok
         assert [(p.kind, p.seq) for p in report.problems] == [
@@ -383,8 +373,6 @@ async def test_entries_moved_under_another_trail_key_are_reported(
             ("edited", 3),
         ]
         assert "filed under the trail key" in report.problems[0].detail
-    finally:
-        await log.close()
 
 
 async def test_an_exported_line_without_its_time_is_an_unreadable_line(tmp_path: Path) -> None:
