@@ -450,7 +450,7 @@ async def journal_decisions(
     )
     problem: ApprovalError | None = None
     decided: dict[str, PendingApproval] = {}
-    async with runtime.session(session_id, user_id, resume=True) as run:
+    async with runtime.session(session_id, user_id, resume=True, take_turn=True) as run:
         assert isinstance(run, JournalRun)  # an outermost session of a JournalRuntime
         # Writing a decision does not continue the run: closing this block normally would
         # otherwise store it as finished, and it would list so until it is really resumed.

@@ -149,12 +149,12 @@ class Memory:
         """
         if limit is not None and limit < 0:
             raise UserError("limit must be 0 or more")
-        return await self.store.episodes(
-            _session(session_id),
-            _user(user_id),
-            before_epoch=before_epoch,
-            limit=limit,
-        )
+        session, user = _session(session_id), _user(user_id)
+        if before_epoch is not None and before_epoch <= 0:
+            # No run journals below epoch 0: the first run of a session (the common case)
+            # recalls nothing, so it need not ask the store.
+            return []
+        return await self.store.episodes(session, user, before_epoch=before_epoch, limit=limit)
 
     async def history(
         self, session_id: str, *, user_id: str | None, before_epoch: int | None = None

@@ -55,6 +55,7 @@ from ._store import (
     Claim,
     EntryInfo,
     JournalStore,
+    LastRun,
     OrphanClaim,
     RunRecord,
     Scope,
@@ -176,6 +177,15 @@ class JournalRun:
     # it, and must not make it look finished.
     keep_state: bool = False
     cancelled: bool = False  # fenced out by a cancel (see _lease.fenced_out)
+    # A resume of a closed run replays without the turn (no lease, no commits) and takes it
+    # only when a step has to run: until then ``token`` is the one it read, not one it holds.
+    claimed: bool = True
+    owner: str = ""  # the owner id the run claims (or claimed) the turn under
+    heartbeat: asyncio.Task[None] | None = None  # renews the lease while the turn is held
+    taking: asyncio.Lock | None = None  # one claim at a time for a run replaying without it
+    # Bumped when the entries are read again (the turn changed hands during a replay without
+    # it): a step located before that looks again.
+    generation: int = 0
 
     @property
     def session_id(self) -> str | None:
@@ -370,6 +380,7 @@ class JournalRuntime:
         resume: bool = False,
         strict_replay: bool | None = None,
         record: RunRecord | None = None,
+        take_turn: bool = False,
     ) -> AsyncIterator[JournalRun]:
         """Open a run on ``(session_id, user_id)`` and journal the steps made inside it.
 
@@ -377,6 +388,13 @@ class JournalRuntime:
         share the journal. Leaving the block normally closes the run and advances the
         session's epoch; leaving it by an exception keeps the run open, so running it again
         replays it. ``resume=True`` continues the session's last run even if it finished.
+
+        A resume of a run that closed (finished or interrupted) whose turn nobody holds reads
+        the run in one query and replays it without taking the turn: a replay that only hits
+        writes nothing. The turn is taken when the first step has to run (and the run's
+        entries are read again if another run held the turn in between). If a new run began
+        on the session meanwhile, that step raises ``SessionBusyError``. ``take_turn=True``
+        takes the turn before the block starts, as every other run does.
 
         Inside an open run on this journal, ``session()`` opens a sub-run instead (keyed under
         the enclosing run; see :meth:`subrun`), also when that run was opened by another
@@ -415,22 +433,27 @@ class JournalRuntime:
         _lease.held.add(owner)
         try:
             encoded = _encode_record(record)
-            claim, asked = (None, 0.0) if resume else await self._try_begin(scope, owner, encoded)
-            if claim is None:  # busy, or a run to continue: claim, then open it if need be
-                claim, asked = await _lease.claim(
-                    self._store,
-                    scope,
-                    owner,
-                    lease_seconds=self.lease_seconds,
-                    turn_timeout=self.turn_timeout,
-                    deadline=deadline,
+            run = None
+            if resume and not take_turn:
+                run = await self._replaying(scope, strict_replay)
+            if run is None:
+                claim, asked = (
+                    (None, 0.0) if resume else await self._try_begin(scope, owner, encoded)
                 )
-            run = await self._start(scope, claim, resume, strict_replay, encoded)
-            run.lease_until = asked + self.lease_seconds
+                began = claim is not None  # a new run, opened by the claim itself
+                if claim is None:  # busy, or a run to continue: claim, then open it if need be
+                    claim, asked = await _lease.claim(
+                        self._store,
+                        scope,
+                        owner,
+                        lease_seconds=self.lease_seconds,
+                        turn_timeout=self.turn_timeout,
+                        deadline=deadline,
+                    )
+                run = await self._start(scope, claim, resume, strict_replay, encoded, began)
+                self._hold(run, asked)
+            run.owner = owner
             self._live[scope.key] = run  # one run per scope at a time: the turn lock
-            heartbeat = asyncio.create_task(
-                _lease.heartbeat(self._store, run, self.lease_seconds), name="loomflow-lease"
-            )
             reset = _frame.set(_Frame(run, ()))
             finished = False
             failure: BaseException | None = None
@@ -444,10 +467,13 @@ class JournalRuntime:
                 _frame.reset(reset)
                 if self._live.get(scope.key) is run:
                     del self._live[scope.key]
-                heartbeat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await heartbeat
-                released = await _lease.release(self._store, run, failure)
+                heartbeat = run.heartbeat
+                if heartbeat is not None:
+                    heartbeat.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await heartbeat
+                # A replay that never had to take the turn has nothing to give back.
+                released = await _lease.release(self._store, run, failure) if run.claimed else True
                 if not released:
                     run.lost = True
                     log.warning("run on %s ended after losing its turn", scope.key)
@@ -484,61 +510,148 @@ class JournalRuntime:
         resume: bool,
         strict: bool | None,
         record: tuple[str, str, bytes] | None = None,
+        began: bool = False,
     ) -> JournalRun:
+        """The run a claim gives: the last one continued, or a new one (``began``: the claim
+        opened it already). A new run has nothing journaled yet, so only a continued one is
+        read from the store."""
         try:
             if resume and not claim.open and claim.epoch > 0:
                 cancelled = claim.cancelled
                 if cancelled is None:  # a store that does not read it with the claim
                     cancelled = await self._store.run_status(scope) == "cancelled"
                 if cancelled:
-                    raise RunCancelledError(
-                        scope.session_id,
-                        scope.user_id,
-                        f"session {scope.session_id!r} of user {scope.user_id!r} was "
-                        "cancelled; a cancelled run is not resumed (a new run of the session "
-                        "starts afresh)",
-                    )
+                    raise _cancelled_resume(scope)
                 epoch = claim.epoch - 1  # continue the last, finished run
+                opened = False
             else:
                 epoch = claim.epoch
-                if not claim.open and not await self._store.begin_run(scope, claim.token, record):
+                opened = began or not claim.open
+                if (
+                    opened
+                    and not began
+                    and not await self._store.begin_run(scope, claim.token, record)
+                ):
                     raise OwnershipLostError(f"lost {scope.key} while opening the run")
-            rows = await self._store.load_run(scope, epoch)
-            strict = self.strict_replay if strict is None else strict
-            damaged = _damaged_keys(rows)
-            if damaged and strict:
-                row, why = damaged[0]
-                raise CorruptEntryError(
-                    f"the journal row at position {row.seq} of run {epoch} of {scope.key} has "
-                    f"{why}: no step can match it, so its step would run again; repair or "
-                    "delete the row (strict_replay)"
-                )
+            rows = [] if opened else await self._store.load_run(scope, epoch)
+            return self._run_of(scope, epoch, claim.token, rows, strict)
         except BaseException as exc:
             try:
                 await self._store.release(scope, claim.token, None)
             except Exception as cleanup:
                 attach_cleanup_error(exc, cleanup, "giving back the session's turn")
             raise
+
+    def _run_of(
+        self,
+        scope: Scope,
+        epoch: int,
+        token: int,
+        rows: list[StoredEntry],
+        strict: bool | None,
+        *,
+        claimed: bool = True,
+    ) -> JournalRun:
+        """A run of ``epoch`` over its journal rows (strict: a row no step can match raises)."""
+        strict = self.strict_replay if strict is None else strict
+        damaged = _damaged_keys(rows)
+        if damaged and strict:
+            row, why = damaged[0]
+            raise CorruptEntryError(
+                f"the journal row at position {row.seq} of run {epoch} of {scope.key} has "
+                f"{why}: no step can match it, so its step would run again; repair or "
+                "delete the row (strict_replay)"
+            )
         for row, why in damaged:
             log.warning(
                 "journal row at position %d of %s has %s; its step runs again", row.seq,
                 scope.key, why,
             )  # fmt: skip
-        entries: dict[tuple[str, str], dict[str, StoredEntry]] = {}
-        for row in rows:
-            entries.setdefault((row.path, row.name), {})[row.fingerprint] = row
         run = JournalRun(
             runtime=self,
             scope=scope,
             epoch=epoch,
-            token=claim.token,
+            token=token,
             strict=strict,
             resumed=bool(rows),
-            entries=entries,
-            next_seq=max((r.seq for r in rows), default=-1) + 1,
+            entries=_indexed(rows),
+            next_seq=_next_seq(rows),
+            claimed=claimed,
         )
         run.stats.corrupt += len(damaged)
         return run
+
+    def _hold(self, run: JournalRun, asked: float) -> None:
+        """The run holds the turn from a claim sent at ``asked``: keep it renewed."""
+        run.lease_until = asked + self.lease_seconds
+        run.heartbeat = asyncio.create_task(
+            _lease.heartbeat(self._store, run, self.lease_seconds),
+            name="loomflow-lease",
+            context=contextvars.Context(),  # not the step's: it outlives none of it
+        )
+
+    async def _replaying(self, scope: Scope, strict: bool | None) -> JournalRun | None:
+        """The session's last run, to replay without taking the turn, if it is closed and
+        nobody holds the turn; ``None`` to take the turn first (an open or busy session, a
+        session with no finished run yet, or a store that cannot read it in one go)."""
+        peek = getattr(self._store, "peek_last_run", None)  # stores from before 0.21 lack it
+        last: LastRun | None = await peek(scope) if peek is not None else None
+        if last is None or last.open or last.held or last.epoch == 0:
+            return None
+        if last.status == "cancelled":
+            raise _cancelled_resume(scope)
+        run = self._run_of(scope, last.epoch - 1, last.token, last.entries, strict, claimed=False)
+        run.taking = asyncio.Lock()
+        return run
+
+    async def _take_turn(self, run: JournalRun) -> None:
+        """Take the turn for a run replaying without it, now that a step has to run.
+
+        The run goes on only if its run is still the session's last one, closed. If another
+        run held the turn since the replay read the journal, the entries are read again (and
+        ``run.generation`` moves on, so a step located before looks again).
+
+        Raises:
+            SessionBusyError: the turn stayed busy, or a new run began on the session.
+            RunCancelledError: the run was cancelled since it was read.
+        """
+        assert run.taking is not None
+        async with run.taking:
+            if run.claimed:  # a parallel step took it first
+                return
+            seen = run.token
+            claim, asked = await _lease.claim(
+                self._store,
+                run.scope,
+                run.owner,
+                lease_seconds=self.lease_seconds,
+                turn_timeout=self.turn_timeout,
+                deadline=time.monotonic() + self.turn_timeout,
+            )
+            try:
+                if claim.cancelled:
+                    raise _cancelled_resume(run.scope)
+                if claim.open or claim.epoch != run.epoch + 1:
+                    raise SessionBusyError(
+                        f"a new run began on session {run.session_id!r} of user "
+                        f"{run.user_id!r} while this one replayed the last run; resume again"
+                    )
+                rows = (
+                    None
+                    if claim.token == seen + 1  # nobody held the turn since the read
+                    else await self._store.load_run(run.scope, run.epoch)
+                )
+            except BaseException as exc:
+                try:
+                    await self._store.release(run.scope, claim.token, None)
+                except Exception as cleanup:
+                    attach_cleanup_error(exc, cleanup, "giving back the session's turn")
+                raise
+            run.token, run.claimed = claim.token, True
+            self._hold(run, asked)
+            if rows is not None:
+                run.entries, run.next_seq = _indexed(rows), _next_seq(rows)
+                run.generation += 1
 
     @contextlib.contextmanager
     def subrun(self, name: str) -> Iterator[tuple[str, ...]]:
@@ -635,7 +748,10 @@ class JournalRuntime:
                 return await self._idempotent_step(
                     run, frame.path, name, fn, args, kwargs, idempotency_key, started, note
                 )
-            outcome, value, pkey, fp = self._locate(run, frame.path, name, args, kwargs, note)
+            located = self._locate(run, frame.path, name, args, kwargs, note)
+            if located[0] != "hit" and not run.claimed:
+                located = await self._with_turn(run, located, frame.path, name, args, kwargs, note)
+            outcome, value, pkey, fp = located
             if outcome == "hit":
                 self._signals.emit(run, frame.path, name, False, "hit", started, 0.0, note)
                 return value
@@ -659,7 +775,10 @@ class JournalRuntime:
             raise _lease.not_started_error(run, name, "now belongs to a newer run")
         started = time.perf_counter()
         with self._signals.traced(run, frame.path, name, True) as note:
-            outcome, value, pkey, fp = self._locate(run, frame.path, name, args, kwargs, note)
+            located = self._locate(run, frame.path, name, args, kwargs, note)
+            if located[0] != "hit" and not run.claimed:
+                located = await self._with_turn(run, located, frame.path, name, args, kwargs, note)
+            outcome, value, pkey, fp = located
             if outcome == "hit":
                 self._signals.emit(run, frame.path, name, True, "hit", started, 0.0, note)
                 for chunk in value:
@@ -718,6 +837,24 @@ class JournalRuntime:
         return result
 
     # The shared replay path: locate -> read (decode) -> run fresh -> encode -> record.
+
+    async def _with_turn(
+        self,
+        run: JournalRun,
+        located: tuple[Outcome, Any, str, str],
+        path: tuple[str, ...],
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        note: StepNote | None,
+    ) -> tuple[Outcome, Any, str, str]:
+        """Take the turn for a step a replay without it must run; where the entries were
+        read again meanwhile, the step looks again (another run may have journaled it)."""
+        seen = run.generation
+        await self._take_turn(run)
+        if run.generation == seen:
+            return located
+        return self._locate(run, path, name, args, kwargs, note)
 
     def _locate(
         self,
@@ -788,6 +925,8 @@ class JournalRuntime:
         kwargs: dict[str, Any],
     ) -> Any:
         """Check the turn (before any side effect), then call ``fn`` and await its result."""
+        if not run.claimed:
+            await self._take_turn(run)
         if not _lease.turn_is_fresh(run, self.lease_seconds):
             await _lease.check_turn(self._store, run, name, self.lease_seconds)
         result = fn(*args, **kwargs)
@@ -1055,6 +1194,27 @@ class JournalRuntime:
         check_id("user_id", user_id)
         deleted = await self.prune(user_id=user_id, include_open=True, older_than=timedelta(0))
         return deleted + await self._store.forget_sessions(user_id)
+
+
+def _indexed(rows: list[StoredEntry]) -> dict[tuple[str, str], dict[str, StoredEntry]]:
+    """A run's entries by (path, name), then fingerprint."""
+    entries: dict[tuple[str, str], dict[str, StoredEntry]] = {}
+    for row in rows:
+        entries.setdefault((row.path, row.name), {})[row.fingerprint] = row
+    return entries
+
+
+def _next_seq(rows: list[StoredEntry]) -> int:
+    return max((r.seq for r in rows), default=-1) + 1
+
+
+def _cancelled_resume(scope: Scope) -> RunCancelledError:
+    return RunCancelledError(
+        scope.session_id,
+        scope.user_id,
+        f"session {scope.session_id!r} of user {scope.user_id!r} was cancelled; a cancelled "
+        "run is not resumed (a new run of the session starts afresh)",
+    )
 
 
 def _check_text(what: str, value: object) -> None:

@@ -23,6 +23,7 @@ from ._store import (
     RUN_STATES,
     Claim,
     EntryInfo,
+    LastRun,
     OrphanClaim,
     RunRow,
     Scope,
@@ -202,6 +203,16 @@ _LOAD_RUN = """
 SELECT path, name, fingerprint, kind, format, codec_version, value, seq
 FROM loom_entries WHERE scope = $1 AND epoch = $2
 """
+# A resume of a closed run reads the lease row and that run's entries in one statement (one
+# snapshot on either database), and writes nothing unless a step has to run. The row's
+# columns repeat on every entry; a run with no entries still gives the row (LEFT JOIN).
+_PEEK = """
+SELECT s.token, s.epoch, s.open, s.status, s.owner, e.scope,
+    e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq
+FROM loom_sessions s
+LEFT JOIN loom_entries e ON e.scope = s.scope AND s.open = 0 AND e.epoch = s.epoch - 1
+WHERE s.scope = $1
+"""
 # The ownership check and the write are one statement: a run fenced out by a newer token
 # inserts nothing. PostgreSQL also locks the session row FOR SHARE, so a takeover waits for
 # an in-flight write to commit instead of racing it. A run position holds an entry already
@@ -271,6 +282,7 @@ _QUERIES = {
     "state_rows": _STATE_ROWS,
     "release_keep": _RELEASE_KEEP,
     "load_run": _LOAD_RUN,
+    "peek": _PEEK,
     "write": _WRITE,
     "get_idem": _GET_IDEM,
     "put_idem": _PUT_IDEM,
@@ -547,6 +559,32 @@ class SqlJournalStore:
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         rows = await self._run("read", "load_run", scope.key, epoch)
         return [_stored(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
+
+    async def peek_last_run(self, scope: Scope) -> LastRun | None:
+        rows = await self._run("read", "peek", scope.key)
+        if not rows:
+            return None
+        token, epoch, is_open, status, owner = rows[0][:5]
+        if (
+            type(token) is not int
+            or type(epoch) is not int
+            or not 0 <= epoch < _LAST_NUMBER
+            or not 0 < token < _LAST_NUMBER
+        ):
+            return None  # damaged: the claim a resume falls back to names it
+        entries = [  # e.scope is NULL only on the row a run without entries gives
+            _stored(r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13])
+            for r in rows
+            if r[5] is not None
+        ]
+        return LastRun(
+            token,
+            epoch,
+            bool(is_open),
+            status if isinstance(status, str) else None,
+            owner is not None,
+            entries,
+        )
 
     async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         # A row count, not RETURNING: on SQLite RETURNING made the fenced write cost 1.2x a

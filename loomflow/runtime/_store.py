@@ -21,6 +21,7 @@ __all__ = [
     "Claim",
     "EntryInfo",
     "JournalStore",
+    "LastRun",
     "OrphanClaim",
     "RUN_STATES",
     "RunRecord",
@@ -112,6 +113,24 @@ class Claim:
     epoch: int
     open: bool
     cancelled: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LastRun:
+    """A session's lease row and the entries of its last closed run, read in one statement
+    by a resume that replays without taking the turn (see :meth:`JournalStore.peek_last_run`).
+
+    ``epoch`` is the session's epoch (a closed run journaled under ``epoch - 1``); ``held``
+    says a lease row names an owner, whether or not its lease ran out. ``entries`` is empty
+    unless the run is closed.
+    """
+
+    token: int
+    epoch: int
+    open: bool
+    status: str | None
+    held: bool
+    entries: list[StoredEntry]
 
 
 @dataclass(slots=True)
@@ -296,6 +315,16 @@ class JournalStore(Protocol):
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         """Every entry of one run, in one query."""
+
+    async def peek_last_run(self, scope: Scope) -> LastRun | None:
+        """The lease row of (session, user) and the entries of its last run if that run is
+        closed, in one consistent read that changes nothing; ``None`` when there is no row
+        (or it is damaged: the claim then reports it).
+
+        A resume of a closed run replays from this without taking the turn, and takes it only
+        when a step has to run. A store may lack it (stores written before 0.21): every
+        resume then takes the turn first.
+        """
 
     async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         """Insert or replace an entry; ``False`` if ``token`` no longer owns the scope."""

@@ -20,6 +20,7 @@ from ._store import (
     RUN_STATES,
     Claim,
     EntryInfo,
+    LastRun,
     OrphanClaim,
     RunRow,
     Scope,
@@ -256,6 +257,14 @@ class InMemoryStore:
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
         run = self.entries.get(scope.key, {}).get(epoch, {})
         return [entry for entry, _ in run.values()]
+
+    async def peek_last_run(self, scope: Scope) -> LastRun | None:
+        row = self.sessions.get(scope.key)
+        if row is None:
+            return None
+        run = {} if row.open else self.entries.get(scope.key, {}).get(row.epoch - 1, {})
+        entries = [entry for entry, _ in run.values()]
+        return LastRun(row.token, row.epoch, row.open, row.status, row.owner is not None, entries)
 
     async def write_entry(self, scope: Scope, token: int, epoch: int, entry: StoredEntry) -> bool:
         if self._owned(scope, token) is None:

@@ -179,3 +179,25 @@ async def test_without_auto_migration_the_default_memory_says_to_migrate(tmp_pat
         assert done.output == "Hello, Alice."
     finally:
         await runtime.close()
+
+
+async def test_the_first_run_of_a_session_does_not_ask_memory(runtime_factory: Factory) -> None:
+    """No run journals below epoch 0, so a session's first run (and its replay) recalls
+    nothing without a query; its next run asks once."""
+    runtime = await runtime_factory()
+    agent = Agent("x", model=alice_model(), runtime=runtime)
+    store = agent.memory.store  # type: ignore[union-attr]
+    asked: list[int | None] = []
+    episodes = store.episodes
+
+    async def counted(*args: object, before_epoch: int | None, limit: int | None) -> object:
+        asked.append(before_epoch)
+        return await episodes(*args, before_epoch=before_epoch, limit=limit)
+
+    store.episodes = counted
+    await agent.run(HELLO, session_id="conv_42", user_id="alice")
+    await agent.resume(HELLO, session_id="conv_42", user_id="alice")
+    assert asked == []
+    second = await agent.run(ASK, session_id="conv_42", user_id="alice")
+    assert asked == [1]
+    assert users_said(second.messages) == [HELLO, ASK]

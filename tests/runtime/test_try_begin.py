@@ -193,12 +193,15 @@ async def test_a_resume_learns_of_a_cancel_from_its_claim(runtime_factory: Facto
 
 
 class _ClaimsWithoutStatus:
-    """A store whose claims do not say whether the run was cancelled (written before 0.21)."""
+    """A store whose claims do not say whether the run was cancelled (written before 0.21,
+    so it cannot read a closed run without a claim either)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
     def __getattr__(self, name: str) -> Any:
+        if name == "peek_last_run":
+            raise AttributeError(name)
         real = getattr(self._inner, name)
         if name not in ("try_acquire", "steal"):
             return real
