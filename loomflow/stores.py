@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._ids import check_id
+from ._progress import OnProgress
 from .config import Settings
 from .errors import ProtectedChainError, UnknownUserError, UserError
 from .storage import Database
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
     from .governance.budget import BucketUsage, BudgetStore
     from .memory import Memory
     from .runtime import JournalRuntime
+
+# "Any user" and "any session" (None is the anonymous bucket, so it cannot mean "any").
+_ANY: Any = object()
 
 __all__ = [
     "ForgetReport",
@@ -477,6 +481,86 @@ class Stores:
             erased = await audit.erase_entries(chain, seqs, reason="forget", actor=actor)
             report.console_erased += erased.erased
         return report
+
+    async def forget_checkpoints(self, user_id: str | None, *, actor: str = "loomflow") -> int:
+        """Delete every checkpoint of one user; returns how many went.
+
+        Refused for a user under legal hold. A deletion is noted in the user's audit trail
+        (an ``audit.deletion`` entry naming the store and the count).
+
+        Raises:
+            LegalHoldError: the user is under legal hold (nothing is deleted).
+        """
+        check_id("user_id", user_id)
+        store = self.checkpoints
+        if store is None:
+            raise UserError("these stores have no checkpoints (no journal database)")
+        await self.audit.check_not_held(user_id)
+        deleted = await store.forget_user(user_id)
+        if deleted:
+            await self._note_deletion(user_id, "checkpoints", deleted, actor, {})
+        return deleted
+
+    async def prune_journal(
+        self,
+        *,
+        older_than: dt.timedelta | None = None,
+        session_id: Any = _ANY,
+        user_id: Any = _ANY,
+        include_open: bool = False,
+        batch_size: int = 5000,
+        on_progress: OnProgress | None = None,
+        dry_run: bool = False,
+        actor: str = "loomflow",
+    ) -> int:
+        """:meth:`JournalRuntime.prune <loomflow.runtime.JournalRuntime.prune>` that keeps
+        everything of the users under legal hold.
+
+        A prune of one user (``user_id``) is refused while they are held, and noted in their
+        audit trail (``audit.deletion``) when it deletes something.
+
+        Raises:
+            LegalHoldError: ``user_id`` is under legal hold (nothing is deleted).
+        """
+        runtime = self.runtime
+        if runtime is None:
+            raise UserError("these stores have no journal")
+        filters: dict[str, Any] = {}
+        if session_id is not _ANY:
+            filters["session_id"] = session_id
+        if user_id is not _ANY:
+            check_id("user_id", user_id)
+            await self.audit.check_not_held(user_id)
+            filters["user_id"] = user_id
+        held = [hold.user_id for hold in await self.audit.legal_holds()]
+        deleted = await runtime.prune(
+            older_than=older_than,
+            include_open=include_open,
+            batch_size=batch_size,
+            on_progress=on_progress,
+            dry_run=dry_run,
+            keep_users=held,
+            **filters,
+        )
+        if user_id is not _ANY and deleted and not dry_run:
+            details: dict[str, Any] = {"include_open": include_open}
+            if older_than is not None:
+                details["older_than_s"] = older_than.total_seconds()
+            if session_id is not _ANY:
+                details["session_id"] = session_id
+            await self._note_deletion(user_id, "journal", deleted, actor, details)
+        return deleted
+
+    async def _note_deletion(
+        self, user_id: str | None, store: str, deleted: int, actor: str, details: dict[str, Any]
+    ) -> None:
+        from .audit import AuditRecord
+        from .audit.actions import AUDIT_DELETION
+
+        payload = {"store": store, "deleted": deleted, **details}
+        await self.audit.append(
+            AuditRecord(user_id=user_id, actor=actor, action=AUDIT_DELETION, payload=payload)
+        )
 
     async def _console_mentions(self, user_id: str | None) -> dict[str, list[int]]:
         """The entries of console chains whose payload names ``user_id`` (see :func:`_names`),

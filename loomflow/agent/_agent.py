@@ -233,6 +233,8 @@ class Agent:
         self._hooks = hooks_of(
             [*guardrails, budget, permissions, memory_hooks, audit, self.telemetry, *hooks]
         )
+        if audit is not None and self.telemetry is not None:
+            _count_audit_entries(self.telemetry, audit)
         self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]
         self._settings = ModelSettings(
             max_tokens=self.tuning.max_tokens, temperature=self.tuning.temperature
@@ -777,6 +779,18 @@ class Agent:
                 "SqliteRuntime or PostgresRuntime): checkpoints are stored beside the journal"
             )
         return checkpoint_store_for(runtime)
+
+
+def _count_audit_entries(telemetry: RunPlugin, audit: RunPlugin) -> None:
+    """Let the agent's metrics count what its audit log appends (the two layers do not know
+    each other; the agent, which holds both, connects them)."""
+    from ..telemetry import Metrics, Telemetry
+
+    metrics = telemetry if isinstance(telemetry, Metrics) else None
+    if isinstance(telemetry, Telemetry):
+        metrics = telemetry.metrics
+    if metrics is not None:
+        metrics.count_audit(audit)
 
 
 async def _fork_source(

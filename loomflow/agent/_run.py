@@ -163,6 +163,10 @@ class _Run:
                         yield event
             if self.interrupted is None:
                 await self.check_output()
+                if not self.answered:  # a restored answer is in its snapshot already
+                    # After the output checks: a snapshot holds the answer as they left it,
+                    # and none of one they blocked.
+                    await self.save(final=True)
         except Interrupt as interrupt:
             for event in await self.stop(interrupt):
                 yield event
@@ -258,8 +262,7 @@ class _Run:
                 if retry is not None:  # ask again; the (empty) tool turn saves the snapshot
                     self.messages.append(retry)
                     return
-            self.interrupted = None
-            await self.save(final=True)
+            self.interrupted = None  # answered; events() checks the answer, then saves
 
     async def tool_turn(self, turn: int) -> AsyncGenerator[BaseModel, None]:
         """The tool calls of the last response, each a journaled step; results to the model."""
@@ -298,10 +301,18 @@ class _Run:
     async def check_output(self) -> None:
         """Let the hooks check (or rewrite) the final answer."""
         self.checking_output = True
-        checked, self.output = self.output, ""  # an answer a guardrail blocks must not leave
+        answer = checked = self.output
+        self.output = ""  # an answer a guardrail blocks must not leave
         for hook in self.hooks:
             checked = await hook.check_output(self.info, checked)
         self.output = checked
+        last = self.messages[-1] if self.messages else None
+        said = last is not None and last.role == "assistant" and last.content == answer
+        if checked != answer and last is not None and said:
+            # Rewritten (redacted): the transcript, the snapshot and the episode carry what the
+            # hooks let through. The journal keeps the model's answer as it came: a replay
+            # needs it, and checks it again the same way.
+            self.messages[-1] = last.model_copy(update={"content": checked})
         if self.structured is not None:
             self.parsed = self.structured.parse(checked)
 
@@ -331,9 +342,12 @@ class _Run:
                 await self._finished_with(exc)
                 raise
         result = self.result()
+        # What the run emitted (an output guardrail's finding, say) reaches the hooks, and so
+        # the audit log, before the run's end does.
+        events = await self.flush()
         for hook in self.hooks:
             await hook.run_finished(self.info, result, None)
-        return [*await self.flush(), RunFinished(result=result)]
+        return [*events, *await self.flush(), RunFinished(result=result)]
 
     def result(self) -> RunResult:
         hits, misses = _counts(self.open_run)

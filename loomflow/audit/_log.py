@@ -10,7 +10,7 @@ import datetime as dt
 import logging
 import os
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
@@ -86,6 +86,7 @@ class AuditLog:
         self.max_text = max_text
         if redact_logs:
             install_log_redaction(self.redactor)
+        self._observers: list[Callable[[AuditEntry], None]] = []
         self._hooks = AuditHooks(self)
 
     def __repr__(self) -> str:
@@ -94,6 +95,22 @@ class AuditLog:
     def as_hooks(self) -> AuditHooks:
         """The loop hooks that write this log (``Agent(audit=...)`` calls it)."""
         return self._hooks
+
+    def add_observer(self, observer: Callable[[AuditEntry], None]) -> None:
+        """Call ``observer`` with every entry this log appends (its runs' and ``record``'s),
+        after the store took it; telemetry counts entries this way. An observer that fails
+        is logged, never propagated."""
+        self._observers.append(observer)
+
+    async def _append(self, records: Sequence[AuditRecord]) -> list[AuditEntry]:
+        entries = await self.store.append(records)
+        for entry in entries:
+            for observer in self._observers:
+                try:
+                    observer(entry)
+                except Exception:
+                    log.exception("audit observer %r failed", observer)
+        return entries
 
     async def record(
         self,
@@ -132,15 +149,17 @@ class AuditLog:
                 f"user id {user_id[:80]!r} names a console chain (console:<name>), which only "
                 "the console writes"
             )
-        entries = await self.store.append(
-            AuditRecord(
-                user_id=user_id,
-                session_id=session_id,
-                run_id=run_id,
-                actor=actor,
-                action=action,
-                payload=self.redactor.value(dict(payload or {}), max_text=self.max_text),
-            )
+        entries = await self._append(
+            [
+                AuditRecord(
+                    user_id=user_id,
+                    session_id=session_id,
+                    run_id=run_id,
+                    actor=actor,
+                    action=action,
+                    payload=self.redactor.value(dict(payload or {}), max_text=self.max_text),
+                )
+            ]
         )
         return entries[0]
 
@@ -245,7 +264,7 @@ class AuditHooks(RunHooks):
         if not batch:
             return
         try:
-            await self.audit.store.append(batch)
+            await self.audit._append(batch)
         except Exception:
             if self.audit.on_error == "raise":
                 raise

@@ -15,6 +15,7 @@ __all__ = [
     "ALL",
     "APPROVAL_DECISION",
     "APPROVAL_REQUEST",
+    "AUDIT_DELETION",
     "AUDIT_ERASURE",
     "BUDGET_DENIED",
     "BUDGET_UNAVAILABLE",
@@ -114,13 +115,18 @@ AUDIT_ERASURE: Final = "audit.erasure"
 """Payloads of the user's earlier entries were erased (``users forget`` or retention). Its
 payload holds no personal data: reason, cut-off, counts, and the digests that keep erased
 entries of hash versions 1 and 2 checkable. Erasure never erases it."""
+AUDIT_DELETION: Final = "audit.deletion"
+"""Data of the user was deleted from a store by an operator, outside an erasure
+(``checkpoints forget --user``, ``journal prune --user``): the store, how many rows and the
+filters. No personal data; erasure never erases it."""
 LEGAL_HOLD_PLACED: Final = "legal_hold.placed"
 """A legal hold was placed on the user: forget and retention refuse to erase until released."""
 LEGAL_HOLD_RELEASED: Final = "legal_hold.released"
 """The user's legal hold was released."""
 
-KEPT_BY_ERASURE: Final = (AUDIT_ERASURE, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED)
-"""Actions whose payloads erasure leaves in place: the record of erasures and holds."""
+KEPT_BY_ERASURE: Final = (AUDIT_ERASURE, AUDIT_DELETION, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED)
+"""Actions whose payloads erasure leaves in place: the record of erasures, deletions and
+holds."""
 
 RESERVED_PREFIXES: Final = ("audit.", "legal_hold.", "console.")
 """Prefixes of the actions loomflow acts on (an erasure record authorises erased payloads, a

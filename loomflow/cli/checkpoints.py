@@ -91,7 +91,8 @@ async def _handle(args: argparse.Namespace) -> int:
             return await _show(store, args)
         if args.checkpoints_command == "export":
             return await _export(store, args)
-        deleted = await store.forget_user(args.user_id)
+        # Refused for a user under legal hold; noted in the user's audit trail.
+        deleted = await stores.forget_checkpoints(args.user_id, actor="cli:checkpoints-forget")
         if args.json:
             print(json.dumps({"user_id": args.user_id, "deleted": deleted}))
         else:

@@ -455,7 +455,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "runs":
             return await _runs_show(runtime, args)
         if args.command == "journal":
-            return await _prune(runtime, args)
+            return await _prune(stores, args)
         raise AssertionError(args.command)  # argparse only lets known commands through
     finally:
         await stores.close()
@@ -658,7 +658,7 @@ async def _tool_names(
     return names
 
 
-async def _prune(runtime: JournalRuntime, args: argparse.Namespace) -> int:
+async def _prune(stores: Stores, args: argparse.Namespace) -> int:
     older_than = args.older_than
     retention = Settings().journal_retention_days
     if older_than is None and retention is not None:
@@ -677,8 +677,10 @@ async def _prune(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         filters["session_id"] = args.session_id
     if args.user_id is not None:
         filters["user_id"] = args.user_id
+    # Users under legal hold keep everything; a prune of one of them is refused.
+    filters["actor"] = "cli:journal-prune"
     if args.dry_run:
-        count = await runtime.prune(**filters, dry_run=True)
+        count = await stores.prune_journal(**filters, dry_run=True)
         print(
             json.dumps({"would_delete": count})
             if args.json
@@ -686,7 +688,7 @@ async def _prune(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         )
         return 0
     with progress_bar("pruning", unit=" rows", enabled=args.progress) as on_progress:
-        deleted = await runtime.prune(
+        deleted = await stores.prune_journal(
             **filters, batch_size=args.batch_size, on_progress=on_progress
         )
     print(json.dumps({"deleted": deleted}) if args.json else f"deleted {deleted} journal entries")

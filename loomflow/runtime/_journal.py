@@ -1146,6 +1146,7 @@ class JournalRuntime:
         batch_size: int = 5000,
         on_progress: OnProgress | None = None,
         dry_run: bool = False,
+        keep_users: Sequence[str | None] = (),
     ) -> int:
         """Delete journal entries; returns how many went (with ``dry_run``, would go).
 
@@ -1153,7 +1154,9 @@ class JournalRuntime:
         (``None`` is the anonymous bucket; leave the argument out to match every user). The
         entries of open runs (raised or crashed, still resumable) are kept unless
         ``include_open=True``. With ``older_than`` and no ``session_id``, idempotency results
-        that old (of ``user_id``, if given) go too; otherwise they outlive the runs.
+        that old (of ``user_id``, if given) go too; otherwise they outlive the runs. Nothing
+        of the users in ``keep_users`` goes (``None`` is the anonymous bucket): the command
+        line passes the users under legal hold.
 
         Rows are deleted ``batch_size`` at a time, each batch its own short statement, so a
         large prune never holds the tables' locks for long; rows written after the prune began
@@ -1171,7 +1174,14 @@ class JournalRuntime:
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"batch_size must be a positive integer, not {batch_size!r}")
+        keep = [check_id("keep_users", user) for user in keep_users]
         await self._ensure_open()
+        extra: dict[str, Any] = {"keep_users": keep} if keep else {}
+        if keep and "keep_users" not in inspect.signature(self._store.prune).parameters:
+            raise ConfigurationError(
+                f"{type(self._store).__name__}.prune cannot keep some users' entries (a store "
+                "from before 0.21): nothing was pruned"
+            )
         return await self._store.prune(
             older_than_s=older_than.total_seconds() if older_than is not None else None,
             session_id=None if session_id is _ANY else session_id,
@@ -1182,6 +1192,7 @@ class JournalRuntime:
             batch_size=batch_size,
             on_progress=on_progress,
             dry_run=dry_run,
+            **extra,
         )
 
     async def forget_user(self, user_id: str | None) -> int:

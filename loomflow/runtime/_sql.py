@@ -728,6 +728,7 @@ class SqlJournalStore:
         batch_size: int,
         on_progress: OnProgress | None,
         dry_run: bool = False,
+        keep_users: Sequence[str | None] = (),
     ) -> int:
         # One reading of the database clock bounds the whole prune: the count and every batch
         # use the same cutoff, and rows written while the prune runs are left alone, as the
@@ -765,6 +766,14 @@ class SqlJournalStore:
                 "NOT EXISTS (SELECT 1 FROM loom_sessions s WHERE s.scope = loom_entries.scope"
                 " AND s.open = 1 AND s.epoch = loom_entries.epoch)"
             )
+        named = [u for u in keep_users if u is not None]
+        if keep_users:  # users under legal hold: none of their entries go
+            held = [f"user_id IN ({', '.join(param(u) for u in named)})"] if named else []
+            if None in keep_users:
+                held.append("user_id IS NULL")
+            where.append(
+                "scope NOT IN (SELECT scope FROM loom_sessions WHERE " + " OR ".join(held) + ")"
+            )
         targets = [_Prune("loom_entries", _ENTRY_KEY, where, args)]
         # Idempotency results outlive runs on purpose; only age (with the user filter) drops them.
         if older_than_s is not None and not by_session:
@@ -773,6 +782,12 @@ class SqlJournalStore:
             if by_user:
                 idem_args.append(json_user_key(user_id))
                 idem_where.append("user_key = $2")
+            if keep_users:
+                marks = []
+                for user in keep_users:
+                    idem_args.append(json_user_key(user))
+                    marks.append(f"${len(idem_args)}")
+                idem_where.append(f"user_key NOT IN ({', '.join(marks)})")
             targets.append(_Prune("loom_idempotency", _IDEM_KEY, idem_where, idem_args))
         if dry_run:
             counts = [(await self._fetch_raw(t.count_sql(), t.args))[0][0] for t in targets]

@@ -378,9 +378,12 @@ class JournalStore(Protocol):
         batch_size: int,
         on_progress: OnProgress | None,
         dry_run: bool = False,
+        keep_users: Sequence[str | None] = (),
     ) -> int:
         """Delete what the filters select, ``batch_size`` rows per statement (with
-        ``dry_run``, only count it).
+        ``dry_run``, only count it), except anything of the users in ``keep_users`` (under
+        legal hold). A store written before 0.21 may lack ``keep_users``: the journal then
+        refuses a prune that must keep someone.
 
         With ``on_progress``, count the rows first and report ``(done, total)`` through a
         ``loomflow._progress.Progress``; without it, count nothing.

@@ -378,13 +378,17 @@ class InMemoryStore:
         batch_size: int,
         on_progress: OnProgress | None,
         dry_run: bool = False,
+        keep_users: Sequence[str | None] = (),
     ) -> int:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
+        kept = {Scope(None, u).user_key for u in keep_users}
         doomed: list[tuple[dict[Any, Any], Any]] = []  # (container, key) of each row to drop
         for scope_key, runs in self.entries.items():
             row = self.sessions[scope_key]
-            if (by_session and row.session_id != session_id) or (
-                by_user and row.user_id != user_id
+            if (
+                (by_session and row.session_id != session_id)
+                or (by_user and row.user_id != user_id)
+                or Scope(None, row.user_id).user_key in kept
             ):
                 continue
             for epoch, run in runs.items():
@@ -400,7 +404,7 @@ class InMemoryStore:
             doomed += [
                 (self.idempotent, key)
                 for key, (_, created) in self.idempotent.items()
-                if created < cutoff and (not by_user or key[0] == user_key)
+                if created < cutoff and (not by_user or key[0] == user_key) and key[0] not in kept
             ]
         if dry_run:
             return len(doomed)

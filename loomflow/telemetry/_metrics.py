@@ -454,8 +454,8 @@ class Metrics:
         otel: ``False`` for Prometheus only.
 
     Feed it by giving it to ``Telemetry(metrics=...)`` (agents), by :meth:`instrument` (any
-    journaled runtime), or by calling the recording methods directly; the audit log calls
-    :meth:`audit_entry`.
+    journaled runtime) and :meth:`count_audit` (an audit log), or by calling the recording
+    methods directly.
 
     Example:
         >>> registry = CollectorRegistry()
@@ -743,8 +743,23 @@ class Metrics:
         if self._o is not None:
             self._o.add("guardrail_trips", 1, {"stage": stage, "action": action})
 
+    def count_audit(self, audit: Any) -> None:
+        """Count every entry the audit log ``audit`` appends, by action (idempotent per
+        registry and audit log). An agent does it for its own audit log and telemetry."""
+        add_observer = getattr(audit, "add_observer", None)
+        if add_observer is None:
+            return
+        with self._c.lock:
+            if audit in self._c.instrumented:
+                return
+            self._c.instrumented.add(audit)
+        add_observer(self._audit_appended)
+
+    def _audit_appended(self, entry: Any) -> None:
+        self.audit_entry(str(entry.action))
+
     def audit_entry(self, action: str) -> None:
-        """Count one audit-log entry of ``action`` (called by the audit log)."""
+        """Count one audit-log entry of ``action`` (see :meth:`count_audit`)."""
         action = self._c.bound("action", action)
         self._c.audit_entries.labels(action).inc()
         if self._o is not None:

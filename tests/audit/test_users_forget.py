@@ -152,6 +152,73 @@ async def test_forget_refuses_unknown_and_held_users_and_deletes_nothing(tmp_pat
         assert (await stores.forget_user("ana")).journal > 0
 
 
+@pytest.mark.parametrize(
+    "kind", ["sqlite", "sqlite+jsonl", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_hold_keeps_a_user_from_every_deletion_and_deletions_are_noted(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    settings = _settings(kind, tmp_path, request)
+    await _runs(settings, "ana", "bob")
+    async with Stores(settings) as stores:
+        await stores.audit.place_hold("ana", reason="litigation L-7", actor="legal:dana")
+        with pytest.raises(LegalHoldError, match="litigation L-7"):
+            await stores.forget_checkpoints("ana")
+        with pytest.raises(LegalHoldError, match="litigation L-7"):
+            await stores.prune_journal(user_id="ana")
+        # A prune of everyone keeps everything of the held user, and deletes the rest.
+        assert await stores.prune_journal(dry_run=True) == await stores.prune_journal()
+        ana, bob = await stores.export_user("ana"), await stores.export_user("bob")
+        assert _has_data(ana)["entries"] > 0
+        assert _has_data(ana)["checkpoints"] > 0
+        assert _has_data(bob)["entries"] == 0
+        assert await stores.audit.count(user_id="ana", action="audit.deletion") == 0
+        await stores.audit.release_hold("ana", actor="legal:dana")
+        entries, snapshots = _has_data(ana)["entries"], _has_data(ana)["checkpoints"]
+        assert await stores.prune_journal(user_id="ana", actor="ops:eve") == entries
+        assert await stores.forget_checkpoints("ana", actor="ops:eve") == snapshots
+        notes = [
+            e for e in (await stores.export_user("ana"))["audit"] if e["action"] == "audit.deletion"
+        ]
+        assert [(n["actor"], n["payload"]["store"], n["payload"]["deleted"]) for n in notes] == [
+            ("ops:eve", "journal", entries),
+            ("ops:eve", "checkpoints", snapshots),
+        ]
+        assert NAME not in json.dumps(notes, ensure_ascii=False)
+        # A deletion that finds nothing is not noted; the notes survive a forget.
+        assert await stores.forget_checkpoints("ana") == 0
+        assert await stores.audit.count(user_id="ana", action="audit.deletion") == 2
+        await stores.forget_user("ana")
+        after = [e for e in (await stores.export_user("ana"))["audit"]]
+        assert [e["payload"]["store"] for e in after if e["action"] == "audit.deletion"] == [
+            "journal",
+            "checkpoints",
+        ]
+        assert (await stores.audit.verify()).ok
+
+
+async def test_the_cli_refuses_to_delete_a_held_users_data(tmp_path: Path) -> None:
+    env = {"LOOMFLOW_RUNTIME_URL": f"sqlite:///{tmp_path / 'journal.db'}"}
+    await _runs(Settings(runtime_url=env["LOOMFLOW_RUNTIME_URL"]), "ana")
+    assert _cli(env, "users", "hold", "ana", "--reason", "subpoena 14").returncode == 0
+    for command in (
+        ["checkpoints", "forget", "--user", "ana", "--yes"],
+        ["journal", "prune", "--user", "ana"],
+    ):
+        done = _cli(env, *command)
+        assert done.returncode == 1, done
+        assert "under legal hold" in done.stderr
+        assert "subpoena 14" in done.stderr
+    done = _cli(env, "journal", "prune", "--all", "--json")
+    assert json.loads(done.stdout) == {"deleted": 0}
+    assert _cli(env, "users", "release", "ana").returncode == 0
+    done = _cli(env, "checkpoints", "forget", "--user", "ana", "--yes", "--json")
+    assert json.loads(done.stdout)["deleted"] > 0
+    trail = _cli(env, "audit", "query", "--user", "ana", "--action", "audit.deletion", "--json")
+    [note] = json.loads(trail.stdout)["entries"]
+    assert (note["actor"], note["payload"]["store"]) == ("cli:checkpoints-forget", "checkpoints")
+
+
 # -- the least-privilege role on PostgreSQL ---------------------------------------------------
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from loomflow.agent import Agent, RunFinished
+from loomflow.agent import Agent, RunFinished, Tuning
+from loomflow.audit import AuditLog, InMemoryAuditStore
 from loomflow.errors import UserError
 from loomflow.governance import GuardrailTripped, PIIGuardrail, RegexGuardrail
 from loomflow.governance.guardrails import luhn_valid
@@ -131,6 +132,64 @@ async def test_an_output_guardrail_blocks_or_redacts_the_answer() -> None:
     ).run("go")
     assert redacted.output == "the key is [REDACTED:api_key]"
     assert not redacted.interrupted
+
+
+async def test_a_redacted_answer_is_what_the_transcript_and_snapshot_keep() -> None:
+    runtime = InMemoryRuntime()
+    answer = f"Mail {EMAIL} for help."
+    agent = Agent(
+        "x",
+        model=ScriptedModel([answer]),
+        runtime=runtime,
+        guardrails=[PIIGuardrail(stages=("output",))],
+        tuning=Tuning(checkpoint=True),
+    )
+    result = await agent.run("hi", session_id="s", user_id="u")
+    assert result.output == "Mail [REDACTED:email] for help."
+    assert result.messages[-1].content == result.output
+    [snapshot] = await agent.list_checkpoints("s", user_id="u")
+    assert snapshot.final
+    assert (snapshot.output, snapshot.messages[-1].content) == (result.output, result.output)
+    [episode] = await memory_for(runtime).episodes("s", user_id="u")
+    assert EMAIL not in json.dumps([m.model_dump() for m in episode.messages])
+    # A resume restores the snapshot and checks the answer again: same result, no model call.
+    resumed = await agent.resume("hi", session_id="s", user_id="u")
+    assert (resumed.output, resumed.messages[-1].content) == (result.output, result.output)
+
+
+async def test_a_blocked_answer_is_kept_by_no_snapshot() -> None:
+    runtime = InMemoryRuntime()
+    model = ScriptedModel([f"the key is {KEY}"])
+    agent = Agent(
+        "x",
+        model=model,
+        runtime=runtime,
+        guardrails=[PIIGuardrail("keys", action="block")],
+        tuning=Tuning(checkpoint=True),
+    )
+    result = await agent.run("hi", session_id="s", user_id="u")
+    assert result.interruption_reason == "guardrail:keys"
+    assert KEY not in json.dumps([m.model_dump() for m in result.messages])
+    snapshots = await agent.list_checkpoints("s", user_id="u")
+    assert not any(KEY in json.dumps(c.model_dump(mode="json")) for c in snapshots)
+    # Resumed, the journaled answer replays (no model call) and is blocked again.
+    resumed = await agent.resume("hi", session_id="s", user_id="u")
+    assert resumed.interruption_reason == "guardrail:keys"
+    assert model.calls == 1
+
+
+async def test_an_output_finding_is_audited_before_the_run_ends() -> None:
+    audit = AuditLog(InMemoryAuditStore())
+    agent = Agent(
+        "x",
+        model=ScriptedModel([f"mail {EMAIL}"]),
+        guardrails=[PIIGuardrail(action="redact", stages=("output",))],
+        audit=audit,
+    )
+    await agent.run("hi", session_id="s", user_id="u")
+    actions = [e.action for e in (await audit.query(user_id="u")).entries]
+    assert actions.index("guardrail.trip") < actions.index("run.end")
+    assert actions[-1] == "run.end"
 
 
 @tool

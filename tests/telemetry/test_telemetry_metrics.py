@@ -246,6 +246,32 @@ async def test_governance_events_and_audit_entries_are_counted(
     assert value(registry, "loomflow_audit_entries_total", action="run.start") == 1
 
 
+async def test_an_agents_audit_entries_are_counted(registry: CollectorRegistry) -> None:
+    from loomflow.audit import AuditLog, InMemoryAuditStore
+
+    audit = AuditLog(InMemoryAuditStore())
+    telemetry = Telemetry(metrics=Metrics(registry), tracing=False)
+    # Two agents on one audit log and one registry count each entry once.
+    agents = [
+        Agent("x", model=FunctionModel(lambda m, t: "ok"), audit=audit, telemetry=telemetry)
+        for _ in range(2)
+    ]
+    await agents[0].run("hi", user_id="u")
+    await agents[1].run("hi", user_id="u")
+    await audit.record("note.custom", user_id="u", actor="ops")
+    written = [e.action for e in (await audit.query(user_id="u", limit=1000)).entries]
+    assert written.count("run.start") == 2
+    for action in set(written):
+        assert value(registry, "loomflow_audit_entries_total", action=action) == written.count(
+            action
+        )
+    # An audit log used without an agent is counted once asked.
+    other = AuditLog(InMemoryAuditStore())
+    Metrics(registry).count_audit(other)
+    await other.record("note.custom", user_id="v", actor="ops")
+    assert value(registry, "loomflow_audit_entries_total", action="note.custom") == 2
+
+
 async def test_metrics_alone_plug_into_an_agent(registry: CollectorRegistry) -> None:
     agent = Agent(
         "x",
