@@ -344,20 +344,18 @@ def create_app(
         except ValueError:
             raise _Refused(400, "seq must be a number") from None
         await data.record(who, "entry", viewed=user_id, details={"seq": seq})
-        found = await data.entry(user_id, seq)
+        found = await data.entry(user_id, seq)  # redacted, as every page and route shows it
         if found is None:
             raise _Refused(404, f"no entry {seq} in this user's trail")
-        payload = data.redactor.value(found.payload)
-        shown = found.to_json() | {"payload": payload}
         run_url = None
         if found.run_id is not None:
             run_url = _query_url("/run", user_id, run=found.run_id)
         return {
             "user_id": user_id,
             "entry": found,
-            "payload": payload,
+            "payload": found.payload,
             "run_url": run_url,
-            "api": shown,
+            "api": found.to_json(),
         }
 
     @page("run.html")
@@ -421,7 +419,7 @@ def create_app(
         name = "audit-export.jsonl"
         lines: AsyncIterator[str]
         if limit is not None:
-            shown = await data.trail(user_id, where, limit=limit, cursor=cursor)
+            shown = await data.export_page(user_id, where, limit=limit, cursor=cursor)
             lines = _once("".join(e.to_line() + "\n" for e in shown.entries))
         else:
             # Streamed a page at a time: a long trail is never held in memory whole.

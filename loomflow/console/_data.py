@@ -7,6 +7,12 @@ the same export, and its verification stays what it was. Who looked at whose tra
 query away: ``loomflow audit query --action console.query`` lists every look, the viewed
 user in each entry's payload. The write happens before anything is read, so a console
 that cannot audit serves nothing.
+
+Every payload the console shows, on a page or under ``/api/``, is read through
+:meth:`ConsoleData.shown`, which passes it through the deployment's redaction: a writer that
+did not redact, or a secret configured after an entry was written, is not shown either. Only
+the admin export (:meth:`ConsoleData.export_page`, :meth:`ConsoleData.export_lines`) hands
+out payloads as stored, since that is what their hashes cover.
 """
 
 from __future__ import annotations
@@ -206,18 +212,43 @@ class ConsoleData:
         found.sort(key=lambda h: (h.user_id is not None, h.user_id or ""))
         return found[:limit], len(found) > limit
 
+    def shown(self, entry: AuditEntry) -> AuditEntry:
+        """``entry`` as the console shows it: its payload passed through the deployment's
+        redaction (``LOOMFLOW_REDACT_*``).
+
+        When the redaction changed the payload, the copy has no ``payload_salt``: the shown
+        payload no longer matches the digest anyway, and with the salt a reader could test
+        guesses of what was hidden against the digest, offline. Hash, digest and links stay,
+        so the entry's place in its chain is still shown.
+        """
+        if entry.payload is None:  # erased
+            return entry
+        payload = self.redactor.value(entry.payload)
+        if payload == entry.payload:
+            return entry
+        return entry.model_copy(update={"payload": payload, "payload_salt": None})
+
     async def trail(
         self, user_id: str | None, where: TrailFilter, *, limit: int, cursor: str | None
     ) -> AuditPage:
+        """One page of the user's trail, as shown (redacted; see :meth:`shown`)."""
+        page = await self.export_page(user_id, where, limit=limit, cursor=cursor)
+        return AuditPage([self.shown(e) for e in page.entries], page.next_cursor)
+
+    async def export_page(
+        self, user_id: str | None, where: TrailFilter, *, limit: int, cursor: str | None
+    ) -> AuditPage:
+        """One page of the user's trail as stored, unredacted: for the admin export only."""
         return await self.stores.audit.query(
             user_id=user_id, **where.as_kwargs(), limit=limit, cursor=cursor
         )
 
     async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
-        """The user's entry ``seq`` (entries are stored in seq order: stop once past it)."""
+        """The user's entry ``seq``, as shown (entries are stored in seq order: stop once past
+        it)."""
         async for entry in self.stores.audit.entries(user_id=user_id):
             if entry.seq == seq:
-                return entry
+                return self.shown(entry)
             if entry.seq > seq:
                 break
         return None
@@ -226,7 +257,8 @@ class ConsoleData:
         return await self.stores.audit.verify(user_id=user_id)
 
     async def export_lines(self, user_id: str | None, where: TrailFilter) -> AsyncIterator[str]:
-        """The selected entries as the lines of ``loomflow audit export``, one page at a time."""
+        """The selected entries as the lines of ``loomflow audit export`` (as stored,
+        unredacted: the admin export), one page at a time."""
         lines: list[str] = []
         async for entry in self.stores.audit.entries(user_id=user_id, **where.as_kwargs()):
             lines.append(entry.to_line() + "\n")
@@ -237,6 +269,7 @@ class ConsoleData:
             yield "".join(lines)
 
     async def run(self, user_id: str | None, run_id: str) -> RunStory:
+        """The story of one of the user's runs; its entries as shown (see :meth:`shown`)."""
         entries: list[AuditEntry] = []
         truncated = False
         async for entry in self.stores.audit.entries(user_id=user_id, run_id=run_id):
@@ -244,7 +277,8 @@ class ConsoleData:
                 truncated = True
                 break
             entries.append(entry)
-        story = RunStory(user_id, run_id, entries, truncated, None, None)
+        shown = [self.shown(e) for e in entries]
+        story = RunStory(user_id, run_id, shown, truncated, None, None)
         runtime = self.stores.runtime
         session_id = story.session_id
         if runtime is not None and entries:

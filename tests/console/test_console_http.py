@@ -30,11 +30,12 @@ from console_helpers import (
     tables,
 )
 
-from loomflow.audit import AuditRecord, SqliteAuditStore
+from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
 from loomflow.console import ConsoleOptions, build_console, token_sha256
 from loomflow.console._app import user_url
 from loomflow.errors import ConfigurationError
+from loomflow.redaction import Redactor
 from loomflow.stores import Stores
 
 ROUTES = [
@@ -203,7 +204,8 @@ def test_an_entry_is_shown_redacted(console: Server) -> None:
     with console.client(ADMIN) as http:
         notes = http.get("/api/users/bob", params={"action": "note.added", "limit": 10}).json()
         seq = notes["entries"][0]["seq"]
-        assert "s3cr3t-value-xyz" in json.dumps(notes)  # the API's trail is what is stored
+        assert "s3cr3t-value-xyz" not in json.dumps(notes)  # the API's trail is redacted too
+        assert "[REDACTED]" in notes["entries"][0]["payload"]["note"]
         shown = http.get("/api/entry", params={"user": BOB, "seq": seq}).json()
         assert "s3cr3t-value-xyz" not in json.dumps(shown)
         assert "bob@example.com" not in json.dumps(shown)
@@ -212,6 +214,70 @@ def test_an_entry_is_shown_redacted(console: Server) -> None:
         assert "s3cr3t-value-xyz" not in page
         assert "[REDACTED]" in page
         assert http.get("/api/entry", params={"user": BOB, "seq": 99999}).status_code == 404
+
+
+def test_no_page_or_route_shows_an_unredacted_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A writer that did not redact (or wrote before the secret was configured).
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        log = AuditLog(store, redactor=Redactor(pii=False, secrets=[], env=[]))
+        payload = {"conn": "password is db-pass-1", "mail": "dave@example.com"}
+        for extra in ({}, {"reason": "retry with db-pass-1 for dave@example.com"}):
+            await log.record(
+                "note.secret", user_id="dave", actor="app", payload=payload | extra,
+                run_id="01RUNDAVE",
+            )  # fmt: skip
+        await store.close()
+
+    asyncio.run(make())
+    (tmp_path / "tokens").write_text(f"reader {READER} rob\nadmin {ADMIN} ada\n", "utf-8")
+    monkeypatch.setenv("LOOMFLOW_REDACT_SECRETS", '["db-pass-1"]')
+    settings = Settings(runtime_url=f"sqlite:///{path}")
+    hidden = ("db-pass-1", "dave@example.com")
+    shows = [
+        "/users/dave",
+        "/trail?user=dave",
+        "/trail?user=dave&verify=1",
+        "/run?user=dave&run=01RUNDAVE",
+        "/entry?user=dave&seq=1",
+        "/entry?user=dave&seq=2",
+        "/users?q=dave",
+    ]
+    with Server(settings, ConsoleOptions(tokens_file=tmp_path / "tokens")) as server:
+        for token in (READER, ADMIN):
+            with server.client(token) as http:
+                for route in shows:
+                    for shown in (http.get("/api" + route), http.get(route)):
+                        assert shown.status_code == 200, (route, shown.text[:300])
+                        for value in hidden:
+                            assert value not in shown.text, (token[:5], shown.url, value)
+                trail = http.get("/api/users/dave").json()["entries"]
+                assert trail[0]["payload"] == {
+                    "conn": "password is [REDACTED]",
+                    "mail": "[REDACTED:email]",
+                }
+                # Changed by the redaction: shown without the salt, which would let a reader
+                # test guesses of the hidden values against the digest.
+                assert {e["payload_salt"] for e in trail} == {None}
+                assert all(e["payload_digest"] for e in trail)
+                story = http.get("/api/run", params={"user": "dave", "run": "01RUNDAVE"}).json()
+                assert [e["seq"] for e in story["entries"]] == [1, 2]
+                page = http.get("/run", params={"user": "dave", "run": "01RUNDAVE"}).text
+                assert "reason=retry with [REDACTED] for [REDACTED:email]" in page
+        with server.client(ADMIN) as http:
+            # Only the admin export hands the payloads out as stored, salts and all: what the
+            # hashes cover, so that it verifies.
+            for params in ({"user": "dave"}, {"user": "dave", "limit": 10}):
+                export = http.get("/api/export", params=params).text
+                assert all(value in export for value in hidden)
+                lines = [json.loads(line) for line in export.splitlines()]
+                assert all(e["payload_salt"] for e in lines)
+        with server.client(READER) as http:
+            assert http.get("/api/export", params={"user": "dave"}).status_code == 403
 
 
 def test_a_runs_story(console: Server, deployment: Deployment) -> None:
@@ -268,7 +334,14 @@ def test_verification_and_export_check_out_with_the_cli(
         page = http.get(
             "/export", params={"user": BOB, "limit": 25, "cursor": first["next_cursor"]}
         ).text
-        assert [json.loads(line) for line in page.splitlines()] == second["entries"]
+        exported = [json.loads(line) for line in page.splitlines()]
+        assert [(e["seq"], e["hash"]) for e in exported] == [
+            (e["seq"], e["hash"]) for e in second["entries"]
+        ]
+        # The export carries the payloads as stored (what the hashes cover); the trail shows
+        # them redacted.
+        assert "s3cr3t-value-xyz" in page
+        assert "s3cr3t-value-xyz" not in json.dumps(second)
         assert http.get("/api/export", params={"user": BOB, "limit": 7}).status_code == 400
         full = http.get("/export", params={"user": BOB}).text
         heads = http.get("/export/heads", params={"user": BOB}).text
