@@ -41,7 +41,7 @@ from .._timefmt import parse_when
 from ..audit import ANY_USER
 from ..errors import InvalidArgumentError, LoomflowError, StorageError, UserError
 from ..runtime import RUN_STATES
-from ._access import ConsoleAccess, Principal, Role, cookie_value
+from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
 
 __all__ = ["create_app", "user_url"]
@@ -143,13 +143,15 @@ def create_app(
     Args:
         data: The stores to read (and the audit log to record reads in).
         access: Who may sign in, and how.
-        session_secret: Signs the sign-in cookie; a random one per process when left out
-            (sign-ins then end when the process does).
+        session_secret: Signs the sign-in cookie; a random one per process when left out.
+            Either way sign-ins through the form live in this application's memory
+            (:class:`SignIns`) and end with it.
         secure_cookie: Send the cookie over HTTPS only (set it when served over TLS).
     """
     env = _env()
     secret = session_secret or secrets.token_urlsafe(32)
     cookie_key = hashlib.sha256(b"loomflow console cookie\0" + secret.encode("utf-8")).digest()
+    sign_ins = SignIns(_SESSION_HOURS * 3600)
 
     def render(template: str, request: Request, who: Principal | None, **ctx: Any) -> Response:
         html = env.get_template(template).render(who=who, path=request.url.path, **ctx)
@@ -174,6 +176,11 @@ def create_app(
                 return access.from_proxy(value)
         held = request.session.get("token")
         if isinstance(held, str):
+            if not sign_ins.live(request.session.get("sign_in")):
+                # Signed out (or expired, or from before a restart): a kept copy of the
+                # cookie is worth nothing. The browser is told to drop it.
+                request.session.clear()
+                return None
             # The cookie names the token (keyed hash), looked up again on every request:
             # removing a line from the tokens file (and restarting) ends those sessions.
             entry = access.by_cookie(held, cookie_key)
@@ -456,11 +463,13 @@ def create_app(
             token = form.get("token")
             entry = access.by_token(token) if isinstance(token, str) else None
             if entry is not None:
+                sign_ins.end(request.session.get("sign_in"))  # one sign-in per cookie
                 request.session.clear()
                 await data.record(
                     Principal(entry.name, entry.role, "cookie"), "sign in", action=CONSOLE_SIGNIN
                 )
                 request.session["token"] = cookie_value(entry, cookie_key)
+                request.session["sign_in"] = sign_ins.start()
                 return RedirectResponse(target, 303, headers=_headers())
             error = "That token is not known."
         response = render("signin.html", request, None, error=error, next=target)
@@ -469,6 +478,8 @@ def create_app(
         return response
 
     async def signout(request: Request) -> Response:
+        # Ended here, not only forgotten by this browser: every copy of the cookie is out.
+        sign_ins.end(request.session.get("sign_in"))
         request.session.clear()
         return RedirectResponse("/signin", 303, headers=_headers())
 

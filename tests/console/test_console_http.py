@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 import asyncpg
+import httpx
 import pytest
 from console_helpers import (
     ADMIN,
@@ -29,10 +30,12 @@ from console_helpers import (
     run_agent,
     tables,
 )
+from pydantic import SecretStr
 
 from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
 from loomflow.console import ConsoleOptions, build_console, token_sha256
+from loomflow.console._access import SignIns
 from loomflow.console._app import user_url
 from loomflow.errors import ConfigurationError
 from loomflow.redaction import Redactor
@@ -442,6 +445,66 @@ def test_the_sign_in_cookie(console: Server, deployment: Deployment) -> None:
         http.post("/signout")
         assert http.get("/users", follow_redirects=False).status_code == 303
     assert _audit(deployment, user_id="console:rob", action="console.signin")
+
+
+def test_signing_out_ends_the_sign_in_for_every_copy_of_the_cookie(
+    console: Server, deployment: Deployment
+) -> None:
+    def sign_in(http: httpx.Client) -> str:
+        done = http.post("/signin", data={"token": READER}, follow_redirects=False)
+        assert done.status_code == 303
+        return done.cookies["loomflow_console"]
+
+    with console.client() as http, console.client() as other:
+        saved = sign_in(http)
+        elsewhere = sign_in(other)  # the same token, another browser
+        assert http.get("/api/users").status_code == 200
+        assert http.post("/signout", follow_redirects=False).status_code == 303
+    with console.client(cookies={"loomflow_console": saved}) as replay:
+        assert replay.get("/api/users").status_code == 401
+        page = replay.get("/users/bob", follow_redirects=False)
+        assert page.status_code == 303
+        assert page.headers["location"].startswith("/signin?")
+        # ... and the browser is told to drop the dead cookie.
+        assert "loomflow_console=null" in page.headers["set-cookie"]
+    with console.client(cookies={"loomflow_console": elsewhere}) as still:
+        assert still.get("/api/users").status_code == 200  # only that sign-in ended
+
+
+def test_a_restart_signs_everyone_out(deployment: Deployment) -> None:
+    settings = deployment.settings.model_copy(
+        update={"console_session_secret": SecretStr("k" * 40)}  # the same key both times
+    )
+    options = ConsoleOptions(tokens_file=deployment.tokens)
+    with Server(settings, options) as first, first.client() as http:
+        http.post("/signin", data={"token": READER}, follow_redirects=False)
+        saved = http.cookies["loomflow_console"]
+        assert http.get("/api/users").status_code == 200
+    with Server(settings, options) as second, second.client() as http:
+        http.cookies.set("loomflow_console", saved)
+        assert http.get("/api/users").status_code == 401
+
+
+def test_sign_ins_expire_and_are_bounded() -> None:
+    now = [1000.0]
+    live = SignIns(60, limit=3, clock=lambda: now[0])
+    first, second = live.start(), live.start()
+    assert first != second
+    assert live.live(first)
+    assert live.live(second)
+    assert not live.live("made-up")
+    assert not live.live(None)
+    live.end(first)
+    assert not live.live(first)
+    live.end(first)  # twice is fine
+    now[0] += 61
+    assert not live.live(second)  # expired
+    ids = [live.start() for _ in range(5)]
+    assert len(live) == 3  # the two oldest were signed out to make room
+    assert [live.live(i) for i in ids] == [False, False, True, True, True]
+    now[0] += 61
+    live.start()
+    assert len(live) == 1  # expired sign-ins are dropped as new ones come
 
 
 def test_a_trusted_proxy_header(deployment: Deployment) -> None:
