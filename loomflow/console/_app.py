@@ -12,6 +12,7 @@ which browsers fold into the path, and the anonymous bucket use ``/trail?user=<i
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -165,15 +166,26 @@ def create_app(
             "Cache-Control": "no-store",
         }
 
-    def principal(request: Request) -> Principal | None:
+    def principal(request: Request) -> tuple[Principal | None, str | None]:
+        """Who is signed in; else ``None`` and the way in that failed (``"bearer"``: an
+        unknown token; ``"proxy"``: a header value that is no name; ``None`` for someone who
+        presented nothing, or a cookie that expired or was signed out, which is no attempt
+        to sign in)."""
         auth = request.headers.get("authorization", "")
         if auth[:7].lower() == "bearer ":
             entry = access.by_token(auth[7:].strip())
-            return None if entry is None else Principal(entry.name, entry.role, "token")
+            if entry is None:
+                return None, "bearer"
+            return Principal(entry.name, entry.role, "token"), None
         if access.proxy_header is not None:
             value = request.headers.get(access.proxy_header)
             if value is not None:
-                return access.from_proxy(value)
+                who = access.from_proxy(value)
+                return who, "proxy" if who is None else None
+        return signed_in(request), None
+
+    def signed_in(request: Request) -> Principal | None:
+        """The sign-in the cookie carries, if it is live."""
         held = request.session.get("token")
         if isinstance(held, str):
             if not sign_ins.live(request.session.get("sign_in")):
@@ -188,14 +200,25 @@ def create_app(
                 return Principal(entry.name, entry.role, "cookie")
         return None
 
-    def page(template: str, role: Role = "reader") -> Callable[[Handler], Callable[..., Any]]:
-        """A route serving ``template`` at its path and JSON at ``/api`` + its path."""
+    def client_of(request: Request) -> str | None:
+        return None if request.client is None else request.client.host
+
+    def page(
+        template: str, role: Role = "reader", *, about_user: bool = False
+    ) -> Callable[[Handler], Callable[..., Any]]:
+        """A route serving ``template`` at its path and JSON at ``/api`` + its path.
+
+        ``about_user``: the route reads the user its query names (``?user=`` or
+        ``?anonymous=1``); a refusal records that user, as a served query does.
+        """
 
         def wrap(handler: Handler) -> Callable[..., Any]:
             async def endpoint(request: Request) -> Response:
                 api = request.url.path.startswith("/api/")
-                who = principal(request)
+                who, failed = principal(request)
                 if who is None:
+                    if failed is not None:
+                        await data.signin_failed(failed, client_of(request))
                     if api:
                         return JSONResponse(
                             {"error": "sign in: send Authorization: Bearer <token>"},
@@ -214,6 +237,7 @@ def create_app(
                         await data.record(
                             who,
                             request.url.path,
+                            viewed=named_user(request) if about_user else ANY_USER,
                             details={"needs": "admin"},
                             action=CONSOLE_REFUSED,
                         )
@@ -246,6 +270,13 @@ def create_app(
         response = render("error.html", request, who, status=status, message=message)
         response.status_code = status
         return response
+
+    def named_user(request: Request) -> str | Any | None:
+        """The user a query names, as :func:`user_of` reads it, without refusing: ANY_USER
+        when it names none."""
+        if request.query_params.get("anonymous") == "1":
+            return None
+        return request.query_params.get("user", ANY_USER)
 
     def user_of(request: Request, where: str = "user") -> str | None:
         """The user a query names (``anonymous=1`` is the bucket of runs without one)."""
@@ -409,7 +440,7 @@ def create_app(
         report = await data.verify(ANY_USER)
         return {"report": report, "api": report.to_json()}
 
-    @page("", role="admin")
+    @page("", role="admin", about_user=True)
     async def export(request: Request, who: Principal) -> Response:
         user_id = user_of(request)
         where = filters(request)
@@ -437,7 +468,7 @@ def create_app(
             headers=_headers() | {"Content-Disposition": f'attachment; filename="{name}"'},
         )
 
-    @page("", role="admin")
+    @page("", role="admin", about_user=True)
     async def export_heads(request: Request, who: Principal) -> Response:
         user_id = user_of(request)
         await data.record(who, "export heads", viewed=user_id)
@@ -471,6 +502,7 @@ def create_app(
                 request.session["token"] = cookie_value(entry, cookie_key)
                 request.session["sign_in"] = sign_ins.start()
                 return RedirectResponse(target, 303, headers=_headers())
+            await data.signin_failed("form", client_of(request))
             error = "That token is not known."
         response = render("signin.html", request, None, error=error, next=target)
         if error is not None:
@@ -514,7 +546,13 @@ def create_app(
             https_only=secure_cookie,
         )
     ]
-    return Starlette(routes=routes, middleware=middleware)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await data.flush_failures()  # failed sign-ins counted since the last record
+
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
 async def _once(text: str) -> AsyncIterator[str]:

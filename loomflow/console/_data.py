@@ -18,10 +18,13 @@ out payloads as stored, since that is what their hashes cover.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
 from ..errors import JournalError, LoomflowError
@@ -34,8 +37,11 @@ __all__ = [
     "CONSOLE_ACTION",
     "CONSOLE_REFUSED",
     "CONSOLE_SIGNIN",
+    "CONSOLE_SIGNIN_FAILED",
+    "SIGNIN_FAILURES_CHAIN",
     "ConsoleData",
     "RunStory",
+    "SignInFailures",
     "TrailFilter",
     "console_user_id",
 ]
@@ -45,7 +51,16 @@ CONSOLE_ACTION = "console.query"
 CONSOLE_SIGNIN = "console.signin"
 """The audit action of a sign-in through the form (a session cookie was handed out)."""
 CONSOLE_REFUSED = "console.refused"
-"""The audit action of a request refused for want of a role (a reader asking for admin work)."""
+"""The audit action of a request refused for want of a role (a reader asking for admin work);
+it names the user the request was about, as ``console.query`` does."""
+CONSOLE_SIGNIN_FAILED = "console.signin_failed"
+"""The audit action of failed sign-ins (an unknown token, typed or sent as a bearer, or a
+proxy header whose value is no name), coalesced: see :class:`SignInFailures`."""
+SIGNIN_FAILURES_CHAIN = f"{CONSOLE_CHAINS}(unknown)"
+"""The chain failed sign-ins go to: nobody signed in to own them, and no name a token or the
+proxy header can carry has parentheses, so it is no one's chain."""
+
+log = logging.getLogger("loomflow.console")
 
 # Actions that make a run's story, grouped as the run page shows them.
 _EXECUTED = ("model.call", "tool.call")
@@ -172,12 +187,122 @@ class RunStory:
         }
 
 
+_MAX_CLIENTS = 8  # client addresses kept per failed sign-in record
+
+
+@dataclass
+class _Failures:
+    """Failed sign-ins not yet written: how many, by which way in, from where, when."""
+
+    first: float  # Unix seconds
+    last: float
+    count: int = 0
+    via: dict[str, int] = field(default_factory=dict)
+    clients: list[str] = field(default_factory=list)
+    more_clients: bool = False
+
+    def add(self, via: str, client: str | None, when: float) -> None:
+        self.count += 1
+        self.last = when
+        self.via[via] = self.via.get(via, 0) + 1
+        self._client(client)
+
+    def merge(self, other: _Failures) -> None:
+        self.first, self.last = min(self.first, other.first), max(self.last, other.last)
+        self.count += other.count
+        for via, n in other.via.items():
+            self.via[via] = self.via.get(via, 0) + n
+        for client in other.clients:
+            self._client(client)
+        self.more_clients = self.more_clients or other.more_clients
+
+    def _client(self, client: str | None) -> None:
+        if client is None or client in self.clients:
+            return
+        if len(self.clients) < _MAX_CLIENTS:
+            self.clients.append(client)
+        else:
+            self.more_clients = True
+
+    def payload(self) -> dict[str, Any]:
+        # Never the token, the header's value or the address asked for: a wrong token may be
+        # someone's real one mistyped, and a path may name a user (whom a forget could not
+        # find here, since these entries view no one).
+        return {
+            "failures": self.count,
+            "via": dict(sorted(self.via.items())),
+            "first": iso_time(self.first),
+            "last": iso_time(self.last),
+            "clients": self.clients,
+            "more_clients": self.more_clients,
+        }
+
+
+class SignInFailures:
+    """Failed sign-ins, coalesced into at most one audit entry per ``window`` seconds.
+
+    Why coalesce rather than drop: a flood of bad tokens (a scanner, a script with a revoked
+    token) must not grow the audit log without bound, yet how many failures there were is
+    the very thing to know. So the first failure after a quiet ``window`` is written at once
+    (a lone mistyped token shows up immediately), and the failures that follow within the
+    window are counted and written together with the next failure after it, or when the
+    console stops. With the default minute that is at most 1,440 entries a day per console
+    process, however hard it is hammered. The price: the tail of a burst is written late
+    (with the next failure, or at shutdown), and a crash loses what was counted since the
+    last record. A timer could write it sooner, but would be one more task to run and stop
+    for a count that is never wrong, only late.
+
+    Args:
+        window: Seconds between two records.
+        clock: Monotonic seconds (a test's clock).
+        wall: Unix seconds, for the times recorded.
+    """
+
+    def __init__(
+        self,
+        window: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.window = window
+        self.clock = clock
+        self.wall = wall
+        self._written: float | None = None  # clock() of the last record
+        self._pending: _Failures | None = None
+
+    def note(self, via: str, client: str | None) -> _Failures | None:
+        """Count one failure; what to write now (``None``: it waits for the window)."""
+        now, when = self.clock(), self.wall()
+        tally = self._pending or _Failures(when, when)
+        tally.add(via, client, when)
+        if self._written is not None and now - self._written < self.window:
+            self._pending = tally
+            return None
+        self._pending, self._written = None, now
+        return tally
+
+    def take(self) -> _Failures | None:
+        """What is counted and not written yet (the console is stopping)."""
+        tally, self._pending = self._pending, None
+        return tally
+
+    def put_back(self, tally: _Failures) -> None:
+        """A tally whose write failed: counted again with the next one."""
+        if self._pending is not None:
+            tally.merge(self._pending)
+        self._pending = tally
+
+
 class ConsoleData:
     """The console's reads over one deployment's stores, each one audited first."""
 
-    def __init__(self, stores: Stores, redactor: Redactor) -> None:
+    def __init__(
+        self, stores: Stores, redactor: Redactor, *, failures: SignInFailures | None = None
+    ) -> None:
         self.stores = stores
         self.redactor = redactor
+        self.failures = failures if failures is not None else SignInFailures()
 
     async def record(
         self,
@@ -203,6 +328,33 @@ class ConsoleData:
                 payload=self.redactor.value(payload),
             )
         )
+
+    async def signin_failed(self, via: str, client: str | None) -> None:
+        """Count a failed sign-in, and write the failures counted so far when it is time
+        (see :class:`SignInFailures`). A write that fails is logged and counted again with
+        the next: the sign-in is refused either way."""
+        tally = self.failures.note(via, client)
+        if tally is not None:
+            await self._write_failures(tally)
+
+    async def flush_failures(self) -> None:
+        """Write the failed sign-ins counted but not written yet (the console is stopping)."""
+        tally = self.failures.take()
+        if tally is not None:
+            await self._write_failures(tally)
+
+    async def _write_failures(self, tally: _Failures) -> None:
+        record = AuditRecord(
+            user_id=SIGNIN_FAILURES_CHAIN,
+            actor=SIGNIN_FAILURES_CHAIN,
+            action=CONSOLE_SIGNIN_FAILED,
+            payload=self.redactor.value(tally.payload()),
+        )
+        try:
+            await self.stores.audit.append(record)
+        except LoomflowError as exc:
+            self.failures.put_back(tally)
+            log.warning("could not record %d failed console sign-in(s): %s", tally.count, exc)
 
     async def users(self, search: str = "", limit: int = 200) -> tuple[list[ChainHead], bool]:
         """Users the audit log knows (their chain heads), those whose id contains ``search``

@@ -34,7 +34,7 @@ from pydantic import SecretStr
 
 from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
-from loomflow.console import ConsoleOptions, build_console, token_sha256
+from loomflow.console import ConsoleOptions, SignInFailures, build_console, token_sha256
 from loomflow.console._access import SignIns
 from loomflow.console._app import user_url
 from loomflow.errors import ConfigurationError
@@ -95,6 +95,129 @@ def test_a_reader_is_refused_admin_work_and_the_refusal_is_audited(
             assert "Not allowed" in page.text
     refused = _audit(deployment, user_id="console:rob", action="console.refused")
     assert {e["payload"]["query"] for e in refused} >= {"/runs", "/api/export"}  # type: ignore[index]
+
+
+def test_a_refusal_names_the_user_the_request_was_about(
+    console: Server, deployment: Deployment
+) -> None:
+    before = len(_audit(deployment, user_id="console:rob", action="console.refused"))
+    with console.client(READER) as http:
+        asked = [
+            ("/api/export", {"user": HOSTILE, "action": "tool.*"}),
+            ("/export/heads", {"user": BOB}),
+            ("/api/export", {"anonymous": "1"}),
+            ("/api/runs", {"user": BOB}),  # not a route about a user: it names no one
+        ]
+        for route, params in asked:
+            assert http.get(route, params=params).status_code == 403, route
+    refused = _audit(deployment, user_id="console:rob", action="console.refused")[before:]
+    payloads: list[Any] = [e["payload"] for e in refused]
+    assert [(p["query"], p.get("viewed_user", "-")) for p in payloads] == [
+        ("/api/export", HOSTILE),
+        ("/export/heads", BOB),
+        ("/api/export", None),
+        ("/api/runs", "-"),
+    ]
+    assert {json.dumps(p["details"]) for p in payloads} == {'{"needs": "admin"}'}
+
+
+def test_failed_sign_ins_are_recorded_coalesced_and_without_the_token(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+    folder.mkdir()
+    path = folder / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        await store.append(AuditRecord(user_id="bob", actor="t", action="x"))
+        await store.close()
+
+    async def failures() -> list[Any]:
+        store = SqliteAuditStore(path)
+        try:
+            return [e async for e in store.entries(user_id="console:(unknown)")]
+        finally:
+            await store.close()
+
+    asyncio.run(make())
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    options = ConsoleOptions(proxy_header="X-Forwarded-User")
+    bad = "wrong-token-0123456789-not-anyones"
+    flood = 40
+    with Server(settings, options) as server, server.client() as http:
+        assert http.post("/signin", data={"token": bad}).status_code == 401
+        first = asyncio.run(failures())
+        # The first failure is on record at once.
+        assert [(e.action, e.actor) for e in first] == [
+            ("console.signin_failed", "console:(unknown)")
+        ]
+        assert first[0].payload["failures"] == 1
+        assert first[0].payload["via"] == {"form": 1}
+        assert first[0].payload["clients"] == ["127.0.0.1"]
+        # A flood within the minute is counted, not written entry by entry.
+        for n in range(flood):
+            auth = {"Authorization": f"Bearer {bad}-{n}"}
+            assert http.get("/api/users/bob", headers=auth).status_code == 401
+        assert http.get("/users", headers={"X-Forwarded-User": "<b>"}).status_code == 303
+        assert http.get("/api/users", headers={"X-Forwarded-User": "<b>"}).status_code == 401
+        assert http.get("/api/users").status_code == 401  # no credentials: no attempt
+        assert http.get("/api/users", headers={"Authorization": f"Bearer {ADMIN}"}).is_success
+        assert len(asyncio.run(failures())) == 1
+    # What was counted is written when the console stops.
+    written = asyncio.run(failures())
+    assert len(written) == 2
+    assert written[1].payload["failures"] == flood + 2  # the page and the API proxy value
+    assert written[1].payload["via"] == {"bearer": flood, "proxy": 2}
+    assert written[1].payload["clients"] == ["127.0.0.1"]
+    # Neither a token, nor the header's value, nor the path asked for is recorded.
+    raw = _raw(folder)
+    assert bad.encode() not in raw
+    assert b"wrong-token" not in raw
+    assert b"/api/users/bob" not in raw
+
+    async def verify() -> Any:
+        store = SqliteAuditStore(path)
+        try:
+            return await store.verify()
+        finally:
+            await store.close()
+
+    assert asyncio.run(verify()).ok
+
+
+def test_failed_sign_ins_coalesce_by_the_minute() -> None:
+    now = [0.0]
+    failures = SignInFailures(60, clock=lambda: now[0], wall=lambda: 1_800_000_000 + now[0])
+    first = failures.note("form", "10.0.0.1")
+    assert first is not None
+    assert first.payload() == {
+        "failures": 1,
+        "via": {"form": 1},
+        "first": "2027-01-15T08:00:00.000000Z",
+        "last": "2027-01-15T08:00:00.000000Z",
+        "clients": ["10.0.0.1"],
+        "more_clients": False,
+    }
+    for n in range(20):
+        now[0] = 1 + n
+        assert failures.note("bearer", f"10.0.1.{n}") is None
+    now[0] = 61
+    due = failures.note("proxy", None)
+    assert due is not None
+    shown = due.payload()
+    assert shown["failures"] == 21
+    assert shown["via"] == {"bearer": 20, "proxy": 1}
+    assert len(shown["clients"]) == 8  # at most 8 addresses, and a mark that there were more
+    assert shown["more_clients"] is True
+    assert shown["first"] == "2027-01-15T08:00:01.000000Z"
+    assert shown["last"] == "2027-01-15T08:01:01.000000Z"
+    assert failures.take() is None
+    now[0] = 62
+    assert failures.note("form", None) is None
+    failures.put_back(due)  # a write that failed is counted again with the next
+    again = failures.take()
+    assert again is not None
+    assert again.payload()["failures"] == 22
+    assert failures.take() is None
 
 
 def test_hostile_user_ids_are_escaped_and_reach_their_own_trail(
@@ -765,6 +888,48 @@ def _forget_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[s
 def _raw(folder: Path) -> bytes:
     """Every byte SQLite or the JSON-lines store left on disk (WAL and heads included)."""
     return b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file())
+
+
+def test_a_forget_erases_a_refused_request_about_the_user(tmp_path: Path) -> None:
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}", console_token=ADMIN)
+
+    async def make() -> None:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        for i, user in enumerate((FORGOTTEN, BOB)):
+            await run_agent(settings, user, f"s-{i}")
+
+    asyncio.run(make())
+    (tmp_path / "tokens").write_text(f"reader {READER} rob\n", encoding="utf-8")
+    with (
+        Server(settings, ConsoleOptions(tokens_file=tmp_path / "tokens")) as server,
+        server.client(READER) as http,
+    ):
+        for route, user in (("/api/export", FORGOTTEN), ("/export/heads", FORGOTTEN),
+                            ("/api/export", BOB)):  # fmt: skip
+            assert http.get(route, params={"user": user}).status_code == 403
+
+    async def refused() -> list[Any]:
+        async with Stores(settings, journal=False) as stores:
+            return [e async for e in stores.audit.entries(user_id="console:rob")]
+
+    before = [e for e in asyncio.run(refused()) if e.action == "console.refused"]
+    assert [e.payload["viewed_user"] for e in before] == [FORGOTTEN, FORGOTTEN, BOB]
+    done = _forget_cli(settings, FORGOTTEN)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["console_erased"] == 2
+    after = asyncio.run(refused())
+    assert [e.payload for e in after[:3]] == [None, None, before[2].payload]
+    assert after[-1].action == "audit.erasure"
+    assert after[-1].payload is not None
+    assert after[-1].payload["seqs"] == [before[0].seq, before[1].seq]
+    assert all(FORGOTTEN not in e.to_line() for e in after)
+
+    async def verify() -> Any:
+        async with Stores(settings, journal=False) as stores:
+            return await stores.audit.verify()
+
+    assert asyncio.run(verify()).ok
 
 
 @pytest.mark.parametrize(
