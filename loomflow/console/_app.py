@@ -52,6 +52,9 @@ _CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'"
 )
+# A page of a trail (or of its export) holds 10 to 500 entries; the menu on the page offers
+# the usual sizes, and the one asked for when it is another.
+_PAGE_MIN, _PAGE_MAX = 10, 500
 _PAGE_SIZES = (10, 25, 50, 100, 500)
 
 
@@ -288,13 +291,13 @@ def create_app(
         return value
 
     def page_size(request: Request, default: str = "25") -> int:
-        try:
-            limit = int(request.query_params.get("limit", default))
-        except ValueError:
-            raise _Refused(400, "limit must be a number") from None
-        if limit not in _PAGE_SIZES:
-            raise _Refused(400, f"limit must be one of {', '.join(map(str, _PAGE_SIZES))}")
-        return limit
+        text = request.query_params.get("limit", default)
+        # Up to three ASCII digits: int() would also take " 20", "1_0", "٢٠" or 5,000 digits.
+        if text.isascii() and text.isdigit() and len(text) <= 3:
+            limit = int(text)
+            if _PAGE_MIN <= limit <= _PAGE_MAX:
+                return limit
+        raise _Refused(400, f"limit must be a whole number from {_PAGE_MIN} to {_PAGE_MAX}")
 
     def filters(request: Request) -> TrailFilter:
         q = request.query_params
@@ -355,7 +358,7 @@ def create_app(
             "form": {k: q.get(k, "") for k in ("since", "until", "session", "action")},
             "entries": page_.entries,
             "limit": limit,
-            "sizes": _PAGE_SIZES,
+            "sizes": sorted({*_PAGE_SIZES, limit}),
             "next_url": next_url,
             "first_url": _query_url("/trail", user_id, **shown, limit=limit) if cursor else None,
             "verify_url": base + sep + urlencode({**shown, "limit": limit, "verify": 1}),

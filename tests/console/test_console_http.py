@@ -326,6 +326,24 @@ def test_a_trail_pages_and_filters(console: Server) -> None:
         assert http.get("/api/users/bob", params={"cursor": "x"}).status_code == 400
 
 
+def test_a_page_holds_10_to_500_entries(console: Server, deployment: Deployment) -> None:
+    total = len(_audit(deployment, user_id=BOB))
+    assert 37 < total < 500
+    with console.client(ADMIN) as http:
+        for size in (10, 20, 37, 500):
+            body = http.get("/api/users/bob", params={"limit": size}).json()
+            assert len(body["entries"]) == min(size, total), size
+        page = http.get("/users/bob", params={"limit": 20}).text
+        assert "<option selected>20</option>" in page  # the menu keeps the size asked for
+        one = http.get("/api/export", params={"user": BOB, "limit": 20}).text
+        assert len(one.splitlines()) == 20
+        for bad in ("9", "501", "0", "-10", "20.0", "1_0", " 20", "\u0662\u0660", "9" * 5000, ""):
+            for route in ("/api/users/bob", "/api/export"):
+                got = http.get(route, params={"user": BOB, "limit": bad})
+                assert got.status_code == 400, (route, bad)
+                assert got.json()["error"] == "limit must be a whole number from 10 to 500"
+
+
 def test_an_entry_is_shown_redacted(console: Server) -> None:
     with console.client(ADMIN) as http:
         notes = http.get("/api/users/bob", params={"action": "note.added", "limit": 10}).json()
