@@ -38,10 +38,10 @@ from starlette.routing import Route
 
 from .._ids import check_id, check_key
 from .._printable import printable
-from .._timefmt import parse_when
+from .._timefmt import iso_time, parse_when
 from ..audit import ANY_USER
 from ..errors import InvalidArgumentError, LoomflowError, StorageError, UserError
-from ..runtime import RUN_STATES
+from ..runtime import RUN_STATES, SessionInfo
 from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
 
@@ -418,23 +418,23 @@ def create_app(
             raise _Refused(400, f"state must be one of {', '.join(RUN_STATES)}")
         await data.record(who, "runs", details={"state": state})
         listed = await data.runs(state)
-        rows = [
-            {
-                "session_id": i.session_id,
-                "user_id": i.user_id,
-                "state": s,
-                "epoch": i.epoch,
-                "entries": i.entries,
-                "owner": i.owner,
-                "updated_at": i.updated_at,
+
+        def row(info: SessionInfo, shown: str, when: float | str | None) -> dict[str, Any]:
+            return {
+                "session_id": info.session_id,
+                "user_id": info.user_id,
+                "state": shown,
+                "epoch": info.epoch,
+                "entries": info.entries,
+                "owner": info.owner,
+                "updated_at": when,
             }
-            for i, s in listed
-        ]
+
         return {
-            "runs": rows,
+            "runs": [row(i, s, i.updated_at) for i, s in listed],  # the page formats it
             "state": state,
             "has_journal": data.stores.runtime is not None,
-            "api": {"runs": rows},
+            "api": {"runs": [row(i, s, iso_time(i.updated_at)) for i, s in listed]},
         }
 
     @page("verify.html", role="admin")
@@ -563,4 +563,12 @@ async def _once(text: str) -> AsyncIterator[str]:
 
 
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+    return json.loads(json.dumps(value, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    # Times as everywhere in loomflow's JSON (the CLI's --json, exports): ISO 8601 in UTC
+    # with microseconds and a Z. Routes convert their Unix-seconds fields themselves.
+    if isinstance(value, dt.datetime):
+        return iso_time(value)
+    return str(value)

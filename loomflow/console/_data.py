@@ -111,8 +111,8 @@ class TrailFilter:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "since": None if self.since is None else self.since.isoformat(),
-            "until": None if self.until is None else self.until.isoformat(),
+            "since": iso_time(self.since),
+            "until": iso_time(self.until),
             "session": self.session_id,
             "action": self.action,
         }
@@ -181,7 +181,14 @@ class RunStory:
             "decisions": [e.to_json() for e in self.decisions],
             "entries": [e.to_json() for e in self.entries],
             "journal": [
-                {"path": list(j.path), "name": j.name, "kind": j.kind, "epoch": j.epoch}
+                {
+                    "path": list(j.path),
+                    "name": j.name,
+                    "kind": j.kind,
+                    "epoch": j.epoch,
+                    "size": j.size,
+                    "created_at": iso_time(j.created_at),
+                }
                 for j in self.journal
             ],
         }

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -40,6 +41,9 @@ from loomflow.console._app import user_url
 from loomflow.errors import ConfigurationError
 from loomflow.redaction import Redactor
 from loomflow.stores import Stores
+
+# Every time in loomflow's JSON: ISO 8601, UTC, microseconds, Z (docs/operations/cli.md).
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 
 ROUTES = [
     "/users",
@@ -424,6 +428,29 @@ def test_no_page_or_route_shows_an_unredacted_payload(
             assert http.get("/api/export", params={"user": "dave"}).status_code == 403
 
 
+def test_every_time_in_the_json_is_iso_8601_utc_with_microseconds(
+    console: Server, deployment: Deployment
+) -> None:
+    with console.client(ADMIN) as http:
+        runs = http.get("/api/runs").json()["runs"]
+        assert runs
+        assert all(ISO_UTC.fullmatch(r["updated_at"]) for r in runs), runs[0]
+        trail = http.get(
+            "/api/users/bob", params={"since": "2001-02-03T04:05:06+02:00", "until": "7d"}
+        ).json()
+        assert trail["filters"]["since"] == "2001-02-03T02:05:06.000000Z"
+        assert ISO_UTC.fullmatch(trail["filters"]["until"])
+        assert all(ISO_UTC.fullmatch(e["time"]) for e in trail["entries"])
+        story = http.get("/api/run", params={"user": BOB, "run": deployment.runs[BOB]}).json()
+        assert story["journal"]
+        assert all(ISO_UTC.fullmatch(j["created_at"]) for j in story["journal"])
+        assert all(ISO_UTC.fullmatch(e["time"]) for e in story["entries"])
+    # The filters recorded in the asker's chain are written the same way.
+    looks = _audit(deployment, user_id="console:ada", action="console.query")
+    recorded = [e["payload"]["details"] for e in looks if e["payload"]["query"] == "trail"]  # type: ignore[index]
+    assert recorded[-1]["since"] == "2001-02-03T02:05:06.000000Z"
+
+
 def test_a_runs_story(console: Server, deployment: Deployment) -> None:
     run_id = deployment.runs[BOB]
     with console.client(ADMIN) as http:
@@ -546,6 +573,8 @@ def test_runs_by_state(console: Server) -> None:
     with console.client(ADMIN) as http:
         runs = http.get("/api/runs").json()["runs"]
         assert {r["user_id"] for r in runs} >= {BOB, HOSTILE}
+        for r in runs:  # the time format of the CLI's --json
+            assert ISO_UTC.fullmatch(r["updated_at"]), r["updated_at"]
         assert {r["state"] for r in runs} == {"finished"}
         assert http.get("/api/runs", params={"state": "open"}).json()["runs"] == []
         assert "<script>alert" not in http.get("/runs").text
