@@ -278,8 +278,10 @@ class Settings(BaseSettings):
         min_length=32,
         description=(
             "The key (32 characters or more) that signs `loomflow console` sign-in cookies. "
-            "Unset, each console process draws a random one, so signing in again is needed "
-            "after a restart and behind a load balancer each process has its own."
+            "Unset, each console process draws a random one. Either way a sign-in lives in "
+            "the memory of the console process that made it (so that signing out ends it): "
+            "a restart signs everyone out, and behind a load balancer each process knows "
+            "only its own sign-ins."
         ),
     )
     redact_secrets: Annotated[list[SecretStr], NoDecode] = Field(

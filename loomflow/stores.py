@@ -687,8 +687,8 @@ def _iso(when: float | dt.datetime | None) -> str | None:
 
 def _names(payload: Any, user_id: str) -> bool:
     """Whether a console entry's payload names ``user_id``: as the user it viewed (a trail,
-    an entry, a run, an export), or as the whole text of a search for users (case-blind, as
-    the search is: "ALICE" listed alice).
+    an entry, a run, an export, a refused export), or as the whole text of a search for
+    users (case-blind, as the search is: "ALICE" listed alice).
 
     Not as part of a longer id ("al" in "alice", "bob" in "bob@corp.com": other users, whose
     looks stay on record), nor as one of the entry's own words (a role called "admin", the

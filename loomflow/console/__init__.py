@@ -10,16 +10,28 @@ from __future__ import annotations
 
 from ._access import ConsoleAccess, Principal, TokenEntry, load_tokens, token_sha256
 from ._build import ConsoleOptions, build_console, serve
-from ._data import CONSOLE_ACTION, CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, console_user_id
+from ._data import (
+    CONSOLE_ACTION,
+    CONSOLE_REFUSED,
+    CONSOLE_SIGNIN,
+    CONSOLE_SIGNIN_FAILED,
+    SIGNIN_FAILURES_CHAIN,
+    ConsoleData,
+    SignInFailures,
+    console_user_id,
+)
 
 __all__ = [
     "CONSOLE_ACTION",
     "CONSOLE_REFUSED",
     "CONSOLE_SIGNIN",
+    "CONSOLE_SIGNIN_FAILED",
+    "SIGNIN_FAILURES_CHAIN",
     "ConsoleAccess",
     "ConsoleData",
     "ConsoleOptions",
     "Principal",
+    "SignInFailures",
     "TokenEntry",
     "build_console",
     "console_user_id",

@@ -8,6 +8,10 @@ Tokens are never kept in memory as given: each is held as its SHA-256, and a pre
 is hashed and compared with every known hash in constant time (``hmac.compare_digest``), so
 neither the comparison nor the number of tokens compared tells an attacker how close a guess
 came.
+
+A sign-in through the form is a signed cookie, which on its own would stay good until it
+expires whoever kept a copy; :class:`SignIns` holds the sign-ins this process handed out, so
+that signing out ends one for every copy of its cookie.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,6 +33,7 @@ __all__ = [
     "ConsoleAccess",
     "Principal",
     "Role",
+    "SignIns",
     "TokenEntry",
     "cookie_value",
     "load_tokens",
@@ -185,3 +193,77 @@ class ConsoleAccess:
         if not _NAME.fullmatch(name):
             return None
         return Principal(name, "admin" if name in self.proxy_admins else "reader", "proxy")
+
+
+MAX_SIGN_INS = 10_000
+"""How many sign-ins one console process keeps live at once (about 1 MB of ids); past it
+the oldest is signed out to make room."""
+
+
+class SignIns:
+    """The sign-ins through the form that are live in this process.
+
+    The cookie is signed, not stored: on its own it stays good until it expires, whoever
+    kept a copy of it, and signing out could only ask the browser to forget it. So each
+    sign-in gets a random id, carried in the cookie and kept here until it is signed out or
+    expires; a cookie whose id is not here is signed out. The set lives in this process's
+    memory only: a restart signs everyone out, and of several processes behind one address
+    each knows only the sign-ins it made.
+
+    Args:
+        lifetime: Seconds a sign-in lasts (the cookie's ``Max-Age``).
+        limit: At most this many live at once; a sign-in past it signs the oldest out, so a
+            token holder signing in in a loop cannot grow the set without bound.
+        clock: Monotonic seconds (a test's clock).
+    """
+
+    def __init__(
+        self,
+        lifetime: float,
+        *,
+        limit: int = MAX_SIGN_INS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lifetime = lifetime
+        self.limit = limit
+        self.clock = clock
+        # id -> when it expires, oldest first: every sign-in lasts as long, so the front of
+        # the order is also the first to expire.
+        self._live: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def start(self) -> str:
+        """A new sign-in's id (192 random bits), live from now."""
+        now = self.clock()
+        self._drop_expired(now)
+        while len(self._live) >= self.limit:
+            self._live.popitem(last=False)
+        sign_in = secrets.token_urlsafe(24)
+        self._live[sign_in] = now + self.lifetime
+        return sign_in
+
+    def live(self, sign_in: object) -> bool:
+        """Whether a cookie's id names a sign-in that is neither signed out nor expired."""
+        if not isinstance(sign_in, str):
+            return False
+        expires = self._live.get(sign_in)
+        if expires is None:
+            return False
+        if expires <= self.clock():
+            del self._live[sign_in]
+            return False
+        return True
+
+    def end(self, sign_in: object) -> None:
+        """Sign out: the id is live no more (an unknown one is ignored)."""
+        if isinstance(sign_in, str):
+            self._live.pop(sign_in, None)
+
+    def _drop_expired(self, now: float) -> None:
+        while self._live:
+            oldest, expires = next(iter(self._live.items()))
+            if expires > now:
+                break
+            del self._live[oldest]

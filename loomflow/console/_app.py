@@ -12,6 +12,7 @@ which browsers fold into the path, and the anonymous bucket use ``/trail?user=<i
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -37,11 +38,11 @@ from starlette.routing import Route
 
 from .._ids import check_id, check_key
 from .._printable import printable
-from .._timefmt import parse_when
+from .._timefmt import iso_time, parse_when
 from ..audit import ANY_USER
 from ..errors import InvalidArgumentError, LoomflowError, StorageError, UserError
-from ..runtime import RUN_STATES
-from ._access import ConsoleAccess, Principal, Role, cookie_value
+from ..runtime import RUN_STATES, SessionInfo
+from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
 
 __all__ = ["create_app", "user_url"]
@@ -51,6 +52,9 @@ _CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'"
 )
+# A page of a trail (or of its export) holds 10 to 500 entries; the menu on the page offers
+# the usual sizes, and the one asked for when it is another.
+_PAGE_MIN, _PAGE_MAX = 10, 500
 _PAGE_SIZES = (10, 25, 50, 100, 500)
 
 
@@ -143,13 +147,15 @@ def create_app(
     Args:
         data: The stores to read (and the audit log to record reads in).
         access: Who may sign in, and how.
-        session_secret: Signs the sign-in cookie; a random one per process when left out
-            (sign-ins then end when the process does).
+        session_secret: Signs the sign-in cookie; a random one per process when left out.
+            Either way sign-ins through the form live in this application's memory
+            (:class:`SignIns`) and end with it.
         secure_cookie: Send the cookie over HTTPS only (set it when served over TLS).
     """
     env = _env()
     secret = session_secret or secrets.token_urlsafe(32)
     cookie_key = hashlib.sha256(b"loomflow console cookie\0" + secret.encode("utf-8")).digest()
+    sign_ins = SignIns(_SESSION_HOURS * 3600)
 
     def render(template: str, request: Request, who: Principal | None, **ctx: Any) -> Response:
         html = env.get_template(template).render(who=who, path=request.url.path, **ctx)
@@ -163,17 +169,33 @@ def create_app(
             "Cache-Control": "no-store",
         }
 
-    def principal(request: Request) -> Principal | None:
+    def principal(request: Request) -> tuple[Principal | None, str | None]:
+        """Who is signed in; else ``None`` and the way in that failed (``"bearer"``: an
+        unknown token; ``"proxy"``: a header value that is no name; ``None`` for someone who
+        presented nothing, or a cookie that expired or was signed out, which is no attempt
+        to sign in)."""
         auth = request.headers.get("authorization", "")
         if auth[:7].lower() == "bearer ":
             entry = access.by_token(auth[7:].strip())
-            return None if entry is None else Principal(entry.name, entry.role, "token")
+            if entry is None:
+                return None, "bearer"
+            return Principal(entry.name, entry.role, "token"), None
         if access.proxy_header is not None:
             value = request.headers.get(access.proxy_header)
             if value is not None:
-                return access.from_proxy(value)
+                who = access.from_proxy(value)
+                return who, "proxy" if who is None else None
+        return signed_in(request), None
+
+    def signed_in(request: Request) -> Principal | None:
+        """The sign-in the cookie carries, if it is live."""
         held = request.session.get("token")
         if isinstance(held, str):
+            if not sign_ins.live(request.session.get("sign_in")):
+                # Signed out (or expired, or from before a restart): a kept copy of the
+                # cookie is worth nothing. The browser is told to drop it.
+                request.session.clear()
+                return None
             # The cookie names the token (keyed hash), looked up again on every request:
             # removing a line from the tokens file (and restarting) ends those sessions.
             entry = access.by_cookie(held, cookie_key)
@@ -181,14 +203,25 @@ def create_app(
                 return Principal(entry.name, entry.role, "cookie")
         return None
 
-    def page(template: str, role: Role = "reader") -> Callable[[Handler], Callable[..., Any]]:
-        """A route serving ``template`` at its path and JSON at ``/api`` + its path."""
+    def client_of(request: Request) -> str | None:
+        return None if request.client is None else request.client.host
+
+    def page(
+        template: str, role: Role = "reader", *, about_user: bool = False
+    ) -> Callable[[Handler], Callable[..., Any]]:
+        """A route serving ``template`` at its path and JSON at ``/api`` + its path.
+
+        ``about_user``: the route reads the user its query names (``?user=`` or
+        ``?anonymous=1``); a refusal records that user, as a served query does.
+        """
 
         def wrap(handler: Handler) -> Callable[..., Any]:
             async def endpoint(request: Request) -> Response:
                 api = request.url.path.startswith("/api/")
-                who = principal(request)
+                who, failed = principal(request)
                 if who is None:
+                    if failed is not None:
+                        await data.signin_failed(failed, client_of(request))
                     if api:
                         return JSONResponse(
                             {"error": "sign in: send Authorization: Bearer <token>"},
@@ -207,6 +240,7 @@ def create_app(
                         await data.record(
                             who,
                             request.url.path,
+                            viewed=named_user(request) if about_user else ANY_USER,
                             details={"needs": "admin"},
                             action=CONSOLE_REFUSED,
                         )
@@ -240,6 +274,13 @@ def create_app(
         response.status_code = status
         return response
 
+    def named_user(request: Request) -> str | Any | None:
+        """The user a query names, as :func:`user_of` reads it, without refusing: ANY_USER
+        when it names none."""
+        if request.query_params.get("anonymous") == "1":
+            return None
+        return request.query_params.get("user", ANY_USER)
+
     def user_of(request: Request, where: str = "user") -> str | None:
         """The user a query names (``anonymous=1`` is the bucket of runs without one)."""
         if request.query_params.get("anonymous") == "1":
@@ -250,13 +291,13 @@ def create_app(
         return value
 
     def page_size(request: Request, default: str = "25") -> int:
-        try:
-            limit = int(request.query_params.get("limit", default))
-        except ValueError:
-            raise _Refused(400, "limit must be a number") from None
-        if limit not in _PAGE_SIZES:
-            raise _Refused(400, f"limit must be one of {', '.join(map(str, _PAGE_SIZES))}")
-        return limit
+        text = request.query_params.get("limit", default)
+        # Up to three ASCII digits: int() would also take " 20", "1_0", "٢٠" or 5,000 digits.
+        if text.isascii() and text.isdigit() and len(text) <= 3:
+            limit = int(text)
+            if _PAGE_MIN <= limit <= _PAGE_MAX:
+                return limit
+        raise _Refused(400, f"limit must be a whole number from {_PAGE_MIN} to {_PAGE_MAX}")
 
     def filters(request: Request) -> TrailFilter:
         q = request.query_params
@@ -317,7 +358,7 @@ def create_app(
             "form": {k: q.get(k, "") for k in ("since", "until", "session", "action")},
             "entries": page_.entries,
             "limit": limit,
-            "sizes": _PAGE_SIZES,
+            "sizes": sorted({*_PAGE_SIZES, limit}),
             "next_url": next_url,
             "first_url": _query_url("/trail", user_id, **shown, limit=limit) if cursor else None,
             "verify_url": base + sep + urlencode({**shown, "limit": limit, "verify": 1}),
@@ -344,20 +385,18 @@ def create_app(
         except ValueError:
             raise _Refused(400, "seq must be a number") from None
         await data.record(who, "entry", viewed=user_id, details={"seq": seq})
-        found = await data.entry(user_id, seq)
+        found = await data.entry(user_id, seq)  # redacted, as every page and route shows it
         if found is None:
             raise _Refused(404, f"no entry {seq} in this user's trail")
-        payload = data.redactor.value(found.payload)
-        shown = found.to_json() | {"payload": payload}
         run_url = None
         if found.run_id is not None:
             run_url = _query_url("/run", user_id, run=found.run_id)
         return {
             "user_id": user_id,
             "entry": found,
-            "payload": payload,
+            "payload": found.payload,
             "run_url": run_url,
-            "api": shown,
+            "api": found.to_json(),
         }
 
     @page("run.html")
@@ -379,23 +418,23 @@ def create_app(
             raise _Refused(400, f"state must be one of {', '.join(RUN_STATES)}")
         await data.record(who, "runs", details={"state": state})
         listed = await data.runs(state)
-        rows = [
-            {
-                "session_id": i.session_id,
-                "user_id": i.user_id,
-                "state": s,
-                "epoch": i.epoch,
-                "entries": i.entries,
-                "owner": i.owner,
-                "updated_at": i.updated_at,
+
+        def row(info: SessionInfo, shown: str, when: float | str | None) -> dict[str, Any]:
+            return {
+                "session_id": info.session_id,
+                "user_id": info.user_id,
+                "state": shown,
+                "epoch": info.epoch,
+                "entries": info.entries,
+                "owner": info.owner,
+                "updated_at": when,
             }
-            for i, s in listed
-        ]
+
         return {
-            "runs": rows,
+            "runs": [row(i, s, i.updated_at) for i, s in listed],  # the page formats it
             "state": state,
             "has_journal": data.stores.runtime is not None,
-            "api": {"runs": rows},
+            "api": {"runs": [row(i, s, iso_time(i.updated_at)) for i, s in listed]},
         }
 
     @page("verify.html", role="admin")
@@ -404,7 +443,7 @@ def create_app(
         report = await data.verify(ANY_USER)
         return {"report": report, "api": report.to_json()}
 
-    @page("", role="admin")
+    @page("", role="admin", about_user=True)
     async def export(request: Request, who: Principal) -> Response:
         user_id = user_of(request)
         where = filters(request)
@@ -421,7 +460,7 @@ def create_app(
         name = "audit-export.jsonl"
         lines: AsyncIterator[str]
         if limit is not None:
-            shown = await data.trail(user_id, where, limit=limit, cursor=cursor)
+            shown = await data.export_page(user_id, where, limit=limit, cursor=cursor)
             lines = _once("".join(e.to_line() + "\n" for e in shown.entries))
         else:
             # Streamed a page at a time: a long trail is never held in memory whole.
@@ -432,7 +471,7 @@ def create_app(
             headers=_headers() | {"Content-Disposition": f'attachment; filename="{name}"'},
         )
 
-    @page("", role="admin")
+    @page("", role="admin", about_user=True)
     async def export_heads(request: Request, who: Principal) -> Response:
         user_id = user_of(request)
         await data.record(who, "export heads", viewed=user_id)
@@ -458,12 +497,15 @@ def create_app(
             token = form.get("token")
             entry = access.by_token(token) if isinstance(token, str) else None
             if entry is not None:
+                sign_ins.end(request.session.get("sign_in"))  # one sign-in per cookie
                 request.session.clear()
                 await data.record(
                     Principal(entry.name, entry.role, "cookie"), "sign in", action=CONSOLE_SIGNIN
                 )
                 request.session["token"] = cookie_value(entry, cookie_key)
+                request.session["sign_in"] = sign_ins.start()
                 return RedirectResponse(target, 303, headers=_headers())
+            await data.signin_failed("form", client_of(request))
             error = "That token is not known."
         response = render("signin.html", request, None, error=error, next=target)
         if error is not None:
@@ -471,6 +513,8 @@ def create_app(
         return response
 
     async def signout(request: Request) -> Response:
+        # Ended here, not only forgotten by this browser: every copy of the cookie is out.
+        sign_ins.end(request.session.get("sign_in"))
         request.session.clear()
         return RedirectResponse("/signin", 303, headers=_headers())
 
@@ -505,7 +549,13 @@ def create_app(
             https_only=secure_cookie,
         )
     ]
-    return Starlette(routes=routes, middleware=middleware)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await data.flush_failures()  # failed sign-ins counted since the last record
+
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
 async def _once(text: str) -> AsyncIterator[str]:
@@ -513,4 +563,12 @@ async def _once(text: str) -> AsyncIterator[str]:
 
 
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+    return json.loads(json.dumps(value, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    # Times as everywhere in loomflow's JSON (the CLI's --json, exports): ISO 8601 in UTC
+    # with microseconds and a Z. Routes convert their Unix-seconds fields themselves.
+    if isinstance(value, dt.datetime):
+        return iso_time(value)
+    return str(value)

@@ -7,15 +7,24 @@ the same export, and its verification stays what it was. Who looked at whose tra
 query away: ``loomflow audit query --action console.query`` lists every look, the viewed
 user in each entry's payload. The write happens before anything is read, so a console
 that cannot audit serves nothing.
+
+Every payload the console shows, on a page or under ``/api/``, is read through
+:meth:`ConsoleData.shown`, which passes it through the deployment's redaction: a writer that
+did not redact, or a secret configured after an entry was written, is not shown either. Only
+the admin export (:meth:`ConsoleData.export_page`, :meth:`ConsoleData.export_lines`) hands
+out payloads as stored, since that is what their hashes cover.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
 from ..errors import JournalError, LoomflowError
@@ -28,8 +37,11 @@ __all__ = [
     "CONSOLE_ACTION",
     "CONSOLE_REFUSED",
     "CONSOLE_SIGNIN",
+    "CONSOLE_SIGNIN_FAILED",
+    "SIGNIN_FAILURES_CHAIN",
     "ConsoleData",
     "RunStory",
+    "SignInFailures",
     "TrailFilter",
     "console_user_id",
 ]
@@ -39,7 +51,16 @@ CONSOLE_ACTION = "console.query"
 CONSOLE_SIGNIN = "console.signin"
 """The audit action of a sign-in through the form (a session cookie was handed out)."""
 CONSOLE_REFUSED = "console.refused"
-"""The audit action of a request refused for want of a role (a reader asking for admin work)."""
+"""The audit action of a request refused for want of a role (a reader asking for admin work);
+it names the user the request was about, as ``console.query`` does."""
+CONSOLE_SIGNIN_FAILED = "console.signin_failed"
+"""The audit action of failed sign-ins (an unknown token, typed or sent as a bearer, or a
+proxy header whose value is no name), coalesced: see :class:`SignInFailures`."""
+SIGNIN_FAILURES_CHAIN = f"{CONSOLE_CHAINS}(unknown)"
+"""The chain failed sign-ins go to: nobody signed in to own them, and no name a token or the
+proxy header can carry has parentheses, so it is no one's chain."""
+
+log = logging.getLogger("loomflow.console")
 
 # Actions that make a run's story, grouped as the run page shows them.
 _EXECUTED = ("model.call", "tool.call")
@@ -90,8 +111,8 @@ class TrailFilter:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "since": None if self.since is None else self.since.isoformat(),
-            "until": None if self.until is None else self.until.isoformat(),
+            "since": iso_time(self.since),
+            "until": iso_time(self.until),
             "session": self.session_id,
             "action": self.action,
         }
@@ -160,18 +181,135 @@ class RunStory:
             "decisions": [e.to_json() for e in self.decisions],
             "entries": [e.to_json() for e in self.entries],
             "journal": [
-                {"path": list(j.path), "name": j.name, "kind": j.kind, "epoch": j.epoch}
+                {
+                    "path": list(j.path),
+                    "name": j.name,
+                    "kind": j.kind,
+                    "epoch": j.epoch,
+                    "size": j.size,
+                    "created_at": iso_time(j.created_at),
+                }
                 for j in self.journal
             ],
         }
 
 
+_MAX_CLIENTS = 8  # client addresses kept per failed sign-in record
+
+
+@dataclass
+class _Failures:
+    """Failed sign-ins not yet written: how many, by which way in, from where, when."""
+
+    first: float  # Unix seconds
+    last: float
+    count: int = 0
+    via: dict[str, int] = field(default_factory=dict)
+    clients: list[str] = field(default_factory=list)
+    more_clients: bool = False
+
+    def add(self, via: str, client: str | None, when: float) -> None:
+        self.count += 1
+        self.last = when
+        self.via[via] = self.via.get(via, 0) + 1
+        self._client(client)
+
+    def merge(self, other: _Failures) -> None:
+        self.first, self.last = min(self.first, other.first), max(self.last, other.last)
+        self.count += other.count
+        for via, n in other.via.items():
+            self.via[via] = self.via.get(via, 0) + n
+        for client in other.clients:
+            self._client(client)
+        self.more_clients = self.more_clients or other.more_clients
+
+    def _client(self, client: str | None) -> None:
+        if client is None or client in self.clients:
+            return
+        if len(self.clients) < _MAX_CLIENTS:
+            self.clients.append(client)
+        else:
+            self.more_clients = True
+
+    def payload(self) -> dict[str, Any]:
+        # Never the token, the header's value or the address asked for: a wrong token may be
+        # someone's real one mistyped, and a path may name a user (whom a forget could not
+        # find here, since these entries view no one).
+        return {
+            "failures": self.count,
+            "via": dict(sorted(self.via.items())),
+            "first": iso_time(self.first),
+            "last": iso_time(self.last),
+            "clients": self.clients,
+            "more_clients": self.more_clients,
+        }
+
+
+class SignInFailures:
+    """Failed sign-ins, coalesced into at most one audit entry per ``window`` seconds.
+
+    Why coalesce rather than drop: a flood of bad tokens (a scanner, a script with a revoked
+    token) must not grow the audit log without bound, yet how many failures there were is
+    the very thing to know. So the first failure after a quiet ``window`` is written at once
+    (a lone mistyped token shows up immediately), and the failures that follow within the
+    window are counted and written together with the next failure after it, or when the
+    console stops. With the default minute that is at most 1,440 entries a day per console
+    process, however hard it is hammered. The price: the tail of a burst is written late
+    (with the next failure, or at shutdown), and a crash loses what was counted since the
+    last record. A timer could write it sooner, but would be one more task to run and stop
+    for a count that is never wrong, only late.
+
+    Args:
+        window: Seconds between two records.
+        clock: Monotonic seconds (a test's clock).
+        wall: Unix seconds, for the times recorded.
+    """
+
+    def __init__(
+        self,
+        window: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.window = window
+        self.clock = clock
+        self.wall = wall
+        self._written: float | None = None  # clock() of the last record
+        self._pending: _Failures | None = None
+
+    def note(self, via: str, client: str | None) -> _Failures | None:
+        """Count one failure; what to write now (``None``: it waits for the window)."""
+        now, when = self.clock(), self.wall()
+        tally = self._pending or _Failures(when, when)
+        tally.add(via, client, when)
+        if self._written is not None and now - self._written < self.window:
+            self._pending = tally
+            return None
+        self._pending, self._written = None, now
+        return tally
+
+    def take(self) -> _Failures | None:
+        """What is counted and not written yet (the console is stopping)."""
+        tally, self._pending = self._pending, None
+        return tally
+
+    def put_back(self, tally: _Failures) -> None:
+        """A tally whose write failed: counted again with the next one."""
+        if self._pending is not None:
+            tally.merge(self._pending)
+        self._pending = tally
+
+
 class ConsoleData:
     """The console's reads over one deployment's stores, each one audited first."""
 
-    def __init__(self, stores: Stores, redactor: Redactor) -> None:
+    def __init__(
+        self, stores: Stores, redactor: Redactor, *, failures: SignInFailures | None = None
+    ) -> None:
         self.stores = stores
         self.redactor = redactor
+        self.failures = failures if failures is not None else SignInFailures()
 
     async def record(
         self,
@@ -198,6 +336,33 @@ class ConsoleData:
             )
         )
 
+    async def signin_failed(self, via: str, client: str | None) -> None:
+        """Count a failed sign-in, and write the failures counted so far when it is time
+        (see :class:`SignInFailures`). A write that fails is logged and counted again with
+        the next: the sign-in is refused either way."""
+        tally = self.failures.note(via, client)
+        if tally is not None:
+            await self._write_failures(tally)
+
+    async def flush_failures(self) -> None:
+        """Write the failed sign-ins counted but not written yet (the console is stopping)."""
+        tally = self.failures.take()
+        if tally is not None:
+            await self._write_failures(tally)
+
+    async def _write_failures(self, tally: _Failures) -> None:
+        record = AuditRecord(
+            user_id=SIGNIN_FAILURES_CHAIN,
+            actor=SIGNIN_FAILURES_CHAIN,
+            action=CONSOLE_SIGNIN_FAILED,
+            payload=self.redactor.value(tally.payload()),
+        )
+        try:
+            await self.stores.audit.append(record)
+        except LoomflowError as exc:
+            self.failures.put_back(tally)
+            log.warning("could not record %d failed console sign-in(s): %s", tally.count, exc)
+
     async def users(self, search: str = "", limit: int = 200) -> tuple[list[ChainHead], bool]:
         """Users the audit log knows (their chain heads), those whose id contains ``search``
         (case-insensitive); and whether there were more than ``limit``."""
@@ -206,18 +371,43 @@ class ConsoleData:
         found.sort(key=lambda h: (h.user_id is not None, h.user_id or ""))
         return found[:limit], len(found) > limit
 
+    def shown(self, entry: AuditEntry) -> AuditEntry:
+        """``entry`` as the console shows it: its payload passed through the deployment's
+        redaction (``LOOMFLOW_REDACT_*``).
+
+        When the redaction changed the payload, the copy has no ``payload_salt``: the shown
+        payload no longer matches the digest anyway, and with the salt a reader could test
+        guesses of what was hidden against the digest, offline. Hash, digest and links stay,
+        so the entry's place in its chain is still shown.
+        """
+        if entry.payload is None:  # erased
+            return entry
+        payload = self.redactor.value(entry.payload)
+        if payload == entry.payload:
+            return entry
+        return entry.model_copy(update={"payload": payload, "payload_salt": None})
+
     async def trail(
         self, user_id: str | None, where: TrailFilter, *, limit: int, cursor: str | None
     ) -> AuditPage:
+        """One page of the user's trail, as shown (redacted; see :meth:`shown`)."""
+        page = await self.export_page(user_id, where, limit=limit, cursor=cursor)
+        return AuditPage([self.shown(e) for e in page.entries], page.next_cursor)
+
+    async def export_page(
+        self, user_id: str | None, where: TrailFilter, *, limit: int, cursor: str | None
+    ) -> AuditPage:
+        """One page of the user's trail as stored, unredacted: for the admin export only."""
         return await self.stores.audit.query(
             user_id=user_id, **where.as_kwargs(), limit=limit, cursor=cursor
         )
 
     async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
-        """The user's entry ``seq`` (entries are stored in seq order: stop once past it)."""
+        """The user's entry ``seq``, as shown (entries are stored in seq order: stop once past
+        it)."""
         async for entry in self.stores.audit.entries(user_id=user_id):
             if entry.seq == seq:
-                return entry
+                return self.shown(entry)
             if entry.seq > seq:
                 break
         return None
@@ -226,7 +416,8 @@ class ConsoleData:
         return await self.stores.audit.verify(user_id=user_id)
 
     async def export_lines(self, user_id: str | None, where: TrailFilter) -> AsyncIterator[str]:
-        """The selected entries as the lines of ``loomflow audit export``, one page at a time."""
+        """The selected entries as the lines of ``loomflow audit export`` (as stored,
+        unredacted: the admin export), one page at a time."""
         lines: list[str] = []
         async for entry in self.stores.audit.entries(user_id=user_id, **where.as_kwargs()):
             lines.append(entry.to_line() + "\n")
@@ -237,6 +428,7 @@ class ConsoleData:
             yield "".join(lines)
 
     async def run(self, user_id: str | None, run_id: str) -> RunStory:
+        """The story of one of the user's runs; its entries as shown (see :meth:`shown`)."""
         entries: list[AuditEntry] = []
         truncated = False
         async for entry in self.stores.audit.entries(user_id=user_id, run_id=run_id):
@@ -244,7 +436,8 @@ class ConsoleData:
                 truncated = True
                 break
             entries.append(entry)
-        story = RunStory(user_id, run_id, entries, truncated, None, None)
+        shown = [self.shown(e) for e in entries]
+        story = RunStory(user_id, run_id, shown, truncated, None, None)
         runtime = self.stores.runtime
         session_id = story.session_id
         if runtime is not None and entries:

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 from urllib.parse import quote
 
 import asyncpg
+import httpx
 import pytest
 from console_helpers import (
     ADMIN,
@@ -29,13 +31,19 @@ from console_helpers import (
     run_agent,
     tables,
 )
+from pydantic import SecretStr
 
-from loomflow.audit import AuditRecord, SqliteAuditStore
+from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
-from loomflow.console import ConsoleOptions, build_console, token_sha256
+from loomflow.console import ConsoleOptions, SignInFailures, build_console, token_sha256
+from loomflow.console._access import SignIns
 from loomflow.console._app import user_url
 from loomflow.errors import ConfigurationError
+from loomflow.redaction import Redactor
 from loomflow.stores import Stores
+
+# Every time in loomflow's JSON: ISO 8601, UTC, microseconds, Z (docs/operations/cli.md).
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 
 ROUTES = [
     "/users",
@@ -91,6 +99,129 @@ def test_a_reader_is_refused_admin_work_and_the_refusal_is_audited(
             assert "Not allowed" in page.text
     refused = _audit(deployment, user_id="console:rob", action="console.refused")
     assert {e["payload"]["query"] for e in refused} >= {"/runs", "/api/export"}  # type: ignore[index]
+
+
+def test_a_refusal_names_the_user_the_request_was_about(
+    console: Server, deployment: Deployment
+) -> None:
+    before = len(_audit(deployment, user_id="console:rob", action="console.refused"))
+    with console.client(READER) as http:
+        asked = [
+            ("/api/export", {"user": HOSTILE, "action": "tool.*"}),
+            ("/export/heads", {"user": BOB}),
+            ("/api/export", {"anonymous": "1"}),
+            ("/api/runs", {"user": BOB}),  # not a route about a user: it names no one
+        ]
+        for route, params in asked:
+            assert http.get(route, params=params).status_code == 403, route
+    refused = _audit(deployment, user_id="console:rob", action="console.refused")[before:]
+    payloads: list[Any] = [e["payload"] for e in refused]
+    assert [(p["query"], p.get("viewed_user", "-")) for p in payloads] == [
+        ("/api/export", HOSTILE),
+        ("/export/heads", BOB),
+        ("/api/export", None),
+        ("/api/runs", "-"),
+    ]
+    assert {json.dumps(p["details"]) for p in payloads} == {'{"needs": "admin"}'}
+
+
+def test_failed_sign_ins_are_recorded_coalesced_and_without_the_token(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+    folder.mkdir()
+    path = folder / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        await store.append(AuditRecord(user_id="bob", actor="t", action="x"))
+        await store.close()
+
+    async def failures() -> list[Any]:
+        store = SqliteAuditStore(path)
+        try:
+            return [e async for e in store.entries(user_id="console:(unknown)")]
+        finally:
+            await store.close()
+
+    asyncio.run(make())
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    options = ConsoleOptions(proxy_header="X-Forwarded-User")
+    bad = "wrong-token-0123456789-not-anyones"
+    flood = 40
+    with Server(settings, options) as server, server.client() as http:
+        assert http.post("/signin", data={"token": bad}).status_code == 401
+        first = asyncio.run(failures())
+        # The first failure is on record at once.
+        assert [(e.action, e.actor) for e in first] == [
+            ("console.signin_failed", "console:(unknown)")
+        ]
+        assert first[0].payload["failures"] == 1
+        assert first[0].payload["via"] == {"form": 1}
+        assert first[0].payload["clients"] == ["127.0.0.1"]
+        # A flood within the minute is counted, not written entry by entry.
+        for n in range(flood):
+            auth = {"Authorization": f"Bearer {bad}-{n}"}
+            assert http.get("/api/users/bob", headers=auth).status_code == 401
+        assert http.get("/users", headers={"X-Forwarded-User": "<b>"}).status_code == 303
+        assert http.get("/api/users", headers={"X-Forwarded-User": "<b>"}).status_code == 401
+        assert http.get("/api/users").status_code == 401  # no credentials: no attempt
+        assert http.get("/api/users", headers={"Authorization": f"Bearer {ADMIN}"}).is_success
+        assert len(asyncio.run(failures())) == 1
+    # What was counted is written when the console stops.
+    written = asyncio.run(failures())
+    assert len(written) == 2
+    assert written[1].payload["failures"] == flood + 2  # the page and the API proxy value
+    assert written[1].payload["via"] == {"bearer": flood, "proxy": 2}
+    assert written[1].payload["clients"] == ["127.0.0.1"]
+    # Neither a token, nor the header's value, nor the path asked for is recorded.
+    raw = _raw(folder)
+    assert bad.encode() not in raw
+    assert b"wrong-token" not in raw
+    assert b"/api/users/bob" not in raw
+
+    async def verify() -> Any:
+        store = SqliteAuditStore(path)
+        try:
+            return await store.verify()
+        finally:
+            await store.close()
+
+    assert asyncio.run(verify()).ok
+
+
+def test_failed_sign_ins_coalesce_by_the_minute() -> None:
+    now = [0.0]
+    failures = SignInFailures(60, clock=lambda: now[0], wall=lambda: 1_800_000_000 + now[0])
+    first = failures.note("form", "10.0.0.1")
+    assert first is not None
+    assert first.payload() == {
+        "failures": 1,
+        "via": {"form": 1},
+        "first": "2027-01-15T08:00:00.000000Z",
+        "last": "2027-01-15T08:00:00.000000Z",
+        "clients": ["10.0.0.1"],
+        "more_clients": False,
+    }
+    for n in range(20):
+        now[0] = 1 + n
+        assert failures.note("bearer", f"10.0.1.{n}") is None
+    now[0] = 61
+    due = failures.note("proxy", None)
+    assert due is not None
+    shown = due.payload()
+    assert shown["failures"] == 21
+    assert shown["via"] == {"bearer": 20, "proxy": 1}
+    assert len(shown["clients"]) == 8  # at most 8 addresses, and a mark that there were more
+    assert shown["more_clients"] is True
+    assert shown["first"] == "2027-01-15T08:00:01.000000Z"
+    assert shown["last"] == "2027-01-15T08:01:01.000000Z"
+    assert failures.take() is None
+    now[0] = 62
+    assert failures.note("form", None) is None
+    failures.put_back(due)  # a write that failed is counted again with the next
+    again = failures.take()
+    assert again is not None
+    assert again.payload()["failures"] == 22
+    assert failures.take() is None
 
 
 def test_hostile_user_ids_are_escaped_and_reach_their_own_trail(
@@ -199,11 +330,30 @@ def test_a_trail_pages_and_filters(console: Server) -> None:
         assert http.get("/api/users/bob", params={"cursor": "x"}).status_code == 400
 
 
+def test_a_page_holds_10_to_500_entries(console: Server, deployment: Deployment) -> None:
+    total = len(_audit(deployment, user_id=BOB))
+    assert 37 < total < 500
+    with console.client(ADMIN) as http:
+        for size in (10, 20, 37, 500):
+            body = http.get("/api/users/bob", params={"limit": size}).json()
+            assert len(body["entries"]) == min(size, total), size
+        page = http.get("/users/bob", params={"limit": 20}).text
+        assert "<option selected>20</option>" in page  # the menu keeps the size asked for
+        one = http.get("/api/export", params={"user": BOB, "limit": 20}).text
+        assert len(one.splitlines()) == 20
+        for bad in ("9", "501", "0", "-10", "20.0", "1_0", " 20", "\u0662\u0660", "9" * 5000, ""):
+            for route in ("/api/users/bob", "/api/export"):
+                got = http.get(route, params={"user": BOB, "limit": bad})
+                assert got.status_code == 400, (route, bad)
+                assert got.json()["error"] == "limit must be a whole number from 10 to 500"
+
+
 def test_an_entry_is_shown_redacted(console: Server) -> None:
     with console.client(ADMIN) as http:
         notes = http.get("/api/users/bob", params={"action": "note.added", "limit": 10}).json()
         seq = notes["entries"][0]["seq"]
-        assert "s3cr3t-value-xyz" in json.dumps(notes)  # the API's trail is what is stored
+        assert "s3cr3t-value-xyz" not in json.dumps(notes)  # the API's trail is redacted too
+        assert "[REDACTED]" in notes["entries"][0]["payload"]["note"]
         shown = http.get("/api/entry", params={"user": BOB, "seq": seq}).json()
         assert "s3cr3t-value-xyz" not in json.dumps(shown)
         assert "bob@example.com" not in json.dumps(shown)
@@ -212,6 +362,93 @@ def test_an_entry_is_shown_redacted(console: Server) -> None:
         assert "s3cr3t-value-xyz" not in page
         assert "[REDACTED]" in page
         assert http.get("/api/entry", params={"user": BOB, "seq": 99999}).status_code == 404
+
+
+def test_no_page_or_route_shows_an_unredacted_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A writer that did not redact (or wrote before the secret was configured).
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        log = AuditLog(store, redactor=Redactor(pii=False, secrets=[], env=[]))
+        payload = {"conn": "password is db-pass-1", "mail": "dave@example.com"}
+        for extra in ({}, {"reason": "retry with db-pass-1 for dave@example.com"}):
+            await log.record(
+                "note.secret", user_id="dave", actor="app", payload=payload | extra,
+                run_id="01RUNDAVE",
+            )  # fmt: skip
+        await store.close()
+
+    asyncio.run(make())
+    (tmp_path / "tokens").write_text(f"reader {READER} rob\nadmin {ADMIN} ada\n", "utf-8")
+    monkeypatch.setenv("LOOMFLOW_REDACT_SECRETS", '["db-pass-1"]')
+    settings = Settings(runtime_url=f"sqlite:///{path}")
+    hidden = ("db-pass-1", "dave@example.com")
+    shows = [
+        "/users/dave",
+        "/trail?user=dave",
+        "/trail?user=dave&verify=1",
+        "/run?user=dave&run=01RUNDAVE",
+        "/entry?user=dave&seq=1",
+        "/entry?user=dave&seq=2",
+        "/users?q=dave",
+    ]
+    with Server(settings, ConsoleOptions(tokens_file=tmp_path / "tokens")) as server:
+        for token in (READER, ADMIN):
+            with server.client(token) as http:
+                for route in shows:
+                    for shown in (http.get("/api" + route), http.get(route)):
+                        assert shown.status_code == 200, (route, shown.text[:300])
+                        for value in hidden:
+                            assert value not in shown.text, (token[:5], shown.url, value)
+                trail = http.get("/api/users/dave").json()["entries"]
+                assert trail[0]["payload"] == {
+                    "conn": "password is [REDACTED]",
+                    "mail": "[REDACTED:email]",
+                }
+                # Changed by the redaction: shown without the salt, which would let a reader
+                # test guesses of the hidden values against the digest.
+                assert {e["payload_salt"] for e in trail} == {None}
+                assert all(e["payload_digest"] for e in trail)
+                story = http.get("/api/run", params={"user": "dave", "run": "01RUNDAVE"}).json()
+                assert [e["seq"] for e in story["entries"]] == [1, 2]
+                page = http.get("/run", params={"user": "dave", "run": "01RUNDAVE"}).text
+                assert "reason=retry with [REDACTED] for [REDACTED:email]" in page
+        with server.client(ADMIN) as http:
+            # Only the admin export hands the payloads out as stored, salts and all: what the
+            # hashes cover, so that it verifies.
+            for params in ({"user": "dave"}, {"user": "dave", "limit": 10}):
+                export = http.get("/api/export", params=params).text
+                assert all(value in export for value in hidden)
+                lines = [json.loads(line) for line in export.splitlines()]
+                assert all(e["payload_salt"] for e in lines)
+        with server.client(READER) as http:
+            assert http.get("/api/export", params={"user": "dave"}).status_code == 403
+
+
+def test_every_time_in_the_json_is_iso_8601_utc_with_microseconds(
+    console: Server, deployment: Deployment
+) -> None:
+    with console.client(ADMIN) as http:
+        runs = http.get("/api/runs").json()["runs"]
+        assert runs
+        assert all(ISO_UTC.fullmatch(r["updated_at"]) for r in runs), runs[0]
+        trail = http.get(
+            "/api/users/bob", params={"since": "2001-02-03T04:05:06+02:00", "until": "7d"}
+        ).json()
+        assert trail["filters"]["since"] == "2001-02-03T02:05:06.000000Z"
+        assert ISO_UTC.fullmatch(trail["filters"]["until"])
+        assert all(ISO_UTC.fullmatch(e["time"]) for e in trail["entries"])
+        story = http.get("/api/run", params={"user": BOB, "run": deployment.runs[BOB]}).json()
+        assert story["journal"]
+        assert all(ISO_UTC.fullmatch(j["created_at"]) for j in story["journal"])
+        assert all(ISO_UTC.fullmatch(e["time"]) for e in story["entries"])
+    # The filters recorded in the asker's chain are written the same way.
+    looks = _audit(deployment, user_id="console:ada", action="console.query")
+    recorded = [e["payload"]["details"] for e in looks if e["payload"]["query"] == "trail"]  # type: ignore[index]
+    assert recorded[-1]["since"] == "2001-02-03T02:05:06.000000Z"
 
 
 def test_a_runs_story(console: Server, deployment: Deployment) -> None:
@@ -268,7 +505,14 @@ def test_verification_and_export_check_out_with_the_cli(
         page = http.get(
             "/export", params={"user": BOB, "limit": 25, "cursor": first["next_cursor"]}
         ).text
-        assert [json.loads(line) for line in page.splitlines()] == second["entries"]
+        exported = [json.loads(line) for line in page.splitlines()]
+        assert [(e["seq"], e["hash"]) for e in exported] == [
+            (e["seq"], e["hash"]) for e in second["entries"]
+        ]
+        # The export carries the payloads as stored (what the hashes cover); the trail shows
+        # them redacted.
+        assert "s3cr3t-value-xyz" in page
+        assert "s3cr3t-value-xyz" not in json.dumps(second)
         assert http.get("/api/export", params={"user": BOB, "limit": 7}).status_code == 400
         full = http.get("/export", params={"user": BOB}).text
         heads = http.get("/export/heads", params={"user": BOB}).text
@@ -329,6 +573,8 @@ def test_runs_by_state(console: Server) -> None:
     with console.client(ADMIN) as http:
         runs = http.get("/api/runs").json()["runs"]
         assert {r["user_id"] for r in runs} >= {BOB, HOSTILE}
+        for r in runs:  # the time format of the CLI's --json
+            assert ISO_UTC.fullmatch(r["updated_at"]), r["updated_at"]
         assert {r["state"] for r in runs} == {"finished"}
         assert http.get("/api/runs", params={"state": "open"}).json()["runs"] == []
         assert "<script>alert" not in http.get("/runs").text
@@ -369,6 +615,66 @@ def test_the_sign_in_cookie(console: Server, deployment: Deployment) -> None:
         http.post("/signout")
         assert http.get("/users", follow_redirects=False).status_code == 303
     assert _audit(deployment, user_id="console:rob", action="console.signin")
+
+
+def test_signing_out_ends_the_sign_in_for_every_copy_of_the_cookie(
+    console: Server, deployment: Deployment
+) -> None:
+    def sign_in(http: httpx.Client) -> str:
+        done = http.post("/signin", data={"token": READER}, follow_redirects=False)
+        assert done.status_code == 303
+        return done.cookies["loomflow_console"]
+
+    with console.client() as http, console.client() as other:
+        saved = sign_in(http)
+        elsewhere = sign_in(other)  # the same token, another browser
+        assert http.get("/api/users").status_code == 200
+        assert http.post("/signout", follow_redirects=False).status_code == 303
+    with console.client(cookies={"loomflow_console": saved}) as replay:
+        assert replay.get("/api/users").status_code == 401
+        page = replay.get("/users/bob", follow_redirects=False)
+        assert page.status_code == 303
+        assert page.headers["location"].startswith("/signin?")
+        # ... and the browser is told to drop the dead cookie.
+        assert "loomflow_console=null" in page.headers["set-cookie"]
+    with console.client(cookies={"loomflow_console": elsewhere}) as still:
+        assert still.get("/api/users").status_code == 200  # only that sign-in ended
+
+
+def test_a_restart_signs_everyone_out(deployment: Deployment) -> None:
+    settings = deployment.settings.model_copy(
+        update={"console_session_secret": SecretStr("k" * 40)}  # the same key both times
+    )
+    options = ConsoleOptions(tokens_file=deployment.tokens)
+    with Server(settings, options) as first, first.client() as http:
+        http.post("/signin", data={"token": READER}, follow_redirects=False)
+        saved = http.cookies["loomflow_console"]
+        assert http.get("/api/users").status_code == 200
+    with Server(settings, options) as second, second.client() as http:
+        http.cookies.set("loomflow_console", saved)
+        assert http.get("/api/users").status_code == 401
+
+
+def test_sign_ins_expire_and_are_bounded() -> None:
+    now = [1000.0]
+    live = SignIns(60, limit=3, clock=lambda: now[0])
+    first, second = live.start(), live.start()
+    assert first != second
+    assert live.live(first)
+    assert live.live(second)
+    assert not live.live("made-up")
+    assert not live.live(None)
+    live.end(first)
+    assert not live.live(first)
+    live.end(first)  # twice is fine
+    now[0] += 61
+    assert not live.live(second)  # expired
+    ids = [live.start() for _ in range(5)]
+    assert len(live) == 3  # the two oldest were signed out to make room
+    assert [live.live(i) for i in ids] == [False, False, True, True, True]
+    now[0] += 61
+    live.start()
+    assert len(live) == 1  # expired sign-ins are dropped as new ones come
 
 
 def test_a_trusted_proxy_header(deployment: Deployment) -> None:
@@ -629,6 +935,48 @@ def _forget_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[s
 def _raw(folder: Path) -> bytes:
     """Every byte SQLite or the JSON-lines store left on disk (WAL and heads included)."""
     return b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file())
+
+
+def test_a_forget_erases_a_refused_request_about_the_user(tmp_path: Path) -> None:
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}", console_token=ADMIN)
+
+    async def make() -> None:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        for i, user in enumerate((FORGOTTEN, BOB)):
+            await run_agent(settings, user, f"s-{i}")
+
+    asyncio.run(make())
+    (tmp_path / "tokens").write_text(f"reader {READER} rob\n", encoding="utf-8")
+    with (
+        Server(settings, ConsoleOptions(tokens_file=tmp_path / "tokens")) as server,
+        server.client(READER) as http,
+    ):
+        for route, user in (("/api/export", FORGOTTEN), ("/export/heads", FORGOTTEN),
+                            ("/api/export", BOB)):  # fmt: skip
+            assert http.get(route, params={"user": user}).status_code == 403
+
+    async def refused() -> list[Any]:
+        async with Stores(settings, journal=False) as stores:
+            return [e async for e in stores.audit.entries(user_id="console:rob")]
+
+    before = [e for e in asyncio.run(refused()) if e.action == "console.refused"]
+    assert [e.payload["viewed_user"] for e in before] == [FORGOTTEN, FORGOTTEN, BOB]
+    done = _forget_cli(settings, FORGOTTEN)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["console_erased"] == 2
+    after = asyncio.run(refused())
+    assert [e.payload for e in after[:3]] == [None, None, before[2].payload]
+    assert after[-1].action == "audit.erasure"
+    assert after[-1].payload is not None
+    assert after[-1].payload["seqs"] == [before[0].seq, before[1].seq]
+    assert all(FORGOTTEN not in e.to_line() for e in after)
+
+    async def verify() -> Any:
+        async with Stores(settings, journal=False) as stores:
+            return await stores.audit.verify()
+
+    assert asyncio.run(verify()).ok
 
 
 @pytest.mark.parametrize(
