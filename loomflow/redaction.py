@@ -56,7 +56,7 @@ SECRET_PATTERNS: tuple[tuple[str, str], ...] = (
     ("api_key", r"sk-(?<=\bsk-)[A-Za-z0-9_\-]{16,}"),
     ("aws_access_key", r"A[KS]IA(?<=\bA[KS]IA)[0-9A-Z]{16}\b"),
     ("google_api_key", r"AIza(?<=\bAIza)[0-9A-Za-z_\-]{35}"),
-    ("github_token", r"gh(?<=\bgh)(?:[pousr]_[A-Za-z0-9]{36,}|ithub_pat_[A-Za-z0-9_]{40,})"),
+    ("github_token", r"g(?<=\bg)(?:h[pousr]_[A-Za-z0-9]{36,}|ithub_pat_[A-Za-z0-9_]{40,})"),
     ("slack_token", r"xox(?<=\bxox)[abposr]-[A-Za-z0-9\-]{10,}"),
     ("jwt", r"eyJ(?<=\beyJ)[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
     ("bearer_token", r"[Bb](?<=\b[Bb])(?i:earer\s+[A-Za-z0-9\-._~+/]{8,}=*)"),

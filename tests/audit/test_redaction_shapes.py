@@ -79,6 +79,12 @@ def test_redacted_text_is_what_the_plain_shapes_give(text: str) -> None:
     assert Redactor(pii=False).text(text) == expected
 
 
+def test_every_kind_of_github_token_is_redacted() -> None:
+    r = Redactor(pii=False)
+    for token in ("ghp_" + "a1" * 18, "gho_" + "B" * 36, "github_pat_" + "x1_" * 14):
+        assert r.text(f"token {token} here") == "token [REDACTED:github_token] here"
+
+
 def test_a_shape_is_found_mid_text_and_not_inside_a_word() -> None:
     r = Redactor(pii=False)
     key = "sk-" + "a1" * 10
