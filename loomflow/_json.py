@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["canonical_json", "json_safe"]
+__all__ = ["canonical_json", "json_safe", "valid_text", "valid_value"]
 
 
 # Built once (json.dumps builds an encoder per call when given options).
@@ -27,14 +27,50 @@ def canonical_json(value: Any) -> str:
     return _canonical(value)
 
 
+def valid_text(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD (the replacement character).
+
+    A lone surrogate is no character: UTF-8 cannot spell it, so neither a database's text
+    column nor an RFC 8785 hash can hold it. It comes from outside (``json.loads`` of a
+    ``"\\udce9"`` escape, half of an emoji cut by a provider); a surrogate pair spelled as two
+    code points becomes the character it stands for.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def valid_value(value: Any) -> Any:
+    """``value`` with :func:`valid_text` applied to the strings (keys too) of its dicts, lists
+    and tuples; the very same object when nothing needed replacing."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, dict):
+        items = [(valid_value(k), valid_value(v)) for k, v in value.items()]
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
+            return value
+        return dict(items)
+    if isinstance(value, list | tuple):
+        out = [valid_value(v) for v in value]
+        if all(a is b for a, b in zip(out, value, strict=True)):
+            return value
+        return out if isinstance(value, list) else tuple(out)
+    return value
+
+
 def json_safe(value: Any) -> Any:
-    """``value`` as plain JSON data (non-finite floats and unknown objects become strings)."""
-    if value is None or isinstance(value, bool | int | str):
+    """``value`` as plain JSON data (non-finite floats and unknown objects become strings,
+    lone surrogates U+FFFD)."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if value is None or isinstance(value, bool | int):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
+        return {valid_text(str(k)): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         items = [json_safe(v) for v in value]
         return sorted(items, key=canonical_json) if isinstance(value, set | frozenset) else items
@@ -44,4 +80,4 @@ def json_safe(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
-    return str(value)
+    return valid_text(str(value))

@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._ids import check_id
-from .._json import canonical_json
+from .._json import canonical_json, valid_text
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, use_run_context
@@ -691,6 +691,9 @@ class Agent:
     ) -> AsyncIterator[AgentEvent]:
         if not isinstance(prompt, str):
             raise UserError("prompt must be a string")
+        # A lone surrogate (no character: no text column or audit hash can hold one) becomes
+        # U+FFFD, the same way on the first run and on a resume.
+        prompt = valid_text(prompt)
         structured = self._structured(output_type, output_retries)
         # Refused before anything runs: an empty session id must not become a fresh session
         # (a redelivered request would repeat its side effects), nor a too-long id a driver

@@ -245,6 +245,8 @@ class _Run:
                 yield event
         if response is None:
             raise UserError(f"model {self.agent.model.name!r} ended a stream without a response")
+        # Ids for calls the model left without, the same way when the journal replays it.
+        response = _with_call_ids(response, turn)
         live = self.live_model
         for hook, token in zip(self.hooks, self.tokens, strict=True):
             await hook.after_model_call(
@@ -435,7 +437,9 @@ class _Run:
             async with contextlib.aclosing(self.sealer.stream(stream)) as sealed:
                 async for chunk in sealed:
                     if isinstance(chunk, ModelResponse):
-                        answer = chunk
+                        # Journaled as the run keeps it: a lone surrogate in its text (half
+                        # an emoji) becomes U+FFFD, so a replay needs no second look.
+                        chunk = answer = codec.valid(chunk)
                     elif first:
                         first = False
                         for hook, token in zip(hooks, tokens, strict=True):
@@ -718,6 +722,23 @@ def _fit_payload(outcome: ToolOutcome, tool_name: str, limit: int | None) -> Too
         error=f"tool {tool_name!r} returned {size} bytes, more than the {limit} bytes a step "
         "may store (max_payload_bytes); ask it for less (a narrower query, a page, a summary)",
     )
+
+
+def _with_call_ids(response: ModelResponse, turn: int) -> ModelResponse:
+    """``response`` with an id for every tool call the model left without one.
+
+    A tool result must name the call it answers, and some OpenAI-compatible servers send
+    calls with an empty id. The id is made from the turn and slot, so a replay of the
+    journaled response (which keeps the empty id) names the calls the same way and the next
+    model call's inputs match.
+    """
+    if all(call.id for call in response.tool_calls):
+        return response
+    calls = [
+        call if call.id else call.model_copy(update={"id": f"call_{turn}_{slot}"})
+        for slot, call in enumerate(response.tool_calls)
+    ]
+    return response.model_copy(update={"tool_calls": calls})
 
 
 def _counts(open_run: OpenRun | None) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
@@ -31,6 +32,7 @@ from typing import Any, Literal, TypeAlias
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .._ids import check_id
+from .._json import valid_value
 from ..errors import (
     ApprovalDecidedError,
     ApprovalError,
@@ -158,10 +160,12 @@ def normalize_decision(
                 f"approval {request_id!r}: arguments must be a mapping of argument names to "
                 f"values, not {type(arguments).__name__}"
             )
-        edited = dict(arguments) if arguments is not None else None
+        # Text as the model's arguments are kept: a lone surrogate becomes U+FFFD.
+        edited = valid_value(dict(arguments)) if arguments is not None else None
         try:
             codec.canonical_bytes(edited)
-        except codec.UnsupportedValueError as exc:
+            _finite(edited)
+        except (codec.UnsupportedValueError, ValueError) as exc:
             raise InvalidArgumentTypeError(
                 f"approval {request_id!r}: edited arguments must be JSON values ({exc})"
             ) from None
@@ -185,6 +189,19 @@ def normalize_decision(
         f"approval {request_id!r}: a decision is Approve(...), Deny(reason) or the string "
         f"'allow' or 'deny', not {decision!r}"
     )
+
+
+def _finite(value: Any) -> None:
+    """Raise ``ValueError`` for a NaN or an infinity anywhere in ``value``: no JSON number
+    spells one, so the decision would keep ``null`` in its place."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a JSON number")
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _finite(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _finite(item)
 
 
 class ApprovalPending(Interrupt):

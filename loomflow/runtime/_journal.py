@@ -1203,7 +1203,23 @@ class JournalRuntime:
         the row goes with the next forget). Returns how many rows were deleted.
         """
         check_id("user_id", user_id)
-        deleted = await self.prune(user_id=user_id, include_open=True, older_than=timedelta(0))
+        await self._ensure_open()
+        if "any_age" in inspect.signature(self._store.prune).parameters:
+            # Whatever the rows' times say: a host whose clock was stepped back writes
+            # entries "in the future", and an erasure must not leave them behind.
+            deleted = await self._store.prune(
+                older_than_s=None,
+                session_id=None,
+                by_session=False,
+                user_id=user_id,
+                by_user=True,
+                include_open=True,
+                batch_size=5000,
+                on_progress=None,
+                any_age=True,
+            )
+        else:  # a store from before 0.21
+            deleted = await self.prune(user_id=user_id, include_open=True, older_than=timedelta(0))
         return deleted + await self._store.forget_sessions(user_id)
 
 

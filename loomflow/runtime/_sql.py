@@ -729,6 +729,7 @@ class SqlJournalStore:
         on_progress: OnProgress | None,
         dry_run: bool = False,
         keep_users: Sequence[str | None] = (),
+        any_age: bool = False,
     ) -> int:
         # One reading of the database clock bounds the whole prune: the count and every batch
         # use the same cutoff, and rows written while the prune runs are left alone, as the
@@ -740,7 +741,9 @@ class SqlJournalStore:
             args.append(value)
             return f"${len(args)}"
 
-        if older_than_s is None:
+        if any_age:  # an erasure: every row of the user, whatever time it says it was written
+            where = ["1 = 1"]
+        elif older_than_s is None:
             where = [f"created_at <= {param(now)}"]
         else:
             where = [f"created_at < {param(now - older_than_s)}"]
@@ -776,12 +779,12 @@ class SqlJournalStore:
             )
         targets = [_Prune("loom_entries", _ENTRY_KEY, where, args)]
         # Idempotency results outlive runs on purpose; only age (with the user filter) drops them.
-        if older_than_s is not None and not by_session:
-            idem_where = ["created_at < $1"]
-            idem_args: list[Any] = [now - older_than_s]
+        if (older_than_s is not None or any_age) and not by_session:
+            idem_where = ["1 = 1" if any_age else "created_at < $1"]
+            idem_args: list[Any] = [] if any_age else [now - (older_than_s or 0.0)]
             if by_user:
                 idem_args.append(json_user_key(user_id))
-                idem_where.append("user_key = $2")
+                idem_where.append(f"user_key = ${len(idem_args)}")
             if keep_users:
                 marks = []
                 for user in keep_users:

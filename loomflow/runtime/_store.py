@@ -379,11 +379,13 @@ class JournalStore(Protocol):
         on_progress: OnProgress | None,
         dry_run: bool = False,
         keep_users: Sequence[str | None] = (),
+        any_age: bool = False,
     ) -> int:
         """Delete what the filters select, ``batch_size`` rows per statement (with
         ``dry_run``, only count it), except anything of the users in ``keep_users`` (under
-        legal hold). A store written before 0.21 may lack ``keep_users``: the journal then
-        refuses a prune that must keep someone.
+        legal hold). ``any_age`` (an erasure) selects rows whatever time they carry, also
+        one "from the future" or with no readable time. A store written before 0.21 may lack
+        both: the journal then refuses a prune that must keep someone, and erases by age 0.
 
         With ``on_progress``, count the rows first and report ``(done, total)`` through a
         ``loomflow._progress.Progress``; without it, count nothing.

@@ -38,6 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .._json import valid_value
 from .._memo import PerInstance
 from ..errors import InvalidArgumentTypeError, _rebuild
 
@@ -56,8 +57,10 @@ __all__ = [
     "is_registered",
     "loads",
     "mark_immutable",
+    "plain",
     "register_type",
     "step_fingerprint",
+    "valid",
 ]
 
 CODEC_VERSION = 1
@@ -467,6 +470,19 @@ _canonical_json = json.JSONEncoder(
 _json_string = json.encoder.encode_basestring  # what json.dumps(text, ensure_ascii=False) calls
 
 
+def _utf8(text: str) -> bytes:
+    """The UTF-8 bytes of a printed JSON text.
+
+    A lone surrogate (a ``\\udce9`` escape json.loads read from a tool's input, half an emoji
+    from a provider) has no UTF-8 form; it can only sit inside a JSON string, so it is written
+    as that JSON escape again, which reads back as the same string.
+    """
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace")
+
+
 # A model class's printed parts: the class name they were made for, the head, the field keys.
 _Layout = tuple[str, str, list[tuple[str, str]]]
 
@@ -557,9 +573,95 @@ _canonical_text = _canonical_printer.text
 def dumps(value: Any) -> bytes:
     """Encode ``value`` to compact UTF-8 JSON bytes (the stored form)."""
     try:
-        return _compact_printer.text(value, 0).encode()
+        return _utf8(_compact_printer.text(value, 0))
     except RecursionError:  # a caller already deep in its own stack; same answer as the cap
         raise NestingTooDeepError(value) from None
+
+
+def valid(value: Any) -> Any:
+    """``value`` with every lone surrogate in its text replaced by U+FFFD; ``value`` itself
+    (the same object) when it holds none, which is one printing of it to find out.
+
+    The journal stores a lone surrogate faithfully, as its JSON escape, but a text column or
+    an audit hash cannot, so what comes from outside (a tool's result, a model's answer) is
+    made valid before the run keeps it. A value that holds one is rebuilt through its
+    encoding: registered classes come back as themselves, others as their fields.
+
+    Raises:
+        UnsupportedValueError: ``value`` has no encoding (see :func:`encode`).
+    """
+    try:
+        _compact_printer.text(value, 0).encode()
+        return value
+    except UnicodeEncodeError:
+        return decode(valid_value(encode(value)))
+    except RecursionError:
+        raise NestingTooDeepError(value) from None
+
+
+def plain(value: Any) -> Any:
+    """``value`` as plain data that renders the same on the first run and on every replay.
+
+    What a replay hands back is ``loads(dumps(value))``, not ``value``: a set comes back in
+    another order (Python orders a set of strings differently in every process), a dict
+    with keys that are not strings in the encoding's order, an enum of a class that is not
+    registered as its value, a model that is not as a dict of its fields. Text rendered from
+    a step's result (a tool result the model reads) is rendered from this instead: sets and
+    such dicts in the encoding's order, enums as their values, models and dataclasses as
+    dicts of their fields, tuples as lists; keys that are not strings become the JSON text
+    of their plain value. Dates, times, decimals, UUIDs and bytes stay as they are (their
+    decoded copies are equal).
+
+    Raises:
+        UnsupportedValueError: ``value`` has no encoding.
+    """
+    try:
+        return _plain(value, 0)
+    except RecursionError:
+        raise NestingTooDeepError(value) from None
+
+
+def _plain(value: Any, depth: int) -> Any:
+    t = type(value)
+    if value is None or t is str or t is int or t is float or t is bool:
+        return value
+    if isinstance(value, enum.Enum):
+        return _plain(value.value, _deeper(value, depth))
+    if isinstance(value, bool | int | float | str):  # subclasses, as encode() reads them
+        return _encode(value, depth)
+    if isinstance(value, list | tuple):
+        inner = _deeper(value, depth)
+        return [_plain(v, inner) for v in value]
+    if isinstance(value, dict):
+        inner = _deeper(value, depth)
+        if TAG not in value and all(type(k) is str for k in value):
+            return {k: _plain(v, inner) for k, v in value.items()}
+        pairs = sorted(value.items(), key=lambda kv: _sort_key(_encode(kv[0], inner)))
+        return {_key_text(_plain(k, inner)): _plain(v, inner) for k, v in pairs}
+    if isinstance(value, set | frozenset):
+        inner = _deeper(value, depth)
+        items = sorted(value, key=lambda v: _sort_key(_encode(v, inner)))
+        return [_plain(v, inner) for v in items]
+    if isinstance(value, BaseModel):
+        inner = _deeper(value, depth)
+        return {k: _plain(getattr(value, k), inner) for k in type(value).model_fields}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        inner = _deeper(value, depth)
+        return {f.name: _plain(getattr(value, f.name), inner) for f in dataclasses.fields(value)}
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    _encode(value, depth)  # refuses what has no encoding
+    return value  # bytes, dates and times, timedelta, Decimal, UUID
+
+
+def _key_text(key: Any) -> str:
+    """The text of a plain value used as an object key: a string as it is, ``true``,
+    ``false``, ``null`` and lists as JSON, anything else as ``str()``."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, bool | list):
+        return json.dumps(key, default=str, ensure_ascii=False, separators=(",", ":"))
+    return str(key)
 
 
 def loads(raw: bytes | str) -> Any:
@@ -580,7 +682,7 @@ def loads(raw: bytes | str) -> Any:
 def canonical_bytes(value: Any) -> bytes:
     """The canonical encoding used for fingerprints: sorted keys, no whitespace, UTF-8."""
     try:
-        return _canonical_text(value, 0).encode()
+        return _utf8(_canonical_text(value, 0))
     except RecursionError:
         raise NestingTooDeepError(value) from None
 
@@ -630,7 +732,7 @@ class GrowingHasher:
         state = self._state
         for item in items[len(kept) :]:
             text = _canonical_text(item, _ITEM_DEPTH)
-            state.update((f",{text}" if kept else text).encode())
+            state.update(_utf8(f",{text}" if kept else text))
             kept.append(item)
         return GrowingList(items, state.copy())
 
@@ -647,5 +749,5 @@ def step_fingerprint(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) 
     except RecursionError:
         raise NestingTooDeepError(args) from None
     state: hashlib._Hash = first._state.copy()
-    state.update(tail.encode())
+    state.update(_utf8(tail))
     return state.hexdigest()

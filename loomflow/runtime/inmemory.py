@@ -379,8 +379,11 @@ class InMemoryStore:
         on_progress: OnProgress | None,
         dry_run: bool = False,
         keep_users: Sequence[str | None] = (),
+        any_age: bool = False,
     ) -> int:
         cutoff = time.time() - older_than_s if older_than_s is not None else None
+        if any_age:
+            cutoff = float("inf")  # every row, whatever its time
         kept = {Scope(None, u).user_key for u in keep_users}
         doomed: list[tuple[dict[Any, Any], Any]] = []  # (container, key) of each row to drop
         for scope_key, runs in self.entries.items():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import PydanticSerializationError, to_json
 
+from .._json import json_safe
+from ..runtime import codec
 from ..runtime.codec import register_type
 
 __all__ = ["INVALID_ARGUMENTS", "TIMEOUT", "TOOL_ERROR", "UNKNOWN_TOOL", "ToolOutcome"]
@@ -50,16 +53,25 @@ class ToolOutcome(BaseModel):
         """
         if not self.ok:
             return f"Error: {self.error or self.error_type or 'the tool failed'}"
-        if isinstance(self.value, str):
-            return self.value
-        # pydantic's serializer already knows models, dataclasses, datetimes, UUIDs, sets...;
-        # `fallback=str` keeps a stray unknown object from turning a result into a crash, and
-        # "strings" keeps NaN/Infinity valid JSON.
+        value = self.value
+        # What a replay of the journaled result renders too: sets and dicts with keys that
+        # are not strings in a fixed order, enums as values, models as fields. A value with
+        # no encoding was never journaled (there is no journal): rendered as it is.
+        if type(value) is not str:
+            with contextlib.suppress(codec.UnsupportedValueError):
+                value = codec.plain(value)
+        if isinstance(value, str):
+            return value
+        # pydantic's serializer knows datetimes, UUIDs, decimals and bytes; `fallback=str`
+        # keeps a stray unknown object from turning a result into a crash, and "strings" keeps
+        # NaN/Infinity valid JSON.
         try:
-            raw = to_json(self.value, fallback=str, inf_nan_mode="strings")
+            raw = to_json(value, fallback=str, inf_nan_mode="strings")
         except PydanticSerializationError:
-            # Bytes that are not UTF-8 are the one thing left that fails; base64 them.
-            raw = to_json(self.value, fallback=str, inf_nan_mode="strings", bytes_mode="base64")
+            try:  # bytes that are not UTF-8: base64 them
+                raw = to_json(value, fallback=str, inf_nan_mode="strings", bytes_mode="base64")
+            except PydanticSerializationError:  # text with a lone surrogate
+                raw = to_json(json_safe(value), inf_nan_mode="strings")
         return raw.decode()
 
 

@@ -10,7 +10,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
 from ..context import RunContext, get_run_context
 from ..errors import ConfigurationError, UserError
@@ -232,7 +232,9 @@ class Tool(Generic[P, R]):
 
         outcome = ToolOutcome(ok=True, value=value)
         try:
-            codec.encode(outcome)  # as journaled: the outcome adds one level of nesting
+            # As journaled (the outcome adds one level of nesting); lone surrogates in its
+            # text, which no text column can hold, become U+FFFD here, before the journal.
+            outcome = cast(ToolOutcome, codec.valid(outcome))
         except (TypeError, ValueError, RecursionError) as exc:
             _log.warning("tool %r returned an unstorable value: %s", self.name, exc)
             return ToolOutcome(

@@ -270,3 +270,73 @@ def test_a_model_class_renamed_after_printing_is_printed_under_its_new_name() ->
     del made
     gc.collect()
     assert gone() is None
+
+
+# -- text that is no Unicode, and values that render alike after a replay --------------------
+
+LONE = json.loads('"caf\\udce9"')  # a lone surrogate, as json.loads reads a "\udce9" escape
+
+
+def test_a_lone_surrogate_is_stored_as_its_escape_and_read_back() -> None:
+    value = {"k" + LONE: [LONE, ("x\ud83d",)]}
+    raw = codec.dumps(value)
+    assert b"\\udce9" in raw
+    raw.decode("utf-8")  # valid UTF-8: any store takes it
+    assert codec.loads(raw) == value
+    # Fingerprints are defined too, and the growing form agrees with the plain one.
+    messages = [Message.user(LONE), Message.assistant("ok " + LONE)]
+    grown = codec.GrowingHasher().snapshot(messages)
+    assert fingerprint([grown], {}) == fingerprint([list(messages)], {})
+
+
+def test_valid_replaces_lone_surrogates_and_keeps_everything_else() -> None:
+    clean = {"a": [1, "ok"], "m": Message.user("hi")}
+    assert codec.valid(clean) is clean
+    fixed = codec.valid(ToolOutcome(ok=True, value={"name": LONE, "n": 1}))
+    assert isinstance(fixed, ToolOutcome)
+    assert fixed.value == {"name": "caf\ufffd", "n": 1}
+    pair = codec.valid(Message.user("\ud83d\ude00"))  # a pair spelled as two code points
+    assert pair.content == "\U0001f600"
+    with pytest.raises(codec.UnsupportedValueError):
+        codec.valid(object())
+
+
+class Plain(enum.Enum):  # not registered: a replay hands back its value
+    SHIPPED = "shipped"
+
+
+class Unregistered(BaseModel):
+    name: str
+    tags: frozenset[str]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"gamma", "alpha", "beta", "eps", "delta"},
+        frozenset({3, 1, 2}),
+        {2: "shipped", 1: "pending", 3: None},
+        {(2, "b"): 1, (1, "a"): 2},
+        Plain.SHIPPED,
+        [Plain.SHIPPED, {"s": Plain.SHIPPED}],
+        Unregistered(name="x", tags=frozenset({"b", "a"})),
+        {"when": dt.datetime(2026, 5, 8, 12, 0, tzinfo=dt.UTC), "n": math.inf},
+        Point(x=1, y=(2, 3)),
+        Box("b", 2),
+    ],
+)
+def test_a_value_renders_as_its_replay_does(value: Any) -> None:
+    replayed = codec.loads(codec.dumps(value))
+    assert codec.plain(value) == codec.plain(replayed)
+    live, again = ToolOutcome(ok=True, value=value), ToolOutcome(ok=True, value=replayed)
+    assert live.as_text() == again.as_text()
+
+
+def test_plain_orders_what_python_does_not() -> None:
+    assert codec.plain({"b", "a", "c"}) == ["a", "b", "c"]
+    assert codec.plain({2: "x", 1: "y"}) == {"1": "y", "2": "x"}
+    assert codec.plain(Plain.SHIPPED) == "shipped"
+    assert ToolOutcome(ok=True, value=Plain.SHIPPED).as_text() == "shipped"
+    assert ToolOutcome(ok=True, value={"a": 1, "b": [True, None]}).as_text() == (
+        '{"a":1,"b":[true,null]}'
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from loomflow.errors import InvalidIdError, RunCancelledError, SessionBusyError
+from loomflow.errors import RunCancelledError, SessionBusyError
 from loomflow.runtime import JournalRuntime
 
 Factory = Callable[..., Awaitable[JournalRuntime]]
@@ -232,33 +232,3 @@ async def test_a_new_run_reads_no_entries(runtime_factory: Factory) -> None:
         await runtime.step("step_1", body, 1)
     assert calls == []
     assert (first.resumed, second.resumed, body.calls) == (False, False, [1, 1])
-
-
-# -- prune keeps the users it is told to keep (users under legal hold) -------------------------
-
-
-async def test_a_prune_keeps_the_users_it_is_told_to(runtime_factory: Factory) -> None:
-    import datetime as dt
-
-    runtime = await runtime_factory()
-    for user in ("alice", "bob", None):
-        async with runtime.session("s", user):
-            await runtime.step("a", Body(), 1)
-            await runtime.step("b", Body(), 2, idempotency_key=f"k-{user}")
-    everything = dt.timedelta(0)
-    # One entry and one idempotency result per user.
-    assert await runtime.prune(older_than=everything, dry_run=True) == 6
-    kept = ["alice", None]
-    assert await runtime.prune(older_than=everything, keep_users=kept, dry_run=True) == 2
-    assert await runtime.prune(older_than=everything, keep_users=kept) == 2
-    assert len(await runtime.entries("s", "alice")) == 1
-    assert len(await runtime.entries("s", None)) == 1
-    assert await runtime.entries("s", "bob") == []
-    async with runtime.session("t", "alice") as run:  # alice's idempotency result is kept
-        assert await runtime.step("x", Body(), 9, idempotency_key="k-alice") == {
-            "value": 2,
-            "n": 1,
-        }
-    assert run.stats.hits == 1
-    with pytest.raises(InvalidIdError):
-        await runtime.prune(older_than=everything, keep_users=[""])

@@ -1,0 +1,131 @@
+"""What comes from outside a run and is not what it seems: text that is no Unicode, results
+Python orders differently in every process, tool calls without an id.
+
+Each must leave a run that finishes, resumes without calling the model again and without
+running a tool twice, on every backend; a resume in another process (another hash seed)
+included.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomflow import Agent, ToolCall, tool
+from loomflow.audit import AuditLog
+from loomflow.audit.sqlite import SqliteAuditStore
+from loomflow.messages import Message, ToolSpec
+from loomflow.models import FunctionModel, ScriptedModel
+from loomflow.runtime import JournalRuntime
+from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+Factory = Callable[..., Awaitable[JournalRuntime]]
+LONE = json.loads('"caf\\udce9"')  # a lone surrogate: json.loads of a "\udce9" escape
+WORKER = Path(__file__).with_name("_foreign_worker.py")
+
+
+async def test_a_lone_surrogate_anywhere_leaves_a_run_that_finishes_and_replays(
+    runtime_factory: Factory, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+
+    @tool
+    def fetch(url: str) -> str:
+        """Fetch a page."""
+        calls.append(url)
+        return "page " + LONE
+
+    runtime = await runtime_factory()
+    audit = AuditLog(SqliteAuditStore(tmp_path / "audit.db"))
+    script = [[ToolCall(id="c", name="fetch", arguments={"url": "u" + LONE})], "done " + LONE]
+    agent = Agent("x", model=ScriptedModel(script), tools=[fetch], runtime=runtime, audit=audit)
+    result = await agent.run("go " + LONE, session_id="s", user_id="u")
+    assert result.output == "done caf\ufffd"
+    assert calls == ["ucaf\ufffd"]  # the model's arguments, made valid before the tool ran
+    assert [m.content for m in result.messages if m.role == "tool"] == ["page caf\ufffd"]
+    replay = await Agent(
+        "x", model=ScriptedModel(script), tools=[fetch], runtime=runtime, audit=audit
+    ).resume("go " + LONE, session_id="s", user_id="u")
+    assert (replay.output, replay.fresh_steps, calls) == (result.output, 0, ["ucaf\ufffd"])
+    report = await audit.verify()
+    assert report.ok, report.problems
+    await audit.close()
+
+
+async def test_a_provider_answer_with_half_an_emoji_is_kept(runtime_factory: Factory) -> None:
+    from loomflow.models.openai import OpenAIModel
+
+    runtime = await runtime_factory()
+    with FakeOpenAIAPI(Reply(text="caf\ud83d end")) as api:  # sent as a "\ud83d" escape
+        model = OpenAIModel("gpt-4.1", base_url=api.base_url, api_key="test")
+        result = await Agent("x", model=model, runtime=runtime).run("go", session_id="s")
+        await model.aclose()
+    assert result.output == "caf\ufffd end"
+    replay = await Agent("x", model=ScriptedModel([]), runtime=runtime).resume("go", session_id="s")
+    assert (replay.output, replay.fresh_steps) == (result.output, 0)
+
+
+async def test_tool_calls_without_an_id_are_named_and_replay(runtime_factory: Factory) -> None:
+    ran: list[int] = []
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add."""
+        ran.append(a + b)
+        return a + b
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if any(m.role == "tool" for m in messages):
+            return "3"
+        return [
+            ToolCall(id="", name="add", arguments={"a": 1, "b": 2}),
+            ToolCall(id="", name="add", arguments={"a": 2, "b": 2}),
+        ]
+
+    runtime = await runtime_factory()
+    agent = Agent("x", model=FunctionModel(decide), tools=[add], runtime=runtime)
+    result = await agent.run("sum", session_id="s")
+    answered = [m.tool_call_id for m in result.messages if m.role == "tool"]
+    assert answered == ["call_0_0", "call_0_1"]
+    assert [c.id for c in result.messages[2].tool_calls] == answered
+    replay = await agent.resume("sum", session_id="s")
+    assert (replay.fresh_steps, ran) == (0, [3, 4])
+
+
+class Status(enum.Enum):  # not registered: a replay hands back its value
+    SHIPPED = "shipped"
+
+
+@pytest.mark.parametrize("kind", ["set", "intkeys", "enum"])
+def test_a_result_python_orders_per_process_replays_elsewhere(kind: str, tmp_path: Path) -> None:
+    """Run in one process, resume in another with another hash seed (the order of a set of
+    strings), strictly: the tool's text must be what the first run showed the model."""
+    journal = tmp_path / "journal.db"
+    first = _worker(journal, kind, "run", seed="1")
+    again = _worker(journal, kind, "resume", seed="2")
+    assert again["text"] == first["text"]
+    assert again["model_calls"] == 0
+    assert again["tool_runs"] == 0
+
+
+def _worker(journal: Path, kind: str, mode: str, *, seed: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(journal), kind, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
