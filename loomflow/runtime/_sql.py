@@ -208,18 +208,33 @@ _RELEASE_KEEP = """
 UPDATE loom_sessions SET owner = NULL, lease_until = 0, updated_at = {now}
 WHERE scope = $1 AND token = $2 RETURNING token
 """
-_LOAD_RUN = """
-SELECT path, name, fingerprint, kind, format, codec_version, value, seq
-FROM loom_entries WHERE scope = $1 AND epoch = $2
+# Rows of the scope whose epoch is not a number belong to no run: a load by epoch never saw
+# them, so their steps ran again without a word. SQLite sorts TEXT and BLOB after every
+# INTEGER (and the column's affinity keeps a number a number), so the range past the largest
+# INTEGER holds exactly them and is read from the primary key index like the run itself: a
+# sound journal pays one empty index probe. On PostgreSQL the column is BIGINT: always empty.
+_NO_RUN = f"e.epoch > {_LAST_NUMBER}"
+_LOAD_RUN = f"""
+SELECT e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq, e.epoch
+FROM loom_entries e WHERE e.scope = $1 AND e.epoch = $2
+UNION ALL
+SELECT e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq, e.epoch
+FROM loom_entries e WHERE e.scope = $1 AND {_NO_RUN}
 """
 # A resume of a closed run reads the lease row and that run's entries in one statement (one
 # snapshot on either database), and writes nothing unless a step has to run. The row's
-# columns repeat on every entry; a run with no entries still gives the row (LEFT JOIN).
-_PEEK = """
-SELECT s.token, s.epoch, s.open, s.status, s.owner, e.scope,
-    e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq
-FROM loom_sessions s
+# columns repeat on every entry; a run with no entries still gives the row (LEFT JOIN). The
+# second part adds the scope's rows that belong to no run (see _NO_RUN), lease row and all.
+_PEEK_COLUMNS = """SELECT s.token, s.epoch, s.open, s.status, s.owner, e.scope,
+    e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq, e.epoch
+FROM loom_sessions s"""
+_PEEK = f"""
+{_PEEK_COLUMNS}
 LEFT JOIN loom_entries e ON e.scope = s.scope AND s.open = 0 AND e.epoch = s.epoch - 1
+WHERE s.scope = $1
+UNION ALL
+{_PEEK_COLUMNS}
+JOIN loom_entries e ON e.scope = s.scope AND s.open = 0 AND {_NO_RUN}
 WHERE s.scope = $1
 """
 # The ownership check and the write are one statement: a run fenced out by a newer token
@@ -303,6 +318,15 @@ _QUERIES = {
 def _shown(value: object) -> str:
     text = repr(value)  # escapes control characters: a crafted value cannot drive a terminal
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _entry(row: Sequence[Any]) -> StoredEntry:
+    """A journal row as _LOAD_RUN reads it: path ... seq, then its epoch (see _NO_RUN)."""
+    entry = _stored(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7])
+    epoch = row[8]
+    if type(epoch) is not int:
+        entry.damage = f"a {type(epoch).__name__} ({_shown(epoch)}) for its epoch"
+    return entry
 
 
 def _stored(
@@ -583,8 +607,7 @@ class SqlJournalStore:
         return counts
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
-        rows = await self._run("read", "load_run", scope.key, epoch)
-        return [_stored(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
+        return [_entry(r) for r in await self._run("read", "load_run", scope.key, epoch)]
 
     async def peek_last_run(self, scope: Scope) -> LastRun | None:
         rows = await self._run("read", "peek", scope.key)
@@ -593,11 +616,8 @@ class SqlJournalStore:
         token, epoch, is_open, status, owner = rows[0][:5]
         if _damage(token, epoch, is_open):
             return None  # damaged: the claim a resume falls back to names it
-        entries = [  # e.scope is NULL only on the row a run without entries gives
-            _stored(r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13])
-            for r in rows
-            if r[5] is not None
-        ]
+        # e.scope is NULL only on the row a run without entries gives.
+        entries = [_entry(r[6:]) for r in rows if r[5] is not None]
         return LastRun(
             token,
             epoch,
@@ -921,10 +941,10 @@ class _Prune:
         where = list(self.where)
         first = len(self.args) + 1
         if after is not None:
-            where.append(_key_compare(self.key, ">", first))
+            where.append(_key_compare(self.key, ">", first, after))
             first += len(self.key)
         if upto is not None:
-            where.append(_key_compare(self.key, "<=", first))
+            where.append(_key_compare(self.key, "<=", first, upto))
         return " AND ".join(where)
 
     def nth_key_sql(self, after: Sequence[Any] | None) -> str:
@@ -942,11 +962,24 @@ class _Prune:
         return f"DELETE FROM {self.table} WHERE {self._range(after, upto)} RETURNING 1"
 
 
-def _key_compare(columns: Sequence[tuple[str, str]], op: str, first: int) -> str:
+_KEY_TYPES = {"TEXT": str, "BIGINT": int}
+
+
+def _key_compare(
+    columns: Sequence[tuple[str, str]], op: str, first: int, key: Sequence[Any]
+) -> str:
     """``(c1, c2, ...) op ($first, ...)``: a row-value comparison, which both databases answer
-    from the primary key index. The casts tell PostgreSQL the parameters' types."""
+    from the primary key index. The casts tell PostgreSQL the parameters' types.
+
+    A key value of another type than its column's (only SQLite keeps one: text in a
+    hand-edited epoch, a blob path) is bound as it is: cast, it would name another key
+    ('zero' becomes 0), and a prune would go round the same batch forever.
+    """
     names = ", ".join(name for name, _ in columns)
-    values = ", ".join(f"CAST(${first + i} AS {kind})" for i, (_, kind) in enumerate(columns))
+    values = ", ".join(
+        f"CAST(${first + i} AS {kind})" if type(value) is _KEY_TYPES[kind] else f"${first + i}"
+        for i, ((_, kind), value) in enumerate(zip(columns, key, strict=True))
+    )
     return f"({names}) {op} ({values})"
 
 
