@@ -12,7 +12,7 @@ from __future__ import annotations
 from ._factory import checkpoint_store_for, checkpoint_store_from_url
 from ._protocol import CheckpointStore
 from ._sql import PostgresCheckpointStore, SqlCheckpointStore, SqliteCheckpointStore
-from ._types import Checkpoint, CheckpointRestored, CheckpointSaved
+from ._types import Checkpoint, CheckpointRestored, CheckpointSaved, UnreadableCheckpoint
 from .inmemory import InMemoryCheckpointStore
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "PostgresCheckpointStore",
     "SqlCheckpointStore",
     "SqliteCheckpointStore",
+    "UnreadableCheckpoint",
     "checkpoint_store_for",
     "checkpoint_store_from_url",
 ]

@@ -8,8 +8,10 @@ or URL owns its database. The table is migrated on first use (component ``checkp
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import ValidationError
 
 from ..config import Settings
 from ..errors import CheckpointError
@@ -18,7 +20,13 @@ from ..runtime import codec
 from ..runtime._store import Scope
 from ..storage import PostgresDatabase, SqliteDatabase
 from ..storage._component import ComponentStore
-from ._types import Checkpoint, decode_messages, encode_messages, timestamp
+from ._types import (
+    Checkpoint,
+    UnreadableCheckpoint,
+    decode_messages,
+    encode_messages,
+    timestamp,
+)
 from .inmemory import export_document
 from .migrations import COMPONENT, MIGRATIONS
 
@@ -26,6 +34,8 @@ if TYPE_CHECKING:
     import asyncpg
 
 __all__ = ["PostgresCheckpointStore", "SqlCheckpointStore", "SqliteCheckpointStore"]
+
+_T = TypeVar("_T")
 
 _COLUMNS = (
     "checkpoint_id, session_id, user_id, run_id, epoch, turn, final, prompt, output, "
@@ -60,33 +70,103 @@ _EXPORT = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE user_key = $1 ORDER BY
 def _row(row: Sequence[Any]) -> Checkpoint:
     try:
         return _checkpoint(row)
+    except ValidationError as exc:  # a value no checkpoint holds (a negative prompt_index)
+        cause: Exception = exc
+        why = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+            for error in exc.errors()
+        )
     except (TypeError, ValueError, ArithmeticError, OSError) as exc:
         # A row edited by hand (SQLite keeps any type in any column; a created_at of 1e300
         # fits PostgreSQL's double too) reads as damaged: resume falls back to replay.
-        raise CheckpointError(f"checkpoint {row[0]!r} has a malformed column: {exc}") from exc
+        cause, why = exc, str(exc)
+    raise CheckpointError(f"checkpoint {_shown(row[0])} has a malformed column: {why}") from cause
+
+
+def _readable(row: Sequence[Any]) -> Checkpoint | UnreadableCheckpoint:
+    """The checkpoint of a row, or, for a listing or an export, what can be read of it."""
+    try:
+        return _row(row)
+    except CheckpointError as exc:
+        return UnreadableCheckpoint(
+            id=_text(row[0]) or "",
+            session_id=_text(row[1]),
+            user_id=_text(row[2]),
+            run_id=_text(row[3]),
+            unreadable=str(exc),
+        )
+
+
+def _text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else _shown(value)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)  # escapes control characters; a crafted value is kept short
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _column(name: str, convert: Callable[[Any], _T], value: Any) -> _T:
+    """``convert(value)``, or a ValueError naming the column that holds what it refuses."""
+    try:
+        return convert(value)
+    except (TypeError, ValueError, ArithmeticError, OSError) as exc:
+        raise ValueError(f"{name} holds {_shown(value)} ({exc})") from exc
+
+
+# What each column must hold as read back: SQLite keeps any type in any column, so text, a
+# blob or a fraction in a number column is refused here instead of being coerced (int(2.5),
+# bool('no'), bytes(5)) into a snapshot nobody wrote.
+def _integer(value: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"a {type(value).__name__}, not an integer")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if type(value) is not int or value not in (0, 1):
+        raise ValueError("not 0 or 1")
+    return bool(value)
+
+
+def _number(value: Any) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"a {type(value).__name__}, not a number")
+    return float(value)
+
+
+def _blob(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape")  # SQLite text where the bytes belong
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError(f"a {type(value).__name__}, not bytes")
+    return bytes(value)
 
 
 def _checkpoint(row: Sequence[Any]) -> Checkpoint:
     (cid, session, user, run, epoch, turn, final, prompt, output, index) = row[:10]
     tokens_in, tokens_out, cost, parent, version, raw, created = row[10:]
-    if isinstance(raw, str):
-        raw = raw.encode("utf-8", "surrogateescape")  # SQLite text where the bytes belong
     return Checkpoint(
         id=cid,
         session_id=session,
         user_id=user,
         run_id=run,
-        epoch=int(epoch),
-        turn=int(turn),
-        final=bool(final),
+        epoch=_column("epoch", _integer, epoch),
+        turn=_column("turn", _integer, turn),
+        final=_column("final", _flag, final),
         prompt=prompt,
         output=output,
-        messages=decode_messages(bytes(raw), int(version), cid),
-        prompt_index=int(index),
-        usage=Usage(input_tokens=int(tokens_in), output_tokens=int(tokens_out)),
-        cost_usd=float(cost),
+        messages=decode_messages(
+            _column("messages", _blob, raw), _column("codec_version", _integer, version), cid
+        ),
+        prompt_index=_column("prompt_index", _integer, index),
+        usage=Usage(
+            input_tokens=_column("tokens_in", _integer, tokens_in),
+            output_tokens=_column("tokens_out", _integer, tokens_out),
+        ),
+        cost_usd=_column("cost_usd", _number, cost),
         parent_id=parent,
-        created_at=timestamp(created),
+        created_at=_column("created_at", lambda v: timestamp(_number(v)), created),
     )
 
 
@@ -151,12 +231,15 @@ class SqlCheckpointStore(ComponentStore):
     async def list_checkpoints(
         self, session_id: str, *, user_id: str | None, limit: int | None = None
     ) -> list[Checkpoint]:
+        return [_row(r) for r in await self._rows(session_id, user_id, limit)]
+
+    async def _rows(
+        self, session_id: str, user_id: str | None, limit: int | None
+    ) -> Sequence[Sequence[Any]]:
         key = Scope.checked(session_id, user_id).key
         if limit is None:
-            rows = await self._fetch("read", _LIST, key)
-        else:
-            rows = await self._fetch("read", _LIST_LIMIT, key, int(limit))
-        return [_row(r) for r in rows]
+            return await self._fetch("read", _LIST, key)
+        return await self._fetch("read", _LIST_LIMIT, key, int(limit))
 
     async def delete_session(self, session_id: str, *, user_id: str | None) -> int:
         key = Scope.checked(session_id, user_id).key
@@ -166,10 +249,18 @@ class SqlCheckpointStore(ComponentStore):
         user_key = Scope.checked(None, user_id).user_key
         return len(await self._fetch("delete", _DELETE_USER, user_key))
 
+    async def listing(
+        self, session_id: str, *, user_id: str | None, limit: int | None = None
+    ) -> list[Checkpoint | UnreadableCheckpoint]:
+        """:meth:`list_checkpoints` for people: a row that cannot be read back (edited by
+        hand) is an :class:`UnreadableCheckpoint` saying why, instead of failing the list."""
+        return [_readable(r) for r in await self._rows(session_id, user_id, limit)]
+
     async def export_user(self, user_id: str | None) -> dict[str, Any]:
         user_key = Scope.checked(None, user_id).user_key
         rows = await self._fetch("read", _EXPORT, user_key)
-        return export_document(user_id, [_row(r) for r in rows])
+        # A data-access export carries on past a damaged row, and shows it as damaged.
+        return export_document(user_id, [_readable(r) for r in rows])
 
 
 class SqliteCheckpointStore(SqlCheckpointStore):

@@ -11,7 +11,7 @@ from ..errors import CheckpointError
 from ..messages import Message, Usage
 from ..runtime import codec
 
-__all__ = ["Checkpoint", "CheckpointRestored", "CheckpointSaved"]
+__all__ = ["Checkpoint", "CheckpointRestored", "CheckpointSaved", "UnreadableCheckpoint"]
 
 
 class Checkpoint(BaseModel):
@@ -71,6 +71,35 @@ class Checkpoint(BaseModel):
             "parent_id": self.parent_id,
             "created_at": self.created_at.isoformat() if self.created_at else None,
         }
+
+
+class UnreadableCheckpoint(BaseModel):
+    """A stored checkpoint that cannot be read back, as listings and exports show it.
+
+    A row edited by hand (text in a number column, a transcript that does not decode) is
+    no :class:`Checkpoint`; resume skips it and replays the journal. A listing
+    (``SqlCheckpointStore.listing``, ``loomflow checkpoints list``) or a user's export shows
+    it with what its row still tells, instead of failing as a whole.
+
+    Attributes:
+        id: The row's checkpoint id (its ``repr`` when the row does not hold text there).
+        session_id: The row's session, as far as it reads.
+        user_id: The row's user, as far as it reads.
+        run_id: The run that wrote it, as far as it reads.
+        unreadable: Why it cannot be read back (the ``CheckpointError`` message).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    session_id: str | None
+    user_id: str | None
+    run_id: str | None
+    unreadable: str
+
+    def summary(self) -> dict[str, Any]:
+        """The row as JSON-ready data for listings (what :meth:`Checkpoint.summary` gives)."""
+        return self.model_dump(mode="json")
 
 
 class CheckpointSaved(BaseModel):

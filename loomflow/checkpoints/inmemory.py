@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..runtime._store import Scope
-from ._types import Checkpoint, timestamp
+from ._types import Checkpoint, UnreadableCheckpoint, timestamp
 
 __all__ = ["InMemoryCheckpointStore"]
 
 
-def export_document(user_id: str | None, checkpoints: list[Checkpoint]) -> dict[str, Any]:
-    """The JSON-ready form of a user's checkpoints, shared by every backend."""
+def export_document(
+    user_id: str | None, checkpoints: Sequence[Checkpoint | UnreadableCheckpoint]
+) -> dict[str, Any]:
+    """The JSON-ready form of a user's checkpoints, shared by every backend. A row that
+    cannot be read back is in it too, as the damage it is (its ``unreadable`` reason)."""
     return {
         "user_id": user_id,
         "checkpoints": [c.model_dump(mode="json") for c in checkpoints],
@@ -71,6 +75,12 @@ class InMemoryCheckpointStore:
         rows = self._rows.get(Scope.checked(session_id, user_id).key, [])
         newest = [c for _, c in reversed(rows)]
         return newest if limit is None else newest[:limit]
+
+    async def listing(
+        self, session_id: str, *, user_id: str | None, limit: int | None = None
+    ) -> list[Checkpoint | UnreadableCheckpoint]:
+        """:meth:`list_checkpoints` for people; nothing here is ever unreadable."""
+        return list(await self.list_checkpoints(session_id, user_id=user_id, limit=limit))
 
     async def delete_session(self, session_id: str, *, user_id: str | None) -> int:
         return len(self._rows.pop(Scope.checked(session_id, user_id).key, []))

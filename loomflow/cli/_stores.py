@@ -180,6 +180,8 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
         if versions is None:
             continue
         shown = _masked_url(url)
+        if not versions and (tables := await _lost_versions(url, dialect)):
+            raise _versions_lost(shown, tables)
         if not versions:
             raise ConfigurationError(
                 f"{shown!r} holds no loomflow store yet: check the URL, or run `loomflow "
@@ -193,3 +195,69 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
                     f"loomflow needs {latest[component]}: run `loomflow migrate` once every "
                     "worker runs this release (other commands never change a schema)"
                 )
+
+
+# -- a store whose version rows are gone -------------------------------------------------------
+
+# Every loomflow table is named loom_*; the version table itself says nothing here.
+_LOOM_TABLES = "loom\\_%"
+
+
+def _sqlite_loom_tables(path: str) -> list[str]:
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return []
+    try:
+        return [
+            str(r[0])
+            for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE ? "
+                "ESCAPE '\\' AND name <> 'loom_schema_version' ORDER BY name",
+                (_LOOM_TABLES,),
+            )
+        ]
+    except sqlite3.Error:
+        return []
+    finally:
+        conn.close()
+
+
+async def _postgres_loom_tables(dsn: str) -> list[str]:
+    import asyncpg
+
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except Exception:  # the command's own open says why
+        return []
+    try:
+        rows = await conn.fetch(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p') "
+            "AND c.relname LIKE $1 AND c.relname <> 'loom_schema_version' ORDER BY 1",
+            _LOOM_TABLES,
+        )
+        return [str(r[0]) for r in rows]
+    except asyncpg.PostgresError:
+        return []
+    finally:
+        await conn.close()
+
+
+async def _lost_versions(url: str, dialect: str) -> list[str]:
+    """The loomflow tables of a database whose version table records nothing (read only on
+    that path): they were migrated once, so the version rows were lost, not never written."""
+    if dialect == "postgres":
+        return await _postgres_loom_tables(url)
+    path = sqlite_path(url)
+    return [] if path is None else await asyncio.to_thread(_sqlite_loom_tables, path)
+
+
+def _versions_lost(shown: str, tables: Sequence[str]) -> MigrationError:
+    named = ", ".join(tables[:4]) + (", ..." if len(tables) > 4 else "")
+    return MigrationError(
+        f"{shown!r} holds loomflow tables ({named}) but loom_schema_version records no "
+        "schema version: the version table lost its rows (edited, or restored apart from the "
+        "tables); restore them from a backup (`loomflow migrate` refuses until then, and "
+        "other commands never change a schema)"
+    )

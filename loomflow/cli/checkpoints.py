@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import Checkpoint, CheckpointStore
+from ..checkpoints import Checkpoint, CheckpointStore, UnreadableCheckpoint
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
 from ..stores import Stores
-from ._format import iso_time, positive_int, table
+from ._format import iso_time, positive_int, printable, table
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -101,11 +101,17 @@ async def _handle(args: argparse.Namespace) -> int:
 
 
 async def _list(store: CheckpointStore, args: argparse.Namespace) -> int:
-    found = await store.list_checkpoints(args.session_id, user_id=args.user_id, limit=args.limit)
+    # A row edited by hand is listed as unreadable, with why, instead of failing the list;
+    # a store without ``listing`` (one written before it) lists what it can read.
+    listing = getattr(store, "listing", store.list_checkpoints)
+    found: list[Checkpoint | UnreadableCheckpoint] = list(
+        await listing(args.session_id, user_id=args.user_id, limit=args.limit)
+    )
     if args.json:
         for checkpoint in found:
             summary = checkpoint.summary()
-            summary["created_at"] = iso_time(checkpoint.created_at)
+            if isinstance(checkpoint, Checkpoint):
+                summary["created_at"] = iso_time(checkpoint.created_at)
             print(json.dumps(summary))
         return 0
     if not found:
@@ -115,10 +121,15 @@ async def _list(store: CheckpointStore, args: argparse.Namespace) -> int:
         [("checkpoint", "written (UTC)", "epoch", "turn", "final", "msgs", "tokens", "parent")]
         + [_row(c) for c in found]
     )
+    for damaged in found:
+        if isinstance(damaged, UnreadableCheckpoint):
+            print(f"loomflow: {printable(damaged.unreadable)}", file=sys.stderr)
     return 0
 
 
-def _row(c: Checkpoint) -> tuple[str, ...]:
+def _row(c: Checkpoint | UnreadableCheckpoint) -> tuple[str, ...]:
+    if isinstance(c, UnreadableCheckpoint):
+        return (c.id, "unreadable", "-", "-", "-", "-", "-", "-")
     when = c.created_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] if c.created_at else "-"
     return (
         c.id,

@@ -102,10 +102,15 @@ _pickle_warned = False
 def _damaged_keys(rows: list[StoredEntry]) -> list[tuple[StoredEntry, str]]:
     """Rows whose key columns hold what no step looks up: a hand-edited SQLite row may hold
     any type in any column, and such a row is never matched, so without this its step would
-    silently run a second time even under ``strict_replay``. (A fingerprint that is text but
-    not this release's is left alone: a journal imported from 0.20 keeps its own.)"""
+    silently run a second time even under ``strict_replay``. A row the store marked damaged
+    (an epoch that is not a number, so it belongs to no run) counts the same. (A fingerprint
+    that is text but not this release's is left alone: a journal imported from 0.20 keeps
+    its own.)"""
     damaged = []
     for row in rows:
+        if row.damage is not None:
+            damaged.append((row, row.damage))
+            continue
         for column, value in (
             ("path", row.path),
             ("name", row.name),
@@ -558,15 +563,11 @@ class JournalRuntime:
         if damaged and strict:
             row, why = damaged[0]
             raise CorruptEntryError(
-                f"the journal row at position {row.seq} of run {epoch} of {scope.key} has "
-                f"{why}: no step can match it, so its step would run again; repair or "
-                "delete the row (strict_replay)"
+                f"the {_where(row, epoch, scope)} has {why}: no step can match it, so its "
+                "step would run again; repair or delete the row (strict_replay)"
             )
         for row, why in damaged:
-            log.warning(
-                "journal row at position %d of %s has %s; its step runs again", row.seq,
-                scope.key, why,
-            )  # fmt: skip
+            log.warning("%s has %s; its step runs again", _where(row, epoch, scope), why)
         run = JournalRun(
             runtime=self,
             scope=scope,
@@ -1224,15 +1225,25 @@ class JournalRuntime:
 
 
 def _indexed(rows: list[StoredEntry]) -> dict[tuple[str, str], dict[str, StoredEntry]]:
-    """A run's entries by (path, name), then fingerprint."""
+    """A run's entries by (path, name), then fingerprint. A row that belongs to no run
+    (``damage``: its epoch is not a number) is left out: it may be another run's result."""
     entries: dict[tuple[str, str], dict[str, StoredEntry]] = {}
     for row in rows:
-        entries.setdefault((row.path, row.name), {})[row.fingerprint] = row
+        if row.damage is None:
+            entries.setdefault((row.path, row.name), {})[row.fingerprint] = row
     return entries
 
 
 def _next_seq(rows: list[StoredEntry]) -> int:
-    return max((r.seq for r in rows), default=-1) + 1
+    return max((r.seq for r in rows if r.damage is None), default=-1) + 1
+
+
+def _where(row: StoredEntry, epoch: int, scope: Scope) -> str:
+    """The damaged journal row, named for the error or warning that reports it."""
+    if row.damage is None:
+        return f"journal row at position {row.seq} of run {epoch} of {scope.key}"
+    name = repr(row.name)[:80]  # any length, any type: a hand-edited row
+    return f"journal row of step {name} at position {row.seq} of {scope.key}"
 
 
 def _cancelled_resume(scope: Scope) -> RunCancelledError:

@@ -9,6 +9,7 @@ commits and tells whether the fenced write happened.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +92,13 @@ WHERE (loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now})
 RETURNING token, epoch, open, status
 """
 )
-_HOLDER = "SELECT owner, token FROM loom_sessions WHERE scope = $1 AND owner IS NOT NULL"
+# Read only when the claim did not get the turn, so it may read the whole row: a holder whose
+# row no claim writes (text in lease_until never compares below the clock) would otherwise be
+# waited for until the turn timeout, then blamed as busy.
+_HOLDER = """
+SELECT owner, token, epoch, open, lease_until FROM loom_sessions
+WHERE scope = $1 AND owner IS NOT NULL
+"""
 _STEAL = (
     """
 UPDATE loom_sessions SET owner = $2,
@@ -191,26 +198,43 @@ WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
 _COUNT_CLOSED = """
 SELECT status, COUNT(*) FROM loom_sessions WHERE open = 0 AND owner IS NULL GROUP BY status
 """
+# ``open <> 0``, not ``open = 1``: a row holding a value no release writes ('yes', 2) is
+# counted (as unreadable) instead of falling between the two statements.
 _STATE_ROWS = """
 SELECT open, owner, lease_until, {now}, status, attempts FROM loom_sessions
-WHERE open = 1 OR owner IS NOT NULL
+WHERE open <> 0 OR owner IS NOT NULL
 """
 _RELEASE_KEEP = """
 UPDATE loom_sessions SET owner = NULL, lease_until = 0, updated_at = {now}
 WHERE scope = $1 AND token = $2 RETURNING token
 """
-_LOAD_RUN = """
-SELECT path, name, fingerprint, kind, format, codec_version, value, seq
-FROM loom_entries WHERE scope = $1 AND epoch = $2
+# Rows of the scope whose epoch is not a number belong to no run: a load by epoch never saw
+# them, so their steps ran again without a word. SQLite sorts TEXT and BLOB after every
+# INTEGER (and the column's affinity keeps a number a number), so the range past the largest
+# INTEGER holds exactly them and is read from the primary key index like the run itself: a
+# sound journal pays one empty index probe. On PostgreSQL the column is BIGINT: always empty.
+_NO_RUN = f"e.epoch > {_LAST_NUMBER}"
+_LOAD_RUN = f"""
+SELECT e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq, e.epoch
+FROM loom_entries e WHERE e.scope = $1 AND e.epoch = $2
+UNION ALL
+SELECT e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq, e.epoch
+FROM loom_entries e WHERE e.scope = $1 AND {_NO_RUN}
 """
 # A resume of a closed run reads the lease row and that run's entries in one statement (one
 # snapshot on either database), and writes nothing unless a step has to run. The row's
-# columns repeat on every entry; a run with no entries still gives the row (LEFT JOIN).
-_PEEK = """
-SELECT s.token, s.epoch, s.open, s.status, s.owner, e.scope,
-    e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq
-FROM loom_sessions s
+# columns repeat on every entry; a run with no entries still gives the row (LEFT JOIN). The
+# second part adds the scope's rows that belong to no run (see _NO_RUN), lease row and all.
+_PEEK_COLUMNS = """SELECT s.token, s.epoch, s.open, s.status, s.owner, e.scope,
+    e.path, e.name, e.fingerprint, e.kind, e.format, e.codec_version, e.value, e.seq, e.epoch
+FROM loom_sessions s"""
+_PEEK = f"""
+{_PEEK_COLUMNS}
 LEFT JOIN loom_entries e ON e.scope = s.scope AND s.open = 0 AND e.epoch = s.epoch - 1
+WHERE s.scope = $1
+UNION ALL
+{_PEEK_COLUMNS}
+JOIN loom_entries e ON e.scope = s.scope AND s.open = 0 AND {_NO_RUN}
 WHERE s.scope = $1
 """
 # The ownership check and the write are one statement: a run fenced out by a newer token
@@ -291,6 +315,20 @@ _QUERIES = {
 }
 
 
+def _shown(value: object) -> str:
+    text = repr(value)  # escapes control characters: a crafted value cannot drive a terminal
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _entry(row: Sequence[Any]) -> StoredEntry:
+    """A journal row as _LOAD_RUN reads it: path ... seq, then its epoch (see _NO_RUN)."""
+    entry = _stored(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7])
+    epoch = row[8]
+    if type(epoch) is not int:
+        entry.damage = f"a {type(epoch).__name__} ({_shown(epoch)}) for its epoch"
+    return entry
+
+
 def _stored(
     path: str, name: str, fp: str, kind: str, fmt: Any, version: Any, value: Any, seq: Any = 0
 ) -> StoredEntry:
@@ -336,27 +374,39 @@ def _path(raw: Any) -> tuple[str, ...]:
     return (f"<unreadable path {str(raw)[:60]!r}>",)
 
 
-def _damaged(token: object, epoch: object = None) -> CorruptEntryError:
-    numbers = f"token {token!r}" + ("" if epoch is None else f", epoch {epoch!r}")
+def _damage(token: object, epoch: object, is_open: object) -> list[str]:
+    """The columns of a lease row that hold what no claim or release writes (none: sound).
+
+    SQLite keeps text or a blob in a number column, and a BIGINT or SMALLINT takes numbers no
+    run reaches. An ``open`` other than 0 or 1 used to read as an open run, so a resume of a
+    finished run ran a fresh epoch and its journaled steps again.
+    """
+    found = []
+    if type(token) is not int or not 0 < token < _LAST_NUMBER:
+        found.append(f"token {_shown(token)}")
+    if type(epoch) is not int or not 0 <= epoch < _LAST_NUMBER:
+        found.append(f"epoch {_shown(epoch)}")
+    if type(is_open) is not int or is_open not in (0, 1):
+        found.append(f"open {_shown(is_open)}")
+    return found
+
+
+def _damaged(scope: Scope, found: Sequence[str]) -> CorruptEntryError:
     return CorruptEntryError(
-        f"the session's lease row is damaged ({numbers}); repair or delete its loom_sessions row"
+        f"the session's lease row is damaged ({', '.join(found)}); repair or delete the "
+        f"loom_sessions row of session {_shown(scope.session_id)} of user "
+        f"{_shown(scope.user_id)}"
     )
 
 
-def _claim(rows: Sequence[Sequence[Any]]) -> Claim | None:
+def _claim(scope: Scope, rows: Sequence[Sequence[Any]]) -> Claim | None:
     if not rows:
         return None
     token, epoch, is_open, status = rows[0]
-    if (
-        type(token) is not int
-        or type(epoch) is not int
-        or not 0 <= epoch < _LAST_NUMBER
-        or not 0 < token < _LAST_NUMBER
-    ):
-        # A session row edited by hand (SQLite keeps text in a number column, a BIGINT takes
-        # a number no run reaches): a typed error naming the damage before any step runs,
-        # not a ValueError or an overflow when the run closes.
-        raise _damaged(token, epoch)
+    if found := _damage(token, epoch, is_open):
+        # A session row edited by hand: a typed error naming the damage before any step
+        # runs, not a ValueError or an overflow when the run closes, nor a fresh epoch.
+        raise _damaged(scope, found)
     return Claim(token, epoch, bool(is_open), status == "cancelled")
 
 
@@ -391,52 +441,51 @@ class SqlJournalStore:
         return await self.db.fetch(_QUERIES[query], *args, what=f"journal {what}")
 
     async def try_acquire(self, scope: Scope, owner: str, lease_s: float) -> Claim | None:
-        return _claim(
-            await self._run(
-                "acquire",
-                "acquire",
-                scope.key,
-                scope.session_id,
-                scope.user_id,
-                owner,
-                float(lease_s),
-            )
+        rows = await self._run(
+            "acquire", "acquire", scope.key, scope.session_id, scope.user_id, owner, float(lease_s)
         )
+        return _claim(scope, rows)
 
     async def try_begin(
         self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
     ) -> Claim | None:
         agent, config, raw = record if record is not None else (None, None, None)
-        return _claim(
-            await self._run(
-                "acquire",
-                "acquire_new",
-                scope.key,
-                scope.session_id,
-                scope.user_id,
-                owner,
-                float(lease_s),
-                agent,
-                config,
-                raw,
-            )
+        rows = await self._run(
+            "acquire",
+            "acquire_new",
+            scope.key,
+            scope.session_id,
+            scope.user_id,
+            owner,
+            float(lease_s),
+            agent,
+            config,
+            raw,
         )
+        return _claim(scope, rows)
 
     async def holder(self, scope: Scope) -> tuple[str, int] | None:
         rows = await self._run("read", "holder", scope.key)
         if not rows:
             return None
-        owner, token = rows[0]
-        if type(token) is not int:  # read before any claim statement could check it
-            raise _damaged(token)
-        return str(owner), token
+        owner, token, epoch, is_open, lease_until = rows[0]
+        # Read before any claim statement could check the row, and the only read of its
+        # lease: one no claim writes (text, NaN, infinity) never runs out, so the wait for it
+        # would end in SessionBusyError after the whole turn timeout.
+        found = _damage(token, epoch, is_open)
+        if not isinstance(owner, str):
+            found.append(f"owner {_shown(owner)}")
+        if type(lease_until) not in (int, float) or not math.isfinite(lease_until):
+            found.append(f"lease_until {_shown(lease_until)}")
+        if found:
+            raise _damaged(scope, found)
+        return owner, token
 
     async def steal(
         self, scope: Scope, seen_token: int, owner: str, lease_s: float
     ) -> Claim | None:
-        return _claim(
-            await self._run("takeover", "steal", scope.key, owner, seen_token, float(lease_s))
-        )
+        rows = await self._run("takeover", "steal", scope.key, owner, seen_token, float(lease_s))
+        return _claim(scope, rows)
 
     async def renew(self, scope: Scope, token: int, lease_s: float) -> bool:
         return bool(await self._run("lease renewal", "renew", scope.key, token, float(lease_s)))
@@ -518,7 +567,8 @@ class SqlJournalStore:
             return None
         token = rows[0][0]
         if type(token) is not int or not 0 < token < _LAST_NUMBER:
-            raise _damaged(token)  # the guard above left it unchanged: no fencing is possible
+            # The guard above left it unchanged: no fencing is possible.
+            raise _damaged(scope, [f"token {_shown(token)}"])
         return OrphanClaim(token, _int(rows[0][1]))
 
     async def dead_letter(self, scope: Scope, seen_token: int | None, error: str) -> bool:
@@ -557,26 +607,17 @@ class SqlJournalStore:
         return counts
 
     async def load_run(self, scope: Scope, epoch: int) -> list[StoredEntry]:
-        rows = await self._run("read", "load_run", scope.key, epoch)
-        return [_stored(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
+        return [_entry(r) for r in await self._run("read", "load_run", scope.key, epoch)]
 
     async def peek_last_run(self, scope: Scope) -> LastRun | None:
         rows = await self._run("read", "peek", scope.key)
         if not rows:
             return None
         token, epoch, is_open, status, owner = rows[0][:5]
-        if (
-            type(token) is not int
-            or type(epoch) is not int
-            or not 0 <= epoch < _LAST_NUMBER
-            or not 0 < token < _LAST_NUMBER
-        ):
+        if _damage(token, epoch, is_open):
             return None  # damaged: the claim a resume falls back to names it
-        entries = [  # e.scope is NULL only on the row a run without entries gives
-            _stored(r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13])
-            for r in rows
-            if r[5] is not None
-        ]
+        # e.scope is NULL only on the row a run without entries gives.
+        entries = [_entry(r[6:]) for r in rows if r[5] is not None]
         return LastRun(
             token,
             epoch,
@@ -903,10 +944,10 @@ class _Prune:
         where = list(self.where)
         first = len(self.args) + 1
         if after is not None:
-            where.append(_key_compare(self.key, ">", first))
+            where.append(_key_compare(self.key, ">", first, after))
             first += len(self.key)
         if upto is not None:
-            where.append(_key_compare(self.key, "<=", first))
+            where.append(_key_compare(self.key, "<=", first, upto))
         return " AND ".join(where)
 
     def nth_key_sql(self, after: Sequence[Any] | None) -> str:
@@ -924,11 +965,24 @@ class _Prune:
         return f"DELETE FROM {self.table} WHERE {self._range(after, upto)} RETURNING 1"
 
 
-def _key_compare(columns: Sequence[tuple[str, str]], op: str, first: int) -> str:
+_KEY_TYPES = {"TEXT": str, "BIGINT": int}
+
+
+def _key_compare(
+    columns: Sequence[tuple[str, str]], op: str, first: int, key: Sequence[Any]
+) -> str:
     """``(c1, c2, ...) op ($first, ...)``: a row-value comparison, which both databases answer
-    from the primary key index. The casts tell PostgreSQL the parameters' types."""
+    from the primary key index. The casts tell PostgreSQL the parameters' types.
+
+    A key value of another type than its column's (only SQLite keeps one: text in a
+    hand-edited epoch, a blob path) is bound as it is: cast, it would name another key
+    ('zero' becomes 0), and a prune would go round the same batch forever.
+    """
     names = ", ".join(name for name, _ in columns)
-    values = ", ".join(f"CAST(${first + i} AS {kind})" for i, (_, kind) in enumerate(columns))
+    values = ", ".join(
+        f"CAST(${first + i} AS {kind})" if type(value) is _KEY_TYPES[kind] else f"${first + i}"
+        for i, ((_, kind), value) in enumerate(zip(columns, key, strict=True))
+    )
     return f"({names}) {op} ({values})"
 
 

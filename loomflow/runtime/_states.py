@@ -7,6 +7,7 @@ same host, the owner's process (:mod:`._owner`) are both consulted.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ._lease import holder_is_dead
@@ -35,6 +36,10 @@ def run_state(
         return UNREADABLE
     if type(attempts) is not int or type(lease_until) not in (int, float):
         return UNREADABLE
+    if not math.isfinite(lease_until):  # PostgreSQL's double holds NaN and infinity
+        return UNREADABLE
+    if not isinstance(open, int) or open not in (0, 1):  # a bool in memory, 0 or 1 in SQL
+        return UNREADABLE  # 'yes', 2, a blob: the claim refuses it, so no state fits
     # A cancel clears the owner, so a live owner is a run begun (or resumed by hand) since.
     live = owner is not None and lease_until >= now and not holder_is_dead(owner)
     if live:

@@ -145,6 +145,9 @@ class StoredEntry:
     codec_version: int
     value: bytes
     seq: int = 0
+    # Set by a store on a row read back with a key no run position has (a hand-edited SQLite
+    # epoch holding text): what is wrong with it. Such a row is reported, never replayed.
+    damage: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import re
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import loomflow.cli as cli_package
 from loomflow.checkpoints import checkpoint_store_from_url
@@ -114,3 +117,68 @@ def test_budget_show_on_a_budget_database_adds_no_tables(tmp_path: Path) -> None
     assert missing.returncode != 0
     assert "no budget store at" in missing.stderr
     assert not (tmp_path / "typo.db").exists()
+
+
+READ_COMMANDS = (
+    ["runs", "list"],
+    ["budget", "show"],
+    ["audit", "verify"],
+    ["users", "export", "bob"],
+    ["checkpoints", "list", "s"],
+    ["approvals", "list"],
+)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.mark.parametrize(
+    "edit", ["DELETE FROM loom_schema_version", "DROP TABLE loom_schema_version"]
+)
+def test_read_commands_say_the_version_rows_are_lost_not_that_no_store_is_there(
+    kind: str, edit: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # They said the database "holds no loomflow store yet" and to run `loomflow migrate`,
+    # which then refused (rightly): the tables are there, their version rows are not.
+    if kind == "sqlite":
+        path = tmp_path / "journal.db"
+        url = f"sqlite:///{path}"
+    else:
+        url = request.getfixturevalue("pg_dsn")
+    assert loomflow("--url", url, "migrate").returncode == 0
+    if kind == "sqlite":
+        with sqlite3.connect(path) as db:
+            db.execute(edit)
+    else:
+        asyncio.run(_pg_execute(url, edit))
+    for command in READ_COMMANDS:
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 1, (command, done.stdout)
+        assert "holds no loomflow store yet" not in done.stderr, command
+        assert re.match(
+            r"loomflow: error: '.*' holds loomflow tables \(loom_\w+, .*\) but "
+            r"loom_schema_version records no schema version: the version table lost its rows",
+            done.stderr,
+        ), done.stderr
+    migrate = loomflow("--url", url, "migrate")  # which agrees, and changes nothing either
+    assert migrate.returncode == 1
+    assert "the version table lost rows" in migrate.stderr
+
+
+async def _pg_execute(dsn: str, sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def test_a_database_without_loomflow_tables_still_holds_no_store_yet(tmp_path: Path) -> None:
+    # The control: a table of another application whose name merely starts like ours.
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE loomish (id INTEGER)")
+        db.execute("CREATE TABLE loom_schema_version (component TEXT, version INTEGER)")
+    done = loomflow("--url", f"sqlite:///{path}", "runs", "list")
+    assert done.returncode == 1
+    assert "holds no loomflow store yet" in done.stderr, done.stderr
