@@ -143,7 +143,9 @@ async def test_jsonl_refuses_to_append_to_a_truncated_file(tmp_path: Path) -> No
     await store.append([rec("alice", i=i) for i in range(3)])
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:-1]))
-    with pytest.raises(AuditIntegrityError, match=r"'alice' .* damaged \(truncated\)"):
+    with pytest.raises(
+        AuditIntegrityError, match=r"'alice' .* damaged \(truncated: entry 3 is missing at the end"
+    ):
         await store.append(rec("alice"))
     report = await store.verify()
     assert [(p.kind, p.seq) for p in report.problems] == [("truncated", 3)]
