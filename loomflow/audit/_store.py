@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import datetime as dt
 import io
+import json
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -843,12 +844,31 @@ class AuditStore(abc.ABC):
         """The recorded head of every user (or of one user key)."""
 
 
+def _span(first: int, last: int) -> str:
+    return f"entry {first}" if first == last else f"entries {first}-{last}"
+
+
+def _user_of_key(key: str, fallback: str | None) -> str | None:
+    """The user whose trail key ``key`` is (the key is ``user_key(user_id)``); ``fallback``
+    for a key no writer makes (a row edited to a key that is not a JSON string or null)."""
+    try:
+        user = json.loads(key)
+    except (ValueError, RecursionError):
+        return fallback
+    return user if user is None or isinstance(user, str) else fallback
+
+
 class _ChainCheck:
-    """Checks one user's entries, fed in ``seq`` order."""
+    """Checks the entries stored under one user's trail key, fed in ``seq`` order.
+
+    Problems are reported as the key's user's, since the key is the trail that queries,
+    erasure and the heads go by; only an entry that is not that user's own (moved under
+    another key) is reported as its own user's.
+    """
 
     def __init__(self, key: str, user_id: str | None, saved: Iterable[ChainHead] = ()) -> None:
         self.key = key
-        self.user_id = user_id
+        self.user_id = _user_of_key(key, user_id)
         self.expected = 1
         self.prev_hash: str | None = GENESIS
         self.prev_position: int | None = None
@@ -892,11 +912,7 @@ class _ChainCheck:
         self.last_hash = None
 
     def _gap(self, report: VerifyReport, seq: int, position: int) -> None:
-        gap = (
-            f"entry {self.expected} is"
-            if seq - 1 == self.expected
-            else f"entries {self.expected}-{seq - 1} are"
-        )
+        gap = _span(self.expected, seq - 1) + (" is" if seq - 1 == self.expected else " are")
         self._problem(
             report, "missing", self.expected, position, f"{gap} missing before entry {seq}: deleted"
         )
@@ -908,13 +924,16 @@ class _ChainCheck:
         if user_key(entry.user_id) != self.key:
             # The key is what queries and erasure look up, and no hash covers it: entries
             # moved under another key verify as a chain but vanish from their user's trail.
-            self._problem(
-                report,
-                "edited",
-                seq,
-                position,
-                f"entry {seq} of user {entry.user_id!r} is filed under the trail key "
-                f"{self.key[:80]!r}: its user's queries and erasure would miss it",
+            # The entry is its own user's problem; the gaps it leaves are the key's.
+            report.problems.append(
+                ChainProblem(
+                    entry.user_id,
+                    "edited",
+                    seq,
+                    position,
+                    f"entry {seq} of user {entry.user_id!r} is filed under the trail key "
+                    f"{self.key[:80]!r}: its user's queries and erasure would miss it",
+                )
             )
         changed, why = self._content(entry, position, report)
         if changed:
@@ -1043,13 +1062,14 @@ class _ChainCheck:
             )
         elif head.seq < self.last_seq:
             target = report.problems if strict else report.warnings
+            comes = "comes" if head.seq + 1 == self.last_seq else "come"
             target.append(
                 ChainProblem(
                     self.user_id,
                     "unanchored",
                     head.seq + 1,
                     None,
-                    f"entries {head.seq + 1}-{self.last_seq} come after the recorded head "
+                    f"{_span(head.seq + 1, self.last_seq)} {comes} after the recorded head "
                     f"(seq {head.seq})",
                 )
             )

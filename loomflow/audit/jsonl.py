@@ -231,7 +231,7 @@ class JsonlAuditStore(AuditStore):
         """Record the lines ``raw`` (written at ``start``, ending in a newline) in ``heads``."""
         lines = raw.splitlines(keepends=True)
         for line in lines:
-            entry = AuditEntry.from_json(json.loads(line))
+            entry = AuditEntry.from_line(line)
             heads["users"][user_key(entry.user_id)] = {
                 "user_id": entry.user_id,
                 "seq": entry.seq,
@@ -561,7 +561,7 @@ class JsonlAuditStore(AuditStore):
             if number <= after:
                 continue
             try:
-                entry = AuditEntry.from_json(json.loads(raw))
+                entry = AuditEntry.from_line(raw)
             except (ValueError, RecursionError):  # nested too deep to parse: damage too
                 continue
             yield number, entry
@@ -599,7 +599,7 @@ class JsonlAuditStore(AuditStore):
         items: list[ScanItem] = []
         for number, (_start, raw) in enumerate(self._line_spans(size), start=1):
             try:
-                entry = AuditEntry.from_json(json.loads(raw))
+                entry = AuditEntry.from_line(raw)
             except (ValueError, TypeError, RecursionError) as exc:  # Recursion: nested too deep
                 problem = ChainProblem(
                     None,
@@ -667,7 +667,7 @@ def _erasable(
 ) -> AuditEntry | None:
     """The entry on this line if erasure takes its payload (see ``AuditStore._tombstone``)."""
     try:
-        entry = AuditEntry.from_json(json.loads(raw))
+        entry = AuditEntry.from_line(raw)
     except (ValueError, TypeError, RecursionError):
         return None  # damage stays as it is, for verify to report
     if (

@@ -8,7 +8,6 @@ earlier (the ``heads`` of a ``loomflow audit verify --json`` report).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -16,7 +15,7 @@ from pydantic import ValidationError
 
 from ..errors import InvalidArgumentError
 from ._entry import AuditEntry, unreadable_reason, user_key
-from ._store import ChainHead, ChainProblem, VerifyReport, _ChainCheck, _saved_by_user
+from ._store import ChainHead, ChainProblem, VerifyReport, _ChainCheck, _saved_by_user, _span
 
 __all__ = ["heads_from_json", "verify_lines"]
 
@@ -58,7 +57,7 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
         if not line.strip():
             continue
         try:
-            entry = AuditEntry.from_json(json.loads(line))
+            entry = AuditEntry.from_line(line)
         # RecursionError: a line nested too deep for the JSON parser is damage, not a crash.
         except (ValueError, TypeError, KeyError, ValidationError, RecursionError) as exc:
             detail = unreadable_reason(exc)
@@ -126,14 +125,16 @@ def _finish_lines(
         found.finish_saved(report)
         if found.last_seq > last.seq:
             # The normal case for a growing trail, but nothing vouches for those entries yet.
+            tail = _span(last.seq + 1, found.last_seq)
             report.warnings.append(
                 ChainProblem(
                     found.user_id,
                     "unanchored",
                     last.seq + 1,
                     None,
-                    f"entries {last.seq + 1}-{found.last_seq} come after the last saved head "
-                    f"(seq {last.seq}): a later saved head would cover them",
+                    f"{tail} {'comes' if last.seq + 1 == found.last_seq else 'come'} after the "
+                    f"last saved head (seq {last.seq}): a later saved head would cover "
+                    f"{'it' if last.seq + 1 == found.last_seq else 'them'}",
                 )
             )
     for check in checks.values():

@@ -82,7 +82,7 @@ async def test_a_chained_line_added_behind_the_store_is_an_error(tmp_path: Path)
     report = await store.verify()
     assert _problems(report) == [("alice", "unanchored", 4)]
     with pytest.raises(
-        AuditIntegrityError, match=r"'alice' .* damaged \(unanchored: entries 4-4 come after"
+        AuditIntegrityError, match=r"'alice' .* damaged \(unanchored: entry 4 comes after"
     ):
         await store.append(rec("alice"))
     (entry,) = await store.append(rec("bob"))
@@ -118,7 +118,7 @@ async def test_a_head_changed_in_the_heads_file_stops_only_its_user(
     store = await _two_users(path)
     _edit_heads(store, edit, spelling)
     before = path.read_bytes()
-    why = "no head is recorded" if edit == "removed" else "entries 3-3 come after the recorded"
+    why = "no head is recorded" if edit == "removed" else "entry 3 comes after the recorded"
     with pytest.raises(AuditIntegrityError, match=rf"'alice' .* damaged \(unanchored: {why}") as e:
         await store.append(rec("alice"))
     assert "restore the file and its .heads from a backup" in str(e.value)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from loomflow.audit import AuditEntry, AuditRecord, SqliteAuditStore
+from loomflow.audit import AuditEntry, AuditRecord, SqliteAuditStore, heads_from_json, verify_lines
 from loomflow.audit._entry import canonical_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,17 +131,17 @@ async def test_node_finds_an_edited_entry(verifier: Path, tmp_path: Path) -> Non
     lines[target] = canonical_json(data)
     done = _node(verifier, _write(tmp_path / "edited.jsonl", lines), heads)
     assert done.returncode == 1
-    assert f"problem  line {target + 1}: user null: entry 3 was changed" in done.stdout
+    assert f"problem  line {target + 1}: user null: edited: entry 3 was changed" in done.stdout
     assert done.stdout.splitlines()[-1].startswith("FAILED:")
 
 
 @pytest.mark.parametrize(
     ("tamper", "expected"),
     [
-        ("drop", "entries 2-2 are missing before entry 3"),
-        ("relink", "entry 3 was changed"),
-        ("truncate", "the export ends before the saved head at seq 4: truncated"),
-        ("version", "has an unknown hash_version 4"),
+        ("drop", "missing: entry 2 is missing before entry 3: deleted"),
+        ("relink", "edited: entry 3 was changed"),
+        ("truncate", "truncated: entry 4 is missing at the end: a saved head records seq 4"),
+        ("version", "edited: entry 1 was changed: its content cannot be hashed (unknown audit"),
     ],
 )
 async def test_node_finds_deletions_relinks_truncation_and_unknown_versions(
@@ -161,6 +161,31 @@ async def test_node_finds_deletions_relinks_truncation_and_unknown_versions(
     done = _node(verifier, _write(tmp_path / "tampered.jsonl", lines), heads)
     assert done.returncode == 1, done.stdout
     assert expected in done.stdout
+
+
+async def test_node_reads_numbers_as_written_and_each_users_lines_in_seq_order(
+    verifier: Path, tmp_path: Path
+) -> None:
+    # As `verify --file` does: "seq": 4.0 is not the entry its writer hashed, and two lines
+    # swapped are out of order, not a deleted entry plus a duplicate.
+    _, heads, lines = await _export(tmp_path)
+    alice = [i for i, line in enumerate(lines) if '"user_id":"alice@example.com"' in line]
+    spelled = list(lines)
+    spelled[alice[3]] = spelled[alice[3]].replace('"seq":4,', '"seq":4.0,')
+    done = _node(verifier, _write(tmp_path / "spelled.jsonl", spelled))
+    assert done.returncode == 1, done.stdout
+    assert f"problem  line {alice[3] + 1}: user ?: unreadable: not an audit entry: seq" in (
+        done.stdout
+    )
+    swapped = list(lines)
+    swapped[alice[1]], swapped[alice[2]] = swapped[alice[2]], swapped[alice[1]]
+    done = _node(verifier, _write(tmp_path / "swapped.jsonl", swapped), heads)
+    assert done.returncode == 1, done.stdout
+    problems = [line for line in done.stdout.splitlines() if line.startswith("problem")]
+    assert problems == [
+        f'problem  line {alice[1] + 1}: user "alice@example.com": reordered: entry 3 is stored '
+        f"at {alice[1] + 1}, before entry 2 (at {alice[2] + 1}): the trail was reordered"
+    ]
 
 
 def test_node_links_version_1_entries_but_cannot_rehash_them(
@@ -296,3 +321,171 @@ async def test_node_finds_tampering_around_erasure(
     done = _node(verifier, _write(tmp_path / "t.jsonl", lines))
     assert done.returncode == 1, done.stdout
     assert expected in done.stdout
+
+
+# -- the Node verifier reports what `verify --file` reports ------------------------------------
+
+Lines = list[str]
+
+
+@pytest.fixture(scope="module")
+def trail(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lines, Path]:
+    """A real SQLite trail exported whole: alice (hash version 3), the anonymous bucket, and
+    ana, whose two hash version 2 entries and one version 3 entry were then forgotten; with
+    the heads saved after it."""
+    here = tmp_path_factory.mktemp("differential")
+
+    async def build() -> Lines:
+        export, _ = await _erased_export(here)  # ana: 2 x v2, 1 x v3, then the record
+        store = SqliteAuditStore(here / "erased.db")
+        try:
+            for i in range(5):
+                await store.append(
+                    [
+                        AuditRecord(
+                            user_id=u, actor="agent:a", action="tool.call", payload={"i": i}
+                        )
+                        for u in ("alice@example.com", None)
+                    ]
+                )
+            await store.export(export)
+            (here / "heads.json").write_text(json.dumps((await store.verify()).to_json()))
+        finally:
+            await store.close()
+        return export.read_text(encoding="utf-8").splitlines()
+
+    import asyncio
+
+    return asyncio.run(build()), here / "heads.json"
+
+
+def _at(lines: Lines, user: str | None, seq: int) -> int:
+    return next(
+        i
+        for i, line in enumerate(lines)
+        if json.loads(line)["user_id"] == user and json.loads(line)["seq"] == seq
+    )
+
+
+def _set(lines: Lines, user: str | None, seq: int, /, **fields: Any) -> Lines:
+    i = _at(lines, user, seq)
+    return [*lines[:i], canonical_json(json.loads(lines[i]) | fields), *lines[i + 1 :]]
+
+
+def _raw(lines: Lines, user: str | None, seq: int, old: str, new: str) -> Lines:
+    """Edit a line's text as it is spelled (numbers as written, NaN)."""
+    i = _at(lines, user, seq)
+    assert old in lines[i]
+    return [*lines[:i], lines[i].replace(old, new, 1), *lines[i + 1 :]]
+
+
+def _swap(lines: Lines, a: int, b: int) -> Lines:
+    out = list(lines)
+    out[a], out[b] = out[b], out[a]
+    return out
+
+
+A = "alice@example.com"
+TAMPERS: dict[str, Any] = {
+    "untouched": lambda ls: ls,
+    "payload edited": lambda ls: _set(ls, A, 2, payload={"i": 99}),
+    "line deleted": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, A, 3)],
+    "lines swapped": lambda ls: _swap(ls, _at(ls, A, 2), _at(ls, A, 3)),
+    "line moved to the end": lambda ls: [
+        *(x for x in ls if x != ls[_at(ls, A, 2)]),
+        ls[_at(ls, A, 2)],
+    ],
+    "tail dropped": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, A, 5)],
+    "line repeated": lambda ls: [*ls, ls[_at(ls, None, 2)]],
+    "garbage and blank lines": lambda ls: ["{not json", "", "   ", *ls, "[1, 2]", "null", '"x"'],
+    "seq 4.0": lambda ls: _raw(ls, A, 4, '"seq":4,', '"seq":4.0,'),
+    "seq 4e0": lambda ls: _raw(ls, A, 4, '"seq":4,', '"seq":4e0,'),
+    "seq as text": lambda ls: _set(ls, A, 4, seq="4"),
+    "seq 0": lambda ls: _set(ls, A, 1, seq=0),
+    "seq past 2**53": lambda ls: _set(ls, A, 5, seq=2**53),
+    "schema_version 1.0": lambda ls: _raw(ls, A, 2, '"schema_version":1,', '"schema_version":1.0,'),
+    "hash_version 3.0": lambda ls: _raw(ls, A, 2, '"hash_version":3,', '"hash_version":3.0,'),
+    "hash_version 4": lambda ls: _set(ls, A, 2, hash_version=4),
+    "hash_version true": lambda ls: _set(ls, A, 2, hash_version=True),
+    "a field no entry has": lambda ls: _set(ls, A, 2, note="x"),
+    "payload a list": lambda ls: _set(ls, A, 2, payload=[1]),
+    "no actor": lambda ls: [
+        *(canonical_json({k: v for k, v in json.loads(x).items() if k != "actor"}) for x in ls[:1]),
+        *ls[1:],
+    ],
+    "session_id left out": lambda ls: [
+        canonical_json({k: v for k, v in json.loads(x).items() if k != "session_id"}) for x in ls
+    ],
+    "time spelled short": lambda ls: _set(
+        ls, A, 2, time=json.loads(ls[_at(ls, A, 2)])["time"][:-5] + "Z"
+    ),
+    "time on 30 February": lambda ls: _set(ls, A, 2, time="2026-02-30T10:00:00.000000Z"),
+    "time null": lambda ls: _set(ls, A, 2, time=None),
+    "NaN in a payload": lambda ls: _raw(ls, A, 2, '"i":1', '"i":NaN'),
+    "relinked": lambda ls: _set(ls, A, 3, prev_hash="0" * 64),
+    "moved to another user": lambda ls: _set(ls, A, 3, user_id="mallory"),
+    "payload blanked without a record": lambda ls: _set(
+        ls, None, 2, payload=None, payload_salt=None
+    ),
+    "erased v2 entry relabelled": lambda ls: _set(ls, "ana", 1, action="tool.replay"),
+    "erasure record dropped": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, "ana", 4)],
+    "digest of a v2 entry dropped from the record": lambda ls: _set(
+        ls, "ana", 4, payload=json.loads(ls[_at(ls, "ana", 4)])["payload"] | {"pre_v3": {}}
+    ),
+    "v2 entry given a digest": lambda ls: _set(ls, "ana", 1, payload_digest="0" * 64),
+    "v3 entry without its digest": lambda ls: _set(ls, A, 1, payload_digest=None),
+    "v3 payload without its salt": lambda ls: _set(ls, A, 1, payload_salt=None),
+    "starts mid-trail": lambda ls: [
+        x for x in ls if json.loads(x)["user_id"] != A or json.loads(x)["seq"] > 2
+    ],
+    "a user left out": lambda ls: [x for x in ls if json.loads(x)["user_id"] is not None],
+    "rewritten past a saved head": lambda ls: _set(ls, A, 5, hash="f" * 64),
+}
+
+
+HARMLESS = ("untouched", "session_id left out")  # a missing session_id is null, as hashed
+
+
+def _findings(report: dict[str, Any]) -> dict[str, Any]:
+    def rows(items: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        # Why a line is unreadable is worded by each parser; everything else is compared.
+        return [
+            (
+                p["user_id"],
+                p["kind"],
+                p["seq"],
+                p["position"],
+                p["kind"] != "unreadable" and p["detail"],
+            )
+            for p in items
+        ]
+
+    return {
+        "ok": report["ok"],
+        "users": report["users"],
+        "entries": report["entries"],
+        "erased": report["erased"],
+        "problems": rows(report["problems"]),
+        "warnings": rows(report["warnings"]),
+        "heads": report["heads"],
+    }
+
+
+@pytest.mark.parametrize("with_heads", [False, True], ids=["alone", "heads"])
+@pytest.mark.parametrize("tamper", list(TAMPERS))
+def test_node_reports_what_python_reports(
+    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, tamper: str, with_heads: bool
+) -> None:
+    lines, heads_path = trail
+    tampered = TAMPERS[tamper](list(lines))
+    export = _write(tmp_path / "export.jsonl", tampered)
+    heads = heads_from_json(json.loads(heads_path.read_text())) if with_heads else []
+    with export.open(encoding="utf-8") as fh:
+        python = verify_lines(fh, heads=heads).to_json()
+    done = _node(verifier, "--json", export, *([heads_path] if with_heads else []))
+    assert done.returncode == (0 if python["ok"] else 1), done.stdout + done.stderr
+    node = json.loads(done.stdout)
+    assert _findings(node) == _findings(python)
+    # Each tamper is seen, but for the two that change nothing loomflow hashes.
+    untouched = verify_lines(lines, heads=heads).to_json()
+    assert (_findings(python) == _findings(untouched)) == (tamper in HARMLESS)
