@@ -13,8 +13,8 @@
 //
 // Hash version 3 entries hash a salted digest of their payload instead of the payload, so a
 // payload may be erased ("payload": null) without breaking the chain; an erased payload must be
-// followed by an audit.erasure entry of the same user, which for an erased version 1 or 2
-// entry also keeps the digest of its other fields.
+// covered by an audit.erasure entry of the same user after it (by its cut-off or its list of
+// seqs), which for an erased version 1 or 2 entry also keeps the digest of its other fields.
 //
 // Exit status: 0 intact, 1 a problem found, 2 bad usage or an unreadable file.
 // Version 1 entries (written before loomflow 0.21) hash Python's own JSON spelling, which
@@ -30,6 +30,9 @@ import canonicalize from 'canonicalize';
 const GENESIS = '0'.repeat(64);
 const DIGESTED_VERSION = 3;
 const AUDIT_ERASURE = 'audit.erasure';
+const HOLD_PLACED = 'legal_hold.placed';
+const HOLD_ACTIONS = [HOLD_PLACED, 'legal_hold.released'];
+const KEPT_BY_ERASURE = [AUDIT_ERASURE, ...HOLD_ACTIONS]; // erasure never takes their payloads
 
 const usage = 'usage: verify-audit-export.mjs [--json] [--require-v2] EXPORT.jsonl [HEADS.json]';
 const args = process.argv.slice(2);
@@ -249,6 +252,79 @@ function rfc8785(value) {
   return text;
 }
 
+// -- erasure records (loomflow's _ErasureRecord) -----------------------------------------------
+
+// An entry whose payload is gone.
+const erasedOf = (entry, position, rest) => ({
+  seq: entry.seq, position, rest, time: entry.time, action: entry.action, hashVersion: entry.hash_version,
+});
+
+// What an audit.erasure entry says it erased, read the way loomflow's erasure wrote it: a
+// forget or retention takes every hash version 3 entry before the record written before its
+// "before" cut-off (all of them when null); a forget's console erasure only its "seqs". An
+// entry of hash version 1 or 2 is taken only when "pre_v3" lists its digest; the payloads of
+// erasure records and legal holds never; and nothing when a legal hold stood (erasure stops).
+function erasureRecord(seq, payload, held) {
+  const old = payload.pre_v3;
+  const record = {
+    seq, preV3: old && typeof old === 'object' && !Array.isArray(old) ? old : {},
+    seqs: null, before: null, cutoffReadable: true, void: held,
+  };
+  if (Object.hasOwn(payload, 'seqs')) {
+    const numbers = Array.isArray(payload.seqs) ? payload.seqs : [];
+    record.seqs = new Set(numbers.filter((n) => Number.isInteger(n)));
+  } else if (payload.before !== undefined && payload.before !== null) {
+    try {
+      checkTime(payload.before);
+      record.before = payload.before; // exported times are fixed-width: text order is time order
+    } catch {
+      record.cutoffReadable = false;
+    }
+  }
+  return record;
+}
+
+const sweeps = (record) => !record.void && record.seqs === null && record.cutoffReadable;
+// Whether a sweeping record's cut-off reaches later than another's (null: everything).
+const wider = (a, b) => (a.before === null || b.before === null
+  ? a.before === null && b.before !== null : a.before > b.before);
+
+function covers(record, gone) {
+  if (record.void || gone.seq >= record.seq || KEPT_BY_ERASURE.includes(gone.action)) return false;
+  if (record.seqs !== null && !record.seqs.has(gone.seq)) return false;
+  if (gone.hashVersion < DIGESTED_VERSION) return Object.hasOwn(record.preV3, String(gone.seq));
+  if (record.seqs !== null) return true;
+  return record.cutoffReadable && (record.before === null || gone.time < record.before);
+}
+
+function seqList(seqs) {
+  const ordered = [...seqs].sort((a, b) => a - b);
+  if (!ordered.length) return 'no entries';
+  const runs = [];
+  for (const seq of ordered) {
+    if (runs.length && seq === runs[runs.length - 1].at(-1) + 1) runs[runs.length - 1].push(seq);
+    else runs.push([seq]);
+  }
+  let parts = runs.map((r) => (r.length === 1 ? `${r[0]}` : `${r[0]}-${r.at(-1)}`));
+  if (parts.length > 6) parts = [...parts.slice(0, 5), `${parts.length - 5} more runs`];
+  const text = parts.length === 1 ? parts[0] : `${parts.slice(0, -1).join(', ')} and ${parts.at(-1)}`;
+  return `${ordered.length === 1 ? 'entry' : 'entries'} ${text}`;
+}
+
+function describe(record) {
+  if (record.void) return `the one at seq ${record.seq} was written under a legal hold and erased nothing`;
+  if (record.seqs !== null) return `the one at seq ${record.seq} erased ${seqList(record.seqs)} only`;
+  if (!record.cutoffReadable) return `the one at seq ${record.seq} has a cut-off that is not a time`;
+  if (record.before === null) return `the one at seq ${record.seq} erased every payload before it`;
+  return `the one at seq ${record.seq} erased what was written before ${record.before}`;
+}
+
+function uncovered(gone, later) {
+  if (KEPT_BY_ERASURE.includes(gone.action)) return `erasure keeps the payloads of ${gone.action} entries`;
+  const more = later.length > 3 ? `; and ${later.length - 3} more` : '';
+  return `${later.slice(0, 3).map(describe).join('; ')}${more} (entry ${gone.seq} was written at ${gone.time})`;
+}
+
 // -- one user's chain (loomflow's _ChainCheck) ------------------------------------------------
 
 class ChainCheck {
@@ -264,8 +340,9 @@ class ChainCheck {
     const order = (a, b) => a[0] - b[0] || (a[1] < b[1] ? -1 : a[1] > b[1] ? 1 : 0);
     this.saved = [...pairs.values()].sort(order);
     this.savedAt = new Set(this.saved.map(([seq]) => seq));
-    this.erased = []; // {seq, position, rest}: erased payloads waiting for a record after them
-    this.records = []; // {seq, preV3}: the erasure records seen
+    this.erased = []; // erased payloads, waiting for an erasure record after them that covers them
+    this.records = []; // the erasure records seen (see erasureRecord)
+    this.held = false; // whether a legal hold stands at this point of the trail
   }
 
   problem(kind, seq, position, detail) {
@@ -290,9 +367,9 @@ class ChainCheck {
     if (why !== null) {
       this.problem('edited', seq, position, `entry ${seq} was changed: ${why}`);
     } else if (entry.action === AUDIT_ERASURE && entry.payload !== null) {
-      const old = entry.payload.pre_v3;
-      this.records.push({ seq, preV3: old && typeof old === 'object' && !Array.isArray(old) ? old : {} });
+      this.records.push(erasureRecord(seq, entry.payload, this.held));
     }
+    if (HOLD_ACTIONS.includes(entry.action)) this.held = entry.action === HOLD_PLACED;
     if (this.savedAt.has(seq)) {
       for (const [savedSeq, savedHash] of this.saved) {
         if (savedSeq === seq && savedHash !== entry.hash) {
@@ -333,10 +410,10 @@ class ChainCheck {
         const { payload: _gone, ...rest } = hashedBody(entry);
         let digest;
         try { digest = sha256(rfc8785(rest)); } catch { digest = 'unhashable'; }
-        this.erased.push({ seq: entry.seq, position, rest: digest });
+        this.erased.push(erasedOf(entry, position, digest));
         return null;
       }
-      this.erased.push({ seq: entry.seq, position, rest: null });
+      this.erased.push(erasedOf(entry, position, null));
     }
     if (version === 1) {
       // Python's own spelling: only loomflow's verifier can rebuild it.
@@ -370,17 +447,46 @@ class ChainCheck {
   }
 
   finishErasures() {
-    for (const { seq, position, rest } of this.erased) {
-      const later = this.records.filter((r) => r.seq > seq).map((r) => r.preV3);
-      if (!later.length) {
+    if (!this.erased.length) return;
+    // covers() decides; these indexes only pick the records that could (see loomflow's
+    // _ChainCheck.finish_erasures): the widest cut-off from each record on, and who lists a seq.
+    const records = [...this.records].sort((a, b) => a.seq - b.seq);
+    const widest = new Array(records.length + 1).fill(null);
+    for (let i = records.length - 1; i >= 0; i -= 1) {
+      const record = records[i];
+      const best = widest[i + 1];
+      widest[i] = sweeps(record) && (best === null || wider(record, best)) ? record : best;
+    }
+    const naming = new Map();
+    for (const record of records) {
+      const listed = new Set(Object.keys(record.preV3).filter((k) => /^[0-9]+$/.test(k)).map(Number));
+      for (const named of record.seqs ?? []) listed.add(named);
+      for (const named of listed) {
+        if (!naming.has(named)) naming.set(named, []);
+        naming.get(named).push(record);
+      }
+    }
+    for (const gone of this.erased) {
+      const { seq, position, rest } = gone;
+      let [low, high] = [0, records.length]; // the first record after the entry
+      while (low < high) {
+        const mid = (low + high) >> 1;
+        if (records[mid].seq > seq) high = mid;
+        else low = mid + 1;
+      }
+      const candidates = (naming.get(seq) ?? []).filter((r) => r.seq > seq);
+      if (widest[low] !== null) candidates.push(widest[low]);
+      const covering = candidates.filter((r) => covers(r, gone));
+      if (low === records.length) {
         this.problem('erased', seq, position,
           `the payload of entry ${seq} is gone, but no erasure record follows it`);
-      } else if (rest !== null && !later.some((old) => old[String(seq)] === rest)) {
-        const listed = later.some((old) => Object.hasOwn(old, String(seq)));
-        this.problem(listed ? 'edited' : 'erased', seq, position, listed
-          ? `entry ${seq} was changed after its payload was erased`
-          : `the payload of entry ${seq} (hash version 1 or 2) is gone, but no erasure record ` +
-            'vouches for its other fields');
+      } else if (!covering.length) {
+        this.problem('erased', seq, position, rest !== null
+          ? `the payload of entry ${seq} (hash version 1 or 2) is gone, but no erasure record ` +
+            'vouches for its other fields'
+          : `the payload of entry ${seq} is gone, but no erasure record covers it: ${uncovered(gone, records.slice(low))}`);
+      } else if (rest !== null && !covering.some((r) => r.preV3[String(seq)] === rest)) {
+        this.problem('edited', seq, position, `entry ${seq} was changed after its payload was erased`);
       }
     }
   }

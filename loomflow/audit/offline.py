@@ -26,7 +26,8 @@ def verify_lines(lines: Iterable[str], *, heads: Iterable[ChainHead] = ()) -> Ve
     Each line is re-hashed in its own ``hash_version`` (3: RFC 8785 over a payload digest;
     2: RFC 8785; a line without one is version 1, Python's spelling), so an export may mix
     entries from before and after 0.21. An erased payload (``"payload": null``) must be
-    followed by an ``audit.erasure`` entry of the same user in the export.
+    covered by an ``audit.erasure`` entry of the same user after it in the export (its
+    ``before`` cut-off reaches the entry, or its ``seqs`` list it).
 
     Each user's entries are checked in ``seq`` order, as a store's are, with their line
     numbers as positions: a line that is not where an export writes it is ``reordered``, as

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sqlite3
@@ -283,3 +284,36 @@ async def test_the_cli_checks_saved_heads_on_the_store_and_on_exports(tmp_path: 
     failed = _cli("--audit-url", url, "verify", "--heads", str(bad))
     assert failed.returncode == 1
     assert "bad --heads file" in failed.stderr
+
+
+async def test_the_cli_refuses_an_erasure_no_record_covers(tmp_path: Path) -> None:
+    # retain keeps what came after its cut-off; blanking that payload by hand later (the
+    # SQLite trigger lets an erasure-shaped update through) is on no record, although a
+    # record follows it.
+    db = tmp_path / "audit.db"
+    url = f"sqlite:///{db}"
+    store = SqliteAuditStore(db)
+    await store.append([AuditRecord(user_id="bob", actor="a", action="x") for _ in range(2)])
+    await asyncio.sleep(1.2)
+    await store.append(AuditRecord(user_id="bob", actor="a", action="note.after"))
+    await store.close()
+    retained = _cli("--audit-url", url, "retain", "--older-than", "1s", "--yes")
+    assert retained.returncode == 0, retained.stderr
+    assert "erased 2 payload(s) of 1 user(s)" in retained.stdout
+    assert _cli("--audit-url", url, "verify").returncode == 0
+    with sqlite3.connect(db) as conn:
+        conn.execute(
+            "UPDATE loom_audit SET payload = 'null', payload_salt = NULL "
+            "WHERE action = 'note.after'"
+        )
+    done = _cli("--audit-url", url, "verify")
+    assert done.returncode == 1
+    assert "(3 payloads erased, 1 with no erasure record)" in done.stdout
+    assert "the payload of entry 3 is gone, but no erasure record covers it" in done.stdout
+    export = tmp_path / "bob.jsonl"
+    assert _cli("--audit-url", url, "export", "-o", str(export)).returncode == 0
+    offline = _cli("verify", "--file", str(export), "--json")
+    assert offline.returncode == 1
+    assert [
+        (p["user_id"], p["kind"], p["seq"]) for p in json.loads(offline.stdout)["problems"]
+    ] == [("bob", "erased", 3)]

@@ -348,6 +348,24 @@ def trail(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lines, Path]:
                         for u in ("alice@example.com", None)
                     ]
                 )
+            # bob: a retention whose cut-off takes entries 1-2, not 3.
+            bob = [
+                (await store.append(AuditRecord(user_id="bob", actor="a", action="x")))[0]
+                for _ in range(3)
+            ]
+            await store.erase("bob", reason="retention", before=bob[2].time)
+            # console:ops: a forget's erasure of two looks, by seq.
+            await store.append(
+                [AuditRecord(user_id="console:ops", actor="a", action="x") for _ in range(4)]
+            )
+            await store.erase_entries("console:ops", [2, 3], reason="forget")
+            # cy: a record written after a hold was placed, which erased nothing.
+            await store.append(AuditRecord(user_id="cy", actor="a", action="x"))
+            await store.place_hold("cy", reason="subpoena")
+            payload = {"reason": "forget", "before": None, "entries": 1, "pre_v3": {}}
+            await store.append(
+                AuditRecord(user_id="cy", actor="a", action="audit.erasure", payload=payload)
+            )
             await store.export(export)
             (here / "heads.json").write_text(json.dumps((await store.verify()).to_json()))
         finally:
@@ -377,6 +395,10 @@ def _raw(lines: Lines, user: str | None, seq: int, old: str, new: str) -> Lines:
     i = _at(lines, user, seq)
     assert old in lines[i]
     return [*lines[:i], lines[i].replace(old, new, 1), *lines[i + 1 :]]
+
+
+def _blanked(lines: Lines, user: str | None, seq: int) -> Lines:
+    return _set(lines, user, seq, payload=None, payload_salt=None)
 
 
 def _swap(lines: Lines, a: int, b: int) -> Lines:
@@ -424,9 +446,14 @@ TAMPERS: dict[str, Any] = {
     "NaN in a payload": lambda ls: _raw(ls, A, 2, '"i":1', '"i":NaN'),
     "relinked": lambda ls: _set(ls, A, 3, prev_hash="0" * 64),
     "moved to another user": lambda ls: _set(ls, A, 3, user_id="mallory"),
-    "payload blanked without a record": lambda ls: _set(
-        ls, None, 2, payload=None, payload_salt=None
+    "payload blanked without a record": lambda ls: _blanked(ls, None, 2),
+    "payload blanked past a retention cut-off": lambda ls: _blanked(ls, "bob", 3),
+    "looks blanked outside the record's seqs": lambda ls: _blanked(
+        _blanked(ls, "console:ops", 1), "console:ops", 4
     ),
+    "payload blanked before a record made under a hold": lambda ls: _blanked(ls, "cy", 1),
+    "a hold's reason blanked": lambda ls: _blanked(ls, "cy", 2),
+    "a record's payload blanked": lambda ls: _blanked(ls, "console:ops", 5),
     "erased v2 entry relabelled": lambda ls: _set(ls, "ana", 1, action="tool.replay"),
     "erasure record dropped": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, "ana", 4)],
     "digest of a v2 entry dropped from the record": lambda ls: _set(
