@@ -9,7 +9,13 @@
 // and --json prints the report in the shape of `verify --file --json`, so the two can be
 // compared. See docs/audit.md, "Checking an export in another language".
 //
-//   npm ci --prefix tools && node tools/verify-audit-export.mjs [--json] [--require-v2] EXPORT.jsonl [HEADS.json]
+//   npm ci --prefix tools && node tools/verify-audit-export.mjs [--json] [--require-v2] [--user ID] EXPORT.jsonl [HEADS.json]
+//
+// Which users an export covers: one made with filters starts with a header line naming them
+// ({"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}), and with a user_id it covers
+// that user only; without a header it is the whole log and covers everyone. A user with a
+// saved head and no line in the export is reported (truncated) only when the export covers
+// them; --user ID checks only that user's lines and saved heads.
 //
 // Hash version 3 entries hash a salted digest of their payload instead of the payload, so a
 // payload may be erased ("payload": null) without breaking the chain; an erased payload must be
@@ -29,23 +35,33 @@ import canonicalize from 'canonicalize';
 
 const GENESIS = '0'.repeat(64);
 const DIGESTED_VERSION = 3;
+// The first line of an export made with filters: {"filters": {...}, "loomflow_audit_export": 1}.
+const EXPORT_HEADER = 'loomflow_audit_export';
+const EXPORT_FILTERS = ['user_id', 'session_id', 'run_id', 'action', 'since', 'until'];
 const AUDIT_ERASURE = 'audit.erasure';
 const HOLD_PLACED = 'legal_hold.placed';
 const HOLD_ACTIONS = [HOLD_PLACED, 'legal_hold.released'];
 const KEPT_BY_ERASURE = [AUDIT_ERASURE, ...HOLD_ACTIONS]; // erasure never takes their payloads
 
-const usage = 'usage: verify-audit-export.mjs [--json] [--require-v2] EXPORT.jsonl [HEADS.json]';
+const usage =
+  'usage: verify-audit-export.mjs [--json] [--require-v2] [--user ID] EXPORT.jsonl [HEADS.json]';
 const args = process.argv.slice(2);
-const flags = new Set(args.filter((a) => a.startsWith('--')));
-for (const flag of flags) {
-  if (!['--json', '--require-v2'].includes(flag)) {
-    console.error(`unknown option ${flag}\n${usage}`);
+let asJson = false;
+let requireV2 = false;
+let onlyUser; // --user: only this user's lines and saved heads
+const positional = [];
+for (let i = 0; i < args.length; i += 1) {
+  const arg = args[i];
+  if (arg === '--json') asJson = true;
+  else if (arg === '--require-v2') requireV2 = true;
+  else if (arg === '--user' && i + 1 < args.length) onlyUser = args[(i += 1)];
+  else if (arg.startsWith('--user=')) onlyUser = arg.slice('--user='.length);
+  else if (arg.startsWith('--')) {
+    console.error(`unknown option ${arg}\n${usage}`);
     process.exit(2);
-  }
+  } else positional.push(arg);
 }
-const asJson = flags.has('--json');
-const requireV2 = flags.has('--require-v2');
-const [exportPath, headsPath, ...extra] = args.filter((a) => !a.startsWith('--'));
+const [exportPath, headsPath, ...extra] = positional;
 if (!exportPath || extra.length) {
   console.error(usage);
   process.exit(2);
@@ -61,6 +77,7 @@ const span = (first, last) => (first === last ? `entry ${first}` : `entries ${fi
 // -- the report, in the shape of loomflow's VerifyReport.to_json() -----------------------------
 
 const report = { users: 0, entries: 0, erased: 0, problems: [], warnings: [], heads: [] };
+let exportFilters = null; // what the export's header says it was made with
 const problem = (userId, kind, seq, position, detail) =>
   report.problems.push({ user_id: userId, kind, seq, position, detail });
 const warning = (userId, kind, seq, position, detail) =>
@@ -86,6 +103,7 @@ if (headsPath) {
       }
       const userId = head.user_id ?? null;
       const key = keyOf(userId);
+      if (onlyUser !== undefined && key !== keyOf(onlyUser)) continue;
       saved.set(key, [...(saved.get(key) ?? []), { user_id: userId, seq: head.seq, hash: head.hash }]);
     }
   } catch (err) {
@@ -171,6 +189,36 @@ function checkTime(text) {
 
 const isText = (value) => typeof value === 'string';
 const isTextOrNull = (value) => value === null || typeof value === 'string';
+
+// The filters an export's first line names (loomflow's read_export_header): null when the
+// line is not a header; an Error when it is one (it has the header's key) that cannot be read.
+function readHeader(line) {
+  let data;
+  try {
+    data = JSON.parse(line);
+  } catch {
+    return null;
+  }
+  if (typeof data !== 'object' || data === null || Array.isArray(data) || !Object.hasOwn(data, EXPORT_HEADER)) {
+    return null;
+  }
+  if (topLevelTexts(line).get(EXPORT_HEADER) !== '1') {
+    throw new Error(`format ${JSON.stringify(data[EXPORT_HEADER])}, where this verifier reads 1`);
+  }
+  const extraKeys = Object.keys(data).filter((k) => k !== EXPORT_HEADER && k !== 'filters');
+  if (extraKeys.length) throw new Error(`it has ${extraKeys.join(', ')}`);
+  const { filters } = data;
+  if (typeof filters !== 'object' || filters === null || Array.isArray(filters)) {
+    throw new Error('its filters are not an object');
+  }
+  for (const [name, value] of Object.entries(filters)) {
+    if (!EXPORT_FILTERS.includes(name)) throw new Error(`unknown filter ${name}`);
+    if (typeof value !== 'string' && !(name === 'user_id' && value === null)) {
+      throw new Error(`filter ${name} is ${JSON.stringify(value)}, not text`);
+    }
+  }
+  return filters;
+}
 
 // The entry on a line, or an Error saying why the line is not one (loomflow: "unreadable").
 function readEntry(line) {
@@ -519,12 +567,23 @@ try {
 }
 const trails = new Map(); // user key -> [{seq, number, entry}], users in the order first seen
 let number = 0;
+let first = true;
 const input = createReadStream(null, { fd, encoding: 'utf8' });
 // readline splits at \n and \r only; loomflow writes U+2028 and U+2029 escaped anyway.
 try {
   for await (const line of createInterface({ input, crlfDelay: Infinity })) {
     number += 1;
     if (BLANK.test(line)) continue;
+    if (first) {
+      first = false;
+      try {
+        exportFilters = readHeader(line);
+      } catch (err) {
+        problem(null, 'unreadable', null, number, `not an export header this verifier reads: ${err.message}`);
+        continue;
+      }
+      if (exportFilters !== null) continue;
+    }
     let entry;
     try {
       entry = readEntry(line);
@@ -533,6 +592,7 @@ try {
       continue;
     }
     const key = keyOf(entry.user_id);
+    if (onlyUser !== undefined && key !== keyOf(onlyUser)) continue;
     if (!trails.has(key)) trails.set(key, []);
     trails.get(key).push({ seq: entry.seq, number, entry });
   }
@@ -563,13 +623,21 @@ for (const [key, trail] of trails) {
   }
 }
 
+// Which users the export covers: with --user, that user; else the user its header names, if
+// any; else (no header: the whole log) everyone. A user with a saved head and no line is
+// looked for only if covered.
+const claimed = exportFilters !== null && Object.hasOwn(exportFilters, 'user_id')
+  ? keyOf(exportFilters.user_id) : null;
+const covered = onlyUser !== undefined ? null : claimed;
 for (const [key, heads] of saved) {
   const found = checks.get(key);
+  if (found === undefined && covered !== null && key !== covered) continue;
   const last = heads.reduce((a, b) => (b.seq > a.seq ? b : a));
   report.heads.push(...heads);
   if (found === undefined) {
     problem(last.user_id, 'truncated', 1, null,
-      `the export holds none of this user's entries; a saved head records seq ${last.seq}`);
+      `the export holds none of this user's entries, though a saved head records seq ${last.seq} ` +
+      'and the export does not say it was made for other users only');
     continue;
   }
   found.finishSaved();
@@ -584,7 +652,7 @@ for (const check of checks.values()) check.finishErasures();
 
 const ok = report.problems.length === 0;
 if (asJson) {
-  console.log(JSON.stringify({ ok, ...report }));
+  console.log(JSON.stringify({ ok, ...report, ...(exportFilters === null ? {} : { export_filters: exportFilters }) }));
 } else {
   const show = (label, p) => {
     const where = p.position === null ? '' : `line ${p.position}: `;
@@ -593,13 +661,21 @@ if (asJson) {
   };
   for (const p of report.problems) show('problem', p);
   for (const w of report.warnings) show('warning', w);
+  if (exportFilters !== null && Object.keys(exportFilters).length) {
+    // The header is not covered by any hash: say what it made the check leave out.
+    const named = Object.entries(exportFilters).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(', ');
+    const left = Object.hasOwn(exportFilters, 'user_id') && headsPath
+      ? ': saved heads of other users were not looked for' : '';
+    console.log(`note     the export says it was made with ${named}${left}`);
+  }
   const v1 = version1
     ? `; ${version1} hash version 1 entries linked but not re-hashed (only loomflow's Python verifier can)`
     : '';
   console.log(
     `${ok ? 'ok' : 'FAILED'}: ${report.entries} entries of ${report.users} users, ` +
       `${rehashed} re-hashed (RFC 8785)${v1}, ${report.erased ? `${report.erased} payloads erased, ` : ''}` +
-      `${saved.size} users' saved heads, ${report.problems.length} problems`,
+      `${new Set(report.heads.map((h) => keyOf(h.user_id))).size} users' saved heads, ` +
+      `${report.problems.length} problems`,
   );
 }
 process.exit(ok ? 0 : 1);

@@ -64,6 +64,7 @@ __all__ = [
     "canonical_bytes",
     "canonical_json",
     "entry_hash",
+    "json_line",
     "payload_digest",
     "rest_digest",
     "time_us_of_text",
@@ -92,6 +93,12 @@ MAX_EXACT_INT: Final = 2**53 - 1
 
 # Raw, these can only stand inside JSON strings, where their escapes mean the same.
 _LINE_BREAKS: Final = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def json_line(value: Any) -> str:
+    """``value`` as one line of an export: sorted compact JSON, with U+0085, U+2028 and U+2029
+    escaped (valid raw in JSON, but ``str.splitlines`` and other line readers break at them)."""
+    return canonical_json(value).translate(_LINE_BREAKS)
 
 
 def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
@@ -455,7 +462,7 @@ class AuditEntry(BaseModel):
         ``str.splitlines`` and other line readers break lines at them. Hashes are computed
         over the parsed values, never over the line's bytes, so the spelling is free.
         """
-        return canonical_json(self.to_json()).translate(_LINE_BREAKS)
+        return json_line(self.to_json())
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AuditEntry:

@@ -26,6 +26,7 @@ from ._entry import (
     AuditEntry,
     AuditRecord,
     iso_time,
+    json_line,
     time_us_of,
     time_us_of_text,
     user_key,
@@ -34,6 +35,9 @@ from .actions import AUDIT_ERASURE, KEPT_BY_ERASURE, LEGAL_HOLD_PLACED, LEGAL_HO
 
 __all__ = [
     "ANY_USER",
+    "EXPORT_FILTERS",
+    "EXPORT_FORMAT",
+    "EXPORT_HEADER",
     "AuditFilter",
     "AuditPage",
     "AuditStore",
@@ -56,6 +60,13 @@ MAX_PAGE = 10_000  # the largest page a query returns
 
 ANY_USER: Any = _AnyUser()
 """Default of ``user_id`` filters: every user (``None`` means the anonymous bucket)."""
+
+EXPORT_HEADER = "loomflow_audit_export"
+"""The key of the line an export made with filters starts with; its value is the format
+(``EXPORT_FORMAT``), beside ``filters``. An export of the whole log has no such line."""
+EXPORT_FORMAT = 1
+EXPORT_FILTERS = ("user_id", "session_id", "run_id", "action", "since", "until")
+"""The filters an export header may name (``user_id`` may be ``null``: the anonymous bucket)."""
 
 ProblemKind = Literal[
     "edited",
@@ -114,6 +125,37 @@ class AuditFilter:
             since_us=None if since is None else time_us_of(since),
             until_us=None if until is None else time_us_of(until),
         )
+
+    def described(self) -> dict[str, Any]:
+        """The filters that are set, as an export header names them (times in the exported
+        spelling, a family of actions as ``tool.*``)."""
+        named: dict[str, Any] = {}
+        if self.user_key is not None:
+            named["user_id"] = json.loads(self.user_key)
+        if self.session_id is not None:
+            named["session_id"] = self.session_id
+        if self.run_id is not None:
+            named["run_id"] = self.run_id
+        if self.action is not None:
+            named["action"] = self.action
+        elif self.action_prefix is not None:
+            named["action"] = self.action_prefix + "*"
+        if self.since_us is not None:
+            named["since"] = iso_time(self.since_us)
+        if self.until_us is not None:
+            named["until"] = iso_time(self.until_us)
+        return named
+
+    def export_header(self) -> str | None:
+        """The first line of an export made with these filters (``None``: no filter, so the
+        export is the whole log and has no header). It says which users the export covers, so
+        that verifying it against every user's saved heads does not take the users it was
+        not made for as deleted."""
+        named = self.described()
+        if not named:
+            return None
+        header = {EXPORT_HEADER: EXPORT_FORMAT, "filters": named}
+        return json_line(header)
 
     def matches(self, entry: AuditEntry) -> bool:
         """Whether ``entry`` passes (for backends that filter in Python)."""
@@ -192,13 +234,16 @@ class VerifyReport:
     problems: list[ChainProblem] = field(default_factory=list)
     warnings: list[ChainProblem] = field(default_factory=list)
     heads: list[ChainHead] = field(default_factory=list)
+    export_filters: dict[str, Any] | None = None
+    """For an export that says it was made with filters (its header line), those filters:
+    saved heads of users outside its ``user_id`` were not looked for. ``None`` otherwise."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "ok": self.ok,
             "users": self.users,
             "entries": self.entries,
@@ -207,6 +252,9 @@ class VerifyReport:
             "warnings": [w.to_json() for w in self.warnings],
             "heads": [{"user_id": h.user_id, "seq": h.seq, "hash": h.hash} for h in self.heads],
         }
+        if self.export_filters is not None:
+            data["export_filters"] = self.export_filters
+        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,12 +467,16 @@ class AuditStore(abc.ABC):
         """Write matching entries as JSON lines to a path or text stream; returns the count.
 
         The lines are the entries' exported form, so ``loomflow.audit.verify_lines`` (or
-        any SHA-256 implementation) can re-check them offline. ``filters`` are those of
-        :meth:`query`. With ``on_progress(done, total)``, the entries are counted first
-        (:meth:`count`) and the callback hears after every page of 1000.
+        any SHA-256 implementation) can re-check them offline. With filters, the first line
+        is a header naming them (``{"filters": {"user_id": "alice"},
+        "loomflow_audit_export": 1}``), so that a verifier checks the users the export was
+        made for against saved heads, and no others; without, the export is the whole log and
+        has no header. ``filters`` are those of :meth:`query`. With
+        ``on_progress(done, total)``, the entries are counted first (:meth:`count`) and the
+        callback hears after every page of 1000. The count returned is of entries.
         """
+        where = AuditFilter.build(**filters)  # bad filters fail before the file is created
         if isinstance(dest, str | os.PathLike):
-            AuditFilter.build(**filters)  # bad filters fail before the file is created
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
             with Path(dest).open("w", encoding="utf-8") as fh:  # noqa: ASYNC230
                 return await self.export(fh, on_progress=on_progress, **filters)
@@ -432,6 +484,9 @@ class AuditStore(abc.ABC):
             on_progress, await self.count(**filters) if on_progress is not None else None
         )
         buffer = io.StringIO()
+        header = where.export_header()
+        if header is not None:
+            buffer.write(header + "\n")
         async for page in self._pages(**filters):
             for entry in page:
                 buffer.write(entry.to_line())

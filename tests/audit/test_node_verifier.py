@@ -188,6 +188,37 @@ async def test_node_reads_numbers_as_written_and_each_users_lines_in_seq_order(
     ]
 
 
+async def test_node_checks_an_export_of_one_user_against_every_users_heads(
+    verifier: Path, tmp_path: Path
+) -> None:
+    # README: `verify --json > heads.json` (every user), then one user's export, checked.
+    _, heads, _ = await _export(tmp_path)
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        alice = tmp_path / "alice.jsonl"
+        assert await store.export(alice, user_id="alice@example.com") == 4
+    finally:
+        await store.close()
+    done = _node(verifier, alice, heads)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.splitlines() == [
+        'note     the export says it was made with user_id="alice@example.com": saved heads '
+        "of other users were not looked for",
+        "ok: 4 entries of 1 users, 4 re-hashed (RFC 8785), 1 users' saved heads, 0 problems",
+    ]
+    header, *entries = alice.read_text(encoding="utf-8").splitlines()
+    # Still truncated when alice's own trail is cut short...
+    done = _node(verifier, _write(tmp_path / "short.jsonl", [header, *entries[:-1]]), heads)
+    assert done.returncode == 1
+    assert 'user "alice@example.com": truncated: entry 4 is missing at the end' in done.stdout
+    # ...and, with no header, the export is the whole log: the others are missing.
+    bare = _write(tmp_path / "bare.jsonl", entries)
+    done = _node(verifier, bare, heads)
+    assert done.returncode == 1
+    assert "user null: truncated: the export holds none of this user's entries" in done.stdout
+    assert _node(verifier, "--user", "alice@example.com", bare, heads).returncode == 0
+
+
 def test_node_links_version_1_entries_but_cannot_rehash_them(
     verifier: Path, tmp_path: Path
 ) -> None:
@@ -401,6 +432,16 @@ def _blanked(lines: Lines, user: str | None, seq: int) -> Lines:
     return _set(lines, user, seq, payload=None, payload_salt=None)
 
 
+def _header(user: str | None) -> str:
+    """The first line of ``loomflow audit export --user USER``."""
+    return canonical_json({"filters": {"user_id": user}, "loomflow_audit_export": 1})
+
+
+def _only(lines: Lines, user: str | None, *, header: bool) -> Lines:
+    mine = [line for line in lines if json.loads(line)["user_id"] == user]
+    return [_header(user), *mine] if header else mine
+
+
 def _swap(lines: Lines, a: int, b: int) -> Lines:
     out = list(lines)
     out[a], out[b] = out[b], out[a]
@@ -462,6 +503,28 @@ TAMPERS: dict[str, Any] = {
     "v2 entry given a digest": lambda ls: _set(ls, "ana", 1, payload_digest="0" * 64),
     "v3 entry without its digest": lambda ls: _set(ls, A, 1, payload_digest=None),
     "v3 payload without its salt": lambda ls: _set(ls, A, 1, payload_salt=None),
+    "an export of alice only": lambda ls: _only(ls, A, header=True),
+    "an export of the anonymous bucket only": lambda ls: _only(ls, None, header=True),
+    "alice's lines without their header": lambda ls: _only(ls, A, header=False),
+    "an export of alice cut short": lambda ls: _only(ls, A, header=True)[:-1],
+    "a header naming alice over everyone's lines": lambda ls: [_header(A), *ls],
+    "a header of another format": lambda ls: [
+        _header(A).replace('"loomflow_audit_export":1', '"loomflow_audit_export":2'),
+        *_only(ls, A, header=False),
+    ],
+    "a header with format 1.0": lambda ls: [
+        _header(A).replace('"loomflow_audit_export":1', '"loomflow_audit_export":1.0'),
+        *_only(ls, A, header=False),
+    ],
+    "a header with an unknown filter": lambda ls: [
+        _header(A).replace('{"user_id"', '{"tenant":"t","user_id"'),
+        *_only(ls, A, header=False),
+    ],
+    "a header holding NaN": lambda ls: [
+        _header(A).replace('"user_id":"alice@example.com"', '"user_id":NaN'),
+        *_only(ls, A, header=False),
+    ],
+    "a header on the second line": lambda ls: [ls[0], _header(A), *ls[1:]],
     "starts mid-trail": lambda ls: [
         x for x in ls if json.loads(x)["user_id"] != A or json.loads(x)["seq"] > 2
     ],
@@ -471,6 +534,26 @@ TAMPERS: dict[str, Any] = {
 
 
 HARMLESS = ("untouched", "session_id left out")  # a missing session_id is null, as hashed
+
+
+@pytest.mark.parametrize("user", [A, "bob", "nobody"])
+@pytest.mark.parametrize(
+    "tamper", ["untouched", "an export of alice only", "alice's lines without their header"]
+)
+def test_node_checks_one_named_user_as_python_does(
+    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, tamper: str, user: str
+) -> None:
+    lines, heads_path = trail
+    export = _write(tmp_path / "export.jsonl", TAMPERS[tamper](list(lines)))
+    heads = heads_from_json(json.loads(heads_path.read_text()))
+    with export.open(encoding="utf-8") as fh:
+        python = verify_lines(fh, heads=heads, user_id=user).to_json()
+    done = _node(verifier, "--json", "--user", user, export, heads_path)
+    assert done.returncode == (0 if python["ok"] else 1), done.stdout + done.stderr
+    assert _findings(json.loads(done.stdout)) == _findings(python)
+    assert python["users"] == (
+        0 if user == "nobody" or (user == "bob" and tamper != "untouched") else 1
+    )
 
 
 def _findings(report: dict[str, Any]) -> dict[str, Any]:
@@ -495,6 +578,7 @@ def _findings(report: dict[str, Any]) -> dict[str, Any]:
         "problems": rows(report["problems"]),
         "warnings": rows(report["warnings"]),
         "heads": report["heads"],
+        "export_filters": report.get("export_filters"),
     }
 
 

@@ -258,7 +258,12 @@ def test_verification_and_export_check_out_with_the_cli(
         assert "Chain verified" in page
         export = http.get("/export", params={"user": BOB, "action": "note.*"})
         assert export.headers["content-type"].startswith("application/x-ndjson")
-        lines = export.text.splitlines()
+        header, *lines = export.text.splitlines()
+        # Its first line says what it holds, as `loomflow audit export` writes it.
+        assert json.loads(header) == {
+            "filters": {"action": "note.*", "user_id": BOB},
+            "loomflow_audit_export": 1,
+        }
         assert len(lines) == BOB_EXTRA
         # "This page": exactly the entries the trail page shows.
         first = http.get("/api/users/bob", params={"limit": 25}).json()
@@ -268,7 +273,7 @@ def test_verification_and_export_check_out_with_the_cli(
         page = http.get(
             "/export", params={"user": BOB, "limit": 25, "cursor": first["next_cursor"]}
         ).text
-        assert [json.loads(line) for line in page.splitlines()] == second["entries"]
+        assert [json.loads(line) for line in page.splitlines()[1:]] == second["entries"]
         assert http.get("/api/export", params={"user": BOB, "limit": 7}).status_code == 400
         full = http.get("/export", params={"user": BOB}).text
         heads = http.get("/export/heads", params={"user": BOB}).text
