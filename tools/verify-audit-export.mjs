@@ -1,20 +1,32 @@
 #!/usr/bin/env node
-// Re-checks a loomflow audit export without Python: every hash version 2 entry's SHA-256 over
-// its RFC 8785 form, and each user's seq (from 1, no gaps) and prev_hash links; with a heads
-// file (the output of `loomflow audit verify --json`), also that the export reaches each saved
-// head and holds that very entry. See docs/audit.md, "Checking an export in another language".
+// Re-checks a loomflow audit export without Python, by the rules of `loomflow audit verify
+// --file` (loomflow/audit/offline.py): every line read as strictly as loomflow reads it, each
+// user's entries checked in seq order (from 1, no gaps, each linking to the one before) with
+// their line numbers as positions, every hash version 2 and 3 entry re-hashed (SHA-256 over its
+// RFC 8785 form), and, with a heads file (the output of `loomflow audit verify --json`), each
+// saved head reached and holding that very entry. Problems carry the kinds loomflow reports
+// (edited, missing, duplicate, reordered, truncated, head_mismatch, unreadable, erased, ...),
+// and --json prints the report in the shape of `verify --file --json`, so the two can be
+// compared. See docs/audit.md, "Checking an export in another language".
 //
-//   npm ci --prefix tools && node tools/verify-audit-export.mjs EXPORT.jsonl [HEADS.json]
+//   npm ci --prefix tools && node tools/verify-audit-export.mjs [--json] [--require-v2] [--user ID] EXPORT.jsonl [HEADS.json]
+//
+// Which users an export covers: one made with filters starts with a header line naming them
+// ({"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}), and with a user_id it covers
+// that user only; without a header it is the whole log and covers everyone. A user with a
+// saved head and no line in the export is reported (truncated) only when the export covers
+// them; --user ID checks only that user's lines and saved heads.
 //
 // Hash version 3 entries hash a salted digest of their payload instead of the payload, so a
 // payload may be erased ("payload": null) without breaking the chain; an erased payload must be
-// followed by an audit.erasure entry of the same user, which for an erased version 1 or 2
-// entry also keeps the digest of its other fields.
+// covered by an audit.erasure entry of the same user after it (by its cut-off or its list of
+// seqs), which for an erased version 1 or 2 entry also keeps the digest of its other fields.
 //
 // Exit status: 0 intact, 1 a problem found, 2 bad usage or an unreadable file.
 // Version 1 entries (written before loomflow 0.21) hash Python's own JSON spelling, which
 // JavaScript cannot rebuild from parsed values (5.0 and 5 both parse to 5): their links are
-// checked, their content is not, and the summary counts them. --require-v2 makes them fail.
+// checked, their content is not, and the summary counts them. --require-v2 makes them fail
+// (kind "version_1", which only this verifier reports).
 
 import { createHash } from 'node:crypto';
 import { createReadStream, openSync, readFileSync } from 'node:fs';
@@ -22,30 +34,77 @@ import { createInterface } from 'node:readline';
 import canonicalize from 'canonicalize';
 
 const GENESIS = '0'.repeat(64);
+const DIGESTED_VERSION = 3;
+// The first line of an export made with filters: {"filters": {...}, "loomflow_audit_export": 1}.
+const EXPORT_HEADER = 'loomflow_audit_export';
+const EXPORT_FILTERS = ['user_id', 'session_id', 'run_id', 'action', 'since', 'until'];
+const AUDIT_ERASURE = 'audit.erasure';
+const HOLD_PLACED = 'legal_hold.placed';
+const HOLD_ACTIONS = [HOLD_PLACED, 'legal_hold.released'];
+const KEPT_BY_ERASURE = [AUDIT_ERASURE, ...HOLD_ACTIONS]; // erasure never takes their payloads
+
+const usage =
+  'usage: verify-audit-export.mjs [--json] [--require-v2] [--user ID] EXPORT.jsonl [HEADS.json]';
 const args = process.argv.slice(2);
-const requireV2 = args.includes('--require-v2');
-const [exportPath, headsPath] = args.filter((a) => a !== '--require-v2');
-if (!exportPath) {
-  console.error('usage: verify-audit-export.mjs [--require-v2] EXPORT.jsonl [HEADS.json]');
+let asJson = false;
+let requireV2 = false;
+let onlyUser; // --user: only this user's lines and saved heads
+const positional = [];
+for (let i = 0; i < args.length; i += 1) {
+  const arg = args[i];
+  if (arg === '--json') asJson = true;
+  else if (arg === '--require-v2') requireV2 = true;
+  else if (arg === '--user' && i + 1 < args.length) onlyUser = args[(i += 1)];
+  else if (arg.startsWith('--user=')) onlyUser = arg.slice('--user='.length);
+  else if (arg.startsWith('--')) {
+    console.error(`unknown option ${arg}\n${usage}`);
+    process.exit(2);
+  } else positional.push(arg);
+}
+const [exportPath, headsPath, ...extra] = positional;
+if (!exportPath || extra.length) {
+  console.error(usage);
   process.exit(2);
 }
 
-const problems = [];
-const notes = [];
-const say = (list, line, user, text) =>
-  list.push(`${line === null ? '' : `line ${line}: `}user ${user}: ${text}`);
+// Python's str.strip() whitespace: a line of nothing else is skipped, as loomflow skips it.
+const BLANK = /^[\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$/;
+const sha256 = (text) => createHash('sha256').update(text, 'utf8').digest('hex');
+// user_key() of loomflow: the JSON text of the user id (null is the anonymous bucket).
+const keyOf = (userId) => JSON.stringify(userId);
+const span = (first, last) => (first === last ? `entry ${first}` : `entries ${first}-${last}`);
 
-// Saved heads: user key -> [{seq, hash}]; the entries they name are remembered while reading.
+// -- the report, in the shape of loomflow's VerifyReport.to_json() -----------------------------
+
+const report = { users: 0, entries: 0, erased: 0, problems: [], warnings: [], heads: [] };
+let exportFilters = null; // what the export's header says it was made with
+const problem = (userId, kind, seq, position, detail) =>
+  report.problems.push({ user_id: userId, kind, seq, position, detail });
+const warning = (userId, kind, seq, position, detail) =>
+  report.warnings.push({ user_id: userId, kind, seq, position, detail });
+let rehashed = 0;
+let version1 = 0;
+
+// -- saved heads: grouped by user, in the order they first appear ------------------------------
+
 const saved = new Map();
 if (headsPath) {
   try {
     const data = JSON.parse(readFileSync(headsPath, 'utf8'));
-    for (const head of Array.isArray(data) ? data : data.heads ?? []) {
-      if (!Number.isSafeInteger(head?.seq) || typeof head.hash !== 'string') {
+    const items = Array.isArray(data) ? data : data?.heads;
+    if (!Array.isArray(items)) throw new Error('not a `verify --json` report (no "heads")');
+    for (const head of items) {
+      if (
+        typeof head !== 'object' || head === null || !Number.isSafeInteger(head.seq) ||
+        typeof head.hash !== 'string' ||
+        !(head.user_id === undefined || head.user_id === null || typeof head.user_id === 'string')
+      ) {
         throw new Error(`not a chain head: ${JSON.stringify(head)}`);
       }
-      const key = JSON.stringify(head.user_id ?? null);
-      saved.set(key, [...(saved.get(key) ?? []), head]);
+      const userId = head.user_id ?? null;
+      const key = keyOf(userId);
+      if (onlyUser !== undefined && key !== keyOf(onlyUser)) continue;
+      saved.set(key, [...(saved.get(key) ?? []), { user_id: userId, seq: head.seq, hash: head.hash }]);
     }
   } catch (err) {
     console.error(`cannot read the heads ${headsPath}: ${err.message}`);
@@ -53,13 +112,452 @@ if (headsPath) {
   }
 }
 
-const chains = new Map(); // user key -> {next, prev, last, seen: Map(seq -> hash) of saved seqs}
-let entries = 0;
-let rehashed = 0;
-let version1 = 0;
-let erased = 0;
-const sha256 = (text) => createHash('sha256').update(text, 'utf8').digest('hex');
-let number = 0;
+// -- reading a line as loomflow does (AuditEntry.from_line) -----------------------------------
+
+const FIELDS = new Set([
+  'schema_version', 'hash_version', 'user_id', 'seq', 'time', 'session_id', 'run_id', 'actor',
+  'action', 'payload', 'payload_digest', 'payload_salt', 'prev_hash', 'hash',
+  'time_us', // replaced by the one read from "time", as loomflow does
+]);
+const INTEGERS = ['schema_version', 'hash_version', 'seq'];
+const INTEGER_TEXT = /^-?(0|[1-9][0-9]*)$/;
+const STRING = /"(?:[^"\\]|\\.)*"/y;
+
+// The text of each top-level value of a JSON object, by key (the last one wins, as in
+// JSON.parse): JSON.parse reads 4.0 as 4, but loomflow, reading the number as written, refuses
+// a seq that is not spelled as an integer. Only called on text JSON.parse accepted.
+function topLevelTexts(text) {
+  const texts = new Map();
+  let at = text.indexOf('{') + 1;
+  const skipSpace = () => {
+    while (' \t\r\n'.includes(text[at]) && at < text.length) at += 1;
+  };
+  const string = () => {
+    STRING.lastIndex = at;
+    const found = STRING.exec(text);
+    at = STRING.lastIndex;
+    return found[0];
+  };
+  for (;;) {
+    skipSpace();
+    if (text[at] === '}') return texts;
+    const key = JSON.parse(string());
+    skipSpace();
+    at += 1; // the colon
+    skipSpace();
+    const start = at;
+    if (text[at] === '"') {
+      string();
+    } else if (text[at] === '{' || text[at] === '[') {
+      let depth = 0;
+      do {
+        if (text[at] === '"') {
+          string();
+          continue;
+        }
+        if (text[at] === '{' || text[at] === '[') depth += 1;
+        if (text[at] === '}' || text[at] === ']') depth -= 1;
+        at += 1;
+      } while (depth > 0);
+    } else {
+      while (at < text.length && !',}'.includes(text[at]) && !' \t\r\n'.includes(text[at])) at += 1;
+    }
+    texts.set(key, text.slice(start, at));
+    skipSpace();
+    if (text[at] === ',') at += 1;
+  }
+}
+
+const TIME = /^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z$/;
+
+// loomflow's time_us_of_text: exactly YYYY-MM-DDTHH:MM:SS.ffffffZ, a real date, year 1000 on.
+function checkTime(text) {
+  if (typeof text !== 'string' || !text.endsWith('Z')) {
+    throw new Error(`bad time ${JSON.stringify(text)}`);
+  }
+  const parts = TIME.exec(text);
+  const [year, month, day, hour, minute, second] = (parts ?? []).slice(1, 7).map(Number);
+  const leap = year % 4 === 0 && (year % 100 !== 0 || year % 400 === 0);
+  const days = [31, leap ? 29 : 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][month - 1];
+  if (
+    !parts || year < 1000 || days === undefined || day < 1 || day > days ||
+    hour > 23 || minute > 59 || second > 59
+  ) {
+    throw new Error(`time ${JSON.stringify(text)} is not spelled YYYY-MM-DDTHH:MM:SS.ffffffZ`);
+  }
+}
+
+const isText = (value) => typeof value === 'string';
+const isTextOrNull = (value) => value === null || typeof value === 'string';
+
+// The filters an export's first line names (loomflow's read_export_header): null when the
+// line is not a header; an Error when it is one (it has the header's key) that cannot be read.
+function readHeader(line) {
+  let data;
+  try {
+    data = JSON.parse(line);
+  } catch {
+    return null;
+  }
+  if (typeof data !== 'object' || data === null || Array.isArray(data) || !Object.hasOwn(data, EXPORT_HEADER)) {
+    return null;
+  }
+  if (topLevelTexts(line).get(EXPORT_HEADER) !== '1') {
+    throw new Error(`format ${JSON.stringify(data[EXPORT_HEADER])}, where this verifier reads 1`);
+  }
+  const extraKeys = Object.keys(data).filter((k) => k !== EXPORT_HEADER && k !== 'filters');
+  if (extraKeys.length) throw new Error(`it has ${extraKeys.join(', ')}`);
+  const { filters } = data;
+  if (typeof filters !== 'object' || filters === null || Array.isArray(filters)) {
+    throw new Error('its filters are not an object');
+  }
+  for (const [name, value] of Object.entries(filters)) {
+    if (!EXPORT_FILTERS.includes(name)) throw new Error(`unknown filter ${name}`);
+    if (typeof value !== 'string' && !(name === 'user_id' && value === null)) {
+      throw new Error(`filter ${name} is ${JSON.stringify(value)}, not text`);
+    }
+  }
+  return filters;
+}
+
+// The entry on a line, or an Error saying why the line is not one (loomflow: "unreadable").
+function readEntry(line) {
+  const data = JSON.parse(line); // NaN and Infinity are not JSON, here as in loomflow
+  if (typeof data !== 'object' || data === null || Array.isArray(data)) {
+    throw new Error(`a JSON ${Array.isArray(data) ? 'list' : typeof data}, not an object`);
+  }
+  if (!('time' in data) || data.time === null) throw new Error('no time');
+  checkTime(data.time);
+  const texts = topLevelTexts(line);
+  const wrong = [];
+  for (const key of Object.keys(data)) if (!FIELDS.has(key)) wrong.push(`${key}: not a field`);
+  for (const key of INTEGERS) {
+    if (key in data && !INTEGER_TEXT.test(texts.get(key) ?? '')) wrong.push(`${key}: not an integer`);
+  }
+  for (const key of ['user_id', 'seq', 'actor', 'action', 'prev_hash', 'hash']) {
+    if (!(key in data)) wrong.push(`${key}: missing`);
+  }
+  if ('user_id' in data && !isTextOrNull(data.user_id)) wrong.push('user_id: not text or null');
+  for (const key of ['actor', 'action', 'prev_hash', 'hash']) {
+    if (key in data && !isText(data[key])) wrong.push(`${key}: not text`);
+  }
+  for (const key of ['session_id', 'run_id', 'payload_digest', 'payload_salt']) {
+    if (key in data && !isTextOrNull(data[key])) wrong.push(`${key}: not text or null`);
+  }
+  if ('payload' in data && data.payload !== null &&
+      (typeof data.payload !== 'object' || Array.isArray(data.payload))) {
+    wrong.push('payload: not an object or null');
+  }
+  if ('seq' in data && INTEGER_TEXT.test(texts.get('seq') ?? '')) {
+    const seq = BigInt(texts.get('seq'));
+    if (seq < 1n || seq > BigInt(Number.MAX_SAFE_INTEGER)) wrong.push(`seq: ${seq} is not from 1 to 2**53 - 1`);
+  }
+  if (wrong.length) throw new Error(wrong.join('; '));
+  const entry = {
+    schema_version: data.schema_version ?? 1,
+    hash_version: data.hash_version ?? 1,
+    user_id: data.user_id,
+    seq: data.seq,
+    time: data.time,
+    session_id: data.session_id ?? null,
+    run_id: data.run_id ?? null,
+    actor: data.actor,
+    action: data.action,
+    payload: 'payload' in data ? data.payload : {},
+    payload_digest: data.payload_digest ?? null,
+    payload_salt: data.payload_salt ?? null,
+    prev_hash: data.prev_hash,
+    hash: data.hash,
+  };
+  if (entry.hash_version < DIGESTED_VERSION &&
+      (entry.payload_digest !== null || entry.payload_salt !== null)) {
+    throw new Error(`a hash version ${entry.hash_version} entry has no payload_digest or salt`);
+  }
+  if (entry.hash_version === DIGESTED_VERSION && !isText(entry.payload_digest)) {
+    throw new Error(`a hash version ${entry.hash_version} entry needs a payload_digest`);
+  }
+  return entry;
+}
+
+// What the entry's hash covers (AuditEntry._hashed): every field but the hash, version 1
+// without its hash_version, version 3 with the payload's digest in place of the payload.
+function hashedBody(entry) {
+  const body = { schema_version: entry.schema_version };
+  if (entry.hash_version !== 1) body.hash_version = entry.hash_version;
+  Object.assign(body, {
+    user_id: entry.user_id, seq: entry.seq, time: entry.time, session_id: entry.session_id,
+    run_id: entry.run_id, actor: entry.actor, action: entry.action,
+  });
+  if (entry.hash_version >= DIGESTED_VERSION) body.payload_digest = entry.payload_digest;
+  else body.payload = entry.payload;
+  body.prev_hash = entry.prev_hash;
+  return body;
+}
+
+function rfc8785(value) {
+  const text = canonicalize(value);
+  if (typeof text !== 'string') throw new Error('no RFC 8785 form');
+  return text;
+}
+
+// -- erasure records (loomflow's _ErasureRecord) -----------------------------------------------
+
+// An entry whose payload is gone.
+const erasedOf = (entry, position, rest) => ({
+  seq: entry.seq, position, rest, time: entry.time, action: entry.action, hashVersion: entry.hash_version,
+});
+
+// What an audit.erasure entry says it erased, read the way loomflow's erasure wrote it: a
+// forget or retention takes every hash version 3 entry before the record written before its
+// "before" cut-off (all of them when null); a forget's console erasure only its "seqs". An
+// entry of hash version 1 or 2 is taken only when "pre_v3" lists its digest; the payloads of
+// erasure records and legal holds never; and nothing when a legal hold stood (erasure stops).
+function erasureRecord(seq, payload, held) {
+  const old = payload.pre_v3;
+  const record = {
+    seq, preV3: old && typeof old === 'object' && !Array.isArray(old) ? old : {},
+    seqs: null, before: null, cutoffReadable: true, void: held,
+  };
+  if (Object.hasOwn(payload, 'seqs')) {
+    const numbers = Array.isArray(payload.seqs) ? payload.seqs : [];
+    record.seqs = new Set(numbers.filter((n) => Number.isInteger(n)));
+  } else if (payload.before !== undefined && payload.before !== null) {
+    try {
+      checkTime(payload.before);
+      record.before = payload.before; // exported times are fixed-width: text order is time order
+    } catch {
+      record.cutoffReadable = false;
+    }
+  }
+  return record;
+}
+
+const sweeps = (record) => !record.void && record.seqs === null && record.cutoffReadable;
+// Whether a sweeping record's cut-off reaches later than another's (null: everything).
+const wider = (a, b) => (a.before === null || b.before === null
+  ? a.before === null && b.before !== null : a.before > b.before);
+
+function covers(record, gone) {
+  if (record.void || gone.seq >= record.seq || KEPT_BY_ERASURE.includes(gone.action)) return false;
+  if (record.seqs !== null && !record.seqs.has(gone.seq)) return false;
+  if (gone.hashVersion < DIGESTED_VERSION) return Object.hasOwn(record.preV3, String(gone.seq));
+  if (record.seqs !== null) return true;
+  return record.cutoffReadable && (record.before === null || gone.time < record.before);
+}
+
+function seqList(seqs) {
+  const ordered = [...seqs].sort((a, b) => a - b);
+  if (!ordered.length) return 'no entries';
+  const runs = [];
+  for (const seq of ordered) {
+    if (runs.length && seq === runs[runs.length - 1].at(-1) + 1) runs[runs.length - 1].push(seq);
+    else runs.push([seq]);
+  }
+  let parts = runs.map((r) => (r.length === 1 ? `${r[0]}` : `${r[0]}-${r.at(-1)}`));
+  if (parts.length > 6) parts = [...parts.slice(0, 5), `${parts.length - 5} more runs`];
+  const text = parts.length === 1 ? parts[0] : `${parts.slice(0, -1).join(', ')} and ${parts.at(-1)}`;
+  return `${ordered.length === 1 ? 'entry' : 'entries'} ${text}`;
+}
+
+function describe(record) {
+  if (record.void) return `the one at seq ${record.seq} was written under a legal hold and erased nothing`;
+  if (record.seqs !== null) return `the one at seq ${record.seq} erased ${seqList(record.seqs)} only`;
+  if (!record.cutoffReadable) return `the one at seq ${record.seq} has a cut-off that is not a time`;
+  if (record.before === null) return `the one at seq ${record.seq} erased every payload before it`;
+  return `the one at seq ${record.seq} erased what was written before ${record.before}`;
+}
+
+function uncovered(gone, later) {
+  if (KEPT_BY_ERASURE.includes(gone.action)) return `erasure keeps the payloads of ${gone.action} entries`;
+  const more = later.length > 3 ? `; and ${later.length - 3} more` : '';
+  return `${later.slice(0, 3).map(describe).join('; ')}${more} (entry ${gone.seq} was written at ${gone.time})`;
+}
+
+// -- one user's chain (loomflow's _ChainCheck) ------------------------------------------------
+
+class ChainCheck {
+  constructor(userId, heads) {
+    this.userId = userId;
+    this.expected = 1;
+    this.prevHash = GENESIS;
+    this.prevPosition = null;
+    this.lastSeq = 0;
+    this.lastHash = null;
+    this.firstSeq = null;
+    const pairs = new Map(heads.map((h) => [`${h.seq}\u0000${h.hash}`, [h.seq, h.hash]]));
+    const order = (a, b) => a[0] - b[0] || (a[1] < b[1] ? -1 : a[1] > b[1] ? 1 : 0);
+    this.saved = [...pairs.values()].sort(order);
+    this.savedAt = new Set(this.saved.map(([seq]) => seq));
+    this.erased = []; // erased payloads, waiting for an erasure record after them that covers them
+    this.records = []; // the erasure records seen (see erasureRecord)
+    this.held = false; // whether a legal hold stands at this point of the trail
+  }
+
+  problem(kind, seq, position, detail) {
+    problem(this.userId, kind, seq, position, detail);
+  }
+
+  startAt(entry) {
+    this.expected = entry.seq;
+    this.prevHash = entry.prev_hash;
+    this.lastSeq = entry.seq - 1;
+  }
+
+  gap(seq, position) {
+    const gap = `${span(this.expected, seq - 1)} ${seq - 1 === this.expected ? 'is' : 'are'}`;
+    this.problem('missing', this.expected, position, `${gap} missing before entry ${seq}: deleted`);
+  }
+
+  feed(position, entry) {
+    const seq = entry.seq;
+    if (this.firstSeq === null) this.firstSeq = seq;
+    const why = this.content(entry, position);
+    if (why !== null) {
+      this.problem('edited', seq, position, `entry ${seq} was changed: ${why}`);
+    } else if (entry.action === AUDIT_ERASURE && entry.payload !== null) {
+      this.records.push(erasureRecord(seq, entry.payload, this.held));
+    }
+    if (HOLD_ACTIONS.includes(entry.action)) this.held = entry.action === HOLD_PLACED;
+    if (this.savedAt.has(seq)) {
+      for (const [savedSeq, savedHash] of this.saved) {
+        if (savedSeq === seq && savedHash !== entry.hash) {
+          this.problem('head_mismatch', seq, position,
+            `entry ${seq} is not the entry a saved head recorded at seq ${seq}: the trail was rewritten`);
+        }
+      }
+    }
+    if (seq <= this.lastSeq) {
+      this.problem('duplicate', seq, position, `a second entry claims seq ${seq}`);
+      return;
+    }
+    if (seq > this.expected) {
+      this.gap(seq, position);
+    } else if (this.prevHash !== null && entry.prev_hash !== this.prevHash) {
+      this.problem('broken_link', seq > 1 ? seq - 1 : seq, position,
+        `entry ${seq} does not link to entry ${seq - 1}: entry ${seq - 1} was replaced or rewritten`);
+    }
+    if (this.prevPosition !== null && position < this.prevPosition) {
+      this.problem('reordered', seq, position,
+        `entry ${seq} is stored at ${position}, before entry ${this.lastSeq} ` +
+        `(at ${this.prevPosition}): the trail was reordered`);
+    }
+    this.expected = seq + 1;
+    this.prevHash = entry.hash;
+    this.prevPosition = position;
+    this.lastSeq = seq;
+    this.lastHash = entry.hash;
+  }
+
+  // Why the entry's content does not match its hash (null: it does); notes an erased payload.
+  content(entry, position) {
+    const version = entry.hash_version;
+    if (entry.payload === null) {
+      report.erased += 1;
+      if (version < DIGESTED_VERSION) {
+        // Its hash covered the payload: an erasure record's digest of the rest vouches instead.
+        const { payload: _gone, ...rest } = hashedBody(entry);
+        let digest;
+        try { digest = sha256(rfc8785(rest)); } catch { digest = 'unhashable'; }
+        this.erased.push(erasedOf(entry, position, digest));
+        return null;
+      }
+      this.erased.push(erasedOf(entry, position, null));
+    }
+    if (version === 1) {
+      // Python's own spelling: only loomflow's verifier can rebuild it.
+      version1 += 1;
+      if (requireV2) {
+        problem(this.userId, 'version_1', entry.seq, position,
+          `entry ${entry.seq} is hash version 1: its content cannot be checked here`);
+      }
+      return null;
+    }
+    if (version !== 2 && version !== 3) {
+      return `its content cannot be hashed (unknown audit hash version ${version}: ` +
+        'this loomflow checks versions 1, 2, 3)';
+    }
+    rehashed += 1;
+    try {
+      if (sha256(rfc8785(hashedBody(entry))) !== entry.hash) return 'it no longer matches its hash';
+    } catch (err) {
+      return `its content cannot be hashed (${err.message})`;
+    }
+    if (version < DIGESTED_VERSION || entry.payload === null) return null;
+    if (!isText(entry.payload_salt) || !isText(entry.payload_digest)) {
+      return 'its payload has no salt or digest';
+    }
+    try {
+      const digest = sha256(rfc8785({ payload: entry.payload, salt: entry.payload_salt }));
+      return digest === entry.payload_digest ? null : 'its payload no longer matches its digest';
+    } catch (err) {
+      return `its payload cannot be hashed (${err.message})`;
+    }
+  }
+
+  finishErasures() {
+    if (!this.erased.length) return;
+    // covers() decides; these indexes only pick the records that could (see loomflow's
+    // _ChainCheck.finish_erasures): the widest cut-off from each record on, and who lists a seq.
+    const records = [...this.records].sort((a, b) => a.seq - b.seq);
+    const widest = new Array(records.length + 1).fill(null);
+    for (let i = records.length - 1; i >= 0; i -= 1) {
+      const record = records[i];
+      const best = widest[i + 1];
+      widest[i] = sweeps(record) && (best === null || wider(record, best)) ? record : best;
+    }
+    const naming = new Map();
+    for (const record of records) {
+      const listed = new Set(Object.keys(record.preV3).filter((k) => /^[0-9]+$/.test(k)).map(Number));
+      for (const named of record.seqs ?? []) listed.add(named);
+      for (const named of listed) {
+        if (!naming.has(named)) naming.set(named, []);
+        naming.get(named).push(record);
+      }
+    }
+    for (const gone of this.erased) {
+      const { seq, position, rest } = gone;
+      let [low, high] = [0, records.length]; // the first record after the entry
+      while (low < high) {
+        const mid = (low + high) >> 1;
+        if (records[mid].seq > seq) high = mid;
+        else low = mid + 1;
+      }
+      const candidates = (naming.get(seq) ?? []).filter((r) => r.seq > seq);
+      if (widest[low] !== null) candidates.push(widest[low]);
+      const covering = candidates.filter((r) => covers(r, gone));
+      if (low === records.length) {
+        this.problem('erased', seq, position,
+          `the payload of entry ${seq} is gone, but no erasure record follows it`);
+      } else if (!covering.length) {
+        this.problem('erased', seq, position, rest !== null
+          ? `the payload of entry ${seq} (hash version 1 or 2) is gone, but no erasure record ` +
+            'vouches for its other fields'
+          : `the payload of entry ${seq} is gone, but no erasure record covers it: ${uncovered(gone, records.slice(low))}`);
+      } else if (rest !== null && !covering.some((r) => r.preV3[String(seq)] === rest)) {
+        this.problem('edited', seq, position, `entry ${seq} was changed after its payload was erased`);
+      }
+    }
+  }
+
+  finishSaved() {
+    if (!this.saved.length) return;
+    const furthest = this.saved[this.saved.length - 1][0];
+    if (furthest > this.lastSeq) {
+      const gap = `${span(this.lastSeq + 1, furthest)} ${furthest === this.lastSeq + 1 ? 'is' : 'are'}`;
+      this.problem('truncated', this.lastSeq + 1, null,
+        `${gap} missing at the end: a saved head records seq ${furthest}`);
+    }
+    const earliest = this.saved[0][0];
+    if (this.firstSeq !== null && earliest < this.firstSeq) {
+      warning(this.userId, 'unanchored', earliest, null,
+        `a saved head records seq ${earliest}, before the first entry checked ` +
+        `(${this.firstSeq}): it cannot be compared here`);
+    }
+  }
+}
+
+// -- the export, line by line ----------------------------------------------------------------
+
 let fd;
 try {
   fd = openSync(exportPath, 'r');
@@ -67,152 +565,117 @@ try {
   console.error(`cannot read ${exportPath}: ${err.message}`);
   process.exit(2);
 }
+const trails = new Map(); // user key -> [{seq, number, entry}], users in the order first seen
+let number = 0;
+let first = true;
 const input = createReadStream(null, { fd, encoding: 'utf8' });
 // readline splits at \n and \r only; loomflow writes U+2028 and U+2029 escaped anyway.
-for await (const line of createInterface({ input, crlfDelay: Infinity })) {
-  number += 1;
-  if (!line.trim()) continue;
-  let entry;
-  try {
-    entry = JSON.parse(line);
-  } catch (err) {
-    say(problems, number, '?', `not JSON (${err.message})`);
-    continue;
-  }
-  const { hash, ...body } = entry ?? {};
-  if (
-    typeof entry !== 'object' || entry === null || Array.isArray(entry) ||
-    !Number.isSafeInteger(entry.seq) || entry.seq < 1 ||
-    typeof hash !== 'string' || typeof entry.prev_hash !== 'string'
-  ) {
-    say(problems, number, '?', 'not an audit entry');
-    continue;
-  }
-  entries += 1;
-  const user = JSON.stringify(entry.user_id ?? null);
-  const seq = entry.seq;
-
-  const user0 = JSON.stringify(entry.user_id ?? null);
-  let chain0 = chains.get(user0);
-  if (chain0 === undefined) {
-    chain0 = { next: 1, prev: GENESIS, last: 0, seen: new Map(), erased: [], records: [] };
-    chains.set(user0, chain0);
-    chain0.fresh = true;
-  }
-  const erasedPayload = entry.payload === null;
-  if (erasedPayload) {
-    erased += 1;
-    if (entry.hash_version !== 3) {
-      // Its hash covered the payload: an erasure record's digest of the rest vouches instead.
-      const { payload: _gone, ...rest } = body;
-      let digest = null;
-      try { digest = sha256(canonicalize(rest)); } catch { digest = 'unhashable'; }
-      chain0.erased.push({ seq: entry.seq, line: number, rest: digest });
-      if (entry.hash_version === undefined || entry.hash_version === 1) version1 += 1;
-    } else {
-      chain0.erased.push({ seq: entry.seq, line: number, rest: null });
-    }
-  }
-  if (entry.hash_version === 3) {
-    const { payload, payload_salt: salt, ...hashed } = body;
-    let why = 'it no longer matches its hash';
-    try {
-      if (sha256(canonicalize(hashed)) === hash) why = null;
-      if (!why && payload !== null) {
-        if (typeof salt !== 'string' || typeof entry.payload_digest !== 'string') {
-          why = 'its payload has no salt or digest';
-        } else if (sha256(canonicalize({ payload, salt })) !== entry.payload_digest) {
-          why = 'its payload no longer matches its digest';
-        }
+try {
+  for await (const line of createInterface({ input, crlfDelay: Infinity })) {
+    number += 1;
+    if (BLANK.test(line)) continue;
+    if (first) {
+      first = false;
+      try {
+        exportFilters = readHeader(line);
+      } catch (err) {
+        problem(null, 'unreadable', null, number, `not an export header this verifier reads: ${err.message}`);
+        continue;
       }
-    } catch (err) {
-      why = `it has no RFC 8785 form (${err.message})`;
+      if (exportFilters !== null) continue;
     }
-    rehashed += 1;
-    if (why) say(problems, number, user, `entry ${seq} was changed: ${why}`);
-    else if (entry.action === 'audit.erasure' && payload !== null && typeof payload === 'object') {
-      const old = payload.pre_v3;
-      chain0.records.push({ seq, old: old && typeof old === 'object' ? old : {} });
-    }
-  } else if (erasedPayload) {
-    // checked against the erasure records at the end
-  } else if (entry.hash_version === 2) {
-    let why = 'it no longer matches its hash';
+    let entry;
     try {
-      if (sha256(canonicalize(body)) === hash) why = null;
+      entry = readEntry(line);
     } catch (err) {
-      why = `it has no RFC 8785 form (${err.message})`;
+      problem(null, 'unreadable', null, number, `not an audit entry: ${err.message}`.slice(0, 320));
+      continue;
     }
-    rehashed += 1;
-    if (why) say(problems, number, user, `entry ${seq} was changed: ${why}`);
-  } else if (entry.hash_version === undefined || entry.hash_version === 1) {
-    version1 += 1;
-    if (requireV2) say(problems, number, user, `entry ${seq} is hash version 1: not checkable here`);
-  } else {
-    say(problems, number, user, `entry ${seq} has an unknown hash_version ${JSON.stringify(entry.hash_version)}`);
+    const key = keyOf(entry.user_id);
+    if (onlyUser !== undefined && key !== keyOf(onlyUser)) continue;
+    if (!trails.has(key)) trails.set(key, []);
+    trails.get(key).push({ seq: entry.seq, number, entry });
   }
+} catch (err) {
+  console.error(`cannot read ${exportPath}: ${err.message}`);
+  process.exit(2);
+}
 
-  const chain = chains.get(user);
-  if (chain.fresh) {
-    chain.fresh = false;
-    if (seq > 1) {
-      // An export from a date on: its first link points before the file.
-      chain.next = seq;
-      chain.prev = entry.prev_hash;
-      chain.last = seq - 1;
-      say(notes, number, user, `starts at entry ${seq}: its link to entry ${seq - 1} is not checked`);
+// Each user's entries in seq order, with their line numbers as positions, as loomflow checks
+// a store's rows: a line moved elsewhere is "reordered", not a deletion plus a duplicate.
+const checks = new Map();
+for (const [key, trail] of trails) {
+  trail.sort((a, b) => a.seq - b.seq || a.number - b.number);
+  for (const { number: line, entry } of trail) {
+    let check = checks.get(key);
+    if (check === undefined) {
+      check = new ChainCheck(entry.user_id, saved.get(key) ?? []);
+      checks.set(key, check);
+      report.users += 1;
+      if (entry.seq > 1) {
+        check.startAt(entry);
+        warning(entry.user_id, 'unanchored', entry.seq, line,
+          `the export starts at entry ${entry.seq}: its link to entry ${entry.seq - 1} cannot be checked here`);
+      }
     }
+    report.entries += 1;
+    check.feed(line, entry);
   }
-  if (seq <= chain.last) {
-    say(problems, number, user, `a second entry claims seq ${seq}`);
+}
+
+// Which users the export covers: with --user, that user; else the user its header names, if
+// any; else (no header: the whole log) everyone. A user with a saved head and no line is
+// looked for only if covered.
+const claimed = exportFilters !== null && Object.hasOwn(exportFilters, 'user_id')
+  ? keyOf(exportFilters.user_id) : null;
+const covered = onlyUser !== undefined ? null : claimed;
+for (const [key, heads] of saved) {
+  const found = checks.get(key);
+  if (found === undefined && covered !== null && key !== covered) continue;
+  const last = heads.reduce((a, b) => (b.seq > a.seq ? b : a));
+  report.heads.push(...heads);
+  if (found === undefined) {
+    problem(last.user_id, 'truncated', 1, null,
+      `the export holds none of this user's entries, though a saved head records seq ${last.seq} ` +
+      'and the export does not say it was made for other users only');
     continue;
   }
-  if (seq > chain.next) {
-    say(problems, number, user, `entries ${chain.next}-${seq - 1} are missing before entry ${seq}`);
-  } else if (entry.prev_hash !== chain.prev) {
-    say(problems, number, user, `entry ${seq} does not link to entry ${seq - 1}`);
-  }
-  if ((saved.get(user) ?? []).some((h) => h.seq === seq)) chain.seen.set(seq, hash);
-  chain.next = seq + 1;
-  chain.prev = hash;
-  chain.last = seq;
-}
-
-for (const [user, heads] of saved) {
-  const chain = chains.get(user);
-  for (const head of heads) {
-    if (chain === undefined || head.seq > chain.last) {
-      say(problems, null, user, `the export ends before the saved head at seq ${head.seq}: truncated`);
-    } else if (chain.seen.has(head.seq) && chain.seen.get(head.seq) !== head.hash) {
-      say(problems, null, user, `entry ${head.seq} is not the one a saved head names: rewritten`);
-    } else if (!chain.seen.has(head.seq)) {
-      say(notes, null, user, `the saved head at seq ${head.seq} comes before the export starts`);
-    }
+  found.finishSaved();
+  if (found.lastSeq > last.seq) {
+    const one = last.seq + 1 === found.lastSeq;
+    warning(found.userId, 'unanchored', last.seq + 1, null,
+      `${span(last.seq + 1, found.lastSeq)} ${one ? 'comes' : 'come'} after the last saved head ` +
+      `(seq ${last.seq}): a later saved head would cover ${one ? 'it' : 'them'}`);
   }
 }
+for (const check of checks.values()) check.finishErasures();
 
-for (const [user, chain] of chains) {
-  for (const gone of chain.erased) {
-    const later = chain.records.filter((r) => r.seq > gone.seq).map((r) => r.old);
-    if (!later.length) {
-      say(problems, gone.line, user, `the payload of entry ${gone.seq} is gone, but no erasure record follows it`);
-    } else if (gone.rest !== null && !later.some((old) => old[String(gone.seq)] === gone.rest)) {
-      say(problems, gone.line, user, later.some((old) => String(gone.seq) in old)
-        ? `entry ${gone.seq} was changed after its payload was erased`
-        : `the payload of entry ${gone.seq} is gone, but no erasure record vouches for its other fields`);
-    }
+const ok = report.problems.length === 0;
+if (asJson) {
+  console.log(JSON.stringify({ ok, ...report, ...(exportFilters === null ? {} : { export_filters: exportFilters }) }));
+} else {
+  const show = (label, p) => {
+    const where = p.position === null ? '' : `line ${p.position}: `;
+    const who = p.kind === 'unreadable' && p.seq === null ? '?' : JSON.stringify(p.user_id);
+    console.log(`${label}  ${where}user ${who}: ${p.kind}: ${p.detail}`);
+  };
+  for (const p of report.problems) show('problem', p);
+  for (const w of report.warnings) show('warning', w);
+  if (exportFilters !== null && Object.keys(exportFilters).length) {
+    // The header is not covered by any hash: say what it made the check leave out.
+    const named = Object.entries(exportFilters).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(', ');
+    const left = Object.hasOwn(exportFilters, 'user_id') && headsPath
+      ? ': saved heads of other users were not looked for' : '';
+    console.log(`note     the export says it was made with ${named}${left}`);
   }
+  const v1 = version1
+    ? `; ${version1} hash version 1 entries linked but not re-hashed (only loomflow's Python verifier can)`
+    : '';
+  console.log(
+    `${ok ? 'ok' : 'FAILED'}: ${report.entries} entries of ${report.users} users, ` +
+      `${rehashed} re-hashed (RFC 8785)${v1}, ${report.erased ? `${report.erased} payloads erased, ` : ''}` +
+      `${new Set(report.heads.map((h) => keyOf(h.user_id))).size} users' saved heads, ` +
+      `${report.problems.length} problems`,
+  );
 }
-
-for (const text of problems) console.log(`problem  ${text}`);
-for (const text of notes) console.log(`note     ${text}`);
-const v1 = version1
-  ? `; ${version1} hash version 1 entries linked but not re-hashed (only loomflow's Python verifier can)`
-  : '';
-console.log(
-  `${problems.length ? 'FAILED' : 'ok'}: ${entries} entries of ${chains.size} users, ` +
-    `${rehashed} re-hashed (RFC 8785)${v1}, ${erased ? `${erased} payloads erased, ` : ''}` +
-    `${saved.size} users' saved heads, ` +
-    `${problems.length} problems`,
-);
-process.exit(problems.length ? 1 : 0);
+process.exit(ok ? 0 : 1);

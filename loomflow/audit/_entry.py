@@ -64,8 +64,10 @@ __all__ = [
     "canonical_bytes",
     "canonical_json",
     "entry_hash",
+    "json_line",
     "payload_digest",
     "rest_digest",
+    "time_us_of_text",
     "user_key",
 ]
 
@@ -91,6 +93,12 @@ MAX_EXACT_INT: Final = 2**53 - 1
 
 # Raw, these can only stand inside JSON strings, where their escapes mean the same.
 _LINE_BREAKS: Final = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def json_line(value: Any) -> str:
+    """``value`` as one line of an export: sorted compact JSON, with U+0085, U+2028 and U+2029
+    escaped (valid raw in JSON, but ``str.splitlines`` and other line readers break at them)."""
+    return canonical_json(value).translate(_LINE_BREAKS)
 
 
 def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
@@ -163,6 +171,26 @@ def iso_time(time_us: int) -> str:
     seconds, micros = divmod(_within_dates(time_us), 1_000_000)
     stamp = dt.datetime(1970, 1, 1) + dt.timedelta(seconds=seconds)
     return stamp.strftime("%Y-%m-%dT%H:%M:%S") + f".{micros:06d}Z"
+
+
+def time_us_of_text(text: object) -> int:
+    """The microseconds of an exported ``time``, which must be spelled exactly as
+    :func:`iso_time` writes it (``2026-05-08T09:14:03.512000Z``).
+
+    Strictly: the hash covers the canonical spelling, so ``...03.5Z`` would be checked as
+    ``...03.500000Z``, a line its writer never made (and that other verifiers, reading the
+    text as it is, would hash differently).
+
+    Raises:
+        ValueError: not a time in that form.
+    """
+    if not isinstance(text, str) or not text.endswith("Z"):
+        raise ValueError(f"bad time {text!r}")
+    parsed = dt.datetime.strptime(text[:-1], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=dt.UTC)
+    time_us = time_us_of(parsed)
+    if iso_time(time_us) != text:
+        raise ValueError(f"time {text!r} is not spelled YYYY-MM-DDTHH:MM:SS.ffffffZ")
+    return time_us
 
 
 def time_us_of(value: dt.datetime | float | int) -> int:
@@ -279,7 +307,9 @@ class AuditEntry(BaseModel):
     # or ``"2"`` in a line is unreadable rather than quietly taken for a version.
     hash_version: int = Field(default=1, strict=True)
     user_id: str | None
-    seq: int
+    # From 1 (no writer makes 0), and no more than any JSON reader holds exactly (2**53 - 1;
+    # a seq that large would take millennia of entries).
+    seq: int = Field(ge=1, le=MAX_EXACT_INT)
     # Within the years 1 to 9999, which every reader turns into a date: a row edited to 1e17
     # years reads as unreadable instead of an OverflowError in the middle of a verify.
     time_us: int = Field(exclude=True, ge=MIN_TIME_US, le=MAX_TIME_US)
@@ -432,15 +462,16 @@ class AuditEntry(BaseModel):
         ``str.splitlines`` and other line readers break lines at them. Hashes are computed
         over the parsed values, never over the line's bytes, so the spelling is free.
         """
-        return canonical_json(self.to_json()).translate(_LINE_BREAKS)
+        return json_line(self.to_json())
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AuditEntry:
         """Parse an exported line's object (raises ``ValueError`` on a malformed one).
 
-        Strictly: a line that says ``"seq": "2"`` or ``"seq": 3.0`` is not the entry its
-        writer hashed, and a lax parse would hash the number it was coerced to instead (the
-        Node verifier, reading the line as it is, would disagree).
+        Strictly: a line that says ``"seq": "2"`` or ``"seq": 3.0``, or spells its time
+        another way, is not the entry its writer hashed, and a lax parse would hash the value
+        it was coerced to instead (the Node verifier, reading the line as it is, would
+        disagree).
         """
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
@@ -448,10 +479,17 @@ class AuditEntry(BaseModel):
         when = body.pop("time", None)
         if when is None:
             raise ValueError("no time")
-        if not isinstance(when, str) or not when.endswith("Z"):
-            raise ValueError(f"bad time {when!r}")
-        parsed = dt.datetime.strptime(when[:-1], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=dt.UTC)
-        return cls.model_validate({**body, "time_us": time_us_of(parsed)}, strict=True)
+        return cls.model_validate({**body, "time_us": time_us_of_text(when)}, strict=True)
+
+    @classmethod
+    def from_line(cls, line: str | bytes) -> AuditEntry:
+        """Parse one exported line (raises ``ValueError`` or ``RecursionError`` when it is
+        not an entry).
+
+        JSON as RFC 8259 has it: ``NaN`` and ``Infinity``, which Python's parser alone
+        accepts, make the line unreadable here as they do for every other verifier.
+        """
+        return cls.from_json(json.loads(line, parse_constant=_no_constant))
 
     def canonical_bytes(self) -> bytes:
         """The bytes :attr:`hash` is the SHA-256 of, in the entry's own hash version.
@@ -468,6 +506,10 @@ class AuditEntry(BaseModel):
             AuditError: as :meth:`canonical_bytes`.
         """
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def unreadable_reason(exc: BaseException) -> str:

@@ -10,7 +10,9 @@ the last line starts, and is rewritten (atomically, by rename) around each appen
 
 So the next writer can tell a crashed append's lines (they match the intent: adopted, or cut
 if the crash left them half-written) from lines someone else added, and it notices a file that
-shrank or changed at its end. Such damage is pinned on the users whose chains it breaks: their
+shrank or changed at its end. The heads file ends with the SHA-256 of the rest of it
+(``"digest"``), so a head removed or moved back by hand is noticed too, before an append could
+fork that user's chain. Such damage is pinned on the users whose chains it breaks: their
 appends are refused from then on (``AuditIntegrityError``), everyone else's go on, and
 ``verify()`` reports it.
 """
@@ -24,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -52,6 +55,12 @@ from .actions import KEPT_BY_ERASURE
 __all__ = ["JsonlAuditStore"]
 
 log = logging.getLogger("loomflow.audit")
+
+# The heads file is the JSON object of the heads with, as its last key, the SHA-256 of that
+# object's bytes without it. It is checked over the bytes as read, with no second
+# serialisation: for 10,000 users' heads (1.5 MB) hashing takes ~1 ms per read or write,
+# where serialising them takes ~12 ms and parsing ~8 (measured on a 2-core machine).
+_SEAL = re.compile(rb',"digest":"([0-9a-f]{64})"\}\s*\Z')
 
 
 class JsonlAuditStore(AuditStore):
@@ -90,12 +99,14 @@ class JsonlAuditStore(AuditStore):
 
     def _prepare_sync(self) -> bool:
         with self._locked():
-            heads = self._read_heads()
+            heads, intact = self._read_heads_checked()
             created = not self.path.exists()
             if created:
                 self.path.touch(mode=0o640)
             size = self.path.stat().st_size
-            if "rewrite" in heads:  # an erasure stopped around its rename
+            # A heads file changed by hand is not rewritten (sealed) here: the next append
+            # finds whose trail it breaks.
+            if "rewrite" in heads and intact is not False:  # an erasure stopped around its rename
                 self._settle_rewrite(heads, size)
                 self._write_heads(heads)
             if size < int(heads["size"]):
@@ -129,11 +140,19 @@ class JsonlAuditStore(AuditStore):
             os.close(fd)  # closing the descriptor releases the lock
 
     def _read_heads(self) -> dict[str, Any]:
+        return self._read_heads_checked()[0]
+
+    def _read_heads_checked(self) -> tuple[dict[str, Any], bool | None]:
+        """The heads, and whether the file is as this store last wrote it: ``True``, ``False``
+        (its digest does not match: changed by hand), or ``None`` (no digest: written by a
+        loomflow before 0.21, or no heads file yet while the log is not empty)."""
         try:
-            data = json.loads(self.heads_path.read_text(encoding="utf-8"))
+            raw = self.heads_path.read_bytes()
         except FileNotFoundError:
-            return {"size": 0, "users": {}}
-        except (ValueError, RecursionError) as exc:
+            return {"size": 0, "users": {}}, None if self._size() else True
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             raise AuditIntegrityError(f"{self.heads_path} is unreadable: {exc}") from exc
         if (
             not isinstance(data, dict)
@@ -153,13 +172,24 @@ class JsonlAuditStore(AuditStore):
                     f"{self.heads_path} is unreadable: the head of user key {key[:80]!r} is "
                     f"{str(head)[:80]!r}, not a seq number and a hash"
                 )
-        return data
+        data.pop("digest", None)
+        sealed = _SEAL.search(raw, max(0, len(raw) - 100))  # only its end can hold the seal
+        if sealed is None:
+            return data, None
+        body = raw[: sealed.start()] + b"}"
+        return data, hashlib.sha256(body).hexdigest() == sealed.group(1).decode("ascii")
 
     def _write_heads(self, heads: dict[str, Any]) -> None:
         tmp = self.heads_path.with_name(self.heads_path.name + f".{os.getpid()}.tmp")
+        body = json.dumps(
+            {k: v for k, v in heads.items() if k != "digest"},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        ).encode("utf-8")
+        digest = hashlib.sha256(body).hexdigest().encode("ascii")
         try:
-            with tmp.open("w", encoding="utf-8") as fh:
-                json.dump(heads, fh, ensure_ascii=False, separators=(",", ":"))
+            with tmp.open("wb") as fh:
+                fh.write(body[:-1] + b',"digest":"' + digest + b'"}')
                 fh.flush()
                 if self.fsync:
                     os.fsync(fh.fileno())
@@ -201,7 +231,7 @@ class JsonlAuditStore(AuditStore):
         """Record the lines ``raw`` (written at ``start``, ending in a newline) in ``heads``."""
         lines = raw.splitlines(keepends=True)
         for line in lines:
-            entry = AuditEntry.from_json(json.loads(line))
+            entry = AuditEntry.from_line(line)
             heads["users"][user_key(entry.user_id)] = {
                 "user_id": entry.user_id,
                 "seq": entry.seq,
@@ -265,13 +295,28 @@ class JsonlAuditStore(AuditStore):
                 heads["size"], heads["last"] = new_size, last
         return size
 
-    def _damage(self, heads: dict[str, Any], size: int) -> None:
-        """The file does not end where the heads say: find whose chains broke, and carry on.
+    def _settled_heads(self) -> dict[str, Any]:
+        """The heads a writer may trust (under the lock): a crashed append or erasure
+        finished, and, if the file or the heads file changed behind the store's back, the
+        users whose trails that broke marked damaged (see :meth:`_damage`)."""
+        heads, intact = self._read_heads_checked()
+        size = self._settle_pending(heads, self._size(), repair=True)
+        if intact is not True or size != int(heads["size"]) or not self._last_line_ok(heads, size):
+            # No digest (a heads file of an older loomflow) costs one pass, once: the heads
+            # are sealed when written back.
+            self._damage(heads, size, heads_changed=intact is False)
+            self._write_heads(heads)
+        return heads
 
-        One full pass over the file. Users whose chain no longer checks out (entries gone,
-        changed, or added behind the store's back) are marked damaged, so their appends are
-        refused and the damage stays in view; the heads then describe the file as it is, so
-        every other user can go on appending.
+    def _damage(self, heads: dict[str, Any], size: int, *, heads_changed: bool = False) -> None:
+        """The file does not end where the heads say, or the heads file was changed: find
+        whose chains broke, and carry on.
+
+        One full pass over the file. Users whose chain no longer checks out against the
+        recorded heads (entries gone, changed, or added behind the store's back; a head
+        removed or moved) are marked damaged, so their appends are refused and the damage
+        stays in view (an append after a head moved back would fork the chain); the heads
+        then describe the file as it is, so every other user can go on appending.
         """
         if size and self._read(size - 1, size) != b"\n":
             # A line someone left without its newline: end it, so that the next entry gets a
@@ -310,14 +355,21 @@ class JsonlAuditStore(AuditStore):
         for problem in report.problems:
             key = user_key(problem.user_id)
             if key not in damaged:
-                damaged[key] = {"user_id": problem.user_id, "problem": problem.kind}
+                detail = problem.detail
+                if heads_changed:
+                    detail += f", and {self.heads_path.name} was changed behind the store's back"
+                damaged[key] = {
+                    "user_id": problem.user_id,
+                    "problem": problem.kind,
+                    "detail": detail[:300],
+                }
                 log.error(
                     "%s: the audit trail of user %r is damaged (%s: %s); appends for this user "
                     "are refused from now on",
                     self.path,
                     problem.user_id,
                     problem.kind,
-                    problem.detail,
+                    detail,
                 )
         for start, raw in self._line_spans(size):
             last = (start, raw)
@@ -353,18 +405,16 @@ class JsonlAuditStore(AuditStore):
 
     def _append_locked(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
         with self._locked():
-            heads = self._read_heads()
-            size = self._settle_pending(heads, self._size(), repair=True)
-            if size != int(heads["size"]) or not self._last_line_ok(heads, size):
-                self._damage(heads, size)
-                self._write_heads(heads)
+            heads = self._settled_heads()
             damage = heads.get("damaged", {}).get(key)
             if damage is not None:
+                why = damage.get("problem")
+                if isinstance(damage.get("detail"), str):
+                    why = f"{why}: {damage['detail']}"
                 raise AuditIntegrityError(
                     f"the audit trail of user {records[0].user_id!r} in {self.path} is damaged "
-                    f"({damage.get('problem')}): its appends are refused so that the damage "
-                    "stays in view; run `loomflow audit verify` and restore the file and its "
-                    ".heads from a backup"
+                    f"({why}): its appends are refused so that the damage stays in view; run "
+                    "`loomflow audit verify` and restore the file and its .heads from a backup"
                 )
             head = heads["users"].get(key)
             seq, prev = (int(head["seq"]), str(head["hash"])) if head else (0, GENESIS)
@@ -411,11 +461,8 @@ class JsonlAuditStore(AuditStore):
         crash on either side of it leaves heads that describe the file in place.
         """
         with self._locked():
-            heads = self._read_heads()
-            size = self._settle_pending(heads, self._size(), repair=True)
-            if size != int(heads["size"]) or not self._last_line_ok(heads, size):
-                self._damage(heads, size)
-                self._write_heads(heads)
+            heads = self._settled_heads()
+            size = int(heads["size"])
             if key in heads.get("damaged", {}):
                 raise AuditIntegrityError(
                     f"the audit trail of user {key} in {self.path} is damaged: restore it "
@@ -514,7 +561,7 @@ class JsonlAuditStore(AuditStore):
             if number <= after:
                 continue
             try:
-                entry = AuditEntry.from_json(json.loads(raw))
+                entry = AuditEntry.from_line(raw)
             except (ValueError, RecursionError):  # nested too deep to parse: damage too
                 continue
             yield number, entry
@@ -552,7 +599,7 @@ class JsonlAuditStore(AuditStore):
         items: list[ScanItem] = []
         for number, (_start, raw) in enumerate(self._line_spans(size), start=1):
             try:
-                entry = AuditEntry.from_json(json.loads(raw))
+                entry = AuditEntry.from_line(raw)
             except (ValueError, TypeError, RecursionError) as exc:  # Recursion: nested too deep
                 problem = ChainProblem(
                     None,
@@ -620,7 +667,7 @@ def _erasable(
 ) -> AuditEntry | None:
     """The entry on this line if erasure takes its payload (see ``AuditStore._tombstone``)."""
     try:
-        entry = AuditEntry.from_json(json.loads(raw))
+        entry = AuditEntry.from_line(raw)
     except (ValueError, TypeError, RecursionError):
         return None  # damage stays as it is, for verify to report
     if (

@@ -73,7 +73,11 @@ def register(subparsers: Any) -> None:
     add_no_progress(export)
 
     verify = commands.add_parser("verify", help="check every user's hash chain")
-    verify.add_argument("--user", dest="user_id", help="only this user's chain")
+    verify.add_argument(
+        "--user",
+        dest="user_id",
+        help="only this user's chain (with --file: only this user's lines and saved heads)",
+    )
     verify.add_argument(
         "--file",
         type=Path,
@@ -127,12 +131,6 @@ async def _handle(args: argparse.Namespace) -> int:
         )
         return 2
     if getattr(args, "file", None) is not None:
-        if args.user_id is not None:
-            print(
-                "loomflow: error: --user does not go with --file; export that user's trail",
-                file=sys.stderr,
-            )
-            return 2
         return _verify_file(args)
     settings = Settings()
     url = args.audit_url or settings.audit_url or args.url or settings.runtime_url
@@ -248,7 +246,9 @@ def _verify_file(args: argparse.Namespace) -> int:
     heads = _saved_heads(args)
     try:
         with args.file.open(encoding="utf-8") as lines:
-            report = verify_lines(lines, heads=heads)
+            report = verify_lines(
+                lines, heads=heads, user_id=ANY_USER if args.user_id is None else args.user_id
+            )
     except OSError as exc:
         raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc
     return _report(report, args)
@@ -280,6 +280,13 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
         on_record = "on record" if not unauthorised else f"{unauthorised} with no erasure record"
         erased = f" ({report.erased} payloads erased, {on_record})"
     print(f"{verdict}: checked {report.entries} entries of {report.users} user(s){erased}")
+    if report.export_filters:
+        # The header is not covered by any hash: say what it made the check leave out.
+        named = ", ".join(f"{k}={v!r}" for k, v in report.export_filters.items())
+        print(f"the export says it was made with {named}", end="")
+        if "user_id" in report.export_filters and args.heads is not None:
+            print(": saved heads of other users were not looked for", end="")
+        print()
     findings = [("problem", p) for p in report.problems] + [("warning", w) for w in report.warnings]
     if findings:
         rows: list[tuple[str, ...]] = [("", "user", "kind", "seq", "stored at", "what")]

@@ -461,7 +461,8 @@ def create_app(
         lines: AsyncIterator[str]
         if limit is not None:
             shown = await data.export_page(user_id, where, limit=limit, cursor=cursor)
-            lines = _once("".join(e.to_line() + "\n" for e in shown.entries))
+            page_lines = "".join(e.to_line() + "\n" for e in shown.entries)
+            lines = _once(data.export_header(user_id, where) + page_lines)
         else:
             # Streamed a page at a time: a long trail is never held in memory whole.
             lines = data.export_lines(user_id, where)

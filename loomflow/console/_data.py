@@ -26,6 +26,7 @@ from typing import Any
 
 from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
+from ..audit._store import AuditFilter
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
 from ..errors import JournalError, LoomflowError
 from ..redaction import Redactor
@@ -415,10 +416,19 @@ class ConsoleData:
     async def verify(self, user_id: str | Any | None = ANY_USER) -> VerifyReport:
         return await self.stores.audit.verify(user_id=user_id)
 
+    @staticmethod
+    def export_header(user_id: str | None, where: TrailFilter) -> str:
+        """The first line of an export of this user's trail (as ``loomflow audit export
+        --user`` writes it): it names the filters, so the export is checked against this
+        user's saved heads and no one else's."""
+        header = AuditFilter.build(user_id=user_id, **where.as_kwargs()).export_header()
+        assert header is not None  # a user is always a filter
+        return header + "\n"
+
     async def export_lines(self, user_id: str | None, where: TrailFilter) -> AsyncIterator[str]:
         """The selected entries as the lines of ``loomflow audit export`` (as stored,
-        unredacted: the admin export), one page at a time."""
-        lines: list[str] = []
+        unredacted: the admin export), one page at a time, after the export's header."""
+        lines: list[str] = [self.export_header(user_id, where)]
         async for entry in self.stores.audit.entries(user_id=user_id, **where.as_kwargs()):
             lines.append(entry.to_line() + "\n")
             if len(lines) == _EXPORT_CHUNK:

@@ -225,7 +225,9 @@ class AuditStoreConformance:
         written = await store.append([rec("alice", i=1), rec("bob"), rec("alice", i=2)])
         out = io.StringIO()
         assert await store.export(out, user_id="alice") == 2
-        lines = out.getvalue().splitlines()
+        header, *lines = out.getvalue().splitlines()
+        # A filtered export says what it was made with, so that it is verified as such.
+        assert json.loads(header) == {"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}
         assert lines == [written[0].to_line(), written[2].to_line()]
         parsed = json.loads(lines[0])
         assert parsed["user_id"] == "alice"
@@ -269,7 +271,7 @@ class AuditStoreConformance:
         exported: list[tuple[int, int | None]] = []
         out = io.StringIO()
         assert await store.export(out, user_id="alice", on_progress=_collect(exported)) == 1500
-        assert len(out.getvalue().splitlines()) == 1500
+        assert len(out.getvalue().splitlines()) == 1 + 1500  # the header, then the entries
         assert exported == [(0, 1500), (1000, 1500), (1500, 1500)]  # after every page
         checked: list[tuple[int, int | None]] = []
         report = await store.verify(on_progress=_collect(checked))

@@ -79,11 +79,12 @@ async def test_query_export_and_verify(tmp_path: Path) -> None:
     exported = loomflow("audit", "--audit-url", url, "export", "--user", "alice", "-o", str(out))
     assert exported.returncode == 0
     assert "exported 5 audit entries" in exported.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    header, *rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert header == {"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}
     assert [r["seq"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(r["user_id"] == "alice" for r in rows)
     stdout_export = loomflow("audit", "--audit-url", url, "export", "--session", "s2")
-    assert len(stdout_export.stdout.splitlines()) == 5
+    assert len(stdout_export.stdout.splitlines()) == 1 + 5  # its header, then the entries
 
     ok = loomflow("audit", "--audit-url", url, "verify")
     assert ok.returncode == 0

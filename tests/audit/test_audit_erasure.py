@@ -17,6 +17,8 @@ from typing import Any
 
 import asyncpg
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loomflow.audit import (
     GENESIS,
@@ -317,6 +319,125 @@ async def test_times_out_of_range_are_refused_not_overflowed(store: AuditStore) 
     assert (await store.retain(dt.timedelta(days=365_000), dry_run=True)).erased == {}
 
 
+async def _blank(store: AuditStore, user: str, seq: int) -> None:
+    """Erase one payload behind the store's back, shaped exactly like an erasure: what the
+    SQL update triggers let through, and what anyone who can write a file can do."""
+    key = user_key(user)
+    if isinstance(store, InMemoryAuditStore):
+        for i, e in enumerate(store.all_entries):
+            if user_key(e.user_id) == key and e.seq == seq:
+                store.all_entries[i] = e.tombstoned()
+    elif isinstance(store, JsonlAuditStore):
+        lines = store.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            e = AuditEntry.from_line(line)
+            if user_key(e.user_id) == key and e.seq == seq:
+                lines[i] = e.tombstoned().to_line() + "\n"
+        store.path.write_text("".join(lines), encoding="utf-8")
+    else:
+        assert isinstance(store, SqliteAuditStore | PostgresAuditStore)
+        await store.db.execute(
+            "UPDATE loom_audit SET payload = 'null', payload_salt = NULL "
+            "WHERE user_key = $1 AND seq = $2",
+            key,
+            seq,
+        )
+    [blanked] = [e async for e in store.entries(user_id=user) if e.seq == seq]
+    assert blanked.payload is None
+
+
+async def _both_ways(store: AuditStore) -> list[tuple[str | None, str, int | None]]:
+    """The problems of the store's own verify, which must be those of its export's."""
+    report = await store.verify()
+    lines = [e.to_line() async for e in store.entries()]
+    offline = verify_lines(lines)
+    found = [(p.user_id, p.kind, p.seq) for p in report.problems]
+    assert [(p.user_id, p.kind, p.seq) for p in offline.problems] == found
+    assert [p.detail for p in offline.problems] == [p.detail for p in report.problems]
+    return found
+
+
+async def test_an_erasure_after_a_retention_cut_off_is_not_on_record(store: AuditStore) -> None:
+    # The retention record comes after the entry, but its cut-off does not reach it.
+    await store.append(_records("ana", 2))
+    await asyncio.sleep(0.3)
+    await store.append(AuditRecord(user_id="ana", actor="app", action="note.after"))
+    report = await store.retain(dt.timedelta(seconds=0.2), actor="test")
+    assert report.erased == {"ana": 2}
+    ana = [e async for e in store.entries(user_id="ana")]
+    assert [(e.action, e.payload is None) for e in ana] == [
+        ("tool.call", True),
+        ("tool.call", True),
+        ("note.after", False),  # kept: written after the cut-off
+        ("audit.erasure", False),
+    ]
+    assert (await store.verify()).ok
+    await _blank(store, "ana", 3)
+    assert await _both_ways(store) == [("ana", "erased", 3)]
+    detail = (await store.verify()).problems[0].detail
+    assert "no erasure record covers it: the one at seq 4 erased what was written before" in detail
+    assert detail.endswith(f"(entry 3 was written at {ana[2].to_json()['time']})")
+
+
+async def test_an_erasure_of_chosen_seqs_covers_those_seqs_only(store: AuditStore) -> None:
+    # A forget's console erasure lists the seqs it erased; the rest of the chain keeps its
+    # payloads, so a blank elsewhere is on no record, before the record or not.
+    await store.append(_records("console:ada", 6))
+    done = await store.erase_entries("console:ada", [3, 4], reason="forget")
+    assert (done.record_seq, done.erased) == (7, 2)
+    assert (await store.verify()).ok
+    for seq in (1, 2, 5):
+        await _blank(store, "console:ada", seq)
+    found = await _both_ways(store)
+    assert found == [("console:ada", "erased", s) for s in (1, 2, 5)]
+    detail = (await store.verify()).problems[0].detail
+    assert "the one at seq 7 erased entries 3-4 only" in detail
+
+
+async def test_a_record_written_under_a_legal_hold_covers_nothing(store: AuditStore) -> None:
+    # The hold lands just before the record (as in the race erasure loses): the record is
+    # there, but erasure stopped, so no payload may be gone under it.
+    await store.append(_records("ana", 2))
+    append = store.append
+
+    async def racing(records: Any) -> list[AuditEntry]:
+        if getattr(records, "action", None) == "audit.erasure":
+            store.append = append  # type: ignore[method-assign]
+            await store.place_hold("ana", reason="late subpoena", actor="legal")
+        return await append(records)
+
+    store.append = racing  # type: ignore[method-assign]
+    with pytest.raises(LegalHoldError):
+        await store.erase("ana", reason="forget")
+    assert [e.action async for e in store.entries(user_id="ana")][-2:] == [
+        "legal_hold.placed",
+        "audit.erasure",
+    ]
+    assert (await store.verify()).ok
+    await _blank(store, "ana", 1)
+    assert await _both_ways(store) == [("ana", "erased", 1)]
+    assert "was written under a legal hold and erased nothing" in (
+        (await store.verify()).problems[0].detail
+    )
+
+
+async def test_the_payload_of_a_hold_or_an_erasure_record_is_never_on_record(
+    store: AuditStore,
+) -> None:
+    await store.append(_records("ana", 1))
+    await store.place_hold("ana", reason="subpoena", actor="legal")
+    await store.release_hold("ana", actor="legal")
+    await store.erase("ana", reason="forget")  # seq 4: erases entry 1, keeps 2 and 3
+    await store.erase("ana", reason="forget")  # seq 5: nothing left to take, recorded anyway
+    assert (await store.verify()).ok
+    await _blank(store, "ana", 2)  # the hold's reason
+    await _blank(store, "ana", 4)  # the first record
+    assert await _both_ways(store) == [("ana", "erased", 2), ("ana", "erased", 4)]
+    assert "erasure keeps the payloads of legal_hold.placed entries" in (
+        (await store.verify()).problems[0].detail
+    )
+
+
 async def test_sqlite_verify_catches_a_payload_erased_behind_its_back(tmp_path: Path) -> None:
     store = SqliteAuditStore(tmp_path / "audit.db")
     await store.append(_records("ana", 3))
@@ -388,3 +509,59 @@ async def test_a_hold_placed_while_an_erasure_runs_still_wins(store: AuditStore)
         await store.erase("ana", reason="forget")
     assert SECRET in await _stored_text(store)
     assert (await store.verify()).ok
+
+
+# -- the erasure records' index picks every record that covers an entry ----------------------
+
+_records_strategy = st.lists(
+    st.tuples(
+        st.integers(1, 40),  # seq
+        st.one_of(st.none(), st.frozensets(st.integers(1, 40), max_size=6)),  # seqs
+        st.one_of(st.none(), st.integers(0, 50)),  # before (time)
+        st.booleans(),  # cut-off readable
+        st.booleans(),  # written under a hold
+        st.dictionaries(st.integers(1, 40).map(str), st.sampled_from(["d1", "d2"]), max_size=4),
+    ),
+    max_size=8,
+)
+_erased_strategy = st.lists(
+    st.tuples(
+        st.integers(1, 40),  # seq
+        st.integers(0, 50),  # time
+        st.sampled_from(["tool.call", "audit.erasure", "legal_hold.placed"]),
+        st.sampled_from([2, 3]),  # hash version
+        st.sampled_from(["d1", "d2"]),  # digest of the rest (version 2)
+    ),
+    max_size=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(records=_records_strategy, erased=_erased_strategy)
+def test_the_records_index_finds_what_checking_every_record_finds(
+    records: list[Any], erased: list[Any]
+) -> None:
+    from loomflow.audit._store import VerifyReport, _ChainCheck, _Erased, _ErasureRecord
+
+    check = _ChainCheck('"u"', "u")
+    check.records = [
+        _ErasureRecord(seq, {k: v for k, v in old.items()}, seqs, before, readable, void)
+        for seq, seqs, before, readable, void, old in records
+    ]
+    check.erased = [
+        _Erased(seq, seq, rest if version == 2 else None, time, action, version)
+        for seq, time, action, version, rest in erased
+    ]
+    report = VerifyReport()
+    check.finish_erasures(report)
+    expected = []
+    for gone in check.erased:
+        later = [r for r in check.records if r.seq > gone.seq]
+        covering = [r for r in later if r.covers(gone)]
+        if not later or not covering:
+            expected.append(("erased", gone.seq))
+        elif gone.rest is not None and not any(
+            r.pre_v3.get(str(gone.seq)) == gone.rest for r in covering
+        ):
+            expected.append(("edited", gone.seq))
+    assert [(p.kind, p.seq) for p in report.problems] == expected

@@ -148,15 +148,69 @@ async def test_a_row_no_writer_makes_is_reported_in_place_and_the_rest_is_checke
         await store.close()
 
 
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_row_moved_under_another_key_is_reported_as_each_users_problem(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Alice's last entry moved under a key nobody had: the gap and the missing head are the
+    # problems of that key's trail (carol's), the moved entry is alice's own, and alice,
+    # whose head is in place, has lost her last entry.
+    store: AuditStore
+    if kind == "sqlite":
+        store = SqliteAuditStore(tmp_path / "audit.db")
+    else:
+        dsn = request.getfixturevalue("pg_dsn")
+        store = PostgresAuditStore(dsn)
+    await store.open()
+    try:
+        await store.append([_record("alice") for _ in range(5)] + [_record("bob")] * 2)
+        edit = """UPDATE loom_audit SET user_key = '"carol"' WHERE user_id = 'alice' AND seq = 5"""
+        if kind == "sqlite":
+            await _relabel_sqlite(tmp_path / "audit.db", edit)
+        else:
+            await _relabel_postgres(dsn, edit)
+        report = await store.verify()
+        assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [
+            ("alice", "truncated", 5),
+            ("alice", "edited", 5),
+            ("carol", "missing", 1),
+            ("carol", "unanchored", 1),
+        ], report.problems
+        assert "filed under the trail key '\"carol\"'" in report.problems[1].detail
+        assert "entries 1-4 are missing before entry 5" in report.problems[2].detail
+        carol = await store.verify(user_id="carol")
+        assert [(p.user_id, p.kind) for p in carol.problems] == [
+            ("alice", "edited"),
+            ("carol", "missing"),
+            ("carol", "unanchored"),
+        ]
+    finally:
+        await store.close()
+
+
 async def test_an_export_line_with_retyped_numbers_is_unreadable(tmp_path: Path) -> None:
     store = InMemoryAuditStore()
     await store.append([_record("ana") for _ in range(3)])
     lines = [e.to_line() for e in [e async for e in store.entries(user_id="ana")]]
     assert verify_lines(lines).ok
-    for field, value in (("seq", "2"), ("seq", 2.0), ("schema_version", "1")):
+    time = json.loads(lines[1])["time"]
+    for field, value in (
+        ("seq", "2"),
+        ("seq", 2.0),
+        ("seq", 0),
+        ("seq", 2**53),  # beyond what JSON readers hold exactly
+        ("schema_version", "1"),
+        ("time", time[:-4] + "Z"),  # ...03.51Z: hashed as ...03.510000Z, never written so
+        ("time", time.replace("T", " ")),
+    ):
         data = json.loads(lines[1])
         data[field] = value
         report = verify_lines([lines[0], json.dumps(data), lines[2]])
         kinds = [(p.kind, p.position) for p in report.problems]
         assert ("unreadable", 2) in kinds, (field, value, report.problems)
         assert field in report.problems[0].detail
+    # NaN and Infinity are not JSON, though Python's parser takes them.
+    line = lines[1].replace('"payload":{"n":1}', '"payload":{"n":NaN}')
+    assert line != lines[1]
+    report = verify_lines([lines[0], line, lines[2]])
+    assert ("unreadable", 2) in [(p.kind, p.position) for p in report.problems]

@@ -45,7 +45,9 @@ async def test_a_deleted_middle_line_stops_only_its_user(tmp_path: Path) -> None
     path.write_text("".join(lines))
     (entry,) = await store.append(rec("alice"))
     assert entry.seq == 4
-    with pytest.raises(AuditIntegrityError, match=r"user 'bob' .* is damaged \(missing\)"):
+    with pytest.raises(
+        AuditIntegrityError, match=r"user 'bob' .* is damaged \(missing: entry 2 is missing"
+    ):
         await store.append(rec("bob"))
     (carol,) = await store.append(rec("carol"))  # a new user is not held up either
     assert carol.seq == 1
@@ -61,7 +63,9 @@ async def test_a_truncated_file_stops_only_the_users_it_cut(tmp_path: Path) -> N
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:-1]))  # bob's entry 3
     assert [e.seq for e in await store.append([rec("alice"), rec("alice")])] == [4, 5]
-    with pytest.raises(AuditIntegrityError, match=r"'bob' .* damaged \(truncated\)"):
+    with pytest.raises(
+        AuditIntegrityError, match=r"'bob' .* damaged \(truncated: entry 3 is missing at the end"
+    ):
         await store.append(rec("bob"))
     report = await store.verify()
     assert _problems(report) == [("bob", "truncated", 3)]
@@ -77,11 +81,87 @@ async def test_a_chained_line_added_behind_the_store_is_an_error(tmp_path: Path)
         fh.write(forged.to_line() + "\n")
     report = await store.verify()
     assert _problems(report) == [("alice", "unanchored", 4)]
-    with pytest.raises(AuditIntegrityError, match=r"'alice' .* damaged \(unanchored\)"):
+    with pytest.raises(
+        AuditIntegrityError, match=r"'alice' .* damaged \(unanchored: entry 4 comes after"
+    ):
         await store.append(rec("alice"))
     (entry,) = await store.append(rec("bob"))
     assert entry.seq == 4
     assert _problems(await store.verify()) == [("alice", "unanchored", 4)]
+
+
+def _edit_heads(store: JsonlAuditStore, edit: str, spelling: str) -> None:
+    """Change alice's head in the heads file as a person with an editor would."""
+    raw = store.heads_path.read_text(encoding="utf-8")
+    heads = json.loads(raw)
+    lines = store.path.read_text(encoding="utf-8").splitlines()
+    second = json.loads([line for line in lines if '"user_id":"alice"' in line][1])
+    if edit == "removed":
+        del heads["users"]['"alice"']
+    else:  # moved back to entry 2, hash and all: consistent, but not the end of the trail
+        heads["users"]['"alice"'] |= {"seq": 2, "hash": second["hash"]}
+    if spelling == "compact":  # the stale digest stays at the end
+        text = json.dumps(heads, ensure_ascii=False, separators=(",", ":"))
+    else:  # re-serialised by another tool: no digest where the store writes it
+        text = json.dumps({k: v for k, v in heads.items() if k != "digest"}, indent=2)
+    store.heads_path.write_text(text, encoding="utf-8")
+
+
+@pytest.mark.parametrize("spelling", ["compact", "rewritten"])
+@pytest.mark.parametrize("edit", ["removed", "lowered"])
+async def test_a_head_changed_in_the_heads_file_stops_only_its_user(
+    tmp_path: Path, edit: str, spelling: str
+) -> None:
+    # An append after a head was removed or moved back would write a second seq 1 (or 3)
+    # and fork the chain; the heads file's digest gives the edit away.
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    _edit_heads(store, edit, spelling)
+    before = path.read_bytes()
+    why = "no head is recorded" if edit == "removed" else "entry 3 comes after the recorded"
+    with pytest.raises(AuditIntegrityError, match=rf"'alice' .* damaged \(unanchored: {why}") as e:
+        await store.append(rec("alice"))
+    assert "restore the file and its .heads from a backup" in str(e.value)
+    if spelling == "compact":
+        assert "audit.jsonl.heads was changed behind the store's back" in str(e.value)
+    assert path.read_bytes() == before  # no second entry claims a seq of alice's
+    (bob,) = await store.append(rec("bob"))  # everyone else goes on
+    assert bob.seq == 4
+    (carol,) = await store.append(rec("carol"))
+    assert carol.seq == 1
+    with pytest.raises(AuditIntegrityError, match="alice"):  # and it stays refused
+        await JsonlAuditStore(path).append(rec("alice"))
+    with pytest.raises(AuditIntegrityError, match="alice"):
+        await store.erase("alice", reason="forget")
+    report = await store.verify()
+    assert [(p.user_id, p.kind) for p in report.problems] == [("alice", "unanchored")]
+
+
+async def test_a_damaged_mark_removed_from_the_heads_file_comes_back(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    _edit_heads(store, "removed", "compact")
+    with pytest.raises(AuditIntegrityError):
+        await store.append(rec("alice"))
+    heads = json.loads(store.heads_path.read_text(encoding="utf-8"))
+    del heads["damaged"]  # the digest at the end is now stale
+    store.heads_path.write_text(json.dumps(heads, separators=(",", ":")), encoding="utf-8")
+    with pytest.raises(AuditIntegrityError, match=r"'alice' .* damaged \(unanchored"):
+        await store.append(rec("alice"))
+
+
+async def test_a_heads_file_of_an_older_loomflow_is_checked_once_and_sealed(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    heads = json.loads(store.heads_path.read_text(encoding="utf-8"))
+    del heads["digest"]  # as written before the heads were sealed (KeyError if they are not)
+    store.heads_path.write_text(json.dumps(heads), encoding="utf-8")
+    (entry,) = await store.append(rec("alice"))  # consistent with the file: no damage
+    assert entry.seq == 4
+    assert json.loads(store.heads_path.read_text(encoding="utf-8"))["digest"]
+    assert (await store.verify()).ok
 
 
 async def test_a_fragment_added_behind_the_store_does_not_glue_to_the_next_line(

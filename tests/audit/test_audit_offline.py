@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import sqlite3
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -84,7 +87,8 @@ async def test_tampering_with_an_export_is_found(tmp_path: Path, tamper: str, ki
 
 async def test_an_export_from_a_date_on_is_checked_from_its_first_entry(tmp_path: Path) -> None:
     lines, heads = await _export(tmp_path, user_id="bob")
-    report = verify_lines(lines[2:], heads=[h for h in heads if h.user_id == "bob"])
+    header, *entries = lines  # the export says it is bob's
+    report = verify_lines([header, *entries[2:]], heads=[h for h in heads if h.user_id == "bob"])
     assert report.ok, report.problems
     [warning] = report.warnings
     assert warning.kind == "unanchored"
@@ -130,7 +134,17 @@ async def test_the_cli_verifies_a_file_without_any_database(tmp_path: Path) -> N
     assert "cannot read" in missing.stderr
     # With --heads and no --file, the store is checked: here the unreachable default.
     assert cli("verify", "--heads", str(heads)).returncode == 1
-    assert cli("verify", "--file", str(export), "--user", "bob").returncode == 2
+    # --user: only that user's lines and saved heads (bob's last line was cut off above).
+    only = cli("verify", "--file", str(export), "--heads", str(heads), "--user", "bob", "--json")
+    assert only.returncode == 1
+    assert json.loads(only.stdout)["users"] == 1
+    assert [(p["user_id"], p["kind"]) for p in json.loads(only.stdout)["problems"]] == [
+        ("bob", "truncated")
+    ]
+    assert (
+        cli("verify", "--file", str(export), "--heads", str(heads), "--user", "alice").returncode
+        == 0
+    )
 
 
 # -- saved heads catch rewrites, wherever the trail ends now ---------------------------------
@@ -283,3 +297,164 @@ async def test_the_cli_checks_saved_heads_on_the_store_and_on_exports(tmp_path: 
     failed = _cli("--audit-url", url, "verify", "--heads", str(bad))
     assert failed.returncode == 1
     assert "bad --heads file" in failed.stderr
+
+
+async def test_the_cli_refuses_an_erasure_no_record_covers(tmp_path: Path) -> None:
+    # retain keeps what came after its cut-off; blanking that payload by hand later (the
+    # SQLite trigger lets an erasure-shaped update through) is on no record, although a
+    # record follows it.
+    db = tmp_path / "audit.db"
+    url = f"sqlite:///{db}"
+    store = SqliteAuditStore(db)
+    await store.append([AuditRecord(user_id="bob", actor="a", action="x") for _ in range(2)])
+    await asyncio.sleep(1.2)
+    await store.append(AuditRecord(user_id="bob", actor="a", action="note.after"))
+    await store.close()
+    retained = _cli("--audit-url", url, "retain", "--older-than", "1s", "--yes")
+    assert retained.returncode == 0, retained.stderr
+    assert "erased 2 payload(s) of 1 user(s)" in retained.stdout
+    assert _cli("--audit-url", url, "verify").returncode == 0
+    with sqlite3.connect(db) as conn:
+        conn.execute(
+            "UPDATE loom_audit SET payload = 'null', payload_salt = NULL "
+            "WHERE action = 'note.after'"
+        )
+    done = _cli("--audit-url", url, "verify")
+    assert done.returncode == 1
+    assert "(3 payloads erased, 1 with no erasure record)" in done.stdout
+    assert "the payload of entry 3 is gone, but no erasure record covers it" in done.stdout
+    export = tmp_path / "bob.jsonl"
+    assert _cli("--audit-url", url, "export", "-o", str(export)).returncode == 0
+    offline = _cli("verify", "--file", str(export), "--json")
+    assert offline.returncode == 1
+    assert [
+        (p["user_id"], p["kind"], p["seq"]) for p in json.loads(offline.stdout)["problems"]
+    ] == [("bob", "erased", 3)]
+
+
+# -- which users an export covers -------------------------------------------------------------
+
+
+async def _two_trails(tmp_path: Path) -> tuple[SqliteAuditStore, list[ChainHead]]:
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    for i in range(3):
+        await store.append(
+            [
+                AuditRecord(user_id=user, actor="agent:a", action="tool.call", payload={"i": i})
+                for user in ("alice", "bob", None)
+            ]
+        )
+    return store, (await store.verify()).heads  # every user's head, as `verify --json` saves
+
+
+async def test_an_export_of_one_user_is_checked_against_that_users_saved_heads(
+    tmp_path: Path,
+) -> None:
+    store, heads = await _two_trails(tmp_path)
+    try:
+        alice = [line async for line in _lines(store, user_id="alice")]
+        anonymous = [line async for line in _lines(store, user_id=None)]
+        everyone = [line async for line in _lines(store)]
+    finally:
+        await store.close()
+    # Its first line says whose it is; bob's saved head is not looked for.
+    assert json.loads(alice[0]) == {"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}
+    report = verify_lines(alice, heads=heads)
+    assert report.ok, report.problems
+    assert (report.users, report.entries) == (1, 3)
+    assert report.export_filters == {"user_id": "alice"}
+    assert [h.user_id for h in report.heads] == ["alice"]
+    assert verify_lines(anonymous, heads=heads).ok  # the anonymous bucket is a user too
+    # Not weakened: alice's trail cut short is still truncated...
+    assert [(p.user_id, p.kind, p.seq) for p in verify_lines(alice[:-1], heads=heads).problems] == [
+        ("alice", "truncated", 3)
+    ]
+    # ...an export of everyone (no header) still misses nobody...
+    assert everyone[0].startswith('{"action"')
+    assert verify_lines(everyone, heads=heads).ok
+    without_bob = [line for line in everyone if json.loads(line)["user_id"] != "bob"]
+    assert [(p.user_id, p.kind) for p in verify_lines(without_bob, heads=heads).problems] == [
+        ("bob", "truncated")
+    ]
+    # ...and an export whose header was taken away is checked as the whole log (fail-safe).
+    kinds = [(p.user_id, p.kind) for p in verify_lines(alice[1:], heads=heads).problems]
+    assert kinds == [("bob", "truncated"), (None, "truncated")]
+    assert "does not say it was made for other users only" in (
+        verify_lines(alice[1:], heads=heads).problems[0].detail
+    )
+    # An explicit user: that user's lines and saved heads, whatever the header says.
+    assert verify_lines(alice[1:], heads=heads, user_id="alice").ok
+    assert [
+        (p.user_id, p.kind) for p in verify_lines(alice, heads=heads, user_id="bob").problems
+    ] == [("bob", "truncated")]
+    only_bob = verify_lines(everyone, heads=heads, user_id="bob")
+    assert only_bob.ok
+    assert (only_bob.users, only_bob.entries) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        '{"filters":{"user_id":"alice"},"loomflow_audit_export":2}',
+        '{"filters":{"user_id":"alice"},"loomflow_audit_export":1.0}',
+        '{"filters":{"tenant":"t1","user_id":"alice"},"loomflow_audit_export":1}',
+        '{"filters":{"user_id":7},"loomflow_audit_export":1}',
+        '{"filters":{"user_id":"alice"},"loomflow_audit_export":1,"signed":true}',
+        '{"filters":["alice"],"loomflow_audit_export":1}',
+    ],
+)
+async def test_a_header_this_loomflow_cannot_read_narrows_nothing(
+    tmp_path: Path, header: str
+) -> None:
+    store, heads = await _two_trails(tmp_path)
+    try:
+        alice = [line async for line in _lines(store, user_id="alice")]
+    finally:
+        await store.close()
+    report = verify_lines([header, *alice[1:]], heads=heads)
+    assert [(p.user_id, p.kind, p.position) for p in report.problems] == [
+        (None, "unreadable", 1),
+        ("bob", "truncated", None),
+        (None, "truncated", None),
+    ]
+    assert "not an export header this loomflow reads" in report.problems[0].detail
+    assert report.export_filters is None
+
+
+async def test_a_header_anywhere_but_first_is_not_an_entry(tmp_path: Path) -> None:
+    store, heads = await _two_trails(tmp_path)
+    try:
+        alice = [line async for line in _lines(store, user_id="alice")]
+    finally:
+        await store.close()
+    report = verify_lines([alice[1], alice[0], *alice[2:]], heads=heads)
+    assert (None, "unreadable", 2) in [(p.user_id, p.kind, p.position) for p in report.problems]
+    assert ("bob", "truncated") in [(p.user_id, p.kind) for p in report.problems]
+
+
+async def _lines(store: SqliteAuditStore, **filters: object) -> AsyncIterator[str]:
+    out = io.StringIO()
+    await store.export(out, **filters)
+    for line in out.getvalue().splitlines():
+        yield line
+
+
+async def test_the_documented_workflow_passes_with_several_users(tmp_path: Path) -> None:
+    # README and docs/audit.md: heads of every user saved, one user's trail exported later.
+    store, _ = await _two_trails(tmp_path)
+    await store.close()
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    heads = tmp_path / "heads.json"
+    saved = _cli("--audit-url", url, "verify", "--json")
+    assert saved.returncode == 0
+    heads.write_text(saved.stdout)
+    assert len(json.loads(saved.stdout)["heads"]) == 3
+    alice = tmp_path / "alice.jsonl"
+    assert _cli("--audit-url", url, "export", "--user", "alice", "-o", str(alice)).returncode == 0
+    done = _cli("verify", "--file", str(alice), "--heads", str(heads))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "OK: checked 3 entries of 1 user(s)",
+        "the export says it was made with user_id='alice': saved heads of other users were "
+        "not looked for",
+    ]

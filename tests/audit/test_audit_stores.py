@@ -143,7 +143,9 @@ async def test_jsonl_refuses_to_append_to_a_truncated_file(tmp_path: Path) -> No
     await store.append([rec("alice", i=i) for i in range(3)])
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:-1]))
-    with pytest.raises(AuditIntegrityError, match=r"'alice' .* damaged \(truncated\)"):
+    with pytest.raises(
+        AuditIntegrityError, match=r"'alice' .* damaged \(truncated: entry 3 is missing at the end"
+    ):
         await store.append(rec("alice"))
     report = await store.verify()
     assert [(p.kind, p.seq) for p in report.problems] == [("truncated", 3)]
@@ -168,9 +170,13 @@ async def test_an_export_file_can_be_verified_on_its_own(tmp_path: Path) -> None
     await store.export(tmp_path / "export.jsonl", user_id="alice")
     exported = JsonlAuditStore(tmp_path / "export.jsonl")
     report = await exported.verify()
-    # No heads file: as a store, nothing vouches for its lines; verify_lines checks exports.
+    # No heads file: as a store, nothing vouches for its lines, and the export's header line
+    # (it was made for alice only) is not an entry; verify_lines checks exports.
     assert report.entries == 5
-    assert [p.kind for p in report.problems] == ["unanchored"]
+    assert [(p.kind, p.position) for p in report.problems] == [
+        ("unreadable", 1),
+        ("unanchored", None),
+    ]
     assert verify_lines((tmp_path / "export.jsonl").read_text().splitlines()).ok
 
 

@@ -107,8 +107,9 @@ def section_v3() -> str:
         f"```text\n{kept.canonical_bytes().decode('utf-8')}\n{kept.hash}\n```\n\n"
         f"**Entry 2** had its payload erased: `payload` and `payload_salt` are `null`, and its "
         f"hash is checked as before, over what is left.\n\n```json\n{erased.to_line()}\n```\n\n"
-        f"**Entry 3** is the erasure record that authorises it (any erasure record later in "
-        f"the trail does).\n\n```json\n{record.to_line()}\n```\n"
+        f"**Entry 3** is the erasure record that covers it: a forget's, whose `before` is "
+        f"`null`, so it takes every version 3 payload before it.\n\n"
+        f"```json\n{record.to_line()}\n```\n"
     )
 
 

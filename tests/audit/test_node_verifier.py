@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from loomflow.audit import AuditEntry, AuditRecord, SqliteAuditStore
+from loomflow.audit import AuditEntry, AuditRecord, SqliteAuditStore, heads_from_json, verify_lines
 from loomflow.audit._entry import canonical_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,17 +131,17 @@ async def test_node_finds_an_edited_entry(verifier: Path, tmp_path: Path) -> Non
     lines[target] = canonical_json(data)
     done = _node(verifier, _write(tmp_path / "edited.jsonl", lines), heads)
     assert done.returncode == 1
-    assert f"problem  line {target + 1}: user null: entry 3 was changed" in done.stdout
+    assert f"problem  line {target + 1}: user null: edited: entry 3 was changed" in done.stdout
     assert done.stdout.splitlines()[-1].startswith("FAILED:")
 
 
 @pytest.mark.parametrize(
     ("tamper", "expected"),
     [
-        ("drop", "entries 2-2 are missing before entry 3"),
-        ("relink", "entry 3 was changed"),
-        ("truncate", "the export ends before the saved head at seq 4: truncated"),
-        ("version", "has an unknown hash_version 4"),
+        ("drop", "missing: entry 2 is missing before entry 3: deleted"),
+        ("relink", "edited: entry 3 was changed"),
+        ("truncate", "truncated: entry 4 is missing at the end: a saved head records seq 4"),
+        ("version", "edited: entry 1 was changed: its content cannot be hashed (unknown audit"),
     ],
 )
 async def test_node_finds_deletions_relinks_truncation_and_unknown_versions(
@@ -161,6 +161,62 @@ async def test_node_finds_deletions_relinks_truncation_and_unknown_versions(
     done = _node(verifier, _write(tmp_path / "tampered.jsonl", lines), heads)
     assert done.returncode == 1, done.stdout
     assert expected in done.stdout
+
+
+async def test_node_reads_numbers_as_written_and_each_users_lines_in_seq_order(
+    verifier: Path, tmp_path: Path
+) -> None:
+    # As `verify --file` does: "seq": 4.0 is not the entry its writer hashed, and two lines
+    # swapped are out of order, not a deleted entry plus a duplicate.
+    _, heads, lines = await _export(tmp_path)
+    alice = [i for i, line in enumerate(lines) if '"user_id":"alice@example.com"' in line]
+    spelled = list(lines)
+    spelled[alice[3]] = spelled[alice[3]].replace('"seq":4,', '"seq":4.0,')
+    done = _node(verifier, _write(tmp_path / "spelled.jsonl", spelled))
+    assert done.returncode == 1, done.stdout
+    assert f"problem  line {alice[3] + 1}: user ?: unreadable: not an audit entry: seq" in (
+        done.stdout
+    )
+    swapped = list(lines)
+    swapped[alice[1]], swapped[alice[2]] = swapped[alice[2]], swapped[alice[1]]
+    done = _node(verifier, _write(tmp_path / "swapped.jsonl", swapped), heads)
+    assert done.returncode == 1, done.stdout
+    problems = [line for line in done.stdout.splitlines() if line.startswith("problem")]
+    assert problems == [
+        f'problem  line {alice[1] + 1}: user "alice@example.com": reordered: entry 3 is stored '
+        f"at {alice[1] + 1}, before entry 2 (at {alice[2] + 1}): the trail was reordered"
+    ]
+
+
+async def test_node_checks_an_export_of_one_user_against_every_users_heads(
+    verifier: Path, tmp_path: Path
+) -> None:
+    # README: `verify --json > heads.json` (every user), then one user's export, checked.
+    _, heads, _ = await _export(tmp_path)
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        alice = tmp_path / "alice.jsonl"
+        assert await store.export(alice, user_id="alice@example.com") == 4
+    finally:
+        await store.close()
+    done = _node(verifier, alice, heads)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.splitlines() == [
+        'note     the export says it was made with user_id="alice@example.com": saved heads '
+        "of other users were not looked for",
+        "ok: 4 entries of 1 users, 4 re-hashed (RFC 8785), 1 users' saved heads, 0 problems",
+    ]
+    header, *entries = alice.read_text(encoding="utf-8").splitlines()
+    # Still truncated when alice's own trail is cut short...
+    done = _node(verifier, _write(tmp_path / "short.jsonl", [header, *entries[:-1]]), heads)
+    assert done.returncode == 1
+    assert 'user "alice@example.com": truncated: entry 4 is missing at the end' in done.stdout
+    # ...and, with no header, the export is the whole log: the others are missing.
+    bare = _write(tmp_path / "bare.jsonl", entries)
+    done = _node(verifier, bare, heads)
+    assert done.returncode == 1
+    assert "user null: truncated: the export holds none of this user's entries" in done.stdout
+    assert _node(verifier, "--user", "alice@example.com", bare, heads).returncode == 0
 
 
 def test_node_links_version_1_entries_but_cannot_rehash_them(
@@ -296,3 +352,251 @@ async def test_node_finds_tampering_around_erasure(
     done = _node(verifier, _write(tmp_path / "t.jsonl", lines))
     assert done.returncode == 1, done.stdout
     assert expected in done.stdout
+
+
+# -- the Node verifier reports what `verify --file` reports ------------------------------------
+
+Lines = list[str]
+
+
+@pytest.fixture(scope="module")
+def trail(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lines, Path]:
+    """A real SQLite trail exported whole: alice (hash version 3), the anonymous bucket, and
+    ana, whose two hash version 2 entries and one version 3 entry were then forgotten; with
+    the heads saved after it."""
+    here = tmp_path_factory.mktemp("differential")
+
+    async def build() -> Lines:
+        export, _ = await _erased_export(here)  # ana: 2 x v2, 1 x v3, then the record
+        store = SqliteAuditStore(here / "erased.db")
+        try:
+            for i in range(5):
+                await store.append(
+                    [
+                        AuditRecord(
+                            user_id=u, actor="agent:a", action="tool.call", payload={"i": i}
+                        )
+                        for u in ("alice@example.com", None)
+                    ]
+                )
+            # bob: a retention whose cut-off takes entries 1-2, not 3.
+            bob = [
+                (await store.append(AuditRecord(user_id="bob", actor="a", action="x")))[0]
+                for _ in range(3)
+            ]
+            await store.erase("bob", reason="retention", before=bob[2].time)
+            # console:ops: a forget's erasure of two looks, by seq.
+            await store.append(
+                [AuditRecord(user_id="console:ops", actor="a", action="x") for _ in range(4)]
+            )
+            await store.erase_entries("console:ops", [2, 3], reason="forget")
+            # cy: a record written after a hold was placed, which erased nothing.
+            await store.append(AuditRecord(user_id="cy", actor="a", action="x"))
+            await store.place_hold("cy", reason="subpoena")
+            payload = {"reason": "forget", "before": None, "entries": 1, "pre_v3": {}}
+            await store.append(
+                AuditRecord(user_id="cy", actor="a", action="audit.erasure", payload=payload)
+            )
+            await store.export(export)
+            (here / "heads.json").write_text(json.dumps((await store.verify()).to_json()))
+        finally:
+            await store.close()
+        return export.read_text(encoding="utf-8").splitlines()
+
+    import asyncio
+
+    return asyncio.run(build()), here / "heads.json"
+
+
+def _at(lines: Lines, user: str | None, seq: int) -> int:
+    return next(
+        i
+        for i, line in enumerate(lines)
+        if json.loads(line)["user_id"] == user and json.loads(line)["seq"] == seq
+    )
+
+
+def _set(lines: Lines, user: str | None, seq: int, /, **fields: Any) -> Lines:
+    i = _at(lines, user, seq)
+    return [*lines[:i], canonical_json(json.loads(lines[i]) | fields), *lines[i + 1 :]]
+
+
+def _raw(lines: Lines, user: str | None, seq: int, old: str, new: str) -> Lines:
+    """Edit a line's text as it is spelled (numbers as written, NaN)."""
+    i = _at(lines, user, seq)
+    assert old in lines[i]
+    return [*lines[:i], lines[i].replace(old, new, 1), *lines[i + 1 :]]
+
+
+def _blanked(lines: Lines, user: str | None, seq: int) -> Lines:
+    return _set(lines, user, seq, payload=None, payload_salt=None)
+
+
+def _header(user: str | None) -> str:
+    """The first line of ``loomflow audit export --user USER``."""
+    return canonical_json({"filters": {"user_id": user}, "loomflow_audit_export": 1})
+
+
+def _only(lines: Lines, user: str | None, *, header: bool) -> Lines:
+    mine = [line for line in lines if json.loads(line)["user_id"] == user]
+    return [_header(user), *mine] if header else mine
+
+
+def _swap(lines: Lines, a: int, b: int) -> Lines:
+    out = list(lines)
+    out[a], out[b] = out[b], out[a]
+    return out
+
+
+A = "alice@example.com"
+TAMPERS: dict[str, Any] = {
+    "untouched": lambda ls: ls,
+    "payload edited": lambda ls: _set(ls, A, 2, payload={"i": 99}),
+    "line deleted": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, A, 3)],
+    "lines swapped": lambda ls: _swap(ls, _at(ls, A, 2), _at(ls, A, 3)),
+    "line moved to the end": lambda ls: [
+        *(x for x in ls if x != ls[_at(ls, A, 2)]),
+        ls[_at(ls, A, 2)],
+    ],
+    "tail dropped": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, A, 5)],
+    "line repeated": lambda ls: [*ls, ls[_at(ls, None, 2)]],
+    "garbage and blank lines": lambda ls: ["{not json", "", "   ", *ls, "[1, 2]", "null", '"x"'],
+    "seq 4.0": lambda ls: _raw(ls, A, 4, '"seq":4,', '"seq":4.0,'),
+    "seq 4e0": lambda ls: _raw(ls, A, 4, '"seq":4,', '"seq":4e0,'),
+    "seq as text": lambda ls: _set(ls, A, 4, seq="4"),
+    "seq 0": lambda ls: _set(ls, A, 1, seq=0),
+    "seq past 2**53": lambda ls: _set(ls, A, 5, seq=2**53),
+    "schema_version 1.0": lambda ls: _raw(ls, A, 2, '"schema_version":1,', '"schema_version":1.0,'),
+    "hash_version 3.0": lambda ls: _raw(ls, A, 2, '"hash_version":3,', '"hash_version":3.0,'),
+    "hash_version 4": lambda ls: _set(ls, A, 2, hash_version=4),
+    "hash_version true": lambda ls: _set(ls, A, 2, hash_version=True),
+    "a field no entry has": lambda ls: _set(ls, A, 2, note="x"),
+    "payload a list": lambda ls: _set(ls, A, 2, payload=[1]),
+    "no actor": lambda ls: [
+        *(canonical_json({k: v for k, v in json.loads(x).items() if k != "actor"}) for x in ls[:1]),
+        *ls[1:],
+    ],
+    "session_id left out": lambda ls: [
+        canonical_json({k: v for k, v in json.loads(x).items() if k != "session_id"}) for x in ls
+    ],
+    "time spelled short": lambda ls: _set(
+        ls, A, 2, time=json.loads(ls[_at(ls, A, 2)])["time"][:-5] + "Z"
+    ),
+    "time on 30 February": lambda ls: _set(ls, A, 2, time="2026-02-30T10:00:00.000000Z"),
+    "time null": lambda ls: _set(ls, A, 2, time=None),
+    "NaN in a payload": lambda ls: _raw(ls, A, 2, '"i":1', '"i":NaN'),
+    "relinked": lambda ls: _set(ls, A, 3, prev_hash="0" * 64),
+    "moved to another user": lambda ls: _set(ls, A, 3, user_id="mallory"),
+    "payload blanked without a record": lambda ls: _blanked(ls, None, 2),
+    "payload blanked past a retention cut-off": lambda ls: _blanked(ls, "bob", 3),
+    "looks blanked outside the record's seqs": lambda ls: _blanked(
+        _blanked(ls, "console:ops", 1), "console:ops", 4
+    ),
+    "payload blanked before a record made under a hold": lambda ls: _blanked(ls, "cy", 1),
+    "a hold's reason blanked": lambda ls: _blanked(ls, "cy", 2),
+    "a record's payload blanked": lambda ls: _blanked(ls, "console:ops", 5),
+    "erased v2 entry relabelled": lambda ls: _set(ls, "ana", 1, action="tool.replay"),
+    "erasure record dropped": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, "ana", 4)],
+    "digest of a v2 entry dropped from the record": lambda ls: _set(
+        ls, "ana", 4, payload=json.loads(ls[_at(ls, "ana", 4)])["payload"] | {"pre_v3": {}}
+    ),
+    "v2 entry given a digest": lambda ls: _set(ls, "ana", 1, payload_digest="0" * 64),
+    "v3 entry without its digest": lambda ls: _set(ls, A, 1, payload_digest=None),
+    "v3 payload without its salt": lambda ls: _set(ls, A, 1, payload_salt=None),
+    "an export of alice only": lambda ls: _only(ls, A, header=True),
+    "an export of the anonymous bucket only": lambda ls: _only(ls, None, header=True),
+    "alice's lines without their header": lambda ls: _only(ls, A, header=False),
+    "an export of alice cut short": lambda ls: _only(ls, A, header=True)[:-1],
+    "a header naming alice over everyone's lines": lambda ls: [_header(A), *ls],
+    "a header of another format": lambda ls: [
+        _header(A).replace('"loomflow_audit_export":1', '"loomflow_audit_export":2'),
+        *_only(ls, A, header=False),
+    ],
+    "a header with format 1.0": lambda ls: [
+        _header(A).replace('"loomflow_audit_export":1', '"loomflow_audit_export":1.0'),
+        *_only(ls, A, header=False),
+    ],
+    "a header with an unknown filter": lambda ls: [
+        _header(A).replace('{"user_id"', '{"tenant":"t","user_id"'),
+        *_only(ls, A, header=False),
+    ],
+    "a header holding NaN": lambda ls: [
+        _header(A).replace('"user_id":"alice@example.com"', '"user_id":NaN'),
+        *_only(ls, A, header=False),
+    ],
+    "a header on the second line": lambda ls: [ls[0], _header(A), *ls[1:]],
+    "starts mid-trail": lambda ls: [
+        x for x in ls if json.loads(x)["user_id"] != A or json.loads(x)["seq"] > 2
+    ],
+    "a user left out": lambda ls: [x for x in ls if json.loads(x)["user_id"] is not None],
+    "rewritten past a saved head": lambda ls: _set(ls, A, 5, hash="f" * 64),
+}
+
+
+HARMLESS = ("untouched", "session_id left out")  # a missing session_id is null, as hashed
+
+
+@pytest.mark.parametrize("user", [A, "bob", "nobody"])
+@pytest.mark.parametrize(
+    "tamper", ["untouched", "an export of alice only", "alice's lines without their header"]
+)
+def test_node_checks_one_named_user_as_python_does(
+    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, tamper: str, user: str
+) -> None:
+    lines, heads_path = trail
+    export = _write(tmp_path / "export.jsonl", TAMPERS[tamper](list(lines)))
+    heads = heads_from_json(json.loads(heads_path.read_text()))
+    with export.open(encoding="utf-8") as fh:
+        python = verify_lines(fh, heads=heads, user_id=user).to_json()
+    done = _node(verifier, "--json", "--user", user, export, heads_path)
+    assert done.returncode == (0 if python["ok"] else 1), done.stdout + done.stderr
+    assert _findings(json.loads(done.stdout)) == _findings(python)
+    assert python["users"] == (
+        0 if user == "nobody" or (user == "bob" and tamper != "untouched") else 1
+    )
+
+
+def _findings(report: dict[str, Any]) -> dict[str, Any]:
+    def rows(items: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        # Why a line is unreadable is worded by each parser; everything else is compared.
+        return [
+            (
+                p["user_id"],
+                p["kind"],
+                p["seq"],
+                p["position"],
+                p["kind"] != "unreadable" and p["detail"],
+            )
+            for p in items
+        ]
+
+    return {
+        "ok": report["ok"],
+        "users": report["users"],
+        "entries": report["entries"],
+        "erased": report["erased"],
+        "problems": rows(report["problems"]),
+        "warnings": rows(report["warnings"]),
+        "heads": report["heads"],
+        "export_filters": report.get("export_filters"),
+    }
+
+
+@pytest.mark.parametrize("with_heads", [False, True], ids=["alone", "heads"])
+@pytest.mark.parametrize("tamper", list(TAMPERS))
+def test_node_reports_what_python_reports(
+    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, tamper: str, with_heads: bool
+) -> None:
+    lines, heads_path = trail
+    tampered = TAMPERS[tamper](list(lines))
+    export = _write(tmp_path / "export.jsonl", tampered)
+    heads = heads_from_json(json.loads(heads_path.read_text())) if with_heads else []
+    with export.open(encoding="utf-8") as fh:
+        python = verify_lines(fh, heads=heads).to_json()
+    done = _node(verifier, "--json", export, *([heads_path] if with_heads else []))
+    assert done.returncode == (0 if python["ok"] else 1), done.stdout + done.stderr
+    node = json.loads(done.stdout)
+    assert _findings(node) == _findings(python)
+    # Each tamper is seen, but for the two that change nothing loomflow hashes.
+    untouched = verify_lines(lines, heads=heads).to_json()
+    assert (_findings(python) == _findings(untouched)) == (tamper in HARMLESS)

@@ -451,7 +451,9 @@ async def test_audit_export_and_verify_draw_bars_without_touching_stdout(
     piped = loomflow(*audit, "export", "--user", "u1")
     assert piped.returncode == 0
     assert piped.stderr == ""
-    assert len(piped.stdout.splitlines()) == 400
+    header, *lines = piped.stdout.splitlines()
+    assert json.loads(header) == {"filters": {"user_id": "u1"}, "loomflow_audit_export": 1}
+    assert len(lines) == 400
     # A terminal of unknown size (0x0) still gets a bar; the lines on stdout are unchanged.
     code, out, screen = loomflow_on_a_terminal(*audit, "export", "--user", "u1")
     assert code == 0

@@ -166,7 +166,8 @@ def test_the_compliance_flow_in_chromium(
     deadline = time.monotonic() + 30
     while not exported.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    lines = exported.read_text(encoding="utf-8").splitlines()
+    header, *lines = exported.read_text(encoding="utf-8").splitlines()
+    assert '"loomflow_audit_export":1' in header  # it names the filters, then the entries
     assert len(lines) == 60
     assert shown == 25  # the first page of those 60
     assert all('"action":"note.added"' in line for line in lines)
@@ -175,7 +176,7 @@ def test_the_compliance_flow_in_chromium(
     deadline = time.monotonic() + 30
     while not exported.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(exported.read_text(encoding="utf-8").splitlines()) == shown
+    assert len(exported.read_text(encoding="utf-8").splitlines()) == 1 + shown
 
     # Runs by state, for SREs.
     d.get(base + "/runs")

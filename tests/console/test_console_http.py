@@ -495,7 +495,12 @@ def test_verification_and_export_check_out_with_the_cli(
         assert "Chain verified" in page
         export = http.get("/export", params={"user": BOB, "action": "note.*"})
         assert export.headers["content-type"].startswith("application/x-ndjson")
-        lines = export.text.splitlines()
+        header, *lines = export.text.splitlines()
+        # Its first line says what it holds, as `loomflow audit export` writes it.
+        assert json.loads(header) == {
+            "filters": {"action": "note.*", "user_id": BOB},
+            "loomflow_audit_export": 1,
+        }
         assert len(lines) == BOB_EXTRA
         # "This page": exactly the entries the trail page shows.
         first = http.get("/api/users/bob", params={"limit": 25}).json()
@@ -505,7 +510,7 @@ def test_verification_and_export_check_out_with_the_cli(
         page = http.get(
             "/export", params={"user": BOB, "limit": 25, "cursor": first["next_cursor"]}
         ).text
-        exported = [json.loads(line) for line in page.splitlines()]
+        exported = [json.loads(line) for line in page.splitlines()[1:]]  # after the header
         assert [(e["seq"], e["hash"]) for e in exported] == [
             (e["seq"], e["hash"]) for e in second["entries"]
         ]
