@@ -10,6 +10,9 @@ runs it is resuming (another worker takes them over at once) and exits 0.
 
 ``--once``: one sweep, wait for the runs it resumed, exit: 0 when all of them finished (or were
 cancelled), 1 when one of them raised (it is retried, or dead-lettered, by a later sweep).
+
+What it prints is plain text; with ``--json``, one JSON object a line: its events (``serving``,
+``started``, ``stopped``) and its sweep reports.
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ def register(subparsers: Any) -> None:
         "--concurrency", type=positive_int, default=10, help="runs resumed at once (10)"
     )
     worker.add_argument("--worker-id", help="name in the audit log (default: host:pid)")
-    worker.add_argument("--json", action="store_true", help="sweep reports as JSON lines")
+    worker.add_argument(
+        "--json", action="store_true", help="events and sweep reports as JSON lines"
+    )
     worker.set_defaults(handler=_handle)
 
 
@@ -218,6 +223,11 @@ def _print(report: SweepReport, as_json: bool) -> None:
         print(f"  dead letter: session {ref.session_id!r} of {ref.user_id!r}: {ref.reason}")
 
 
+def _event(as_json: bool, event: str, text: str, **fields: Any) -> None:
+    """One line about the worker itself: ``text`` for people, an object with ``--json``."""
+    print(json.dumps({"event": event, **fields}) if as_json else text, flush=True)
+
+
 async def _handle(args: argparse.Namespace) -> int:
     agents = load_app(args.app)
     first = next(iter(agents.values()))
@@ -238,9 +248,13 @@ async def _handle(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else (None if args.once else 9464)
     server = _serve(args.host, port, health) if port is not None else None
     if server is not None:
-        print(
-            json.dumps({"event": "serving", "host": args.host, "port": server.server_address[1]}),
-            flush=True,
+        bound = server.server_address[1]
+        _event(
+            args.json,
+            "serving",
+            f"serving /metrics, /healthz and /readyz on http://{args.host}:{bound}",
+            host=args.host,
+            port=bound,
         )
     try:
         if args.once:
@@ -262,7 +276,12 @@ async def _serve_forever(recovery: Recovery, health: _Health, as_json: bool) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "started", "worker": recovery.worker_id}), flush=True)
+    _event(
+        as_json,
+        "started",
+        f"worker {recovery.worker_id} started: a sweep every {recovery.interval:g}s",
+        worker=recovery.worker_id,
+    )
     try:
         while not stop.is_set():
             try:
@@ -279,6 +298,11 @@ async def _serve_forever(recovery: Recovery, health: _Health, as_json: bool) -> 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     await recovery.stop()
-    print(json.dumps({"event": "stopped", "worker": recovery.worker_id}), flush=True)
+    _event(
+        as_json,
+        "stopped",
+        f"worker {recovery.worker_id} stopped: the runs it held are handed over",
+        worker=recovery.worker_id,
+    )
     sys.stdout.flush()
     return 0

