@@ -154,22 +154,48 @@ def _parser() -> argparse.ArgumentParser:
 
     for module in _command_modules():
         module.register(sub)
-    _url_after_commands(parser)
+    _urls_after_commands(parser)
     return parser
 
 
 _URL_HELP = "journal URL (default: LOOMFLOW_RUNTIME_URL or sqlite:///.loomflow/journal.db)"
+# The store options a command group takes before its command (`loomflow --url ...`,
+# `loomflow audit --audit-url ...`, `loomflow budget --budget-url ...`).
+_GROUP_URLS = ("url", "audit_url", "budget_url")
+# Commands that open no store a URL names: their refusal of --url says why (see _command).
+_NO_URL = {
+    "demo": "demo takes no --url: it makes a journal of its own, in --workdir (SQLite) or in "
+    "the database --postgres names",
+    "worker": "worker takes no --url: it recovers the journal of the agents APP registers "
+    "(their runtime decides where it is)",
+}
 
 
-def _url_after_commands(parser: argparse.ArgumentParser) -> None:
-    """Accept ``--url`` after the command too (``loomflow runs list --url ...``), where people
-    put it once they have typed the command. Suppressed as a default, so a ``--url`` given
-    before the command is kept when none comes after it."""
+def _urls_after_commands(
+    parser: argparse.ArgumentParser, inherited: tuple[argparse.Action, ...] = ()
+) -> None:
+    """Accept a group's store options after its commands too (``loomflow runs list --url
+    ...``, ``loomflow budget reclaim --budget-url ...``), where people put them once they
+    have typed the command. Suppressed as defaults, so one given before the command is kept
+    when none comes after it; the later one wins."""
+    options = inherited + tuple(
+        a for a in parser._actions if a.dest in _GROUP_URLS and a.option_strings
+    )
     for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for command in action.choices.values():
-                command.add_argument("--url", default=argparse.SUPPRESS, help=_URL_HELP)
-                _url_after_commands(command)
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for name, command in action.choices.items():
+            for option in options:
+                if any(o in command._option_string_actions for o in option.option_strings):
+                    continue  # the command's own (migrate --audit-url)
+                hidden = option.dest == "url" and name in _NO_URL  # refused, not offered
+                command.add_argument(
+                    *option.option_strings,
+                    dest=option.dest,
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS if hidden else option.help,
+                )
+            _urls_after_commands(command, options)
 
 
 # Command groups that live in their own modules (audit, budget, checkpoints, ...): each has
@@ -271,6 +297,9 @@ def _command(args: argparse.Namespace) -> int:
     # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
     # reported here, in one line, before anything runs.
     settings = Settings()
+    if args.command in _NO_URL and args.url is not None:
+        print(f"loomflow: error: {_NO_URL[args.command]}", file=sys.stderr)
+        return 2
     _check_text_args(args)
     _check_urls(args)
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):

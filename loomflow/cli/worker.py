@@ -2,7 +2,9 @@
 
 ``APP`` is ``module:attribute`` naming a mapping of agent names to agents, or a plain function
 of no arguments returning one. The recoverer uses the journal of the agents (the first one's
-runtime; every agent must journal to that database) and the first one's audit log. It sweeps
+runtime; every agent must journal to that database) and the first one's audit log. It takes
+no ``--url``; a ``LOOMFLOW_RUNTIME_URL`` naming another journal than the agents' is refused,
+so the worker never sweeps a journal other than the one the other commands read. It sweeps
 at start and then every ``--interval`` seconds, serves ``/metrics`` (prometheus-client's default
 registry), ``/healthz`` and ``/readyz`` (200 once a sweep has reached the journal) on
 ``--host``:``--port``, and on SIGTERM or SIGINT stops taking work, releases the leases of the
@@ -36,8 +38,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from ..agent import Agent
 from ..audit import AuditLog
+from ..config import Settings, _masked_url
 from ..errors import ConfigurationError, UserError
 from ..recovery import Recovery, SweepReport
+from ..runtime import JournalRuntime
+from ..runtime._identity import journal_identity
+from ..storage import PostgresDatabase, SqliteDatabase
+from ..stores import Stores
 from ._format import port, positive_int
 
 __all__ = ["load_app", "register"]
@@ -228,12 +235,52 @@ def _event(as_json: bool, event: str, text: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}) if as_json else text, flush=True)
 
 
+def _where(runtime: JournalRuntime) -> str:
+    """Where a runtime journals, for a message (a password in a DSN hidden)."""
+    database = getattr(runtime, "database", None)
+    if isinstance(database, SqliteDatabase):
+        return f"the SQLite file {database.path}"
+    if isinstance(database, PostgresDatabase):
+        dsn = getattr(database, "_dsn", None)
+        return "a PostgreSQL pool" if dsn is None else _masked_url(dsn)
+    return repr(runtime)
+
+
+async def _check_settings_journal(runtime: JournalRuntime, spec: str) -> None:
+    """Refuse a ``LOOMFLOW_RUNTIME_URL`` naming another journal than the agents' own.
+
+    The worker recovers the agents' journal: with the variable naming another one, ``runs
+    list`` and the other commands would read one journal while the worker swept another,
+    and orphans would seem to stay orphaned. Unset, the variable names nothing to compare.
+    """
+    settings = Settings()
+    url = settings.runtime_url
+    if "runtime_url" not in settings.model_fields_set or url.startswith("memory:"):
+        return  # a memory:// journal is private to the object that made it: nothing to match
+    async with Stores(settings) as stores:
+        named = stores.runtime
+        assert named is not None  # Stores builds the journal unless told not to
+        same = await journal_identity(named) == await journal_identity(runtime)
+    if not same:
+        raise ConfigurationError(
+            f"LOOMFLOW_RUNTIME_URL names {_masked_url(url)} but the agents of {spec} journal "
+            f"to {_where(runtime)}: the worker recovers the agents' journal, not the one the "
+            "other commands read; point both at one journal (Agent.from_settings takes the "
+            "variable) or unset it for the worker"
+        )
+
+
 async def _handle(args: argparse.Namespace) -> int:
     agents = load_app(args.app)
     first = next(iter(agents.values()))
     runtime = first.runtime
     if runtime is None:
         raise UserError(f"agent {first.name!r} has no runtime: there is no journal to recover")
+    try:
+        await _check_settings_journal(runtime, args.app)
+    except BaseException:
+        await runtime.close()
+        raise
     audit = first.audit if isinstance(first.audit, AuditLog) else None
     recovery = Recovery(
         runtime,
@@ -246,7 +293,11 @@ async def _handle(args: argparse.Namespace) -> int:
     )
     health = _Health()
     port = args.port if args.port is not None else (None if args.once else 9464)
-    server = _serve(args.host, port, health) if port is not None else None
+    try:
+        server = _serve(args.host, port, health) if port is not None else None
+    except BaseException:
+        await runtime.close()
+        raise
     if server is not None:
         bound = server.server_address[1]
         _event(

@@ -98,3 +98,78 @@ def test_a_long_running_worker_prints_plain_text_unless_json(tmp_path: Path) -> 
     as_json = [json.loads(line) for line in _worker_lines(tmp_path, "--json")]
     assert [e["event"] for e in as_json] == ["serving", "started", "stopped"]
     assert as_json[0]["port"] > 0
+
+
+# -- --url on worker and demo; the store URLs of a group after its command --------------------
+
+
+def test_worker_and_demo_refuse_url_on_either_side_of_the_command(tmp_path: Path) -> None:
+    (tmp_path / "reviewapp.py").write_text(_APP)
+    for argv, why in (
+        (["--url", "sqlite:///doesnotexist.db", "worker", "reviewapp:AGENTS", "--once"],
+         "worker takes no --url: it recovers the journal of the agents APP registers"),
+        (["worker", "reviewapp:AGENTS", "--once", "--url", "sqlite:///doesnotexist.db"],
+         "worker takes no --url: it recovers the journal of the agents APP registers"),
+        (["demo", "--url", "sqlite:///mine.db", "--workdir", str(tmp_path)],
+         "demo takes no --url: it makes a journal of its own, in --workdir"),
+        (["--url", "sqlite:///mine.db", "demo", "--workdir", str(tmp_path)],
+         "demo takes no --url: it makes a journal of its own, in --workdir"),
+    ):  # fmt: skip
+        done = loomflow(*argv, cwd=tmp_path)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"loomflow: error: {why}"), done.stderr
+        assert done.stdout == ""
+    # Nothing ran: no journal of the agents, no demo files, no mine.db.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["reviewapp.py"]
+    for command in ("worker", "demo"):
+        helped = loomflow(command, "--help")
+        assert "--url" not in helped.stdout, command  # not offered where it is refused
+
+
+def test_worker_refuses_a_runtime_url_naming_another_journal(tmp_path: Path) -> None:
+    (tmp_path / "reviewapp.py").write_text(_APP)
+    other = loomflow(
+        "worker", "reviewapp:AGENTS", "--once", cwd=tmp_path,
+        env=_env(LOOMFLOW_RUNTIME_URL="sqlite:///other.db"),
+    )  # fmt: skip
+    assert other.returncode == 1
+    assert other.stderr.splitlines() == [
+        "loomflow: error: LOOMFLOW_RUNTIME_URL names sqlite:///other.db but the agents of "
+        "reviewapp:AGENTS journal to the SQLite file journal.db: the worker recovers the "
+        "agents' journal, not the one the other commands read; point both at one journal "
+        "(Agent.from_settings takes the variable) or unset it for the worker"
+    ]
+    assert not (tmp_path / "other.db").exists()
+    assert not (tmp_path / "journal.db").exists()  # nothing was swept
+    # The same file, however it is spelled, is the agents' journal: swept as usual.
+    same = loomflow(
+        "worker", "reviewapp:AGENTS", "--once", cwd=tmp_path,
+        env=_env(LOOMFLOW_RUNTIME_URL=f"sqlite:///{tmp_path / 'journal.db'}"),
+    )  # fmt: skip
+    assert same.returncode == 0, same.stderr
+    assert same.stdout.startswith("sweep: resumed 0")
+    unset = loomflow("worker", "reviewapp:AGENTS", "--once", cwd=tmp_path)
+    assert unset.returncode == 0, unset.stderr
+
+
+def test_store_urls_of_a_command_group_go_after_its_command_too(tmp_path: Path) -> None:
+    gov = f"sqlite:///{tmp_path / 'gov.db'}"
+    missing = f"sqlite:///{tmp_path / 'missing.db'}"
+    assert loomflow("--url", gov, "migrate").returncode == 0
+    for argv, out in (
+        (["budget", "reclaim", "--budget-url", gov], "reclaimed 0 reservations\n"),
+        (["budget", "--budget-url", gov, "reclaim"], "reclaimed 0 reservations\n"),
+        (["budget", "--budget-url", missing, "reclaim", "--budget-url", gov],
+         "reclaimed 0 reservations\n"),  # the later one wins, as for --url
+        (["audit", "query", "--audit-url", gov, "--json"], None),
+        (["audit", "--audit-url", missing, "verify", "--audit-url", gov], None),
+    ):  # fmt: skip
+        done = loomflow("--url", missing, *argv)
+        assert done.returncode == 0, (argv, done.stderr)
+        if out is not None:
+            assert done.stdout == out
+    earlier = loomflow("budget", "--budget-url", gov, "reclaim", "--budget-url", missing)
+    assert earlier.returncode == 1
+    assert "no budget store at" in earlier.stderr
+    assert not (tmp_path / "missing.db").exists()

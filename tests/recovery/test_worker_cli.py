@@ -302,8 +302,6 @@ async def test_the_installed_command_imports_the_app_from_where_it_starts(tmp_pa
     env.pop("PYTHONPATH", None)
     proc = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).parent / "loomflow"),
-        "--url",
-        "sqlite:///journal.db",
         "worker",
         "myapp.workers:AGENTS",
         "--once",
