@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
@@ -36,10 +36,24 @@ from ._stores import existing, refuse_unready, session_of
 from ._upgrade import legacy_note, quiet_on_open
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, naming a missing command by the commands there are: argparse says
+    "the following arguments are required: runs_command", the name the code reads it by."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith(_REQUIRED):
+            missing = message.removeprefix(_REQUIRED).split(", ")
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction) and action.dest in missing:
+                    message = f"choose a command: {', '.join(action.choices)}"
+        super().error(message)
+
+
+_REQUIRED = "the following arguments are required: "
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="loomflow", description="Durable, governed and observable agent runs."
-    )
+    parser = _Parser(prog="loomflow", description="Durable, governed and observable agent runs.")
     parser.add_argument("--version", action="version", version=f"loomflow {__version__}")
     parser.add_argument("--url", help=_URL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -8,6 +8,7 @@ variables, and times in more than one format.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -17,6 +18,8 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 cli_main = importlib.import_module("loomflow.cli.main")
 
@@ -173,3 +176,34 @@ def test_store_urls_of_a_command_group_go_after_its_command_too(tmp_path: Path) 
     assert earlier.returncode == 1
     assert "no budget store at" in earlier.stderr
     assert not (tmp_path / "missing.db").exists()
+
+
+# -- usage errors in people's words -----------------------------------------------------------
+
+
+def _groups(
+    parser: argparse.ArgumentParser, prefix: list[str]
+) -> list[tuple[list[str], list[str]]]:
+    """Every parser with commands under it: its argv and the names of its commands."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.append((prefix, list(action.choices)))
+            for name, child in action.choices.items():
+                found += _groups(child, [*prefix, name])
+    return found
+
+
+def test_a_missing_command_is_named_by_the_commands_there_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    groups = _groups(cli_main._parser(), [])
+    assert len(groups) == 8  # loomflow, runs, journal, approvals, audit, budget, ...
+    for argv, commands in groups:
+        with pytest.raises(SystemExit) as stopped:
+            cli_main.main(argv)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1].endswith(f": error: choose a command: {', '.join(commands)}")
+        assert "_command" not in err, argv
+        assert "arguments are required" not in err, argv
