@@ -207,3 +207,45 @@ def test_a_missing_command_is_named_by_the_commands_there_are(
         assert err.splitlines()[-1].endswith(f": error: choose a command: {', '.join(commands)}")
         assert "_command" not in err, argv
         assert "arguments are required" not in err, argv
+
+
+# -- a database holding only a 0.20 journal ---------------------------------------------------
+
+
+def test_read_only_commands_refuse_a_database_with_only_a_0_20_journal(tmp_path: Path) -> None:
+    db = tmp_path / "legacy2.db"
+    with sqlite3.connect(db) as conn:
+        for table in ("journal_steps", "journal_streams"):
+            conn.execute(
+                f"CREATE TABLE {table} (session_id TEXT, user_id TEXT, epoch INTEGER, "
+                "seq INTEGER, step_key TEXT, fingerprint TEXT, value TEXT, finished INTEGER, "
+                "created_at REAL)"
+            )
+    conn.close()
+    before = _tables(db)
+    url = f"sqlite:///{db}"
+    for command in (
+        ["runs", "list"],
+        ["runs", "show", "s"],
+        ["journal", "prune", "--all"],
+        ["budget", "show"],
+        ["audit", "query"],
+        ["checkpoints", "list", "s"],
+        ["approvals", "list"],
+        ["users", "export", "alice"],
+    ):
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert done.stdout == "", command
+        assert done.stderr.splitlines() == [
+            f"loomflow: error: {url!r} holds a loomflow 0.20 journal and no store of this "
+            "release: run `loomflow migrate --import-0.20` once every worker runs this "
+            "release, to add this release's tables and import its runs "
+            "(docs/operations/upgrading.md); other commands add no tables to a database"
+        ], command
+        assert _tables(db) == before, command
+    # migrate is the command that adds the tables.
+    assert loomflow("--url", url, "migrate").returncode == 0
+    listed = loomflow("--url", url, "runs", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith("no sessions in the journal")
