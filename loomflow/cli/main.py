@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -262,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"loomflow: error: {_bad_settings(exc)}", file=sys.stderr)
         return 1
     except SettingsError as exc:  # pydantic-settings could not even read a value
-        print(f"loomflow: error: bad setting: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"loomflow: error: {_unreadable_setting(exc)}", file=sys.stderr)
         return 1
     except UnicodeDecodeError as exc:  # a .env saved as UTF-16 or Latin-1
         print(f"loomflow: error: a file read is not UTF-8 text (a .env saved as UTF-16?): {exc}",
@@ -435,19 +436,35 @@ _OTHER_VARIABLES = ("LOOMFLOW_TEST_PG_DSN",)
 
 
 def _warn_unknown_variables(fields: Iterable[str]) -> None:
-    """A LOOMFLOW_ variable that names no setting is ignored: say so, with the likely one."""
+    """A LOOMFLOW_ variable that names no setting is ignored: say so, with the likely one,
+    whether it is in the environment or in the ``.env`` file the settings read."""
     names = [name.upper() for name in fields]
-    for variable in sorted(os.environ):
-        name = variable.removeprefix("LOOMFLOW_")
-        if name == variable or name in names or variable in _OTHER_VARIABLES:
+    found = [(variable, "") for variable in sorted(os.environ)] + _env_file_variables()
+    for variable, where in found:
+        # Matched as the settings match them: case-blind (`loomflow_lease_seconds` is read).
+        name = variable.upper().removeprefix("LOOMFLOW_")
+        if name == variable.upper() or name in names or variable.upper() in _OTHER_VARIABLES:
             continue
         # Compared without the shared prefix, which would make every name look close.
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
         hint = f" (did you mean LOOMFLOW_{close[0]}?)" if close else ""
         print(
-            f"loomflow: warning: {printable(variable)} is not a setting and is ignored{hint}",
+            f"loomflow: warning: {printable(variable)}{printable(where)} is not a setting and "
+            f"is ignored{hint}",
             file=sys.stderr,
         )
+
+
+def _env_file_variables() -> list[tuple[str, str]]:
+    """The names the ``.env`` file the settings read defines, each with `` in .env``."""
+    from dotenv import dotenv_values
+
+    env_file = Settings.model_config.get("env_file")
+    if not isinstance(env_file, str) or not Path(env_file).is_file():
+        return []
+    encoding = Settings.model_config.get("env_file_encoding") or "utf-8"
+    names = dotenv_values(env_file, encoding=encoding)
+    return [(name, f" in {env_file}") for name in sorted(names)]
 
 
 def _masked(name: str, value: Any) -> Any:
@@ -467,6 +484,18 @@ def _bad_settings(exc: ValidationError) -> str:
         message = error["msg"].removeprefix("Value error, ")  # pydantic's label for ours
         problems.append(f"{where}: {_one_line(message)}")
     return "bad setting " + "; ".join(problems)
+
+
+def _unreadable_setting(exc: SettingsError) -> str:
+    """What pydantic-settings could not read, by the variable's name: it decodes a JSON-typed
+    setting itself and says only 'error parsing value for field "x" from source "..."'."""
+    found = re.search(r'for field "(\w+)"', str(exc))
+    if found is None:
+        return f"bad setting: {_one_line(str(exc))}"
+    return (
+        f"bad setting LOOMFLOW_{found[1].upper()}: its value is not the JSON this setting "
+        "takes (see `loomflow settings` and docs/settings.md)"
+    )
 
 
 def _one_line(text: str) -> str:

@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic_settings import EnvSettingsSource, SettingsError
+
+from loomflow.config import Settings
 
 cli_main = importlib.import_module("loomflow.cli.main")
 
@@ -249,3 +252,79 @@ def test_read_only_commands_refuse_a_database_with_only_a_0_20_journal(tmp_path:
     listed = loomflow("--url", url, "runs", "list")
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.startswith("no sessions in the journal")
+
+
+# -- settings: typos in .env, values that are not JSON ----------------------------------------
+
+
+def test_a_misspelt_setting_in_dotenv_is_warned_of_like_one_in_the_environment(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / ".env").write_text(
+        "LOOMFLOW_RUNTIM_URL=x\nloomflow_lease_secnds=5\nLOOMFLOW_LEASE_SECONDS=7\nOTHER=1\n"
+    )
+    done = loomflow("settings", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["lease_seconds"] == {
+        "value": 7.0,
+        "from": "environment or .env",
+    }
+    assert done.stderr.splitlines() == [
+        "loomflow: warning: LOOMFLOW_RUNTIM_URL in .env is not a setting and is ignored "
+        "(did you mean LOOMFLOW_RUNTIME_URL?)",
+        "loomflow: warning: loomflow_lease_secnds in .env is not a setting and is ignored "
+        "(did you mean LOOMFLOW_LEASE_SECONDS?)",
+    ]
+
+
+@pytest.mark.parametrize("where", ["environment", ".env"])
+def test_redact_patterns_that_are_not_a_json_object_name_the_variable(
+    where: str, tmp_path: Path
+) -> None:
+    for value, problem in (
+        ("x", "not JSON (Expecting value: line 1 column 1 (char 0)): give a JSON object"),
+        ('["CUST-[0-9]+"]', "a JSON list, not a JSON object"),
+    ):
+        if where == ".env":
+            (tmp_path / ".env").write_text(f"LOOMFLOW_REDACT_PATTERNS='{value}'\n")
+            env = _env()
+        else:
+            env = _env(LOOMFLOW_REDACT_PATTERNS=value)
+        done = loomflow("settings", cwd=tmp_path, env=env)
+        assert done.returncode == 1
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(
+            f"loomflow: error: bad setting LOOMFLOW_REDACT_PATTERNS: {problem} of kind to "
+            'regular expression, e.g. {"customer_id": "CUST-[0-9]{8}"}'
+        ), done.stderr
+    blank = loomflow("settings", "--json", cwd=tmp_path, env=_env(LOOMFLOW_REDACT_PATTERNS=""))
+    assert blank.returncode == 0, blank.stderr
+    assert json.loads(blank.stdout)["redact_patterns"]["value"] == {}
+
+
+def test_every_json_typed_setting_names_its_variable_when_it_does_not_parse(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    source = EnvSettingsSource(Settings)
+    complex_fields = [
+        name for name, field in Settings.model_fields.items() if source.field_is_complex(field)
+    ]
+    assert {"redact_patterns", "redact_secrets", "redact_env"} <= set(complex_fields)
+    for name in complex_fields:
+        variable = f"LOOMFLOW_{name.upper()}"
+        for value in ("x", "{", '{"a": 1}', "[1, 2]"):
+            monkeypatch.setenv(variable, value)
+            code = cli_main.main(["settings"])
+            _, err = capsys.readouterr()
+            if code == 0:  # a form the setting takes (a list item "x", say)
+                continue
+            assert code == 1, (variable, value)
+            assert err.count("\n") == 1, err
+            assert err.startswith(f"loomflow: error: bad setting {variable}"), (value, err)
+        monkeypatch.delenv(variable)
+    # What pydantic-settings reports itself, for a JSON-typed setting it decodes, is named too.
+    unreadable = SettingsError('error parsing value for field "some_map" from source "Env"')
+    assert cli_main._unreadable_setting(unreadable).startswith(
+        "bad setting LOOMFLOW_SOME_MAP: its value is not the JSON this setting takes"
+    )
