@@ -649,6 +649,8 @@ class _AppRoleGrants:
         made = ""
         if result.created:
             made = " (created with LOGIN: set its password)" if self.login else " (created NOLOGIN)"
+        elif result.login_granted:
+            made = " (existing role given LOGIN: set its password)"
         self.report.steps.append(
             MigrationStep(
                 "app role",

@@ -98,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
         "application needs; audit entries can then only be appended (docs/security.md)",
     )
     migrate.add_argument(
-        "--app-login", action="store_true", help="with --app-role: create the role with LOGIN"
+        "--app-login",
+        action="store_true",
+        help="with --app-role: the role may log in (created with LOGIN, or given it)",
     )
 
     runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
