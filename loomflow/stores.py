@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._ids import check_id
+from ._ids import check_id, user_label
 from ._progress import OnProgress
 from .config import Settings
 from .errors import ProtectedChainError, UnknownUserError, UserError
@@ -463,7 +463,7 @@ class Stores:
         await audit.check_not_held(user_id)
         await audit.check_can_erase()  # before anything is deleted anywhere
         if not await self._knows(user_id):
-            raise UnknownUserError(f"no store holds anything about user {user_id!r}")
+            raise UnknownUserError(f"no store holds anything about {user_label(user_id)}")
         for chain in await self._console_mentions(user_id):
             await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
         report = ForgetReport(user_id)

@@ -36,7 +36,7 @@ from ..governance.approvals import (
 from ..redaction import Redactor
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import login, positive_int, table
+from ._format import login, positive_int, table, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -127,7 +127,7 @@ async def _handle(args: argparse.Namespace) -> int:
         else:
             print(
                 f"{recorded.behavior} recorded for {request.request_id} ({request.tool}) in "
-                f"session {request.session_id!r} of user {request.user_id!r}; the application's "
+                f"session {request.session_id!r} of {who(request.user_id)}; the application's "
                 "next resume() of that session applies it"
             )
         return 0

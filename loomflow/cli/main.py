@@ -31,7 +31,7 @@ from ..errors import ConfigurationError, LoomflowError, UserError
 from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
-from ._format import duration, iso_time, login, positive_int, printable, table
+from ._format import duration, iso_time, login, positive_int, printable, table, who
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, refuse_unready, session_of
 from ._upgrade import legacy_note, quiet_on_open
@@ -647,10 +647,10 @@ async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
             json.dumps({"session_id": args.session_id, "user_id": user_id, "cancelled": cancelled})
         )
     elif cancelled:
-        print(f"cancelled the run of session {args.session_id!r} of user {user_id!r}")
+        print(f"cancelled the run of session {args.session_id!r} of {who(user_id)}")
     else:
         print(
-            f"loomflow: error: session {args.session_id!r} of user {user_id!r} has no open or "
+            f"loomflow: error: session {args.session_id!r} of {who(user_id)} has no open or "
             "interrupted run to cancel",
             file=sys.stderr,
         )

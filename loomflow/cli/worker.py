@@ -45,7 +45,7 @@ from ..runtime import JournalRuntime
 from ..runtime._identity import journal_identity
 from ..storage import PostgresDatabase, SqliteDatabase
 from ..stores import Stores
-from ._format import port, positive_int
+from ._format import port, positive_int, who
 
 __all__ = ["load_app", "register"]
 
@@ -225,9 +225,9 @@ def _print(report: SweepReport, as_json: bool) -> None:
         flush=True,
     )
     for ref in report.unregistered:
-        print(f"  left alone: session {ref.session_id!r} of {ref.user_id!r}: {ref.reason}")
+        print(f"  left alone: session {ref.session_id!r} of {who(ref.user_id)}: {ref.reason}")
     for ref in report.dead_lettered:
-        print(f"  dead letter: session {ref.session_id!r} of {ref.user_id!r}: {ref.reason}")
+        print(f"  dead letter: session {ref.session_id!r} of {who(ref.user_id)}: {ref.reason}")
 
 
 def _event(as_json: bool, event: str, text: str, **fields: Any) -> None:

@@ -9,6 +9,7 @@ variables, and times in more than one format.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 import os
@@ -328,3 +329,46 @@ def test_every_json_typed_setting_names_its_variable_when_it_does_not_parse(
     assert cli_main._unreadable_setting(unreadable).startswith(
         "bad setting LOOMFLOW_SOME_MAP: its value is not the JSON this setting takes"
     )
+
+
+# -- what people read: the budget table, the anonymous user -----------------------------------
+
+
+def test_the_anonymous_user_is_called_so_and_model_time_has_a_readable_label(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    cancel = loomflow("--url", url, "runs", "cancel", "nope", "--anonymous")
+    assert cancel.returncode == 1
+    assert cancel.stderr.splitlines() == [
+        "loomflow: error: session 'nope' of the anonymous user has no open or interrupted run "
+        "to cancel"
+    ]
+    forget = loomflow("--url", url, "users", "forget", "--anonymous", "--yes")
+    assert forget.returncode == 1
+    assert forget.stderr.splitlines() == [
+        "loomflow: error: no store holds anything about the anonymous user"
+    ]
+    hold = loomflow("--url", url, "users", "hold", "--anonymous", "--reason", "audit")
+    assert hold.stdout == "the anonymous user is under legal hold (audit entry 1)\n"
+    again = loomflow("--url", url, "users", "hold", "--anonymous", "--reason", "audit")
+    assert again.stderr.startswith("loomflow: error: the anonymous user is already under legal")
+    released = loomflow("--url", url, "users", "release", "--anonymous")
+    assert released.stdout == "released the legal hold of the anonymous user\n"
+    not_held = loomflow("--url", url, "users", "release", "--anonymous")
+    assert not_held.stderr == "loomflow: error: the anonymous user is not under legal hold\n"
+    for done in (cancel, forget, hold, again, released, not_held):
+        assert "None" not in done.stdout + done.stderr
+
+    asyncio.run(_spend(url))
+    header = loomflow("--url", url, "budget", "show").stdout.splitlines()[0]
+    assert re.search(r"\bcost USD  model seconds  calls\b", header), header
+
+
+async def _spend(url: str) -> None:
+    from loomflow.governance.budget import Amount, Bucket
+    from loomflow.stores import Stores
+
+    async with Stores(Settings(runtime_url=url)) as stores:
+        await stores.budget.record([Bucket("user", "ana")], Amount(3, 4, wall_s=1.5))
