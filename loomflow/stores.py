@@ -406,7 +406,14 @@ class Stores:
             "exported_at": _iso(dt.datetime.now(dt.UTC)),
             "journal": {
                 "sessions": [
-                    {**dataclasses.asdict(s), "updated_at": _iso(s.updated_at)} for s in sessions
+                    {
+                        **dataclasses.asdict(s),
+                        "updated_at": _iso(s.updated_at),
+                        # 0: no run began on the row (a claim alone), or one from before
+                        # the column: no time to show rather than 1970.
+                        "created_at": _iso(s.created_at) if s.created_at else None,
+                    }
+                    for s in sessions
                 ],
                 "entries": entries,
             },

@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeAlias
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .._ids import check_id
+from .._timefmt import iso_time
 from ..errors import (
     ApprovalDecidedError,
     ApprovalError,
@@ -140,13 +141,18 @@ DecisionLike: TypeAlias = Approve | Deny | Literal["allow", "deny"]
 """What ``agent.resume(approvals={request_id: ...})`` accepts for one request."""
 
 
+def _now() -> str:
+    """Now, as every time loomflow writes for people and scripts (``...T12:00:00.123456Z``)."""
+    return iso_time(dt.datetime.now(dt.UTC))
+
+
 def normalize_decision(
     request_id: str, decision: object, decided_by: str | None
 ) -> RecordedDecision:
     """``decision`` (``Approve``, ``Deny``, ``"allow"`` or ``"deny"``) as it is journaled."""
     # Whoever decided becomes the audit entry's actor: the same rules as for ids.
     check_id("decided_by", decided_by)
-    now = dt.datetime.now(dt.UTC).isoformat()
+    now = _now()
     if decision == "allow":
         decision = Approve()
     elif decision == "deny":
@@ -274,7 +280,7 @@ async def deferred_decision(
             slot=slot,
             epoch=run.epoch,
             path=list(path),
-            requested_at=dt.datetime.now(dt.UTC).isoformat(),
+            requested_at=_now(),
         )
         info.emit(
             ApprovalRequested(

@@ -321,6 +321,8 @@ def test_json_times_are_iso_8601_utc_in_every_command(demo_run: tuple[Path, str]
         + [e["time"] for e in audit["entries"]]
         + [exported["exported_at"]]
         + [s["updated_at"] for s in exported["journal"]["sessions"]]
+        + [s["created_at"] for s in exported["journal"]["sessions"]]
+        + [exported["memory"]["exported_at"]]
         + [e["created_at"] for e in exported["journal"]["entries"]]
         + [b["updated_at"] for b in exported["budget"]]
     )

@@ -19,6 +19,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic_settings import EnvSettingsSource, SettingsError
@@ -372,3 +373,93 @@ async def _spend(url: str) -> None:
 
     async with Stores(Settings(runtime_url=url)) as stores:
         await stores.budget.record([Bucket("user", "ana")], Amount(3, 4, wall_s=1.5))
+
+
+# -- one time format: users export, approvals -------------------------------------------------
+
+
+async def _keyed_runs(url: str) -> None:
+    """Runs of ana: an agent's (memory on) and steps with idempotency keys."""
+    from loomflow.agent import Agent
+    from loomflow.models import ScriptedModel
+    from loomflow.stores import Stores
+
+    async def charge(order: str) -> dict[str, Any]:
+        return {"order": order, "receipt": f"r-{order}"}
+
+    async with Stores(Settings(runtime_url=url)) as stores:
+        runtime = stores.runtime
+        assert runtime is not None
+        agent = Agent("x", model=ScriptedModel(["hi"]), runtime=runtime, telemetry=False)
+        await agent.run("hello", session_id="chat", user_id="ana")
+        async with runtime.session("orders", user_id="ana"):
+            await runtime.step("charge", charge, "42", idempotency_key="charge-order-42")
+            await runtime.step("charge", charge, "43", idempotency_key="charge-order-43")
+        async with runtime.session("orders", user_id="bob"):
+            await runtime.step("charge", charge, "44", idempotency_key="charge-order-44")
+
+
+def test_users_export_gives_every_time_in_the_one_format(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    asyncio.run(_keyed_runs(url))
+    done = loomflow("--url", url, "users", "export", "ana")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    journal = document["journal"]
+    times = [document["exported_at"], document["memory"]["exported_at"]]
+    for session in journal["sessions"]:
+        times += [session["updated_at"], session["created_at"]]
+    times += [e["created_at"] for e in journal["entries"]]
+    assert len(times) == 2 + 2 * 2 + len(journal["entries"])
+    for value in times:
+        assert isinstance(value, str), value
+        assert ISO.match(value), value
+
+
+async def _waiting_run(url: str) -> str:
+    """A run stopped at a call that waits for approval; its request id."""
+    from loomflow.agent import Agent
+    from loomflow.governance import StandardPermissions
+    from loomflow.messages import ToolCall
+    from loomflow.models import ScriptedModel
+    from loomflow.tools import Tool
+
+    def notify(to: str) -> str:
+        """Send a notice."""
+        return f"sent to {to}"
+
+    script = [[ToolCall(id="c0", name="notify", arguments={"to": "ops"})], "done"]
+    async with Agent.from_settings(
+        "x",
+        model=ScriptedModel(script),
+        settings=Settings(runtime_url=url),
+        tools=[Tool(notify, edits=True)],
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+        telemetry=False,
+    ) as agent:
+        stopped = await agent.run("notify ops", session_id="ops-1", user_id="ana")
+    (request,) = stopped.pending_approvals
+    return request.request_id
+
+
+def test_approval_times_are_in_the_one_format(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    request_id = asyncio.run(_waiting_run(url))
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert ISO.match(row["requested_at"]), row
+    table = loomflow("--url", url, "approvals", "list").stdout
+    shown = row["requested_at"][:19].replace("T", " ")
+    assert re.search(rf"\s{re.escape(shown)}\s", table), table
+    decided = loomflow(
+        "--url", url, "approvals", "approve", request_id, "--session", "ops-1", "--json"
+    )
+    assert decided.returncode == 0, decided.stderr
+    assert ISO.match(json.loads(decided.stdout)["decided_at"]), decided.stdout
+    # A time journaled by an earlier build (+00:00) is shown in the one format too.
+    from loomflow.cli.approvals import _iso
+
+    assert _iso("2026-12-04T22:37:16.123456+00:00") == "2026-12-04T22:37:16.123456Z"
+    assert _iso("") == ""
