@@ -378,7 +378,12 @@ class Stores:
 
     async def export_user(self, user_id: str | None) -> dict[str, Any]:
         """Everything the stores keep about one user (``None``: runs without a user), as one
-        JSON-ready document. Reads only."""
+        JSON-ready document. Reads only.
+
+        ``journal`` holds the user's ``sessions``, their ``entries`` and the results kept
+        under the user's idempotency keys (``idempotency``; ``None`` when the journal's
+        store cannot list them), each described without its value.
+        """
         runtime = self.runtime
         sessions = [] if runtime is None else await runtime.sessions(user_id=user_id, limit=10**6)
         entries = []
@@ -386,6 +391,14 @@ class Stores:
             assert runtime is not None
             for entry in await runtime.entries(info.session_id, user_id):
                 entries.append({**dataclasses.asdict(entry), "created_at": _iso(entry.created_at)})
+        # Results kept under the user's idempotency keys (they outlive their runs, and
+        # forget_user deletes them): None when the journal's store cannot list them.
+        keyed = [] if runtime is None else await runtime.idempotency_results(user_id)
+        idempotency = (
+            None
+            if keyed is None
+            else [{**dataclasses.asdict(i), "created_at": _iso(i.created_at)} for i in keyed]
+        )
         checkpoints: dict[str, Any] = {}
         memory: dict[str, Any] = {}
         if self.database is not None and self.checkpoints is not None and self.memory is not None:
@@ -416,6 +429,7 @@ class Stores:
                     for s in sessions
                 ],
                 "entries": entries,
+                "idempotency": idempotency,
             },
             "checkpoints": checkpoints,
             "memory": memory,
@@ -425,6 +439,7 @@ class Stores:
         document["counts"] = {
             "sessions": len(sessions),
             "journal entries": len(entries),
+            "idempotency results": len(idempotency or ()),
             "checkpoints": len(checkpoints.get("checkpoints", [])),
             "episodes": len(memory.get("episodes", [])),
             "audit entries": len(audit),

@@ -463,3 +463,30 @@ def test_approval_times_are_in_the_one_format(tmp_path: Path) -> None:
 
     assert _iso("2026-12-04T22:37:16.123456+00:00") == "2026-12-04T22:37:16.123456Z"
     assert _iso("") == ""
+
+
+# -- users export: the results kept under idempotency keys ------------------------------------
+
+
+def test_users_export_lists_the_idempotency_results_that_forget_deletes(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    asyncio.run(_keyed_runs(url))
+    done = loomflow("--url", url, "users", "export", "ana")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    keyed = document["journal"]["idempotency"]
+    assert [(r["key"], r["session_id"], r["name"], r["user_id"]) for r in keyed] == [
+        ("charge-order-42", "orders", "charge", "ana"),
+        ("charge-order-43", "orders", "charge", "ana"),
+    ]
+    for row in keyed:
+        assert row["size"] > 0
+        assert "value" not in row  # described, as the journal entries are
+        assert ISO.match(row["created_at"]), row
+    assert document["counts"]["idempotency results"] == 2
+    # forget deletes them, and the export then shows none; another user's stay.
+    assert loomflow("--url", url, "users", "forget", "ana", "--yes").returncode == 0
+    after = json.loads(loomflow("--url", url, "users", "export", "ana").stdout)
+    assert after["journal"]["idempotency"] == []
+    bob = json.loads(loomflow("--url", url, "users", "export", "bob").stdout)
+    assert [r["key"] for r in bob["journal"]["idempotency"]] == ["charge-order-44"]
