@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .._ids import check_id
+from .._ids import check_id, user_label
 from .._timefmt import iso_time
 from ..errors import (
     ApprovalDecidedError,
@@ -407,7 +407,7 @@ def check_decidable(
         raise RunCancelledError(
             session,
             user,
-            f"session {session!r} of user {user!r} was cancelled {why} (a new run of the "
+            f"session {session!r} of {user_label(user)} was cancelled {why} (a new run of the "
             "session starts afresh)",
         )
     for request_id in request_ids:
@@ -418,7 +418,7 @@ def check_decidable(
         if request_id not in ledger.requests:
             raise ApprovalNotFoundError(
                 f"no approval request {request_id!r} in the last run of session {session!r} "
-                f"of user {user!r} (see pending_approvals())",
+                f"of {user_label(user)} (see pending_approvals())",
                 request_id,
             )
         if request_id in ledger.decisions:

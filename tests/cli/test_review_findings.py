@@ -367,6 +367,47 @@ def test_the_anonymous_user_is_called_so_and_model_time_has_a_readable_label(
     assert re.search(r"\bcost USD  model seconds  calls\b", header), header
 
 
+def test_approval_errors_call_the_anonymous_user_so(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    asyncio.run(_anonymous_run(url))
+    done = loomflow("--url", url, "approvals", "deny", "apr_x", "--session", "s", "--anonymous",
+                    "--reason", "no")  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "loomflow: error: no approval request 'apr_x' in the last run of session 's' of the "
+        "anonymous user (see pending_approvals())"
+    ]
+    assert loomflow("--url", url, "runs", "cancel", "s", "--anonymous").returncode == 1
+    asyncio.run(_anonymous_run(url, keep_open=True))
+    assert loomflow("--url", url, "runs", "cancel", "s", "--anonymous").returncode == 0
+    late = loomflow("--url", url, "approvals", "deny", "apr_x", "--session", "s", "--anonymous",
+                    "--reason", "no")  # fmt: skip
+    assert late.returncode == 1
+    assert late.stderr.startswith(
+        "loomflow: error: session 's' of the anonymous user was cancelled and its last run "
+        "asked for no approval"
+    ), late.stderr
+
+
+async def _anonymous_run(url: str, *, keep_open: bool = False) -> None:
+    """A run of session ``s`` without a user: finished, or left open (it raised)."""
+    from loomflow.stores import Stores
+
+    async def step() -> int:
+        return 1
+
+    async with Stores(Settings(runtime_url=url)) as stores:
+        runtime = stores.runtime
+        assert runtime is not None
+        try:
+            async with runtime.session("s", user_id=None):
+                await runtime.step("one", step)
+                if keep_open:
+                    raise RuntimeError("the run stops here")
+        except RuntimeError:
+            pass
+
+
 async def _spend(url: str) -> None:
     from loomflow.governance.budget import Amount, Bucket
     from loomflow.stores import Stores
