@@ -23,7 +23,7 @@ import unicodedata
 
 from .errors import InvalidIdError
 
-__all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "check_id", "check_key"]
+__all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "check_id", "check_key", "user_label"]
 
 MAX_ID_BYTES = 256
 """The longest id (session, user, run, checkpoint), in UTF-8 bytes."""
@@ -80,3 +80,9 @@ def check_id(field: str, value: object, *, optional: bool = True) -> str | None:
 def check_key(field: str, value: object, *, optional: bool = True) -> str | None:
     """Like :func:`check_id`, with the longer :data:`MAX_KEY_BYTES` limit of keys."""
     return _check(field, value, MAX_KEY_BYTES, optional)
+
+
+def user_label(user_id: str | None) -> str:
+    """A user as a message names them: ``user 'alice'``, or ``the anonymous user`` for the runs
+    without a user id (``None``), which "user None" would misname as a user called None."""
+    return "the anonymous user" if user_id is None else f"user {user_id!r}"

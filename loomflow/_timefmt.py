@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
+from typing import overload
 
 from .errors import InvalidArgumentError
 
@@ -28,6 +29,10 @@ MAX_AGE = dt.timedelta(days=365_000)
 hold (year 1 is the floor), and ``1e9d`` is refused rather than overflowing."""
 
 
+@overload
+def iso_time(when: float | dt.datetime) -> str: ...
+@overload
+def iso_time(when: None) -> None: ...
 def iso_time(when: float | dt.datetime | None) -> str | None:
     """A time for ``--json`` output, whatever the store kept (Unix seconds or a datetime):
     ISO 8601 in UTC with microseconds and ``Z``, the audit log's export format, so every

@@ -44,6 +44,27 @@ def _text_list(value: Any) -> Any:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+_PATTERNS_FORM = (
+    'a JSON object of kind to regular expression, e.g. {"customer_id": "CUST-[0-9]{8}"}'
+)
+
+
+def _json_object(value: Any) -> Any:
+    """A mapping from the environment: a JSON object (blank: none), read here rather than by
+    pydantic-settings, whose failure names neither the variable nor the form it takes."""
+    if not isinstance(value, str):
+        return value
+    if not value.strip():
+        return {}
+    try:
+        found = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc}): give {_PATTERNS_FORM}") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"a JSON {type(found).__name__}, not {_PATTERNS_FORM}")
+    return found
+
+
 # "sqlite:journal.db" or "postgres:db-host/app" has no "//", so it would read as a bare file
 # path: a SQLite file of that odd name in the working directory, while whoever wrote it
 # believes the journal is somewhere else (a PostgreSQL server, say).
@@ -314,7 +335,7 @@ class Settings(BaseSettings):
             "tools whose results are personal data `sensitive_result=True` to seal them there."
         ),
     )
-    redact_patterns: dict[str, str] = Field(
+    redact_patterns: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
         description=(
             "More personal-data shapes to redact like `redact_pii`, as a JSON object of kind to "
@@ -324,6 +345,7 @@ class Settings(BaseSettings):
     )
 
     _lists = field_validator("redact_secrets", "redact_env", mode="before")(_text_list)
+    _objects = field_validator("redact_patterns", mode="before")(_json_object)
 
     @field_validator("redact_patterns")
     @classmethod

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._ids import check_id
+from ._ids import check_id, user_label
 from ._progress import OnProgress
 from .config import Settings
 from .errors import ProtectedChainError, UnknownUserError, UserError
@@ -378,7 +378,12 @@ class Stores:
 
     async def export_user(self, user_id: str | None) -> dict[str, Any]:
         """Everything the stores keep about one user (``None``: runs without a user), as one
-        JSON-ready document. Reads only."""
+        JSON-ready document. Reads only.
+
+        ``journal`` holds the user's ``sessions``, their ``entries`` and the results kept
+        under the user's idempotency keys (``idempotency``; ``None`` when the journal's
+        store cannot list them), each described without its value.
+        """
         runtime = self.runtime
         sessions = [] if runtime is None else await runtime.sessions(user_id=user_id, limit=10**6)
         entries = []
@@ -386,6 +391,14 @@ class Stores:
             assert runtime is not None
             for entry in await runtime.entries(info.session_id, user_id):
                 entries.append({**dataclasses.asdict(entry), "created_at": _iso(entry.created_at)})
+        # Results kept under the user's idempotency keys (they outlive their runs, and
+        # forget_user deletes them): None when the journal's store cannot list them.
+        keyed = [] if runtime is None else await runtime.idempotency_results(user_id)
+        idempotency = (
+            None
+            if keyed is None
+            else [{**dataclasses.asdict(i), "created_at": _iso(i.created_at)} for i in keyed]
+        )
         checkpoints: dict[str, Any] = {}
         memory: dict[str, Any] = {}
         if self.database is not None and self.checkpoints is not None and self.memory is not None:
@@ -406,9 +419,17 @@ class Stores:
             "exported_at": _iso(dt.datetime.now(dt.UTC)),
             "journal": {
                 "sessions": [
-                    {**dataclasses.asdict(s), "updated_at": _iso(s.updated_at)} for s in sessions
+                    {
+                        **dataclasses.asdict(s),
+                        "updated_at": _iso(s.updated_at),
+                        # 0: no run began on the row (a claim alone), or one from before
+                        # the column: no time to show rather than 1970.
+                        "created_at": _iso(s.created_at) if s.created_at else None,
+                    }
+                    for s in sessions
                 ],
                 "entries": entries,
+                "idempotency": idempotency,
             },
             "checkpoints": checkpoints,
             "memory": memory,
@@ -418,6 +439,7 @@ class Stores:
         document["counts"] = {
             "sessions": len(sessions),
             "journal entries": len(entries),
+            "idempotency results": len(idempotency or ()),
             "checkpoints": len(checkpoints.get("checkpoints", [])),
             "episodes": len(memory.get("episodes", [])),
             "audit entries": len(audit),
@@ -463,7 +485,7 @@ class Stores:
         await audit.check_not_held(user_id)
         await audit.check_can_erase()  # before anything is deleted anywhere
         if not await self._knows(user_id):
-            raise UnknownUserError(f"no store holds anything about user {user_id!r}")
+            raise UnknownUserError(f"no store holds anything about {user_label(user_id)}")
         for chain in await self._console_mentions(user_id):
             await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
         report = ForgetReport(user_id)
@@ -649,6 +671,8 @@ class _AppRoleGrants:
         made = ""
         if result.created:
             made = " (created with LOGIN: set its password)" if self.login else " (created NOLOGIN)"
+        elif result.login_granted:
+            made = " (existing role given LOGIN: set its password)"
         self.report.steps.append(
             MigrationStep(
                 "app role",

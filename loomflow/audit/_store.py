@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-from .._ids import check_id, check_key
+from .._ids import check_id, check_key, user_label
 from .._progress import OnProgress, Progress
 from ..errors import AuditError, InvalidArgumentError, LegalHoldError, UserError
 from ._entry import (
@@ -725,7 +725,7 @@ class AuditStore(abc.ABC):
         _check_text("actor", actor)
         held = await self.legal_hold(user_id)
         if held is None:
-            raise UserError(f"user {user_id!r} is not under legal hold")
+            raise UserError(f"{user_label(user_id)} is not under legal hold")
         await self.append(
             AuditRecord(
                 user_id=user_id,
@@ -1367,7 +1367,7 @@ def _hold_of(entry: AuditEntry | None) -> LegalHold | None:
 
 def _held(hold: LegalHold, already: str = "") -> LegalHoldError:
     return LegalHoldError(
-        f"user {hold.user_id!r} is {already}under legal hold since "
+        f"{user_label(hold.user_id)} is {already}under legal hold since "
         f"{iso_time(time_us_of(hold.placed_at))} (placed by {hold.actor}: {hold.reason}); "
         "nothing of theirs may be erased until `loomflow users release` lifts it",
         user_id=hold.user_id,

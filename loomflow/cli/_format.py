@@ -7,6 +7,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
+from .._ids import user_label as who
 from .._printable import printable
 from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
@@ -21,6 +22,7 @@ __all__ = [
     "printable",
     "table",
     "when",
+    "who",
 ]
 
 

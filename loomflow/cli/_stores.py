@@ -111,12 +111,16 @@ def _latest_versions(dialect: str) -> dict[str, int]:
 
 
 _VERSIONS = "SELECT component, MAX(version) FROM loom_schema_version GROUP BY component"
-_LEGACY = ("journal_steps", "journal_streams")  # a 0.20 journal: its own commands report it
+_LEGACY = ("journal_steps", "journal_streams")  # the tables of a loomflow 0.20 journal
+# What a database holding a 0.20 journal and no store of this release answers instead of
+# its versions.
+_ONLY_0_20 = "0.20"
 
 
-def _sqlite_versions(path: str) -> dict[str, Any] | None:
+def _sqlite_versions(path: str) -> dict[str, Any] | str | None:
     """The versions in a SQLite file, read through a read-only connection (no WAL switch,
-    no file made); ``None`` when that cannot be told (the command then says why)."""
+    no file made): ``"0.20"`` when it holds only a 0.20 journal, ``None`` when that cannot be
+    told (the command then says why)."""
     if not Path(path).is_file():
         return None  # not there: the command's own check says so
     try:
@@ -126,7 +130,7 @@ def _sqlite_versions(path: str) -> dict[str, Any] | None:
     try:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if "loom_schema_version" not in tables:
-            return None if tables & set(_LEGACY) else {}
+            return _ONLY_0_20 if tables & set(_LEGACY) else {}
         return {str(c): v for c, v in conn.execute(_VERSIONS)}
     except sqlite3.Error:
         return None
@@ -134,7 +138,7 @@ def _sqlite_versions(path: str) -> dict[str, Any] | None:
         conn.close()
 
 
-async def _postgres_versions(dsn: str) -> dict[str, Any] | None:
+async def _postgres_versions(dsn: str) -> dict[str, Any] | str | None:
     try:
         import asyncpg
     except ImportError:
@@ -151,7 +155,7 @@ async def _postgres_versions(dsn: str) -> dict[str, Any] | None:
                 "WHERE to_regclass(t.name) IS NOT NULL",
                 list(_LEGACY),
             )
-            return None if legacy else {}
+            return _ONLY_0_20 if legacy else {}
         return {str(r[0]): r[1] for r in await conn.fetch(_VERSIONS)}
     except asyncpg.PostgresError:
         return None
@@ -167,7 +171,9 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
 
     Raises:
         ConfigurationError: no loomflow store is in the database.
-        MigrationError: a store's schema is behind this release.
+        MigrationError: a store's schema is behind this release, or the database holds only
+            a loomflow 0.20 journal (``migrate`` creates this release's tables beside it and,
+            with ``--import-0.20``, carries its runs over).
     """
     for url in dict.fromkeys(u for u in urls if u):
         if url.startswith(("postgresql://", "postgres://")):
@@ -180,6 +186,13 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
         if versions is None:
             continue
         shown = _masked_url(url)
+        if versions == _ONLY_0_20:
+            raise MigrationError(
+                f"{shown!r} holds a loomflow 0.20 journal and no store of this release: run "
+                "`loomflow migrate --import-0.20` once every worker runs this release, to add "
+                "this release's tables and import its runs (docs/operations/upgrading.md); "
+                "other commands add no tables to a database"
+            )
         if not versions and (tables := await _lost_versions(url, dialect)):
             raise _versions_lost(shown, tables)
         if not versions:
@@ -187,6 +200,7 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
                 f"{shown!r} holds no loomflow store yet: check the URL, or run `loomflow "
                 "migrate` first to create one (other commands add no tables to a database)"
             )
+        assert isinstance(versions, dict)
         latest = _latest_versions(dialect)
         for component, version in sorted(versions.items()):
             if type(version) is int and component in latest and version < latest[component]:

@@ -18,6 +18,7 @@ was cancelled while it waited refuses the decision (``RunCancelledError``, exit 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 from typing import Any
 
@@ -36,7 +37,7 @@ from ..governance.approvals import (
 from ..redaction import Redactor
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import login, positive_int, table
+from ._format import iso_time, login, positive_int, table, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -120,14 +121,14 @@ async def _handle(args: argparse.Namespace) -> int:
             "tool": request.tool,
             "decision": recorded.behavior,
             "decided_by": recorded.decided_by,
-            "decided_at": recorded.decided_at,
+            "decided_at": _iso(recorded.decided_at),
         }
         if args.json:
             print(json.dumps(summary))
         else:
             print(
                 f"{recorded.behavior} recorded for {request.request_id} ({request.tool}) in "
-                f"session {request.session_id!r} of user {request.user_id!r}; the application's "
+                f"session {request.session_id!r} of {who(request.user_id)}; the application's "
                 "next resume() of that session applies it"
             )
         return 0
@@ -162,7 +163,9 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         pending.extend(ledger.pending)
     if args.json:
         for request in pending:
-            print(request.model_dump_json())
+            row = request.model_dump(mode="json")
+            row["requested_at"] = _iso(request.requested_at)
+            print(json.dumps(row))
         return 0
     if not pending:
         print("no approval requests are waiting")
@@ -179,9 +182,19 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 r.user_id if r.user_id is not None else "-",
                 r.tool,
                 shown if len(shown) <= 60 else shown[:57] + "...",
-                r.requested_at[:19],
+                _iso(r.requested_at)[:19].replace("T", " "),
                 r.reason if len(r.reason) <= 60 else r.reason[:57] + "...",
             )
         )
     table(rows)
     return 0
+
+
+def _iso(text: str) -> str:
+    """A journaled request or decision time in the one format of the CLI's times (the
+    journal keeps what the run wrote: ``+00:00`` from runs of earlier 0.21 builds); text that
+    is no time is shown as it is."""
+    try:
+        return iso_time(dt.datetime.fromisoformat(text))
+    except ValueError:
+        return text

@@ -111,7 +111,7 @@ async def _show(args: argparse.Namespace) -> int:
             "tokens in",
             "tokens out",
             "cost USD",
-            "model s",
+            "model seconds",
             "calls",
             "held tokens",
             "updated (UTC)",

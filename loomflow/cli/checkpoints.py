@@ -17,7 +17,7 @@ from ..checkpoints import Checkpoint, CheckpointStore, UnreadableCheckpoint
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
 from ..stores import Stores
-from ._format import iso_time, positive_int, printable, table
+from ._format import iso_time, positive_int, printable, table, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -96,7 +96,7 @@ async def _handle(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"user_id": args.user_id, "deleted": deleted}))
         else:
-            print(f"deleted {deleted} checkpoints of user {args.user_id!r}")
+            print(f"deleted {deleted} checkpoints of {who(args.user_id)}")
         return 0
 
 
@@ -115,7 +115,7 @@ async def _list(store: CheckpointStore, args: argparse.Namespace) -> int:
             print(json.dumps(summary))
         return 0
     if not found:
-        print(f"no checkpoints for session {args.session_id!r} user {args.user_id!r}")
+        print(f"no checkpoints for session {args.session_id!r} of {who(args.user_id)}")
         return 0
     table(
         [("checkpoint", "written (UTC)", "epoch", "turn", "final", "msgs", "tokens", "parent")]
@@ -147,8 +147,8 @@ async def _show(store: CheckpointStore, args: argparse.Namespace) -> int:
     found = await store.get(args.checkpoint_id, session_id=args.session_id, user_id=args.user_id)
     if found is None:
         raise CheckpointNotFoundError(
-            f"no checkpoint {args.checkpoint_id!r} in session {args.session_id!r} of user "
-            f"{args.user_id!r}"
+            f"no checkpoint {args.checkpoint_id!r} in session {args.session_id!r} of "
+            f"{who(args.user_id)}"
         )
     print(json.dumps(found.model_dump(mode="json"), indent=2, ensure_ascii=False))
     return 0
@@ -164,7 +164,7 @@ async def _export(store: CheckpointStore, args: argparse.Namespace) -> int:
         count = len(exported.get("checkpoints", []))
         # On stderr, as `audit export` does: stdout stays free for the document itself.
         print(
-            f"exported {count} checkpoints of user {args.user_id!r} to {args.output}",
+            f"exported {count} checkpoints of {who(args.user_id)} to {args.output}",
             file=sys.stderr,
         )
     return 0

@@ -15,10 +15,11 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
@@ -30,16 +31,30 @@ from ..errors import ConfigurationError, LoomflowError, UserError
 from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
-from ._format import duration, iso_time, login, positive_int, printable, table
+from ._format import duration, iso_time, login, positive_int, printable, table, who
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, refuse_unready, session_of
 from ._upgrade import legacy_note, quiet_on_open
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, naming a missing command by the commands there are: argparse says
+    "the following arguments are required: runs_command", the name the code reads it by."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith(_REQUIRED):
+            missing = message.removeprefix(_REQUIRED).split(", ")
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction) and action.dest in missing:
+                    message = f"choose a command: {', '.join(action.choices)}"
+        super().error(message)
+
+
+_REQUIRED = "the following arguments are required: "
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="loomflow", description="Durable, governed and observable agent runs."
-    )
+    parser = _Parser(prog="loomflow", description="Durable, governed and observable agent runs.")
     parser.add_argument("--version", action="version", version=f"loomflow {__version__}")
     parser.add_argument("--url", help=_URL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
         "application needs; audit entries can then only be appended (docs/security.md)",
     )
     migrate.add_argument(
-        "--app-login", action="store_true", help="with --app-role: create the role with LOGIN"
+        "--app-login",
+        action="store_true",
+        help="with --app-role: the role may log in (created with LOGIN, or given it)",
     )
 
     runs = sub.add_parser("runs", help="inspect journaled runs").add_subparsers(
@@ -154,22 +171,48 @@ def _parser() -> argparse.ArgumentParser:
 
     for module in _command_modules():
         module.register(sub)
-    _url_after_commands(parser)
+    _urls_after_commands(parser)
     return parser
 
 
 _URL_HELP = "journal URL (default: LOOMFLOW_RUNTIME_URL or sqlite:///.loomflow/journal.db)"
+# The store options a command group takes before its command (`loomflow --url ...`,
+# `loomflow audit --audit-url ...`, `loomflow budget --budget-url ...`).
+_GROUP_URLS = ("url", "audit_url", "budget_url")
+# Commands that open no store a URL names: their refusal of --url says why (see _command).
+_NO_URL = {
+    "demo": "demo takes no --url: it makes a journal of its own, in --workdir (SQLite) or in "
+    "the database --postgres names",
+    "worker": "worker takes no --url: it recovers the journal of the agents APP registers "
+    "(their runtime decides where it is)",
+}
 
 
-def _url_after_commands(parser: argparse.ArgumentParser) -> None:
-    """Accept ``--url`` after the command too (``loomflow runs list --url ...``), where people
-    put it once they have typed the command. Suppressed as a default, so a ``--url`` given
-    before the command is kept when none comes after it."""
+def _urls_after_commands(
+    parser: argparse.ArgumentParser, inherited: tuple[argparse.Action, ...] = ()
+) -> None:
+    """Accept a group's store options after its commands too (``loomflow runs list --url
+    ...``, ``loomflow budget reclaim --budget-url ...``), where people put them once they
+    have typed the command. Suppressed as defaults, so one given before the command is kept
+    when none comes after it; the later one wins."""
+    options = inherited + tuple(
+        a for a in parser._actions if a.dest in _GROUP_URLS and a.option_strings
+    )
     for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for command in action.choices.values():
-                command.add_argument("--url", default=argparse.SUPPRESS, help=_URL_HELP)
-                _url_after_commands(command)
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for name, command in action.choices.items():
+            for option in options:
+                if any(o in command._option_string_actions for o in option.option_strings):
+                    continue  # the command's own (migrate --audit-url)
+                hidden = option.dest == "url" and name in _NO_URL  # refused, not offered
+                command.add_argument(
+                    *option.option_strings,
+                    dest=option.dest,
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS if hidden else option.help,
+                )
+            _urls_after_commands(command, options)
 
 
 # Command groups that live in their own modules (audit, budget, checkpoints, ...): each has
@@ -222,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"loomflow: error: {_bad_settings(exc)}", file=sys.stderr)
         return 1
     except SettingsError as exc:  # pydantic-settings could not even read a value
-        print(f"loomflow: error: bad setting: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"loomflow: error: {_unreadable_setting(exc)}", file=sys.stderr)
         return 1
     except UnicodeDecodeError as exc:  # a .env saved as UTF-16 or Latin-1
         print(f"loomflow: error: a file read is not UTF-8 text (a .env saved as UTF-16?): {exc}",
@@ -271,6 +314,9 @@ def _command(args: argparse.Namespace) -> int:
     # Every command reads the settings (the demo's worker too): a bad LOOMFLOW_* value is
     # reported here, in one line, before anything runs.
     settings = Settings()
+    if args.command in _NO_URL and args.url is not None:
+        print(f"loomflow: error: {_NO_URL[args.command]}", file=sys.stderr)
+        return 2
     _check_text_args(args)
     _check_urls(args)
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
@@ -392,19 +438,35 @@ _OTHER_VARIABLES = ("LOOMFLOW_TEST_PG_DSN",)
 
 
 def _warn_unknown_variables(fields: Iterable[str]) -> None:
-    """A LOOMFLOW_ variable that names no setting is ignored: say so, with the likely one."""
+    """A LOOMFLOW_ variable that names no setting is ignored: say so, with the likely one,
+    whether it is in the environment or in the ``.env`` file the settings read."""
     names = [name.upper() for name in fields]
-    for variable in sorted(os.environ):
-        name = variable.removeprefix("LOOMFLOW_")
-        if name == variable or name in names or variable in _OTHER_VARIABLES:
+    found = [(variable, "") for variable in sorted(os.environ)] + _env_file_variables()
+    for variable, where in found:
+        # Matched as the settings match them: case-blind (`loomflow_lease_seconds` is read).
+        name = variable.upper().removeprefix("LOOMFLOW_")
+        if name == variable.upper() or name in names or variable.upper() in _OTHER_VARIABLES:
             continue
         # Compared without the shared prefix, which would make every name look close.
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
         hint = f" (did you mean LOOMFLOW_{close[0]}?)" if close else ""
         print(
-            f"loomflow: warning: {printable(variable)} is not a setting and is ignored{hint}",
+            f"loomflow: warning: {printable(variable)}{printable(where)} is not a setting and "
+            f"is ignored{hint}",
             file=sys.stderr,
         )
+
+
+def _env_file_variables() -> list[tuple[str, str]]:
+    """The names the ``.env`` file the settings read defines, each with `` in .env``."""
+    from dotenv import dotenv_values
+
+    env_file = Settings.model_config.get("env_file")
+    if not isinstance(env_file, str) or not Path(env_file).is_file():
+        return []
+    encoding = Settings.model_config.get("env_file_encoding") or "utf-8"
+    names = dotenv_values(env_file, encoding=encoding)
+    return [(name, f" in {env_file}") for name in sorted(names)]
 
 
 def _masked(name: str, value: Any) -> Any:
@@ -424,6 +486,18 @@ def _bad_settings(exc: ValidationError) -> str:
         message = error["msg"].removeprefix("Value error, ")  # pydantic's label for ours
         problems.append(f"{where}: {_one_line(message)}")
     return "bad setting " + "; ".join(problems)
+
+
+def _unreadable_setting(exc: SettingsError) -> str:
+    """What pydantic-settings could not read, by the variable's name: it decodes a JSON-typed
+    setting itself and says only 'error parsing value for field "x" from source "..."'."""
+    found = re.search(r'for field "(\w+)"', str(exc))
+    if found is None:
+        return f"bad setting: {_one_line(str(exc))}"
+    return (
+        f"bad setting LOOMFLOW_{found[1].upper()}: its value is not the JSON this setting "
+        "takes (see `loomflow settings` and docs/settings.md)"
+    )
 
 
 def _one_line(text: str) -> str:
@@ -573,10 +647,10 @@ async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
             json.dumps({"session_id": args.session_id, "user_id": user_id, "cancelled": cancelled})
         )
     elif cancelled:
-        print(f"cancelled the run of session {args.session_id!r} of user {user_id!r}")
+        print(f"cancelled the run of session {args.session_id!r} of {who(user_id)}")
     else:
         print(
-            f"loomflow: error: session {args.session_id!r} of user {user_id!r} has no open or "
+            f"loomflow: error: session {args.session_id!r} of {who(user_id)} has no open or "
             "interrupted run to cancel",
             file=sys.stderr,
         )

@@ -24,7 +24,7 @@ from typing import Any
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import table
+from ._format import table, who
 from ._stores import existing
 
 __all__ = ["register"]
@@ -101,7 +101,7 @@ async def _handle(args: argparse.Namespace) -> int:
             else:
                 gone = ", ".join(f"{k}: {v}" for k, v in report.deleted().items())
                 print(
-                    f"forgot user {user!r}: deleted {gone}; erased {report.audit_erased} audit "
+                    f"forgot {who(user)}: deleted {gone}; erased {report.audit_erased} audit "
                     f"payload(s), recorded as audit entry {report.audit_record_seq}"
                     + (
                         f"; erased {report.console_erased} console payload(s) naming them"
@@ -111,10 +111,10 @@ async def _handle(args: argparse.Namespace) -> int:
                 )
         elif command == "hold":
             placed = await audit.place_hold(user, reason=args.reason, actor="cli:users-hold")
-            print(f"user {user!r} is under legal hold (audit entry {placed.seq})")
+            print(f"{who(user)} is under legal hold (audit entry {placed.seq})")
         elif command == "release":
             await audit.release_hold(user, actor="cli:users-release", reason=args.reason)
-            print(f"released the legal hold of user {user!r}")
+            print(f"released the legal hold of {who(user)}")
         else:
             found = await audit.legal_holds()
             if args.json:  # JSON Lines, as every listing
@@ -147,7 +147,7 @@ async def _export(args: argparse.Namespace) -> int:
     else:
         args.output.write_text(text + "\n", encoding="utf-8")
         counts = ", ".join(f"{k}: {v}" for k, v in document["counts"].items())
-        print(f"exported user {user!r} to {args.output} ({counts})", file=sys.stderr)
+        print(f"exported {who(user)} to {args.output} ({counts})", file=sys.stderr)
     return 0
 
 

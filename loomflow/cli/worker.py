@@ -2,7 +2,9 @@
 
 ``APP`` is ``module:attribute`` naming a mapping of agent names to agents, or a plain function
 of no arguments returning one. The recoverer uses the journal of the agents (the first one's
-runtime; every agent must journal to that database) and the first one's audit log. It sweeps
+runtime; every agent must journal to that database) and the first one's audit log. It takes
+no ``--url``; a ``LOOMFLOW_RUNTIME_URL`` naming another journal than the agents' is refused,
+so the worker never sweeps a journal other than the one the other commands read. It sweeps
 at start and then every ``--interval`` seconds, serves ``/metrics`` (prometheus-client's default
 registry), ``/healthz`` and ``/readyz`` (200 once a sweep has reached the journal) on
 ``--host``:``--port``, and on SIGTERM or SIGINT stops taking work, releases the leases of the
@@ -10,6 +12,9 @@ runs it is resuming (another worker takes them over at once) and exits 0.
 
 ``--once``: one sweep, wait for the runs it resumed, exit: 0 when all of them finished (or were
 cancelled), 1 when one of them raised (it is retried, or dead-lettered, by a later sweep).
+
+What it prints is plain text; with ``--json``, one JSON object a line: its events (``serving``,
+``started``, ``stopped``) and its sweep reports.
 """
 
 from __future__ import annotations
@@ -33,9 +38,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from ..agent import Agent
 from ..audit import AuditLog
+from ..config import Settings, _masked_url
 from ..errors import ConfigurationError, UserError
 from ..recovery import Recovery, SweepReport
-from ._format import port, positive_int
+from ..runtime import JournalRuntime
+from ..runtime._identity import journal_identity
+from ..storage import PostgresDatabase, SqliteDatabase
+from ..stores import Stores
+from ._format import port, positive_int, who
 
 __all__ = ["load_app", "register"]
 
@@ -69,7 +79,9 @@ def register(subparsers: Any) -> None:
         "--concurrency", type=positive_int, default=10, help="runs resumed at once (10)"
     )
     worker.add_argument("--worker-id", help="name in the audit log (default: host:pid)")
-    worker.add_argument("--json", action="store_true", help="sweep reports as JSON lines")
+    worker.add_argument(
+        "--json", action="store_true", help="events and sweep reports as JSON lines"
+    )
     worker.set_defaults(handler=_handle)
 
 
@@ -213,9 +225,49 @@ def _print(report: SweepReport, as_json: bool) -> None:
         flush=True,
     )
     for ref in report.unregistered:
-        print(f"  left alone: session {ref.session_id!r} of {ref.user_id!r}: {ref.reason}")
+        print(f"  left alone: session {ref.session_id!r} of {who(ref.user_id)}: {ref.reason}")
     for ref in report.dead_lettered:
-        print(f"  dead letter: session {ref.session_id!r} of {ref.user_id!r}: {ref.reason}")
+        print(f"  dead letter: session {ref.session_id!r} of {who(ref.user_id)}: {ref.reason}")
+
+
+def _event(as_json: bool, event: str, text: str, **fields: Any) -> None:
+    """One line about the worker itself: ``text`` for people, an object with ``--json``."""
+    print(json.dumps({"event": event, **fields}) if as_json else text, flush=True)
+
+
+def _where(runtime: JournalRuntime) -> str:
+    """Where a runtime journals, for a message (a password in a DSN hidden)."""
+    database = getattr(runtime, "database", None)
+    if isinstance(database, SqliteDatabase):
+        return f"the SQLite file {database.path}"
+    if isinstance(database, PostgresDatabase):
+        dsn = getattr(database, "_dsn", None)
+        return "a PostgreSQL pool" if dsn is None else _masked_url(dsn)
+    return repr(runtime)
+
+
+async def _check_settings_journal(runtime: JournalRuntime, spec: str) -> None:
+    """Refuse a ``LOOMFLOW_RUNTIME_URL`` naming another journal than the agents' own.
+
+    The worker recovers the agents' journal: with the variable naming another one, ``runs
+    list`` and the other commands would read one journal while the worker swept another,
+    and orphans would seem to stay orphaned. Unset, the variable names nothing to compare.
+    """
+    settings = Settings()
+    url = settings.runtime_url
+    if "runtime_url" not in settings.model_fields_set or url.startswith("memory:"):
+        return  # a memory:// journal is private to the object that made it: nothing to match
+    async with Stores(settings) as stores:
+        named = stores.runtime
+        assert named is not None  # Stores builds the journal unless told not to
+        same = await journal_identity(named) == await journal_identity(runtime)
+    if not same:
+        raise ConfigurationError(
+            f"LOOMFLOW_RUNTIME_URL names {_masked_url(url)} but the agents of {spec} journal "
+            f"to {_where(runtime)}: the worker recovers the agents' journal, not the one the "
+            "other commands read; point both at one journal (Agent.from_settings takes the "
+            "variable) or unset it for the worker"
+        )
 
 
 async def _handle(args: argparse.Namespace) -> int:
@@ -224,6 +276,11 @@ async def _handle(args: argparse.Namespace) -> int:
     runtime = first.runtime
     if runtime is None:
         raise UserError(f"agent {first.name!r} has no runtime: there is no journal to recover")
+    try:
+        await _check_settings_journal(runtime, args.app)
+    except BaseException:
+        await runtime.close()
+        raise
     audit = first.audit if isinstance(first.audit, AuditLog) else None
     recovery = Recovery(
         runtime,
@@ -236,11 +293,19 @@ async def _handle(args: argparse.Namespace) -> int:
     )
     health = _Health()
     port = args.port if args.port is not None else (None if args.once else 9464)
-    server = _serve(args.host, port, health) if port is not None else None
+    try:
+        server = _serve(args.host, port, health) if port is not None else None
+    except BaseException:
+        await runtime.close()
+        raise
     if server is not None:
-        print(
-            json.dumps({"event": "serving", "host": args.host, "port": server.server_address[1]}),
-            flush=True,
+        bound = server.server_address[1]
+        _event(
+            args.json,
+            "serving",
+            f"serving /metrics, /healthz and /readyz on http://{args.host}:{bound}",
+            host=args.host,
+            port=bound,
         )
     try:
         if args.once:
@@ -262,7 +327,12 @@ async def _serve_forever(recovery: Recovery, health: _Health, as_json: bool) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "started", "worker": recovery.worker_id}), flush=True)
+    _event(
+        as_json,
+        "started",
+        f"worker {recovery.worker_id} started: a sweep every {recovery.interval:g}s",
+        worker=recovery.worker_id,
+    )
     try:
         while not stop.is_set():
             try:
@@ -279,6 +349,11 @@ async def _serve_forever(recovery: Recovery, health: _Health, as_json: bool) -> 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     await recovery.stop()
-    print(json.dumps({"event": "stopped", "worker": recovery.worker_id}), flush=True)
+    _event(
+        as_json,
+        "stopped",
+        f"worker {recovery.worker_id} stopped: the runs it held are handed over",
+        worker=recovery.worker_id,
+    )
     sys.stdout.flush()
     return 0

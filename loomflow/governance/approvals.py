@@ -31,8 +31,9 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .._ids import check_id
+from .._ids import check_id, user_label
 from .._json import valid_value
+from .._timefmt import iso_time
 from ..errors import (
     ApprovalDecidedError,
     ApprovalError,
@@ -142,13 +143,18 @@ DecisionLike: TypeAlias = Approve | Deny | Literal["allow", "deny"]
 """What ``agent.resume(approvals={request_id: ...})`` accepts for one request."""
 
 
+def _now() -> str:
+    """Now, as every time loomflow writes for people and scripts (``...T12:00:00.123456Z``)."""
+    return iso_time(dt.datetime.now(dt.UTC))
+
+
 def normalize_decision(
     request_id: str, decision: object, decided_by: str | None
 ) -> RecordedDecision:
     """``decision`` (``Approve``, ``Deny``, ``"allow"`` or ``"deny"``) as it is journaled."""
     # Whoever decided becomes the audit entry's actor: the same rules as for ids.
     check_id("decided_by", decided_by)
-    now = dt.datetime.now(dt.UTC).isoformat()
+    now = _now()
     if decision == "allow":
         decision = Approve()
     elif decision == "deny":
@@ -291,7 +297,7 @@ async def deferred_decision(
             slot=slot,
             epoch=run.epoch,
             path=list(path),
-            requested_at=dt.datetime.now(dt.UTC).isoformat(),
+            requested_at=_now(),
         )
         info.emit(
             ApprovalRequested(
@@ -420,7 +426,7 @@ def check_decidable(
         raise RunCancelledError(
             session,
             user,
-            f"session {session!r} of user {user!r} was cancelled {why} (a new run of the "
+            f"session {session!r} of {user_label(user)} was cancelled {why} (a new run of the "
             "session starts afresh)",
         )
     for request_id in request_ids:
@@ -431,7 +437,7 @@ def check_decidable(
         if request_id not in ledger.requests:
             raise ApprovalNotFoundError(
                 f"no approval request {request_id!r} in the last run of session {session!r} "
-                f"of user {user!r} (see pending_approvals())",
+                f"of {user_label(user)} (see pending_approvals())",
                 request_id,
             )
         if request_id in ledger.decisions:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ulid import ULID
 
 from .._ids import check_id, check_key
+from .._timefmt import iso_time
 from ..config import Settings
 from ..context import get_run_context
 from ..errors import UserError
@@ -267,7 +268,7 @@ class Memory:
         episodes, facts, blocks = await self.store.export_user(uid)
         return {
             "user_id": uid,
-            "exported_at": dt.datetime.now(dt.UTC).isoformat(),
+            "exported_at": iso_time(dt.datetime.now(dt.UTC)),
             "episodes": [e.model_dump(mode="json") for e in episodes],
             "facts": [f.model_dump(mode="json") for f in facts],
             "blocks": [b.model_dump(mode="json") for b in blocks],

@@ -28,7 +28,7 @@ from ._legacy import (
     inspect_legacy_journal,
 )
 from ._protocol import OpenRun, Runtime
-from ._store import RUN_STATES, EntryInfo, OrphanClaim, RunRecord, SessionInfo
+from ._store import RUN_STATES, EntryInfo, IdempotentInfo, OrphanClaim, RunRecord, SessionInfo
 from ._url import runtime_from_url
 from .codec import is_registered, register_type
 from .inmemory import InMemoryRuntime
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EntryInfo",
+    "IdempotentInfo",
     "InMemoryRuntime",
     "JournalRun",
     "JournalRuntime",

@@ -54,6 +54,7 @@ from ._store import (
     RUN_STATES,
     Claim,
     EntryInfo,
+    IdempotentInfo,
     JournalStore,
     LastRun,
     OrphanClaim,
@@ -990,6 +991,21 @@ class JournalRuntime:
         """Describe every journal entry of one (session, user), oldest epoch first."""
         await self._ensure_open()
         return await self._store.list_entries(session_id, user_id)
+
+    async def idempotency_results(self, user_id: str | None) -> list[IdempotentInfo] | None:
+        """Describe the results recorded under one user's idempotency keys (no values),
+        oldest first; ``None`` when the store cannot list them (one written before 0.21).
+
+        They belong to the user rather than to a run: they outlive the run that recorded
+        them (see :meth:`prune`) and go with :meth:`forget_user`.
+        """
+        check_id("user_id", user_id)
+        listing = getattr(self._store, "list_idempotent", None)  # stores from before 0.21 lack it
+        if listing is None:
+            return None
+        await self._ensure_open()
+        found: list[IdempotentInfo] = await listing(user_id)
+        return found
 
     async def sessions(
         self,

@@ -24,12 +24,14 @@ from ._store import (
     RUN_STATES,
     Claim,
     EntryInfo,
+    IdempotentInfo,
     LastRun,
     OrphanClaim,
     RunRow,
     Scope,
     SessionInfo,
     StoredEntry,
+    scope_session,
 )
 from .migrations import COMPONENT, MIGRATIONS
 
@@ -285,6 +287,10 @@ _LIST = """
 SELECT e.epoch, e.path, e.name, e.kind, e.size, e.seq, e.created_at
 FROM loom_entries e WHERE e.scope = $1 ORDER BY e.epoch, e.seq
 """
+_LIST_IDEM = """
+SELECT idem_key, scope, name, kind, size, created_at
+FROM loom_idempotency WHERE user_key = $1 ORDER BY created_at, idem_key
+"""
 
 
 _QUERIES = {
@@ -312,6 +318,7 @@ _QUERIES = {
     "put_idem": _PUT_IDEM,
     "replace_idem": _REPLACE_IDEM,
     "list": _LIST,
+    "list_idem": _LIST_IDEM,
 }
 
 
@@ -707,6 +714,16 @@ class SqlJournalStore:
             )
             for r in rows
         ]
+
+    async def list_idempotent(self, user_id: str | None) -> list[IdempotentInfo]:
+        rows = await self._run("read", "list_idem", Scope(None, user_id).user_key)
+        return [
+            IdempotentInfo(
+                user_id, str(r[0]), scope_session(r[1]), str(r[2]), str(r[3]), _int(r[4]),
+                _float(r[5]),
+            )
+            for r in rows
+        ]  # fmt: skip
 
     async def list_sessions(
         self,

@@ -20,6 +20,7 @@ from . import codec
 __all__ = [
     "Claim",
     "EntryInfo",
+    "IdempotentInfo",
     "JournalStore",
     "LastRun",
     "OrphanClaim",
@@ -30,6 +31,7 @@ __all__ = [
     "SessionInfo",
     "StoredEntry",
     "fingerprint",
+    "scope_session",
 ]
 
 RUN_STATES = (
@@ -80,6 +82,18 @@ class Scope:
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", _key(self.session_id, self.user_id))
         object.__setattr__(self, "user_key", _key(self.user_id))
+
+
+def scope_session(key: Any) -> str | None:
+    """The session id a stored scope key names; ``None`` for the anonymous session or a key
+    that cannot be read (a hand-edited row describes itself, it does not fail a listing)."""
+    try:
+        parts = json.loads(key)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    if isinstance(parts, list) and len(parts) == 2 and isinstance(parts[0], str):
+        return parts[0]
+    return None
 
 
 def path_key(path: Sequence[str]) -> str:
@@ -162,6 +176,31 @@ class EntryInfo:
     kind: str
     size: int
     seq: int
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotentInfo:
+    """A result recorded under an idempotency key, described for people and tools (no
+    value). It belongs to the user, not to a run: it outlives the run that recorded it.
+
+    Attributes:
+        user_id: Whose key it is (keys are scoped per user).
+        key: The idempotency key.
+        session_id: The session of the run that recorded the result (``None`` also when the
+            row names no readable session).
+        name: The step's name in that run.
+        kind: ``"step"``.
+        size: The encoded result's size in bytes.
+        created_at: When it was recorded (Unix seconds).
+    """
+
+    user_id: str | None
+    key: str
+    session_id: str | None
+    name: str
+    kind: str
+    size: int
     created_at: float
 
 
@@ -353,6 +392,11 @@ class JournalStore(Protocol):
     async def list_entries(
         self, session_id: str | None, user_id: str | None
     ) -> list[EntryInfo]: ...
+
+    async def list_idempotent(self, user_id: str | None) -> list[IdempotentInfo]:
+        """The results recorded under the user's idempotency keys, oldest first, described
+        without their values (``users export``). A store may lack it (stores written before
+        0.21): the journal then says it cannot list them."""
 
     async def list_sessions(
         self,

@@ -20,6 +20,7 @@ from ._store import (
     RUN_STATES,
     Claim,
     EntryInfo,
+    IdempotentInfo,
     LastRun,
     OrphanClaim,
     RunRow,
@@ -70,6 +71,9 @@ class InMemoryStore:
         self.entries: dict[str, dict[int, dict[tuple[str, str, str], tuple[StoredEntry, float]]]]
         self.entries = {}
         self.idempotent: dict[tuple[str, str], tuple[StoredEntry, float]] = {}
+        # (user key, idempotency key) -> the session of the run that recorded the result, as
+        # the SQL stores keep it in their row; read for a key still in ``idempotent`` only.
+        self.idempotent_sessions: dict[tuple[str, str], str | None] = {}
 
     async def open(self, *, migrate: bool) -> None:
         return None
@@ -297,6 +301,7 @@ class InMemoryStore:
         if self._owned(scope, token) is None:
             return None
         self.idempotent[(scope.user_key, key)] = (entry, time.time())
+        self.idempotent_sessions[(scope.user_key, key)] = scope.session_id
         return entry
 
     async def list_entries(self, session_id: str | None, user_id: str | None) -> list[EntryInfo]:
@@ -317,6 +322,23 @@ class InMemoryStore:
             for e, created in run.values()
         ]
         return sorted(infos, key=lambda i: (i.epoch, i.seq))
+
+    async def list_idempotent(self, user_id: str | None) -> list[IdempotentInfo]:
+        user_key = Scope(None, user_id).user_key
+        found = [
+            IdempotentInfo(
+                user_id,
+                key,
+                self.idempotent_sessions.get((owner, key)),
+                entry.name,
+                entry.kind,
+                len(entry.value),
+                created,
+            )
+            for (owner, key), (entry, created) in self.idempotent.items()
+            if owner == user_key
+        ]
+        return sorted(found, key=lambda i: (i.created_at, i.key))
 
     async def list_sessions(
         self,
@@ -418,6 +440,8 @@ class InMemoryStore:
             batch = doomed[start : start + batch_size]
             for container, key in batch:
                 del container[key]
+                if container is self.idempotent:
+                    self.idempotent_sessions.pop(key, None)
             progress.advance(len(batch))
         progress.finish()
         return progress.done

@@ -34,13 +34,15 @@ _RESTRICTED = {
 
 @dataclass(slots=True)
 class AppRoleGrant:
-    """What :func:`grant_app_role` did: the role, whether it was created, and the grants."""
+    """What :func:`grant_app_role` did: the role, whether it was created (or, existing, given
+    ``LOGIN``), and the grants."""
 
     role: str
     created: bool
     database: str
     schema: str
     grants: dict[str, str] = field(default_factory=dict)
+    login_granted: bool = False
 
 
 def _ident(name: str) -> str:
@@ -52,8 +54,10 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
 
     Run it as the role that ran the migrations (the tables' owner), after them. A missing
     role is created, ``NOLOGIN`` unless ``login`` (then give it a password yourself, or let
-    login roles inherit it: ``GRANT role TO app_user``). Whatever the role held on loomflow's
-    tables before is revoked first, so running it again tightens a role granted too much.
+    login roles inherit it: ``GRANT role TO app_user``); an existing ``NOLOGIN`` role is given
+    ``LOGIN`` when ``login`` is asked for (never taken away without it). Whatever the role held
+    on loomflow's tables before is revoked first, so running it again tightens a role granted
+    too much.
 
     Raises:
         UserError: not PostgreSQL, a bad name, or a role that could undo the audit log's
@@ -76,12 +80,20 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
                 f"{role!r} is the role running the migrations, which owns the tables; name "
                 "another role for the application"
             )
-        found = await tx.fetch("SELECT rolsuper FROM pg_roles WHERE rolname = $1", role)
+        found = await tx.fetch(
+            "SELECT rolsuper, rolcanlogin FROM pg_roles WHERE rolname = $1", role
+        )
         created = not found
+        login_granted = False
         if created:
             await tx.execute(f"CREATE ROLE {quoted} {'LOGIN' if login else 'NOLOGIN'}")
         elif found[0][0]:
             raise UserError(f"{role!r} is a superuser, which no trigger or grant can restrict")
+        elif login and not found[0][1]:
+            # Asked for a role the application can sign in as: an existing NOLOGIN one would
+            # otherwise be reported granted and still refuse every connection.
+            await tx.execute(f"ALTER ROLE {quoted} LOGIN")
+            login_granted = True
         relations = await tx.fetch(
             "SELECT c.relname, c.relkind, pg_has_role($1, c.relowner, 'MEMBER') "
             "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
@@ -107,4 +119,4 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
             privileges = "USAGE, SELECT" if kind == "S" else _RESTRICTED.get(str(name), _READ_WRITE)
             await tx.execute(f"GRANT {privileges} ON {what}{target} TO {quoted}")
             grants[str(name)] = privileges
-    return AppRoleGrant(role, created, str(database), str(schema), grants)
+    return AppRoleGrant(role, created, str(database), str(schema), grants, login_granted)

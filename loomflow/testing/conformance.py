@@ -329,6 +329,33 @@ class JournalConformance:
             await runtime.step("charge", body, 7, idempotency_key="order-1")
         assert len(body.calls) == 3
 
+    async def test_idempotency_results_are_listed_per_user_and_forgotten(
+        self, runtime: JournalRuntime
+    ) -> None:
+        body = Counter()
+        async with runtime.session("s1", "alice"):
+            await runtime.step("charge", body, 7, idempotency_key="order-1")
+        async with runtime.session("s2", "alice"):
+            await runtime.step("refund", body, 8, idempotency_key="order-2")
+        async with runtime.session("s3", "bob"):
+            await runtime.step("charge", body, 9, idempotency_key="order-1")
+        async with runtime.session("s4", None):
+            await runtime.step("charge", body, 10, idempotency_key="anon-1")
+        alice = await runtime.idempotency_results("alice")
+        assert alice is not None  # every backend here lists them
+        assert [(i.user_id, i.key, i.session_id, i.name, i.kind) for i in alice] == [
+            ("alice", "order-1", "s1", "charge", "step"),
+            ("alice", "order-2", "s2", "refund", "step"),
+        ]
+        assert all(i.size > 0 and i.created_at > 0 for i in alice)
+        anonymous = await runtime.idempotency_results(None)
+        assert [(i.user_id, i.key, i.session_id) for i in anonymous or []] == [
+            (None, "anon-1", "s4")
+        ]
+        await runtime.forget_user("alice")
+        assert await runtime.idempotency_results("alice") == []
+        assert [i.key for i in await runtime.idempotency_results("bob") or []] == ["order-1"]
+
     # -- streams -----------------------------------------------------------------------------
 
     async def test_streams_replay_their_chunks_in_order(self, runtime: JournalRuntime) -> None:

@@ -253,6 +253,30 @@ async def test_migrate_creates_a_missing_role_nologin_and_refuses_owners(
     assert "--app-role needs a PostgreSQL database" in sqlite.stderr
 
 
+async def test_app_login_gives_an_existing_nologin_role_login(pg_dsn: str, app_role: str) -> None:
+    async def can_login() -> bool:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            found = await conn.fetchval(
+                "SELECT rolcanlogin FROM pg_roles WHERE rolname = $1", app_role
+            )
+        finally:
+            await conn.close()
+        return bool(found)
+
+    _run(pg_dsn, f'CREATE ROLE "{app_role}" NOLOGIN')
+    done = await asyncio.to_thread(_migrate, pg_dsn, "--app-role", app_role, "--app-login")
+    assert done.returncode == 0, done.stderr
+    assert f"app role {app_role} (existing role given LOGIN: set its password):" in done.stdout
+    assert await can_login()
+    # Asked again, or without --app-login, the role keeps LOGIN and nothing more is said.
+    for extra in (["--app-login"], []):
+        again = await asyncio.to_thread(_migrate, pg_dsn, "--app-role", app_role, *extra)
+        assert again.returncode == 0, again.stderr
+        assert f"app role {app_role}: " in again.stdout
+        assert await can_login()
+
+
 async def test_a_store_error_names_the_refusal(app_dsn: str) -> None:
     store = PostgresAuditStore(app_dsn)
     await store.append(AuditRecord(user_id="alice", actor="t", action="x"))

@@ -528,6 +528,6 @@ async def test_the_anonymous_user_is_not_everyone_in_the_budget(tmp_path: Path) 
     async with Stores(settings) as stores:
         assert (await stores.export_user("ana"))["budget"]
         assert (await stores.export_user(None))["budget"] == []
-        with pytest.raises(UnknownUserError, match="user None"):
+        with pytest.raises(UnknownUserError, match="about the anonymous user"):
             await stores.forget_user(None)
         assert await stores.audit.head(None) is None  # the refusal wrote no trail for None

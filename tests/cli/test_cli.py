@@ -603,6 +603,7 @@ def test_users_export_gathers_one_users_data_from_every_store(tmp_path: Path) ->
     assert nobody["counts"] == {
         "sessions": 0,
         "journal entries": 0,
+        "idempotency results": 0,
         "checkpoints": 0,
         "episodes": 0,
         "audit entries": 0,

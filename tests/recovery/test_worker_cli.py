@@ -116,7 +116,7 @@ async def test_sigterm_releases_the_run_for_another_worker_at_once(
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0, err.decode()[-3000:]
-    assert '"event": "stopped"' in out.decode()
+    assert "stopped: the runs it held are handed over" in out.decode()
     # Released: the next worker takes it now, far sooner than the 30 s lease.
     started = time.monotonic()
     code, out_text, err_text = await cli(
@@ -211,6 +211,7 @@ async def test_health_ready_and_metrics_endpoints(tmp_path: Path) -> None:
         "0",
         "--interval",
         "0.2",
+        "--json",
         env=app_env(url, tmp_path / "ledger.jsonl"),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -301,8 +302,6 @@ async def test_the_installed_command_imports_the_app_from_where_it_starts(tmp_pa
     env.pop("PYTHONPATH", None)
     proc = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).parent / "loomflow"),
-        "--url",
-        "sqlite:///journal.db",
         "worker",
         "myapp.workers:AGENTS",
         "--once",

@@ -521,6 +521,23 @@ async def test_cli_reports_then_imports(legacy: Legacy) -> None:
     before = await legacy.dump()
     run = asyncio.to_thread
 
+    # Only `migrate` adds this release's tables: a listing stops with one line saying how.
+    refused = await run(_cli, "--url", legacy.url, "runs", "list")
+    assert refused.returncode == 1
+    assert refused.stdout == ""
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert "holds a loomflow 0.20 journal and no store of this release" in refused.stderr
+    assert "run `loomflow migrate --import-0.20`" in refused.stderr
+    with pytest.raises(Exception, match="loom_entries"):  # no table of this release was made
+        await legacy.count_entries()
+
+    migrated = await run(_cli, "--url", legacy.url, "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    assert "checkpoints schema at version" in migrated.stdout  # no clash with 0.20's table
+    assert "3 sessions, 1 open run" in migrated.stdout
+    assert "--import-0.20" in migrated.stdout
+    assert migrated.stderr == ""
+
     listed = await run(_cli, "--url", legacy.url, "runs", "list")
     assert listed.returncode == 0, listed.stderr
     assert "no sessions in the journal" in listed.stdout
@@ -531,13 +548,6 @@ async def test_cli_reports_then_imports(legacy: Legacy) -> None:
     as_json = await run(_cli, "--url", legacy.url, "runs", "list", "--json")
     assert as_json.stdout == ""  # JSON lines only; the note goes to stderr
     assert "3 sessions, 1 open run" in as_json.stderr
-
-    migrated = await run(_cli, "--url", legacy.url, "migrate")
-    assert migrated.returncode == 0, migrated.stderr
-    assert "checkpoints schema at version" in migrated.stdout  # no clash with 0.20's table
-    assert "3 sessions, 1 open run" in migrated.stdout
-    assert "--import-0.20" in migrated.stdout
-    assert migrated.stderr == ""
 
     imported = await run(_cli, "--url", legacy.url, "migrate", "--import-0.20")
     assert imported.returncode == 0, imported.stderr
