@@ -87,7 +87,7 @@ def test_the_budget_defaults_to_the_journal_database(tmp_path: Path) -> None:
         (["budget", "--budget-url", "memory://", "show"], 1, "memory://"),
         (["budget", "--budget-url", "mysql://x", "show"], 1, "scheme"),
         (["budget", "show", "--bogus"], 2, "unrecognized"),
-        (["budget"], 2, "required"),
+        (["budget"], 2, "choose a command"),
     ],
 )
 def test_errors_have_the_documented_exit_codes(args: list[str], code: int, message: str) -> None:

@@ -19,20 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _hand_edits import Charge, charged_once, sqlite_exec
 
 from loomflow.errors import CorruptEntryError
 from loomflow.runtime import JournalRuntime, SqliteRuntime
-
-
-class Charge:
-    """A tool with a side effect: every call charges the card again."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def __call__(self, amount: int) -> dict[str, int]:
-        self.calls += 1
-        return {"charged": amount, "n": self.calls}
 
 
 @pytest.fixture
@@ -47,34 +37,13 @@ async def journal(tmp_path: Path) -> AsyncIterator[Any]:
         return made
 
     async def edit(*statements: str) -> None:
-        await asyncio.to_thread(_sqlite_exec, path, *statements)
+        await asyncio.to_thread(sqlite_exec, path, *statements)
 
     try:
         yield runtime, edit, path
     finally:
         for made in opened:
             await made.close()
-
-
-def _sqlite_exec(path: Path, *statements: str) -> None:
-    conn = sqlite3.connect(path)
-    try:
-        with conn:
-            for sql in statements:
-                conn.execute(sql)
-    finally:
-        conn.close()
-
-
-async def _charged_once(runtime: JournalRuntime, charge: Charge, *, finish: bool = True) -> None:
-    """One run of session ('s', 'u') that charges 10, then finishes (or crashes)."""
-    try:
-        async with runtime.session("s", "u"):
-            await runtime.step("charge", charge, 10)
-            if not finish:
-                raise RuntimeError("crash")
-    except RuntimeError:
-        pass
 
 
 def _cli(path: Path, *command: str) -> subprocess.CompletedProcess[str]:
@@ -96,7 +65,7 @@ async def test_an_entry_whose_epoch_is_not_a_number_is_a_corrupt_entry(
 ) -> None:
     make, edit, _ = journal
     charge = Charge()
-    await _charged_once(await make(), charge, finish=finish)
+    await charged_once(await make(), charge, finish=finish)
     await edit(f"UPDATE loom_entries SET epoch = {edit_value}")
     # Invisible to the run's load, the entry let the charge run again without a word.
     strict = await make(strict_replay=True)
@@ -114,7 +83,7 @@ async def test_an_entry_whose_epoch_is_not_a_number_is_a_corrupt_entry(
 async def test_a_text_epoch_is_found_by_an_index_range(journal: Any) -> None:
     # TEXT and BLOB sort after every INTEGER, so the load finds them without a scan.
     make, _, path = journal
-    await _charged_once(await make(), Charge())
+    await charged_once(await make(), Charge())
     from loomflow.runtime._sql import _LOAD_RUN, _PEEK
 
     conn = sqlite3.connect(path)
@@ -131,7 +100,7 @@ async def test_a_text_epoch_is_found_by_an_index_range(journal: Any) -> None:
 
 async def test_listings_show_an_entry_with_a_text_epoch(journal: Any) -> None:
     make, edit, path = journal
-    await _charged_once(await make(), Charge())
+    await charged_once(await make(), Charge())
     await edit("UPDATE loom_entries SET epoch = 'zero'")
     [entry] = await (await make()).entries("s", "u")
     assert entry.epoch == -1

@@ -10,29 +10,17 @@ call the session busy. Now the claim raises ``CorruptEntryError`` naming the row
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _hand_edits import Charge, charged_once, sqlite_exec
 
 from loomflow.errors import CorruptEntryError, SessionBusyError
 from loomflow.runtime import JournalRuntime, PostgresRuntime, SqliteRuntime
 from loomflow.runtime._store import Scope
-
-
-class Charge:
-    """A tool with a side effect: every call charges the card again."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def __call__(self, amount: int) -> dict[str, int]:
-        self.calls += 1
-        return {"charged": amount, "n": self.calls}
-
 
 BOTH = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
@@ -66,7 +54,7 @@ async def journal(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
     async def edit(*statements: str) -> None:
         if kind == "sqlite":
-            await asyncio.to_thread(_sqlite_exec, path, *statements)
+            await asyncio.to_thread(sqlite_exec, path, *statements)
             return
         import asyncpg
 
@@ -82,27 +70,6 @@ async def journal(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     finally:
         for made in opened:
             await made.close()
-
-
-def _sqlite_exec(path: Path, *statements: str) -> None:
-    conn = sqlite3.connect(path)
-    try:
-        with conn:
-            for sql in statements:
-                conn.execute(sql)
-    finally:
-        conn.close()
-
-
-async def _charged_once(runtime: JournalRuntime, charge: Charge, *, finish: bool = True) -> None:
-    """One run of session ('s', 'u') that charges 10, then finishes (or crashes)."""
-    try:
-        async with runtime.session("s", "u"):
-            await runtime.step("charge", charge, 10)
-            if not finish:
-                raise RuntimeError("crash")
-    except RuntimeError:
-        pass
 
 
 # -- loom_sessions.open --------------------------------------------------------------------------
@@ -121,7 +88,7 @@ async def test_an_open_no_release_writes_is_a_damaged_lease_row(
     _, make, edit, _ = journal
     runtime = await make(strict_replay=strict)
     charge = Charge()
-    await _charged_once(runtime, charge)
+    await charged_once(runtime, charge)
     await edit(f"UPDATE loom_sessions SET open = {value}")
     # It used to read as an open run: resume ran a fresh epoch and charged again.
     for resume in (True, True, False):  # and a refusal leaves nothing that reads otherwise
@@ -138,7 +105,7 @@ async def test_an_open_no_release_writes_is_a_damaged_lease_row(
 async def test_peek_treats_a_damaged_open_as_damaged(journal: Any) -> None:
     _, make, edit, _ = journal
     runtime = await make()
-    await _charged_once(runtime, Charge())
+    await charged_once(runtime, Charge())
     scope = Scope("s", "u")
     assert (await runtime._store.peek_last_run(scope)) is not None  # the control
     await edit("UPDATE loom_sessions SET open = 2")
@@ -161,7 +128,7 @@ async def test_a_lease_until_no_claim_writes_is_reported_at_once(
     _, make, edit, _ = journal
     runtime = await make(turn_timeout=20)
     charge = Charge()
-    await _charged_once(runtime, charge, finish=not crashed)
+    await charged_once(runtime, charge, finish=not crashed)
     # Held by a worker on another host: only the lease's end could free it, and it never ends.
     await edit(
         "UPDATE loom_sessions SET owner = 'ns:1:elsewhere:01J0', "
@@ -181,7 +148,7 @@ async def test_a_live_lease_still_makes_a_resume_wait(journal: Any) -> None:
     # The control: a well-formed lease held elsewhere is waited for, not called damaged.
     _, make, edit, _ = journal
     runtime = await make(turn_timeout=0.3)
-    await _charged_once(runtime, Charge(), finish=False)
+    await charged_once(runtime, Charge(), finish=False)
     await edit(
         "UPDATE loom_sessions SET owner = 'ns:1:elsewhere:01J0', lease_until = 1e12, open = 1"
     )
