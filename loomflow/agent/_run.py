@@ -346,8 +346,12 @@ class _Run:
                 raise
         result = self.result()
         # What the run emitted (an output guardrail's finding, say) reaches the hooks, and so
-        # the audit log, before the run's end does.
-        events = await self.flush()
+        # the audit log, before the run's end does; if that fails, they hear of the failure.
+        try:
+            events = await self.flush()
+        except BaseException as exc:
+            await self._finished_with(exc)
+            raise
         for hook in self.hooks:
             await hook.run_finished(self.info, result, None)
         return [*events, *await self.flush(), RunFinished(result=result)]

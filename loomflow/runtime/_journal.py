@@ -189,6 +189,8 @@ class JournalRun:
     owner: str = ""  # the owner id the run claims (or claimed) the turn under
     heartbeat: asyncio.Task[None] | None = None  # renews the lease while the turn is held
     taking: asyncio.Lock | None = None  # one claim at a time for a run replaying without it
+    read_status: str | None = None  # the stored status of the run it replays, as read
+    closed: bool = False  # its block has ended: no step may take the turn any more
     # Bumped when the entries are read again (the turn changed hands during a replay without
     # it): a step located before that looks again.
     generation: int = 0
@@ -473,13 +475,17 @@ class JournalRuntime:
                 _frame.reset(reset)
                 if self._live.get(scope.key) is run:
                     del self._live[scope.key]
+                if run.taking is not None:
+                    await self._close_replay(run, finished)
                 heartbeat = run.heartbeat
                 if heartbeat is not None:
                     heartbeat.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await heartbeat
-                # A replay that never had to take the turn has nothing to give back.
-                released = await _lease.release(self._store, run, failure) if run.claimed else True
+                if run.claimed:
+                    released = await _lease.release(self._store, run, failure)
+                else:  # a replay that never had to take the turn has nothing to give back
+                    released = not run.cancelled
                 if not released:
                     run.lost = True
                     log.warning("run on %s ended after losing its turn", scope.key)
@@ -603,8 +609,31 @@ class JournalRuntime:
         if last.status == "cancelled":
             raise _cancelled_resume(scope)
         run = self._run_of(scope, last.epoch - 1, last.token, last.entries, strict, claimed=False)
-        run.taking = asyncio.Lock()
+        run.taking, run.read_status = asyncio.Lock(), last.status
         return run
+
+    async def _close_replay(self, run: JournalRun, finished: bool) -> None:
+        """End a run that replayed without the turn (or took it late).
+
+        A run that ended otherwise than its row says (it completed a run that had stopped to
+        wait, say) takes the turn now, so that its release records how it ended. Then no
+        step may take the turn any more: a step still running in another task (a parallel
+        tool call the block did not wait for) would otherwise hold it after the block, with
+        nobody left to give it back.
+        """
+        assert run.taking is not None
+        settled = run.keep_state or run.outcome == run.read_status
+        if finished and not run.claimed and not settled and not run.cancelled:
+            try:
+                await self._take_turn(run)
+            except (SessionBusyError, OwnershipLostError) as exc:
+                log.warning(
+                    "run on %s replayed to its end, but its end could not be recorded: %s",
+                    run.scope.key,
+                    exc,
+                )
+        async with run.taking:
+            run.closed = True
 
     async def _take_turn(self, run: JournalRun) -> None:
         """Take the turn for a run replaying without it, now that a step has to run.
@@ -621,6 +650,11 @@ class JournalRuntime:
         async with run.taking:
             if run.claimed:  # a parallel step took it first
                 return
+            if run.closed:
+                raise OwnershipLostError(
+                    f"session {run.session_id!r} of user {run.user_id!r}: the run's block has "
+                    "ended, so no step of it may start any more"
+                )
             seen = run.token
             claim, asked = await _lease.claim(
                 self._store,
@@ -819,6 +853,16 @@ class JournalRuntime:
             if outcome == "hit":
                 self._signals.emit(run, path, name, False, "hit", started, 0.0, note)
                 return value
+        if not run.claimed:
+            await self._take_turn(run)
+            # Another run may have recorded the key while this one waited for the turn.
+            again = await self._store.get_idempotent(run.scope.user_key, key)
+            if again is not None and again != stored:
+                stored = again
+                outcome, value = self._read(run, stored, name, "idempotent entry %r", key)
+                if outcome == "hit":
+                    self._signals.emit(run, path, name, False, "hit", started, 0.0, note)
+                    return value
         result = await self._run_fresh(run, name, fn, args, kwargs)
         fmt, raw = self._encode(name, result)
         # Replaces the unreadable entry read above, if that is what is stored.

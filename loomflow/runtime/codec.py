@@ -480,7 +480,10 @@ def _utf8(text: str) -> bytes:
     try:
         return text.encode()
     except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace")
+        # A surrogate pair spelled as two code points is the character it stands for (JSON
+        # would read its two escapes back as that character anyway); lone ones are escaped.
+        joined = text.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
+        return joined.encode("utf-8", "backslashreplace")
 
 
 # A model class's printed parts: the class name they were made for, the head, the field keys.
@@ -606,51 +609,70 @@ def plain(value: Any) -> Any:
     another order (Python orders a set of strings differently in every process), a dict
     with keys that are not strings in the encoding's order, an enum of a class that is not
     registered as its value, a model that is not as a dict of its fields. Text rendered from
-    a step's result (a tool result the model reads) is rendered from this instead: sets and
-    such dicts in the encoding's order, enums as their values, models and dataclasses as
-    dicts of their fields, tuples as lists; keys that are not strings become the JSON text
-    of their plain value. Dates, times, decimals, UUIDs and bytes stay as they are (their
-    decoded copies are equal).
+    a step's result (a tool result the model reads) is rendered from this instead, which is
+    made from that round trip, so the first run and a replay meet by construction: sets
+    (sorted by their items' encoding) and tuples become lists, enums their values, models
+    and dataclasses dicts of their fields, keys that are not strings the JSON text of their
+    plain value. Plain JSON data (the usual tool result) is returned as it is, without the
+    round trip; dates, times, decimals, UUIDs and bytes stay as they are.
 
     Raises:
         UnsupportedValueError: ``value`` has no encoding.
     """
     try:
-        return _plain(value, 0)
+        if _is_json(value, 0):
+            return value
+        return _flatten(decode(_encode(value, 0)), 0)
     except RecursionError:
         raise NestingTooDeepError(value) from None
 
 
-def _plain(value: Any, depth: int) -> Any:
+def _is_json(value: Any, depth: int) -> bool:
+    """Whether ``value`` is plain JSON data, which the journal hands back as it is."""
+    t = type(value)
+    if value is None or t is str or t is int or t is bool:
+        return True
+    if t is float:
+        return math.isfinite(value)
+    if t is list:
+        inner = _deeper(value, depth)
+        return all([_is_json(v, inner) for v in value])
+    if t is dict:
+        inner = _deeper(value, depth)
+        return TAG not in value and all(
+            [type(k) is str and _is_json(v, inner) for k, v in value.items()]
+        )
+    return False
+
+
+def _flatten(value: Any, depth: int) -> Any:
+    """A decoded value (the same after another round trip) as plain data in a fixed order."""
     t = type(value)
     if value is None or t is str or t is int or t is float or t is bool:
         return value
     if isinstance(value, enum.Enum):
-        return _plain(value.value, _deeper(value, depth))
-    if isinstance(value, bool | int | float | str):  # subclasses, as encode() reads them
-        return _encode(value, depth)
+        return _flatten(value.value, _deeper(value, depth))
     if isinstance(value, list | tuple):
         inner = _deeper(value, depth)
-        return [_plain(v, inner) for v in value]
+        return [_flatten(v, inner) for v in value]
     if isinstance(value, dict):
         inner = _deeper(value, depth)
-        if TAG not in value and all(type(k) is str for k in value):
-            return {k: _plain(v, inner) for k, v in value.items()}
-        pairs = sorted(value.items(), key=lambda kv: _sort_key(_encode(kv[0], inner)))
-        return {_key_text(_plain(k, inner)): _plain(v, inner) for k, v in pairs}
+        items = list(value.items())
+        if not all(type(k) is str for k in value):
+            # Sorted as another round trip would store them: the order of the first one was
+            # by the keys' encoding before decoding (an enum's differs from its value's).
+            items.sort(key=lambda kv: _sort_key(_encode(kv[0], inner)))
+        return {_key_text(_flatten(k, inner)): _flatten(v, inner) for k, v in items}
     if isinstance(value, set | frozenset):
         inner = _deeper(value, depth)
         items = sorted(value, key=lambda v: _sort_key(_encode(v, inner)))
-        return [_plain(v, inner) for v in items]
+        return [_flatten(v, inner) for v in items]
     if isinstance(value, BaseModel):
         inner = _deeper(value, depth)
-        return {k: _plain(getattr(value, k), inner) for k in type(value).model_fields}
+        return {k: _flatten(getattr(value, k), inner) for k in type(value).model_fields}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         inner = _deeper(value, depth)
-        return {f.name: _plain(getattr(value, f.name), inner) for f in dataclasses.fields(value)}
-    if isinstance(value, bytearray | memoryview):
-        return bytes(value)
-    _encode(value, depth)  # refuses what has no encoding
+        return {f.name: _flatten(getattr(value, f.name), inner) for f in dataclasses.fields(value)}
     return value  # bytes, dates and times, timedelta, Decimal, UUID
 
 

@@ -192,6 +192,41 @@ async def test_an_output_finding_is_audited_before_the_run_ends() -> None:
     assert actions[-1] == "run.end"
 
 
+async def test_a_failed_audit_write_at_the_end_still_tells_every_hook() -> None:
+    """The output finding reaches the hooks just before the run's end; if the audit log
+    cannot write it, the run raises, and every hook still hears that the run ended."""
+    from loomflow.hooks import RunHooks
+
+    ended: list[BaseException | None] = []
+
+    class Seen(RunHooks):
+        async def run_finished(self, info: Any, result: Any, error: BaseException | None) -> None:
+            ended.append(error)
+
+    store = InMemoryAuditStore()
+    append = store.append
+
+    async def flaky(records: Any) -> Any:
+        if any(r.action == "guardrail.trip" for r in records):
+            raise OSError("audit database unreachable")
+        return await append(records)
+
+    store.append = flaky  # type: ignore[method-assign]
+    audit = AuditLog(store)
+    agent = Agent(
+        "x",
+        model=ScriptedModel([f"mail {EMAIL}"]),
+        guardrails=[PIIGuardrail(action="redact", stages=("output",))],
+        audit=audit,
+        hooks=[Seen()],
+    )
+    with pytest.raises(OSError, match="unreachable"):
+        await agent.run("hi", session_id="s", user_id="u")
+    assert len(ended) == 1
+    assert isinstance(ended[0], OSError)
+    assert audit.as_hooks()._runs == {}  # the audit hooks forgot the run too
+
+
 @tool
 def customer(customer_id: str) -> dict[str, Any]:
     """Fetch a customer record."""

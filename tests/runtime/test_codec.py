@@ -340,3 +340,52 @@ def test_plain_orders_what_python_does_not() -> None:
     assert ToolOutcome(ok=True, value={"a": 1, "b": [True, None]}).as_text() == (
         '{"a":1,"b":[true,null]}'
     )
+
+
+class Level(enum.IntEnum):  # not registered: a replay hands back its value
+    LOW = 1
+    HIGH = 10
+
+
+class Shade(enum.StrEnum):  # not registered
+    RED = "red"
+    BLUE = "blue"
+
+
+hashables = st.one_of(
+    st.integers(-20, 20),
+    st.text(max_size=3),
+    st.sampled_from(list(Level)),
+    st.sampled_from(list(Shade)),
+    st.sampled_from(list(Plain)),
+    st.tuples(st.integers(0, 3), st.text(max_size=2)),
+)
+rendered = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5), hashables),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(hashables, inner, max_size=4),
+        st.dictionaries(st.text(max_size=3), inner, max_size=4),
+        st.frozensets(hashables, max_size=4),
+        st.sets(hashables, max_size=4),
+    ),
+    max_leaves=15,
+)
+
+
+@given(rendered)
+def test_a_result_renders_as_its_replays_do(value: Any) -> None:
+    """The text a model reads of a tool result is the same on the first run, on a replay,
+    and on a replay of a replay: whatever enums, sets and keys it holds."""
+    once = codec.loads(codec.dumps(value))
+    twice = codec.loads(codec.dumps(once))
+    texts = {ToolOutcome(ok=True, value=v).as_text() for v in (value, once, twice)}
+    assert len(texts) == 1, texts
+
+
+def test_a_surrogate_pair_spelled_as_two_code_points_keeps_its_fingerprint() -> None:
+    pair = "\ud83d\ude00"  # what the character U+1F600 is in UTF-16, as two code points
+    back = codec.loads(codec.dumps(pair))
+    assert back == "\U0001f600"
+    assert fingerprint((pair,), {}) == fingerprint((back,), {})
+    assert codec.canonical_bytes(pair) == codec.canonical_bytes(back)

@@ -16,7 +16,12 @@ from typing import Any
 
 import pytest
 
-from loomflow.errors import RunCancelledError, SessionBusyError
+from loomflow.errors import (
+    OwnershipLostError,
+    ReplayDivergenceError,
+    RunCancelledError,
+    SessionBusyError,
+)
 from loomflow.runtime import JournalRuntime
 
 Factory = Callable[..., Awaitable[JournalRuntime]]
@@ -232,3 +237,92 @@ async def test_a_new_run_reads_no_entries(runtime_factory: Factory) -> None:
         await runtime.step("step_1", body, 1)
     assert calls == []
     assert (first.resumed, second.resumed, body.calls) == (False, False, [1, 1])
+
+
+# -- edges a review found ----------------------------------------------------------------------
+
+
+async def test_a_step_still_running_after_the_block_cannot_take_the_turn(
+    runtime_factory: Factory,
+) -> None:
+    """A parallel step the block did not wait for (gather does not cancel siblings) must not
+    take the turn after the block: nobody would be left to give it back."""
+    runtime = await runtime_factory(strict_replay=True)
+    await _finished(runtime, Body(), 1, 2)
+    late: list[asyncio.Task[Any]] = []
+    with pytest.raises(ReplayDivergenceError):
+        async with runtime.session("s", "u", resume=True) as run:
+            await runtime.step("step_1", Body(), 1)
+            late.append(asyncio.create_task(runtime.step("step_3", Body(), 3)))
+            await runtime.step("step_2", Body(), 99)  # diverges: strict, so the block raises
+    with pytest.raises(OwnershipLostError, match="block has ended"):
+        await late[0]
+    assert not run.claimed
+    assert run.heartbeat is None
+    [info] = await runtime.sessions(session_id="s")
+    assert info.owner is None  # the turn is free: another worker gets it at once
+    async with (await runtime_factory()).session("s", "u", resume=True, take_turn=True):
+        pass
+
+
+async def test_an_idempotent_step_runs_once_when_two_resumes_race(
+    runtime_factory: Factory,
+) -> None:
+    first, second = await runtime_factory(), await runtime_factory()
+    await _finished(first, Body(), 1)
+    charges: list[int] = []
+    both_read = asyncio.Barrier(2)
+
+    async def charge() -> str:
+        charges.append(1)
+        await asyncio.sleep(0.2)
+        return "charged"
+
+    async def resume(runtime: JournalRuntime) -> Any:
+        async with runtime.session("s", "u", resume=True):
+            await both_read.wait()  # both have read the closed run before either steps
+            await runtime.step("step_1", Body(), 1)
+            return await runtime.step("charge", charge, idempotency_key="order-42")
+
+    results = await asyncio.gather(_elsewhere(resume(first)), _elsewhere(resume(second)))
+    assert results == ["charged", "charged"]
+    assert charges == [1]
+
+
+async def test_a_replay_that_completes_a_stopped_run_records_its_end(
+    runtime_factory: Factory,
+) -> None:
+    """A resume that ran the rest of a stopped run and then failed late leaves it stopped;
+    the next resume, all hits, must record that the run completed."""
+    runtime = await runtime_factory()
+    await _finished(runtime, Body(), 1, outcome="interrupted")
+    with pytest.raises(OSError, match="late"):
+        async with runtime.session("s", "u", resume=True):
+            await runtime.step("step_1", Body(), 1)
+            await runtime.step("step_2", Body(), 2)
+            raise OSError("a late failure, after the last step")
+    async with runtime.session("s", "u", resume=True) as run:
+        await runtime.step("step_1", Body(), 1)
+        await runtime.step("step_2", Body(), 2)
+    assert run.stats.misses == 0
+    [info] = await runtime.sessions(session_id="s")
+    assert (info.state, info.owner) == ("finished", None)
+    assert await runtime.cancel("s", "u") is False  # a finished run is not cancellable
+    # An interrupted run replayed to the same interruption writes nothing.
+    await _finished(runtime, Body(), 5, outcome="interrupted")
+    calls = _count(runtime._store, "try_acquire", "release")
+    async with runtime.session("s", "u", resume=True) as again:
+        await runtime.step("step_5", Body(), 5)
+        again.outcome = "interrupted"
+    assert calls == []
+
+
+async def test_a_cancel_in_this_process_stops_a_replay(runtime_factory: Factory) -> None:
+    runtime = await runtime_factory()
+    await _finished(runtime, Body(), 1, outcome="interrupted")
+    with pytest.raises(RunCancelledError):
+        async with runtime.session("s", "u", resume=True):
+            await runtime.step("step_1", Body(), 1)
+            assert await runtime.cancel("s", "u") is True
+    [info] = await runtime.sessions(session_id="s")
+    assert info.state == "cancelled"
