@@ -9,13 +9,16 @@
 // and --json prints the report in the shape of `verify --file --json`, so the two can be
 // compared. See docs/audit.md, "Checking an export in another language".
 //
-//   npm ci --prefix tools && node tools/verify-audit-export.mjs [--json] [--require-v2] [--user ID] EXPORT.jsonl [HEADS.json]
+//   npm ci --prefix tools && node tools/verify-audit-export.mjs [--json] [--require-v2] [--user ID | --anonymous] EXPORT.jsonl [HEADS.json]
 //
-// Which users an export covers: one made with filters starts with a header line naming them
-// ({"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}), and with a user_id it covers
-// that user only; without a header it is the whole log and covers everyone. A user with a
-// saved head and no line in the export is reported (truncated) only when the export covers
-// them; --user ID checks only that user's lines and saved heads.
+// Which users an export covers is the word of whoever runs this, never the file's: without
+// --user the export is the whole log, and every user with a saved head must have lines in it
+// (else truncated); --user ID (--anonymous: the entries without a user) takes it to be that
+// user's trail alone: only that user's lines and saved heads are checked, and a line of
+// another user is outside_export. An export made with filters starts with a header line
+// naming them ({"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}); no hash covers
+// it, so it narrows nothing: a line its filters exclude is outside_export, and a header
+// naming a user, read without --user, gets an "unscoped" warning saying which --user to pass.
 //
 // Hash version 3 entries hash a salted digest of their payload instead of the payload, so a
 // payload may be erased ("payload": null) without breaking the chain; an erased payload must be
@@ -43,29 +46,32 @@ const HOLD_PLACED = 'legal_hold.placed';
 const HOLD_ACTIONS = [HOLD_PLACED, 'legal_hold.released'];
 const KEPT_BY_ERASURE = [AUDIT_ERASURE, ...HOLD_ACTIONS]; // erasure never takes their payloads
 
-const usage =
-  'usage: verify-audit-export.mjs [--json] [--require-v2] [--user ID] EXPORT.jsonl [HEADS.json]';
+const usage = 'usage: verify-audit-export.mjs [--json] [--require-v2] [--user ID | --anonymous] ' +
+  'EXPORT.jsonl [HEADS.json]';
 const args = process.argv.slice(2);
 let asJson = false;
 let requireV2 = false;
-let onlyUser; // --user: only this user's lines and saved heads
+let onlyUser; // --user (--anonymous: null): the export is this user's trail alone
+let chosen = 0; // how many of --user and --anonymous were given
 const positional = [];
 for (let i = 0; i < args.length; i += 1) {
   const arg = args[i];
   if (arg === '--json') asJson = true;
   else if (arg === '--require-v2') requireV2 = true;
-  else if (arg === '--user' && i + 1 < args.length) onlyUser = args[(i += 1)];
-  else if (arg.startsWith('--user=')) onlyUser = arg.slice('--user='.length);
+  else if (arg === '--user' && i + 1 < args.length) [onlyUser, chosen] = [args[(i += 1)], chosen + 1];
+  else if (arg.startsWith('--user=')) [onlyUser, chosen] = [arg.slice('--user='.length), chosen + 1];
+  else if (arg === '--anonymous') [onlyUser, chosen] = [null, chosen + 1];
   else if (arg.startsWith('--')) {
     console.error(`unknown option ${arg}\n${usage}`);
     process.exit(2);
   } else positional.push(arg);
 }
 const [exportPath, headsPath, ...extra] = positional;
-if (!exportPath || extra.length) {
-  console.error(usage);
+if (!exportPath || extra.length || chosen > 1) {
+  console.error(chosen > 1 ? `one of --user and --anonymous, once\n${usage}` : usage);
   process.exit(2);
 }
+const onlyKey = onlyUser === undefined ? undefined : JSON.stringify(onlyUser);
 
 // Python's str.strip() whitespace: a line of nothing else is skipped, as loomflow skips it.
 const BLANK = /^[\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$/;
@@ -103,7 +109,7 @@ if (headsPath) {
       }
       const userId = head.user_id ?? null;
       const key = keyOf(userId);
-      if (onlyUser !== undefined && key !== keyOf(onlyUser)) continue;
+      if (onlyKey !== undefined && key !== onlyKey) continue;
       saved.set(key, [...(saved.get(key) ?? []), { user_id: userId, seq: head.seq, hash: head.hash }]);
     }
   } catch (err) {
@@ -216,8 +222,48 @@ function readHeader(line) {
     if (typeof value !== 'string' && !(name === 'user_id' && value === null)) {
       throw new Error(`filter ${name} is ${JSON.stringify(value)}, not text`);
     }
+    // As loomflow's exporter checked them: a line is compared with them.
+    if (name === 'since' || name === 'until') checkTime(value);
+    else if (value !== null) checkId(name, value, name === 'action' ? MAX_KEY_BYTES : MAX_ID_BYTES);
   }
   return filters;
+}
+
+// loomflow's check_id (check_key for an action): not empty, a UTF-8 form of at most `limit`
+// bytes (no lone surrogate), no control character (Unicode category Cc).
+const MAX_ID_BYTES = 256;
+const MAX_KEY_BYTES = 2048;
+const LONE_SURROGATE = /[\ud800-\udbff](?![\udc00-\udfff])|(?<![\ud800-\udbff])[\udc00-\udfff]/;
+const CONTROL = /[\x00-\x1f\x7f-\x9f]/;
+function checkId(name, value, limit) {
+  if (!value) throw new Error(`${name} must not be empty`);
+  if (LONE_SURROGATE.test(value)) throw new Error(`${name} holds a lone surrogate`);
+  const size = Buffer.byteLength(value, 'utf8');
+  if (size > limit) throw new Error(`${name} is ${size} bytes long in UTF-8, over ${limit}`);
+  if (CONTROL.test(value)) throw new Error(`${name} contains a control character`);
+}
+
+// Why the export should not hold an entry (loomflow's _outside_reasons): not the user it is
+// checked as (--user), or excluded by a filter its header names. Empty: it belongs.
+const trailOf = (userId) => (userId === null ? "the anonymous bucket's trail" : `the trail of ${keyOf(userId)}`);
+const optionFor = (userId) => (userId === null ? '--anonymous' : `--user ${keyOf(userId)}`);
+function outsideReasons(entry, key) {
+  const reasons = [];
+  if (onlyKey !== undefined && key !== onlyKey) {
+    reasons.push(`it is checked as ${trailOf(onlyUser)} alone (${optionFor(onlyUser)})`);
+  }
+  for (const [name, value] of Object.entries(exportFilters ?? {})) {
+    let kept;
+    if (name === 'user_id') kept = key === keyOf(value);
+    else if (name === 'session_id') kept = entry.session_id === value;
+    else if (name === 'run_id') kept = entry.run_id === value;
+    else if (name === 'action') {
+      kept = value.endsWith('*') ? entry.action.startsWith(value.slice(0, -1)) : entry.action === value;
+    } else if (name === 'since') kept = entry.time >= value; // fixed-width: text order is time order
+    else kept = entry.time < value; // until
+    if (!kept) reasons.push(`its header says ${name} ${keyOf(value)}`);
+  }
+  return reasons;
 }
 
 // The entry on a line, or an Error saying why the line is not one (loomflow: "unreadable").
@@ -566,6 +612,8 @@ try {
   process.exit(2);
 }
 const trails = new Map(); // user key -> [{seq, number, entry}], users in the order first seen
+const outside = new Map(); // user key -> {number, entry, reasons, more}, by first such line
+let headerAt = null; // the header's line number
 let number = 0;
 let first = true;
 const input = createReadStream(null, { fd, encoding: 'utf8' });
@@ -582,7 +630,10 @@ try {
         problem(null, 'unreadable', null, number, `not an export header this verifier reads: ${err.message}`);
         continue;
       }
-      if (exportFilters !== null) continue;
+      if (exportFilters !== null) {
+        headerAt = number;
+        continue;
+      }
     }
     let entry;
     try {
@@ -592,7 +643,12 @@ try {
       continue;
     }
     const key = keyOf(entry.user_id);
-    if (onlyUser !== undefined && key !== keyOf(onlyUser)) continue;
+    const reasons = outsideReasons(entry, key);
+    if (reasons.length) {
+      if (outside.has(key)) outside.get(key).more += 1;
+      else outside.set(key, { number, entry, reasons, more: 0 });
+    }
+    if (onlyKey !== undefined && key !== onlyKey) continue;
     if (!trails.has(key)) trails.set(key, []);
     trails.get(key).push({ seq: entry.seq, number, entry });
   }
@@ -623,21 +679,15 @@ for (const [key, trail] of trails) {
   }
 }
 
-// Which users the export covers: with --user, that user; else the user its header names, if
-// any; else (no header: the whole log) everyone. A user with a saved head and no line is
-// looked for only if covered.
-const claimed = exportFilters !== null && Object.hasOwn(exportFilters, 'user_id')
-  ? keyOf(exportFilters.user_id) : null;
-const covered = onlyUser !== undefined ? null : claimed;
+// Every user with a saved head is looked for (with --user, the saved heads are that user's):
+// which users the export covers is never what its header says.
 for (const [key, heads] of saved) {
   const found = checks.get(key);
-  if (found === undefined && covered !== null && key !== covered) continue;
   const last = heads.reduce((a, b) => (b.seq > a.seq ? b : a));
   report.heads.push(...heads);
   if (found === undefined) {
     problem(last.user_id, 'truncated', 1, null,
-      `the export holds none of this user's entries, though a saved head records seq ${last.seq} ` +
-      'and the export does not say it was made for other users only');
+      `the export holds none of this user's entries, though a saved head records seq ${last.seq}`);
     continue;
   }
   found.finishSaved();
@@ -649,6 +699,17 @@ for (const [key, heads] of saved) {
   }
 }
 for (const check of checks.values()) check.finishErasures();
+for (const { number: line, entry, reasons, more } of outside.values()) {
+  const also = more ? ` (as ${more === 1 ? 'is' : 'are'} ${more} more line${more === 1 ? '' : 's'} of this user)` : '';
+  problem(entry.user_id, 'outside_export', entry.seq, line,
+    `entry ${entry.seq} is outside the export: ${reasons.join('; ')}${also}`);
+}
+if (onlyKey === undefined && exportFilters !== null && Object.hasOwn(exportFilters, 'user_id')) {
+  const named = exportFilters.user_id;
+  warning(named, 'unscoped', null, headerAt,
+    `the export says it holds only ${trailOf(named)}, but without ${named === null ? '--anonymous' : '--user'} ` +
+    `it is checked as the whole log: pass ${optionFor(named)} to check it alone`);
+}
 
 const ok = report.problems.length === 0;
 if (asJson) {
@@ -662,11 +723,9 @@ if (asJson) {
   for (const p of report.problems) show('problem', p);
   for (const w of report.warnings) show('warning', w);
   if (exportFilters !== null && Object.keys(exportFilters).length) {
-    // The header is not covered by any hash: say what it made the check leave out.
+    // What the exporter wrote; no hash covers it, so it narrowed nothing (see "unscoped").
     const named = Object.entries(exportFilters).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(', ');
-    const left = Object.hasOwn(exportFilters, 'user_id') && headsPath
-      ? ': saved heads of other users were not looked for' : '';
-    console.log(`note     the export says it was made with ${named}${left}`);
+    console.log(`note     the export says it was made with ${named}`);
   }
   const v1 = version1
     ? `; ${version1} hash version 1 entries linked but not re-hashed (only loomflow's Python verifier can)`

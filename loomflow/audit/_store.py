@@ -79,6 +79,8 @@ ProblemKind = Literal[
     "unanchored",
     "unreadable",
     "erased",
+    "outside_export",
+    "unscoped",
 ]
 
 
@@ -148,9 +150,9 @@ class AuditFilter:
 
     def export_header(self) -> str | None:
         """The first line of an export made with these filters (``None``: no filter, so the
-        export is the whole log and has no header). It says which users the export covers, so
-        that verifying it against every user's saved heads does not take the users it was
-        not made for as deleted."""
+        export is the whole log and has no header). It tells a reader what the export was
+        made with; no hash covers it, so a verifier checks it against the lines and never lets
+        it narrow the check (which users to look for is the ``--user`` of whoever verifies)."""
         named = self.described()
         if not named:
             return None
@@ -198,7 +200,10 @@ class ChainProblem:
             deleted from the middle), ``duplicate``, ``reordered`` (stored out of order),
             ``truncated`` (entries missing at the end), ``head_mismatch``, ``unanchored``
             (entries past the recorded head), ``unreadable`` (a row or line cannot be parsed),
-            ``erased`` (a payload is gone and no erasure record after it covers it).
+            ``erased`` (a payload is gone and no erasure record after it covers it); for
+            exports only, ``outside_export`` (a line of another user than the one checked,
+            or outside the filters the export's header names) and the warning ``unscoped``
+            (the header names one user, but the export was checked as the whole log).
         seq: The entry (or first missing entry) concerned.
         position: Where it is stored: a row id, or a line number for JSONL files.
         detail: A sentence for people.
@@ -235,8 +240,10 @@ class VerifyReport:
     warnings: list[ChainProblem] = field(default_factory=list)
     heads: list[ChainHead] = field(default_factory=list)
     export_filters: dict[str, Any] | None = None
-    """For an export that says it was made with filters (its header line), those filters:
-    saved heads of users outside its ``user_id`` were not looked for. ``None`` otherwise."""
+    """For an export that says it was made with filters (its header line), those filters, as
+    the exporter wrote them: no hash covers them, so they were checked against the lines
+    (``outside_export``) but decided nothing about which users were looked for. ``None``
+    otherwise."""
 
     @property
     def ok(self) -> bool:

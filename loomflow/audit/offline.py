@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from .._ids import check_id
+from .._ids import check_id, check_key
 from ..errors import InvalidArgumentError
-from ._entry import AuditEntry, unreadable_reason, user_key
+from ._entry import AuditEntry, time_us_of_text, unreadable_reason, user_key
 from ._store import (
     ANY_USER,
     EXPORT_FILTERS,
@@ -54,10 +55,14 @@ def verify_lines(
     that pick entries from the middle of a trail (``--session``, ``--action``) leave gaps,
     which are reported as ``missing``: verify exports of whole trails or time ranges.
 
-    Which users an export covers: an export made with filters starts with a header line
-    naming them (see :meth:`AuditFilter.export_header`); with a ``user_id`` among them, it
-    covers that user only. Without a header the export is the whole log (the JSONL store's
-    own file, or an export made before headers) and covers every user.
+    Which users an export covers is the caller's word, never the file's: without
+    ``user_id`` it is the whole log, and every user with a saved head must have lines in it;
+    with ``user_id``, it is that user's trail alone. An export made with filters starts with
+    a header line naming them (see :meth:`AuditFilter.export_header`). No hash covers that
+    line, so it narrows nothing: it is reported (``export_filters``), and a line its filters
+    exclude is an ``outside_export`` problem, as is, with ``user_id``, a line of another
+    user. A header naming a user, read without ``user_id``, gets an ``unscoped`` warning
+    that says which ``--user`` checks the export alone.
 
     Args:
         lines: The export's lines (a file object works); blank lines are skipped.
@@ -65,14 +70,20 @@ def verify_lines(
             export may go on past it, but the entry at each saved head's ``seq`` must be the
             one it names (else ``head_mismatch``: the trail was rewritten), and an export that
             stops short of a saved head is ``truncated``, as is one that holds none of the
-            entries of a user it covers who has a saved head. The saved heads of users the
-            export does not cover, and who have no line in it, are not looked for.
-        user_id: Only this user's lines and saved heads (``None`` is the anonymous bucket);
-            the export is then taken to cover this user, whatever its header says.
+            entries of a user with a saved head (of ``user_id`` alone, if given).
+        user_id: Only this user's lines and saved heads (``None`` is the anonymous bucket):
+            the export is taken to be this user's trail, and other users' lines in it are
+            ``outside_export``.
 
     Returns:
         The report; ``ok`` is true when nothing is wrong. ``position`` is the line number;
         ``export_filters`` holds the filters the export's header names.
+
+    Example:
+        ``loomflow audit export --user alice -o alice.jsonl``, checked against every user's
+        saved heads::
+
+            verify_lines(open("alice.jsonl"), heads=heads, user_id="alice")
     """
     only = None
     if user_id is not ANY_USER:
@@ -85,6 +96,10 @@ def verify_lines(
     # a store's are: a line moved elsewhere in the file is then "reordered" (as on the
     # store), not a deleted entry plus a duplicate, and one line with a huge seq is one gap.
     trails: dict[str, list[tuple[int, int, AuditEntry]]] = {}
+    outside: dict[str, _Outside] = {}  # by user key, in the order of their first such line
+    header_at: int | None = None
+    filters: dict[str, Any] = {}  # the header's, if any
+    times: dict[str, int] = {}  # its since and until, in microseconds
     first = True
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -105,6 +120,14 @@ def verify_lines(
                 )
                 continue
             if report.export_filters is not None:
+                header_at = number
+                filters = report.export_filters
+                # Read once: read_export_header checked that they parse.
+                times = {
+                    name: time_us_of_text(value)
+                    for name, value in filters.items()
+                    if name in ("since", "until")
+                }
                 continue
         try:
             entry = AuditEntry.from_line(line)
@@ -116,14 +139,23 @@ def verify_lines(
             )
             continue
         key = user_key(entry.user_id)
+        reasons = _outside_reasons(entry, key, only, user_id, filters, times)
+        if reasons:
+            if key in outside:
+                outside[key].more += 1
+            else:
+                outside[key] = _Outside(number, entry, reasons)
         if only is None or key == only:
             trails.setdefault(key, []).append((entry.seq, number, entry))
     for key, trail in trails.items():
         for _seq, number, entry in sorted(trail, key=lambda item: (item[0], item[1])):
             _feed_line(checks, key, number, entry, saved, report)
-    claimed = (report.export_filters or {}).get("user_id", ANY_USER)
-    covered = None if only is not None or claimed is ANY_USER else user_key(claimed)
-    _finish_lines(checks, saved, report, covered)
+    _finish_lines(checks, saved, report)
+    for found in outside.values():
+        report.problems.append(found.problem())
+    named = (report.export_filters or {}).get("user_id", ANY_USER)
+    if only is None and named is not ANY_USER:
+        report.warnings.append(ChainProblem(named, "unscoped", None, header_at, _unscoped(named)))
     return report
 
 
@@ -132,7 +164,8 @@ def read_export_header(line: str) -> dict[str, Any] | None:
 
     Raises:
         ValueError: a header (it has the header's key) that this loomflow cannot read: another
-            format, or filters it does not know. Its scope cannot be trusted.
+            format, filters it does not know, or values no export is made with (an id
+            ``--user`` refuses, a time not spelled as entries spell it).
     """
     try:
         data = json.loads(line)
@@ -153,7 +186,98 @@ def read_export_header(line: str) -> dict[str, Any] | None:
             raise ValueError(f"unknown filter {name!r}")
         if not isinstance(value, str) and not (name == "user_id" and value is None):
             raise ValueError(f"filter {name} is {value!r}, not text")
+        # As the exporter checked them (AuditFilter.build): a line is compared with them.
+        if name in ("since", "until"):
+            time_us_of_text(value)
+        elif name == "action":
+            check_key(name, value)
+        else:
+            check_id(name, value)
     return filters
+
+
+@dataclass(slots=True)
+class _Outside:
+    """A user's lines that the export should not hold: the first of them, and how many more."""
+
+    number: int
+    entry: AuditEntry
+    reasons: list[str]
+    more: int = 0
+
+    def problem(self) -> ChainProblem:
+        also = ""
+        if self.more:
+            also = f" (as {'is' if self.more == 1 else 'are'} {self.more} more "
+            also += f"line{'' if self.more == 1 else 's'} of this user)"
+        return ChainProblem(
+            self.entry.user_id,
+            "outside_export",
+            self.entry.seq,
+            self.number,
+            f"entry {self.entry.seq} is outside the export: {'; '.join(self.reasons)}{also}",
+        )
+
+
+def _outside_reasons(
+    entry: AuditEntry,
+    key: str,
+    only: str | None,
+    user_id: str | None,
+    filters: Mapping[str, Any],
+    times: Mapping[str, int],
+) -> list[str]:
+    """Why the export should not hold ``entry``: not the user it is checked as (``only``),
+    or excluded by a filter its header names (an empty list: it belongs)."""
+    reasons = []
+    if only is not None and key != only:
+        reasons.append(f"it is checked as {_trail_of(user_id)} alone ({_option(user_id)})")
+    for name, value in filters.items():
+        if not _kept(entry, key, name, value, times):
+            reasons.append(f"its header says {name} {user_key(value)}")
+    return reasons
+
+
+def _kept(
+    entry: AuditEntry, key: str, name: str, value: str | None, times: Mapping[str, int]
+) -> bool:
+    """Whether ``entry`` passes one filter of a header, as :meth:`AuditFilter.matches` tests
+    it (``times``: the header's ``since`` and ``until`` in microseconds)."""
+    if name == "user_id":
+        return key == user_key(value)
+    if name == "session_id":
+        return entry.session_id == value
+    if name == "run_id":
+        return entry.run_id == value
+    if name == "action":
+        action = str(value)  # read_export_header: only user_id may be null
+        if action.endswith("*"):  # a family, as export --action 'tool.*' writes it
+            return entry.action.startswith(action[:-1])
+        return entry.action == action
+    if name == "since":
+        return entry.time_us >= times[name]
+    return entry.time_us < times[name]  # until
+
+
+def _trail_of(user_id: str | None) -> str:
+    """A user's trail as messages name it (JSON spelling, as the Node verifier's messages)."""
+    if user_id is None:
+        return "the anonymous bucket's trail"
+    return f"the trail of {user_key(user_id)}"
+
+
+def _option(user_id: str | None) -> str:
+    """The ``verify --file`` option that checks an export as this user's trail alone."""
+    return "--anonymous" if user_id is None else f"--user {user_key(user_id)}"
+
+
+def _unscoped(named: str | None) -> str:
+    """The hint for an export whose header names a user, checked without one."""
+    option = "--anonymous" if named is None else "--user"
+    return (
+        f"the export says it holds only {_trail_of(named)}, but without {option} it is "
+        f"checked as the whole log: pass {_option(named)} to check it alone"
+    )
 
 
 def _feed_line(
@@ -189,17 +313,14 @@ def _finish_lines(
     checks: dict[str, _ChainCheck],
     saved: Mapping[str, Any],
     report: VerifyReport,
-    covered: str | None,
 ) -> None:
     """What can be told only at the end: saved heads reached, erasures recorded.
 
-    ``covered`` is the one user key the export covers (``None``: every user): a user with a
-    saved head and no line is reported only if the export covers them.
+    Every user in ``saved`` is looked for: which users an export covers is the caller's
+    ``user_id`` (by which ``saved`` was narrowed), never what the file says of itself.
     """
     for key, user_heads in saved.items():
         found = checks.get(key)
-        if found is None and covered is not None and key != covered:
-            continue  # the export was not made for this user
         last = max(user_heads, key=lambda h: h.seq)
         report.heads.extend(user_heads)
         if found is None:
@@ -210,8 +331,7 @@ def _finish_lines(
                     1,
                     None,
                     f"the export holds none of this user's entries, though a saved head "
-                    f"records seq {last.seq} and the export does not say it was made for other "
-                    "users only",
+                    f"records seq {last.seq}",
                 )
             )
             continue

@@ -419,8 +419,8 @@ class ConsoleData:
     @staticmethod
     def export_header(user_id: str | None, where: TrailFilter) -> str:
         """The first line of an export of this user's trail (as ``loomflow audit export
-        --user`` writes it): it names the filters, so the export is checked against this
-        user's saved heads and no one else's."""
+        --user`` writes it): it names the filters, which ``verify --file`` holds the lines
+        to (``verify --file ... --user`` checks the export as this user's alone)."""
         header = AuditFilter.build(user_id=user_id, **where.as_kwargs()).export_header()
         assert header is not None  # a user is always a filter
         return header + "\n"

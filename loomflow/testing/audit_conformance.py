@@ -226,7 +226,7 @@ class AuditStoreConformance:
         out = io.StringIO()
         assert await store.export(out, user_id="alice") == 2
         header, *lines = out.getvalue().splitlines()
-        # A filtered export says what it was made with, so that it is verified as such.
+        # A filtered export says what it was made with; a verifier holds its lines to that.
         assert json.loads(header) == {"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}
         assert lines == [written[0].to_line(), written[2].to_line()]
         parsed = json.loads(lines[0])

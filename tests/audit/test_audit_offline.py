@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import io
 import json
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from loomflow.audit import (
+    ANY_USER,
     GENESIS,
     AuditEntry,
     AuditRecord,
@@ -88,7 +90,7 @@ async def test_tampering_with_an_export_is_found(tmp_path: Path, tamper: str, ki
 async def test_an_export_from_a_date_on_is_checked_from_its_first_entry(tmp_path: Path) -> None:
     lines, heads = await _export(tmp_path, user_id="bob")
     header, *entries = lines  # the export says it is bob's
-    report = verify_lines([header, *entries[2:]], heads=[h for h in heads if h.user_id == "bob"])
+    report = verify_lines([header, *entries[2:]], heads=heads, user_id="bob")
     assert report.ok, report.problems
     [warning] = report.warnings
     assert warning.kind == "unanchored"
@@ -134,17 +136,18 @@ async def test_the_cli_verifies_a_file_without_any_database(tmp_path: Path) -> N
     assert "cannot read" in missing.stderr
     # With --heads and no --file, the store is checked: here the unreachable default.
     assert cli("verify", "--heads", str(heads)).returncode == 1
-    # --user: only that user's lines and saved heads (bob's last line was cut off above).
+    # --user: the export is that user's trail alone (bob's last line was cut off above), so
+    # the other user's lines in this whole-log export do not belong in it.
     only = cli("verify", "--file", str(export), "--heads", str(heads), "--user", "bob", "--json")
     assert only.returncode == 1
     assert json.loads(only.stdout)["users"] == 1
     assert [(p["user_id"], p["kind"]) for p in json.loads(only.stdout)["problems"]] == [
-        ("bob", "truncated")
+        ("bob", "truncated"),
+        ("alice", "outside_export"),
     ]
-    assert (
-        cli("verify", "--file", str(export), "--heads", str(heads), "--user", "alice").returncode
-        == 0
-    )
+    bob = tmp_path / "bob.jsonl"
+    assert cli("--audit-url", url, "export", "--user", "bob", "-o", str(bob)).returncode == 0
+    assert cli("verify", "--file", str(bob), "--heads", str(heads), "--user", "bob").returncode == 0
 
 
 # -- saved heads catch rewrites, wherever the trail ends now ---------------------------------
@@ -347,7 +350,7 @@ async def _two_trails(tmp_path: Path) -> tuple[SqliteAuditStore, list[ChainHead]
     return store, (await store.verify()).heads  # every user's head, as `verify --json` saves
 
 
-async def test_an_export_of_one_user_is_checked_against_that_users_saved_heads(
+async def test_an_export_of_one_user_is_checked_as_the_user_the_caller_names(
     tmp_path: Path,
 ) -> None:
     store, heads = await _two_trails(tmp_path)
@@ -357,18 +360,18 @@ async def test_an_export_of_one_user_is_checked_against_that_users_saved_heads(
         everyone = [line async for line in _lines(store)]
     finally:
         await store.close()
-    # Its first line says whose it is; bob's saved head is not looked for.
+    # Its first line says whose it is; --user (user_id=) says whose it is checked as.
     assert json.loads(alice[0]) == {"filters": {"user_id": "alice"}, "loomflow_audit_export": 1}
-    report = verify_lines(alice, heads=heads)
+    report = verify_lines(alice, heads=heads, user_id="alice")
     assert report.ok, report.problems
     assert (report.users, report.entries) == (1, 3)
     assert report.export_filters == {"user_id": "alice"}
     assert [h.user_id for h in report.heads] == ["alice"]
-    assert verify_lines(anonymous, heads=heads).ok  # the anonymous bucket is a user too
+    assert report.warnings == []
+    assert verify_lines(anonymous, heads=heads, user_id=None).ok  # the anonymous bucket too
     # Not weakened: alice's trail cut short is still truncated...
-    assert [(p.user_id, p.kind, p.seq) for p in verify_lines(alice[:-1], heads=heads).problems] == [
-        ("alice", "truncated", 3)
-    ]
+    short = verify_lines(alice[:-1], heads=heads, user_id="alice")
+    assert [(p.user_id, p.kind, p.seq) for p in short.problems] == [("alice", "truncated", 3)]
     # ...an export of everyone (no header) still misses nobody...
     assert everyone[0].startswith('{"action"')
     assert verify_lines(everyone, heads=heads).ok
@@ -376,20 +379,232 @@ async def test_an_export_of_one_user_is_checked_against_that_users_saved_heads(
     assert [(p.user_id, p.kind) for p in verify_lines(without_bob, heads=heads).problems] == [
         ("bob", "truncated")
     ]
-    # ...and an export whose header was taken away is checked as the whole log (fail-safe).
-    kinds = [(p.user_id, p.kind) for p in verify_lines(alice[1:], heads=heads).problems]
-    assert kinds == [("bob", "truncated"), (None, "truncated")]
-    assert "does not say it was made for other users only" in (
-        verify_lines(alice[1:], heads=heads).problems[0].detail
-    )
-    # An explicit user: that user's lines and saved heads, whatever the header says.
+    # ...and an export whose header was taken away is still alice's when checked as hers.
     assert verify_lines(alice[1:], heads=heads, user_id="alice").ok
+
+
+async def test_without_a_user_an_export_is_the_whole_log_whatever_its_header_says(
+    tmp_path: Path,
+) -> None:
+    store, heads = await _two_trails(tmp_path)
+    try:
+        alice = [line async for line in _lines(store, user_id="alice")]
+        anonymous = [line async for line in _lines(store, user_id=None)]
+    finally:
+        await store.close()
+    # A real export of alice alone, checked without --user: everyone else with a saved head is
+    # missing from it, and a warning says how to check it as alice's.
+    report = verify_lines(alice, heads=heads)
+    assert [(p.user_id, p.kind, p.seq, p.position) for p in report.problems] == [
+        ("bob", "truncated", 1, None),
+        (None, "truncated", 1, None),
+    ]
+    assert report.problems[0].detail == (
+        "the export holds none of this user's entries, though a saved head records seq 3"
+    )
+    assert [w.to_json() for w in report.warnings] == [
+        {
+            "user_id": "alice",
+            "kind": "unscoped",
+            "seq": None,
+            "position": 1,
+            "detail": 'the export says it holds only the trail of "alice", but without --user it '
+            'is checked as the whole log: pass --user "alice" to check it alone',
+        }
+    ]
+    assert report.export_filters == {"user_id": "alice"}
+    [hint] = verify_lines(["", *anonymous], heads=heads).warnings  # after a blank line
+    assert (hint.user_id, hint.position) == (None, 2)
+    assert hint.detail == (
+        "the export says it holds only the anonymous bucket's trail, but without --anonymous it "
+        "is checked as the whole log: pass --anonymous to check it alone"
+    )
+    # Without heads nothing is looked for, but the hint stands.
+    assert verify_lines(alice).ok
+    assert [w.kind for w in verify_lines(alice).warnings] == ["unscoped"]
+
+
+async def test_a_header_added_to_a_whole_log_export_hides_no_deleted_trail(
+    tmp_path: Path,
+) -> None:
+    # The review's finding: heads saved, the whole log exported, one user's lines deleted,
+    # and a header line naming another user added. No hash covers that line.
+    store, heads = await _two_trails(tmp_path)
+    try:
+        everyone = [line async for line in _lines(store)]
+    finally:
+        await store.close()
+    header = '{"filters":{"user_id":"alice"},"loomflow_audit_export":1}'
+    without_bob = [line for line in everyone if json.loads(line)["user_id"] != "bob"]
+    report = verify_lines([header, *without_bob], heads=heads)
+    assert not report.ok
+    assert [(p.user_id, p.kind, p.position) for p in report.problems] == [
+        ("bob", "truncated", None),
+        (None, "outside_export", 3),  # the anonymous bucket's lines are not alice's
+    ]
+    assert report.problems[1].detail == (
+        'entry 1 is outside the export: its header says user_id "alice" (as are 2 more lines of '
+        "this user)"
+    )
+    # The header made consistent with the lines (alice's alone): the others are missing.
+    only_alice = [line for line in everyone if json.loads(line)["user_id"] == "alice"]
     assert [
-        (p.user_id, p.kind) for p in verify_lines(alice, heads=heads, user_id="bob").problems
-    ] == [("bob", "truncated")]
-    only_bob = verify_lines(everyone, heads=heads, user_id="bob")
-    assert only_bob.ok
-    assert (only_bob.users, only_bob.entries) == (1, 3)
+        (p.user_id, p.kind) for p in verify_lines([header, *only_alice], heads=heads).problems
+    ] == [
+        ("bob", "truncated"),
+        (None, "truncated"),
+    ]
+    # With --user alice the operator says the export is alice's: then it is checked as hers.
+    assert verify_lines([header, *only_alice], heads=heads, user_id="alice").ok
+
+
+async def test_with_a_user_other_users_lines_are_outside_the_export(tmp_path: Path) -> None:
+    store, heads = await _two_trails(tmp_path)
+    try:
+        everyone = [line async for line in _lines(store)]
+    finally:
+        await store.close()
+    report = verify_lines(everyone, heads=heads, user_id="bob")
+    assert (report.users, report.entries) == (1, 3)  # only bob's lines are checked
+    assert [(p.user_id, p.kind, p.seq, p.position) for p in report.problems] == [
+        ("alice", "outside_export", 1, 1),
+        (None, "outside_export", 1, 3),
+    ]
+    assert report.problems[0].detail == (
+        'entry 1 is outside the export: it is checked as the trail of "bob" alone (--user "bob") '
+        "(as are 2 more lines of this user)"
+    )
+    [bob] = [line for line in everyone if json.loads(line)["user_id"] == "bob"][:1]
+    anonymous = verify_lines([bob], user_id=None)
+    assert [(p.user_id, p.kind) for p in anonymous.problems] == [("bob", "outside_export")]
+    assert anonymous.problems[0].detail == (
+        "entry 1 is outside the export: it is checked as the anonymous bucket's trail alone "
+        "(--anonymous)"
+    )
+
+
+async def test_lines_that_contradict_the_header_are_outside_the_export(tmp_path: Path) -> None:
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        for i in range(4):
+            await store.append(
+                AuditRecord(
+                    user_id="alice",
+                    session_id=f"s-{i % 2}",
+                    run_id="r-1",
+                    actor="agent:a",
+                    action="tool.call" if i % 2 else "model.call",
+                    payload={"i": i},
+                )
+            )
+        heads = (await store.verify()).heads
+        lines = [line async for line in _lines(store, user_id="alice")]
+    finally:
+        await store.close()
+    header, *entries = lines
+    times = [json.loads(line)["time"] for line in entries]
+
+    def said(**filters: str) -> str:
+        return json.dumps({"filters": {"user_id": "alice", **filters}, "loomflow_audit_export": 1})
+
+    def outside(header: str) -> list[tuple[int | None, int | None, str]]:
+        report = verify_lines([header, *entries], heads=heads, user_id="alice")
+        assert {p.kind for p in report.problems} <= {"outside_export"}, report.problems
+        return [(p.seq, p.position, p.detail) for p in report.problems]
+
+    assert outside(header) == []
+    assert outside(said(since=times[2])) == [
+        (
+            1,
+            2,
+            f'entry 1 is outside the export: its header says since "{times[2]}" (as is 1 '
+            "more line of this user)",
+        )
+    ]
+    assert outside(said(until=times[1])) == [
+        (
+            2,
+            3,
+            f'entry 2 is outside the export: its header says until "{times[1]}" (as are 2 '
+            "more lines of this user)",
+        )
+    ]
+    assert outside(said(session_id="s-1")) == [
+        (
+            1,
+            2,
+            'entry 1 is outside the export: its header says session_id "s-1" (as is 1 more '
+            "line of this user)",
+        )
+    ]
+    assert outside(said(action="tool.*")) == [
+        (
+            1,
+            2,
+            'entry 1 is outside the export: its header says action "tool.*" (as is 1 more '
+            "line of this user)",
+        )
+    ]
+    assert outside(said(run_id="r-2", action="model.call")) == [
+        (
+            1,
+            2,
+            'entry 1 is outside the export: its header says run_id "r-2" (as are 3 more '
+            "lines of this user)",
+        )
+    ]
+    # Several reasons for one line are all given, the operator's first.
+    bobs = json.dumps(
+        {"filters": {"action": "tool.*", "user_id": "bob"}, "loomflow_audit_export": 1}
+    )
+    report = verify_lines([bobs, *entries], heads=heads, user_id="carol")
+    assert [(p.user_id, p.kind, p.position, p.detail) for p in report.problems] == [
+        (
+            "alice",
+            "outside_export",
+            2,
+            'entry 1 is outside the export: it is checked as the trail of "carol" alone (--user '
+            '"carol"); its header says action "tool.*"; its header says user_id "bob" (as are 3 '
+            "more lines of this user)",
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"user_id": "alice"},
+        {"user_id": "alice", "since": dt.datetime(2000, 1, 1)},
+        {"user_id": "alice", "since": dt.datetime(2000, 1, 1), "until": dt.datetime(2100, 1, 1)},
+        {"action": "tool.*"},
+        {"session_id": "s-1", "run_id": "r-1"},
+        {"user_id": None, "action": "tool.call"},
+    ],
+)
+async def test_a_real_export_never_contradicts_its_own_header(
+    tmp_path: Path, filters: dict[str, object]
+) -> None:
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        for i in range(3):
+            await store.append(
+                [
+                    AuditRecord(
+                        user_id=user,
+                        session_id=f"s-{i}",
+                        run_id=f"r-{i}",
+                        actor="agent:a",
+                        action=("tool.call", "tool.result", "model.call")[i],
+                    )
+                    for user in ("alice", None)
+                ]
+            )
+        lines = [line async for line in _lines(store, **filters)]
+    finally:
+        await store.close()
+    assert json.loads(lines[0])["filters"].keys() == filters.keys()
+    report = verify_lines(lines, user_id=filters.get("user_id", ANY_USER))
+    assert "outside_export" not in {p.kind for p in report.problems}, report.problems
 
 
 @pytest.mark.parametrize(
@@ -401,9 +616,17 @@ async def test_an_export_of_one_user_is_checked_against_that_users_saved_heads(
         '{"filters":{"user_id":7},"loomflow_audit_export":1}',
         '{"filters":{"user_id":"alice"},"loomflow_audit_export":1,"signed":true}',
         '{"filters":["alice"],"loomflow_audit_export":1}',
+        # Values no export is made with: ids --user refuses, times not spelled as exported.
+        '{"filters":{"user_id":""},"loomflow_audit_export":1}',
+        '{"filters":{"user_id":"al\\u0000ice"},"loomflow_audit_export":1}',
+        '{"filters":{"user_id":"\\ud800"},"loomflow_audit_export":1}',
+        '{"filters":{"session_id":"' + "s" * 257 + '"},"loomflow_audit_export":1}',
+        '{"filters":{"action":""},"loomflow_audit_export":1}',
+        '{"filters":{"since":"2026-05-01"},"loomflow_audit_export":1}',
+        '{"filters":{"until":"2026-05-01T00:00:00.5Z"},"loomflow_audit_export":1}',
     ],
 )
-async def test_a_header_this_loomflow_cannot_read_narrows_nothing(
+async def test_a_header_this_loomflow_cannot_read_is_unreadable(
     tmp_path: Path, header: str
 ) -> None:
     store, heads = await _two_trails(tmp_path)
@@ -440,7 +663,8 @@ async def _lines(store: SqliteAuditStore, **filters: object) -> AsyncIterator[st
 
 
 async def test_the_documented_workflow_passes_with_several_users(tmp_path: Path) -> None:
-    # README and docs/audit.md: heads of every user saved, one user's trail exported later.
+    # README and docs/audit.md: heads of every user saved, one user's trail exported later
+    # and checked as that user's (--user), or the anonymous bucket's (--anonymous).
     store, _ = await _two_trails(tmp_path)
     await store.close()
     url = f"sqlite:///{tmp_path / 'audit.db'}"
@@ -451,10 +675,29 @@ async def test_the_documented_workflow_passes_with_several_users(tmp_path: Path)
     assert len(json.loads(saved.stdout)["heads"]) == 3
     alice = tmp_path / "alice.jsonl"
     assert _cli("--audit-url", url, "export", "--user", "alice", "-o", str(alice)).returncode == 0
-    done = _cli("verify", "--file", str(alice), "--heads", str(heads))
+    done = _cli("verify", "--file", str(alice), "--heads", str(heads), "--user", "alice")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == [
         "OK: checked 3 entries of 1 user(s)",
-        "the export says it was made with user_id='alice': saved heads of other users were "
-        "not looked for",
+        "the export says it was made with user_id='alice'",
     ]
+    anonymous = tmp_path / "anonymous.jsonl"
+    assert _cli("--audit-url", url, "export", "--anonymous", "-o", str(anonymous)).returncode == 0
+    done = _cli("verify", "--file", str(anonymous), "--heads", str(heads), "--anonymous")
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Without --user the export is checked as the whole log, and the output says what to pass.
+    done = _cli("verify", "--file", str(alice), "--heads", str(heads))
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert lines[:2] == [
+        "FAILED: 2 problem(s): checked 3 entries of 1 user(s)",
+        "the export says it was made with user_id='alice'",
+    ]
+    [hint] = [line for line in lines if line.startswith("warning")]
+    assert hint.split()[1:4] == ["alice", "unscoped", "-"]
+    assert hint.endswith('pass --user "alice" to check it alone')
+    # --user and --anonymous are one choice; --anonymous works on the store too.
+    assert _cli("verify", "--file", str(alice), "--user", "a", "--anonymous").returncode == 2
+    on_store = _cli("--audit-url", url, "verify", "--anonymous", "--json")
+    assert on_store.returncode == 0, on_store.stderr
+    assert [h["user_id"] for h in json.loads(on_store.stdout)["heads"]] == [None]

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from loomflow.audit import AuditEntry, AuditRecord, SqliteAuditStore, heads_from_json, verify_lines
-from loomflow.audit._entry import canonical_json
+from loomflow.audit._entry import canonical_json, user_key
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools"
@@ -191,7 +191,8 @@ async def test_node_reads_numbers_as_written_and_each_users_lines_in_seq_order(
 async def test_node_checks_an_export_of_one_user_against_every_users_heads(
     verifier: Path, tmp_path: Path
 ) -> None:
-    # README: `verify --json > heads.json` (every user), then one user's export, checked.
+    # README: `verify --json > heads.json` (every user), then one user's export, checked as
+    # that user's with --user.
     _, heads, _ = await _export(tmp_path)
     store = SqliteAuditStore(tmp_path / "audit.db")
     try:
@@ -199,24 +200,33 @@ async def test_node_checks_an_export_of_one_user_against_every_users_heads(
         assert await store.export(alice, user_id="alice@example.com") == 4
     finally:
         await store.close()
-    done = _node(verifier, alice, heads)
+    done = _node(verifier, "--user", "alice@example.com", alice, heads)
     assert done.returncode == 0, done.stdout
     assert done.stdout.splitlines() == [
-        'note     the export says it was made with user_id="alice@example.com": saved heads '
-        "of other users were not looked for",
+        'note     the export says it was made with user_id="alice@example.com"',
         "ok: 4 entries of 1 users, 4 re-hashed (RFC 8785), 1 users' saved heads, 0 problems",
     ]
-    header, *entries = alice.read_text(encoding="utf-8").splitlines()
-    # Still truncated when alice's own trail is cut short...
-    done = _node(verifier, _write(tmp_path / "short.jsonl", [header, *entries[:-1]]), heads)
-    assert done.returncode == 1
-    assert 'user "alice@example.com": truncated: entry 4 is missing at the end' in done.stdout
-    # ...and, with no header, the export is the whole log: the others are missing.
-    bare = _write(tmp_path / "bare.jsonl", entries)
-    done = _node(verifier, bare, heads)
+    # Without --user it is the whole log, whatever its header says, and a warning says so.
+    done = _node(verifier, alice, heads)
     assert done.returncode == 1
     assert "user null: truncated: the export holds none of this user's entries" in done.stdout
+    assert (
+        'warning  line 1: user "alice@example.com": unscoped: the export says it holds only the '
+        'trail of "alice@example.com", but without --user it is checked as the whole log: pass '
+        '--user "alice@example.com" to check it alone'
+    ) in done.stdout.splitlines()
+    header, *entries = alice.read_text(encoding="utf-8").splitlines()
+    # Still truncated when alice's own trail is cut short...
+    short = _write(tmp_path / "short.jsonl", [header, *entries[:-1]])
+    done = _node(verifier, "--user", "alice@example.com", short, heads)
+    assert done.returncode == 1
+    assert 'user "alice@example.com": truncated: entry 4 is missing at the end' in done.stdout
+    # ...and an export made before headers is checked as alice's the same way.
+    bare = _write(tmp_path / "bare.jsonl", entries)
     assert _node(verifier, "--user", "alice@example.com", bare, heads).returncode == 0
+    done = _node(verifier, "--user", "a", "--anonymous", bare)
+    assert done.returncode == 2
+    assert "one of --user and --anonymous" in done.stderr
 
 
 def test_node_links_version_1_entries_but_cannot_rehash_them(
@@ -442,6 +452,16 @@ def _only(lines: Lines, user: str | None, *, header: bool) -> Lines:
     return [_header(user), *mine] if header else mine
 
 
+def _said(lines: Lines, user: str | None, /, **filters: str) -> Lines:
+    """A user's lines under a header naming ``filters`` besides the user."""
+    header = {"filters": {"user_id": user, **filters}, "loomflow_audit_export": 1}
+    return [canonical_json(header), *_only(lines, user, header=False)]
+
+
+def _time(lines: Lines, user: str | None, seq: int) -> str:
+    return str(json.loads(lines[_at(lines, user, seq)])["time"])
+
+
 def _swap(lines: Lines, a: int, b: int) -> Lines:
     out = list(lines)
     out[a], out[b] = out[b], out[a]
@@ -525,6 +545,42 @@ TAMPERS: dict[str, Any] = {
         *_only(ls, A, header=False),
     ],
     "a header on the second line": lambda ls: [ls[0], _header(A), *ls[1:]],
+    # A header is covered by no hash: added to a whole-log export from which a user's lines
+    # were deleted, it must not hide them (the review's finding), nor narrow any check.
+    "a header naming alice over a log missing a user": lambda ls: [
+        _header(A),
+        *(x for x in ls if json.loads(x)["user_id"] != "bob"),
+    ],
+    "a header naming alice over the anonymous bucket's lines": lambda ls: [
+        _header(A),
+        *_only(ls, None, header=False),
+    ],
+    "a header naming the anonymous bucket over alice's lines": lambda ls: [
+        _header(None),
+        *_only(ls, A, header=False),
+    ],
+    # Lines that contradict the header's filters.
+    "a header whose since leaves out entries": lambda ls: _said(ls, A, since=_time(ls, A, 3)),
+    "a header whose until leaves out entries": lambda ls: _said(ls, A, until=_time(ls, A, 4)),
+    "a header naming another session": lambda ls: _said(ls, A, session_id="s-9"),
+    "a header naming another run": lambda ls: _said(ls, A, run_id="r-9"),
+    "a header naming another action family": lambda ls: _said(ls, A, action="model.*"),
+    "a header naming the lines' action family": lambda ls: _said(ls, A, action="tool.*"),
+    "a header naming the lines' own time range": lambda ls: _said(
+        ls, A, since=_time(ls, A, 1), until="9999-12-31T23:59:59.999999Z"
+    ),
+    # Values no export is made with: the header is unreadable.
+    "a header naming an empty user": lambda ls: [_header(""), *_only(ls, A, header=False)],
+    "a header naming a user with a NUL": lambda ls: [
+        _header(A).replace("alice@", "alice\\u0000@"),
+        *_only(ls, A, header=False),
+    ],
+    "a header naming a lone surrogate": lambda ls: [
+        _header(A).replace("alice@", "alice\\ud800@"),
+        *_only(ls, A, header=False),
+    ],
+    "a header naming a session too long": lambda ls: _said(ls, A, session_id="é" * 129),
+    "a header with a since not spelled as exported": lambda ls: _said(ls, A, since="2026-01-01"),
     "starts mid-trail": lambda ls: [
         x for x in ls if json.loads(x)["user_id"] != A or json.loads(x)["seq"] > 2
     ],
@@ -536,24 +592,39 @@ TAMPERS: dict[str, Any] = {
 HARMLESS = ("untouched", "session_id left out")  # a missing session_id is null, as hashed
 
 
-@pytest.mark.parametrize("user", [A, "bob", "nobody"])
+@pytest.mark.parametrize("user", [A, "bob", "nobody", None])
 @pytest.mark.parametrize(
-    "tamper", ["untouched", "an export of alice only", "alice's lines without their header"]
+    "tamper",
+    [
+        "untouched",
+        "an export of alice only",
+        "alice's lines without their header",
+        "an export of alice cut short",
+        "a header naming alice over a log missing a user",
+        "a header naming the anonymous bucket over alice's lines",
+        "a header whose since leaves out entries",
+    ],
 )
 def test_node_checks_one_named_user_as_python_does(
-    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, tamper: str, user: str
+    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, tamper: str, user: str | None
 ) -> None:
     lines, heads_path = trail
-    export = _write(tmp_path / "export.jsonl", TAMPERS[tamper](list(lines)))
+    tampered = TAMPERS[tamper](list(lines))
+    export = _write(tmp_path / "export.jsonl", tampered)
     heads = heads_from_json(json.loads(heads_path.read_text()))
     with export.open(encoding="utf-8") as fh:
         python = verify_lines(fh, heads=heads, user_id=user).to_json()
-    done = _node(verifier, "--json", "--user", user, export, heads_path)
+    option = ["--anonymous"] if user is None else ["--user", user]
+    done = _node(verifier, "--json", *option, export, heads_path)
     assert done.returncode == (0 if python["ok"] else 1), done.stdout + done.stderr
     assert _findings(json.loads(done.stdout)) == _findings(python)
-    assert python["users"] == (
-        0 if user == "nobody" or (user == "bob" and tamper != "untouched") else 1
-    )
+    # Only the named user's lines are checked; every other user's is outside the export.
+    mine = [x for x in tampered if "seq" in json.loads(x) and json.loads(x)["user_id"] == user]
+    others = {json.loads(x)["user_id"] for x in tampered if "seq" in json.loads(x)} - {user}
+    assert (python["users"], python["entries"]) == (1 if mine else 0, len(mine))
+    outside = {p["user_id"] for p in python["problems"] if p["kind"] == "outside_export"}
+    assert others <= outside
+    assert "unscoped" not in {w["kind"] for w in python["warnings"]}
 
 
 def _findings(report: dict[str, Any]) -> dict[str, Any]:
@@ -597,6 +668,18 @@ def test_node_reports_what_python_reports(
     assert done.returncode == (0 if python["ok"] else 1), done.stdout + done.stderr
     node = json.loads(done.stdout)
     assert _findings(node) == _findings(python)
+    if with_heads:
+        # Whatever a header says (no hash covers it), every user with a saved head and no
+        # entry in the file is missing from it.
+        present = set()
+        for line in tampered:
+            try:
+                present.add(user_key(AuditEntry.from_line(line).user_id))
+            except (ValueError, TypeError, KeyError, RecursionError):  # unreadable, the header
+                continue
+        absent = {user_key(h.user_id) for h in heads} - present
+        truncated = {user_key(p["user_id"]) for p in python["problems"] if p["kind"] == "truncated"}
+        assert absent <= truncated
     # Each tamper is seen, but for the two that change nothing loomflow hashes.
     untouched = verify_lines(lines, heads=heads).to_json()
     assert (_findings(python) == _findings(untouched)) == (tamper in HARMLESS)

@@ -533,6 +533,8 @@ def test_verification_and_export_check_out_with_the_cli(
             str(tmp_path / "bob.jsonl"),
             "--heads",
             str(tmp_path / "heads.json"),
+            "--user",
+            BOB,
         ],
         capture_output=True,
         text=True,
