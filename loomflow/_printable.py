@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["printable"]
+__all__ = ["printable", "shown"]
 
 
 def printable(value: Any) -> str:
@@ -23,3 +23,11 @@ def printable(value: Any) -> str:
     if text.isprintable():  # nearly always: no copy
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a value from a hand-edited row, named in
+    an error. ``repr`` escapes control characters, so a crafted value cannot drive a
+    terminal; the cut keeps a huge one from filling the message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

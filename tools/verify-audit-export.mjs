@@ -44,7 +44,9 @@ const EXPORT_FILTERS = ['user_id', 'session_id', 'run_id', 'action', 'since', 'u
 const AUDIT_ERASURE = 'audit.erasure';
 const HOLD_PLACED = 'legal_hold.placed';
 const HOLD_ACTIONS = [HOLD_PLACED, 'legal_hold.released'];
-const KEPT_BY_ERASURE = [AUDIT_ERASURE, ...HOLD_ACTIONS]; // erasure never takes their payloads
+const AUDIT_DELETION = 'audit.deletion';
+// Erasure never takes their payloads (loomflow.audit.actions.KEPT_BY_ERASURE).
+const KEPT_BY_ERASURE = [AUDIT_ERASURE, AUDIT_DELETION, ...HOLD_ACTIONS];
 
 const usage = 'usage: verify-audit-export.mjs [--json] [--require-v2] [--user ID | --anonymous] ' +
   'EXPORT.jsonl [HEADS.json]';

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
+from .._printable import shown
 from ..config import Settings
 from ..errors import CheckpointError
 from ..messages import Usage
@@ -80,7 +81,7 @@ def _row(row: Sequence[Any]) -> Checkpoint:
         # A row edited by hand (SQLite keeps any type in any column; a created_at of 1e300
         # fits PostgreSQL's double too) reads as damaged: resume falls back to replay.
         cause, why = exc, str(exc)
-    raise CheckpointError(f"checkpoint {_shown(row[0])} has a malformed column: {why}") from cause
+    raise CheckpointError(f"checkpoint {shown(row[0])} has a malformed column: {why}") from cause
 
 
 def _readable(row: Sequence[Any]) -> Checkpoint | UnreadableCheckpoint:
@@ -98,12 +99,7 @@ def _readable(row: Sequence[Any]) -> Checkpoint | UnreadableCheckpoint:
 
 
 def _text(value: Any) -> str | None:
-    return value if value is None or isinstance(value, str) else _shown(value)
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)  # escapes control characters; a crafted value is kept short
-    return text if len(text) <= 60 else text[:57] + "..."
+    return value if value is None or isinstance(value, str) else shown(value)
 
 
 def _column(name: str, convert: Callable[[Any], _T], value: Any) -> _T:
@@ -111,7 +107,7 @@ def _column(name: str, convert: Callable[[Any], _T], value: Any) -> _T:
     try:
         return convert(value)
     except (TypeError, ValueError, ArithmeticError, OSError) as exc:
-        raise ValueError(f"{name} holds {_shown(value)} ({exc})") from exc
+        raise ValueError(f"{name} holds {shown(value)} ({exc})") from exc
 
 
 # What each column must hold as read back: SQLite keeps any type in any column, so text, a

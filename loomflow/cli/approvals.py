@@ -18,10 +18,10 @@ was cancelled while it waited refuses the decision (``RunCancelledError``, exit 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 from typing import Any
 
+from .._timefmt import parse_time
 from ..agent._approvals import audit_decision
 from ..audit import AuditLog
 from ..config import Settings
@@ -195,6 +195,6 @@ def _iso(text: str) -> str:
     journal keeps what the run wrote: ``+00:00`` from runs of earlier 0.21 builds); text that
     is no time is shown as it is."""
     try:
-        return iso_time(dt.datetime.fromisoformat(text))
-    except ValueError:
+        return iso_time(parse_time(text))
+    except InvalidArgumentError:
         return text

@@ -113,14 +113,18 @@ def register(subparsers: Any) -> None:
     audit.set_defaults(handler=_handle)
 
 
-def _filter_args(args: argparse.Namespace) -> dict[str, Any]:
-    user: str | None = ANY_USER
+def _user(args: argparse.Namespace) -> str | None:
+    """The user a command acts on: ``--user``, ``--anonymous`` (``None``), else every user
+    (``ANY_USER``). For ``verify --file``, never what the export's header says: no hash
+    covers it."""
     if getattr(args, "anonymous", False):
-        user = None
-    elif args.user_id is not None:
-        user = args.user_id
+        return None
+    return ANY_USER if args.user_id is None else str(args.user_id)
+
+
+def _filter_args(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "user_id": user,
+        "user_id": _user(args),
         "session_id": args.session_id,
         "run_id": args.run_id,
         "action": args.action,
@@ -249,20 +253,11 @@ def _saved_heads(args: argparse.Namespace) -> list[ChainHead]:
         raise AuditError(f"bad --heads file {args.heads}: {exc}") from exc
 
 
-def _verify_user(args: argparse.Namespace) -> str | None:
-    """The user ``verify`` checks alone: ``--user``, ``--anonymous`` (``None``), else every
-    user (``ANY_USER``). With ``--file``, never what the export's header says: no hash covers
-    it."""
-    if args.anonymous:
-        return None
-    return ANY_USER if args.user_id is None else str(args.user_id)
-
-
 def _verify_file(args: argparse.Namespace) -> int:
     heads = _saved_heads(args)
     try:
         with args.file.open(encoding="utf-8") as lines:
-            report = verify_lines(lines, heads=heads, user_id=_verify_user(args))
+            report = verify_lines(lines, heads=heads, user_id=_user(args))
     except OSError as exc:
         raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc
     return _report(report, args)
@@ -272,7 +267,7 @@ async def _verify(store: AuditStore, args: argparse.Namespace) -> int:
     heads = _saved_heads(args)
     with progress_bar("verifying", unit=" entries", enabled=args.progress) as on_progress:
         report: VerifyReport = await store.verify(
-            user_id=_verify_user(args),
+            user_id=_user(args),
             on_progress=on_progress,
             heads=heads,
         )

@@ -716,7 +716,7 @@ async def _tool_names(
     names: dict[tuple[int, str, str], str] = {}
     for epoch in sorted(epochs):
         for row in await store.load_run(Scope(info.session_id, info.user_id), epoch):
-            if row.damage is not None or not isinstance(row.name, str):
+            if row.damaged() is not None:
                 continue  # a hand-edited row of no run, or with a name that is no text
             turn = row.name.removeprefix("model_call_")
             if turn == row.name or not (turn.isascii() and turn.isdigit()) or row.format != "json":

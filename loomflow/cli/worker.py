@@ -241,8 +241,7 @@ def _where(runtime: JournalRuntime) -> str:
     if isinstance(database, SqliteDatabase):
         return f"the SQLite file {database.path}"
     if isinstance(database, PostgresDatabase):
-        dsn = getattr(database, "_dsn", None)
-        return "a PostgreSQL pool" if dsn is None else _masked_url(dsn)
+        return database.shown_dsn or "a PostgreSQL pool"
     return repr(runtime)
 
 
@@ -278,9 +277,16 @@ async def _handle(args: argparse.Namespace) -> int:
         raise UserError(f"agent {first.name!r} has no runtime: there is no journal to recover")
     try:
         await _check_settings_journal(runtime, args.app)
-    except BaseException:
+        return await _recover(args, agents, runtime)
+    finally:
         await runtime.close()
-        raise
+
+
+async def _recover(
+    args: argparse.Namespace, agents: dict[str, Agent], runtime: JournalRuntime
+) -> int:
+    """Sweep once, or serve and sweep until stopped (the caller closes the runtime)."""
+    first = next(iter(agents.values()))
     audit = first.audit if isinstance(first.audit, AuditLog) else None
     recovery = Recovery(
         runtime,
@@ -293,11 +299,7 @@ async def _handle(args: argparse.Namespace) -> int:
     )
     health = _Health()
     port = args.port if args.port is not None else (None if args.once else 9464)
-    try:
-        server = _serve(args.host, port, health) if port is not None else None
-    except BaseException:
-        await runtime.close()
-        raise
+    server = _serve(args.host, port, health) if port is not None else None
     if server is not None:
         bound = server.server_address[1]
         _event(
@@ -319,7 +321,6 @@ async def _handle(args: argparse.Namespace) -> int:
         if server is not None:
             server.shutdown()
             server.server_close()
-        await runtime.close()
 
 
 async def _serve_forever(recovery: Recovery, health: _Health, as_json: bool) -> int:

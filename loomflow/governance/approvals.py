@@ -369,7 +369,7 @@ class Ledger:
 def _ledger(epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
     ledger = Ledger(epoch)
     for entry in entries:
-        if entry.damage is not None or not isinstance(entry.name, str):
+        if entry.damaged() is not None:
             continue  # a hand-edited row no step matches: the run would journal it again
         is_request = entry.name.startswith(_REQUEST_STEP)
         if not is_request and not entry.name.startswith(_DECISION_STEP):

@@ -101,26 +101,11 @@ _pickle_warned = False
 
 
 def _damaged_keys(rows: list[StoredEntry]) -> list[tuple[StoredEntry, str]]:
-    """Rows whose key columns hold what no step looks up: a hand-edited SQLite row may hold
-    any type in any column, and such a row is never matched, so without this its step would
-    silently run a second time even under ``strict_replay``. A row the store marked damaged
-    (an epoch that is not a number, so it belongs to no run) counts the same. (A fingerprint
-    that is text but not this release's is left alone: a journal imported from 0.20 keeps
-    its own.)"""
-    damaged = []
-    for row in rows:
-        if row.damage is not None:
-            damaged.append((row, row.damage))
-            continue
-        for column, value in (
-            ("path", row.path),
-            ("name", row.name),
-            ("fingerprint", row.fingerprint),
-        ):
-            if type(value) is not str:
-                damaged.append((row, f"a {type(value).__name__} for its {column}"))
-                break
-    return damaged
+    """Rows whose keys no step looks up (:meth:`StoredEntry.damaged`), with why: without
+    this, such a row's step would silently run a second time even under ``strict_replay``.
+    (A fingerprint that is text but not this release's is left alone: a journal imported
+    from 0.20 keeps its own.)"""
+    return [(row, why) for row in rows if (why := row.damaged()) is not None]
 
 
 def _not_journaled(run: JournalRun, name: str) -> OwnershipLostError:
@@ -538,12 +523,11 @@ class JournalRuntime:
                 opened = False
             else:
                 epoch = claim.epoch
-                opened = began or not claim.open
-                if (
-                    opened
-                    and not began
-                    and not await self._store.begin_run(scope, claim.token, record)
-                ):
+                opened = began or not claim.open  # a new run: nothing of it is journaled yet
+                begun = (
+                    began or claim.open or await self._store.begin_run(scope, claim.token, record)
+                )
+                if not begun:
                     raise OwnershipLostError(f"lost {scope.key} while opening the run")
             rows = [] if opened else await self._store.load_run(scope, epoch)
             return self._run_of(scope, epoch, claim.token, rows, strict)
@@ -1238,7 +1222,7 @@ class JournalRuntime:
         keep = [check_id("keep_users", user) for user in keep_users]
         await self._ensure_open()
         extra: dict[str, Any] = {"keep_users": keep} if keep else {}
-        if keep and "keep_users" not in inspect.signature(self._store.prune).parameters:
+        if keep and not _takes(self._store.prune, "keep_users"):
             raise ConfigurationError(
                 f"{type(self._store).__name__}.prune cannot keep some users' entries (a store "
                 "from before 0.21): nothing was pruned"
@@ -1265,7 +1249,7 @@ class JournalRuntime:
         """
         check_id("user_id", user_id)
         await self._ensure_open()
-        if "any_age" in inspect.signature(self._store.prune).parameters:
+        if _takes(self._store.prune, "any_age"):
             # Whatever the rows' times say: a host whose clock was stepped back writes
             # entries "in the future", and an erasure must not leave them behind.
             deleted = await self._store.prune(
@@ -1282,6 +1266,11 @@ class JournalRuntime:
         else:  # a store from before 0.21
             deleted = await self.prune(user_id=user_id, include_open=True, older_than=timedelta(0))
         return deleted + await self._store.forget_sessions(user_id)
+
+
+def _takes(method: Callable[..., Any], option: str) -> bool:
+    """Whether a store's method takes ``option`` (stores written before 0.21 lack some)."""
+    return option in inspect.signature(method).parameters
 
 
 def _indexed(rows: list[StoredEntry]) -> dict[tuple[str, str], dict[str, StoredEntry]]:

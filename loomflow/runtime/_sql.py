@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._printable import shown
 from .._progress import OnProgress, Progress
 from ..errors import CorruptEntryError
 from ..storage import Database
@@ -322,17 +323,12 @@ _QUERIES = {
 }
 
 
-def _shown(value: object) -> str:
-    text = repr(value)  # escapes control characters: a crafted value cannot drive a terminal
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _entry(row: Sequence[Any]) -> StoredEntry:
     """A journal row as _LOAD_RUN reads it: path ... seq, then its epoch (see _NO_RUN)."""
     entry = _stored(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7])
     epoch = row[8]
     if type(epoch) is not int:
-        entry.damage = f"a {type(epoch).__name__} ({_shown(epoch)}) for its epoch"
+        entry.damage = f"a {type(epoch).__name__} ({shown(epoch)}) for its epoch"
     return entry
 
 
@@ -390,19 +386,19 @@ def _damage(token: object, epoch: object, is_open: object) -> list[str]:
     """
     found = []
     if type(token) is not int or not 0 < token < _LAST_NUMBER:
-        found.append(f"token {_shown(token)}")
+        found.append(f"token {shown(token)}")
     if type(epoch) is not int or not 0 <= epoch < _LAST_NUMBER:
-        found.append(f"epoch {_shown(epoch)}")
+        found.append(f"epoch {shown(epoch)}")
     if type(is_open) is not int or is_open not in (0, 1):
-        found.append(f"open {_shown(is_open)}")
+        found.append(f"open {shown(is_open)}")
     return found
 
 
 def _damaged(scope: Scope, found: Sequence[str]) -> CorruptEntryError:
     return CorruptEntryError(
         f"the session's lease row is damaged ({', '.join(found)}); repair or delete the "
-        f"loom_sessions row of session {_shown(scope.session_id)} of user "
-        f"{_shown(scope.user_id)}"
+        f"loom_sessions row of session {shown(scope.session_id)} of user "
+        f"{shown(scope.user_id)}"
     )
 
 
@@ -481,9 +477,9 @@ class SqlJournalStore:
         # would end in SessionBusyError after the whole turn timeout.
         found = _damage(token, epoch, is_open)
         if not isinstance(owner, str):
-            found.append(f"owner {_shown(owner)}")
+            found.append(f"owner {shown(owner)}")
         if type(lease_until) not in (int, float) or not math.isfinite(lease_until):
-            found.append(f"lease_until {_shown(lease_until)}")
+            found.append(f"lease_until {shown(lease_until)}")
         if found:
             raise _damaged(scope, found)
         return owner, token
@@ -575,7 +571,7 @@ class SqlJournalStore:
         token = rows[0][0]
         if type(token) is not int or not 0 < token < _LAST_NUMBER:
             # The guard above left it unchanged: no fencing is possible.
-            raise _damaged(scope, [f"token {_shown(token)}"])
+            raise _damaged(scope, [f"token {shown(token)}"])
         return OrphanClaim(token, _int(rows[0][1]))
 
     async def dead_letter(self, scope: Scope, seen_token: int | None, error: str) -> bool:

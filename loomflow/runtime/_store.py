@@ -163,6 +163,21 @@ class StoredEntry:
     # epoch holding text): what is wrong with it. Such a row is reported, never replayed.
     damage: str | None = None
 
+    def damaged(self) -> str | None:
+        """What makes the row one no step can match, or ``None``: a key no run position has
+        (``damage``), or a key column that is not text (SQLite keeps any type in any column;
+        a blob path or name is never looked up, so its step would run again)."""
+        if self.damage is not None:
+            return self.damage
+        for column, value in (
+            ("path", self.path),
+            ("name", self.name),
+            ("fingerprint", self.fingerprint),
+        ):
+            if type(value) is not str:
+                return f"a {type(value).__name__} for its {column}"
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class EntryInfo:

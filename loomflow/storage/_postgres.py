@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from ..config import _masked_url
 from ..errors import ConfigurationError, UserError
 from ._database import Database, Rows, Transaction
 from ._dialect import POSTGRES
@@ -84,6 +85,12 @@ class PostgresDatabase(Database):
     @property
     def is_open(self) -> bool:
         return self._pool is not None
+
+    @property
+    def shown_dsn(self) -> str | None:
+        """The DSN this database was made from, its password masked (for messages); ``None``
+        for an adopted pool."""
+        return None if self._dsn is None else _masked_url(self._dsn)
 
     @property
     def pool(self) -> asyncpg.Pool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -491,15 +492,22 @@ class Metrics:
         The replay series of the runtime's backend are created at 0 right away, so that rates
         and alerts see a series before its first increment.
         """
-        add_observer = getattr(runtime, "add_observer", None)
-        if add_observer is None:  # the agent's no-journal passthrough: nothing is journaled
-            return
+        # The agent's no-journal passthrough has no observers: nothing is journaled.
+        if self._observe_once(runtime, self.observe_step):
+            self.prepare_backend(str(runtime.backend))
+
+    def _observe_once(self, source: Any, observer: Callable[[Any], None]) -> bool:
+        """Add ``observer`` to ``source`` once per registry (whatever ``Metrics`` asks);
+        ``False`` when it was added before, or ``source`` takes no observers."""
+        add_observer = getattr(source, "add_observer", None)
+        if add_observer is None:
+            return False
         with self._c.lock:
-            if runtime in self._c.instrumented:
-                return
-            self._c.instrumented.add(runtime)
-        add_observer(self.observe_step)
-        self.prepare_backend(str(runtime.backend))
+            if source in self._c.instrumented:
+                return False
+            self._c.instrumented.add(source)
+        add_observer(observer)
+        return True
 
     def prepare_backend(self, backend: str) -> None:
         """Create the step and run series of ``backend`` at 0."""
@@ -746,14 +754,7 @@ class Metrics:
     def count_audit(self, audit: Any) -> None:
         """Count every entry the audit log ``audit`` appends, by action (idempotent per
         registry and audit log). An agent does it for its own audit log and telemetry."""
-        add_observer = getattr(audit, "add_observer", None)
-        if add_observer is None:
-            return
-        with self._c.lock:
-            if audit in self._c.instrumented:
-                return
-            self._c.instrumented.add(audit)
-        add_observer(self._audit_appended)
+        self._observe_once(audit, self._audit_appended)
 
     def _audit_appended(self, entry: Any) -> None:
         self.audit_entry(str(entry.action))

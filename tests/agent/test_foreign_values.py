@@ -8,7 +8,6 @@ included.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import subprocess
@@ -98,10 +97,6 @@ async def test_tool_calls_without_an_id_are_named_and_replay(runtime_factory: Fa
     assert [c.id for c in result.messages[2].tool_calls] == answered
     replay = await agent.resume("sum", session_id="s")
     assert (replay.fresh_steps, ran) == (0, [3, 4])
-
-
-class Status(enum.Enum):  # not registered: a replay hands back its value
-    SHIPPED = "shipped"
 
 
 @pytest.mark.parametrize("kind", ["set", "intkeys", "enum"])

@@ -497,12 +497,16 @@ async def test_lines_that_contradict_the_header_are_outside_the_export(tmp_path:
                     payload={"i": i},
                 )
             )
+            # SQLite's clock ticks in milliseconds: keep each entry's time its own so
+            # that since/until cut between them.
+            await asyncio.sleep(0.003)
         heads = (await store.verify()).heads
         lines = [line async for line in _lines(store, user_id="alice")]
     finally:
         await store.close()
     header, *entries = lines
     times = [json.loads(line)["time"] for line in entries]
+    assert len(set(times)) == len(times), times
 
     def said(**filters: str) -> str:
         return json.dumps({"filters": {"user_id": "alice", **filters}, "loomflow_audit_export": 1})

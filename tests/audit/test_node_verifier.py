@@ -6,6 +6,8 @@ under ``CI=true`` a missing node or npm fails these tests rather than skipping t
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import json
 import os
 import re
@@ -389,12 +391,21 @@ def trail(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lines, Path]:
                         for u in ("alice@example.com", None)
                     ]
                 )
+                await _tick()
             # bob: a retention whose cut-off takes entries 1-2, not 3.
-            bob = [
-                (await store.append(AuditRecord(user_id="bob", actor="a", action="x")))[0]
-                for _ in range(3)
-            ]
+            bob = []
+            for _ in range(3):
+                bob += await store.append(AuditRecord(user_id="bob", actor="a", action="x"))
+                await _tick()
             await store.erase("bob", reason="retention", before=bob[2].time)
+            # dee: a note of a deletion, which an erasure keeps, then a retention.
+            note = {"store": "journal", "deleted": 3}
+            await store.append(
+                AuditRecord(user_id="dee", actor="a", action="audit.deletion", payload=note)
+            )
+            dee = (await store.append(AuditRecord(user_id="dee", actor="a", action="x")))[0]
+            await _tick()  # the cut-off falls after both
+            await store.erase("dee", reason="retention", before=dee.time + dt.timedelta(0, 0, 1))
             # console:ops: a forget's erasure of two looks, by seq.
             await store.append(
                 [AuditRecord(user_id="console:ops", actor="a", action="x") for _ in range(4)]
@@ -413,9 +424,13 @@ def trail(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lines, Path]:
             await store.close()
         return export.read_text(encoding="utf-8").splitlines()
 
-    import asyncio
-
     return asyncio.run(build()), here / "heads.json"
+
+
+async def _tick() -> None:
+    """SQLite's clock ticks in milliseconds: this gives the next entry a time of its own,
+    so that a since, an until or a retention's cut-off can fall between the two."""
+    await asyncio.sleep(0.003)
 
 
 def _at(lines: Lines, user: str | None, seq: int) -> int:
@@ -514,6 +529,7 @@ TAMPERS: dict[str, Any] = {
     ),
     "payload blanked before a record made under a hold": lambda ls: _blanked(ls, "cy", 1),
     "a hold's reason blanked": lambda ls: _blanked(ls, "cy", 2),
+    "a deletion note blanked": lambda ls: _blanked(ls, "dee", 1),
     "a record's payload blanked": lambda ls: _blanked(ls, "console:ops", 5),
     "erased v2 entry relabelled": lambda ls: _set(ls, "ana", 1, action="tool.replay"),
     "erasure record dropped": lambda ls: [x for i, x in enumerate(ls) if i != _at(ls, "ana", 4)],
@@ -683,3 +699,13 @@ def test_node_reports_what_python_reports(
     # Each tamper is seen, but for the two that change nothing loomflow hashes.
     untouched = verify_lines(lines, heads=heads).to_json()
     assert (_findings(python) == _findings(untouched)) == (tamper in HARMLESS)
+
+
+def test_the_node_verifier_keeps_the_payloads_loomflow_keeps() -> None:
+    """The Node verifier spells loomflow's list of actions whose payloads erasure leaves in
+    place (a new kept action that it lacked would verify a blanked one as fine)."""
+    from loomflow.audit.actions import KEPT_BY_ERASURE
+
+    source = (TOOLS / "verify-audit-export.mjs").read_text(encoding="utf-8")
+    for action in KEPT_BY_ERASURE:
+        assert f"'{action}'" in source, action
