@@ -5,6 +5,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     LoomflowError
     ├── UserError                      misuse of the API (fix the calling code)
     │   ├── NoActiveRunError           runtime.step() outside runtime.session()
+    │   ├── DuplicateStepError         one run reached a step name a second time
     │   ├── InvalidArgumentError       an argument's value is not accepted (also ValueError)
     │   │   └── InvalidIdError         an id is empty, too long or holds a control character
     │   ├── InvalidArgumentTypeError   an argument's type is not accepted (also TypeError)
@@ -84,6 +85,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigurationError",
     "CorruptEntryError",
+    "DuplicateStepError",
     "ErasureRefusedError",
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
@@ -138,6 +140,25 @@ class UserError(LoomflowError):
 
 class NoActiveRunError(UserError):
     """A journaled step was requested while no run is open on this runtime."""
+
+
+class DuplicateStepError(UserError):
+    """A run reached a step name it had already used (at the same sub-run path).
+
+    The journal keys a step by its run position, its name: a second step of that name would
+    replay the first one's result, or be told apart only by its arguments. Each step of a run
+    needs its own name (``f"send_{n}"`` in a loop), or an ``idempotency_key``. A step that
+    failed may be tried again under its name: only a completed or running step holds it.
+    """
+
+    def __init__(self, step: str, path: str) -> None:
+        self.step = step
+        self.path = path
+        super().__init__(
+            f"step {step!r} (sub-run path {path}) was already used in this run: give each "
+            f"step of a run its own name (in a loop, {step + '_0'!r}, {step + '_1'!r}, ...) "
+            "or an idempotency_key"
+        )
 
 
 class InvalidArgumentError(UserError, ValueError):

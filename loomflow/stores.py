@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ._ids import check_id, user_label
 from ._progress import OnProgress
 from .config import Settings
-from .errors import ProtectedChainError, UnknownUserError, UserError
+from .errors import AuditIntegrityError, ProtectedChainError, UnknownUserError, UserError
 from .storage import Database
 from .storage._schemes import SCHEMES, StoreKind, check_scheme, scheme_of
 
@@ -471,6 +471,7 @@ class Stores:
             ProtectedChainError: ``user_id`` is a console chain (``console:<name>``).
             UnknownUserError: no store holds anything about the user.
             ErasureRefusedError: the audit store's role may not erase payloads.
+            AuditIntegrityError: an entry of the user's trail is damaged (nothing is deleted).
         """
         from .audit.actions import CONSOLE_CHAINS
 
@@ -488,6 +489,7 @@ class Stores:
             raise UnknownUserError(f"no store holds anything about {user_label(user_id)}")
         for chain in await self._console_mentions(user_id):
             await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
+        await self._check_trail_readable(user_id)
         report = ForgetReport(user_id)
         runtime = self.runtime
         if runtime is not None:
@@ -503,6 +505,19 @@ class Stores:
             erased = await audit.erase_entries(chain, seqs, reason="forget", actor=actor)
             report.console_erased += erased.erased
         return report
+
+    async def _check_trail_readable(self, user_id: str | None) -> None:
+        """Read the user's audit trail as the erasure will, before anything is deleted: a
+        damaged entry (a row edited by hand) must stop a forget here, not after the other
+        stores were emptied and with no erasure record written."""
+        try:
+            async for _entry in self.audit.entries(user_id=user_id):
+                pass
+        except AuditIntegrityError as exc:
+            raise AuditIntegrityError(
+                f"forget of {user_label(user_id)} stopped before deleting anything: {exc} "
+                "(see `loomflow audit verify`; the erasure cannot vouch for a damaged trail)"
+            ) from exc
 
     async def forget_checkpoints(self, user_id: str | None, *, actor: str = "loomflow") -> int:
         """Delete every checkpoint of one user; returns how many went.

@@ -20,6 +20,7 @@ _ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "ApprovalPending": (([],), {}),
     "BudgetExceededError": (("user.tokens_total.daily", 1000.0, 900.0, 50.0, 80.0), {}),
     "Interrupt": (("guardrail:pii", "a card number in the output"), {}),
+    "DuplicateStepError": (("send", "[]"), {}),
     "InvalidIdError": (("user_id", "is empty"), {}),
     "JournalEncodeError": (("tool_call_1_0", "socket", "its result", None), {}),
     "LegacyJournalError": (("agent_steps", ("run_id",), ("extra",)), {}),

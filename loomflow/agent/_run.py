@@ -49,6 +49,7 @@ from ..messages import (
 from ..models import cost_usd
 from ..redaction import Redactor
 from ..runtime import OpenRun, Runtime, codec
+from ..runtime._expect import expecting
 from ..runtime._names import tool_step_name
 from ..tools import TOOL_ERROR, ToolOutcome
 from ._output import StructuredOutput
@@ -223,24 +224,26 @@ class _Run:
         response: ModelResponse | None = None
         self.live_model = False
         self.tokens = [None] * len(self.hooks)
+        name = f"model_call_{turn}"
         try:
-            async for chunk in self.runtime.stream_step(
-                f"model_call_{turn}",
-                functools.partial(self._call_model, turn),  # the turn is not a step input
-                # With a journal, a snapshot that hashes only the messages added since the
-                # last call (the step's fingerprint); without one, nothing hashes it.
-                self.transcript.snapshot(self.messages)
-                if self.open_run is not None
-                else list(self.messages),
-                self.agent._specs,
-                self.agent._settings,
-                # Only runs with an output_type add this input: other runs keep their keys.
-                *(self.structured.step_inputs if self.structured is not None else ()),
-            ):
-                if isinstance(chunk, ModelResponse):
-                    response = chunk
-                elif isinstance(chunk, TextDelta | ToolCallDelta):
-                    yield ModelDeltaEvent(turn=turn, delta=chunk, replayed=not self.live_model)
+            with expecting(name, _is_model_reply, "a model call's chunks and its response"):
+                async for chunk in self.runtime.stream_step(
+                    name,
+                    functools.partial(self._call_model, turn),  # the turn is not a step input
+                    # With a journal, a snapshot that hashes only the messages added since the
+                    # last call (the step's fingerprint); without one, nothing hashes it.
+                    self.transcript.snapshot(self.messages)
+                    if self.open_run is not None
+                    else list(self.messages),
+                    self.agent._specs,
+                    self.agent._settings,
+                    # Only runs with an output_type add this input: other runs keep their keys.
+                    *(self.structured.step_inputs if self.structured is not None else ()),
+                ):
+                    if isinstance(chunk, ModelResponse):
+                        response = chunk
+                    elif isinstance(chunk, TextDelta | ToolCallDelta):
+                        yield ModelDeltaEvent(turn=turn, delta=chunk, replayed=not self.live_model)
         finally:
             for event in await self.flush():
                 yield event
@@ -480,7 +483,8 @@ class _Run:
         step = tool_step_name(turn, slot, call)
         live = functools.partial(self._live_tool_call, turn, slot, call, step)
         try:
-            outcome = await self.runtime.step(step, live, call.name, call.arguments)
+            with expecting(step, _is_outcome, "a tool outcome"):
+                outcome = await self.runtime.step(step, live, call.name, call.arguments)
         except ApprovalPending as pending:  # collected: tool_turn stops the run after the turn
             self.awaiting.extend(pending.requests)
             return _AWAITING, False
@@ -745,6 +749,16 @@ def _valid_answer(response: ModelResponse) -> ModelResponse:
     if text is response.text and same:
         return response
     return response.model_copy(update={"text": text, "tool_calls": calls})
+
+
+def _is_outcome(value: Any) -> bool:
+    return isinstance(value, ToolOutcome)
+
+
+def _is_model_reply(value: Any) -> bool:
+    """A model call's journaled chunks: a list holding its response (what a live call
+    journals; a list without one never is)."""
+    return isinstance(value, list) and any(isinstance(c, ModelResponse) for c in value)
 
 
 def _with_call_ids(response: ModelResponse, turn: int) -> ModelResponse:

@@ -255,4 +255,7 @@ async def close_model(model: Model) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(_main(sys.argv[1:])))
+    try:
+        sys.exit(asyncio.run(_main(sys.argv[1:])))
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole demo: the parent says what happened
+        sys.exit(130)

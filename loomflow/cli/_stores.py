@@ -24,8 +24,9 @@ def existing(url: str, what: str) -> str:
 
     Raises:
         ConfigurationError: a SQLite or JSON-lines store whose file does not exist, or a
-            ``memory://`` store (it lives inside one process: a command started on its own
-            would read an empty one, or write a hold or a cancellation that is gone at exit).
+            ``memory://`` or SQLite ``:memory:`` store (it lives inside one process: a
+            command started on its own would read an empty one, or write a hold or a
+            cancellation that is gone at exit).
     """
     if url.startswith("memory:"):
         raise ConfigurationError(
@@ -39,7 +40,13 @@ def existing(url: str, what: str) -> str:
         path = url
     else:
         path = sqlite_path(url)
-    if path is not None and path != ":memory:" and not Path(path).exists():
+    if path == ":memory:":
+        raise ConfigurationError(
+            f"a SQLite :memory: {what} lives inside the connection that made it, so a "
+            "command would read a new, empty one: point the command at the SQLite file or "
+            "PostgreSQL database the application uses"
+        )
+    if path is not None and not Path(path).exists():
         if url == Settings.model_fields["runtime_url"].default:
             # No --url and no LOOMFLOW_RUNTIME_URL: say how to name the journal a program wrote.
             raise ConfigurationError(

@@ -81,7 +81,9 @@ def _spawn_until_step(story: _Story) -> _Worker:
     if story.spec is not None:
         cmd += ["--model", story.spec]
     timeout = story.handshake_s
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as child:
+    # A session of its own: Ctrl-C at the terminal reaches the demo, which stops the worker
+    # below, rather than a worker that may still be importing (a traceback, not an answer).
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True) as child:
         assert child.stdout is not None
         try:
             line = _readline(child, timeout).strip()

@@ -37,6 +37,7 @@ from ..config import Settings
 from ..errors import (
     ConfigurationError,
     CorruptEntryError,
+    DuplicateStepError,
     InvalidArgumentError,
     JournalEncodeError,
     NoActiveRunError,
@@ -48,6 +49,7 @@ from ..errors import (
     UserError,
 )
 from . import _lease, codec
+from ._expect import unexpected
 from ._owner import claim_owner
 from ._states import UNREADABLE
 from ._store import (
@@ -157,6 +159,9 @@ class JournalRun:
     lost: bool = False
     next_seq: int = 0
     occurrences: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
+    # The (path, name) of every step this run completed or is running: a second step of one
+    # name would take the first one's journal position (DuplicateStepError).
+    taken: set[tuple[tuple[str, ...], str]] = field(default_factory=set)
     # When our lease surely runs out unless renewed, on _lease.lease_clock(); measured from before
     # each claim or renewal was sent, so it never overstates what the database granted.
     lease_until: float = 0.0
@@ -763,22 +768,30 @@ class JournalRuntime:
         if run.lost:
             raise _lease.not_started_error(run, name, "now belongs to a newer run")
         started = time.perf_counter()
-        with self._signals.traced(run, frame.path, name, False) as note:
-            if idempotency_key is not None:
+        if idempotency_key is not None:  # keyed by the user's key, not by the run position
+            with self._signals.traced(run, frame.path, name, False) as note:
                 return await self._idempotent_step(
                     run, frame.path, name, fn, args, kwargs, idempotency_key, started, note
                 )
-            located = self._locate(run, frame.path, name, args, kwargs, note)
-            if located[0] != "hit" and not run.claimed:
-                located = await self._with_turn(run, located, frame.path, name, args, kwargs, note)
-            outcome, value, pkey, fp = located
-            if outcome == "hit":
-                self._signals.emit(run, frame.path, name, False, "hit", started, 0.0, note)
-                return value
-            result = await self._run_fresh(run, name, fn, args, kwargs)
-            write_s = await self._record(run, pkey, name, fp, "step", result)
-            self._signals.emit(run, frame.path, name, False, outcome, started, write_s, note)
-            return result
+        position = _take_position(run, frame.path, name)
+        try:
+            with self._signals.traced(run, frame.path, name, False) as note:
+                located = self._locate(run, frame.path, name, args, kwargs, note)
+                if located[0] != "hit" and not run.claimed:
+                    located = await self._with_turn(
+                        run, located, frame.path, name, args, kwargs, note
+                    )
+                outcome, value, pkey, fp = located
+                if outcome == "hit":
+                    self._signals.emit(run, frame.path, name, False, "hit", started, 0.0, note)
+                    return value
+                result = await self._run_fresh(run, name, fn, args, kwargs)
+                write_s = await self._record(run, pkey, name, fp, "step", result)
+                self._signals.emit(run, frame.path, name, False, outcome, started, write_s, note)
+                return result
+        except BaseException:
+            run.taken.discard(position)  # nothing journaled: it may be tried again
+            raise
 
     async def stream_step(
         self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
@@ -794,29 +807,36 @@ class JournalRuntime:
         if run.lost:
             raise _lease.not_started_error(run, name, "now belongs to a newer run")
         started = time.perf_counter()
-        with self._signals.traced(run, frame.path, name, True) as note:
-            located = self._locate(run, frame.path, name, args, kwargs, note)
-            if located[0] != "hit" and not run.claimed:
-                located = await self._with_turn(run, located, frame.path, name, args, kwargs, note)
-            outcome, value, pkey, fp = located
-            if outcome == "hit":
-                self._signals.emit(run, frame.path, name, True, "hit", started, 0.0, note)
-                for chunk in value:
-                    yield chunk
-                return
-            source = await self._run_fresh(run, name, fn, args, kwargs)
-            chunks: list[Any] = []
-            iterator = source.__aiter__()
-            try:
-                async for chunk in iterator:
-                    chunks.append(chunk)
-                    yield chunk
-            finally:
-                aclose = getattr(iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            write_s = await self._record(run, pkey, name, fp, "stream", chunks)
-            self._signals.emit(run, frame.path, name, True, outcome, started, write_s, note)
+        position = _take_position(run, frame.path, name)
+        try:
+            with self._signals.traced(run, frame.path, name, True) as note:
+                located = self._locate(run, frame.path, name, args, kwargs, note)
+                if located[0] != "hit" and not run.claimed:
+                    located = await self._with_turn(
+                        run, located, frame.path, name, args, kwargs, note
+                    )
+                outcome, value, pkey, fp = located
+                if outcome == "hit":
+                    self._signals.emit(run, frame.path, name, True, "hit", started, 0.0, note)
+                    for chunk in value:
+                        yield chunk
+                    return
+                source = await self._run_fresh(run, name, fn, args, kwargs)
+                chunks: list[Any] = []
+                iterator = source.__aiter__()
+                try:
+                    async for chunk in iterator:
+                        chunks.append(chunk)
+                        yield chunk
+                finally:
+                    aclose = getattr(iterator, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                write_s = await self._record(run, pkey, name, fp, "stream", chunks)
+                self._signals.emit(run, frame.path, name, True, outcome, started, write_s, note)
+        except BaseException:  # failed, or abandoned before its end: nothing journaled
+            run.taken.discard(position)
+            raise
 
     async def _idempotent_step(
         self,
@@ -941,6 +961,14 @@ class JournalRuntime:
             if run.strict:
                 raise
             log.warning("%s is corrupt; running the step again", what % label)
+            return "corrupt", None
+        wanted = unexpected(name, value)
+        if wanted is not None:  # well-formed, but not what this step returns (a crafted row)
+            run.stats.corrupt += 1
+            problem = f"{what % label} holds {type(value).__name__}, not {wanted}"
+            if run.strict:
+                raise CorruptEntryError(problem)
+            log.warning("%s; running the step again", problem)
             return "corrupt", None
         run.stats.hits += 1
         run.stats.hit_steps.append(name)
@@ -1312,6 +1340,17 @@ def _check_text(what: str, value: object) -> None:
 # (64), the epoch and the tuple's headers the primary key entry stays under PostgreSQL's
 # 2,704-byte btree limit; deep nesting under long ids is refused here, not by the driver.
 MAX_JOURNAL_KEY_BYTES = 2400
+
+
+def _take_position(
+    run: JournalRun, path: tuple[str, ...], name: str
+) -> tuple[tuple[str, ...], str]:
+    """Hold a step's run position for this run, refusing one it already holds."""
+    position = (path, name)
+    if position in run.taken:
+        raise DuplicateStepError(name, path_key(path))
+    run.taken.add(position)
+    return position
 
 
 def _check_key_size(run: JournalRun, pkey: str, name: str) -> None:

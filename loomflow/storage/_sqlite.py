@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sqlite3
 import time
@@ -19,6 +20,8 @@ from ._database import Database, Rows, Transaction
 from ._dialect import SQLITE
 
 __all__ = ["SqliteDatabase"]
+
+log = logging.getLogger("loomflow.storage")
 
 # Byte ranges SQLite locks to write (see its os_unix.c): in WAL mode the write, checkpoint and
 # recovery locks are bytes 120-122 of the -shm file; in rollback mode the pending and reserved
@@ -276,13 +279,48 @@ class SqliteDatabase(Database):
     async def _transaction(self, lock_key: int | None) -> AsyncIterator[Transaction]:
         async with self._tx_lock:
             conn = self.conn
-            await conn.execute("BEGIN IMMEDIATE")  # the write lock: other processes queue here
+            await _begin(conn)  # the write lock: other processes queue here
             try:
                 yield _Tx(conn)
             except BaseException:
+                # Queued behind the body's last statement: it runs even if this await is
+                # cancelled, before any statement another caller queues.
                 await conn.execute("ROLLBACK")
                 raise
             await conn.execute("COMMIT")
+
+
+async def _begin(conn: aiosqlite.Connection) -> None:
+    """``BEGIN IMMEDIATE``, never left open by a cancelled caller.
+
+    The statement runs on aiosqlite's thread whatever becomes of the coroutine awaiting it:
+    a task cancelled while it waits for the write lock (a request timeout, a client that went
+    away) would otherwise leave the connection inside a transaction, and every later write of
+    the process would fail ("cannot start a transaction within a transaction") or hold the
+    file's write lock for good. So a cancelled begin waits for the statement, rolls it back,
+    and only then lets the cancellation through, still holding the process's transaction
+    lock so that no other statement can slip in between.
+    """
+    begin = asyncio.ensure_future(conn.execute("BEGIN IMMEDIATE"))
+    try:
+        await asyncio.shield(begin)
+        return
+    except asyncio.CancelledError:
+        undo = asyncio.ensure_future(_undo_begin(conn, begin))
+    while not undo.done():  # the undo is bounded by busy_timeout: see it through
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(undo)
+    if not undo.cancelled() and undo.exception() is not None:
+        log.warning("rolling back a cancelled BEGIN failed: %s", undo.exception())
+    raise asyncio.CancelledError
+
+
+async def _undo_begin(conn: aiosqlite.Connection, begin: asyncio.Future[Any]) -> None:
+    try:
+        await begin
+    except Exception:  # the BEGIN failed (locked past busy_timeout): nothing to undo
+        return
+    await conn.execute("ROLLBACK")
 
 
 async def _count_on(conn: aiosqlite.Connection, sql: str, args: Sequence[Any]) -> int:

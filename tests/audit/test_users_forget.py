@@ -28,6 +28,7 @@ from loomflow import Agent, ToolCall, Tuning, tool
 from loomflow.audit import AuditRecord
 from loomflow.config import Settings
 from loomflow.errors import (
+    AuditIntegrityError,
     ErasureRefusedError,
     LegalHoldError,
     ProtectedChainError,
@@ -531,3 +532,29 @@ async def test_the_anonymous_user_is_not_everyone_in_the_budget(tmp_path: Path) 
         with pytest.raises(UnknownUserError, match="about the anonymous user"):
             await stores.forget_user(None)
         assert await stores.audit.head(None) is None  # the refusal wrote no trail for None
+
+
+@pytest.mark.parametrize("damage", ["seq = 'four'", "hash_version = 'x'"])
+async def test_a_damaged_trail_stops_a_forget_before_anything_is_deleted(
+    tmp_path: Path, damage: str
+) -> None:
+    settings = _settings("sqlite", tmp_path, pytest.FixtureRequest)  # type: ignore[arg-type]
+    await _runs(settings, "ana")
+    with sqlite3.connect(tmp_path / "journal.db") as conn:
+        conn.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        conn.execute(f"UPDATE loom_audit SET {damage} WHERE user_id = 'ana' AND seq = 2")
+    conn.close()
+    async with Stores(settings) as stores:
+        with pytest.raises(AuditIntegrityError, match="stopped before deleting anything"):
+            await stores.forget_user("ana")
+        # Every store still holds the user: the forget can be run again once repaired.
+        assert stores.runtime is not None
+        assert stores.checkpoints is not None
+        assert await stores.runtime.sessions(user_id="ana")
+        assert await stores.checkpoints.list_checkpoints("t-1", user_id="ana")
+        assert await stores.audit.count(user_id="ana", action="audit.erasure") == 0
+    env = {"LOOMFLOW_RUNTIME_URL": f"sqlite:///{tmp_path / 'journal.db'}"}
+    done = _cli(env, "users", "forget", "ana", "--yes")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "stopped before deleting anything" in done.stderr

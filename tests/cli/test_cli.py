@@ -342,6 +342,11 @@ def test_a_memory_store_and_a_mistyped_audit_url_are_refused_not_written(tmp_pat
         assert done.returncode == 1, command
         assert "lives inside the process that made it" in done.stderr, command
         assert done.stdout == "", command
+        # SQLite's own in-memory database is the same: a new, empty one per connection.
+        done = loomflow("--url", "sqlite:///:memory:", *command, cwd=tmp_path)
+        assert done.returncode == 1, command
+        assert "SQLite :memory:" in done.stderr, command
+        assert done.stdout == "", command
     url = f"sqlite:///{tmp_path / 'j.db'}"
     assert loomflow("--url", url, "migrate").returncode == 0
     typo = f"sqlite:///{tmp_path / 'audti.db'}"

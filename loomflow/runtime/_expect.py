@@ -1,0 +1,42 @@
+"""What a journaled step's value must be, as the code that makes the step knows it.
+
+The journal decodes any well-formed entry into plain data or a registered value class, but
+only the step's caller knows which of those its result is (a tool call's outcome, a model
+call's chunks ending in a response). A caller states it around the step with
+:func:`expecting`; a replayed value that fails the check is a damaged entry, handled like
+one that does not decode: run again (and replaced), or ``CorruptEntryError`` in strict mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["expecting", "unexpected"]
+
+_expected: contextvars.ContextVar[tuple[str, Callable[[Any], bool], str] | None] = (
+    contextvars.ContextVar("loomflow_expected_step_value", default=None)
+)
+
+
+@contextlib.contextmanager
+def expecting(step: str, check: Callable[[Any], bool], what: str) -> Iterator[None]:
+    """Within the block, a replayed value of step ``step`` must pass ``check`` (``what``
+    names what it must be, for the error). Steps of other names are not affected."""
+    token = _expected.set((step, check, what))
+    try:
+        yield
+    finally:
+        # ValueError: closed in another context (an abandoned generator's finaliser).
+        with contextlib.suppress(ValueError):
+            _expected.reset(token)
+
+
+def unexpected(step: str, value: Any) -> str | None:
+    """What ``value`` should have been, if the caller of ``step`` said and it is not."""
+    expected = _expected.get()
+    if expected is None or expected[0] != step or expected[1](value):
+        return None
+    return expected[2]
