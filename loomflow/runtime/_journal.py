@@ -861,12 +861,16 @@ class JournalRuntime:
             await self._take_turn(run)
             # Another run may have recorded the key while this one waited for the turn.
             again = await self._store.get_idempotent(run.scope.user_key, key)
-            if again is not None and again != stored:
+            if again is not None:
+                changed = again != stored
+                # The row as read now is the one the replace below must find (two damaged
+                # rows may read as equal entries while holding different columns).
                 stored = again
-                outcome, value = self._read(run, stored, name, "idempotent entry %r", key)
-                if outcome == "hit":
-                    self._signals.emit(run, path, name, False, "hit", started, 0.0, note)
-                    return value
+                if changed:
+                    outcome, value = self._read(run, stored, name, "idempotent entry %r", key)
+                    if outcome == "hit":
+                        self._signals.emit(run, path, name, False, "hit", started, 0.0, note)
+                        return value
         result = await self._run_fresh(run, name, fn, args, kwargs)
         fmt, raw = self._encode(name, result)
         # Replaces the unreadable entry read above, if that is what is stored.

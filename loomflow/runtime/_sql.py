@@ -276,11 +276,14 @@ ON CONFLICT (user_key, idem_key) DO NOTHING
 RETURNING 1
 """
 # Overwrites an unreadable (pickled or corrupt) idempotency row, and only that row: if a
-# concurrent writer replaced it first, its result stands. Fenced like every write.
+# concurrent writer replaced it first, its result stands. Fenced like every write. $11-$13
+# are the row's columns exactly as read (``StoredEntry.row``): a hand-edited SQLite row may
+# hold an int, a real or text where the value's bytes belong, and only what it holds matches.
 _REPLACE_IDEM = """
 UPDATE loom_idempotency SET scope = $3, name = $4, kind = $5, format = $6,
     codec_version = $7, value = $8, size = $9, created_at = {now}
-WHERE user_key = $1 AND idem_key = $2 AND format = $11 AND value = $12
+WHERE user_key = $1 AND idem_key = $2 AND format = $11 AND codec_version = $12
+    AND value = $13
     AND EXISTS (SELECT 1 FROM loom_sessions WHERE scope = $3 AND token = $10{lock})
 RETURNING 1
 """
@@ -657,7 +660,9 @@ class SqlJournalStore:
         if not rows:
             return None
         name, kind, fmt, version, value = rows[0]
-        return _stored("", name, "", kind, fmt, version, value)
+        entry = _stored("", name, "", kind, fmt, version, value)
+        entry.row = (fmt, version, value)  # as stored, for a conditional replace of the row
+        return entry
 
     async def put_idempotent(
         self,
@@ -681,11 +686,15 @@ class SqlJournalStore:
             token,
         )
         if replacing is not None:
-            if await self._run("write", "replace_idem", *args, replacing.format, replacing.value):
+            # Matched on the row as stored, not as decoded: a damaged row reads as an entry
+            # in no format with no value, which no stored row equals, so it was never
+            # replaced and every retry ran the step again.
+            stored = replacing.as_stored()
+            if await self._run("write", "replace_idem", *args, *stored):
                 return entry
             current = await self.get_idempotent(scope.user_key, key)
             if current is not None:
-                unchanged = (current.format, current.value) == (replacing.format, replacing.value)
+                unchanged = current.as_stored() == stored
                 return None if unchanged else current  # unchanged: we were fenced out
             # The row was pruned meanwhile: insert as usual.
         rows = await self._run("write", "put_idem", *args)

@@ -162,6 +162,17 @@ class StoredEntry:
     # Set by a store on a row read back with a key no run position has (a hand-edited SQLite
     # epoch holding text): what is wrong with it. Such a row is reported, never replayed.
     damage: str | None = None
+    # Set by a store on a row read back: its stored columns exactly as read (SQLite keeps any
+    # type in any column, so a hand-edited row may hold an int or text where bytes belong,
+    # which the fields above show as an unreadable entry). A conditional replace of the row
+    # (``put_idempotent(replacing=...)``) matches on these, not on the fields above.
+    row: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
+
+    def as_stored(self) -> tuple[Any, ...]:
+        """Format, codec version and value as the store holds them (``row`` when read back)."""
+        if self.row is not None:
+            return self.row
+        return (self.format, self.codec_version, self.value)
 
     def damaged(self) -> str | None:
         """What makes the row one no step can match, or ``None``: a key no run position has
@@ -401,7 +412,9 @@ class JournalStore(Protocol):
 
         Returns the entry that is stored afterwards (ours, or an earlier writer's), or
         ``None`` if ``token`` no longer owns the scope. With ``replacing`` (an entry read under
-        the key that could not be decoded), overwrite that entry if it is still the one stored.
+        the key that could not be decoded), overwrite that entry if it is still the one stored:
+        the row must be found again whatever its columns hold (a hand-edited row too; see
+        :attr:`StoredEntry.row`), or every retry would run the step again.
         """
 
     async def list_entries(

@@ -294,7 +294,7 @@ class InMemoryStore:
         stale = (
             existing is not None
             and replacing is not None
-            and (existing[0].format, existing[0].value) == (replacing.format, replacing.value)
+            and existing[0].as_stored() == replacing.as_stored()
         )
         if existing is not None and not stale:
             return existing[0]
