@@ -67,7 +67,12 @@ async def decide(
     if isinstance(agent.audit, AuditLog):
         for request_id, request in decided.items():
             await audit_decision(
-                agent.audit, request, recorded[request_id], tool_of(agent, request)
+                agent.audit,
+                request,
+                recorded[request_id],
+                tool_of(agent, request),
+                session_id=session_id,
+                user_id=user_id,
             )
 
 
@@ -95,8 +100,14 @@ async def audit_decision(
     request: PendingApproval,
     decision: RecordedDecision,
     tool: Tool[..., Any] | None,
+    *,
+    session_id: str,
+    user_id: str | None,
 ) -> None:
     """Write ``approval.decision``: who decided what on which request, when, with which edits.
+
+    The entry goes to the trail of ``user_id`` (the scope the request was read from and the
+    decision journaled in), never to one the request record names: a record is data.
 
     Edited values are redacted under the sensitive names the request recorded (the tool was
     known when the run asked), and the tool's own when it is at hand: the command line decides
@@ -106,8 +117,8 @@ async def audit_decision(
     edited = decision.arguments
     await audit.record(
         actions.APPROVAL_DECISION,
-        user_id=request.user_id,
-        session_id=request.session_id,
+        user_id=user_id,
+        session_id=session_id,
         run_id=request.run_id or None,
         actor=f"approver:{decision.decided_by}" if decision.decided_by else "approver",
         payload={

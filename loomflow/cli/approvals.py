@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from .._timefmt import parse_time
@@ -28,6 +29,7 @@ from ..config import Settings
 from ..errors import InvalidArgumentError
 from ..governance.approvals import (
     Approve,
+    DamagedRequest,
     Deny,
     PendingApproval,
     journal_decisions,
@@ -37,7 +39,7 @@ from ..governance.approvals import (
 from ..redaction import Redactor
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import iso_time, login, positive_int, table, who
+from ._format import iso_time, login, positive_int, printable, table, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -113,11 +115,14 @@ async def _handle(args: argparse.Namespace) -> int:
         request = decided[args.request_id]
         audit = AuditLog(stores.audit, redactor=Redactor.from_settings(settings), redact_logs=False)
         # No tool here: the request's recorded sensitive names redact the edited values.
-        await audit_decision(audit, request, recorded, None)
+        # Filed under the scope the decision was journaled in, not one the record names.
+        await audit_decision(
+            audit, request, recorded, None, session_id=args.session_id, user_id=args.user_id
+        )
         summary = {
             "request_id": request.request_id,
-            "session_id": request.session_id,
-            "user_id": request.user_id,
+            "session_id": args.session_id,
+            "user_id": args.user_id,
             "tool": request.tool,
             "decision": recorded.behavior,
             "decided_by": recorded.decided_by,
@@ -128,7 +133,7 @@ async def _handle(args: argparse.Namespace) -> int:
         else:
             print(
                 f"{recorded.behavior} recorded for {request.request_id} ({request.tool}) in "
-                f"session {request.session_id!r} of {who(request.user_id)}; the application's "
+                f"session {args.session_id!r} of {who(args.user_id)}; the application's "
                 "next resume() of that session applies it"
             )
         return 0
@@ -138,14 +143,33 @@ def _edited(text: str | None) -> dict[str, Any] | None:
     if text is None:
         return None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as exc:
+        raise InvalidArgumentError(
+            f"--arguments names {exc.args[0]!r} twice; give each argument once"
+        ) from None
+    except RecursionError:
+        raise InvalidArgumentError("--arguments is nested too deeply") from None
+    except ValueError as exc:  # not JSON, or an integer past Python's digit limit
         raise InvalidArgumentError(f"--arguments is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidArgumentError(
             f"--arguments must be a JSON object of argument names to values, not "
             f"{type(value).__name__}"
         )
+    return value
+
+
+class _DuplicateKeyError(ValueError):
+    """An object of ``--arguments`` names a key twice (JSON keeps the last, silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in value:
+            raise _DuplicateKeyError(key)
+        value[key] = item
     return value
 
 
@@ -156,18 +180,25 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     if args.session_id is not None:
         filters["session_id"] = args.session_id
     pending: list[PendingApproval] = []
+    # A request row edited by hand is listed as unreadable, with why, instead of vanishing:
+    # the run's resume stops at it, and `approve` refuses it.
+    damaged: list[DamagedRequest] = []
     for session in await runtime.sessions(**filters):
         if session.session_id is None:
             continue
         ledger = await read_approvals(runtime, session.session_id, session.user_id)
         pending.extend(ledger.pending)
+        if not ledger.cancelled:
+            damaged.extend(ledger.damaged)
     if args.json:
         for request in pending:
             row = request.model_dump(mode="json")
             row["requested_at"] = _iso(request.requested_at)
             print(json.dumps(row))
+        for bad in damaged:
+            print(json.dumps(_unreadable(bad)))
         return 0
-    if not pending:
+    if not pending and not damaged:
         print("no approval requests are waiting")
         return 0
     rows: list[tuple[Any, ...]] = [
@@ -186,8 +217,46 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 r.reason if len(r.reason) <= 60 else r.reason[:57] + "...",
             )
         )
+    for bad in damaged:
+        rows.append(
+            (
+                _cut(bad.request_id) if bad.request_id is not None else "-",
+                bad.session_id,
+                bad.user_id if bad.user_id is not None else "-",
+                "unreadable",
+                "-",
+                "-",
+                "-",
+            )
+        )
     table(rows)
+    for bad in damaged:
+        print(f"loomflow: {printable(_warning(bad))}", file=sys.stderr)
     return 0
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _unreadable(bad: DamagedRequest) -> dict[str, Any]:
+    """A damaged request as a JSON line: what its row still tells, and why it is unreadable."""
+    return {
+        "request_id": bad.request_id,
+        "session_id": bad.session_id,
+        "user_id": bad.user_id,
+        "step": bad.step,
+        "unreadable": bad.problem,
+    }
+
+
+def _warning(bad: DamagedRequest) -> str:
+    name = f"approval request {_cut(bad.request_id)!r}" if bad.request_id else "an approval request"
+    return (
+        f"{name} (journal entry {bad.step!r}) of session {bad.session_id!r} of "
+        f"{who(bad.user_id)} is unreadable: {bad.problem}; it cannot be decided, and a resume "
+        "of the run stops at it"
+    )
 
 
 def _iso(text: str) -> str:

@@ -53,6 +53,7 @@ from .events import ApprovalRequested
 __all__ = [
     "APPROVAL",
     "ApprovalPending",
+    "DamagedRequest",
     "Approve",
     "DecisionLike",
     "Deny",
@@ -106,9 +107,9 @@ class PendingApproval(_Frozen):
     user_id: str | None = None
     run_id: str = ""
     agent: str = ""
-    turn: int
-    slot: int
-    epoch: int
+    turn: int = Field(ge=0)
+    slot: int = Field(ge=0)
+    epoch: int = Field(ge=0)
     path: list[str] = Field(default_factory=list)
     requested_at: str = ""
 
@@ -167,10 +168,15 @@ def normalize_decision(
                 f"values, not {type(arguments).__name__}"
             )
         # Text as the model's arguments are kept: a lone surrogate becomes U+FFFD.
-        edited = valid_value(dict(arguments)) if arguments is not None else None
         try:
-            codec.canonical_bytes(edited)
+            edited = valid_value(dict(arguments)) if arguments is not None else None
+            codec.canonical_bytes(edited)  # refuses nesting deeper than codec.MAX_DEPTH
             _finite(edited)
+        except RecursionError:  # too deep for the walk that cleans its text: far too deep
+            raise InvalidArgumentTypeError(
+                f"approval {request_id!r}: edited arguments must be JSON values (nested more "
+                f"than {codec.MAX_DEPTH} containers deep)"
+            ) from None
         except (codec.UnsupportedValueError, ValueError) as exc:
             raise InvalidArgumentTypeError(
                 f"approval {request_id!r}: edited arguments must be JSON values ({exc})"
@@ -316,6 +322,9 @@ async def deferred_decision(
     request: PendingApproval = _validated(PendingApproval, stored, step)
     if request.request_id != request_id:
         raise CorruptEntryError(f"journal entry {step!r} names another approval request")
+    problem = _misplaced(request, run.scope, run.epoch, path_key(path), step)
+    if problem is not None:
+        raise CorruptEntryError(f"journal entry {step!r} is a damaged approval request: {problem}")
     decided = f"{_DECISION_STEP}{turn}_{slot}_{request_id}"
     if (path_key(path), decided) not in run.entries:
         raise ApprovalPending([request])  # nobody decided yet (looked up without a step)
@@ -323,8 +332,39 @@ async def deferred_decision(
         raw = await runtime.step(decided, _undecided, request_id)  # a hit: the decision
     except _Undecided:  # an unreadable entry the journal chose to run again
         raise ApprovalPending([request]) from None
-    recorded: RecordedDecision = _validated(RecordedDecision, raw, step)
+    recorded: RecordedDecision = _validated(RecordedDecision, raw, decided)
+    if recorded.request_id != request_id:
+        raise CorruptEntryError(f"journal entry {decided!r} decides another approval request")
     return recorded
+
+
+def _misplaced(
+    request: PendingApproval, scope: Scope, epoch: int, path: str, name: str
+) -> str | None:
+    """What places ``request`` elsewhere than the journal entry it was read from, or ``None``.
+
+    A request names its session, user, run epoch, sub-run path, turn and slot; the journal row
+    holding it has all of these from where it is stored. A record that disagrees was edited
+    (or copied from another user's run): deciding on it would audit and journal the decision
+    in a place the run never looks, or under someone else's name.
+    """
+    if request.session_id != scope.session_id:
+        return (
+            f"it names session {request.session_id!r}, but is stored in session "
+            f"{scope.session_id!r}"
+        )
+    if request.user_id != scope.user_id:
+        return (
+            f"it names {user_label(request.user_id)}, but is stored in the session of "
+            f"{user_label(scope.user_id)}"
+        )
+    if request.epoch != epoch:
+        return f"it names run epoch {request.epoch}, but is stored in epoch {epoch}"
+    if path_key(request.path) != path:
+        return f"it names sub-run path {request.path!r}, but is stored at another"
+    if f"{_REQUEST_STEP}{request.turn}_{request.slot}" != name:
+        return f"it names turn {request.turn} slot {request.slot}, but is stored as {name!r}"
+    return None
 
 
 def _shown_arguments(info: RunInfo, shown: dict[str, Any]) -> dict[str, Any]:
@@ -348,6 +388,25 @@ def _validated(model: type[Any], value: object, step: str) -> Any:
 # -- outside a run: listing requests and recording decisions --------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class DamagedRequest:
+    """A journaled approval request that cannot be trusted: listed, never decided.
+
+    Attributes:
+        step: The journal step that holds it (``approval_request_<turn>_<slot>``).
+        request_id: The id it names, when that much reads (else ``None``).
+        session_id: The session it is stored in.
+        user_id: The user it is stored under.
+        problem: What is wrong with it.
+    """
+
+    step: str
+    request_id: str | None
+    session_id: str | None
+    user_id: str | None
+    problem: str
+
+
 @dataclass(slots=True)
 class Ledger:
     """The approval requests and decisions of one run of a (session, user)."""
@@ -356,6 +415,8 @@ class Ledger:
     requests: dict[str, PendingApproval] = field(default_factory=dict)
     decisions: dict[str, RecordedDecision] = field(default_factory=dict)
     cancelled: bool = False  # the run was cancelled: nothing of it waits any more
+    # Request rows that do not read as a request of this run: the run's resume refuses them.
+    damaged: list[DamagedRequest] = field(default_factory=list)
 
     @property
     def pending(self) -> list[PendingApproval]:
@@ -366,7 +427,7 @@ class Ledger:
         return sorted(waiting, key=lambda r: (r.path, r.turn, r.slot))
 
 
-def _ledger(epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
+def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
     ledger = Ledger(epoch)
     for entry in entries:
         if entry.damaged() is not None:
@@ -378,18 +439,54 @@ def _ledger(epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
             continue  # the journal skips such rows too: the step would run again
         try:
             value = codec.loads(entry.value)
-        except (codec.UnknownTagError, ValueError):
-            continue  # corrupt: the run would journal the step again
-        try:
-            if is_request:
-                request = PendingApproval.model_validate(value)
-                ledger.requests[request.request_id] = request
-            else:
-                decision = RecordedDecision.model_validate(value)
-                ledger.decisions[decision.request_id] = decision
-        except ValidationError:
+        except (codec.UnknownTagError, ValueError, RecursionError):
+            if is_request:  # the run's resume stops at it with CorruptEntryError
+                ledger.damaged.append(
+                    _damaged(scope, entry.name, None, "its value does not decode")
+                )
             continue
+        if is_request:
+            _add_request(ledger, scope, epoch, entry, value)
+            continue
+        try:
+            decision = RecordedDecision.model_validate(value)
+        except ValidationError:
+            continue  # no decision: the run's resume refuses it (CorruptEntryError)
+        if not entry.name.endswith(f"_{decision.request_id}"):
+            continue  # a decision on another request than its step's: it decides nothing
+        ledger.decisions[decision.request_id] = decision
     return ledger
+
+
+def _add_request(
+    ledger: Ledger, scope: Scope, epoch: int, entry: StoredEntry, value: object
+) -> None:
+    named = value.get("request_id") if isinstance(value, dict) else None
+    request_id = named if isinstance(named, str) else None
+    try:
+        request = PendingApproval.model_validate(value)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "the record"
+        why = f"it is not an approval record ({where}: {error['msg']})"
+        ledger.damaged.append(_damaged(scope, entry.name, request_id, why))
+        return
+    problem = _misplaced(request, scope, epoch, entry.path, entry.name)
+    twin = ledger.requests.get(request.request_id)
+    if problem is None and twin is not None:
+        problem = "another journal entry names the same request"
+        del ledger.requests[request.request_id]
+        step = f"{_REQUEST_STEP}{twin.turn}_{twin.slot}"
+        ledger.damaged.append(_damaged(scope, step, twin.request_id, problem))
+    if problem is not None:
+        ledger.damaged.append(_damaged(scope, entry.name, request.request_id, problem))
+        ledger.requests.pop(request.request_id, None)  # that id is not to be decided
+    elif not any(d.request_id == request.request_id for d in ledger.damaged):
+        ledger.requests[request.request_id] = request
+
+
+def _damaged(scope: Scope, step: str, request_id: str | None, problem: str) -> DamagedRequest:
+    return DamagedRequest(step, request_id, scope.session_id, scope.user_id, problem)
 
 
 async def read_approvals(runtime: JournalRuntime, session_id: str, user_id: str | None) -> Ledger:
@@ -406,7 +503,7 @@ async def read_approvals(runtime: JournalRuntime, session_id: str, user_id: str 
     if epoch < 0:
         return Ledger()
     rows = await runtime._store.load_run(scope, epoch)
-    ledger = _ledger(epoch, rows)
+    ledger = _ledger(scope, epoch, rows)
     ledger.cancelled = info.state == "cancelled"
     return ledger
 
@@ -433,6 +530,13 @@ def check_decidable(
         if not isinstance(request_id, str):
             raise InvalidArgumentTypeError(
                 f"approval request ids are strings, not {type(request_id).__name__}"
+            )
+        damaged = [d for d in ledger.damaged if d.request_id == request_id]
+        if damaged:
+            raise CorruptEntryError(
+                f"approval request {request_id!r} of session {session!r} of {user_label(user)} "
+                f"is damaged (journal entry {damaged[0].step!r}: {damaged[0].problem}); it "
+                "cannot be decided, and a resume of the run stops at it"
             )
         if request_id not in ledger.requests:
             raise ApprovalNotFoundError(
@@ -480,7 +584,9 @@ async def journal_decisions(
         # Writing a decision does not continue the run: closing this block normally would
         # otherwise store it as finished, and it would list so until it is really resumed.
         run.keep_state = True
-        ledger = _ledger(run.epoch, (e for slot in run.entries.values() for e in slot.values()))
+        ledger = _ledger(
+            run.scope, run.epoch, (e for slot in run.entries.values() for e in slot.values())
+        )
         try:
             check_decidable(ledger, decisions, session_id, user_id)  # a racing writer
         except ApprovalError as exc:

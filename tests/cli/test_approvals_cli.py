@@ -222,3 +222,134 @@ def test_a_cancelled_run_that_asked_nothing_is_not_said_to_have_waited() -> None
     with pytest.raises(RunCancelledError, match="asked for no approval") as caught:
         check_decidable(Ledger(epoch=0, cancelled=True), ["apr_x"], "ops-2", "ana")
     assert "waited" not in str(caught.value)
+
+
+def _edit(path: Path, name: str, field: str, value: str) -> None:
+    """Rewrite one field of a journaled request in place, as someone with the file could."""
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        changed = db.execute(
+            f"UPDATE loom_entries SET value = CAST(json_set(CAST(value AS TEXT), '$.{field}', "
+            f"json(?)) AS BLOB) WHERE name = ?",
+            (value, name),
+        ).rowcount
+    assert changed == 1
+
+
+def test_a_request_naming_another_user_is_refused_not_audited_in_their_trail(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ap.db"
+    url = f"sqlite:///{path}"
+    sent: list[dict[str, Any]] = []
+    ops, _ = asyncio.run(_run(url, sent, resume=False)).pending_approvals
+    _edit(path, "approval_request_0_0", "user_id", '"mallory"')
+
+    approved = loomflow(
+        "--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1",
+        "--user", "ana", "--by", "carol",
+    )  # fmt: skip
+    assert approved.returncode == 1, approved.stdout
+    assert "Traceback" not in approved.stderr
+    assert approved.stderr.startswith("loomflow: error: ")
+    assert "damaged" in approved.stderr
+    assert "names user 'mallory'" in approved.stderr
+    assert "recorded" not in approved.stdout
+
+    async def decisions(user: str) -> list[Any]:
+        async with Stores(Settings(runtime_url=url)) as stores:
+            page = await AuditLog(stores.audit, redact_logs=False).query(
+                user_id=user, action=actions.APPROVAL_DECISION
+            )
+            return page.entries
+
+    assert asyncio.run(decisions("mallory")) == []
+    assert asyncio.run(decisions("ana")) == []
+    # The run never trusts the record either: its resume stops at it, and runs nothing.
+    from loomflow.errors import CorruptEntryError
+
+    with pytest.raises(CorruptEntryError, match="mallory"):
+        asyncio.run(_run(url, sent, resume=True))
+    assert sent == []
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("[" * 50_000, "--arguments is nested too deeply"),
+        ('{"to": "ops", "text": ' + "[" * 950 + "]" * 950 + "}", "nested more than 100"),
+        ('{"to": "ops", "text": ' + "9" * 5_000 + "}", "--arguments is not JSON"),
+        ('{"to": "ops", "text": "a", "to": "all"}', "--arguments names 'to' twice"),
+        ('{"to": "ops", "text": {"x": 1, "x": 2}}', "--arguments names 'x' twice"),
+    ],
+    ids=["nested-50000", "nested-950", "5000-digits", "duplicate-key", "nested-duplicate-key"],
+)
+def test_hostile_edited_arguments_are_one_line_errors(text: str, said: str, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    sent: list[dict[str, Any]] = []
+    ops, _ = asyncio.run(_run(url, sent, resume=False)).pending_approvals
+    approved = loomflow(
+        "--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1",
+        "--arguments", text,
+    )  # fmt: skip
+    assert approved.returncode == 1
+    [line] = approved.stderr.splitlines()  # one line, no traceback
+    assert line.startswith("loomflow: error: ")
+    assert said in line
+    # Nothing was decided: the request still waits.
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert ops.request_id in listed.stdout
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("arguments", "[1, 2]", "arguments"),
+        ("tool", "5", "tool"),
+        ("path", '"x"', "path"),
+        ("path", '["elsewhere"]', "sub-run path"),
+        ("turn", "-1", "turn"),
+        ("turn", "99999999999", "turn 99999999999"),
+        ("slot", "1", "slot 1"),
+        ("session_id", '"ops-2"', "session 'ops-2'"),
+        ("epoch", "3", "epoch 3"),
+    ],
+)
+def test_a_damaged_request_is_listed_refused_and_stops_the_resume(
+    field: str, value: str, why: str, tmp_path: Path
+) -> None:
+    from loomflow.errors import CorruptEntryError
+
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    sent: list[dict[str, Any]] = []
+    ops, everyone = asyncio.run(_run(url, sent, resume=False)).pending_approvals
+    _edit(path, "approval_request_0_0", field, value)
+
+    # Listed as unreadable, with its id and why, beside the request that is fine.
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["request_id"] for r in rows] == [everyone.request_id, ops.request_id]
+    assert "unreadable" not in rows[0]
+    assert rows[1]["step"] == "approval_request_0_0"
+    assert rows[1]["user_id"] == "ana"
+    assert why in rows[1]["unreadable"]
+    table = loomflow("--url", url, "approvals", "list")
+    assert table.returncode == 0, table.stderr
+    [line] = [x for x in table.stdout.splitlines() if ops.request_id in x]
+    assert "unreadable" in line
+    assert ops.request_id in table.stderr
+    assert "unreadable" in table.stderr
+
+    # It cannot be decided...
+    approved = loomflow("--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1")
+    assert approved.returncode == 1, approved.stdout
+    assert approved.stderr.startswith("loomflow: error: ")
+    assert "damaged" in approved.stderr
+    assert "Traceback" not in approved.stderr
+    # ...and the run refuses it instead of waiting on it for ever.
+    with pytest.raises(CorruptEntryError):
+        asyncio.run(_run(url, sent, resume=True))
+    assert sent == []

@@ -509,3 +509,108 @@ async def test_crafted_journal_rows_are_not_trusted(tmp_path: Any) -> None:
         with pytest.raises(CorruptEntryError):
             await agent.resume("go", session_id="s1", user_id="ana")
     assert world.deleted == []
+
+
+def _edit_request(path: Any, name: str, field: str, value: str) -> None:
+    """Rewrite one field of a journaled request, as anyone with the SQLite file could."""
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        changed = db.execute(
+            f"UPDATE loom_entries SET value = CAST(json_set(CAST(value AS TEXT), '$.{field}', "
+            f"json(?)) AS BLOB) WHERE name = ?",
+            (value, name),
+        ).rowcount
+    assert changed == 1
+
+
+async def test_a_request_naming_another_user_is_damaged_for_the_python_api(
+    tmp_path: Any,
+) -> None:
+    from loomflow.errors import CorruptEntryError
+    from loomflow.governance.approvals import (
+        journal_decisions,
+        normalize_decision,
+        read_approvals,
+    )
+    from loomflow.runtime import SqliteRuntime
+
+    path = tmp_path / "journal.db"
+    world = World()
+    async with SqliteRuntime(path) as runtime:
+        (alpha,) = (
+            await agent_for(world, runtime, [DELETE]).run("go", session_id="s1", user_id="ana")
+        ).pending_approvals
+    _edit_request(path, "approval_request_0_0", "user_id", '"mallory"')
+
+    audit = AuditLog(InMemoryAuditStore())
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE], audit=audit)
+        ledger = await read_approvals(runtime, "s1", "ana")
+        assert ledger.requests == {}
+        [damaged] = ledger.damaged
+        assert damaged.request_id == alpha.request_id
+        assert "mallory" in damaged.problem
+        assert await agent.pending_approvals("s1", user_id="ana") == []
+        with pytest.raises(CorruptEntryError, match="names user 'mallory'"):
+            await agent.resume(
+                "go", session_id="s1", user_id="ana", approvals={alpha.request_id: "allow"}
+            )
+        with pytest.raises(CorruptEntryError, match="damaged"):
+            await journal_decisions(
+                runtime,
+                "s1",
+                "ana",
+                {alpha.request_id: normalize_decision(alpha.request_id, "allow", "kim")},
+            )
+        # Neither trail got a decision; the plain resume refuses the record too.
+        for user in ("ana", "mallory"):
+            page = await audit.query(user_id=user, action=actions.APPROVAL_DECISION)
+            assert page.entries == []
+        with pytest.raises(CorruptEntryError, match="mallory"):
+            await agent.resume("go", session_id="s1", user_id="ana")
+    assert world.deleted == []
+
+
+@pytest.mark.parametrize("turn", ["-1", "99999999999"])
+async def test_a_request_with_a_turn_it_is_not_stored_at_is_refused(
+    turn: str, tmp_path: Any
+) -> None:
+    from loomflow.errors import CorruptEntryError
+    from loomflow.governance.approvals import journal_decisions, normalize_decision
+    from loomflow.runtime import SqliteRuntime
+
+    path = tmp_path / "journal.db"
+    world = World()
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE, DELETE_2])
+        alpha, beta = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+        # beta is decided properly first: its edited record must not run it either.
+        await journal_decisions(
+            runtime,
+            "s1",
+            "ana",
+            {beta.request_id: normalize_decision(beta.request_id, "allow", "k")},
+        )
+    _edit_request(path, "approval_request_0_0", "turn", turn)
+    _edit_request(path, "approval_request_0_1", "turn", turn)
+
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE, DELETE_2])
+        with pytest.raises(CorruptEntryError, match="damaged"):
+            await agent.resume(
+                "go", session_id="s1", user_id="ana", approvals={alpha.request_id: "allow"}
+            )
+        with pytest.raises(CorruptEntryError, match="approval_request_0_0"):
+            await agent.resume("go", session_id="s1", user_id="ana")
+    assert world.deleted == []
+
+
+async def test_deeply_nested_edited_arguments_are_refused() -> None:
+    from loomflow.governance.approvals import normalize_decision
+
+    deep: Any = []
+    for _ in range(5_000):
+        deep = [deep]
+    with pytest.raises(InvalidArgumentTypeError, match="nested more than"):
+        normalize_decision("apr_x", Approve(arguments={"name": deep}), "kim")

@@ -162,7 +162,9 @@ async def test_edited_sensitive_arguments_are_redacted_in_the_audit_log(
     )
     other = await runtime_factory()
     decided = await journal_decisions(other, "s1", "ana", {request.request_id: edited})
-    await audit_decision(audit, decided[request.request_id], edited, None)
+    await audit_decision(
+        audit, decided[request.request_id], edited, None, session_id="s1", user_id="ana"
+    )
     [entry] = (await audit.query(user_id="ana", action=actions.APPROVAL_DECISION)).entries
     assert entry.payload["arguments"] == {"account": "A-2", "pin": "[REDACTED]"}
     assert "9876" not in str(entry.payload)
