@@ -176,6 +176,57 @@ function topLevelTexts(text) {
   }
 }
 
+// What JSON.parse lets through and loomflow refuses (its read_json): a key given twice in one
+// object, at any depth (JSON.parse keeps the last value, SQLite's json_extract the first, so
+// one text would be two entries), or a number with a fraction or exponent beyond a double's
+// range (JSON.parse reads 1e400 as Infinity). Only called on text JSON.parse accepted.
+const NUMBER = /-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/y;
+function checkStrict(text) {
+  const open = []; // the keys of each object open around `at` (null for a list), innermost last
+  let keyNext = false; // the next string is a key
+  let at = 0;
+  while (at < text.length) {
+    const c = text[at];
+    if (c === '"') {
+      STRING.lastIndex = at;
+      const found = STRING.exec(text)[0];
+      at = STRING.lastIndex;
+      const keys = open[open.length - 1];
+      if (keyNext && keys) {
+        const key = JSON.parse(found);
+        if (keys.has(key)) {
+          throw new Error(`the key ${JSON.stringify(key).slice(0, 80)} is given twice in one object`);
+        }
+        keys.add(key);
+      }
+      keyNext = false;
+      continue;
+    }
+    if (c === '-' || (c >= '0' && c <= '9')) {
+      NUMBER.lastIndex = at;
+      const number = NUMBER.exec(text)[0];
+      at = NUMBER.lastIndex;
+      if (/[.eE]/.test(number) && !Number.isFinite(Number(number))) {
+        throw new Error(`the number ${number.slice(0, 40)} is beyond the range of JSON readers`);
+      }
+      continue;
+    }
+    if (c === '{') {
+      open.push(new Set());
+      keyNext = true;
+    } else if (c === '[' || c === '}' || c === ']') {
+      if (c === '[') open.push(null);
+      else open.pop();
+      keyNext = false;
+    } else if (c === ',') {
+      keyNext = open[open.length - 1] !== null;
+    } else if (c === ':') {
+      keyNext = false;
+    } // whitespace, and the letters of true, false and null, change nothing
+    at += 1;
+  }
+}
+
 const TIME = /^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z$/;
 
 // loomflow's time_us_of_text: exactly YYYY-MM-DDTHH:MM:SS.ffffffZ, a real date, year 1000 on.
@@ -204,6 +255,7 @@ function readHeader(line) {
   let data;
   try {
     data = JSON.parse(line);
+    checkStrict(line); // a header with a key twice is no header (nor an entry)
   } catch {
     return null;
   }
@@ -271,6 +323,7 @@ function outsideReasons(entry, key) {
 // The entry on a line, or an Error saying why the line is not one (loomflow: "unreadable").
 function readEntry(line) {
   const data = JSON.parse(line); // NaN and Infinity are not JSON, here as in loomflow
+  checkStrict(line);
   if (typeof data !== 'object' || data === null || Array.isArray(data)) {
     throw new Error(`a JSON ${Array.isArray(data) ? 'list' : typeof data}, not an object`);
   }

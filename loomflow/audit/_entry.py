@@ -42,6 +42,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
+import re
 import secrets
 from typing import Any, Final
 
@@ -66,6 +68,8 @@ __all__ = [
     "entry_hash",
     "json_line",
     "payload_digest",
+    "read_json",
+    "read_stored_payload",
     "rest_digest",
     "time_us_of_text",
     "user_key",
@@ -486,10 +490,11 @@ class AuditEntry(BaseModel):
         """Parse one exported line (raises ``ValueError`` or ``RecursionError`` when it is
         not an entry).
 
-        JSON as RFC 8259 has it: ``NaN`` and ``Infinity``, which Python's parser alone
-        accepts, make the line unreadable here as they do for every other verifier.
+        JSON as RFC 8259 has it, read strictly (:func:`read_json`): a key given twice, ``NaN``,
+        ``Infinity`` or a number beyond a double's range make the line unreadable here as they
+        do for the Node verifier.
         """
-        return cls.from_json(json.loads(line, parse_constant=_no_constant))
+        return cls.from_json(read_json(line))
 
     def canonical_bytes(self) -> bytes:
         """The bytes :attr:`hash` is the SHA-256 of, in the entry's own hash version.
@@ -510,6 +515,63 @@ class AuditEntry(BaseModel):
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                # ASCII, so that a report naming any key can be printed anywhere.
+                raise ValueError(f"the key {json.dumps(key)[:80]} is given twice in one object")
+            seen.add(key)
+    return found
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is beyond the range of JSON readers")
+    return value
+
+
+def read_json(text: str | bytes) -> Any:
+    """JSON as RFC 8259 has it, read strictly, as every audit line and stored payload is.
+
+    Python's parser takes what a careful reader must not: a key twice in one object (at any
+    depth) keeps the last value, where SQLite's ``json_extract`` and others read the first, so
+    one stored text would be two different entries; ``NaN`` and ``Infinity``; and numbers
+    beyond a double's range (``1e400``), read as infinity. Each is a ``ValueError`` here (the
+    Node verifier refuses the same).
+
+    Raises:
+        ValueError: not such JSON (``RecursionError``: nested too deep to parse).
+    """
+    return json.loads(
+        text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_finite
+    )
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def read_stored_payload(text: str | bytes) -> Any:
+    """A payload column's JSON (:func:`read_json`), which must also be text: a lone surrogate
+    (``"\\ud800"``), which no writer stores, could not be written to an export or a
+    terminal.
+
+    Raises:
+        ValueError: not such JSON (``RecursionError``: nested too deep to parse).
+    """
+    data = read_json(text)
+    # Rare (or a blob SQLite was given by hand): only then is the whole value checked.
+    if not isinstance(text, str) or _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError("it holds a lone surrogate, which is not text") from exc
+    return data
 
 
 def unreadable_reason(exc: BaseException) -> str:

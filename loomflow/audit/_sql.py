@@ -10,7 +10,6 @@ than fork the chain.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -19,7 +18,14 @@ from pydantic import ValidationError
 from ..errors import AuditIntegrityError, ErasureRefusedError, StoreUnavailableError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
-from ._entry import GENESIS, AuditEntry, AuditRecord, canonical_json, unreadable_reason
+from ._entry import (
+    GENESIS,
+    AuditEntry,
+    AuditRecord,
+    canonical_json,
+    read_stored_payload,
+    unreadable_reason,
+)
 from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
 from .actions import KEPT_BY_ERASURE
 from .migrations import COMPONENT, migrations_for
@@ -326,7 +332,9 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
     time_us = _whole(time_us, "time_us")
     problem = None
     try:
-        data = json.loads(payload)
+        # Strictly: a key given twice would be read here as its last value and by SQL's
+        # json functions as its first; NaN or 1e400 would stop an export or a query --json.
+        data = read_stored_payload(payload)
         if not isinstance(data, dict) and not (data is None and payload == _ERASED):
             raise ValueError("the payload is not a JSON object")
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse

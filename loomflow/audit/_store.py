@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import abc
 import bisect
+import contextlib
 import datetime as dt
 import io
 import json
 import os
+import stat
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -485,8 +487,17 @@ class AuditStore(abc.ABC):
         where = AuditFilter.build(**filters)  # bad filters fail before the file is created
         if isinstance(dest, str | os.PathLike):
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
-            with Path(dest).open("w", encoding="utf-8") as fh:  # noqa: ASYNC230
-                return await self.export(fh, on_progress=on_progress, **filters)
+            fh = Path(dest).open("w", encoding="utf-8")  # noqa: ASYNC230, SIM115
+            regular = stat.S_ISREG(os.fstat(fh.fileno()).st_mode)  # not a pipe or a device
+            try:
+                with fh:
+                    return await self.export(fh, on_progress=on_progress, **filters)
+            except BaseException:
+                if regular:
+                    # A file cut short (a malformed row, a cancelled export) would pass for a
+                    # smaller export.
+                    _remove(Path(dest))
+                raise
         progress = Progress(
             on_progress, await self.count(**filters) if on_progress is not None else None
         )
@@ -1380,3 +1391,9 @@ def _held(hold: LegalHold, already: str = "") -> LegalHoldError:
         user_id=hold.user_id,
         reason=hold.reason,
     )
+
+
+def _remove(path: Path) -> None:
+    """Remove a file an export failed to finish, if it can."""
+    with contextlib.suppress(OSError):
+        path.unlink()

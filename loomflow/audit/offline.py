@@ -8,7 +8,6 @@ earlier (the ``heads`` of a ``loomflow audit verify --json`` report).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from pydantic import ValidationError
 
 from .._ids import check_id, check_key
 from ..errors import InvalidArgumentError
-from ._entry import AuditEntry, time_us_of_text, unreadable_reason, user_key
+from ._entry import AuditEntry, read_json, time_us_of_text, unreadable_reason, user_key
 from ._store import (
     ANY_USER,
     EXPORT_FILTERS,
@@ -168,7 +167,9 @@ def read_export_header(line: str) -> dict[str, Any] | None:
             ``--user`` refuses, a time not spelled as entries spell it).
     """
     try:
-        data = json.loads(line)
+        # Strictly, as entries are read: a header with a key twice is no header, and its line
+        # is then reported as not an entry either.
+        data = read_json(line)
     except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or EXPORT_HEADER not in data:

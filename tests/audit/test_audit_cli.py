@@ -125,3 +125,105 @@ def test_usage_and_store_errors_have_distinct_exit_codes(tmp_path: Path) -> None
     nothing = loomflow("audit", "--audit-url", url, "verify")
     assert nothing.returncode == 0
     assert "no audit entries to verify" in nothing.stderr
+
+
+def _edit(db: Path, sql: str) -> None:
+    with sqlite3.connect(db) as conn:  # as someone with the file would: triggers first
+        conn.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        conn.execute(sql)
+
+
+def _no_constants(text: str) -> object:
+    """Parse output as any JSON reader would: a bare NaN or Infinity is an error."""
+
+    def refuse(name: str) -> object:
+        raise AssertionError(f"{name} in the output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+async def test_verify_reports_a_payload_with_a_key_twice(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    url = f"sqlite:///{db}"
+    # Read as its first value by SQLite's json_extract, as its last by Python's json.
+    _edit(
+        db,
+        """UPDATE loom_audit SET payload = replace(payload, '{"i"', '{"tool":"refund","i"')
+        WHERE user_id = 'alice' AND seq = 4""",
+    )
+    with sqlite3.connect(db) as conn:
+        first = conn.execute(
+            "SELECT json_extract(payload, '$.tool') FROM loom_audit "
+            "WHERE user_id = 'alice' AND seq = 4"
+        ).fetchone()[0]
+    assert first == "refund"
+    broken = loomflow("audit", "--audit-url", url, "verify")
+    assert broken.returncode == 1, broken.stdout
+    assert "FAILED: 1 problem(s)" in broken.stdout
+    assert 'entry 4 has an unreadable payload: the key "tool" is given twice' in broken.stdout
+    out = tmp_path / "all.jsonl"
+    exported = loomflow("audit", "--audit-url", url, "export", "-o", str(out))
+    assert exported.returncode == 0, exported.stderr
+    offline = loomflow("audit", "verify", "--file", str(out))
+    assert offline.returncode == 1, offline.stdout
+
+
+async def test_verify_file_refuses_a_line_with_a_key_twice(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    url = f"sqlite:///{db}"
+    out = tmp_path / "all.jsonl"
+    assert loomflow("audit", "--audit-url", url, "export", "-o", str(out)).returncode == 0
+    heads = tmp_path / "heads.json"
+    heads.write_text(loomflow("audit", "--audit-url", url, "verify", "--json").stdout)
+    lines = out.read_text(encoding="utf-8").splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith('{"action":"tool.call",'))
+    lines[at] = lines[at].replace('{"action":', '{"action":"tool.denied","action":', 1)
+    out.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    for extra in ([], ["--heads", str(heads)]):
+        checked = loomflow("audit", "verify", "--file", str(out), *extra)
+        assert checked.returncode == 1, checked.stdout
+        assert "unreadable" in checked.stdout
+        assert 'the key "action" is given twice' in checked.stdout
+
+
+async def test_export_and_query_a_nan_payload_without_a_traceback(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    url = f"sqlite:///{db}"
+    _edit(db, """UPDATE loom_audit SET payload = '{"a":NaN}' WHERE user_id = 'alice' AND seq = 4""")
+    out = tmp_path / "all.jsonl"
+    exported = loomflow("--url", url, "audit", "export", "-o", str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert "Traceback" not in exported.stderr
+    assert "exported 10 audit entries" in exported.stderr
+    rows = [_no_constants(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 10
+    nan = next(r for r in rows if isinstance(r, dict) and r["seq"] == 4 and r["user_id"] == "alice")
+    assert nan["payload"] == {"unreadable_payload": '{"a":NaN}'}
+    offline = loomflow("audit", "verify", "--file", str(out))
+    assert offline.returncode == 1, offline.stdout
+    assert "entry 4 was changed" in offline.stdout
+    query = loomflow("--url", url, "audit", "query", "--user", "alice", "--json")
+    assert query.returncode == 0, query.stderr
+    page = _no_constants(query.stdout)
+    assert isinstance(page, dict)
+    assert page["entries"][3]["payload"] == {"unreadable_payload": '{"a":NaN}'}
+    table = loomflow("--url", url, "audit", "query", "--user", "alice")
+    assert table.returncode == 0, table.stderr
+    verified = loomflow("--url", url, "audit", "verify")
+    assert verified.returncode == 1
+    assert "entry 4 has an unreadable payload: NaN is not JSON" in verified.stdout
+
+
+async def test_an_export_stopped_by_a_malformed_row_leaves_no_file(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    _edit(db, "UPDATE loom_audit SET seq = 'four' WHERE user_id = 'alice' AND seq = 4")
+    out = tmp_path / "all.jsonl"
+    exported = loomflow("--url", f"sqlite:///{db}", "audit", "export", "-o", str(out))
+    assert exported.returncode == 1
+    assert "Traceback" not in exported.stderr
+    assert "of user 'alice' is malformed: seq is 'four'" in exported.stderr
+    assert not out.exists()

@@ -520,6 +520,22 @@ TAMPERS: dict[str, Any] = {
     "time on 30 February": lambda ls: _set(ls, A, 2, time="2026-02-30T10:00:00.000000Z"),
     "time null": lambda ls: _set(ls, A, 2, time=None),
     "NaN in a payload": lambda ls: _raw(ls, A, 2, '"i":1', '"i":NaN'),
+    # A key twice: JSON.parse and Python's json keep the last value (the one hashed here),
+    # SQLite's json_extract and others the first, so the line is two entries at once.
+    "a key twice in a line": lambda ls: _raw(
+        ls, A, 2, '{"action":', '{"action":"tool.denied","action":'
+    ),
+    "a key twice in a payload": lambda ls: _raw(ls, A, 2, '"payload":{', '"payload":{"i":7,'),
+    "a key twice deep in a payload": lambda ls: _raw(
+        ls, "dee", 1, '"payload":{', '"payload":{"x":[{"k":1,"k":1}],'
+    ),
+    "a number beyond a double in a payload": lambda ls: _raw(
+        ls, A, 2, '"payload":{', '"payload":{"x":1e400,'
+    ),
+    "a header with a key twice": lambda ls: [
+        _header(A).replace('{"user_id"', '{"user_id":"mallory","user_id"'),
+        *_only(ls, A, header=False),
+    ],
     "relinked": lambda ls: _set(ls, A, 3, prev_hash="0" * 64),
     "moved to another user": lambda ls: _set(ls, A, 3, user_id="mallory"),
     "payload blanked without a record": lambda ls: _blanked(ls, None, 2),
