@@ -36,7 +36,7 @@ from .storage._schemes import SCHEMES, StoreKind, check_scheme, scheme_of
 if TYPE_CHECKING:
     from .audit import AuditStore
     from .checkpoints import CheckpointStore
-    from .governance.budget import BucketUsage, BudgetStore
+    from .governance.budget import BucketUsage, BudgetStore, UnreadableBucket
     from .memory import Memory
     from .runtime import JournalRuntime
 
@@ -404,15 +404,7 @@ class Stores:
         if self.database is not None and self.checkpoints is not None and self.memory is not None:
             checkpoints = await self.checkpoints.export_user(user_id)
             memory = await self.memory.export_user(user_id)
-        budget = [
-            {
-                "scope": u.bucket.scope,
-                "period": u.bucket.period or "all",
-                **dataclasses.asdict(u.totals),
-                "updated_at": _iso(u.updated_at),
-            }
-            for u in await self._budget_of(user_id)
-        ]
+        budget = [_budget_json(u) for u in await self._budget_of(user_id)]
         audit = [entry.to_json() async for entry in self.audit.entries(user_id=user_id)]
         document: dict[str, Any] = {
             "user_id": user_id,
@@ -616,17 +608,15 @@ class Stores:
                     found.setdefault(chain, []).append(entry.seq)
         return found
 
-    async def _budget_of(self, user_id: str | None) -> list[BucketUsage]:
+    async def _budget_of(self, user_id: str | None) -> list[BucketUsage | UnreadableBucket]:
         """The user's own budget buckets. ``usage(None)`` is every bucket of everyone, so the
         anonymous user's are picked out of it (an export of the anonymous bucket must not
-        carry other users' totals)."""
+        carry other users' totals). A damaged row is in it as an :class:`UnreadableBucket`
+        (a store without ``listing``, one written before it, gives what it can read)."""
+        listing = getattr(self.budget, "listing", self.budget.usage)
         if user_id is not None:
-            return await self.budget.usage(user_id)
-        return [
-            u
-            for u in await self.budget.usage()
-            if u.bucket.scope == "user" and u.bucket.user_id is None
-        ]
+            return list(await listing(user_id))
+        return [u for u in await listing() if _whose(u) == ("user", None)]
 
     async def _knows(self, user_id: str | None) -> bool:
         """Whether any store holds something about the user."""
@@ -716,6 +706,33 @@ async def _legacy(runtime: JournalRuntime, *, do_import: bool) -> list[str]:
         done.describe(),
         "the 0.20 tables were only read; drop them once the imported runs have resumed",
     ]
+
+
+def _whose(usage: BucketUsage | UnreadableBucket) -> tuple[str | None, str | None]:
+    from .governance.budget import UnreadableBucket
+
+    if isinstance(usage, UnreadableBucket):
+        return usage.scope, usage.user_id
+    return usage.bucket.scope, usage.bucket.user_id
+
+
+def _budget_json(usage: BucketUsage | UnreadableBucket) -> dict[str, Any]:
+    from .governance.budget import UnreadableBucket
+
+    if isinstance(usage, UnreadableBucket):
+        # Shown as the damage it is: what the row still tells, and why, never its figures.
+        return {
+            "scope": usage.scope,
+            "period": usage.period or "all",
+            "bucket": usage.key,
+            "unreadable": usage.unreadable,
+        }
+    return {
+        "scope": usage.bucket.scope,
+        "period": usage.bucket.period or "all",
+        **dataclasses.asdict(usage.totals),
+        "updated_at": _iso(usage.updated_at),
+    }
 
 
 def _iso(when: float | dt.datetime | None) -> str | None:

@@ -7,6 +7,7 @@ or URL owns its database. The table is migrated on first use (component ``checkp
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -128,6 +129,10 @@ def _flag(value: Any) -> bool:
 def _number(value: Any) -> float:
     if type(value) not in (int, float):
         raise TypeError(f"a {type(value).__name__}, not a number")
+    if not math.isfinite(value):
+        # SQLite and PostgreSQL keep an infinity (1e999) or a NaN: no cost or time is one,
+        # and it would come back as a run's cost and print as bare Infinity in JSON.
+        raise ValueError("not a finite number")
     return float(value)
 
 

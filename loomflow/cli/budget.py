@@ -15,9 +15,9 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import ConfigurationError
-from ..governance.budget import BucketUsage
+from ..governance.budget import BucketUsage, UnreadableBucket
 from ..stores import Stores
-from ._format import duration, iso_time
+from ._format import duration, iso_time, printable
 from ._format import table as print_table
 from ._stores import existing
 
@@ -72,7 +72,16 @@ def _url(args: argparse.Namespace, settings: Settings) -> str:
     return url
 
 
-def _row(usage: BucketUsage) -> dict[str, Any]:
+def _row(usage: BucketUsage | UnreadableBucket) -> dict[str, Any]:
+    if isinstance(usage, UnreadableBucket):
+        # What the row still tells, and why it counts for nothing: never figures read from it.
+        return {
+            "scope": usage.scope,
+            "user_id": usage.user_id,
+            "period": usage.period or "all",
+            "bucket": usage.key,
+            "unreadable": usage.unreadable,
+        }
     t = usage.totals
     return {
         "scope": usage.bucket.scope,
@@ -93,7 +102,11 @@ def _row(usage: BucketUsage) -> dict[str, Any]:
 async def _show(args: argparse.Namespace) -> int:
     async with _stores(args) as stores:
         store = stores.budget
-        usage = await store.usage(args.user_id)
+        # A row edited by hand or damaged is listed as unreadable, with why, instead of
+        # failing the report or being shown as figures; a store without ``listing`` (one
+        # written before it) reports what it can read.
+        listing = getattr(store, "listing", store.usage)
+        usage: list[BucketUsage | UnreadableBucket] = list(await listing(args.user_id))
     rows = [_row(u) for u in usage]
     if args.json:
         for row in rows:
@@ -118,6 +131,10 @@ async def _show(args: argparse.Namespace) -> int:
         )
     ]
     for r in rows:
+        if "unreadable" in r:
+            who = "-" if r["user_id"] is None else r["user_id"]
+            table.append((r["scope"] or "-", who, r["period"], "unreadable", *("-",) * 6))
+            continue
         when = r["updated_at"][:19].replace("T", " ")
         table.append(
             (
@@ -134,6 +151,9 @@ async def _show(args: argparse.Namespace) -> int:
             )
         )
     print_table(table)
+    for r in rows:
+        if "unreadable" in r:
+            print(f"loomflow: {printable(r['unreadable'])}", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,7 @@ from ._factory import memory_for, memory_from_url
 from ._memory import InMemoryMemory, Memory, PostgresMemory, SqliteMemory
 from ._protocol import AgentMemory, MemoryStore
 from ._sql import SqlMemoryStore
-from ._types import Block, Episode, Fact
+from ._types import Block, Episode, Fact, UnreadableBlock, UnreadableEpisode, UnreadableFact
 from .inmemory import InMemoryMemoryStore
 
 __all__ = [
@@ -28,6 +28,9 @@ __all__ = [
     "PostgresMemory",
     "SqlMemoryStore",
     "SqliteMemory",
+    "UnreadableBlock",
+    "UnreadableEpisode",
+    "UnreadableFact",
     "memory_for",
     "memory_from_url",
 ]

@@ -262,7 +262,8 @@ class Memory:
         """Everything memory holds about one user, as JSON-ready data.
 
         ``{"user_id", "exported_at", "episodes", "facts", "blocks"}``, each list in recording
-        order; ``json.dumps`` takes it as is.
+        order; ``json.dumps`` takes it as is. A row that cannot be read back is in it as what
+        its row still tells, with an ``unreadable`` reason, as a checkpoint's export shows one.
         """
         uid = _user(user_id)
         episodes, facts, blocks = await self.store.export_user(uid)

@@ -6,9 +6,10 @@ Every operation takes the user it acts for; no operation reads or writes across 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ._types import Block, Episode, Fact
+from ._types import Block, Episode, Fact, UnreadableBlock, UnreadableEpisode, UnreadableFact
 
 if TYPE_CHECKING:
     from ..messages import Message
@@ -128,5 +129,11 @@ class MemoryStore(Protocol):
 
     async def export_user(
         self, user_id: str | None
-    ) -> tuple[list[Episode], list[Fact], list[Block]]:
-        """Everything of one user, each kind in the order it was recorded."""
+    ) -> tuple[
+        Sequence[Episode | UnreadableEpisode],
+        Sequence[Fact | UnreadableFact],
+        Sequence[Block | UnreadableBlock],
+    ]:
+        """Everything of one user, each kind in the order it was recorded. A row that cannot
+        be read back (edited by hand, damaged) is in it as an ``Unreadable*`` saying why,
+        so that one damaged row does not fail a user's whole export."""

@@ -12,6 +12,9 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
+from .._printable import shown
 from ..errors import CorruptEntryError
 from ..runtime import codec
 from ..runtime._store import Scope
@@ -21,6 +24,9 @@ from ._types import (
     Block,
     Episode,
     Fact,
+    UnreadableBlock,
+    UnreadableEpisode,
+    UnreadableFact,
     decode_messages,
     encode_messages,
     micros,
@@ -82,13 +88,24 @@ _TABLES = {
 }
 
 
+def _why(exc: ValidationError) -> str:
+    """A pydantic refusal in one line: which field, and why (no URL, no input repeated)."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
+    )
+
+
 def _episode(row: Sequence[Any]) -> Episode:
     try:
         return _episode_of(row)
+    except ValidationError as exc:  # a value no episode holds (bytes that are no text)
+        raise CorruptEntryError(
+            f"episode {shown(row[0])} has a malformed column: {_why(exc)}"
+        ) from exc
     except (TypeError, ValueError, ArithmeticError, OSError) as exc:
         # A row edited by hand (SQLite keeps any type in any column; a created_at of 1e300
         # fits PostgreSQL's double too) is damaged data, not a crash.
-        raise CorruptEntryError(f"episode {row[0]!r} has a malformed column: {exc}") from exc
+        raise CorruptEntryError(f"episode {shown(row[0])} has a malformed column: {exc}") from exc
 
 
 def _episode_of(row: Sequence[Any]) -> Episode:
@@ -109,6 +126,16 @@ def _episode_of(row: Sequence[Any]) -> Episode:
 
 
 def _fact(row: Sequence[Any]) -> Fact:
+    try:
+        return _fact_of(row)
+    except ValidationError as exc:
+        why = _why(exc)
+        raise CorruptEntryError(f"fact {shown(row[0])} has a malformed column: {why}") from exc
+    except (TypeError, ValueError, ArithmeticError, OSError) as exc:  # as for an episode
+        raise CorruptEntryError(f"fact {shown(row[0])} has a malformed column: {exc}") from exc
+
+
+def _fact_of(row: Sequence[Any]) -> Fact:
     fid, user, subject, predicate, obj, start, end, superseded_by, source = row
     return Fact(
         id=fid,
@@ -124,6 +151,16 @@ def _fact(row: Sequence[Any]) -> Fact:
 
 
 def _block(row: Sequence[Any]) -> Block:
+    try:
+        return _block_of(row)
+    except ValidationError as exc:
+        why = _why(exc)
+        raise CorruptEntryError(f"block {shown(row[1])} has a malformed column: {why}") from exc
+    except (TypeError, ValueError, ArithmeticError, OSError) as exc:  # as for an episode
+        raise CorruptEntryError(f"block {shown(row[1])} has a malformed column: {exc}") from exc
+
+
+def _block_of(row: Sequence[Any]) -> Block:
     user, name, content, created, updated = row
     return Block(
         user_id=user,
@@ -132,6 +169,48 @@ def _block(row: Sequence[Any]) -> Block:
         created_at=timestamp(created),
         updated_at=timestamp(updated),
     )
+
+
+def _text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else shown(value)
+
+
+# A user's export carries on past a damaged row and shows it as damaged, as the checkpoints'
+# does: one hand-edited row must not cost a data-subject access request the whole document.
+
+
+def _readable_episode(row: Sequence[Any]) -> Episode | UnreadableEpisode:
+    try:
+        return _episode(row)
+    except CorruptEntryError as exc:
+        return UnreadableEpisode(
+            id=_text(row[0]) or "",
+            session_id=_text(row[1]),
+            user_id=_text(row[2]),
+            key=_text(row[3]),
+            run_id=_text(row[4]),
+            unreadable=str(exc),
+        )
+
+
+def _readable_fact(row: Sequence[Any]) -> Fact | UnreadableFact:
+    try:
+        return _fact(row)
+    except CorruptEntryError as exc:
+        return UnreadableFact(
+            id=_text(row[0]) or "",
+            user_id=_text(row[1]),
+            subject=_text(row[2]),
+            predicate=_text(row[3]),
+            unreadable=str(exc),
+        )
+
+
+def _readable_block(row: Sequence[Any]) -> Block | UnreadableBlock:
+    try:
+        return _block(row)
+    except CorruptEntryError as exc:
+        return UnreadableBlock(user_id=_text(row[0]), name=_text(row[1]) or "", unreadable=str(exc))
 
 
 def _fact_lock(user_key: str, subject: str, predicate: str) -> int:
@@ -321,7 +400,11 @@ class SqlMemoryStore(ComponentStore):
 
     async def export_user(
         self, user_id: str | None
-    ) -> tuple[list[Episode], list[Fact], list[Block]]:
+    ) -> tuple[
+        list[Episode | UnreadableEpisode],
+        list[Fact | UnreadableFact],
+        list[Block | UnreadableBlock],
+    ]:
         user_key = Scope(None, user_id).user_key
         episodes = await self._fetch(
             "read",
@@ -333,8 +416,9 @@ class SqlMemoryStore(ComponentStore):
             f"SELECT {_FACT_COLUMNS} FROM loom_memory_facts WHERE user_key = $1 ORDER BY seq",
             user_key,
         )
+        blocks = await self._fetch("read", _BLOCKS, user_key)
         return (
-            [_episode(r) for r in episodes],
-            [_fact(r) for r in facts],
-            await self.blocks(user_id),
+            [_readable_episode(r) for r in episodes],
+            [_readable_fact(r) for r in facts],
+            [_readable_block(r) for r in blocks],
         )

@@ -10,7 +10,7 @@ from ..errors import CorruptEntryError
 from ..messages import Message
 from ..runtime import codec
 
-__all__ = ["Block", "Episode", "Fact"]
+__all__ = ["Block", "Episode", "Fact", "UnreadableBlock", "UnreadableEpisode", "UnreadableFact"]
 
 
 class _Frozen(BaseModel):
@@ -93,6 +93,50 @@ class Block(_Frozen):
     content: str
     created_at: dt.datetime
     updated_at: dt.datetime
+
+
+class UnreadableEpisode(_Frozen):
+    """A stored episode that cannot be read back, as a user's export shows it.
+
+    A row edited by hand or damaged (messages that do not decode, text in a number column, a
+    time no date can hold) is no :class:`Episode`; a user's export carries on past it and
+    shows it with what its row still tells, as it does an unreadable checkpoint.
+
+    Attributes:
+        id: The row's episode id (its ``repr`` when the row does not hold text there).
+        session_id: The row's session, as far as it reads.
+        user_id: The row's user, as far as it reads.
+        key: The row's idempotency key, as far as it reads.
+        run_id: The run that wrote it, as far as it reads.
+        unreadable: Why it cannot be read back (the ``CorruptEntryError`` message).
+    """
+
+    id: str
+    session_id: str | None
+    user_id: str | None
+    key: str | None
+    run_id: str | None
+    unreadable: str
+
+
+class UnreadableFact(_Frozen):
+    """A stored fact that cannot be read back, as a user's export shows it (see
+    :class:`UnreadableEpisode`)."""
+
+    id: str
+    user_id: str | None
+    subject: str | None
+    predicate: str | None
+    unreadable: str
+
+
+class UnreadableBlock(_Frozen):
+    """A stored block that cannot be read back, as a user's export shows it (see
+    :class:`UnreadableEpisode`)."""
+
+    user_id: str | None
+    name: str
+    unreadable: str
 
 
 def timestamp(seconds: float) -> dt.datetime:

@@ -24,6 +24,7 @@ from ._types import (
     Reservation,
     ReservationInfo,
     Totals,
+    UnreadableBucket,
 )
 from ._url import budget_store_for, budget_store_from_url
 from .inmemory import InMemoryBudgetStore
@@ -51,6 +52,7 @@ __all__ = [
     "StandardBudget",
     "Ticket",
     "Totals",
+    "UnreadableBucket",
     "bound_input_tokens",
     "budget_store_for",
     "budget_store_from_url",

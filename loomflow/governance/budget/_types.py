@@ -33,6 +33,7 @@ __all__ = [
     "Reservation",
     "ReservationInfo",
     "Totals",
+    "UnreadableBucket",
     "Window",
     "evaluate",
     "late_charge",
@@ -262,8 +263,25 @@ class Bucket:
 
     @classmethod
     def from_key(cls, key: str) -> Bucket:
-        scope, user_id, period = json.loads(key)
-        return cls(scope, user_id, period)
+        """The bucket a stored key names.
+
+        Raises:
+            InvalidArgumentError: the key is no bucket key (a row edited by hand, or
+                damaged): not JSON, not ``[scope, user_id, period]``, or holding values no
+                bucket has.
+        """
+        try:
+            parts = json.loads(key)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidArgumentError(f"bucket key {str(key)[:80]!r} is not JSON: {exc}") from None
+        if not isinstance(parts, list) or len(parts) != 3:
+            raise InvalidArgumentError(
+                f"bucket key {str(key)[:80]!r} is not a [scope, user_id, period] list"
+            )
+        scope, user_id, period = parts
+        if scope not in ("user", "global") or not isinstance(period, str):
+            raise InvalidArgumentError(f"bucket key {str(key)[:80]!r} names no bucket")
+        return cls(scope, user_id, period)  # check_id refuses a user id no store accepts
 
 
 def ended_periods(cutoff: float) -> tuple[str, str]:
@@ -343,6 +361,30 @@ class BucketUsage:
     bucket: Bucket
     totals: Totals
     updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableBucket:
+    """A stored bucket that cannot be read back, as listings and exports show it.
+
+    A row edited by hand or damaged (a key that is no bucket key, a negative or non-finite
+    total, text where a number belongs) counts for nothing in a report: it is shown with
+    what its row still tells, instead of failing the report or being read as wrong figures.
+    A model call whose cap watches such a row is refused (the budget fails closed).
+
+    Attributes:
+        key: The row's bucket key, as stored (its ``repr`` when it is not text).
+        scope: The row's ``scope`` column, as far as it reads.
+        user_id: The row's ``user_id`` column, as far as it reads.
+        period: The row's ``period`` column, as far as it reads.
+        unreadable: Why it cannot be read back.
+    """
+
+    key: str
+    scope: str | None
+    user_id: str | None
+    period: str | None
+    unreadable: str
 
 
 @dataclass(frozen=True, slots=True)

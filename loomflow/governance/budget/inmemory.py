@@ -21,6 +21,7 @@ from ._types import (
     Reservation,
     ReservationInfo,
     Totals,
+    UnreadableBucket,
     ended_periods,
     evaluate,
     late_charge,
@@ -162,6 +163,10 @@ class InMemoryBudgetStore:
             if user_id is None or (r.bucket.scope == "user" and r.bucket.user_id == user_id)
         ]
         return sorted(rows, key=lambda u: _order(u.bucket))
+
+    async def listing(self, user_id: str | None = None) -> list[BucketUsage | UnreadableBucket]:
+        """:meth:`usage`, as ``SqlBudgetStore.listing`` gives it (memory holds no damage)."""
+        return list(await self.usage(user_id))
 
     async def forget_user(self, user_id: str | None) -> int:
         gone = [

@@ -15,13 +15,16 @@ commit, the budget's whole share of one model call, costs a median 1.7 ms on Pos
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..._printable import shown
 from ...config import Settings
-from ...errors import BudgetError, StorageError
+from ...errors import BudgetError, InvalidArgumentError, StorageError
 from ...storage import Database, database_from_url
 from ...storage._component import SqlLifecycle
 from ._owner import owner_is_dead, pid_namespace
@@ -36,6 +39,7 @@ from ._types import (
     Reservation,
     ReservationInfo,
     Totals,
+    UnreadableBucket,
     ended_periods,
     evaluate,
     late_charge,
@@ -105,7 +109,7 @@ ORDER BY expires_at LIMIT $1
 """
 # Owner ids start with the pid namespace, so a worker can find holds of dead local processes.
 _LOCAL = "SELECT id, owner FROM loom_budget_reservations WHERE owner LIKE $1 LIMIT $2"
-_USAGE = f"SELECT bucket, {_COLUMNS}, updated_at FROM loom_budget_buckets"
+_USAGE = f"SELECT bucket, {_COLUMNS}, updated_at, scope, user_id, period FROM loom_budget_buckets"
 # Period names sort by time (see ended_periods); a bucket still holding a call is kept.
 _PRUNABLE = """
 WHERE ((period >= 'day:' AND period < $1) OR (period >= 'month:' AND period < $2))
@@ -127,20 +131,94 @@ class _Refused(Exception):
         self.denial = denial
 
 
-def _totals(row: Sequence[Any]) -> Totals:
-    """A bucket row's totals; a row edited by hand (SQLite keeps text in a number column, or
-    a blob) is a typed error naming it, not a ValueError in the middle of a listing."""
+def _damage(row: Sequence[Any]) -> str | None:
+    """Why a bucket row's totals cannot be what loomflow wrote, or ``None``.
+
+    SQLite keeps text or a blob in a number column; either database keeps a negative total
+    or (for ``wall_s``) an infinite one, which no sum of calls makes: read as figures, a
+    negative total would give headroom under a cap, an infinite one prints as bare
+    ``Infinity`` in JSON.
+    """
     numbers = (*row[:3], *row[4:8])
     if not all(type(n) is int for n in numbers) or type(row[3]) not in (int, float):
-        shown = ", ".join(repr(v)[:40] for v in row[:8])
+        return "text or a blob where a number belongs"
+    if any(n < 0 for n in numbers):
+        return "a negative total"
+    if not math.isfinite(row[3]) or row[3] < 0:
+        return "a negative or non-finite model time"
+    return None
+
+
+def _totals(row: Sequence[Any], bucket: object = None) -> Totals:
+    """A bucket row's totals; a row edited by hand or damaged is a typed error naming it,
+    not a ValueError in the middle of a listing, nor figures the budget would trust."""
+    why = _damage(row)
+    if why is not None:
+        figures = ", ".join(repr(v)[:40] for v in row[:8])
+        named = "" if bucket is None else f"bucket {shown(bucket)}, "
         raise StorageError(
-            f"a budget bucket row is damaged (totals {shown}): repair or delete it in "
-            "loom_budget_buckets"
+            f"a budget bucket row is damaged ({named}{why}: totals {figures}): repair or "
+            "delete it in loom_budget_buckets"
         )
-    tokens_in, tokens_out, cost, calls, reserved_in, reserved_out, reserved_cost = numbers
+    tokens_in, tokens_out, cost, calls, reserved_in, reserved_out, reserved_cost = (
+        *row[:3],
+        *row[4:8],
+    )
     return Totals(
         tokens_in, tokens_out, cost, float(row[3]), calls, reserved_in, reserved_out, reserved_cost
     )
+
+
+def _damaged(key: object, why: str) -> StorageError:
+    return StorageError(
+        f"a budget bucket row is damaged (bucket {shown(key)}: {why}): repair or delete it in "
+        "loom_budget_buckets"
+    )
+
+
+def _usage(row: Sequence[Any]) -> BucketUsage:
+    """A row of ``_USAGE`` as a report shows it; a damaged row is a :class:`StorageError`."""
+    key = row[0]
+    if not isinstance(key, str):
+        raise _damaged(key, "the key is not text")
+    try:
+        bucket = Bucket.from_key(key)
+    except InvalidArgumentError as exc:  # the message names the key
+        raise StorageError(
+            f"a budget bucket row is damaged ({exc}): repair or delete it in loom_budget_buckets"
+        ) from None
+    if (bucket.scope, bucket.user_id, bucket.period) != tuple(row[10:13]):
+        # The user_id column is what a user's report selects on: a key naming someone else
+        # must not put their totals in this user's export.
+        raise _damaged(key, "the key does not match the scope, user_id and period columns")
+    totals = _totals(row[1:9], key)
+    updated = row[9]
+    try:
+        if type(updated) not in (int, float):
+            raise TypeError(f"a {type(updated).__name__}")
+        dt.datetime.fromtimestamp(updated, dt.UTC)  # a time a report can print
+    except (TypeError, ValueError, OverflowError, OSError) as exc:
+        raise _damaged(key, f"updated_at holds {shown(updated)} ({exc})") from None
+    return BucketUsage(bucket, totals, float(updated))
+
+
+def _text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else shown(value)
+
+
+def _readable(row: Sequence[Any]) -> BucketUsage | UnreadableBucket:
+    try:
+        return _usage(row)
+    except StorageError as exc:
+        return UnreadableBucket(
+            _text(row[0]) or "", _text(row[10]), _text(row[11]), _text(row[12]), str(exc)
+        )
+
+
+def _order(u: BucketUsage | UnreadableBucket) -> tuple[str, str, str]:
+    if isinstance(u, UnreadableBucket):
+        return (u.scope or "", u.user_id or "", u.period or "")
+    return (u.bucket.scope, u.bucket.user_id or "", u.bucket.period)
 
 
 def _bucket_args(bucket: Bucket) -> tuple[str, str, str | None, str]:
@@ -235,7 +313,7 @@ class SqlBudgetStore:
                         held.tokens_out,
                         held.cost_nanousd,
                     )
-                    after = _totals(rows[0])
+                    after = _totals(rows[0], bucket.key)
                     before[bucket.key] = Totals(
                         after.tokens_in,
                         after.tokens_out,
@@ -246,6 +324,11 @@ class SqlBudgetStore:
                         after.reserved_out - held.tokens_out,
                         after.reserved_cost_nanousd - held.cost_nanousd,
                     )
+                    was = before[bucket.key]
+                    if min(was.reserved_in, was.reserved_out, was.reserved_cost_nanousd) < 0:
+                        # Not reachable by the upsert (it stops a hold at zero): a negative
+                        # hold stored by hand, which would count this call as held already.
+                        raise _damaged(bucket.key, "a negative held total")
                 denial = evaluate(before, limits, held, hard=hard)
                 if denial is not None:
                     raise _Refused(denial)
@@ -294,7 +377,7 @@ class SqlBudgetStore:
             -freed.tokens_out,
             -freed.cost_nanousd,
         )
-        return _totals(rows[0])
+        return _totals(rows[0], bucket.key)
 
     async def record(self, buckets: Sequence[Bucket], actual: Amount) -> CommitResult:
         await self.open()
@@ -364,21 +447,25 @@ class SqlBudgetStore:
         await self.open()
         marks = ", ".join(f"${i}" for i in range(1, len(keys) + 1))
         rows = await self.db.fetch(f"{_USAGE} WHERE bucket IN ({marks})", *keys, what="budget read")
-        return {str(r[0]): _totals(r[1:9]) for r in rows}
+        return {str(r[0]): _totals(r[1:9], r[0]) for r in rows}
 
     async def usage(self, user_id: str | None = None) -> list[BucketUsage]:
+        """Every bucket (or one user's); a damaged row is a :class:`StorageError` naming it
+        (see :meth:`listing` for a report that shows it instead)."""
+        return sorted((_usage(r) for r in await self._usage_rows(user_id)), key=_order)
+
+    async def listing(self, user_id: str | None = None) -> list[BucketUsage | UnreadableBucket]:
+        """:meth:`usage` for people: a row that cannot be read back (edited by hand, a
+        negative or infinite total) is an :class:`UnreadableBucket` saying why, instead of
+        failing the report."""
+        return sorted((_readable(r) for r in await self._usage_rows(user_id)), key=_order)
+
+    async def _usage_rows(self, user_id: str | None) -> Sequence[Sequence[Any]]:
         await self.open()
         if user_id is None:
-            rows = await self.db.fetch(_USAGE, what="budget read")
-        else:
-            rows = await self.db.fetch(
-                f"{_USAGE} WHERE scope = 'user' AND user_id = $1", user_id, what="budget read"
-            )
-        usage = [
-            BucketUsage(Bucket.from_key(str(r[0])), _totals(r[1:9]), float(r[9])) for r in rows
-        ]
-        return sorted(
-            usage, key=lambda u: (u.bucket.scope, u.bucket.user_id or "", u.bucket.period)
+            return await self.db.fetch(_USAGE, what="budget read")
+        return await self.db.fetch(
+            f"{_USAGE} WHERE scope = 'user' AND user_id = $1", user_id, what="budget read"
         )
 
     async def forget_user(self, user_id: str | None) -> int:
