@@ -762,7 +762,7 @@ class SqlJournalStore:
                 "SELECT s.session_id, s.user_id, s.epoch, s.open, s.owner, s.updated_at, "
                 "(SELECT COUNT(*) FROM loom_entries e WHERE e.scope = s.scope), "
                 "s.lease_until, {now}, s.status, s.attempts, s.agent, s.config, s.last_error, "
-                f"s.created_at FROM loom_sessions s {where} "
+                f"s.created_at, s.token FROM loom_sessions s {where} "
                 f"ORDER BY s.updated_at DESC, s.scope LIMIT ${len(args) + 1} "
                 f"OFFSET ${len(args) + 2}",
                 *args,
@@ -922,6 +922,8 @@ def _session_info(r: Sequence[Any]) -> SessionInfo:
     state = run_state(
         open=r[3], owner=r[4], lease_until=r[7], now=float(r[8]), status=r[9], attempts=r[10]
     )
+    if _damage(r[15], r[2], r[3]):  # a token or epoch no claim writes: resume refuses it
+        state = UNREADABLE
     return SessionInfo(
         r[0] if isinstance(r[0], str) else None,
         r[1] if isinstance(r[1], str) else None,

@@ -155,3 +155,34 @@ async def test_a_live_lease_still_makes_a_resume_wait(journal: Any) -> None:
     with pytest.raises(SessionBusyError):
         async with runtime.session("s", "u", resume=True):
             pass
+
+
+# -- loom_sessions.epoch and token, as listed --------------------------------------------------
+
+NUMBER_EDITS = {
+    "sqlite": [
+        "epoch = -3",
+        "epoch = 'x'",
+        "epoch = 1.5",
+        "epoch = 9223372036854775807",
+        "token = 'x'",
+        "token = -5",
+    ],
+    "postgres": ["epoch = -3", "epoch = 9223372036854775807", "token = -5"],
+}
+
+
+@pytest.mark.parametrize(("journal", "value"), per_backend(NUMBER_EDITS), indirect=["journal"])
+async def test_a_listing_shows_a_row_resume_refuses_as_unreadable(journal: Any, value: str) -> None:
+    _, make, edit, _ = journal
+    runtime = await make()
+    await charged_once(runtime, Charge())
+    await edit(f"UPDATE loom_sessions SET {value}")
+    # It listed as "finished", while every resume refused it as damaged.
+    [info] = await runtime.sessions(session_id="s")
+    assert info.state == "unreadable"
+    assert await runtime.sessions(session_id="s", state="finished") == []
+    assert [i.session_id for i in await runtime.sessions(state="unreadable")] == ["s"]
+    with pytest.raises(CorruptEntryError, match="lease row is damaged"):
+        async with runtime.session("s", "u", resume=True):
+            pass
