@@ -287,7 +287,6 @@ class Settings(BaseSettings):
     )
     console_token: SecretStr | None = Field(
         default=None,
-        min_length=16,
         description=(
             "An access token (16 characters or more) of `loomflow console`, with the admin "
             "role; more tokens, with roles, go in a `--tokens-file`. Sent as "
@@ -343,6 +342,14 @@ class Settings(BaseSettings):
             "`[REDACTED:<kind>]`."
         ),
     )
+
+    @field_validator("console_token")
+    @classmethod
+    def _token_long_enough(cls, token: SecretStr | None) -> SecretStr | None:
+        # Said in characters: pydantic's own min_length on a SecretStr speaks of "items".
+        if token is not None and len(token.get_secret_value()) < 16:
+            raise ValueError("a console token must be 16 characters or more")
+        return token
 
     _lists = field_validator("redact_secrets", "redact_env", mode="before")(_text_list)
     _objects = field_validator("redact_patterns", mode="before")(_json_object)

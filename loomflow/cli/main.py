@@ -681,7 +681,8 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             )
         return 0
     if not entries:
-        print(f"session {args.session_id!r} has no journal entries left (pruned)")
+        # Pruned, or its runs stopped before their first step (a model that could not start).
+        print(f"session {args.session_id!r} has no journal entries")
         return 0
     rows: list[tuple[Any, ...]] = [
         ("epoch", "step", "tool", "sub-run", "kind", "bytes", "on resume", "written (UTC)")

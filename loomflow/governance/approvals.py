@@ -541,7 +541,8 @@ def check_decidable(
         if request_id not in ledger.requests:
             raise ApprovalNotFoundError(
                 f"no approval request {request_id!r} in the last run of session {session!r} "
-                f"of {user_label(user)} (see pending_approvals())",
+                f"of {user_label(user)} (pending_approvals() or `loomflow approvals list` shows "
+                "the ones waiting)",
                 request_id,
             )
         if request_id in ledger.decisions:

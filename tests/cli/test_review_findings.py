@@ -382,7 +382,8 @@ def test_approval_errors_call_the_anonymous_user_so(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
         "loomflow: error: no approval request 'apr_x' in the last run of session 's' of the "
-        "anonymous user (see pending_approvals())"
+        "anonymous user (pending_approvals() or `loomflow approvals list` shows the ones "
+        "waiting)"
     ]
     assert loomflow("--url", url, "runs", "cancel", "s", "--anonymous").returncode == 1
     asyncio.run(_anonymous_run(url, keep_open=True))
@@ -576,3 +577,18 @@ def test_ctrl_c_stops_the_demo_and_its_worker_without_a_traceback(
     assert demo.returncode in (130, 0), (demo.returncode, err)  # 0: it had already finished
     assert "Traceback" not in err, err
     assert _workers_of(workdir) == []
+
+
+def test_a_short_console_token_is_said_to_be_short_in_characters(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOOMFLOW_CONSOLE_TOKEN", "short")
+    assert cli_main.main(["settings"]) == 1
+    assert capsys.readouterr().err == (
+        "loomflow: error: bad setting LOOMFLOW_CONSOLE_TOKEN: a console token must be 16 "
+        "characters or more\n"
+    )
+    monkeypatch.setenv("LOOMFLOW_CONSOLE_TOKEN", "x" * 16)
+    assert cli_main.main(["settings"]) == 0
+    assert "x" * 16 not in capsys.readouterr().out  # a secret, never printed
