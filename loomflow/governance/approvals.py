@@ -53,8 +53,8 @@ from .events import ApprovalRequested
 __all__ = [
     "APPROVAL",
     "ApprovalPending",
-    "DamagedRequest",
     "Approve",
+    "DamagedRequest",
     "DecisionLike",
     "Deny",
     "PendingApproval",
