@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["expecting", "unexpected"]
@@ -21,17 +21,25 @@ _expected: contextvars.ContextVar[tuple[str, Callable[[Any], bool], str] | None]
 )
 
 
-@contextlib.contextmanager
-def expecting(step: str, check: Callable[[Any], bool], what: str) -> Iterator[None]:
+class expecting:
     """Within the block, a replayed value of step ``step`` must pass ``check`` (``what``
-    names what it must be, for the error). Steps of other names are not affected."""
-    token = _expected.set((step, check, what))
-    try:
-        yield
-    finally:
+    names what it must be, for the error). Steps of other names are not affected.
+
+    A class rather than a generator-based context manager: it wraps every journaled step of
+    an agent's turn, where the generator's cost showed in a replayed turn."""
+
+    __slots__ = ("expected", "token")
+
+    def __init__(self, step: str, check: Callable[[Any], bool], what: str) -> None:
+        self.expected = (step, check, what)
+
+    def __enter__(self) -> None:
+        self.token = _expected.set(self.expected)
+
+    def __exit__(self, *exc: object) -> None:
         # ValueError: closed in another context (an abandoned generator's finaliser).
         with contextlib.suppress(ValueError):
-            _expected.reset(token)
+            _expected.reset(self.token)
 
 
 def unexpected(step: str, value: Any) -> str | None:
