@@ -150,12 +150,15 @@ WHERE scope = $1 AND (
 """
 )
 # Open runs a sweep looks at (served by the partial index on open runs): an owner whose lease
-# may have run out, or a failed recovery attempt whose retry is due.
+# may have run out, or a failed recovery attempt whose retry is due. A retry_at no backoff
+# writes (text in SQLite, infinity or NaN, a century away: a hand-edited row) counts as due,
+# or the run would never be retried and no sweep would say so; the claim rewrites it.
 _OPEN_RUNS = """
 SELECT session_id, user_id, owner, token, lease_until, {now}, attempts, retry_at, agent,
     config, record
 FROM loom_sessions
-WHERE open = 1 AND status IS NULL AND retry_at <= {now}
+WHERE open = 1 AND status IS NULL
+    AND (retry_at <= {now} OR NOT (retry_at < {now} + 3153600000))
     AND (owner IS NOT NULL OR attempts > 0)
 ORDER BY {prefer}retry_at, updated_at LIMIT $1
 """

@@ -407,3 +407,29 @@ async def test_orphans_of_other_agents_never_crowd_out_this_recoverers_own(
     )
     report = await Recovery(runtime, worker, batch=1, metrics=_metrics()).sweep()
     assert [r.session_id for r in report.resumed] == ["crowd-2"]
+
+
+async def test_a_retry_time_no_backoff_writes_is_due_not_never(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    # A hand-edited retry_at (text, infinity, NaN) never compared as due: the run was never
+    # retried and no sweep said a word about it. Now it is due, and the claim rewrites it.
+    damaged = (
+        ["'soon'", "9e999", "1e300"]
+        if journal_url.startswith("sqlite")
+        else ["'Infinity'", "'NaN'", "1e300"]
+    )
+    await start_and_kill(journal_url, ledger, len(damaged), "late")
+    runtime = _runtime(worker)
+    for i, value in enumerate(damaged):
+        await runtime.database.execute(  # type: ignore[attr-defined]
+            f"UPDATE loom_sessions SET retry_at = {value} WHERE session_id = 'late-{i}'"
+        )
+    recovery = Recovery(runtime, worker, metrics=_metrics(), worker_id="t")
+    report = await recovery.sweep()
+    await recovery.wait()
+    assert sorted(r.session_id or "" for r in report.resumed) == [
+        f"late-{i}" for i in range(len(damaged))
+    ]
+    assert set((await _states(runtime)).values()) == {"finished"}
+    assert tool_counts(ledger, "ship") == {f"late-{i}": 1 for i in range(len(damaged))}
