@@ -383,7 +383,7 @@ def _path(raw: Any) -> tuple[str, ...]:
     return (f"<unreadable path {str(raw)[:60]!r}>",)
 
 
-def _damage(token: object, epoch: object, is_open: object) -> list[str]:
+def _damage(token: object, epoch: object, is_open: object, *, unclaimed: bool = False) -> list[str]:
     """The columns of a lease row that hold what no claim or release writes (none: sound).
 
     SQLite keeps text or a blob in a number column, and a BIGINT or SMALLINT takes numbers no
@@ -391,7 +391,8 @@ def _damage(token: object, epoch: object, is_open: object) -> list[str]:
     finished run ran a fresh epoch and its journaled steps again.
     """
     found = []
-    if type(token) is not int or not 0 < token < _LAST_NUMBER:
+    lowest = 0 if unclaimed else 1  # a row no claim has taken yet (a 0.20 import) holds 0
+    if type(token) is not int or not lowest <= token < _LAST_NUMBER:
         found.append(f"token {shown(token)}")
     if type(epoch) is not int or not 0 <= epoch < _LAST_NUMBER:
         found.append(f"epoch {shown(epoch)}")
@@ -925,7 +926,7 @@ def _session_info(r: Sequence[Any]) -> SessionInfo:
     state = run_state(
         open=r[3], owner=r[4], lease_until=r[7], now=float(r[8]), status=r[9], attempts=r[10]
     )
-    if _damage(r[15], r[2], r[3]):  # a token or epoch no claim writes: resume refuses it
+    if _damage(r[15], r[2], r[3], unclaimed=True):  # a token or epoch resume refuses
         state = UNREADABLE
     return SessionInfo(
         r[0] if isinstance(r[0], str) else None,
