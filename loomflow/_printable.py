@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["printable", "shown"]
+__all__ = ["printable", "shown", "text_of"]
 
 
 def printable(value: Any) -> str:
@@ -31,3 +31,9 @@ def shown(value: object, limit: int = 60) -> str:
     terminal; the cut keeps a huge one from filling the message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def text_of(value: object) -> str | None:
+    """A text column of a row as it is (``None`` too), or :func:`shown` of whatever else a
+    hand-edited row holds there: for listing a damaged row without trusting it."""
+    return value if value is None or isinstance(value, str) else shown(value)

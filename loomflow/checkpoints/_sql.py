@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from .._printable import shown
+from .._printable import shown, text_of
 from ..config import Settings
 from ..errors import CheckpointError
 from ..messages import Usage
@@ -91,16 +91,12 @@ def _readable(row: Sequence[Any]) -> Checkpoint | UnreadableCheckpoint:
         return _row(row)
     except CheckpointError as exc:
         return UnreadableCheckpoint(
-            id=_text(row[0]) or "",
-            session_id=_text(row[1]),
-            user_id=_text(row[2]),
-            run_id=_text(row[3]),
+            id=text_of(row[0]) or "",
+            session_id=text_of(row[1]),
+            user_id=text_of(row[2]),
+            run_id=text_of(row[3]),
             unreadable=str(exc),
         )
-
-
-def _text(value: Any) -> str | None:
-    return value if value is None or isinstance(value, str) else shown(value)
 
 
 def _column(name: str, convert: Callable[[Any], _T], value: Any) -> _T:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .._printable import shown
+from .._printable import shown, text_of
 from ..errors import CorruptEntryError
 from ..runtime import codec
 from ..runtime._store import Scope
@@ -171,10 +171,6 @@ def _block_of(row: Sequence[Any]) -> Block:
     )
 
 
-def _text(value: Any) -> str | None:
-    return value if value is None or isinstance(value, str) else shown(value)
-
-
 # A user's export carries on past a damaged row and shows it as damaged, as the checkpoints'
 # does: one hand-edited row must not cost a data-subject access request the whole document.
 
@@ -184,11 +180,11 @@ def _readable_episode(row: Sequence[Any]) -> Episode | UnreadableEpisode:
         return _episode(row)
     except CorruptEntryError as exc:
         return UnreadableEpisode(
-            id=_text(row[0]) or "",
-            session_id=_text(row[1]),
-            user_id=_text(row[2]),
-            key=_text(row[3]),
-            run_id=_text(row[4]),
+            id=text_of(row[0]) or "",
+            session_id=text_of(row[1]),
+            user_id=text_of(row[2]),
+            key=text_of(row[3]),
+            run_id=text_of(row[4]),
             unreadable=str(exc),
         )
 
@@ -198,10 +194,10 @@ def _readable_fact(row: Sequence[Any]) -> Fact | UnreadableFact:
         return _fact(row)
     except CorruptEntryError as exc:
         return UnreadableFact(
-            id=_text(row[0]) or "",
-            user_id=_text(row[1]),
-            subject=_text(row[2]),
-            predicate=_text(row[3]),
+            id=text_of(row[0]) or "",
+            user_id=text_of(row[1]),
+            subject=text_of(row[2]),
+            predicate=text_of(row[3]),
             unreadable=str(exc),
         )
 
@@ -210,7 +206,9 @@ def _readable_block(row: Sequence[Any]) -> Block | UnreadableBlock:
     try:
         return _block(row)
     except CorruptEntryError as exc:
-        return UnreadableBlock(user_id=_text(row[0]), name=_text(row[1]) or "", unreadable=str(exc))
+        return UnreadableBlock(
+            user_id=text_of(row[0]), name=text_of(row[1]) or "", unreadable=str(exc)
+        )
 
 
 def _fact_lock(user_key: str, subject: str, predicate: str) -> int:

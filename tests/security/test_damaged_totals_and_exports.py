@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_hand_edited_rows import sqlite_exec
 
 from loomflow.agent import Agent, Tuning
 from loomflow.config import Settings
@@ -28,16 +28,6 @@ from loomflow.memory import SqliteMemory
 from loomflow.testing.checkpoint_conformance import Shop
 
 USER = "dana"
-
-
-def sqlite_exec(path: Path, *statements: str) -> None:
-    conn = sqlite3.connect(path)
-    try:
-        with conn:
-            for sql in statements:
-                conn.execute(sql)
-    finally:
-        conn.close()
 
 
 def _refuse(constant: str) -> Any:

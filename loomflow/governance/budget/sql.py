@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..._printable import shown
+from ..._printable import shown, text_of
 from ...config import Settings
 from ...errors import BudgetError, InvalidArgumentError, StorageError
 from ...storage import Database, database_from_url
@@ -202,16 +202,12 @@ def _usage(row: Sequence[Any]) -> BucketUsage:
     return BucketUsage(bucket, totals, float(updated))
 
 
-def _text(value: Any) -> str | None:
-    return value if value is None or isinstance(value, str) else shown(value)
-
-
 def _readable(row: Sequence[Any]) -> BucketUsage | UnreadableBucket:
     try:
         return _usage(row)
     except StorageError as exc:
         return UnreadableBucket(
-            _text(row[0]) or "", _text(row[10]), _text(row[11]), _text(row[12]), str(exc)
+            text_of(row[0]) or "", text_of(row[10]), text_of(row[11]), text_of(row[12]), str(exc)
         )
 
 
