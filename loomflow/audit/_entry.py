@@ -101,8 +101,19 @@ _LINE_BREAKS: Final = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 def json_line(value: Any) -> str:
     """``value`` as one line of an export: sorted compact JSON, with U+0085, U+2028 and U+2029
-    escaped (valid raw in JSON, but ``str.splitlines`` and other line readers break at them)."""
-    return canonical_json(value).translate(_LINE_BREAKS)
+    escaped (valid raw in JSON, but ``str.splitlines`` and other line readers break at them).
+
+    A lone surrogate (text read back from a row whose bytes are not UTF-8) is written as its
+    JSON escape: UTF-8 cannot spell it, and the line must still say what the row holds, for
+    a verifier to report the entry as changed."""
+    line = canonical_json(value).translate(_LINE_BREAKS)
+    if line.isascii():
+        return line
+    try:
+        line.encode()
+    except UnicodeEncodeError:
+        return line.encode("utf-8", "backslashreplace").decode()
+    return line
 
 
 def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:

@@ -11,6 +11,7 @@ from typing import Any
 from ..config import Settings, _masked_url
 from ..errors import ConfigurationError, JournalError, MigrationError, UserError
 from ..runtime import JournalRuntime, SessionInfo
+from ..storage._sqlite import read_text
 from ..storage._url import sqlite_path
 
 __all__ = ["existing", "refuse_unready", "session_of"]
@@ -132,6 +133,7 @@ def _sqlite_versions(path: str) -> dict[str, Any] | str | None:
         return None  # not there: the command's own check says so
     try:
         conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        conn.text_factory = read_text
     except sqlite3.Error:
         return None
     try:
@@ -227,6 +229,7 @@ _LOOM_TABLES = "loom\\_%"
 def _sqlite_loom_tables(path: str) -> list[str]:
     try:
         conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        conn.text_factory = read_text
     except sqlite3.Error:
         return []
     try:

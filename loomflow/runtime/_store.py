@@ -147,6 +147,14 @@ class LastRun:
     entries: list[StoredEntry]
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(slots=True)
 class StoredEntry:
     """One journal row as the stores read and write it."""
@@ -187,6 +195,9 @@ class StoredEntry:
         ):
             if type(value) is not str:
                 return f"a {type(value).__name__} for its {column}"
+            if not value.isascii() and not _is_unicode(value):
+                # Bytes that are not UTF-8, read back as lone surrogates (storage/_sqlite.py).
+                return f"text that is not UTF-8 for its {column}"
         return None
 
 

@@ -68,6 +68,17 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
+def read_text(data: bytes) -> str:
+    """A text column as read: UTF-8, with bytes that are not UTF-8 kept as lone surrogates.
+
+    SQLite stores whatever bytes it is handed as text, so a row written by another tool or
+    damaged on disk may hold text that is not UTF-8. Decoded strictly, such a row fails every
+    query that reads it, and the failure looks like the database being down; read this way,
+    it reaches the store's own checks, which report that one row as damaged.
+    """
+    return data.decode("utf-8", "surrogateescape")
+
+
 class _Tx(Transaction):
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self._conn = conn
@@ -170,6 +181,7 @@ class SqliteDatabase(Database):
                     await asyncio.to_thread(worker.join, 5)
                 raise
             try:
+                conn.text_factory = read_text
                 await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
                 await self._enable_wal(conn)
                 await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
