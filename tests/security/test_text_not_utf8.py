@@ -1,0 +1,177 @@
+"""SQLite text columns holding bytes that are not UTF-8 read as damaged rows, not as an outage.
+
+SQLite stores whatever bytes a writer hands it as TEXT (``CAST(x'ff' AS TEXT)``, another
+program's encoding, a damaged page). Decoded strictly, such a row made every query that read
+it fail with "Could not decode to UTF-8", which loomflow reported as StoreUnavailableError: a
+whole session, a whole audit trail looked like a database that was down, and a worker would
+retry it forever. Read with each stray byte kept as a lone surrogate, the row reaches the
+checks that name it: a journal key no step matches, an audit entry that was changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_hand_edited_rows import sqlite_exec
+
+from loomflow.audit import AuditLog, SqliteAuditStore
+from loomflow.audit.offline import verify_lines
+from loomflow.errors import CorruptEntryError
+from loomflow.runtime import SqliteRuntime
+
+NOT_UTF8 = "CAST(x'ff41' AS TEXT)"  # 0xff starts no UTF-8 sequence
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self) -> dict[str, int]:
+        self.calls += 1
+        return {"fresh": self.calls}
+
+
+async def _open_run(path: Path, body: Counter) -> None:
+    runtime = SqliteRuntime(path)
+    try:
+        with pytest.raises(RuntimeError, match="crash"):
+            async with runtime.session("s", "u"):
+                await runtime.step("charge", body)
+                raise RuntimeError("crash")
+    finally:
+        await runtime.close()
+
+
+async def _resume(path: Path, body: Counter, *, strict: bool = False) -> tuple[Any, int]:
+    runtime = SqliteRuntime(path, strict_replay=strict)
+    try:
+        async with runtime.session("s", "u", resume=True) as run:
+            value = await runtime.step("charge", body)
+            return value, run.stats.corrupt
+    finally:
+        await runtime.close()
+
+
+@pytest.mark.parametrize("column", ["name", "path", "fingerprint"])
+async def test_a_journal_key_that_is_not_utf8_is_a_corrupt_entry(
+    tmp_path: Path, column: str
+) -> None:
+    path = tmp_path / "journal.db"
+    body = Counter()
+    await _open_run(path, body)
+    sqlite_exec(path, f"UPDATE loom_entries SET {column} = {NOT_UTF8}")
+    with pytest.raises(CorruptEntryError, match=f"text that is not UTF-8 for its {column}"):
+        await _resume(path, body, strict=True)
+    assert body.calls == 1  # strict: nothing ran
+    assert await _resume(path, body) == ({"fresh": 2}, 1)  # counted, and run again once
+    assert body.calls == 2
+
+
+async def test_a_damaged_row_leaves_the_other_sessions_readable(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    try:
+        for session in ("s", "t"):
+            async with runtime.session(session, "u"):
+                await runtime.step("charge", Counter())
+    finally:
+        await runtime.close()
+    sqlite_exec(path, f"UPDATE loom_entries SET name = {NOT_UTF8} WHERE scope LIKE '%\"s\"%'")
+    runtime = SqliteRuntime(path)
+    try:
+        entries = await runtime.entries("t", "u")
+        assert [e.name for e in entries] == ["charge"]
+        damaged = await runtime.entries("s", "u")
+        assert [e.name for e in damaged] == ["\udcffA"]  # the stray byte, kept
+    finally:
+        await runtime.close()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        f"UPDATE loom_entries SET name = {NOT_UTF8}",
+        f"UPDATE loom_entries SET kind = {NOT_UTF8}",
+        f"UPDATE loom_sessions SET status = {NOT_UTF8}",
+        f"UPDATE loom_sessions SET owner = {NOT_UTF8}",
+        f"UPDATE loom_sessions SET session_id = {NOT_UTF8}",
+    ],
+)
+async def test_cli_listings_show_a_row_that_is_not_utf8(tmp_path: Path, edit: str) -> None:
+    path = tmp_path / "journal.db"
+    await _open_run(path, Counter())
+    await asyncio.to_thread(sqlite_exec, path, edit)
+    for command in (["runs", "list"], ["runs", "list", "--json"], ["runs", "show", "s"]):
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}", *command],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
+        if command[-1] == "s" and "session_id" in edit:
+            # The session's own row no longer names it: not found, said as such.
+            assert done.returncode == 1, done.stderr
+            assert "no session 's'" in done.stderr
+            continue
+        assert done.returncode == 0, (command, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert "unavailable" not in done.stderr
+        if command[-1] == "--json":
+            for line in done.stdout.splitlines():
+                json.loads(line)  # each line still JSON (lone surrogates as escapes)
+
+
+@pytest.mark.parametrize("column", ["actor", "action", "session_id", "payload"])
+async def test_an_audit_entry_that_is_not_utf8_is_reported_not_unavailable(
+    tmp_path: Path, column: str
+) -> None:
+    path = tmp_path / "audit.db"
+    log = AuditLog(SqliteAuditStore(path))
+    try:
+        for i in range(3):
+            await log.record(
+                "custom.note", user_id="alice", actor="test", session_id="s", payload={"i": i}
+            )
+        await asyncio.to_thread(
+            sqlite_exec,
+            path,
+            "DROP TRIGGER loom_audit_no_update",
+            f"UPDATE loom_audit SET {column} = {NOT_UTF8} WHERE seq = 2",
+        )
+        report = await log.verify()
+        assert not report.ok
+        assert {p.seq for p in report.problems} == {2}
+        assert {p.kind for p in report.problems} <= {"edited", "unreadable"}
+        page = await log.query(user_id="alice")
+        assert [e.seq for e in page.entries] == [1, 2, 3]  # the trail stays readable
+    finally:
+        await log.close()
+
+    # The export holds the entry as stored (the stray byte as a JSON escape), in a file that
+    # is UTF-8, and the offline check finds the same change.
+    out = tmp_path / "alice.jsonl"
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "loomflow.cli", "audit", "export", "--user", "alice",
+         "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"LOOMFLOW_AUDIT_URL": f"sqlite:///{path}", "PATH": ""},
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = out.read_bytes().decode("utf-8").splitlines()
+    assert len(lines) == 4  # the header and three entries
+    assert "\\udcff" in lines[2]
+    offline = verify_lines(lines, user_id="alice")
+    assert not offline.ok
+    assert {p.seq for p in offline.problems if p.kind in ("edited", "unreadable")} == {2}
