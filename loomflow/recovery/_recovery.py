@@ -220,6 +220,13 @@ class Recovery:
 
     async def _consider(self, orphan: Orphan, report: SweepReport) -> None:
         ref = RunRef(orphan.session_id, orphan.user_id, orphan.agent)
+        if orphan.damage is not None:
+            # Not claimable, and not ours to dead-letter: any write would have to find the
+            # row by a key its columns no longer give.
+            self._leave(
+                report, ref, f"its session row is damaged: {orphan.damage}; repair or delete it"
+            )
+            return
         agent = self.agents.get(orphan.agent) if orphan.agent is not None else None
         if agent is None:
             why = (

@@ -212,6 +212,8 @@ class Orphan:
     attempts: int
     owner_dead: bool
     waited: float
+    # Why the row cannot be claimed as the run it names (its ids were edited), or None.
+    damage: str | None = None
 
 
 def _encode_record(record: RunRecord | None) -> tuple[str, str, bytes] | None:
@@ -1147,6 +1149,7 @@ class JournalRuntime:
                     attempts=row.attempts,
                     owner_dead=dead,
                     waited=max(0.0, row.now - since) if since > 0 else 0.0,
+                    damage=row.damage,
                 )
             )
         return found

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._printable import shown
 from .._progress import OnProgress, Progress
-from ..errors import CorruptEntryError
+from ..errors import CorruptEntryError, UserError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
 from ._legacy import report_on_open
@@ -155,7 +155,7 @@ WHERE scope = $1 AND (
 # or the run would never be retried and no sweep would say so; the claim rewrites it.
 _OPEN_RUNS = """
 SELECT session_id, user_id, owner, token, lease_until, {now}, attempts, retry_at, agent,
-    config, record
+    config, record, scope
 FROM loom_sessions
 WHERE open = 1 AND status IS NULL
     AND (retry_at <= {now} OR NOT (retry_at < {now} + 3153600000))
@@ -365,6 +365,21 @@ def _stored(
 
 # Listings describe rows for people (`runs list`, `runs show`, `users export`): a row edited
 # by hand shows what it holds, or -1 / NaN, instead of failing the whole listing.
+def _ids_damage(scope: object, session_id: object, user_id: object) -> str | None:
+    """Why an open run's row names a run its key is not (a session or user column edited by
+    hand), or ``None``. A claim finds the run by the key made from the ids, so it would miss
+    such a row at every sweep, as if another worker kept taking it first."""
+    if not isinstance(session_id, str) or not (user_id is None or isinstance(user_id, str)):
+        return "its session id or user id is not text"
+    try:
+        key = Scope(session_id, user_id).key
+    except (UserError, ValueError) as exc:
+        return f"its ids are not valid ids ({exc})"[:300]
+    if key != scope:
+        return "its session id and user id are not those its key was made from"
+    return None
+
+
 def _int(value: Any) -> int:
     return value if type(value) is int else -1
 
@@ -536,11 +551,12 @@ class SqlJournalStore:
         found = []
         for r in rows:
             session_id, user_id, owner, token, lease_until, now, attempts, retry_at = r[:8]
-            agent, config, record = r[8:11]
+            agent, config, record, scope = r[8:12]
+            damage = _ids_damage(scope, session_id, user_id)
             found.append(
                 RunRow(
-                    session_id,
-                    user_id,
+                    session_id if isinstance(session_id, str) else None,
+                    user_id if isinstance(user_id, str) else None,
                     owner if isinstance(owner, str) else None,
                     _int(token),
                     _float(lease_until),
@@ -550,6 +566,7 @@ class SqlJournalStore:
                     agent if isinstance(agent, str) else None,
                     config if isinstance(config, str) else None,
                     bytes(record) if isinstance(record, bytes | bytearray | memoryview) else None,
+                    damage,
                 )
             )
         return found

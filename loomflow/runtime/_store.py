@@ -290,6 +290,9 @@ class RunRow:
     agent: str | None
     config: str | None
     record: bytes | None
+    # Why no claim can take the run by the ids the row shows (a hand-edited session or user
+    # column), or None.
+    damage: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -433,3 +433,27 @@ async def test_a_retry_time_no_backoff_writes_is_due_not_never(
     ]
     assert set((await _states(runtime)).values()) == {"finished"}
     assert tool_counts(ledger, "ship") == {f"late-{i}": 1 for i in range(len(damaged))}
+
+
+async def test_a_session_row_whose_ids_no_longer_match_its_key_is_left_alone(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    # The claim finds a run by its key; a row whose session or user column was edited since
+    # names a run the key does not. Every sweep counted it "lost to another worker" before,
+    # for ever, though no worker had it.
+    await start_and_kill(journal_url, ledger, 3, "moved")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute("UPDATE loom_sessions SET session_id = NULL WHERE session_id = 'moved-0'")
+    await db.execute("UPDATE loom_sessions SET user_id = 'mallory' WHERE session_id = 'moved-1'")
+    metrics = _metrics()
+    for _ in range(2):
+        recovery = Recovery(runtime, worker, metrics=metrics)
+        report = await recovery.sweep()
+        await recovery.wait()
+        assert report.claim_lost == []
+        reasons = {r.session_id: r.reason for r in report.unregistered}
+        assert set(reasons) == {None, "moved-1"}
+        assert all("session row is damaged" in why for why in reasons.values()), reasons
+    assert (await _states(runtime))["moved-2"] == "finished"
+    assert tool_counts(ledger, "ship").get("moved-1", 0) == 0  # never resumed as mallory's
