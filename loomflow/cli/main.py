@@ -676,6 +676,7 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                         "size": e.size,
                         "seq": e.seq,
                         "created_at": iso_time(e.created_at),
+                        "damage": e.damage,
                     }
                 )
             )
@@ -690,6 +691,8 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     for e in entries:
         last = e.epoch == (info.epoch if info.open else info.epoch - 1)
         status = "replays" if last else "kept (earlier run)"
+        if e.damage is not None:
+            status = "damaged: runs again" if last else "damaged"
         tool = tools.get((e.epoch, path_key(e.path), e.name), "-")
         where = "/".join(e.path) or "-"
         rows.append((e.epoch, e.name, tool, where, e.kind, e.size, status, _when(e.created_at)))

@@ -32,6 +32,7 @@ from ._store import (
     Scope,
     SessionInfo,
     StoredEntry,
+    key_damage,
     scope_session,
 )
 from .migrations import COMPONENT, MIGRATIONS
@@ -291,7 +292,7 @@ WHERE user_key = $1 AND idem_key = $2 AND format = $11 AND codec_version = $12
 RETURNING 1
 """
 _LIST = """
-SELECT e.epoch, e.path, e.name, e.kind, e.size, e.seq, e.created_at
+SELECT e.epoch, e.path, e.name, e.kind, e.size, e.seq, e.created_at, e.fingerprint
 FROM loom_entries e WHERE e.scope = $1 ORDER BY e.epoch, e.seq
 """
 _LIST_IDEM = """
@@ -388,14 +389,30 @@ def _float(value: Any) -> float:
     return float(value) if type(value) in (int, float) else float("nan")
 
 
-def _path(raw: Any) -> tuple[str, ...]:
+def _listed_damage(row: Sequence[Any]) -> str | None:
+    """Why a row of ``_LIST`` (epoch, path, name, ..., fingerprint) is one no step matches."""
+    epoch, raw_path, name, fingerprint = row[0], row[1], row[2], row[7]
+    if type(epoch) is not int:
+        return f"a {type(epoch).__name__} ({shown(epoch)}) for its epoch"
+    damage = key_damage(raw_path, name, fingerprint)
+    if damage is None and _parsed_path(raw_path) is None:
+        damage = "a sub-run path that is not a list of names"
+    return damage
+
+
+def _parsed_path(raw: Any) -> tuple[str, ...] | None:
     try:
         path = json.loads(raw)
     except (TypeError, ValueError, RecursionError):
-        return (f"<unreadable path {str(raw)[:60]!r}>",)
+        return None
     if isinstance(path, list) and all(isinstance(p, str) for p in path):
         return tuple(path)
-    return (f"<unreadable path {str(raw)[:60]!r}>",)
+    return None
+
+
+def _path(raw: Any) -> tuple[str, ...]:
+    path = _parsed_path(raw)
+    return (f"<unreadable path {str(raw)[:60]!r}>",) if path is None else path
 
 
 def _damage(token: object, epoch: object, is_open: object, *, unclaimed: bool = False) -> list[str]:
@@ -737,6 +754,7 @@ class SqlJournalStore:
                 _int(r[4]),
                 _int(r[5]),
                 _float(r[6]),
+                _listed_damage(r),
             )
             for r in rows
         ]

@@ -188,22 +188,27 @@ class StoredEntry:
         a blob path or name is never looked up, so its step would run again)."""
         if self.damage is not None:
             return self.damage
-        for column, value in (
-            ("path", self.path),
-            ("name", self.name),
-            ("fingerprint", self.fingerprint),
-        ):
-            if type(value) is not str:
-                return f"a {type(value).__name__} for its {column}"
-            if not value.isascii() and not _is_unicode(value):
-                # Bytes that are not UTF-8, read back as lone surrogates (storage/_sqlite.py).
-                return f"text that is not UTF-8 for its {column}"
-        return None
+        return key_damage(self.path, self.name, self.fingerprint)
+
+
+def key_damage(path: object, name: object, fingerprint: object) -> str | None:
+    """Which key column of a journal row no step can look up, and why, or ``None``."""
+    for column, value in (("path", path), ("name", name), ("fingerprint", fingerprint)):
+        if type(value) is not str:
+            return f"a {type(value).__name__} for its {column}"
+        if not value.isascii() and not _is_unicode(value):
+            # Bytes that are not UTF-8, read back as lone surrogates (storage/_sqlite.py).
+            return f"text that is not UTF-8 for its {column}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class EntryInfo:
-    """A journal row described for people and tools (no value)."""
+    """A journal row described for people and tools (no value).
+
+    ``damage`` says why no step can match the row (a key column edited by hand: its step runs
+    again on resume), or is ``None`` for a sound row.
+    """
 
     session_id: str | None
     user_id: str | None
@@ -214,6 +219,7 @@ class EntryInfo:
     size: int
     seq: int
     created_at: float
+    damage: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,3 +175,53 @@ async def test_an_audit_entry_that_is_not_utf8_is_reported_not_unavailable(
     offline = verify_lines(lines, user_id="alice")
     assert not offline.ok
     assert {p.seq for p in offline.problems if p.kind in ("edited", "unreadable")} == {2}
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (f"UPDATE loom_entries SET name = {NOT_UTF8}", "text that is not UTF-8 for its name"),
+        ("UPDATE loom_entries SET path = CAST(path AS BLOB)", "a bytes for its path"),
+        ("UPDATE loom_entries SET path = 'not json'", "a sub-run path that is not a list"),
+        ("UPDATE loom_entries SET epoch = 'zero'", "a str ('zero') for its epoch"),
+    ],
+)
+async def test_runs_show_marks_a_row_no_step_can_match(tmp_path: Path, edit: str, why: str) -> None:
+    path = tmp_path / "journal.db"
+    await _open_run(path, Counter())
+    await asyncio.to_thread(sqlite_exec, path, edit)
+    runtime = SqliteRuntime(path)
+    try:
+        [entry] = await runtime.entries("s", "u")
+        assert entry.damage is not None
+        assert entry.damage.startswith(why)
+    finally:
+        await runtime.close()
+    outputs = []
+    for json_flag in ([], ["--json"]):
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}",
+             "runs", "show", "s", *json_flag],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout)
+    assert "damaged" in outputs[0]
+    assert " replays " not in outputs[0]
+    [line] = outputs[1].splitlines()
+    assert json.loads(line)["damage"].startswith(why)
+
+
+async def test_runs_show_keeps_a_sound_row_replaying(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    await _open_run(path, Counter())
+    runtime = SqliteRuntime(path)
+    try:
+        [entry] = await runtime.entries("s", "u")
+        assert entry.damage is None
+    finally:
+        await runtime.close()
