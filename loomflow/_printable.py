@@ -12,9 +12,11 @@ characters such as the bidirectional ones, separators other than the space) as a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["printable", "shown", "text_of"]
+__all__ = ["escaped_surrogates", "is_unicode", "printable", "shown", "text_of", "unicode_column"]
+
+_T = TypeVar("_T")
 
 
 def printable(value: Any) -> str:
@@ -37,3 +39,32 @@ def text_of(value: object) -> str | None:
     """A text column of a row as it is (``None`` too), or :func:`shown` of whatever else a
     hand-edited row holds there: for listing a damaged row without trusting it."""
     return value if value is None or isinstance(value, str) else shown(value)
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form: False for text read back from a SQLite row whose
+    bytes are not UTF-8, which arrives holding lone surrogates (``storage/_sqlite.read_text``)."""
+    if text.isascii():  # nearly always: no copy
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def escaped_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate written as its ``\\udcxx`` escape: a JSON document or
+    line naming a damaged row says what the row holds (inside a JSON string the escape reads
+    back as that very surrogate), where UTF-8 output would fail on it."""
+    return text if is_unicode(text) else text.encode("utf-8", "backslashreplace").decode()
+
+
+def unicode_column(column: str, value: _T) -> _T:
+    """``value`` as it is, unless it is text that is not UTF-8: then a ValueError naming the
+    column, for the store reading the row to report it as damaged instead of handing the
+    text on (an output, a prompt, an id) to be shown, sent to a model or written back, where
+    UTF-8 cannot spell it."""
+    if isinstance(value, str) and not is_unicode(value):
+        raise ValueError(f"{column} holds text that is not UTF-8 ({shown(value)})")
+    return value

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._ids import check_id, user_label
+from ._printable import is_unicode
 from ._progress import OnProgress
 from .config import Settings
 from .errors import AuditIntegrityError, ProtectedChainError, UnknownUserError, UserError
@@ -389,6 +390,10 @@ class Stores:
         entries = []
         for info in sessions:
             assert runtime is not None
+            if info.session_id is not None and not is_unicode(info.session_id):
+                # A session row whose id is not UTF-8 (storage/_sqlite.read_text) is listed
+                # as unreadable; its entries cannot be looked up by that id.
+                continue
             for entry in await runtime.entries(info.session_id, user_id):
                 entries.append({**dataclasses.asdict(entry), "created_at": _iso(entry.created_at)})
         # Results kept under the user's idempotency keys (they outlive their runs, and

@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .._ids import check_id, check_key
 from .._json import canonical_json, json_safe
+from .._printable import escaped_surrogates
 from .._timefmt import holdable_seconds
 from ..errors import AuditError, InvalidArgumentError, UserError
 
@@ -106,14 +107,7 @@ def json_line(value: Any) -> str:
     A lone surrogate (text read back from a row whose bytes are not UTF-8) is written as its
     JSON escape: UTF-8 cannot spell it, and the line must still say what the row holds, for
     a verifier to report the entry as changed."""
-    line = canonical_json(value).translate(_LINE_BREAKS)
-    if line.isascii():
-        return line
-    try:
-        line.encode()
-    except UnicodeEncodeError:
-        return line.encode("utf-8", "backslashreplace").decode()
-    return line
+    return escaped_surrogates(canonical_json(value).translate(_LINE_BREAKS))
 
 
 def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from .._printable import shown, text_of
+from .._printable import shown, text_of, unicode_column
 from ..config import Settings
 from ..errors import CheckpointError
 from ..messages import Usage
@@ -144,15 +144,17 @@ def _checkpoint(row: Sequence[Any]) -> Checkpoint:
     (cid, session, user, run, epoch, turn, final, prompt, output, index) = row[:10]
     tokens_in, tokens_out, cost, parent, version, raw, created = row[10:]
     return Checkpoint(
-        id=cid,
-        session_id=session,
-        user_id=user,
-        run_id=run,
+        id=unicode_column("checkpoint_id", cid),
+        session_id=unicode_column("session_id", session),
+        user_id=unicode_column("user_id", user),
+        run_id=unicode_column("run_id", run),
         epoch=_column("epoch", _integer, epoch),
         turn=_column("turn", _integer, turn),
         final=_column("final", _flag, final),
-        prompt=prompt,
-        output=output,
+        # Text that is not UTF-8 (see storage/_sqlite.read_text) is damage like any other:
+        # restored, it would reach a model call, and a fork would write it back, which fails.
+        prompt=unicode_column("prompt", prompt),
+        output=unicode_column("output", output),
         messages=decode_messages(
             _column("messages", _blob, raw), _column("codec_version", _integer, version), cid
         ),
@@ -162,7 +164,7 @@ def _checkpoint(row: Sequence[Any]) -> Checkpoint:
             output_tokens=_column("tokens_out", _integer, tokens_out),
         ),
         cost_usd=_column("cost_usd", _number, cost),
-        parent_id=parent,
+        parent_id=unicode_column("parent_id", parent),
         created_at=_column("created_at", lambda v: timestamp(_number(v)), created),
     )
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from .._ids import user_label as who
-from .._printable import printable
+from .._printable import escaped_surrogates, printable
 from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
 
@@ -16,6 +17,7 @@ __all__ = [
     "duration",
     "fixed_port",
     "iso_time",
+    "json_text",
     "login",
     "port",
     "positive_int",
@@ -92,6 +94,14 @@ def _port(text: str, lowest: int) -> int:
     if not lowest <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port ({lowest} to 65535)")
     return value
+
+
+def json_text(value: Any, *, indent: int | None = None) -> str:
+    """``value`` as JSON for stdout or an ``-o`` file, non-ASCII text as it is. Text read back
+    from a damaged SQLite row (bytes that are not UTF-8) holds lone surrogates, which UTF-8
+    output cannot spell: each is written as its ``\\udcxx`` escape, so the document still
+    says what the row holds instead of the command failing on it."""
+    return escaped_surrogates(json.dumps(value, ensure_ascii=False, indent=indent))
 
 
 def table(rows: Sequence[Sequence[Any]]) -> None:

@@ -22,6 +22,7 @@ import json
 import sys
 from typing import Any
 
+from .._printable import is_unicode
 from .._timefmt import parse_time
 from ..agent._approvals import audit_decision
 from ..audit import AuditLog
@@ -185,6 +186,12 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     damaged: list[DamagedRequest] = []
     for session in await runtime.sessions(**filters):
         if session.session_id is None:
+            continue
+        if not all(is_unicode(v) for v in (session.session_id, session.user_id or "")):
+            # A session row holding text that is not UTF-8 (see storage/_sqlite.read_text):
+            # no request of it can be looked up by those ids, so say so instead of failing.
+            why = "its session row holds a session or user id that is not UTF-8 text"
+            damaged.append(DamagedRequest("-", None, session.session_id, session.user_id, why))
             continue
         ledger = await read_approvals(runtime, session.session_id, session.user_id)
         pending.extend(ledger.pending)

@@ -26,7 +26,7 @@ from ..audit._store import MAX_PAGE
 from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
-from ._format import duration, positive_int, table, when
+from ._format import duration, json_text, positive_int, table, when
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
 
@@ -190,12 +190,8 @@ async def _query(store: AuditStore, args: argparse.Namespace) -> int:
     page = await store.query(**_filter_args(args), limit=args.limit, cursor=args.cursor)
     if args.json:
         print(
-            json.dumps(
-                {
-                    "entries": [e.to_json() for e in page.entries],
-                    "next_cursor": page.next_cursor,
-                },
-                ensure_ascii=False,
+            json_text(
+                {"entries": [e.to_json() for e in page.entries], "next_cursor": page.next_cursor}
             )
         )
         return 0
@@ -279,7 +275,7 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
         # Not a failure (a new deployment has no trail yet), but worth a look from a cron job.
         print("loomflow: warning: no audit entries to verify", file=sys.stderr)
     if args.json:
-        print(json.dumps(report.to_json(), ensure_ascii=False))
+        print(json_text(report.to_json()))
         return 0 if report.ok else 1
     verdict = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
     unauthorised = sum(1 for p in report.problems if p.kind == "erased")
@@ -316,7 +312,7 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
 async def _retain(store: AuditStore, args: argparse.Namespace) -> int:
     report = await store.retain(args.older_than, actor="cli:audit-retain", dry_run=args.dry_run)
     if args.json:
-        print(json.dumps(report.to_json() | {"dry_run": args.dry_run}, ensure_ascii=False))
+        print(json_text(report.to_json() | {"dry_run": args.dry_run}))
         return 0
     total = sum(report.erased.values())
     verb = "would erase" if args.dry_run else "erased"

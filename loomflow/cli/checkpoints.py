@@ -17,7 +17,7 @@ from ..checkpoints import Checkpoint, CheckpointStore, UnreadableCheckpoint
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
 from ..stores import Stores
-from ._format import iso_time, positive_int, printable, table, who
+from ._format import iso_time, json_text, positive_int, printable, table, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -150,13 +150,13 @@ async def _show(store: CheckpointStore, args: argparse.Namespace) -> int:
             f"no checkpoint {args.checkpoint_id!r} in session {args.session_id!r} of "
             f"{who(args.user_id)}"
         )
-    print(json.dumps(found.model_dump(mode="json"), indent=2, ensure_ascii=False))
+    print(json_text(found.model_dump(mode="json"), indent=2))
     return 0
 
 
 async def _export(store: CheckpointStore, args: argparse.Namespace) -> int:
     exported = await store.export_user(args.user_id)
-    document = json.dumps(exported, ensure_ascii=False)
+    document = json_text(exported)
     if args.output == "-":
         print(document)
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import table, who
+from ._format import json_text, table, who
 from ._stores import existing
 
 __all__ = ["register"]
@@ -97,7 +96,7 @@ async def _handle(args: argparse.Namespace) -> int:
         if command == "forget":
             report = await stores.forget_user(user, actor="cli:users-forget")
             if args.json:
-                print(json.dumps(report.to_json(), ensure_ascii=False))
+                print(json_text(report.to_json()))
             else:
                 gone = ", ".join(f"{k}: {v}" for k, v in report.deleted().items())
                 print(
@@ -119,7 +118,7 @@ async def _handle(args: argparse.Namespace) -> int:
             found = await audit.legal_holds()
             if args.json:  # JSON Lines, as every listing
                 for h in found:
-                    print(json.dumps(h.to_json(), ensure_ascii=False))
+                    print(json_text(h.to_json()))
             elif not found:
                 print("no user is under legal hold")
             else:
@@ -141,7 +140,7 @@ async def _export(args: argparse.Namespace) -> int:
         existing(settings.audit_url, "audit log")
     async with Stores(settings.model_copy(update={"runtime_url": url})) as stores:
         document = await stores.export_user(user)
-    text = json.dumps(document, ensure_ascii=False, indent=2)
+    text = json_text(document, indent=2)
     if args.output is None or str(args.output) == "-":  # "-" is stdout, as for the others
         print(text)
     else:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .._printable import shown, text_of
+from .._printable import shown, text_of, unicode_column
 from ..errors import CorruptEntryError
 from ..runtime import codec
 from ..runtime._store import Scope
@@ -60,8 +60,11 @@ _CURRENT_FACT = f"""
 SELECT {_FACT_COLUMNS} FROM loom_memory_facts
 WHERE user_key = $1 AND subject = $2 AND predicate = $3 AND valid_to IS NULL
 """
+# The current fact is closed by what selected it, not by the fact_id read back: a damaged
+# row's id (text that is not UTF-8) cannot be bound, and the unique index makes it one row.
 _CLOSE_FACT = """
-UPDATE loom_memory_facts SET valid_to = $2, superseded_by = $3 WHERE fact_id = $1
+UPDATE loom_memory_facts SET valid_to = $4, superseded_by = $5
+WHERE user_key = $1 AND subject = $2 AND predicate = $3 AND valid_to IS NULL
 """
 _INSERT_FACT = """
 INSERT INTO loom_memory_facts
@@ -113,14 +116,14 @@ def _episode_of(row: Sequence[Any]) -> Episode:
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogateescape")  # SQLite text where the bytes belong
     return Episode(
-        id=eid,
-        session_id=session,
-        user_id=user,
-        key=key,
-        run_id=run,
+        id=unicode_column("episode_id", eid),
+        session_id=unicode_column("session_id", session),
+        user_id=unicode_column("user_id", user),
+        key=unicode_column("episode_key", key),
+        run_id=unicode_column("run_id", run),
         epoch=None if epoch is None else int(epoch),
         messages=decode_messages(bytes(raw), int(version), eid),
-        output=output,
+        output=unicode_column("output", output),
         created_at=timestamp(created),
     )
 
@@ -137,16 +140,18 @@ def _fact(row: Sequence[Any]) -> Fact:
 
 def _fact_of(row: Sequence[Any]) -> Fact:
     fid, user, subject, predicate, obj, start, end, superseded_by, source = row
+    # Text that is not UTF-8 (bytes SQLite was handed by another tool, see
+    # storage/_sqlite.read_text) is damage: recalled, it would reach a model call as a fact.
     return Fact(
-        id=fid,
-        user_id=user,
-        subject=subject,
-        predicate=predicate,
-        object=obj,
+        id=unicode_column("fact_id", fid),
+        user_id=unicode_column("user_id", user),
+        subject=unicode_column("subject", subject),
+        predicate=unicode_column("predicate", predicate),
+        object=unicode_column("object", obj),
         valid_from=timestamp(start),
         valid_to=None if end is None else timestamp(end),
-        superseded_by=superseded_by,
-        source=source,
+        superseded_by=unicode_column("superseded_by", superseded_by),
+        source=unicode_column("source", source),
     )
 
 
@@ -163,9 +168,9 @@ def _block(row: Sequence[Any]) -> Block:
 def _block_of(row: Sequence[Any]) -> Block:
     user, name, content, created, updated = row
     return Block(
-        user_id=user,
-        name=name,
-        content=content,
+        user_id=unicode_column("user_id", user),
+        name=unicode_column("name", name),
+        content=unicode_column("content", content),
         created_at=timestamp(created),
         updated_at=timestamp(updated),
     )
@@ -302,7 +307,7 @@ class SqlMemoryStore(ComponentStore):
                 # Every version lasts at least one tick, even when the clock (SQLite's
                 # counts milliseconds) did not move, or moved back, since the last one.
                 start = micros(max(now, float(current[5]) + TICK))
-                await tx.execute(_CLOSE_FACT, current[0], start, fact_id)
+                await tx.execute(_CLOSE_FACT, user_key, subject, predicate, start, fact_id)
             await tx.execute(
                 _INSERT_FACT, fact_id, user_key, user_id, subject, predicate, object, source, start
             )
@@ -324,10 +329,11 @@ class SqlMemoryStore(ComponentStore):
             rows = await tx.fetch(_CURRENT_FACT, user_key, subject, predicate)
             if not rows:
                 return None
+            retracted = _fact(rows[0])  # a damaged one is refused, before it is closed
             now = micros((await tx.fetch("SELECT {now}"))[0][0])
             end = micros(max(now, float(rows[0][5]) + TICK))
-            await tx.execute(_CLOSE_FACT, rows[0][0], end, None)
-        return _fact(rows[0]).model_copy(update={"valid_to": timestamp(end)})
+            await tx.execute(_CLOSE_FACT, user_key, subject, predicate, end, None)
+        return retracted.model_copy(update={"valid_to": timestamp(end)})
 
     async def facts(
         self,

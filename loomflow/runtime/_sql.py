@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._printable import shown
+from .._printable import is_unicode, shown
 from .._progress import OnProgress, Progress
 from ..errors import CorruptEntryError, UserError
 from ..storage import Database
@@ -291,6 +291,21 @@ WHERE user_key = $1 AND idem_key = $2 AND format = $11 AND codec_version = $12
     AND EXISTS (SELECT 1 FROM loom_sessions WHERE scope = $3 AND token = $10{lock})
 RETURNING 1
 """
+
+
+def _replace_idem(stored: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
+    """``_REPLACE_IDEM`` and its $11-$13 for a row as read. A column holding text that is not
+    UTF-8 (SQLite, see ``storage/_sqlite.read_text``) cannot be bound as read: its bytes are,
+    cast back to the text they spell, so the damaged row is still the one replaced."""
+    sql, bound = _REPLACE_IDEM, []
+    for mark, value in zip(("$11", "$12", "$13"), stored, strict=True):
+        if isinstance(value, str) and not is_unicode(value):
+            sql = sql.replace(f"= {mark}", f"= CAST({mark} AS TEXT)")
+            value = value.encode("utf-8", "surrogateescape")
+        bound.append(value)
+    return sql, tuple(bound)
+
+
 _LIST = """
 SELECT e.epoch, e.path, e.name, e.kind, e.size, e.seq, e.created_at, e.fingerprint
 FROM loom_entries e WHERE e.scope = $1 ORDER BY e.epoch, e.seq
@@ -324,7 +339,6 @@ _QUERIES = {
     "write": _WRITE,
     "get_idem": _GET_IDEM,
     "put_idem": _PUT_IDEM,
-    "replace_idem": _REPLACE_IDEM,
     "list": _LIST,
     "list_idem": _LIST_IDEM,
 }
@@ -728,7 +742,8 @@ class SqlJournalStore:
             # in no format with no value, which no stored row equals, so it was never
             # replaced and every retry ran the step again.
             stored = replacing.as_stored()
-            if await self._run("write", "replace_idem", *args, *stored):
+            sql, bound = _replace_idem(stored)
+            if await self.db.fetch(sql, *args, *bound, what="journal write"):
                 return entry
             current = await self.get_idempotent(scope.user_key, key)
             if current is not None:
@@ -962,6 +977,10 @@ def _session_info(r: Sequence[Any]) -> SessionInfo:
         open=r[3], owner=r[4], lease_until=r[7], now=float(r[8]), status=r[9], attempts=r[10]
     )
     if _damage(r[15], r[2], r[3], unclaimed=True):  # a token or epoch resume refuses
+        state = UNREADABLE
+    elif any(isinstance(v, str) and not is_unicode(v) for v in r[:2]):
+        # A session or user id that is not UTF-8 (see storage/_sqlite.read_text) names no
+        # session anyone can show, resume or cancel.
         state = UNREADABLE
     return SessionInfo(
         r[0] if isinstance(r[0], str) else None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._ids import check_id
+from .._printable import is_unicode
 from .._progress import OnProgress
 from . import codec
 
@@ -147,14 +148,6 @@ class LastRun:
     entries: list[StoredEntry]
 
 
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 @dataclass(slots=True)
 class StoredEntry:
     """One journal row as the stores read and write it."""
@@ -196,7 +189,7 @@ def key_damage(path: object, name: object, fingerprint: object) -> str | None:
     for column, value in (("path", path), ("name", name), ("fingerprint", fingerprint)):
         if type(value) is not str:
             return f"a {type(value).__name__} for its {column}"
-        if not value.isascii() and not _is_unicode(value):
+        if not is_unicode(value):
             # Bytes that are not UTF-8, read back as lone surrogates (storage/_sqlite.py).
             return f"text that is not UTF-8 for its {column}"
     return None

@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..._printable import shown, text_of
+from ..._printable import is_unicode, shown, text_of
 from ...config import Settings
 from ...errors import BudgetError, InvalidArgumentError, StorageError
 from ...storage import Database, database_from_url
@@ -36,6 +36,7 @@ from ._types import (
     BucketUsage,
     CommitResult,
     Denial,
+    OnExpiry,
     Reservation,
     ReservationInfo,
     Totals,
@@ -181,6 +182,8 @@ def _usage(row: Sequence[Any]) -> BucketUsage:
     key = row[0]
     if not isinstance(key, str):
         raise _damaged(key, "the key is not text")
+    if not is_unicode(key):  # bytes that are not UTF-8, see storage/_sqlite.read_text
+        raise _damaged(key, "the key is text that is not UTF-8")
     try:
         bucket = Bucket.from_key(key)
     except InvalidArgumentError as exc:  # the message names the key
@@ -227,6 +230,15 @@ def _keys(buckets: Sequence[Bucket]) -> str:
 
 class _MalformedHold(BudgetError):
     """A reservation row whose bucket list cannot be read (edited by hand, or damaged)."""
+
+
+def _on_expiry(value: object) -> OnExpiry:
+    """What a reclaim does with a hold. Anything else (a hand-edited row, text that is not
+    UTF-8) is a malformed hold: read as one of the two, a damaged ``charge`` would free the
+    held amount of a call that may have been billed without charging it."""
+    if value == "charge" or value == "release":
+        return value
+    raise _MalformedHold(f"its on_expiry {shown(value)} is neither 'charge' nor 'release'")
 
 
 def _buckets(text: str) -> tuple[Bucket, ...]:
@@ -413,6 +425,15 @@ class SqlBudgetStore:
                     candidates[str(row[0])] = str(row[1])
         reclaimed = 0
         for reservation_id, dead_owner in candidates.items():
+            if not (is_unicode(reservation_id) and is_unicode(dead_owner)):
+                # Text that is not UTF-8 (see storage/_sqlite.read_text) cannot be bound to
+                # find the row again: left in place, as a malformed hold is.
+                log.warning(
+                    "budget reservation %r is malformed and was not reclaimed: its id or "
+                    "owner is text that is not UTF-8",
+                    reservation_id,
+                )
+                continue
             # One transaction per hold: a reclaimer never holds two holds' locks at once, so
             # it cannot deadlock with a worker committing one of them.
             try:
@@ -421,7 +442,7 @@ class SqlBudgetStore:
                     if not rows:
                         continue
                     held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
-                    charge = rows[0][4] == "charge"
+                    charge = _on_expiry(rows[0][4]) == "charge"
                     for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
                         await self._move(
                             tx, bucket, held if charge else Amount(), held, 1 if charge else 0
@@ -498,7 +519,7 @@ class SqlBudgetStore:
                 str(r[1]),
                 _buckets(str(r[2])),
                 Amount(int(r[3]), int(r[4]), int(r[5])),
-                "release" if r[6] == "release" else "charge",
+                _on_expiry(r[6]),
                 float(r[7]),
                 float(r[8]),
             )
