@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,9 @@ from loomflow.errors import CorruptEntryError
 from loomflow.runtime import SqliteRuntime
 
 NOT_UTF8 = "CAST(x'ff41' AS TEXT)"  # 0xff starts no UTF-8 sequence
+# A UTF-8 terminal's stdout refuses a lone surrogate; a C.UTF-8 locale's surrogateescape would
+# hide a crash of the printing.
+STRICT_STDOUT = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
 
 
 class Counter:
@@ -115,6 +119,7 @@ async def test_cli_listings_show_a_row_that_is_not_utf8(tmp_path: Path, edit: st
             text=True,
             cwd=tmp_path,
             timeout=120,
+            env=STRICT_STDOUT,
         )
         if command[-1] == "s" and "session_id" in edit:
             # The session's own row no longer names it: not found, said as such.
@@ -165,7 +170,7 @@ async def test_an_audit_entry_that_is_not_utf8_is_reported_not_unavailable(
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={"LOOMFLOW_AUDIT_URL": f"sqlite:///{path}", "PATH": ""},
+        env={**STRICT_STDOUT, "LOOMFLOW_AUDIT_URL": f"sqlite:///{path}"},
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -207,6 +212,7 @@ async def test_runs_show_marks_a_row_no_step_can_match(tmp_path: Path, edit: str
             text=True,
             cwd=tmp_path,
             timeout=120,
+            env=STRICT_STDOUT,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout)
