@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .._ids import user_label
+from .._printable import shown
 from ..errors import AuditIntegrityError, ErasureRefusedError, StoreUnavailableError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
@@ -47,7 +49,18 @@ _HEAD = """
 SELECT CAST({now} * 1000000 AS BIGINT), h.seq, h.hash
 FROM (SELECT 1 AS one) AS clock LEFT JOIN loom_audit_heads h ON h.user_key = $1
 """
+_LAST_SEQ = "SELECT MAX(seq) FROM loom_audit WHERE user_key = $1"
 _PAGE = 1000
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_hash(value: object) -> bool:
+    """Whether a stored hash is one an entry's sealing gives: 64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 64 and _HEX.issuperset(value)
+
+
+def _user_of(records: Sequence[AuditRecord]) -> str:
+    return user_label(records[0].user_id) if records else "this user"
 
 
 def lock_key(key: str) -> int:
@@ -109,8 +122,23 @@ class SqlAuditStore(AuditStore):
     async def _append_chain(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
         async with self.db.transaction(lock_key=lock_key(key), what="audit append") as tx:
             now_us, seq, prev = (await tx.fetch(_HEAD, key))[0]
-            seq = int(seq or 0)
-            prev = str(prev) if prev is not None else GENESIS
+            if seq is None and prev is None:  # no head: the user's first entry, unless...
+                last = await tx.fetch(_LAST_SEQ, key)
+                if last and last[0][0] is not None:
+                    raise AuditIntegrityError(
+                        f"the audit trail of {_user_of(records)} has entries (up to seq "
+                        f"{shown(last[0][0])}) but no chain head: its head row was deleted or "
+                        "moved; appending would start a second chain (run `loomflow audit "
+                        "verify`)"
+                    )
+                seq, prev = 0, GENESIS
+            elif type(seq) is not int or seq < 1 or not _is_hash(prev):
+                # A head row edited by hand: entries chained on it would hide the edit.
+                raise AuditIntegrityError(
+                    f"the audit chain head of {_user_of(records)} is malformed (seq "
+                    f"{shown(seq)}, hash {shown(prev)}): nothing can be appended to it (run "
+                    "`loomflow audit verify`)"
+                )
             entries: list[AuditEntry] = []
             for record in records:
                 seq += 1

@@ -377,6 +377,47 @@ async def test_entries_moved_under_another_trail_key_are_reported(
         assert "filed under the trail key" in report.problems[0].detail
 
 
+async def _entries_of_alice(log: AuditLog) -> list[int]:
+    return [e.seq for e in (await log.query(user_id="alice")).entries]
+
+
+HEAD_EDITS = ["seq = -1", "seq = 0", "hash = 'not a hash'", "hash = upper(hash)"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit"),
+    [
+        *(("sqlite", edit) for edit in [*HEAD_EDITS, "seq = 'x'", "hash = x'00'"]),
+        *(pytest.param("postgres", edit, marks=pytest.mark.postgres) for edit in HEAD_EDITS),
+    ],
+)
+async def test_a_malformed_chain_head_refuses_appends_with_an_integrity_error(
+    kind: str, edit: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # A head of seq -1 made the next entry seq 0 (a pydantic ValidationError out of every
+    # audited run of the user); a text seq a ValueError. (SQLite alone keeps text in its
+    # number column and a blob in its text one.)
+    async with _edited_audit(kind, request, tmp_path) as (log, tamper):
+        await tamper(f"""UPDATE loom_audit_heads SET {edit} WHERE user_key = '"alice"'""")
+        with pytest.raises(AuditIntegrityError, match="chain head of user 'alice' is malformed"):
+            await log.record("custom.note", user_id="alice", actor="test", payload={"i": 3})
+        assert await _entries_of_alice(log) == [1, 2, 3]  # nothing appended
+        await log.record("custom.note", user_id="bob", actor="test", payload={})  # others go on
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_trail_whose_head_row_is_gone_refuses_a_second_chain(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # The next entry started a new chain at seq 1 and hit UNIQUE (user_key, seq): reported as
+    # StoreUnavailableError, an outage a worker retries for ever.
+    async with _edited_audit(kind, request, tmp_path) as (log, tamper):
+        await tamper("""UPDATE loom_audit_heads SET user_key = '"zz"' WHERE user_key = '"alice"'""")
+        with pytest.raises(AuditIntegrityError, match=r"has entries \(up to seq 3\) but no chain"):
+            await log.record("custom.note", user_id="alice", actor="test", payload={"i": 3})
+        assert await _entries_of_alice(log) == [1, 2, 3]
+
+
 async def test_an_exported_line_without_its_time_is_an_unreadable_line(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     log = AuditLog(JsonlAuditStore(path))
