@@ -10,10 +10,11 @@ import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_serializer, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_serializer, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from ._timefmt import MAX_AGE
+from .errors import ConfigurationError
 
 __all__ = ["Settings", "scheme_without_slashes"]
 
@@ -120,6 +121,32 @@ def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
     return url
 
 
+def _bad_settings(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        field, *item = (str(part) for part in error["loc"])
+        where = f"LOOMFLOW_{field.upper()}" + "".join(f"[{i}]" for i in item)
+        message = error["msg"].removeprefix("Value error, ")  # pydantic's label for ours
+        problems.append(f"{where}: {_one_line(message)}")
+    return "bad setting " + "; ".join(problems)
+
+
+def _unreadable_setting(exc: SettingsError) -> str:
+    """What pydantic-settings could not read, by the variable's name: it decodes a JSON-typed
+    setting itself and says only 'error parsing value for field "x" from source "..."'."""
+    found = re.search(r'for field "(\w+)"', str(exc))
+    if found is None:
+        return f"bad setting: {_one_line(str(exc))}"
+    return (
+        f"bad setting LOOMFLOW_{found[1].upper()}: its value is not the JSON this setting "
+        "takes (see `loomflow settings` and docs/settings.md)"
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 class Settings(BaseSettings):
     """Everything an operator may set without touching code."""
 
@@ -132,6 +159,16 @@ class Settings(BaseSettings):
         # errors name the setting and the reason, never the value.
         hide_input_in_errors=True,
     )
+
+    def __init__(self, **values: Any) -> None:
+        """Read the settings; a value that does not parse is a :class:`ConfigurationError`
+        naming its ``LOOMFLOW_*`` variable (pydantic's own error names the field)."""
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigurationError(_bad_settings(exc)) from exc
+        except SettingsError as exc:  # pydantic-settings could not even read a value
+            raise ConfigurationError(_unreadable_setting(exc)) from exc
 
     runtime_url: str = Field(
         default="sqlite:///.loomflow/journal.db",

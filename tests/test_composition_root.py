@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from loomflow import Agent, ToolCall, tool
 from loomflow.audit import AuditLog, JsonlAuditStore, SqliteAuditStore, audit_store_from_url
@@ -196,13 +195,13 @@ def test_a_scheme_without_its_slashes_is_not_taken_for_a_file_name(
     setting = (
         "audit_url" if kind == "audit" else "budget_url" if kind == "budget" else "runtime_url"
     )
-    with pytest.raises(ValidationError, match="lacks the '//' after its scheme"):
+    with pytest.raises(ConfigurationError, match="lacks the '//' after its scheme"):
         Settings(**{setting: url})
     assert list(tmp_path.iterdir()) == []  # no file of that name was made
 
 
 def test_the_refusal_of_a_postgres_url_without_slashes_shows_no_password() -> None:
-    with pytest.raises(ValidationError) as raised:
+    with pytest.raises(ConfigurationError) as raised:
         Settings(runtime_url="postgresql:app:hunter2@db/app")
     assert "hunter2" not in str(raised.value)
     assert "postgresql://user@host:5432/database" in str(raised.value)

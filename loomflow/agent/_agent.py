@@ -368,7 +368,11 @@ class Agent:
         await self.aclose()
 
     def __repr__(self) -> str:
-        return f"Agent(name={self.name!r}, model={self.model.name!r}, tools={list(self.tools)})"
+        # A model given by name is built on first use; printing the agent (a log line, a
+        # debugger) must not build it, which fails without the provider's credentials.
+        spec = self._model_spec
+        model = spec if isinstance(spec, str) else self.model.name
+        return f"Agent(name={self.name!r}, model={model!r}, tools={list(self.tools)})"
 
     def config_fingerprint(self) -> str:
         """A digest of what shapes this agent's steps: instructions, model, tools, limits.

@@ -15,14 +15,12 @@ import errno
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pydantic import SecretStr, ValidationError
-from pydantic_settings import SettingsError
+from pydantic import SecretStr
 
 from .. import __version__
 from .._ids import check_id
@@ -261,12 +259,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # line breaks or terminal escapes.
         print(f"loomflow: error: {printable(exc)}", file=sys.stderr)
         return 1
-    except ValidationError as exc:  # a LOOMFLOW_* variable (or .env line) that does not parse
-        print(f"loomflow: error: {_bad_settings(exc)}", file=sys.stderr)
-        return 1
-    except SettingsError as exc:  # pydantic-settings could not even read a value
-        print(f"loomflow: error: {_unreadable_setting(exc)}", file=sys.stderr)
-        return 1
     except UnicodeDecodeError as exc:  # a .env saved as UTF-16 or Latin-1
         print(f"loomflow: error: a file read is not UTF-8 text (a .env saved as UTF-16?): {exc}",
               file=sys.stderr)  # fmt: skip
@@ -476,28 +468,6 @@ def _masked(name: str, value: Any) -> Any:
     if name in _SECRET_SETTINGS:
         return "(set, hidden)"
     return _masked_url(str(value))
-
-
-def _bad_settings(exc: ValidationError) -> str:
-    problems = []
-    for error in exc.errors():
-        field, *item = (str(part) for part in error["loc"])
-        where = f"LOOMFLOW_{field.upper()}" + "".join(f"[{i}]" for i in item)
-        message = error["msg"].removeprefix("Value error, ")  # pydantic's label for ours
-        problems.append(f"{where}: {_one_line(message)}")
-    return "bad setting " + "; ".join(problems)
-
-
-def _unreadable_setting(exc: SettingsError) -> str:
-    """What pydantic-settings could not read, by the variable's name: it decodes a JSON-typed
-    setting itself and says only 'error parsing value for field "x" from source "..."'."""
-    found = re.search(r'for field "(\w+)"', str(exc))
-    if found is None:
-        return f"bad setting: {_one_line(str(exc))}"
-    return (
-        f"bad setting LOOMFLOW_{found[1].upper()}: its value is not the JSON this setting "
-        "takes (see `loomflow settings` and docs/settings.md)"
-    )
 
 
 def _one_line(text: str) -> str:

@@ -9,7 +9,6 @@ the session rows fence out a process that lost its turn.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from ..config import Settings
@@ -43,10 +42,10 @@ class SqliteRuntime(JournalRuntime):
         ``auto_migrate``.
         """
         s = settings or Settings()
-        self.path = Path(path)
         self._database = SqliteDatabase.from_settings(
             path, s, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
         )
+        self.path = self._database.path  # a sqlite:/// URL taken for its file
         super().__init__(SqlJournalStore(self._database), settings=s, **options)
 
     @property

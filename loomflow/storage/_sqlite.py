@@ -15,9 +15,15 @@ from typing import Any
 import aiosqlite
 
 from ..config import Settings
-from ..errors import InvalidArgumentError, StoreLockedError, StoreUnavailableError
+from ..errors import (
+    ConfigurationError,
+    InvalidArgumentError,
+    StoreLockedError,
+    StoreUnavailableError,
+)
 from ._database import Database, Rows, Transaction
 from ._dialect import SQLITE
+from ._url import sqlite_path
 
 __all__ = ["SqliteDatabase"]
 
@@ -68,6 +74,21 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
+def _file_of(path: str) -> str:
+    """The file a path given as text names: a ``sqlite:///`` URL is taken for its file (the
+    form settings and the command line use), any other URL is refused. Taken as a path,
+    ``sqlite:///journal.db`` made a directory named ``sqlite:``."""
+    if "://" in path and not path.startswith("sqlite://"):
+        raise ConfigurationError(
+            f"{path.split('://', 1)[0]}:// URL given where a SQLite file path belongs: pass a "
+            "path such as ./journal.db (or build the store from its URL, e.g. "
+            "runtime_from_url)"
+        )
+    file = sqlite_path(path)  # raises on sqlite:journal.db, which lacks its //
+    assert file is not None  # only None for another scheme, refused above
+    return file
+
+
 def read_text(data: bytes) -> str:
     """A text column as read: UTF-8, with bytes that are not UTF-8 kept as lone surrogates.
 
@@ -114,7 +135,7 @@ class SqliteDatabase(Database):
             raise InvalidArgumentError(
                 f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}"
             )
-        self.path = Path(path)
+        self.path = Path(_file_of(path) if isinstance(path, str) else path)
         self.busy_timeout_ms = int(busy_timeout_ms)
         self.synchronous = synchronous.upper()
         self._conn: aiosqlite.Connection | None = None

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from pydantic_settings import EnvSettingsSource, SettingsError
 
+from loomflow import config
 from loomflow.config import Settings
 
 cli_main = importlib.import_module("loomflow.cli.main")
@@ -334,7 +335,7 @@ def test_every_json_typed_setting_names_its_variable_when_it_does_not_parse(
         monkeypatch.delenv(variable)
     # What pydantic-settings reports itself, for a JSON-typed setting it decodes, is named too.
     unreadable = SettingsError('error parsing value for field "some_map" from source "Env"')
-    assert cli_main._unreadable_setting(unreadable).startswith(
+    assert config._unreadable_setting(unreadable).startswith(
         "bad setting LOOMFLOW_SOME_MAP: its value is not the JSON this setting takes"
     )
 
