@@ -1,0 +1,88 @@
+"""What a new user trips over in their first hour, found by following the README literally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loomflow import Agent
+from loomflow.audit import SqliteAuditStore
+from loomflow.config import Settings
+from loomflow.errors import ConfigurationError
+from loomflow.memory import SqliteMemory
+from loomflow.runtime import SqliteRuntime
+
+
+def test_printing_an_agent_does_not_build_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # repr() read the model, which builds the provider's client: without a key, a log line
+    # or a debugger showing the agent raised ConfigurationError.
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    agent = Agent("x", model="claude-opus-4-7")
+    assert repr(agent) == "Agent(name='agent', model='claude-opus-4-7', tools=[])"
+    with pytest.raises(ConfigurationError, match="no credentials"):
+        agent.model  # noqa: B018 - running it still needs the key, and says so
+
+
+async def test_a_sqlite_url_given_for_a_path_opens_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README shows SqliteRuntime("./journal.db") beside AuditLog("sqlite:///journal.db");
+    # the URL given to the runtime made a directory named "sqlite:" and a journal inside it.
+    monkeypatch.chdir(tmp_path)
+    runtime = SqliteRuntime("sqlite:///journal.db")
+    try:
+        assert runtime.path == Path("journal.db")
+        async with runtime.session("s", "u"):
+            await runtime.step("one", lambda: 1)
+    finally:
+        await runtime.close()
+    assert (tmp_path / "journal.db").is_file()
+    assert not (tmp_path / "sqlite:").exists()
+    absolute = tmp_path / "abs" / "memory.db"
+    memory = SqliteMemory(f"sqlite:///{absolute}")
+    try:
+        await memory.remember("alice", "likes", "tea", user_id="alice")
+    finally:
+        await memory.close()
+    assert absolute.is_file()
+
+
+@pytest.mark.parametrize(
+    ("given", "problem"),
+    [
+        ("postgresql://app@db/app", "postgresql:// URL given where a SQLite file path belongs"),
+        ("sqlite:journal.db", "lacks the '//' after its scheme"),
+        ("sqlite://journal.db", "bad SQLite URL"),
+    ],
+)
+def test_a_url_no_sqlite_file_is_refused_where_a_path_belongs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str, problem: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for build in (SqliteRuntime, SqliteMemory, SqliteAuditStore):
+        with pytest.raises(ConfigurationError, match=problem):
+            build(given)
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_paths_that_merely_look_like_schemes_stay_paths(tmp_path: Path) -> None:
+    for path in (":memory:", "C:/data/journal.db", str(tmp_path / "postgres:x.db")):
+        assert str(SqliteRuntime(path).path) == str(Path(path))
+
+
+def test_a_bad_setting_is_a_configuration_error_naming_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was pydantic's ValidationError, naming the field (runtime_url), not the variable an
+    # operator sets, and not a LoomflowError.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOOMFLOW_RUNTIME_URL", "sqlite:t.db")
+    with pytest.raises(ConfigurationError, match=r"setting LOOMFLOW_RUNTIME_URL: 'sqlite:t\.db'"):
+        Settings()
+    with pytest.raises(ConfigurationError, match="LOOMFLOW_RUNTIME_URL"):
+        Agent.from_settings("x", model="scripted")
+    monkeypatch.delenv("LOOMFLOW_RUNTIME_URL")
+    monkeypatch.setenv("LOOMFLOW_LEASE_SECONDS", "soon")
+    with pytest.raises(ConfigurationError, match="LOOMFLOW_LEASE_SECONDS"):
+        Settings()
