@@ -15,6 +15,11 @@ worker process would see it). Every test here then runs against that backend::
             yield factory
             for rt in runtimes:
                 await rt.close()
+
+Its tests and fixtures are ``async def`` without a marker: run them with pytest-asyncio in
+auto mode (``asyncio_mode = "auto"`` under ``[tool.pytest.ini_options]``, or
+``-o asyncio_mode=auto``), as this repository does. In pytest-asyncio's default strict mode
+each test errors with "requested an async fixture ... with no plugin or hook that handled it".
 """
 
 from __future__ import annotations
