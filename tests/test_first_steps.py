@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,25 @@ def test_a_bad_setting_is_a_configuration_error_naming_its_variable(
     monkeypatch.setenv("LOOMFLOW_LEASE_SECONDS", "soon")
     with pytest.raises(ConfigurationError, match="LOOMFLOW_LEASE_SECONDS"):
         Settings()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--url", "sqlite:///app.db", "--audit-url", "sqlite:///audit.db", "audit", "query"],
+        ["--budget-url=sqlite:///b.db", "budget", "show"],
+    ],
+)
+def test_a_group_option_before_its_group_is_named_as_misplaced(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse read the URL after it as the command: "invalid choice: 'sqlite:///audit.db'".
+    cli_main = importlib.import_module("loomflow.cli.main")  # the package exports main()
+
+    with pytest.raises(SystemExit) as exited:
+        cli_main.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    option = argv[2] if argv[0] == "--url" else "--budget-url"
+    assert f"{option} goes after its command group" in err
+    assert "invalid choice" not in err

@@ -247,8 +247,38 @@ class _CliLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
         return f"loomflow: {record.levelname.lower()}: {record.getMessage()}"
 
 
+# Options of some command groups only (``migrate``/``runs cancel``/``audit``/``console`` take
+# --audit-url, ``budget`` --budget-url): before the group, argparse read the URL after one as
+# the command ("invalid choice: 'sqlite:///audit.db'").
+_GROUP_OPTIONS = ("--audit-url", "--budget-url")
+
+
+def _misplaced_option(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    commands = {
+        name
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name in action.choices
+    }
+    for token in argv:
+        if token in commands:
+            return None
+        option = token.split("=", 1)[0]
+        if option in _GROUP_OPTIONS:
+            group = "budget" if option == "--budget-url" else "audit"
+            return (
+                f"{option} goes after its command group, not before it: e.g. loomflow "
+                f"{group} {option} URL ... (only --url goes before the command)"
+            )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    if (problem := _misplaced_option(parser, given)) is not None:
+        parser.error(problem)
+    args = parser.parse_args(given)
     _log_warnings_to_stderr()
     try:
         code = _command(args)
