@@ -434,6 +434,9 @@ _SECRET_SETTINGS = ("redact_secrets", "otlp_headers")
 def _show_settings(args: argparse.Namespace) -> int:
     settings = Settings()
     _warn_unknown_variables(type(settings).model_fields)
+    _warn_incomplete(settings)
+    in_environment = {variable.upper() for variable in os.environ}
+    in_env_file = {variable.upper() for variable, _ in _env_file_variables()}
     rows: list[tuple[Any, ...]] = [("variable", "value", "from")]
     document = {}
     for name in type(settings).model_fields:
@@ -442,7 +445,17 @@ def _show_settings(args: argparse.Namespace) -> int:
             value = "(set, hidden)"  # every secret field (console token, keys), by its type
         elif name in _SECRET_SETTINGS or "url" in name:
             value = _masked(name, value)
-        source = "environment or .env" if name in settings.model_fields_set else "default"
+        source = "default"
+        if name in settings.model_fields_set:
+            # The environment wins over .env, as the settings read them.
+            variable = f"LOOMFLOW_{name.upper()}"
+            source = (
+                "environment"
+                if variable in in_environment
+                else ".env"
+                if variable in in_env_file
+                else "environment or .env"
+            )
         if name == "runtime_url" and args.url is not None:
             # `loomflow --url X settings`: what the other commands would use is X.
             value, source = _masked(name, args.url), "--url"
@@ -453,6 +466,18 @@ def _show_settings(args: argparse.Namespace) -> int:
     else:
         table(rows)
     return 0
+
+
+def _warn_incomplete(settings: Settings) -> None:
+    """Settings each valid alone that the telemetry set-up refuses together."""
+    key = settings.telemetry_user_id_key
+    if settings.telemetry_user_ids == "hashed" and key is None:
+        print(
+            "loomflow: warning: LOOMFLOW_TELEMETRY_USER_IDS=hashed needs "
+            "LOOMFLOW_TELEMETRY_USER_ID_KEY (16 characters or more): Agent.from_settings and "
+            "setup_telemetry() refuse to start without it, unless the code passes user_id_key=",
+            file=sys.stderr,
+        )
 
 
 # LOOMFLOW_ variables that are not settings but are read on purpose (the test suite's DSN).

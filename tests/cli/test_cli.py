@@ -565,7 +565,7 @@ def test_settings_shows_effective_values_without_credentials(tmp_path: Path) -> 
     shown = json.loads(done.stdout)
     assert shown["runtime_url"] == {
         "value": "postgresql://app:***@db:5432/app",
-        "from": "environment or .env",
+        "from": "environment",
     }
     assert shown["lease_seconds"] == {"value": 30.0, "from": "default"}
     table = loomflow("settings", env=env, cwd=tmp_path)

@@ -540,7 +540,7 @@ def test_settings_shows_the_journal_given_with_url(tmp_path: Path) -> None:
     }
     assert "s3cret-pw" not in done.stdout
     plain = json.loads(loomflow("settings", "--json", env=env, cwd=tmp_path).stdout)
-    assert plain["runtime_url"] == {"value": "sqlite:///from-env.db", "from": "environment or .env"}
+    assert plain["runtime_url"] == {"value": "sqlite:///from-env.db", "from": "environment"}
 
 
 def test_without_url_a_missing_default_journal_says_how_to_name_one(tmp_path: Path) -> None:

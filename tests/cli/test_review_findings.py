@@ -271,7 +271,7 @@ def test_a_misspelt_setting_in_dotenv_is_warned_of_like_one_in_the_environment(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["lease_seconds"] == {
         "value": 7.0,
-        "from": "environment or .env",
+        "from": ".env",
     }
     assert done.stderr.splitlines() == [
         "loomflow: warning: LOOMFLOW_RUNTIM_URL in .env is not a setting and is ignored "
@@ -593,3 +593,14 @@ def test_a_short_console_token_is_said_to_be_short_in_characters(
     monkeypatch.setenv("LOOMFLOW_CONSOLE_TOKEN", "x" * 16)
     assert cli_main.main(["settings"]) == 0
     assert "x" * 16 not in capsys.readouterr().out  # a secret, never printed
+
+
+def test_settings_warns_of_hashed_user_ids_without_their_key(tmp_path: Path) -> None:
+    # Each valid alone; together the telemetry set-up refuses to start, which `settings`
+    # used to show as fine.
+    env = {"LOOMFLOW_TELEMETRY_USER_IDS": "hashed"}
+    done = loomflow("settings", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "LOOMFLOW_TELEMETRY_USER_IDS=hashed needs LOOMFLOW_TELEMETRY_USER_ID_KEY" in done.stderr
+    keyed = {**env, "LOOMFLOW_TELEMETRY_USER_ID_KEY": "k" * 16}
+    assert "needs" not in loomflow("settings", env=keyed, cwd=tmp_path).stderr
