@@ -16,10 +16,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from test_hand_edited_rows import sqlite_exec
+from test_hand_edited_rows import Counter, _resume, sqlite_exec
+from test_hand_edited_rows import _journal_with_open_run as _open_run
 
 from loomflow.audit import AuditLog, SqliteAuditStore
 from loomflow.audit.offline import verify_lines
@@ -30,36 +30,6 @@ NOT_UTF8 = "CAST(x'ff41' AS TEXT)"  # 0xff starts no UTF-8 sequence
 # A UTF-8 terminal's stdout refuses a lone surrogate; a C.UTF-8 locale's surrogateescape would
 # hide a crash of the printing.
 STRICT_STDOUT = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def __call__(self) -> dict[str, int]:
-        self.calls += 1
-        return {"fresh": self.calls}
-
-
-async def _open_run(path: Path, body: Counter) -> None:
-    runtime = SqliteRuntime(path)
-    try:
-        with pytest.raises(RuntimeError, match="crash"):
-            async with runtime.session("s", "u"):
-                await runtime.step("charge", body)
-                raise RuntimeError("crash")
-    finally:
-        await runtime.close()
-
-
-async def _resume(path: Path, body: Counter, *, strict: bool = False) -> tuple[Any, int]:
-    runtime = SqliteRuntime(path, strict_replay=strict)
-    try:
-        async with runtime.session("s", "u", resume=True) as run:
-            value = await runtime.step("charge", body)
-            return value, run.stats.corrupt
-    finally:
-        await runtime.close()
 
 
 @pytest.mark.parametrize("column", ["name", "path", "fingerprint"])
