@@ -26,7 +26,7 @@ from .. import __version__
 from .._ids import check_id
 from ..config import Settings, _check_store_url, _masked_url
 from ..errors import ConfigurationError, LoomflowError, UserError
-from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
+from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
 from ._format import duration, iso_time, login, positive_int, printable, table, who
@@ -685,7 +685,11 @@ async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
     entries = await runtime.entries(args.session_id, info.user_id)
-    tools = await _tool_names(runtime, info, {e.epoch for e in entries})
+    tools, unreadable = await _read_back(runtime, info, {e.epoch for e in entries})
+
+    def damage(e: EntryInfo) -> str | None:
+        return e.damage or unreadable.get((e.epoch, path_key(e.path), e.name))
+
     if args.json:
         for e in entries:
             print(
@@ -701,7 +705,7 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                         "size": e.size,
                         "seq": e.seq,
                         "created_at": iso_time(e.created_at),
-                        "damage": e.damage,
+                        "damage": damage(e),
                     }
                 )
             )
@@ -716,7 +720,7 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     for e in entries:
         last = e.epoch == (info.epoch if info.open else info.epoch - 1)
         status = "replays" if last else "kept (earlier run)"
-        if e.damage is not None:
+        if damage(e) is not None:
             status = "damaged: runs again" if last else "damaged"
         tool = tools.get((e.epoch, path_key(e.path), e.name), "-")
         where = "/".join(e.path) or "-"
@@ -725,34 +729,43 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _tool_names(
+async def _read_back(
     runtime: JournalRuntime, info: SessionInfo, epochs: set[int]
-) -> dict[tuple[int, str, str], str]:
-    """(epoch, sub-run key, step name) -> tool name, for the tool steps of a session.
+) -> tuple[dict[tuple[int, str, str], str], dict[tuple[int, str, str], str]]:
+    """What the session's stored values say, by (epoch, sub-run key, step name): the tool each
+    tool step ran, and why a value cannot be read back (a resume runs that step again).
 
     A tool step's name carries only a hash of the call; the tool it ran is in the journaled
-    reply of the model call before it, so those replies are read back (JSON values only:
-    the CLI never unpickles, and a value it cannot read leaves the hashed name alone).
+    reply of the model call before it, so every value is read back (JSON values only: the CLI
+    never unpickles, and a value it cannot read leaves the hashed name alone).
     """
     from ..messages import ModelResponse
     from ..runtime import codec
     from ..runtime._names import tool_step_name
     from ..runtime._store import Scope
 
+    names: dict[tuple[int, str, str], str] = {}
+    unreadable: dict[tuple[int, str, str], str] = {}
     store = getattr(runtime, "_store", None)
     if store is None:
-        return {}
-    names: dict[tuple[int, str, str], str] = {}
+        return names, unreadable
     for epoch in sorted(epochs):
         for row in await store.load_run(Scope(info.session_id, info.user_id), epoch):
             if row.damaged() is not None:
                 continue  # a hand-edited row of no run, or with a name that is no text
-            turn = row.name.removeprefix("model_call_")
-            if turn == row.name or not (turn.isascii() and turn.isdigit()) or row.format != "json":
-                continue
+            if row.format == "pickle":
+                continue  # the runtime's serializer decides; never unpickled here
             try:
+                if row.format != "json":
+                    raise codec.UnknownTagError(f"a value format no release writes ({row.format})")
+                if row.codec_version > codec.CODEC_VERSION:
+                    raise codec.UnknownTagError(f"written by a newer codec ({row.codec_version})")
                 value = codec.loads(row.value)
-            except Exception:  # untrusted data: a damaged value only costs the tool names
+            except codec.UnknownTagError as exc:  # untrusted data, and a step that runs again
+                unreadable[(epoch, row.path, row.name)] = f"an unreadable value: {exc}"[:200]
+                continue
+            turn = row.name.removeprefix("model_call_")
+            if turn == row.name or not (turn.isascii() and turn.isdigit()):
                 continue
             replies = value if isinstance(value, list) else [value]
             for reply in replies:
@@ -760,7 +773,7 @@ async def _tool_names(
                     for slot, call in enumerate(reply.tool_calls):
                         step = tool_step_name(int(turn), slot, call)
                         names[(epoch, row.path, step)] = call.name
-    return names
+    return names, unreadable
 
 
 async def _prune(stores: Stores, args: argparse.Namespace) -> int:
