@@ -48,7 +48,11 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now})
 ON CONFLICT (user_key, episode_key) DO UPDATE SET
     run_id = excluded.run_id, epoch = excluded.epoch, output = excluded.output,
     codec_version = excluded.codec_version, messages = excluded.messages,
-    updated_at = excluded.updated_at
+    updated_at = excluded.updated_at,
+    -- A creation time no date can hold (a hand-edited row: NaN, infinity, text) is replaced
+    -- with the rewrite's, or reading it back would fail the run that re-records the episode.
+    created_at = CASE WHEN loom_memory_episodes.created_at BETWEEN 0 AND 253402300799
+        THEN loom_memory_episodes.created_at ELSE excluded.created_at END
 RETURNING episode_id, created_at
 """
 _DELETE_EPISODES = "DELETE FROM loom_memory_episodes WHERE scope = $1 RETURNING 1"

@@ -265,6 +265,41 @@ async def test_a_hand_edited_episode_is_a_corrupt_entry(tmp_path: Path, edit: st
         await memory.close()
 
 
+@pytest.mark.parametrize(
+    ("kind", "when"),
+    [
+        ("sqlite", "1e300"),
+        ("sqlite", "'yesterday'"),
+        pytest.param("postgres", "'Infinity'", marks=pytest.mark.postgres),
+        pytest.param("postgres", "'NaN'", marks=pytest.mark.postgres),
+    ],
+)
+async def test_re_recording_an_episode_heals_a_creation_time_no_date_holds(
+    kind: str, when: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # A run resumed after an approval records its episode again under the same key: the
+    # upsert handed back the damaged created_at, and the run failed with an OverflowError.
+    from loomflow.memory import PostgresMemory
+
+    path = tmp_path / "memory.db"
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    memory = SqliteMemory(path) if kind == "sqlite" else PostgresMemory(dsn)
+    edit = f"UPDATE loom_memory_episodes SET created_at = {when}"
+    try:
+        first = await memory.record_episode("s", user_id="u", key="k", messages=[], output="a")
+        if kind == "sqlite":
+            await asyncio.to_thread(sqlite_exec, path, edit)
+        else:
+            await pg_exec(dsn, edit)
+        again = await memory.record_episode("s", user_id="u", key="k", messages=[], output="b")
+        assert again.id == first.id
+        assert abs((again.created_at - first.created_at).total_seconds()) < 60
+        (episode,) = await memory.episodes("s", user_id="u")
+        assert episode.output == "b"
+    finally:
+        await memory.close()
+
+
 async def test_an_episode_stored_as_sqlite_text_is_read(tmp_path: Path) -> None:
     path = tmp_path / "memory.db"
     memory = SqliteMemory(path)
