@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 from ._timefmt import MAX_AGE
 from .errors import ConfigurationError
 
-__all__ = ["Settings", "scheme_without_slashes"]
+__all__ = ["Settings", "scheme_without_slashes", "sqlite_path"]
 
 # Settings that are URLs and may carry a password (``postgresql://app:pw@db/app``): the code
 # reads the real value, while repr/str, model_dump and `loomflow settings` show it masked.
@@ -88,6 +88,20 @@ def scheme_without_slashes(url: str) -> str | None:
         f"{url!r} lacks the '//' after its scheme and would be taken for a file path: use "
         f"{scheme}:///relative/path or {scheme}:////absolute/path"
     )
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file a SQLite URL (or bare path) names; ``None`` for other schemes."""
+    if url.startswith("sqlite://"):
+        path = url.removeprefix("sqlite://")
+        if not path.startswith("/") or path == "/":
+            raise ConfigurationError(f"bad SQLite URL {url!r}: use sqlite:///relative/path.db")
+        return path[1:]  # sqlite:///x.db -> x.db ; sqlite:////abs/x.db -> /abs/x.db
+    if "://" in url:
+        return None
+    if (problem := scheme_without_slashes(url)) is not None:
+        raise ConfigurationError(problem)
+    return url
 
 
 def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiosqlite
 
-from ..config import Settings
+from ..config import Settings, sqlite_path
 from ..errors import (
     ConfigurationError,
     InvalidArgumentError,
@@ -23,7 +23,6 @@ from ..errors import (
 )
 from ._database import Database, Rows, Transaction
 from ._dialect import SQLITE
-from ._url import sqlite_path
 
 __all__ = ["SqliteDatabase"]
 
