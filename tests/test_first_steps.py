@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,23 @@ def test_a_group_option_before_its_group_is_named_as_misplaced(
     option = argv[2] if argv[0] == "--url" else "--budget-url"
     assert f"{option} goes after its command group" in err
     assert "invalid choice" not in err
+
+
+def test_ctrl_c_while_the_command_loads_is_a_quiet_exit_130() -> None:
+    # The console script imports the command's modules first; a Ctrl-C then was a traceback
+    # through the import system. Here the import of those modules is what gets interrupted.
+    script = (
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'loomflow.cli.main':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "from loomflow.cli import main\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr
