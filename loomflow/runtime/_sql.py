@@ -378,8 +378,6 @@ def _stored(
     return StoredEntry(path, name, fp, kind, f"unreadable row ({what})", 0, b"", seq)
 
 
-# Listings describe rows for people (`runs list`, `runs show`, `users export`): a row edited
-# by hand shows what it holds, or -1 / NaN, instead of failing the whole listing.
 def _ids_damage(scope: object, session_id: object, user_id: object) -> str | None:
     """Why an open run's row names a run its key is not (a session or user column edited by
     hand), or ``None``. A claim finds the run by the key made from the ids, so it would miss
@@ -395,6 +393,8 @@ def _ids_damage(scope: object, session_id: object, user_id: object) -> str | Non
     return None
 
 
+# Listings describe rows for people (`runs list`, `runs show`, `users export`): a row edited
+# by hand shows what it holds, or -1 / NaN, instead of failing the whole listing.
 def _int(value: Any) -> int:
     return value if type(value) is int else -1
 
