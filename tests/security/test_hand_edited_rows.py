@@ -131,6 +131,15 @@ async def test_a_row_with_text_where_a_value_belongs_is_corrupt(tmp_path: Path, 
         ("UPDATE loom_entries SET name = CAST('charge' AS BLOB)", "a bytes for its name"),
         ("UPDATE loom_entries SET path = CAST(path AS BLOB)", "a bytes for its path"),
         ("UPDATE loom_entries SET fingerprint = x'00ff'", "a bytes for its fingerprint"),
+        # Text SQLite holds whatever its bytes: not UTF-8, it read as an outage before
+        # (StoreUnavailableError), now as the damaged key it is.
+        *(
+            (
+                f"UPDATE loom_entries SET {column} = CAST(x'ff41' AS TEXT)",
+                f"text that is not UTF-8 for its {column}",
+            )
+            for column in ("name", "path", "fingerprint")
+        ),
     ],
 )
 async def test_a_row_whose_key_columns_no_step_can_match_is_corrupt(

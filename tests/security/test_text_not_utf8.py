@@ -18,33 +18,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hand_edited_rows import Counter, _resume, sqlite_exec
+from test_hand_edited_rows import Counter, sqlite_exec
 from test_hand_edited_rows import _journal_with_open_run as _open_run
 
 from loomflow.audit import AuditLog, SqliteAuditStore
 from loomflow.audit.offline import verify_lines
-from loomflow.errors import CorruptEntryError
 from loomflow.runtime import SqliteRuntime
 
 NOT_UTF8 = "CAST(x'ff41' AS TEXT)"  # 0xff starts no UTF-8 sequence
 # A UTF-8 terminal's stdout refuses a lone surrogate; a C.UTF-8 locale's surrogateescape would
 # hide a crash of the printing.
 STRICT_STDOUT = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
-
-
-@pytest.mark.parametrize("column", ["name", "path", "fingerprint"])
-async def test_a_journal_key_that_is_not_utf8_is_a_corrupt_entry(
-    tmp_path: Path, column: str
-) -> None:
-    path = tmp_path / "journal.db"
-    body = Counter()
-    await _open_run(path, body)
-    sqlite_exec(path, f"UPDATE loom_entries SET {column} = {NOT_UTF8}")
-    with pytest.raises(CorruptEntryError, match=f"text that is not UTF-8 for its {column}"):
-        await _resume(path, body, strict=True)
-    assert body.calls == 1  # strict: nothing ran
-    assert await _resume(path, body) == ({"fresh": 2}, 1)  # counted, and run again once
-    assert body.calls == 2
 
 
 async def test_a_damaged_row_leaves_the_other_sessions_readable(tmp_path: Path) -> None:
