@@ -25,7 +25,7 @@ from pydantic import SecretStr
 from .. import __version__
 from .._ids import check_id
 from ..config import Settings, _check_store_url, _masked_url
-from ..errors import ConfigurationError, LoomflowError, UserError
+from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserError
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
@@ -740,7 +740,6 @@ async def _read_back(
     never unpickles, and a value it cannot read leaves the hashed name alone).
     """
     from ..messages import ModelResponse
-    from ..runtime import codec
     from ..runtime._names import tool_step_name
     from ..runtime._store import Scope
 
@@ -756,12 +755,8 @@ async def _read_back(
             if row.format == "pickle":
                 continue  # the runtime's serializer decides; never unpickled here
             try:
-                if row.format != "json":
-                    raise codec.UnknownTagError(f"a value format no release writes ({row.format})")
-                if row.codec_version > codec.CODEC_VERSION:
-                    raise codec.UnknownTagError(f"written by a newer codec ({row.codec_version})")
-                value = codec.loads(row.value)
-            except codec.UnknownTagError as exc:  # untrusted data, and a step that runs again
+                value = runtime._decode(row)  # what a resume reads, by the same checks
+            except CorruptEntryError as exc:  # untrusted data, and a step that runs again
                 unreadable[(epoch, row.path, row.name)] = f"an unreadable value: {exc}"[:200]
                 continue
             turn = row.name.removeprefix("model_call_")

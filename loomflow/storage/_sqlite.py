@@ -77,14 +77,13 @@ def _file_of(path: str) -> str:
     """The file a path given as text names: a ``sqlite:///`` URL is taken for its file (the
     form settings and the command line use), any other URL is refused. Taken as a path,
     ``sqlite:///journal.db`` made a directory named ``sqlite:``."""
-    if "://" in path and not path.startswith("sqlite://"):
+    file = sqlite_path(path)  # raises on sqlite:journal.db, which lacks its //
+    if file is None:  # another scheme
         raise ConfigurationError(
             f"{path.split('://', 1)[0]}:// URL given where a SQLite file path belongs: pass a "
             "path such as ./journal.db (or build the store from its URL, e.g. "
             "runtime_from_url)"
         )
-    file = sqlite_path(path)  # raises on sqlite:journal.db, which lacks its //
-    assert file is not None  # only None for another scheme, refused above
     return file
 
 

@@ -144,9 +144,18 @@ async def test_an_audit_entry_that_is_not_utf8_is_reported_not_unavailable(
         ("UPDATE loom_entries SET path = 'not json'", "a sub-run path that is not a list"),
         ("UPDATE loom_entries SET epoch = 'zero'", "a str ('zero') for its epoch"),
         # A value no resume can read runs again too: it said "replays".
-        ("UPDATE loom_entries SET value = x'00ff'", "an unreadable value: not valid JSON"),
-        ("UPDATE loom_entries SET format = 'yaml'", "an unreadable value: a value format"),
-        ("UPDATE loom_entries SET codec_version = 99", "an unreadable value: written by a newer"),
+        (
+            "UPDATE loom_entries SET value = x'00ff'",
+            "an unreadable value: step 'charge': not valid JSON",
+        ),
+        (
+            "UPDATE loom_entries SET format = 'yaml'",
+            "an unreadable value: step 'charge': unknown value format 'yaml'",
+        ),
+        (
+            "UPDATE loom_entries SET codec_version = 99",
+            "an unreadable value: step 'charge': written by a newer codec (v99)",
+        ),
     ],
 )
 async def test_runs_show_marks_a_row_no_step_can_match(tmp_path: Path, edit: str, why: str) -> None:
