@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from test_hand_edited_rows import Counter, sqlite_exec
 from test_hand_edited_rows import _journal_with_open_run as _open_run
+from test_text_not_utf8_stores import cli
 
 from loomflow.audit import AuditLog, SqliteAuditStore
 from loomflow.audit.offline import verify_lines
@@ -66,15 +67,7 @@ async def test_cli_listings_show_a_row_that_is_not_utf8(tmp_path: Path, edit: st
     await _open_run(path, Counter())
     await asyncio.to_thread(sqlite_exec, path, edit)
     for command in (["runs", "list"], ["runs", "list", "--json"], ["runs", "show", "s"]):
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}", *command],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=120,
-            env=STRICT_STDOUT,
-        )
+        done = await asyncio.to_thread(cli, path, *command)
         if command[-1] == "s" and "session_id" in edit:
             # The session's own row no longer names it: not found, said as such.
             assert done.returncode == 1, done.stderr
@@ -172,16 +165,7 @@ async def test_runs_show_marks_a_row_no_step_can_match(tmp_path: Path, edit: str
             await runtime.close()
     outputs = []
     for json_flag in ([], ["--json"]):
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}",
-             "runs", "show", "s", *json_flag],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=120,
-            env=STRICT_STDOUT,
-        )  # fmt: skip
+        done = await asyncio.to_thread(cli, path, "runs", "show", "s", *json_flag)
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout)
     assert "damaged" in outputs[0]
