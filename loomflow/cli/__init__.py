@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 
 def main() -> None:
     try:
@@ -11,4 +13,9 @@ def main() -> None:
         # quiet exit as an interrupted command, not a traceback through the import system.
         raise SystemExit(130) from None
 
-    raise SystemExit(run())
+    code = run()
+    # The command is done and its exit code decided. A Ctrl-C from here on would land while
+    # the interpreter shuts down, after Python's own handler is gone, and kill the process by
+    # signal instead of exiting with that code.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(code)
