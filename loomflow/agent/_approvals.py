@@ -63,17 +63,20 @@ async def decide(
         edited = recorded[request_id].arguments
         if edited is not None:
             check_arguments(agent.tools.get(ledger.requests[request_id].tool), request_id, edited)
-    decided = await journal_decisions(runtime, session_id, user_id, recorded)
-    if isinstance(agent.audit, AuditLog):
-        for request_id, request in decided.items():
+    audit = agent.audit
+
+    async def audited(request: PendingApproval, decision: RecordedDecision) -> None:
+        if isinstance(audit, AuditLog):  # before the decision is journaled (see journal_decisions)
             await audit_decision(
-                agent.audit,
+                audit,
                 request,
-                recorded[request_id],
+                decision,
                 tool_of(agent, request),
                 session_id=session_id,
                 user_id=user_id,
             )
+
+    await journal_decisions(runtime, session_id, user_id, recorded, before_each=audited)
 
 
 def tool_of(agent: Agent, request: PendingApproval) -> Tool[..., Any] | None:

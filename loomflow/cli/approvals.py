@@ -33,6 +33,7 @@ from ..governance.approvals import (
     DamagedRequest,
     Deny,
     PendingApproval,
+    RecordedDecision,
     journal_decisions,
     normalize_decision,
     read_approvals,
@@ -110,16 +111,20 @@ async def _handle(args: argparse.Namespace) -> int:
         # Which user's session: the journal knows who ran it when only one user did.
         info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
         args.user_id = info.user_id
+        audit = AuditLog(stores.audit, redactor=Redactor.from_settings(settings), redact_logs=False)
+
+        async def audited(request: PendingApproval, decision: RecordedDecision) -> None:
+            # No tool here: the request's recorded sensitive names redact the edited values.
+            # Filed under the scope the decision is journaled in, not one the record names;
+            # written before the decision is journaled, so an unaudited one never takes effect.
+            await audit_decision(
+                audit, request, decision, None, session_id=args.session_id, user_id=args.user_id
+            )
+
         decided = await journal_decisions(
-            runtime, args.session_id, args.user_id, {args.request_id: recorded}
+            runtime, args.session_id, args.user_id, {args.request_id: recorded}, audited
         )
         request = decided[args.request_id]
-        audit = AuditLog(stores.audit, redactor=Redactor.from_settings(settings), redact_logs=False)
-        # No tool here: the request's recorded sensitive names redact the edited values.
-        # Filed under the scope the decision was journaled in, not one the record names.
-        await audit_decision(
-            audit, request, recorded, None, session_id=args.session_id, user_id=args.user_id
-        )
         summary = {
             "request_id": request.request_id,
             "session_id": args.session_id,

@@ -25,7 +25,7 @@ import datetime as dt
 import functools
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -560,12 +560,17 @@ async def journal_decisions(
     session_id: str,
     user_id: str | None,
     decisions: Mapping[str, RecordedDecision],
+    before_each: Callable[[PendingApproval, RecordedDecision], Awaitable[None]] | None = None,
 ) -> dict[str, PendingApproval]:
     """Journal ``decisions`` as steps of the last run of (session, user); the requests decided.
 
     Takes the session's turn while writing, so it waits for a run in progress. All ids are
     checked before anything is written; then each decision is one journal step. The run is
     left in the state it was in (``interrupted``, as it stopped): only a resume continues it.
+
+    ``before_each`` (the audit entry of a decision) is awaited for each decision under the
+    turn, after the checks and before its step is written: a decision that takes effect has
+    always been audited, and one whose audit write fails is not journaled (it can be retried).
 
     Raises:
         ApprovalNotFoundError: an id is not a request of that run.
@@ -595,6 +600,8 @@ async def journal_decisions(
         else:
             for request_id, decision in decisions.items():
                 request = ledger.requests[request_id]
+                if before_each is not None:
+                    await before_each(request, decision)
                 reset = _frame.set(_Frame(run, tuple(request.path)))
                 try:
                     await runtime.step(

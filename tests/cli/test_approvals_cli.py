@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -353,3 +354,30 @@ def test_a_damaged_request_is_listed_refused_and_stops_the_resume(
     with pytest.raises(CorruptEntryError):
         asyncio.run(_run(url, sent, resume=True))
     assert sent == []
+
+
+def test_a_decision_the_audit_log_cannot_record_is_not_journaled(tmp_path: Path) -> None:
+    """The audit entry is written before the decision is journaled: with the audit store
+    down the command fails and nothing is decided, so the retry records (and audits) it."""
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    sent: list[dict[str, Any]] = []
+    ops, _ = asyncio.run(_run(url, sent, resume=False)).pending_approvals
+    down = "postgresql://loomflow@127.0.0.1:1/audit"  # nothing listens on port 1
+    failed = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "--url", url, "approvals", "approve",
+         ops.request_id, "--session", "ops-1", "--by", "carol"],
+        env={**os.environ, "LOOMFLOW_AUDIT_URL": down},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert failed.returncode == 1, failed.stderr
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert ops.request_id in listed.stdout  # still waiting, not decided unaudited
+
+    again = loomflow(
+        "--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1", "--by", "carol"
+    )
+    assert again.returncode == 0, again.stderr
+    decisions = [e for e in asyncio.run(_audit(url)) if e.action == actions.APPROVAL_DECISION]
+    assert [(e.actor, e.payload["request_id"]) for e in decisions] == [
+        ("approver:carol", ops.request_id)
+    ]

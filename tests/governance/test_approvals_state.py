@@ -16,7 +16,7 @@ import pytest
 from loomflow.agent import Agent
 from loomflow.agent._approvals import audit_decision
 from loomflow.audit import AuditLog, InMemoryAuditStore, actions
-from loomflow.errors import RunCancelledError
+from loomflow.errors import RunCancelledError, StoreUnavailableError
 from loomflow.governance import Approve, StandardPermissions
 from loomflow.governance.approvals import journal_decisions, normalize_decision
 from loomflow.messages import Message, ToolCall, ToolSpec
@@ -206,3 +206,36 @@ async def test_a_sealed_argument_reaches_the_tool_when_the_same_agent_resumes(
         "pay", session_id="s2", user_id="ana", approvals={again.request_id: Approve()}
     )
     assert bank.transfers == [{"account": "A-1", "pin": "1234"}]
+
+
+async def test_a_decision_the_audit_log_cannot_record_is_not_journaled(
+    runtime_factory: Factory,
+) -> None:
+    """resume(approvals=...) audits each decision before journaling it: with the audit store
+    down nothing is decided, and the retry (audit back) records it once."""
+    bank = Bank()
+    runtime = await runtime_factory()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = bank.agent(runtime, audit)
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+
+    # The approval endpoint's audit database does not answer (nothing listens on port 1).
+    down = bank.agent(runtime, AuditLog("postgresql://loomflow@127.0.0.1:1/audit"))
+    with pytest.raises(StoreUnavailableError):
+        await down.resume(
+            "pay", session_id="s1", user_id="ana", approvals={request.request_id: Approve()},
+            decided_by="kim",
+        )  # fmt: skip
+    assert await agent.pending_approvals("s1", user_id="ana") == [request]
+    assert bank.transfers == []
+
+    result = await agent.resume(
+        "pay", session_id="s1", user_id="ana", approvals={request.request_id: Approve()},
+        decided_by="kim",
+    )  # fmt: skip
+    assert not result.interrupted
+    assert [t["account"] for t in bank.transfers] == ["A-1"]
+    decisions = (await audit.query(user_id="ana", action=actions.APPROVAL_DECISION)).entries
+    assert [(e.actor, e.payload["request_id"]) for e in decisions] == [
+        ("approver:kim", request.request_id)
+    ]
