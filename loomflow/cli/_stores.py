@@ -14,7 +14,7 @@ from ..runtime import JournalRuntime, SessionInfo
 from ..storage._sqlite import read_text
 from ..storage._url import sqlite_path
 
-__all__ = ["existing", "refuse_unready", "session_of"]
+__all__ = ["existing", "refuse_unready", "refuse_without", "session_of"]
 
 
 def existing(url: str, what: str) -> str:
@@ -218,6 +218,26 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
                     f"loomflow needs {latest[component]}: run `loomflow migrate` once every "
                     "worker runs this release (other commands never change a schema)"
                 )
+
+
+async def refuse_without(url: str | None, component: str, what: str) -> None:
+    """Refuse a database that holds loomflow stores but not ``component``, for a command
+    that reads it (``audit query``, the console): opening it would create its tables, an
+    empty store where the operator expected theirs (a forgotten ``--audit-url``, say)."""
+    if not url or url.endswith(".jsonl"):
+        return  # the JSON-lines log: `existing` refuses a file that is not there
+    if url.startswith(("postgresql://", "postgres://")):
+        versions = await _postgres_versions(url)
+    else:
+        path = sqlite_path(url)
+        if path is None or path == ":memory:":
+            return
+        versions = await asyncio.to_thread(_sqlite_versions, path)
+    if isinstance(versions, dict) and versions and component not in versions:
+        raise ConfigurationError(
+            f"{_masked_url(url)!r} holds no {what}: check the URL (or --audit-url), or run "
+            f"`loomflow migrate` to create one there (other commands add no tables)"
+        )
 
 
 # -- a store whose version rows are gone -------------------------------------------------------

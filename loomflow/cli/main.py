@@ -31,7 +31,7 @@ from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
 from ._format import duration, iso_time, login, positive_int, printable, table, who
 from ._progress import add_no_progress, progress_bar
-from ._stores import existing, refuse_unready, session_of
+from ._stores import existing, refuse_unready, refuse_without, session_of
 from ._upgrade import legacy_note, quiet_on_open
 
 
@@ -343,6 +343,11 @@ def _command(args: argparse.Namespace) -> int:
     _check_urls(args)
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
         asyncio.run(refuse_unready(_databases(args, settings)))
+        # They read the audit log, so they never create one (`audit verify --file` reads a file).
+        if args.command in ("audit", "console") and getattr(args, "file", None) is None:
+            journal = args.url or settings.runtime_url
+            audit = getattr(args, "audit_url", None) or settings.audit_url or journal
+            asyncio.run(refuse_without(audit, "audit", "audit log"))
     if args.command == "demo":
         if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
             # Anything else would run the story somewhere other than the report says.

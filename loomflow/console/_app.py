@@ -16,6 +16,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
+import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -30,11 +31,13 @@ from starlette.requests import Request
 from starlette.responses import (
     HTMLResponse,
     JSONResponse,
+    PlainTextResponse,
     RedirectResponse,
     Response,
     StreamingResponse,
 )
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._ids import check_id, check_key
 from .._printable import printable
@@ -63,6 +66,35 @@ class _Refused(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class _RefuseControlCharacters:
+    """Refuse (400) a request whose decoded path holds a control character, before routing.
+
+    Ids in a path (``/users/<id>``) must get the same answer as in a query, but a route's
+    pattern never sees such an id whole: its ``.`` stops at a line feed and its ``$`` matches
+    before a final one, so ``/api/users/bob%0A`` would be served as bob's trail.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = _CONTROL.search(scope.get("path", "")) if scope["type"] == "http" else None
+        if found is None:
+            await self.app(scope, receive, send)
+            return
+        message = f"the path contains the control character U+{ord(found.group()):04X}"
+        headers = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"}
+        response: Response
+        if scope["path"].startswith("/api/"):
+            response = JSONResponse({"error": message}, 400, headers=headers)
+        else:
+            response = PlainTextResponse(message, 400, headers=headers)
+        await response(scope, receive, send)
 
 
 def user_url(user_id: str | None) -> str:
@@ -541,6 +573,7 @@ def create_app(
             Route(f"{prefix}/export/heads", export_heads),
         ]
     middleware = [
+        Middleware(_RefuseControlCharacters),
         Middleware(
             SessionMiddleware,
             secret_key=secret,
@@ -548,7 +581,7 @@ def create_app(
             max_age=_SESSION_HOURS * 3600,
             same_site="strict",
             https_only=secure_cookie,
-        )
+        ),
     ]
 
     @contextlib.asynccontextmanager

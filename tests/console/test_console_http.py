@@ -33,13 +33,16 @@ from console_helpers import (
 )
 from pydantic import SecretStr
 
+from loomflow.agent import Agent
 from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
 from loomflow.console import ConsoleOptions, SignInFailures, build_console, token_sha256
 from loomflow.console._access import SignIns
 from loomflow.console._app import user_url
 from loomflow.errors import ConfigurationError
+from loomflow.models import ScriptedModel
 from loomflow.redaction import Redactor
+from loomflow.runtime import SqliteRuntime
 from loomflow.stores import Stores
 
 # Every time in loomflow's JSON: ISO 8601, UTC, microseconds, Z (docs/operations/cli.md).
@@ -1183,3 +1186,60 @@ def test_an_address_the_console_cannot_listen_on_is_one_line(tmp_path: Path) -> 
             assert done.returncode == 1, (args, done.stderr)
             assert done.stderr.startswith("loomflow: error: the console cannot listen on")
             assert done.stderr.count("\n") == 1, done.stderr  # not announced, then failed
+
+
+def test_a_control_character_in_the_path_is_refused_before_routing(console: Server) -> None:
+    # A route's pattern stops at a line feed, and matches before a final one: without the
+    # check /api/users/bob%0A served bob's trail and /api/users/a%0Ab was a bare 404.
+    with console.client(ADMIN) as http:
+        for path in ("/api/users/bob%0A", "/api/users/a%0Ab", "/api/users/a%0Db", "/api/runs%0A",
+                     "/api/entry%0A", "/api/users/a%00b"):  # fmt: skip
+            got = http.get(path, params={"user": "bob", "seq": 1})
+            assert got.status_code == 400, path
+            assert "control character U+00" in got.json()["error"], path
+            assert "default-src 'none'" in got.headers["content-security-policy"]
+        page = http.get("/users/bob%0A")
+        assert page.status_code == 400
+        assert "bob" not in page.text.replace("U+000A", "")
+        assert http.get("/api/users/bob").status_code == 200  # the id itself is served
+
+
+def test_the_viewed_user_is_recorded_as_named_even_when_it_looks_like_personal_data(
+    console: Server, deployment: Deployment
+) -> None:
+    """The console's records redact what they carry, but not the user ids: "who has looked
+    at alice@example.com?" must find its records (PII redaction is on by default)."""
+    email, card = "alice@example.com", "4111111111111111"
+    before = len(_audit(deployment, user_id="console:ada"))
+    with console.client(ADMIN) as http:
+        for user in (email, card):
+            assert http.get("/api" + user_url(user)).status_code == 200
+        assert http.get("/api/users", params={"q": email}).status_code == 200
+    records = [e["payload"] for e in _audit(deployment, user_id="console:ada")[before:]]
+    assert [p.get("viewed_user") for p in records[:2]] == [email, card]  # type: ignore[union-attr]
+    assert records[2]["details"]["search"] == email  # type: ignore[index]
+
+
+def test_the_console_and_audit_commands_refuse_a_database_without_an_audit_log(
+    tmp_path: Path,
+) -> None:
+    """Reading the audit log of a journal-only database used to create its tables there
+    (an empty console for an operator who forgot --audit-url, its records in the journal)."""
+    path = tmp_path / "journal.db"
+
+    async def journal_only() -> None:
+        agent = Agent("x", model=ScriptedModel(["ok"]), runtime=SqliteRuntime(path), audit=None)
+        await agent.run("hi", session_id="s", user_id="ana")
+
+    asyncio.run(journal_only())
+    before = tables(path)
+    assert "loom_audit" not in before
+    env = {**os.environ, "LOOMFLOW_CONSOLE_TOKEN": ADMIN, "PYTHONIOENCODING": "utf-8:strict"}
+    for command in (["console", "--port", "1"], ["audit", "query"], ["audit", "verify"]):
+        got = subprocess.run(
+            [sys.executable, "-m", "loomflow.cli", "--url", f"sqlite:///{path}", *command],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert got.returncode == 1, (command, got.stderr)
+        assert "holds no audit log" in got.stderr, command
+    assert tables(path) == before
