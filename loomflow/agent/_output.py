@@ -29,6 +29,7 @@ from ..models import Model
 __all__ = ["StructuredOutput", "check_output_type"]
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+_LOCAL_REF = re.compile(r"^#/\$defs/([^/~]+)$")  # a reference pydantic writes into $defs
 _FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*)\n\s*```$", re.DOTALL)
 # Keys under which a JSON schema nests other schemas.
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
@@ -162,7 +163,7 @@ class StructuredOutput:
 
 
 def _format_of(output_type: type[BaseModel], tool_names: Collection[str]) -> OutputFormat:
-    schema = output_type.model_json_schema()
+    schema = _root_resolved(output_type.model_json_schema())
     if schema.get("type") != "object":
         raise InvalidArgumentError(
             f"output_type {output_type.__name__} must validate a JSON object (a model with "
@@ -179,6 +180,27 @@ def _format_of(output_type: type[BaseModel], tool_names: Collection[str]) -> Out
         strict=strict_schema is not None,
         description=doc or f"The final answer, as a {name} object.",
     )
+
+
+def _root_resolved(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with a top-level ``$ref`` into its own ``$defs`` replaced by its target.
+
+    Pydantic describes a recursive model (a field of its own type) as ``{"$defs": {"Node":
+    {...}}, "$ref": "#/$defs/Node"}``. Providers want an object schema at the top (Anthropic's
+    tool ``input_schema``, OpenAI's response format), so the definition is copied up while
+    ``$defs`` stays, and the nested ``#/$defs/Node`` references still resolve. Any other
+    schema is returned unchanged (so are the journal keys of the types that worked before).
+    """
+    ref = schema.get("$ref")
+    defs = schema.get("$defs")
+    match = _LOCAL_REF.match(ref) if isinstance(ref, str) else None
+    if match is None or not isinstance(defs, dict):
+        return schema
+    target = defs.get(match.group(1))
+    if not isinstance(target, dict):
+        return schema
+    siblings = {k: v for k, v in schema.items() if k not in ("$ref", "$defs")}
+    return {**copy.deepcopy(target), **siblings, "$defs": defs}
 
 
 def _strict_schema(schema: dict[str, Any]) -> dict[str, Any] | None:

@@ -19,7 +19,9 @@ Structured-output requests are honoured as the providers do: a request that forc
 (Anthropic ``tool_choice``) gets that tool called, its input being :attr:`Reply.structured`
 (or the reply's text, taken as raw JSON); a request with an OpenAI ``response_format`` of type
 ``json_schema`` gets :attr:`Reply.structured` (or the text) as its message content, and a
-``strict`` schema that strict mode would refuse gets the HTTP 400 the real API gives.
+``strict`` schema that strict mode would refuse gets the HTTP 400 the real API gives. Both
+refuse, as the real APIs do, a tool input schema or response format schema that is not an
+object at its top level.
 """
 
 from __future__ import annotations
@@ -494,6 +496,15 @@ class FakeAnthropicAPI(FakeProviderAPI):
 
     def _refuse(self, request: RecordedRequest) -> Failure | None:
         body = request.body if isinstance(request.body, dict) else {}
+        tools = body.get("tools")
+        for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+            schema = tool.get("input_schema") if isinstance(tool, dict) else None
+            if not isinstance(schema, dict) or schema.get("type") != "object":
+                # As the real API: a tool's input is always an object (a top-level "$ref"
+                # is refused, even one to an object definition).
+                return Failure(
+                    400, f"tools.{index}.custom.input_schema.type: Input should be 'object'"
+                )
         choice = body.get("tool_choice")
         if choice is None:
             return None
@@ -662,6 +673,12 @@ class FakeOpenAIAPI(FakeProviderAPI):
         schema = spec.get("schema")
         if not isinstance(schema, dict):
             return Failure(400, "response_format.json_schema.schema must be an object")
+        if schema.get("type") != "object":
+            return Failure(
+                400,
+                f"Invalid schema for response_format {spec['name']!r}: schema must be a JSON "
+                f"Schema of 'type: \"object\"', got 'type: \"{schema.get('type')}\"'.",
+            )
         if spec.get("strict") is True:
             problem = _strict_problem(schema, "schema")
             if problem is not None:

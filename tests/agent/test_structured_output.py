@@ -215,6 +215,49 @@ def test_the_format_is_strict_only_when_the_schema_has_a_strict_form() -> None:
     assert nested.json_schema["$defs"]["Weather"]["additionalProperties"] is False
 
 
+class Node(BaseModel):
+    """A list of numbers, one node at a time (a model with a field of its own type)."""
+
+    value: int
+    next: Node | None = None
+
+
+class Tree(BaseModel):
+    name: str
+    children: list[Tree]  # every field required: a strict form exists
+
+
+def test_a_recursive_model_is_an_object_schema_that_keeps_its_definitions() -> None:
+    # Pydantic describes it as {"$defs": {"Node": ...}, "$ref": "#/$defs/Node"}: no "type".
+    assert "type" not in Node.model_json_schema()
+    fmt = StructuredOutput(Node, 1).format
+    schema = fmt.json_schema
+    assert schema["type"] == "object"
+    assert "$ref" not in schema
+    assert schema["required"] == ["value"]
+    assert fmt.strict is False  # next has a default
+    # The inner reference still resolves, against the $defs kept at the top.
+    assert schema["properties"]["next"]["anyOf"][0] == {"$ref": "#/$defs/Node"}
+    assert schema["$defs"]["Node"]["properties"].keys() == {"value", "next"}
+    assert fmt.description.startswith("A list of numbers")
+
+    tree = StructuredOutput(Tree, 1).format
+    assert tree.strict is True
+    assert tree.json_schema["additionalProperties"] is False
+    assert tree.json_schema["$defs"]["Tree"]["additionalProperties"] is False
+    assert tree.json_schema["properties"]["children"]["items"] == {"$ref": "#/$defs/Tree"}
+
+
+async def test_a_recursive_model_is_asked_for_and_parsed() -> None:
+    answer = '{"value": 1, "next": {"value": 2, "next": {"value": 3}}}'
+    model = ScriptedModel(['{"value": 1, "next": {"value": "two"}}', answer])
+    result = await _agent(model).run("count to 3", output_type=Node)
+    assert result.parsed == Node(value=1, next=Node(value=2, next=Node(value=3)))
+    assert model.calls == 2
+    assert "next.value" in model.requests[1][-1].content  # the nested error was sent back
+    assert '"$defs"' in model.requests[0][1].content  # the schema in the prompt resolves
+
+
 def test_the_format_name_does_not_shadow_a_tool() -> None:
     assert StructuredOutput(Weather, 1, tool_names=["Weather"]).format.name == "Weather_output"
     assert StructuredOutput(Weather, 1).format.name == "Weather"

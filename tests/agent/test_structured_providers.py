@@ -32,7 +32,15 @@ class Report(BaseModel):
     summary: str | None = None  # optional: OpenAI strict mode would refuse this schema
 
 
+class Tree(BaseModel):
+    """A tree of places."""
+
+    name: str
+    children: list[Tree]  # recursive, every field required: strict mode can take it
+
+
 ANSWER = {"city": "Oslo", "temp_c": 3.5}
+TREE = {"name": "Norway", "children": [{"name": "Oslo", "children": []}]}
 
 
 @tool
@@ -199,6 +207,35 @@ async def test_anthropic_cut_off_answer_reads_as_length() -> None:
     assert response.text == '{"city": "Os'
 
 
+async def test_anthropic_answers_with_a_recursive_model() -> None:
+    with FakeAnthropicAPI(Reply(structured=TREE)) as api:
+        model = _anthropic(api)
+        try:
+            result = await _agent(model).run("places?", output_type=Tree)
+        finally:
+            await model.aclose()
+    assert result.parsed == Tree.model_validate(TREE)
+    [answer_tool] = api.last_request.body["tools"]
+    schema = answer_tool["input_schema"]
+    assert schema["type"] == "object"  # the API refuses a tool input that is a bare $ref
+    assert schema["properties"]["children"]["items"] == {"$ref": "#/$defs/Tree"}
+    assert "Tree" in schema["$defs"]
+
+
+async def test_anthropic_fake_refuses_a_tool_input_that_is_not_an_object() -> None:
+    with FakeAnthropicAPI(Reply(structured=TREE)) as api:
+        client = anthropic.AsyncAnthropic(base_url=api.base_url, api_key="test", max_retries=0)
+        with pytest.raises(anthropic.BadRequestError, match=r"input_schema\.type"):
+            await client.messages.create(
+                model="claude-opus-4-7",
+                max_tokens=100,
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[{"name": "Tree", "input_schema": Tree.model_json_schema()}],
+                tool_choice={"type": "tool", "name": "Tree"},
+            )
+        await client.close()
+
+
 # -- OpenAI: response_format json_schema -------------------------------------------------------
 
 
@@ -247,6 +284,35 @@ async def test_openai_fake_refuses_a_strict_schema_strict_mode_cannot_take() -> 
                         "schema": {**Report.model_json_schema(), "additionalProperties": False},
                         "strict": True,
                     },
+                },
+            )
+        await client.close()
+
+
+async def test_openai_answers_with_a_recursive_model_in_strict_mode() -> None:
+    with FakeOpenAIAPI(Reply(structured=TREE)) as api:
+        model = _openai(api)
+        try:
+            result = await _agent(model).run("places?", output_type=Tree)
+        finally:
+            await model.aclose()
+    assert result.parsed == Tree.model_validate(TREE)
+    spec = api.last_request.body["response_format"]["json_schema"]
+    assert spec["strict"] is True
+    assert spec["schema"]["type"] == "object"
+    assert spec["schema"]["$defs"]["Tree"]["additionalProperties"] is False
+
+
+async def test_openai_fake_refuses_a_schema_that_is_not_an_object() -> None:
+    with FakeOpenAIAPI(Reply(structured=TREE)) as api:
+        client = openai.AsyncOpenAI(base_url=api.base_url, api_key="test", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="must be a JSON Schema of 'type"):
+            await client.chat.completions.create(
+                model="gpt-4.1",
+                messages=[{"role": "user", "content": "hi"}],
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "Tree", "schema": Tree.model_json_schema()},
                 },
             )
         await client.close()
