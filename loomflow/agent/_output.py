@@ -20,7 +20,7 @@ import re
 from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any, Protocol, cast
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, PydanticUserError, ValidationError
 
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, OutputValidationError
 from ..messages import Message, ModelChunk, ModelSettings, OutputFormat, ToolSpec
@@ -163,7 +163,16 @@ class StructuredOutput:
 
 
 def _format_of(output_type: type[BaseModel], tool_names: Collection[str]) -> OutputFormat:
-    schema = _root_resolved(output_type.model_json_schema())
+    try:
+        schema = _root_resolved(output_type.model_json_schema())
+    except PydanticUserError as exc:
+        # A field pydantic can validate but not describe (an arbitrary class with
+        # arbitrary_types_allowed, a forward reference never defined): no provider could be
+        # told the shape, so the type is refused before anything runs.
+        reason = str(exc).split("\n", 1)[0]
+        raise InvalidArgumentError(
+            f"output_type {output_type.__name__} has no JSON schema to ask the model for: {reason}"
+        ) from exc
     if schema.get("type") != "object":
         raise InvalidArgumentError(
             f"output_type {output_type.__name__} must validate a JSON object (a model with "

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from loomflow.agent import Agent, ModelDeltaEvent, RunFinished, Tuning
 from loomflow.agent._output import StructuredOutput
@@ -256,6 +256,38 @@ async def test_a_recursive_model_is_asked_for_and_parsed() -> None:
     assert model.calls == 2
     assert "next.value" in model.requests[1][-1].content  # the nested error was sent back
     assert '"$defs"' in model.requests[0][1].content  # the schema in the prompt resolves
+
+
+class Handle:
+    """Not something pydantic can write a JSON schema for."""
+
+
+class Opaque(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    handle: Handle
+
+
+class Undefined(BaseModel):
+    later: NeverDefined  # type: ignore[name-defined]  # noqa: F821
+
+
+@pytest.mark.parametrize(
+    ("output_type", "reason"),
+    [(Opaque, "Cannot generate a JsonSchema"), (Undefined, "not fully defined")],
+)
+async def test_an_output_type_without_a_json_schema_is_a_typed_error(
+    output_type: type[BaseModel], reason: str
+) -> None:
+    model = ScriptedModel([GOOD])
+    name = output_type.__name__
+    with pytest.raises(
+        InvalidArgumentError, match=f"output_type {name} has no JSON schema.*{reason}"
+    ):
+        _agent(model, output_type=output_type)
+    with pytest.raises(InvalidArgumentError, match=f"output_type {name} .*{reason}"):
+        await _agent(model).run("w?", output_type=output_type)
+    assert model.calls == 0
 
 
 def test_the_format_name_does_not_shadow_a_tool() -> None:
