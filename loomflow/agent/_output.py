@@ -117,12 +117,12 @@ class StructuredOutput:
         """The answer ``text`` validated into the output type (pydantic's error if not)."""
         return self.type.model_validate_json(_unfenced(text))
 
-    def retry_message(self, messages: Sequence[Message]) -> Message | None:
+    def retry_message(self, messages: Sequence[Message], prompt_index: int) -> Message | None:
         """What to ask the model next if the last answer does not validate, else ``None``.
 
-        The answers refused so far are counted in ``messages`` (the retry requests since the
-        last user message of another kind: the prompt), so a replayed or restored run counts
-        exactly what the first one did.
+        The answers refused so far are counted in ``messages`` (the retry requests after the
+        run's prompt, at ``prompt_index``), so a replayed or restored run counts exactly what
+        the first one did.
 
         Raises:
             OutputValidationError: the answer does not validate and no retry is left.
@@ -132,7 +132,7 @@ class StructuredOutput:
             self.validate(answer)
         except ValidationError as exc:
             detail = _describe(exc)
-            refused = self._requests_since_prompt(messages) + 1
+            refused = self._requests_since_prompt(messages, prompt_index) + 1
             if refused > self.retries:
                 raise OutputValidationError(self.type.__name__, detail, refused, answer) from None
             return Message.user(
@@ -144,13 +144,22 @@ class StructuredOutput:
     def _retry_prefix(self) -> str:
         return f"Your answer is not a valid {self.format.name} object:"
 
-    def _requests_since_prompt(self, messages: Sequence[Message]) -> int:
+    def _requests_since_prompt(self, messages: Sequence[Message], prompt_index: int) -> int:
+        """The retry requests the loop added after the prompt.
+
+        Only messages after ``prompt_index`` count: the prompt, or a message of the history
+        before it, may begin with the same words (a user quoting an earlier exchange), and
+        the request text itself stays as it is, since it is part of the journaled transcript
+        (the model calls' keys). A forked run's ``prompt_index`` points at the start of its
+        history rather than at its prompt, so the count also stops at the first user message
+        that is not a request: what the loop adds after the prompt is never such a message.
+        """
         count = 0
-        for message in reversed(messages):
+        for message in reversed(messages[prompt_index + 1 :]):
             if message.role != "user":
                 continue
             if not message.content.startswith(self._retry_prefix):
-                break  # the prompt
+                break  # the prompt, in a forked run
             count += 1
         return count
 

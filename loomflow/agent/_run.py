@@ -264,7 +264,7 @@ class _Run:
         self.tool_calls = list(response.tool_calls)
         if not self.tool_calls:
             if self.structured is not None:
-                retry = self.structured.retry_message(self.messages)
+                retry = self.structured.retry_message(self.messages, self.prompt_index)
                 if retry is not None:  # ask again; the (empty) tool turn saves the snapshot
                     self.messages.append(retry)
                     return

@@ -23,6 +23,7 @@ from loomflow.errors import (
     OutputValidationError,
     ReplayDivergenceError,
 )
+from loomflow.memory import InMemoryMemory
 from loomflow.messages import Message, ModelSettings, OutputFormat, ToolCall, ToolSpec
 from loomflow.models import FunctionModel, ScriptedModel
 from loomflow.runtime import JournalRuntime, SqliteRuntime
@@ -290,6 +291,38 @@ async def test_an_output_type_without_a_json_schema_is_a_typed_error(
     assert model.calls == 0
 
 
+async def test_a_prompt_that_reads_like_a_retry_request_is_not_counted_as_one() -> None:
+    prompt = "Your answer is not a valid Weather object: that was yesterday. Weather now?"
+    model = ScriptedModel(["not json", GOOD])
+    result = await _agent(model).run(prompt, output_type=Weather, output_retries=1)
+    assert result.parsed == Weather(city="Oslo", temp_c=3.5)
+    assert model.calls == 2
+
+    model = ScriptedModel(["not json", "{}"])
+    with pytest.raises(OutputValidationError) as caught:
+        await _agent(model).run(prompt, output_type=Weather, output_retries=1)
+    assert caught.value.attempts == 2
+    assert model.calls == 2
+
+
+async def test_retry_requests_recalled_from_an_earlier_run_are_not_counted() -> None:
+    """Only the requests after the prompt count, not those memory brings back."""
+    memory = InMemoryMemory()
+    first = await _agent(ScriptedModel(["{}", GOOD]), memory=memory).run(
+        "weather?", session_id="s", user_id="u", output_type=Weather
+    )
+    assert first.messages[3].content.startswith("Your answer is not a valid Weather object:")
+    # A scripted model numbers its turns by the assistant messages it is sent, recalled ones too.
+    model = ScriptedModel(["unused", "unused", "{}", GOOD])
+    again = await _agent(model, memory=memory).run(
+        "and tomorrow?", session_id="s", user_id="u", output_type=Weather, output_retries=1
+    )
+    assert again.parsed == Weather(city="Oslo", temp_c=3.5)
+    assert model.calls == 2
+    recalled = [m.content for m in model.requests[0] if m.role == "user"]
+    assert recalled[1].startswith("Your answer is not a valid Weather object:")
+
+
 def test_the_format_name_does_not_shadow_a_tool() -> None:
     assert StructuredOutput(Weather, 1, tool_names=["Weather"]).format.name == "Weather_output"
     assert StructuredOutput(Weather, 1).format.name == "Weather"
@@ -376,8 +409,14 @@ async def test_a_restored_checkpoint_rebuilds_parsed(tmp_path: Path) -> None:
         await runtime.close()
 
 
+@pytest.mark.parametrize(
+    "prompt",
+    # The second reads like a retry request: the restored run still has its one retry left
+    # (it counts from the prompt_index the snapshot keeps).
+    ["weather?", "Your answer is not a valid Weather object: weather?"],
+)
 async def test_a_crash_between_the_refused_answer_and_its_retry_snapshot_resumes(
-    tmp_path: Path,
+    tmp_path: Path, prompt: str
 ) -> None:
     """The snapshot after a refused answer is not final: a restore goes on to the retry."""
     runtime = SqliteRuntime(tmp_path / "journal.db")
@@ -397,9 +436,9 @@ async def test_a_crash_between_the_refused_answer_and_its_retry_snapshot_resumes
             tuning=Tuning(checkpoint=True),
         )
         with pytest.raises(ConnectionError):
-            await agent.run("weather?", session_id="s", user_id="u")
+            await agent.run(prompt, session_id="s", user_id="u")
         model = ScriptedModel(["unused", GOOD])  # turn 1 is the retry
-        result = await agent.clone(model=model).resume("weather?", session_id="s", user_id="u")
+        result = await agent.clone(model=model).resume(prompt, session_id="s", user_id="u")
         assert result.restored_from is not None
         assert model.calls == 1
         assert result.parsed == Weather(city="Oslo", temp_c=3.5)
