@@ -32,6 +32,7 @@ FLOORS = [
         "loomflow._pii",
         "loomflow._printable",
         "loomflow._progress",
+        "loomflow._sealed",
         "loomflow._settings_doc",
         "loomflow._timefmt",
         "loomflow.config",

@@ -33,7 +33,7 @@ from ..checkpoints import (
 )
 from ..context import RunContext
 from ..errors import CheckpointError, CorruptEntryError, UserError
-from ..governance.approvals import ApprovalPending, PendingApproval
+from ..governance.approvals import ApprovalPending, PendingApproval, journaled_request
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..memory import AgentMemory
 from ..messages import (
@@ -504,8 +504,14 @@ class _Run:
         executed = False
         try:
             current = self.sealer.unseal(call)  # the real values, for this invocation only
+            gone: SealedValueLost | None = None
         except SealedValueLost as lost:
-            outcome = self.sealer.lost(lost)
+            # Resumed in a process that does not hold the values. A decision journaled on
+            # the call's approval request may still settle it (a denial, or an edit that
+            # gives every value): the hooks apply it. Without one the model is told.
+            current, gone = call, lost
+        if gone is not None and journaled_request(self.info, turn, slot) is None:
+            outcome = self.sealer.lost(gone)
         else:
             answer: ToolOutcome | None = None
             for hook in self.hooks:
@@ -517,6 +523,11 @@ class _Run:
                     break
                 current = checked
             await self.to_hooks()  # the decisions just emitted, before what they decided
+            if answer is None and gone is not None:
+                try:  # allowed as asked: the values are still gone, unless an edit gave them
+                    current = self.sealer.unseal(current)
+                except SealedValueLost as lost:
+                    answer = self.sealer.lost(lost)
             if answer is not None:
                 outcome = answer
             else:

@@ -42,6 +42,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mappin
 from typing import Any
 
 from .._json import canonical_json, json_safe
+from .._sealed import SEALED_ARGUMENT
 from ..messages import Message, ModelResponse, ToolCall, ToolCallDelta
 from ..redaction import Redactor
 from ..runtime import codec
@@ -58,7 +59,7 @@ SEALED_RESULT_LOST = (
 )
 """What the model reads for a result sealed in another process (before a restart, say)."""
 
-_PLACEHOLDER = re.compile(r"^\[sealed:[0-9a-f]{20}\]$")
+_PLACEHOLDER = SEALED_ARGUMENT
 _RESULT_PLACEHOLDER = re.compile(r"^\[sealed-result:[0-9a-f]{20}\]$")
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "PendingApproval",
     "RecordedDecision",
     "journal_decisions",
+    "journaled_request",
     "normalize_decision",
     "read_approvals",
 ]
@@ -336,6 +337,28 @@ async def deferred_decision(
     if recorded.request_id != request_id:
         raise CorruptEntryError(f"journal entry {decided!r} decides another approval request")
     return recorded
+
+
+def journaled_request(info: RunInfo, turn: int, slot: int) -> PendingApproval | None:
+    """The sound approval request this run journaled for its call at (``turn``, ``slot``),
+    if any; ``None`` outside a journaled run.
+
+    For a call whose sealed arguments this process does not hold (the run resumed in another
+    process): its rules cannot be judged on placeholders, but a decision journaled on the
+    request it made can still be applied.
+    """
+    try:
+        run, path = _position(info)
+    except UserError:
+        return None
+    stored = run.entries.get((path_key(path), f"{_REQUEST_STEP}{turn}_{slot}"))
+    if not stored:
+        return None
+    ledger = _ledger(run.scope, run.epoch, stored.values())
+    for request in ledger.requests.values():
+        if request.turn == turn and request.slot == slot and not request.path:
+            return request
+    return None
 
 
 def _misplaced(

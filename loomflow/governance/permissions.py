@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, TypeAlias, get_args
 
+from .._sealed import holds_sealed_argument
 from ..errors import UserError
 from ..hooks import RunHooks, RunInfo
 from ..messages import ToolCall
 from ..tools import Tool, ToolOutcome
-from .approvals import deferred_decision
+from .approvals import deferred_decision, journaled_request
 from .events import PermissionDecided
 
 __all__ = [
@@ -494,13 +495,23 @@ class PermissionHooks(RunHooks):
         context = PermissionContext.from_metadata(
             info.ctx.metadata, tool=tool, run_id=info.run_id, session_id=info.session_id
         )
-        try:
-            decision = permissions.check(call, user_id=info.user_id, context=context)
-        except Exception as exc:  # a custom subclass's check: fail closed
-            log.error("the permission check raised", exc_info=exc)
-            decision = Decision(
-                "deny", f"the permission check failed ({type(exc).__name__}: {exc})", "error"
-            )
+        # A call whose sealed values this process does not hold (the run resumed elsewhere):
+        # rules judged on placeholders would decide another call. The loop hands it here
+        # only when the run journaled an approval request for it; the decision on that
+        # request (a denial, or an edit that gives every value) is what applies.
+        asked = None
+        if permissions.deferred and holds_sealed_argument(call.arguments):
+            asked = journaled_request(info, turn, slot)
+        if asked is not None:
+            decision = Decision("ask", asked.reason, asked.policy)
+        else:
+            try:
+                decision = permissions.check(call, user_id=info.user_id, context=context)
+            except Exception as exc:  # a custom subclass's check: fail closed
+                log.error("the permission check raised", exc_info=exc)
+                decision = Decision(
+                    "deny", f"the permission check failed ({type(exc).__name__}: {exc})", "error"
+                )
         final: Literal["allow", "deny"] = "deny" if decision.behavior == "deny" else "allow"
         reason, approver, edited, current = decision.reason, None, False, call
         if decision.behavior == "ask":
@@ -511,7 +522,13 @@ class PermissionHooks(RunHooks):
             elif permissions.deferred:
                 # Stops the run (ApprovalPending) until a decision is journaled.
                 sensitive = tool.sensitive if tool is not None else frozenset()
-                shown = redact_arguments(call.arguments, sensitive)
+                # Sealed: the request as it was journaled shows the arguments (its id and
+                # its step's key are made from what it showed).
+                shown = (
+                    asked.arguments
+                    if asked is not None
+                    else redact_arguments(call.arguments, sensitive)
+                )
                 recorded = await deferred_decision(
                     info, turn, slot, call, shown, decision.reason, decision.policy, sensitive
                 )

@@ -8,6 +8,7 @@ tool it waited for.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from loomflow.agent import Agent
 from loomflow.agent._approvals import audit_decision
 from loomflow.audit import AuditLog, InMemoryAuditStore, actions
 from loomflow.errors import RunCancelledError, StoreUnavailableError
-from loomflow.governance import Approve, StandardPermissions
+from loomflow.governance import Approve, Deny, StandardPermissions
 from loomflow.governance.approvals import journal_decisions, normalize_decision
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
@@ -239,3 +240,75 @@ async def test_a_decision_the_audit_log_cannot_record_is_not_journaled(
     assert [(e.actor, e.payload["request_id"]) for e in decisions] == [
         ("approver:kim", request.request_id)
     ]
+
+
+async def _stopped_elsewhere(bank: Bank, runtime_factory: Factory) -> tuple[Agent, str]:
+    """A run stopped at the transfer; the agent that resumes it is another one (another
+    worker, an approval endpoint), which does not hold the sealed ``pin``."""
+    runtime = await runtime_factory()
+    stopped = await bank.agent(runtime).run("pay", session_id="s1", user_id="ana")
+    (request,) = stopped.pending_approvals
+    return bank.agent(await runtime_factory(), AuditLog(InMemoryAuditStore())), request.request_id
+
+
+def _tool_results(result: Any) -> list[str]:
+    return [m.content for m in result.messages if m.role == "tool"]
+
+
+async def test_an_edit_that_gives_every_value_runs_where_the_sealed_ones_are_gone(
+    runtime_factory: Factory,
+) -> None:
+    bank = Bank()
+    endpoint, request_id = await _stopped_elsewhere(bank, runtime_factory)
+    edit = Approve(arguments={"account": "A-2", "pin": "9999"})
+    result = await endpoint.resume(
+        "pay", session_id="s1", user_id="ana", approvals={request_id: edit}, decided_by="kim"
+    )
+    assert bank.transfers == [{"account": "A-2", "pin": "9999"}]
+    assert _tool_results(result) == ["moved from A-2"]
+    assert endpoint.audit is not None
+    decided = await endpoint.audit.query(user_id="ana", action=actions.PERMISSION_DECISION)
+    [entry] = decided.entries
+    assert entry.payload["final"] == "allow"
+    assert entry.payload["edited"] is True
+    assert "9999" not in json.dumps(entry.payload)  # the edited pin is still redacted
+
+
+async def test_a_denial_reaches_the_model_where_the_sealed_values_are_gone(
+    runtime_factory: Factory,
+) -> None:
+    bank = Bank()
+    endpoint, request_id = await _stopped_elsewhere(bank, runtime_factory)
+    result = await endpoint.resume(
+        "pay", session_id="s1", user_id="ana", approvals={request_id: Deny("blocked by fraud")},
+        decided_by="kim",
+    )  # fmt: skip
+    assert bank.transfers == []
+    [told] = _tool_results(result)
+    assert "permission denied" in told
+    assert "blocked by fraud" in told
+    assert "sealed" not in told  # not "call the tool again with the same arguments"
+
+
+async def test_an_approval_without_edits_cannot_run_where_the_sealed_values_are_gone(
+    runtime_factory: Factory,
+) -> None:
+    bank = Bank()
+    endpoint, request_id = await _stopped_elsewhere(bank, runtime_factory)
+    result = await endpoint.resume(
+        "pay", session_id="s1", user_id="ana", approvals={request_id: Approve()}, decided_by="kim"
+    )
+    assert bank.transfers == []  # never with a placeholder for the pin
+    [told] = _tool_results(result)
+    assert "was sealed" in told
+
+
+async def test_a_resume_elsewhere_without_a_decision_keeps_the_call_waiting(
+    runtime_factory: Factory,
+) -> None:
+    bank = Bank()
+    endpoint, request_id = await _stopped_elsewhere(bank, runtime_factory)
+    again = await endpoint.resume("pay", session_id="s1", user_id="ana")
+    assert again.interruption_reason == "approval"
+    assert [r.request_id for r in again.pending_approvals] == [request_id]
+    assert bank.transfers == []
