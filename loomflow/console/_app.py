@@ -16,6 +16,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
+import logging
 import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,6 +50,8 @@ from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
 
 __all__ = ["create_app", "user_url"]
+
+log = logging.getLogger("loomflow.console")
 
 _SESSION_HOURS = 8
 _CSP = (
@@ -283,7 +286,11 @@ def create_app(
                 except UserError as exc:  # a bad id or filter, named by the store
                     return _error(request, who, 400, str(exc), api)
                 except StorageError as exc:  # down, locked, unmigrated: not the asker's fault
-                    return _error(request, who, 503, f"a store cannot be used: {exc}", api)
+                    # The detail (a file name, the pid holding a lock) is for the operator's
+                    # log, not for every signed-in reader.
+                    log.warning("console: a store cannot be used: %s", exc)
+                    message = f"a store cannot be used right now ({type(exc).__name__})"
+                    return _error(request, who, 503, message, api)
                 except LoomflowError as exc:  # e.g. a journal without its schema
                     return _error(request, who, 400, str(exc), api)
                 if isinstance(result, Response):

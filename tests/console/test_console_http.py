@@ -1243,3 +1243,37 @@ def test_the_console_and_audit_commands_refuse_a_database_without_an_audit_log(
         assert got.returncode == 1, (command, got.stderr)
         assert "holds no audit log" in got.stderr, command
     assert tables(path) == before
+
+
+def test_a_tampered_hash_is_shown_escaped_and_a_store_failure_names_no_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        await store.append([AuditRecord(user_id="bob", actor="agent:x", action="run.start")])
+        await store.close()
+
+    asyncio.run(make())
+    with sqlite3.connect(path) as db:  # a hand-edited row (the trigger dropped first)
+        db.execute("DROP TRIGGER loom_audit_no_update")
+        db.execute("UPDATE loom_audit SET hash = 'ab\u202ecd', prev_hash = 'p\u2028q'")
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        page = http.get("/entry", params={"user": "bob", "seq": 1})
+        assert page.status_code == 200
+        for raw in ("\u202e", "\u2028"):
+            assert raw not in page.text
+        assert "ab\\u202ecd" in page.text
+
+    # An audit store that cannot be used: 503, with the detail in the log, not on the page.
+    down = Settings(
+        runtime_url=f"sqlite:///{path}", console_token=ADMIN,
+        audit_url="postgresql://loomflow@127.0.0.1:1/audit",
+    )  # fmt: skip
+    with Server(down, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/users")
+        assert got.status_code == 503
+        assert "127.0.0.1" not in got.text
+        assert "StoreUnavailableError" in got.json()["error"]
