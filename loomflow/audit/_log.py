@@ -333,6 +333,12 @@ class AuditHooks(RunHooks):
     # -- hook points ------------------------------------------------------------------------
 
     async def run_started(self, info: RunInfo) -> None:
+        if _console_chain(info.user_id):
+            # Its entries would join the console's record of looks, which erasure keeps.
+            raise UserError(
+                f"user id {info.user_id[:80]!r} names a console chain (console:<name>), which "
+                "only the console writes: an audited run needs another user id"
+            )
         self._runs[info.run_id] = _RunState(info)
         self._observe_runtime(info)
         await self._write(
@@ -559,6 +565,8 @@ class AuditHooks(RunHooks):
         self, info: RunInfo, result: Any | None, error: BaseException | None
     ) -> None:
         try:
+            if _console_chain(info.user_id):
+                return  # refused at its start: nothing of it goes to a console chain
             if result is not None:
                 payload: dict[str, Any] = {
                     "outcome": "interrupted" if result.interrupted else "completed",
@@ -579,6 +587,10 @@ class AuditHooks(RunHooks):
             await self._write(info, self._record(info, actions.RUN_END, payload))
         finally:
             self._runs.pop(info.run_id, None)
+
+
+def _console_chain(user_id: str | None) -> bool:
+    return isinstance(user_id, str) and user_id.startswith(actions.CONSOLE_CHAINS)
 
 
 @dataclass(slots=True)

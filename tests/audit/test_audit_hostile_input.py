@@ -16,6 +16,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from loomflow.agent import Agent
 from loomflow.audit import (
     AuditLog,
     AuditRecord,
@@ -26,6 +27,7 @@ from loomflow.audit import (
     verify_lines,
 )
 from loomflow.errors import InvalidIdError, LegalHoldError, UserError
+from loomflow.models import ScriptedModel
 
 
 def _record(user: str, action: str = "tool.call", **payload: Any) -> AuditRecord:
@@ -62,6 +64,16 @@ async def test_the_log_refuses_actions_loomflow_gives_meaning_to(action: str) ->
     assert await log.store.count() == 0
     entry = await log.record("legal.review", user_id="bob", actor="app", payload={"ok": True})
     assert entry.seq == 1  # a name of the application's own is fine
+
+
+async def test_an_audited_run_refuses_a_user_id_that_names_a_console_chain() -> None:
+    # Its entries would join the console's record of looks, which erasure never removes.
+    log = AuditLog(InMemoryAuditStore())
+    agent = Agent("x", model=ScriptedModel(["ok"]), audit=log, memory=False)
+    with pytest.raises(UserError, match="console chain"):
+        await agent.run("hi", user_id="console:ada")
+    assert await log.store.count() == 0
+    assert (await agent.run("hi", user_id="ada")).output == "ok"
 
 
 @pytest.mark.parametrize("bad", [b"bob", 5, "", "a\x00b", "x" * 300])
