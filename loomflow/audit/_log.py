@@ -336,7 +336,7 @@ class AuditHooks(RunHooks):
         if _console_chain(info.user_id):
             # Its entries would join the console's record of looks, which erasure keeps.
             raise UserError(
-                f"user id {info.user_id[:80]!r} names a console chain (console:<name>), which "
+                f"user id {str(info.user_id)[:80]!r} names a console chain (console:<name>), which "
                 "only the console writes: an audited run needs another user id"
             )
         self._runs[info.run_id] = _RunState(info)
