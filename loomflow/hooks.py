@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from .context import RunContext
 from .errors import _rebuild
 from .messages import Message, ModelResponse, ModelSettings, ToolCall
+from .models.pricing import ModelPrice, cost_usd
 from .redaction import Redactor
 from .runtime import Runtime
 from .tools import Tool, ToolOutcome
@@ -65,6 +66,9 @@ class RunInfo:
     runtime: Runtime | None = None
     # The agent's redactor: what hooks that store or export text scrub it with.
     redactor: Redactor | None = None
+    # The price table the run's model calls are charged at (the budget's, if it has one;
+    # ``None``: the list prices).
+    prices: Mapping[str, ModelPrice] | None = None
     _emit: Callable[[BaseModel], None] = field(default=lambda _e: None, repr=False)
 
     @property
@@ -78,6 +82,18 @@ class RunInfo:
     @property
     def user_id(self) -> str | None:
         return self.ctx.user_id
+
+    def cost_usd(self, response: ModelResponse) -> float | None:
+        """What ``response`` cost in USD, priced as the budget charges it (see
+        :func:`~loomflow.models.pricing.price_for`), or ``None`` when no table knows the model.
+        """
+        return cost_usd(
+            self.model_name,
+            response.usage,
+            provider=self.provider,
+            prices=self.prices,
+            reported=response.model,
+        )
 
     def emit(self, event: BaseModel) -> None:
         """Put ``event`` in the run's event stream; every hook's ``on_event`` sees it."""

@@ -46,7 +46,7 @@ from ..messages import (
     ToolSpec,
     Usage,
 )
-from ..models import cost_usd
+from ..models.pricing import normalize_prices
 from ..redaction import Redactor
 from ..runtime import OpenRun, Runtime, codec
 from ..runtime._expect import expecting
@@ -89,7 +89,7 @@ class _Run:
         # A budget's own price table (its prices= overrides) is what the run is charged at.
         # Looked up once: a protocol isinstance check costs microseconds on every model call.
         budget = agent.budget
-        self.prices = budget.prices if isinstance(budget, PricedBudget) else None
+        prices = normalize_prices(budget.prices) if isinstance(budget, PricedBudget) else None
         self.open_run = open_run  # None without a journal
         self.epoch: int | None = open_run.epoch if open_run is not None else None
         self.prompt = prompt
@@ -117,6 +117,7 @@ class _Run:
             tools=agent.tools,
             runtime=runtime,
             redactor=agent._redactor,
+            prices=prices,
             _emit=self.pending.append,
         )
         self.sealer = Sealer(
@@ -468,11 +469,10 @@ class _Run:
                 await hook.model_call_finished(self.info, turn, answer, token=token)
 
     def _cost(self, response: ModelResponse) -> float:
-        model = self.agent.model
-        model_name = response.model or model.name
-        value = cost_usd(model_name, response.usage, provider=model.provider, prices=self.prices)
+        # The budget's rule and table (the audit's model.call entries use the same).
+        value = self.info.cost_usd(response)
         if value is None:
-            _warn_unpriced(model_name)
+            _warn_unpriced(response.model or self.info.model_name)
             return 0.0
         return value
 

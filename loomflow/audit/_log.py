@@ -32,7 +32,6 @@ from ..governance.events import (
 )
 from ..hooks import RunHooks, RunInfo
 from ..messages import Message, ModelResponse, ModelSettings, ToolCall
-from ..models import cost_usd
 from ..redaction import Redactor, install_log_redaction
 from ..runtime import StepEvent
 from ..tools import Tool, ToolOutcome
@@ -423,7 +422,7 @@ class AuditHooks(RunHooks):
         execution: str | None,
     ) -> None:
         model = response.model or info.model_name
-        cost = cost_usd(model, response.usage, provider=info.provider)
+        cost = info.cost_usd(response)  # as the run and its budget price it
         payload = {
             "turn": turn,
             "step": f"model_call_{turn}",

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
 from ..messages import Usage
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "ModelPrice",
     "PRICES",
     "cost_usd",
+    "normalize_prices",
     "price_for",
 ]
 
@@ -138,24 +140,72 @@ def _normalize(model_name: str) -> str:
 _FREE = ModelPrice(0.0, 0.0, 0.0, 0.0)
 
 
+class _Normalized(dict[str, ModelPrice]):
+    """A price table whose keys are already normalised (what :func:`normalize_prices` returns)."""
+
+
+def normalize_prices(prices: Mapping[str, ModelPrice]) -> Mapping[str, ModelPrice]:
+    """``prices`` keyed the way :func:`price_for` looks names up (lower case, no provider prefix
+    or date suffix), so ``{"My-Model-2025-01-01": ...}`` prices ``"my-model"``.
+
+    Raises:
+        InvalidArgumentTypeError: a key is not a string.
+        InvalidArgumentError: two keys name the same model (``"My-Model"`` and ``"my-model"``)
+            with different prices.
+    """
+    if isinstance(prices, _Normalized):
+        return prices
+    table = _Normalized()
+    given: dict[str, str] = {}  # normalised name -> the key it came from
+    for key, price in prices.items():
+        if not isinstance(key, str):
+            raise InvalidArgumentTypeError(f"price table keys must be model ids, not {key!r}")
+        name = _normalize(key)
+        if name in table and table[name] != price:
+            raise InvalidArgumentError(
+                f"price table keys {given[name]!r} and {key!r} both name model {name!r} but "
+                f"give it different prices ({table[name]} and {price})"
+            )
+        table[name] = price
+        given.setdefault(name, key)
+    return table
+
+
 def price_for(
     model_name: str,
     *,
     provider: str | None = None,
     prices: Mapping[str, ModelPrice] | None = None,
+    reported: str | None = None,
 ) -> ModelPrice | None:
-    """The price of ``model_name``, or ``None`` when the table does not know it.
+    """The price of a call to ``model_name``, or ``None`` when the table does not know it.
+
+    The one pricing rule of a model call, shared by the budget, ``RunResult.cost_usd``, the
+    audit trail and the metrics: the call is priced as the model that answered
+    (``reported``) when the table knows it, and as the model asked for otherwise (a gateway
+    that answers ``"openai/gpt-4o"`` to a request for ``"gpt-4o"`` bills ``gpt-4o``).
 
     Args:
-        model_name: A model id as sent or reported (``"claude-opus-4-7"``, ``"openai:gpt-4o"``,
-            ``"gpt-4o-2024-08-06"``).
+        model_name: The model id the call asked for (``"claude-opus-4-7"``,
+            ``"openai:gpt-4o"``, ``"gpt-4o-2024-08-06"``).
         provider: The model's provider label; ``"scripted"`` is always free, whatever the name.
-        prices: A table to use instead of :data:`PRICES`.
+        prices: A table to use instead of :data:`PRICES`; its keys are normalised as the
+            names are (see :func:`normalize_prices`).
+        reported: The model id the provider's response names, if any.
     """
-    name = _normalize(model_name)
-    if provider == "scripted" or name in FREE_MODELS:
+    if provider == "scripted":
         return _FREE
-    return (PRICES if prices is None else prices).get(name)
+    table = PRICES if prices is None else normalize_prices(prices)
+    for name in (reported, model_name):
+        if name:
+            found = _lookup(_normalize(name), table)
+            if found is not None:
+                return found
+    return None
+
+
+def _lookup(name: str, table: Mapping[str, ModelPrice]) -> ModelPrice | None:
+    return _FREE if name in FREE_MODELS else table.get(name)
 
 
 def cost_usd(
@@ -164,13 +214,14 @@ def cost_usd(
     *,
     provider: str | None = None,
     prices: Mapping[str, ModelPrice] | None = None,
+    reported: str | None = None,
 ) -> float | None:
-    """Estimated USD cost of ``usage`` on ``model_name``: 0 for scripted models, ``None`` if
-    the price is unknown.
+    """Estimated USD cost of ``usage`` on a call to ``model_name`` (priced as
+    :func:`price_for` says): 0 for scripted models, ``None`` if the price is unknown.
 
     Example:
         >>> cost_usd("claude-opus-4-7", Usage(input_tokens=1_000_000, output_tokens=0))
         5.0
     """
-    price = price_for(model_name, provider=provider, prices=prices)
+    price = price_for(model_name, provider=provider, prices=prices, reported=reported)
     return None if price is None else price.cost(usage)

@@ -56,7 +56,6 @@ from ..governance.events import (
 )
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..messages import Message, ModelResponse, ModelSettings, ToolCall, Usage
-from ..models import cost_usd
 from ..models._retry import error_class, observe_retries
 from ..redaction import Redactor
 from ..runtime._journal import StepEvent, StepNote, StepStart
@@ -715,7 +714,7 @@ class TelemetryHooks(RunHooks):
                 model=info.model_name,
                 input_tokens=usage.input_tokens,
                 output_tokens=usage.output_tokens,
-                cost_usd=cost_usd(response.model or info.model_name, usage, provider=info.provider),
+                cost_usd=info.cost_usd(response),
                 cache_read_tokens=usage.cache_read_tokens,
                 cache_write_tokens=usage.cache_write_tokens,
             )

@@ -18,6 +18,7 @@ from loomflow.agent.hooks import RunHooks, RunInfo
 from loomflow.errors import (
     BudgetExceededError,
     BudgetUnavailableError,
+    InvalidArgumentError,
     InvalidUsageError,
     UnknownModelPriceError,
     UserError,
@@ -672,3 +673,60 @@ def test_a_reservation_assumes_the_dearest_input_rate() -> None:
 def test_a_negative_cache_rate_is_refused() -> None:
     with pytest.raises(InvalidUsageError, match="finite and >= 0"):
         StandardBudget(prices={"bad": ModelPrice(1.0, 1.0, cache_read_per_mtok=-1.0)})
+
+
+@pytest.mark.parametrize(
+    ("requested", "reported", "prices", "cost"),
+    [
+        # A gateway names the model its own way: the call is priced as the model asked for.
+        ("gpt-4o", "openai/gpt-4o", None, 0.0125),
+        ("inhouse-1", "gateway/inhouse-1", {"inhouse-1": ModelPrice(1.0, 2.0)}, 0.003),
+        # A reported id the table knows prices the call, as before.
+        ("gpt-4o", "gpt-4o-mini", None, 0.00075),
+    ],
+)
+async def test_the_run_the_budget_and_the_audit_price_a_call_alike(
+    requested: str, reported: str, prices: dict[str, ModelPrice] | None, cost: float
+) -> None:
+    from loomflow.audit import AuditLog
+    from loomflow.models import OpenAIModel
+    from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+    budget = StandardBudget([Cap("cost_usd", 1.0)], prices=prices)
+    audit = AuditLog("memory://")
+    reply = Reply(text="hi", input_tokens=1_000, output_tokens=1_000, model=reported)
+    with FakeOpenAIAPI(reply) as api:
+        model = OpenAIModel(requested, base_url=api.base_url, api_key="test")
+        agent = Agent("x", model=model, budget=budget, audit=audit, memory=False)
+        result = await agent.run("hi", user_id="ana")
+        await model.aclose()
+    [status] = await budget.status("ana")
+    [call] = [e for e in (await audit.query(user_id="ana")).entries if e.action == "model.call"]
+    assert result.cost_usd == pytest.approx(cost)
+    assert status.used == pytest.approx(cost)
+    assert call.payload["cost_usd"] == pytest.approx(cost)
+
+
+@pytest.mark.parametrize("key", ["My-Model", "my-model-2025-01-01", "openai:my-model", "MY-MODEL"])
+@pytest.mark.parametrize("name", ["my-model", "My-Model", "my-model-2026-02-03"])
+async def test_custom_price_keys_match_as_model_names_do(key: str, name: str) -> None:
+    # The lookup ignores case, a provider prefix and a date suffix; so does the caller's table.
+    budget = StandardBudget(prices={key: ModelPrice(1.0, 2.0)})
+    assert budget.price(name) == ModelPrice(1.0, 2.0)
+    model = PricedModel(tool_then_answer(), name=name)
+    result = await agent_with(budget, model).run("go", user_id="alice")
+    [usage] = await budget.store.usage("alice")
+    assert usage.totals.cost_nanousd == 3 * (100 * 1_000 + 20 * 2_000)
+    assert result.cost_usd == pytest.approx(3 * (100 * 1.0 + 20 * 2.0) / 1e6)
+
+
+def test_two_price_keys_for_one_model_must_agree() -> None:
+    with pytest.raises(InvalidArgumentError, match="'My-Model' and 'my-model'"):
+        StandardBudget(prices={"My-Model": ModelPrice(1.0, 2.0), "my-model": ModelPrice(3.0, 4.0)})
+    # The same price twice is no conflict, and a key may override a list price.
+    budget = StandardBudget(
+        prices={"My-Model": ModelPrice(1.0, 2.0), "my-model": ModelPrice(1.0, 2.0),
+                "GPT-4o": ModelPrice(9.0, 9.0)}
+    )  # fmt: skip
+    assert budget.price("my-model") == ModelPrice(1.0, 2.0)
+    assert budget.price("gpt-4o-2024-08-06") == ModelPrice(9.0, 9.0)

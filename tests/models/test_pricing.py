@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from loomflow.errors import InvalidArgumentError, InvalidArgumentTypeError
 from loomflow.messages import Usage
 from loomflow.models import PRICES, ModelPrice, cost_usd, price_for
+from loomflow.models.pricing import normalize_prices
 
 MILLION_EACH = Usage(input_tokens=1_000_000, output_tokens=1_000_000)
 
@@ -71,3 +73,33 @@ def test_a_custom_table_can_be_passed() -> None:
 def test_the_table_cannot_be_edited_by_accident() -> None:
     with pytest.raises(TypeError):
         PRICES["gpt-4.1"] = ModelPrice(0, 0)  # type: ignore[index]
+
+
+def test_a_custom_table_is_keyed_as_names_are_looked_up() -> None:
+    # Case, a provider prefix and a date suffix are ignored in the keys as in the names.
+    table = {"House-Model-2025-01-01": ModelPrice(1.0, 2.0), "openai:Other": ModelPrice(3.0, 4.0)}
+    assert cost_usd("house-model", MILLION_EACH, prices=table) == pytest.approx(3.0)
+    assert price_for("HOUSE-MODEL-20260101", prices=table) == ModelPrice(1.0, 2.0)
+    assert price_for("other", prices=table) == ModelPrice(3.0, 4.0)
+    assert normalize_prices(table) == {
+        "house-model": ModelPrice(1.0, 2.0),
+        "other": ModelPrice(3.0, 4.0),
+    }
+
+
+def test_keys_naming_one_model_with_two_prices_are_refused() -> None:
+    table = {"House-Model": ModelPrice(1.0, 2.0), "house-model-2025-01-01": ModelPrice(1.0, 3.0)}
+    with pytest.raises(InvalidArgumentError, match="'House-Model' and 'house-model-2025-01-01'"):
+        price_for("house-model", prices=table)
+    with pytest.raises(InvalidArgumentTypeError):
+        normalize_prices({1: ModelPrice(1.0, 2.0)})  # type: ignore[dict-item]
+
+
+def test_a_call_is_priced_as_the_model_that_answered_if_the_table_knows_it() -> None:
+    assert price_for("gpt-4o", reported="gpt-4o-mini-2024-07-18") == PRICES["gpt-4o-mini"]
+    # A gateway's own name for the model: priced as the model asked for.
+    assert price_for("gpt-4o", reported="openai/gpt-4o") == PRICES["gpt-4o"]
+    assert cost_usd("gpt-4o", MILLION_EACH, reported="openai/gpt-4o") == pytest.approx(12.5)
+    assert price_for("llama-3-70b", reported="llama-3-70b-instruct") is None
+    # The scripted provider stays free, whatever its responses say.
+    assert price_for("scripted", provider="scripted", reported="gpt-4o") == ModelPrice(0, 0, 0, 0)

@@ -33,7 +33,7 @@ from ...errors import (
 )
 from ...hooks import Interrupt, RunHooks, RunInfo
 from ...messages import Message, ModelResponse, ModelSettings, Usage
-from ...models.pricing import PRICES, ModelPrice, price_for
+from ...models.pricing import PRICES, ModelPrice, normalize_prices, price_for
 from ..events import BudgetDenied, BudgetUnavailable, BudgetWarning
 from ._owner import current_owner
 from ._store import BudgetStore
@@ -129,6 +129,7 @@ class Ticket:
         held: Whether the store holds the reservation. A call no cap watches holds nothing
             (a budget that only records): its commit is one write, and a worker that dies
             during it leaves nothing to reclaim (and charges nothing for it).
+        provider: The model's provider label, if known (``"scripted"`` models are free).
     """
 
     reservation: Reservation
@@ -138,6 +139,7 @@ class Ticket:
     price: ModelPrice
     started: float
     held: bool = True
+    provider: str | None = None
 
     @property
     def amount(self) -> Amount:
@@ -171,8 +173,11 @@ class StandardBudget:
             used up, and a few calls in flight may overshoot it.
         warn_at: Fractions of a cap at which a :class:`BudgetWarning` is emitted (once, by
             the call that crosses it).
-        prices: Extra or overriding prices (USD per million tokens) by model id. A model in
-            no table cannot be charged: the call fails with :class:`UnknownModelPriceError`.
+        prices: Extra or overriding prices (USD per million tokens) by model id. Ids are
+            matched as calls name them: case, an ``openai:``/``anthropic:`` prefix and a date
+            suffix do not matter (two keys naming one model with different prices raise
+            :class:`~loomflow.errors.InvalidArgumentError`). A model in no table cannot be
+            charged: the call fails with :class:`UnknownModelPriceError`.
         overhead_tokens: Input tokens added to each reservation for what the messages do not
             show (tool schemas, provider system prompts).
         estimate_input_tokens: Replaces :func:`bound_input_tokens`. In hard mode it must not
@@ -233,7 +238,10 @@ class StandardBudget:
         self.store: BudgetStore = store if store is not None else InMemoryBudgetStore()
         self.mode = mode
         self.warn_at: tuple[float, ...] = tuple(sorted(float(t) for t in thresholds))
-        self.prices: Mapping[str, ModelPrice] = {**PRICES, **(prices or {})}
+        # Keyed as price_for looks names up, so "My-Model" or a dated id still prices the call.
+        self.prices: Mapping[str, ModelPrice] = normalize_prices(
+            {**PRICES, **normalize_prices(prices or {})}
+        )
         for name, price in self.prices.items():
             for side in (
                 price.input_per_mtok,
@@ -314,9 +322,11 @@ class StandardBudget:
         """
         tokens_in = _count("reported input tokens", usage.input_tokens, MAX_TOKENS_PER_CALL)
         tokens_out = _count("reported output tokens", usage.output_tokens, MAX_TOKENS_PER_CALL)
-        price = ticket.price
-        if model:
-            price = price_for(model, prices=self.prices) or price
+        # The rule RunResult.cost_usd and the audit trail price the call by, too.
+        found = price_for(
+            ticket.model, provider=ticket.provider, prices=self.prices, reported=model
+        )
+        price = ticket.price if found is None else found
         return Amount(
             tokens_in, tokens_out, _usage_cost(price, usage, tokens_in, tokens_out), wall_s
         )
@@ -410,10 +420,18 @@ class StandardBudget:
             input_tokens=input_tokens,
             provider=provider,
         )
-        return await self.reserve_amount(user_id=user_id, model=model, price=price, amount=amount)
+        return await self.reserve_amount(
+            user_id=user_id, model=model, price=price, amount=amount, provider=provider
+        )
 
     async def reserve_amount(
-        self, *, user_id: str | None, model: str, price: ModelPrice, amount: Amount
+        self,
+        *,
+        user_id: str | None,
+        model: str,
+        price: ModelPrice,
+        amount: Amount,
+        provider: str | None = None,
     ) -> Ticket:
         """Reserve an amount sized by :meth:`size` (see :meth:`reserve`)."""
         buckets, limits = self._plan(user_id, self._clock())
@@ -421,7 +439,16 @@ class StandardBudget:
         if not limits:
             # No cap watches these buckets, so there is nothing to hold against: skip the
             # reservation round trip (1.2-1.7 ms a call with its commit) and only record.
-            return Ticket(reservation, (), user_id, model, price, time.monotonic(), held=False)
+            return Ticket(
+                reservation,
+                (),
+                user_id,
+                model,
+                price,
+                time.monotonic(),
+                held=False,
+                provider=provider,
+            )
         # Dead workers' holds are swept now and then, and again before a refusal (a released
         # hold frees room; a charged one at least turns into a definite figure).
         await self._reclaim_if_due(30.0)
@@ -438,7 +465,9 @@ class StandardBudget:
             raise BudgetExceededError(
                 denial.cap, denial.limit, denial.used, denial.reserved, denial.requested
             )
-        return Ticket(reservation, tuple(limits), user_id, model, price, time.monotonic())
+        return Ticket(
+            reservation, tuple(limits), user_id, model, price, time.monotonic(), provider=provider
+        )
 
     async def commit(
         self,
@@ -613,7 +642,11 @@ class BudgetHooks(RunHooks):
                 self._deny(info, BudgetExceededError(cap.name, cap.limit, used, held, asked))
         try:
             ticket = await budget.reserve_amount(
-                user_id=info.user_id, model=info.model_name, price=price, amount=amount
+                user_id=info.user_id,
+                model=info.model_name,
+                price=price,
+                amount=amount,
+                provider=info.provider,
             )
         except BudgetExceededError as exc:
             self._deny(info, exc)
@@ -682,14 +715,21 @@ class BudgetHooks(RunHooks):
 
     def _replayed(self, info: RunInfo, response: ModelResponse) -> Amount:
         usage = response.usage
+        price = price_for(
+            info.model_name,
+            provider=info.provider,
+            prices=self.budget.prices,
+            reported=response.model,
+        )
+        if price is None:
+            return Amount()
         try:
-            price = self.budget.price(response.model or info.model_name, info.provider)
             return Amount(
                 usage.input_tokens,
                 usage.output_tokens,
                 _usage_cost(price, usage, usage.input_tokens, usage.output_tokens),
             )
-        except (UnknownModelPriceError, InvalidUsageError):
+        except InvalidUsageError:
             return Amount()
 
     def _run_warnings(self, info: RunInfo, state: _RunState, before: tuple[int, int, int]) -> None:
