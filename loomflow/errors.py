@@ -40,6 +40,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── BudgetExceededError        the call would cross a cap (agents end budget:<cap>)
     │   ├── BudgetUnavailableError     the budget store failed, so the call was refused
     │   ├── InvalidUsageError          a token count or cost is negative, NaN or absurd
+    │   │   └── UntrustedUsageError    a model reported a token count that cannot be true
     │   └── UnknownModelPriceError     no price is known for the model being charged
     └── ModelError                     a model provider call failed (provider, model, status)
         ├── ModelRetryExhaustedError   transient failures outlasted the retry budget
@@ -113,6 +114,7 @@ __all__ = [
     "StoreUnavailableError",
     "UnknownModelPriceError",
     "UnknownUserError",
+    "UntrustedUsageError",
     "UserError",
 ]
 
@@ -493,6 +495,14 @@ class BudgetUnavailableError(BudgetError):
 
 class InvalidUsageError(BudgetError, ValueError):
     """A token count, cost or limit is negative, NaN, infinite or implausibly large."""
+
+
+class UntrustedUsageError(InvalidUsageError):
+    """A model answered but reported a token count that cannot be true (negative, not a number).
+
+    Raised by the provider adapters in place of the response: what the call spent is unknown,
+    so a budget charges the call's whole reservation, as for any usage it does not trust.
+    """
 
 
 class UnknownModelPriceError(BudgetError):

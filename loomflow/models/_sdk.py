@@ -7,7 +7,7 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
-from ..errors import ConfigurationError, InvalidArgumentError
+from ..errors import ConfigurationError, InvalidArgumentError, UntrustedUsageError
 from ..messages import Message, ModelChunk, ModelSettings, OutputFormat, ToolSpec
 from ._retry import Backoff, Failure, stream_with_retries, transport_errors
 
@@ -106,6 +106,22 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         """Describe a failure (retryable or not), or ``None`` if it is not the provider's."""
 
     # -- shared behaviour --------------------------------------------------------------------
+
+    def _reported_count(self, field: str, value: Any) -> int:
+        """A token count from the provider's usage: a missing one is 0; one that cannot be true
+        (negative, not an integer) raises :class:`UntrustedUsageError` rather than being
+        clamped, so that a budget charges the call's whole reservation instead of the figure.
+        """
+        if value is None:
+            return 0
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UntrustedUsageError(
+                f"{self.provider} model {self._name!r} reported {field}={value!r}, which cannot "
+                "be a token count; what the call spent is unknown"
+            )
+        return value
 
     @property
     def name(self) -> str:

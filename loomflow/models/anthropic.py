@@ -232,8 +232,11 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         # Anthropic reports uncached input apart from cache writes and reads; all three are
         # input (as the GenAI conventions count it), and the cache parts are kept apart for
         # pricing at their own rates.
-        writes = max(getattr(usage, "cache_creation_input_tokens", None) or 0, 0)
-        reads = max(getattr(usage, "cache_read_input_tokens", None) or 0, 0)
+        count = self._reported_count
+        writes = count(
+            "cache_creation_input_tokens", getattr(usage, "cache_creation_input_tokens", None)
+        )
+        reads = count("cache_read_input_tokens", getattr(usage, "cache_read_input_tokens", None))
         stop = message.stop_reason
         if answered is not None and not calls:
             # The answer tool's input is the answer; the tool itself never runs. Called beside
@@ -245,8 +248,8 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             text="".join(text),
             tool_calls=calls,
             usage=Usage(
-                input_tokens=max(usage.input_tokens or 0, 0) + writes + reads,
-                output_tokens=usage.output_tokens,
+                input_tokens=count("input_tokens", usage.input_tokens) + writes + reads,
+                output_tokens=count("output_tokens", usage.output_tokens),
                 cache_read_tokens=reads,
                 cache_write_tokens=writes,
             ),

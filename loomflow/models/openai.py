@@ -152,7 +152,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             async for chunk in stream:
                 model = chunk.model or model
                 if chunk.usage is not None:
-                    usage = _usage(chunk.usage)
+                    usage = self._usage(chunk.usage)
                 for choice in chunk.choices:
                     if choice.index != 0:  # only one candidate is ever requested
                         continue
@@ -192,6 +192,19 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             usage=usage,
             finish_reason=_FINISH_REASONS.get(finish, finish),
             model=model,
+        )
+
+    def _usage(self, reported: Any) -> Usage:
+        """OpenAI's usage figures: prompt tokens include the cached ones (reads; OpenAI reports
+        no cache writes), which are kept apart for pricing at the cached-input rate."""
+        prompt = self._reported_count("prompt_tokens", reported.prompt_tokens)
+        details = getattr(reported, "prompt_tokens_details", None)
+        cached = getattr(details, "cached_tokens", None) if details is not None else None
+        return Usage(
+            input_tokens=prompt,
+            output_tokens=self._reported_count("completion_tokens", reported.completion_tokens),
+            # More cached than prompt tokens cannot be: the prompt is billed, at most all cached.
+            cache_read_tokens=min(self._reported_count("cached_tokens", cached), prompt),
         )
 
     def _tool_call(self, pending: _PendingCall) -> ToolCall:
@@ -256,16 +269,3 @@ def _to_openai_message(message: Message) -> dict[str, Any]:
             ],
         }
     return {"role": message.role, "content": message.content}
-
-
-def _usage(reported: Any) -> Usage:
-    """OpenAI's usage figures: prompt tokens include the cached ones (reads; OpenAI reports no
-    cache writes), which are kept apart for pricing at the cached-input rate."""
-    prompt = max(reported.prompt_tokens or 0, 0)
-    details = getattr(reported, "prompt_tokens_details", None)
-    cached = max(getattr(details, "cached_tokens", None) or 0, 0) if details is not None else 0
-    return Usage(
-        input_tokens=prompt,
-        output_tokens=max(reported.completion_tokens or 0, 0),
-        cache_read_tokens=min(cached, prompt),  # a provider's figures are not trusted blindly
-    )

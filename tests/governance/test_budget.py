@@ -21,6 +21,7 @@ from loomflow.errors import (
     InvalidArgumentError,
     InvalidUsageError,
     UnknownModelPriceError,
+    UntrustedUsageError,
     UserError,
 )
 from loomflow.governance import BudgetDenied, BudgetUnavailable, BudgetWarning
@@ -730,3 +731,39 @@ def test_two_price_keys_for_one_model_must_agree() -> None:
     )  # fmt: skip
     assert budget.price("my-model") == ModelPrice(1.0, 2.0)
     assert budget.price("gpt-4o-2024-08-06") == ModelPrice(9.0, 9.0)
+
+
+@pytest.mark.parametrize(
+    ("provider", "field"),
+    [
+        *(("openai", f) for f in ("input_tokens", "output_tokens", "cache_read_tokens")),
+        *(("anthropic", f) for f in ("input_tokens", "output_tokens", "cache_read_tokens")),
+        ("anthropic", "cache_write_tokens"),  # OpenAI reports no cache writes
+    ],
+)
+async def test_a_negative_usage_from_a_provider_is_charged_at_its_worst(
+    provider: str, field: str
+) -> None:
+    # The adapters once clamped it to 0 (or failed on it, and the call was given back).
+    from loomflow.models import AnthropicModel, OpenAIModel
+    from loomflow.testing.providers import FakeAnthropicAPI, FakeOpenAIAPI, Reply
+
+    fake, adapter, name = {
+        "openai": (FakeOpenAIAPI, OpenAIModel, "gpt-4o"),
+        "anthropic": (FakeAnthropicAPI, AnthropicModel, "claude-opus-4-7"),
+    }[provider]
+    store = InMemoryBudgetStore()
+    budget = StandardBudget([Cap("cost_usd", 1.0)], store=store, overhead_tokens=50)
+    figures: dict[str, Any] = {"input_tokens": 100, "output_tokens": 10, field: -5}
+    with fake(Reply(text="hi", **figures)) as api:
+        model = adapter(name, base_url=api.base_url, api_key="test")
+        agent = Agent("x", model=model, budget=budget, memory=False, tuning=Tuning(max_tokens=32))
+        with pytest.raises(UntrustedUsageError, match="-5"):
+            await agent.run("go", user_id="alice")
+        await model.aclose()
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    # The reported figures are not trusted: the whole reservation counts as spent.
+    assert totals.tokens_out == 32
+    assert totals.tokens_in > 50
+    assert totals.reserved_in == 0
+    assert totals.cost_nanousd > 0

@@ -8,6 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from loomflow.errors import UntrustedUsageError
 from loomflow.messages import Message, ModelResponse, ModelSettings, Usage
 from loomflow.models import AnthropicModel, Backoff, OpenAIModel, complete, cost_usd
 from loomflow.models.pricing import PRICES, ModelPrice, price_for
@@ -55,6 +56,38 @@ async def test_openai_cached_tokens_beyond_the_prompt_are_clipped(
     ) as model:
         response = await complete(model, [Message.user("hi")])
     assert response.usage.cache_read_tokens == 10
+
+
+@pytest.mark.parametrize(
+    ("provider", "field"),
+    [
+        ("openai", "input_tokens"),
+        ("openai", "output_tokens"),
+        ("openai", "cache_read_tokens"),
+        ("anthropic", "input_tokens"),
+        ("anthropic", "output_tokens"),
+        ("anthropic", "cache_read_tokens"),
+        ("anthropic", "cache_write_tokens"),
+    ],
+)
+async def test_a_negative_reported_count_is_not_trusted(
+    anthropic_api: FakeAnthropicAPI,
+    openai_api: FakeOpenAIAPI,
+    fast: Backoff,
+    provider: str,
+    field: str,
+) -> None:
+    # Clamped to 0 it would hide what the call spent from a budget: it raises instead (and
+    # is not retried, which would bill a second call).
+    api: FakeAnthropicAPI | FakeOpenAIAPI = anthropic_api if provider == "anthropic" else openai_api
+    figures: dict[str, int] = {"input_tokens": 10, "output_tokens": 4, field: -3}
+    api.add(Reply(text="Hi.", **figures))
+    adapter = AnthropicModel if provider == "anthropic" else OpenAIModel
+    name = "claude-opus-4-7" if provider == "anthropic" else "gpt-4.1"
+    async with adapter(name, base_url=api.base_url, api_key="sk-test", backoff=fast) as model:
+        with pytest.raises(UntrustedUsageError, match="=-3"):
+            await complete(model, [Message.user("hi")])
+    assert api.request_count == 1
 
 
 async def test_zero_cache_figures_mean_no_cache(

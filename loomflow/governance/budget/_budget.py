@@ -29,6 +29,7 @@ from ...errors import (
     InvalidUsageError,
     StorageError,
     UnknownModelPriceError,
+    UntrustedUsageError,
     UserError,
 )
 from ...hooks import Interrupt, RunHooks, RunInfo
@@ -486,9 +487,7 @@ class StandardBudget:
         try:
             actual = self.actual(ticket, usage, model=model, wall_s=elapsed)
         except InvalidUsageError:
-            held = ticket.amount
-            worst = Amount(held.tokens_in, held.tokens_out, held.cost_nanousd, _clip(elapsed))
-            await self.charge(ticket, worst)
+            await self.charge_in_full(ticket, wall_s=elapsed)
             raise
         if (
             actual.tokens_in > ticket.amount.tokens_in
@@ -505,6 +504,14 @@ class StandardBudget:
             )
         result = await self.charge(ticket, actual)
         return self._warnings(ticket.limits, result)
+
+    async def charge_in_full(self, ticket: Ticket, *, wall_s: float | None = None) -> CommitResult:
+        """Charge the whole reservation: the most the call could have spent, for a call that
+        was made but whose usage is unknown or not trusted."""
+        elapsed = time.monotonic() - ticket.started if wall_s is None else wall_s
+        held = ticket.amount
+        worst = Amount(held.tokens_in, held.tokens_out, held.cost_nanousd, _clip(elapsed))
+        return await self.charge(ticket, worst)
 
     async def charge(self, ticket: Ticket, amount: Amount) -> CommitResult:
         """Charge ``amount`` for the ticket's call as it stands (no checks or warnings)."""
@@ -750,6 +757,12 @@ class BudgetHooks(RunHooks):
     ) -> None:
         ticket = self._take(info, token)
         if ticket is None:
+            return
+        if isinstance(error, UntrustedUsageError):
+            # The model answered (and billed) but reported a usage that cannot be true: the
+            # whole reservation is charged, as commit does for any usage it does not trust (if
+            # the store fails, the hold is settled when its lease runs out).
+            await self.budget.charge_in_full(ticket)
             return
         try:
             await self.budget.release(ticket)
