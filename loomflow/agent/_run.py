@@ -129,6 +129,9 @@ class _Run:
         # The transcript and its tallies: what a snapshot holds and the result reports.
         self.messages: list[Message] = []
         self.prompt_index = 0  # where the run's own messages start (after system and history)
+        # The snapshot a forked run continues (its snapshots carry it as parent_id): its
+        # episode starts after the system prompt, since its session recalls nothing earlier.
+        self.fork_of: str | None = None
         self.usage = Usage()
         self.cost = 0.0
         self.output = ""
@@ -203,9 +206,9 @@ class _Run:
             self.messages = list(restore.messages)
             self.usage, self.cost, self.output = restore.usage, restore.cost_usd, restore.output
             self.turns, self.answered = restore.turn, restore.final
-            # A fork's episode starts after the system prompt: the fork's session has no
-            # episodes of its own to recall the forked history from.
-            self.prompt_index = 1 if self.forked else restore.prompt_index
+            self.prompt_index = restore.prompt_index
+            # A forked run, or a snapshot of one (resumed after a crash): see fork_of.
+            self.fork_of = restore.id if self.forked else restore.parent_id
             self.info.emit(
                 CheckpointRestored(
                     checkpoint_id=restore.id,
@@ -214,7 +217,7 @@ class _Run:
                 )
             )
             if self.forked:  # the fork's own first snapshot: a crash now resumes the fork
-                await self.save(restore.final, parent_id=restore.id)
+                await self.save(restore.final)
         events = await self.flush()
         if self.answered:
             self.interrupted = None
@@ -565,8 +568,9 @@ class _Run:
 
     # -- checkpoints and memory ------------------------------------------------------------
 
-    async def save(self, final: bool, parent_id: str | None = None) -> None:
-        """Snapshot the transcript (``Tuning(checkpoint=True)``)."""
+    async def save(self, final: bool) -> None:
+        """Snapshot the transcript (``Tuning(checkpoint=True)``); a forked run's snapshots
+        name the one it was forked from, so that its resume knows it is one."""
         if self.store is None or self.epoch is None:
             return  # no snapshots asked for (a store always comes with a journal's epoch)
         saved = await self.store.put(
@@ -584,7 +588,7 @@ class _Run:
                 prompt_index=self.prompt_index,
                 usage=self.usage,
                 cost_usd=round(self.cost, 10),
-                parent_id=parent_id,
+                parent_id=self.fork_of,
             ),
             retention=self.agent.tuning.checkpoint_retention,
         )
@@ -629,7 +633,10 @@ class _Run:
         the step's inputs, and with them its journal key, do not depend on what the redactor
         has learned.
         """
-        own = _answered(self.messages[self.prompt_index :])
+        # A forked run's episode starts after the system prompt: its session has no episodes
+        # of its own to recall the forked history from.
+        start = 1 if self.fork_of is not None else self.prompt_index
+        own = _answered(self.messages[start:])
         ctx = self.ctx
         if not own or ctx.session_id is None:
             return

@@ -423,6 +423,35 @@ class CheckpointConformance:
                 fork_session_id="s",
             )
 
+    async def test_a_fork_with_earlier_history_resumes_from_its_own_snapshot(
+        self, runtime: JournalRuntime
+    ) -> None:
+        """A fork of a session whose transcript holds earlier runs (recalled from memory)
+        crashes, and its resume restores the fork's snapshot: nothing bought twice."""
+        shop = Shop()
+        agent = self.agent(runtime, shop)
+        await agent.run("shop", session_id="s", user_id="u")
+        await agent.run("shop again", session_id="s", user_id="u")
+        second = [c for c in await agent.list_checkpoints("s", user_id="u") if c.epoch == 1]
+        after_first_pass = second[-1]
+        assert after_first_pass.prompt_index > 1  # the first run's turns come before it
+        shop.fail_at = 2  # the fork's model call after its second purchase fails
+        with pytest.raises(ConnectionError):
+            await agent.resume(
+                "shop again", session_id="s", user_id="u", from_checkpoint=after_first_pass.id,
+                fork_session_id="fork",
+            )  # fmt: skip
+        bought = list(shop.bought)
+        assert bought[-1:] == ["bread"]
+        resumed = await agent.resume("shop again", session_id="fork", user_id="u")
+        assert resumed.restored_from is not None  # its own snapshot, not a replay from turn 0
+        assert shop.bought == [*bought, "cheese"]
+        assert resumed.output == "bought: bought apples, bought bread, bought cheese"
+        # Every snapshot of the forked run names the snapshot it was forked from.
+        fork_snapshots = await agent.list_checkpoints("fork", user_id="u")
+        assert {c.parent_id for c in fork_snapshots} == {after_first_pass.id}
+        assert {c.prompt_index for c in fork_snapshots} == {after_first_pass.prompt_index}
+
     async def test_a_snapshot_of_another_prompt_is_refused(self, runtime: JournalRuntime) -> None:
         agent = self.agent(runtime, Shop())
         await agent.run("shop", session_id="s", user_id="u")
