@@ -183,7 +183,9 @@ def price_for(
     The one pricing rule of a model call, shared by the budget, ``RunResult.cost_usd``, the
     audit trail and the metrics: the call is priced as the model that answered
     (``reported``) when the table knows it, and as the model asked for otherwise (a gateway
-    that answers ``"openai/gpt-4o"`` to a request for ``"gpt-4o"`` bills ``gpt-4o``).
+    that answers ``"openai/gpt-4o"`` to a request for ``"gpt-4o"`` bills ``gpt-4o``). A
+    reported name of a scripted model (:data:`FREE_MODELS`) is ignored: only the model asked
+    for, or a ``"scripted"`` provider, makes a call free.
 
     Args:
         model_name: The model id the call asked for (``"claude-opus-4-7"``,
@@ -196,12 +198,14 @@ def price_for(
     if provider == "scripted":
         return _FREE
     table = PRICES if prices is None else normalize_prices(prices)
-    for name in (reported, model_name):
-        if name:
-            found = _lookup(_normalize(name), table)
-            if found is not None:
-                return found
-    return None
+    # A reported scripted-model name ("test") never makes a call free: what the provider's
+    # response says is data from outside, and a real call priced at $0 would never trip a
+    # cost cap. Such a call is priced as the model asked for.
+    if reported and _normalize(reported) not in FREE_MODELS:
+        found = table.get(_normalize(reported))
+        if found is not None:
+            return found
+    return _lookup(_normalize(model_name), table) if model_name else None
 
 
 def _lookup(name: str, table: Mapping[str, ModelPrice]) -> ModelPrice | None:

@@ -767,3 +767,32 @@ async def test_a_negative_usage_from_a_provider_is_charged_at_its_worst(
     assert totals.tokens_in > 50
     assert totals.reserved_in == 0
     assert totals.cost_nanousd > 0
+
+
+@pytest.mark.parametrize("reported", ["test", "scripted", "function"])
+async def test_a_reported_scripted_model_id_does_not_make_a_provider_call_free(
+    reported: str,
+) -> None:
+    # The provider's response naming a scripted model priced a real call at $0: the cap
+    # never tripped. It is priced as the model asked for, alike everywhere.
+    from loomflow.audit import AuditLog
+    from loomflow.models import OpenAIModel
+    from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+    budget = StandardBudget([Cap("cost_usd", 1.0)])
+    audit = AuditLog("memory://")
+    reply = Reply(text="hi", input_tokens=900_000, output_tokens=900, model=reported)
+    with FakeOpenAIAPI(default=reply) as api:
+        model = OpenAIModel("gpt-4.1", base_url=api.base_url, api_key="test")
+        agent = Agent("x", model=model, budget=budget, audit=audit, memory=False)
+        first = await agent.run("hi", user_id="ana")
+        second = await agent.run("hi", user_id="ana")
+        await model.aclose()
+    cost = (900_000 * 2.0 + 900 * 8.0) / 1e6
+    assert first.cost_usd == pytest.approx(cost)
+    [status] = await budget.status("ana")
+    assert status.used == pytest.approx(cost)
+    [call] = [e for e in (await audit.query(user_id="ana")).entries if e.action == "model.call"]
+    assert call.payload["cost_usd"] == pytest.approx(cost)
+    assert second.interruption_reason == "budget:user.cost_usd"
+    assert api.request_count == 1

@@ -103,3 +103,15 @@ def test_a_call_is_priced_as_the_model_that_answered_if_the_table_knows_it() -> 
     assert price_for("llama-3-70b", reported="llama-3-70b-instruct") is None
     # The scripted provider stays free, whatever its responses say.
     assert price_for("scripted", provider="scripted", reported="gpt-4o") == ModelPrice(0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("reported", ["test", "scripted", "function", "Test", "openai:test"])
+def test_a_reported_scripted_name_never_makes_a_real_call_free(reported: str) -> None:
+    # The provider's answer naming a scripted model once priced a real call at $0.
+    assert price_for("gpt-4.1", provider="openai", reported=reported) == PRICES["gpt-4.1"]
+    assert cost_usd("gpt-4.1", MILLION_EACH, reported=reported) == pytest.approx(10.0)
+    # Unknown requested model: unknown price, not free.
+    assert price_for("inhouse-1", provider="openai", reported=reported) is None
+    # A scripted model itself is still free.
+    assert price_for("test", reported=reported) == ModelPrice(0, 0, 0, 0)
+    assert price_for("gpt-4o", provider="scripted", reported=reported) == ModelPrice(0, 0, 0, 0)
