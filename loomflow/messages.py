@@ -271,6 +271,11 @@ class ModelResponse(_Value):
         finish_reason: Why generation stopped. Adapters map provider values onto ``stop``,
             ``length``, ``tool_calls`` and ``content_filter``; anything else passes through.
         model: The model id that answered (as the provider reports it).
+        usage_reported: Whether the provider reported the call's token counts. ``False``
+            when they did not come (an OpenAI-compatible server that ignores
+            ``stream_options.include_usage``): ``usage`` then holds only what did come, often
+            nothing, and a budget charges the call's whole reservation rather than trusting
+            it. Journal entries written before the field existed decode as ``True``.
     """
 
     type: Literal["response"] = "response"
@@ -279,6 +284,7 @@ class ModelResponse(_Value):
     usage: Usage = Field(default_factory=Usage)
     finish_reason: str = "stop"
     model: str = ""
+    usage_reported: bool = True
 
     def to_message(self) -> Message:
         """The assistant message to append to the transcript."""

@@ -15,10 +15,10 @@ import asyncio
 import importlib
 import logging
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 from ..errors import ModelError, ModelRetryExhaustedError
 from ..messages import ModelChunk
@@ -28,6 +28,7 @@ __all__ = [
     "Backoff",
     "Failure",
     "IncompleteStreamError",
+    "MalformedStreamError",
     "RetryObserver",
     "error_class",
     "observe_retries",
@@ -72,6 +73,8 @@ def error_class(status: int | None, exc: BaseException | None = None) -> str:
             return "server"
         return "client" if 400 <= status < 500 else "other"
     # No status: the cause tells a timeout from a lost connection (ModelError wraps it).
+    if any(isinstance(e, MalformedStreamError) for e in (exc, getattr(exc, "__cause__", None))):
+        return "other"  # the connection was fine; what came over it was not
     for found in (exc, getattr(exc, "__cause__", None)):
         if found is None:
             continue
@@ -136,6 +139,66 @@ class Failure:
 
 class IncompleteStreamError(Exception):
     """The provider's stream ended before its end-of-message marker (a dropped connection)."""
+
+
+class MalformedStreamError(Exception):
+    """The provider's stream holds what its API never sends: a field of the wrong type, events
+    out of order, a body that is not UTF-8 or not JSON.
+
+    The adapters raise it when a field they read is not what the wire format says, and
+    :class:`SdkEvents` raises it for the errors an SDK itself hits on such data. It is not a
+    transient failure: the adapters turn it into a :class:`ModelError` that is not retried.
+    """
+
+
+# What the SDKs raise while decoding and accumulating a stream whose data does not fit the
+# wire format: UnicodeDecodeError, json.JSONDecodeError and pydantic's ValidationError are
+# ValueErrors; events out of order or of the wrong shape end in a TypeError, AttributeError,
+# IndexError/KeyError or a failed assertion inside the SDK. Only exceptions raised by the
+# SDK's stream are translated (see SdkEvents), never those of loomflow's own code.
+_SDK_DATA_ERRORS: Final = (ValueError, TypeError, AttributeError, LookupError, AssertionError)
+
+T = TypeVar("T")
+
+
+class SdkEvents(Generic[T]):
+    """An SDK stream's events, with the SDK's own errors on malformed data (see
+    :data:`_SDK_DATA_ERRORS`) raised as :class:`MalformedStreamError`.
+
+    Only the SDK's ``__anext__`` is guarded: an exception from the code that handles an event
+    (the adapter's) is not the stream's and propagates unchanged. SDK and transport errors
+    (``APIError``, ``httpx.TransportError``), cancellation and ``KeyboardInterrupt`` are not
+    of those types and pass through as they are.
+    """
+
+    def __init__(self, events: AsyncIterable[T]) -> None:
+        self._events = events.__aiter__()
+
+    def __aiter__(self) -> SdkEvents[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            return await self._events.__anext__()
+        except _SDK_DATA_ERRORS as exc:
+            raise malformed_sdk_data(exc) from exc
+
+
+def malformed_sdk_data(exc: BaseException) -> MalformedStreamError:
+    """The :class:`MalformedStreamError` for an error the SDK raised reading the stream."""
+    detail = str(exc).splitlines()[0][:300] if str(exc) else ""
+    return MalformedStreamError(
+        f"the SDK could not read the stream ({type(exc).__name__}{': ' if detail else ''}{detail})"
+    )
+
+
+async def read_sdk(operation: Awaitable[T]) -> T:
+    """Await an SDK call that reads the rest of the stream (e.g. the final message), with the
+    SDK's errors on malformed data raised as :class:`MalformedStreamError`."""
+    try:
+        return await operation
+    except _SDK_DATA_ERRORS as exc:
+        raise malformed_sdk_data(exc) from exc
 
 
 def transport_errors() -> tuple[type[BaseException], ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import logging
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Self, TypeVar
@@ -13,7 +14,12 @@ from ._retry import Backoff, Failure, stream_with_retries, transport_errors
 
 __all__ = ["SdkModel"]
 
+logger = logging.getLogger("loomflow.models")
+
 ClientT = TypeVar("ClientT")
+
+# (provider, model) pairs already warned about answering without token counts.
+_unreported: set[tuple[str, str]] = set()
 
 
 class SdkModel(abc.ABC, Generic[ClientT]):
@@ -27,6 +33,8 @@ class SdkModel(abc.ABC, Generic[ClientT]):
 
     provider: ClassVar[str]
     _label: ClassVar[str]  # the provider's name in messages, e.g. "Anthropic"
+    # Why a response may come without token counts, for the warning when none came.
+    _usage_hint: ClassVar[str] = ""
     # ``stream`` takes ``output=``: the provider itself is asked for an answer of that shape.
     native_output: ClassVar[bool] = True
 
@@ -122,6 +130,20 @@ class SdkModel(abc.ABC, Generic[ClientT]):
                 "be a token count; what the call spent is unknown"
             )
         return value
+
+    def _warn_usage_unreported(self) -> None:
+        """Say once per model that a response came without token counts."""
+        key = (self.provider, self._name)
+        if key not in _unreported:
+            _unreported.add(key)
+            logger.warning(
+                "%s model %r answered without reporting its token usage%s: such a call "
+                "counts as 0 tokens in a run's totals, and a budget charges its whole "
+                "reservation",
+                self.provider,
+                self._name,
+                self._usage_hint,
+            )
 
     @property
     def name(self) -> str:

@@ -23,12 +23,16 @@ from ..messages import (
     ToolSpec,
     Usage,
 )
+from . import _fields as f
 from ._arguments import parse_tool_arguments
 from ._retry import (
     Failure,
     IncompleteStreamError,
+    MalformedStreamError,
+    SdkEvents,
     is_retryable_status,
     parse_retry_after,
+    read_sdk,
 )
 from ._sdk import SdkModel
 
@@ -169,37 +173,53 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         manager: Any = self._client.messages.stream(**request)
         async with manager as stream:
             event: Any
-            async for event in stream:
-                kind = event.type
+            # The SDK builds events without validating them: the fields read here are
+            # checked (see _fields), and the SDK's own errors on malformed data become
+            # MalformedStreamError (SdkEvents, read_sdk).
+            async for event in SdkEvents(stream):
+                kind = f.field(event, "type")
                 if kind == "content_block_start":
-                    block = event.content_block
-                    if (
-                        block.type == "tool_use"
-                        and output is not None
-                        and (block.name == output.name)
-                    ):
-                        answer_blocks.add(event.index)
-                    elif block.type == "tool_use":
-                        slot = tool_slots.setdefault(event.index, len(tool_slots))
+                    position = f.index(f.field(event, "index"), f"{kind}.index")
+                    block = f.obj(f.field(event, "content_block"), f"{kind}.content_block")
+                    if f.field(block, "type") != "tool_use":
+                        continue
+                    where = f"{kind}.content_block"
+                    name = f.text(f.field(block, "name"), f"{where}.name")
+                    if output is not None and name == output.name:
+                        answer_blocks.add(position)
+                    else:
+                        call_id = f.text(f.field(block, "id"), f"{where}.id")
+                        slot = tool_slots.setdefault(position, len(tool_slots))
                         arguments[slot] = []
-                        yield ToolCallDelta(index=slot, id=block.id, name=block.name)
+                        yield ToolCallDelta(index=slot, id=call_id, name=name)
                 elif kind == "content_block_delta":
-                    delta = event.delta
-                    if delta.type == "text_delta" and delta.text:
-                        yield TextDelta(text=delta.text)
-                    elif delta.type == "input_json_delta" and event.index in answer_blocks:
-                        if delta.partial_json:
-                            answer.append(delta.partial_json)
-                            yield TextDelta(text=delta.partial_json)
-                    elif delta.type == "input_json_delta" and delta.partial_json:
-                        slot = tool_slots[event.index]
-                        arguments[slot].append(delta.partial_json)
-                        yield ToolCallDelta(index=slot, arguments_delta=delta.partial_json)
+                    position = f.index(f.field(event, "index"), f"{kind}.index")
+                    delta = f.obj(f.field(event, "delta"), f"{kind}.delta")
+                    delta_type = f.field(delta, "type")
+                    if delta_type == "text_delta":
+                        piece = f.text(f.field(delta, "text"), f"{kind}.delta.text")
+                        if piece:
+                            yield TextDelta(text=piece)
+                    elif delta_type == "input_json_delta":
+                        piece = f.text(f.field(delta, "partial_json"), f"{kind}.delta.partial_json")
+                        if position in answer_blocks:
+                            if piece:
+                                answer.append(piece)
+                                yield TextDelta(text=piece)
+                        elif position not in tool_slots:
+                            raise MalformedStreamError(
+                                f"an input_json_delta came for content block {position}, "
+                                "which is not a tool_use block"
+                            )
+                        elif piece:
+                            slot = tool_slots[position]
+                            arguments[slot].append(piece)
+                            yield ToolCallDelta(index=slot, arguments_delta=piece)
                 elif kind == "message_stop":
                     stopped = True
             if not stopped:
                 raise IncompleteStreamError("the event stream ended before message_stop")
-            message = await stream.get_final_message()
+            message = await read_sdk(stream.get_final_message())
         yield self._response(
             message, ["".join(arguments[i]) for i in sorted(arguments)], output, "".join(answer)
         )
@@ -211,33 +231,51 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         output: OutputFormat | None = None,
         answer: str = "",
     ) -> ModelResponse:
+        message = f.obj(message, "the message")
         text: list[str] = []
         calls: list[ToolCall] = []
         answered: str | None = None
-        for block in message.content:
-            if block.type == "text":
-                text.append(block.text)
-            elif block.type == "tool_use" and output is not None and block.name == output.name:
+        for n, block in enumerate(f.items(f.field(message, "content"), "content")):
+            block = f.obj(block, f"content[{n}]")
+            kind = f.field(block, "type")
+            if kind == "text":
+                text.append(f.text(f.field(block, "text"), f"content[{n}].text"))
+            elif kind != "tool_use":
+                continue
+            elif output is not None and f.field(block, "name") == output.name:
                 # No deltas: the start event held the whole input.
-                answered = answer or json.dumps(block.input)
-            elif block.type == "tool_use":
+                answered = answer or json.dumps(f.field(block, "input"))
+            else:
+                name = f.text(f.field(block, "name"), f"content[{n}].name")
+                call_id = f.text(f.field(block, "id"), f"content[{n}].id")
                 raw = arguments[len(calls)] if len(calls) < len(arguments) else ""
-                decoded = parse_tool_arguments(
-                    raw, provider=self.provider, model=self._name, tool=block.name, call_id=block.id
-                )
-                if not raw and isinstance(block.input, dict):
-                    decoded = dict(block.input)  # no deltas: the start event held the input
-                calls.append(ToolCall(id=block.id, name=block.name, arguments=decoded))
-        usage = message.usage
+                given = f.field(block, "input")
+                if not raw and isinstance(given, dict):
+                    decoded = dict(given)  # no deltas: the start event held the input
+                else:
+                    # Streamed text, or an input that is not an object (decoded to say so:
+                    # running the tool with {} would run it with arguments never sent).
+                    decoded = parse_tool_arguments(
+                        raw or json.dumps(given),
+                        provider=self.provider,
+                        model=self._name,
+                        tool=name,
+                        call_id=call_id,
+                    )
+                calls.append(ToolCall(id=call_id, name=name, arguments=decoded))
+        usage = f.optional_obj(f.field(message, "usage"), "usage")
         # Anthropic reports uncached input apart from cache writes and reads; all three are
         # input (as the GenAI conventions count it), and the cache parts are kept apart for
         # pricing at their own rates.
         count = self._reported_count
-        writes = count(
-            "cache_creation_input_tokens", getattr(usage, "cache_creation_input_tokens", None)
-        )
-        reads = count("cache_read_input_tokens", getattr(usage, "cache_read_input_tokens", None))
-        stop = message.stop_reason
+        writes = count("cache_creation_input_tokens", f.field(usage, "cache_creation_input_tokens"))
+        reads = count("cache_read_input_tokens", f.field(usage, "cache_read_input_tokens"))
+        input_tokens = f.field(usage, "input_tokens")
+        output_tokens = f.field(usage, "output_tokens")
+        reported = input_tokens is not None and output_tokens is not None
+        if not reported:
+            self._warn_usage_unreported()
+        stop = f.optional_text(f.field(message, "stop_reason"), "stop_reason")
         if answered is not None and not calls:
             # The answer tool's input is the answer; the tool itself never runs. Called beside
             # other tools, it is dropped: their results come first, and the model answers again.
@@ -248,13 +286,14 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             text="".join(text),
             tool_calls=calls,
             usage=Usage(
-                input_tokens=count("input_tokens", usage.input_tokens) + writes + reads,
-                output_tokens=count("output_tokens", usage.output_tokens),
+                input_tokens=count("input_tokens", input_tokens) + writes + reads,
+                output_tokens=count("output_tokens", output_tokens),
                 cache_read_tokens=reads,
                 cache_write_tokens=writes,
             ),
             finish_reason=_FINISH_REASONS.get(stop, stop) if stop else "stop",
-            model=message.model or self._name,
+            model=f.optional_text(f.field(message, "model"), "model") or self._name,
+            usage_reported=reported,
         )
 
     def _classify(self, exc: Exception) -> Failure | None:
@@ -277,6 +316,8 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
         if isinstance(exc, (IncompleteStreamError, *self._transport_errors)):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
+        if isinstance(exc, MalformedStreamError):
+            return Failure(f"malformed response stream: {exc}", None, retryable=False)
         if isinstance(exc, sdk.AnthropicError):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=False)
         return None

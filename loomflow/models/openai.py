@@ -24,10 +24,13 @@ from ..messages import (
     ToolSpec,
     Usage,
 )
+from . import _fields as f
 from ._arguments import parse_tool_arguments
 from ._retry import (
     Failure,
     IncompleteStreamError,
+    MalformedStreamError,
+    SdkEvents,
     is_retryable_status,
     parse_retry_after,
 )
@@ -83,6 +86,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
 
     provider = "openai"
     _label = "OpenAI"
+    _usage_hint = " (does the server ignore stream_options.include_usage?)"
 
     @staticmethod
     def _import_sdk() -> Any:
@@ -144,68 +148,100 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         text: list[str] = []
         calls: dict[int, _PendingCall] = {}
         usage = Usage()
+        usage_reported = False
         finish: str | None = None
         model = self._name
         stream: Any = await self._client.chat.completions.create(**request)
         async with stream:
             chunk: Any
-            async for chunk in stream:
-                model = chunk.model or model
-                if chunk.usage is not None:
-                    usage = self._usage(chunk.usage)
-                for choice in chunk.choices:
-                    if choice.index != 0:  # only one candidate is ever requested
+            # The SDK builds chunks without validating them: every field read below is
+            # checked (see _fields), so a malformed stream is a ModelError saying what was
+            # wrong rather than a TypeError from deep inside the loop.
+            async for chunk in SdkEvents(stream):
+                chunk = f.obj(chunk, "a chunk")
+                model = f.optional_text(f.field(chunk, "model"), "model") or model
+                reported = f.optional_obj(f.field(chunk, "usage"), "usage")
+                if reported is not None:
+                    usage, usage_reported = self._usage(reported)
+                choices = f.field(chunk, "choices")
+                if choices is None and reported is not None:
+                    continue  # a usage-only chunk some servers send without "choices"
+                for n, choice in enumerate(f.items(choices, "choices")):
+                    choice = f.obj(choice, f"choices[{n}]")
+                    if f.field(choice, "index") != 0:  # only one candidate is ever requested
                         continue
-                    delta = choice.delta
-                    if delta is not None and delta.content:
-                        text.append(delta.content)
-                        yield TextDelta(text=delta.content)
+                    delta = f.optional_obj(f.field(choice, "delta"), "choices[0].delta")
+                    content = f.optional_text(f.field(delta, "content"), "choices[0].delta.content")
+                    if content:
+                        text.append(content)
+                        yield TextDelta(text=content)
                     # A structured-output request the model declines: its reason is the text
                     # (validation then fails and says so).
-                    refusal = getattr(delta, "refusal", None) if delta is not None else None
+                    refusal = f.optional_text(f.field(delta, "refusal"), "choices[0].delta.refusal")
                     if refusal:
                         text.append(refusal)
                         yield TextDelta(text=refusal)
-                    for piece in (delta.tool_calls if delta is not None else None) or ():
-                        pending = calls.setdefault(piece.index, _PendingCall())
-                        function = piece.function
-                        name = function.name if function is not None else None
-                        arguments = (function.arguments if function is not None else None) or ""
-                        if piece.id:
-                            pending.id = piece.id
-                        if name:
-                            pending.name += name
-                        pending.arguments.append(arguments)
-                        yield ToolCallDelta(
-                            index=piece.index,
-                            id=piece.id or None,
-                            name=name or None,
-                            arguments_delta=arguments,
-                        )
-                    if choice.finish_reason:
-                        finish = choice.finish_reason
+                    pieces = f.field(delta, "tool_calls")
+                    where = "choices[0].delta.tool_calls"
+                    for k, piece in enumerate(f.items(pieces, where) if pieces is not None else ()):
+                        yield self._tool_call_delta(calls, piece, f"{where}[{k}]")
+                    reason = f.optional_text(
+                        f.field(choice, "finish_reason"), "choices[0].finish_reason"
+                    )
+                    if reason:
+                        finish = reason
         if finish is None:
             raise IncompleteStreamError("the stream ended without a finish_reason")
+        if not usage_reported:
+            # A server that ignores stream_options.include_usage: the call's cost is unknown
+            # (a budget charges its whole reservation; see ModelResponse.usage_reported).
+            self._warn_usage_unreported()
         yield ModelResponse(
             text="".join(text),
             tool_calls=[self._tool_call(calls[i]) for i in sorted(calls)],
             usage=usage,
             finish_reason=_FINISH_REASONS.get(finish, finish),
             model=model,
+            usage_reported=usage_reported,
         )
 
-    def _usage(self, reported: Any) -> Usage:
-        """OpenAI's usage figures: prompt tokens include the cached ones (reads; OpenAI reports
-        no cache writes), which are kept apart for pricing at the cached-input rate."""
-        prompt = self._reported_count("prompt_tokens", reported.prompt_tokens)
-        details = getattr(reported, "prompt_tokens_details", None)
-        cached = getattr(details, "cached_tokens", None) if details is not None else None
-        return Usage(
+    @staticmethod
+    def _tool_call_delta(calls: dict[int, _PendingCall], piece: Any, where: str) -> ToolCallDelta:
+        """One streamed piece of a tool call, added to its pending call."""
+        piece = f.obj(piece, where)
+        slot = f.index(f.field(piece, "index"), f"{where}.index")
+        call_id = f.optional_text(f.field(piece, "id"), f"{where}.id")
+        function = f.optional_obj(f.field(piece, "function"), f"{where}.function")
+        name = f.optional_text(f.field(function, "name"), f"{where}.function.name")
+        arguments = f.optional_text(f.field(function, "arguments"), f"{where}.function.arguments")
+        pending = calls.setdefault(slot, _PendingCall())
+        if call_id:
+            pending.id = call_id
+        if name:
+            pending.name += name
+        pending.arguments.append(arguments or "")
+        return ToolCallDelta(
+            index=slot, id=call_id or None, name=name or None, arguments_delta=arguments or ""
+        )
+
+    def _usage(self, reported: Any) -> tuple[Usage, bool]:
+        """OpenAI's usage figures, and whether both counts were there: prompt tokens include
+        the cached ones (reads; OpenAI reports no cache writes), which are kept apart for
+        pricing at the cached-input rate."""
+        prompt_tokens = f.field(reported, "prompt_tokens")
+        completion_tokens = f.field(reported, "completion_tokens")
+        prompt = self._reported_count("prompt_tokens", prompt_tokens)
+        details = f.optional_obj(
+            f.field(reported, "prompt_tokens_details"), "usage.prompt_tokens_details"
+        )
+        cached = f.field(details, "cached_tokens")
+        usage = Usage(
             input_tokens=prompt,
-            output_tokens=self._reported_count("completion_tokens", reported.completion_tokens),
+            output_tokens=self._reported_count("completion_tokens", completion_tokens),
             # More cached than prompt tokens cannot be: the prompt is billed, at most all cached.
             cache_read_tokens=min(self._reported_count("cached_tokens", cached), prompt),
         )
+        return usage, prompt_tokens is not None and completion_tokens is not None
 
     def _tool_call(self, pending: _PendingCall) -> ToolCall:
         arguments = parse_tool_arguments(
@@ -232,6 +268,8 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
         if isinstance(exc, (IncompleteStreamError, *self._transport_errors)):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
+        if isinstance(exc, MalformedStreamError):
+            return Failure(f"malformed response stream: {exc}", None, retryable=False)
         if isinstance(exc, sdk.APIError):
             # An error object inside a 200 stream: no status, only its type or code.
             body = exc.body if isinstance(exc.body, dict) else {}

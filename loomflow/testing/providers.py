@@ -84,6 +84,13 @@ class Reply:
             request gets the reply's text as the raw JSON answer (to test malformed output).
         refusal: OpenAI only: the model declines, with this reason in the message's
             ``refusal`` field instead of content (as structured-output requests can).
+        report_usage: ``False`` leaves the token counts out, as some servers do: OpenAI
+            sends no usage chunk even when ``stream_options.include_usage`` asks for one;
+            Anthropic sends empty ``usage`` objects.
+        raw_stream: Streamed replies only: the body to send, piece by piece, instead of the
+            events the other fields describe (to test malformed streams: a field of the wrong
+            type, events out of order, bytes that are not UTF-8). A ``str`` piece is sent as
+            UTF-8; ``cut_after`` and ``end_after`` count pieces.
     """
 
     text: str | Sequence[str] = ""
@@ -99,6 +106,8 @@ class Reply:
     raw_arguments: Sequence[str] | None = None
     structured: Any = None
     refusal: str | None = None
+    report_usage: bool = True
+    raw_stream: Sequence[bytes | str] | None = None
 
     @property
     def structured_json(self) -> str:
@@ -392,7 +401,12 @@ class FakeProviderAPI:
 
     def _stream(self, out: _Exchange, reply: Reply, request: RecordedRequest) -> None:
         out.start_stream()
-        for sent, event in enumerate(self._events(reply, request)):
+        events: Iterator[bytes] = (
+            self._events(reply, request)
+            if reply.raw_stream is None
+            else (p.encode() if isinstance(p, str) else p for p in reply.raw_stream)
+        )
+        for sent, event in enumerate(events):
             if reply.cut_after is not None and sent >= reply.cut_after:
                 out.drop()
             if reply.end_after is not None and sent >= reply.end_after:
@@ -560,6 +574,8 @@ class FakeAnthropicAPI(FakeProviderAPI):
 
     @staticmethod
     def _usage(reply: Reply, output_tokens: int) -> dict[str, int]:
+        if not reply.report_usage:
+            return {}
         return {
             "input_tokens": reply.input_tokens,
             "cache_creation_input_tokens": reply.cache_write_tokens,
@@ -608,7 +624,7 @@ class FakeAnthropicAPI(FakeProviderAPI):
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": self._stop_reason(reply), "stop_sequence": None},
-                "usage": {"output_tokens": reply.output_tokens},
+                "usage": {"output_tokens": reply.output_tokens} if reply.report_usage else {},
             },
         )
         yield _sse("message_stop", {"type": "message_stop"})
@@ -718,7 +734,7 @@ class FakeOpenAIAPI(FakeProviderAPI):
                 }
                 for c in reply.tool_calls
             ]
-        return {
+        answer = {
             "id": self._new_id("chatcmpl-fake"),
             "object": "chat.completion",
             "created": int(time.time()),
@@ -726,8 +742,10 @@ class FakeOpenAIAPI(FakeProviderAPI):
             "choices": [
                 {"index": 0, "message": message, "finish_reason": self._finish_reason(reply)}
             ],
-            "usage": self._usage(reply),
         }
+        if reply.report_usage:
+            answer["usage"] = self._usage(reply)
+        return answer
 
     def _events(self, reply: Reply, request: RecordedRequest) -> Iterator[bytes]:
         base = {
@@ -758,7 +776,7 @@ class FakeOpenAIAPI(FakeProviderAPI):
                 yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
         yield chunk({}, self._finish_reason(reply))
         options = request.body.get("stream_options") if isinstance(request.body, dict) else None
-        if isinstance(options, dict) and options.get("include_usage"):
+        if reply.report_usage and isinstance(options, dict) and options.get("include_usage"):
             yield _sse(None, {**base, "choices": [], "usage": self._usage(reply)})
         yield _sse(None, "[DONE]")
 

@@ -796,3 +796,74 @@ async def test_a_reported_scripted_model_id_does_not_make_a_provider_call_free(
     assert call.payload["cost_usd"] == pytest.approx(cost)
     assert second.interruption_reason == "budget:user.cost_usd"
     assert api.request_count == 1
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_a_call_without_usage_is_charged_its_whole_reservation(
+    provider: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server that reports no usage: the call counted as 0 tokens and $0, so no cap tripped.
+    from loomflow.governance.budget import _budget
+    from loomflow.models import AnthropicModel, OpenAIModel
+    from loomflow.testing.providers import FakeAnthropicAPI, FakeOpenAIAPI, Reply
+
+    monkeypatch.setattr(_budget, "_unreported", set())  # warned once per model and process
+
+    fake, adapter, name = {
+        "openai": (FakeOpenAIAPI, OpenAIModel, "gpt-4o"),
+        "anthropic": (FakeAnthropicAPI, AnthropicModel, "claude-opus-4-7"),
+    }[provider]
+    store = InMemoryBudgetStore()
+    budget = StandardBudget([Cap("tokens_total", 100_000)], store=store, overhead_tokens=50)
+    with fake(default=Reply(text="hi", report_usage=False)) as api:
+        model = adapter(name, base_url=api.base_url, api_key="test")
+        agent = Agent("x", model=model, budget=budget, memory=False, tuning=Tuning(max_tokens=32))
+        with caplog.at_level(logging.WARNING, logger="loomflow.governance.budget"):
+            first = await agent.run("go", user_id="alice")
+            await agent.run("go", user_id="alice")
+        await model.aclose()
+    # The run goes on, with what the provider reported (nothing) in its own totals...
+    assert first.output == "hi"
+    assert (first.tokens_in, first.tokens_out, first.cost_usd) == (0, 0, 0.0)
+    # ...and the budget charged the most each call could have spent.
+    _, held = budget.size(model=name, max_tokens=32, input_tokens=first_reservation_in(budget))
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    assert totals.tokens_out == 2 * 32
+    assert totals.tokens_in == 2 * held.tokens_in
+    assert totals.cost_nanousd == 2 * held.cost_nanousd > 0
+    assert totals.reserved_in == totals.reserved_out == 0
+    warned = [r for r in caplog.records if "reported no token usage" in r.message]
+    assert len(warned) == 1  # once per model
+
+
+def first_reservation_in(budget: StandardBudget) -> int:
+    """The input tokens a reservation holds for the one-message prompt "go" (system "x")."""
+    return bound_input_tokens([Message.system("x"), Message.user("go")]) + budget.overhead_tokens
+
+
+async def test_a_call_without_usage_counts_in_full_against_a_run_cap() -> None:
+    from loomflow.models import OpenAIModel
+    from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+    call = ToolCall(id="c1", name="lookup", arguments={"key": "k"})
+    replies = [Reply(tool_calls=[call], report_usage=False), Reply(text="done")]
+    # One reservation (~5,000 tokens) fits under the run's cap; two do not.
+    budget = StandardBudget([Cap("tokens_total", 8_000, scope="run")], overhead_tokens=5_000)
+    with FakeOpenAIAPI(*replies) as api:
+        model = OpenAIModel("gpt-4o", base_url=api.base_url, api_key="test")
+        agent = Agent("x", model=model, tools=[lookup], budget=budget, memory=False)
+        result = await agent.run("go", user_id="alice")
+        await model.aclose()
+    assert result.interruption_reason == "budget:run.tokens_total"
+    assert api.request_count == 1
+
+
+async def test_commit_charges_the_reservation_for_an_unreported_usage() -> None:
+    store = InMemoryBudgetStore()
+    budget = StandardBudget(WATCHED, store=store, prices={"m": ModelPrice(1.0, 2.0)})
+    ticket = await budget.reserve(user_id="alice", model="m", max_tokens=40, input_tokens=300)
+    await budget.commit(ticket, Usage(), model="m", usage_reported=False)
+    totals = (await store.totals([ALICE.key]))[ALICE.key]
+    assert (totals.tokens_in, totals.tokens_out) == (300, 40)
+    assert totals.cost_nanousd == ticket.amount.cost_nanousd == 300 * 1_000 + 40 * 2_000
+    assert totals.reserved_in == 0

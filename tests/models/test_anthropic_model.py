@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import anthropic
 import pytest
 
@@ -17,7 +20,7 @@ from loomflow.messages import (
     ToolSpec,
     Usage,
 )
-from loomflow.models import AnthropicModel, Backoff, Model, complete
+from loomflow.models import AnthropicModel, Backoff, Model, _sdk, complete
 from loomflow.testing.providers import Failure, FakeAnthropicAPI, Reply
 
 MODEL = "claude-opus-4-7"
@@ -286,3 +289,192 @@ async def test_malformed_tool_arguments_are_a_model_error(
             await complete(model, [Message.user("hi")])
     assert not isinstance(info.value, ModelRetryExhaustedError)
     assert anthropic_api.request_count == 1
+
+
+# -- streams the Messages API never sends ---------------------------------------------------
+
+
+def _event(kind: str, data: dict[str, object]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+def _start(usage: dict[str, object] | None = None) -> bytes:
+    message = {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 10, "output_tokens": 1} if usage is None else usage,
+    }  # fmt: skip
+    return _event("message_start", {"message": message})
+
+
+def _block(index: int, block: dict[str, object]) -> bytes:
+    return _event("content_block_start", {"index": index, "content_block": block})
+
+
+def _delta(index: int, delta: dict[str, object]) -> bytes:
+    return _event("content_block_delta", {"index": index, "delta": delta})
+
+
+def _end(stop_reason: object = "end_turn", blocks: int = 1) -> list[bytes]:
+    return [
+        *(_event("content_block_stop", {"index": i}) for i in range(blocks)),
+        _event(
+            "message_delta",
+            {
+                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                "usage": {"output_tokens": 3},
+            },
+        ),
+        _event("message_stop", {}),
+    ]
+
+
+TEXT = {"type": "text", "text": ""}
+
+
+def _tool_use(input: object = None, id: object = "toolu_1") -> dict[str, object]:
+    return {"type": "tool_use", "id": id, "name": "get_weather", "input": input or {}}
+
+
+# The SDK itself warns, copying the block, that its input is not the object it expects.
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")
+@pytest.mark.parametrize("tool_input", [[1, 2, 3], "only-tmp", 7], ids=["list", "string", "number"])
+async def test_a_tool_input_that_is_not_an_object_is_a_model_error(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff, tool_input: object
+) -> None:
+    # The whole input in the start event, no input_json deltas. It once ran the tool with {}
+    # (its defaults), arguments the model never sent; streamed as text it was already refused.
+    body = [_start(), _block(0, _tool_use(tool_input)), *_end("tool_use")]
+    anthropic_api.add(Reply(raw_stream=body))
+    async with make(anthropic_api, fast) as model:
+        with pytest.raises(ModelError, match="came with arguments that are not a JSON object"):
+            await drain(model, [Message.user("hi")])
+    assert anthropic_api.request_count == 1
+
+
+async def test_a_tool_input_object_in_the_start_event_is_used(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    body = [_start(), _block(0, _tool_use({"city": "Oslo"})), *_end("tool_use")]
+    anthropic_api.add(Reply(raw_stream=body))
+    async with make(anthropic_api, fast) as model:
+        response = (await drain(model, [Message.user("hi")]))[-1]
+    assert isinstance(response, ModelResponse)
+    assert response.tool_calls == [
+        ToolCall(id="toolu_1", name="get_weather", arguments={"city": "Oslo"})
+    ]
+
+
+MALFORMED_STREAMS = {
+    # Each: (the body, what the error says).
+    "delta before its block": (
+        [_start(), _delta(0, {"type": "text_delta", "text": "x"}), *_end()[1:]],
+        r"IndexError",
+    ),
+    "no message_start": ([_block(0, TEXT), *_end()], "AssertionError"),
+    "invalid input_json_delta": (
+        [
+            _start(),
+            _block(0, _tool_use()),
+            _delta(0, {"type": "input_json_delta", "partial_json": '{"a":2,]'}),
+            *_end("tool_use"),
+        ],
+        "Unable to parse tool parameter JSON",
+    ),
+    "body not UTF-8": (
+        [
+            _start(),
+            _block(0, TEXT),
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+            b'"delta":{"type":"text_delta","text":"a\xffb"}}\n\n',
+            *_end(),
+        ],
+        "UnicodeDecodeError",
+    ),
+    "stop_reason a number": (
+        [_start(), _block(0, TEXT), _delta(0, {"type": "text_delta", "text": "ok"}), *_end(5)],
+        "stop_reason is 5, not a string",
+    ),
+    "tool_use id null": (
+        [_start(), _block(0, _tool_use(id=None)), *_end("tool_use")],
+        r"content_block\.id is missing or null, not a string",
+    ),
+    "text a number": (
+        [_start(), _block(0, TEXT), _delta(0, {"type": "text_delta", "text": 42}), *_end()],
+        "TypeError",
+    ),
+    "negative block index": (
+        [_start(), _block(-1, _tool_use()), *_end("tool_use")],
+        r"content_block_start\.index is -1",
+    ),
+    "input_json_delta for a text block": (
+        [
+            _start(),
+            _block(0, TEXT),
+            _delta(0, {"type": "input_json_delta", "partial_json": "{}"}),
+            *_end(),
+        ],
+        "content block 0, which is not a tool_use block",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_STREAMS))
+async def test_a_malformed_stream_is_a_model_error_and_not_retried(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff, case: str
+) -> None:
+    # These escaped as IndexError, AssertionError, ValueError, UnicodeDecodeError (from the
+    # SDK) or pydantic's ValidationError (building loomflow objects) instead of a ModelError.
+    body, says = MALFORMED_STREAMS[case]
+    anthropic_api.add(Reply(raw_stream=body), Reply(text="unused"))
+    async with make(anthropic_api, fast, max_retries=2) as model:
+        with pytest.raises(ModelError, match="malformed response stream") as info:
+            await drain(model, [Message.user("hi")])
+    error = info.value
+    assert type(error) is ModelError  # not retried, so not ModelRetryExhaustedError
+    assert (error.provider, error.model, error.status) == ("anthropic", MODEL, None)
+    assert re.search(says, str(error)), str(error)
+    assert anthropic_api.request_count == 1
+
+
+async def test_a_bug_in_the_adapter_is_not_taken_for_a_malformed_stream(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only what the SDK raises while reading the stream is translated: loomflow's own code
+    # raising a TypeError is a bug, and surfaces as one.
+    def broken(*args: object, **kwargs: object) -> ModelResponse:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(AnthropicModel, "_response", broken)
+    anthropic_api.add(Reply(text="fine"))
+    async with make(anthropic_api, fast) as model:
+        with pytest.raises(TypeError, match="a bug"):
+            await drain(model, [Message.user("hi")])
+
+
+async def test_a_stream_without_usage_is_marked_unreported(
+    anthropic_api: FakeAnthropicAPI,
+    fast: Backoff,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_sdk, "_unreported", set())  # warned once per model and process
+    anthropic_api.add(Reply(text="hi", report_usage=False), Reply(text="hi", report_usage=False))
+    anthropic_api.add(Reply(text="hi"))
+    # Input figures only are missing: the call's cost is still unknown.
+    anthropic_api.add(Reply(raw_stream=[_start({"output_tokens": 1}), _block(0, TEXT), *_end()]))
+    async with AnthropicModel(
+        "claude-sonnet-4-5", base_url=anthropic_api.base_url, api_key="k", backoff=fast
+    ) as model:
+        with caplog.at_level("WARNING", logger="loomflow.models"):
+            first = await complete(model, [Message.user("hi")])
+            second = await complete(model, [Message.user("hi")])
+        reported = await complete(model, [Message.user("hi")])
+        no_input = await complete(model, [Message.user("hi")])
+    assert (first.usage_reported, first.usage) == (False, Usage())
+    assert second.usage_reported is False
+    assert reported.usage_reported is True
+    assert (no_input.usage_reported, no_input.usage.output_tokens) == (False, 3)
+    warned = [r for r in caplog.records if "without reporting its token usage" in r.message]
+    assert len(warned) == 1  # once per model
+    assert "claude-sonnet-4-5" in warned[0].message

@@ -175,3 +175,19 @@ def test_a_journaled_usage_with_cache_figures_round_trips() -> None:
     decoded = decode(encode(ModelResponse(text="ok", usage=usage)))
     assert isinstance(decoded, ModelResponse)
     assert decoded.usage == usage
+
+
+def test_a_journaled_response_from_before_usage_reported_decodes_as_reported() -> None:
+    fresh = encode(ModelResponse(text="ok", usage=Usage(input_tokens=7, output_tokens=2)))
+    del fresh["v"]["fields"]["usage_reported"]
+    decoded = decode(json.loads(json.dumps(fresh)))
+    assert isinstance(decoded, ModelResponse)
+    assert decoded.usage_reported is True
+    assert decoded.usage == Usage(input_tokens=7, output_tokens=2)
+
+
+def test_an_unreported_usage_round_trips_through_the_journal() -> None:
+    response = ModelResponse(text="ok", usage_reported=False)
+    decoded = decode(json.loads(json.dumps(encode(response))))
+    assert decoded == response
+    assert decoded.usage_reported is False

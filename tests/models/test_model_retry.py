@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import pickle
 import random
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 
 from loomflow.errors import ModelError, ModelRetryExhaustedError
 from loomflow.messages import ModelChunk, ModelResponse, TextDelta
 from loomflow.models import Backoff
-from loomflow.models._retry import Failure, parse_retry_after, stream_with_retries
+from loomflow.models._retry import (
+    Failure,
+    MalformedStreamError,
+    SdkEvents,
+    error_class,
+    parse_retry_after,
+    read_sdk,
+    stream_with_retries,
+)
 
 
 class Flaky(Exception):
@@ -155,3 +165,52 @@ def test_model_errors_survive_pickling(error: ModelError) -> None:
         error.model,
         error.status,
     )
+
+
+async def _events(exc: BaseException) -> AsyncIterator[str]:
+    yield "first"
+    raise exc
+
+
+async def _read_all(events: AsyncIterator[str]) -> list[str]:
+    return [e async for e in SdkEvents(events)]
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+        json.JSONDecodeError("Expecting value", "{x", 1),
+        IndexError("list index out of range"),
+        AssertionError(),
+        TypeError("can only concatenate str"),
+        ValueError("Unable to parse tool parameter JSON"),
+    ],
+)
+async def test_the_sdk_failing_on_malformed_data_is_a_malformed_stream(exc: Exception) -> None:
+    with pytest.raises(MalformedStreamError, match=type(exc).__name__) as info:
+        await _read_all(_events(exc))
+    assert info.value.__cause__ is exc
+
+    async def final() -> str:
+        raise exc
+
+    with pytest.raises(MalformedStreamError):
+        await read_sdk(final())
+
+
+@pytest.mark.parametrize(
+    "exc", [asyncio.CancelledError(), KeyboardInterrupt(), Flaky("transport"), OSError("reset")]
+)
+async def test_cancellation_and_other_failures_pass_through_the_sdk_stream(
+    exc: BaseException,
+) -> None:
+    with pytest.raises(type(exc)) as info:
+        await _read_all(_events(exc))
+    assert info.value is exc
+
+
+def test_a_malformed_stream_is_not_counted_as_a_connection_failure() -> None:
+    error = ModelError("openai", "gpt-4.1", "malformed response stream: choices is missing")
+    error.__cause__ = MalformedStreamError("choices is missing")
+    assert error_class(None, error) == "other"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -19,7 +20,7 @@ from loomflow.messages import (
     ToolSpec,
     Usage,
 )
-from loomflow.models import Backoff, Model, OpenAIModel, complete
+from loomflow.models import Backoff, Model, OpenAIModel, _sdk, complete
 from loomflow.testing.providers import Failure, FakeOpenAIAPI, Reply
 
 MODEL = "gpt-4.1"
@@ -253,3 +254,134 @@ async def test_adapter_satisfies_the_protocol(openai_api: FakeOpenAIAPI, fast: B
     async with make(openai_api, fast) as model:
         assert isinstance(model, Model)
         assert (model.provider, model.name) == ("openai", MODEL)
+
+
+# -- streams Chat Completions never sends ---------------------------------------------------
+
+
+def _chunk(fields: str) -> bytes:
+    """One data line; ``fields`` is raw JSON text, so it can hold what json.dumps would not."""
+    head = '"id":"c1","object":"chat.completion.chunk","created":1,"model":"gpt-4.1"'
+    return f"data: {{{head},{fields}}}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+STOP = _chunk('"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]')
+USAGE = '"usage":{"prompt_tokens":5,"completion_tokens":1}'
+
+
+def _tool_piece(piece: str) -> bytes:
+    return _chunk(
+        f'"choices":[{{"index":0,"delta":{{"tool_calls":[{piece}]}},"finish_reason":"tool_calls"}}]'
+    )
+
+
+MALFORMED_STREAMS = {
+    # Each: (the body, what the error says).
+    "choices null": ([_chunk('"choices":null'), STOP, DONE], "choices is missing or null"),
+    "usage a number": (
+        [
+            _chunk('"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]'),
+            _chunk('"choices":[],"usage":12'),
+            DONE,
+        ],
+        "usage is 12, not an object",
+    ),
+    "arguments an object": (
+        [
+            _tool_piece(
+                '{"index":0,"id":"c","type":"function",'
+                '"function":{"name":"get_weather","arguments":{"city":"Oslo"}}}'
+            ),
+            DONE,
+        ],
+        r"tool_calls\[0\]\.function\.arguments is \{'city': 'Oslo'\}, not a string",
+    ),
+    "tool call index -1": (
+        [
+            _tool_piece(
+                '{"index":-1,"id":"c","type":"function",'
+                '"function":{"name":"get_weather","arguments":"{}"}}'
+            ),
+            DONE,
+        ],
+        r"tool_calls\[0\]\.index is -1, not an index",
+    ),
+    "content a number": (
+        [_chunk('"choices":[{"index":0,"delta":{"content":42},"finish_reason":"stop"}]'), DONE],
+        r"choices\[0\]\.delta\.content is 42, not a string",
+    ),
+    "body not UTF-8": (
+        [
+            _chunk('"choices":[{"index":0,"delta":{"content":"a').rstrip(b"}\n")
+            + b'\xffb"},"finish_reason":"stop"}]}\n\n',
+            DONE,
+        ],
+        "UnicodeDecodeError",
+    ),
+    "data not JSON": ([b"data: {not json\n\n", DONE], "JSONDecodeError"),
+    "finish_reason a number": (
+        [_chunk('"choices":[{"index":0,"delta":{},"finish_reason":3}]'), DONE],
+        r"finish_reason is 3, not a string",
+    ),
+    "choice not an object": ([_chunk('"choices":["x"]'), DONE], r"choices\[0\] is 'x'"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_STREAMS))
+async def test_a_malformed_stream_is_a_model_error_and_not_retried(
+    openai_api: FakeOpenAIAPI, fast: Backoff, case: str
+) -> None:
+    # These escaped as TypeError, AttributeError, JSONDecodeError, UnicodeDecodeError or
+    # pydantic's ValidationError (building ToolCallDelta/TextDelta) instead of a ModelError.
+    body, says = MALFORMED_STREAMS[case]
+    openai_api.add(Reply(raw_stream=body), Reply(text="unused"))
+    async with make(openai_api, fast, max_retries=2) as model:
+        with pytest.raises(ModelError, match="malformed response stream") as info:
+            await drain(model, [Message.user("hi")])
+    error = info.value
+    assert type(error) is ModelError  # not retried, so not ModelRetryExhaustedError
+    assert (error.provider, error.model, error.status) == ("openai", MODEL, None)
+    assert re.search(says, str(error)), str(error)
+    assert openai_api.request_count == 1
+
+
+async def test_a_usage_chunk_without_choices_is_accepted(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # Some compatible servers send the usage-only chunk with "choices" null or left out.
+    content = _chunk('"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]')
+    openai_api.add(Reply(raw_stream=[content, _chunk(f'"choices":null,{USAGE}'), DONE]))
+    openai_api.add(Reply(raw_stream=[content, _chunk(USAGE), DONE]))
+    async with make(openai_api, fast) as model:
+        for _ in range(2):
+            response = await complete(model, [Message.user("hi")])
+            assert response.text == "hi"
+            assert response.usage == Usage(input_tokens=5, output_tokens=1)
+            assert response.usage_reported
+
+
+async def test_a_stream_without_usage_is_marked_unreported(
+    openai_api: FakeOpenAIAPI,
+    fast: Backoff,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_sdk, "_unreported", set())  # warned once per model and process
+    # A compatible server that ignores stream_options.include_usage.
+    openai_api.add(Reply(text="hi", report_usage=False), Reply(text="hi", report_usage=False))
+    openai_api.add(Reply(text="hi"))
+    async with OpenAIModel(
+        "gpt-4.1-mini", base_url=openai_api.base_url, api_key="k", backoff=fast
+    ) as model:
+        with caplog.at_level("WARNING", logger="loomflow.models"):
+            first = await complete(model, [Message.user("hi")])
+            second = await complete(model, [Message.user("hi")])
+        reported = await complete(model, [Message.user("hi")])
+    assert openai_api.requests[0].body["stream_options"] == {"include_usage": True}
+    assert (first.usage_reported, first.usage, first.text) == (False, Usage(), "hi")
+    assert second.usage_reported is False
+    assert (reported.usage_reported, reported.usage.input_tokens) == (True, 12)
+    warned = [r for r in caplog.records if "without reporting its token usage" in r.message]
+    assert len(warned) == 1  # once per model
+    assert "include_usage" in warned[0].message

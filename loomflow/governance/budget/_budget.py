@@ -477,13 +477,20 @@ class StandardBudget:
         *,
         model: str | None = None,
         wall_s: float | None = None,
+        usage_reported: bool = True,
     ) -> list[BudgetWarning]:
         """Charge what the call really spent; return the warnings it triggered.
 
         A usage that fails validation is not trusted: the whole reservation is charged
         instead (the most the call could have spent), then :class:`InvalidUsageError` raises.
+        A call whose provider reported no usage (``usage_reported=False``, see
+        :attr:`ModelResponse.usage_reported`) is charged its whole reservation too, rather
+        than the zeros it came with; the run goes on.
         """
         elapsed = time.monotonic() - ticket.started if wall_s is None else wall_s
+        if not usage_reported:
+            _warn_unreported(model or ticket.model)
+            return self._warnings(ticket.limits, await self.charge_in_full(ticket, wall_s=elapsed))
         try:
             actual = self.actual(ticket, usage, model=model, wall_s=elapsed)
         except InvalidUsageError:
@@ -573,6 +580,20 @@ class StandardBudget:
     async def close(self) -> None:
         """Close the store."""
         await self.store.close()
+
+
+# Models already warned about (see _warn_unreported).
+_unreported: set[str] = set()
+
+
+def _warn_unreported(model: str) -> None:
+    if model not in _unreported:
+        _unreported.add(model)
+        log.warning(
+            "model %r reported no token usage for a call, so the budget charges the call's "
+            "whole reservation (the most it could have spent) instead of trusting 0",
+            model,
+        )
 
 
 def _clip(seconds: float) -> float:
@@ -710,12 +731,20 @@ class BudgetHooks(RunHooks):
             state.add(self._replayed(info, response))
             return
         try:
-            warnings = await self.budget.commit(ticket, response.usage, model=response.model)
+            warnings = await self.budget.commit(
+                ticket,
+                response.usage,
+                model=response.model,
+                usage_reported=response.usage_reported,
+            )
         except BudgetUnavailableError as exc:
             info.emit(BudgetUnavailable(detail=str(exc)))
             raise
         before = (state.tokens_in, state.tokens_out, state.cost_nanousd)
-        state.add(self.budget.actual(ticket, response.usage, model=response.model, wall_s=0.0))
+        if response.usage_reported:
+            state.add(self.budget.actual(ticket, response.usage, model=response.model, wall_s=0.0))
+        else:
+            state.add(ticket.amount)  # what commit charged: the run's caps count it too
         for warning in warnings:
             info.emit(warning)
         self._run_warnings(info, state, before)
