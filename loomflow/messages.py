@@ -63,6 +63,10 @@ class ToolCall(_Value):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+MAX_TOKENS_PER_CALL = 10_000_000
+"""More tokens than any model reads or writes in one call: a larger count is a bug, not usage."""
+
+
 @mark_immutable
 @register_type
 class Usage(_Value):

@@ -9,7 +9,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from ..errors import ConfigurationError, InvalidArgumentError, UntrustedUsageError
-from ..messages import Message, ModelChunk, ModelSettings, OutputFormat, ToolSpec
+from ..messages import (
+    MAX_TOKENS_PER_CALL,
+    Message,
+    ModelChunk,
+    ModelSettings,
+    OutputFormat,
+    ToolSpec,
+)
 from ._retry import Backoff, Failure, stream_with_retries, transport_errors
 
 __all__ = ["SdkModel"]
@@ -128,6 +135,13 @@ class SdkModel(abc.ABC, Generic[ClientT]):
             raise UntrustedUsageError(
                 f"{self.provider} model {self._name!r} reported {field}={value!r}, which cannot "
                 "be a token count; what the call spent is unknown"
+            )
+        if value > MAX_TOKENS_PER_CALL:
+            # Refused here, before the response is journaled: a kept one would make every
+            # resume replay the figure into the run's result (a cost of millions).
+            raise UntrustedUsageError(
+                f"{self.provider} model {self._name!r} reported {field}={value}, more than any "
+                f"call reads or writes (over {MAX_TOKENS_PER_CALL:,}); what it spent is unknown"
             )
         return value
 

@@ -36,16 +36,20 @@ SCRIPT = (
 )
 
 
+def _model_for(
+    provider: str, api: FakeAnthropicAPI | FakeOpenAIAPI
+) -> AnthropicModel | OpenAIModel:
+    if provider == "anthropic":
+        return AnthropicModel("claude-opus-4-7", base_url=api.base_url, api_key="test")
+    return OpenAIModel("gpt-4.1", base_url=api.base_url, api_key="test")
+
+
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])
 async def test_a_provider_run_replays_with_no_requests(provider: str, tmp_path: Path) -> None:
     lookups.clear()
     fake = FakeAnthropicAPI(*SCRIPT) if provider == "anthropic" else FakeOpenAIAPI(*SCRIPT)
     with fake as api:
-        model = (
-            AnthropicModel("claude-opus-4-7", base_url=api.base_url, api_key="test")
-            if provider == "anthropic"
-            else OpenAIModel("gpt-4.1", base_url=api.base_url, api_key="test")
-        )
+        model = _model_for(provider, api)
         runtime = SqliteRuntime(tmp_path / "journal.db")
         agent = Agent("weather bot", model=model, tools=[weather], runtime=runtime)
         try:
@@ -125,11 +129,7 @@ async def test_a_malformed_answer_runs_no_tool_and_journals_no_call(
     replies = (Reply(raw_stream=body), Reply(text="It is sunny."))
     fake = FakeAnthropicAPI(*replies) if provider == "anthropic" else FakeOpenAIAPI(*replies)
     with fake as api:
-        model = (
-            AnthropicModel("claude-opus-4-7", base_url=api.base_url, api_key="test")
-            if provider == "anthropic"
-            else OpenAIModel("gpt-4.1", base_url=api.base_url, api_key="test")
-        )
+        model = _model_for(provider, api)
         runtime = SqliteRuntime(tmp_path / "journal.db")
         agent = Agent("weather bot", model=model, tools=[weather], runtime=runtime)
         try:
@@ -157,11 +157,7 @@ async def test_a_run_without_a_budget_goes_on_when_no_usage_is_reported(
     reply = Reply(text="hello", report_usage=False)
     fake = FakeAnthropicAPI(reply) if provider == "anthropic" else FakeOpenAIAPI(reply)
     with fake as api:
-        model = (
-            AnthropicModel("claude-opus-4-7", base_url=api.base_url, api_key="test")
-            if provider == "anthropic"
-            else OpenAIModel("gpt-4.1", base_url=api.base_url, api_key="test")
-        )
+        model = _model_for(provider, api)
         with caplog.at_level(logging.WARNING, logger="loomflow.models"):
             result = await Agent("x", model=model).run("hi")
         await model.aclose()

@@ -70,22 +70,25 @@ async def test_openai_cached_tokens_beyond_the_prompt_are_clipped(
         ("anthropic", "cache_write_tokens"),
     ],
 )
-async def test_a_negative_reported_count_is_not_trusted(
+@pytest.mark.parametrize("bad", [-3, 10**12])
+async def test_a_reported_count_that_cannot_be_true_is_not_trusted(
     anthropic_api: FakeAnthropicAPI,
     openai_api: FakeOpenAIAPI,
     fast: Backoff,
     provider: str,
     field: str,
+    bad: int,
 ) -> None:
     # Clamped to 0 it would hide what the call spent from a budget: it raises instead (and
-    # is not retried, which would bill a second call).
+    # is not retried, which would bill a second call). An absurdly large one is refused in
+    # the adapter too: journaled, every resume would replay it into the run's result.
     api: FakeAnthropicAPI | FakeOpenAIAPI = anthropic_api if provider == "anthropic" else openai_api
-    figures: dict[str, int] = {"input_tokens": 10, "output_tokens": 4, field: -3}
+    figures: dict[str, int] = {"input_tokens": 10, "output_tokens": 4, field: bad}
     api.add(Reply(text="Hi.", **figures))
     adapter = AnthropicModel if provider == "anthropic" else OpenAIModel
     name = "claude-opus-4-7" if provider == "anthropic" else "gpt-4.1"
     async with adapter(name, base_url=api.base_url, api_key="sk-test", backoff=fast) as model:
-        with pytest.raises(UntrustedUsageError, match="=-3"):
+        with pytest.raises(UntrustedUsageError, match=f"={bad}"):
             await complete(model, [Message.user("hi")])
     assert api.request_count == 1
 

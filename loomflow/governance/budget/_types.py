@@ -16,6 +16,7 @@ from typing import Literal, TypeAlias, get_args
 
 from ..._ids import check_id
 from ...errors import InvalidArgumentError, InvalidUsageError, UserError
+from ...messages import MAX_TOKENS_PER_CALL
 
 __all__ = [
     "Amount",
@@ -51,8 +52,6 @@ _SCOPES = frozenset(get_args(CapScope))
 _WINDOWS = frozenset(get_args(Window))
 _WINDOW_SUFFIX = {"day": "daily", "month": "monthly"}
 
-MAX_TOKENS_PER_CALL = 10_000_000
-"""More tokens than any model reads or writes in one call: a larger count is a bug, not usage."""
 MAX_COST_NANOUSD_PER_CALL = 10**14
 """100 000 USD: no single model call costs more; a larger figure is a pricing bug."""
 MAX_SECONDS_PER_CALL = 7 * 86400.0
