@@ -498,7 +498,8 @@ class InvalidUsageError(BudgetError, ValueError):
 
 
 class UntrustedUsageError(InvalidUsageError):
-    """A model answered but reported a token count that cannot be true (negative, not a number).
+    """A model answered but reported a token count that cannot be true (negative, not a number,
+    or more than any call reads or writes).
 
     Raised by the provider adapters in place of the response: what the call spent is unknown,
     so a budget charges the call's whole reservation, as for any usage it does not trust.
