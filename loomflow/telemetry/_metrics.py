@@ -14,13 +14,16 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 from opentelemetry.metrics import MeterProvider
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
+from ..audit.actions import ALL as AUDIT_ACTIONS
+from ..audit.actions import KEPT_BY_ERASURE
 from ..errors import InvalidArgumentError
+from ..governance.guardrails import Action as GuardrailAction
 from ..models._retry import ERROR_CLASSES, error_class
 from ..runtime import RUN_STATES
 from ..runtime._journal import StepEvent
@@ -412,6 +415,9 @@ def _build(registry: CollectorRegistry) -> _Collectors:
     # Series born at their first increment hide that increment from increase() and rate():
     # the label sets that can occur are known and few, so they exist at 0 from the start.
     built.bounded["cap"] = _Bounded(known=frozenset(BUDGET_CAPS))
+    built.bounded["guardrail_action"] = _Bounded(known=frozenset(get_args(GuardrailAction)))
+    # loomflow's own audit actions take no place: the 50 are the application's.
+    built.bounded["audit_action"] = _Bounded(known=frozenset(AUDIT_ACTIONS + KEPT_BY_ERASURE))
     for cap in BUDGET_CAPS:
         built.budget_denials.labels(cap)
     for store in STORES:
@@ -746,7 +752,9 @@ class Metrics:
 
     def guardrail_tripped(self, stage: str, action: str) -> None:
         """Count a guardrail that acted (``block``/``redact``) at ``stage``."""
-        stage, action = self._c.bound("stage", stage), self._c.bound("action", action)
+        # Each metric's "action" label has its own budget: the application's audit actions
+        # must not use up the places of the guardrail's two.
+        stage, action = self._c.bound("stage", stage), self._c.bound("guardrail_action", action)
         self._c.guardrail_trips.labels(stage, action).inc()
         if self._o is not None:
             self._o.add("guardrail_trips", 1, {"stage": stage, "action": action})
@@ -761,7 +769,7 @@ class Metrics:
 
     def audit_entry(self, action: str) -> None:
         """Count one audit-log entry of ``action`` (see :meth:`count_audit`)."""
-        action = self._c.bound("action", action)
+        action = self._c.bound("audit_action", action)
         self._c.audit_entries.labels(action).inc()
         if self._o is not None:
             self._o.add("audit_entries", 1, {"action": action})

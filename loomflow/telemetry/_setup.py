@@ -291,15 +291,25 @@ def _meter_provider(s: Settings) -> Any:
         )
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
+
+    def periodic(exporter: Any) -> Any:
+        # The reader reads OTEL_METRIC_EXPORT_INTERVAL and _TIMEOUT itself, and refuses 0 or
+        # a negative one with a bare ValueError from deep inside the SDK.
+        try:
+            return PeriodicExportingMetricReader(exporter)
+        except ValueError as exc:
+            raise ConfigurationError(
+                "OTEL_METRIC_EXPORT_INTERVAL and OTEL_METRIC_EXPORT_TIMEOUT must be positive "
+                f"numbers of milliseconds: {' '.join(str(exc).split())}"
+            ) from None
+
     readers = []
     if "otlp" in exporters:
         # None lets the SDK read OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT itself.
         url = signal_url(s.otlp_endpoint, "metrics") if s.otlp_endpoint else None
-        readers.append(
-            PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=url, headers=headers))
-        )
+        readers.append(periodic(OTLPMetricExporter(endpoint=url, headers=headers)))
     if "console" in exporters:
-        readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+        readers.append(periodic(ConsoleMetricExporter()))
     return MeterProvider(resource=_resource(s), metric_readers=readers)
 
 

@@ -317,6 +317,26 @@ def test_configuration_driven_labels_are_capped(registry: CollectorRegistry) -> 
     assert value(registry, "loomflow_audit_entries_total", action="x" * 64) == 1
 
 
+def test_each_metric_has_its_own_action_label_budget(registry: CollectorRegistry) -> None:
+    # The application's audit actions used to use up the places of the guardrail's two
+    # actions: a trip was counted as action="other".
+    metrics = Metrics(registry)
+    for n in range(MAX_LABEL_VALUES + 10):
+        metrics.audit_entry(f"app.action-{n}")
+    metrics.audit_entry("run.end")  # loomflow's own actions take no place
+    metrics.guardrail_tripped("output", "block")
+    assert value(registry, "loomflow_guardrail_trips_total", stage="output", action="block") == 1
+    assert value(registry, "loomflow_audit_entries_total", action="run.end") == 1
+    actions = {
+        s.labels["action"]
+        for f in registry.collect()
+        if f.name == "loomflow_audit_entries"
+        for s in f.samples
+    }
+    assert len(actions - {"run.end", "other"}) == MAX_LABEL_VALUES
+    assert value(registry, "loomflow_audit_entries_total", action="other") == 10
+
+
 def test_a_run_outcome_outside_the_known_set_is_refused(registry: CollectorRegistry) -> None:
     with pytest.raises(ValueError, match="run outcome"):
         Metrics(registry).run_finished(backend="memory", outcome="exploded", resumed=False)

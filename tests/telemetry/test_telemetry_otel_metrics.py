@@ -386,6 +386,22 @@ def test_an_unknown_metrics_exporter_is_a_configuration_error(tmp_path: Path) ->
     assert "OTEL_METRICS_EXPORTER: zipkin is not supported" in done.stderr
 
 
+@pytest.mark.parametrize("interval", ["0", "-5"])
+def test_an_export_interval_below_one_is_a_configuration_error(
+    tmp_path: Path, interval: str
+) -> None:
+    # The SDK's reader refuses it with a bare ValueError from deep inside it.
+    done = _export(
+        tmp_path,
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:1",
+        OTEL_METRIC_EXPORT_INTERVAL=interval,
+    )
+    assert done.returncode != 0
+    assert "ConfigurationError: OTEL_METRIC_EXPORT_INTERVAL" in done.stderr
+    assert "larger than zero" in done.stderr
+
+
 class OnePiece:
     """A model that answers in one piece (no deltas): it has no time to first chunk."""
 
