@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -43,4 +43,16 @@ def use_run_context(ctx: RunContext) -> Iterator[RunContext]:
     try:
         yield ctx
     finally:
-        _current.reset(token)
+        reset_var(_current, token)
+
+
+def reset_var(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -> None:
+    """``var.reset(token)``, unless the block ends in another context than it began in.
+
+    An async generator abandoned by its reader (``break`` out of ``agent.stream(...)``) is
+    closed later by asyncio's finalizer, in a task of its own: there the token belongs to a
+    context that is gone, ``reset`` raises ``ValueError``, and the rest of the cleanup (the
+    journal's release, the run's spans) would be skipped. Nothing needs restoring there.
+    """
+    with suppress(ValueError):
+        var.reset(token)

@@ -40,7 +40,7 @@ from .._ids import check_id
 from .._json import canonical_json, valid_text
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
-from ..context import RunContext, get_run_context, use_run_context
+from ..context import RunContext, get_run_context, reset_var, use_run_context
 from ..errors import CheckpointError, CheckpointNotFoundError, UserError
 from ..governance.approvals import DecisionLike, PendingApproval
 from ..hooks import RunHooks
@@ -115,7 +115,7 @@ async def enclosing_run(
             ) as run:
                 yield ctx, run
     finally:
-        _active_runtime.reset(runtime_token)
+        reset_var(_active_runtime, runtime_token)
 
 
 def runtime_for(runtime: Runtime | None) -> Runtime:

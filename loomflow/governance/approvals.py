@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .._ids import check_id, user_label
 from .._json import valid_value
 from .._timefmt import iso_time
+from ..context import reset_var
 from ..errors import (
     ApprovalDecidedError,
     ApprovalError,
@@ -633,7 +634,7 @@ async def journal_decisions(
                         request_id,
                     )
                 finally:
-                    _frame.reset(reset)
+                    reset_var(_frame, reset)
                 decided[request_id] = request
     if problem is not None:  # raised outside the block, so the run is left as it was
         raise problem

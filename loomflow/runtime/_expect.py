@@ -14,6 +14,8 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+from ..context import reset_var
+
 __all__ = ["expecting", "unexpected"]
 
 _expected: contextvars.ContextVar[tuple[str, Callable[[Any], bool], str] | None] = (
@@ -39,7 +41,7 @@ class expecting:
     def __exit__(self, *exc: object) -> None:
         # ValueError: closed in another context (an abandoned generator's finaliser).
         with contextlib.suppress(ValueError):
-            _expected.reset(self.token)
+            reset_var(_expected, self.token)
 
 
 def unexpected(step: str, value: Any) -> str | None:

@@ -34,6 +34,7 @@ from .._cleanup import attach_cleanup_error
 from .._ids import check_id, check_key
 from .._progress import OnProgress
 from ..config import Settings
+from ..context import reset_var
 from ..errors import (
     ConfigurationError,
     CorruptEntryError,
@@ -464,7 +465,7 @@ class JournalRuntime:
                 failure = exc
                 raise
             finally:
-                _frame.reset(reset)
+                reset_var(_frame, reset)
                 if self._live.get(scope.key) is run:
                     del self._live[scope.key]
                 if run.taking is not None:
@@ -698,7 +699,7 @@ class JournalRuntime:
         try:
             yield path
         finally:
-            _frame.reset(reset)
+            reset_var(_frame, reset)
 
     async def _join(self, owner: JournalRuntime) -> None:
         """Let this runtime make steps in runs of ``owner``, if both use one journal."""
@@ -1193,7 +1194,7 @@ class JournalRuntime:
         try:
             yield
         finally:
-            _lease.adopting.reset(reset)
+            reset_var(_lease.adopting, reset)
             _lease.held.discard(claim.owner)
             try:  # fenced by the claim's token: a no-op once a run took the turn over
                 await self._store.release(scope, claim.token, None)

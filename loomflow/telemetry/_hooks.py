@@ -43,7 +43,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel
 
-from ..context import get_run_context
+from ..context import get_run_context, reset_var
 from ..errors import ModelError, RunCancelledError
 from ..governance.events import (
     ApprovalRequested,
@@ -179,7 +179,7 @@ class _Child:
             otel_context.detach(self.token)
             self.token = None
         if self.var_token is not None:
-            _current_tool.reset(self.var_token)
+            reset_var(_current_tool, self.var_token)
             self.var_token = None
 
 
@@ -398,7 +398,7 @@ class _StepTracer:
                 else:
                     child.end_ns = ended  # after_model_call ends it with its response
             if var_token is not None:
-                _current_step.reset(var_token)
+                reset_var(_current_step, var_token)
             if token is not None:
                 otel_context.detach(token)
             if start.stream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -433,6 +434,38 @@ async def test_an_abandoned_stream_ends_its_spans_and_restores_the_context(
     assert attrs(step)["error.type"] == "cancelled"
     assert capture.parent_of(chat) is step
     assert all(s.end_time is not None for s in (root, step, chat))
+
+
+async def test_a_stream_left_without_closing_it_is_cleaned_up_without_errors(
+    capture: SpanCapture, telemetry: Telemetry, tmp_path: Path
+) -> None:
+    # `break` out of the stream and drop it: asyncio's finalizer closes the loop's generators
+    # in tasks of their own, where resetting the run's context variables raised ValueError
+    # ("created in a different Context"), skipped the rest of the cleanup and was reported as
+    # "Task exception was never retrieved".
+    errors: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    agent = Agent(
+        "x", model=FunctionModel(one_tool()), tools=[lookup], runtime=runtime,
+        telemetry=telemetry,
+    )  # fmt: skip
+    try:
+        async for event in agent.stream("go", session_id="s", user_id="u"):
+            if event.type == "model_delta":
+                break
+        for _ in range(50):
+            gc.collect()
+            await asyncio.sleep(0.01)
+        assert errors == []
+        [info] = await runtime.sessions(session_id="s")
+        assert info.state == "open"  # released for its caller to resume, not left running
+        resumed = await agent.resume("go", session_id="s", user_id="u")
+        assert not resumed.interrupted
+    finally:
+        loop.set_exception_handler(None)
+        await runtime.close()
 
 
 async def test_streaming_and_running_trace_alike(
