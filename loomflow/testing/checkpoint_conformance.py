@@ -452,6 +452,36 @@ class CheckpointConformance:
         assert {c.parent_id for c in fork_snapshots} == {after_first_pass.id}
         assert {c.prompt_index for c in fork_snapshots} == {after_first_pass.prompt_index}
 
+    async def test_a_fork_into_a_session_that_has_runs_is_refused(
+        self, runtime: JournalRuntime
+    ) -> None:
+        """A fork is a new session: one named by fork_session_id= that has runs (a finished
+        one, or an open one it would take over and finish) is refused, and is left as is."""
+        shop = Shop()
+        agent = self.agent(runtime, shop)
+        await agent.run("shop", session_id="s", user_id="u")
+        oldest = (await agent.list_checkpoints("s", user_id="u"))[-1]
+        crashed = Shop(fail_at=1)
+        with pytest.raises(ConnectionError):
+            await self.agent(runtime, crashed).run("other", session_id="open", user_id="u")
+        await agent.run("shop", session_id="done", user_id="u")
+        for taken in ("open", "done"):
+            with pytest.raises(UserError, match="already has runs"):
+                await agent.resume(
+                    "shop", session_id="s", user_id="u", from_checkpoint=oldest.id,
+                    fork_session_id=taken,
+                )  # fmt: skip
+        # The open run is still its own, and resumes to its end.
+        resumed = await self.agent(runtime, crashed).resume("other", session_id="open", user_id="u")
+        assert crashed.bought == ["apples", "bread", "cheese"]
+        assert resumed.output.startswith("bought:")
+        # A name no run of this user has is fine.
+        fork = await agent.resume(
+            "shop", session_id="s", user_id="u", from_checkpoint=oldest.id,
+            fork_session_id="fresh",
+        )  # fmt: skip
+        assert fork.session_id == "fresh"
+
     async def test_a_snapshot_of_another_prompt_is_refused(self, runtime: JournalRuntime) -> None:
         agent = self.agent(runtime, Shop())
         await agent.run("shop", session_id="s", user_id="u")
