@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
 from ulid import ULID
 
 from .._ids import check_id, check_key
+from .._json import valid_text
 from .._timefmt import iso_time
 from ..config import Settings
 from ..context import get_run_context
@@ -28,11 +30,24 @@ if TYPE_CHECKING:
 __all__ = ["InMemoryMemory", "Memory", "PostgresMemory", "SqliteMemory"]
 
 
+# A subject, predicate or block name is a lookup key: PostgreSQL indexes it (an index entry
+# holds at most about 8 KB), so a long one is refused here, alike on every backend.
+MAX_KEY_BYTES = 1024
+
+
 def _text(what: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise UserError(f"{what} must be a non-empty string, not {value!r}")
     if "\x00" in value:
-        raise UserError(f"{what} {value!r} contains a NUL character")
+        raise UserError(f"{what} {value[:80]!r} contains a NUL character")
+    # A lone surrogate (no character: UTF-8 cannot spell it) becomes U+FFFD, as in prompts;
+    # the same on writing and on looking up.
+    value = valid_text(value)
+    size = len(value.encode())
+    if size > MAX_KEY_BYTES:
+        raise UserError(
+            f"{what} {value[:40]!r}... is {size} bytes in UTF-8; at most {MAX_KEY_BYTES}"
+        )
     return value
 
 
@@ -41,7 +56,16 @@ def _content(what: str, value: object) -> str:
         raise UserError(f"{what} must be a string, not {type(value).__name__}")
     if "\x00" in value:
         raise UserError(f"{what} contains a NUL character")
-    return value
+    return valid_text(value)
+
+
+def _when(value: object) -> float:
+    """``as_of``: a datetime or Unix seconds (a finite number), else a ``UserError``."""
+    if isinstance(value, dt.datetime) or (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ):
+        return seconds(value)
+    raise UserError(f"as_of must be a datetime or Unix seconds, not {value!r}")
 
 
 def _user(user_id: object) -> str | None:
@@ -225,7 +249,7 @@ class Memory:
             _user(user_id),
             subject=None if subject is None else _text("subject", subject),
             predicate=None if predicate is None else _text("predicate", predicate),
-            as_of=None if as_of is None else seconds(as_of),
+            as_of=None if as_of is None else _when(as_of),
             history=history,
         )
 

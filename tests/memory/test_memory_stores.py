@@ -195,3 +195,34 @@ async def test_postgres_memory_from_a_dsn_a_pool_or_a_runtime(pg_dsn: str) -> No
     assert isinstance(shared.store, SqlMemoryStore)
     assert shared.store.db is runtime.database
     await runtime.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_bad_text_is_a_user_error_alike_on_every_backend(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # A lone surrogate became UnicodeEncodeError on SQLite and StoreUnavailableError (a store
+    # that is down, which callers retry) on PostgreSQL; a 1 MB subject was stored on SQLite
+    # and overflowed PostgreSQL's index; as_of="yesterday" was a bare ValueError.
+    url = (
+        request.getfixturevalue("pg_dsn")
+        if backend == "postgres"
+        else f"sqlite:///{tmp_path / 'm.db'}"
+    )
+    memory = memory_from_url(url)
+    try:
+        await memory.remember("ana", "likes", "tea \ud800", user_id="u")
+        [fact] = await memory.facts(user_id="u", subject="ana")
+        assert fact.object == "tea \ufffd"  # as prompts are kept
+        await memory.set_block("notes", "half \udce9", user_id="u")
+        block = await memory.block("notes", user_id="u")
+        assert block is not None
+        assert block.content == "half \ufffd"
+        with pytest.raises(UserError, match="at most 1024"):
+            await memory.remember("s" * 1_000_000, "p", "o", user_id="u")
+        with pytest.raises(UserError, match="as_of"):
+            await memory.facts(user_id="u", as_of="yesterday")  # type: ignore[arg-type]
+        with pytest.raises(UserError, match="as_of"):
+            await memory.facts(user_id="u", as_of=float("nan"))
+    finally:
+        await memory.close()
