@@ -718,15 +718,17 @@ class Agent:
             source = await _fork_source(store, from_checkpoint, session_id, user_id, prompt)
             if fork_session_id == session_id:
                 raise UserError("a fork needs a session id of its own")
-            if fork_session_id is not None and isinstance(runtime, JournalRuntime):
-                # Forking into a session that has runs would continue its last run (an open
-                # one would be taken over and never resumed) or add to its history.
-                if await runtime.sessions(session_id=fork_session_id, user_id=user_id, limit=1):
-                    raise UserError(
-                        f"fork_session_id {fork_session_id!r} names a session that already has "
-                        "runs: a fork needs a new session (leave fork_session_id out for a "
-                        "fresh id)"
-                    )
+            # Forking into a session that has runs would continue its last run (an open one
+            # would be taken over and never resumed) or add to its history.
+            if (
+                fork_session_id is not None
+                and isinstance(runtime, JournalRuntime)
+                and await runtime.sessions(session_id=fork_session_id, user_id=user_id, limit=1)
+            ):
+                raise UserError(
+                    f"fork_session_id {fork_session_id!r} names a session that already has runs: "
+                    "a fork needs a new session (leave fork_session_id out for a fresh id)"
+                )
             session_id, resume = fork_session_id or str(ULID()), False
         elif fork_session_id is not None:
             raise UserError("fork_session_id= goes with from_checkpoint=")
