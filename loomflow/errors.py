@@ -25,7 +25,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── PayloadTooLargeError       a step result exceeds the size cap
     │   ├── CorruptEntryError          a stored entry cannot be decoded (strict mode)
     │   ├── ReplayDivergenceError      a replayed position got other inputs (strict mode)
-    │   ├── SessionBusyError           another run held the (session, user) too long
+    │   ├── SessionBusyError           a run holds the (session, user): too long, or in a forget
     │   └── OwnershipLostError         this run was fenced out by a newer owner
     │       └── RunCancelledError      ... because someone cancelled the run
     ├── AuditError                     the audit log could not do what was asked
@@ -356,7 +356,8 @@ class ReplayDivergenceError(JournalError):
 
 
 class SessionBusyError(JournalError):
-    """Another run kept the (session, user) turn for longer than the wait allows."""
+    """Another run kept the (session, user) turn for longer than the wait allows, or holds
+    it while the user's data is to be forgotten (``Stores.forget_user``)."""
 
 
 class OwnershipLostError(JournalError):

@@ -30,7 +30,13 @@ from ._ids import check_id, user_label
 from ._printable import is_unicode
 from ._progress import OnProgress
 from .config import Settings
-from .errors import AuditIntegrityError, ProtectedChainError, UnknownUserError, UserError
+from .errors import (
+    AuditIntegrityError,
+    ProtectedChainError,
+    SessionBusyError,
+    UnknownUserError,
+    UserError,
+)
 from .storage import Database
 from .storage._schemes import SCHEMES, StoreKind, check_scheme, scheme_of
 
@@ -467,6 +473,9 @@ class Stores:
                 (nothing is deleted).
             ProtectedChainError: ``user_id`` is a console chain (``console:<name>``).
             UnknownUserError: no store holds anything about the user.
+            SessionBusyError: a run of the user is in progress (its owner would write its
+                checkpoints, episode, budget and audit entries back after the erasure);
+                cancel it (``loomflow runs cancel``) or let it finish, then forget.
             ErasureRefusedError: the audit store's role may not erase payloads.
             AuditIntegrityError: an entry of the user's trail is damaged (nothing is deleted).
         """
@@ -487,8 +496,10 @@ class Stores:
         for chain in await self._console_mentions(user_id):
             await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
         await self._check_trail_readable(user_id)
-        report = ForgetReport(user_id)
         runtime = self.runtime
+        if runtime is not None:
+            await _refuse_live_runs(runtime, user_id)
+        report = ForgetReport(user_id)
         if runtime is not None:
             report.journal = await runtime.forget_user(user_id)
         if self.database is not None and self.checkpoints is not None and self.memory is not None:
@@ -689,6 +700,19 @@ class _AppRoleGrants:
                 f"app role {result.role}{made}: {len(result.grants)} tables and sequences "
                 f"granted in {where}; the audit log is append-only for it",
             )
+        )
+
+
+async def _refuse_live_runs(runtime: JournalRuntime, user_id: str | None) -> None:
+    """Refuse to forget a user while a run of theirs is in progress: its owner would write
+    its snapshots, episode, budget and audit entries back once the stores are emptied."""
+    live = await runtime.sessions(user_id=user_id, state="running", limit=5)
+    if live:
+        sessions = ", ".join(repr(info.session_id) for info in live)
+        raise SessionBusyError(
+            f"{user_label(user_id)} has a run in progress (session {sessions}): cancel it "
+            "(`loomflow runs cancel SESSION --user USER`) or let it finish, then forget; "
+            "nothing was deleted"
         )
 
 

@@ -32,6 +32,7 @@ from loomflow.errors import (
     ErasureRefusedError,
     LegalHoldError,
     ProtectedChainError,
+    SessionBusyError,
     UnknownUserError,
     UserError,
 )
@@ -558,3 +559,46 @@ async def test_a_damaged_trail_stops_a_forget_before_anything_is_deleted(
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1, done.stderr
     assert "stopped before deleting anything" in done.stderr
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_forget_is_refused_while_a_run_of_the_user_is_in_progress(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A run in progress would write its snapshots, episode, budget and audit entries back
+    after the erasure (with the prompt it was given before it): forget refuses, deletes
+    nothing, and works once the run is over."""
+    settings = _settings(kind, tmp_path, request)
+    await _runs(settings, "bob")  # the stores exist
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @tool
+    async def slow(order_id: str) -> str:
+        """Look an order up, slowly."""
+        started.set()
+        await release.wait()
+        return f"{order_id}: shipped to {NAME}"
+
+    async with Stores(settings) as stores:
+        model = ScriptedModel(
+            [[ToolCall(id="c1", name="slow", arguments={"order_id": "A-1"})], "Shipped."]
+        )
+        async with Agent.from_settings(
+            "Support.", model=model, tools=[slow], settings=settings, runtime=stores.runtime,
+            memory=stores.memory, tuning=Tuning(checkpoint=True),
+        ) as agent:  # fmt: skip
+            run = asyncio.create_task(
+                agent.run(f"Where is A-1? I am {NAME}", session_id="t-1", user_id="ana")
+            )
+            await asyncio.wait_for(started.wait(), 30)
+            before = _has_data(await stores.export_user("ana"))
+            with pytest.raises(SessionBusyError, match="'t-1'"):
+                await stores.forget_user("ana", actor="test")
+            assert _has_data(await stores.export_user("ana")) == before  # nothing deleted
+            release.set()
+            assert (await run).output == "Shipped."
+        report = await stores.forget_user("ana", actor="test")
+        assert report.journal > 0
+        after = await stores.export_user("ana")
+        assert _has_data(after) == {"entries": 0, "checkpoints": 0, "episodes": 0, "budget": 0}
+        assert NAME not in json.dumps(after, ensure_ascii=False)
