@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
+import socket
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,11 +18,91 @@ HERE = Path(__file__).parent
 APP = HERE / "_app.py"
 
 
+def python_path() -> str:
+    """The children's PYTHONPATH: this directory (the apps), then the test run's own (a
+    checkout run with PYTHONPATH=. tests its own loomflow, not an installed one)."""
+    return os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+
+
 def app_env(url: str, ledger: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "LOOMFLOW_"))}
-    env.update(FLEET_URL=url, FLEET_LEDGER=str(ledger), PYTHONPATH=str(HERE))
+    env.update(FLEET_URL=url, FLEET_LEDGER=str(ledger), PYTHONPATH=python_path())
     env.update(extra)
     return env
+
+
+class HangingProxy:
+    """A TCP proxy in front of a database that can stop answering without going away.
+
+    ``freeze()`` stops forwarding in both directions: connections stay open and new ones are
+    accepted, but no byte passes, as with a database host that hangs or a network path that
+    drops packets without resetting. ``thaw()`` forwards again. Threads, so the test's own
+    event loop goes on; ``close()`` ends every connection.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._closed = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, dsn: str) -> str:
+        """``dsn`` (a postgresql:// URL on ``target``) pointed at this proxy instead."""
+        host, port = self.target
+        return dsn.replace(f"@{host}:{port}/", f"@127.0.0.1:{self.port}/", 1)
+
+    def freeze(self) -> None:
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._flowing.set()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in [self._listener, *sockets]:
+            sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+
+    def _pipe(self, client: socket.socket, server: socket.socket) -> None:
+        peer = {client: server, server: client}
+        try:
+            while not self._closed:
+                self._flowing.wait()
+                ready, _, _ = select.select([client, server], [], [], 0.05)
+                for sock in ready:
+                    if not self._flowing.is_set():
+                        break  # frozen while waiting: leave the bytes where they are
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    peer[sock].sendall(data)
+        except (OSError, ValueError):
+            return
+        finally:
+            client.close()
+            server.close()
 
 
 def ledger_lines(ledger: Path) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _fleet import python_path
 
 from loomflow.runtime import runtime_from_url
 
@@ -81,7 +82,7 @@ class Fleet:
             PROOF_LEDGER=str(self.ledger),
             PROOF_LEASE=str(LEASE),
             PROOF_PAUSE=str(PAUSE),
-            PYTHONPATH=str(HERE),
+            PYTHONPATH=python_path(),
         )
         env.update(extra)
         return env
