@@ -15,6 +15,7 @@ from ..errors import InvalidArgumentError
 
 __all__ = [
     "duration",
+    "exception_line",
     "fixed_port",
     "iso_time",
     "json_text",
@@ -94,6 +95,15 @@ def _port(text: str, lowest: int) -> int:
     if not lowest <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port ({lowest} to 65535)")
     return value
+
+
+def exception_line(exc: BaseException, limit: int = 500) -> str:
+    """``Type: message`` of an exception on one line, escaped and cut to about ``limit``
+    characters: why something failed, for a log line or a health answer, without the
+    traceback (a driver's message may span lines or quote what a database row holds)."""
+    message = str(exc)
+    text = printable(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def json_text(value: Any, *, indent: int | None = None) -> str:

@@ -29,7 +29,7 @@ from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserE
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
-from ._format import duration, iso_time, login, positive_int, printable, table, who
+from ._format import duration, exception_line, iso_time, login, positive_int, printable, table, who
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, refuse_unready, refuse_without, session_of
 from ._upgrade import legacy_note, quiet_on_open
@@ -243,8 +243,14 @@ def _log_warnings_to_stderr() -> None:
 
 
 class _CliLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """One line a record, as the CLI's own errors: the exception a record carries is named
+    with its message (``sweep failed ...: StoreUnavailableError: ...``), never as a
+    traceback, and whatever the line quotes is escaped."""
+
     def format(self, record: logging.LogRecord) -> str:
-        return f"loomflow: {record.levelname.lower()}: {record.getMessage()}"
+        line = f"loomflow: {record.levelname.lower()}: {printable(record.getMessage())}"
+        exc = record.exc_info[1] if record.exc_info else None
+        return line if exc is None else f"{line}: {exception_line(exc)}"
 
 
 # Options of some command groups only (``migrate``/``runs cancel``/``audit``/``console`` take
