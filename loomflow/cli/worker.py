@@ -10,8 +10,17 @@ registry), ``/healthz`` and ``/readyz`` (200 once a sweep has reached the journa
 ``--host``:``--port``, and on SIGTERM or SIGINT stops taking work, releases the leases of the
 runs it is resuming (another worker takes them over at once) and exits 0.
 
+A sweep still running after ``--sweep-timeout`` seconds (by default the lease,
+``LOOMFLOW_LEASE_SECONDS``) is cancelled and counts as failed: a journal that accepts
+connections and then never answers makes ``/readyz`` answer 503 and a warning saying so,
+instead of a worker that looks ready and does nothing. A signal cancels a sweep in flight, and
+handing the runs over at shutdown (then closing the journal) waits at most
+:data:`_HANDOVER_MAX_S` seconds each (or the sweep timeout, when shorter); runs not handed over
+by then are named in a warning and taken over once their lease runs out.
+
 ``--once``: one sweep, wait for the runs it resumed, exit: 0 when all of them finished (or were
-cancelled), 1 when one of them raised (it is retried, or dead-lettered, by a later sweep).
+cancelled), 1 when one of them raised (it is retried, or dead-lettered, by a later sweep) or
+the sweep failed. SIGTERM and SIGINT hand its runs over and exit 0 there too.
 
 What it prints is plain text; with ``--json``, one JSON object a line: its events (``serving``,
 ``started``, ``stopped``) and its sweep reports.
@@ -32,24 +41,36 @@ import sys
 import threading
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NoReturn
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from .._ids import check_id
 from ..agent import Agent
 from ..audit import AuditLog
 from ..config import Settings, _masked_url
-from ..errors import ConfigurationError, UserError
-from ..recovery import Recovery, SweepReport
+from ..errors import (
+    ConfigurationError,
+    InvalidIdError,
+    LoomflowError,
+    StoreUnavailableError,
+    UserError,
+)
+from ..recovery import Recovery, RunRef, SweepReport
 from ..runtime import JournalRuntime
 from ..runtime._identity import journal_identity
 from ..storage import PostgresDatabase, SqliteDatabase
 from ..stores import Stores
-from ._format import port, positive_int, who
+from ._format import exception_line, port, positive_int, printable, who
 
 __all__ = ["load_app", "register"]
 
 log = logging.getLogger("loomflow.worker")
+
+_HANDOVER_MAX_S = 5.0
+"""At shutdown, the longest wait for the runs to be handed over, and then for the journal to
+close (each; the sweep timeout when that is shorter). Handing over is a few writes, done in
+milliseconds; a database that does not answer would otherwise keep the worker from exiting."""
 
 
 def register(subparsers: Any) -> None:
@@ -78,7 +99,18 @@ def register(subparsers: Any) -> None:
     worker.add_argument(
         "--concurrency", type=positive_int, default=10, help="runs resumed at once (10)"
     )
-    worker.add_argument("--worker-id", help="name in the audit log (default: host:pid)")
+    worker.add_argument(
+        "--sweep-timeout",
+        type=_seconds,
+        help="a sweep still running after this many seconds is cancelled and counts as failed "
+        "(LOOMFLOW_LEASE_SECONDS, 30)",
+    )
+    worker.add_argument(
+        "--worker-id",
+        type=_worker_id,
+        help="name in the audit log and logs: at most 256 bytes, no control characters "
+        "(default: host:pid)",
+    )
     worker.add_argument(
         "--json", action="store_true", help="events and sweep reports as JSON lines"
     )
@@ -93,6 +125,16 @@ def _seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
     return value
+
+
+def _worker_id(text: str) -> str:
+    """``--worker-id`` as an argparse type: the id rules, as every id (it names the worker
+    in log lines and audit actors, where a control character would forge or garble them)."""
+    try:
+        check_id("worker_id", text)
+    except InvalidIdError as exc:
+        raise argparse.ArgumentTypeError(exc.reason) from None
+    return text
 
 
 def load_app(spec: str) -> dict[str, Agent]:
@@ -153,10 +195,33 @@ def load_app(spec: str) -> dict[str, Agent]:
 
 
 class _Health:
-    """What /healthz and /readyz answer: alive while serving; ready once the store answered."""
+    """What /healthz and /readyz answer: alive while serving; ready while the last sweep
+    reached the journal, and otherwise why not (one line)."""
 
     def __init__(self) -> None:
-        self.ready = False
+        # One tuple, replaced whole: the HTTP threads read it while the loop writes it.
+        self.state: tuple[bool, str] = (False, "the journal has not answered yet")
+
+    def ready(self) -> None:
+        self.state = (True, "ready")
+
+    def failed(self, why: str) -> None:
+        self.state = (False, why)
+
+
+# A client that gave up (a probe's timeout ran out while the worker was slow to answer).
+_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback to stderr for anything a handler raised.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, _DISCONNECTS):
+            return  # the client went away: nothing is wrong with the worker
+        log.warning("answering an HTTP request failed", exc_info=True)
 
 
 def _serve(host: str, port: int, health: _Health) -> ThreadingHTTPServer:
@@ -168,31 +233,34 @@ def _serve(host: str, port: int, health: _Health) -> ThreadingHTTPServer:
             elif path == "/healthz":
                 self._answer(200, b"ok\n")
             elif path == "/readyz":
-                if health.ready:
+                ready, why = health.state
+                if ready:
                     self._answer(200, b"ready\n")
                 else:
-                    self._answer(503, b"not ready: the journal has not answered yet\n")
+                    self._answer(503, f"not ready: {why}\n".encode())
             else:
                 self._answer(404, b"not found\n")
 
         def _answer(self, status: int, body: bytes, kind: str = "text/plain") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except _DISCONNECTS:
+                self.close_connection = True  # the client gave up waiting: nobody to tell
 
         def log_message(self, format: str, *args: Any) -> None:
             return None  # scrapes every few seconds would flood the log
 
     try:
-        server = ThreadingHTTPServer((host, port), Handler)
+        server = _Server((host, port), Handler)
     except OSError as exc:  # port taken, address not on this host, no permission
         raise ConfigurationError(
             f"cannot serve /metrics, /healthz and /readyz on {host}:{port}: {exc.strerror or exc}"
             " (choose another --port or --host)"
         ) from exc
-    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="loomflow-worker-http", daemon=True).start()
     return server
 
@@ -275,15 +343,133 @@ async def _handle(args: argparse.Namespace) -> int:
     runtime = first.runtime
     if runtime is None:
         raise UserError(f"agent {first.name!r} has no runtime: there is no journal to recover")
+    if args.sweep_timeout is None:
+        args.sweep_timeout = Settings().lease_seconds
+    wait = min(_HANDOVER_MAX_S, args.sweep_timeout)
+    shutdown = _Shutdown()
     try:
         await _check_settings_journal(runtime, args.app)
-        return await _recover(args, agents, runtime)
-    finally:
-        await runtime.close()
+        code = await _recover(args, agents, runtime, shutdown)
+    except BaseException as exc:
+        if not await _close(runtime, wait) or shutdown.hung:
+            if isinstance(exc, LoomflowError):  # said as main() says it, then gone
+                print(f"loomflow: error: {printable(exc)}", file=sys.stderr)
+                _exit_now(1)
+            if isinstance(exc, Exception):
+                _exit_now(1)
+        raise
+    if not await _close(runtime, wait) or shutdown.hung:
+        _exit_now(code)
+    return code
+
+
+class _Shutdown:
+    """Whether the worker leaves work behind that waits on a database that does not answer
+    (a run not handed over, a cancelled sweep still waiting, the journal not closed)."""
+
+    hung = False
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process without asyncio's own shutdown, which cancels every task left and
+    waits for each to end: a statement of asyncpg's that is cancelled waits for the server,
+    so with the database not answering that wait never ends (and a run cancelled there tries
+    to hand itself over again). What was left behind has been said; the database sees the
+    connections close, as after a SIGKILL, and the leases of the runs not handed over run
+    out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+async def _close(runtime: JournalRuntime, seconds: float) -> bool:
+    """Close the journal, but do not wait forever on a database that stopped answering (its
+    connections go with the process): whether it closed in time."""
+    closing = asyncio.create_task(runtime.close())
+    # asyncio.wait, not wait_for: on a timeout, wait_for waits for the cancelled close too.
+    await asyncio.wait({closing}, timeout=seconds)
+    if closing.done():
+        closing.result()
+        return True
+    closing.cancel()
+    log.warning(
+        "the journal's connections did not close within %gs (the database does not "
+        "answer); exiting without them",
+        seconds,
+    )
+    return False
+
+
+class _Sweeper:
+    """Sweeps bounded in time, and cut short by a signal.
+
+    A sweep still running after ``timeout`` seconds is cancelled and reported as a
+    ``TimeoutError``: a database that accepts connections and never answers would otherwise
+    hold it forever, the worker looking ready all along. A cancelled statement of asyncpg's
+    pool waits for the server before it ends, so a cancelled sweep may linger; no other one
+    starts until it has ended (each would hang the same way and hold a connection).
+    """
+
+    def __init__(self, recovery: Recovery, stop: asyncio.Event, timeout: float) -> None:
+        self.recovery = recovery
+        self.stop = stop
+        self.timeout = timeout
+        self._stuck: asyncio.Task[SweepReport] | None = None
+        self._stuck_since = 0.0
+        self.left: list[RunRef] = []  # the runs not handed over at shutdown
+
+    @property
+    def hung(self) -> bool:
+        """Whether work is left waiting on the database: a cancelled sweep, a run."""
+        return bool(self.left) or (self._stuck is not None and not self._stuck.done())
+
+    async def sweep(self) -> SweepReport | None:
+        """One sweep's report, or ``None`` when a signal came first (the sweep is cancelled).
+
+        Raises:
+            TimeoutError: the sweep overran its time (or the previous one has not ended).
+            Exception: whatever the sweep raised.
+        """
+        loop = asyncio.get_running_loop()
+        if self._stuck is not None:
+            if not self._stuck.done():
+                raise TimeoutError(
+                    f"the journal has not answered for {loop.time() - self._stuck_since:.0f}s: "
+                    "the sweep cancelled then has not ended yet"
+                )
+            self._stuck = None
+        started = loop.time()
+        task = asyncio.create_task(self.recovery.sweep(), name="loomflow-worker-sweep")
+        stopped = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait(
+                {task, stopped}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        await asyncio.wait({task}, timeout=0.1)  # most statements end at once when cancelled
+        if not task.done():
+            self._stuck, self._stuck_since = task, started
+        if self.stop.is_set():
+            return None
+        raise TimeoutError(
+            f"the sweep did not finish within {self.timeout:g}s (--sweep-timeout): the journal "
+            "did not answer in time"
+        )
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Read a cancelled sweep's outcome, so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _recover(
-    args: argparse.Namespace, agents: dict[str, Agent], runtime: JournalRuntime
+    args: argparse.Namespace, agents: dict[str, Agent], runtime: JournalRuntime, shutdown: _Shutdown
 ) -> int:
     """Sweep once, or serve and sweep until stopped (the caller closes the runtime)."""
     first = next(iter(agents.values()))
@@ -297,64 +483,138 @@ async def _recover(
         audit=audit,
         concurrency=args.concurrency,
     )
+    # SIGTERM and SIGINT, from here on, in both modes: stop sweeping, hand the runs over.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     health = _Health()
+    sweeper = _Sweeper(recovery, stop, args.sweep_timeout)
     port = args.port if args.port is not None else (None if args.once else 9464)
-    server = _serve(args.host, port, health) if port is not None else None
-    if server is not None:
-        bound = server.server_address[1]
-        _event(
-            args.json,
-            "serving",
-            f"serving /metrics, /healthz and /readyz on http://{args.host}:{bound}",
-            host=args.host,
-            port=bound,
-        )
+    server = None
     try:
+        server = _serve(args.host, port, health) if port is not None else None
+        if server is not None:
+            bound = server.server_address[1]
+            _event(
+                args.json,
+                "serving",
+                f"serving /metrics, /healthz and /readyz on http://{args.host}:{bound}",
+                host=args.host,
+                port=bound,
+            )
         if args.once:
-            report = await recovery.sweep()
-            health.ready = True
-            _print(report, args.json)
-            await recovery.wait()
-            return 1 if recovery.failures else 0
-        return await _serve_forever(recovery, health, args.json)
+            code = await _once(sweeper, health, args.json)
+            if code is not None:
+                return code
+        else:
+            await _serve_forever(sweeper, health, args.json)
+        await _hand_over(sweeper, args.json)
+        return 0
     finally:
+        shutdown.hung = sweeper.hung
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         if server is not None:
             server.shutdown()
             server.server_close()
 
 
-async def _serve_forever(recovery: Recovery, health: _Health, as_json: bool) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+async def _once(sweeper: _Sweeper, health: _Health, as_json: bool) -> int | None:
+    """One sweep, then wait for the runs it resumed: the exit code, or ``None`` when a signal
+    came first (the caller hands the runs over)."""
+    recovery = sweeper.recovery
+    try:
+        report = await sweeper.sweep()
+    except Exception as exc:
+        # Runs it claimed before it failed are resuming: give them back before exiting 1.
+        await _give_back(sweeper)
+        if isinstance(exc, TimeoutError):
+            raise StoreUnavailableError(str(exc)) from exc
+        raise
+    if report is None:
+        return None
+    health.ready()
+    _print(report, as_json)
+    finished = asyncio.create_task(recovery.wait())
+    stopped = asyncio.create_task(sweeper.stop.wait())
+    try:
+        await asyncio.wait({finished, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # Not `finished`: cancelling a wait() cancels the runs too, and the hand-over does
+        # that itself, once (a second cancel would interrupt a run handing itself over).
+        stopped.cancel()
+    if sweeper.stop.is_set() and recovery.active:
+        return None
+    return 1 if recovery.failures else 0
+
+
+async def _serve_forever(sweeper: _Sweeper, health: _Health, as_json: bool) -> None:
+    """Sweep every interval until a signal (the caller hands the runs over)."""
+    recovery = sweeper.recovery
     _event(
         as_json,
         "started",
-        f"worker {recovery.worker_id} started: a sweep every {recovery.interval:g}s",
+        f"worker {printable(recovery.worker_id)} started: a sweep every {recovery.interval:g}s",
         worker=recovery.worker_id,
     )
-    try:
-        while not stop.is_set():
-            try:
-                report = await recovery.sweep()
-                health.ready = True
-                if report.resumed or report.dead_lettered or report.unregistered:
-                    _print(report, as_json)
-            except Exception:
-                health.ready = False
-                log.warning("sweep failed; trying again in %gs", recovery.interval, exc_info=True)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), recovery.interval)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    await recovery.stop()
+    while not sweeper.stop.is_set():
+        try:
+            report = await sweeper.sweep()
+        except Exception as exc:
+            health.failed(f"the last sweep failed: {exception_line(exc)}")
+            log.warning("sweep failed (trying again in %gs)", recovery.interval, exc_info=True)
+        else:
+            if report is None:
+                break
+            health.ready()
+            if report.resumed or report.dead_lettered or report.unregistered:
+                _print(report, as_json)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(sweeper.stop.wait(), recovery.interval)
+
+
+async def _hand_over(sweeper: _Sweeper, as_json: bool) -> None:
+    """Give back the runs in progress and say so (the ``stopped`` event)."""
+    recovery = sweeper.recovery
+    left = await _give_back(sweeper)
+    name = printable(recovery.worker_id)
+    if left:
+        text = (
+            f"worker {name} stopped: {len(left)} run(s) it held could not be handed over "
+            "and are taken over once their lease runs out"
+        )
+    else:
+        text = f"worker {name} stopped: the runs it held are handed over"
     _event(
         as_json,
         "stopped",
-        f"worker {recovery.worker_id} stopped: the runs it held are handed over",
+        text,
         worker=recovery.worker_id,
+        not_handed_over=[{"session_id": r.session_id, "user_id": r.user_id} for r in left],
     )
     sys.stdout.flush()
-    return 0
+
+
+async def _give_back(sweeper: _Sweeper) -> list[RunRef]:
+    """Stop the runs in progress and give their leases back, waiting at most
+    :data:`_HANDOVER_MAX_S` (each hand-over writes to the journal); the runs not handed
+    over, named in a warning."""
+    recovery, seconds = sweeper.recovery, min(_HANDOVER_MAX_S, sweeper.timeout)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await recovery.stop()
+    sweeper.left = left = recovery.resuming
+    if left:
+        log.warning(
+            "%d run(s) not handed over within %gs (the journal did not answer); another "
+            "worker takes them over once their lease runs out: %s",
+            len(left),
+            seconds,
+            ", ".join(_named(ref) for ref in left),
+        )
+    return left
+
+
+def _named(ref: RunRef) -> str:
+    return f"session {ref.session_id!r} of {who(ref.user_id)}"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._ids import check_id
 from ..agent import Agent
 from ..agent._agent import RECORD_OUTPUT, RECORD_WITHHELD
 from ..audit import AuditLog
@@ -92,7 +93,8 @@ class Recovery:
         interval: Seconds between sweeps in :meth:`run_forever`. Default:
             ``LOOMFLOW_RECOVERY_INTERVAL_SECONDS`` (10).
         worker_id: This recoverer's name in the audit log (actor ``worker:<id>``); by
-            default ``<host>:<pid>``.
+            default ``<host>:<pid>``. Checked as ids are: at most 256 bytes in UTF-8, no
+            control characters (:class:`~loomflow.errors.InvalidIdError` otherwise).
         audit: Where recoveries, dead letters and their outcomes are recorded.
         concurrency: Most runs this recoverer resumes at once; more wait for a later sweep.
         metrics: Prometheus metrics (default: prometheus-client's default registry).
@@ -150,6 +152,7 @@ class Recovery:
             raise InvalidArgumentError(f"batch must be a positive integer, not {batch!r}")
         if not isinstance(interval, int | float) or not interval > 0:
             raise InvalidArgumentError(f"interval must be a positive number, not {interval!r}")
+        check_id("worker_id", worker_id)  # it is written to logs and the audit log's actor
         if not callable(backoff) and not (isinstance(backoff, int | float) and backoff >= 0):
             raise InvalidArgumentError(
                 f"backoff must be seconds (>= 0) or a function of the attempt, not {backoff!r}"
@@ -164,7 +167,7 @@ class Recovery:
         self.concurrency = concurrency
         self.batch = batch
         self.metrics = metrics if metrics is not None else Metrics()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], RunRef] = {}  # the runs being resumed
         self._stopping = False
         self._wake: asyncio.Event | None = None
         self._reported: set[tuple[str | None, str | None, str]] = set()
@@ -180,6 +183,12 @@ class Recovery:
     def active(self) -> int:
         """Runs this recoverer is resuming right now."""
         return len(self._tasks)
+
+    @property
+    def resuming(self) -> list[RunRef]:
+        """The runs this recoverer is resuming right now (after a :meth:`stop` cut short:
+        those it could not hand over)."""
+        return [ref for task, ref in self._tasks.items() if not task.done()]
 
     def _delay(self, attempt: int) -> float:
         value = self.backoff(attempt) if callable(self.backoff) else self.backoff
@@ -317,8 +326,13 @@ class Recovery:
             self._resume(agent, claim, prompt, metadata, orphan.waited),
             name=f"loomflow-recover-{ref.session_id}",
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = ref
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+        if not task.cancelled():
+            task.exception()  # retrieved (logged by _resume itself): no "never retrieved"
 
     def _leave(self, report: SweepReport, ref: RunRef, why: str) -> None:
         report.unregistered.append(RunRef(ref.session_id, ref.user_id, ref.agent, why))
@@ -454,15 +468,24 @@ class Recovery:
         Runs still resuming after ``grace`` seconds are stopped at once; their leases are
         released and they are made due for recovery, so another worker takes them over
         immediately instead of after the lease runs out.
+
+        Handing a run over writes to the journal, so a database that stopped answering holds
+        this up. To bound it, cancel it (``async with asyncio.timeout(5): await
+        recovery.stop()``): :attr:`resuming` then names the runs not handed over, which stay
+        claimed and are taken over once their lease runs out, as if this process had died.
         """
         self._stopping = True
         if self._wake is not None:
             self._wake.set()
         if self._tasks and grace > 0:
             await asyncio.wait(list(self._tasks), timeout=grace)
-        for task in list(self._tasks):
+        running = list(self._tasks)
+        for task in running:
             task.cancel()
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if running:
+            # Not gather(): cancelled itself (a timeout around stop()), it would cancel the
+            # runs again, in the middle of handing them over, and then wait for them anyway.
+            await asyncio.wait(running)
 
     async def __aenter__(self) -> Recovery:
         return self
