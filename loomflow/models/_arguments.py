@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from ..errors import ModelError
+from ._retry import MalformedStreamError
 
 __all__ = ["parse_tool_arguments"]
 
@@ -27,10 +28,11 @@ def parse_tool_arguments(
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):
-        raise ModelError(
-            provider,
-            model,
+        problem = (
             f"tool call {tool!r} ({call_id}) came with arguments that are not a JSON object: "
-            f"{raw[:200]!r}",
+            f"{raw[:200]!r}"
         )
+        # Caused by what came over the connection, not by the connection: the error metric
+        # counts it as "other", as other malformed answers.
+        raise ModelError(provider, model, problem) from MalformedStreamError(problem)
     return arguments

@@ -16,6 +16,7 @@ from loomflow.agent import Agent
 from loomflow.errors import ModelError, ModelRetryExhaustedError
 from loomflow.messages import ToolCall
 from loomflow.models import AnthropicModel, Backoff, FunctionModel, OpenAIModel
+from loomflow.models._arguments import parse_tool_arguments
 from loomflow.runtime import SqliteRuntime
 from loomflow.telemetry import ERROR_CLASSES, RUN_BUCKETS, RUN_OUTCOMES, Metrics, Telemetry
 from loomflow.telemetry._metrics import error_class
@@ -187,6 +188,14 @@ async def test_a_model_error_from_a_plain_exception_is_other(registry: Collector
     assert value(registry, "loomflow_model_errors_total", **labels, error="other") == 1
 
 
+def _bad_arguments() -> BaseException:
+    try:
+        parse_tool_arguments("[1, 2]", provider="p", model="m", tool="t", call_id="c")
+    except ModelError as exc:
+        return exc
+    raise AssertionError("[1, 2] was taken for arguments")
+
+
 @pytest.mark.parametrize(
     ("status", "exc", "expected"),
     [
@@ -198,6 +207,8 @@ async def test_a_model_error_from_a_plain_exception_is_other(registry: Collector
         (None, TimeoutError(), "timeout"),
         (None, ConnectionResetError(), "connection"),
         (None, ModelError("p", "m", "stream dropped"), "connection"),
+        # Arguments that are not a JSON object: the answer was bad, not the connection.
+        (None, _bad_arguments(), "other"),
         (None, ValueError("x"), "other"),
     ],
 )
