@@ -23,6 +23,7 @@ log = logging.getLogger("loomflow.storage")
 
 _LANE_RETRY_S = 1.0  # after the lane broke or could not connect, the pool serves meanwhile
 _LANE_CONNECT_TIMEOUT_S = 10.0
+_CLOSE_TIMEOUT_S = 10.0  # how long close() waits for connections in use
 
 
 def _asyncpg() -> Any:
@@ -133,7 +134,17 @@ class PostgresDatabase(Database):
                 await lane.close(timeout=5)
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
-            await pool.close()
+            # close() waits for every connection in use to come back: a statement waiting on a
+            # server that stopped answering never does, and neither would the close.
+            try:
+                await asyncio.wait_for(pool.close(), _CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                pool.terminate()
+                log.warning(
+                    "the PostgreSQL pool did not close within %gs (a statement still waits on "
+                    "the server); its connections were dropped",
+                    _CLOSE_TIMEOUT_S,
+                )
 
     def _is_duplicate_key(self, exc: BaseException) -> bool:
         return isinstance(exc, self._duplicate_key)

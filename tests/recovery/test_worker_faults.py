@@ -332,3 +332,25 @@ def test_recovery_refuses_a_worker_id_that_is_no_id() -> None:
             Recovery(runtime, {}, worker_id=bad)
         assert caught.value.field == "worker_id"
     assert Recovery(runtime, {}, worker_id="w\u00e9-1").worker_id == "w\u00e9-1"
+
+
+@pytest.mark.postgres
+async def test_closing_a_journal_whose_server_stopped_answering_is_bounded(
+    pg_dsn: str, proxy: HangingProxy
+) -> None:
+    """asyncpg's pool close waits for every connection in use: one whose statement waits on
+    a hung server never comes back. The close gives up after its limit and drops them."""
+    from loomflow.errors import StoreUnavailableError
+    from loomflow.runtime import PostgresRuntime
+
+    runtime = PostgresRuntime(proxy.url(pg_dsn))
+    await runtime.sessions(limit=1)  # connected, schema checked
+    proxy.freeze()
+    stuck = asyncio.create_task(runtime.sessions(limit=1))
+    await asyncio.sleep(0.5)  # the statement is out, and waits
+    t0 = time.monotonic()
+    await asyncio.wait_for(runtime.close(), 60)  # it used to wait as long as the server hung
+    took = time.monotonic() - t0
+    assert took < 20, took  # the lane's 5 s, then the pool's 10 s
+    with pytest.raises((StoreUnavailableError, asyncio.CancelledError)):
+        await asyncio.wait_for(stuck, 10)
