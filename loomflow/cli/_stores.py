@@ -172,6 +172,17 @@ async def _postgres_versions(dsn: str) -> dict[str, Any] | str | None:
         await conn.close()
 
 
+async def _versions_of(url: str) -> tuple[dict[str, Any] | str | None, str] | None:
+    """The schema versions in the database ``url`` names (see :func:`_sqlite_versions`) and
+    its dialect; ``None`` for a store that is no SQL database (JSON lines, memory)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return await _postgres_versions(url), "postgres"
+    path = sqlite_path(url) if not url.endswith(".jsonl") else None
+    if path is None or path == ":memory:":
+        return None
+    return await asyncio.to_thread(_sqlite_versions, path), "sqlite"
+
+
 async def refuse_unready(urls: Sequence[str | None]) -> None:
     """Refuse databases a command that only reads or tidies would otherwise change: one
     that holds no loomflow store (another application's database, an empty file), and one
@@ -185,13 +196,10 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
             with ``--import-0.20``, carries its runs over).
     """
     for url in dict.fromkeys(u for u in urls if u):
-        if url.startswith(("postgresql://", "postgres://")):
-            versions, dialect = await _postgres_versions(url), "postgres"
-        else:
-            path = sqlite_path(url) if not url.endswith(".jsonl") else None
-            if path is None or path == ":memory:":
-                continue  # not a SQL store
-            versions, dialect = await asyncio.to_thread(_sqlite_versions, path), "sqlite"
+        read = await _versions_of(url)
+        if read is None:
+            continue
+        versions, dialect = read
         if versions is None:
             continue
         shown = _masked_url(url)
@@ -224,15 +232,10 @@ async def refuse_without(url: str | None, component: str, what: str) -> None:
     """Refuse a database that holds loomflow stores but not ``component``, for a command
     that reads it (``audit query``, the console): opening it would create its tables, an
     empty store where the operator expected theirs (a forgotten ``--audit-url``, say)."""
-    if not url or url.endswith(".jsonl"):
-        return  # the JSON-lines log: `existing` refuses a file that is not there
-    if url.startswith(("postgresql://", "postgres://")):
-        versions = await _postgres_versions(url)
-    else:
-        path = sqlite_path(url)
-        if path is None or path == ":memory:":
-            return
-        versions = await asyncio.to_thread(_sqlite_versions, path)
+    if not url:
+        return
+    read = await _versions_of(url)  # None: the JSON-lines log, memory
+    versions = None if read is None else read[0]
     if isinstance(versions, dict) and versions and component not in versions:
         raise ConfigurationError(
             f"{_masked_url(url)!r} holds no {what}: check the URL (or --audit-url), or run "

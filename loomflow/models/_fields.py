@@ -35,9 +35,7 @@ def _bad(where: str, value: Any, expected: str) -> MalformedStreamError:
 
 def optional_text(value: Any, where: str) -> str | None:
     """A string field that may be absent."""
-    if value is None or isinstance(value, str):
-        return value
-    raise _bad(where, value, "a string")
+    return None if value is None else text(value, where)
 
 
 def text(value: Any, where: str) -> str:
@@ -56,9 +54,7 @@ def index(value: Any, where: str) -> int:
 
 def optional_obj(value: Any, where: str) -> Any:
     """An object field (the SDK's model of a JSON object) that may be absent."""
-    if value is None or isinstance(value, BaseModel):
-        return value
-    raise _bad(where, value, "an object")
+    return None if value is None else obj(value, where)
 
 
 def obj(value: Any, where: str) -> Any:

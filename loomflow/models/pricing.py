@@ -201,8 +201,9 @@ def price_for(
     # A reported scripted-model name ("test") never makes a call free: what the provider's
     # response says is data from outside, and a real call priced at $0 would never trip a
     # cost cap. Such a call is priced as the model asked for.
-    if reported and _normalize(reported) not in FREE_MODELS:
-        found = table.get(_normalize(reported))
+    answered = _normalize(reported) if reported else None
+    if answered is not None and answered not in FREE_MODELS:
+        found = table.get(answered)
         if found is not None:
             return found
     return _lookup(_normalize(model_name), table) if model_name else None
