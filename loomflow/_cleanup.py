@@ -8,10 +8,11 @@ note in the traceback, and in the ``cleanup_errors`` list on the exception.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable
 
-__all__ = ["attach_cleanup_error", "cleanup_errors", "run_cleanup"]
+__all__ = ["attach_cleanup_error", "cleanup_errors", "raise_if_cancelled", "run_cleanup"]
 
 log = logging.getLogger("loomflow")
 
@@ -42,3 +43,16 @@ async def run_cleanup(first: BaseException, what: str, cleanup: Awaitable[object
         await cleanup
     except Exception as exc:
         attach_cleanup_error(first, exc, what)
+
+
+def raise_if_cancelled() -> None:
+    """Raise ``CancelledError`` if this task was asked to stop, even if the error was lost.
+
+    A background loop that logs errors and goes on (a lease or reservation heartbeat) calls
+    this in its handler: ``asyncio.wait_for`` before Python 3.12, which asyncpg times its
+    statements with, can turn a cancellation that arrives as the timeout fires into a plain
+    ``TimeoutError``, and the loop would then never end. The task still counts the request.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

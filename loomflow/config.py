@@ -250,6 +250,16 @@ class Settings(BaseSettings):
         default="FULL",
         description="SQLite synchronous pragma; FULL survives power loss in WAL mode.",
     )
+    postgres_timeout_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        allow_inf_nan=False,
+        description=(
+            "How long one PostgreSQL statement may wait for the server before it fails with "
+            "StoreUnavailableError; 0 waits forever. A paused or unreachable server then "
+            "fails a run instead of hanging it. Migrations and journal prunes are not bound."
+        ),
+    )
     auto_migrate: bool = Field(
         default=True,
         description="Apply pending schema migrations when a runtime first connects.",

@@ -49,6 +49,7 @@ from ..errors import (
     SessionBusyError,
     UserError,
 )
+from ..storage import unbounded
 from . import _lease, codec
 from ._expect import unexpected
 from ._owner import claim_owner
@@ -1263,18 +1264,19 @@ class JournalRuntime:
                 f"{type(self._store).__name__}.prune cannot keep some users' entries (a store "
                 "from before 0.21): nothing was pruned"
             )
-        return await self._store.prune(
-            older_than_s=older_than.total_seconds() if older_than is not None else None,
-            session_id=None if session_id is _ANY else session_id,
-            by_session=session_id is not _ANY,
-            user_id=None if user_id is _ANY else user_id,
-            by_user=user_id is not _ANY,
-            include_open=include_open,
-            batch_size=batch_size,
-            on_progress=on_progress,
-            dry_run=dry_run,
-            **extra,
-        )
+        with unbounded():  # counting and deleting over a big table may take a while
+            return await self._store.prune(
+                older_than_s=older_than.total_seconds() if older_than is not None else None,
+                session_id=None if session_id is _ANY else session_id,
+                by_session=session_id is not _ANY,
+                user_id=None if user_id is _ANY else user_id,
+                by_user=user_id is not _ANY,
+                include_open=include_open,
+                batch_size=batch_size,
+                on_progress=on_progress,
+                dry_run=dry_run,
+                **extra,
+            )
 
     async def forget_user(self, user_id: str | None) -> int:
         """Delete what the journal keeps about one user, for an erasure request.

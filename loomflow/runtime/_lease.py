@@ -16,7 +16,7 @@ import os
 import time
 from typing import Protocol
 
-from .._cleanup import attach_cleanup_error
+from .._cleanup import attach_cleanup_error, raise_if_cancelled
 from ..errors import OwnershipLostError, RunCancelledError, SessionBusyError
 from ._owner import is_this_process, process_gone
 from ._store import Claim, JournalStore, Scope
@@ -153,6 +153,7 @@ async def heartbeat(store: JournalStore, run: LeasedRun, lease_seconds: float) -
         try:
             ok = await store.renew(run.scope, run.token, lease_seconds)
         except Exception:  # a blip must not kill the run; the lease has slack
+            raise_if_cancelled()  # the run ended while the renewal timed out
             log.warning("lease renewal failed for %s", run.scope.key, exc_info=True)
             continue
         if not ok:

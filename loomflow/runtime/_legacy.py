@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import LegacyJournalError, LoomflowError, UserError
-from ..storage import Database, Transaction
+from ..storage import Database, Transaction, unbounded
 from . import codec
 from ._names import tool_step_name
 from ._store import Scope, fingerprint, path_key
@@ -724,9 +724,10 @@ async def _import_chunk(
     if not todo:
         return
     # Decoded before the transaction: SQLite's write lock is held for the writes only.
-    async with db.transaction(what="0.20 import") as tx:
-        for scope, rows_of_pair in todo:
-            await _import_session(tx, scope, rows_of_pair, report)
+    with unbounded():  # one transaction for the whole import, however big
+        async with db.transaction(what="0.20 import") as tx:
+            for scope, rows_of_pair in todo:
+                await _import_session(tx, scope, rows_of_pair, report)
 
 
 async def _import_session(

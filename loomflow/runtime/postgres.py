@@ -38,7 +38,12 @@ class PostgresRuntime(JournalRuntime):
         settings: Settings | None = None,
         **options: Any,
     ) -> None:
-        self._database = PostgresDatabase(dsn_or_pool, min_size=min_size, max_size=max_size)
+        self._database = PostgresDatabase(
+            dsn_or_pool,
+            min_size=min_size,
+            max_size=max_size,
+            timeout_s=None if settings is None else settings.postgres_timeout_seconds,
+        )
         super().__init__(SqlJournalStore(self._database), settings=settings, **options)
 
     @classmethod

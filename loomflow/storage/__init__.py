@@ -7,7 +7,7 @@ object, so a store built next to a runtime reuses the runtime's connection (or p
 
 from __future__ import annotations
 
-from ._database import Database, Transaction, translate_errors
+from ._database import Database, Transaction, translate_errors, unbounded
 from ._dialect import POSTGRES, SQLITE, Dialect
 from ._migrations import Migration, apply_migrations, require_schema, schema_versions
 from ._postgres import PostgresDatabase
@@ -31,4 +31,5 @@ __all__ = [
     "require_schema",
     "schema_versions",
     "translate_errors",
+    "unbounded",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import contextvars
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
@@ -11,9 +12,32 @@ from typing import Any
 from ..errors import StoreUnavailableError
 from ._dialect import Dialect
 
-__all__ = ["Database", "Transaction", "translate_errors"]
+__all__ = ["Database", "Transaction", "translate_errors", "unbounded"]
 
 Rows = Sequence[Sequence[Any]]
+
+# Set inside unbounded(): statements of a migration or a prune may legitimately run long.
+_UNBOUNDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "loomflow_unbounded", default=False
+)
+
+
+@contextlib.contextmanager
+def unbounded() -> Iterator[None]:
+    """Statements run inside this block are exempt from the per-statement timeout
+    (``LOOMFLOW_POSTGRES_TIMEOUT_SECONDS``): schema migrations and bulk deletes over big
+    tables may rightly take longer than any statement of a run."""
+    token = _UNBOUNDED.set(True)
+    try:
+        yield
+    finally:
+        _UNBOUNDED.reset(token)
+
+
+def is_unbounded() -> bool:
+    """Whether the current statement runs inside :func:`unbounded`."""
+    return _UNBOUNDED.get()
+
 
 # Connections a forked child inherited from its parent: held here so that they are never
 # garbage-collected (finalising one would close the parent's socket or SQLite handle).

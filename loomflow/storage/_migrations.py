@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import MigrationError
-from ._database import Database, Transaction
+from ._database import Database, Transaction, unbounded
 
 __all__ = ["Migration", "apply_migrations", "require_schema", "schema_versions"]
 
@@ -57,7 +57,11 @@ async def _version(db: Database, tx: Transaction, component: str) -> int:
 
 
 async def apply_migrations(db: Database, component: str, migrations: Sequence[Migration]) -> int:
-    """Bring ``component``'s tables up to date; return the version now in place."""
+    """Bring ``component``'s tables up to date; return the version now in place.
+
+    The migrations themselves are exempt from the statement timeout: building an index over
+    a big table may take a while, and the migration lock keeps others waiting meanwhile.
+    """
     latest = len(migrations)
     # Most opens find the schema current. Reading the version takes no lock, so a process that
     # holds SQLite's write lock (busy, or stopped by SIGSTOP) does not block a mere open; the
@@ -70,6 +74,12 @@ async def apply_migrations(db: Database, component: str, migrations: Sequence[Mi
             f"the {component} schema is at version {current}, newer than this loomflow knows "
             f"({latest}); upgrade loomflow"
         )
+    with unbounded():
+        return await _apply(db, component, migrations)
+
+
+async def _apply(db: Database, component: str, migrations: Sequence[Migration]) -> int:
+    latest = len(migrations)
     for version, migration in enumerate(migrations, start=1):
         async with db.transaction(lock_key=_LOCK_KEY, what="migration") as tx:
             current = await _version(db, tx, component)

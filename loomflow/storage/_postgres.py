@@ -9,9 +9,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from ..config import _masked_url
-from ..errors import ConfigurationError, UserError
-from ._database import Database, Rows, Transaction
+from ..config import Settings, _masked_url
+from ..errors import ConfigurationError, StoreUnavailableError, UserError
+from ._database import Database, Rows, Transaction, is_unbounded
 from ._dialect import POSTGRES
 
 if TYPE_CHECKING:
@@ -24,6 +24,9 @@ log = logging.getLogger("loomflow.storage")
 _LANE_RETRY_S = 1.0  # after the lane broke or could not connect, the pool serves meanwhile
 _LANE_CONNECT_TIMEOUT_S = 10.0
 _CLOSE_TIMEOUT_S = 10.0  # how long close() waits for connections in use
+# The bound of a statement inside unbounded() (asyncpg takes no "never" once the pool has a
+# default): a week is beyond any migration this side of a restore.
+_UNBOUNDED_S = 7 * 86400.0
 
 
 def _asyncpg() -> Any:
@@ -41,14 +44,15 @@ async def _no_reset(conn: asyncpg.Connection) -> None:
 
 
 class _Tx(Transaction):
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: asyncpg.Connection, timeout: float | None) -> None:
         self._conn = conn
+        self._timeout = timeout
 
     async def execute(self, sql: str, *args: Any) -> None:
-        await self._conn.execute(sql, *args)
+        await self._conn.execute(sql, *args, timeout=self._timeout)
 
     async def fetch(self, sql: str, *args: Any) -> Rows:
-        return list(await self._conn.fetch(sql, *args))
+        return list(await self._conn.fetch(sql, *args, timeout=self._timeout))
 
 
 class PostgresDatabase(Database):
@@ -58,9 +62,26 @@ class PostgresDatabase(Database):
     dialect = POSTGRES
 
     def __init__(
-        self, dsn_or_pool: str | asyncpg.Pool, *, min_size: int = 1, max_size: int = 10
+        self,
+        dsn_or_pool: str | asyncpg.Pool,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        timeout_s: float | None = None,
     ) -> None:
+        """``timeout_s`` bounds every statement (and taking a pooled connection): past it the
+        statement fails with :class:`StoreUnavailableError`, so a server that stopped
+        answering (paused, or cut off without a reset) fails a run rather than hanging it.
+        ``None`` reads ``LOOMFLOW_POSTGRES_TIMEOUT_SECONDS``; ``0`` waits forever."""
         super().__init__()
+        if timeout_s is None:
+            timeout_s = Settings().postgres_timeout_seconds
+        if not (isinstance(timeout_s, int | float) and 0 <= timeout_s < float("inf")):
+            raise ConfigurationError(
+                f"the PostgreSQL statement timeout must be a finite number of seconds >= 0 "
+                f"(0: no limit), not {timeout_s!r}"
+            )
+        self.timeout_s: float | None = float(timeout_s) or None
         driver = _asyncpg()
         self.driver_errors = (driver.PostgresError, driver.InterfaceError, OSError)
         self._server_errors: tuple[type[BaseException], ...] = (driver.PostgresError,)
@@ -106,7 +127,12 @@ class PostgresDatabase(Database):
         # round trip: measured 454 us -> 350 us per pooled INSERT on loopback.
         try:
             self._pool = await _asyncpg().create_pool(
-                self._dsn, min_size=self._min_size, max_size=self._max_size, reset=_no_reset
+                self._dsn,
+                min_size=self._min_size,
+                max_size=self._max_size,
+                reset=_no_reset,
+                # The default of statements we do not time ourselves (BEGIN, COMMIT).
+                command_timeout=self.timeout_s,
             )
         except ValueError as exc:  # asyncpg's DSN parser: a malformed port, option, ...
             raise ConfigurationError(f"bad PostgreSQL DSN: {exc}") from None
@@ -149,6 +175,18 @@ class PostgresDatabase(Database):
     def _is_duplicate_key(self, exc: BaseException) -> bool:
         return isinstance(exc, self._duplicate_key)
 
+    def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        if isinstance(exc, TimeoutError) and self.timeout_s is not None:
+            return StoreUnavailableError(
+                f"{what} failed: PostgreSQL did not answer within {self.timeout_s:g}s "
+                "(LOOMFLOW_POSTGRES_TIMEOUT_SECONDS): the server may be paused, overloaded "
+                "or cut off"
+            )
+        return None
+
+    def _statement_timeout(self) -> float | None:
+        return _UNBOUNDED_S if self.timeout_s is not None and is_unbounded() else self.timeout_s
+
     async def _fetch(self, sql: str, *args: Any) -> Rows:
         return await self._single("fetch", sql, args)  # type: ignore[no-any-return]
 
@@ -159,11 +197,15 @@ class PostgresDatabase(Database):
     async def _single(self, method: str, sql: str, args: tuple[Any, ...]) -> Any:
         """One statement through ``method`` (``fetch`` or ``execute``, which a connection and
         the pool both have): on the lane if it is free, else on the pool."""
+        timeout = self._statement_timeout()
         lane = self._take_lane()
         if lane is None:
-            return await getattr(self.pool, method)(sql, *args)
+            # Taking a connection is bounded too: when the server hangs, the pool's own are
+            # stuck or reconnecting, and the wait for one would be as long as the hang.
+            async with self.pool.acquire(timeout=timeout) as conn:
+                return await getattr(conn, method)(sql, *args, timeout=timeout)
         try:
-            return await getattr(lane, method)(sql, *args)
+            return await getattr(lane, method)(sql, *args, timeout=timeout)
         except BaseException as exc:
             self._after_lane_error(lane, exc)
             raise
@@ -219,7 +261,9 @@ class PostgresDatabase(Database):
 
     async def _connect_lane(self) -> None:
         try:
-            lane = await _asyncpg().connect(self._dsn, timeout=_LANE_CONNECT_TIMEOUT_S)
+            lane = await _asyncpg().connect(
+                self._dsn, timeout=_LANE_CONNECT_TIMEOUT_S, command_timeout=self.timeout_s
+            )
         except Exception as exc:  # the pool keeps serving; a later statement tries again
             log.debug("PostgreSQL lane connection failed: %r", exc)
             self._lane_retry_at = time.monotonic() + _LANE_RETRY_S
@@ -233,8 +277,9 @@ class PostgresDatabase(Database):
 
     @contextlib.asynccontextmanager
     async def _transaction(self, lock_key: int | None) -> AsyncIterator[Transaction]:
-        async with self.pool.acquire() as conn, conn.transaction():
+        timeout = self._statement_timeout()
+        async with self.pool.acquire(timeout=timeout) as conn, conn.transaction():
             if lock_key is not None:
                 # Transaction-scoped, so the pool cannot hand the lock to another caller.
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key)
-            yield _Tx(conn)
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key, timeout=timeout)
+            yield _Tx(conn, timeout)

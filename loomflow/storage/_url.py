@@ -14,7 +14,9 @@ def database_from_url(url: str, *, settings: Settings | None = None) -> Database
     if url.startswith(("postgresql://", "postgres://")):
         from ._postgres import PostgresDatabase
 
-        return PostgresDatabase(url)
+        return PostgresDatabase(
+            url, timeout_s=None if settings is None else settings.postgres_timeout_seconds
+        )
     path = sqlite_path(url)
     if path is None:
         raise ConfigurationError(

@@ -39,19 +39,16 @@ async def _lane_up(db: PostgresDatabase) -> Any:
 
 
 class _CountingPool:
-    """The database's pool, noting each single statement it is handed."""
+    """The database's pool, noting each connection taken from it (one per statement that
+    did not get the lane)."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.seen: list[str] = []
 
-    async def fetch(self, sql: str, *args: Any) -> Any:
-        self.seen.append(sql)
-        return await self.pool.fetch(sql, *args)
-
-    async def execute(self, sql: str, *args: Any) -> Any:
-        self.seen.append(sql)
-        return await self.pool.execute(sql, *args)
+    def acquire(self, **options: Any) -> Any:
+        self.seen.append("acquire")
+        return self.pool.acquire(**options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pool, name)

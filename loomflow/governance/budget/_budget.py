@@ -23,6 +23,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from ulid import ULID
 
+from ..._cleanup import raise_if_cancelled
 from ...errors import (
     BudgetExceededError,
     BudgetUnavailableError,
@@ -710,6 +711,7 @@ class BudgetHooks(RunHooks):
                     if not await budget.store.renew(ticket.reservation.id, budget.lease_s):
                         return  # reclaimed: the commit will charge only what exceeds it
             except Exception as exc:  # the next attempt may succeed; the lease has slack
+                raise_if_cancelled()  # the call ended while the renewal timed out
                 log.warning("renewing budget reservation %s failed: %s", ticket.reservation.id, exc)
 
     def _take(self, info: RunInfo, token: Any) -> Ticket | None:
