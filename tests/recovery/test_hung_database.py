@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 from _fleet import HangingProxy
@@ -25,16 +23,6 @@ from loomflow.storage import PostgresDatabase, unbounded
 from loomflow.tools import tool
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def proxy(pg_dsn: str) -> Iterator[HangingProxy]:
-    where = urlsplit(pg_dsn)
-    proxy = HangingProxy((where.hostname or "127.0.0.1", where.port or 5432))
-    try:
-        yield proxy
-    finally:
-        proxy.close()
 
 
 def _decide(messages: list[Message], tools: list[ToolSpec]) -> Any:

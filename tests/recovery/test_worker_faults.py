@@ -20,7 +20,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 from _fleet import HangingProxy, app_env, cli, start_and_kill, tool_counts, wait_for
@@ -35,16 +34,6 @@ def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'journal.db'}"
     return str(request.getfixturevalue("pg_dsn"))
-
-
-@pytest.fixture
-def proxy(pg_dsn: str) -> Iterator[HangingProxy]:
-    where = urlsplit(pg_dsn)
-    proxy = HangingProxy((where.hostname or "127.0.0.1", where.port or 5432))
-    try:
-        yield proxy
-    finally:
-        proxy.close()
 
 
 async def _worker(env: dict[str, str], *options: str) -> asyncio.subprocess.Process:
