@@ -1,0 +1,113 @@
+"""What a new user meets following docs/*.md: snippets run as written, tables that match the code,
+and command-line messages that say what the docs say they say."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from loomflow import Agent
+from loomflow.models import ScriptedModel
+from loomflow.telemetry import Metrics
+from loomflow.telemetry._metrics import OTEL_INSTRUMENTS
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def _blocks(page: str, language: str) -> list[str]:
+    text = (DOCS / page).read_text()
+    return [textwrap.dedent(b) for b in re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)]
+
+
+def _block(page: str, language: str, containing: str) -> str:
+    (found,) = [b for b in _blocks(page, language) if containing in b]
+    return found
+
+
+def _metrics_table() -> list[list[str]]:
+    """The rows of docs/telemetry.md's metrics table (Prometheus, OTel, type, labels)."""
+    text = (DOCS / "telemetry.md").read_text()
+    section = text[text.index("## Metrics") :]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `loomflow_") or line.startswith("| — |"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_every_metric_is_in_the_telemetry_table_once_with_its_otel_twin() -> None:
+    registry = CollectorRegistry()
+    Metrics(registry)
+    exported = {family.name for family in registry.collect()}  # counters without _total
+    rows = _metrics_table()
+    # Every row is a row of the one table with a header: four cells, no leftover fragments.
+    assert all(len(row) == 4 for row in rows), [row for row in rows if len(row) != 4]
+    documented = [row[0].strip("`").removesuffix("_total") for row in rows]
+    assert len(documented) == len(set(documented)), "a metric is documented twice"
+    assert set(documented) == exported
+    otel = {row[1].split("`")[1] for row in rows}
+    ours = {spec.name for spec in OTEL_INSTRUMENTS.values() if spec.name.startswith("loomflow.")}
+    assert ours <= otel
+
+
+async def test_span_capture_snippet_runs_as_written() -> None:
+    code = _block("telemetry.md", "python", "SpanCapture()")
+    code = code.replace("...,", '"You answer.", model=ScriptedModel(["hi"]),')
+    namespace: dict[str, Any] = {"Agent": Agent, "ScriptedModel": ScriptedModel}
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    await namespace["snippet"]()
+
+
+def test_function_model_is_documented_with_the_arguments_it_is_called_with() -> None:
+    text = (DOCS / "concepts" / "agents.md").read_text()
+    assert "`fn(messages, tools)`" in " ".join(text.split())
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="the block pipes into jq")
+def test_audit_cli_block_reads_the_audit_log_the_page_writes(tmp_path: Path) -> None:
+    turning_on = _block("audit.md", "python", 'AuditLog(\n    "sqlite:///audit.db"')
+    turning_on = turning_on.replace('model="claude-opus-4-7"', 'model=ScriptedModel(["done"])')
+    turning_on = turning_on.replace("tools=[lookup_order, refund]", "tools=[]")
+    namespace: dict[str, Any] = {"ScriptedModel": ScriptedModel}
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        # The snippet as written, then what a program does at its end: close what it opened.
+        ending = "\nawait agent.runtime.close()\nawait audit.close()\n"
+        exec("async def snippet():\n" + textwrap.indent(turning_on + ending, "    "), namespace)
+        asyncio.run(namespace["snippet"]())
+    finally:
+        os.chdir(cwd)
+    shell = _block("audit.md", "bash", "loomflow audit --audit-url sqlite:///audit.db query")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "loomflow").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m loomflow.cli "$@"\n')
+    (bin_dir / "loomflow").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["LOOMFLOW_RUNTIME_URL"] = "sqlite:///journal.db"
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", shell],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"run.end"' in done.stdout  # the jq line read the session's entries
+    assert "OK: checked" in done.stdout
+    assert (tmp_path / "alice.jsonl").exists()
