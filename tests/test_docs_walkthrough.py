@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from loomflow import Agent
+from loomflow.cli.main import main as cli_main
 from loomflow.models import ScriptedModel
 from loomflow.telemetry import Metrics
 from loomflow.telemetry._metrics import OTEL_INSTRUMENTS
@@ -111,3 +112,24 @@ def test_audit_cli_block_reads_the_audit_log_the_page_writes(tmp_path: Path) -> 
     assert '"run.end"' in done.stdout  # the jq line read the session's entries
     assert "OK: checked" in done.stdout
     assert (tmp_path / "alice.jsonl").exists()
+
+
+@pytest.mark.parametrize("age", ["0", "0d", "0s"])
+def test_journal_prune_with_a_zero_age_points_to_all(
+    age: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--url", "sqlite:///nowhere.db", "journal", "prune", "--older-than", age])
+    assert exit_info.value.code == 2  # bad usage, caught before any store is opened
+    err = capsys.readouterr().err
+    assert "is no age" in err
+    assert "--all prunes every finished run" in err
+
+
+def test_other_zero_ages_stay_plain_bad_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["audit", "retain", "--older-than", "0", "--yes"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "is no age" in err
+    assert "--all" not in err  # audit retain has no --all

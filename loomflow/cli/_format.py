@@ -23,6 +23,7 @@ __all__ = [
     "port",
     "positive_int",
     "printable",
+    "prune_age",
     "table",
     "when",
     "who",
@@ -31,17 +32,30 @@ __all__ = [
 
 def duration(text: str) -> dt.timedelta:
     """``30m``, ``12h``, ``7d``... as an argparse type (every ``--older-than``)."""
+    return _age(text, "")
+
+
+def prune_age(text: str) -> dt.timedelta:
+    """:func:`duration` for ``journal prune --older-than``, whose zero points to ``--all``."""
+    return _age(text, "; --all prunes every finished run, whatever its age")
+
+
+def _age(text: str, zero_hint: str) -> dt.timedelta:
     try:
         age = parse_age(text)
     except InvalidArgumentError as exc:
         # ArgumentTypeError, not the ValueError it is: argparse would hide the message.
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if age is None and text.strip().isdecimal() and int(text) == 0:
+        age = dt.timedelta(0)  # a bare 0 is a zero age, not a typo of some unit
     if age is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h or 7d")
     if age <= dt.timedelta(0):
         # "Older than nothing" is everything: a prune or retention of every finished run or
         # payload must be asked for by name (--all), not reached by a zero.
-        raise argparse.ArgumentTypeError(f"{text!r} is no age: give one such as 30m, 12h or 7d")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no age: give one such as 30m, 12h or 7d{zero_hint}"
+        )
     return age
 
 

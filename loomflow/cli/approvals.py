@@ -58,7 +58,7 @@ def register(subparsers: Any) -> None:
     listing.add_argument("--user", dest="user_id", help="only this user's sessions")
     listing.add_argument("--session", dest="session_id", help="only this session")
     listing.add_argument(
-        "--limit", type=positive_int, default=100, help="look at the N most recent sessions"
+        "--limit", type=positive_int, default=100, help="look at the N most recent sessions (100)"
     )
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
 

@@ -29,7 +29,16 @@ from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserE
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..stores import SCHEMES, Stores
-from ._format import duration, exception_line, iso_time, login, positive_int, printable, table, who
+from ._format import (
+    exception_line,
+    iso_time,
+    login,
+    positive_int,
+    printable,
+    prune_age,
+    table,
+    who,
+)
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing, refuse_unready, refuse_without, session_of
 from ._upgrade import legacy_note, quiet_on_open
@@ -143,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     prune = journal.add_parser("prune", help="delete entries of finished runs")
     prune.add_argument(
         "--older-than",
-        type=duration,
+        type=prune_age,
         help="e.g. 7d, 12h (default: LOOMFLOW_JOURNAL_RETENTION_DAYS; unset: any age)",
     )
     prune.add_argument("--session", dest="session_id")
