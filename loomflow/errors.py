@@ -202,7 +202,8 @@ class ApprovalNotFoundError(ApprovalError):
 
 
 class ApprovalDecidedError(ApprovalError):
-    """The request already has a recorded decision; a decision is final."""
+    """The request already has a recorded decision (a decision is final), or its run went
+    past the call without one, so that no decision can take effect any more."""
 
 
 class ApprovalArgumentsError(ApprovalError, ValueError):

@@ -25,6 +25,7 @@ import datetime as dt
 import functools
 import hashlib
 import math
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
@@ -71,6 +72,8 @@ APPROVAL = "approval"
 
 _REQUEST_STEP = "approval_request_"
 _DECISION_STEP = "approval_decision_"
+# The journal name of a tool call (runtime._names.tool_step_name): its turn and slot.
+_TOOL_STEP = re.compile(r"tool_call_(\d+)_(\d+)_[0-9a-f]+")
 
 
 class _Frozen(BaseModel):
@@ -441,13 +444,25 @@ class Ledger:
     cancelled: bool = False  # the run was cancelled: nothing of it waits any more
     # Request rows that do not read as a request of this run: the run's resume refuses them.
     damaged: list[DamagedRequest] = field(default_factory=list)
+    # (sub-run path key, turn, slot) of the tool calls whose outcome is journaled.
+    settled: set[tuple[str, int, int]] = field(default_factory=set)
+
+    def is_settled(self, request: PendingApproval) -> bool:
+        """Whether the request's call already has a journaled outcome, reached without a
+        decision on it (a resume after the policy changed no longer asked, or asked in other
+        words): no decision on it can take effect any more."""
+        return (path_key(request.path), request.turn, request.slot) in self.settled
 
     @property
     def pending(self) -> list[PendingApproval]:
         """Requests without a decision, in the order the model asked for them."""
         if self.cancelled:
             return []
-        waiting = [r for r in self.requests.values() if r.request_id not in self.decisions]
+        waiting = [
+            r
+            for r in self.requests.values()
+            if r.request_id not in self.decisions and not self.is_settled(r)
+        ]
         return sorted(waiting, key=lambda r: (r.path, r.turn, r.slot))
 
 
@@ -456,6 +471,10 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
     for entry in entries:
         if entry.damaged() is not None:
             continue  # a hand-edited row no step matches: the run would journal it again
+        tool_step = _TOOL_STEP.fullmatch(entry.name)
+        if tool_step is not None:
+            ledger.settled.add((entry.path, int(tool_step[1]), int(tool_step[2])))
+            continue
         is_request = entry.name.startswith(_REQUEST_STEP)
         if not is_request and not entry.name.startswith(_DECISION_STEP):
             continue
@@ -575,6 +594,13 @@ def check_decidable(
                 f"approval request {request_id!r} was already decided ({done.behavior} by "
                 f"{done.decided_by or 'an unnamed approver'} at {done.decided_at}); a decision "
                 "is final",
+                request_id,
+            )
+        if ledger.is_settled(ledger.requests[request_id]):
+            raise ApprovalDecidedError(
+                f"approval request {request_id!r} no longer waits: the run went past its call "
+                "without a decision (resumed under a policy that did not ask for it, or asked "
+                "in other words), so no decision on it can take effect; nothing was recorded",
                 request_id,
             )
 

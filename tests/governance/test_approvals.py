@@ -614,3 +614,37 @@ async def test_deeply_nested_edited_arguments_are_refused() -> None:
         deep = [deep]
     with pytest.raises(InvalidArgumentTypeError, match="nested more than"):
         normalize_decision("apr_x", Approve(arguments={"name": deep}), "kim")
+
+
+async def test_a_request_the_run_went_past_no_longer_waits(runtime_factory: Factory) -> None:
+    """Resumed under a policy that no longer asks, the run settles the call without a
+    decision: its request is not listed, and deciding it records and audits nothing."""
+    world = World()
+    agent = agent_for(world, await runtime_factory(), [DELETE])
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+
+    audit = AuditLog(InMemoryAuditStore())
+    relaxed = Agent(
+        "x",
+        model=world.model([DELETE]),
+        tools=world.tools(),
+        runtime=await runtime_factory(),
+        permissions=StandardPermissions("bypass", approval="defer"),
+        memory=False,
+        audit=audit,
+    )
+    result = await relaxed.resume("go", session_id="s1", user_id="ana")
+    assert not result.interrupted
+    assert world.deleted == ["alpha"]
+
+    assert await relaxed.pending_approvals("s1", user_id="ana") == []
+    with pytest.raises(ApprovalDecidedError, match="no longer waits"):
+        await relaxed.resume(
+            "go",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Deny("too late")},
+            decided_by="kim",
+        )
+    assert await audit.count(user_id="ana", action=actions.APPROVAL_DECISION) == 0
+    assert world.deleted == ["alpha"]
