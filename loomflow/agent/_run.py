@@ -533,6 +533,10 @@ class _Run:
                     answer = self.sealer.lost(lost)
             if answer is not None:
                 outcome = answer
+            elif self.agent.tools.get(current.name) is None:
+                # A name the model made up: nothing starts, so the audit trail's tool.call
+                # says executed=false (it lists only executions that really began).
+                outcome = await self.agent.tools.invoke(current.name, current.arguments)
             else:
                 # Announced before the body runs: a crash inside it still leaves a trace.
                 for hook in self.hooks:

@@ -60,7 +60,7 @@ from ..models._retry import error_class, observe_retries
 from ..redaction import Redactor
 from ..runtime._journal import StepEvent, StepNote, StepStart
 from ..runtime._tracing import UNTRACED
-from ..tools import Tool, ToolOutcome
+from ..tools import UNKNOWN_TOOL, Tool, ToolOutcome
 from . import _semconv as sc
 
 __all__ = ["Counters", "TelemetryHooks", "instrument"]
@@ -808,8 +808,9 @@ class TelemetryHooks(RunHooks):
         executed: bool,
     ) -> None:
         # Refusals (a permission denial) are counted by their own metric, not as tool errors;
-        # a name the model made up is not a label value.
-        if self.metrics is not None and executed and not outcome.ok:
+        # a name the model made up (nothing executed) is one, labelled "unknown".
+        made_up = outcome.error_type == UNKNOWN_TOOL and call.name not in info.tools
+        if self.metrics is not None and (executed or made_up) and not outcome.ok:
             name = call.name if call.name in info.tools else "unknown"
             self.metrics.tool_error(tool=name, error_type=outcome.error_type)
 

@@ -381,3 +381,33 @@ async def test_a_model_call_records_its_cache_tokens_apart() -> None:
     assert "cache_read_tokens" not in last.payload
     assert "cache_write_tokens" not in last.payload
     assert (await store.verify()).ok
+
+
+async def test_a_tool_name_the_model_made_up_is_audited_as_not_executed(tmp_path: Path) -> None:
+    """Nothing begins for a tool that does not exist: its tool.call says executed=false, so
+    `--action tool.call` with executed=true lists only the executions that really began."""
+
+    def made_up(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if not any(m.role == "tool" for m in messages):
+            return [ToolCall(id="c1", name="ghost_tool", arguments={"x": 1})]
+        return "done"
+
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    agent = Agent(
+        "x",
+        model=FunctionModel(made_up),
+        tools=[ship],
+        runtime=SqliteRuntime(tmp_path / "journal.db"),
+        audit=AuditLog(store),
+    )
+    try:
+        result = await agent.run("go", session_id="s", user_id="alice")
+        assert "there is no tool named 'ghost_tool'" in result.messages[-2].content
+        calls = (await store.query(user_id="alice", action=actions.TOOL_CALL)).entries
+        results = (await store.query(user_id="alice", action=actions.TOOL_RESULT)).entries
+        assert [c.payload["executed"] for c in calls] == [False]
+        assert [r.payload["error_type"] for r in results] == ["unknown_tool"]
+        assert calls[0].payload["execution"] == results[0].payload["execution"]
+    finally:
+        await agent.aclose()
+        await store.close()
