@@ -26,7 +26,7 @@ import asyncio
 import fnmatch
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, TypeAlias, get_args
@@ -109,11 +109,35 @@ class Rule:
             raise UserError(f"rule behavior must be allow, deny or ask, not {self.behavior!r}")
         if not isinstance(self.tool, str) or not self.tool:
             raise UserError(f"rule tool must be a non-empty glob, not {self.tool!r}")
+        # A rule that can never match (a flag of "true", an argument name of 1) would let
+        # through exactly what a deny rule was written to stop: refused here, not at a call.
+        if not isinstance(self.args, Mapping):
+            raise UserError(
+                f"rule {self.tool!r}: args must be a mapping of argument names to globs or "
+                f"predicates, not {type(self.args).__name__}"
+            )
         for name, matcher in self.args.items():
+            if not isinstance(name, str):
+                raise UserError(
+                    f"rule {self.tool!r}: argument names are strings (as the model sends "
+                    f"them), not {name!r}"
+                )
             if not isinstance(matcher, str) and not callable(matcher):
                 raise UserError(
                     f"rule argument {name!r}: use a glob string or a predicate, not {matcher!r}"
                 )
+        if self.when is not None and not callable(self.when):
+            raise UserError(
+                f"rule {self.tool!r}: when must be a predicate on the arguments, not {self.when!r}"
+            )
+        for flag in ("destructive", "edits"):
+            value = getattr(self, flag)
+            if value is not None and not isinstance(value, bool):
+                raise UserError(
+                    f"rule {self.tool!r}: {flag} must be True, False or None, not {value!r}"
+                )
+        if not isinstance(self.reason, str):
+            raise UserError(f"rule {self.tool!r}: reason must be text, not {self.reason!r}")
         object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
 
     @classmethod
@@ -166,6 +190,14 @@ class Rule:
         return f"{self.behavior}({', '.join(parts)})"
 
 
+def _rules(rules: object) -> tuple[Rule, ...]:
+    if isinstance(rules, Rule | str | bytes | Mapping) or not isinstance(rules, Iterable):
+        raise UserError(
+            f"rules must be a list of Rule objects, e.g. [Rule.deny('drop_*')], not {rules!r}"
+        )
+    return tuple(rules)
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """Rules (and optionally a mode) for one role or one user."""
@@ -176,7 +208,7 @@ class Policy:
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in _MODES:
             raise UserError(f"unknown permission mode {self.mode!r}; use one of {sorted(_MODES)}")
-        object.__setattr__(self, "rules", tuple(self.rules))
+        object.__setattr__(self, "rules", _rules(self.rules))
         for rule in self.rules:
             if not isinstance(rule, Rule):
                 raise UserError(f"policy rules must be Rule objects, not {rule!r}")
@@ -339,10 +371,19 @@ class StandardPermissions:
         if mode not in _MODES:
             raise UserError(f"unknown permission mode {mode!r}; use one of {sorted(_MODES)}")
         self.mode: Mode = mode
+        for what, given in (("users", users), ("roles", roles)):
+            if given is not None and not isinstance(given, Mapping):
+                raise UserError(
+                    f"{what} must be a mapping of names to Policy objects, not "
+                    f"{type(given).__name__}"
+                )
         self.users: Mapping[str, Policy] = MappingProxyType(dict(users or {}))
         self.roles: Mapping[str, Policy] = MappingProxyType(dict(roles or {}))
         for what, policies in (("users", self.users), ("roles", self.roles)):
             for key, policy in policies.items():
+                if not isinstance(key, str):
+                    # User ids and role names are strings: another key never matches a run.
+                    raise UserError(f"{what} are keyed by strings, not {key!r}")
                 if not isinstance(policy, Policy):
                     raise UserError(f"{what}[{key!r}] must be a Policy, not {policy!r}")
         self.deferred = isinstance(approval, str) and approval == "defer"
@@ -351,8 +392,15 @@ class StandardPermissions:
             handler is not None and not callable(handler)
         ):
             raise UserError(f"approval must be a callable or 'defer', not {approval!r}")
-        if approval_timeout is not None and not approval_timeout > 0:
-            raise UserError(f"approval_timeout must be positive or None, not {approval_timeout!r}")
+        if approval_timeout is not None and (
+            isinstance(approval_timeout, bool)
+            or not isinstance(approval_timeout, int | float)
+            or not approval_timeout > 0
+        ):
+            raise UserError(
+                f"approval_timeout must be a positive number of seconds or None, not "
+                f"{approval_timeout!r}"
+            )
         self.approval: ApprovalHandler | None = handler
         self.approval_timeout = approval_timeout
 

@@ -215,6 +215,39 @@ def test_bad_configuration_is_refused() -> None:
         StandardPermissions(roles={"x": [Rule.allow()]})  # type: ignore[dict-item]
 
 
+@pytest.mark.parametrize(
+    ("build", "said"),
+    [
+        (lambda: Rule.deny("wipe", destructive="true"), "destructive must be True, False"),
+        (lambda: Rule.deny("wipe", edits=1), "edits must be True, False"),
+        (lambda: Rule.deny("wipe", args={1: "prod*"}), "argument names are strings"),
+        (lambda: Rule.deny("wipe", args=["target"]), "args must be a mapping"),
+        (lambda: Rule.deny("wipe", when="prod"), "when must be a predicate"),
+        (lambda: Rule.deny("wipe", reason=5), "reason must be text"),
+        (lambda: Policy(Rule.deny("wipe")), "rules must be a list of Rule"),
+        (lambda: StandardPermissions("default", Rule.deny("wipe")), "rules must be a list"),
+        (lambda: StandardPermissions(roles=[Policy()]), "roles must be a mapping"),
+        (lambda: StandardPermissions(users={7: Policy()}), "users are keyed by strings"),
+        (lambda: StandardPermissions(approval_timeout="5"), "approval_timeout must be"),
+        (lambda: StandardPermissions(approval_timeout=True), "approval_timeout must be"),
+    ],
+)
+def test_a_malformed_rule_or_policy_is_refused_when_built(build: Any, said: str) -> None:
+    """Such a rule would never match (a deny written to stop a call would let it run), or
+    fail at the first call: refused with a UserError naming the problem instead."""
+    with pytest.raises(UserError, match=said):
+        build()
+
+
+async def test_a_deny_rule_on_a_flag_still_stops_a_destructive_tool() -> None:
+    ran.clear()
+    target = make_tool(edits=False, destructive=True)
+    permissions = StandardPermissions("bypass", [Rule.deny("*", destructive=True)])
+    _result, [event] = await run_agent(permissions, target, user_id="u")
+    assert event.final == "deny"
+    assert ran == []
+
+
 async def test_no_handler_means_deny_and_the_model_is_told() -> None:
     ran.clear()
     target = make_tool(edits=True, destructive=True)
