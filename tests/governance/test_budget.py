@@ -421,6 +421,11 @@ def test_misconfigured_budgets_are_refused() -> None:
         StandardBudget(prices={"bad": ModelPrice(float("nan"), 1.0)})
     with pytest.raises(UserError, match="sequence"):
         StandardBudget(Cap("tokens_in", 1))  # type: ignore[arg-type]
+    for seconds in (True, "60", 0, float("inf")):
+        with pytest.raises(UserError, match="lease_s must be a positive number"):
+            StandardBudget(lease_s=seconds)  # type: ignore[arg-type]
+        with pytest.raises(UserError, match="store_timeout_s must be a positive number"):
+            StandardBudget(store_timeout_s=seconds)  # type: ignore[arg-type]
 
 
 async def test_direct_use_outside_an_agent() -> None:

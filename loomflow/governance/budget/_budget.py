@@ -234,7 +234,9 @@ class StandardBudget:
                 raise UserError(f"warn_at fractions must lie strictly between 0 and 1, not {t!r}")
         _count("overhead_tokens", overhead_tokens, MAX_TOKENS_PER_CALL)
         for what, value in (("lease_s", lease_s), ("store_timeout_s", store_timeout_s)):
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            # bool is an int subclass: lease_s=True is a slip, not one second.
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and value > 0):
                 raise UserError(f"{what} must be a positive number of seconds, not {value!r}")
         self.caps: tuple[Cap, ...] = tuple(caps)
         self.store: BudgetStore = store if store is not None else InMemoryBudgetStore()
