@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .._ids import check_id, user_label
 from .._json import valid_value
@@ -42,6 +42,7 @@ from ..errors import (
     ApprovalNotFoundError,
     CorruptEntryError,
     InvalidArgumentTypeError,
+    InvalidIdError,
     RunCancelledError,
     UserError,
 )
@@ -128,6 +129,16 @@ class RecordedDecision(_Frozen):
     reason: str = ""
     decided_by: str | None = None
     decided_at: str = ""
+
+    @field_validator("decided_by")
+    @classmethod
+    def _approver(cls, value: str | None) -> str | None:
+        # Read back from the journal: a name no decision could have been given under (a
+        # control character, over the id limit) is a damaged record, not an audit actor.
+        try:
+            return check_id("decided_by", value)
+        except InvalidIdError as exc:
+            raise ValueError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, TypeAlias, get_args
 
+from .._ids import check_id
 from .._sealed import holds_sealed_argument
 from ..errors import UserError
 from ..hooks import RunHooks, RunInfo
@@ -302,6 +303,22 @@ class Approval:
     remember: bool = False
     reason: str = ""
     by: str | None = None
+
+    def __post_init__(self) -> None:
+        # Built by a handler: a bad answer raises there, and a handler that raises denies.
+        if self.behavior not in ("allow", "deny"):
+            raise UserError(f"an approval is 'allow' or 'deny', not {self.behavior!r}")
+        if self.arguments is not None and not isinstance(self.arguments, Mapping):
+            raise UserError(
+                f"approval arguments must be a mapping of argument names to values, not "
+                f"{type(self.arguments).__name__}"
+            )
+        if not isinstance(self.reason, str):
+            raise UserError(f"an approval's reason must be text, not {self.reason!r}")
+        # Whoever decided becomes the audit entry's actor (approver:<by>): the rules of ids,
+        # as for decided_by of a deferred approval. "" names nobody, like None.
+        if self.by != "":
+            check_id("by", self.by)
 
     @classmethod
     def allow(cls, *, remember: bool = False, reason: str = "", by: str | None = None) -> Approval:

@@ -648,3 +648,39 @@ async def test_a_request_the_run_went_past_no_longer_waits(runtime_factory: Fact
         )
     assert await audit.count(user_id="ana", action=actions.APPROVAL_DECISION) == 0
     assert world.deleted == ["alpha"]
+
+
+async def test_a_decision_edited_to_name_a_hostile_approver_is_damaged(tmp_path: Any) -> None:
+    """decided_by becomes the audit actor: read back holding a control character, the
+    decision is a damaged record (the resume raises CorruptEntryError), not an actor."""
+    from loomflow.audit import SqliteAuditStore
+    from loomflow.errors import CorruptEntryError
+    from loomflow.governance.approvals import journal_decisions, normalize_decision
+    from loomflow.runtime import SqliteRuntime
+
+    path = tmp_path / "journal.db"
+    world = World()
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE])
+        (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+        await journal_decisions(
+            runtime,
+            "s1",
+            "ana",
+            {request.request_id: normalize_decision(request.request_id, "allow", "kim")},
+        )
+    _edit_request(
+        path,
+        f"approval_decision_0_0_{request.request_id}",
+        "decided_by",
+        '"kim\\u001b[2J"',
+    )
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE], audit=AuditLog(store))
+        with pytest.raises(CorruptEntryError, match="control character"):
+            await agent.resume("go", session_id="s1", user_id="ana")
+    actors = {e.actor for e in (await store.query(user_id="ana", limit=100)).entries}
+    await store.close()
+    assert not any("\x1b" in actor for actor in actors)
+    assert world.deleted == []

@@ -248,6 +248,23 @@ async def test_a_deny_rule_on_a_flag_still_stops_a_destructive_tool() -> None:
     assert ran == []
 
 
+@pytest.mark.parametrize(
+    ("by", "said"),
+    [("kim\x1b[2J\nroot", "control character"), ("k" * 1000, "bytes long"), (5, "string")],
+)
+async def test_an_approval_by_a_hostile_approver_name_denies(by: Any, said: str) -> None:
+    """The approver becomes the audit actor (approver:<by>): held to the rules of ids, as the
+    decided_by of a deferred approval is. A handler that cannot name one denies."""
+    ran.clear()
+    target = make_tool(edits=True, destructive=True)
+    permissions = StandardPermissions(approval=lambda request: Approval.allow(by=by))
+    result, [event] = await run_agent(permissions, target, user_id="u")
+    assert (event.decision, event.final, event.approver) == ("ask", "deny", None)
+    assert said in event.reason
+    assert ran == []
+    assert "permission denied" in result.output
+
+
 async def test_no_handler_means_deny_and_the_model_is_told() -> None:
     ran.clear()
     target = make_tool(edits=True, destructive=True)
