@@ -43,6 +43,7 @@ from ..errors import (
     CorruptEntryError,
     InvalidArgumentTypeError,
     InvalidIdError,
+    PayloadTooLargeError,
     RunCancelledError,
     UserError,
 )
@@ -637,6 +638,8 @@ async def journal_decisions(
         ApprovalNotFoundError: an id is not a request of that run.
         ApprovalDecidedError: a request already has a decision.
         RunCancelledError: the run was cancelled (before or while the decisions were written).
+        PayloadTooLargeError: a decision is larger than the journal's per-step cap (nothing
+            is audited or journaled).
     """
     if not decisions:
         return {}
@@ -644,7 +647,7 @@ async def journal_decisions(
     check_decidable(
         await read_approvals(runtime, session_id, user_id), decisions, session_id, user_id
     )
-    problem: ApprovalError | None = None
+    problem: ApprovalError | PayloadTooLargeError | None = None
     decided: dict[str, PendingApproval] = {}
     async with runtime.session(session_id, user_id, resume=True, take_turn=True) as run:
         assert isinstance(run, JournalRun)  # an outermost session of a JournalRuntime
@@ -654,9 +657,18 @@ async def journal_decisions(
         ledger = _ledger(
             run.scope, run.epoch, (e for slot in run.entries.values() for e in slot.values())
         )
+        steps = {}
         try:
             check_decidable(ledger, decisions, session_id, user_id)  # a racing writer
-        except ApprovalError as exc:
+            for request_id, decision in decisions.items():
+                request = ledger.requests[request_id]
+                step = f"{_DECISION_STEP}{request.turn}_{request.slot}_{request_id}"
+                # Sized as the journal will store it, before anything is audited: a decision
+                # too large to journal (a reason of megabytes) must not leave an audit entry
+                # for a decision that never took effect.
+                runtime._encode(step, decision.model_dump(mode="json"))
+                steps[request_id] = step
+        except (ApprovalError, PayloadTooLargeError) as exc:
             problem = exc
         else:
             for request_id, decision in decisions.items():
@@ -666,7 +678,7 @@ async def journal_decisions(
                 reset = _frame.set(_Frame(run, tuple(request.path)))
                 try:
                     await runtime.step(
-                        f"{_DECISION_STEP}{request.turn}_{request.slot}_{request_id}",
+                        steps[request_id],
                         functools.partial(_recorded, decision.model_dump(mode="json")),
                         request_id,
                     )

@@ -684,3 +684,41 @@ async def test_a_decision_edited_to_name_a_hostile_approver_is_damaged(tmp_path:
     await store.close()
     assert not any("\x1b" in actor for actor in actors)
     assert world.deleted == []
+
+
+async def test_a_decision_too_large_to_journal_is_not_audited(tmp_path: Any) -> None:
+    """The decision is sized before its audit entry is written: one the journal refuses
+    (PayloadTooLargeError) leaves no approval.decision standing for nothing."""
+    from loomflow.audit import SqliteAuditStore
+    from loomflow.errors import PayloadTooLargeError
+    from loomflow.runtime import SqliteRuntime
+
+    world = World()
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    async with SqliteRuntime(tmp_path / "journal.db", max_payload_bytes=4096) as runtime:
+        agent = agent_for(world, runtime, [DELETE], audit=AuditLog(store))
+        (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+        with pytest.raises(PayloadTooLargeError, match="approval_decision_0_0"):
+            await agent.resume(
+                "go",
+                session_id="s1",
+                user_id="ana",
+                approvals={request.request_id: Deny("r" * 10_000)},
+                decided_by="kim",
+            )
+        assert await store.count(user_id="ana", action=actions.APPROVAL_DECISION) == 0
+        # Nothing was recorded: the request still waits and a decision of a fitting size works.
+        assert [p.request_id for p in await agent.pending_approvals("s1", user_id="ana")] == [
+            request.request_id
+        ]
+        result = await agent.resume(
+            "go",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Deny("too risky")},
+            decided_by="kim",
+        )
+    assert "too risky" in result.output
+    assert await store.count(user_id="ana", action=actions.APPROVAL_DECISION) == 1
+    await store.close()
+    assert world.deleted == []
