@@ -756,21 +756,28 @@ def _fit_payload(outcome: ToolOutcome, tool_name: str, limit: int | None) -> Too
 
 
 def _valid_answer(response: ModelResponse) -> ModelResponse:
-    """``response`` with U+FFFD for each lone surrogate in its text and tool arguments (see
-    :func:`loomflow._json.valid_text`); the same instance when there is none. The fields are
-    checked one by one: printing the whole response to find out (``codec.valid``) costs a
-    turn about 12 us, this about 3."""
+    """``response`` with U+FFFD for each lone surrogate in its text and in its tool calls'
+    names, ids and arguments (see :func:`loomflow._json.valid_text`); the same instance when
+    there is none. The fields are checked one by one: printing the whole response to find out
+    (``codec.valid``) costs a turn about 12 us, this about 3."""
     text = valid_text(response.text)
-    calls = [
-        call
-        if (arguments := valid_value(call.arguments)) is call.arguments
-        else call.model_copy(update={"arguments": arguments})
-        for call in response.tool_calls
-    ]
+    calls = [_valid_call(call) for call in response.tool_calls]
     same = all(a is b for a, b in zip(calls, response.tool_calls, strict=True))
     if text is response.text and same:
         return response
     return response.model_copy(update={"text": text, "tool_calls": calls})
+
+
+def _valid_call(call: ToolCall) -> ToolCall:
+    """``call`` with :func:`valid_text` applied to its name, id and arguments; the same
+    instance when nothing needed replacing. A name is the model's text like any other: a
+    lone surrogate in it reached the budget's estimate, the audit hash and the journal as a
+    ``UnicodeEncodeError``; now it names no tool, and the model is told so."""
+    name, call_id = valid_text(call.name), valid_text(call.id)
+    arguments = valid_value(call.arguments)
+    if name is call.name and call_id is call.id and arguments is call.arguments:
+        return call
+    return call.model_copy(update={"name": name, "id": call_id, "arguments": arguments})
 
 
 def _is_outcome(value: Any) -> bool:

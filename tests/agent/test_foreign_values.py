@@ -59,6 +59,41 @@ async def test_a_lone_surrogate_anywhere_leaves_a_run_that_finishes_and_replays(
     await audit.close()
 
 
+async def test_a_tool_name_or_call_id_with_a_lone_surrogate_is_an_unknown_tool(
+    runtime_factory: Factory, tmp_path: Path
+) -> None:
+    # The name and id are the model's text too: with a budget sizing the call, the run
+    # raised UnicodeEncodeError from the budget's estimate instead of telling the model.
+    from loomflow.governance import Cap, InMemoryBudgetStore, StandardBudget
+
+    @tool
+    def fetch(url: str) -> str:
+        """Fetch a page."""
+        raise AssertionError("not this tool")
+
+    runtime = await runtime_factory()
+    audit = AuditLog(SqliteAuditStore(tmp_path / "audit.db"))
+    budget = StandardBudget([Cap("tokens_total", 1_000_000)], store=InMemoryBudgetStore())
+    script = [[ToolCall(id="c" + LONE, name="fetch" + LONE, arguments={"url": "u"})], "done"]
+
+    def build() -> Agent:
+        return Agent(
+            "x", model=ScriptedModel(script), tools=[fetch], runtime=runtime, audit=audit,
+            budget=budget,
+        )  # fmt: skip
+
+    result = await build().run("go", session_id="s", user_id="u")
+    assert result.output == "done"
+    (answer,) = [m for m in result.messages if m.role == "tool"]
+    assert answer.tool_call_id == "ccaf\ufffd"
+    assert "fetchcaf\ufffd" in answer.content  # no such tool, and the model is told so
+    replay = await build().resume("go", session_id="s", user_id="u")
+    assert (replay.output, replay.fresh_steps) == ("done", 0)
+    report = await audit.verify()
+    assert report.ok, report.problems
+    await audit.close()
+
+
 async def test_a_provider_answer_with_half_an_emoji_is_kept(runtime_factory: Factory) -> None:
     from loomflow.models.openai import OpenAIModel
 
