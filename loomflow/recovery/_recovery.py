@@ -29,6 +29,7 @@ from ..errors import (
     ConfigurationError,
     CorruptEntryError,
     InvalidArgumentError,
+    OwnershipLostError,
     RunCancelledError,
     UserError,
 )
@@ -387,6 +388,20 @@ class Recovery:
                 )
         except RunCancelledError:
             outcome = "cancelled"
+        except OwnershipLostError as exc:
+            # Another owner took the run over while this one resumed it (this worker was
+            # frozen past its lease, or the application resumed the run itself): the new
+            # owner decides how it ends. Not a failed attempt: no error noted, no dead letter
+            # (the run may well have finished), and `worker --once` does not fail for it.
+            outcome = "claim_lost"
+            error = agent.redactor.text(f"{type(exc).__name__}: {exc}")[:4000]
+            log.warning(
+                "session %r of user %r was taken over by another owner while this worker "
+                "resumed it; the new owner decides how it ends: %s",
+                session_id,
+                claim.user_id,
+                error,
+            )
         except asyncio.CancelledError:
             # stop(): the run's lease was given back on the way out; make it due at once so
             # another worker takes it over now, not after the backoff.

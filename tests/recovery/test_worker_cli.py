@@ -314,3 +314,68 @@ async def test_the_installed_command_imports_the_app_from_where_it_starts(tmp_pa
         out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     assert "sweep:" in out.decode()
+
+
+async def test_a_frozen_worker_whose_run_was_taken_over_neither_fails_nor_dead_letters_it(
+    journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker on its last attempt is frozen (SIGSTOP) past its lease; the application resumes
+    # the run by hand and finishes it; the worker thaws and is fenced out. It used to count
+    # that as its attempt failing: `--once` exited 1, the log said the run "raised (attempt 1
+    # of 1)", and a `run.dead_letter` entry went into the audit trail of a finished run.
+    import _app
+
+    ledger = tmp_path / "ledger.jsonl"
+    gate = tmp_path / "gate"
+    await start_and_kill(journal_url, ledger, 1, "frozen")
+    env = app_env(journal_url, ledger, FLEET_BLOCK="1", FLEET_GATE=str(gate), FLEET_LEASE="1")
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "loomflow.cli", "worker", "_app:agents", "--once"),
+        *("--max-attempts", "1", "--port", "0", "--worker-id", "frozen"),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await wait_for(ledger, "blocked", 2)
+        proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(2)  # past the worker's 1 s lease
+        for name, value in app_env(journal_url, ledger).items():
+            if name.startswith("FLEET_"):
+                monkeypatch.setenv(name, value)
+        monkeypatch.delenv("FLEET_BLOCK", raising=False)
+        agents = _app.agents()
+        agent = agents["orders"]
+        try:
+            result = await agent.resume(_app.PROMPT, session_id="frozen-0", user_id="ana")
+            assert result.output == "Reserved and shipped."
+        finally:
+            assert agent.runtime is not None
+            assert isinstance(agent.audit, AuditLog)
+            await agent.runtime.close()
+            await agent.audit.close()
+        gate.touch()
+        proc.send_signal(signal.SIGCONT)
+        async with asyncio.timeout(60):
+            _out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert "was taken over by another owner" in err.decode()
+    assert tool_counts(ledger, "ship") == {"frozen-0": 2}  # the hand resume's, the thawed one's
+    code, out, err_text = await cli("--url", journal_url, "runs", "list", "--json", env=env)
+    assert code == 0, err_text
+    row = _rows(out)["frozen-0"]
+    assert (row["state"], row["last_error"]) == ("finished", None)
+    audit = AuditLog(journal_url)
+    try:
+        assert (await audit.query(user_id="ana", action="run.dead_letter")).entries == []
+        recovers = (await audit.query(user_id="ana", action="run.recover")).entries
+        outcomes = [e.payload.get("outcome") for e in recovers if e.actor == "worker:frozen"]
+        assert outcomes == [None, "claim_lost"]  # the claim, then how the resume ended
+        assert (await audit.verify()).ok
+    finally:
+        await audit.close()
