@@ -138,7 +138,8 @@ class Agent:
         max_turns: Model calls allowed per run before it stops with ``max_turns``.
         name: A short name used in sub-run keys, spans and tool names. It is also the name
             each run records for recovery: register the agent under it
-            (``Recovery(runtime, {agent.name: agent})``).
+            (``Recovery(runtime, {agent.name: agent})``). It follows the id rules (non-empty,
+            at most 256 UTF-8 bytes, no control characters): ``InvalidIdError`` otherwise.
         memory: Per-user memory (:class:`~loomflow.memory.Memory`): each outermost run is
             reminded of the earlier runs of its (session, user), and records its own turns
             as an episode when it returns. By default (``None``) episodes are kept beside
@@ -225,6 +226,9 @@ class Agent:
         self.telemetry: RunPlugin | None = telemetry or None
         self.tuning = tuning or Tuning()
         self.max_turns = max_turns
+        # Journaled with every run (recovery finds its agent by it), in audit actors and spans:
+        # the id rule, so a NUL or a lone surrogate is refused here, not by a store mid-run.
+        check_id("name", name, optional=False)
         self.name = name
         self.hooks = tuple(hooks)
         # Memory is wired into the loop itself (it changes the message stack, which no hook

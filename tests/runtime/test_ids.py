@@ -66,6 +66,26 @@ async def test_journal_refuses_bad_ids_before_touching_the_store(
     assert [(s.session_id, s.user_id) for s in await runtime.sessions()] == [("s", "ana")]
 
 
+@pytest.mark.parametrize(("bad", "reason"), BAD_IDS)
+async def test_an_agent_name_follows_the_rule(
+    runtime_factory: Factory, bad: str, reason: str
+) -> None:
+    # Each run journals its agent's name for recovery. A NUL or a lone surrogate in it used to
+    # fail the first run (StoreUnavailableError on PostgreSQL, a bare UnicodeEncodeError on
+    # SQLite); an empty or 3,000-byte name was journaled with every run.
+    from loomflow import Agent
+    from loomflow.models import ScriptedModel
+
+    runtime = await runtime_factory()
+    with pytest.raises(InvalidIdError, match=f"name .*{re.escape(reason)}") as info:
+        Agent("x", model=ScriptedModel(["ok"]), runtime=runtime, name=bad)
+    assert info.value.field == "name"
+    agent = Agent("x", model=ScriptedModel(["ok"]), runtime=runtime, name="orders")
+    with pytest.raises(InvalidIdError, match="name"):
+        agent.clone(name=bad)
+    assert (await agent.run("go", session_id="s")).output == "ok"
+
+
 @pytest.mark.parametrize("key", ["", "k\x00", "k" * 2049], ids=["empty", "nul", "2049-bytes"])
 async def test_idempotency_keys_follow_the_rule_with_a_longer_limit(
     runtime_factory: Factory, key: str
