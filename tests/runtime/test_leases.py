@@ -294,6 +294,23 @@ async def test_a_lost_turn_the_heartbeat_saw_first_reads_the_same(
         await runtime.close()
 
 
+async def test_a_run_stalled_past_its_lease_that_nobody_took_over_goes_on(
+    backend: tuple[str, str],
+) -> None:
+    """A lapsed lease alone fences nothing: only a takeover does (docs/concepts)."""
+    lease = 0.5
+    runtime = _runtime(backend, lease_seconds=lease, turn_timeout=10)
+    try:
+        async with runtime.session(SESSION, USER):
+            assert await runtime.step("step-1", lambda: "A") == "A"
+            time.sleep(lease * 2)  # noqa: ASYNC251 - the whole process stalls; nobody takes over
+            assert await runtime.step("step-2", lambda: "B") == "B"
+        [info] = await runtime.sessions()
+        assert (info.state, info.entries) == ("finished", 2)
+    finally:
+        await runtime.close()
+
+
 async def test_a_run_that_keeps_its_lease_pays_no_extra_round_trip(
     backend: tuple[str, str],
 ) -> None:
