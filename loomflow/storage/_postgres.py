@@ -27,6 +27,17 @@ _CLOSE_TIMEOUT_S = 10.0  # how long close() waits for connections in use
 # The bound of a statement inside unbounded() (asyncpg takes no "never" once the pool has a
 # default): a week is beyond any migration this side of a restore.
 _UNBOUNDED_S = 7 * 86400.0
+IDLE_IN_TRANSACTION_TIMEOUT_S = 60.0
+"""How long the server lets one of our transactions wait for its next statement.
+
+A process frozen inside a transaction (SIGSTOP, a paused VM or container, a stall of the whole
+host) keeps that transaction's locks: a user's audit chain (an advisory lock), budget buckets,
+a checkpoint row. Every other process that needs them waits, the workers that would take the
+frozen process's runs over included, for as long as the freeze lasts. Our transactions send
+their statements back to back (milliseconds apart), so a transaction idle this long belongs to
+a process that stopped: the server ends its session, which frees the locks; the frozen process
+finds its connection closed when it wakes.
+"""
 
 
 def _asyncpg() -> Any:
@@ -57,7 +68,13 @@ class _Tx(Transaction):
 
 class PostgresDatabase(Database):
     """An asyncpg pool. From a DSN the pool is ours (and closed by :meth:`close`); an adopted
-    pool stays the caller's."""
+    pool stays the caller's.
+
+    A pool made from a DSN sets ``idle_in_transaction_session_timeout`` on its connections
+    (``idle_in_transaction_timeout``, :data:`IDLE_IN_TRANSACTION_TIMEOUT_S` by default;
+    ``None`` leaves the server's), so that a process frozen inside a transaction holds its
+    locks for that long at most. An adopted pool's connections are its owner's to configure.
+    """
 
     dialect = POSTGRES
 
@@ -68,11 +85,14 @@ class PostgresDatabase(Database):
         min_size: int = 1,
         max_size: int = 10,
         timeout_s: float | None = None,
+        idle_in_transaction_timeout: float | None = IDLE_IN_TRANSACTION_TIMEOUT_S,
     ) -> None:
         """``timeout_s`` bounds every statement (and taking a pooled connection): past it the
         statement fails with :class:`StoreUnavailableError`, so a server that stopped
         answering (paused, or cut off without a reset) fails a run rather than hanging it.
-        ``None`` reads ``LOOMFLOW_POSTGRES_TIMEOUT_SECONDS``; ``0`` waits forever."""
+        ``None`` reads ``LOOMFLOW_POSTGRES_TIMEOUT_SECONDS``; ``0`` waits forever.
+        ``idle_in_transaction_timeout`` is the server's side of a freeze: see
+        :data:`IDLE_IN_TRANSACTION_TIMEOUT_S` (``None`` leaves the server's setting)."""
         super().__init__()
         if timeout_s is None:
             timeout_s = Settings().postgres_timeout_seconds
@@ -82,6 +102,14 @@ class PostgresDatabase(Database):
                 f"(0: no limit), not {timeout_s!r}"
             )
         self.timeout_s: float | None = float(timeout_s) or None
+        if idle_in_transaction_timeout is not None and not idle_in_transaction_timeout >= 0.001:
+            raise ConfigurationError(
+                "idle_in_transaction_timeout must be at least 0.001 s (or None to leave the "
+                f"server's setting), not {idle_in_transaction_timeout!r}"
+            )
+        self._idle_timeout_ms = (
+            None if idle_in_transaction_timeout is None else int(idle_in_transaction_timeout * 1000)
+        )
         driver = _asyncpg()
         self.driver_errors = (driver.PostgresError, driver.InterfaceError, OSError)
         self._server_errors: tuple[type[BaseException], ...] = (driver.PostgresError,)
@@ -133,9 +161,17 @@ class PostgresDatabase(Database):
                 reset=_no_reset,
                 # The default of statements we do not time ourselves (BEGIN, COMMIT).
                 command_timeout=self.timeout_s,
+                init=self._init_connection,
             )
         except ValueError as exc:  # asyncpg's DSN parser: a malformed port, option, ...
             raise ConfigurationError(f"bad PostgreSQL DSN: {exc}") from None
+
+    async def _init_connection(self, conn: asyncpg.Connection) -> None:
+        """Each new pooled connection (they run our transactions): see
+        :data:`IDLE_IN_TRANSACTION_TIMEOUT_S`. A SET after connecting rather than a startup
+        parameter, which connection poolers such as PgBouncer refuse."""
+        if self._idle_timeout_ms is not None:
+            await conn.execute(f"SET idle_in_transaction_session_timeout = {self._idle_timeout_ms}")
 
     def _forget_connection(self) -> object | None:
         if not self._owns_pool and self._pool is not None:
