@@ -128,9 +128,23 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
     return escaped_surrogates(json.dumps(value, ensure_ascii=False, indent=indent))
 
 
+CELL_LIMIT = 1000
+"""The widest table cell, in characters. Every id fits whole (256 UTF-8 bytes come to at most
+768 characters once escaped); longer text read back from a store (a tool name a model made
+up, a hand-edited row) is cut with "…", so that one such value cannot pad every line of the
+table to its width (a 1 MB tool name made `runs show` print megabytes). ``--json`` has it all.
+"""
+
+
+def _cell(value: Any) -> str:
+    text = printable(value)
+    return text if len(text) <= CELL_LIMIT else text[: CELL_LIMIT - 1] + "…"
+
+
 def table(rows: Sequence[Sequence[Any]]) -> None:
-    """Print rows (the first is the header) as left-aligned columns."""
-    shown = [[printable(v) for v in row] for row in rows]
+    """Print rows (the first is the header) as left-aligned columns, each cell at most
+    :data:`CELL_LIMIT` characters."""
+    shown = [[_cell(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in shown) for i in range(len(shown[0]))]
     for row in shown:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())

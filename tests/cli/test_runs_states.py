@@ -121,3 +121,33 @@ def test_crafted_rows_are_listed_as_unreadable_not_a_crash(journal: Path) -> Non
     assert result.stdout.count("unreadable") == 3
     result = loomflow("runs", "list", "--state", "unreadable", "--json", journal=journal)
     assert len(_json_rows(result.stdout)) == 3
+
+
+def test_a_huge_tool_name_from_the_model_does_not_widen_every_line(tmp_path: Path) -> None:
+    # A model's tool name is not checked (an unknown tool is the model's error to see), and
+    # `runs show` padded every line of the table to it: a 100,000-character name made each
+    # line 100 KB wide. Cells stop at 1,000 characters; --json still has the whole name.
+    from loomflow import Agent, ToolCall
+    from loomflow.models import ScriptedModel
+
+    path = tmp_path / "journal.db"
+    name = "t" * 100_000
+
+    async def build() -> None:
+        runtime = SqliteRuntime(path)
+        try:
+            script = [[ToolCall(id="c1", name=name, arguments={})], "done"]
+            agent = Agent("x", model=ScriptedModel(script), runtime=runtime, memory=False)
+            await agent.run("go", session_id="wide", user_id="ana")
+        finally:
+            await runtime.close()
+
+    asyncio.run(build())
+    result = loomflow("runs", "show", "wide", journal=path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4  # header, model call, tool call, model call
+    assert max(len(line) for line in lines) < 1200
+    assert "t" * 999 + "…" in result.stdout
+    shown = loomflow("runs", "show", "wide", "--json", journal=path)
+    assert name in shown.stdout
