@@ -482,7 +482,8 @@ class JournalRuntime:
                     released = not run.cancelled
                 if not released:
                     run.lost = True
-                    log.warning("run on %s ended after losing its turn", scope.key)
+                    why = "being cancelled" if run.cancelled else "losing its turn"
+                    log.warning("run on %s ended after %s", scope.key, why)
             if finished and not released:
                 await _lease.fenced_out(self._store, run)
                 if run.cancelled:

@@ -158,7 +158,7 @@ async def heartbeat(store: JournalStore, run: LeasedRun, lease_seconds: float) -
             continue
         if not ok:
             await fenced_out(store, run)
-            log.error("run on %s lost its turn to a newer owner", run.scope.key)
+            _log_lost(run)
             return
         run.lease_until = max(run.lease_until, asked + lease_seconds)
 
@@ -194,7 +194,7 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
         raise
     if not ok:
         await fenced_out(store, run)
-        log.error("run on %s lost its turn to a newer owner", run.scope.key)
+        _log_lost(run)
         raise not_started_error(
             run, name, "was taken over while this run was paused past its lease"
         )
@@ -214,6 +214,14 @@ async def fenced_out(store: JournalStore, run: LeasedRun) -> None:
         run.cancelled = await store.run_status(run.scope) == "cancelled"
     except Exception:  # the run is fenced out either way; the reason is a courtesy
         log.warning("could not read why %s was fenced out", run.scope.key, exc_info=True)
+
+
+def _log_lost(run: LeasedRun) -> None:
+    """Say why a renewal was refused: a cancel is somebody's decision, a takeover a fault."""
+    if run.cancelled:
+        log.warning("run on %s was cancelled; it stops at its next step", run.scope.key)
+    else:
+        log.error("run on %s lost its turn to a newer owner", run.scope.key)
 
 
 def lost_error(run: LeasedRun, message: str) -> OwnershipLostError:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -309,6 +310,34 @@ async def test_a_run_stalled_past_its_lease_that_nobody_took_over_goes_on(
         assert (info.state, info.entries) == ("finished", 2)
     finally:
         await runtime.close()
+
+
+async def test_a_run_cancelled_elsewhere_is_logged_as_cancelled_not_taken_over(
+    backend: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The heartbeat of a run cancelled from another process (`loomflow runs cancel`) logged
+    # "lost its turn to a newer owner" at error level: there is no newer owner.
+    from loomflow.errors import RunCancelledError
+
+    lease = 0.3
+    runtime = _runtime(backend, lease_seconds=lease)
+    other = _runtime(backend)
+    try:
+        with pytest.raises(RunCancelledError), caplog.at_level(logging.WARNING):
+            async with runtime.session(SESSION, USER) as run:
+                await runtime.step("step-1", lambda: "A")
+                assert await other.cancel(SESSION, USER)
+                for _ in range(100):  # the heartbeat's next renewal is refused
+                    if run.lost:
+                        break
+                    await asyncio.sleep(0.02)
+                await runtime.step("step-2", lambda: "B")
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("loomflow")]
+        assert any("was cancelled; it stops at its next step" in m for m in said), said
+        assert not any("newer owner" in m for m in said), said
+    finally:
+        await runtime.close()
+        await other.close()
 
 
 async def test_a_run_that_keeps_its_lease_pays_no_extra_round_trip(
