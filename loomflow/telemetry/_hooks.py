@@ -295,6 +295,22 @@ def _redactor(info: RunInfo | None = None) -> Redactor:
     return _fallback_redactor
 
 
+_MADE_UP_NAME_CHARS = 64
+
+
+def _tool_name(info: RunInfo, name: str) -> str:
+    """A tool call's name as spans show it: a registered tool's as is, else made up."""
+    return name if name in info.tools else _made_up_name(info, name)
+
+
+def _made_up_name(info: RunInfo, name: str) -> str:
+    """A tool name the model made up, as spans show it: redacted, at most 64 characters."""
+    shown = _redactor(info).text(name)
+    if len(shown) > _MADE_UP_NAME_CHARS:
+        shown = shown[: _MADE_UP_NAME_CHARS - 1] + "…"
+    return shown
+
+
 def _fail(span: Span, exc: BaseException, redactor: Redactor | None = None) -> None:
     if isinstance(exc, _CANCELLED):
         span.set_attribute(sc.ERROR_TYPE, "cancelled")
@@ -738,9 +754,12 @@ class TelemetryHooks(RunHooks):
     ) -> ToolCall | ToolOutcome:
         if self.tracer is None or self._run(info) is None:
             return call
+        # A registered tool's name is the application's; any other name is the model's output
+        # (unbounded, and it may echo a secret it read): redacted and cut, as error text is.
+        name = call.name if tool is not None else _made_up_name(info, call.name)
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: "execute_tool",
-            sc.GEN_AI_TOOL_NAME: call.name,
+            sc.GEN_AI_TOOL_NAME: name,
             sc.GEN_AI_TOOL_CALL_ID: call.id,
             sc.GEN_AI_TOOL_TYPE: "function",
             sc.GEN_AI_CONVERSATION_ID: info.session_id,
@@ -753,7 +772,7 @@ class TelemetryHooks(RunHooks):
         # the run's root span).
         parent, live = _parent(info.run_id)
         span = self.tracer.start_span(
-            f"execute_tool {call.name}",
+            f"execute_tool {name}",
             context=parent,
             kind=SpanKind.INTERNAL,
             attributes=attributes,
@@ -819,7 +838,8 @@ class TelemetryHooks(RunHooks):
     async def on_event(self, info: RunInfo, event: BaseModel) -> None:
         if isinstance(event, GovernanceEvent):
             live = self._run(info)
-            event.accept(_GovernanceSignals(self.metrics, live.span if live is not None else None))
+            span = live.span if live is not None else None
+            event.accept(_GovernanceSignals(self.metrics, span, info))
 
 
 @dataclass(slots=True)
@@ -828,6 +848,7 @@ class _GovernanceSignals:
 
     metrics: Counters | None
     span: Span | None
+    info: RunInfo
 
     def budget_denied(self, event: BudgetDenied) -> None:
         if self.metrics is not None:
@@ -864,7 +885,7 @@ class _GovernanceSignals:
             self.span.add_event(
                 "loom.permission.decided",
                 {
-                    sc.GEN_AI_TOOL_NAME: event.tool,
+                    sc.GEN_AI_TOOL_NAME: _tool_name(self.info, event.tool),
                     "loom.permission.decision": event.decision,
                     "loom.permission.final": event.final,
                     "loom.permission.policy": event.policy,
@@ -877,7 +898,7 @@ class _GovernanceSignals:
             self.span.add_event(
                 "loom.approval.requested",
                 {
-                    sc.GEN_AI_TOOL_NAME: event.tool,
+                    sc.GEN_AI_TOOL_NAME: _tool_name(self.info, event.tool),
                     "loom.approval.request_id": event.request_id,
                     "loom.permission.policy": event.policy,
                 },

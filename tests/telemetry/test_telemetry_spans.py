@@ -802,3 +802,44 @@ async def test_spans_carry_no_secret_the_audit_log_would_hide(
     assert "gateway rejected card [REDACTED" in (refund_span.status.description or "")
     if opted_in:
         assert "pay with my key [REDACTED" in text  # the content is there, scrubbed
+
+
+async def test_a_tool_name_the_model_made_up_is_redacted_and_cut_on_its_span(
+    capture: SpanCapture,
+) -> None:
+    # A registered tool's name is the application's; a name the model made up is model output:
+    # it may echo a secret the model read, and it has no length limit. Its error text was
+    # already redacted; the span's name and gen_ai.tool.name showed it raw and whole.
+    from loomflow.audit import AuditLog, InMemoryAuditStore
+    from loomflow.audit.redaction import Redactor
+    from loomflow.governance import Rule, StandardPermissions
+
+    configured = "vault-pass-7731"
+    names = [f"leak_{configured}", "x" * 5000, 'a"b\\c\nd']
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id=f"c{i}", name=n, arguments={}) for i, n in enumerate(names)]
+
+    agent = Agent(
+        "you look things up",
+        model=FunctionModel(decide),
+        tools=[lookup],
+        runtime=InMemoryRuntime(),
+        audit=AuditLog(InMemoryAuditStore(), redactor=Redactor(secrets=[configured])),
+        permissions=StandardPermissions("default", [Rule.allow("*")]),
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False),
+    )
+    await agent.run("look", session_id="s", user_id="erin")
+    tool_spans = [s for s in capture.spans if s.name.startswith("execute_tool")]
+    assert len(tool_spans) == 3
+    text = _recorded_text(capture) + json.dumps([s.name for s in capture.spans])
+    assert configured not in text
+    assert "x" * 100 not in text
+    for span in tool_spans:
+        shown = attrs(span)["gen_ai.tool.name"]
+        assert len(shown) <= 64
+        assert span.name == f"execute_tool {shown}"
+        assert attrs(span)["error.type"] == "unknown_tool"
+    assert {attrs(s)["gen_ai.tool.name"] for s in tool_spans} >= {'a"b\\c\nd', "x" * 63 + "…"}
