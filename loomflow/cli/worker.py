@@ -61,6 +61,7 @@ from ..runtime import JournalRuntime
 from ..runtime._identity import journal_identity
 from ..storage import PostgresDatabase, SqliteDatabase
 from ..stores import Stores
+from ..telemetry import TelemetrySetup
 from ._format import exception_line, port, positive_int, printable, who
 
 __all__ = ["load_app", "register"]
@@ -337,8 +338,33 @@ async def _check_settings_journal(runtime: JournalRuntime, spec: str) -> None:
         )
 
 
+def _export_spans() -> TelemetrySetup | None:
+    """Span (and OTel metric) export of the runs this worker resumes, from the ``OTEL_*`` and
+    ``LOOMFLOW_OTLP_*`` settings, as ``setup_telemetry()`` does in an application: unless the
+    app module set telemetry up itself (or installed a tracer provider of its own). The worker
+    serves ``/metrics`` on ``--port`` itself, so ``LOOMFLOW_METRICS_PORT`` is not used."""
+    from opentelemetry import trace
+
+    from ..telemetry import setup_requested, setup_telemetry
+    from ..telemetry._setup import already_set_up
+
+    if already_set_up() or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return None
+    settings = Settings().model_copy(update={"metrics_port": None})
+    return setup_telemetry(settings) if setup_requested(settings) else None
+
+
 async def _handle(args: argparse.Namespace) -> int:
     agents = load_app(args.app)
+    exporting = _export_spans()
+    try:
+        return await _handle_agents(args, agents)
+    finally:
+        if exporting is not None:
+            exporting.shutdown()  # the spans still buffered
+
+
+async def _handle_agents(args: argparse.Namespace, agents: dict[str, Agent]) -> int:
     first = next(iter(agents.values()))
     runtime = first.runtime
     if runtime is None:

@@ -135,6 +135,12 @@ def _remember(s: Settings, setup: TelemetrySetup) -> None:
             _once = (_export_key(s), setup)
 
 
+def already_set_up() -> bool:
+    """Whether this process ran :func:`setup_telemetry` (or ``setup_telemetry_once``)."""
+    with _once_lock:
+        return _once is not None
+
+
 def setup_telemetry_once(settings: Settings | None = None) -> TelemetrySetup:
     """:func:`setup_telemetry` for code that may run many times in one process.
 

@@ -99,7 +99,7 @@ def agents() -> dict[str, Agent]:
         runtime=runtime,
         memory=False,
         audit=audit,
-        telemetry=False,
+        telemetry=None if os.environ.get("FLEET_TELEMETRY") else False,
         name="orders",
     )
     return {"orders": agent}

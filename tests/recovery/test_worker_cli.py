@@ -379,3 +379,19 @@ async def test_a_frozen_worker_whose_run_was_taken_over_neither_fails_nor_dead_l
         assert (await audit.verify()).ok
     finally:
         await audit.close()
+
+
+async def test_worker_exports_the_spans_of_the_runs_it_resumes(tmp_path: Path) -> None:
+    # The worker is a process of its own: no application code calls setup_telemetry() in it,
+    # so with the standard OTEL_* variables set it traced nothing of the runs it resumed.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(url, ledger, 1, "traced", FLEET_TELEMETRY="1")
+    env = app_env(
+        url, ledger, FLEET_TELEMETRY="1", OTEL_TRACES_EXPORTER="console", OTEL_SERVICE_NAME="fleet"
+    )
+    code, out, err = await cli("worker", "_app:agents", "--once", "--port", "0", env=env)
+    assert code == 0, err
+    assert '"name": "invoke_agent orders"' in out
+    assert '"name": "loom.workflow.step"' in out
+    assert '"loom.run.resumed": true' in out
