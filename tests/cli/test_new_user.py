@@ -93,6 +93,7 @@ BAD = {
     "recovery_interval_seconds": "0",
     "recovery_max_attempts": "none",
     "sqlite_busy_timeout_ms": "-5",
+    "postgres_timeout_seconds": "-1",
     "sqlite_synchronous": "OFF",
     "auto_migrate": "maybe",
     "journal_retention_days": "0",
