@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from .._ids import check_id, user_label
 from .._json import valid_value
@@ -340,6 +340,8 @@ async def deferred_decision(
     if request.request_id != request_id:
         raise CorruptEntryError(f"journal entry {step!r} names another approval request")
     problem = _misplaced(request, run.scope, run.epoch, path_key(path), step)
+    if problem is None:
+        problem = _not_the_call(request, call.name, arguments, reason, policy)
     if problem is not None:
         raise CorruptEntryError(f"journal entry {step!r} is a damaged approval request: {problem}")
     decided = f"{_DECISION_STEP}{turn}_{slot}_{request_id}"
@@ -374,6 +376,29 @@ def journaled_request(info: RunInfo, turn: int, slot: int) -> PendingApproval | 
     for request in ledger.requests.values():
         if request.turn == turn and request.slot == slot and not request.path:
             return request
+    return None
+
+
+_ARGUMENTS = TypeAdapter(dict[str, Any])
+
+
+def _not_the_call(
+    request: PendingApproval, tool: str, arguments: dict[str, Any], reason: str, policy: str
+) -> str | None:
+    """What of ``request`` differs from the call it was journaled for, or ``None``.
+
+    The journal finds the request by the call (its fingerprint hashes the tool, the arguments,
+    the reason and the policy), and the request id hashes them too, but the record's own
+    fields are what people are shown and decide on. A record whose fields were edited in the
+    database would have a person approve one call while another runs.
+    """
+    if request.tool != tool:
+        return f"it names tool {request.tool!r}, but the call is to {tool!r}"
+    shown = _ARGUMENTS.dump_python(arguments, mode="json")  # as the record was written
+    if codec.canonical_bytes(request.arguments) != codec.canonical_bytes(shown):
+        return "its arguments are not the call's arguments"
+    if request.reason != reason or request.policy != policy:
+        return "its reason or policy is not the one that asked for approval"
     return None
 
 

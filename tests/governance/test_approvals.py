@@ -722,3 +722,44 @@ async def test_a_decision_too_large_to_journal_is_not_audited(tmp_path: Any) -> 
     assert await store.count(user_id="ana", action=actions.APPROVAL_DECISION) == 1
     await store.close()
     assert world.deleted == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tool", '"read_record"'),
+        ("arguments", '{"name": "harmless"}'),
+        ("reason", '"a routine read"'),
+        ("policy", '"user:ana"'),
+    ],
+)
+async def test_a_request_edited_to_show_another_call_is_never_decided_into_running(
+    field: str, value: str, tmp_path: Any
+) -> None:
+    """The person decides on what the record shows; the call that runs is the journaled
+    model's. A record edited to show another tool or arguments (its id left as it was) must
+    not have its approval run the real call."""
+    from loomflow.errors import CorruptEntryError
+    from loomflow.governance.approvals import journal_decisions, normalize_decision
+    from loomflow.runtime import SqliteRuntime
+
+    path = tmp_path / "journal.db"
+    world = World()
+    async with SqliteRuntime(path) as runtime:
+        (alpha,) = (
+            await agent_for(world, runtime, [DELETE]).run("go", session_id="s1", user_id="ana")
+        ).pending_approvals
+    _edit_request(path, "approval_request_0_0", field, value)
+
+    async with SqliteRuntime(path) as runtime:
+        agent = agent_for(world, runtime, [DELETE])
+        # What a person is shown is the edited record; their decision is journaled on it.
+        await journal_decisions(
+            runtime,
+            "s1",
+            "ana",
+            {alpha.request_id: normalize_decision(alpha.request_id, "allow", "kim")},
+        )
+        with pytest.raises(CorruptEntryError, match="approval_request_0_0.*damaged"):
+            await agent.resume("go", session_id="s1", user_id="ana")
+    assert world.deleted == []
