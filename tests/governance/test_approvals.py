@@ -760,6 +760,6 @@ async def test_a_request_edited_to_show_another_call_is_never_decided_into_runni
             "ana",
             {alpha.request_id: normalize_decision(alpha.request_id, "allow", "kim")},
         )
-        with pytest.raises(CorruptEntryError, match="approval_request_0_0.*damaged"):
+        with pytest.raises(CorruptEntryError, match=r"approval_request_0_0.*damaged"):
             await agent.resume("go", session_id="s1", user_id="ana")
     assert world.deleted == []
