@@ -519,12 +519,15 @@ class Stores:
         damaged entry (a row edited by hand) must stop a forget here, not after the other
         stores were emptied and with no erasure record written."""
         try:
-            async for _entry in self.audit.entries(user_id=user_id):
-                pass
+            await self.audit.check_erasable(user_id)
         except AuditIntegrityError as exc:
+            hint = (
+                ""
+                if "loomflow audit verify" in str(exc)
+                else " (see `loomflow audit verify`; the erasure cannot vouch for a damaged trail)"
+            )
             raise AuditIntegrityError(
-                f"forget of {user_label(user_id)} stopped before deleting anything: {exc} "
-                "(see `loomflow audit verify`; the erasure cannot vouch for a damaged trail)"
+                f"forget of {user_label(user_id)} stopped before deleting anything: {exc}{hint}"
             ) from exc
 
     async def forget_checkpoints(self, user_id: str | None, *, actor: str = "loomflow") -> int:

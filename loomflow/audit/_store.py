@@ -21,7 +21,13 @@ from typing import Any, Literal, TextIO
 
 from .._ids import check_id, check_key, user_label
 from .._progress import OnProgress, Progress
-from ..errors import AuditError, InvalidArgumentError, LegalHoldError, UserError
+from ..errors import (
+    AuditError,
+    AuditIntegrityError,
+    InvalidArgumentError,
+    LegalHoldError,
+    UserError,
+)
 from ._entry import (
     DIGESTED_VERSION,
     GENESIS,
@@ -310,17 +316,21 @@ class RetentionReport:
         cutoff: Payloads of entries written before this time were erased.
         erased: Payloads erased per user (would be, with ``dry_run``).
         held: Users with payloads past the cut-off left alone: they are under legal hold.
+        refused: Users left alone because an entry of their trail no longer matches its hash
+            (edited or forged in the database): erasing would hide it. Each with the reason.
     """
 
     cutoff: dt.datetime
     erased: dict[str | None, int] = field(default_factory=dict)
     held: list[str | None] = field(default_factory=list)
+    refused: dict[str | None, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "cutoff": iso_time(time_us_of(self.cutoff)),
             "erased": [{"user_id": u, "entries": n} for u, n in self.erased.items()],
             "held": self.held,
+            "refused": [{"user_id": u, "problem": p} for u, p in self.refused.items()],
         }
 
 
@@ -562,13 +572,16 @@ class AuditStore(abc.ABC):
         await self.check_not_held(user_id)
         await self.check_can_erase()
         before_us = None if before is None else time_us_of(before)
-        count, old = 0, {}
+        count, old, changed = 0, {}, []
         async for entry in self.entries(user_id=user_id, until=before):
             if entry.payload is None or entry.action in KEPT_BY_ERASURE:
                 continue
             count += 1
+            if erasure_problem(entry) is not None:
+                changed.append(entry.seq)
             if entry.hash_version < DIGESTED_VERSION:
                 old[str(entry.seq)] = entry.rest_digest()
+        _refuse_changed(user_id, changed)
         if not count and not always_record:
             return ErasureResult(user_id, None, 0)
         payload: dict[str, Any] = {
@@ -584,6 +597,19 @@ class AuditStore(abc.ABC):
             user_key(user_id), seq, before_us, sorted(int(s) for s in old)
         )
         return ErasureResult(user_id, seq, erased)
+
+    async def check_erasable(self, user_id: str | None) -> None:
+        """Raise :class:`~loomflow.errors.AuditIntegrityError` if erasing the payloads of the
+        user's entries would hide that one of them was changed (see :func:`erasure_problem`);
+        a forget calls it before deleting anything anywhere."""
+        changed = [
+            entry.seq
+            async for entry in self.entries(user_id=user_id)
+            if entry.payload is not None
+            and entry.action not in KEPT_BY_ERASURE
+            and erasure_problem(entry) is not None
+        ]
+        _refuse_changed(user_id, changed)
 
     async def _record_erasure(self, user_id: str | None, actor: str, payload: Any) -> int:
         """Append the ``audit.erasure`` record that vouches for what follows; its seq.
@@ -627,6 +653,7 @@ class AuditStore(abc.ABC):
         await self.check_can_erase()
         wanted = {int(s) for s in seqs}
         chosen: list[int] = []
+        changed: list[int] = []
         old: dict[str, str] = {}
         if wanted:
             async for entry in self.entries(user_id=user_id):
@@ -635,8 +662,11 @@ class AuditStore(abc.ABC):
                 if entry.action in KEPT_BY_ERASURE:
                     continue
                 chosen.append(entry.seq)
+                if erasure_problem(entry) is not None:
+                    changed.append(entry.seq)
                 if entry.hash_version < DIGESTED_VERSION:
                     old[str(entry.seq)] = entry.rest_digest()
+        _refuse_changed(user_id, changed)
         if not chosen:
             return ErasureResult(user_id, None, 0)
         payload = {
@@ -791,9 +821,13 @@ class AuditStore(abc.ABC):
             elif dry_run:
                 report.erased[user_id] = count
             else:
-                done = await self.erase(
-                    user_id, reason="retention", actor=actor, before=cutoff, always_record=False
-                )
+                try:
+                    done = await self.erase(
+                        user_id, reason="retention", actor=actor, before=cutoff, always_record=False
+                    )
+                except AuditIntegrityError as exc:  # a changed entry: keep it for verify
+                    report.refused[user_id] = str(exc)
+                    continue
                 if done.erased:
                     report.erased[user_id] = done.erased
         return report
@@ -1380,6 +1414,36 @@ def _hold_of(entry: AuditEntry | None) -> LegalHold | None:
         entry.actor,
         entry.time,
         entry.seq,
+    )
+
+
+def erasure_problem(entry: AuditEntry) -> str | None:
+    """Why ``entry`` no longer matches its hash or its payload digest, or ``None``.
+
+    Erasing a payload takes away what these checks need: an erased version 3 payload can no
+    longer be held against its digest, and the erasure record vouches for the other fields
+    of a version 1 or 2 entry by a digest taken at erasure time. So an entry that was edited
+    or forged in the database must not have its payload erased: ``verify`` would then find
+    nothing wrong.
+    """
+    try:
+        if entry.computed_hash() != entry.hash:
+            return "it no longer matches its hash"
+    except AuditError as exc:
+        return f"its content cannot be hashed ({exc})"
+    return entry.payload_problem()
+
+
+def _refuse_changed(user_id: str | None, seqs: Sequence[int]) -> None:
+    if not seqs:
+        return
+    shown = ", ".join(str(seq) for seq in seqs[:10]) + (", ..." if len(seqs) > 10 else "")
+    one = len(seqs) == 1
+    raise AuditIntegrityError(
+        f"{'an entry' if one else f'{len(seqs)} entries'} of the audit trail of "
+        f"{user_label(user_id)} (seq {shown}) no longer {'matches its' if one else 'match their'} "
+        "hash, edited or forged in the database: erasing payloads would hide that, so nothing "
+        "was erased; see `loomflow audit verify`"
     )
 
 

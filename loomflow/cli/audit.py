@@ -311,9 +311,10 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
 
 async def _retain(store: AuditStore, args: argparse.Namespace) -> int:
     report = await store.retain(args.older_than, actor="cli:audit-retain", dry_run=args.dry_run)
+    failed = 1 if report.refused else 0
     if args.json:
         print(json_text(report.to_json() | {"dry_run": args.dry_run}))
-        return 0
+        return failed
     total = sum(report.erased.values())
     verb = "would erase" if args.dry_run else "erased"
     print(
@@ -322,4 +323,6 @@ async def _retain(store: AuditStore, args: argparse.Namespace) -> int:
     )
     for user in report.held:
         print(f"kept (legal hold): {'-' if user is None else user}")
-    return 0
+    for problem in report.refused.values():
+        print(f"loomflow: not erased: {problem}", file=sys.stderr)
+    return failed

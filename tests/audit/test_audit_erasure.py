@@ -565,3 +565,84 @@ def test_the_records_index_finds_what_checking_every_record_finds(
         ):
             expected.append(("edited", gone.seq))
     assert [(p.kind, p.seq) for p in report.problems] == expected
+
+
+async def _edit_behind_its_back(backend: str, where: Any, *statements: str) -> None:
+    """Run ``statements`` against the audit tables with their triggers out of the way."""
+    if backend == "sqlite":
+        with sqlite3.connect(where) as conn:
+            conn.execute("DROP TRIGGER loom_audit_no_update")
+            for sql in statements:
+                if not sql.startswith("UPDATE loom_audit_heads"):  # the trigger moved it
+                    conn.execute(sql)
+        return
+    conn = await asyncpg.connect(where)
+    try:
+        await conn.execute("ALTER TABLE loom_audit DISABLE TRIGGER USER")
+        await conn.execute("ALTER TABLE loom_audit_heads DISABLE TRIGGER USER")
+        for sql in statements:
+            await conn.execute(sql)
+        await conn.execute("ALTER TABLE loom_audit ENABLE TRIGGER USER")
+        await conn.execute("ALTER TABLE loom_audit_heads ENABLE TRIGGER USER")
+    finally:
+        await conn.close()
+
+
+EDITED_PAYLOAD = (
+    """UPDATE loom_audit SET payload = '{"email":"x","i":0}' WHERE seq = 1 AND user_id = 'ana'"""
+)
+FORGED_V2 = (
+    "INSERT INTO loom_audit (user_key, user_id, seq, time_us, session_id, run_id, actor, "
+    "action, payload, schema_version, prev_hash, hash, hash_version) SELECT user_key, user_id, "
+    "3, time_us + 1, NULL, NULL, actor, 'tool.call', '{\"tool\":\"rm\"}', schema_version, hash, "
+    "repeat('a', 64), 2 FROM loom_audit WHERE seq = 2 AND user_id = 'ana'",
+    "UPDATE loom_audit_heads SET seq = 3, hash = repeat('a', 64) WHERE user_id = 'ana'",
+)
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+@pytest.mark.parametrize("edit", ["payload", "forged"])
+async def test_erasure_never_launders_an_edited_or_forged_entry(
+    backend: str, edit: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """An erased payload can no longer be held against its digest, and an erasure record
+    vouches for a version 2 entry by a digest taken when it erases: erasing the payload of an
+    entry changed in the database would turn a failing verify into a passing one. Forget and
+    retention refuse that user instead, and verify keeps reporting the change."""
+    from loomflow.errors import AuditIntegrityError
+
+    def open_store() -> AuditStore:
+        if backend == "sqlite":
+            return SqliteAuditStore(tmp_path / "audit.db")
+        return PostgresAuditStore(request.getfixturevalue("pg_dsn"))
+
+    where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
+    store = open_store()
+    await store.append(_records("ana", 2) + _records("bob", 2))
+    await store.close()
+    statements = (EDITED_PAYLOAD,) if edit == "payload" else FORGED_V2
+    if backend == "sqlite":
+        statements = tuple(s.replace("repeat('a', 64)", "'" + "a" * 64 + "'") for s in statements)
+    await _edit_behind_its_back(backend, where, *statements)
+
+    store = open_store()
+    try:
+        before = [(p.kind, p.seq) for p in (await store.verify(user_id="ana")).problems]
+        assert before
+        assert all(kind == "edited" for kind, _ in before)
+        with pytest.raises(AuditIntegrityError, match=r"ana.*nothing was erased"):
+            await store.erase("ana", reason="forget")
+        with pytest.raises(AuditIntegrityError, match="ana"):
+            await store.check_erasable("ana")
+        await asyncio.sleep(0.01)
+        report = await store.retain(dt.timedelta(milliseconds=1))
+        assert "ana" in report.refused
+        assert report.erased == {"bob": 2}
+        assert report.to_json()["refused"][0]["user_id"] == "ana"
+        after = [(p.kind, p.seq) for p in (await store.verify(user_id="ana")).problems]
+        assert after == before
+        assert (await store.verify(user_id="bob")).ok
+    finally:
+        await store.close()
