@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
+from .._ids import user_label
 from .._printable import shown, text_of, unicode_column
 from ..config import Settings
 from ..errors import CheckpointError
@@ -69,7 +70,32 @@ _DELETE_USER = "DELETE FROM loom_checkpoints WHERE user_key = $1 RETURNING 1"
 _EXPORT = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE user_key = $1 ORDER BY seq"
 
 
-def _row(row: Sequence[Any]) -> Checkpoint:
+_ANY_SESSION = object()
+
+
+def _row(row: Sequence[Any], user_id: str | None, session_id: Any = _ANY_SESSION) -> Checkpoint:
+    """The checkpoint of a row read for ``user_id`` (and ``session_id``, unless any session).
+
+    The query found the row by its scope or user key; its own session and user columns must
+    say the same. A row moved under another user's key (edited in the database) would
+    otherwise restore or export that user's transcript as this one's.
+    """
+    checkpoint = _checked(row)
+    if checkpoint.user_id != user_id or (
+        session_id is not _ANY_SESSION and checkpoint.session_id != session_id
+    ):
+        raise CheckpointError(
+            f"checkpoint {shown(row[0])} is stored under session {shown(session_id)} of "
+            f"{user_label(user_id)} but names session {shown(checkpoint.session_id)} of "
+            f"{user_label(checkpoint.user_id)}: the row was moved (edited in the database)"
+            if session_id is not _ANY_SESSION
+            else f"checkpoint {shown(row[0])} is stored under {user_label(user_id)} but names "
+            f"{user_label(checkpoint.user_id)}: the row was moved (edited in the database)"
+        )
+    return checkpoint
+
+
+def _checked(row: Sequence[Any]) -> Checkpoint:
     try:
         return _checkpoint(row)
     except ValidationError as exc:  # a value no checkpoint holds (a negative prompt_index)
@@ -85,10 +111,12 @@ def _row(row: Sequence[Any]) -> Checkpoint:
     raise CheckpointError(f"checkpoint {shown(row[0])} has a malformed column: {why}") from cause
 
 
-def _readable(row: Sequence[Any]) -> Checkpoint | UnreadableCheckpoint:
+def _readable(
+    row: Sequence[Any], user_id: str | None, session_id: Any = _ANY_SESSION
+) -> Checkpoint | UnreadableCheckpoint:
     """The checkpoint of a row, or, for a listing or an export, what can be read of it."""
     try:
-        return _row(row)
+        return _row(row, user_id, session_id)
     except CheckpointError as exc:
         return UnreadableCheckpoint(
             id=text_of(row[0]) or "",
@@ -218,19 +246,19 @@ class SqlCheckpointStore(ComponentStore):
 
     async def latest(self, session_id: str, *, user_id: str | None) -> Checkpoint | None:
         rows = await self._fetch("read", _LATEST, Scope.checked(session_id, user_id).key)
-        return _row(rows[0]) if rows else None
+        return _row(rows[0], user_id, session_id) if rows else None
 
     async def get(
         self, checkpoint_id: str, *, session_id: str, user_id: str | None
     ) -> Checkpoint | None:
         key = Scope.checked(session_id, user_id).key
         rows = await self._fetch("read", _GET, key, checkpoint_id)
-        return _row(rows[0]) if rows else None
+        return _row(rows[0], user_id, session_id) if rows else None
 
     async def list_checkpoints(
         self, session_id: str, *, user_id: str | None, limit: int | None = None
     ) -> list[Checkpoint]:
-        return [_row(r) for r in await self._rows(session_id, user_id, limit)]
+        return [_row(r, user_id, session_id) for r in await self._rows(session_id, user_id, limit)]
 
     async def _rows(
         self, session_id: str, user_id: str | None, limit: int | None
@@ -253,13 +281,14 @@ class SqlCheckpointStore(ComponentStore):
     ) -> list[Checkpoint | UnreadableCheckpoint]:
         """:meth:`list_checkpoints` for people: a row that cannot be read back (edited by
         hand) is an :class:`UnreadableCheckpoint` saying why, instead of failing the list."""
-        return [_readable(r) for r in await self._rows(session_id, user_id, limit)]
+        rows = await self._rows(session_id, user_id, limit)
+        return [_readable(r, user_id, session_id) for r in rows]
 
     async def export_user(self, user_id: str | None) -> dict[str, Any]:
         user_key = Scope.checked(None, user_id).user_key
         rows = await self._fetch("read", _EXPORT, user_key)
         # A data-access export carries on past a damaged row, and shows it as damaged.
-        return export_document(user_id, [_readable(r) for r in rows])
+        return export_document(user_id, [_readable(r, user_id) for r in rows])
 
 
 class SqliteCheckpointStore(SqlCheckpointStore):

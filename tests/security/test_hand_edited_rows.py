@@ -192,6 +192,12 @@ _INCONSISTENT = [
     "UPDATE loom_checkpoints SET final = 1",
     "UPDATE loom_checkpoints SET prompt_index = 0",
 ]
+# A row whose own session or user is not the one its scope key files it under: moved from
+# another user's (or session's) snapshots, it must not be restored as this one's.
+_MOVED = [
+    "UPDATE loom_checkpoints SET user_id = 'mallory'",
+    "UPDATE loom_checkpoints SET session_id = 'elsewhere'",
+]
 CHECKPOINT_EDITS = {
     "sqlite": [
         "UPDATE loom_checkpoints SET messages = 'not json'",
@@ -201,12 +207,14 @@ CHECKPOINT_EDITS = {
         "UPDATE loom_checkpoints SET cost_usd = 1e999",  # infinity: restored, the run's cost
         "UPDATE loom_checkpoints SET created_at = 1e300",
         *_INCONSISTENT,
+        *_MOVED,
     ],
     "postgres": [
         "UPDATE loom_checkpoints SET created_at = 1e300",
         "UPDATE loom_checkpoints SET created_at = 'NaN'",
         "UPDATE loom_checkpoints SET cost_usd = 'Infinity'",
         *_INCONSISTENT,
+        *_MOVED,
     ],
 }
 
@@ -241,7 +249,8 @@ async def test_a_hand_edited_checkpoint_falls_back_to_journal_replay(
         else:
             await pg_exec(dsn, edit)
         with pytest.raises(
-            CheckpointError, match=r"malformed|cannot be decoded|model turn|answer|user message"
+            CheckpointError,
+            match=r"malformed|cannot be decoded|model turn|answer|user message|was moved",
         ):
             await agent(True).resume("shop", session_id="s", user_id="u")
         result = await agent(False).resume("shop", session_id="s", user_id="u")
