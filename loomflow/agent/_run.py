@@ -291,8 +291,10 @@ class _Run:
             for event in await self.flush():
                 yield event
         if self.awaiting:
-            # The turn's other calls ran (and are journaled); the run stops for the rest.
-            raise ApprovalPending(sorted(self.awaiting, key=lambda r: r.slot))
+            # The turn's other calls ran (and are journaled); the run stops for the rest. In
+            # the order of the calls, not of parallel checks finishing: the result lists them.
+            self.awaiting.sort(key=lambda r: r.slot)
+            raise ApprovalPending(list(self.awaiting))
         for slot, (call, (outcome, replayed)) in enumerate(zip(calls, outcomes, strict=True)):
             for hook in self.hooks:
                 await hook.after_tool_call(self.info, turn, slot, call, outcome, replayed=replayed)

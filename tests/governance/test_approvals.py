@@ -94,6 +94,33 @@ def agent_for(
     )
 
 
+async def test_requests_are_listed_in_the_order_of_the_calls_whichever_is_checked_first(
+    runtime_factory: Factory,
+) -> None:
+    """Parallel calls reach their permission check in any order (a slow guardrail, a busy
+    journal): the result lists the requests in the order the model asked for them."""
+    import asyncio
+
+    from loomflow.hooks import RunHooks, RunInfo
+
+    class SlowFirstCall(RunHooks):
+        async def before_tool_call(
+            self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Any
+        ) -> ToolCall:
+            if slot == 0:
+                await asyncio.sleep(0.05)  # the second call's request is journaled first
+            return call
+
+    world = World()
+    agent = agent_for(
+        world, await runtime_factory(), [DELETE, DELETE_2], guardrails=[SlowFirstCall()]
+    )
+    result = await agent.run("clean up", session_id="s1", user_id="ana")
+    assert [p.slot for p in result.pending_approvals] == [0, 1]
+    listed = await agent.pending_approvals("s1", user_id="ana")
+    assert [p.request_id for p in listed] == [p.request_id for p in result.pending_approvals]
+
+
 async def test_the_run_stops_and_lists_every_request_of_the_turn(
     runtime_factory: Factory,
 ) -> None:
