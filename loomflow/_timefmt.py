@@ -46,7 +46,9 @@ def iso_time(when: float | dt.datetime | None) -> str | None:
             moment = dt.datetime.fromtimestamp(when, dt.UTC)
         except (OverflowError, ValueError, OSError):  # a stored time no date can hold
             return str(when)
-    return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    moment = moment.astimezone(dt.UTC)
+    # Not strftime("%Y"): the C library writes the years before 1000 without their zeros.
+    return f"{moment.year:04d}-" + moment.strftime("%m-%dT%H:%M:%S.%fZ")
 
 
 def parse_age(text: str) -> dt.timedelta | None:

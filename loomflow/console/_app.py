@@ -100,6 +100,23 @@ class _RefuseControlCharacters:
         await response(scope, receive, send)
 
 
+def _cross_site(request: Request) -> bool:
+    """Whether a form post comes from another site's page (a forged sign-in or sign-out).
+
+    Browsers say so in ``Sec-Fetch-Site``; one too old to send it still sends ``Origin`` on a
+    post, compared with the address the browser asked for (``Host``). A client that sends
+    neither (a script) is not a browser another site can drive.
+    """
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site.lower() not in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    host = request.headers.get("host", "")
+    return origin.lower() not in (f"http://{host}".lower(), f"https://{host}".lower())
+
+
 def user_url(user_id: str | None) -> str:
     """The trail page of a user, safe in a URL whatever the id holds."""
     if user_id is None:
@@ -107,6 +124,9 @@ def user_url(user_id: str | None) -> str:
     if user_id.strip(".") == "":  # "." and "..": a browser would fold them into the path
         return "/trail?" + urlencode({"user": user_id})
     return "/users/" + quote(user_id, safe="")
+
+
+_CROSS_SITE = "This form was sent from another site's page; sign in from the console itself."
 
 
 def _local(target: str) -> bool:
@@ -315,16 +335,18 @@ def create_app(
 
     def named_user(request: Request) -> str | Any | None:
         """The user a query names, as :func:`user_of` reads it, without refusing: ANY_USER
-        when it names none."""
+        when it names none (or names both a user and the anonymous bucket)."""
         if request.query_params.get("anonymous") == "1":
-            return None
+            return ANY_USER if "user" in request.query_params else None
         return request.query_params.get("user", ANY_USER)
 
     def user_of(request: Request, where: str = "user") -> str | None:
         """The user a query names (``anonymous=1`` is the bucket of runs without one)."""
-        if request.query_params.get("anonymous") == "1":
-            return None
         value = request.query_params.get(where)
+        if request.query_params.get("anonymous") == "1":
+            if value is not None:  # which one? answering for either would mislead
+                raise _Refused(400, f"name either ?{where}=<id> or ?anonymous=1, not both")
+            return None
         if value is None:
             raise _Refused(400, f"name the user: ?{where}=<id> or ?anonymous=1")
         return value
@@ -533,6 +555,8 @@ def create_app(
             target = "/users"  # never sign someone in and send them elsewhere
         error = None
         if request.method == "POST":
+            if _cross_site(request):
+                return _error(request, None, 403, _CROSS_SITE, api=False)
             form = await request.form()
             token = form.get("token")
             entry = access.by_token(token) if isinstance(token, str) else None
@@ -553,6 +577,8 @@ def create_app(
         return response
 
     async def signout(request: Request) -> Response:
+        if _cross_site(request):
+            return _error(request, None, 403, _CROSS_SITE, api=False)
         # Ended here, not only forgotten by this browser: every copy of the cookie is out.
         sign_ins.end(request.session.get("sign_in"))
         request.session.clear()

@@ -1277,3 +1277,45 @@ def test_a_tampered_hash_is_shown_escaped_and_a_store_failure_names_no_file(
         assert got.status_code == 503
         assert "127.0.0.1" not in got.text
         assert "StoreUnavailableError" in got.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+    ],
+)
+def test_a_form_post_from_another_site_is_refused(
+    console: Server, deployment: Deployment, headers: dict[str, str]
+) -> None:
+    # Login CSRF: another site's page must not sign a browser in with the attacker's token,
+    # nor sign it out.
+    with console.client(follow_redirects=False) as http:
+        forged = http.post("/signin", data={"token": READER}, headers=headers)
+        assert forged.status_code == 403
+        assert "set-cookie" not in forged.headers
+        assert "Content-Security-Policy" in forged.headers
+        assert http.post("/signout", headers=headers).status_code == 403
+        # The console's own form (same origin, or a script that says nothing) still works.
+        same = {"Sec-Fetch-Site": "same-origin", "Origin": console.base}
+        assert http.post("/signin", data={"token": READER}, headers=same).status_code == 303
+        assert http.post("/signin", data={"token": READER}).status_code == 303
+        assert http.post("/signout", headers={"Origin": console.base}).status_code == 303
+
+
+@pytest.mark.parametrize(
+    "route",
+    ["/api/export", "/api/export/heads", "/api/trail", "/api/entry?seq=1", "/api/run?run=x"],
+)
+def test_a_query_naming_a_user_and_the_anonymous_bucket_is_refused(
+    console: Server, route: str
+) -> None:
+    # An export of ?user=bob&anonymous=1 used to be the anonymous bucket's, under bob's name.
+    sep = "&" if "?" in route else "?"
+    with console.client(ADMIN) as http:
+        answer = http.get(f"{route}{sep}user=bob&anonymous=1")
+        assert answer.status_code == 400
+        assert "not both" in answer.json()["error"]
