@@ -214,11 +214,19 @@ class SqlAuditStore(AuditStore):
                 )
             for row in rows:
                 key = str(row[0])
-                problem, entry = _entry(row[1:])
+                try:
+                    problem, entry = _entry(row[1:])
+                except AuditIntegrityError as exc:
+                    # A seq or time edited into no number (SQLite keeps any type): reported
+                    # where it lies, and the check goes on with the rest of the trails.
+                    yield key, int(row[1]), _malformed(row[1:], str(exc))
+                    continue
                 yield key, int(row[1]), problem if problem is not None else entry
             if len(rows) < _PAGE:
                 return
-            last_key, last_seq = str(rows[-1][0]), int(rows[-1][3])
+            # As stored, not int(): a seq edited into text sorts after every number in SQLite,
+            # and the next page starts past it all the same.
+            last_key, last_seq = str(rows[-1][0]), rows[-1][3]
 
     async def _tombstone(
         self,
@@ -327,6 +335,14 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         raise AuditIntegrityError(
             f"audit entry {row[0]!r} of user {row[1]!r} is malformed: {exc}"
         ) from exc
+
+
+def _malformed(row: Sequence[Any], detail: str) -> ChainProblem:
+    """The problem a row that reads as no entry at all is, for verify: its seq, when that
+    much is a whole number (so the chain counts it as present), else none."""
+    seq = row[2] if type(row[2]) is int else None
+    user = row[1] if row[1] is None or isinstance(row[1], str) else str(row[1])
+    return ChainProblem(user, "unreadable", seq, int(row[0]), detail)
 
 
 def _whole(value: Any, column: str) -> int:

@@ -227,3 +227,32 @@ async def test_an_export_stopped_by_a_malformed_row_leaves_no_file(tmp_path: Pat
     assert "Traceback" not in exported.stderr
     assert "of user 'alice' is malformed: seq is 'four'" in exported.stderr
     assert not out.exists()
+
+
+async def test_verify_reports_a_row_with_a_malformed_seq_and_checks_the_other_trails(
+    tmp_path: Path,
+) -> None:
+    """A seq or time edited into text (SQLite keeps any type) is a failed check in its place,
+    not an error that hides every other user's result (the console answered 400)."""
+    from loomflow.audit import SqliteAuditStore
+
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    _edit(db, "UPDATE loom_audit SET seq = 'four' WHERE user_id = 'alice' AND seq = 4")
+    store = SqliteAuditStore(db)
+    try:
+        report = await store.verify()
+        assert not report.ok
+        kinds = [(p.user_id, p.kind) for p in report.problems]
+        assert ("alice", "unreadable") in kinds, report.problems
+        assert any("seq is 'four'" in p.detail for p in report.problems)
+        assert report.users == 2  # bob's trail was checked too, and holds
+        assert not [p for p in report.problems if p.user_id == "bob"]
+        assert (await store.verify(user_id="bob")).ok
+        assert not (await store.verify(user_id="alice")).ok
+    finally:
+        await store.close()
+    verified = loomflow("--url", f"sqlite:///{db}", "audit", "verify")
+    assert verified.returncode == 1
+    assert "Traceback" not in verified.stderr
+    assert "seq is 'four'" in verified.stdout
