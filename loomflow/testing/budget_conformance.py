@@ -187,6 +187,25 @@ class BudgetStoreConformance:
         assert await store.forget_user(None) == 1
         assert await store.forget_user("alice") == 0
 
+    async def test_forget_user_takes_the_user_out_of_a_dead_workers_holds(
+        self, make_store: StoreFactory
+    ) -> None:
+        # A worker died during a call: its hold names the user's bucket. Forgetting the user
+        # must not leave their id in the hold, nor let a reclaim write their bucket back.
+        dead, alive = await make_store(), await make_store()
+        both, only_alice, bobs = _hold(_ALICE, _EVERYONE), _hold(_ALICE), _hold(_BOB)
+        for r in (both, only_alice, bobs):
+            assert await _reserve(dead, r, lease_s=0.05)
+        assert await alive.forget_user("alice") == 1
+        held = {x.id: set(x.buckets) for x in await alive.reservations()}
+        assert held == {both.id: {_EVERYONE}, bobs.id: {_BOB}}
+        await asyncio.sleep(0.3)
+        assert await alive.reclaim() == 2
+        assert await alive.usage("alice") == []
+        totals = await alive.totals([_EVERYONE.key, _BOB.key])
+        assert (totals[_EVERYONE.key].tokens_in, totals[_EVERYONE.key].reserved_in) == (10, 0)
+        assert (totals[_BOB.key].tokens_in, totals[_BOB.key].reserved_in) == (10, 0)
+
     async def test_concurrent_reservations_never_overshoot_a_hard_cap(
         self, make_store: StoreFactory
     ) -> None:

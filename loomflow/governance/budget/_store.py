@@ -96,7 +96,9 @@ class BudgetStore(Protocol):
     async def forget_user(self, user_id: str | None) -> int:
         """Delete every bucket of one user (``None``: the anonymous user's); return how many.
 
-        Global buckets keep their totals, which name no user."""
+        Global buckets keep their totals, which name no user. Holds still in the store (left
+        by a worker that died during a call) drop the user's buckets, and a hold that named
+        only theirs goes, so a later reclaim cannot write the user's buckets back."""
 
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         """Delete the day and month buckets whose period ended by the Unix time

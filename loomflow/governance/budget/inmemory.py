@@ -6,6 +6,7 @@ Totals vanish with the process and are not shared between workers; use
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -176,6 +177,16 @@ class InMemoryBudgetStore:
         ]
         for key in gone:
             del self._rows[key]
+        # A dead worker's hold on the user's buckets must not write them back on reclaim.
+        for hold_id, hold in list(self._holds.items()):
+            buckets = hold.reservation.buckets
+            keep = tuple(b for b in buckets if not (b.scope == "user" and b.user_id == user_id))
+            if len(keep) == len(buckets):
+                continue
+            if keep:
+                hold.reservation = dataclasses.replace(hold.reservation, buckets=keep)
+            else:
+                del self._holds[hold_id]
         return len(gone)
 
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:

@@ -487,18 +487,30 @@ class SqlBudgetStore:
 
     async def forget_user(self, user_id: str | None) -> int:
         await self.open()
-        if user_id is None:
-            rows = await self.db.fetch(
-                "DELETE FROM loom_budget_buckets WHERE scope = 'user' AND user_id IS NULL "
-                "RETURNING 1",
-                what="budget forget",
+        cond, args = ("user_id IS NULL", []) if user_id is None else ("user_id = $1", [user_id])
+        async with self.db.transaction(what="budget forget") as tx:
+            rows = await tx.fetch(
+                f"DELETE FROM loom_budget_buckets WHERE scope = 'user' AND {cond} RETURNING 1",
+                *args,
             )
-        else:
-            rows = await self.db.fetch(
-                "DELETE FROM loom_budget_buckets WHERE scope = 'user' AND user_id = $1 RETURNING 1",
-                user_id,
-                what="budget forget",
-            )
+            # A hold left by a dead worker names the user's buckets: without this, it would
+            # keep the user's id and a reclaim would write their bucket back afterwards.
+            for hold_id, text in await tx.fetch("SELECT id, buckets FROM loom_budget_reservations"):
+                try:
+                    buckets = _buckets(str(text))
+                except _MalformedHold:
+                    continue  # left for an operator, as reclaim leaves it
+                keep = [b for b in buckets if not (b.scope == "user" and b.user_id == user_id)]
+                if len(keep) == len(buckets):
+                    continue
+                if keep:  # everyone's buckets keep their share of the hold
+                    await tx.execute(
+                        "UPDATE loom_budget_reservations SET buckets = $1 WHERE id = $2",
+                        _keys(keep),
+                        hold_id,
+                    )
+                else:
+                    await tx.execute("DELETE FROM loom_budget_reservations WHERE id = $1", hold_id)
         return len(rows)
 
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
