@@ -1284,7 +1284,8 @@ class JournalRuntime:
 
         Every entry of the user's runs (open ones too), their idempotency results, and their
         session rows, except the row of a session a live run still leases (its entries go;
-        the row goes with the next forget). Returns how many rows were deleted.
+        the row goes with the next forget); a lease of a worker known to be dead (killed on
+        this host) does not keep its row. Returns how many rows were deleted.
         """
         check_id("user_id", user_id)
         await self._ensure_open()

@@ -19,6 +19,7 @@ from .._progress import OnProgress, Progress
 from ..errors import CorruptEntryError, UserError
 from ..storage import Database
 from ..storage._component import SqlLifecycle
+from . import _lease
 from ._legacy import report_on_open
 from ._states import FINAL_STATUSES, UNREADABLE, run_state
 from ._store import (
@@ -944,12 +945,29 @@ class SqlJournalStore:
 
     async def forget_sessions(self, user_id: str | None) -> int:
         cond, args = ("user_id = $1", [user_id]) if user_id is not None else ("user_id IS NULL", [])
+        # A lease whose holder is known to be dead (a worker on this host killed during a
+        # run) protects nothing: its row, which holds the run's inputs, goes too. Matched on
+        # the owner text, so a run that claims the row meanwhile keeps it.
+        leased = await self.db.fetch(
+            f"SELECT DISTINCT owner FROM loom_sessions WHERE {cond} "
+            "AND owner IS NOT NULL AND lease_until >= {now}",
+            *args,
+            what="journal forget",
+        )
+        dead = [
+            r[0]
+            for r in leased
+            if isinstance(r[0], str) and is_unicode(r[0]) and _lease.holder_is_dead(r[0])
+        ]
+        marks = ", ".join(f"${len(args) + 1 + i}" for i in range(len(dead)))
+        released = f" OR owner IN ({marks})" if dead else ""
         rows = await self.db.fetch(
             f"DELETE FROM loom_sessions WHERE {cond} "
-            "AND (owner IS NULL OR lease_until < {now}) "
+            f"AND (owner IS NULL OR lease_until < {{now}}{released}) "
             "AND NOT EXISTS (SELECT 1 FROM loom_entries e WHERE e.scope = loom_sessions.scope) "
             "RETURNING 1",
             *args,
+            *dead,
             what="journal forget",
         )
         return len(rows)

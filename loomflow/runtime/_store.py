@@ -451,7 +451,8 @@ class JournalStore(Protocol):
         only runs in ``state`` if given."""
 
     async def forget_sessions(self, user_id: str | None) -> int:
-        """Delete the user's session rows that hold no entries and that no live run leases;
+        """Delete the user's session rows that hold no entries and that no live run leases
+        (a lease whose holder is known dead, see ``_lease.holder_is_dead``, counts as none);
         return how many went."""
 
     async def prune(

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._progress import OnProgress, Progress
 from ..config import Settings
+from . import _lease
 from ._journal import JournalRuntime
 from ._states import run_state
 from ._store import (
@@ -380,7 +381,7 @@ class InMemoryStore:
             key
             for key, row in self.sessions.items()
             if row.user_id == user_id
-            and (row.owner is None or row.lease_until < now)
+            and (row.owner is None or row.lease_until < now or _lease.holder_is_dead(row.owner))
             and not any(self.entries.get(key, {}).values())
         ]
         for key in gone:

@@ -602,3 +602,71 @@ async def test_forget_is_refused_while_a_run_of_the_user_is_in_progress(
         after = await stores.export_user("ana")
         assert _has_data(after) == {"entries": 0, "checkpoints": 0, "episodes": 0, "budget": 0}
         assert NAME not in json.dumps(after, ensure_ascii=False)
+
+
+_DIES_IN_A_MODEL_CALL = """
+import asyncio, sys, time
+from loomflow import Agent, Tuning
+from loomflow.config import Settings
+from loomflow.governance import Cap
+from loomflow.messages import ModelResponse
+from loomflow.models import FunctionModel
+
+def decide(messages, tools):
+    print("calling", flush=True)
+    time.sleep(120)  # killed here
+    return ModelResponse(text="never")
+
+async def main():
+    async with Agent.from_settings(
+        "Support.", model=FunctionModel(decide, name="m"), caps=[Cap("tokens_total", 10**6)],
+        settings=Settings(), tuning=Tuning(checkpoint=True, max_tokens=64),
+    ) as agent:
+        await agent.run(sys.argv[1], session_id="t-dead", user_id="ana")
+
+asyncio.run(main())
+"""
+
+
+def _kill_during_a_model_call(runtime_url: str) -> None:
+    """Start a worker that runs ana's agent, and SIGKILL it inside the model call."""
+    env = {**os.environ, "LOOMFLOW_RUNTIME_URL": runtime_url}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _DIES_IN_A_MODEL_CALL, f"Where is A-1? I am {NAME}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "calling"
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_forget_of_a_user_whose_worker_died_mid_run_leaves_nothing_behind(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A worker killed during a model call leaves its session row (holding the run's prompt)
+    leased and a budget hold on the user's bucket. The run is in progress for nobody, so the
+    forget goes ahead, and it must take both: nothing of the user is left for `budget reclaim`
+    or a recovery worker to bring back."""
+    settings = _settings(kind, tmp_path, request)
+    await _runs(settings, "bob")  # the stores exist, and someone else's data to keep
+    _kill_during_a_model_call(settings.runtime_url)
+    async with Stores(settings) as stores:
+        before = await stores.export_user("ana")
+        assert before["journal"]["sessions"][0]["state"] == "orphaned"
+        await stores.forget_user("ana", actor="test")
+        assert await stores.budget.reclaim() == 0  # the hold named only ana's bucket
+        after = await stores.export_user("ana")
+        assert after["journal"]["sessions"] == []
+        assert after["budget"] == []
+        assert NAME not in json.dumps(after, ensure_ascii=False)
+        assert not [r for r in await stores.budget.reservations() if "ana" in str(r.buckets)]
+        assert _has_data(await stores.export_user("bob"))["entries"] > 0
+        assert (await stores.audit.verify()).ok
