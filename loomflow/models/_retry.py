@@ -12,10 +12,21 @@ raised as it is.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import importlib
 import logging
+import math
 import random
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+)
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
@@ -32,6 +43,8 @@ __all__ = [
     "RetryObserver",
     "error_class",
     "observe_retries",
+    "parse_retry_after",
+    "retry_after_from",
     "stream_with_retries",
 ]
 
@@ -105,8 +118,8 @@ class Backoff:
 
     The n-th retry waits about ``initial * multiplier**n`` seconds, capped at ``maximum``; half
     of that wait is random so that many workers hitting the same overloaded provider spread out
-    instead of retrying in lockstep. A ``retry-after`` header from the provider is honoured up
-    to ``maximum``.
+    instead of retrying in lockstep. A ``retry-after`` header from the provider (seconds or an
+    HTTP-date; ``retry-after-ms`` first when sent) is honoured up to ``maximum``.
 
     Attributes:
         initial: Base wait before the first retry, in seconds.
@@ -217,15 +230,43 @@ def transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """Seconds from a ``retry-after`` header; HTTP-date forms are ignored."""
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds from a ``retry-after`` header: a number of seconds, or an HTTP-date (RFC 9110)
+    turned into the seconds from ``now`` (``time.time()`` by default; a past date is 0).
+    Anything else, a negative number or NaN, is ``None``."""
     if not value:
         return None
+    value = value.strip()
     try:
         seconds = float(value)
     except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:  # HTTP-dates are GMT; a zone-less one is read as such
+            when = when.replace(tzinfo=datetime.UTC)
+        try:
+            seconds = when.timestamp() - (time.time() if now is None else now)
+        except (OverflowError, OSError, ValueError):
+            return None
+        return max(seconds, 0.0)
+    # An absurdly long wait (even "inf") stays one: Backoff.delay caps it at its maximum.
+    return None if math.isnan(seconds) or seconds < 0 else seconds
+
+
+def retry_after_from(headers: Mapping[str, str] | None) -> float | None:
+    """The wait a response's headers ask for, in seconds: ``retry-after-ms`` (milliseconds,
+    which OpenAI and Anthropic send) when it holds a valid number, else ``retry-after``."""
+    if headers is None:
         return None
-    return seconds if seconds >= 0 else None
+    try:
+        millis = float(headers.get("retry-after-ms") or "nan")
+    except ValueError:
+        millis = math.nan
+    if not math.isnan(millis) and millis >= 0:
+        return millis / 1000
+    return parse_retry_after(headers.get("retry-after"))
 
 
 async def stream_with_retries(

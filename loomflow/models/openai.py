@@ -32,7 +32,7 @@ from ._retry import (
     MalformedStreamError,
     SdkEvents,
     is_retryable_status,
-    parse_retry_after,
+    retry_after_from,
 )
 from ._sdk import SdkModel
 
@@ -262,7 +262,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
                 _detail(exc),
                 status,
                 retryable=is_retryable_status(status),
-                retry_after=parse_retry_after(exc.response.headers.get("retry-after")),
+                retry_after=retry_after_from(exc.response.headers),
             )
         if isinstance(exc, sdk.APIConnectionError):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)

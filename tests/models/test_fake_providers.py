@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email.utils
 import time
 
 import anthropic
@@ -9,7 +10,7 @@ import openai
 import pytest
 
 from loomflow.messages import Message, ToolCall
-from loomflow.models import AnthropicModel, Backoff, complete
+from loomflow.models import AnthropicModel, Backoff, OpenAIModel, complete
 from loomflow.testing.providers import Failure, FakeAnthropicAPI, FakeOpenAIAPI, Reply
 
 CALL = ToolCall(id="toolu_9", name="lookup", arguments={"q": "tea"})
@@ -123,3 +124,28 @@ async def test_retry_after_header_is_honoured(anthropic_api: FakeAnthropicAPI) -
         started = time.monotonic()
         assert (await complete(model, [Message.user("hi")])).text == "ok"
     assert time.monotonic() - started >= 0.2
+
+
+async def test_retry_after_as_an_http_date_is_honoured(openai_api: FakeOpenAIAPI) -> None:
+    # RFC 9110 allows a date as well as seconds; a date two seconds ahead (whole seconds
+    # only) asks for a wait of more than one second. It used to be ignored.
+    when = email.utils.formatdate(time.time() + 2, usegmt=True)
+    openai_api.add(Failure(429, headers={"retry-after": when}), Reply(text="ok"))
+    backoff = Backoff(initial=0.001, maximum=5.0)
+    async with OpenAIModel(
+        "gpt-4.1", base_url=openai_api.base_url, api_key="k", backoff=backoff
+    ) as model:
+        started = time.monotonic()
+        assert (await complete(model, [Message.user("hi")])).text == "ok"
+    assert time.monotonic() - started >= 0.9
+
+
+async def test_retry_after_ms_is_honoured(anthropic_api: FakeAnthropicAPI) -> None:
+    anthropic_api.add(Failure(529, headers={"retry-after-ms": "300"}), Reply(text="ok"))
+    backoff = Backoff(initial=0.001, maximum=5.0)
+    async with AnthropicModel(
+        "claude-opus-4-7", base_url=anthropic_api.base_url, api_key="k", backoff=backoff
+    ) as model:
+        started = time.monotonic()
+        assert (await complete(model, [Message.user("hi")])).text == "ok"
+    assert time.monotonic() - started >= 0.3

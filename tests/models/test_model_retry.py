@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
+import math
 import pickle
 import random
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -20,6 +22,7 @@ from loomflow.models._retry import (
     error_class,
     parse_retry_after,
     read_sdk,
+    retry_after_from,
     stream_with_retries,
 )
 
@@ -53,6 +56,37 @@ def test_retry_after_is_honoured_up_to_the_cap() -> None:
 )
 def test_parse_retry_after(header: str | None, seconds: float | None) -> None:
     assert parse_retry_after(header) == seconds
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("Sun, 06 Dec 2026 05:00:30 GMT", 30.0),  # an HTTP-date: the seconds until then
+        ("Sun, 06 Dec 2026 04:59:00 GMT", 0.0),  # in the past: retry at once
+        ("Sun, 06 Dec 2026 05:00:30", 30.0),  # no zone: read as GMT
+        ("Sun, 99 Foo 2026 05:00:30 GMT", None),
+        ("nan", None),
+        ("inf", math.inf),  # capped by Backoff.delay, like any long wait
+        ("1e400", math.inf),
+    ],
+)
+def test_parse_retry_after_dates_and_odd_numbers(header: str, seconds: float | None) -> None:
+    now = datetime.datetime(2026, 12, 6, 5, 0, tzinfo=datetime.UTC).timestamp()
+    assert parse_retry_after(header, now=now) == seconds
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ({"retry-after-ms": "1500", "retry-after": "9"}, 1.5),
+        ({"retry-after-ms": "soon", "retry-after": "9"}, 9.0),
+        ({"retry-after-ms": "-5"}, None),
+        ({}, None),
+        (None, None),
+    ],
+)
+def test_retry_after_from_headers(headers: dict[str, str] | None, seconds: float | None) -> None:
+    assert retry_after_from(headers) == seconds
 
 
 def _classify(exc: Exception) -> Failure | None:
