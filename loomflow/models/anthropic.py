@@ -167,6 +167,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         # Arguments text per tool call: decoded here rather than trusting the SDK's
         # partial-JSON snapshot, which turns a truncated object into a smaller valid one.
         arguments: dict[int, list[str]] = {}
+        started: set[int] = set()  # content blocks begun
         stopped = False
         # Events are read by their ``type`` tags rather than SDK classes, whose names move
         # between SDK releases while the wire format stays put.
@@ -180,6 +181,11 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                 kind = f.field(event, "type")
                 if kind == "content_block_start":
                     position = f.index(f.field(event, "index"), f"{kind}.index")
+                    if position in started:
+                        # A second start for one block: its tool call would run twice, the
+                        # second time with arguments the model never sent.
+                        raise MalformedStreamError(f"content block {position} started twice")
+                    started.add(position)
                     block = f.obj(f.field(event, "content_block"), f"{kind}.content_block")
                     if f.field(block, "type") != "tool_use":
                         continue

@@ -416,6 +416,19 @@ MALFORMED_STREAMS = {
         ],
         "content block 0, which is not a tool_use block",
     ),
+    "a block started twice": (
+        # The second start reset the call's arguments: one tool call came out twice, once
+        # with {} although the model never sent empty arguments.
+        [
+            _start(),
+            _block(0, _tool_use()),
+            _delta(0, {"type": "input_json_delta", "partial_json": '{"city": "Oslo"}'}),
+            _block(0, _tool_use()),
+            _delta(0, {"type": "input_json_delta", "partial_json": '{"city": "Oslo"}'}),
+            *_end("tool_use"),
+        ],
+        "content block 0 started twice",
+    ),
 }
 
 
