@@ -168,7 +168,9 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
                     continue  # a usage-only chunk some servers send without "choices"
                 for n, choice in enumerate(f.items(choices, "choices")):
                     choice = f.obj(choice, f"choices[{n}]")
-                    if f.field(choice, "index") != 0:  # only one candidate is ever requested
+                    # Only one candidate is ever requested; a server that leaves out its index
+                    # sends that one (skipping it dropped the answer, and the call was retried).
+                    if f.field(choice, "index") not in (0, None):
                         continue
                     delta = f.optional_obj(f.field(choice, "delta"), "choices[0].delta")
                     content = f.optional_text(f.field(delta, "content"), "choices[0].delta.content")
@@ -217,6 +219,10 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         pending = calls.setdefault(slot, _PendingCall())
         if call_id:
             pending.id = call_id
+        # OpenAI sends the name once, in the call's first piece; some compatible servers
+        # repeat it in every piece, which must not make "getget".
+        if name == pending.name:
+            name = None
         if name:
             pending.name += name
         pending.arguments.append(arguments or "")

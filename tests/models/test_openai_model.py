@@ -385,3 +385,42 @@ async def test_a_stream_without_usage_is_marked_unreported(
     warned = [r for r in caplog.records if "without reporting its token usage" in r.message]
     assert len(warned) == 1  # once per model
     assert "include_usage" in warned[0].message
+
+
+async def test_a_tool_name_repeated_in_every_piece_is_taken_once(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # Some compatible servers repeat the whole name in each piece of a call; it was joined
+    # into "get_weatherget_weather", a tool that does not exist.
+    pieces = ['{"city":', ' "Paris"}']
+    body = [
+        _chunk(
+            '"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_01",'
+            f'"type":"function","function":{{"name":"get_weather","arguments":{json.dumps(p)}}}'
+            '}]},"finish_reason":null}]'
+        )
+        for p in pieces
+    ]
+    stop = _chunk('"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]')
+    openai_api.add(Reply(raw_stream=[*body, stop, _chunk(USAGE), DONE]))
+    async with make(openai_api, fast) as model:
+        chunks = await drain(model, [Message.user("weather?")])
+    response = chunks[-1]
+    assert isinstance(response, ModelResponse)
+    assert response.tool_calls == [CALL]
+    names = [c.name for c in chunks if isinstance(c, ToolCallDelta)]
+    assert names == ["get_weather", None]
+
+
+async def test_a_choice_without_an_index_is_the_answer(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # Only one candidate is requested. A server leaving out "index" had its answer dropped:
+    # the stream then lacked a finish_reason and the (billed) call was sent four times.
+    content = _chunk('"choices":[{"delta":{"content":"hi"},"finish_reason":null}]')
+    stop = _chunk('"choices":[{"delta":{},"finish_reason":"stop"}]')
+    openai_api.add(Reply(raw_stream=[content, stop, _chunk(USAGE), DONE]))
+    async with make(openai_api, fast) as model:
+        response = await complete(model, [Message.user("hi")])
+    assert (response.text, response.finish_reason) == ("hi", "stop")
+    assert openai_api.request_count == 1
