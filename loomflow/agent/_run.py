@@ -793,19 +793,32 @@ def _is_model_reply(value: Any) -> bool:
 
 
 def _with_call_ids(response: ModelResponse, turn: int) -> ModelResponse:
-    """``response`` with an id for every tool call the model left without one.
+    """``response`` with an id of its own for every tool call: one the model left without an
+    id, or gave the id of an earlier call of the same answer, gets a new one.
 
     A tool result must name the call it answers, and some OpenAI-compatible servers send
-    calls with an empty id. The id is made from the turn and slot, so a replay of the
-    journaled response (which keeps the empty id) names the calls the same way and the next
-    model call's inputs match.
+    calls with an empty id, or the same id for every call (the provider then refuses the next
+    request: the results no longer tell which call they answer). The id is made from the turn
+    and slot, so a replay of the journaled response (which keeps the ids as sent) names the
+    calls the same way and the next model call's inputs match.
     """
-    if all(call.id for call in response.tool_calls):
+    ids = [call.id for call in response.tool_calls]
+    if all(ids) and len(set(ids)) == len(ids):
         return response
-    calls = [
-        call if call.id else call.model_copy(update={"id": f"call_{turn}_{slot}"})
-        for slot, call in enumerate(response.tool_calls)
-    ]
+    taken = set(ids)
+    seen: set[str] = set()
+    calls = []
+    for slot, call in enumerate(response.tool_calls):
+        if call.id and call.id not in seen:
+            seen.add(call.id)
+            calls.append(call)
+            continue
+        new_id = f"call_{turn}_{slot}"
+        while new_id in taken:  # a model's own id may look like ours
+            new_id += "_"
+        taken.add(new_id)
+        seen.add(new_id)
+        calls.append(call.model_copy(update={"id": new_id}))
     return response.model_copy(update={"tool_calls": calls})
 
 

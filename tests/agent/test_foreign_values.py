@@ -134,6 +134,44 @@ async def test_tool_calls_without_an_id_are_named_and_replay(runtime_factory: Fa
     assert (replay.fresh_steps, ran) == (0, [3, 4])
 
 
+async def test_tool_calls_sharing_an_id_get_their_own_and_replay(
+    runtime_factory: Factory,
+) -> None:
+    # Some OpenAI-compatible servers give every call of an answer the same id. Both results
+    # then named one call, and the provider refuses such a conversation (Anthropic: tool_use
+    # ids must be unique), after the tools had run.
+    ran: list[int] = []
+    sent: list[list[Message]] = []
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add."""
+        ran.append(a + b)
+        return a + b
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        sent.append(list(messages))
+        if any(m.role == "tool" for m in messages):
+            return "done"
+        return [
+            ToolCall(id="c1", name="add", arguments={"a": 1, "b": 2}),
+            ToolCall(id="c1", name="add", arguments={"a": 2, "b": 2}),
+            ToolCall(id="call_0_1", name="add", arguments={"a": 3, "b": 2}),  # ours' shape
+            ToolCall(id="", name="add", arguments={"a": 4, "b": 2}),
+        ]
+
+    runtime = await runtime_factory()
+    agent = Agent("x", model=FunctionModel(decide), tools=[add], runtime=runtime)
+    result = await agent.run("sum", session_id="s")
+    answered = [m.tool_call_id for m in result.messages if m.role == "tool"]
+    assert answered == ["c1", "call_0_1_", "call_0_1", "call_0_3"]
+    assistant = next(m for m in sent[-1] if m.tool_calls)
+    assert [c.id for c in assistant.tool_calls] == answered
+    replay = await agent.resume("sum", session_id="s")
+    assert (replay.fresh_steps, sorted(ran)) == (0, [3, 4, 5, 6])
+    assert [m.tool_call_id for m in replay.messages if m.role == "tool"] == answered
+
+
 @pytest.mark.parametrize("kind", ["set", "intkeys", "enum"])
 def test_a_result_python_orders_per_process_replays_elsewhere(kind: str, tmp_path: Path) -> None:
     """Run in one process, resume in another with another hash seed (the order of a set of
