@@ -83,6 +83,10 @@ step's exception if it raised. What it yields, if callable, gets the step's :cla
 (hit, miss, divergence, timings) before the observers do. A stream step stays inside the block
 until its stream ends or is abandoned, across its yields, so a tracer must not make anything
 "current" in ``contextvars`` for a stream step.
+
+A tracer that is often idle (loomflow's own, while no OpenTelemetry SDK is installed) may also
+have a ``loom_idle()`` method: when it is the runtime's only tracer, a step asks it first and,
+on ``True``, is not traced at all, which spares the step building a :class:`StepStart`.
 """
 
 # Shared by every untraced step (nullcontext is reusable): no allocation on the hot path. A
@@ -125,6 +129,16 @@ class StepSignals:
         tracers = self.tracers
         if not tracers:
             return UNTRACED
+        if len(tracers) == 1:
+            # A tracer that can tell it has nothing to trace now (loomflow's telemetry with no
+            # OpenTelemetry SDK installed) says so before the step builds a StepStart for it.
+            idle = getattr(tracers[0], "loom_idle", None)
+            try:
+                if idle is not None and idle():
+                    return UNTRACED
+            except Exception:
+                log.exception("step tracer %r failed on entry", tracers[0])
+                return UNTRACED
         start = StepStart(
             backend=self.store.backend,
             session_id=run.session_id,

@@ -334,15 +334,20 @@ def _inner(depth: int) -> int:
     return depth + 1
 
 
+# What JSON parsing gives besides lists and dicts: each decodes as itself, so the walks below
+# skip the call for them (most of a stored value's leaves are these).
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
 def _decode(data: Any, depth: int) -> Any:
     t = type(data)
     if t is list:
         inner = _inner(depth)
-        return [_decode(v, inner) for v in data]
+        return [v if type(v) in _LEAVES else _decode(v, inner) for v in data]
     if t is dict:
         if TAG not in data:
             inner = _inner(depth)
-            return {k: _decode(v, inner) for k, v in data.items()}
+            return {k: v if type(v) in _LEAVES else _decode(v, inner) for k, v in data.items()}
         return _decode_tagged(data, depth)
     return data
 
@@ -350,7 +355,7 @@ def _decode(data: Any, depth: int) -> Any:
 def _decode_tagged(data: dict[str, Any], depth: int) -> Any:
     tag = data[TAG]
     payload = data.get("v")
-    decoder = _DECODERS.get(tag) if isinstance(tag, str) else None
+    decoder = _DECODERS.get(tag) if type(tag) is str else None
     if decoder is None:
         raise UnknownTagError(f"unknown tag {str(tag)[:100]!r}")
     try:
@@ -396,7 +401,10 @@ def _decode_model(payload: Any, depth: int) -> Any:
     payload = _fields(payload)
     inner = _inner(depth)
     cls = _lookup(payload["cls"])
-    fields = {k: _decode(v, inner) for k, v in _fields(payload["fields"]).items()}
+    fields = {
+        k: v if type(v) in _LEAVES else _decode(v, inner)
+        for k, v in _fields(payload["fields"]).items()
+    }
     if cls is None:
         return fields
     try:

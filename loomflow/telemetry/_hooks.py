@@ -345,12 +345,17 @@ class _StepTracer:
     def __init__(self, fallback: _Tracing) -> None:
         self.fallback = fallback
 
-    def __call__(self, start: StepStart) -> contextlib.AbstractContextManager[StepNote | None]:
-        if not _explicit_tracing and isinstance(
+    @staticmethod
+    def loom_idle() -> bool:
+        """Whether every span would be a no-op now: no SDK installed yet, and no telemetry
+        with a tracer of its own. The runtime then skips the step's tracing altogether. (The
+        run's chat and tool spans, no-ops too, then find no open step, as with no journal.)"""
+        return not _explicit_tracing and isinstance(
             trace.get_tracer_provider(), trace.ProxyTracerProvider
-        ):
-            # No SDK installed yet: every span would be a no-op, so build none. (The run's
-            # chat and tool spans, no-ops too, then find no open step, as with no journal.)
+        )
+
+    def __call__(self, start: StepStart) -> contextlib.AbstractContextManager[StepNote | None]:
+        if self.loom_idle():
             return _NO_SPAN
         run_id = get_run_context().run_id
         tracing = _run_tracing.get(run_id, self.fallback) if run_id else self.fallback

@@ -551,6 +551,47 @@ async def test_step_tracers_that_fail_never_break_a_run(
         assert any("note" in m and "failed" in m for m in messages)
 
 
+class _IdleTracer:
+    """A step tracer that says, through ``loom_idle``, whether it has anything to trace."""
+
+    def __init__(self, idle: Any) -> None:
+        self.idle = idle
+        self.starts: list[str] = []
+
+    def loom_idle(self) -> bool:
+        return bool(self.idle())
+
+    def __call__(self, start: Any) -> Any:
+        from contextlib import nullcontext
+
+        self.starts.append(start.name)
+        return nullcontext()
+
+
+async def test_an_idle_step_tracer_is_not_called_and_a_broken_idle_check_breaks_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    states = iter([True, False])
+    tracer = _IdleTracer(lambda: next(states))
+    runtime = InMemoryRuntime()
+    runtime.add_step_tracer(tracer)
+    async with runtime.session("s"):
+        assert await runtime.step("idle", lambda: 1) == 1
+        assert await runtime.step("busy", lambda: 2) == 2
+    assert tracer.starts == ["busy"]  # asked first, then called only when not idle
+
+    def broken() -> bool:
+        raise RuntimeError("idle check bug")
+
+    failing = _IdleTracer(broken)
+    other = InMemoryRuntime()
+    other.add_step_tracer(failing)
+    async with other.session("s"):
+        assert await other.step("a", lambda: 3) == 3
+    assert failing.starts == []
+    assert any("failed on entry" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_failing_step_is_recorded_and_still_raises(capture: SpanCapture) -> None:
     telemetry = Telemetry(tracer_provider=capture.provider, metrics=False)
     runtime = InMemoryRuntime()
