@@ -264,19 +264,6 @@ class _Tracing:
 # provider and user-id mode.
 _run_tracing: dict[str, _Tracing] = {}
 
-# Set once a telemetry with a tracer of its own (not the global provider's proxy) has traced
-# in this process. Until then, while no SDK is installed, one check answers for every step
-# (the hot path): each span would be a no-op. Process-wide, not per runtime, because a step
-# follows its run's telemetry, which need not be the one that instrumented the step's runtime.
-_explicit_tracing = False
-
-
-def _note(tracing: _Tracing) -> None:
-    global _explicit_tracing
-    if tracing.tracer is not None and not tracing.proxy:
-        _explicit_tracing = True
-
-
 # One step tracer per runtime.
 _traced: weakref.WeakKeyDictionary[Any, _StepTracer] = weakref.WeakKeyDictionary()
 _traced_lock = threading.Lock()
@@ -345,23 +332,28 @@ class _StepTracer:
     def __init__(self, fallback: _Tracing) -> None:
         self.fallback = fallback
 
-    @staticmethod
-    def loom_idle() -> bool:
-        """Whether every span would be a no-op now: no SDK installed yet, and no telemetry
-        with a tracer of its own. The runtime then skips the step's tracing altogether. (The
-        run's chat and tool spans, no-ops too, then find no open step, as with no journal.)"""
-        return not _explicit_tracing and isinstance(
-            trace.get_tracer_provider(), trace.ProxyTracerProvider
-        )
-
-    def __call__(self, start: StepStart) -> contextlib.AbstractContextManager[StepNote | None]:
-        if self.loom_idle():
-            return _NO_SPAN
+    def _resolve(self) -> tuple[str | None, _Tracing | None]:
+        """The current step's run id, and what traces it; ``None`` when every span would be
+        a no-op (no tracer, or the global provider's proxy with no SDK installed)."""
         run_id = get_run_context().run_id
         tracing = _run_tracing.get(run_id, self.fallback) if run_id else self.fallback
         if tracing.tracer is None or (
+            # An agent's run decided this once, at its start (a run untraced then registers a
+            # tracing without a tracer); checking the global provider costs an os.environ read.
             tracing.proxy and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
         ):
+            return run_id, None
+        return run_id, tracing
+
+    def loom_idle(self) -> bool:
+        """Whether the step would get no span: the runtime then skips its tracing altogether.
+        (The run's chat and tool spans, no-ops too, then find no open step, as with no
+        journal.)"""
+        return self._resolve()[1] is None
+
+    def __call__(self, start: StepStart) -> contextlib.AbstractContextManager[StepNote | None]:
+        run_id, tracing = self._resolve()
+        if tracing is None or tracing.tracer is None:
             return _NO_SPAN
         return self._span(start, run_id, tracing.tracer, tracing.user_ids)
 
@@ -449,7 +441,6 @@ def instrument(
     """
     if tracer is not None and hasattr(runtime, "add_step_tracer"):
         tracing = _Tracing.of(tracer, user_ids)
-        _note(tracing)
         with _traced_lock:
             fresh = runtime not in _traced
             if fresh:
@@ -476,6 +467,9 @@ class TelemetryHooks(RunHooks):
         self.content = content
         self.user_ids = user_ids or UserIds()
         self._tracing = _Tracing.of(tracer, self.user_ids)
+        # What a run that starts without spans registers for its steps: none either, for the
+        # whole run, as its own spans (see _traces).
+        self._untraced = _Tracing(None, self.user_ids, False)
         self._started: dict[str, float] = {}  # run id -> monotonic start, for run duration
 
     @staticmethod
@@ -507,15 +501,15 @@ class TelemetryHooks(RunHooks):
         # Registered before instrumenting, and even without a tracer: this run's steps follow
         # this telemetry, not the runtime's first (a metrics-only or "omit" agent's steps must
         # not be traced with another agent's tracer or user-id mode).
-        _run_tracing[info.run_id] = self._tracing
-        _note(self._tracing)
+        traces = self._traces()
+        _run_tracing[info.run_id] = self._tracing if traces else self._untraced
         if runtime is not None:
             instrument(runtime, self.tracer, self.metrics, self.user_ids)
         if self.metrics is not None:
             self._started[info.run_id] = time.monotonic()
             _retry_counters[info.run_id] = self.metrics
             self.metrics.prepare_model(info.provider, info.model_name)
-        if self.tracer is None or not self._traces():
+        if self.tracer is None or not traces:
             return
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: "invoke_agent",
@@ -559,7 +553,8 @@ class TelemetryHooks(RunHooks):
             outcome = "interrupted"
         else:
             outcome = "finished"
-        if _run_tracing.get(info.run_id) is self._tracing:
+        registered = _run_tracing.get(info.run_id)
+        if registered is self._tracing or registered is self._untraced:
             del _run_tracing[info.run_id]
         if self.metrics is not None:
             started = self._started.pop(info.run_id, None)

@@ -648,6 +648,62 @@ def test_without_an_sdk_telemetry_is_a_no_op() -> None:
     assert "pip install 'loomflow[otel]'" in done.stdout
 
 
+SDK_MID_RUN_SCRIPT = """
+import asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from loomflow.agent import Agent
+from loomflow.messages import ToolCall
+from loomflow.models import FunctionModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.tools import tool
+
+exporter = InMemorySpanExporter()
+
+@tool
+async def install() -> str:
+    \"\"\"Install the SDK.\"\"\"
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return "ok"
+
+def decide(messages, tools):
+    if any(m.role == "tool" for m in messages):
+        return "done"
+    return [ToolCall(id="c1", name="install", arguments={})]
+
+async def main():
+    agent = Agent("x", model=FunctionModel(decide), tools=[install], runtime=InMemoryRuntime())
+    await agent.run("go", session_id="s1", user_id="u")
+    print("FIRST", sorted({s.name for s in exporter.get_finished_spans()}))
+    exporter.clear()
+    await agent.run("go", session_id="s2", user_id="u")
+    print("SECOND", sorted({s.name for s in exporter.get_finished_spans()}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_run_started_before_the_sdk_keeps_its_steps_untraced_and_the_next_run_is_traced() -> None:
+    # The default telemetry decides at a run's start whether it traces: with no SDK installed
+    # yet, neither the run's own spans nor its steps' are built, even once a tool installs one.
+    done = subprocess.run(
+        [sys.executable, "-c", SDK_MID_RUN_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "FIRST []" in done.stdout, done.stdout
+    second = next(line for line in done.stdout.splitlines() if line.startswith("SECOND"))
+    assert "loom.workflow.step" in second, second
+    assert "invoke_agent" in second, second
+
+
 async def test_concurrent_runs_keep_their_spans_apart(
     capture: SpanCapture, telemetry: Telemetry
 ) -> None:
