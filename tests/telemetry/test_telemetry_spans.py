@@ -635,17 +635,19 @@ asyncio.run(main())
 """
 
 
-def test_without_an_sdk_telemetry_is_a_no_op() -> None:
+def _python(script: str) -> str:
+    """Run ``script`` in a fresh interpreter (its own global providers); its stdout."""
     done = subprocess.run(
-        [sys.executable, "-c", NO_SDK_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert "OK" in done.stdout
-    assert "pip install 'loomflow[otel]'" in done.stdout
+    return done.stdout
+
+
+def test_without_an_sdk_telemetry_is_a_no_op() -> None:
+    out = _python(NO_SDK_SCRIPT)
+    assert "OK" in out
+    assert "pip install 'loomflow[otel]'" in out
 
 
 SDK_MID_RUN_SCRIPT = """
@@ -690,16 +692,9 @@ asyncio.run(main())
 def test_a_run_started_before_the_sdk_keeps_its_steps_untraced_and_the_next_run_is_traced() -> None:
     # The default telemetry decides at a run's start whether it traces: with no SDK installed
     # yet, neither the run's own spans nor its steps' are built, even once a tool installs one.
-    done = subprocess.run(
-        [sys.executable, "-c", SDK_MID_RUN_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "FIRST []" in done.stdout, done.stdout
-    second = next(line for line in done.stdout.splitlines() if line.startswith("SECOND"))
+    out = _python(SDK_MID_RUN_SCRIPT)
+    assert "FIRST []" in out, out
+    second = next(line for line in out.splitlines() if line.startswith("SECOND"))
     assert "loom.workflow.step" in second, second
     assert "invoke_agent" in second, second
 
