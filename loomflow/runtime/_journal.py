@@ -771,7 +771,7 @@ class JournalRuntime:
             _check_text("idempotency_key", idempotency_key)
         run = frame.run
         if run.lost:
-            raise _lease.not_started_error(run, name, "now belongs to a newer run")
+            raise await _lease.refused(self._store, run, name)
         started = time.perf_counter()
         if idempotency_key is not None:  # keyed by the user's key, not by the run position
             with self._signals.traced(run, frame.path, name, False) as note:
@@ -810,7 +810,7 @@ class JournalRuntime:
         _check_text("step name", name)
         run = frame.run
         if run.lost:
-            raise _lease.not_started_error(run, name, "now belongs to a newer run")
+            raise await _lease.refused(self._store, run, name)
         started = time.perf_counter()
         position = _take_position(run, frame.path, name)
         try:

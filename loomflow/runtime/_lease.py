@@ -180,7 +180,7 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
     token and extends the lease, before any side effect.
     """
     if run.lost:
-        raise not_started_error(run, name, "now belongs to a newer run")
+        raise await refused(store, run, name)
     remaining = run.lease_until - lease_clock()
     if remaining > lease_seconds / 3:
         return
@@ -214,6 +214,17 @@ async def fenced_out(store: JournalStore, run: LeasedRun) -> None:
         run.cancelled = await store.run_status(run.scope) == "cancelled"
     except Exception:  # the run is fenced out either way; the reason is a courtesy
         log.warning("could not read why %s was fenced out", run.scope.key, exc_info=True)
+
+
+async def refused(store: JournalStore, run: LeasedRun, name: str) -> OwnershipLostError:
+    """The error for a step started after the run was fenced out, once the reason is known.
+
+    The heartbeat marks the run lost before it asks the store whether a cancel was the reason
+    (so that no body starts meanwhile); a step that comes in between asks too, rather than
+    calling a cancel a takeover. Only on this rare path.
+    """
+    await fenced_out(store, run)
+    return not_started_error(run, name, "now belongs to a newer run")
 
 
 def _log_lost(run: LeasedRun) -> None:

@@ -340,6 +340,40 @@ async def test_a_run_cancelled_elsewhere_is_logged_as_cancelled_not_taken_over(
         await other.close()
 
 
+async def test_a_step_taken_while_the_heartbeat_asks_why_it_was_fenced_out_waits_for_the_answer(
+    backend: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The heartbeat marks the run lost, then asks the store whether a cancel was the reason.
+    # A step that came in meanwhile (a loaded machine, a slow store) raised OwnershipLostError
+    # ("now belongs to a newer run") for a run that had only been cancelled.
+    from loomflow.errors import RunCancelledError
+
+    runtime = _runtime(backend, lease_seconds=0.3)
+    other = _runtime(backend)
+    store: Any = runtime._store
+    status = store.run_status
+    asking = asyncio.Event()
+
+    async def slow_status(*args: Any) -> Any:
+        asking.set()
+        await asyncio.sleep(0.5)
+        return await status(*args)
+
+    try:
+        with pytest.raises(RunCancelledError):
+            async with runtime.session(SESSION, USER) as run:
+                await runtime.step("step-1", lambda: "A")
+                store.run_status = slow_status
+                assert await other.cancel(SESSION, USER)
+                await asyncio.wait_for(asking.wait(), 10)  # the heartbeat is asking now
+                assert run.lost
+                await runtime.step("step-2", lambda: "B")
+    finally:
+        del store.run_status
+        await runtime.close()
+        await other.close()
+
+
 async def test_a_run_that_keeps_its_lease_pays_no_extra_round_trip(
     backend: tuple[str, str],
 ) -> None:
