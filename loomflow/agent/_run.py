@@ -18,7 +18,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel
 from ulid import ULID
@@ -48,8 +48,9 @@ from ..messages import (
 )
 from ..models.pricing import normalize_prices
 from ..redaction import Redactor
-from ..runtime import OpenRun, Runtime, codec
+from ..runtime import JournalRuntime, OpenRun, Runtime, codec
 from ..runtime._expect import expecting
+from ..runtime._journal import Encoded
 from ..runtime._names import tool_step_name
 from ..tools import TOOL_ERROR, ToolOutcome
 from ._output import StructuredOutput
@@ -489,7 +490,10 @@ class _Run:
         live = functools.partial(self._live_tool_call, turn, slot, call, step)
         try:
             with expecting(step, _is_outcome, "a tool outcome"):
-                outcome = await self.runtime.step(step, live, call.name, call.arguments)
+                # The journal hands back an Encoded result's value.
+                outcome = cast(
+                    ToolOutcome, await self.runtime.step(step, live, call.name, call.arguments)
+                )
         except ApprovalPending as pending:  # collected: tool_turn stops the run after the turn
             self.awaiting.extend(pending.requests)
             return _AWAITING, False
@@ -503,7 +507,7 @@ class _Run:
         step: str,
         tool_name: str,
         arguments: dict[str, Any],
-    ) -> ToolOutcome:
+    ) -> ToolOutcome | Encoded:
         """What the journal runs for a tool call it does not replay: hooks, then the tool."""
         self.live_tools.add(step)
         executed = False
@@ -550,11 +554,14 @@ class _Run:
                 outcome = await hook.check_tool_result(self.info, turn, slot, call, outcome)
         # Journaled and shown to hooks without secrets, and sealed if the tool says so.
         outcome = self.sealer.seal_result(call.name, self.sealer.scrub(outcome))
-        outcome = _fit_payload(outcome, call.name, self.runtime.max_payload_bytes)
+        outcome, raw = _fit_payload(outcome, call.name, self.runtime.max_payload_bytes)
         for hook in self.hooks:
             await hook.tool_finished(
                 self.info, turn, slot, call, outcome, step=step, executed=executed
             )
+        if raw is not None and isinstance(self.runtime, JournalRuntime):
+            # Sized by its encoding: the journal stores that instead of encoding it again.
+            return Encoded(outcome, raw)
         return outcome
 
     async def _run_tool(self, tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
@@ -733,28 +740,32 @@ async def latest_of_run(
 # -- pure helpers of the run ---------------------------------------------------------------
 
 
-def _fit_payload(outcome: ToolOutcome, tool_name: str, limit: int | None) -> ToolOutcome:
-    """A result over the journal's size cap becomes a tool error the model reads.
+def _fit_payload(
+    outcome: ToolOutcome, tool_name: str, limit: int | None
+) -> tuple[ToolOutcome, bytes | None]:
+    """A result over the journal's size cap becomes a tool error the model reads; with the
+    stored form of a result that fits (``None`` when there is no journal, or none made).
 
     Raising instead would fail the run with the tool's side effects done but unrecorded, and
     every resume would run the tool again and fail the same way. The error is journaled like
     any result, so a resume replays it and the tool runs once.
     """
     if limit is None:
-        return outcome  # no journal, no cap
+        return outcome, None  # no journal, no cap
     try:
-        size = len(codec.dumps(outcome))
+        raw = codec.dumps(outcome)
     except codec.UnsupportedValueError:
-        return outcome  # the journal reports it with the step's name
+        return outcome, None  # the journal reports it with the step's name
+    size = len(raw)
     if size <= limit:
-        return outcome
+        return outcome, raw
     log.warning("tool %r returned %d bytes, over the %d-byte journal cap", tool_name, size, limit)
     return ToolOutcome(
         ok=False,
         error_type=TOOL_ERROR,
         error=f"tool {tool_name!r} returned {size} bytes, more than the {limit} bytes a step "
         "may store (max_payload_bytes); ask it for less (a narrower query, a page, a summary)",
-    )
+    ), None
 
 
 def _valid_answer(response: ModelResponse) -> ModelResponse:

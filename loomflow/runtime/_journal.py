@@ -121,6 +121,22 @@ def _not_journaled(run: JournalRun, name: str) -> OwnershipLostError:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A step result that comes with its stored form: ``codec.dumps(value)``, made by a step
+    body that had to encode it anyway (the agent sizes a tool's outcome against
+    ``max_payload_bytes``). The journal stores ``raw`` instead of encoding the value a second
+    time, and the step returns ``value``. The body must not change ``value`` after encoding it.
+    """
+
+    value: Any
+    raw: bytes
+
+
+def _unwrapped(result: Any) -> Any:
+    return result.value if type(result) is Encoded else result
+
+
 def _warn_pickled_once() -> None:
     global _pickle_warned
     if _pickle_warned:
@@ -793,7 +809,7 @@ class JournalRuntime:
                 result = await self._run_fresh(run, name, fn, args, kwargs)
                 write_s = await self._record(run, pkey, name, fp, "step", result)
                 self._signals.emit(run, frame.path, name, False, outcome, started, write_s, note)
-                return result
+                return _unwrapped(result)
         except BaseException:
             run.taken.discard(position)  # nothing journaled: it may be tried again
             raise
@@ -878,6 +894,7 @@ class JournalRuntime:
                         return value
         result = await self._run_fresh(run, name, fn, args, kwargs)
         fmt, raw = self._encode(name, result)
+        result = _unwrapped(result)
         # Replaces the unreadable entry read above, if that is what is stored.
         entry = StoredEntry(path_key(path), name, "", "step", fmt, codec.CODEC_VERSION, raw)
         t0 = time.perf_counter()
@@ -1020,6 +1037,12 @@ class JournalRuntime:
 
     def _encode(self, name: str, value: Any) -> tuple[str, bytes]:
         """The stored form of a step's result, refused past the per-step size cap."""
+        if type(value) is Encoded:
+            if self.serializer != "pickle":
+                if len(value.raw) > self.max_payload_bytes:
+                    raise PayloadTooLargeError(name, len(value.raw), self.max_payload_bytes)
+                return "json", value.raw
+            value = value.value
         if self.serializer == "pickle":
             try:
                 fmt, raw = "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)

@@ -127,3 +127,43 @@ async def test_a_tool_result_over_the_cap_is_a_journaled_tool_error(
     tool_message = next(m for m in result.messages if m.role == "tool")
     assert tool_message.is_error
     assert result.replayed_steps == 2  # model_call_0 and the tool's error
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+async def test_a_tool_result_is_encoded_once_on_its_way_to_the_journal(
+    runtime_factory: Factory, monkeypatch: pytest.MonkeyPatch, serializer: str
+) -> None:
+    from loomflow.runtime import codec
+    from loomflow.tools import ToolOutcome
+
+    runtime = await runtime_factory(serializer=serializer)
+    rows = [{"id": i, "name": f"row {i}", "tags": ["a", "b"]} for i in range(50)]
+
+    @tool
+    def export(table: str) -> list[dict[str, Any]]:
+        """Export a table."""
+        return rows
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return f"saw {len(messages[-1].content)} characters"
+        return [ToolCall(id="c", name="export", arguments={"table": "orders"})]
+
+    outcomes: list[ToolOutcome] = []
+    dumps = codec.dumps
+
+    def counting_dumps(value: Any) -> bytes:
+        if isinstance(value, ToolOutcome):
+            outcomes.append(value)
+        return dumps(value)
+
+    monkeypatch.setattr(codec, "dumps", counting_dumps)
+    agent = Agent("a", model=FunctionModel(decide), tools=[export], runtime=runtime)
+    first = await agent.run("export orders", session_id="s", user_id="u")
+    # Sized against max_payload_bytes, then stored as that same encoding (with the pickle
+    # serializer the journal pickles it instead).
+    assert len(outcomes) == 1
+    again = await agent.resume("export orders", session_id="s", user_id="u")
+    assert again.fresh_steps == 0
+    assert again.output == first.output
+    assert [m.content for m in again.messages] == [m.content for m in first.messages]
