@@ -162,7 +162,9 @@ FROM loom_sessions
 WHERE open = 1 AND status IS NULL
     AND (retry_at <= {now} OR NOT (retry_at < {now} + 3153600000))
     AND (owner IS NOT NULL OR attempts > 0)
-ORDER BY {prefer}retry_at, updated_at LIMIT $1
+ORDER BY {prefer}CASE WHEN owner IS NULL OR lease_until < {now} THEN 0 ELSE 1 END, retry_at,
+    updated_at
+LIMIT $1
 """
 # Compare-and-set on the token: of two recoverers that saw the same orphan, one wins. A lease
 # renewed since it was read (a slow owner, not a dead one) keeps the run with its owner.
@@ -571,7 +573,10 @@ class SqlJournalStore:
 
     async def open_runs(self, limit: int, prefer: Sequence[str] = ()) -> list[RunRow]:
         # Runs of agents this recoverer serves come first, so that many orphans it must leave
-        # alone (another deployment's agents) never crowd its own out of the batch.
+        # alone (another deployment's agents) never crowd its own out of the batch. Within
+        # them, rows whose lease ran out (or that nobody holds) come before rows still leased:
+        # most of those are live runs the recoverer skips, and a batch full of them hid every
+        # orphan behind it while as many runs as the batch holds were going on.
         names = list(prefer)[:100]
         order = ""
         if names:

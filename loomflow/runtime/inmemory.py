@@ -189,7 +189,15 @@ class InMemoryStore:
             and row.retry_at <= now
             and (row.owner is not None or row.attempts > 0)
         ]
-        rows.sort(key=lambda r: (r.agent not in prefer, r.retry_at, r.updated_at))
+        # Leases that ran out first: live runs must not fill the batch (see SqlJournalStore).
+        rows.sort(
+            key=lambda r: (
+                r.agent not in prefer,
+                not (r.owner is None or r.lease_until < now),
+                r.retry_at,
+                r.updated_at,
+            )
+        )
         return [
             RunRow(
                 r.session_id,
