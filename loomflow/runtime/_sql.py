@@ -203,16 +203,24 @@ _NOTE_ERROR = """
 UPDATE loom_sessions SET last_error = $2
 WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
 """
-# Finished runs are counted by the database; the few rows with an owner, an open run or a
-# final status are read so their state can be worked out (liveness is checked here).
-_COUNT_CLOSED = """
-SELECT status, COUNT(*) FROM loom_sessions WHERE open = 0 AND owner IS NULL GROUP BY status
+# A token and an epoch that some release could have written: whole numbers (``x = x + 0``
+# is false for the text or blob SQLite keeps in a number column) from 0 to below the top.
+_SOUND = (
+    f"(token = token + 0 AND token >= 0 AND token < {_LAST_NUMBER} "
+    f"AND epoch = epoch + 0 AND epoch >= 0 AND epoch < {_LAST_NUMBER})"
+)
+# Finished runs are counted by the database; the few rows with an owner, an open run, a
+# final status or a damaged token or epoch are read so their state can be worked out
+# (liveness is checked here), as ``runs list`` works it out for each row.
+_COUNT_CLOSED = f"""
+SELECT status, COUNT(*) FROM loom_sessions WHERE open = 0 AND owner IS NULL AND {_SOUND}
+GROUP BY status
 """
 # ``open <> 0``, not ``open = 1``: a row holding a value no release writes ('yes', 2) is
 # counted (as unreadable) instead of falling between the two statements.
-_STATE_ROWS = """
-SELECT open, owner, lease_until, {now}, status, attempts FROM loom_sessions
-WHERE open <> 0 OR owner IS NOT NULL
+_STATE_ROWS = f"""
+SELECT open, owner, lease_until, {{now}}, status, attempts, token, epoch FROM loom_sessions
+WHERE open <> 0 OR owner IS NOT NULL OR NOT {_SOUND}
 """
 _RELEASE_KEEP = """
 UPDATE loom_sessions SET owner = NULL, lease_until = 0, updated_at = {now}
@@ -590,6 +598,11 @@ class SqlJournalStore:
             session_id, user_id, owner, token, lease_until, now, attempts, retry_at = r[:8]
             agent, config, record, scope = r[8:12]
             damage = _ids_damage(scope, session_id, user_id)
+            if damage is None and (type(token) is not int or token < 0):
+                # No claim can fence it: one bound by the number it reads as ('-1' for text)
+                # never matched, and a negative one was claimed up to 0 one sweep at a time,
+                # each sweep calling it lost to another worker.
+                damage = f"its lease row holds token {shown(token)}"
             found.append(
                 RunRow(
                     session_id if isinstance(session_id, str) else None,
@@ -656,7 +669,7 @@ class SqlJournalStore:
             else:
                 state = UNREADABLE
             counts[state] = counts.get(state, 0) + int(count)
-        for is_open, owner, lease_until, now, status, attempts in await self._run(
+        for is_open, owner, lease_until, now, status, attempts, token, epoch in await self._run(
             "read", "state_rows"
         ):
             state = run_state(
@@ -667,6 +680,8 @@ class SqlJournalStore:
                 status=status,
                 attempts=attempts,
             )
+            if _damage(token, epoch, is_open, unclaimed=True):  # as `runs list` says it
+                state = UNREADABLE
             counts[state] = counts.get(state, 0) + 1
         return counts
 

@@ -321,6 +321,47 @@ async def test_a_token_at_the_top_of_bigint_fails_its_own_run_not_the_sweep(
         await worker["orders"].resume("again", session_id="top-0", user_id="ana")
 
 
+async def test_a_negative_token_is_reported_damaged_not_claimed_sweep_after_sweep(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    # A hand-edited token of -3: each sweep claimed the row (-2, -1, 0), found the new token
+    # unfenceable, and reported the run as lost to another worker, using up an attempt each
+    # time; the gauge counted it orphaned while `runs list` said unreadable.
+    await start_and_kill(journal_url, ledger, 2, "neg")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute("UPDATE loom_sessions SET token = -3 WHERE session_id = 'neg-0'")
+    recovery = Recovery(runtime, worker, metrics=_metrics())
+    for _ in range(2):
+        report = await recovery.sweep()
+        await recovery.wait()
+        assert report.claim_lost == []
+        assert [r.session_id for r in report.unregistered] == ["neg-0"]
+        assert "token -3" in report.unregistered[0].reason
+        assert "repair or delete it" in report.unregistered[0].reason
+    assert report.states["unreadable"] == 1
+    assert report.states["orphaned"] == 0
+    assert (await _states(runtime))["neg-0"] == "unreadable"
+    rows = await db.fetch("SELECT token, attempts FROM loom_sessions WHERE session_id = 'neg-0'")
+    assert [tuple(r) for r in rows] == [(-3, 0)]  # untouched
+    assert tool_counts(ledger, "ship") == {"neg-1": 1}
+
+
+async def test_a_closed_run_with_a_damaged_epoch_is_counted_as_runs_list_shows_it(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    await start_and_kill(journal_url, ledger, 1, "ep")
+    runtime = _runtime(worker)
+    recovery = Recovery(runtime, worker, metrics=_metrics())
+    await recovery.sweep()
+    await recovery.wait()
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute("UPDATE loom_sessions SET epoch = -7 WHERE session_id = 'ep-0'")
+    assert (await _states(runtime))["ep-0"] == "unreadable"
+    states = await runtime.count_states()
+    assert (states["unreadable"], states["finished"]) == (1, 0)
+
+
 @pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
 async def test_agents_of_another_journal_are_refused_before_any_claim(
     worker: dict[str, Agent], journal_url: str, ledger: Path, tmp_path: Path
