@@ -79,6 +79,19 @@ class SweepReport:
     states: dict[str, int] = field(default_factory=dict)
 
 
+def _given_up(orphan: Orphan) -> str:
+    """Why a run out of attempts is a dead letter: how its last attempt ended, as far as its
+    row tells, with the last error an attempt raised (which the dead letter replaces)."""
+    why = f"gave up after {orphan.attempts} attempts"
+    if orphan.abandoned:
+        why += "; its worker died during the last"
+        if orphan.last_error:
+            why += f" (an earlier one raised {orphan.last_error})"
+    elif orphan.last_error:
+        why += f"; the last raised {orphan.last_error}"
+    return why
+
+
 class Recovery:
     """Finds runs that outlived their worker and resumes them.
 
@@ -292,12 +305,7 @@ class Recovery:
             await self._dead_letter(report, orphan, ref, f"unreadable run record: {exc}")
             return
         if orphan.attempts >= self.max_attempts:
-            await self._dead_letter(
-                report,
-                orphan,
-                ref,
-                f"gave up after {orphan.attempts} attempts; its worker died during the last",
-            )
+            await self._dead_letter(report, orphan, ref, _given_up(orphan))
             return
         if self._stopping or len(self._tasks) >= self.concurrency:
             report.deferred.append(ref)

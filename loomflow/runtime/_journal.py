@@ -232,6 +232,10 @@ class Orphan:
     waited: float
     # Why the row cannot be claimed as the run it names (its ids were edited), or None.
     damage: str | None = None
+    # Whether the row still names the owner of the last claim (it died or stalled holding the
+    # run, rather than giving it back), and why the last attempt that raised did.
+    abandoned: bool = False
+    last_error: str | None = None
 
 
 def _encode_record(record: RunRecord | None) -> tuple[str, str, bytes] | None:
@@ -1176,6 +1180,8 @@ class JournalRuntime:
                     owner_dead=dead,
                     waited=max(0.0, row.now - since) if since > 0 else 0.0,
                     damage=row.damage,
+                    abandoned=row.owner is not None,
+                    last_error=getattr(row, "last_error", None),  # custom stores may lack it
                 )
             )
         return found

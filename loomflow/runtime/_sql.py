@@ -157,7 +157,7 @@ WHERE scope = $1 AND (
 # or the run would never be retried and no sweep would say so; the claim rewrites it.
 _OPEN_RUNS = """
 SELECT session_id, user_id, owner, token, lease_until, {now}, attempts, retry_at, agent,
-    config, record, scope
+    config, record, scope, last_error
 FROM loom_sessions
 WHERE open = 1 AND status IS NULL
     AND (retry_at <= {now} OR NOT (retry_at < {now} + 3153600000))
@@ -596,7 +596,7 @@ class SqlJournalStore:
         found = []
         for r in rows:
             session_id, user_id, owner, token, lease_until, now, attempts, retry_at = r[:8]
-            agent, config, record, scope = r[8:12]
+            agent, config, record, scope, last_error = r[8:13]
             damage = _ids_damage(scope, session_id, user_id)
             if damage is None and (type(token) is not int or token < 0):
                 # No claim can fence it: one bound by the number it reads as ('-1' for text)
@@ -617,6 +617,7 @@ class SqlJournalStore:
                     config if isinstance(config, str) else None,
                     bytes(record) if isinstance(record, bytes | bytearray | memoryview) else None,
                     damage,
+                    last_error if isinstance(last_error, str) else None,
                 )
             )
         return found

@@ -292,6 +292,7 @@ class RunRow:
     # Why no claim can take the run by the ids the row shows (a hand-edited session or user
     # column), or None.
     damage: str | None = None
+    last_error: str | None = None  # why the last recovery attempt raised, if it did
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,6 +211,7 @@ class InMemoryStore:
                 r.agent,
                 r.config,
                 r.record,
+                last_error=r.last_error,
             )
             for r in rows[:limit]
         ]

@@ -9,11 +9,13 @@ says what ran where.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import _app
 import pytest
+from _fleet import app_env as fleet_env
 from _fleet import start_and_kill, tool_counts
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
@@ -179,6 +181,64 @@ async def test_attempts_backoff_and_dead_letter(
     assert sample("loomflow_recoveries_total", {"outcome": "retry_failed"}) == 1
     assert sample("loomflow_recoveries_total", {"outcome": "dead_lettered"}) == 1
     assert fast.failures == 1
+
+
+async def test_a_dead_letter_out_of_attempts_says_how_its_last_attempt_ended(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every run given up at a sweep was "given up after N attempts; its worker died during the
+    # last", also one whose last attempt had raised (swept by a recoverer allowed fewer
+    # attempts, a lowered --max-attempts): and the error it raised, its last error until then,
+    # was overwritten by that message.
+    raised = "ConfigurationError: the carrier is down"
+    runtime = _runtime(worker)
+    await start_and_kill(journal_url, ledger, 1, "raised")
+    monkeypatch.setenv("FLEET_FAIL", "1")
+    failing = Recovery(runtime, worker, max_attempts=5, backoff=0, metrics=_metrics())
+    assert len((await failing.sweep()).resumed) == 1
+    await failing.wait()
+    report = await Recovery(runtime, worker, max_attempts=1, metrics=_metrics()).sweep()
+    assert [(r.session_id, r.reason) for r in report.dead_lettered] == [
+        ("raised-0", f"gave up after 1 attempts; the last raised {raised}")
+    ]
+    # A run whose first attempt raised and whose second one's worker was killed holding it.
+    ledger = ledger.with_name("died.jsonl")
+    monkeypatch.setenv("FLEET_LEDGER", str(ledger))
+    await start_and_kill(journal_url, ledger, 1, "died")
+    assert len((await failing.sweep()).resumed) == 1
+    await failing.wait()
+    dying = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "loomflow.cli", "worker", "_app:agents", "--once"),
+        env=fleet_env(journal_url, ledger, FLEET_BLOCK="1"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with asyncio.timeout(60):
+            while tool_counts(ledger, "blocked")["died-0"] < 2:  # noqa: ASYNC110 - a file
+                await asyncio.sleep(0.05)
+    finally:
+        dying.kill()
+        await dying.wait()
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute("UPDATE loom_sessions SET retry_at = 0")  # its backoff, not waited out
+    report = await Recovery(runtime, worker, max_attempts=2, metrics=_metrics()).sweep()
+    assert [(r.session_id, r.reason) for r in report.dead_lettered] == [
+        (
+            "died-0",
+            f"gave up after 2 attempts; its worker died during the last (an earlier one "
+            f"raised {raised})",
+        )
+    ]
+    errors = {s.session_id: s.last_error for s in await runtime.sessions(state="failed")}
+    assert errors == {
+        "raised-0": f"gave up after 1 attempts; the last raised {raised}",
+        "died-0": report.dead_lettered[0].reason,
+    }
+    assert tool_counts(ledger, "ship") == {}
 
 
 @pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
