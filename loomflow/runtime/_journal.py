@@ -1233,7 +1233,8 @@ class JournalRuntime:
                 log.warning("could not give back the recovery claim on %s", scope.key)
 
     async def requeue(self, session_id: str | None, user_id: str | None) -> None:
-        """Make an orphan that nobody holds due for recovery at once (a worker stopping)."""
+        """Make an orphan that nobody holds due for recovery at once, and give back the attempt
+        its claim counted (a worker stopping hands it over; not below one attempt)."""
         await self._store.requeue(Scope(session_id, user_id))
 
     async def dead_letter(

@@ -195,8 +195,14 @@ _DEAD_LETTER_FREE = """
 UPDATE loom_sessions SET status = 'failed', last_error = $2, updated_at = {now}
 WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
 """
+# A run handed back by a stopping worker (SIGTERM) gets the attempt of that claim back: it did
+# not fail, and a run resumed through a few rolling deploys used to be given up as a dead
+# letter for them. Not below 1: a run no recovery has touched lists as ``open``, not orphaned,
+# and no sweep would find it again.
 _REQUEUE = """
-UPDATE loom_sessions SET retry_at = 0
+UPDATE loom_sessions SET retry_at = 0,
+    attempts = CASE WHEN attempts = attempts + 0 AND attempts > 1 THEN attempts - 1
+        ELSE attempts END
 WHERE scope = $1 AND owner IS NULL AND open = 1 AND status IS NULL RETURNING 1
 """
 _NOTE_ERROR = """

@@ -259,6 +259,7 @@ class InMemoryStore:
         row = self.sessions.get(scope.key)
         if row is not None and row.owner is None and row.open and row.status is None:
             row.retry_at = 0.0
+            row.attempts = max(1, row.attempts - 1)  # handed back, not failed (see _sql)
 
     async def count_states(self) -> dict[str, int]:
         now = time.time()

@@ -129,6 +129,44 @@ async def test_sigterm_releases_the_run_for_another_worker_at_once(
     assert tool_counts(ledger, "reserve") == {"term-0": 1}
 
 
+async def test_runs_handed_over_by_stopping_workers_are_not_given_up_for_it(
+    journal_url: str, tmp_path: Path
+) -> None:
+    # Each SIGTERM hand-over used up an attempt: a run resumed through as many rolling deploys
+    # as --max-attempts was dead-lettered, "its worker died during the last", though no
+    # worker had died and the run had never failed.
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(journal_url, ledger, 1, "deploy")
+    blocking = app_env(journal_url, ledger, FLEET_BLOCK="1")
+    for deploy in range(3):
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "loomflow.cli", "worker", "_app:agents"),
+            *("--port", "0", "--interval", "0.2", "--max-attempts", "2"),
+            env=blocking,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            await wait_for(ledger, "blocked", deploy + 2)
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(30):
+                out, err = await proc.communicate()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, err.decode()[-3000:]
+        assert "the runs it held are handed over" in out.decode()
+    code, out, err = await cli(
+        "worker", "_app:agents", "--once", "--max-attempts", "2", env=app_env(journal_url, ledger)
+    )
+    assert code == 0, err
+    assert "resumed 1" in out
+    assert tool_counts(ledger, "ship") == {"deploy-0": 1}
+    code, out, err = await cli("--url", journal_url, "runs", "list", "--json", env=blocking)
+    assert _rows(out)["deploy-0"]["state"] == "finished"
+
+
 async def test_cancel_stops_a_run_in_another_process_and_is_audited(
     journal_url: str, tmp_path: Path
 ) -> None:
