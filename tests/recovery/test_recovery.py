@@ -407,6 +407,23 @@ async def test_a_negative_token_is_reported_damaged_not_claimed_sweep_after_swee
     assert tool_counts(ledger, "ship") == {"neg-1": 1}
 
 
+@pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
+async def test_a_text_token_is_reported_damaged_not_lost_to_another_worker(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    # SQLite keeps text in the number column: the claim bound the -1 it read as and never
+    # matched, so every sweep called the run lost to another worker.
+    await start_and_kill(journal_url, ledger, 1, "text")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute("UPDATE loom_sessions SET token = 'tok' WHERE session_id = 'text-0'")
+    report = await Recovery(runtime, worker, metrics=_metrics()).sweep()
+    assert report.claim_lost == []
+    assert [r.session_id for r in report.unregistered] == ["text-0"]
+    assert "token 'tok'" in report.unregistered[0].reason
+    assert (report.states["unreadable"], report.states["orphaned"]) == (1, 0)
+
+
 async def test_a_closed_run_with_a_damaged_epoch_is_counted_as_runs_list_shows_it(
     worker: dict[str, Agent], journal_url: str, ledger: Path
 ) -> None:
