@@ -202,6 +202,10 @@ class JournalRun:
     # Bumped when the entries are read again (the turn changed hands during a replay without
     # it): a step located before that looks again.
     generation: int = 0
+    # It continues a closed run (stopped for an approval or at a cap, or finished): its row is
+    # opened again before its first body runs (see JournalRuntime._reopen).
+    reopen: bool = False
+    reopening: asyncio.Lock | None = None
 
     @property
     def session_id(self) -> str | None:
@@ -560,7 +564,9 @@ class JournalRuntime:
                 if not begun:
                     raise OwnershipLostError(f"lost {scope.key} while opening the run")
             rows = [] if opened else await self._store.load_run(scope, epoch)
-            return self._run_of(scope, epoch, claim.token, rows, strict)
+            run = self._run_of(scope, epoch, claim.token, rows, strict)
+            run.reopen = resume and not claim.open and claim.epoch > 0
+            return run
         except BaseException as exc:
             try:
                 await self._store.release(scope, claim.token, None)
@@ -624,6 +630,7 @@ class JournalRuntime:
             raise _cancelled_resume(scope)
         run = self._run_of(scope, last.epoch - 1, last.token, last.entries, strict, claimed=False)
         run.taking, run.read_status = asyncio.Lock(), last.status
+        run.reopen = True
         return run
 
     async def _close_replay(self, run: JournalRun, finished: bool) -> None:
@@ -1017,10 +1024,37 @@ class JournalRuntime:
             await self._take_turn(run)
         if not _lease.turn_is_fresh(run, self.lease_seconds):
             await _lease.check_turn(self._store, run, name, self.lease_seconds)
+        if run.reopen and not run.keep_state:
+            await self._reopen(run)
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
             result = await result
         return result
+
+    async def _reopen(self, run: JournalRun) -> None:
+        """Open the closed run this one continues again, before its first body runs.
+
+        A resume of a run that stopped (for an approval, at a budget cap or ``max_turns``) or
+        finished runs its steps in the run's own epoch, which its row had closed. Open, the
+        row says a run is in progress: if the process dies now, the run is an orphan that a
+        recovery worker resumes, not a stopped run that nobody would resume again. The run's
+        release closes it as before. A write that keeps the run as it was (an approval
+        decision, ``keep_state``) leaves it closed.
+        """
+        if run.reopening is None:
+            run.reopening = asyncio.Lock()
+        async with run.reopening:  # the parallel tool calls of a turn: the first one writes
+            if not run.reopen:
+                return
+            reopen = getattr(self._store, "reopen", None)  # custom stores may lack it
+            if reopen is not None and not await reopen(run.scope, run.token, run.epoch):
+                await _lease.fenced_out(self._store, run)
+                raise _lease.lost_error(
+                    run,
+                    f"session {run.session_id!r} of user {run.user_id!r} changed hands before "
+                    "its stopped run could go on",
+                )
+            run.reopen = False
 
     def _decode(self, entry: StoredEntry) -> Any:
         if entry.format == "pickle":

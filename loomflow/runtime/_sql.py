@@ -125,6 +125,15 @@ UPDATE loom_sessions SET open = 1, agent = $3, config = $4, record = $5, status 
     attempts = 0, last_error = NULL, retry_at = 0, created_at = {now}
 WHERE scope = $1 AND token = $2 RETURNING token
 """
+# A closed run that a resume goes on with, opened again at its own epoch by the holder of the
+# turn (see JournalRuntime._reopen); its record stays the run's, and recovery counts afresh.
+_REOPEN = """
+UPDATE loom_sessions SET open = 1, epoch = $3, status = NULL, attempts = 0, last_error = NULL,
+    retry_at = 0, updated_at = {now}
+WHERE scope = $1 AND token = $2 AND owner IS NOT NULL AND open = 0 AND epoch = $3 + 1
+    AND (status IS NULL OR status = 'interrupted')
+RETURNING token
+"""
 _RELEASE_ADVANCE = """
 UPDATE loom_sessions SET owner = NULL, lease_until = 0, open = 0, updated_at = {now},
     epoch = CASE WHEN epoch < $3 THEN $3 ELSE epoch END, status = $4
@@ -340,6 +349,7 @@ _QUERIES = {
     "steal": _STEAL,
     "renew": _RENEW,
     "begin": _BEGIN,
+    "reopen": _REOPEN,
     "release_advance": _RELEASE_ADVANCE,
     "status": _STATUS,
     "cancel": _CANCEL,
@@ -568,6 +578,9 @@ class SqlJournalStore:
     ) -> bool:
         agent, config, raw = record if record is not None else (None, None, None)
         return bool(await self._run("write", "begin", scope.key, token, agent, config, raw))
+
+    async def reopen(self, scope: Scope, token: int, epoch: int) -> bool:
+        return bool(await self._run("write", "reopen", scope.key, token, epoch))
 
     async def release(
         self, scope: Scope, token: int, advance_to: int | None, status: str | None = None

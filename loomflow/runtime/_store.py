@@ -354,6 +354,12 @@ class JournalStore(Protocol):
         attempts and no last error.
         """
 
+    async def reopen(self, scope: Scope, token: int, epoch: int) -> bool:
+        """Open the closed run of ``epoch`` again for the holder of ``token``: the session's
+        epoch goes back to it (the run's close had moved it on), its status and recovery
+        attempts are cleared, its record stays. ``False`` when the token is not the holder's,
+        or the last run is not that closed, finished or interrupted run."""
+
     async def release(
         self, scope: Scope, token: int, advance_to: int | None, status: str | None = None
     ) -> bool:

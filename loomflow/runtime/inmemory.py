@@ -148,6 +148,21 @@ class InMemoryStore:
         self._open(row, record)
         return True
 
+    async def reopen(self, scope: Scope, token: int, epoch: int) -> bool:
+        row = self._owned(scope, token)
+        if (
+            row is None
+            or row.owner is None
+            or row.open
+            or row.epoch != epoch + 1
+            or row.status not in (None, "interrupted")
+        ):
+            return False
+        row.open, row.epoch, row.status = True, epoch, None
+        row.attempts, row.last_error, row.retry_at = 0, None, 0.0
+        row.updated_at = time.time()
+        return True
+
     async def release(
         self, scope: Scope, token: int, advance_to: int | None, status: str | None = None
     ) -> bool:

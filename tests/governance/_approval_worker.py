@@ -7,6 +7,8 @@
 - ``approve-and-die REQUEST_ID``: resume with that request approved by ``carol``; the delete
   tool prints ``IN_TOOL`` and waits to be killed before doing anything.
 - ``resume``: resume without decisions; print the result as JSON.
+- ``recover``: sweep once as a recovery worker serving the agent, wait for the runs it
+  resumed, and print the session's state and the sweep's counts as JSON.
 
 Every tool appends one line to the ledger when it really runs: that is how the test counts.
 """
@@ -14,6 +16,7 @@ Every tool appends one line to the ledger when it really runs: that is how the t
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from loomflow.agent import Agent
 from loomflow.governance import Approve, StandardPermissions
 from loomflow.messages import ToolCall
 from loomflow.models import ScriptedModel
+from loomflow.recovery import Recovery
 from loomflow.runtime import runtime_from_url
 from loomflow.tools import Tool
 
@@ -61,6 +65,14 @@ async def main(url: str, ledger: Path, mode: str, request_id: str) -> None:
         memory=False,
     )
     try:
+        if mode == "recover":
+            recovery = Recovery(runtime, {agent.name: agent}, worker_id="approvals-test")
+            report = await recovery.sweep()
+            await recovery.wait()
+            [session] = await runtime.sessions(session_id="tidy", user_id="ana")
+            shown = {"resumed": len(report.resumed), "state": session.state}
+            print(json.dumps(shown), flush=True)
+            return
         if mode == "ask":
             result = await agent.run(PROMPT, session_id="tidy", user_id="ana")
         elif mode == "approve-and-die":

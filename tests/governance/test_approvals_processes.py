@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,23 +65,53 @@ async def _pending(url: str) -> list[str]:
         await runtime.close()
 
 
+def _url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if backend == "postgres":
+        return str(request.getfixturevalue("pg_dsn"))
+    return f"sqlite:///{tmp_path / 'journal.db'}"
+
+
+def _stop_for_approval(url: str, ledger: Path) -> dict[str, Any]:
+    """A run stops to wait for approval; its process is killed while it waits."""
+    asking = _start(url, ledger, "ask")
+    try:
+        stopped: dict[str, Any] = json.loads(_read_line(asking))  # then it waits
+    finally:
+        _kill(asking)
+    return stopped
+
+
+def _approve_and_die(url: str, ledger: Path, request_id: str) -> None:
+    """Another process approves and is killed inside the approved tool."""
+    approving = _start(url, ledger, "approve-and-die", request_id)
+    try:
+        assert _read_line(approving) == "IN_TOOL"
+    finally:
+        _kill(approving)
+
+
+def _last_json(url: str, ledger: Path, mode: str) -> dict[str, Any]:
+    """Run the worker in ``mode`` to its end; the JSON of its last line."""
+    done = subprocess.run(
+        [sys.executable, str(WORKER), url, str(ledger), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    last: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return last
+
+
 @pytest.mark.crash
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_killed_while_waiting_then_approved_elsewhere_runs_the_tool_once(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    url = (
-        request.getfixturevalue("pg_dsn")
-        if backend == "postgres"
-        else f"sqlite:///{tmp_path / 'journal.db'}"
-    )
+    url = _url(backend, tmp_path, request)
     ledger = tmp_path / "ledger.txt"
 
-    asking = _start(url, ledger, "ask")
-    try:
-        stopped = json.loads(_read_line(asking))  # then it waits, holding nothing
-    finally:
-        _kill(asking)
+    stopped = _stop_for_approval(url, ledger)
     assert stopped["interruption_reason"] == "approval"
     (waiting,) = stopped["pending_approvals"]
     assert waiting["tool"] == "delete_record"
@@ -89,31 +120,37 @@ def test_killed_while_waiting_then_approved_elsewhere_runs_the_tool_once(
     assert ledger.read_text().splitlines() == ["read beta"]
     assert asyncio.run(_pending(url)) == [waiting["request_id"]]
 
-    approving = _start(url, ledger, "approve-and-die", waiting["request_id"])
-    try:
-        assert _read_line(approving) == "IN_TOOL"
-    finally:
-        _kill(approving)
+    _approve_and_die(url, ledger, waiting["request_id"])
     assert ledger.read_text().splitlines() == ["read beta"]
     assert asyncio.run(_pending(url)) == []  # the decision outlived the process that made it
 
-    resumed = subprocess.run(
-        [sys.executable, str(WORKER), url, str(ledger), "resume"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    finished = json.loads(resumed.stdout.splitlines()[-1])
+    finished = _last_json(url, ledger, "resume")
     assert finished["interruption_reason"] is None
     assert finished["output"] == "Done tidying."
     assert ledger.read_text().splitlines() == ["read beta", "deleted alpha"]
 
-    again = subprocess.run(
-        [sys.executable, str(WORKER), url, str(ledger), "resume"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert again.returncode == 0, again.stderr
+    _last_json(url, ledger, "resume")
+    assert ledger.read_text().splitlines() == ["read beta", "deleted alpha"]
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_resume_killed_inside_the_approved_tool_is_an_orphan_a_worker_finishes(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # The approving process dies inside the tool it approved. The run it was resuming had
+    # stopped (interrupted); it used to list as interrupted again, with nothing pending, and
+    # no recovery worker would take it up. Now the resume opens the run again while it goes
+    # on, so its death leaves an orphan that a worker resumes from the journal.
+    url = _url(backend, tmp_path, request)
+    ledger = tmp_path / "ledger.txt"
+    (waiting,) = _stop_for_approval(url, ledger)["pending_approvals"]
+    _approve_and_die(url, ledger, waiting["request_id"])
+    assert ledger.read_text().splitlines() == ["read beta"]
+
+    assert _last_json(url, ledger, "recover") == {"resumed": 1, "state": "finished"}
+    # The journaled approval was applied once, by the worker; the read was replayed.
+    assert ledger.read_text().splitlines() == ["read beta", "deleted alpha"]
+
+    assert _last_json(url, ledger, "resume")["output"] == "Done tidying."
     assert ledger.read_text().splitlines() == ["read beta", "deleted alpha"]
