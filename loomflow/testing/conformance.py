@@ -536,6 +536,30 @@ class JournalConformance:
         [info] = await runtime.sessions()
         assert (info.agent, info.config) == (None, None)
 
+    async def test_a_stopped_run_is_open_again_while_a_resume_runs_its_steps(
+        self, make_runtime: RuntimeFactory
+    ) -> None:
+        runtime = await make_runtime()
+        record = RunRecord(agent="agent-a", config="f" * 64, inputs={"prompt": "p"})
+        async with runtime.session("s", "u", record=record) as run:
+            await runtime.step("a", Counter(), 1)
+            run.outcome = "interrupted"  # as an agent stopped to wait for approval
+        [stopped] = await runtime.sessions()
+        assert (stopped.state, stopped.open, stopped.epoch) == ("interrupted", False, 1)
+        async with runtime.session("s", "u", resume=True) as run:
+            replayed = Counter()
+            await runtime.step("a", replayed, 1)
+            assert replayed.calls == []  # replayed: nothing written
+            [still] = await runtime.sessions()
+            assert (still.open, still.epoch) == (False, 1)
+            await runtime.step("b", Counter(), 2)  # a body runs: the run is open again
+            [going] = await runtime.sessions()
+            assert (going.state, going.open, going.epoch) == ("running", True, 0)
+            assert going.agent == "agent-a"  # its record stays, for a recoverer
+        [done] = await runtime.sessions()
+        assert (done.state, done.open, done.epoch) == ("finished", False, 1)
+        assert [e.name for e in await runtime.entries("s", "u")] == ["a", "b"]
+
     async def test_an_interrupted_run_can_be_cancelled_and_is_not_resumed(
         self, make_runtime: RuntimeFactory
     ) -> None:
