@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings, _masked_url
-from ..errors import ConfigurationError, JournalError, MigrationError, UserError
+from ..errors import (
+    ConfigurationError,
+    JournalError,
+    MigrationError,
+    StoreUnavailableError,
+    UserError,
+)
 from ..runtime import JournalRuntime, SessionInfo
 from ..storage._sqlite import read_text
 from ..storage._url import sqlite_path
@@ -147,14 +153,41 @@ def _sqlite_versions(path: str) -> dict[str, Any] | str | None:
         conn.close()
 
 
-async def _postgres_versions(dsn: str) -> dict[str, Any] | str | None:
+async def _connect(dsn: str, timeout_s: float) -> Any:
+    """A connection for a look at the schema, or ``None`` when the command's own open should
+    say why there is none (refused, no such database, a DSN asyncpg rejects).
+
+    Bounded by ``LOOMFLOW_POSTGRES_TIMEOUT_SECONDS`` like every other wait on the server: a
+    host that takes the connection and never answers is reported here, once, rather than
+    waited for twice (this look, then the command's own open).
+
+    Raises:
+        StoreUnavailableError: the server did not answer within the timeout.
+    """
+    import asyncpg
+
+    # 0 means "no limit" for statements; a connection that never comes is still given up on
+    # after asyncpg's own 60 s, as the command's open would.
+    timeout = timeout_s or 60.0
+    try:
+        return await asyncpg.connect(dsn, timeout=timeout)
+    except TimeoutError:
+        raise StoreUnavailableError(
+            f"postgres connect failed: PostgreSQL at {_masked_url(dsn)!r} did not answer within "
+            f"{timeout:g}s (LOOMFLOW_POSTGRES_TIMEOUT_SECONDS): the server may be paused, "
+            "overloaded or cut off"
+        ) from None
+    except Exception:  # unreachable or a DSN asyncpg refuses: the command's open says why
+        return None
+
+
+async def _postgres_versions(dsn: str, timeout_s: float) -> dict[str, Any] | str | None:
     try:
         import asyncpg
     except ImportError:
         return None
-    try:
-        conn = await asyncpg.connect(dsn, timeout=10)
-    except Exception:  # unreachable or a DSN asyncpg refuses: the command's open says why
+    conn = await _connect(dsn, timeout_s)
+    if conn is None:
         return None
     try:
         found = await conn.fetchval("SELECT to_regclass('loom_schema_version') IS NOT NULL")
@@ -172,18 +205,20 @@ async def _postgres_versions(dsn: str) -> dict[str, Any] | str | None:
         await conn.close()
 
 
-async def _versions_of(url: str) -> tuple[dict[str, Any] | str | None, str] | None:
+async def _versions_of(
+    url: str, timeout_s: float
+) -> tuple[dict[str, Any] | str | None, str] | None:
     """The schema versions in the database ``url`` names (see :func:`_sqlite_versions`) and
     its dialect; ``None`` for a store that is no SQL database (JSON lines, memory)."""
     if url.startswith(("postgresql://", "postgres://")):
-        return await _postgres_versions(url), "postgres"
+        return await _postgres_versions(url, timeout_s), "postgres"
     path = sqlite_path(url) if not url.endswith(".jsonl") else None
     if path is None or path == ":memory:":
         return None
     return await asyncio.to_thread(_sqlite_versions, path), "sqlite"
 
 
-async def refuse_unready(urls: Sequence[str | None]) -> None:
+async def refuse_unready(urls: Sequence[str | None], timeout_s: float) -> None:
     """Refuse databases a command that only reads or tidies would otherwise change: one
     that holds no loomflow store (another application's database, an empty file), and one
     whose schema is older than this loomflow's (upgrading it is ``loomflow migrate``'s job,
@@ -196,7 +231,7 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
             with ``--import-0.20``, carries its runs over).
     """
     for url in dict.fromkeys(u for u in urls if u):
-        read = await _versions_of(url)
+        read = await _versions_of(url, timeout_s)
         if read is None:
             continue
         versions, dialect = read
@@ -210,7 +245,7 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
                 "this release's tables and import its runs (docs/operations/upgrading.md); "
                 "other commands add no tables to a database"
             )
-        if not versions and (tables := await _lost_versions(url, dialect)):
+        if not versions and (tables := await _lost_versions(url, dialect, timeout_s)):
             raise _versions_lost(shown, tables)
         if not versions:
             raise ConfigurationError(
@@ -228,13 +263,13 @@ async def refuse_unready(urls: Sequence[str | None]) -> None:
                 )
 
 
-async def refuse_without(url: str | None, component: str, what: str) -> None:
+async def refuse_without(url: str | None, component: str, what: str, timeout_s: float) -> None:
     """Refuse a database that holds loomflow stores but not ``component``, for a command
     that reads it (``audit query``, the console): opening it would create its tables, an
     empty store where the operator expected theirs (a forgotten ``--audit-url``, say)."""
     if not url:
         return
-    read = await _versions_of(url)  # None: the JSON-lines log, memory
+    read = await _versions_of(url, timeout_s)  # None: the JSON-lines log, memory
     versions = None if read is None else read[0]
     if isinstance(versions, dict) and versions and component not in versions:
         raise ConfigurationError(
@@ -270,12 +305,11 @@ def _sqlite_loom_tables(path: str) -> list[str]:
         conn.close()
 
 
-async def _postgres_loom_tables(dsn: str) -> list[str]:
+async def _postgres_loom_tables(dsn: str, timeout_s: float) -> list[str]:
     import asyncpg
 
-    try:
-        conn = await asyncpg.connect(dsn, timeout=10)
-    except Exception:  # the command's own open says why
+    conn = await _connect(dsn, timeout_s)
+    if conn is None:
         return []
     try:
         rows = await conn.fetch(
@@ -291,11 +325,11 @@ async def _postgres_loom_tables(dsn: str) -> list[str]:
         await conn.close()
 
 
-async def _lost_versions(url: str, dialect: str) -> list[str]:
+async def _lost_versions(url: str, dialect: str, timeout_s: float) -> list[str]:
     """The loomflow tables of a database whose version table records nothing (read only on
     that path): they were migrated once, so the version rows were lost, not never written."""
     if dialect == "postgres":
-        return await _postgres_loom_tables(url)
+        return await _postgres_loom_tables(url, timeout_s)
     path = sqlite_path(url)
     return [] if path is None else await asyncio.to_thread(_sqlite_loom_tables, path)
 

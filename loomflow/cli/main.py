@@ -357,12 +357,14 @@ def _command(args: argparse.Namespace) -> int:
     _check_text_args(args)
     _check_urls(args)
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
-        asyncio.run(refuse_unready(_databases(args, settings)))
+        asyncio.run(refuse_unready(_databases(args, settings), settings.postgres_timeout_seconds))
         # They read the audit log, so they never create one (`audit verify --file` reads a file).
         if args.command in ("audit", "console") and getattr(args, "file", None) is None:
             journal = args.url or settings.runtime_url
             audit = getattr(args, "audit_url", None) or settings.audit_url or journal
-            asyncio.run(refuse_without(audit, "audit", "audit log"))
+            asyncio.run(
+                refuse_without(audit, "audit", "audit log", settings.postgres_timeout_seconds)
+            )
     if args.command == "demo":
         if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
             # Anything else would run the story somewhere other than the report says.

@@ -161,6 +161,10 @@ class PostgresDatabase(Database):
                 reset=_no_reset,
                 # The default of statements we do not time ourselves (BEGIN, COMMIT).
                 command_timeout=self.timeout_s,
+                # Connecting is bounded by the same limit: a host that accepts the connection
+                # and never answers would otherwise hold the open for asyncpg's own 60 s,
+                # while the error said it had waited the (shorter) setting.
+                **({} if self.timeout_s is None else {"timeout": self.timeout_s}),
                 init=self._init_connection,
             )
         except ValueError as exc:  # asyncpg's DSN parser: a malformed port, option, ...

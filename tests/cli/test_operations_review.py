@@ -1,0 +1,106 @@
+"""Findings of an operator's black-box review (migrations, settings, the command line), each
+held by a test on real SQLite files, a real PostgreSQL server, or a socket that never answers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loomflow.errors import StoreUnavailableError
+from loomflow.storage import PostgresDatabase
+
+cli_main = importlib.import_module("loomflow.cli.main")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment without the caller's LOOMFLOW_* settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    return {**env, **extra}
+
+
+def loomflow(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        check=False,
+        env=env if env is not None else _env(),
+    )
+
+
+# -- a PostgreSQL host that takes the connection and never answers ----------------------------
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port whose listener accepts connections and never sends a byte (a server that is
+    paused, or a firewall that swallows packets after the handshake)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+async def test_connecting_is_bounded_by_the_postgres_timeout(silent_port: int) -> None:
+    # Before, the connection waited asyncpg's own 60 s, then said it had waited 1 s.
+    db = PostgresDatabase(f"postgresql://app@127.0.0.1:{silent_port}/app", timeout_s=1)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match=r"did not answer within 1s"):
+        await db.open()
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_command_gives_up_on_a_silent_server_after_the_timeout(
+    silent_port: int, tmp_path: Path
+) -> None:
+    # Before, the schema check waited 10 s and the command's own open 60 s more.
+    t0 = time.monotonic()
+    done = loomflow(
+        "--url",
+        f"postgresql://app:s3cret-pw@127.0.0.1:{silent_port}/app",
+        "runs",
+        "list",
+        cwd=tmp_path,
+        env=_env(LOOMFLOW_POSTGRES_TIMEOUT_SECONDS="2"),
+    )
+    took = time.monotonic() - t0
+    assert done.returncode == 1, done.stderr
+    assert "did not answer within 2s" in done.stderr
+    assert "LOOMFLOW_POSTGRES_TIMEOUT_SECONDS" in done.stderr
+    assert "s3cret-pw" not in done.stderr
+    assert "Traceback" not in done.stderr
+    assert took < 10, took
