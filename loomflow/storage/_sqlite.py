@@ -238,6 +238,8 @@ class SqliteDatabase(Database):
         opening = self._explain_connect(exc, what) if what.endswith(" connect") else None
         if opening is not None:
             return opening
+        if (read_only := self._explain_read_only(exc, what)) is not None:
+            return read_only
         # SQLITE_BUSY after busy_timeout: name who holds the lock rather than the statement
         # that happened to wait (a schema check, a lease claim) as if it were the problem.
         if not isinstance(exc, sqlite3.OperationalError) or "database is locked" not in str(exc):
@@ -262,6 +264,25 @@ class SqliteDatabase(Database):
             pid=pid,
             stopped=stopped,
         )
+
+    def _explain_read_only(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        """A file this user may not write: say which, and why (sqlite3 says only "attempt to
+        write a readonly database", naming neither the file nor its directory)."""
+        if not isinstance(exc, sqlite3.OperationalError):
+            return None
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is None or code & 0xFF != sqlite3.SQLITE_READONLY:
+            return None
+        path = str(self.path)
+        if code == getattr(sqlite3, "SQLITE_READONLY_DIRECTORY", -1):
+            why = (
+                f"its directory {str(self.path.parent)!r} is not writable by this user, and "
+                f"SQLite (in WAL mode) must create {self.path.name}-wal and "
+                f"{self.path.name}-shm beside the file, even to read it"
+            )
+        else:
+            why = "the file (or its filesystem) is read-only for this user"
+        return StoreUnavailableError(f"{what} failed: {path!r}: {why} ({exc})")
 
     def _explain_connect(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
         """A file that cannot be opened: say which, and the likely reason (sqlite3 names

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -104,3 +105,30 @@ def test_a_command_gives_up_on_a_silent_server_after_the_timeout(
     assert "s3cret-pw" not in done.stderr
     assert "Traceback" not in done.stderr
     assert took < 10, took
+
+
+# -- a SQLite file this user may not write -----------------------------------------------------
+
+
+def test_a_read_only_sqlite_file_is_named_with_the_reason(tmp_path: Path) -> None:
+    from loomflow.storage import SqliteDatabase
+    from loomflow.storage._database import store_error
+
+    path = tmp_path / "journal.db"
+    sqlite3.connect(path).close()
+    # The error SQLite gives a user who may not write the file (root may write any file, so
+    # the file is opened read-only here rather than made so by its mode).
+    reader = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    try:
+        with pytest.raises(sqlite3.OperationalError) as caught:
+            reader.execute("CREATE TABLE t (x)")
+    finally:
+        reader.close()
+    assert caught.value.sqlite_errorcode == sqlite3.SQLITE_READONLY
+
+    db = SqliteDatabase(path)
+    error = store_error(caught.value, "sqlite journal acquire", db._explain)
+    # Before: "sqlite journal acquire failed: OperationalError: attempt to write a readonly
+    # database", naming no file.
+    assert str(path) in str(error)
+    assert "read-only for this user" in str(error)
