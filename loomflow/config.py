@@ -10,7 +10,14 @@ import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_serializer, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from ._timefmt import MAX_AGE
@@ -133,6 +140,14 @@ def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
             except ValueError:
                 raise ValueError(f"bad port in {_masked_url(url)!r}") from None
     return url
+
+
+# The secrets that have a least length, and what each is called in its error.
+_SHORTEST_SECRET = {
+    "console_token": (16, "a console token"),
+    "telemetry_user_id_key": (16, "the key of hashed user ids"),
+    "console_session_secret": (32, "the console's cookie-signing key"),
+}
 
 
 def _bad_settings(exc: ValidationError) -> str:
@@ -331,7 +346,6 @@ class Settings(BaseSettings):
     )
     telemetry_user_id_key: SecretStr | None = Field(
         default=None,
-        min_length=16,
         description=(
             "The secret key (16 characters or more) of `LOOMFLOW_TELEMETRY_USER_IDS=hashed`; "
             "the same on every process of a deployment, so that one user hashes alike."
@@ -356,7 +370,6 @@ class Settings(BaseSettings):
     )
     console_session_secret: SecretStr | None = Field(
         default=None,
-        min_length=32,
         description=(
             "The key (32 characters or more) that signs `loomflow console` sign-in cookies. "
             "Unset, each console process draws a random one. Either way a sign-in lives in "
@@ -404,13 +417,17 @@ class Settings(BaseSettings):
         ),
     )
 
-    @field_validator("console_token")
+    @field_validator("console_token", "telemetry_user_id_key", "console_session_secret")
     @classmethod
-    def _token_long_enough(cls, token: SecretStr | None) -> SecretStr | None:
-        # Said in characters: pydantic's own min_length on a SecretStr speaks of "items".
-        if token is not None and len(token.get_secret_value()) < 16:
-            raise ValueError("a console token must be 16 characters or more")
-        return token
+    def _secret_long_enough(
+        cls, secret: SecretStr | None, info: ValidationInfo
+    ) -> SecretStr | None:
+        # Said in characters: pydantic's own min_length on a SecretStr speaks of "items"
+        # ("Value should have at least 16 items after validation").
+        shortest, what = _SHORTEST_SECRET[info.field_name or ""]
+        if secret is not None and len(secret.get_secret_value()) < shortest:
+            raise ValueError(f"{what} must be {shortest} characters or more")
+        return secret
 
     _lists = field_validator("redact_secrets", "redact_env", mode="before")(_text_list)
     _objects = field_validator("redact_patterns", mode="before")(_json_object)

@@ -132,3 +132,30 @@ def test_a_read_only_sqlite_file_is_named_with_the_reason(tmp_path: Path) -> Non
     # database", naming no file.
     assert str(path) in str(error)
     assert "read-only for this user" in str(error)
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variable", "shortest"),
+    [
+        ("LOOMFLOW_TELEMETRY_USER_ID_KEY", 16),
+        ("LOOMFLOW_CONSOLE_SESSION_SECRET", 32),
+        ("LOOMFLOW_CONSOLE_TOKEN", 16),
+    ],
+)
+def test_a_short_secret_is_measured_in_characters(
+    variable: str, shortest: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(tmp_path)
+        env.setenv(variable, "x" * (shortest - 1))
+        assert cli_main.main(["settings"]) == 1
+        err = capsys.readouterr().err
+        # Before: "Value should have at least 16 items after validation, not 15".
+        assert err.startswith(f"loomflow: error: bad setting {variable}: "), err
+        assert f"must be {shortest} characters or more" in err
+        assert "items" not in err
+        env.setenv(variable, "x" * shortest)
+        assert cli_main.main(["settings"]) == 0
