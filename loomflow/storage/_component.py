@@ -13,7 +13,7 @@ from typing import Any, ClassVar, TypeVar
 
 from ..config import Settings
 from ._database import Database
-from ._migrations import Migration, apply_migrations, require_schema
+from ._migrations import Migration, apply_migrations, check_schema, require_schema
 
 __all__ = ["ComponentStore", "SqlLifecycle", "store_beside"]
 
@@ -101,6 +101,9 @@ class SqlLifecycle:
         """Apply pending migrations; returns the schema version now in place."""
         await self.db.open()
         version = await apply_migrations(self.db, self.component, self.migrations)
+        # A deploy step, so it looks further than the version rows a first use reads: a table
+        # dropped by hand must be reported here, not by every run as a failed statement.
+        await check_schema(self.db, self.component, self.migrations)
         self._migrated = True
         return version
 

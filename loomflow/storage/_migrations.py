@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from ..errors import MigrationError
 from ._database import Database, Transaction, unbounded
 
-__all__ = ["Migration", "apply_migrations", "require_schema", "schema_versions"]
+__all__ = [
+    "Migration",
+    "apply_migrations",
+    "check_schema",
+    "expected_schema",
+    "require_schema",
+    "schema_versions",
+]
 
 _VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS loom_schema_version ("
@@ -206,3 +213,120 @@ async def require_schema(db: Database, component: str, migrations: Sequence[Migr
             f"the {component} schema is at version {current}, newer than this loomflow knows "
             f"({latest}); upgrade loomflow"
         )
+
+
+# -- the tables, columns and triggers the migrations leave behind --------------------------------
+
+_CREATE_TABLE = re.compile(
+    r"\s*CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)\s*\((.*)\)\s*$", re.IGNORECASE | re.DOTALL
+)
+_CREATE_TRIGGER = re.compile(
+    r"\s*CREATE\s+(?:OR\s+REPLACE\s+)?TRIGGER\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)", re.IGNORECASE
+)
+_DROP_TRIGGER = re.compile(r"\s*DROP\s+TRIGGER\s+(?:IF\s+EXISTS\s+)?(\w+)", re.IGNORECASE)
+# What an item of a table definition starts with when it is a constraint, not a column.
+_NOT_COLUMNS = frozenset({"PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT", "EXCLUDE"})
+
+
+def _items(body: str) -> list[str]:
+    """The comma-separated items of the body of a table definition (commas inside
+    parentheses kept)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(body):
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(body[start:i])
+            start = i + 1
+    items.append(body[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def expected_schema(migrations: Sequence[Migration]) -> dict[str, int]:
+    """What the migrations leave in the database, each with the migration that made it:
+    ``"table t"``, ``"column t.c"`` and ``"trigger g"``."""
+    found: dict[str, int] = {}
+    for version, migration in enumerate(migrations, start=1):
+        for statement in migration.statements:
+            if (table := _CREATE_TABLE.match(statement)) is not None:
+                name = table.group(1).lower()
+                found[f"table {name}"] = version
+                for item in _items(table.group(2)):
+                    column = item.split()[0]
+                    if column.upper() not in _NOT_COLUMNS:
+                        found[f"column {name}.{column.lower()}"] = version
+            elif (add := _ADDS.match(statement)) is not None:
+                found[f"column {add.group(1).lower()}.{add.group(2).lower()}"] = version
+            elif (trigger := _CREATE_TRIGGER.match(statement)) is not None:
+                found[f"trigger {trigger.group(1).lower()}"] = version
+            elif (dropped := _DROP_TRIGGER.match(statement)) is not None:
+                found.pop(f"trigger {dropped.group(1).lower()}", None)
+    return found
+
+
+async def _present_schema(db: Database, tables: Sequence[str]) -> set[str]:
+    """The tables (of ``tables``), their columns and every trigger in the database."""
+    present: set[str] = set()
+    if db.backend == "postgres":
+        columns = await db.fetch(
+            "SELECT table_name, column_name FROM information_schema.columns "
+            "WHERE table_schema = current_schema() AND table_name = ANY($1::text[])",
+            list(tables),
+            what="schema read",
+        )
+        triggers = await db.fetch(
+            "SELECT t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = current_schema() AND NOT t.tgisinternal",
+            what="schema read",
+        )
+    else:
+        columns = []
+        for table in tables:
+            columns += [
+                (table, row[0])
+                for row in await db.fetch(
+                    "SELECT name FROM pragma_table_info($1)", table, what="schema read"
+                )
+            ]
+        triggers = await db.fetch(
+            "SELECT name FROM sqlite_master WHERE type = 'trigger'", what="schema read"
+        )
+    for table, column in columns:
+        present.add(f"table {str(table).lower()}")
+        present.add(f"column {str(table).lower()}.{str(column).lower()}")
+    present.update(f"trigger {str(row[0]).lower()}" for row in triggers)
+    return present
+
+
+async def check_schema(db: Database, component: str, migrations: Sequence[Migration]) -> None:
+    """Check that every table, column and trigger ``component``'s migrations made is there.
+
+    The version table can say a schema is current while the tables themselves were changed
+    behind loomflow's back (a table dropped by hand, a restore of some tables only): every
+    run would then fail on a missing table with an error that reads like an outage.
+
+    Raises:
+        MigrationError: something the migrations made is missing; names what and which
+            migration made it.
+    """
+    expected = expected_schema(migrations)
+    tables = sorted({key.split(" ", 1)[1] for key in expected if key.startswith("table ")})
+    missing = [key for key in expected if key not in await _present_schema(db, tables)]
+    if not missing:
+        return
+    # A missing table's columns go without saying.
+    gone = {key.split(" ", 1)[1] for key in missing if key.startswith("table ")}
+    shown = [
+        f"{key} (migration {expected[key]})"
+        for key in missing
+        if not (key.startswith("column ") and key.split(" ", 1)[1].split(".")[0] in gone)
+    ]
+    raise MigrationError(
+        f"loom_schema_version records the {component} schema as current, but "
+        f"{', '.join(shown)} {'is' if len(shown) == 1 else 'are'} missing: the database was "
+        "changed outside loomflow (dropped by hand, or restored in part); restore it from a "
+        "backup"
+    )

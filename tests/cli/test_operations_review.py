@@ -159,3 +159,62 @@ def test_a_short_secret_is_measured_in_characters(
         assert "items" not in err
         env.setenv(variable, "x" * shortest)
         assert cli_main.main(["settings"]) == 0
+
+
+# -- a database changed behind the version table's back -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ("DROP TABLE loom_sessions", "table loom_sessions (migration 1)"),
+        ("ALTER TABLE loom_sessions DROP COLUMN last_error", "column loom_sessions.last_error"),
+        ("DROP TABLE loom_budget_buckets", "table loom_budget_buckets"),
+        # The audit log's refusal of deletes is a trigger: without it, `migrate` said all was well.
+        ("DROP TRIGGER loom_audit_no_delete", "trigger loom_audit_no_delete"),
+    ],
+)
+def test_migrate_reports_a_table_column_or_trigger_dropped_by_hand(
+    change: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert cli_main.main(["--url", url, "migrate"]) == 0
+    capsys.readouterr()
+    with sqlite3.connect(tmp_path / "journal.db") as db:
+        db.execute(change)
+    db.close()
+    # Before: "journal schema at version 2" and exit 0; then every run failed with
+    # "no such table", which reads like the database being down.
+    assert cli_main.main(["--url", url, "migrate"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert named in err
+    assert "changed outside loomflow" in err
+
+
+async def test_migrate_reports_a_column_dropped_by_hand_on_postgres(pg_dsn: str) -> None:
+    import asyncpg
+
+    from loomflow.config import Settings
+    from loomflow.errors import MigrationError
+    from loomflow.stores import Stores
+
+    async with Stores(Settings(runtime_url=pg_dsn)) as stores:
+        await stores.migrate()  # a whole, fresh schema passes the check
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("ALTER TABLE loom_entries DROP COLUMN seq")
+        await conn.execute("DROP TRIGGER loom_audit_no_truncate ON loom_audit")
+    finally:
+        await conn.close()
+    async with Stores(Settings(runtime_url=pg_dsn)) as stores:
+        with pytest.raises(MigrationError, match=r"column loom_entries\.seq \(migration 1\)"):
+            await stores.migrate()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("ALTER TABLE loom_entries ADD COLUMN seq INTEGER NOT NULL DEFAULT 0")
+    finally:
+        await conn.close()
+    async with Stores(Settings(runtime_url=pg_dsn)) as stores:
+        with pytest.raises(MigrationError, match="trigger loom_audit_no_truncate"):
+            await stores.migrate()
