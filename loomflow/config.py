@@ -6,10 +6,12 @@ This is the only settings class in loomflow; the CLI and the agent take their st
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+from dotenv.parser import parse_stream
 from pydantic import (
     Field,
     SecretStr,
@@ -172,6 +174,34 @@ def _unreadable_setting(exc: SettingsError) -> str:
     )
 
 
+# A line of a .env file that sets (or means to set) a setting: `export` and spaces allowed.
+_SETTING_LINE = re.compile(r"\s*(?:export\s+)?(LOOMFLOW_\w+)", re.IGNORECASE)
+
+
+def _check_env_file_lines(env_file: Any, encoding: str) -> None:
+    """Refuse a ``.env`` line meant for a setting that python-dotenv cannot parse (an
+    unclosed quote, say). It would skip the line with a warning naming neither the file nor
+    the variable, and the setting would quietly keep its default: an audit URL given that way
+    sent the audit log to the journal's database instead."""
+    if env_file is None:
+        return
+    files = [env_file] if isinstance(env_file, str | os.PathLike) else list(env_file)
+    for file in files:
+        try:
+            with open(file, encoding=encoding) as stream:
+                bindings = list(parse_stream(stream))
+        except (OSError, UnicodeDecodeError):  # not there, or reported when it is read
+            continue
+        for binding in bindings:
+            found = _SETTING_LINE.match(binding.original.string)
+            if binding.error and found is not None:
+                raise ConfigurationError(
+                    f"bad setting {found[1].upper()}: line {binding.original.line} of "
+                    f"{os.fspath(file)} cannot be parsed (an unclosed quote?), so the setting "
+                    "would be ignored; quote the value whole ('...' or \"...\") or not at all"
+                )
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -192,6 +222,9 @@ class Settings(BaseSettings):
     def __init__(self, **values: Any) -> None:
         """Read the settings; a value that does not parse is a :class:`ConfigurationError`
         naming its ``LOOMFLOW_*`` variable (pydantic's own error names the field)."""
+        env_file = values.get("_env_file", self.model_config.get("env_file"))
+        encoding = values.get("_env_file_encoding", self.model_config.get("env_file_encoding"))
+        _check_env_file_lines(env_file, encoding or "utf-8")
         try:
             super().__init__(**values)
         except ValidationError as exc:

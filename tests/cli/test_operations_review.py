@@ -218,3 +218,31 @@ async def test_migrate_reports_a_column_dropped_by_hand_on_postgres(pg_dsn: str)
     async with Stores(Settings(runtime_url=pg_dsn)) as stores:
         with pytest.raises(MigrationError, match="trigger loom_audit_no_truncate"):
             await stores.migrate()
+
+
+def test_a_dotenv_line_for_a_setting_that_cannot_be_parsed_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loomflow.config import Settings
+    from loomflow.errors import ConfigurationError
+
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(tmp_path)
+        for name in [n for n in os.environ if n.startswith("LOOMFLOW_")]:
+            env.delenv(name)
+        (tmp_path / ".env").write_text(
+            'OTHER TOOL=1\nexport LOOMFLOW_AUDIT_URL="postgresql://audit@db/audit\n',
+            encoding="utf-8",
+        )
+        # Before: python-dotenv skipped the line with a warning naming neither the file nor
+        # the variable, and the audit log quietly went to the journal's database.
+        with pytest.raises(ConfigurationError, match=r"LOOMFLOW_AUDIT_URL: line 2 of \.env"):
+            Settings()
+        assert cli_main.main(["settings"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("loomflow: error: bad setting LOOMFLOW_AUDIT_URL: line 2 of .env")
+        # Another program's line is its own business; a setting quoted whole is read.
+        (tmp_path / ".env").write_text(
+            "OTHER TOOL=1\nLOOMFLOW_AUDIT_URL='sqlite:///audit.db'\n", encoding="utf-8"
+        )
+        assert Settings().audit_url == "sqlite:///audit.db"
