@@ -303,9 +303,10 @@ class Settings(BaseSettings):
         ge=0,
         allow_inf_nan=False,
         description=(
-            "How long one PostgreSQL statement may wait for the server before it fails with "
-            "StoreUnavailableError; 0 waits forever. A paused or unreachable server then "
-            "fails a run instead of hanging it. Migrations and journal prunes are not bound."
+            "How long one PostgreSQL statement (or a new connection) may wait for the server "
+            "before it fails with StoreUnavailableError; 0 lets statements wait forever "
+            "(connecting then gives up after 60 s). A paused or unreachable server then fails "
+            "a run instead of hanging it. Migrations and journal prunes are not bound."
         ),
     )
     auto_migrate: bool = Field(
