@@ -25,7 +25,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 from ._timefmt import MAX_AGE
 from .errors import ConfigurationError
 
-__all__ = ["Settings", "scheme_without_slashes", "sqlite_path"]
+__all__ = ["MAX_BUSY_TIMEOUT_MS", "Settings", "scheme_without_slashes", "sqlite_path"]
+
+# The largest SQLite busy timeout: SQLite reads it into a C int, and a value beyond one is
+# taken as 0 (fail at once on a lock) without a word.
+MAX_BUSY_TIMEOUT_MS = 2**31 - 1
 
 # Settings that are URLs and may carry a password (``postgresql://app:pw@db/app``): the code
 # reads the real value, while repr/str, model_dump and `loomflow settings` show it masked.
@@ -292,7 +296,14 @@ class Settings(BaseSettings):
         ),
     )
     sqlite_busy_timeout_ms: int = Field(
-        default=5000, ge=0, description="SQLite busy_timeout for contended writes."
+        default=5000,
+        ge=0,
+        # SQLite keeps the timeout in a C int: a larger value silently became 0, no wait at all.
+        le=MAX_BUSY_TIMEOUT_MS,
+        description=(
+            "SQLite busy_timeout for contended writes, in milliseconds (at most 2147483647, "
+            "about 24 days)."
+        ),
     )
     sqlite_synchronous: Literal["FULL", "NORMAL", "EXTRA"] = Field(
         default="FULL",

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiosqlite
 
-from ..config import Settings, sqlite_path
+from ..config import MAX_BUSY_TIMEOUT_MS, Settings, sqlite_path
 from ..errors import (
     ConfigurationError,
     InvalidArgumentError,
@@ -134,6 +134,11 @@ class SqliteDatabase(Database):
                 f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}"
             )
         self.path = Path(_file_of(path) if isinstance(path, str) else path)
+        if not 0 <= int(busy_timeout_ms) <= MAX_BUSY_TIMEOUT_MS:
+            # SQLite would take a larger one as 0: every contended write failing at once.
+            raise InvalidArgumentError(
+                f"busy_timeout_ms must be from 0 to {MAX_BUSY_TIMEOUT_MS}, not {busy_timeout_ms!r}"
+            )
         self.busy_timeout_ms = int(busy_timeout_ms)
         self.synchronous = synchronous.upper()
         self._conn: aiosqlite.Connection | None = None

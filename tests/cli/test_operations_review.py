@@ -246,3 +246,23 @@ def test_a_dotenv_line_for_a_setting_that_cannot_be_parsed_is_an_error(
             "OTHER TOOL=1\nLOOMFLOW_AUDIT_URL='sqlite:///audit.db'\n", encoding="utf-8"
         )
         assert Settings().audit_url == "sqlite:///audit.db"
+
+
+async def test_a_busy_timeout_sqlite_cannot_hold_is_refused(tmp_path: Path) -> None:
+    from loomflow.config import Settings
+    from loomflow.errors import ConfigurationError, InvalidArgumentError
+    from loomflow.storage import SqliteDatabase
+
+    # SQLite keeps the timeout in a C int and took 2**31 as 0: no wait at all, so every
+    # contended write failed at once, the opposite of what was asked for.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOOMFLOW_SQLITE_BUSY_TIMEOUT_MS", str(2**31))
+        with pytest.raises(ConfigurationError, match="LOOMFLOW_SQLITE_BUSY_TIMEOUT_MS"):
+            Settings()
+    with pytest.raises(InvalidArgumentError, match="busy_timeout_ms"):
+        SqliteDatabase(tmp_path / "j.db", busy_timeout_ms=2**31)
+    db = SqliteDatabase(tmp_path / "j.db", busy_timeout_ms=2**31 - 1)
+    try:
+        assert (await db.fetch("PRAGMA busy_timeout"))[0][0] == 2**31 - 1
+    finally:
+        await db.close()
