@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -221,6 +222,12 @@ class PostgresDatabase(Database):
                 f"{what} failed: PostgreSQL did not answer within {self.timeout_s:g}s "
                 "(LOOMFLOW_POSTGRES_TIMEOUT_SECONDS): the server may be paused, overloaded "
                 "or cut off"
+            )
+        if isinstance(exc, socket.gaierror) and self._dsn is not None:
+            # The resolver's own words ("Name or service not known") name no host at all.
+            return StoreUnavailableError(
+                f"{what} failed: the host of {_masked_url(self._dsn)!r} cannot be resolved "
+                f"({exc.strerror or exc}): check the host name, or DNS on this machine"
             )
         return None
 

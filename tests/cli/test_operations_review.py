@@ -266,3 +266,14 @@ async def test_a_busy_timeout_sqlite_cannot_hold_is_refused(tmp_path: Path) -> N
         assert (await db.fetch("PRAGMA busy_timeout"))[0][0] == 2**31 - 1
     finally:
         await db.close()
+
+
+async def test_a_host_that_does_not_resolve_is_named() -> None:
+    # Before: "postgres connect failed: gaierror: [Errno -2] Name or service not known".
+    db = PostgresDatabase("postgresql://app:s3cret@no-such-host.invalid/app", timeout_s=10)
+    with pytest.raises(StoreUnavailableError) as caught:
+        await db.open()
+    message = str(caught.value)
+    assert "'postgresql://app:***@no-such-host.invalid/app'" in message
+    assert "cannot be resolved" in message
+    assert "s3cret" not in message
