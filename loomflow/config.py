@@ -25,7 +25,13 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 from ._timefmt import MAX_AGE
 from .errors import ConfigurationError
 
-__all__ = ["MAX_BUSY_TIMEOUT_MS", "Settings", "scheme_without_slashes", "sqlite_path"]
+__all__ = [
+    "MAX_BUSY_TIMEOUT_MS",
+    "Settings",
+    "lower_scheme",
+    "scheme_without_slashes",
+    "sqlite_path",
+]
 
 # The largest SQLite busy timeout: SQLite reads it into a C int, and a value beyond one is
 # taken as 0 (fail at once on a lock) without a word.
@@ -103,8 +109,26 @@ def scheme_without_slashes(url: str) -> str | None:
     )
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def lower_scheme(url: str) -> str:
+    """``url`` with its scheme in lower case (``SQLITE:///x.db`` -> ``sqlite:///x.db``).
+
+    Schemes are case-blind, and the stores take ``SQLITE://`` or ``PostgreSQL://`` as their
+    own; the checks that keep a command from creating a store where none is (a mistyped path,
+    another application's database) compare lower-case schemes, so a URL is brought to that
+    form once, where it is read, rather than slipping past them.
+    """
+    found = _SCHEME.match(url)
+    if found is None:
+        return url
+    return found.group(0).lower() + url[found.end() :]
+
+
 def sqlite_path(url: str) -> str | None:
     """The file a SQLite URL (or bare path) names; ``None`` for other schemes."""
+    url = lower_scheme(url)
     if url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://")
         if not path.startswith("/") or path == "/":
@@ -118,7 +142,9 @@ def sqlite_path(url: str) -> str | None:
 
 
 def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
-    """Refuse a store URL no loomflow store would open, at settings time rather than later."""
+    """Refuse a store URL no loomflow store would open, at settings time rather than later;
+    return it with its scheme in lower case."""
+    url = lower_scheme(url)
     head = url.split("://", 1)[0].lower() if "://" in url else None
     if head is None:
         if (problem := scheme_without_slashes(url)) is not None:

@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from .. import __version__
 from .._ids import check_id
-from ..config import Settings, _check_store_url, _masked_url
+from ..config import Settings, _check_store_url, _masked_url, lower_scheme
 from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserError
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
@@ -441,7 +441,12 @@ def _check_urls(args: argparse.Namespace) -> None:
     """A store URL given on the command line is checked as the same setting would be."""
     for dest, (option, schemes) in _URL_OPTIONS.items():
         url = getattr(args, dest, None)
-        if url is None or (dest == "postgres" and not url.startswith(_POSTGRES)):
+        if url is None:
+            continue
+        # SQLITE:// or POSTGRESQL:// is the store's scheme too; in lower case from here on, so
+        # that the checks against creating a store where none is see it for what it is.
+        setattr(args, dest, url := lower_scheme(url))
+        if dest == "postgres" and not url.startswith(_POSTGRES):
             continue
         try:
             _check_store_url(url, schemes, option)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import Settings, sqlite_path
+from ..config import Settings, lower_scheme, sqlite_path
 from ..errors import ConfigurationError
 from ._database import Database
 
@@ -11,6 +11,7 @@ __all__ = ["database_from_url", "sqlite_path"]
 
 def database_from_url(url: str, *, settings: Settings | None = None) -> Database:
     """A (not yet connected) database for a store URL."""
+    url = lower_scheme(url)
     if url.startswith(("postgresql://", "postgres://")):
         from ._postgres import PostgresDatabase
 

@@ -277,3 +277,50 @@ async def test_a_host_that_does_not_resolve_is_named() -> None:
     assert "'postgresql://app:***@no-such-host.invalid/app'" in message
     assert "cannot be resolved" in message
     assert "s3cret" not in message
+
+
+# -- a URL whose scheme is in capitals ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["--url", "LOOMFLOW_RUNTIME_URL"])
+def test_a_capitalised_sqlite_scheme_creates_no_store(
+    via: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(tmp_path)
+        url = "SQLite:///journal.db"
+        argv = ["runs", "list"]
+        if via == "--url":
+            argv = ["--url", url, *argv]
+        else:
+            env.setenv(via, url)
+        # Before: the checks compared "sqlite://" case for case, let the URL through, and
+        # the journal it opened made journal.db: "no sessions in the journal", exit 0.
+        assert cli_main.main(argv) == 1
+        assert "no journal at journal.db" in capsys.readouterr().err
+        assert not list(tmp_path.iterdir())
+
+
+def test_a_capitalised_postgres_scheme_adds_no_tables(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import asyncpg
+
+    shouted = "POSTGRESQL" + pg_dsn[len("postgresql") :]
+    # Before: another application's database got the journal's tables from a listing.
+    assert cli_main.main(["--url", shouted, "runs", "list"]) == 1
+    assert "holds no loomflow store yet" in capsys.readouterr().err
+
+    async def tables() -> list[str]:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            rows = await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+            return [r[0] for r in rows]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(tables()) == []
+    assert cli_main.main(["--url", shouted, "migrate"]) == 0  # migrate may, and reads it alike
+    assert "loom_sessions" in asyncio.run(tables())
