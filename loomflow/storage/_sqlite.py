@@ -299,6 +299,8 @@ class SqliteDatabase(Database):
             why = f"no permission to create its directory ({exc.strerror})"
         elif isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
             why = "the file is not a SQLite database"
+        elif isinstance(exc, sqlite3.OperationalError) and self.path.is_dir():
+            why = "it is a directory, not a SQLite file (name the file inside it)"
         elif isinstance(exc, sqlite3.OperationalError) and "unable to open" in str(exc):
             why = "SQLite cannot open or create it: is its directory writable by this user?"
         else:

@@ -324,3 +324,14 @@ def test_a_capitalised_postgres_scheme_adds_no_tables(
     assert asyncio.run(tables()) == []
     assert cli_main.main(["--url", shouted, "migrate"]) == 0  # migrate may, and reads it alike
     assert "loom_sessions" in asyncio.run(tables())
+
+
+def test_a_directory_named_as_the_journal_is_called_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "journal.db").mkdir()
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert cli_main.main(["--url", url, "migrate"]) == 1
+    err = capsys.readouterr().err
+    # Before: "SQLite cannot open or create it: is its directory writable by this user?"
+    assert "it is a directory, not a SQLite file" in err
