@@ -40,6 +40,9 @@ __all__ = [
     "token_sha256",
 ]
 
+# A header name as HTTP spells one (a "token": RFC 9110, section 5.1).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
 Role = Literal["reader", "admin"]
 ROLES: tuple[Role, ...] = ("reader", "admin")
 
@@ -159,6 +162,12 @@ class ConsoleAccess:
         proxy_admins: Iterable[str] = (),
     ) -> None:
         self.tokens = list(tokens)
+        if proxy_header is not None and not _HEADER_NAME.fullmatch(proxy_header):
+            # No request can carry such a header: every proxy sign-in would be refused.
+            raise ConfigurationError(
+                f"--trust-proxy-header {proxy_header!r} is not an HTTP header name (letters, "
+                "digits and !#$%&'*+-.^_`|~, e.g. X-Forwarded-User)"
+            )
         self.proxy_header = proxy_header.lower() if proxy_header else None
         self.proxy_admins = frozenset(proxy_admins)
         if not self.tokens and self.proxy_header is None:

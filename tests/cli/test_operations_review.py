@@ -335,3 +335,28 @@ def test_a_directory_named_as_the_journal_is_called_one(
     err = capsys.readouterr().err
     # Before: "SQLite cannot open or create it: is its directory writable by this user?"
     assert "it is a directory, not a SQLite file" in err
+
+
+@pytest.mark.parametrize("header", ["X-Forwarded User", "X-User\n", "X-User:"])
+def test_a_proxy_header_no_request_can_carry_is_refused(header: str, tmp_path: Path) -> None:
+    from loomflow.console._access import ConsoleAccess
+    from loomflow.errors import ConfigurationError
+
+    # Before: the console started, and refused every sign-in the proxy made.
+    with pytest.raises(ConfigurationError, match="is not an HTTP header name"):
+        ConsoleAccess(proxy_header=header)
+    assert ConsoleAccess(proxy_header="X-Forwarded-User").proxy_header == "x-forwarded-user"
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    command = [sys.executable, "-m", "loomflow.cli", "--url", url, "console"]
+    done = subprocess.run(
+        [*command, "--trust-proxy-header", header],
+        capture_output=True,
+        text=True,
+        timeout=60,  # the old code served (and so never returned)
+        check=False,
+        env=_env(),
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "is not an HTTP header name" in done.stderr
