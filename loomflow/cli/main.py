@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from .. import __version__
 from .._ids import check_id
-from ..config import Settings, _check_store_url, _masked_url, lower_scheme
+from ..config import _URL_SETTINGS, Settings, _check_store_url, _masked_url, lower_scheme
 from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserError
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
@@ -470,7 +470,7 @@ def _show_settings(args: argparse.Namespace) -> int:
         value = getattr(settings, name)
         if isinstance(value, SecretStr) and value.get_secret_value():
             value = "(set, hidden)"  # every secret field (console token, keys), by its type
-        elif name in _SECRET_SETTINGS or "url" in name:
+        elif name in _SECRET_SETTINGS or name in _URL_SETTINGS:  # otlp_endpoint is a URL too
             value = _masked(name, value)
         source = "default"
         if name in settings.model_fields_set:

@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from opentelemetry import metrics, trace
 
-from ..config import Settings
+from ..config import Settings, _masked_url
 from ..errors import ConfigurationError
 from ._metrics import MetricsServer, serve_metrics
 
@@ -177,7 +177,7 @@ def traces_url(endpoint: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigurationError(
             f"otlp_endpoint must be an http(s) URL like http://otel-collector:4318, "
-            f"not {endpoint!r}"
+            f"not {_masked_url(endpoint)!r}"
         )
     base = endpoint.rstrip("/")
     return base if base.endswith("/v1/traces") else f"{base}/v1/traces"

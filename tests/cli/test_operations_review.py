@@ -360,3 +360,17 @@ def test_a_proxy_header_no_request_can_carry_is_refused(header: str, tmp_path: P
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert "is not an HTTP header name" in done.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_settings_hides_the_password_of_the_otlp_endpoint(
+    as_json: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(tmp_path)
+        env.setenv("LOOMFLOW_OTLP_ENDPOINT", "https://tenant:s3cret-pw@collector:4318")
+        # Before: only settings with "url" in their name were masked, so this one was shown.
+        assert cli_main.main(["settings", *(["--json"] if as_json else [])]) == 0
+        out = capsys.readouterr().out
+    assert "s3cret-pw" not in out
+    assert "https://tenant:***@collector:4318" in out
