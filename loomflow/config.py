@@ -544,6 +544,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"{_masked_url(url)!r} is not an http(s) URL like http://otel-collector:4318"
             )
+        try:
+            _ = parts.port  # parsed on access: one that is no number, or above 65535, raises
+        except ValueError:
+            # Otherwise found only by the exporter's thread, which then drops every span.
+            raise ValueError(f"bad port in {_masked_url(url)!r}") from None
         return url
 
     @field_validator("otlp_headers")

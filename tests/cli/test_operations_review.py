@@ -374,3 +374,13 @@ def test_settings_hides_the_password_of_the_otlp_endpoint(
         out = capsys.readouterr().out
     assert "s3cret-pw" not in out
     assert "https://tenant:***@collector:4318" in out
+
+
+@pytest.mark.parametrize("endpoint", ["http://collector:43l8", "http://collector:99999"])
+def test_an_otlp_endpoint_with_a_bad_port_is_refused_by_name(endpoint: str) -> None:
+    from loomflow.config import Settings
+    from loomflow.errors import ConfigurationError
+
+    # Before: accepted, and only the exporter's background thread found out.
+    with pytest.raises(ConfigurationError, match="LOOMFLOW_OTLP_ENDPOINT: bad port"):
+        Settings(otlp_endpoint=endpoint)
