@@ -51,7 +51,7 @@ FLOORS = [
     ["loomflow.recovery"],
     ["loomflow.testing"],
     ["loomflow.console"],
-    ["loomflow.cli", "loomflow"],
+    ["loomflow.cli", "loomflow", "loomflow.__main__"],
 ]
 
 LOW_LAYERS = ("loomflow.runtime", "loomflow.storage", "loomflow.hooks")

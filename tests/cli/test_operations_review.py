@@ -384,3 +384,15 @@ def test_an_otlp_endpoint_with_a_bad_port_is_refused_by_name(endpoint: str) -> N
     # Before: accepted, and only the exporter's background thread found out.
     with pytest.raises(ConfigurationError, match="LOOMFLOW_OTLP_ENDPOINT: bad port"):
         Settings(otlp_endpoint=endpoint)
+
+
+def test_python_dash_m_loomflow_is_the_command_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "loomflow", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("loomflow ")
