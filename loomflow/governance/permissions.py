@@ -577,6 +577,15 @@ class PermissionHooks(RunHooks):
                 decision = Decision(
                     "deny", f"the permission check failed ({type(exc).__name__}: {exc})", "error"
                 )
+        if decision.behavior == "ask" and tool is None and asked is None:
+            # A name the model made up: nobody is asked to approve a tool that does not exist
+            # (an approver could only allow an error, and a later hook that answers such
+            # names must not run one unapproved).
+            decision = Decision(
+                "deny",
+                f"no tool of that name is registered, so nobody is asked ({decision.reason})",
+                decision.policy,
+            )
         final: Literal["allow", "deny"] = "deny" if decision.behavior == "deny" else "allow"
         reason, approver, edited, current = decision.reason, None, False, call
         if decision.behavior == "ask":

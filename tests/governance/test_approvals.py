@@ -790,3 +790,33 @@ async def test_a_request_edited_to_show_another_call_is_never_decided_into_runni
         with pytest.raises(CorruptEntryError, match=r"approval_request_0_0.*damaged"):
             await agent.resume("go", session_id="s1", user_id="ana")
     assert world.deleted == []
+
+
+async def test_nobody_is_asked_to_approve_a_tool_the_model_made_up(
+    runtime_factory: Factory,
+) -> None:
+    # A rule asks for every call; the model also calls a tool that does not exist. The run
+    # stopped for approval of that name too, and an approver could only "allow" an error
+    # (or, with a later hook that answers such names, something nobody vetted).
+    world = World()
+    made_up = ToolCall(id="c9", name="wipe_disk", arguments={"all": True})
+    agent = Agent(
+        "x",
+        model=world.model([READ, made_up]),
+        tools=world.tools(),
+        runtime=await runtime_factory(),
+        permissions=StandardPermissions(rules=[Rule.ask("*")], approval="defer"),
+        memory=False,
+    )
+    result = await agent.run("clean up", session_id="s1", user_id="ana")
+    assert result.interruption_reason == "approval"
+    [request] = result.pending_approvals  # the real tool only
+    assert request.tool == "read_record"
+    resumed = await agent.resume(
+        "clean up", session_id="s1", user_id="ana", approvals={request.request_id: Approve()}
+    )
+    assert not resumed.interrupted
+    [denied] = [m for m in resumed.messages if m.role == "tool" and m.tool_call_id == "c9"]
+    assert denied.is_error
+    assert "no tool of that name is registered, so nobody is asked" in denied.content
+    assert world.read == ["gamma"]
