@@ -26,7 +26,7 @@ import functools
 import hashlib
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -266,8 +266,29 @@ def _position(info: RunInfo) -> tuple[JournalRun, tuple[str, ...]]:
 
 def _request_id(run: JournalRun, path: tuple[str, ...], step: str, inputs: list[Any]) -> str:
     """A hash of the request's place in the journal and of what it asks."""
-    where = [run.scope.key, run.epoch, list(path), step, inputs]
+    return _id_of(run.scope, run.epoch, path, step, inputs)
+
+
+def _id_of(scope: Scope, epoch: int, path: Sequence[str], step: str, inputs: list[Any]) -> str:
+    where = [scope.key, epoch, list(path), step, inputs]
     return "apr_" + hashlib.sha256(codec.canonical_bytes(where)).hexdigest()[:24]
+
+
+def _edited(request: PendingApproval, scope: Scope, epoch: int, step: str) -> str | None:
+    """Why a request read back from the journal is not what was asked, or ``None``: its id
+    is a hash of its place and of the tool, arguments, reason and policy it showed, so a
+    record whose fields were changed afterwards (in the database) no longer matches its id."""
+    asked = [request.tool, request.arguments, request.reason, request.policy]
+    try:
+        expected = _id_of(scope, epoch, request.path, step, asked)
+    except codec.UnsupportedValueError:
+        return "its arguments hold a value no request could show"
+    if expected != request.request_id:
+        return (
+            "its tool, arguments, reason or policy differ from what the run asked (they were "
+            "changed after it was journaled)"
+        )
+    return None
 
 
 async def deferred_decision(
@@ -552,6 +573,8 @@ def _add_request(
         ledger.damaged.append(_damaged(scope, entry.name, request_id, why))
         return
     problem = _misplaced(request, scope, epoch, entry.path, entry.name)
+    if problem is None:
+        problem = _edited(request, scope, epoch, entry.name)
     twin = ledger.requests.get(request.request_id)
     if problem is None and twin is not None:
         problem = "another journal entry names the same request"

@@ -764,8 +764,8 @@ async def test_a_request_edited_to_show_another_call_is_never_decided_into_runni
     field: str, value: str, tmp_path: Any
 ) -> None:
     """The person decides on what the record shows; the call that runs is the journaled
-    model's. A record edited to show another tool or arguments (its id left as it was) must
-    not have its approval run the real call."""
+    model's. A record edited to show another tool or arguments (its id left as it was) is
+    listed as damaged and cannot be decided, and the run's resume refuses it."""
     from loomflow.errors import CorruptEntryError
     from loomflow.governance.approvals import journal_decisions, normalize_decision
     from loomflow.runtime import SqliteRuntime
@@ -780,13 +780,14 @@ async def test_a_request_edited_to_show_another_call_is_never_decided_into_runni
 
     async with SqliteRuntime(path) as runtime:
         agent = agent_for(world, runtime, [DELETE])
-        # What a person is shown is the edited record; their decision is journaled on it.
-        await journal_decisions(
-            runtime,
-            "s1",
-            "ana",
-            {alpha.request_id: normalize_decision(alpha.request_id, "allow", "kim")},
-        )
+        assert await agent.pending_approvals("s1", user_id="ana") == []  # not offered
+        with pytest.raises(CorruptEntryError, match=r"changed after it was journaled"):
+            await journal_decisions(
+                runtime,
+                "s1",
+                "ana",
+                {alpha.request_id: normalize_decision(alpha.request_id, "allow", "kim")},
+            )
         with pytest.raises(CorruptEntryError, match=r"approval_request_0_0.*damaged"):
             await agent.resume("go", session_id="s1", user_id="ana")
     assert world.deleted == []
@@ -820,3 +821,38 @@ async def test_nobody_is_asked_to_approve_a_tool_the_model_made_up(
     assert denied.is_error
     assert "no tool of that name is registered, so nobody is asked" in denied.content
     assert world.read == ["gamma"]
+
+
+async def test_requests_with_any_json_arguments_list_and_decide_as_asked(
+    runtime_factory: Factory,
+) -> None:
+    # A listed request is checked against its id (a hash of what it showed): every kind of
+    # JSON value a model sends must read back as it was hashed, or a real request would be
+    # called damaged and could never be decided.
+    arguments = {
+        "name": "ålpha ✓ 🚀",
+        "reason": "x" * 300,
+        "n": 12345678901234567890,
+        "ratio": 0.1,
+        "whole": 2.0,
+        "flags": [True, False, None],
+        "nested": {"b": [1, {"c": "d"}], "a": {}},
+        "empty": [],
+        "$t": "a key that looks like the journal's tag",
+    }
+    world = World()
+    call = ToolCall(id="c1", name="delete_record", arguments=arguments)
+    runtime = await runtime_factory()
+    agent = agent_for(world, runtime, [call])
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    assert [p.request_id for p in await agent.pending_approvals("s1", user_id="ana")] == [
+        request.request_id
+    ]
+    result = await agent.resume(
+        "go", session_id="s1", user_id="ana", approvals={request.request_id: Approve()}
+    )
+    assert not result.interrupted
+    # Approved: the call went to the tool (which refuses the extra arguments as invalid).
+    [answer] = [m for m in result.messages if m.role == "tool"]
+    assert "permission denied" not in answer.content
+    assert await agent.pending_approvals("s1", user_id="ana") == []
