@@ -381,6 +381,7 @@ class Recovery:
         assert session_id is not None  # agents never open a run without a session id
         outcome = "finished"
         error: str | None = None
+        stopped: str | None = None  # the interruption reason of a run that stopped again
         try:
             async with self.runtime.adopt(claim):
                 # Audited before anything runs: if the audit log refuses, the run is not
@@ -391,9 +392,11 @@ class Recovery:
                     claim.user_id,
                     {"agent": agent.name, "attempt": claim.attempts, "waited_s": round(waited, 3)},
                 )
-                await agent.resume(
+                result = await agent.resume(
                     prompt, session_id=session_id, user_id=claim.user_id, metadata=metadata
                 )
+            if result.interrupted:  # stopped again: it waits for a person, or hit a cap
+                outcome, stopped = "interrupted", result.interruption_reason
         except RunCancelledError:
             outcome = "cancelled"
         except OwnershipLostError as exc:
@@ -438,6 +441,8 @@ class Recovery:
         self.metrics.recovery(outcome)
         payload: dict[str, Any] = {"agent": agent.name, "attempt": claim.attempts}
         payload["outcome"] = outcome
+        if stopped is not None:
+            payload["interruption_reason"] = stopped
         if error is not None:
             payload["error"] = error
         action = RUN_DEAD_LETTER if outcome == "dead_lettered" else RUN_RECOVER

@@ -63,13 +63,14 @@ RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled")
 """How a run ended: returned an answer, returned interrupted (max_turns, budget, guardrail),
 raised (stays open, resumable), or was cancelled / abandoned by its caller (also resumable)."""
 RECOVERY_OUTCOMES: Final = (
-    "resumed", "finished", "retry_failed", "dead_lettered", "unregistered", "claim_lost",
-    "cancelled",
+    "resumed", "finished", "interrupted", "retry_failed", "dead_lettered", "unregistered",
+    "claim_lost", "cancelled",
 )  # fmt: skip
 """What a recoverer did with an orphaned run: claimed and resumed it; the resumed run finished;
-the resumed run raised (retried later); gave up on it (``failed``); left it alone (no agent
-registered under its name, or a changed configuration); lost the claim to another recoverer;
-found it cancelled while resuming it."""
+the resumed run stopped again (for an approval, at a budget cap or ``max_turns``); the resumed
+run raised (retried later); gave up on it (``failed``); left it alone (no agent registered
+under its name, or a changed configuration); lost the claim to another recoverer; found it
+cancelled while resuming it."""
 # From a lease running out to a recoverer resuming the run: a lease (30 s by default) plus a
 # sweep interval is the expected range, minutes mean no worker is sweeping.
 RECOVERY_BUCKETS: Final = (

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
+
+from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent
 from loomflow.governance import Approve, StandardPermissions
@@ -26,6 +29,8 @@ from loomflow.messages import ToolCall
 from loomflow.models import ScriptedModel
 from loomflow.recovery import Recovery
 from loomflow.runtime import runtime_from_url
+from loomflow.telemetry import Metrics
+from loomflow.telemetry._metrics import RECOVERY_OUTCOMES
 from loomflow.tools import Tool
 
 PROMPT = "Tidy up the records."
@@ -34,6 +39,13 @@ SCRIPT = [
         ToolCall(id="c0", name="delete_record", arguments={"name": "alpha"}),
         ToolCall(id="c1", name="read_record", arguments={"name": "beta"}),
     ],
+    "Done tidying.",
+]
+# APPROVAL_SCRIPT=twice: after the first delete the model asks for a second one, which needs
+# another approval.
+TWICE = [
+    SCRIPT[0],
+    [ToolCall(id="c2", name="delete_record", arguments={"name": "gamma"})],
     "Done tidying.",
 ]
 
@@ -58,7 +70,7 @@ async def main(url: str, ledger: Path, mode: str, request_id: str) -> None:
     runtime = runtime_from_url(url)
     agent = Agent(
         "records",
-        model=ScriptedModel(SCRIPT),
+        model=ScriptedModel(TWICE if os.environ.get("APPROVAL_SCRIPT") == "twice" else SCRIPT),
         tools=[Tool(delete_record, destructive=True), Tool(read_record)],
         runtime=runtime,
         permissions=StandardPermissions(approval="defer"),
@@ -66,11 +78,24 @@ async def main(url: str, ledger: Path, mode: str, request_id: str) -> None:
     )
     try:
         if mode == "recover":
-            recovery = Recovery(runtime, {agent.name: agent}, worker_id="approvals-test")
+            registry = CollectorRegistry()
+            recovery = Recovery(
+                runtime, {agent.name: agent}, worker_id="approvals-test", metrics=Metrics(registry)
+            )
             report = await recovery.sweep()
             await recovery.wait()
             [session] = await runtime.sessions(session_id="tidy", user_id="ana")
-            shown = {"resumed": len(report.resumed), "state": session.state}
+            counted = {
+                outcome: registry.get_sample_value(
+                    "loomflow_recoveries_total", {"outcome": outcome}
+                )
+                for outcome in RECOVERY_OUTCOMES
+            }
+            shown = {
+                "resumed": len(report.resumed),
+                "state": session.state,
+                "outcomes": sorted(o for o, n in counted.items() if n),
+            }
             print(json.dumps(shown), flush=True)
             return
         if mode == "ask":

@@ -148,9 +148,37 @@ def test_a_resume_killed_inside_the_approved_tool_is_an_orphan_a_worker_finishes
     _approve_and_die(url, ledger, waiting["request_id"])
     assert ledger.read_text().splitlines() == ["read beta"]
 
-    assert _last_json(url, ledger, "recover") == {"resumed": 1, "state": "finished"}
+    assert _last_json(url, ledger, "recover") == {
+        "resumed": 1,
+        "state": "finished",
+        "outcomes": ["finished", "resumed"],
+    }
     # The journaled approval was applied once, by the worker; the read was replayed.
     assert ledger.read_text().splitlines() == ["read beta", "deleted alpha"]
 
     assert _last_json(url, ledger, "resume")["output"] == "Done tidying."
     assert ledger.read_text().splitlines() == ["read beta", "deleted alpha"]
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_recovered_run_that_stops_again_for_approval_is_counted_as_interrupted(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker finishes the approved delete, then the model asks for another one: the run
+    # stops again to wait. The recovery counted (and audited) that as "finished".
+    monkeypatch.setenv("APPROVAL_SCRIPT", "twice")
+    url = _url(backend, tmp_path, request)
+    ledger = tmp_path / "ledger.txt"
+    (waiting,) = _stop_for_approval(url, ledger)["pending_approvals"]
+    _approve_and_die(url, ledger, waiting["request_id"])
+
+    assert _last_json(url, ledger, "recover") == {
+        "resumed": 1,
+        "state": "interrupted",
+        "outcomes": ["interrupted", "resumed"],
+    }
+    assert ledger.read_text().splitlines() == ["read beta", "deleted alpha"]
+    stopped = _last_json(url, ledger, "resume")
+    assert stopped["interruption_reason"] == "approval"
+    assert [p["arguments"] for p in stopped["pending_approvals"]] == [{"name": "gamma"}]
