@@ -59,6 +59,13 @@ def _content(what: str, value: object) -> str:
     return valid_text(value)
 
 
+def _source(value: object) -> str | None:
+    """A fact's ``source``: free text or ``None``. Checked before the write, so that a
+    number or a NUL is refused by name on every backend, not stored (SQLite) or turned
+    into a driver error (PostgreSQL)."""
+    return None if value is None else _content("source", value)
+
+
 def _when(value: object) -> float:
     """``as_of``: a datetime or Unix seconds (a finite number), else a ``UserError``."""
     if isinstance(value, dt.datetime) or (
@@ -220,7 +227,7 @@ class Memory:
             _text("subject", subject),
             _text("predicate", predicate),
             _content("object", object),
-            source,
+            _source(source),
         )
 
     async def retract(self, subject: str, predicate: str, *, user_id: str | None) -> Fact | None:

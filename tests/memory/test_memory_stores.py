@@ -226,3 +226,30 @@ async def test_bad_text_is_a_user_error_alike_on_every_backend(
             await memory.facts(user_id="u", as_of=float("nan"))
     finally:
         await memory.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_a_bad_fact_source_is_a_user_error_and_writes_nothing(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # source= was not checked: a number was stored on SQLite and then refused by pydantic
+    # after the write (a fact nobody was told of), and on PostgreSQL a number or a NUL was a
+    # StoreUnavailableError, which callers take for a database that is down and retry.
+    url = (
+        request.getfixturevalue("pg_dsn")
+        if backend == "postgres"
+        else f"sqlite:///{tmp_path / 'm.db'}"
+    )
+    memory = memory_from_url(url)
+    try:
+        with pytest.raises(UserError, match="source must be a string"):
+            await memory.remember("ana", "likes", "tea", user_id="u", source=123)  # type: ignore[arg-type]
+        with pytest.raises(UserError, match="source contains a NUL"):
+            await memory.remember("ana", "likes", "tea", user_id="u", source="crm\x00import")
+        assert await memory.facts(user_id="u", history=True) == []
+        fact = await memory.remember("ana", "likes", "tea", user_id="u", source="crm \udce9")
+        assert fact.source == "crm \ufffd"  # a lone surrogate is kept as U+FFFD, as elsewhere
+        [stored] = await memory.facts(user_id="u")
+        assert stored.source == "crm \ufffd"
+    finally:
+        await memory.close()
