@@ -305,12 +305,19 @@ class SqlMemoryStore(ComponentStore):
             rows = await tx.fetch(_CURRENT_FACT, user_key, subject, predicate)
             start = now
             if rows:
-                current = rows[0]
-                if current[4] == object:
-                    return _fact(current)
+                try:
+                    current: Fact | None = _fact(rows[0])
+                except CorruptEntryError:
+                    # A damaged current version (edited by hand) is superseded from now: its
+                    # own start may be no time at all (text, an overflow), and the new value
+                    # is what the caller means to hold. It stays in the history as it is.
+                    current = None
+                if current is not None and current.object == object:
+                    return current
                 # Every version lasts at least one tick, even when the clock (SQLite's
                 # counts milliseconds) did not move, or moved back, since the last one.
-                start = micros(max(now, float(current[5]) + TICK))
+                if current is not None:
+                    start = micros(max(now, float(rows[0][5]) + TICK))
                 await tx.execute(_CLOSE_FACT, user_key, subject, predicate, start, fact_id)
             await tx.execute(
                 _INSERT_FACT, fact_id, user_key, user_id, subject, predicate, object, source, start

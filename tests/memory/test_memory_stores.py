@@ -253,3 +253,30 @@ async def test_a_bad_fact_source_is_a_user_error_and_writes_nothing(
         assert stored.source == "crm \ufffd"
     finally:
         await memory.close()
+
+
+@pytest.mark.parametrize("edit", ["valid_from = 'x'", "valid_from = 1e300", "object = X'ff'"])
+async def test_a_fact_remembered_over_a_damaged_current_version_supersedes_it(
+    sqlite_path: Path, edit: str
+) -> None:
+    # remember() read the current version's start with float() before checking the row: a
+    # damaged start was a bare ValueError or OverflowError (a traceback), and re-asserting
+    # the damaged row's own object was a CorruptEntryError. Both now supersede it from now,
+    # as a new object over a damaged row already did.
+    memory = SqliteMemory(sqlite_path)
+    await memory.remember("ana", "lives_in", "Paris", user_id="u")
+
+    def damage() -> None:
+        with sqlite3.connect(sqlite_path) as conn:
+            conn.execute(f"UPDATE loom_memory_facts SET {edit}")
+
+    await asyncio.to_thread(damage)
+    with pytest.raises(CorruptEntryError, match="malformed column"):
+        await memory.retract("ana", "lives_in", user_id="u")  # refused, not closed
+    fact = await memory.remember("ana", "lives_in", "Paris", user_id="u")
+    assert [f.object for f in await memory.facts(user_id="u")] == ["Paris"]
+    assert (await memory.facts(user_id="u", as_of=fact.valid_from))[0].id == fact.id
+    # The damaged version is kept, closed, and an export still shows it as damaged.
+    exported = await memory.export_user("u")
+    assert ["unreadable" in f for f in exported["facts"]] == [True, False]
+    await memory.close()
