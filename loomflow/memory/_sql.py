@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .._ids import user_label
 from .._printable import shown, text_of, unicode_column
 from ..errors import CorruptEntryError
 from ..runtime import codec
@@ -81,7 +82,7 @@ _SET_BLOCK = f"""
 INSERT INTO loom_memory_blocks (user_key, name, user_id, content, created_at, updated_at)
 VALUES ($1, $2, $3, $4, {{now}}, {{now}})
 ON CONFLICT (user_key, name) DO UPDATE SET
-    content = excluded.content, updated_at = excluded.updated_at
+    user_id = excluded.user_id, content = excluded.content, updated_at = excluded.updated_at
 RETURNING {_BLOCK_COLUMNS}
 """
 _GET_BLOCK = f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE user_key = $1 AND name = $2"
@@ -102,7 +103,38 @@ def _why(exc: ValidationError) -> str:
     )
 
 
-def _episode(row: Sequence[Any]) -> Episode:
+_ANY_SESSION = object()
+
+
+def _owned(what: str, row_user: object, user_id: str | None) -> None:
+    """Refuse a row that names another user than the one whose key it is filed under.
+
+    Every query finds rows by the user's key; a row moved under another user's key (edited
+    in the database) would otherwise hand one user's memory to another, in a recall, a tool
+    result or an export.
+    """
+    if row_user != user_id:
+        named = user_label(row_user) if isinstance(row_user, str | None) else shown(row_user)
+        raise CorruptEntryError(
+            f"{what} is stored under {user_label(user_id)} but names {named}: the row was "
+            "moved (edited in the database)"
+        )
+
+
+def _integer(column: str, value: Any) -> int:
+    # SQLite keeps any type in any column: a fraction or a flag is not coerced into an epoch.
+    if type(value) is not int:
+        raise ValueError(f"{column} holds {shown(value)}, not an integer")
+    return value
+
+
+def _episode(row: Sequence[Any], user_id: str | None, session_id: Any = _ANY_SESSION) -> Episode:
+    _owned(f"episode {shown(row[0])}", row[2], user_id)
+    if session_id is not _ANY_SESSION and row[1] != session_id:
+        raise CorruptEntryError(
+            f"episode {shown(row[0])} is stored under session {shown(session_id)} but names "
+            f"session {shown(row[1])}: the row was moved (edited in the database)"
+        )
     try:
         return _episode_of(row)
     except ValidationError as exc:  # a value no episode holds (bytes that are no text)
@@ -125,14 +157,15 @@ def _episode_of(row: Sequence[Any]) -> Episode:
         user_id=unicode_column("user_id", user),
         key=unicode_column("episode_key", key),
         run_id=unicode_column("run_id", run),
-        epoch=None if epoch is None else int(epoch),
-        messages=decode_messages(bytes(raw), int(version), eid),
+        epoch=None if epoch is None else _integer("epoch", epoch),
+        messages=decode_messages(bytes(raw), _integer("codec_version", version), eid),
         output=unicode_column("output", output),
         created_at=timestamp(created),
     )
 
 
-def _fact(row: Sequence[Any]) -> Fact:
+def _fact(row: Sequence[Any], user_id: str | None) -> Fact:
+    _owned(f"fact {shown(row[0])}", row[1], user_id)
     try:
         return _fact_of(row)
     except ValidationError as exc:
@@ -159,7 +192,8 @@ def _fact_of(row: Sequence[Any]) -> Fact:
     )
 
 
-def _block(row: Sequence[Any]) -> Block:
+def _block(row: Sequence[Any], user_id: str | None) -> Block:
+    _owned(f"block {shown(row[1])}", row[0], user_id)
     try:
         return _block_of(row)
     except ValidationError as exc:
@@ -184,9 +218,9 @@ def _block_of(row: Sequence[Any]) -> Block:
 # does: one hand-edited row must not cost a data-subject access request the whole document.
 
 
-def _readable_episode(row: Sequence[Any]) -> Episode | UnreadableEpisode:
+def _readable_episode(row: Sequence[Any], user_id: str | None) -> Episode | UnreadableEpisode:
     try:
-        return _episode(row)
+        return _episode(row, user_id)
     except CorruptEntryError as exc:
         return UnreadableEpisode(
             id=text_of(row[0]) or "",
@@ -198,9 +232,9 @@ def _readable_episode(row: Sequence[Any]) -> Episode | UnreadableEpisode:
         )
 
 
-def _readable_fact(row: Sequence[Any]) -> Fact | UnreadableFact:
+def _readable_fact(row: Sequence[Any], user_id: str | None) -> Fact | UnreadableFact:
     try:
-        return _fact(row)
+        return _fact(row, user_id)
     except CorruptEntryError as exc:
         return UnreadableFact(
             id=text_of(row[0]) or "",
@@ -211,9 +245,9 @@ def _readable_fact(row: Sequence[Any]) -> Fact | UnreadableFact:
         )
 
 
-def _readable_block(row: Sequence[Any]) -> Block | UnreadableBlock:
+def _readable_block(row: Sequence[Any], user_id: str | None) -> Block | UnreadableBlock:
     try:
-        return _block(row)
+        return _block(row, user_id)
     except CorruptEntryError as exc:
         return UnreadableBlock(
             user_id=text_of(row[0]), name=text_of(row[1]) or "", unreadable=str(exc)
@@ -280,7 +314,7 @@ class SqlMemoryStore(ComponentStore):
             args.append(int(limit))
             sql += f" LIMIT ${len(args)}"
         rows = await self._fetch("read", sql, *args)
-        return [_episode(r) for r in reversed(rows)]
+        return [_episode(r, user_id, session_id) for r in reversed(rows)]
 
     async def delete_episodes(self, session_id: str, user_id: str | None) -> int:
         key = Scope(session_id, user_id).key
@@ -306,7 +340,7 @@ class SqlMemoryStore(ComponentStore):
             start = now
             if rows:
                 try:
-                    current: Fact | None = _fact(rows[0])
+                    current: Fact | None = _fact(rows[0], user_id)
                 except CorruptEntryError:
                     # A damaged current version (edited by hand) is superseded from now: its
                     # own start may be no time at all (text, an overflow), and the new value
@@ -340,7 +374,7 @@ class SqlMemoryStore(ComponentStore):
             rows = await tx.fetch(_CURRENT_FACT, user_key, subject, predicate)
             if not rows:
                 return None
-            retracted = _fact(rows[0])  # a damaged one is refused, before it is closed
+            retracted = _fact(rows[0], user_id)  # a damaged one is refused, before it is closed
             now = micros((await tx.fetch("SELECT {now}"))[0][0])
             end = micros(max(now, float(rows[0][5]) + TICK))
             await tx.execute(_CLOSE_FACT, user_key, subject, predicate, end, None)
@@ -377,22 +411,22 @@ class SqlMemoryStore(ComponentStore):
             + " AND ".join(where)
             + " ORDER BY seq"
         )
-        return [_fact(r) for r in await self._fetch("read", sql, *args)]
+        return [_fact(r, user_id) for r in await self._fetch("read", sql, *args)]
 
     # -- blocks ------------------------------------------------------------------------------
 
     async def set_block(self, user_id: str | None, name: str, content: str) -> Block:
         user_key = Scope(None, user_id).user_key
         rows = await self._fetch("write", _SET_BLOCK, user_key, name, user_id, content)
-        return _block(rows[0])
+        return _block(rows[0], user_id)
 
     async def get_block(self, user_id: str | None, name: str) -> Block | None:
         rows = await self._fetch("read", _GET_BLOCK, Scope(None, user_id).user_key, name)
-        return _block(rows[0]) if rows else None
+        return _block(rows[0], user_id) if rows else None
 
     async def blocks(self, user_id: str | None) -> list[Block]:
         rows = await self._fetch("read", _BLOCKS, Scope(None, user_id).user_key)
-        return [_block(r) for r in rows]
+        return [_block(r, user_id) for r in rows]
 
     async def delete_block(self, user_id: str | None, name: str) -> bool:
         user_key = Scope(None, user_id).user_key
@@ -433,7 +467,7 @@ class SqlMemoryStore(ComponentStore):
         )
         blocks = await self._fetch("read", _BLOCKS, user_key)
         return (
-            [_readable_episode(r) for r in episodes],
-            [_readable_fact(r) for r in facts],
-            [_readable_block(r) for r in blocks],
+            [_readable_episode(r, user_id) for r in episodes],
+            [_readable_fact(r, user_id) for r in facts],
+            [_readable_block(r, user_id) for r in blocks],
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -280,3 +281,81 @@ async def test_a_fact_remembered_over_a_damaged_current_version_supersedes_it(
     exported = await memory.export_user("u")
     assert ["unreadable" in f for f in exported["facts"]] == [True, False]
     await memory.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_rows_moved_under_another_users_key_are_damage_not_that_users_memory(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Rows are found by the user's key alone: alice's episode, fact and block, filed under
+    # bob's key in the database, were recalled into bob's run, read by his tools and put in
+    # his export. They now read as damaged (as a moved checkpoint does).
+    import asyncpg
+
+    dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
+    runtime = await PostgresRuntime.connect(dsn) if dsn else SqliteRuntime(tmp_path / "m.db")
+    memory = memory_for(runtime)
+    try:
+        await memory.record_episode(
+            "chat", user_id="alice", key="k", messages=[Message.user("my PIN is 1234")],
+            output="noted", epoch=0,
+        )  # fmt: skip
+        await memory.remember("alice", "pin", "1234", user_id="alice")
+        await memory.set_block("profile", "alice's secrets", user_id="alice")
+        await memory.record_episode(
+            "chat", user_id="bob", key="b", messages=[Message.user("hello")], output="hi",
+            epoch=0,
+        )  # fmt: skip
+        await memory.remember("bob", "likes", "tea", user_id="bob")
+        statements = [
+            f"UPDATE {table} SET user_key = (SELECT user_key FROM loom_memory_facts "
+            "WHERE user_id = 'bob') WHERE user_id = 'alice'"
+            for table in ("loom_memory_episodes", "loom_memory_blocks")
+        ]
+        statements.append(
+            "UPDATE loom_memory_episodes SET scope = (SELECT scope FROM loom_memory_episodes "
+            "WHERE user_id = 'bob') WHERE user_id = 'alice'"
+        )
+        statements.append(
+            "UPDATE loom_memory_facts SET user_key = (SELECT user_key FROM loom_memory_facts "
+            "WHERE user_id = 'bob') WHERE user_id = 'alice'"
+        )
+        if dsn:
+            conn = await asyncpg.connect(dsn)
+            for sql in statements:
+                await conn.execute(sql)
+            await conn.close()
+        else:
+            with sqlite3.connect(tmp_path / "m.db") as conn:
+                for sql in statements:
+                    conn.execute(sql)
+        with pytest.raises(CorruptEntryError, match="moved"):
+            await memory.episodes("chat", user_id="bob")
+        with pytest.raises(CorruptEntryError, match="moved"):
+            await memory.facts(user_id="bob")
+        with pytest.raises(CorruptEntryError, match="moved"):
+            await memory.blocks(user_id="bob")
+        with pytest.raises(CorruptEntryError, match="moved"):
+            await memory.block("profile", user_id="bob")
+        exported = await memory.export_user("bob")
+        flat = json.dumps(exported)
+        assert "1234" not in flat
+        assert "alice's secrets" not in flat
+        assert sum("unreadable" in row for kind in ("episodes", "facts", "blocks")
+                   for row in exported[kind]) == 3  # fmt: skip
+        # An agent run of bob's goes on without the session's memory; alice's turn is not sent.
+        sent: list[str] = []
+
+        def model(messages: list[Message], tools: list[ToolSpec]) -> str:
+            sent.extend(m.content for m in messages)
+            return "ok"
+
+        agent = Agent("sys", model=FunctionModel(model), runtime=runtime, memory=memory)
+        await agent.run("first", session_id="chat", user_id="bob")
+        await agent.run("what do you know?", session_id="chat", user_id="bob")
+        assert not any("1234" in text for text in sent)
+        # Writing bob's block over the moved row makes it bob's, whole.
+        block = await memory.set_block("profile", "bob's notes", user_id="bob")
+        assert block.user_id == "bob"
+    finally:
+        await runtime.close()
