@@ -36,7 +36,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 from pydantic import BaseModel
 from ulid import ULID
 
-from .._ids import check_id
+from .._ids import check_id, user_label
 from .._json import canonical_json, valid_text
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
@@ -828,7 +828,7 @@ async def _fork_source(
     source = await store.get(checkpoint_id, session_id=session_id or "", user_id=user_id)
     if source is None:
         raise CheckpointNotFoundError(
-            f"no checkpoint {checkpoint_id!r} in session {session_id!r} of user {user_id!r}"
+            f"no checkpoint {checkpoint_id!r} in session {session_id!r} of {user_label(user_id)}"
         )
     check_prompt(source, prompt)
     if (why := inconsistency(source)) is not None:

@@ -21,6 +21,7 @@ from loomflow.checkpoints import (
 from loomflow.checkpoints.migrations import SCHEMA_VERSION
 from loomflow.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     ConfigurationError,
     MigrationError,
     StoreUnavailableError,
@@ -238,3 +239,16 @@ def test_public_names_are_exported_and_sorted() -> None:
         assert names == sorted(names), module.__name__
         for name in names:
             assert getattr(module, name) is not None
+
+
+async def test_a_fork_refused_for_the_anonymous_user_names_them_so() -> None:
+    # The refusal said "of user None", naming a user called None instead of the runs
+    # without a user.
+    runtime = InMemoryRuntime()
+    agent = shopping_agent(runtime, Shop())
+    await agent.run("shop", session_id="s", user_id="alice")
+    alices = (await agent.list_checkpoints("s", user_id="alice"))[0].id
+    with pytest.raises(CheckpointNotFoundError, match=r"of the anonymous user$"):
+        await agent.resume("shop", session_id="s", from_checkpoint=alices)
+    with pytest.raises(CheckpointNotFoundError, match=r"of user 'None'$"):
+        await agent.resume("shop", session_id="s", user_id="None", from_checkpoint=alices)
