@@ -23,11 +23,13 @@ The loop itself is ``_run._Run``: one object per run, its passes as methods.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import hashlib
 import json
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
@@ -718,69 +720,87 @@ class Agent:
             user_id = user_id if user_id is not None else outer.user_id
         store = self._checkpoint_store(runtime) if self.tuning.checkpoint and not nested else None
         source: Checkpoint | None = None
+        claiming: asyncio.Lock | None = None  # held from the fork session's check to its claim
         if from_checkpoint is not None:
             source = await _fork_source(store, from_checkpoint, session_id, user_id, prompt)
             if fork_session_id == session_id:
                 raise UserError("a fork needs a session id of its own")
             # Forking into a session that has runs would continue its last run (an open one
-            # would be taken over and never resumed) or add to its history.
-            if (
-                fork_session_id is not None
-                and isinstance(runtime, JournalRuntime)
-                and await runtime.sessions(session_id=fork_session_id, user_id=user_id, limit=1)
-            ):
-                raise UserError(
-                    f"fork_session_id {fork_session_id!r} names a session that already has runs: "
-                    "a fork needs a new session (leave fork_session_id out for a fresh id)"
-                )
+            # would be taken over and never resumed) or add to its history. Two forks into
+            # one new session id in this process take turns from this check to the claim of
+            # the session, so the second sees the first's run and is refused.
+            if fork_session_id is not None and isinstance(runtime, JournalRuntime):
+                claiming = _fork_lock(runtime, fork_session_id, user_id)
+                await claiming.acquire()
+                try:
+                    taken = await runtime.sessions(
+                        session_id=fork_session_id, user_id=user_id, limit=1
+                    )
+                except BaseException:
+                    claiming.release()
+                    raise
+                if taken:
+                    claiming.release()
+                    raise UserError(
+                        f"fork_session_id {fork_session_id!r} names a session that already "
+                        "has runs: a fork needs a new session (leave fork_session_id out for a "
+                        "fresh id)"
+                    )
             session_id, resume = fork_session_id or str(ULID()), False
         elif fork_session_id is not None:
             raise UserError("fork_session_id= goes with from_checkpoint=")
         if session_id is None:
             session_id = str(ULID())
-        async with enclosing_run(
-            runtime,
-            session_id,
-            user_id,
-            metadata,
-            resume=resume,
-            strict_replay=self.tuning.strict_replay,
-            # Only a journal keeps a record (recovery reads it); building one costs a
-            # fingerprint of the configuration and a secret scan of the prompt.
-            record=(
-                self._record(prompt, metadata, structured)
-                if not nested and isinstance(runtime, JournalRuntime)
-                else None
-            ),
-        ) as (ctx, open_run):
-            restore = source
-            if restore is None and resume and store is not None:
-                restore = await latest_of_run(store, ctx, open_run, prompt)
-            yield RunStarted(run_id=ctx.run_id or "", session_id=session_id, user_id=user_id)
-            run = _Run(
-                self,
+        try:
+            async with enclosing_run(
                 runtime,
-                ctx,
-                open_run,
-                prompt,
-                history,
-                store=store,
-                restore=restore,
-                forked=source is not None,
-                memory=None if nested else self.memory,
-                structured=structured,
-            )
-            async for event in run.events():
-                if (
-                    isinstance(event, RunFinished)
-                    and not nested
-                    and isinstance(open_run, JournalRun)
-                    and event.result.interrupted
-                ):
-                    open_run.outcome = "interrupted"  # stored as the run's final status
-                # Hooks' own events (budget warnings, permission decisions, ...) travel the
-                # stream too; AgentEvent names only the agent's.
-                yield cast(AgentEvent, event)
+                session_id,
+                user_id,
+                metadata,
+                resume=resume,
+                strict_replay=self.tuning.strict_replay,
+                # Only a journal keeps a record (recovery reads it); building one costs a
+                # fingerprint of the configuration and a secret scan of the prompt.
+                record=(
+                    self._record(prompt, metadata, structured)
+                    if not nested and isinstance(runtime, JournalRuntime)
+                    else None
+                ),
+            ) as (ctx, open_run):
+                if claiming is not None:  # the fork session is ours now: let others look
+                    claiming.release()
+                    claiming = None
+                restore = source
+                if restore is None and resume and store is not None:
+                    restore = await latest_of_run(store, ctx, open_run, prompt)
+                yield RunStarted(run_id=ctx.run_id or "", session_id=session_id, user_id=user_id)
+                run = _Run(
+                    self,
+                    runtime,
+                    ctx,
+                    open_run,
+                    prompt,
+                    history,
+                    store=store,
+                    restore=restore,
+                    forked=source is not None,
+                    memory=None if nested else self.memory,
+                    structured=structured,
+                )
+                async for event in run.events():
+                    if (
+                        isinstance(event, RunFinished)
+                        and not nested
+                        and isinstance(open_run, JournalRun)
+                        and event.result.interrupted
+                    ):
+                        open_run.outcome = "interrupted"  # stored as the run's final status
+                    # Hooks' own events (budget warnings, permission decisions, ...) travel the
+                    # stream too; AgentEvent names only the agent's.
+                    yield cast(AgentEvent, event)
+        finally:
+            if claiming is not None:
+                claiming.release()
 
     def _structured(
         self, output_type: type[BaseModel] | None, output_retries: int | None
@@ -813,6 +833,18 @@ def _count_audit_entries(telemetry: RunPlugin, audit: RunPlugin) -> None:
         metrics = telemetry.metrics
     if metrics is not None:
         metrics.count_audit(audit)
+
+
+# Per journal object, the (fork session, user) pairs a fork is about to claim; entries go
+# with their runtime.
+_fork_locks: weakref.WeakKeyDictionary[
+    JournalRuntime, dict[tuple[str, str | None], asyncio.Lock]
+] = weakref.WeakKeyDictionary()
+
+
+def _fork_lock(runtime: JournalRuntime, session_id: str, user_id: str | None) -> asyncio.Lock:
+    locks = _fork_locks.setdefault(runtime, {})
+    return locks.setdefault((session_id, user_id), asyncio.Lock())
 
 
 async def _fork_source(

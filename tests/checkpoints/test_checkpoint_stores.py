@@ -252,3 +252,47 @@ async def test_a_fork_refused_for_the_anonymous_user_names_them_so() -> None:
         await agent.resume("shop", session_id="s", from_checkpoint=alices)
     with pytest.raises(CheckpointNotFoundError, match=r"of user 'None'$"):
         await agent.resume("shop", session_id="s", user_id="None", from_checkpoint=alices)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_concurrent_forks_into_one_new_session_id_fork_once(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Each fork checked that its fork_session_id had no runs before any of them had claimed
+    # it, so on SQLite all three forked into one session: the tools ran three times, and the
+    # session held three runs where the docs promise a refusal.
+    if backend == "postgres":
+        runtime: SqliteRuntime | PostgresRuntime = await PostgresRuntime.connect(
+            request.getfixturevalue("pg_dsn")
+        )
+    else:
+        runtime = SqliteRuntime(tmp_path / "journal.db")
+    shop = Shop()
+    agent = shopping_agent(runtime, shop)
+    try:
+        await agent.run("shop", session_id="s", user_id="u")
+        first_pass = (await agent.list_checkpoints("s", user_id="u"))[-1]
+        bought = len(shop.bought)
+        outcomes = await asyncio.gather(
+            *(
+                agent.resume(
+                    "shop",
+                    session_id="s",
+                    user_id="u",
+                    from_checkpoint=first_pass.id,
+                    fork_session_id="retry-1",
+                )
+                for _ in range(3)
+            ),
+            return_exceptions=True,
+        )
+        forked = [o for o in outcomes if not isinstance(o, BaseException)]
+        refused = [o for o in outcomes if isinstance(o, UserError)]
+        assert len(forked) == 1
+        assert len(refused) == 2
+        assert all("already has runs" in str(o) for o in refused)
+        assert shop.bought[bought:] == ["bread", "cheese"]  # the fork's turns, once
+        [session] = await runtime.sessions(session_id="retry-1", user_id="u")
+        assert session.epoch == 1  # one run
+    finally:
+        await runtime.close()
