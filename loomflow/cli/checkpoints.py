@@ -50,15 +50,23 @@ def register(subparsers: Any) -> None:
     who.add_argument("--anonymous", action="store_true", help="the session without a user")
 
     export = commands.add_parser("export", help="every checkpoint of a user, as one JSON document")
-    export.add_argument("--user", dest="user_id", required=True)
+    _whose(export)
     export.add_argument("-o", "--output", default="-", help="file to write ('-': stdout)")
 
     forget = commands.add_parser("forget", help="delete every checkpoint of a user")
-    forget.add_argument("--user", dest="user_id", required=True)
+    _whose(forget)
     forget.add_argument("--yes", action="store_true", help="really delete (required)")
     forget.add_argument("--json", action="store_true")
 
     group.set_defaults(handler=_handle)
+
+
+def _whose(parser: argparse.ArgumentParser) -> None:
+    # The runs without a user are a bucket of their own: their snapshots are exported and
+    # erased like any user's.
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument("--user", dest="user_id", help="the user id")
+    who.add_argument("--anonymous", action="store_true", help="the snapshots without a user")
 
 
 async def _handle(args: argparse.Namespace) -> int:

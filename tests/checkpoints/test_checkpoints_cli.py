@@ -113,3 +113,44 @@ def test_a_bad_url_is_a_loomflow_error() -> None:
     bad = loomflow("--url", "mysql://x", "checkpoints", "list", "s")
     assert bad.returncode == 1
     assert "scheme" in bad.stderr
+
+
+def test_export_and_forget_the_anonymous_snapshots(tmp_path: Path) -> None:
+    # list and show took --anonymous, export and forget only --user: the snapshots of runs
+    # without a user could not be exported or erased here (--user '' is an empty id).
+    path = tmp_path / "journal.db"
+
+    async def record() -> None:
+        runtime = SqliteRuntime(path)
+        shop = Shop()
+        try:
+            agent = Agent(
+                "You shop.",
+                model=shop.model,
+                tools=[shop.tool],
+                runtime=runtime,
+                tuning=Tuning(checkpoint=True),
+            )
+            await agent.run("shop", session_id="s")
+            await agent.run("shop", session_id="s", user_id="alice")
+        finally:
+            await runtime.close()
+
+    asyncio.run(record())
+    url = f"sqlite:///{path}"
+    exported = loomflow("--url", url, "checkpoints", "export", "--anonymous")
+    assert exported.returncode == 0, exported.stderr
+    document = json.loads(exported.stdout)
+    assert document["user_id"] is None
+    assert {c["user_id"] for c in document["checkpoints"]} == {None}
+    assert len(document["checkpoints"]) == 4
+    both = loomflow("--url", url, "checkpoints", "export", "--anonymous", "--user", "alice")
+    assert both.returncode == 2
+    neither = loomflow("--url", url, "checkpoints", "export")
+    assert neither.returncode == 2
+    forgot = loomflow("--url", url, "checkpoints", "forget", "--anonymous", "--yes", "--json")
+    assert json.loads(forgot.stdout) == {"user_id": None, "deleted": 4}
+    left = loomflow("--url", url, "checkpoints", "list", "s", "--user", "alice", "--json")
+    assert len(left.stdout.splitlines()) == 4
+    gone = loomflow("--url", url, "checkpoints", "list", "s", "--anonymous", "--json")
+    assert gone.stdout == ""
