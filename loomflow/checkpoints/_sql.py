@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from .._ids import user_label
+from .._ids import check_id, user_label
 from .._printable import shown, text_of, unicode_column
 from ..config import Settings
 from ..errors import CheckpointError
@@ -252,6 +252,9 @@ class SqlCheckpointStore(ComponentStore):
         self, checkpoint_id: str, *, session_id: str, user_id: str | None
     ) -> Checkpoint | None:
         key = Scope.checked(session_id, user_id).key
+        # Refused by name, as from_checkpoint= is: a NUL or a lone surrogate was a
+        # StoreUnavailableError on PostgreSQL (a database that is down, which callers retry).
+        check_id("checkpoint_id", checkpoint_id, optional=False)
         rows = await self._fetch("read", _GET, key, checkpoint_id)
         return _row(rows[0], user_id, session_id) if rows else None
 

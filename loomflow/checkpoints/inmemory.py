@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .._ids import check_id
 from ..runtime._store import Scope
 from ._types import Checkpoint, UnreadableCheckpoint, timestamp
 
@@ -64,7 +65,9 @@ class InMemoryCheckpointStore:
     async def get(
         self, checkpoint_id: str, *, session_id: str, user_id: str | None
     ) -> Checkpoint | None:
-        for _, checkpoint in self._rows.get(Scope.checked(session_id, user_id).key, []):
+        scope = Scope.checked(session_id, user_id)
+        check_id("checkpoint_id", checkpoint_id, optional=False)  # as the SQL stores do
+        for _, checkpoint in self._rows.get(scope.key, []):
             if checkpoint.id == checkpoint_id:
                 return checkpoint
         return None

@@ -245,6 +245,11 @@ class CheckpointConformance:
             await store.latest("s\x00", user_id="u")
         with pytest.raises(UserError, match="string"):
             await store.latest("s", user_id=7)  # type: ignore[arg-type]
+        # A checkpoint id follows the same rules: a NUL or a lone surrogate is no database
+        # error (PostgreSQL's was a StoreUnavailableError), and an empty id is no lookup.
+        for bad, why in (("a\x00b", "NUL"), ("\ud800", "surrogate"), ("", "must not be empty")):
+            with pytest.raises(UserError, match=why):
+                await store.get(bad, session_id="s", user_id="u")
 
     # -- through the agent -------------------------------------------------------------------
 
