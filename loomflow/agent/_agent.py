@@ -844,7 +844,23 @@ _fork_locks: weakref.WeakKeyDictionary[
 
 def _fork_lock(runtime: JournalRuntime, session_id: str, user_id: str | None) -> asyncio.Lock:
     locks = _fork_locks.setdefault(runtime, {})
-    return locks.setdefault((session_id, user_id), asyncio.Lock())
+    return locks.setdefault((session_id, user_id), _ForkLock(locks, (session_id, user_id)))
+
+
+class _ForkLock(asyncio.Lock):
+    """A fork session's lock, dropped from its runtime's table once nobody holds or awaits it
+    (fork session ids are new each time: the table must not grow with them)."""
+
+    def __init__(
+        self, table: dict[tuple[str, str | None], asyncio.Lock], key: tuple[str, str | None]
+    ) -> None:
+        super().__init__()
+        self._table, self._key = table, key
+
+    def release(self) -> None:
+        super().release()
+        if not self.locked() and not self._waiters and self._table.get(self._key) is self:
+            del self._table[self._key]
 
 
 async def _fork_source(

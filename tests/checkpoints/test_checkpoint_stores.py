@@ -294,5 +294,8 @@ async def test_concurrent_forks_into_one_new_session_id_fork_once(
         assert shop.bought[bought:] == ["bread", "cheese"]  # the fork's turns, once
         [session] = await runtime.sessions(session_id="retry-1", user_id="u")
         assert session.epoch == 1  # one run
+        from loomflow.agent._agent import _fork_locks
+
+        assert _fork_locks[runtime] == {}  # fork session ids are new each time: none kept
     finally:
         await runtime.close()
