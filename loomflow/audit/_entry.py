@@ -115,7 +115,8 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
 
     Raises:
         AuditError: ``value`` has no canonical form in that version (a NaN, an integer beyond
-            2**53 - 1 in version 2, text that is not valid Unicode), or the version is unknown.
+            2**53 - 1 in version 2, text that is not valid Unicode, nesting too deep to walk),
+            or the version is unknown.
     """
     try:
         if hash_version in (2, 3):
@@ -129,6 +130,12 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
     except (rfc8785.CanonicalizationError, ValueError, TypeError) as exc:
         # UnicodeEncodeError is a ValueError; rfc8785's own errors are too, named for clarity.
         raise AuditError(f"no canonical JSON (hash version {hash_version}): {exc}") from exc
+    except RecursionError:
+        # Stored data nested deeper than the walk can go (the parser reads a little deeper
+        # than this walk does): damage to report, not a crash of verify or erasure.
+        raise AuditError(
+            f"no canonical JSON (hash version {hash_version}): it is nested too deep"
+        ) from None
     raise AuditError(
         f"unknown audit hash version {hash_version!r}: this loomflow checks versions "
         f"{', '.join(map(str, HASH_VERSIONS))}"

@@ -26,7 +26,7 @@ from loomflow.audit import (
     SqliteAuditStore,
     verify_lines,
 )
-from loomflow.errors import InvalidIdError, LegalHoldError, UserError
+from loomflow.errors import AuditIntegrityError, InvalidIdError, LegalHoldError, UserError
 from loomflow.models import ScriptedModel
 
 
@@ -226,3 +226,38 @@ async def test_an_export_line_with_retyped_numbers_is_unreadable(tmp_path: Path)
     assert line != lines[1]
     report = verify_lines([lines[0], line, lines[2]])
     assert ("unreadable", 2) in [(p.kind, p.position) for p in report.problems]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_payload_nested_too_deep_to_hash_is_reported_not_a_crash(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # 700 lists deep: Python's JSON parser still reads it, but walking it for the hash ran
+    # out of stack, and verify, an export's check and forget died with a RecursionError.
+    deep = '{"n":' + "[" * 700 + "]" * 700 + "}"
+    store: AuditStore
+    if kind == "sqlite":
+        store = SqliteAuditStore(tmp_path / "audit.db")
+    else:
+        dsn = request.getfixturevalue("pg_dsn")
+        store = PostgresAuditStore(dsn)
+    await store.open()
+    try:
+        await store.append([_record("alice") for _ in range(3)] + [_record("bob")] * 2)
+        edit = f"UPDATE loom_audit SET payload = '{deep}' WHERE user_id = 'alice' AND seq = 2"
+        if kind == "sqlite":
+            await _relabel_sqlite(tmp_path / "audit.db", edit)
+        else:
+            await _relabel_postgres(dsn, edit)
+        report = await store.verify()
+        assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [("alice", "edited", 2)]
+        assert "nested too deep" in report.problems[0].detail
+        assert (await store.verify(user_id="bob")).ok
+        # The erasure that would hide the change is refused, as for any edited payload.
+        with pytest.raises(AuditIntegrityError, match="seq 2"):
+            await store.check_erasable("alice")
+        lines = [e.to_line() async for e in store.entries()]
+        offline = verify_lines(lines)
+        assert [(p.user_id, p.kind, p.seq) for p in offline.problems] == [("alice", "edited", 2)]
+    finally:
+        await store.close()
