@@ -671,11 +671,23 @@ const outside = new Map(); // user key -> {number, entry, reasons, more}, by fir
 let headerAt = null; // the header's line number
 let number = 0;
 let first = true;
-const input = createReadStream(null, { fd, encoding: 'utf8' });
+// Read byte for byte (latin1) and decoded line by line: a 'utf8' stream would put U+FFFD in
+// place of a byte that is not UTF-8, and the line would then be checked as an edited entry;
+// loomflow reports such a line as unreadable, where it is.
+const input = createReadStream(null, { fd, encoding: 'latin1' });
+const utf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true });
 // readline splits at \n and \r only; loomflow writes U+2028 and U+2029 escaped anyway.
 try {
-  for await (const line of createInterface({ input, crlfDelay: Infinity })) {
+  for await (const bytes of createInterface({ input, crlfDelay: Infinity })) {
     number += 1;
+    let line;
+    try {
+      line = utf8.decode(Buffer.from(bytes, 'latin1'));
+    } catch {
+      first = false;
+      problem(null, 'unreadable', null, number, 'not an audit entry: the line is not UTF-8 text');
+      continue;
+    }
     if (BLANK.test(line)) continue;
     if (first) {
       first = false;

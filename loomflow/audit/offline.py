@@ -64,7 +64,9 @@ def verify_lines(
     that says which ``--user`` checks the export alone.
 
     Args:
-        lines: The export's lines (a file object works); blank lines are skipped.
+        lines: The export's lines (a file object works); blank lines are skipped. Open the
+            file with ``errors="surrogateescape"``: a line holding bytes that are not UTF-8
+            is then ``unreadable`` where it is, instead of stopping the whole check.
         heads: Heads recorded earlier. Trails keep growing after a head is saved, so the
             export may go on past it, but the entry at each saved head's ``seq`` must be the
             one it names (else ``head_mismatch``: the trail was rewritten), and an export that
@@ -82,7 +84,8 @@ def verify_lines(
         ``loomflow audit export --user alice -o alice.jsonl``, checked against every user's
         saved heads::
 
-            verify_lines(open("alice.jsonl"), heads=heads, user_id="alice")
+            with open("alice.jsonl", encoding="utf-8", errors="surrogateescape") as lines:
+                verify_lines(lines, heads=heads, user_id="alice")
     """
     only = None
     if user_id is not ANY_USER:
@@ -102,6 +105,15 @@ def verify_lines(
     first = True
     for number, line in enumerate(lines, 1):
         if not line.strip():
+            continue
+        not_text = _not_utf8(line)
+        if not_text is not None:
+            # Reported where it is, like any line that is not an entry: the rest of the file,
+            # every other user's trail included, is still checked.
+            first = False
+            report.problems.append(
+                ChainProblem(None, "unreadable", None, number, f"not an audit entry: {not_text}")
+            )
             continue
         if first:
             first = False
@@ -156,6 +168,23 @@ def verify_lines(
     if only is None and named is not ANY_USER:
         report.warnings.append(ChainProblem(named, "unscoped", None, header_at, _unscoped(named)))
     return report
+
+
+def _not_utf8(line: str) -> str | None:
+    """Why ``line`` is not UTF-8 text, or ``None`` if it is.
+
+    An export opened with ``errors="surrogateescape"`` (as ``verify --file`` opens it) keeps
+    each byte that is not UTF-8 as a lone surrogate, so the line says which byte it was.
+    """
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            line.encode("utf-8", "surrogateescape").decode("utf-8")
+        except UnicodeError as exc:
+            return f"the line is not UTF-8 text ({exc})"
+        return "the line is not UTF-8 text"  # pragma: no cover - encode refused it above
+    return None
 
 
 def read_export_header(line: str) -> dict[str, Any] | None:

@@ -252,7 +252,8 @@ def _saved_heads(args: argparse.Namespace) -> list[ChainHead]:
 def _verify_file(args: argparse.Namespace) -> int:
     heads = _saved_heads(args)
     try:
-        with args.file.open(encoding="utf-8") as lines:
+        # A byte that is not UTF-8 makes its own line unreadable, not the whole file.
+        with args.file.open(encoding="utf-8", errors="surrogateescape") as lines:
             report = verify_lines(lines, heads=heads, user_id=_user(args))
     except OSError as exc:
         raise AuditError(f"cannot read {exc.filename}: {exc.strerror}") from exc

@@ -256,3 +256,33 @@ async def test_verify_reports_a_row_with_a_malformed_seq_and_checks_the_other_tr
     assert verified.returncode == 1
     assert "Traceback" not in verified.stderr
     assert "seq is 'four'" in verified.stdout
+
+
+async def test_verify_file_reports_a_line_that_is_not_utf8_where_it_is(tmp_path: Path) -> None:
+    # One byte that is not UTF-8 stopped the whole check ("a file read is not UTF-8 text (a
+    # .env saved as UTF-16?)"): no other line, nor any other user's trail, was checked.
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    url = f"sqlite:///{db}"
+    out = tmp_path / "all.jsonl"
+    assert loomflow("audit", "--audit-url", url, "export", "-o", str(out)).returncode == 0
+    heads = tmp_path / "heads.json"
+    heads.write_text(loomflow("audit", "--audit-url", url, "verify", "--json").stdout)
+    lines = out.read_bytes().split(b"\n")
+    at = next(i for i, line in enumerate(lines) if b'"seq":3' in line and b'"alice"' in line)
+    lines[at] = lines[at].replace(b'"agent:a"', b'"agent:\xffa"', 1)
+    out.write_bytes(b"\n".join(lines))
+    for extra in ([], ["--heads", str(heads)]):
+        checked = loomflow("audit", "verify", "--file", str(out), "--json", *extra)
+        assert checked.returncode == 1, checked.stderr
+        report = json.loads(checked.stdout)
+        # The line, and the gap it leaves in alice's trail.
+        assert [(p["kind"], p["user_id"], p["seq"]) for p in report["problems"]] == [
+            ("unreadable", None, None),
+            ("missing", "alice", 3),
+        ], report["problems"]
+        assert report["problems"][0]["position"] == at + 1
+        assert "not UTF-8" in report["problems"][0]["detail"]
+        assert "0xff" in report["problems"][0]["detail"]
+        # Every other line was read and checked: alice's other four, and all of bob's.
+        assert (report["users"], report["entries"]) == (2, 9)

@@ -725,3 +725,26 @@ def test_the_node_verifier_keeps_the_payloads_loomflow_keeps() -> None:
     source = (TOOLS / "verify-audit-export.mjs").read_text(encoding="utf-8")
     for action in KEPT_BY_ERASURE:
         assert f"'{action}'" in source, action
+
+
+async def test_node_reports_a_line_that_is_not_utf8_as_python_does(
+    verifier: Path, tmp_path: Path
+) -> None:
+    # Node's 'utf8' stream read the byte as U+FFFD and called the line an edited entry;
+    # loomflow (verify --file) stopped at it. Both now report it unreadable, where it is.
+    export, heads, lines = await _export(tmp_path)
+    raw = [line.encode("utf-8") for line in lines]
+    at = _at(lines, A, 2)
+    raw[at] = raw[at].replace(b'"agent:refunds"', b'"agent:\xc0\xafrefunds"', 1)
+    raw.insert(0, b"\xef\xbb\xbf")  # a lone byte order mark is text: a line that is no entry
+    export.write_bytes(b"".join(line + b"\n" for line in raw))
+    with export.open(encoding="utf-8", errors="surrogateescape") as fh:
+        python = verify_lines(fh, heads=heads_from_json(json.loads(heads.read_text()))).to_json()
+    assert [(p["kind"], p["position"]) for p in python["problems"]] == [
+        ("unreadable", 1),
+        ("unreadable", at + 2),
+        ("missing", at + 5),  # alice's entry 3, the line after her 2 (three users a round)
+    ], python["problems"]
+    done = _node(verifier, "--json", export, heads)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert _findings(json.loads(done.stdout)) == _findings(python)
