@@ -178,11 +178,20 @@ function topLevelTexts(text) {
 
 // What JSON.parse lets through and loomflow refuses (its read_json): a key given twice in one
 // object, at any depth (JSON.parse keeps the last value, SQLite's json_extract the first, so
-// one text would be two entries), or a number with a fraction or exponent beyond a double's
-// range (JSON.parse reads 1e400 as Infinity). Only called on text JSON.parse accepted.
+// one text would be two entries), a number with a fraction or exponent beyond a double's
+// range (JSON.parse reads 1e400 as Infinity), or an integer of more digits than Python reads
+// (4300). Only called on text JSON.parse accepted.
+//
+// Returns the integers written beyond 2**53 - 1 (either sign), each with its path of keys and
+// list indexes: JSON.parse rounds them (100000000000000000001 becomes 1e20), where loomflow
+// keeps them exact and, as RFC 8785 has no form for them, cannot hash them. See
+// firstUnsafeInteger.
 const NUMBER = /-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/y;
+const PYTHON_MAX_DIGITS = 4300; // sys.get_int_max_str_digits(): json.loads refuses more
 function checkStrict(text) {
   const open = []; // the keys of each object open around `at` (null for a list), innermost last
+  const path = []; // the key or list index of the value being read, in each open container
+  const unsafe = [];
   let keyNext = false; // the next string is a key
   let at = 0;
   while (at < text.length) {
@@ -198,6 +207,7 @@ function checkStrict(text) {
           throw new Error(`the key ${JSON.stringify(key).slice(0, 80)} is given twice in one object`);
         }
         keys.add(key);
+        path[path.length - 1] = key;
       }
       keyNext = false;
       continue;
@@ -206,26 +216,61 @@ function checkStrict(text) {
       NUMBER.lastIndex = at;
       const number = NUMBER.exec(text)[0];
       at = NUMBER.lastIndex;
-      if (/[.eE]/.test(number) && !Number.isFinite(Number(number))) {
-        throw new Error(`the number ${number.slice(0, 40)} is beyond the range of JSON readers`);
+      if (/[.eE]/.test(number)) {
+        if (!Number.isFinite(Number(number))) {
+          throw new Error(`the number ${number.slice(0, 40)} is beyond the range of JSON readers`);
+        }
+      } else if (number.replace('-', '').length > PYTHON_MAX_DIGITS) {
+        throw new Error(`the integer ${number.slice(0, 40)}... has more than ${PYTHON_MAX_DIGITS} digits`);
+      } else if (!Number.isSafeInteger(Number(number))) {
+        unsafe.push({ path: [...path], text: number });
       }
       continue;
     }
     if (c === '{') {
       open.push(new Set());
+      path.push(undefined);
       keyNext = true;
     } else if (c === '[' || c === '}' || c === ']') {
-      if (c === '[') open.push(null);
-      else open.pop();
+      if (c === '[') {
+        open.push(null);
+        path.push(0);
+      } else {
+        open.pop();
+        path.pop();
+      }
       keyNext = false;
     } else if (c === ',') {
       keyNext = open[open.length - 1] !== null;
+      if (!keyNext) path[path.length - 1] += 1;
     } else if (c === ':') {
       keyNext = false;
     } // whitespace, and the letters of true, false and null, change nothing
     at += 1;
   }
+  return unsafe;
 }
+
+// Of the integers checkStrict found beyond 2**53 - 1, the text of the first one under the
+// line's top-level keys `within` that RFC 8785 meets, walking keys in its order (UTF-16
+// units, as JavaScript sorts) and lists in theirs: the one loomflow's canonicalizer names
+// when it refuses to hash them. Undefined when they hold none.
+function firstUnsafeInteger(unsafe, within) {
+  const before = (a, b) => {
+    for (let i = 0; i < Math.min(a.length, b.length); i += 1) {
+      if (a[i] !== b[i]) return a[i] < b[i];
+    }
+    return a.length < b.length;
+  };
+  let first;
+  for (const found of unsafe) {
+    if (!within.includes(found.path[0])) continue;
+    if (first === undefined || before(found.path, first.path)) first = found;
+  }
+  return first?.text;
+}
+const noCanonicalForm = (version, text) =>
+  `no canonical JSON (hash version ${version}): ${text} exceeds safe integer domain for JSON floats`;
 
 const TIME = /^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z$/;
 
@@ -323,7 +368,7 @@ function outsideReasons(entry, key) {
 // The entry on a line, or an Error saying why the line is not one (loomflow: "unreadable").
 function readEntry(line) {
   const data = JSON.parse(line); // NaN and Infinity are not JSON, here as in loomflow
-  checkStrict(line);
+  const unsafe = checkStrict(line);
   if (typeof data !== 'object' || data === null || Array.isArray(data)) {
     throw new Error(`a JSON ${Array.isArray(data) ? 'list' : typeof data}, not an object`);
   }
@@ -370,6 +415,10 @@ function readEntry(line) {
     prev_hash: data.prev_hash,
     hash: data.hash,
   };
+  // Not a field: the integers JSON.parse rounded, which loomflow cannot hash.
+  Object.defineProperty(entry, 'unsafe', { value: unsafe });
+  // ...and hash_version as written, for the report (18446744073709551616, not ...552000).
+  Object.defineProperty(entry, 'versionText', { value: texts.get('hash_version') ?? '1' });
   if (entry.hash_version < DIGESTED_VERSION &&
       (entry.payload_digest !== null || entry.payload_salt !== null)) {
     throw new Error(`a hash version ${entry.hash_version} entry has no payload_digest or salt`);
@@ -574,18 +623,27 @@ class ChainCheck {
       return null;
     }
     if (version !== 2 && version !== 3) {
-      return `its content cannot be hashed (unknown audit hash version ${version}: ` +
+      return `its content cannot be hashed (unknown audit hash version ${entry.versionText}: ` +
         'this loomflow checks versions 1, 2, 3)';
     }
     rehashed += 1;
+    const hashed = hashedBody(entry);
+    const unsafeHashed = firstUnsafeInteger(entry.unsafe, Object.keys(hashed));
+    if (unsafeHashed !== undefined) {
+      return `its content cannot be hashed (${noCanonicalForm(version, unsafeHashed)})`;
+    }
     try {
-      if (sha256(rfc8785(hashedBody(entry))) !== entry.hash) return 'it no longer matches its hash';
+      if (sha256(rfc8785(hashed)) !== entry.hash) return 'it no longer matches its hash';
     } catch (err) {
       return `its content cannot be hashed (${err.message})`;
     }
     if (version < DIGESTED_VERSION || entry.payload === null) return null;
     if (!isText(entry.payload_salt) || !isText(entry.payload_digest)) {
       return 'its payload has no salt or digest';
+    }
+    const unsafePayload = firstUnsafeInteger(entry.unsafe, ['payload']);
+    if (unsafePayload !== undefined) {
+      return `its payload cannot be hashed (${noCanonicalForm(version, unsafePayload)})`;
     }
     try {
       const digest = sha256(rfc8785({ payload: entry.payload, salt: entry.payload_salt }));

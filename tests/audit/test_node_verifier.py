@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rfc8785
 
 from loomflow.audit import AuditEntry, AuditRecord, SqliteAuditStore, heads_from_json, verify_lines
 from loomflow.audit._entry import canonical_json, user_key
@@ -457,6 +459,23 @@ def _blanked(lines: Lines, user: str | None, seq: int) -> Lines:
     return _set(lines, user, seq, payload=None, payload_salt=None)
 
 
+def _rounded(lines: Lines, user: str | None, seq: int) -> Lines:
+    """A payload integer past 2**53 - 1 (written exactly), with the digest and hash that a
+    JavaScript reader computes, over the double JSON.parse rounds it to."""
+    i = _at(lines, user, seq)
+    data = json.loads(lines[i])
+    big = 2**53 + 1
+    salted = {"payload": {"i": float(big)}, "salt": data["payload_salt"]}
+    data |= {"payload": {"i": big}, "payload_digest": _sha256(rfc8785.dumps(salted))}
+    body = {k: v for k, v in data.items() if k not in ("hash", "payload", "payload_salt")}
+    data["hash"] = _sha256(rfc8785.dumps(body))
+    return [*lines[:i], canonical_json(data), *lines[i + 1 :]]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _header(user: str | None) -> str:
     """The first line of ``loomflow audit export --user USER``."""
     return canonical_json({"filters": {"user_id": user}, "loomflow_audit_export": 1})
@@ -528,6 +547,21 @@ TAMPERS: dict[str, Any] = {
     "a key twice in a payload": lambda ls: _raw(ls, A, 2, '"payload":{', '"payload":{"i":7,'),
     "a key twice deep in a payload": lambda ls: _raw(
         ls, "dee", 1, '"payload":{', '"payload":{"x":[{"k":1,"k":1}],'
+    ),
+    # JSON.parse rounds an integer past 2**53 - 1 (9007199254740993 reads as ...992), where
+    # loomflow keeps it exact and cannot hash it: the Node verifier took the rounded value.
+    "a payload integer past 2**53": lambda ls: _raw(
+        ls, A, 2, '"i":1}', '"i":100000000000000000001}'
+    ),
+    "a payload integer past 2**53, hashed as rounded": lambda ls: _rounded(ls, A, 2),
+    "schema_version past 2**53": lambda ls: _raw(
+        ls, A, 2, '"schema_version":1,', '"schema_version":18446744073709551617,'
+    ),
+    "hash_version past 2**53": lambda ls: _raw(
+        ls, A, 2, '"hash_version":3,', '"hash_version":18446744073709551617,'
+    ),
+    "an integer of more digits than Python reads": lambda ls: _raw(
+        ls, A, 2, '"i":1}', '"i":' + "1" * 4301 + "}"
     ),
     "a number beyond a double in a payload": lambda ls: _raw(
         ls, A, 2, '"payload":{', '"payload":{"x":1e400,'
