@@ -73,6 +73,7 @@ __all__ = [
     "read_stored_payload",
     "rest_digest",
     "time_us_of_text",
+    "too_deep",
     "user_key",
 ]
 
@@ -291,7 +292,19 @@ class AuditRecord(BaseModel):
         check_id("run_id", self.run_id)
         _check_text("actor", self.actor, optional=False)
         check_key("action", self.action, optional=False)  # indexed next to the user key
-        return self.model_copy(update={"payload": portable(json_safe(self.payload))})
+        try:
+            payload = portable(json_safe(self.payload))
+        except RecursionError:
+            raise too_deep(self.action) from None
+        return self.model_copy(update={"payload": payload})
+
+
+def too_deep(action: str) -> InvalidArgumentError:
+    """The error for a payload nested deeper than the walks that store it can go."""
+    return InvalidArgumentError(
+        f"the payload of the {action[:80]!r} audit entry is nested too deep to store, or "
+        "contains itself"
+    )
 
 
 class AuditEntry(BaseModel):

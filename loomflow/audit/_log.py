@@ -36,7 +36,7 @@ from ..redaction import Redactor, install_log_redaction
 from ..runtime import StepEvent
 from ..tools import Tool, ToolOutcome
 from . import actions
-from ._entry import AuditEntry, AuditRecord
+from ._entry import AuditEntry, AuditRecord, too_deep
 from ._store import ANY_USER, AuditPage, AuditStore, ChainHead, VerifyReport
 from ._url import audit_store_from_url
 
@@ -128,6 +128,8 @@ class AuditLog:
         Raises:
             InvalidIdError: an id is not a string, is empty or too long, or holds a control
                 character.
+            InvalidArgumentError: the payload is nested too deep to store (some hundreds of
+                levels), or contains itself.
             UserError: ``action`` is one loomflow keeps for itself (``audit.*``,
                 ``legal_hold.*``, ``console.*``: erasures, holds and the console's record of
                 looks, which verification and erasure rely on), or ``user_id`` names a
@@ -148,6 +150,10 @@ class AuditLog:
                 f"user id {user_id[:80]!r} names a console chain (console:<name>), which only "
                 "the console writes"
             )
+        try:
+            redacted = self.redactor.value(dict(payload or {}), max_text=self.max_text)
+        except RecursionError:
+            raise too_deep(action) from None
         entries = await self._append(
             [
                 AuditRecord(
@@ -156,7 +162,7 @@ class AuditLog:
                     run_id=run_id,
                     actor=actor,
                     action=action,
-                    payload=self.redactor.value(dict(payload or {}), max_text=self.max_text),
+                    payload=redacted,
                 )
             ]
         )

@@ -26,7 +26,13 @@ from loomflow.audit import (
     SqliteAuditStore,
     verify_lines,
 )
-from loomflow.errors import AuditIntegrityError, InvalidIdError, LegalHoldError, UserError
+from loomflow.errors import (
+    AuditIntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    LegalHoldError,
+    UserError,
+)
 from loomflow.models import ScriptedModel
 
 
@@ -261,3 +267,26 @@ async def test_a_payload_nested_too_deep_to_hash_is_reported_not_a_crash(
         assert [(p.user_id, p.kind, p.seq) for p in offline.problems] == [("alice", "edited", 2)]
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("shape", ["deep", "cycle"])
+async def test_a_payload_too_deep_to_store_is_a_typed_error(store: AuditStore, shape: str) -> None:
+    # It was a bare RecursionError out of the redactor or the JSON conversion.
+    payload: dict[str, Any] = {}
+    if shape == "deep":
+        value: Any = 1
+        for _ in range(5000):
+            value = [value]
+        payload["v"] = value
+    else:
+        payload["self"] = payload
+    log = AuditLog(store)
+    with pytest.raises(InvalidArgumentError, match="nested too deep"):
+        await log.record("app.note", user_id="ana", actor="app", payload=payload)
+    with pytest.raises(InvalidArgumentError, match="nested too deep"):
+        await store.append(
+            AuditRecord(user_id="ana", actor="app", action="app.note", payload=payload)
+        )
+    assert await store.count() == 0
+    await log.record("app.note", user_id="ana", actor="app", payload={"v": [[[1]]]})
+    assert (await store.verify()).ok
