@@ -495,6 +495,8 @@ class Stores:
             raise UnknownUserError(f"no store holds anything about {user_label(user_id)}")
         for chain in await self._console_mentions(user_id):
             await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
+            await self._check_appendable(chain)
+        await self._check_appendable(user_id)
         await self._check_trail_readable(user_id)
         runtime = self.runtime
         if runtime is not None:
@@ -513,6 +515,17 @@ class Stores:
             erased = await audit.erase_entries(chain, seqs, reason="forget", actor=actor)
             report.console_erased += erased.erased
         return report
+
+    async def _check_appendable(self, user_id: str | None) -> None:
+        """The erasure records are appends: a trail whose appends the store refuses (a
+        JSON-lines log found it damaged) must stop a forget before the other stores are
+        emptied, or the user's data would go with no record of the forget in the trail."""
+        try:
+            await self.audit.check_appendable(user_id)
+        except AuditIntegrityError as exc:
+            raise AuditIntegrityError(
+                f"forget of {user_label(user_id)} stopped before deleting anything: {exc}"
+            ) from exc
 
     async def _check_trail_readable(self, user_id: str | None) -> None:
         """Read the user's audit trail as the erasure will, before anything is deleted: a

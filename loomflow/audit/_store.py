@@ -702,6 +702,11 @@ class AuditStore(abc.ABC):
         """Raise :class:`~loomflow.errors.ErasureRefusedError` if this store's connection may
         not erase payloads (checked before anything is deleted anywhere)."""
 
+    async def check_appendable(self, user_id: str | None) -> None:  # noqa: B027 - JSONL only
+        """Raise :class:`~loomflow.errors.AuditIntegrityError` if this store refuses appends to
+        the user's trail (a JSON-lines log refuses them for a trail it found damaged), so that
+        a forget, whose erasure record is such an append, stops before deleting anything."""
+
     async def check_not_held(self, user_id: str | None) -> None:
         """Raise :class:`~loomflow.errors.LegalHoldError` (naming the hold) if the user is held."""
         await self.open()

@@ -403,19 +403,36 @@ class JsonlAuditStore(AuditStore):
                 f"cannot append to the audit log {self.path}: {exc.strerror or exc}"
             ) from exc
 
+    def _refuse_damaged(self, heads: dict[str, Any], key: str, user_id: str | None) -> None:
+        damage = heads.get("damaged", {}).get(key)
+        if damage is not None:
+            why = damage.get("problem")
+            if isinstance(damage.get("detail"), str):
+                why = f"{why}: {damage['detail']}"
+            raise AuditIntegrityError(
+                f"the audit trail of user {user_id!r} in {self.path} is damaged "
+                f"({why}): its appends are refused so that the damage stays in view; run "
+                "`loomflow audit verify` and restore the file and its .heads from a backup"
+            )
+
+    async def check_appendable(self, user_id: str | None) -> None:
+        await self.open()
+
+        def check() -> None:
+            with self._locked():
+                self._refuse_damaged(self._settled_heads(), user_key(user_id), user_id)
+
+        try:
+            await asyncio.to_thread(check)
+        except OSError as exc:
+            raise AuditError(
+                f"cannot read the audit log {self.path}: {exc.strerror or exc}"
+            ) from exc
+
     def _append_locked(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
         with self._locked():
             heads = self._settled_heads()
-            damage = heads.get("damaged", {}).get(key)
-            if damage is not None:
-                why = damage.get("problem")
-                if isinstance(damage.get("detail"), str):
-                    why = f"{why}: {damage['detail']}"
-                raise AuditIntegrityError(
-                    f"the audit trail of user {records[0].user_id!r} in {self.path} is damaged "
-                    f"({why}): its appends are refused so that the damage stays in view; run "
-                    "`loomflow audit verify` and restore the file and its .heads from a backup"
-                )
+            self._refuse_damaged(heads, key, records[0].user_id)
             head = heads["users"].get(key)
             seq, prev = (int(head["seq"]), str(head["hash"])) if head else (0, GENESIS)
             now_us = time.time_ns() // 1000

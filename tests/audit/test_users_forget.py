@@ -670,3 +670,30 @@ async def test_forget_of_a_user_whose_worker_died_mid_run_leaves_nothing_behind(
         assert not [r for r in await stores.budget.reservations() if "ana" in str(r.buckets)]
         assert _has_data(await stores.export_user("bob"))["entries"] > 0
         assert (await stores.audit.verify()).ok
+
+
+@pytest.mark.parametrize("cut", ["middle", "tail"])
+async def test_a_jsonl_trail_that_refuses_appends_stops_a_forget_before_anything_is_deleted(
+    tmp_path: Path, cut: str
+) -> None:
+    # A JSON-lines log refuses appends to a trail it finds damaged (lines deleted behind its
+    # back). The forget's erasure record is such an append: the journal, checkpoints and
+    # memory were emptied first, and then the forget failed with no record of it anywhere.
+    settings = _settings("sqlite+jsonl", tmp_path, pytest.FixtureRequest)  # type: ignore[arg-type]
+    await _runs(settings, "ana", "bob")
+    log = tmp_path / "audit.jsonl"
+    lines = log.read_bytes().splitlines(keepends=True)
+    ana = [i for i, line in enumerate(lines) if json.loads(line)["user_id"] == "ana"]
+    del lines[ana[-1] if cut == "tail" else ana[1]]
+    log.write_bytes(b"".join(lines))
+    async with Stores(settings) as stores:
+        with pytest.raises(AuditIntegrityError, match="stopped before deleting anything"):
+            await stores.forget_user("ana")
+        assert stores.runtime is not None
+        assert stores.checkpoints is not None
+        assert await stores.runtime.sessions(user_id="ana")
+        assert await stores.checkpoints.list_checkpoints("t-1", user_id="ana")
+        # Everyone else is forgotten as before.
+        report = await stores.forget_user("bob")
+        assert report.audit_record_seq is not None
+        assert not await stores.runtime.sessions(user_id="bob")
