@@ -16,7 +16,14 @@ from pydantic import ValidationError
 
 from .._ids import check_id, check_key
 from ..errors import InvalidArgumentError
-from ._entry import AuditEntry, read_json, time_us_of_text, unreadable_reason, user_key
+from ._entry import (
+    MAX_EXACT_INT,
+    AuditEntry,
+    read_json,
+    time_us_of_text,
+    unreadable_reason,
+    user_key,
+)
 from ._store import (
     ANY_USER,
     EXPORT_FILTERS,
@@ -388,7 +395,9 @@ def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> li
     """Heads from a ``verify --json`` report (its ``heads``) or from a list of such objects.
 
     Raises:
-        InvalidArgumentError: an item lacks ``seq`` or ``hash`` (a ``ValueError``).
+        InvalidArgumentError: an item lacks ``seq`` or ``hash``, or has one of the wrong type
+            (a ``seq`` that is no whole number within 2**53 - 1, a ``hash`` that is not text;
+            a ``ValueError``).
     """
     items = data.get("heads", []) if isinstance(data, Mapping) else data
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):
@@ -401,7 +410,25 @@ def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> li
             user_id = item.get("user_id")
             if user_id is not None and not isinstance(user_id, str):
                 raise TypeError("user_id")
-            heads.append(ChainHead(user_id, int(item["seq"]), str(item["hash"])))
+            heads.append(ChainHead(user_id, _head_seq(item["seq"]), _head_hash(item["hash"])))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"not a chain head: {item!r:.200}") from exc
     return heads
+
+
+def _head_seq(value: object) -> int:
+    """A saved head's ``seq``: a whole number a JSON reader holds exactly (``3.0`` is 3, as
+    JavaScript reads it). ``True``, ``"3"``, infinity (``1e400`` in the file) and numbers
+    past 2**53 - 1 are refused rather than turned into some other seq, as the Node verifier
+    refuses them."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not -MAX_EXACT_INT <= value <= MAX_EXACT_INT:
+        raise ValueError("seq")
+    return value
+
+
+def _head_hash(value: object) -> str:
+    if not isinstance(value, str):  # null is no hash (it was compared as "None")
+        raise TypeError("hash")
+    return value

@@ -105,6 +105,39 @@ def test_heads_come_from_a_verify_report_or_a_list() -> None:
         heads_from_json([{"user_id": "a"}])
 
 
+HASH = "f" * 64
+
+
+@pytest.mark.parametrize(
+    "head", ['"seq":true', '"seq":"3"', '"seq":3.5', '"seq":1e400', '"seq":NaN',
+             '"seq":9007199254740993', '"seq":3,"hash":null', '"seq":3,"hash":7']
+)  # fmt: skip
+def test_a_saved_head_of_the_wrong_type_is_refused_not_taken_for_another(
+    head: str, tmp_path: Path
+) -> None:
+    # True was taken for seq 1, "3" for 3 and a null hash for the text "None"; 1e400 (read
+    # as infinity) crashed the CLI with a traceback. The Node verifier refuses them all.
+    if '"hash"' not in head:
+        head += f',"hash":"{HASH}"'
+    text = '{"heads":[{"user_id":"a",' + head + "}]}"
+    with pytest.raises(ValueError, match="not a chain head"):
+        heads_from_json(json.loads(text))
+    (tmp_path / "heads.json").write_text(text)
+    (tmp_path / "export.jsonl").write_text("")
+    done = _cli(
+        "verify", "--file", str(tmp_path / "export.jsonl"), "--heads", str(tmp_path / "heads.json")
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("loomflow: error: bad --heads file"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_saved_head_written_as_a_whole_float_is_that_seq() -> None:
+    # JSON readers, the Node verifier's among them, read 3.0 as 3.
+    head = {"user_id": "a", "seq": 3.0, "hash": HASH}
+    assert heads_from_json([head]) == [ChainHead("a", 3, HASH)]
+
+
 async def test_the_cli_verifies_a_file_without_any_database(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'audit.db'}"
     await _export(tmp_path)  # creates the store
