@@ -31,6 +31,7 @@ from ..errors import (
 from ._entry import (
     DIGESTED_VERSION,
     GENESIS,
+    MAX_EXACT_INT,
     AuditEntry,
     AuditRecord,
     iso_time,
@@ -1130,6 +1131,10 @@ class _ChainCheck:
         entries before it must still be there, and the chain goes on after it."""
         seq = problem.seq
         assert seq is not None
+        if not 1 <= seq <= MAX_EXACT_INT:
+            # A seq no entry can have (edited to 2**63 - 1, say): it marks no place in the
+            # chain, so it claims no gap before it and no entries past the head.
+            return
         if self.first_seq is None:
             self.first_seq = seq
         if seq <= self.last_seq:

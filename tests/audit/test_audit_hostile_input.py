@@ -290,3 +290,33 @@ async def test_a_payload_too_deep_to_store_is_a_typed_error(store: AuditStore, s
     assert await store.count() == 0
     await log.record("app.note", user_id="ana", actor="app", payload={"v": [[[1]]]})
     assert (await store.verify()).ok
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_seq_edited_past_any_entry_claims_no_place_in_the_chain(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # The unreadable row was taken at its word: "entries 4-9223372036854775806 are missing"
+    # and "entries 4-9223372036854775807 come after the recorded head".
+    store: AuditStore
+    if kind == "sqlite":
+        store = SqliteAuditStore(tmp_path / "audit.db")
+    else:
+        dsn = request.getfixturevalue("pg_dsn")
+        store = PostgresAuditStore(dsn)
+    await store.open()
+    try:
+        await store.append([_record("alice") for _ in range(3)])
+        edit = f"UPDATE loom_audit SET seq = {2**63 - 1} WHERE user_id = 'alice' AND seq = 2"
+        if kind == "sqlite":
+            await _relabel_sqlite(tmp_path / "audit.db", edit)
+        else:
+            await _relabel_postgres(dsn, edit)
+        report = await store.verify()
+        assert [(p.kind, p.seq) for p in report.problems] == [
+            ("missing", 2),
+            ("unreadable", 2**63 - 1),
+        ], report.problems
+        assert report.warnings == []
+    finally:
+        await store.close()
