@@ -583,6 +583,7 @@ class AuditStore(abc.ABC):
             if entry.hash_version < DIGESTED_VERSION:
                 old[str(entry.seq)] = entry.rest_digest()
         _refuse_changed(user_id, changed)
+        _refuse_uncovered(user_id, await self._uncovered_erasures(user_id))
         if not count and not always_record:
             return ErasureResult(user_id, None, 0)
         payload: dict[str, Any] = {
@@ -611,6 +612,29 @@ class AuditStore(abc.ABC):
             and erasure_problem(entry) is not None
         ]
         _refuse_changed(user_id, changed)
+        _refuse_uncovered(user_id, await self._uncovered_erasures(user_id))
+
+    async def _uncovered_erasures(self, user_id: str | None) -> list[int]:
+        """The seqs of the user's erased payloads that no erasure record covers (what
+        ``verify`` reports as ``erased``): removed in the database, behind every record's
+        back. A new record would cover them, and the trail would verify again."""
+        checker = _ChainCheck(user_key(user_id), user_id)
+        found = VerifyReport()
+        async for entry in self.entries(user_id=user_id):
+            if entry.payload is None:
+                checker._content(entry, entry.seq, found)  # notes it, as verify does
+            elif (
+                entry.action == AUDIT_ERASURE
+                and isinstance(entry.payload, dict)
+                and erasure_problem(entry) is None  # an edited record vouches for nothing
+            ):
+                checker.records.append(
+                    _ErasureRecord.of(entry.seq, entry.payload, held=checker.held)
+                )
+            if entry.action in _HOLD_ACTIONS:
+                checker.held = entry.action == LEGAL_HOLD_PLACED
+        checker.finish_erasures(found)
+        return sorted({p.seq for p in found.problems if p.seq is not None})
 
     async def _record_erasure(self, user_id: str | None, actor: str, payload: Any) -> int:
         """Append the ``audit.erasure`` record that vouches for what follows; its seq.
@@ -1454,6 +1478,18 @@ def _refuse_changed(user_id: str | None, seqs: Sequence[int]) -> None:
         f"{user_label(user_id)} (seq {shown}) no longer {'matches its' if one else 'match their'} "
         "hash, edited or forged in the database: erasing payloads would hide that, so nothing "
         "was erased; see `loomflow audit verify`"
+    )
+
+
+def _refuse_uncovered(user_id: str | None, seqs: Sequence[int]) -> None:
+    if not seqs:
+        return
+    shown = ", ".join(str(seq) for seq in seqs[:10]) + (", ..." if len(seqs) > 10 else "")
+    raise AuditIntegrityError(
+        f"the audit trail of {user_label(user_id)} holds {len(seqs)} payload(s) erased with no "
+        f"erasure record that covers them (seq {shown}), removed in the database: a new "
+        "erasure record would cover them and hide that, so nothing was erased; see "
+        "`loomflow audit verify`"
     )
 
 

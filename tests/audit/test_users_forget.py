@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime as dt
 import json
 import os
 import signal
@@ -697,3 +698,41 @@ async def test_a_jsonl_trail_that_refuses_appends_stops_a_forget_before_anything
         report = await stores.forget_user("bob")
         assert report.audit_record_seq is not None
         assert not await stores.runtime.sessions(user_id="bob")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_payload_erased_behind_every_record_stops_a_forget_and_a_retention(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # A payload set to null in the database, with no erasure record: verify reports it, but
+    # a forget (or a retention) then wrote a record that covered it, and the trail verified
+    # again, the unrecorded erasure gone from view.
+    settings = _settings(kind, tmp_path, request)
+    await _runs(settings, "ana", "bob")
+    blank = (
+        "UPDATE loom_audit SET payload = 'null', payload_salt = NULL "
+        "WHERE user_id = 'ana' AND seq = 2"
+    )
+    if kind == "sqlite":
+        with sqlite3.connect(tmp_path / "journal.db") as conn:
+            conn.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+            conn.execute(blank)
+        conn.close()
+    else:
+        _sql(settings.runtime_url, "SET session_replication_role = replica", blank)
+    async with Stores(settings) as stores:
+        assert [(p.kind, p.seq) for p in (await stores.audit.verify(user_id="ana")).problems] == [
+            ("erased", 2)
+        ]
+        with pytest.raises(
+            AuditIntegrityError, match=r"no erasure record that covers them \(seq 2\)"
+        ):
+            await stores.forget_user("ana")
+        assert stores.runtime is not None
+        assert await stores.runtime.sessions(user_id="ana")
+        report = await stores.audit.retain(dt.timedelta(microseconds=1), actor="cron")
+        assert list(report.refused) == ["ana"]
+        assert "bob" in report.erased
+        after = await stores.audit.verify()
+        assert [(p.user_id, p.kind, p.seq) for p in after.problems] == [("ana", "erased", 2)]
+        assert await stores.audit.count(user_id="ana", action="audit.erasure") == 0
