@@ -717,6 +717,17 @@ class ChainCheck {
 
 // -- the export, line by line ----------------------------------------------------------------
 
+// --user is an id as loomflow takes one (verify --file refuses others): an empty id, or one
+// with a control character, names no trail, and every line would be outside the export.
+if (typeof onlyUser === 'string') {
+  try {
+    checkId('--user', onlyUser, MAX_ID_BYTES);
+  } catch (err) {
+    console.error(`${err.message}\n${usage}`);
+    process.exit(2);
+  }
+}
+
 let fd;
 try {
   fd = openSync(exportPath, 'r');

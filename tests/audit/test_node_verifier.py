@@ -782,3 +782,19 @@ async def test_node_reports_a_line_that_is_not_utf8_as_python_does(
     done = _node(verifier, "--json", export, heads)
     assert done.returncode == 1, done.stdout + done.stderr
     assert _findings(json.loads(done.stdout)) == _findings(python)
+
+
+@pytest.mark.parametrize("bad", ["", "a\x01b", "x" * 300])
+def test_node_refuses_a_user_that_is_no_id_as_loomflow_does(
+    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, bad: str
+) -> None:
+    # It checked the export as the trail of "" (every line outside it) where verify --file
+    # refuses the option.
+    lines, heads = trail
+    export = _write(tmp_path / "export.jsonl", lines)
+    with pytest.raises(ValueError, match="user_id"):
+        verify_lines(lines, user_id=bad)
+    done = _node(verifier, "--user", bad, export, heads)
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.startswith("--user "), done.stderr
+    assert done.stdout == ""
