@@ -444,8 +444,17 @@ function hashedBody(entry) {
   return body;
 }
 
-function rfc8785(value) {
-  const text = canonicalize(value);
+function rfc8785(value, version) {
+  let text;
+  try {
+    text = canonicalize(value);
+  } catch (err) {
+    // loomflow's words for it (canonical_bytes), so that both verifiers report one detail.
+    if (/lone surrogate/i.test(err.message)) {
+      throw new Error(`no canonical JSON (hash version ${version}): it holds a lone surrogate, which is not text`);
+    }
+    throw err;
+  }
   if (typeof text !== 'string') throw new Error('no RFC 8785 form');
   return text;
 }
@@ -607,7 +616,7 @@ class ChainCheck {
         // Its hash covered the payload: an erasure record's digest of the rest vouches instead.
         const { payload: _gone, ...rest } = hashedBody(entry);
         let digest;
-        try { digest = sha256(rfc8785(rest)); } catch { digest = 'unhashable'; }
+        try { digest = sha256(rfc8785(rest, DIGESTED_VERSION)); } catch { digest = 'unhashable'; }
         this.erased.push(erasedOf(entry, position, digest));
         return null;
       }
@@ -633,7 +642,7 @@ class ChainCheck {
       return `its content cannot be hashed (${noCanonicalForm(version, unsafeHashed)})`;
     }
     try {
-      if (sha256(rfc8785(hashed)) !== entry.hash) return 'it no longer matches its hash';
+      if (sha256(rfc8785(hashed, version)) !== entry.hash) return 'it no longer matches its hash';
     } catch (err) {
       return `its content cannot be hashed (${err.message})`;
     }
@@ -646,7 +655,7 @@ class ChainCheck {
       return `its payload cannot be hashed (${noCanonicalForm(version, unsafePayload)})`;
     }
     try {
-      const digest = sha256(rfc8785({ payload: entry.payload, salt: entry.payload_salt }));
+      const digest = sha256(rfc8785({ payload: entry.payload, salt: entry.payload_salt }, version));
       return digest === entry.payload_digest ? null : 'its payload no longer matches its digest';
     } catch (err) {
       return `its payload cannot be hashed (${err.message})`;

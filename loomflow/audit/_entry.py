@@ -128,8 +128,17 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
             return rfc8785.dumps(value)
         if hash_version == 1:
             return canonical_json(value).encode("utf-8")
+    except UnicodeError as exc:
+        # Named in the words of the Node verifier's report, whatever the codec said.
+        raise AuditError(
+            f"no canonical JSON (hash version {hash_version}): {_LONE_SURROGATE}"
+        ) from exc
     except (rfc8785.CanonicalizationError, ValueError, TypeError) as exc:
-        # UnicodeEncodeError is a ValueError; rfc8785's own errors are too, named for clarity.
+        # rfc8785's own errors are ValueErrors, named for clarity.
+        if isinstance(exc.__cause__, UnicodeError):  # rfc8785's "non-UTF-8 codepoints"
+            raise AuditError(
+                f"no canonical JSON (hash version {hash_version}): {_LONE_SURROGATE}"
+            ) from exc
         raise AuditError(f"no canonical JSON (hash version {hash_version}): {exc}") from exc
     except RecursionError:
         # Stored data nested deeper than the walk can go (the parser reads a little deeper
@@ -141,6 +150,9 @@ def canonical_bytes(value: Any, hash_version: int = HASH_VERSION) -> bytes:
         f"unknown audit hash version {hash_version!r}: this loomflow checks versions "
         f"{', '.join(map(str, HASH_VERSIONS))}"
     )
+
+
+_LONE_SURROGATE: Final = "it holds a lone surrogate, which is not text"
 
 
 def _spelled_alike(value: Any) -> bool:

@@ -563,6 +563,10 @@ TAMPERS: dict[str, Any] = {
     "an integer of more digits than Python reads": lambda ls: _raw(
         ls, A, 2, '"i":1}', '"i":' + "1" * 4301 + "}"
     ),
+    # Text that is no Unicode: both name it in the same words, whichever codec met it.
+    "a lone surrogate in the actor": lambda ls: _raw(ls, A, 2, '"agent:a"', '"agent:\\ud800a"'),
+    "a lone surrogate in a payload": lambda ls: _raw(ls, A, 2, '"i":1}', '"i":"\\udc00"}'),
+    "a lone surrogate as a payload key": lambda ls: _raw(ls, A, 2, '"i":1}', '"\\udc00":1}'),
     "a number beyond a double in a payload": lambda ls: _raw(
         ls, A, 2, '"payload":{', '"payload":{"x":1e400,'
     ),
