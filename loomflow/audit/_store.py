@@ -901,6 +901,22 @@ class AuditStore(abc.ABC):
         saved = _saved_by_user(heads, only)
         heads_now, items = await self._verify_source(only)
         report = VerifyReport()
+        for key, head in list(heads_now.items()):
+            owner = _user_of_key(key, head.user_id)
+            if user_key(owner) == key and head.user_id != owner:
+                # No hash covers the head's user column, and the report's heads are what is
+                # saved away: a head saved under another name would guard no trail.
+                report.problems.append(
+                    ChainProblem(
+                        owner,
+                        "head_mismatch",
+                        head.seq,
+                        None,
+                        f"the recorded head of this trail names user {head.user_id!r:.80}: "
+                        "the head was edited",
+                    )
+                )
+                heads_now[key] = ChainHead(owner, head.seq, head.hash)
         checker: _ChainCheck | None = None
         seen: set[str] = set()
         progress = Progress(

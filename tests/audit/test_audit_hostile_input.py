@@ -320,3 +320,37 @@ async def test_a_seq_edited_past_any_entry_claims_no_place_in_the_chain(
         assert report.warnings == []
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_head_edited_to_name_another_user_is_reported_and_not_saved_so(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # No hash covers a head's user column. verify passed, and its report, the heads saved
+    # away each day, named alice's head "mallory": the next check against them would look
+    # for mallory's trail, and no saved head would guard alice's.
+    store: AuditStore
+    if kind == "sqlite":
+        store = SqliteAuditStore(tmp_path / "audit.db")
+    else:
+        dsn = request.getfixturevalue("pg_dsn")
+        store = PostgresAuditStore(dsn)
+    await store.open()
+    try:
+        await store.append([_record("alice") for _ in range(3)] + [_record("bob")])
+        edit = """UPDATE loom_audit_heads SET user_id = 'mallory' WHERE user_key = '"alice"'"""
+        if kind == "sqlite":
+            with sqlite3.connect(tmp_path / "audit.db") as conn:
+                conn.execute("DROP TRIGGER loom_audit_heads_forward")
+                conn.execute(edit)
+            conn.close()
+        else:
+            await _relabel_postgres(dsn, edit)
+        report = await store.verify()
+        assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [
+            ("alice", "head_mismatch", 3)
+        ], report.problems
+        assert "names user 'mallory'" in report.problems[0].detail
+        assert [(h.user_id, h.seq) for h in report.heads] == [("alice", 3), ("bob", 1)]
+    finally:
+        await store.close()
