@@ -64,6 +64,7 @@ __all__ = [
     "GENESIS",
     "HASH_VERSION",
     "HASH_VERSIONS",
+    "MAX_PAYLOAD_DEPTH",
     "canonical_bytes",
     "canonical_json",
     "entry_hash",
@@ -308,14 +309,41 @@ class AuditRecord(BaseModel):
             payload = portable(json_safe(self.payload))
         except RecursionError:
             raise too_deep(self.action) from None
+        if _depth(payload) > MAX_PAYLOAD_DEPTH:
+            raise too_deep(self.action)
         return self.model_copy(update={"payload": payload})
 
 
+MAX_PAYLOAD_DEPTH: Final = 200
+"""How many containers deep a payload may nest (the payload object itself is 1).
+
+The walks that hash an entry recurse, and how deep they can go depends on how deep the
+caller's stack already is: an entry written near that limit could then be reported as
+``edited`` by a ``verify`` that runs with a deeper stack. Refusing deeper payloads when they
+are written, well inside the limit, keeps every written entry verifiable. The journal nests
+step values at most 100 deep, so the agent's own entries stay far below it."""
+
+
+def _depth(value: Any) -> int:
+    """How many lists and objects deep ``value`` nests, counted without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in item)
+    return deepest
+
+
 def too_deep(action: str) -> InvalidArgumentError:
-    """The error for a payload nested deeper than the walks that store it can go."""
+    """The error for a payload nested deeper than :data:`MAX_PAYLOAD_DEPTH`."""
     return InvalidArgumentError(
-        f"the payload of the {action[:80]!r} audit entry is nested too deep to store, or "
-        "contains itself"
+        f"the payload of the {action[:80]!r} audit entry is nested too deep to store (more "
+        f"than {MAX_PAYLOAD_DEPTH} lists and objects deep), or contains itself"
     )
 
 

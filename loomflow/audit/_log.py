@@ -128,8 +128,8 @@ class AuditLog:
         Raises:
             InvalidIdError: an id is not a string, is empty or too long, or holds a control
                 character.
-            InvalidArgumentError: the payload is nested too deep to store (some hundreds of
-                levels), or contains itself.
+            InvalidArgumentError: the payload is nested too deep to store (more than
+                ``MAX_PAYLOAD_DEPTH``, 200, lists and objects deep), or contains itself.
             UserError: ``action`` is one loomflow keeps for itself (``audit.*``,
                 ``legal_hold.*``, ``console.*``: erasures, holds and the console's record of
                 looks, which verification and erasure rely on), or ``user_id`` names a

@@ -26,6 +26,7 @@ from loomflow.audit import (
     SqliteAuditStore,
     verify_lines,
 )
+from loomflow.audit._entry import MAX_PAYLOAD_DEPTH
 from loomflow.errors import (
     AuditIntegrityError,
     InvalidArgumentError,
@@ -269,13 +270,15 @@ async def test_a_payload_nested_too_deep_to_hash_is_reported_not_a_crash(
         await store.close()
 
 
-@pytest.mark.parametrize("shape", ["deep", "cycle"])
+@pytest.mark.parametrize("shape", ["deep", "past the cap", "cycle"])
 async def test_a_payload_too_deep_to_store_is_a_typed_error(store: AuditStore, shape: str) -> None:
-    # It was a bare RecursionError out of the redactor or the JSON conversion.
+    # It was a bare RecursionError out of the redactor or the JSON conversion; and a payload
+    # some 320 lists deep was stored, then reported as edited by a verify whose stack was
+    # deeper than the writer's.
     payload: dict[str, Any] = {}
-    if shape == "deep":
+    if shape != "cycle":
         value: Any = 1
-        for _ in range(5000):
+        for _ in range(5000 if shape == "deep" else 250):
             value = [value]
         payload["v"] = value
     else:
@@ -289,6 +292,10 @@ async def test_a_payload_too_deep_to_store_is_a_typed_error(store: AuditStore, s
         )
     assert await store.count() == 0
     await log.record("app.note", user_id="ana", actor="app", payload={"v": [[[1]]]})
+    deepest: Any = 1
+    for _ in range(MAX_PAYLOAD_DEPTH - 1):  # with the payload object itself: the cap
+        deepest = [deepest]
+    await log.record("app.note", user_id="ana", actor="app", payload={"v": deepest})
     assert (await store.verify()).ok
 
 
