@@ -68,10 +68,17 @@ def _argv(path: list[str], parser: argparse.ArgumentParser) -> list[str]:
             continue
         value = _REQUIRED.get(action.dest, "x")
         argv += [value] if not action.option_strings else [action.option_strings[0], value]
-    try:
-        cli_main._parser().parse_args(argv)
-    except SystemExit:
-        argv.append("x")  # a required group of a positional and a flag (users export)
+    for group in parser._mutually_exclusive_groups:
+        if not group.required:
+            continue
+        # The first choice of a required group (a user id, positional or --user; or a flag).
+        first = group._group_actions[0]
+        if not first.option_strings:
+            argv.append("x")
+        elif first.nargs == 0:
+            argv.append(first.option_strings[0])
+        else:
+            argv += [first.option_strings[0], "x"]
     return argv
 
 
