@@ -55,6 +55,7 @@ from ..runtime._journal import JournalRun, JournalRuntime
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
 from ._approvals import decide, pending_of
+from ._arguments import check_list, check_max_turns, check_plugin, check_runtime, check_tuning
 from ._output import StructuredOutput, check_output_retries, check_output_type
 from ._passthrough import Passthrough
 from ._run import _Run, check_prompt, inconsistency, latest_of_run
@@ -189,8 +190,19 @@ class Agent:
     ) -> None:
         if not isinstance(instructions, str):
             raise UserError("instructions must be a string")
-        if max_turns < 1:
-            raise UserError(f"max_turns must be at least 1, not {max_turns}")
+        check_max_turns(max_turns)
+        check_list("tools", tools, "tools")
+        check_list("guardrails", guardrails, "guardrails")
+        check_list("hooks", hooks, "RunHooks")
+        check_runtime(runtime)
+        check_tuning(tuning)
+        for parameter, component in (
+            ("budget", budget),
+            ("permissions", permissions),
+            ("audit", audit),
+            ("telemetry", telemetry),
+        ):
+            check_plugin(parameter, component)
         if memory is not None and memory is not False and not isinstance(memory, Memory):
             raise UserError(
                 f"memory must be a loomflow.memory.Memory (InMemoryMemory, SqliteMemory, "
