@@ -40,6 +40,7 @@ from ..errors import (
     CorruptEntryError,
     DuplicateStepError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     JournalEncodeError,
     NoActiveRunError,
     OwnershipLostError,
@@ -794,6 +795,7 @@ class JournalRuntime:
         """
         frame = self._require_frame("step")
         _check_text("step name", name)
+        _check_step_fn("step", name, fn)
         if idempotency_key is not None:
             _check_text("idempotency_key", idempotency_key)
         run = frame.run
@@ -835,6 +837,7 @@ class JournalRuntime:
         """
         frame = self._require_frame("stream_step")
         _check_text("step name", name)
+        _check_step_fn("stream_step", name, fn)
         run = frame.run
         if run.lost:
             raise await _lease.refused(self._store, run, name)
@@ -1410,6 +1413,30 @@ def _cancelled_resume(scope: Scope) -> RunCancelledError:
 
 def _check_text(what: str, value: object) -> None:
     check_key(what, value, optional=False)
+
+
+def _check_step_fn(what: str, name: str, fn: object) -> None:
+    """Refuse a step body that cannot be called, before the journal is read.
+
+    The usual slip is ``step("charge", charge(order))``: the caller made the coroutine (or
+    stream) itself, so the journal could neither run it on a miss nor leave it unrun on a hit.
+    The coroutine is closed so that Python does not also warn that it was never awaited.
+    """
+    if callable(fn):
+        return
+    if inspect.iscoroutine(fn) or inspect.isasyncgen(fn) or inspect.isgenerator(fn):
+        if inspect.iscoroutine(fn) or inspect.isgenerator(fn):
+            fn.close()
+        made = getattr(fn, "__qualname__", "fn")
+        raise InvalidArgumentTypeError(
+            f"{what}({name!r}, ...) takes the function and its arguments, not what calling "
+            f"{made}(...) returned: write runtime.{what}({name!r}, {made}, *args, **kwargs), and "
+            "the journal calls it only when the step has no result yet"
+        )
+    raise InvalidArgumentTypeError(
+        f"{what}({name!r}, ...) takes a function to call, not a {type(fn).__name__}: write "
+        f"runtime.{what}({name!r}, fn, *args, **kwargs)"
+    )
 
 
 # scope + sub-run path + step name of one journal row, in UTF-8 bytes. With the fingerprint
