@@ -282,8 +282,9 @@ def command_name() -> str:
     """How the user can run ``loomflow`` from where they are: just ``loomflow`` when that
     is on PATH and is this program, else the path they ran (``.venv/bin/loomflow``)."""
     argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "loomflow"
-    if argv0.endswith("__main__.py") or argv0 == "-m":  # python -m loomflow.cli
-        return f"{shlex.quote(_shorter(sys.executable))} -m loomflow.cli"
+    if argv0.endswith("__main__.py") or argv0 == "-m":  # python -m loomflow (or loomflow.cli)
+        module = "loomflow.cli" if Path(argv0).parent.name == "cli" else "loomflow"
+        return f"{shlex.quote(_shorter(sys.executable))} -m {module}"
     on_path = shutil.which("loomflow")
     if on_path is not None and Path(on_path).resolve() == Path(argv0).resolve():
         return "loomflow"

@@ -286,6 +286,13 @@ def test_command_name_is_what_the_user_typed_or_loomflow_on_path(
     monkeypatch.chdir(elsewhere)
     monkeypatch.setenv("PATH", "/nonexistent")
     assert demo.command_name() == str(script)  # outside the working directory: absolute
+    # `python -m loomflow` is echoed as typed, and so is `python -m loomflow.cli`.
+    package = Path(demo.__file__).parent.parent
+    python = os.path.abspath(sys.executable)
+    monkeypatch.setattr(sys, "argv", [str(package / "__main__.py"), "demo"])
+    assert demo.command_name() == f"{python} -m loomflow"
+    monkeypatch.setattr(sys, "argv", [str(package / "cli" / "__main__.py"), "demo"])
+    assert demo.command_name() == f"{python} -m loomflow.cli"
 
 
 def test_runs_show_names_the_tool_of_each_tool_step(demo_run: tuple[Path, str]) -> None:
