@@ -133,3 +133,48 @@ def test_other_zero_ages_stay_plain_bad_usage(capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert "is no age" in err
     assert "--all" not in err  # audit retain has no --all
+
+
+def _names(code: str) -> tuple[set[str], set[str]]:
+    """(names a snippet binds or imports, names it reads); top-level awaits are allowed."""
+    import ast
+
+    tree = ast.parse("async def _snippet():\n" + textwrap.indent(code, "    "))
+    bound: set[str] = set()
+    read: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, ast.Store) else read).add(node.id)
+    return bound, read
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in DOCS.rglob("*.md"))]
+)
+def test_a_page_imports_every_loomflow_name_its_snippets_use(page: str) -> None:
+    # A snippet may lean on an earlier one of its page (an `agent` built above), but a
+    # loomflow class or function must be imported somewhere on the page: a reader copying
+    # `checkpoint_store_for(runtime)` should not have to hunt for its module.
+    import importlib
+
+    import loomflow
+
+    modules = ["runtime", "models", "governance", "audit", "telemetry", "checkpoints"]
+    modules += ["memory", "recovery", "tools", "errors", "config", "stores"]
+    home: dict[str, str] = {}
+    for module in modules:
+        for name in importlib.import_module(f"loomflow.{module}").__all__:
+            home.setdefault(name, f"loomflow.{module}")
+    text = (ROOT / page).read_text()
+    bound: set[str] = set()
+    read: set[str] = set()
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        names = _names(textwrap.dedent(block))
+        bound |= names[0]
+        read |= names[1]
+    unimported = {n: home[n] for n in sorted(read - bound - set(loomflow.__all__)) if n in home}
+    assert not unimported, f"{page} uses these without importing them: {unimported}"
