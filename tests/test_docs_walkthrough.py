@@ -178,3 +178,43 @@ def test_a_page_imports_every_loomflow_name_its_snippets_use(page: str) -> None:
         read |= names[1]
     unimported = {n: home[n] for n in sorted(read - bound - set(loomflow.__all__)) if n in home}
     assert not unimported, f"{page} uses these without importing them: {unimported}"
+
+
+def test_sqlite_backup_lines_copy_a_journal_that_workers_keep_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/operations/sqlite.md: the Python backup line, taken while a runtime holds the file
+    # open in WAL mode, gives a copy the command line reads whole.
+    from loomflow.audit import AuditLog
+    from loomflow.runtime import SqliteRuntime
+
+    python = next(
+        line.strip().strip("`")
+        for line in (DOCS / "operations" / "sqlite.md").read_text().splitlines()
+        if line.startswith("From Python, `sqlite3.connect(")
+    )
+    python = python.removeprefix("From Python, `").split("`")[0]
+
+    async def write_then_backup() -> None:
+        runtime = SqliteRuntime(tmp_path / "journal.db")
+        audit = AuditLog("sqlite:///journal.db")
+        agent = Agent("x", model=ScriptedModel(["done"]), runtime=runtime, audit=audit)
+        try:
+            await agent.run("hi", session_id="s-1", user_id="alice")
+            assert (tmp_path / "journal.db-wal").exists()  # still open: commits sit in the WAL
+            exec(f"import sqlite3\n{python}", {})
+        finally:
+            await runtime.close()
+            await audit.close()
+
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        asyncio.run(write_then_backup())
+        capsys.readouterr()
+        assert cli_main(["--url", "sqlite:///journal-backup.db", "runs", "list", "--json"]) == 0
+        assert '"session_id": "s-1"' in capsys.readouterr().out
+        assert cli_main(["--url", "sqlite:///journal-backup.db", "audit", "verify"]) == 0
+        assert "OK: checked" in capsys.readouterr().out
+    finally:
+        os.chdir(cwd)
