@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
 from ..context import RunContext, get_run_context
-from ..errors import ConfigurationError, UserError
+from ..errors import ConfigurationError, InvalidArgumentTypeError, UserError
 from ..runtime import codec
 from ._docstring import parse_docstring
 from ._outcome import INVALID_ARGUMENTS, TIMEOUT, TOOL_ERROR, ToolOutcome
@@ -101,8 +101,7 @@ class Tool(Generic[P, R]):
                 f"tool name {resolved_name!r} of {_label(fn)} is not usable: model APIs accept "
                 "1-64 letters, digits, '_' or '-'; pass name=..."
             )
-        if timeout is not None and not timeout > 0:
-            raise UserError(f"tool {resolved_name!r}: timeout must be positive, got {timeout!r}")
+        _check_timeout(resolved_name, timeout)
         if isinstance(sensitive, str):
             # sensitive="card" would otherwise become {"c", "a", "r", "d"} and redact nothing.
             raise UserError(
@@ -378,3 +377,16 @@ def as_tool(obj: Tool[P, R] | Callable[P, R], /) -> Tool[P, R]:
     if isinstance(obj, Tool):
         return obj
     return Tool(obj, localns=_caller_locals(1))
+
+
+def _check_timeout(name: str, timeout: object) -> None:
+    """A tool's ``timeout=``: ``None`` or a positive number of seconds (``"5"`` is refused
+    here rather than by a comparison inside the decorator)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidArgumentTypeError(
+            f"tool {name!r}: timeout must be a number of seconds, not {timeout!r}"
+        )
+    if not timeout > 0:
+        raise UserError(f"tool {name!r}: timeout must be positive, got {timeout!r}")
