@@ -55,7 +55,14 @@ from ..runtime._journal import JournalRun, JournalRuntime
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
 from ._approvals import decide, pending_of
-from ._arguments import check_list, check_max_turns, check_plugin, check_runtime, check_tuning
+from ._arguments import (
+    check_list,
+    check_max_turns,
+    check_metadata,
+    check_plugin,
+    check_runtime,
+    check_tuning,
+)
 from ._output import StructuredOutput, check_output_retries, check_output_type
 from ._passthrough import Passthrough
 from ._run import _Run, check_prompt, inconsistency, latest_of_run
@@ -724,6 +731,7 @@ class Agent:
         check_id("user_id", user_id)
         check_id("from_checkpoint", from_checkpoint)
         check_id("fork_session_id", fork_session_id)
+        check_metadata(metadata)
         runtime = self._runtime()
         outer = get_run_context()
         nested = outer.run_id is not None

@@ -17,7 +17,14 @@ from ..runtime import Runtime
 from ..tools import Tool
 from ._types import Tuning
 
-__all__ = ["check_list", "check_max_turns", "check_plugin", "check_runtime", "check_tuning"]
+__all__ = [
+    "check_list",
+    "check_max_turns",
+    "check_metadata",
+    "check_plugin",
+    "check_runtime",
+    "check_tuning",
+]
 
 # What each component parameter takes, as the error message shows it.
 PLUGIN_EXAMPLES = {
@@ -124,4 +131,18 @@ def check_plugin(parameter: str, value: object) -> None:
     raise InvalidArgumentTypeError(
         f"{parameter}= takes {PLUGIN_EXAMPLES[parameter]}, not {_describe(value)} (which is "
         "not a RunHooks and has no as_hooks())"
+    )
+
+
+def check_metadata(value: object) -> None:
+    """Refuse a run's ``metadata=`` that is not a mapping (a list of keys, say), which used to
+    fail as a bare ``ValueError`` from ``dict()``.
+
+    Raises:
+        InvalidArgumentTypeError: naming what was given.
+    """
+    if value is None or isinstance(value, Mapping):
+        return
+    raise InvalidArgumentTypeError(
+        f"metadata must be a mapping such as {{'role': 'support'}}, not {_describe(value)}"
     )

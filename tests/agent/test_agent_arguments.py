@@ -119,3 +119,19 @@ async def test_the_right_forms_still_build_and_run(tmp_path: Path) -> None:
     assert result.output == "hi"
     assert sorted(agent.tools) == ["lookup_order", "plain"]
     assert sorted(agent.clone().tools) == ["lookup_order", "plain"]
+
+
+@pytest.mark.parametrize("metadata", [["role"], "support", ("role", "support")])
+async def test_run_metadata_that_is_not_a_mapping_is_refused_before_anything_runs(
+    tmp_path: Path, metadata: Any
+) -> None:
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    agent = _agent(runtime=runtime)
+    try:
+        with pytest.raises(InvalidArgumentTypeError, match="metadata must be a mapping"):
+            await agent.run("Hello", session_id="s-1", user_id="alice", metadata=metadata)
+        assert await runtime.sessions() == []  # nothing was journaled
+        result = await agent.run("Hello", session_id="s-1", user_id="alice", metadata={"a": 1})
+    finally:
+        await runtime.close()
+    assert result.output == "hi"
