@@ -193,3 +193,46 @@ def test_governance_snippet_writes_what_the_cli_then_shows(
 
     assert "alice" in cli("budget", "show")
     assert "permission.decision" in cli("audit", "query", "--user", "alice")
+
+
+async def test_a_resume_must_repeat_the_runs_prompt_session_and_user(tmp_path: Path) -> None:
+    # README, quick start: a resume without the user id finds no run and repeats the side
+    # effect; one with another prompt pays for the model calls again. What the sentence warns
+    # of is what the code does (a change here must change the sentence too).
+    from loomflow import Agent, ToolCall, Tuning, tool
+    from loomflow.errors import UserError
+
+    assert (
+        "a resume that leaves\nout `user_id` looks for a run without a user"
+        in (ROOT / "README.md").read_text()
+    )
+    refunds: list[str] = []
+
+    @tool
+    async def refund(order_id: str) -> str:
+        """Refund an order."""
+        refunds.append(order_id)
+        return "refunded"
+
+    def model() -> ScriptedModel:
+        call = ToolCall(id="c1", name="refund", arguments={"order_id": "42"})
+        return ScriptedModel([[call], "Refunded."])
+
+    async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+        agent = Agent("x", model=model(), tools=[refund], runtime=runtime, memory=False)
+        await agent.run("Refund order 42", session_id="t-42", user_id="alice")
+        await agent.clone(model=model()).resume(
+            "Refund order 42", session_id="t-42", user_id="alice"
+        )
+        assert refunds == ["42"]  # the right resume replays the refund
+        await agent.clone(model=model()).resume("Refund order 42", session_id="t-42")
+        assert refunds == ["42", "42"]  # no user: a new run in the anonymous bucket
+        other_prompt = agent.clone(model=model())
+        await other_prompt.resume("Refund 42", session_id="t-42", user_id="alice")
+        assert other_prompt.model.calls == 2  # another prompt: the model is asked again ...
+        assert refunds == ["42", "42"]  # ... and the very same tool call replays
+
+        snapshots = agent.clone(model=model(), tuning=Tuning(checkpoint=True))
+        await snapshots.run("Refund order 42", session_id="t-43", user_id="alice")
+        with pytest.raises(UserError, match="was taken for the prompt"):
+            await snapshots.resume("Refund 42", session_id="t-43", user_id="alice")
