@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import contextvars
+import gc
 import os
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import StoreUnavailableError
+from ..errors import StoreUnavailableError, UserError
 from ._dialect import Dialect
 
 __all__ = ["Database", "Transaction", "translate_errors", "unbounded"]
@@ -97,6 +100,9 @@ class Database(abc.ABC):
     def __init__(self) -> None:
         self._users = 0
         self._pid = os.getpid()  # the process whose connection this is
+        # The event loop the connection belongs to, for a backend whose connections are bound
+        # to one (an asyncpg pool); None for one that serves any loop (SQLite's thread).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def backend(self) -> str:
@@ -117,6 +123,8 @@ class Database(abc.ABC):
         """Connect (idempotent). In a process forked after connecting, connect anew."""
         if self._pid != os.getpid():
             self._after_fork()
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            self._after_loop_change()
         if not self.is_open:
             with translate_errors(self.driver_errors, f"{self.backend} connect", self._explain):
                 await self._connect()
@@ -125,6 +133,8 @@ class Database(abc.ABC):
         """Close the connection or pool this object created (an adopted pool stays open)."""
         if self._pid != os.getpid():
             self._after_fork()  # the parent's connection is the parent's to close
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            self._after_loop_change()  # nothing of the old loop's can be closed from this one
         if self.is_open:
             await self._disconnect()
 
@@ -141,6 +151,34 @@ class Database(abc.ABC):
         if inherited is not None:
             _INHERITED.append(inherited)
 
+    def _after_loop_change(self) -> None:
+        """Drop a connection made on an event loop that no longer runs, so a new one is made
+        on the running loop.
+
+        A script that calls ``asyncio.run()`` once per task with one runtime made at import
+        meets this on its second task: the pool of the first loop cannot be used (its loop is
+        closed) nor closed from here. Its connections end when their transports are collected.
+
+        Raises:
+            UserError: the old loop still runs (in another thread): the connection is in use
+                there, and a runtime or store serves one event loop at a time.
+        """
+        old = self._loop
+        if old is not None and old.is_running():
+            raise UserError(
+                f"this {self.backend} runtime or store is connected on an event loop that is "
+                "running in another thread; it serves one event loop at a time: build one "
+                "runtime (or store) per thread"
+            )
+        with warnings.catch_warnings():
+            # The pool was never closed (it cannot be now): its connections are ended by
+            # collecting them here, which is not worth a ResourceWarning each.
+            warnings.simplefilter("ignore", ResourceWarning)
+            dropped = self._forget_connection()
+            del dropped
+            gc.collect()  # asyncpg's connections sit in reference cycles
+        self._loop = None
+
     def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
         """A backend's more telling error for ``exc``, or ``None`` for the generic one."""
         return None
@@ -154,12 +192,16 @@ class Database(abc.ABC):
 
     async def fetch(self, sql: str, *args: Any, what: str = "query") -> Rows:
         """Run one statement (``$n`` placeholders, ``{now}``/``{lock}`` hooks) and fetch rows."""
-        if not self.is_open or self._pid != os.getpid():
+        if not self.is_open or self._pid != os.getpid() or self._other_loop():
             await self.open()
         try:
             return await self._fetch(self.dialect.sql(sql), *args)
         except self.driver_errors as exc:
             raise store_error(exc, f"{self.backend} {what}", self._explain) from exc
+
+    def _other_loop(self) -> bool:
+        """Whether the connection belongs to another event loop than the running one."""
+        return self._loop is not None and self._loop is not asyncio.get_running_loop()
 
     async def execute(self, sql: str, *args: Any, what: str = "statement") -> None:
         await self.fetch(sql, *args, what=what)
@@ -168,7 +210,7 @@ class Database(abc.ABC):
         """Run one writing statement (committed on return) and return how many rows it
         changed: a conditional write learns whether it happened without ``RETURNING``,
         which costs SQLite a quarter more than the write itself."""
-        if not self.is_open or self._pid != os.getpid():
+        if not self.is_open or self._pid != os.getpid() or self._other_loop():
             await self.open()
         try:
             return await self._count(self.dialect.sql(sql), *args)

@@ -170,6 +170,7 @@ class PostgresDatabase(Database):
             )
         except ValueError as exc:  # asyncpg's DSN parser: a malformed port, option, ...
             raise ConfigurationError(f"bad PostgreSQL DSN: {exc}") from None
+        self._loop = asyncio.get_running_loop()  # the pool and its connections belong to it
 
     async def _init_connection(self, conn: asyncpg.Connection) -> None:
         """Each new pooled connection (they run our transactions): see
@@ -187,6 +188,7 @@ class PostgresDatabase(Database):
             )
         inherited = (self._pool, self._lane, self._lane_task)
         self._pool, self._lane, self._lane_task, self._lane_busy = None, None, None, False
+        self._loop = None
         return inherited if any(part is not None for part in inherited) else None
 
     async def _disconnect(self) -> None:
@@ -200,7 +202,7 @@ class PostgresDatabase(Database):
             with contextlib.suppress(Exception):
                 await lane.close(timeout=5)
         if self._owns_pool and self._pool is not None:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._loop = self._pool, None, None
             # close() waits for every connection in use to come back: a statement waiting on a
             # server that stopped answering never does, and neither would the close.
             try:
