@@ -255,9 +255,9 @@ class Agent:
         # Memory is wired into the loop itself (it changes the message stack, which no hook
         # may); a memory that also offers hooks keeps its place in the order.
         memory_hooks = memory if isinstance(memory, HookProvider) else None
-        self._hooks = hooks_of(
-            [*guardrails, budget, permissions, memory_hooks, audit, self.telemetry, *hooks]
-        )
+        # From the stored tuples: a generator passed as guardrails= or hooks= is spent already.
+        governing = [*self.guardrails, budget, permissions, memory_hooks, audit]
+        self._hooks = hooks_of([*governing, self.telemetry, *self.hooks])
         if audit is not None and self.telemetry is not None:
             _count_audit_entries(self.telemetry, audit)
         self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]

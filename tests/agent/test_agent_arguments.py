@@ -135,3 +135,32 @@ async def test_run_metadata_that_is_not_a_mapping_is_refused_before_anything_run
     finally:
         await runtime.close()
     assert result.output == "hi"
+
+
+async def test_guardrails_and_hooks_given_as_generators_all_take_part() -> None:
+    # The constructor stored tuple(guardrails) but built the loop's hooks from the argument
+    # again, which a generator had already given up: the guardrail was listed on the agent
+    # and never ran, so a card number went out unredacted.
+    from loomflow.governance import PIIGuardrail
+    from loomflow.hooks import RunHooks
+
+    class Counting(RunHooks):
+        def __init__(self) -> None:
+            self.runs = 0
+
+        async def run_started(self, info: Any) -> None:
+            self.runs += 1
+
+    counting = Counting()
+    agent = Agent(
+        "You help.",
+        model=ScriptedModel(["Your card is 4111 1111 1111 1111"]),
+        guardrails=(guard for guard in [PIIGuardrail()]),
+        hooks=(hook for hook in [counting]),
+        telemetry=False,
+    )
+    result = await agent.run("Which card?", session_id="s-1", user_id="alice")
+    assert result.output == "Your card is [REDACTED:card]"
+    assert len(agent.guardrails) == 1
+    assert agent.hooks == (counting,)
+    assert counting.runs == 1
