@@ -872,3 +872,15 @@ async def test_commit_charges_the_reservation_for_an_unreported_usage() -> None:
     assert (totals.tokens_in, totals.tokens_out) == (300, 40)
     assert totals.cost_nanousd == ticket.amount.cost_nanousd == 300 * 1_000 + 40 * 2_000
     assert totals.reserved_in == 0
+
+
+async def test_caps_given_as_a_generator_are_all_kept_and_enforced() -> None:
+    # The constructor checked the caps by iterating them, then kept tuple(caps): a generator
+    # was spent by the checks, so the budget kept no cap at all and stopped nothing.
+    from loomflow.models import ScriptedModel
+
+    budget = StandardBudget(cap for cap in [Cap("tokens_total", 10)])
+    assert [cap.name for cap in budget.caps] == ["user.tokens_total"]
+    agent = Agent("x", model=ScriptedModel(["a long answer"]), budget=budget, telemetry=False)
+    result = await agent.run("hello there", session_id="s", user_id="alice")
+    assert result.interruption_reason == "budget:user.tokens_total"

@@ -219,6 +219,7 @@ class StandardBudget:
     ) -> None:
         if isinstance(caps, Cap):
             raise UserError("caps must be a sequence of Cap, e.g. caps=[Cap(...)]")
+        caps = tuple(caps)  # read once: a generator would be spent by the checks below
         for cap in caps:
             if not isinstance(cap, Cap):
                 raise UserError(f"caps must be Cap objects, not {cap!r}")
