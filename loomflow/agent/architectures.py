@@ -58,6 +58,7 @@ class Team:
     """
 
     def __init__(self, lead: Agent, workers: Sequence[Agent]) -> None:
+        workers = list(workers)  # read once: a generator would be spent by the name check
         names = [w.name for w in workers]
         if len(set(names)) != len(names):
             raise UserError(f"team workers need distinct names, got {names}")

@@ -185,3 +185,15 @@ async def test_a_team_lead_keeps_its_governance_and_journal() -> None:
     assert worked == []  # and refused it
     usage = await budget.store.usage("ana")
     assert sum(u.totals.calls for u in usage if u.bucket.period == "") == 2
+
+
+def test_team_workers_given_as_a_generator_are_all_kept() -> None:
+    # The constructor read the workers once for the name check and again to register them:
+    # a generator left the lead with no worker and no ask_<name> tool, without a word.
+    from loomflow.models import ScriptedModel
+
+    lead = Agent("lead", model=ScriptedModel(["done"]), name="lead")
+    workers = (Agent("w", model=ScriptedModel(["ok"]), name=n) for n in ["alpha", "beta"])
+    team = Team(lead, workers)
+    assert sorted(team.workers) == ["alpha", "beta"]
+    assert sorted(team.lead.tools) == ["ask_alpha", "ask_beta"]
