@@ -157,7 +157,18 @@ def load_app(spec: str) -> dict[str, Agent]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise UserError(f"APP {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+        parts = module_name.split(".")
+        if exc.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            # The module was found; something it imports is missing (a dependency).
+            raise UserError(
+                f"APP {spec!r}: importing {module_name!r} failed: {exc} (install what it needs "
+                "where the worker runs)"
+            ) from exc
+        raise UserError(
+            f"APP {spec!r}: cannot import module {module_name!r} ({exc}); it is looked for "
+            f"among the installed packages and in the directory the worker starts in ({here}): "
+            "start the worker in your application's directory, or install the application"
+        ) from exc
     except Exception as exc:  # the application's own import failed: say so in one line
         raise UserError(
             f"APP {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"

@@ -433,3 +433,25 @@ async def test_worker_exports_the_spans_of_the_runs_it_resumes(tmp_path: Path) -
     assert '"name": "invoke_agent orders"' in out
     assert '"name": "loom.workflow.step"' in out
     assert '"loom.run.resumed": true' in out
+
+
+def test_a_missing_module_says_where_it_was_looked_for_and_a_missing_dependency_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from loomflow.cli.worker import load_app
+    from loomflow.errors import UserError
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_app adds the working directory
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "needs_a_dependency_xyz.py").write_text("import not_installed_anywhere_xyz\n")
+    with pytest.raises(UserError) as caught:
+        load_app("needs_a_dependency_xyz:AGENTS")
+    # The application was found: what is missing is one of its own imports.
+    assert "importing 'needs_a_dependency_xyz' failed" in str(caught.value)
+    assert "not_installed_anywhere_xyz" in str(caught.value)
+    with pytest.raises(UserError) as caught:
+        load_app("not_here_xyz.workers:AGENTS")
+    assert "cannot import module 'not_here_xyz.workers'" in str(caught.value)
+    assert f"in the directory the worker starts in ({tmp_path})" in str(caught.value)
