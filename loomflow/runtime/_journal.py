@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any, Literal, TypeVar, overload
 
 from .._cleanup import attach_cleanup_error
-from .._ids import check_id, check_key
+from .._ids import check_id, check_key, user_label
 from .._progress import OnProgress
 from ..config import Settings
 from ..context import reset_var
@@ -425,7 +425,9 @@ class JournalRuntime:
 
         Inside an open run on this journal, ``session()`` opens a sub-run instead (keyed under
         the enclosing run; see :meth:`subrun`), also when that run was opened by another
-        runtime object on the same database (a sub-agent with a runtime of its own).
+        runtime object on the same database (a sub-agent with a runtime of its own). The
+        sub-run works for the enclosing run's user: ``user_id`` left out (``None``) means
+        that user, and another user is refused.
 
         ``record`` (a :class:`RunRecord`) is stored with a new run so that a recoverer can
         resume it without the caller (see :mod:`loomflow.recovery`); a sub-run ignores it.
@@ -434,9 +436,22 @@ class JournalRuntime:
             InvalidIdError: an id is empty, too long or holds a control character.
             ConfigurationError: a run on a *different* journal is open in this context; a
                 sub-run cannot be keyed under it.
+            ConfigurationError: a run of another user is open in this context (the sub-run's
+                steps would be journaled as that user's).
         """
         scope = Scope.checked(session_id, user_id)
         frame = _frame.get()
+        if frame is not None and user_id is not None and user_id != frame.run.user_id:
+            # Its steps would be keyed under the enclosing run, that is under the other
+            # user: stored, exported and erased as theirs, and its idempotency keys shared
+            # with theirs. A mistake in the code, not one a model could fix: it stops the run
+            # (as ConfigurationError does from a tool) rather than becoming a tool error.
+            raise ConfigurationError(
+                f"a run of {user_label(frame.run.user_id)} is open in this context, so a run "
+                f"of {user_label(user_id)} cannot be opened inside it (it would journal as a "
+                "sub-run of the other user's run): leave user_id out to work for the enclosing "
+                "run's user, or start the run outside the other one"
+            )
         if frame is not None and frame.run.runtime is not self:
             await self._join(frame.run.runtime)
         if frame is not None:
