@@ -12,7 +12,7 @@ from typing import Any
 
 from ulid import ULID
 
-from .._ids import check_id
+from .._ids import check_id, check_key
 from ..checkpoints import CheckpointRestored, checkpoint_store_for
 from ..context import get_run_context
 from ..errors import UserError
@@ -58,7 +58,10 @@ class Team:
     """
 
     def __init__(self, lead: Agent, workers: Sequence[Agent]) -> None:
+        _check_agent("the team's lead", lead)
         workers = list(workers)  # read once: a generator would be spent by the name check
+        for worker in workers:
+            _check_agent("a team worker", worker)
         names = [w.name for w in workers]
         if len(set(names)) != len(names):
             raise UserError(f"team workers need distinct names, got {names}")
@@ -170,8 +173,14 @@ class Debate:
         rounds: int = 2,
         runtime: JournalRuntime | None = None,
     ) -> None:
+        debaters = list(debaters)
         if not debaters:
             raise UserError("a debate needs at least one debater")
+        for debater in debaters:
+            _check_agent("a debater", debater)
+        _check_agent("the judge", judge)
+        if not isinstance(rounds, int) or isinstance(rounds, bool):
+            raise UserError(f"rounds must be a whole number, not {rounds!r}")
         if rounds < 1:
             raise UserError("a debate needs at least one round")
         self.debaters = list(debaters)
@@ -212,6 +221,11 @@ class Debate:
         return await self.run(topic, session_id=session_id, user_id=user_id, resume=True)
 
 
+def _check_agent(what: str, value: object) -> None:
+    if not isinstance(value, Agent):
+        raise UserError(f"{what} must be an Agent, not {type(value).__name__}")
+
+
 def _debate_prompt(topic: str, transcript: list[str], round_no: int) -> str:
     if not transcript:
         return f"Topic: {topic}\nGive your opening argument."
@@ -241,6 +255,17 @@ class Workflow:
         names = [name for name, _ in items]
         if not items or len(set(names)) != len(names):
             raise UserError(f"a workflow needs nodes with distinct names, got {names}")
+        for name, node in items:
+            # Refused here rather than when the run reaches the node, after the nodes before
+            # it ran. The name keys the node's step or sub-run: the journal's rule for names.
+            if not isinstance(name, str):
+                raise UserError(f"a workflow node's name must be a string, not {name!r}")
+            check_key("workflow node name", f"node:{name}")
+            if not isinstance(node, Agent) and not callable(node):
+                raise UserError(
+                    f"workflow node {name!r} must be an Agent or a function of the previous "
+                    f"node's text, not {type(node).__name__}"
+                )
         self.nodes = items
         self.runtime = runtime
 

@@ -197,3 +197,32 @@ def test_team_workers_given_as_a_generator_are_all_kept() -> None:
     team = Team(lead, workers)
     assert sorted(team.workers) == ["alpha", "beta"]
     assert sorted(team.lead.tools) == ["ask_alpha", "ask_beta"]
+
+
+def test_architectures_refuse_bad_parts_when_built() -> None:
+    # Refused by name when built, not with a TypeError when a run reaches the part (after
+    # the nodes or debaters before it ran).
+    from loomflow.errors import InvalidIdError, UserError
+
+    agent = Agent("a", model=FunctionModel(lambda messages, tools: "ok"))
+    with pytest.raises(UserError, match="workflow node 'publish' must be an Agent or a function"):
+        Workflow([("outline", agent), ("publish", "print it")])
+    with pytest.raises(UserError, match=r"workflow node 'x' must be .* not NoneType"):
+        Workflow({"x": None})  # type: ignore[dict-item]
+    with pytest.raises(UserError, match="node's name must be a string, not 5"):
+        Workflow([(5, agent)])  # type: ignore[list-item]
+    with pytest.raises(InvalidIdError, match="workflow node name contains the control"):
+        Workflow([("a\x00b", agent)])
+    with pytest.raises(InvalidIdError, match=r"workflow node name is .* over the 2048-byte"):
+        Workflow([("n" * 3000, agent)])
+    with pytest.raises(UserError, match="the judge must be an Agent, not str"):
+        Debate([agent], "judge")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="a debater must be an Agent, not str"):
+        Debate(["pro"], agent)  # type: ignore[list-item]
+    for rounds in (1.5, "2", True):
+        with pytest.raises(UserError, match="rounds must be a whole number"):
+            Debate([agent], agent, rounds=rounds)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="a team worker must be an Agent, not function"):
+        Team(agent, [lambda task: task])  # type: ignore[list-item]
+    with pytest.raises(UserError, match="the team's lead must be an Agent"):
+        Team("lead", [agent])  # type: ignore[arg-type]
