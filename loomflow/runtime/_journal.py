@@ -452,11 +452,21 @@ class JournalRuntime:
                 "sub-run of the other user's run): leave user_id out to work for the enclosing "
                 "run's user, or start the run outside the other one"
             )
-        if frame is not None and frame.run.runtime is not self:
-            await self._join(frame.run.runtime)
         if frame is not None:
-            with self.subrun(f"run:{session_id}"):
+            name = f"run:{session_id}"
+            _check_text("sub-run name", name)
+            # The occurrence is taken before the first await (joining another runtime object
+            # reads both databases' identities): runs started together, say by gather(),
+            # then take their positions in the order they started, on the first run and on
+            # a resume alike, not in the order their joins happen to finish.
+            path = _next_path(frame, name)
+            if frame.run.runtime is not self:
+                await self._join(frame.run.runtime)
+            reset = _frame.set(_Frame(frame.run, path))
+            try:
                 yield frame.run
+            finally:
+                reset_var(_frame, reset)
             return
         await self._ensure_open()
         deadline = time.monotonic() + self.turn_timeout
@@ -736,10 +746,7 @@ class JournalRuntime:
         """
         frame = self._require_frame("subrun")
         _check_text("sub-run name", name)
-        counter_key = (frame.path, name)
-        n = frame.run.occurrences.get(counter_key, 0)
-        frame.run.occurrences[counter_key] = n + 1
-        path = (*frame.path, f"{name}#{n}")
+        path = _next_path(frame, name)
         reset = _frame.set(_Frame(frame.run, path))
         try:
             yield path
@@ -1424,6 +1431,14 @@ def _cancelled_resume(scope: Scope) -> RunCancelledError:
         f"session {scope.session_id!r} of user {scope.user_id!r} was cancelled; a cancelled "
         "run is not resumed (a new run of the session starts afresh)",
     )
+
+
+def _next_path(frame: _Frame, name: str) -> tuple[str, ...]:
+    """The path of the next sub-run called ``name`` under ``frame`` (its occurrence taken)."""
+    counter_key = (frame.path, name)
+    n = frame.run.occurrences.get(counter_key, 0)
+    frame.run.occurrences[counter_key] = n + 1
+    return (*frame.path, f"{name}#{n}")
 
 
 def _check_text(what: str, value: object) -> None:

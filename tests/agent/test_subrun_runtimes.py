@@ -6,6 +6,7 @@ and hand the parent's model a SessionBusyError; the sub-agent never ran.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,50 @@ async def test_two_from_settings_agents_on_memory_urls_are_two_journals() -> Non
         with pytest.raises(ConfigurationError, match="another journal"):
             await parent.run("go", session_id="s", user_id="u")
     assert s.booked == []
+
+
+async def test_runs_started_together_keep_their_positions_whichever_joins_first(
+    runtime_factory: Factory,
+) -> None:
+    """Sub-agents with runtime objects of their own, started together inside one run, are
+    keyed in the order they started. The occurrence number of each one's sub-run used to be
+    taken after joining the enclosing run's runtime, which reads the database on PostgreSQL:
+    a runtime that had joined before got its number first, so a resume in a fresh process
+    (where neither had) could swap the two and run both again."""
+    effects: list[str] = []
+
+    def agent(name: str, runtime: JournalRuntime) -> Agent:
+        @tool
+        def effect(tag: str) -> str:
+            """Do something once."""
+            effects.append(tag)
+            return f"did {tag}"
+
+        def decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+            if messages[-1].role == "tool":
+                return f"{name}: {messages[-1].content}"
+            return [ToolCall(id="e", name="effect", arguments={"tag": name})]
+
+        return Agent("a", model=FunctionModel(decides), tools=[effect], runtime=runtime, name=name)
+
+    async def both(outer: JournalRuntime, first: Agent, second: Agent, *, crash: bool) -> None:
+        async with outer.session("s", "u"):
+            await asyncio.gather(
+                first.run("x", session_id="s", user_id="u"),
+                second.run("y", session_id="s", user_id="u"),
+            )
+            if crash:
+                raise Crash
+
+    outer, b_rt, c_rt = [await runtime_factory() for _ in range(3)]
+    b, c = agent("b", b_rt), agent("c", c_rt)
+    async with outer.session("warm", "u"):  # c's runtime joins the outer one beforehand
+        await c.run("warm-up", session_id="warm", user_id="u")
+    effects.clear()
+    with pytest.raises(Crash):
+        await both(outer, b, c, crash=True)
+    assert sorted(effects) == ["b", "c"]
+    # As after a restart: runtime objects that have joined nothing yet.
+    outer, b_rt, c_rt = [await runtime_factory() for _ in range(3)]
+    await both(outer, agent("b", b_rt), agent("c", c_rt), crash=False)
+    assert sorted(effects) == ["b", "c"]  # both replayed
