@@ -51,7 +51,7 @@ from ..messages import Message, ModelSettings, ToolSpec
 from ..models import Model, resolve_model
 from ..redaction import Redactor
 from ..runtime import OpenRun, RunRecord, Runtime, codec
-from ..runtime._journal import JournalRun, JournalRuntime
+from ..runtime._journal import JournalRun, JournalRuntime, run_in_context
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
 from ..tools import Tool, ToolLike, ToolRegistry
 from ._approvals import decide, pending_of
@@ -128,9 +128,24 @@ async def enclosing_run(
         reset_var(_active_runtime, runtime_token)
 
 
+def enclosing_ids() -> tuple[bool, str | None, str | None]:
+    """Whether a run is open in this context (an agent's, or a ``runtime.session`` block),
+    and its session and user: a run started inside it is a sub-run that works for them."""
+    outer = get_run_context()
+    if outer.run_id is not None:
+        return True, outer.session_id, outer.user_id
+    journal_run = run_in_context()
+    if journal_run is not None:
+        return True, journal_run.session_id, journal_run.user_id
+    return False, None, None
+
+
 def runtime_for(runtime: Runtime | None) -> Runtime:
-    """The runtime a run uses: its own, else the enclosing run's, else no journal."""
+    """The runtime a run uses: its own, else the enclosing run's (an agent's, or the runtime
+    of a ``runtime.session`` block), else no journal."""
     active: Runtime | None = _active_runtime.get()
+    if runtime is None and active is None and (journal_run := run_in_context()) is not None:
+        active = journal_run.runtime
     return runtime or active or Passthrough()
 
 
@@ -143,7 +158,7 @@ class Agent:
             ``"gpt-4.1"``, ``"scripted"``), resolved on first use.
         tools: Tools (``@tool`` functions or plain callables) the model may call.
         runtime: The journal. ``None`` journals nothing (unless the agent runs inside another
-            agent's run, whose runtime it then shares).
+            run, an agent's or a ``runtime.session`` block, whose runtime it then shares).
         tuning: Loop settings (:class:`Tuning`).
         max_turns: Model calls allowed per run before it stops with ``max_turns``.
         name: A short name used in sub-run keys, spans and tool names. It is also the name
@@ -733,11 +748,13 @@ class Agent:
         check_id("fork_session_id", fork_session_id)
         check_metadata(metadata)
         runtime = self._runtime()
-        outer = get_run_context()
-        nested = outer.run_id is not None
-        if nested:  # a sub-run inherits who it works for
-            session_id = session_id if session_id is not None else outer.session_id
-            user_id = user_id if user_id is not None else outer.user_id
+        # Inside another run (an agent's, or a runtime.session block) this one is a sub-run
+        # of it and inherits who it works for: a session id made up here would name its
+        # sub-run differently on every attempt, and a resume would replay none of it.
+        nested, outer_session, outer_user = enclosing_ids()
+        if nested:
+            session_id = session_id if session_id is not None else outer_session
+            user_id = user_id if user_id is not None else outer_user
         store = self._checkpoint_store(runtime) if self.tuning.checkpoint and not nested else None
         source: Checkpoint | None = None
         claiming: asyncio.Lock | None = None  # held from the fork session's check to its claim

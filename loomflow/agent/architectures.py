@@ -19,16 +19,27 @@ from ..errors import UserError
 from ..messages import Message
 from ..runtime._journal import JournalRuntime
 from ..tools import Tool
-from ._agent import Agent, enclosing_run, runtime_for
+from ._agent import Agent, enclosing_ids, enclosing_run, runtime_for
 from ._types import AgentEvent, RunResult, ToolCallFinished
 
 __all__ = ["Debate", "Team", "Workflow"]
 
 
-def _session_or_new(session_id: str | None, user_id: str | None) -> str:
-    # An empty id is refused, not replaced by a fresh one (see loomflow._ids).
+def _ids(session_id: str | None, user_id: str | None) -> tuple[str, str | None]:
+    """The session and user an architecture's run works for.
+
+    Inside another run (used from a tool, say) ids left out are the enclosing run's, as for
+    an agent: a fresh session id would name the sub-run differently on every attempt, so a
+    resume of the enclosing run would replay none of it. Elsewhere a missing session id is
+    a fresh one; an empty id is refused, not replaced (see loomflow._ids).
+    """
     check_id("user_id", user_id)
-    return check_id("session_id", session_id) or str(ULID())
+    check_id("session_id", session_id)
+    nested, outer_session, outer_user = enclosing_ids()
+    if nested:
+        session_id = session_id if session_id is not None else outer_session
+        user_id = user_id if user_id is not None else outer_user
+    return session_id or str(ULID()), user_id
 
 
 def _combine(
@@ -197,7 +208,7 @@ class Debate:
         resume: bool = False,
     ) -> RunResult:
         runtime = runtime_for(self.runtime)
-        session_id = _session_or_new(session_id, user_id)
+        session_id, user_id = _ids(session_id, user_id)
         async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
             results: list[RunResult] = []
             transcript: list[str] = []
@@ -278,7 +289,7 @@ class Workflow:
         resume: bool = False,
     ) -> RunResult:
         runtime = runtime_for(self.runtime)
-        session_id = _session_or_new(session_id, user_id)
+        session_id, user_id = _ids(session_id, user_id)
         async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
             results: list[RunResult] = []
             text = prompt

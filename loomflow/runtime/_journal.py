@@ -1433,6 +1433,16 @@ def _cancelled_resume(scope: Scope) -> RunCancelledError:
     )
 
 
+def run_in_context() -> JournalRun | None:
+    """The journal run open in this context (on any runtime object), if any.
+
+    A run opened inside it becomes a sub-run of it: code that opens one without naming a
+    session and user (a sub-agent, a workflow) works for this run's.
+    """
+    frame = _frame.get()
+    return None if frame is None else frame.run
+
+
 def _next_path(frame: _Frame, name: str) -> tuple[str, ...]:
     """The path of the next sub-run called ``name`` under ``frame`` (its occurrence taken)."""
     counter_key = (frame.path, name)
