@@ -315,6 +315,9 @@ class JournalRuntime:
             if getattr(self, option) <= 0:
                 raise UserError(f"{option} must be greater than 0")
         self._locks: dict[str, asyncio.Lock] = {}
+        # Idempotency keys whose step is running in this process, by (user key, key): a
+        # second step with the key waits for the first and gets its result (see _key_turn).
+        self._key_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._ready: asyncio.Lock | None = None
         self._pid = os.getpid()
         self._opened = False
@@ -338,6 +341,7 @@ class JournalRuntime:
             # event loop) are not ours. The store reconnects by itself on next use.
             self._pid = os.getpid()
             self._locks = {}
+            self._key_locks = {}
             self._ready = None
         if self._opened:
             return
@@ -826,9 +830,10 @@ class JournalRuntime:
         started = time.perf_counter()
         if idempotency_key is not None:  # keyed by the user's key, not by the run position
             with self._signals.traced(run, frame.path, name, False) as note:
-                return await self._idempotent_step(
-                    run, frame.path, name, fn, args, kwargs, idempotency_key, started, note
-                )
+                async with _key_turn(run, idempotency_key):
+                    return await self._idempotent_step(
+                        run, frame.path, name, fn, args, kwargs, idempotency_key, started, note
+                    )
         position = _take_position(run, frame.path, name)
         try:
             with self._signals.traced(run, frame.path, name, False) as note:
@@ -1431,6 +1436,45 @@ def _cancelled_resume(scope: Scope) -> RunCancelledError:
         f"session {scope.session_id!r} of user {scope.user_id!r} was cancelled; a cancelled "
         "run is not resumed (a new run of the session starts afresh)",
     )
+
+
+# The idempotency keys whose step the current task (or one it was started from) is running,
+# as (id of the lock's runtime, user key, key): a step nested in one with the same key must
+# not wait for the step it runs inside.
+_keys_held: contextvars.ContextVar[frozenset[tuple[int, str, str]]] = contextvars.ContextVar(
+    "loomflow_idempotency_keys_held", default=frozenset()
+)
+
+
+@contextlib.asynccontextmanager
+async def _key_turn(run: JournalRun, key: str) -> AsyncIterator[None]:
+    """Let one step at a time run under a user's idempotency key, in this process.
+
+    Two steps with one key started together (parallel tool calls of a turn that the model
+    asked for twice, two sessions of the user) both found no stored result and both ran:
+    the key's side effect happened twice, and only the stored result was shared. The second
+    now waits for the first to end and then reads what it stored (if it raised, the second
+    runs). The locks live on the runtime object that opened the outermost run; processes
+    (and runtime objects) sharing a database still race, and the store keeps the first
+    result written.
+    """
+    owner = run.runtime
+    lock_key = (run.scope.user_key, key)
+    held_key = (id(owner), *lock_key)
+    held = _keys_held.get()
+    if held_key in held:  # inside the step that holds the key: waiting would never end
+        yield
+        return
+    lock = owner._key_locks.setdefault(lock_key, asyncio.Lock())
+    await lock.acquire()
+    token = _keys_held.set(held | {held_key})
+    try:
+        yield
+    finally:
+        reset_var(_keys_held, token)
+        lock.release()
+        if not lock.locked() and not lock._waiters:  # keys are unbounded: drop idle locks
+            owner._key_locks.pop(lock_key, None)
 
 
 def run_in_context() -> JournalRun | None:
