@@ -861,7 +861,20 @@ class JournalRuntime:
 
         ``fn(*args, **kwargs)`` must give an async iterable (or a coroutine returning one). A
         stream that fails or is abandoned before its end stores nothing.
+
+        Raises:
+            UserError: an ``idempotency_key`` was given: a stream is found again by its run
+                position only (see :meth:`step` for keyed results).
         """
+        if "idempotency_key" in kwargs:
+            # Taken by step() as the journal key; here it used to reach fn unnoticed, and
+            # the stream ran again in every run that reached it.
+            raise UserError(
+                f"stream_step({name!r}) takes no idempotency_key: a stream is replayed by its "
+                "position in the run only. Collect the chunks in a runtime.step(..., "
+                "idempotency_key=...) instead, or, if fn itself takes an argument of that "
+                "name, bind it with functools.partial"
+            )
         frame = self._require_frame("stream_step")
         _check_text("step name", name)
         _check_step_fn("stream_step", name, fn)
