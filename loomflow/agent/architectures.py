@@ -65,7 +65,8 @@ class Team:
     A worker remembers, within one run, the tasks it was given and its answers; the memory is
     rebuilt from the lead's journaled tool results (or, when the lead resumes from a
     checkpoint, from the snapshot's transcript), so a resumed run gives the worker the same
-    history it had before the crash.
+    history it had before the crash. That holds for every run of :attr:`lead` too, so a
+    recovery worker with ``team.lead`` registered under its name resumes team runs.
     """
 
     def __init__(self, lead: Agent, workers: Sequence[Agent]) -> None:
@@ -83,6 +84,12 @@ class Team:
         # The lead keeps all of its own configuration (journal, budget, permissions, audit,
         # guardrails, telemetry, memory, hooks); it only gains a tool per worker.
         self.lead = lead.clone(tools=[*lead.tools.values(), *tools])
+        # Every run of the lead keeps the workers' memory, not only those started through the
+        # team: a recovery worker resumes a crashed team run as `team.lead.resume(...)` (the
+        # run records the lead's name), and its workers must see the history they saw first,
+        # or their model calls diverge from the journal and run again.
+        self._lead_events = self.lead._events
+        vars(self.lead)["_events"] = self._tracked_events
 
     @staticmethod
     def tool_name(worker: str) -> str:
@@ -121,12 +128,24 @@ class Team:
     ) -> AsyncIterator[AgentEvent]:
         return self._events(prompt, session_id, user_id, resume=False)
 
-    async def _events(
+    def _events(
         self, prompt: str, session_id: str | None, user_id: str | None, *, resume: bool
     ) -> AsyncIterator[AgentEvent]:
+        return self.lead._events(prompt, session_id, user_id, None, resume=resume)
+
+    async def _tracked_events(
+        self,
+        prompt: str,
+        session_id: str | None,
+        user_id: str | None,
+        metadata: Mapping[str, Any] | None,
+        **options: Any,
+    ) -> AsyncIterator[AgentEvent]:
+        """A run of the lead, recording each worker's tasks and answers as it goes."""
         run_id: str | None = None
         try:
-            async for event in self.lead._events(prompt, session_id, user_id, None, resume=resume):
+            events = self._lead_events(prompt, session_id, user_id, metadata, **options)
+            async for event in events:
                 if run_id is None:
                     run_id = getattr(event, "run_id", None)
                     self._history[run_id or ""] = {}

@@ -226,3 +226,55 @@ def test_architectures_refuse_bad_parts_when_built() -> None:
         Team(agent, [lambda task: task])  # type: ignore[list-item]
     with pytest.raises(UserError, match="the team's lead must be an Agent"):
         Team("lead", [agent])  # type: ignore[arg-type]
+
+
+async def test_a_team_run_resumed_through_its_lead_gives_workers_their_memory(
+    runtime_factory: Factory,
+) -> None:
+    """A recovery worker resumes a crashed team run as ``team.lead.resume(...)``: the run
+    records the lead's name, and ``Recovery(runtime, {"lead": team.lead})`` is how a team is
+    registered. The workers' memory was only kept for runs started through the team, so the
+    worker's second task came without the first exchange: its model call diverged from the
+    journal and ran again (paid twice, and free to decide otherwise)."""
+
+    class Died(BaseException):
+        """Like the process dying: no tool turns it into a tool error."""
+
+    asked: list[int] = []
+    done: list[str] = []
+    crash = True
+
+    @tool
+    def measure(what: str) -> str:
+        """Measure something."""
+        done.append(what)
+        if what == "moons" and crash:
+            raise Died
+        return f"{what} measured"
+
+    def worker_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return f"research: {messages[-1].content}"
+        asked.append(len(messages))
+        return [ToolCall(id="m", name="measure", arguments={"what": messages[-1].content})]
+
+    def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        answers = [m.content for m in messages if m.role == "tool"]
+        if len(answers) < 2:
+            task = ["tides", "moons"][len(answers)]
+            return [ToolCall(id=f"a{len(answers)}", name="ask_w", arguments={"task": task})]
+        return " | ".join(answers)
+
+    runtime = await runtime_factory()
+    team = Team(
+        Agent("lead", model=FunctionModel(lead_decides), runtime=runtime, name="lead"),
+        [Agent("w", model=FunctionModel(worker_decides), tools=[measure], name="w")],
+    )
+    with pytest.raises(Died):
+        await team.run("report", session_id="s", user_id="u")
+    assert asked == [2, 4]  # the second task came with the first exchange
+    crash = False
+    result = await team.lead.resume("report", session_id="s", user_id="u")
+    assert result.output == "research: tides measured | research: moons measured"
+    assert asked == [2, 4]  # the worker's model calls replayed: no new one
+    assert done == ["tides", "moons", "moons"]  # only the call in flight ran again
