@@ -8,8 +8,10 @@ are still checked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +113,6 @@ async def test_a_cursor_we_never_gave_out_is_a_user_error(store: AuditStore, cur
     assert (await store.query(user_id="ana", cursor=str(2**63 - 1))).entries == []
 
 
-async def _relabel_sqlite(path: Path, sql: str) -> None:
-    with sqlite3.connect(path) as conn:  # as someone with the file would: triggers first
-        conn.execute("DROP TRIGGER loom_audit_no_update")
-        conn.execute(sql)
-
-
 async def _relabel_postgres(dsn: str, sql: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
@@ -124,6 +120,40 @@ async def _relabel_postgres(dsn: str, sql: str) -> None:
         await conn.execute(sql)
     finally:
         await conn.close()
+
+
+Edit = Callable[[str], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _tampered(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[AuditStore, Edit]]:
+    """An open audit store of ``kind``, and how someone with the database edits it (the
+    tables' triggers out of the way)."""
+    store: AuditStore
+    dsn = ""
+    if kind == "sqlite":
+        store = SqliteAuditStore(tmp_path / "audit.db")
+    else:
+        dsn = request.getfixturevalue("pg_dsn")
+        store = PostgresAuditStore(dsn)
+
+    async def edit(sql: str) -> None:
+        if kind != "sqlite":
+            await _relabel_postgres(dsn, sql)
+            return
+        with sqlite3.connect(tmp_path / "audit.db") as conn:
+            for trigger in ("loom_audit_no_update", "loom_audit_heads_forward"):
+                conn.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+            conn.execute(sql)
+        conn.close()
+
+    await store.open()
+    try:
+        yield store, edit
+    finally:
+        await store.close()
 
 
 @pytest.mark.parametrize(
@@ -137,20 +167,10 @@ async def _relabel_postgres(dsn: str, sql: str) -> None:
 async def test_a_row_no_writer_makes_is_reported_in_place_and_the_rest_is_checked(
     kind: str, edit: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    store: AuditStore
-    if kind == "sqlite":
-        store = SqliteAuditStore(tmp_path / "audit.db")
-    else:
-        dsn = request.getfixturevalue("pg_dsn")
-        store = PostgresAuditStore(dsn)
-    await store.open()
-    try:
+    async with _tampered(kind, tmp_path, request) as (store, tamper):
         await store.append([_record("alice") for _ in range(3)] + [_record("bob")] * 2)
         assert (await store.verify()).ok
-        if kind == "sqlite":
-            await _relabel_sqlite(tmp_path / "audit.db", edit)
-        else:
-            await _relabel_postgres(dsn, edit)
+        await tamper(edit)
         report = await store.verify()
         assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [
             ("alice", "unreadable", 2)
@@ -163,8 +183,6 @@ async def test_a_row_no_writer_makes_is_reported_in_place_and_the_rest_is_checke
         assert [(e.user_id, e.seq) for e in page.entries] == [
             ("alice", 1), ("alice", 2), ("alice", 3), ("bob", 1), ("bob", 2)
         ]  # fmt: skip
-    finally:
-        await store.close()
 
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -174,20 +192,10 @@ async def test_a_row_moved_under_another_key_is_reported_as_each_users_problem(
     # Alice's last entry moved under a key nobody had: the gap and the missing head are the
     # problems of that key's trail (carol's), the moved entry is alice's own, and alice,
     # whose head is in place, has lost her last entry.
-    store: AuditStore
-    if kind == "sqlite":
-        store = SqliteAuditStore(tmp_path / "audit.db")
-    else:
-        dsn = request.getfixturevalue("pg_dsn")
-        store = PostgresAuditStore(dsn)
-    await store.open()
-    try:
+    async with _tampered(kind, tmp_path, request) as (store, tamper):
         await store.append([_record("alice") for _ in range(5)] + [_record("bob")] * 2)
         edit = """UPDATE loom_audit SET user_key = '"carol"' WHERE user_id = 'alice' AND seq = 5"""
-        if kind == "sqlite":
-            await _relabel_sqlite(tmp_path / "audit.db", edit)
-        else:
-            await _relabel_postgres(dsn, edit)
+        await tamper(edit)
         report = await store.verify()
         assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [
             ("alice", "truncated", 5),
@@ -203,8 +211,6 @@ async def test_a_row_moved_under_another_key_is_reported_as_each_users_problem(
             ("carol", "missing"),
             ("carol", "unanchored"),
         ]
-    finally:
-        await store.close()
 
 
 async def test_an_export_line_with_retyped_numbers_is_unreadable(tmp_path: Path) -> None:
@@ -242,20 +248,10 @@ async def test_a_payload_nested_too_deep_to_hash_is_reported_not_a_crash(
     # 700 lists deep: Python's JSON parser still reads it, but walking it for the hash ran
     # out of stack, and verify, an export's check and forget died with a RecursionError.
     deep = '{"n":' + "[" * 700 + "]" * 700 + "}"
-    store: AuditStore
-    if kind == "sqlite":
-        store = SqliteAuditStore(tmp_path / "audit.db")
-    else:
-        dsn = request.getfixturevalue("pg_dsn")
-        store = PostgresAuditStore(dsn)
-    await store.open()
-    try:
+    async with _tampered(kind, tmp_path, request) as (store, tamper):
         await store.append([_record("alice") for _ in range(3)] + [_record("bob")] * 2)
         edit = f"UPDATE loom_audit SET payload = '{deep}' WHERE user_id = 'alice' AND seq = 2"
-        if kind == "sqlite":
-            await _relabel_sqlite(tmp_path / "audit.db", edit)
-        else:
-            await _relabel_postgres(dsn, edit)
+        await tamper(edit)
         report = await store.verify()
         assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [("alice", "edited", 2)]
         assert "nested too deep" in report.problems[0].detail
@@ -266,8 +262,6 @@ async def test_a_payload_nested_too_deep_to_hash_is_reported_not_a_crash(
         lines = [e.to_line() async for e in store.entries()]
         offline = verify_lines(lines)
         assert [(p.user_id, p.kind, p.seq) for p in offline.problems] == [("alice", "edited", 2)]
-    finally:
-        await store.close()
 
 
 @pytest.mark.parametrize("shape", ["deep", "past the cap", "cycle"])
@@ -305,28 +299,16 @@ async def test_a_seq_edited_past_any_entry_claims_no_place_in_the_chain(
 ) -> None:
     # The unreadable row was taken at its word: "entries 4-9223372036854775806 are missing"
     # and "entries 4-9223372036854775807 come after the recorded head".
-    store: AuditStore
-    if kind == "sqlite":
-        store = SqliteAuditStore(tmp_path / "audit.db")
-    else:
-        dsn = request.getfixturevalue("pg_dsn")
-        store = PostgresAuditStore(dsn)
-    await store.open()
-    try:
+    async with _tampered(kind, tmp_path, request) as (store, tamper):
         await store.append([_record("alice") for _ in range(3)])
         edit = f"UPDATE loom_audit SET seq = {2**63 - 1} WHERE user_id = 'alice' AND seq = 2"
-        if kind == "sqlite":
-            await _relabel_sqlite(tmp_path / "audit.db", edit)
-        else:
-            await _relabel_postgres(dsn, edit)
+        await tamper(edit)
         report = await store.verify()
         assert [(p.kind, p.seq) for p in report.problems] == [
             ("missing", 2),
             ("unreadable", 2**63 - 1),
         ], report.problems
         assert report.warnings == []
-    finally:
-        await store.close()
 
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -336,28 +318,13 @@ async def test_a_head_edited_to_name_another_user_is_reported_and_not_saved_so(
     # No hash covers a head's user column. verify passed, and its report, the heads saved
     # away each day, named alice's head "mallory": the next check against them would look
     # for mallory's trail, and no saved head would guard alice's.
-    store: AuditStore
-    if kind == "sqlite":
-        store = SqliteAuditStore(tmp_path / "audit.db")
-    else:
-        dsn = request.getfixturevalue("pg_dsn")
-        store = PostgresAuditStore(dsn)
-    await store.open()
-    try:
+    async with _tampered(kind, tmp_path, request) as (store, tamper):
         await store.append([_record("alice") for _ in range(3)] + [_record("bob")])
         edit = """UPDATE loom_audit_heads SET user_id = 'mallory' WHERE user_key = '"alice"'"""
-        if kind == "sqlite":
-            with sqlite3.connect(tmp_path / "audit.db") as conn:
-                conn.execute("DROP TRIGGER loom_audit_heads_forward")
-                conn.execute(edit)
-            conn.close()
-        else:
-            await _relabel_postgres(dsn, edit)
+        await tamper(edit)
         report = await store.verify()
         assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [
             ("alice", "head_mismatch", 3)
         ], report.problems
         assert "names user 'mallory'" in report.problems[0].detail
         assert [(h.user_id, h.seq) for h in report.heads] == [("alice", 3), ("bob", 1)]
-    finally:
-        await store.close()
