@@ -296,11 +296,14 @@ class Settings(BaseSettings):
     )
     lease_seconds: float = Field(
         default=30.0,
-        gt=0,
+        # At least a second: the heartbeat renews every third of a lease, so a shorter one
+        # spins on the database and a GC pause or a slow statement loses the turn.
+        ge=1.0,
         allow_inf_nan=False,  # inf would never time out, nan compares false to all
         description=(
-            "Ownership lease of a (session, user) turn, renewed while the run is alive. "
-            "A crashed worker's turn is free after this long (at once if it ran on this host)."
+            "Ownership lease of a (session, user) turn, renewed while the run is alive "
+            "(at least 1 second). A crashed worker's turn is free after this long (at once if "
+            "it ran on this host)."
         ),
     )
     recovery_interval_seconds: float = Field(

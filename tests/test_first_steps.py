@@ -89,6 +89,12 @@ def test_a_bad_setting_is_a_configuration_error_naming_its_variable(
     monkeypatch.setenv("LOOMFLOW_LEASE_SECONDS", "soon")
     with pytest.raises(ConfigurationError, match="LOOMFLOW_LEASE_SECONDS"):
         Settings()
+    # A lease of a millisecond made the heartbeat spin on the database.
+    monkeypatch.setenv("LOOMFLOW_LEASE_SECONDS", "0.001")
+    with pytest.raises(ConfigurationError, match="LOOMFLOW_LEASE_SECONDS"):
+        Settings()
+    monkeypatch.setenv("LOOMFLOW_LEASE_SECONDS", "1")
+    assert Settings().lease_seconds == 1.0
 
 
 @pytest.mark.parametrize(
