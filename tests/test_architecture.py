@@ -28,6 +28,7 @@ FLOORS = [
         "loomflow._cleanup",
         "loomflow._ids",
         "loomflow._json",
+        "loomflow._locks",
         "loomflow._memo",
         "loomflow._pii",
         "loomflow._printable",

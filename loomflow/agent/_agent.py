@@ -40,6 +40,7 @@ from ulid import ULID
 
 from .._ids import check_id, user_label
 from .._json import canonical_json, valid_text
+from .._locks import drop_if_idle
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, reset_var, use_run_context
@@ -896,8 +897,7 @@ class _ForkLock(asyncio.Lock):
 
     def release(self) -> None:
         super().release()
-        if not self.locked() and not self._waiters and self._table.get(self._key) is self:
-            del self._table[self._key]
+        drop_if_idle(self._table, self._key, self)
 
 
 async def _fork_source(

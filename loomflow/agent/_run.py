@@ -523,10 +523,9 @@ class _Run:
             outcome = self.sealer.lost(gone)
         else:
             answer: ToolOutcome | None = None
+            tool = self.agent.tools.get(tool_name)  # None: a name the model made up
             for hook in self.hooks:
-                checked = await hook.before_tool_call(
-                    self.info, turn, slot, current, self.agent.tools.get(tool_name)
-                )
+                checked = await hook.before_tool_call(self.info, turn, slot, current, tool)
                 if isinstance(checked, ToolOutcome):
                     answer = checked  # denied (or answered) without running the tool
                     break

@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeVar, overload
 
 from .._cleanup import attach_cleanup_error
 from .._ids import check_id, check_key, user_label
+from .._locks import drop_if_idle
 from .._progress import OnProgress
 from ..config import Settings
 from ..context import reset_var
@@ -549,8 +550,7 @@ class JournalRuntime:
         finally:
             _lease.held.discard(owner)  # from here on, a row still naming it was left behind
             lock.release()
-            if not lock.locked() and not lock._waiters:  # drop idle locks: sessions are unbounded
-                self._locks.pop(scope.key, None)
+            drop_if_idle(self._locks, scope.key, lock)
 
     async def _try_begin(
         self, scope: Scope, owner: str, record: tuple[str, str, bytes] | None
@@ -1486,8 +1486,7 @@ async def _key_turn(run: JournalRun, key: str) -> AsyncIterator[None]:
     finally:
         reset_var(_keys_held, token)
         lock.release()
-        if not lock.locked() and not lock._waiters:  # keys are unbounded: drop idle locks
-            owner._key_locks.pop(lock_key, None)
+        drop_if_idle(owner._key_locks, lock_key, lock)
 
 
 def run_in_context() -> JournalRun | None:

@@ -16,31 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _cli import clean_env, loomflow
 
 from loomflow.errors import StoreUnavailableError
 from loomflow.storage import PostgresDatabase
 
 cli_main = importlib.import_module("loomflow.cli.main")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The environment without the caller's LOOMFLOW_* settings, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
-    return {**env, **extra}
-
-
-def loomflow(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "loomflow.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        check=False,
-        env=env if env is not None else _env(),
-    )
 
 
 # -- a PostgreSQL host that takes the connection and never answers ----------------------------
@@ -96,7 +77,7 @@ def test_a_command_gives_up_on_a_silent_server_after_the_timeout(
         "runs",
         "list",
         cwd=tmp_path,
-        env=_env(LOOMFLOW_POSTGRES_TIMEOUT_SECONDS="2"),
+        env=clean_env(LOOMFLOW_POSTGRES_TIMEOUT_SECONDS="2"),
     )
     took = time.monotonic() - t0
     assert done.returncode == 1, done.stderr
@@ -355,7 +336,7 @@ def test_a_proxy_header_no_request_can_carry_is_refused(header: str, tmp_path: P
         text=True,
         timeout=60,  # the old code served (and so never returned)
         check=False,
-        env=_env(),
+        env=clean_env(),
     )
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr

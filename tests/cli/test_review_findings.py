@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _cli import clean_env, loomflow
 from pydantic_settings import EnvSettingsSource, SettingsError
 
 from loomflow import config
@@ -31,26 +32,6 @@ from loomflow.config import Settings
 cli_main = importlib.import_module("loomflow.cli.main")
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The environment without the caller's LOOMFLOW_* settings, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
-    return {**env, **extra}
-
-
-def loomflow(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "loomflow.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        check=False,
-        env=env if env is not None else _env(),
-    )
 
 
 def _tables(path: Path) -> list[str]:
@@ -80,7 +61,7 @@ def _worker_lines(tmp_path: Path, *extra: str) -> list[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "loomflow.cli", "worker", "reviewapp:AGENTS", "--port", "0",
          "--interval", "0.2", *extra],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -141,7 +122,7 @@ def test_worker_refuses_a_runtime_url_naming_another_journal(tmp_path: Path) -> 
     (tmp_path / "reviewapp.py").write_text(_APP)
     other = loomflow(
         "worker", "reviewapp:AGENTS", "--once", cwd=tmp_path,
-        env=_env(LOOMFLOW_RUNTIME_URL="sqlite:///other.db"),
+        env=clean_env(LOOMFLOW_RUNTIME_URL="sqlite:///other.db"),
     )  # fmt: skip
     assert other.returncode == 1
     assert other.stderr.splitlines() == [
@@ -155,7 +136,7 @@ def test_worker_refuses_a_runtime_url_naming_another_journal(tmp_path: Path) -> 
     # The same file, however it is spelled, is the agents' journal: swept as usual.
     same = loomflow(
         "worker", "reviewapp:AGENTS", "--once", cwd=tmp_path,
-        env=_env(LOOMFLOW_RUNTIME_URL=f"sqlite:///{tmp_path / 'journal.db'}"),
+        env=clean_env(LOOMFLOW_RUNTIME_URL=f"sqlite:///{tmp_path / 'journal.db'}"),
     )  # fmt: skip
     assert same.returncode == 0, same.stderr
     assert same.stdout.startswith("sweep: resumed 0")
@@ -291,9 +272,9 @@ def test_redact_patterns_that_are_not_a_json_object_name_the_variable(
     ):
         if where == ".env":
             (tmp_path / ".env").write_text(f"LOOMFLOW_REDACT_PATTERNS='{value}'\n")
-            env = _env()
+            env = clean_env()
         else:
-            env = _env(LOOMFLOW_REDACT_PATTERNS=value)
+            env = clean_env(LOOMFLOW_REDACT_PATTERNS=value)
         done = loomflow("settings", cwd=tmp_path, env=env)
         assert done.returncode == 1
         assert done.stderr.count("\n") == 1, done.stderr
@@ -301,7 +282,7 @@ def test_redact_patterns_that_are_not_a_json_object_name_the_variable(
             f"loomflow: error: bad setting LOOMFLOW_REDACT_PATTERNS: {problem} of kind to "
             'regular expression, e.g. {"customer_id": "CUST-[0-9]{8}"}'
         ), done.stderr
-    blank = loomflow("settings", "--json", cwd=tmp_path, env=_env(LOOMFLOW_REDACT_PATTERNS=""))
+    blank = loomflow("settings", "--json", cwd=tmp_path, env=clean_env(LOOMFLOW_REDACT_PATTERNS=""))
     assert blank.returncode == 0, blank.stderr
     assert json.loads(blank.stdout)["redact_patterns"]["value"] == {}
 
@@ -566,7 +547,7 @@ def test_ctrl_c_stops_the_demo_and_its_worker_without_a_traceback(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=clean_env(),
         start_new_session=True,
     )
     assert demo.stdout is not None
