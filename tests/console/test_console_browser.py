@@ -186,6 +186,9 @@ def test_the_compliance_flow_in_chromium(
     # Sign out: the pages are closed again.
     d.get(base + "/users")
     d.find_element(By.XPATH, "//button[text()='Sign out']").click()
+    # The sign-out post answers with the sign-in page; navigating before it has would race it
+    # (a loaded machine let the next page load while still signed in).
+    WebDriverWait(d, 30).until(lambda drv: "/signin" in drv.current_url)
     d.get(base + "/users/bob")
     assert "/signin" in d.current_url
 
