@@ -5,7 +5,9 @@ This is the only settings class in loomflow; the CLI and the agent take their st
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
 import re
 from typing import Annotated, Any, Literal
@@ -24,6 +26,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 
 from ._timefmt import MAX_AGE
 from .errors import ConfigurationError
+
+_log = logging.getLogger("loomflow.config")
 
 __all__ = [
     "MAX_BUSY_TIMEOUT_MS",
@@ -208,14 +212,16 @@ def _unreadable_setting(exc: SettingsError) -> str:
 _SETTING_LINE = re.compile(r"\s*(?:export\s+)?(LOOMFLOW_\w+)", re.IGNORECASE)
 
 
-def _check_env_file_lines(env_file: Any, encoding: str) -> None:
-    """Refuse a ``.env`` line meant for a setting that python-dotenv cannot parse (an
-    unclosed quote, say). It would skip the line with a warning naming neither the file nor
-    the variable, and the setting would quietly keep its default: an audit URL given that way
-    sent the audit log to the journal's database instead."""
+def env_file_variables(env_file: Any, encoding: str) -> list[tuple[str, str]]:
+    """The variables the ``.env`` file(s) define, each with the file; a line meant for a
+    setting that python-dotenv cannot parse (an unclosed quote, say) is refused. It would
+    skip the line with a warning naming neither the file nor the variable, and the setting
+    would quietly keep its default: an audit URL given that way sent the audit log to the
+    journal's database instead."""
     if env_file is None:
-        return
+        return []
     files = [env_file] if isinstance(env_file, str | os.PathLike) else list(env_file)
+    found: list[tuple[str, str]] = []
     for file in files:
         try:
             with open(file, encoding=encoding) as stream:
@@ -223,13 +229,44 @@ def _check_env_file_lines(env_file: Any, encoding: str) -> None:
         except (OSError, UnicodeDecodeError):  # not there, or reported when it is read
             continue
         for binding in bindings:
-            found = _SETTING_LINE.match(binding.original.string)
-            if binding.error and found is not None:
+            setting = _SETTING_LINE.match(binding.original.string)
+            if binding.error and setting is not None:
                 raise ConfigurationError(
-                    f"bad setting {found[1].upper()}: line {binding.original.line} of "
+                    f"bad setting {setting[1].upper()}: line {binding.original.line} of "
                     f"{os.fspath(file)} cannot be parsed (an unclosed quote?), so the setting "
                     "would be ignored; quote the value whole ('...' or \"...\") or not at all"
                 )
+            if binding.key is not None:
+                found.append((binding.key, os.fspath(file)))
+    return found
+
+
+# LOOMFLOW_ variables that are read on purpose but name no setting (the test suite's DSN).
+OTHER_VARIABLES = frozenset({"LOOMFLOW_TEST_PG_DSN"})
+_reported: set[tuple[str, str]] = set()  # each misspelling once per process, not per Settings()
+
+
+def _warn_unknown_variables(in_files: list[tuple[str, str]]) -> None:
+    """A ``LOOMFLOW_*`` variable that names no setting is ignored: log it once, with the
+    setting it most likely meant. ``LOOMFLOW_LEASE_SECOND=5`` left a service on the default
+    lease without a word."""
+    names = [name.upper() for name in Settings.model_fields]
+    for variable, where in [(v, "") for v in sorted(os.environ)] + in_files:
+        # Matched as the settings match them: case-blind (`loomflow_lease_seconds` is read).
+        name = variable.upper().removeprefix("LOOMFLOW_")
+        if name == variable.upper() or name in names or variable.upper() in OTHER_VARIABLES:
+            continue
+        if (variable, where) in _reported:
+            continue
+        _reported.add((variable, where))
+        # Compared without the shared prefix, which would make every name look close.
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+        _log.warning(
+            "%s%s is not a setting and is ignored%s",
+            variable,
+            f" in {where}" if where else "",
+            f" (did you mean LOOMFLOW_{close[0]}?)" if close else "",
+        )
 
 
 def _one_line(text: str) -> str:
@@ -254,13 +291,14 @@ class Settings(BaseSettings):
         naming its ``LOOMFLOW_*`` variable (pydantic's own error names the field)."""
         env_file = values.get("_env_file", self.model_config.get("env_file"))
         encoding = values.get("_env_file_encoding", self.model_config.get("env_file_encoding"))
-        _check_env_file_lines(env_file, encoding or "utf-8")
+        in_files = env_file_variables(env_file, encoding or "utf-8")
         try:
             super().__init__(**values)
         except ValidationError as exc:
             raise ConfigurationError(_bad_settings(exc)) from exc
         except SettingsError as exc:  # pydantic-settings could not even read a value
             raise ConfigurationError(_unreadable_setting(exc)) from exc
+        _warn_unknown_variables(in_files)
 
     runtime_url: str = Field(
         default="sqlite:///.loomflow/journal.db",

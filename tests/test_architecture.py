@@ -26,6 +26,7 @@ PACKAGE = Path(loomflow.__file__).parent
 FLOORS = [
     [
         "loomflow._cleanup",
+        "loomflow._files",
         "loomflow._ids",
         "loomflow._json",
         "loomflow._locks",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from .._files import open_private
 from .._ids import check_id, check_key, user_label
 from .._progress import OnProgress, Progress
 from ..errors import (
@@ -498,7 +499,7 @@ class AuditStore(abc.ABC):
         where = AuditFilter.build(**filters)  # bad filters fail before the file is created
         if isinstance(dest, str | os.PathLike):
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
-            fh = Path(dest).open("w", encoding="utf-8")  # noqa: ASYNC230, SIM115
+            fh = open_private(Path(dest))  # owner-only: users' data
             regular = stat.S_ISREG(os.fstat(fh.fileno()).st_mode)  # not a pipe or a device
             try:
                 with fh:

@@ -188,7 +188,7 @@ class JsonlAuditStore(AuditStore):
         ).encode("utf-8")
         digest = hashlib.sha256(body).hexdigest().encode("ascii")
         try:
-            with tmp.open("wb") as fh:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb") as fh:
                 fh.write(body[:-1] + b',"digest":"' + digest + b'"}')
                 fh.flush()
                 if self.fsync:

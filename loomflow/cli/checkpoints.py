@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._files import write_private
 from ..checkpoints import Checkpoint, CheckpointStore, UnreadableCheckpoint
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
@@ -168,7 +169,7 @@ async def _export(store: CheckpointStore, args: argparse.Namespace) -> int:
     if args.output == "-":
         print(document)
     else:
-        await asyncio.to_thread(Path(args.output).write_text, document + "\n", encoding="utf-8")
+        await asyncio.to_thread(write_private, Path(args.output), document + "\n")
         count = len(exported.get("checkpoints", []))
         # On stderr, as `audit export` does: stdout stays free for the document itself.
         print(

@@ -10,13 +10,12 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import difflib
 import errno
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,7 +23,14 @@ from pydantic import SecretStr
 
 from .. import __version__
 from .._ids import check_id
-from ..config import _URL_SETTINGS, Settings, _check_store_url, _masked_url, lower_scheme
+from ..config import (
+    _URL_SETTINGS,
+    Settings,
+    _check_store_url,
+    _masked_url,
+    env_file_variables,
+    lower_scheme,
+)
 from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserError
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
@@ -459,11 +465,16 @@ _SECRET_SETTINGS = ("redact_secrets", "otlp_headers")
 
 
 def _show_settings(args: argparse.Namespace) -> int:
-    settings = Settings()
-    _warn_unknown_variables(type(settings).model_fields)
+    settings = Settings()  # which logs the LOOMFLOW_* variables that name no setting
     _warn_incomplete(settings)
     in_environment = {variable.upper() for variable in os.environ}
-    in_env_file = {variable.upper() for variable, _ in _env_file_variables()}
+    config = Settings.model_config
+    in_env_file = {
+        variable.upper()
+        for variable, _ in env_file_variables(
+            config.get("env_file"), config.get("env_file_encoding") or "utf-8"
+        )
+    }
     rows: list[tuple[Any, ...]] = [("variable", "value", "from")]
     document = {}
     for name in type(settings).model_fields:
@@ -505,42 +516,6 @@ def _warn_incomplete(settings: Settings) -> None:
             "setup_telemetry() refuse to start without it, unless the code passes user_id_key=",
             file=sys.stderr,
         )
-
-
-# LOOMFLOW_ variables that are not settings but are read on purpose (the test suite's DSN).
-_OTHER_VARIABLES = ("LOOMFLOW_TEST_PG_DSN",)
-
-
-def _warn_unknown_variables(fields: Iterable[str]) -> None:
-    """A LOOMFLOW_ variable that names no setting is ignored: say so, with the likely one,
-    whether it is in the environment or in the ``.env`` file the settings read."""
-    names = [name.upper() for name in fields]
-    found = [(variable, "") for variable in sorted(os.environ)] + _env_file_variables()
-    for variable, where in found:
-        # Matched as the settings match them: case-blind (`loomflow_lease_seconds` is read).
-        name = variable.upper().removeprefix("LOOMFLOW_")
-        if name == variable.upper() or name in names or variable.upper() in _OTHER_VARIABLES:
-            continue
-        # Compared without the shared prefix, which would make every name look close.
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
-        hint = f" (did you mean LOOMFLOW_{close[0]}?)" if close else ""
-        print(
-            f"loomflow: warning: {printable(variable)}{printable(where)} is not a setting and "
-            f"is ignored{hint}",
-            file=sys.stderr,
-        )
-
-
-def _env_file_variables() -> list[tuple[str, str]]:
-    """The names the ``.env`` file the settings read defines, each with `` in .env``."""
-    from dotenv import dotenv_values
-
-    env_file = Settings.model_config.get("env_file")
-    if not isinstance(env_file, str) or not Path(env_file).is_file():
-        return []
-    encoding = Settings.model_config.get("env_file_encoding") or "utf-8"
-    names = dotenv_values(env_file, encoding=encoding)
-    return [(name, f" in {env_file}") for name in sorted(names)]
 
 
 def _masked(name: str, value: Any) -> Any:

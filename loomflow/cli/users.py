@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._files import write_private
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
@@ -141,12 +142,27 @@ async def _export(args: argparse.Namespace) -> int:
     async with Stores(settings.model_copy(update={"runtime_url": url})) as stores:
         document = await stores.export_user(user)
     text = json_text(document, indent=2)
+    memory = document["memory"]
+    held = [
+        *document["counts"].values(),
+        document["budget"],
+        memory.get("facts"),
+        memory.get("blocks"),
+    ]
     if args.output is None or str(args.output) == "-":  # "-" is stdout, as for the others
         print(text)
     else:
-        args.output.write_text(text + "\n", encoding="utf-8")
+        write_private(args.output, text + "\n")  # one person's data: owner-only
         counts = ", ".join(f"{k}: {v}" for k, v in document["counts"].items())
         print(f"exported {who(user)} to {args.output} ({counts})", file=sys.stderr)
+    if not any(held):
+        # Still exported (an empty export is the answer to "what do you hold about X?"), but
+        # a mistyped id must not pass for that answer: `forget` refuses it outright.
+        print(
+            f"loomflow: warning: no store holds anything about {who(user)}"
+            + (": check the id" if user is not None else ""),
+            file=sys.stderr,
+        )
     return 0
 
 

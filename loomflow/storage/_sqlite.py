@@ -14,6 +14,7 @@ from typing import Any
 
 import aiosqlite
 
+from .._files import create_private
 from ..config import MAX_BUSY_TIMEOUT_MS, Settings, sqlite_path
 from ..errors import (
     ConfigurationError,
@@ -187,7 +188,8 @@ class SqliteDatabase(Database):
             if self._conn is not None:
                 return
             if str(self.path) != ":memory:":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # Owner-only: SQLite gives the -wal and -shm files the mode of this one.
+                create_private(self.path)
             pending = aiosqlite.connect(self.path, isolation_level=None)
             # A program that forgets to close the database must still exit: aiosqlite's
             # worker thread would otherwise keep the interpreter alive forever. Stopping it

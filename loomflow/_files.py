@@ -1,0 +1,43 @@
+"""Files that hold users' data are created readable by their owner only.
+
+A journal, an audit trail or a user's export holds prompts, model answers and tool results.
+Created through the process's umask (022 on most systems) they would be readable by every
+local account; created here they start as ``0600`` whatever the umask. A file that already
+exists keeps the mode its operator gave it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TextIO
+
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+
+
+def create_private(path: Path) -> None:
+    """Create ``path`` empty and owner-only if it does not exist yet (its directory too).
+
+    A directory that cannot be made raises here; a file that cannot be created is left to
+    the caller's own open, which reports it in its words (a read-only directory, say).
+    """
+    path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+    except OSError:  # FileExistsError included: an existing file keeps its mode
+        return
+    os.close(fd)
+
+
+def open_private(path: Path) -> TextIO:
+    """``path`` opened for writing UTF-8 text, created owner-only; an existing file is
+    truncated and keeps its mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` as :func:`open_private` opens it."""
+    with open_private(path) as fh:
+        fh.write(text)

@@ -1,0 +1,39 @@
+"""`users export` of an id no store knows writes the empty export and warns: a mistyped id
+must not pass for "we hold nothing about them" (`users forget` refuses such an id)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from _cli import loomflow
+
+from loomflow import Agent
+from loomflow.models import ScriptedModel
+from loomflow.runtime import SqliteRuntime
+
+
+async def _seed(path: Path) -> None:
+    runtime = SqliteRuntime(path)
+    try:
+        agent = Agent("x", model=ScriptedModel(["hi"]), runtime=runtime, telemetry=False)
+        await agent.run("hello", session_id="chat", user_id="ana")
+    finally:
+        await runtime.close()
+
+
+def test_an_unknown_id_is_exported_empty_with_a_warning(tmp_path: Path) -> None:
+    asyncio.run(_seed(tmp_path / "journal.db"))
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    typo = loomflow("--url", url, "users", "export", "anna")
+    assert typo.returncode == 0, typo.stderr
+    assert json.loads(typo.stdout)["counts"]["sessions"] == 0
+    assert "no store holds anything about user 'anna': check the id" in typo.stderr
+    known = loomflow("--url", url, "users", "export", "ana")
+    assert known.returncode == 0, known.stderr
+    assert json.loads(known.stdout)["counts"]["sessions"] == 1
+    assert "warning" not in known.stderr
+    forget = loomflow("--url", url, "users", "forget", "anna", "--yes")
+    assert forget.returncode == 1
+    assert "no store holds anything about user 'anna'" in forget.stderr

@@ -1,0 +1,73 @@
+"""A LOOMFLOW_* variable that names no setting is reported by the library, not only by
+`loomflow settings`: a service built with Agent.from_settings() logs it once."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from loomflow import config
+from loomflow.config import Settings
+
+
+@pytest.fixture(autouse=True)
+def fresh_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "_reported", set())
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "loomflow.config"]
+
+
+def test_a_misspelled_variable_is_logged_once_with_the_setting_it_meant(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("LOOMFLOW_LEASE_SECOND", "5")
+    with caplog.at_level(logging.WARNING, logger="loomflow"):
+        settings = Settings()
+        Settings()  # built again by every store: still one line
+    assert settings.lease_seconds == 30.0  # the typo really was ignored
+    assert _warnings(caplog) == [
+        "LOOMFLOW_LEASE_SECOND is not a setting and is ignored "
+        "(did you mean LOOMFLOW_LEASE_SECONDS?)"
+    ]
+
+
+def test_a_misspelled_variable_in_the_env_file_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = tmp_path / "service.env"
+    env.write_text("LOOMFLOW_AUDTI_URL=sqlite:///audit.db\nOTHER=1\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="loomflow"):
+        Settings(_env_file=env)  # type: ignore[call-arg]
+    assert _warnings(caplog) == [
+        f"LOOMFLOW_AUDTI_URL in {env} is not a setting and is ignored "
+        "(did you mean LOOMFLOW_AUDIT_URL?)"
+    ]
+
+
+def test_settings_and_other_variables_are_not_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("LOOMFLOW_LEASE_SECONDS", "5")
+    monkeypatch.setenv("loomflow_max_payload_bytes", "1000")  # read case-blind
+    monkeypatch.setenv("LOOMFLOW_TEST_PG_DSN", "postgresql://x@y/z")  # the suite's own
+    monkeypatch.setenv("LOOMFLOWER", "1")  # another prefix altogether
+    with caplog.at_level(logging.WARNING, logger="loomflow"):
+        Settings()
+    assert _warnings(caplog) == []
+
+
+def test_every_command_line_command_warns_not_only_settings(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "cli"))
+    from _cli import clean_env, loomflow
+
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    done = loomflow("--url", url, "migrate", env=clean_env(LOOMFLOW_LEASE_SECOND="5"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("LOOMFLOW_LEASE_SECOND is not a setting") == 1, done.stderr
+    assert "did you mean LOOMFLOW_LEASE_SECONDS?" in done.stderr
