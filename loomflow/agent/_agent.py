@@ -100,6 +100,45 @@ _active_runtime: contextvars.ContextVar[Any] = contextvars.ContextVar(
 )
 
 
+def run_record(
+    name: str,
+    config: str,
+    redactor: Redactor,
+    prompt: str,
+    metadata: Mapping[str, Any] | None,
+    structured: StructuredOutput | None = None,
+) -> RunRecord:
+    """What a recoverer needs to resume a run of ``name`` (an agent, or a workflow or debate
+    given a name) without its caller."""
+    # The journal never holds a secret the redactor recognises (the canary tests), and a
+    # redacted prompt would resume as another run (its steps' fingerprints differ). So a
+    # prompt or metadata holding one is withheld: the record says so, and a recoverer
+    # leaves the run to the application instead of resuming it with the wrong inputs.
+    inputs: dict[str, Any] = {}
+    withheld: list[str] = []
+    if redactor.contains_secret(prompt):
+        withheld.append("prompt")
+    else:
+        inputs["prompt"] = prompt
+    if metadata:
+        try:
+            if redactor.contains_secret(codec.dumps(dict(metadata)).decode()):
+                withheld.append("metadata")
+            else:
+                inputs["metadata"] = dict(metadata)
+        except codec.UnsupportedValueError:
+            # The run goes ahead; only a recovery of it will lack the metadata.
+            log.warning("run metadata has no journal encoding; it is not kept for recovery")
+    if withheld:
+        inputs[RECORD_WITHHELD] = withheld
+    if structured is not None:
+        # The output format keys the run's model calls, and a class cannot be stored (a
+        # recoverer never imports): its digest lets a recoverer check the agent it resumes
+        # with asks for the same format (see output_contract).
+        inputs[RECORD_OUTPUT] = output_contract(structured)
+    return RunRecord(name, config, inputs)
+
+
 @contextlib.asynccontextmanager
 async def enclosing_run(
     runtime: Runtime,
@@ -445,33 +484,9 @@ class Agent:
         metadata: Mapping[str, Any] | None,
         structured: StructuredOutput | None = None,
     ) -> RunRecord:
-        # The journal never holds a secret the redactor recognises (the canary tests), and a
-        # redacted prompt would resume as another run (its steps' fingerprints differ). So a
-        # prompt or metadata holding one is withheld: the record says so, and a recoverer
-        # leaves the run to the application instead of resuming it with the wrong inputs.
-        inputs: dict[str, Any] = {}
-        withheld: list[str] = []
-        if self._redactor.contains_secret(prompt):
-            withheld.append("prompt")
-        else:
-            inputs["prompt"] = prompt
-        if metadata:
-            try:
-                if self._redactor.contains_secret(codec.dumps(dict(metadata)).decode()):
-                    withheld.append("metadata")
-                else:
-                    inputs["metadata"] = dict(metadata)
-            except codec.UnsupportedValueError:
-                # The run goes ahead; only a recovery of it will lack the metadata.
-                log.warning("run metadata has no journal encoding; it is not kept for recovery")
-        if withheld:
-            inputs[RECORD_WITHHELD] = withheld
-        if structured is not None:
-            # The output format keys the run's model calls, and a class cannot be stored (a
-            # recoverer never imports): its digest lets a recoverer check the agent it resumes
-            # with asks for the same format (see output_contract).
-            inputs[RECORD_OUTPUT] = output_contract(structured)
-        return RunRecord(self.name, self.config_fingerprint(), inputs)
+        return run_record(
+            self.name, self.config_fingerprint(), self._redactor, prompt, metadata, structured
+        )
 
     def default_output_contract(self) -> dict[str, Any] | None:
         """What a run of this agent with its default ``output_type`` records (or ``None``)."""

@@ -6,7 +6,9 @@ Each journals under the enclosing run: the agents inside are sub-runs keyed by a
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,9 +19,11 @@ from ..checkpoints import CheckpointRestored, checkpoint_store_for
 from ..context import get_run_context
 from ..errors import UserError
 from ..messages import Message
+from ..redaction import Redactor
+from ..runtime import RunRecord
 from ..runtime._journal import JournalRuntime
 from ..tools import Tool
-from ._agent import Agent, enclosing_ids, enclosing_run, runtime_for
+from ._agent import Agent, enclosing_ids, enclosing_run, run_record, runtime_for
 from ._types import AgentEvent, RunResult, ToolCallFinished
 
 __all__ = ["Debate", "Team", "Workflow"]
@@ -192,7 +196,45 @@ class Team:
         return history
 
 
-class Debate:
+class _Recoverable:
+    """What lets a recovery worker resume a debate's or a workflow's run, as it does an
+    agent's: given a ``name``, each run records it with a fingerprint of the configuration
+    and its inputs (see :class:`~loomflow.recovery.Recovery`). Without a name a run records
+    nothing, and one whose process died stays ``orphaned`` until the application resumes it.
+    """
+
+    name: str | None
+    runtime: JournalRuntime | None
+
+    def _name_and_redactor(self, name: str | None) -> None:
+        if name is not None:
+            check_id("name", name, optional=False)
+        self.name = name
+        # Checks the recorded prompt for secrets, which are never journaled; and what a
+        # recovery worker notes of a failed attempt.
+        self.redactor = Redactor.from_settings()
+
+    def _shape(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def config_fingerprint(self) -> str:
+        """A digest of what shapes this run's steps (its agents' own fingerprints, node names
+        and functions, rounds); a recoverer refuses a run recorded under another one."""
+        shape = json.dumps(self._shape(), sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(shape.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def default_output_contract(self) -> None:
+        return None  # no output_type: the final text is the output
+
+    def _record(
+        self, runtime: object, prompt: str, metadata: Mapping[str, Any] | None
+    ) -> RunRecord | None:
+        if self.name is None or not isinstance(runtime, JournalRuntime) or enclosing_ids()[0]:
+            return None  # a sub-run is resumed with the run around it
+        return run_record(self.name, self.config_fingerprint(), self.redactor, prompt, metadata)
+
+
+class Debate(_Recoverable):
     """Debaters argue in rounds, each seeing the arguments so far; a judge decides."""
 
     def __init__(
@@ -202,6 +244,7 @@ class Debate:
         *,
         rounds: int = 2,
         runtime: JournalRuntime | None = None,
+        name: str | None = None,
     ) -> None:
         debaters = list(debaters)
         if not debaters:
@@ -217,6 +260,14 @@ class Debate:
         self.judge = judge
         self.rounds = rounds
         self.runtime = runtime
+        self._name_and_redactor(name)
+
+    def _shape(self) -> dict[str, Any]:
+        return {
+            "debate": [d.config_fingerprint() for d in self.debaters],
+            "judge": self.judge.config_fingerprint(),
+            "rounds": self.rounds,
+        }
 
     async def run(
         self,
@@ -225,10 +276,14 @@ class Debate:
         session_id: str | None = None,
         user_id: str | None = None,
         resume: bool = False,
+        metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
         runtime = runtime_for(self.runtime)
+        record = self._record(runtime, topic, metadata)
         session_id, user_id = _ids(session_id, user_id)
-        async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
+        async with enclosing_run(
+            runtime, session_id, user_id, metadata, resume=resume, record=record
+        ) as (ctx, _):
             results: list[RunResult] = []
             transcript: list[str] = []
             for round_no in range(self.rounds):
@@ -247,8 +302,17 @@ class Debate:
             results.append(verdict)
             return _combine(results, verdict, session_id=session_id, run_id=ctx.run_id or "")
 
-    async def resume(self, topic: str, *, session_id: str, user_id: str | None = None) -> RunResult:
-        return await self.run(topic, session_id=session_id, user_id=user_id, resume=True)
+    async def resume(
+        self,
+        topic: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RunResult:
+        return await self.run(
+            topic, session_id=session_id, user_id=user_id, resume=True, metadata=metadata
+        )
 
 
 def _check_agent(what: str, value: object) -> None:
@@ -269,7 +333,7 @@ def _debate_prompt(topic: str, transcript: list[str], round_no: int) -> str:
 Node = Agent | Callable[[str], Awaitable[str] | str]
 
 
-class Workflow:
+class Workflow(_Recoverable):
     """Nodes run in order, each on the previous node's output.
 
     Agent nodes run as sub-runs named after the node; function nodes are journaled steps.
@@ -280,24 +344,34 @@ class Workflow:
         nodes: Sequence[tuple[str, Node]] | Mapping[str, Node],
         *,
         runtime: JournalRuntime | None = None,
+        name: str | None = None,
     ) -> None:
         items = list(nodes.items()) if isinstance(nodes, Mapping) else list(nodes)
-        names = [name for name, _ in items]
+        names = [node_name for node_name, _ in items]
         if not items or len(set(names)) != len(names):
             raise UserError(f"a workflow needs nodes with distinct names, got {names}")
-        for name, node in items:
+        for node_name, node in items:
             # Refused here rather than when the run reaches the node, after the nodes before
             # it ran. The name keys the node's step or sub-run: the journal's rule for names.
-            if not isinstance(name, str):
-                raise UserError(f"a workflow node's name must be a string, not {name!r}")
-            check_key("workflow node name", f"node:{name}")
+            if not isinstance(node_name, str):
+                raise UserError(f"a workflow node's name must be a string, not {node_name!r}")
+            check_key("workflow node name", f"node:{node_name}")
             if not isinstance(node, Agent) and not callable(node):
                 raise UserError(
-                    f"workflow node {name!r} must be an Agent or a function of the previous "
+                    f"workflow node {node_name!r} must be an Agent or a function of the previous "
                     f"node's text, not {type(node).__name__}"
                 )
         self.nodes = items
         self.runtime = runtime
+        self._name_and_redactor(name)
+
+    def _shape(self) -> dict[str, Any]:
+        return {
+            "workflow": [
+                [name, node.config_fingerprint() if isinstance(node, Agent) else _qualname(node)]
+                for name, node in self.nodes
+            ]
+        }
 
     async def run(
         self,
@@ -306,10 +380,14 @@ class Workflow:
         session_id: str | None = None,
         user_id: str | None = None,
         resume: bool = False,
+        metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
         runtime = runtime_for(self.runtime)
+        record = self._record(runtime, prompt, metadata)
         session_id, user_id = _ids(session_id, user_id)
-        async with enclosing_run(runtime, session_id, user_id, None, resume=resume) as (ctx, _):
+        async with enclosing_run(
+            runtime, session_id, user_id, metadata, resume=resume, record=record
+        ) as (ctx, _):
             results: list[RunResult] = []
             text = prompt
             for name, node in self.nodes:
@@ -332,9 +410,22 @@ class Workflow:
             return _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
 
     async def resume(
-        self, prompt: str, *, session_id: str, user_id: str | None = None
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
-        return await self.run(prompt, session_id=session_id, user_id=user_id, resume=True)
+        return await self.run(
+            prompt, session_id=session_id, user_id=user_id, resume=True, metadata=metadata
+        )
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    """A function node by its name: its code cannot be digested portably, and its module is
+    ``__main__`` in a script but the module's own name in the worker that imports it."""
+    return str(getattr(fn, "__qualname__", None) or type(fn).__qualname__)
 
 
 def _bind(node: Callable[[str], Any]) -> Callable[[str], Awaitable[Any]]:

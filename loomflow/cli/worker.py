@@ -47,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from .._ids import check_id
 from ..agent import Agent
+from ..agent.architectures import Debate, Workflow
 from ..audit import AuditLog
 from ..config import Settings, _masked_url
 from ..errors import (
@@ -56,7 +57,7 @@ from ..errors import (
     StoreUnavailableError,
     UserError,
 )
-from ..recovery import Recovery, RunRef, SweepReport
+from ..recovery import Recoverable, Recovery, RunRef, SweepReport
 from ..runtime import JournalRuntime
 from ..runtime._identity import journal_identity
 from ..storage import PostgresDatabase, SqliteDatabase
@@ -138,7 +139,7 @@ def _worker_id(text: str) -> str:
     return text
 
 
-def load_app(spec: str) -> dict[str, Agent]:
+def load_app(spec: str) -> dict[str, Recoverable]:
     """The agents ``module:attribute`` names (a mapping, or a factory returning one).
 
     Raises:
@@ -195,12 +196,12 @@ def load_app(spec: str) -> dict[str, Agent]:
             f"APP {spec!r} must be a non-empty mapping of agent names to agents (or a function "
             f"returning one), not {type(target).__name__}"
         )
-    agents: dict[str, Agent] = {}
+    agents: dict[str, Recoverable] = {}
     for name, agent in target.items():
-        if not isinstance(name, str) or not isinstance(agent, Agent):
+        if not isinstance(name, str) or not isinstance(agent, Agent | Debate | Workflow):
             raise UserError(
-                f"APP {spec!r}: entry {name!r} must map a name to a loomflow Agent, not "
-                f"{type(agent).__name__}"
+                f"APP {spec!r}: entry {name!r} must map a name to a loomflow Agent, Debate or "
+                f"Workflow, not {type(agent).__name__}"
             )
         agents[name] = agent
     return agents
@@ -375,7 +376,7 @@ async def _handle(args: argparse.Namespace) -> int:
             exporting.shutdown()  # the spans still buffered
 
 
-async def _handle_agents(args: argparse.Namespace, agents: dict[str, Agent]) -> int:
+async def _handle_agents(args: argparse.Namespace, agents: dict[str, Recoverable]) -> int:
     first = next(iter(agents.values()))
     runtime = first.runtime
     if runtime is None:
@@ -506,11 +507,15 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 
 
 async def _recover(
-    args: argparse.Namespace, agents: dict[str, Agent], runtime: JournalRuntime, shutdown: _Shutdown
+    args: argparse.Namespace,
+    agents: dict[str, Recoverable],
+    runtime: JournalRuntime,
+    shutdown: _Shutdown,
 ) -> int:
     """Sweep once, or serve and sweep until stopped (the caller closes the runtime)."""
-    first = next(iter(agents.values()))
-    audit = first.audit if isinstance(first.audit, AuditLog) else None
+    # The first agent's audit log (a debate or workflow has none of its own).
+    first = next((a for a in agents.values() if isinstance(a, Agent)), None)
+    audit = first.audit if first is not None and isinstance(first.audit, AuditLog) else None
     recovery = Recovery(
         runtime,
         agents,

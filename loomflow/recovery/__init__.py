@@ -15,6 +15,6 @@ Example:
 from __future__ import annotations
 
 from ._cancel import cancel_run
-from ._recovery import Recovery, RunRef, SweepReport, default_backoff
+from ._recovery import Recoverable, Recovery, RunRef, SweepReport, default_backoff
 
-__all__ = ["Recovery", "RunRef", "SweepReport", "cancel_run", "default_backoff"]
+__all__ = ["Recoverable", "Recovery", "RunRef", "SweepReport", "cancel_run", "default_backoff"]

@@ -17,11 +17,12 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from .._ids import check_id
 from ..agent import Agent
 from ..agent._agent import RECORD_OUTPUT, RECORD_WITHHELD
+from ..agent.architectures import Debate, Workflow
 from ..audit import AuditLog
 from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
 from ..config import Settings
@@ -37,7 +38,11 @@ from ..runtime import JournalRuntime, Orphan, OrphanClaim, decode_record
 from ..runtime._identity import journal_identity
 from ..telemetry import Metrics
 
-__all__ = ["Recovery", "RunRef", "SweepReport", "default_backoff"]
+__all__ = ["Recoverable", "Recovery", "RunRef", "SweepReport", "default_backoff"]
+
+# What a recoverer resumes: an agent, or a debate or workflow built with a name (each run of
+# it records that name; see _Recoverable in loomflow.agent.architectures).
+Recoverable: TypeAlias = Agent | Debate | Workflow
 
 log = logging.getLogger("loomflow.recovery")
 
@@ -125,7 +130,7 @@ class Recovery:
     def __init__(
         self,
         runtime: JournalRuntime,
-        agents: Mapping[str, Agent],
+        agents: Mapping[str, Recoverable],
         *,
         max_attempts: int | None = None,
         backoff: float | Callable[[int], float] = default_backoff,
@@ -145,8 +150,15 @@ class Recovery:
         if not isinstance(agents, Mapping):
             raise UserError(f"agents must be a mapping of names to agents, not {agents!r}")
         for name, agent in agents.items():
-            if not isinstance(agent, Agent):
-                raise UserError(f"agents[{name!r}] is not a loomflow Agent: {agent!r}")
+            if not isinstance(agent, Agent | Debate | Workflow):
+                raise UserError(
+                    f"agents[{name!r}] is not a loomflow Agent, Debate or Workflow: {agent!r}"
+                )
+            if agent.name is None:
+                raise UserError(
+                    f"agents[{name!r}] has no name, so its runs record none to be found by: "
+                    f"build it with name={name!r}"
+                )
             if agent.name != name:
                 raise UserError(
                     f"agents[{name!r}] is named {agent.name!r}: runs record their agent's name, "
@@ -253,7 +265,8 @@ class Recovery:
         agent = self.agents.get(orphan.agent) if orphan.agent is not None else None
         if agent is None:
             why = (
-                "the run stored no agent name (opened before 0.21 or outside an agent)"
+                "the run stored no agent name (opened before 0.21, by a Debate or Workflow "
+                "built without name=, or by a runtime.session block)"
                 if orphan.agent is None
                 else f"no agent registered as {orphan.agent!r}"
             )
@@ -371,7 +384,7 @@ class Recovery:
 
     async def _resume(
         self,
-        agent: Agent,
+        agent: Recoverable,
         claim: OrphanClaim,
         prompt: str,
         metadata: dict[str, Any] | None,
