@@ -226,6 +226,30 @@ class _Recoverable:
     def default_output_contract(self) -> None:
         return None  # no output_type: the final text is the output
 
+    async def run(
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        resume: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RunResult:
+        raise NotImplementedError
+
+    async def resume(
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RunResult:
+        """Continue the run on ``session_id``: what it journaled replays, the rest runs."""
+        return await self.run(
+            prompt, session_id=session_id, user_id=user_id, resume=True, metadata=metadata
+        )
+
     def _record(
         self, runtime: object, prompt: str, metadata: Mapping[str, Any] | None
     ) -> RunRecord | None:
@@ -301,18 +325,6 @@ class Debate(_Recoverable):
                 )
             results.append(verdict)
             return _combine(results, verdict, session_id=session_id, run_id=ctx.run_id or "")
-
-    async def resume(
-        self,
-        topic: str,
-        *,
-        session_id: str,
-        user_id: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> RunResult:
-        return await self.run(
-            topic, session_id=session_id, user_id=user_id, resume=True, metadata=metadata
-        )
 
 
 def _check_agent(what: str, value: object) -> None:
@@ -408,18 +420,6 @@ class Workflow(_Recoverable):
                 run_id=ctx.run_id or "",
             )
             return _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
-
-    async def resume(
-        self,
-        prompt: str,
-        *,
-        session_id: str,
-        user_id: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> RunResult:
-        return await self.run(
-            prompt, session_id=session_id, user_id=user_id, resume=True, metadata=metadata
-        )
 
 
 def _qualname(fn: Callable[..., Any]) -> str:
