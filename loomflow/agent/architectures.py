@@ -20,7 +20,7 @@ from ..context import get_run_context
 from ..errors import UserError
 from ..messages import Message
 from ..redaction import Redactor
-from ..runtime import RunRecord
+from ..runtime import RunRecord, Runtime
 from ..runtime._journal import JournalRuntime
 from ..tools import Tool
 from ._agent import Agent, enclosing_ids, enclosing_run, run_record, runtime_for
@@ -235,6 +235,18 @@ class _Recoverable:
         resume: bool = False,
         metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
+        """Run on ``prompt`` (a debate's topic) as one journaled run of ``session_id``."""
+        runtime = runtime_for(self.runtime)
+        record = self._record(runtime, prompt, metadata)
+        session_id, user_id = _ids(session_id, user_id)
+        async with enclosing_run(
+            runtime, session_id, user_id, metadata, resume=resume, record=record
+        ) as (ctx, _):
+            results, final = await self._play(runtime, prompt)
+            return _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
+
+    async def _play(self, runtime: Runtime, prompt: str) -> tuple[list[RunResult], RunResult]:
+        """The sub-runs' results and the final one, inside the open run."""
         raise NotImplementedError
 
     async def resume(
@@ -293,38 +305,24 @@ class Debate(_Recoverable):
             "rounds": self.rounds,
         }
 
-    async def run(
-        self,
-        topic: str,
-        *,
-        session_id: str | None = None,
-        user_id: str | None = None,
-        resume: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> RunResult:
-        runtime = runtime_for(self.runtime)
-        record = self._record(runtime, topic, metadata)
-        session_id, user_id = _ids(session_id, user_id)
-        async with enclosing_run(
-            runtime, session_id, user_id, metadata, resume=resume, record=record
-        ) as (ctx, _):
-            results: list[RunResult] = []
-            transcript: list[str] = []
-            for round_no in range(self.rounds):
-                for index, debater in enumerate(self.debaters):
-                    prompt = _debate_prompt(topic, transcript, round_no)
-                    with runtime.subrun(f"debater:{index}:{debater.name}:round{round_no}"):
-                        result = await debater.run(prompt)
-                    results.append(result)
-                    transcript.append(f"{debater.name}: {result.output}")
-            with runtime.subrun("judge"):
-                verdict = await self.judge.run(
-                    f"Topic: {topic}\n\nArguments:\n"
-                    + "\n".join(transcript)
-                    + "\n\nDecide which position is strongest and why."
-                )
-            results.append(verdict)
-            return _combine(results, verdict, session_id=session_id, run_id=ctx.run_id or "")
+    async def _play(self, runtime: Runtime, topic: str) -> tuple[list[RunResult], RunResult]:
+        results: list[RunResult] = []
+        transcript: list[str] = []
+        for round_no in range(self.rounds):
+            for index, debater in enumerate(self.debaters):
+                prompt = _debate_prompt(topic, transcript, round_no)
+                with runtime.subrun(f"debater:{index}:{debater.name}:round{round_no}"):
+                    result = await debater.run(prompt)
+                results.append(result)
+                transcript.append(f"{debater.name}: {result.output}")
+        with runtime.subrun("judge"):
+            verdict = await self.judge.run(
+                f"Topic: {topic}\n\nArguments:\n"
+                + "\n".join(transcript)
+                + "\n\nDecide which position is strongest and why."
+            )
+        results.append(verdict)
+        return results, verdict
 
 
 def _check_agent(what: str, value: object) -> None:
@@ -385,41 +383,22 @@ class Workflow(_Recoverable):
             ]
         }
 
-    async def run(
-        self,
-        prompt: str,
-        *,
-        session_id: str | None = None,
-        user_id: str | None = None,
-        resume: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> RunResult:
-        runtime = runtime_for(self.runtime)
-        record = self._record(runtime, prompt, metadata)
-        session_id, user_id = _ids(session_id, user_id)
-        async with enclosing_run(
-            runtime, session_id, user_id, metadata, resume=resume, record=record
-        ) as (ctx, _):
-            results: list[RunResult] = []
-            text = prompt
-            for name, node in self.nodes:
-                if isinstance(node, Agent):
-                    with runtime.subrun(f"node:{name}"):
-                        result = await node.run(text)
-                    results.append(result)
-                    text = result.output
-                else:
-                    text = str(await runtime.step(f"node:{name}", _bind(node), text))
-            final = RunResult(
-                output=text,
-                turns=0,
-                tokens_in=0,
-                tokens_out=0,
-                cost_usd=0.0,
-                session_id=session_id,
-                run_id=ctx.run_id or "",
-            )
-            return _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
+    async def _play(self, runtime: Runtime, prompt: str) -> tuple[list[RunResult], RunResult]:
+        results: list[RunResult] = []
+        text = prompt
+        for name, node in self.nodes:
+            if isinstance(node, Agent):
+                with runtime.subrun(f"node:{name}"):
+                    result = await node.run(text)
+                results.append(result)
+                text = result.output
+            else:
+                text = str(await runtime.step(f"node:{name}", _bind(node), text))
+        # The totals and ids are filled in from the sub-runs and the open run (_combine).
+        final = RunResult(
+            output=text, turns=0, tokens_in=0, tokens_out=0, cost_usd=0.0, session_id="", run_id=""
+        )
+        return results, final
 
 
 def _qualname(fn: Callable[..., Any]) -> str:
