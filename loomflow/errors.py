@@ -6,6 +6,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     ├── UserError                      misuse of the API (fix the calling code)
     │   ├── NoActiveRunError           runtime.step() outside runtime.session()
     │   ├── DuplicateStepError         one run reached a step name a second time
+    │   ├── SessionExistsError         a fork's new session already has runs of the user
     │   ├── InvalidArgumentError       an argument's value is not accepted (also ValueError)
     │   │   └── InvalidIdError         an id is empty, too long or holds a control character
     │   ├── InvalidArgumentTypeError   an argument's type is not accepted (also TypeError)
@@ -109,6 +110,7 @@ __all__ = [
     "RunCancelledError",
     "ScriptExhaustedError",
     "SessionBusyError",
+    "SessionExistsError",
     "StorageError",
     "StoreLockedError",
     "StoreUnavailableError",
@@ -161,6 +163,11 @@ class DuplicateStepError(UserError):
             f"step of a run its own name (in a loop, {step + '_0'!r}, {step + '_1'!r}, ...) "
             "or an idempotency_key"
         )
+
+
+class SessionExistsError(UserError):
+    """A run that needs a session of its own (a fork's ``fork_session_id``) found runs of
+    the user there already, maybe of another process forking into the same id."""
 
 
 class InvalidArgumentError(UserError, ValueError):

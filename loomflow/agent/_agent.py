@@ -44,7 +44,7 @@ from .._locks import drop_if_idle
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, reset_var, use_run_context
-from ..errors import CheckpointError, CheckpointNotFoundError, UserError
+from ..errors import CheckpointError, CheckpointNotFoundError, SessionExistsError, UserError
 from ..governance.approvals import DecisionLike, PendingApproval
 from ..hooks import RunHooks
 from ..memory import InMemoryMemory, Memory, memory_for
@@ -149,8 +149,10 @@ async def enclosing_run(
     resume: bool = False,
     strict_replay: bool | None = None,
     record: RunRecord | None = None,
+    new_session: bool = False,
 ) -> AsyncIterator[tuple[RunContext, OpenRun | None]]:
-    """Open a run: its RunContext, the shared runtime for agents inside it, and its journal."""
+    """Open a run: its RunContext, the shared runtime for agents inside it, and its journal.
+    ``new_session`` (a fork's session; a journal only) refuses a session that has runs."""
     ctx = RunContext(
         run_id=str(ULID()),
         session_id=session_id,
@@ -160,9 +162,21 @@ async def enclosing_run(
     runtime_token = _active_runtime.set(runtime)
     try:
         with use_run_context(ctx):
-            async with runtime.session(
-                session_id, user_id, resume=resume, strict_replay=strict_replay, record=record
-            ) as run:
+            opening = (
+                runtime.session(
+                    session_id,
+                    user_id,
+                    resume=resume,
+                    strict_replay=strict_replay,
+                    record=record,
+                    new_session=True,
+                )
+                if new_session and isinstance(runtime, JournalRuntime)
+                else runtime.session(
+                    session_id, user_id, resume=resume, strict_replay=strict_replay, record=record
+                )
+            )
+            async with opening as run:
                 yield ctx, run
     finally:
         reset_var(_active_runtime, runtime_token)
@@ -794,7 +808,7 @@ class Agent:
                     raise
                 if taken:
                     claiming.release()
-                    raise UserError(
+                    raise SessionExistsError(
                         f"fork_session_id {fork_session_id!r} names a session that already "
                         "has runs: a fork needs a new session (leave fork_session_id out for a "
                         "fresh id)"
@@ -819,6 +833,8 @@ class Agent:
                     if not nested and isinstance(runtime, JournalRuntime)
                     else None
                 ),
+                # A fork's session, also across processes: checked and claimed in one write.
+                new_session=source is not None and fork_session_id is not None,
             ) as (ctx, open_run):
                 if claiming is not None:  # the fork session is ours now: let others look
                     claiming.release()

@@ -49,6 +49,7 @@ from ..errors import (
     ReplayDivergenceError,
     RunCancelledError,
     SessionBusyError,
+    SessionExistsError,
     UserError,
 )
 from ..storage import unbounded
@@ -413,6 +414,7 @@ class JournalRuntime:
         strict_replay: bool | None = None,
         record: RunRecord | None = None,
         take_turn: bool = False,
+        new_session: bool = False,
     ) -> AsyncIterator[JournalRun]:
         """Open a run on ``(session_id, user_id)`` and journal the steps made inside it.
 
@@ -436,6 +438,11 @@ class JournalRuntime:
 
         ``record`` (a :class:`RunRecord`) is stored with a new run so that a recoverer can
         resume it without the caller (see :mod:`loomflow.recovery`); a sub-run ignores it.
+
+        ``new_session=True`` opens the run only if the user has never had a run on
+        ``session_id`` (a fork's session), checked and claimed in one write: of processes
+        racing into one new session id, one gets it and the others
+        :class:`~loomflow.errors.SessionExistsError`. A sub-run ignores it.
 
         Raises:
             InvalidIdError: an id is empty, too long or holds a control character.
@@ -494,9 +501,12 @@ class JournalRuntime:
             if resume and not take_turn:
                 run = await self._replaying(scope, strict_replay)
             if run is None:
-                claim, asked = (
-                    (None, 0.0) if resume else await self._try_begin(scope, owner, encoded)
-                )
+                if new_session and not resume:
+                    claim, asked = await self._try_create(scope, owner, encoded)
+                else:
+                    claim, asked = (
+                        (None, 0.0) if resume else await self._try_begin(scope, owner, encoded)
+                    )
                 began = claim is not None  # a new run, opened by the claim itself
                 if claim is None:  # busy, or a run to continue: claim, then open it if need be
                     claim, asked = await _lease.claim(
@@ -562,6 +572,23 @@ class JournalRuntime:
             return None, 0.0
         asked = _lease.lease_clock()
         claim: Claim | None = await try_begin(scope, owner, self.lease_seconds, record)
+        return claim, asked
+
+    async def _try_create(
+        self, scope: Scope, owner: str, record: tuple[str, str, bytes] | None
+    ) -> tuple[Claim | None, float]:
+        """A run on a session the user has no row on, claimed and opened in one write;
+        :class:`SessionExistsError` if there is one. ``None`` when the store cannot do it
+        (the caller checked first; the journal then claims as for any run)."""
+        try_create = getattr(self._store, "try_create", None)  # stores from before 0.21 lack it
+        if try_create is None:
+            return None, 0.0
+        asked = _lease.lease_clock()
+        claim: Claim | None = await try_create(scope, owner, self.lease_seconds, record)
+        if claim is None:
+            raise SessionExistsError(
+                f"session {scope.session_id!r} of {user_label(scope.user_id)} already has runs"
+            )
         return claim, asked
 
     async def _start(

@@ -97,6 +97,16 @@ WHERE (loom_sessions.owner IS NULL OR loom_sessions.lease_until < {now})
 RETURNING token, epoch, open, status
 """
 )
+# A fork's session: claimed and opened only if the user has no row there yet, in one write, so
+# that of two processes forking into one new session id one gets it and the other nothing.
+_CREATE_NEW = """
+INSERT INTO loom_sessions
+    (scope, session_id, user_id, epoch, open, owner, token, lease_until, updated_at, agent,
+     config, record, status, attempts, last_error, retry_at, created_at)
+VALUES ($1, $2, $3, 0, 1, $4, 1, {now} + $5, {now}, $6, $7, $8, NULL, 0, NULL, 0, {now})
+ON CONFLICT (scope) DO NOTHING
+RETURNING token, epoch, open, status
+"""
 # Read only when the claim did not get the turn, so it may read the whole row: a holder whose
 # row no claim writes (text in lease_until never compares below the clock) would otherwise be
 # waited for until the turn timeout, then blamed as busy.
@@ -345,6 +355,7 @@ FROM loom_idempotency WHERE user_key = $1 ORDER BY created_at, idem_key
 _QUERIES = {
     "acquire": _ACQUIRE,
     "acquire_new": _ACQUIRE_NEW,
+    "create_new": _CREATE_NEW,
     "holder": _HOLDER,
     "steal": _STEAL,
     "renew": _RENEW,
@@ -532,10 +543,26 @@ class SqlJournalStore:
     async def try_begin(
         self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
     ) -> Claim | None:
+        return await self._open_new("acquire_new", scope, owner, lease_s, record)
+
+    async def try_create(
+        self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
+    ) -> Claim | None:
+        return await self._open_new("create_new", scope, owner, lease_s, record)
+
+    async def _open_new(
+        self,
+        statement: str,
+        scope: Scope,
+        owner: str,
+        lease_s: float,
+        record: tuple[str, str, bytes] | None,
+    ) -> Claim | None:
+        """Claim the turn and open a run in one write, where ``statement`` allows it."""
         agent, config, raw = record if record is not None else (None, None, None)
         rows = await self._run(
             "acquire",
-            "acquire_new",
+            statement,
             scope.key,
             scope.session_id,
             scope.user_id,

@@ -334,6 +334,17 @@ class JournalStore(Protocol):
         opens in two steps. (Stores written before 0.21 lack it; the journal does the same.)
         """
 
+    async def try_create(
+        self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
+    ) -> Claim | None:
+        """Take the turn and open the session's first run, in one write, if the store holds
+        no row for the scope at all; else change nothing and return ``None``.
+
+        A fork's new session (``fork_session_id``): of two processes forking into one id,
+        one gets the session and the other ``None``. Stores without it (written before
+        0.21) get a check and a claim in two steps, which two processes can interleave.
+        """
+
     async def holder(self, scope: Scope) -> tuple[str, int] | None:
         """The current holder's owner id and token, or ``None`` if the turn is free."""
 

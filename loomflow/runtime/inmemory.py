@@ -106,6 +106,16 @@ class InMemoryStore:
         self._open(row, record)
         return Claim(row.token, row.epoch, True, False)
 
+    async def try_create(
+        self, scope: Scope, owner: str, lease_s: float, record: tuple[str, str, bytes] | None
+    ) -> Claim | None:
+        if scope.key in self.sessions:
+            return None
+        row = self.sessions[scope.key] = _SessionRow(scope.session_id, scope.user_id)
+        self._take(row, owner, lease_s)
+        self._open(row, record)
+        return Claim(row.token, row.epoch, True, False)
+
     @staticmethod
     def _take(row: _SessionRow, owner: str, lease_s: float) -> None:
         now = time.time()

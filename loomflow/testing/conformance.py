@@ -211,6 +211,33 @@ class JournalConformance:
         assert run.epoch == 0
         assert len(body.calls) == 1
 
+    async def test_a_new_session_is_opened_by_one_worker_only(
+        self, make_runtime: RuntimeFactory
+    ) -> None:
+        # A fork's session (new_session=True): of workers opening one new session id at
+        # once, one opens it and the others are refused, checked and claimed in one write.
+        first, second = await make_runtime(), await make_runtime()
+        counter = Counter()
+
+        async def fork(runtime: JournalRuntime) -> str:
+            async with runtime.session("fork-1", "u", new_session=True):
+                await runtime.step("work", counter, 1)
+            return "forked"
+
+        outcomes = await asyncio.gather(fork(first), fork(second), return_exceptions=True)
+        assert sorted(map(str, outcomes)).count("forked") == 1, outcomes
+        [refused] = [o for o in outcomes if isinstance(o, BaseException)]
+        assert isinstance(refused, errors.SessionExistsError), refused
+        assert "already has runs" in str(refused)
+        assert counter.calls == [(1,)]
+        # Also once the first has finished; another user's session of that id is new.
+        with pytest.raises(errors.SessionExistsError):
+            await fork(second)
+        async with second.session("fork-1", "v", new_session=True):
+            pass
+        [info] = await first.sessions(session_id="fork-1", user_id="u")
+        assert info.epoch == 1  # one run
+
     async def test_epochs_survive_a_new_runtime(self, make_runtime: RuntimeFactory) -> None:
         first, second = await make_runtime(), await make_runtime()
         body = Counter()

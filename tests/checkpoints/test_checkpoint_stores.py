@@ -24,6 +24,7 @@ from loomflow.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     MigrationError,
+    SessionExistsError,
     StoreUnavailableError,
     UserError,
 )
@@ -254,6 +255,23 @@ async def test_a_fork_refused_for_the_anonymous_user_names_them_so() -> None:
         await agent.resume("shop", session_id="s", user_id="None", from_checkpoint=alices)
 
 
+async def _fork_all(agents: list[Agent], checkpoint_id: str, into: str) -> list[object]:
+    """Every agent forks session "s" of user "u" from one checkpoint into ``into``, at once."""
+    return await asyncio.gather(
+        *(
+            agent.resume(
+                "shop",
+                session_id="s",
+                user_id="u",
+                from_checkpoint=checkpoint_id,
+                fork_session_id=into,
+            )
+            for agent in agents
+        ),
+        return_exceptions=True,
+    )
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_concurrent_forks_into_one_new_session_id_fork_once(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
@@ -273,19 +291,7 @@ async def test_concurrent_forks_into_one_new_session_id_fork_once(
         await agent.run("shop", session_id="s", user_id="u")
         first_pass = (await agent.list_checkpoints("s", user_id="u"))[-1]
         bought = len(shop.bought)
-        outcomes = await asyncio.gather(
-            *(
-                agent.resume(
-                    "shop",
-                    session_id="s",
-                    user_id="u",
-                    from_checkpoint=first_pass.id,
-                    fork_session_id="retry-1",
-                )
-                for _ in range(3)
-            ),
-            return_exceptions=True,
-        )
+        outcomes = await _fork_all([agent] * 3, first_pass.id, "retry-1")
         forked = [o for o in outcomes if not isinstance(o, BaseException)]
         refused = [o for o in outcomes if isinstance(o, UserError)]
         assert len(forked) == 1
@@ -299,3 +305,34 @@ async def test_concurrent_forks_into_one_new_session_id_fork_once(
         assert _fork_locks[runtime] == {}  # fork session ids are new each time: none kept
     finally:
         await runtime.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_forks_from_two_workers_into_one_new_session_id_fork_once(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Two runtimes on one journal, as two processes have: the in-process fork lock does not
+    # span them, so both checked the session was new and both claimed it; the second then
+    # ran its fork on top of the first's session. The claim is now the check.
+    async def open_runtime() -> SqliteRuntime | PostgresRuntime:
+        if backend == "postgres":
+            return await PostgresRuntime.connect(request.getfixturevalue("pg_dsn"))
+        return SqliteRuntime(tmp_path / "journal.db")
+
+    first, second = await open_runtime(), await open_runtime()
+    shop = Shop()
+    agents = [shopping_agent(first, shop), shopping_agent(second, shop)]
+    try:
+        await agents[0].run("shop", session_id="s", user_id="u")
+        first_pass = (await agents[0].list_checkpoints("s", user_id="u"))[-1]
+        bought = len(shop.bought)
+        outcomes = await _fork_all(agents, first_pass.id, "retry-2")
+        assert len([o for o in outcomes if not isinstance(o, BaseException)]) == 1, outcomes
+        [refused] = [o for o in outcomes if isinstance(o, BaseException)]
+        assert isinstance(refused, SessionExistsError), refused
+        assert shop.bought[bought:] == ["bread", "cheese"]  # the fork's turns, once
+        [session] = await first.sessions(session_id="retry-2", user_id="u")
+        assert session.epoch == 1
+    finally:
+        await first.close()
+        await second.close()
