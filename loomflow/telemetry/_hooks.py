@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -67,6 +67,9 @@ __all__ = ["Counters", "TelemetryHooks", "instrument"]
 
 
 UserIdMode = Literal["plain", "hashed", "omit"]
+# A user id this long or longer is hidden wherever it shows in error text; shorter ones only
+# where quoted (see UserIds.hide).
+_BARE_USER_ID_CHARS = 4
 USER_ID_MODES: tuple[UserIdMode, ...] = ("plain", "hashed", "omit")
 
 
@@ -92,6 +95,28 @@ class UserIds:
             digest = hmac.new(self.key, user_id.encode("utf-8"), hashlib.sha256).hexdigest()
             value = f"h:{digest[:16]}"
         return {sc.USER_ID: value, sc.USER_ID_DOCUMENTED: value}
+
+    def hide(self, user_id: str | None) -> Callable[[str], str] | None:
+        """What keeps the user id out of error text on spans (``None``: nothing to hide).
+
+        Error text (status descriptions, ``exception`` events) is exported whatever the mode,
+        and loomflow's own errors name the user (``session 's1' of user 'alice' ...``): under
+        ``hashed`` and ``omit`` the id there becomes its hash, or ``[user]``. Quoted forms
+        always; a bare occurrence only for ids of 4 characters or more, so that a short id does
+        not turn every digit of a stack trace into a placeholder.
+        """
+        if user_id is None or not user_id or self.mode == "plain":
+            return None
+        shown = self.attributes(user_id).get(sc.USER_ID, "[user]")
+        quoted = (repr(user_id), f"'{user_id}'", f'"{user_id}"')
+        bare = len(user_id) >= _BARE_USER_ID_CHARS
+
+        def scrub(text: str) -> str:
+            for form in quoted:
+                text = text.replace(form, repr(shown))
+            return text.replace(user_id, shown) if bare else text
+
+        return scrub
 
 
 class Counters(Protocol):
@@ -298,14 +323,25 @@ def _made_up_name(info: RunInfo, name: str) -> str:
     return shown
 
 
-def _fail(span: Span, exc: BaseException, redactor: Redactor | None = None) -> None:
+def _fail(
+    span: Span,
+    exc: BaseException,
+    redactor: Redactor | None = None,
+    hide: Callable[[str], str] | None = None,
+) -> None:
     if isinstance(exc, _CANCELLED):
         span.set_attribute(sc.ERROR_TYPE, "cancelled")
         span.set_status(Status(StatusCode.ERROR, "cancelled"))
         return
     # Exported whether or not content is captured, so the message (which may quote a tool's
-    # input or a provider's reply) is redacted like an audit entry.
-    scrub = (redactor or _redactor()).text
+    # input or a provider's reply) is redacted like an audit entry, and the user id in it
+    # (loomflow's lease and busy errors name it) kept as the user_ids option says.
+    redact = (redactor or _redactor()).text
+
+    def scrub(text: str) -> str:
+        text = redact(text)
+        return hide(text) if hide is not None else text
+
     message = scrub(str(exc))
     span.add_event(
         "exception",
@@ -394,7 +430,7 @@ class _StepTracer:
             yield step.note
         except BaseException as exc:
             failure = exc
-            _fail(span, exc)
+            _fail(span, exc, hide=user_ids.hide(start.user_id))
             raise
         finally:
             ended = time.time_ns()
@@ -405,7 +441,7 @@ class _StepTracer:
                     # A tool span the hooks never closed (a hook interrupted, the tool raised)
                     # or a chat span of a failed stream.
                     if failure is not None:
-                        _fail(child.span, failure)
+                        _fail(child.span, failure, hide=user_ids.hide(start.user_id))
                     child.release()
                     child.finish(ended)
                 else:
@@ -573,7 +609,7 @@ class TelemetryHooks(RunHooks):
         for child in live.children:
             if not child.done:  # a chat span whose after_model_call never came, say
                 if error is not None:
-                    _fail(child.span, error, _redactor(info))
+                    _fail(child.span, error, _redactor(info), self.user_ids.hide(info.user_id))
                 child.finish(child.end_ns)
         span.set_attribute(sc.LOOM_RUN_OUTCOME, outcome)
         if result is not None:
@@ -612,7 +648,7 @@ class TelemetryHooks(RunHooks):
                     ),
                 )
         if error is not None:
-            _fail(span, error, _redactor(info))
+            _fail(span, error, _redactor(info), self.user_ids.hide(info.user_id))
         span.end()
 
     # -- model calls -----------------------------------------------------------------------
@@ -709,7 +745,7 @@ class TelemetryHooks(RunHooks):
             )
         child = call.child if call is not None else None
         if child is not None and not child.done:
-            _fail(child.span, error, _redactor(info))
+            _fail(child.span, error, _redactor(info), self.user_ids.hide(info.user_id))
             child.finish()
 
     async def after_model_call(
@@ -803,6 +839,9 @@ class TelemetryHooks(RunHooks):
         if not outcome.ok:
             span.set_attribute(sc.ERROR_TYPE, outcome.error_type or "tool_error")
             error = _redactor(info).text(outcome.error or "")
+            hide = self.user_ids.hide(info.user_id)
+            if hide is not None:
+                error = hide(error)
             span.set_status(Status(StatusCode.ERROR, error[:500]))
         elif self.content:
             found = info.tools.get(call.name)

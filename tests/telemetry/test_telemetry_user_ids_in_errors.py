@@ -1,0 +1,125 @@
+"""User ids hidden by ``user_ids="hashed"``/``"omit"`` stay hidden in the error text of spans.
+
+loomflow's own errors name the session's user (``session 's1' of user 'alice' ...``), and a
+span's status description and ``exception`` event are exported whatever the option says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomflow.agent import Agent
+from loomflow.errors import OwnershipLostError
+from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.models import FunctionModel
+from loomflow.runtime import SqliteRuntime
+from loomflow.telemetry import Telemetry
+from loomflow.telemetry.testing import SpanCapture
+from loomflow.tools import tool
+
+pytestmark = pytest.mark.timeout(120)
+
+USER = "alice-7781"
+KEY = "k" * 32
+
+
+def _exported_text(capture: SpanCapture) -> str:
+    return json.dumps(
+        [
+            {
+                "attributes": dict(s.attributes or {}),
+                "status": s.status.description,
+                "events": [dict(e.attributes or {}) for e in s.events],
+            }
+            for s in capture.spans
+        ],
+        default=str,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "shown"),
+    [
+        ("omit", "[user]"),
+        # As docs/telemetry.md describes the hash: the one a trace search would look for.
+        ("hashed", "h:" + hmac.new(KEY.encode(), USER.encode(), hashlib.sha256).hexdigest()[:16]),
+    ],
+)
+async def test_a_lost_lease_error_on_spans_does_not_name_a_hidden_user(
+    tmp_path: Path, mode: str, shown: str
+) -> None:
+    path = tmp_path / "journal.db"
+
+    def take_over() -> None:
+        # Another worker (own runtime, own loop) takes the session once the lease ran out.
+        async def other() -> None:
+            runtime = SqliteRuntime(path, turn_timeout=10)
+            try:
+                async with runtime.session("s1", USER, resume=True):
+                    await runtime.step("other", lambda: "B")
+            finally:
+                await runtime.close()
+
+        def main() -> None:
+            time.sleep(0.8)
+            asyncio.run(other())
+
+        thread = threading.Thread(target=main)
+        thread.start()
+        thread.join(30)  # blocks this loop too: the heartbeat cannot renew the lease
+
+    @tool
+    async def stall() -> str:
+        """Stall the whole process past its lease."""
+        take_over()
+        return "ok"
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id="c1", name="stall", arguments={})]
+
+    capture = SpanCapture()
+    runtime = SqliteRuntime(path, lease_seconds=0.5, turn_timeout=10)
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[stall],
+        runtime=runtime,
+        telemetry=Telemetry(
+            tracer_provider=capture.provider,
+            metrics=False,
+            user_ids=mode,  # type: ignore[arg-type]
+            user_id_key=KEY if mode == "hashed" else None,
+        ),
+        name="a",
+    )
+    try:
+        with pytest.raises(OwnershipLostError, match=USER):  # the caller still learns who
+            await agent.run("q", session_id="s1", user_id=USER)
+    finally:
+        await runtime.close()
+
+    [root] = capture.named("invoke_agent a")
+    description = root.status.description or ""
+    assert "now belongs to a newer run" in description
+    text = _exported_text(capture)
+    assert USER not in text
+    assert f"of user '{shown}'" in description
+
+
+def test_short_ids_are_hidden_where_quoted_only() -> None:
+    telemetry = Telemetry(user_ids="omit", metrics=False)
+    hide = telemetry._user_ids.hide("7")
+    assert hide is not None
+    assert hide("session 's' of user '7' at line 71") == "session 's' of user '[user]' at line 71"
+    assert Telemetry(user_ids="plain", metrics=False)._user_ids.hide("7") is None
