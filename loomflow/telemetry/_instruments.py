@@ -44,6 +44,9 @@ class Instruments:
 
     def __init__(self, meter: metrics.Meter, specs: Mapping[str, InstrumentSpec]) -> None:
         self.by_key: dict[str, Any] = {}
+        # The runtimes and audit logs whose entries feed these instruments (once each).
+        self.observed: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.lock = threading.Lock()
         for key, spec in specs.items():
             if spec.kind == "counter":
                 made: Any = meter.create_counter(

@@ -494,25 +494,38 @@ class Metrics:
         return f"Metrics(registry={self.registry!r}, otel={self._o is not None})"
 
     def instrument(self, runtime: Any) -> None:
-        """Count every journaled step of ``runtime`` (idempotent per registry and runtime).
+        """Count every journaled step of ``runtime`` (idempotent per registry, and per meter
+        provider, and runtime).
 
         The replay series of the runtime's backend are created at 0 right away, so that rates
         and alerts see a series before its first increment.
         """
         # The agent's no-journal passthrough has no observers: nothing is journaled.
-        if self._observe_once(runtime, self.observe_step):
+        # Prometheus series are counted once per registry and OTel measurements once per
+        # meter provider: two Metrics on one registry with their own meter providers (the
+        # default telemetry and an agent's Telemetry(meter_provider=...)) each get the steps.
+        if self._observe_once(runtime, self._step_series, self._c.instrumented, self._c.lock):
             self.prepare_backend(str(runtime.backend))
+        if self._o is not None:
+            self._observe_once(runtime, self._step_measures, self._o.observed, self._o.lock)
 
-    def _observe_once(self, source: Any, observer: Callable[[Any], None]) -> bool:
-        """Add ``observer`` to ``source`` once per registry (whatever ``Metrics`` asks);
-        ``False`` when it was added before, or ``source`` takes no observers."""
+    @staticmethod
+    def _observe_once(
+        source: Any,
+        observer: Callable[[Any], None],
+        seen: weakref.WeakSet[Any],
+        lock: threading.Lock,
+    ) -> bool:
+        """Add ``observer`` to ``source`` unless ``seen`` has it (a registry's, or a meter
+        provider's instruments'); ``False`` when it was added before, or ``source`` takes no
+        observers."""
         add_observer = getattr(source, "add_observer", None)
         if add_observer is None:
             return False
-        with self._c.lock:
-            if source in self._c.instrumented:
+        with lock:
+            if source in seen:
                 return False
-            self._c.instrumented.add(source)
+            seen.add(source)
         add_observer(observer)
         return True
 
@@ -531,6 +544,11 @@ class Metrics:
 
     def observe_step(self, event: StepEvent) -> None:
         """Record one journaled step (a runtime observer: ``runtime.add_observer(...)``)."""
+        self._step_series(event)
+        self._step_measures(event)
+
+    def _step_series(self, event: StepEvent) -> None:
+        """The Prometheus part of :meth:`observe_step`."""
         key = (event.backend, event.kind, event.outcome)
         children = self._c.step_children.get(key)
         if children is None:
@@ -545,7 +563,11 @@ class Metrics:
         step_seconds.observe(event.duration_s)
         if event.write_s > 0:  # only a step that wrote an entry has a write time
             write_seconds.observe(event.write_s)
+
+    def _step_measures(self, event: StepEvent) -> None:
+        """The OpenTelemetry part of :meth:`observe_step`."""
         if self._o is not None:
+            key = (event.backend, event.kind, event.outcome)
             attrs = self._step_attrs.get(key)
             if attrs is None:
                 backend, kind, outcome = self._step_labels(event)
@@ -762,11 +784,20 @@ class Metrics:
 
     def count_audit(self, audit: Any) -> None:
         """Count every entry the audit log ``audit`` appends, by action (idempotent per
-        registry and audit log). An agent does it for its own audit log and telemetry."""
-        self._observe_once(audit, self._audit_appended)
+        registry and audit log, and per meter provider). An agent does it for its own audit
+        log and telemetry."""
+        # Once per registry and once per meter provider, as the steps of instrument().
+        self._observe_once(audit, self._audit_series, self._c.instrumented, self._c.lock)
+        if self._o is not None:
+            self._observe_once(audit, self._audit_measure, self._o.observed, self._o.lock)
 
-    def _audit_appended(self, entry: Any) -> None:
-        self.audit_entry(str(entry.action))
+    def _audit_series(self, entry: Any) -> None:
+        self._c.audit_entries.labels(self._c.bound("audit_action", str(entry.action))).inc()
+
+    def _audit_measure(self, entry: Any) -> None:
+        if self._o is not None:
+            action = self._c.bound("audit_action", str(entry.action))
+            self._o.add("audit_entries", 1, {"action": action})
 
     def audit_entry(self, action: str) -> None:
         """Count one audit-log entry of ``action`` (see :meth:`count_audit`)."""

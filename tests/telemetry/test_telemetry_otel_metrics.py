@@ -457,3 +457,55 @@ async def test_openai_cache_figures_through_the_real_sdk_reach_spans_metrics_and
         )
         == 1
     )
+
+
+async def test_each_meter_provider_gets_the_steps_once_however_registries_are_shared(
+    tmp_path: Path, registry: CollectorRegistry
+) -> None:
+    """Steps and audit entries were observed once per Prometheus registry, OTel included: a
+    second Metrics on the same registry with a meter provider of its own (an agent's
+    ``Telemetry(meter_provider=...)`` next to the default telemetry) never got them, and one
+    meter provider behind two registries got them twice."""
+    from loomflow.audit import AuditLog, InMemoryAuditStore
+
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    audit = AuditLog(InMemoryAuditStore())
+    first, second = MetricCapture(), MetricCapture()
+
+    def agent(metrics: Metrics) -> Agent:
+        return Agent(
+            "x",
+            model=ScriptedModel(["hi"] * 5),
+            runtime=runtime,
+            audit=audit,
+            telemetry=Telemetry(metrics=metrics, tracing=False),
+        )
+
+    try:
+        await agent(Metrics(registry, meter_provider=first.provider)).run("q", session_id="s1")
+        # Same registry, another meter provider: its run's steps reach its provider.
+        await agent(Metrics(registry, meter_provider=second.provider)).run("q", session_id="s2")
+        # Another registry, the first provider again: its steps reach that provider once.
+        await agent(Metrics(CollectorRegistry(), meter_provider=first.provider)).run(
+            "q", session_id="s3"
+        )
+    finally:
+        await runtime.close()
+
+    prometheus = registry.get_sample_value(
+        "loomflow_journal_steps_total", {"backend": "sqlite", "kind": "model", "outcome": "miss"}
+    )
+    assert prometheus == 3.0  # once per run on this registry, not once per Metrics
+    first.collect()
+    second.collect()
+    assert first.total("loomflow.journal.steps", kind="model") == 3.0
+    assert second.total("loomflow.journal.steps", kind="model") == 2.0  # s2 and s3
+    audited = sum(
+        sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == "loomflow_audit_entries_total"
+    )
+    assert audited > 0
+    assert first.total("loomflow.audit.entries") == audited  # every entry, once
+    assert 0 < second.total("loomflow.audit.entries") < audited  # those of s2 and s3
