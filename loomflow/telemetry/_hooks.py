@@ -96,6 +96,10 @@ class UserIds:
             value = f"h:{digest[:16]}"
         return {sc.USER_ID: value, sc.USER_ID_DOCUMENTED: value}
 
+    def shown(self, user_id: str) -> str:
+        """The user id as spans show it: as is, its hash, or ``[user]``."""
+        return self.attributes(user_id).get(sc.USER_ID, "[user]")
+
     def hide(self, user_id: str | None) -> Callable[[str], str] | None:
         """What keeps the user id out of error text on spans (``None``: nothing to hide).
 
@@ -107,7 +111,7 @@ class UserIds:
         """
         if user_id is None or not user_id or self.mode == "plain":
             return None
-        shown = self.attributes(user_id).get(sc.USER_ID, "[user]")
+        shown = self.shown(user_id)
         quoted = (repr(user_id), f"'{user_id}'", f'"{user_id}"')
         bare = len(user_id) >= _BARE_USER_ID_CHARS
 
@@ -878,7 +882,7 @@ class TelemetryHooks(RunHooks):
         if isinstance(event, GovernanceEvent):
             live = self._run(info)
             span = live.span if live is not None else None
-            event.accept(_GovernanceSignals(self.metrics, span, info))
+            event.accept(_GovernanceSignals(self.metrics, span, info, self.user_ids))
 
 
 @dataclass(slots=True)
@@ -888,6 +892,19 @@ class _GovernanceSignals:
     metrics: Counters | None
     span: Span | None
     info: RunInfo
+    user_ids: UserIds
+
+    def _policy(self, policy: str) -> str:
+        """A permission policy's name; a user's own (``user:<id>``) names the user as the
+        spans' ``user_ids`` option says."""
+        user_id = self.info.user_id
+        if user_id is not None and policy == f"user:{user_id}":
+            return f"user:{self.user_ids.shown(user_id)}"
+        return policy
+
+    def _reason(self, reason: str) -> str:
+        hide = self.user_ids.hide(self.info.user_id)
+        return reason if hide is None else hide(reason)
 
     def budget_denied(self, event: BudgetDenied) -> None:
         if self.metrics is not None:
@@ -927,8 +944,8 @@ class _GovernanceSignals:
                     sc.GEN_AI_TOOL_NAME: _tool_name(self.info, event.tool),
                     "loom.permission.decision": event.decision,
                     "loom.permission.final": event.final,
-                    "loom.permission.policy": event.policy,
-                    "loom.permission.reason": event.reason,
+                    "loom.permission.policy": self._policy(event.policy),
+                    "loom.permission.reason": self._reason(event.reason),
                 },
             )
 
@@ -939,7 +956,7 @@ class _GovernanceSignals:
                 {
                     sc.GEN_AI_TOOL_NAME: _tool_name(self.info, event.tool),
                     "loom.approval.request_id": event.request_id,
-                    "loom.permission.policy": event.policy,
+                    "loom.permission.policy": self._policy(event.policy),
                 },
             )
 

@@ -30,6 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 
 USER = "alice-7781"
 KEY = "k" * 32
+# The hash of USER as docs/telemetry.md describes it: what a trace search would look for.
+HASHED = "h:" + hmac.new(KEY.encode(), USER.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def _exported_text(capture: SpanCapture) -> str:
@@ -48,11 +50,7 @@ def _exported_text(capture: SpanCapture) -> str:
 
 @pytest.mark.parametrize(
     ("mode", "shown"),
-    [
-        ("omit", "[user]"),
-        # As docs/telemetry.md describes the hash: the one a trace search would look for.
-        ("hashed", "h:" + hmac.new(KEY.encode(), USER.encode(), hashlib.sha256).hexdigest()[:16]),
-    ],
+    [("omit", "[user]"), ("hashed", HASHED)],
 )
 async def test_a_lost_lease_error_on_spans_does_not_name_a_hidden_user(
     tmp_path: Path, mode: str, shown: str
@@ -123,3 +121,50 @@ def test_short_ids_are_hidden_where_quoted_only() -> None:
     assert hide is not None
     assert hide("session 's' of user '7' at line 71") == "session 's' of user '[user]' at line 71"
     assert Telemetry(user_ids="plain", metrics=False)._user_ids.hide("7") is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "shown"), [("omit", "[user]"), ("hashed", HASHED), ("plain", USER)]
+)
+async def test_a_users_own_permission_policy_is_named_as_the_option_says(
+    mode: str, shown: str
+) -> None:
+    """``loom.permission.policy`` named a per-user policy ``user:<id>`` in plain."""
+    from loomflow.governance import Policy, Rule, StandardPermissions
+
+    @tool
+    def lookup(order: int) -> str:
+        """Look an order up."""
+        return "shipped"
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id="c1", name="lookup", arguments={"order": 7})]
+
+    capture = SpanCapture()
+    telemetry = Telemetry(
+        tracer_provider=capture.provider,
+        metrics=False,
+        user_ids=mode,  # type: ignore[arg-type]
+        user_id_key=KEY if mode == "hashed" else None,
+    )
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[lookup],
+        permissions=StandardPermissions(
+            users={USER: Policy([Rule.deny("lookup", reason=f"not for {USER!r}")])}
+        ),
+        telemetry=telemetry,
+        name="a",
+    )
+    await agent.run("q", session_id="s1", user_id=USER)
+
+    [root] = capture.named("invoke_agent a")
+    [event] = [e for e in root.events if e.name == "loom.permission.decided"]
+    attributes = dict(event.attributes or {})
+    assert attributes["loom.permission.policy"] == f"user:{shown}"
+    assert attributes["loom.permission.reason"] == f"not for {shown!r}"
+    if mode != "plain":
+        assert USER not in _exported_text(capture)
