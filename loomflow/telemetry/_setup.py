@@ -91,23 +91,30 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
     """
     s = settings or Settings()
     result = TelemetrySetup()
-    _remember(s, result)  # so setup_telemetry_once after this reuses it (or refuses clearly)
-    if _exports_spans(s):
-        result.tracer_provider = _tracer_provider(s)
-        if set_global:
+    try:
+        if _exports_spans(s):
+            result.tracer_provider = _tracer_provider(s)
+        if _exports_metrics(s):
+            result.meter_provider = _meter_provider(s)
+        if s.metrics_port is not None:
+            try:
+                result.metrics_server = serve_metrics(s.metrics_port, host=s.metrics_host)
+            except OSError as exc:
+                raise ConfigurationError(
+                    f"cannot serve metrics on {s.metrics_host}:{s.metrics_port}: {exc}"
+                ) from exc
+    except BaseException:
+        result.shutdown()
+        raise
+    # Installed and remembered only once everything started: a setup that failed (a port in
+    # use, a bad export interval) must leave no shut-down provider as the global one, which
+    # OpenTelemetry never lets go, nor be what setup_telemetry_once hands a retry.
+    if set_global:
+        if result.tracer_provider is not None:
             trace.set_tracer_provider(result.tracer_provider)
-    if _exports_metrics(s):
-        result.meter_provider = _meter_provider(s)
-        if set_global:
+        if result.meter_provider is not None:
             metrics.set_meter_provider(result.meter_provider)
-    if s.metrics_port is not None:
-        try:
-            result.metrics_server = serve_metrics(s.metrics_port, host=s.metrics_host)
-        except OSError as exc:
-            result.shutdown()
-            raise ConfigurationError(
-                f"cannot serve metrics on {s.metrics_host}:{s.metrics_port}: {exc}"
-            ) from exc
+    _remember(s, result)  # so setup_telemetry_once after this reuses it (or refuses clearly)
     return result
 
 

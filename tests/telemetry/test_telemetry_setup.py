@@ -161,6 +161,71 @@ def test_a_metrics_port_in_use_is_a_configuration_error() -> None:
             )
 
 
+RETRY = """
+import asyncio, os, socket
+from opentelemetry import trace
+from loomflow.agent import Agent
+from loomflow.errors import ConfigurationError
+from loomflow.models import ScriptedModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.telemetry import Telemetry, setup_telemetry_once
+
+port = int(os.environ["LOOMFLOW_METRICS_PORT"])
+taken = socket.socket()
+taken.bind(("127.0.0.1", port))
+taken.listen()
+try:
+    setup_telemetry_once()  # the port the environment names is in use
+except ConfigurationError as exc:
+    print("REFUSED", f"127.0.0.1:{port}" in str(exc))
+# Nothing stays installed from the failed attempt.
+print("GLOBAL AFTER FAILURE", type(trace.get_tracer_provider()).__name__)
+taken.close()
+setup = setup_telemetry_once()  # once the port is free, a retry really starts
+print("SERVED", setup.metrics_server is not None and setup.metrics_server.port == port)
+print("GLOBAL", trace.get_tracer_provider() is setup.tracer_provider)
+
+async def main():
+    agent = Agent("x", model=ScriptedModel(["hello"]), runtime=InMemoryRuntime(),
+                  telemetry=Telemetry())
+    await agent.run("hi", session_id="s-retry", user_id="alice")
+
+asyncio.run(main())
+setup.shutdown()  # flushes the batched spans
+"""
+
+
+def test_a_setup_that_failed_installs_nothing_and_a_retry_starts_everything(
+    otlp_receiver: tuple[str, Received], tmp_path: Path
+) -> None:
+    """A failed setup (port in use) was remembered: setup_telemetry_once (Agent.from_settings)
+    then returned it, with no metrics endpoint, and its shut-down tracer provider stayed the
+    global one, so the retry's spans were lost."""
+    url, received = otlp_receiver
+    with socket.socket() as probe:  # a free port, for the worker to find taken
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", RETRY],
+        env=_env(
+            LOOMFLOW_OTLP_ENDPOINT=url,
+            LOOMFLOW_METRICS_PORT=str(port),
+            LOOMFLOW_METRICS_HOST="127.0.0.1",
+        ),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "REFUSED True" in done.stdout
+    assert "GLOBAL AFTER FAILURE ProxyTracerProvider" in done.stdout
+    assert "SERVED True" in done.stdout
+    assert "GLOBAL True" in done.stdout
+    assert received.bodies  # the retry's spans were exported
+
+
 NO_SDK = """
 import sys
 sys.modules["opentelemetry.sdk"] = None  # as if the otel extra were not installed
