@@ -35,7 +35,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from opentelemetry import context as otel_context
@@ -282,6 +282,10 @@ class _Tracing:
     user_ids: UserIds
     # A proxy of the global provider (the default telemetry's): a no-op until an SDK is set.
     proxy: bool
+    # The run's redactor (the agent's), for the error text of its step spans; None outside
+    # agent runs (then one built from settings).
+    redactor: Redactor | None = None
+    owner: Any = None  # the hooks that registered it for a run
 
     @classmethod
     def of(cls, tracer: Tracer | None, user_ids: UserIds | None) -> _Tracing:
@@ -395,11 +399,11 @@ class _StepTracer:
         run_id, tracing = self._resolve()
         if tracing is None or tracing.tracer is None:
             return _NO_SPAN
-        return self._span(start, run_id, tracing.tracer, tracing.user_ids)
+        return self._span(start, run_id, tracing.tracer, tracing)
 
     @contextlib.contextmanager
     def _span(
-        self, start: StepStart, run_id: str | None, tracer: Tracer, user_ids: UserIds
+        self, start: StepStart, run_id: str | None, tracer: Tracer, tracing: _Tracing
     ) -> Iterator[StepNote]:
         attributes: dict[str, Any] = {
             sc.LOOM_STEP_NAME: start.name,
@@ -412,6 +416,7 @@ class _StepTracer:
         if start.session_id is not None:
             attributes[sc.SESSION_ID] = start.session_id
             attributes[sc.GEN_AI_CONVERSATION_ID] = start.session_id
+        user_ids = tracing.user_ids
         attributes.update(user_ids.attributes(start.user_id))
         if run_id:
             attributes[sc.LOOM_RUN_ID] = run_id
@@ -434,7 +439,7 @@ class _StepTracer:
             yield step.note
         except BaseException as exc:
             failure = exc
-            _fail(span, exc, hide=user_ids.hide(start.user_id))
+            _fail(span, exc, tracing.redactor, user_ids.hide(start.user_id))
             raise
         finally:
             ended = time.time_ns()
@@ -445,7 +450,7 @@ class _StepTracer:
                     # A tool span the hooks never closed (a hook interrupted, the tool raised)
                     # or a chat span of a failed stream.
                     if failure is not None:
-                        _fail(child.span, failure, hide=user_ids.hide(start.user_id))
+                        _fail(child.span, failure, tracing.redactor, user_ids.hide(start.user_id))
                     child.release()
                     child.finish(ended)
                 else:
@@ -542,7 +547,10 @@ class TelemetryHooks(RunHooks):
         # this telemetry, not the runtime's first (a metrics-only or "omit" agent's steps must
         # not be traced with another agent's tracer or user-id mode).
         traces = self._traces()
-        _run_tracing[info.run_id] = self._tracing if traces else self._untraced
+        # With the run's redactor: its step spans' error text is scrubbed as its root's is.
+        _run_tracing[info.run_id] = replace(
+            self._tracing if traces else self._untraced, redactor=info.redactor, owner=self
+        )
         if runtime is not None:
             instrument(runtime, self.tracer, self.metrics, self.user_ids)
         if self.metrics is not None:
@@ -594,7 +602,7 @@ class TelemetryHooks(RunHooks):
         else:
             outcome = "finished"
         registered = _run_tracing.get(info.run_id)
-        if registered is self._tracing or registered is self._untraced:
+        if registered is not None and registered.owner is self:
             del _run_tracing[info.run_id]
         if self.metrics is not None:
             started = self._started.pop(info.run_id, None)

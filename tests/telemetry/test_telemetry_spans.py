@@ -896,6 +896,42 @@ async def test_spans_carry_no_secret_the_audit_log_would_hide(
         assert "pay with my key [REDACTED" in text  # the content is there, scrubbed
 
 
+async def test_a_failed_steps_span_is_scrubbed_by_the_agents_redactor(
+    capture: SpanCapture,
+) -> None:
+    # The step span's error text went through a redactor built from settings, not the agent's:
+    # a secret only the agent's audit redactor knows reached the step span (not the root's).
+    from loomflow.audit import AuditLog, InMemoryAuditStore
+    from loomflow.audit.redaction import Redactor
+
+    configured = "tenant-passphrase-zebra-42"
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        raise RuntimeError(f"upstream refused credentials {configured}")
+
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        runtime=InMemoryRuntime(),
+        audit=AuditLog(InMemoryAuditStore(), redactor=Redactor(secrets=[configured])),
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False),
+        name="a",
+    )
+    with pytest.raises(RuntimeError):
+        await agent.run("q", session_id="s", user_id="erin")
+
+    [step] = capture.named("loom.workflow.step")
+    assert step.status.status_code == StatusCode.ERROR
+    [event] = [e for e in step.events if e.name == "exception"]
+    message = str(dict(event.attributes or {})["exception.message"])
+    assert message.startswith("upstream refused credentials [REDACTED")
+    for span in capture.spans:
+        exported = json.dumps(
+            [span.status.description, [dict(e.attributes or {}) for e in span.events]]
+        )
+        assert configured not in exported, span.name
+
+
 async def test_a_tool_name_the_model_made_up_is_redacted_and_cut_on_its_span(
     capture: SpanCapture,
 ) -> None:
