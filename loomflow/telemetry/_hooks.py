@@ -30,6 +30,7 @@ import contextvars
 import hashlib
 import hmac
 import json
+import re
 import threading
 import time
 import traceback
@@ -112,13 +113,16 @@ class UserIds:
         if user_id is None or not user_id or self.mode == "plain":
             return None
         shown = self.shown(user_id)
-        quoted = (repr(user_id), f"'{user_id}'", f'"{user_id}"')
-        bare = len(user_id) >= _BARE_USER_ID_CHARS
+        quoted = {repr(user_id), f"'{user_id}'", f'"{user_id}"'}
+        forms = sorted(quoted, key=len, reverse=True)
+        if len(user_id) >= _BARE_USER_ID_CHARS:
+            forms.append(user_id)
+        # One pass: a placeholder that happens to contain the id ("[user]" for "user") is
+        # not replaced again.
+        pattern = re.compile("|".join(re.escape(form) for form in forms))
 
         def scrub(text: str) -> str:
-            for form in quoted:
-                text = text.replace(form, repr(shown))
-            return text.replace(user_id, shown) if bare else text
+            return pattern.sub(lambda m: repr(shown) if m.group() in quoted else shown, text)
 
         return scrub
 

@@ -121,6 +121,10 @@ def test_short_ids_are_hidden_where_quoted_only() -> None:
     assert hide is not None
     assert hide("session 's' of user '7' at line 71") == "session 's' of user '[user]' at line 71"
     assert Telemetry(user_ids="plain", metrics=False)._user_ids.hide("7") is None
+    # An id that the placeholder contains is replaced once, not inside the placeholder again.
+    hide = telemetry._user_ids.hide("user")
+    assert hide is not None
+    assert hide("of user 'user'") == "of [user] '[user]'"
 
 
 @pytest.mark.parametrize(
