@@ -362,8 +362,18 @@ class _Run:
         except BaseException as exc:
             await self._finished_with(exc)
             raise
-        for hook in self.hooks:
-            await hook.run_finished(self.info, result, None)
+        for index, hook in enumerate(self.hooks):
+            try:
+                await hook.run_finished(self.info, result, None)
+            except BaseException as exc:
+                # The caller gets this error (an audit store that failed to record the run's
+                # end, say): the hooks not told yet hear of the run's end as that failure,
+                # not never (telemetry ends the run's span and counts the run there).
+                for later in self.hooks[index + 1 :]:
+                    await run_cleanup(
+                        exc, "a hook's run_finished", later.run_finished(self.info, None, exc)
+                    )
+                raise
         return [*events, *await self.flush(), RunFinished(result=result)]
 
     def result(self) -> RunResult:

@@ -932,6 +932,68 @@ async def test_a_failed_steps_span_is_scrubbed_by_the_agents_redactor(
         assert configured not in exported, span.name
 
 
+async def test_a_run_whose_audit_end_fails_still_ends_its_span_and_is_counted(
+    capture: SpanCapture, tmp_path: Path
+) -> None:
+    # The audit hook runs before telemetry; when it could not record the run's end (its
+    # SQLite file locked by another connection), telemetry never heard the run end: the root
+    # span was never ended (so never exported) and loomflow_runs_total missed the failure.
+    import sqlite3
+
+    from prometheus_client import CollectorRegistry
+
+    from loomflow.audit import AuditLog, SqliteAuditStore
+    from loomflow.errors import StoreLockedError
+    from loomflow.governance.guardrails import Finding, Guardrail
+    from loomflow.telemetry import Metrics, _hooks
+
+    path = tmp_path / "audit.db"
+    held: list[sqlite3.Connection] = []
+
+    class LockTheAuditLog(Guardrail):
+        """Runs at the output check, just before the run's end is audited."""
+
+        def find(self, text: str) -> list[Finding]:
+            other = sqlite3.connect(path, isolation_level=None)
+            other.execute("BEGIN EXCLUSIVE")
+            held.append(other)
+            return []
+
+    registry = CollectorRegistry()
+    store = SqliteAuditStore(path, busy_timeout_ms=50)
+    agent = Agent(
+        "x",
+        model=FunctionModel(lambda messages, tools: "hi"),
+        runtime=InMemoryRuntime(),
+        audit=AuditLog(store),
+        guardrails=[LockTheAuditLog("lock", stages=("output",))],
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=Metrics(registry)),
+        name="a",
+    )
+    try:
+        with pytest.raises(StoreLockedError):
+            await agent.run("q", session_id="s1", user_id="erin")
+    finally:
+        for connection in held:
+            connection.close()
+        await store.close()
+
+    [root] = capture.named("invoke_agent a")
+    assert root.attributes is not None
+    assert root.attributes["loom.run.outcome"] == "failed"
+    assert root.status.status_code == StatusCode.ERROR
+    assert "StoreLockedError" in (root.status.description or "")
+    assert (
+        registry.get_sample_value(
+            "loomflow_runs_total", {"backend": "memory", "outcome": "failed", "resumed": "false"}
+        )
+        == 1.0
+    )
+    run_id = root.attributes["loom.run.id"]
+    assert run_id not in _hooks._live  # nothing of the run is left behind
+    assert run_id not in _hooks._run_tracing
+
+
 async def test_a_tool_name_the_model_made_up_is_redacted_and_cut_on_its_span(
     capture: SpanCapture,
 ) -> None:
