@@ -197,7 +197,11 @@ class RunHooks:
     async def run_finished(
         self, info: RunInfo, result: Any | None, error: BaseException | None
     ) -> None:
-        """The run returned ``result`` (a ``RunResult``) or raised ``error``."""
+        """The run returned ``result`` (a ``RunResult``) or raised ``error``.
+
+        Every hook hears of the run's end once: when one fails here on a run that returned,
+        the run raises that failure, and the hooks after it are told of it as ``error``.
+        """
 
 
 @runtime_checkable
