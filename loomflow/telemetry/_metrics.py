@@ -761,7 +761,7 @@ class Metrics:
     def store_unavailable(self, store: str) -> None:
         """Count an operation refused because ``store`` (one of :data:`STORES`) failed."""
         if store not in STORES:
-            raise ValueError(f"store must be one of {STORES}, not {store!r}")
+            raise InvalidArgumentError(f"store must be one of {STORES}, not {store!r}")
         self._c.store_unavailable.labels(store).inc()
         if self._o is not None:
             self._o.add("store_unavailable", 1, {"store": store})

@@ -7,6 +7,7 @@ import itertools
 import pytest
 from prometheus_client import CollectorRegistry
 
+from loomflow.errors import InvalidArgumentError
 from loomflow.governance import Cap
 from loomflow.telemetry import BUDGET_CAPS, STORES, Metrics
 
@@ -57,5 +58,6 @@ def test_an_unavailable_budget_store_counts_as_a_store_failure() -> None:
 
 
 def test_an_unknown_store_is_refused() -> None:
-    with pytest.raises(ValueError, match="store must be one of"):
+    # A typed error (still a ValueError, as it was).
+    with pytest.raises(InvalidArgumentError, match="store must be one of"):
         Metrics(CollectorRegistry()).store_unavailable("redis")
