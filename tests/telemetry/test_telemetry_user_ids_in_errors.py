@@ -172,3 +172,31 @@ async def test_a_users_own_permission_policy_is_named_as_the_option_says(
     assert attributes["loom.permission.reason"] == f"not for {shown!r}"
     if mode != "plain":
         assert USER not in _exported_text(capture)
+
+
+async def test_a_tool_error_naming_the_user_is_hidden_on_its_span() -> None:
+    from loomflow.context import get_run_context
+
+    @tool
+    def lookup(order: int) -> str:
+        """Look an order up."""
+        raise PermissionError(f"user {get_run_context().user_id!r} may not see order {order}")
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id="c1", name="lookup", arguments={"order": 7})]
+
+    capture = SpanCapture()
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[lookup],
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False, user_ids="omit"),
+        name="a",
+    )
+    await agent.run("q", session_id="s1", user_id=USER)
+
+    [span] = capture.named("execute_tool lookup")
+    assert "user '[user]' may not see order 7" in (span.status.description or "")
+    assert USER not in _exported_text(capture)
