@@ -173,6 +173,21 @@ def _pretty(value: Any) -> str:
     return "".join(c if c == "\n" or c.isprintable() else json.dumps(c)[1:-1] for c in text)
 
 
+def _when(moment: dt.datetime) -> str:
+    # Not strftime("%Y"): the C library writes the years before 1000 without their zeros.
+    return f"{moment.year:04d}-" + moment.strftime("%m-%d %H:%M:%S")
+
+
+def _ts(seconds: float) -> str:
+    """A journal time (Unix seconds) for a page; a stored value no date can hold (NaN, 1e300,
+    from a hand-edited row) is shown as it is, as the JSON shows it, rather than failing the
+    whole page."""
+    try:
+        return _when(dt.datetime.fromtimestamp(seconds, dt.UTC))
+    except (OverflowError, ValueError, OSError, TypeError):
+        return str(seconds)
+
+
 def _env() -> Environment:
     env = Environment(
         loader=FileSystemLoader(Path(__file__).parent / "templates"),
@@ -182,8 +197,8 @@ def _env() -> Environment:
     env.globals["query_url"] = _query_url
     env.filters["shown"] = printable
     env.filters["pretty"] = _pretty
-    env.filters["when"] = lambda t: t.strftime("%Y-%m-%d %H:%M:%S")
-    env.filters["ts"] = lambda s: dt.datetime.fromtimestamp(s, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    env.filters["when"] = _when
+    env.filters["ts"] = _ts
     return env
 
 

@@ -1319,3 +1319,31 @@ def test_a_query_naming_a_user_and_the_anonymous_bucket_is_refused(
         answer = http.get(f"{route}{sep}user=bob&anonymous=1")
         assert answer.status_code == 400
         assert "not both" in answer.json()["error"]
+
+
+def test_a_journal_time_no_date_can_hold_is_shown_not_a_500(tmp_path: Path) -> None:
+    # A hand-edited journal row (a time of 1e300 seconds, or one stored as text) once made the
+    # runs page and the run's story a 500 while their JSON twins answered.
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    settings = Settings(runtime_url=url, console_token=ADMIN)
+
+    async def make() -> str:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        return await run_agent(settings, "bob", "s-bob")
+
+    run_id = asyncio.run(make())
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE loom_sessions SET updated_at = 1e300, owner = 'w\u202e1'")
+        db.execute("UPDATE loom_entries SET created_at = 'abc'")
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        runs = http.get("/runs")
+        assert runs.status_code == 200
+        assert "1e+300" in runs.text
+        assert "w\\u202e1" in runs.text  # an owner is shown escaped, as ids are
+        assert "\u202e" not in runs.text
+        assert http.get("/api/runs").json()["runs"][0]["updated_at"] == "1e+300"
+        story = http.get("/run", params={"user": "bob", "run": run_id})
+        assert story.status_code == 200
+        assert '<table id="journal">' in story.text
