@@ -251,9 +251,14 @@ def create_app(
                 return None, "bearer"
             return Principal(entry.name, entry.role, "token"), None
         if access.proxy_header is not None:
-            value = request.headers.get(access.proxy_header)
-            if value is not None:
-                who = access.from_proxy(value)
+            values = request.headers.getlist(access.proxy_header)
+            if len(values) > 1:
+                # Sent twice: a proxy that adds its header to the one the client sent rather
+                # than replacing it. The first would be the client's own, an admin name for
+                # the asking; neither can be trusted to be the proxy's.
+                return None, "proxy"
+            if values:
+                who = access.from_proxy(values[0])
                 return who, "proxy" if who is None else None
         return signed_in(request), None
 

@@ -696,6 +696,12 @@ def test_a_trusted_proxy_header(deployment: Deployment) -> None:
         assert http.get("/api/runs", headers=carol).status_code == 403
         assert http.get("/api/runs", headers={"X-Forwarded-User": "ada"}).status_code == 200
         assert http.get("/api/users", headers={"X-Forwarded-User": "<b>"}).status_code == 401
+        # A proxy that adds its header after the client's rather than replacing it: the
+        # first value would be the client's own choice of name. Neither is taken.
+        for twice in ([("X-Forwarded-User", "ada"), ("X-Forwarded-User", "carol")],
+                      [("X-Forwarded-User", "carol"), ("X-Forwarded-User", "carol")]):  # fmt: skip
+            assert http.get("/api/runs", headers=twice).status_code == 401
+            assert http.get("/runs", headers=twice).status_code == 303  # to the sign-in form
     assert _audit(deployment, user_id="console:carol", action="console.query")
 
 
