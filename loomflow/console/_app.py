@@ -326,11 +326,7 @@ def create_app(
                 except UserError as exc:  # a bad id or filter, named by the store
                     return _error(request, who, 400, str(exc), api)
                 except StorageError as exc:  # down, locked, unmigrated: not the asker's fault
-                    # The detail (a file name, the pid holding a lock) is for the operator's
-                    # log, not for every signed-in reader.
-                    log.warning("console: a store cannot be used: %s", exc)
-                    message = f"a store cannot be used right now ({type(exc).__name__})"
-                    return _error(request, who, 503, message, api)
+                    return _unusable(request, who, exc, api)
                 except LoomflowError as exc:  # e.g. a journal without its schema
                     return _error(request, who, 400, str(exc), api)
                 if isinstance(result, Response):
@@ -352,6 +348,15 @@ def create_app(
         response = render("error.html", request, who, status=status, message=message)
         response.status_code = status
         return response
+
+    def _unusable(
+        request: Request, who: Principal | None, exc: StorageError, api: bool
+    ) -> Response:
+        # The detail (a file name, the pid holding a lock) is for the operator's log, not for
+        # every signed-in reader.
+        log.warning("console: a store cannot be used: %s", exc)
+        message = f"a store cannot be used right now ({type(exc).__name__})"
+        return _error(request, who, 503, message, api)
 
     def named_user(request: Request) -> str | Any | None:
         """The user a query names, as :func:`user_of` reads it, without refusing: ANY_USER
@@ -583,9 +588,11 @@ def create_app(
             if entry is not None:
                 sign_ins.end(request.session.get("sign_in"))  # one sign-in per cookie
                 request.session.clear()
-                await data.record(
-                    Principal(entry.name, entry.role, "cookie"), "sign in", action=CONSOLE_SIGNIN
-                )
+                who = Principal(entry.name, entry.role, "cookie")
+                try:
+                    await data.record(who, "sign in", action=CONSOLE_SIGNIN)
+                except StorageError as exc:  # no sign-in that is not audited, as no query
+                    return _unusable(request, None, exc, api=False)
                 request.session["token"] = cookie_value(entry, cookie_key)
                 request.session["sign_in"] = sign_ins.start()
                 return RedirectResponse(target, 303, headers=_headers())

@@ -1283,6 +1283,14 @@ def test_a_tampered_hash_is_shown_escaped_and_a_store_failure_names_no_file(
         assert got.status_code == 503
         assert "127.0.0.1" not in got.text
         assert "StoreUnavailableError" in got.json()["error"]
+        # A sign-in through the form is audited as a query is: when that cannot be written,
+        # the same 503 (it was an untyped 500), and no cookie.
+        form = http.post("/signin", data={"token": ADMIN})
+        assert form.status_code == 503
+        assert "StoreUnavailableError" in form.text
+        assert "127.0.0.1" not in form.text
+        assert form.headers["cache-control"] == "no-store"
+        assert "loomflow_console" not in http.cookies
 
 
 @pytest.mark.parametrize(
