@@ -47,7 +47,7 @@ from ..audit import ANY_USER
 from ..errors import InvalidArgumentError, LoomflowError, StorageError, UserError
 from ..runtime import RUN_STATES, SessionInfo
 from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
-from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, ConsoleData, TrailFilter
+from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, CONSOLE_SIGNOUT, ConsoleData, TrailFilter
 
 __all__ = ["create_app", "user_url"]
 
@@ -606,8 +606,15 @@ def create_app(
     async def signout(request: Request) -> Response:
         if _cross_site(request):
             return _error(request, None, 403, _CROSS_SITE, api=False)
+        who = signed_in(request)
         # Ended here, not only forgotten by this browser: every copy of the cookie is out.
         sign_ins.end(request.session.get("sign_in"))
+        if who is not None:  # a sign-in was live: its end goes on the record by its start
+            try:
+                await data.record(who, "sign out", action=CONSOLE_SIGNOUT)
+            except LoomflowError as exc:
+                # Still signed out: ending access is never held up by the audit log.
+                log.warning("console: could not record %s signing out: %s", who.name, exc)
         request.session.clear()
         return RedirectResponse("/signin", 303, headers=_headers())
 

@@ -39,6 +39,7 @@ __all__ = [
     "CONSOLE_REFUSED",
     "CONSOLE_SIGNIN",
     "CONSOLE_SIGNIN_FAILED",
+    "CONSOLE_SIGNOUT",
     "SIGNIN_FAILURES_CHAIN",
     "ConsoleData",
     "RunStory",
@@ -51,6 +52,8 @@ CONSOLE_ACTION = "console.query"
 """The audit action of a query the console served."""
 CONSOLE_SIGNIN = "console.signin"
 """The audit action of a sign-in through the form (a session cookie was handed out)."""
+CONSOLE_SIGNOUT = "console.signout"
+"""The audit action of a sign-out through the form (a live sign-in was ended)."""
 CONSOLE_REFUSED = "console.refused"
 """The audit action of a request refused for want of a role (a reader asking for admin work);
 it names the user the request was about, as ``console.query`` does."""

@@ -635,12 +635,20 @@ def test_signing_out_ends_the_sign_in_for_every_copy_of_the_cookie(
         assert done.status_code == 303
         return done.cookies["loomflow_console"]
 
+    def sign_outs() -> int:
+        return len(_audit(deployment, user_id="console:rob", action="console.signout"))
+
+    before = sign_outs()
     with console.client() as http, console.client() as other:
         saved = sign_in(http)
         elsewhere = sign_in(other)  # the same token, another browser
         assert http.get("/api/users").status_code == 200
         assert http.post("/signout", follow_redirects=False).status_code == 303
+    assert sign_outs() == before + 1  # recorded, as the sign-in is
     with console.client(cookies={"loomflow_console": saved}) as replay:
+        # Signing out a sign-in that already ended is nothing to record.
+        assert replay.post("/signout", follow_redirects=False).status_code == 303
+        assert sign_outs() == before + 1
         assert replay.get("/api/users").status_code == 401
         page = replay.get("/users/bob", follow_redirects=False)
         assert page.status_code == 303
