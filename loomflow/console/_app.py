@@ -26,6 +26,7 @@ from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
@@ -656,7 +657,21 @@ def create_app(
         yield
         await data.flush_failures()  # failed sign-ins counted since the last record
 
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    async def no_route(request: Request, exc: Exception) -> Response:
+        # Starlette's own answers (no such address, a method the route does not take) carry
+        # the headers of every other answer, and are JSON under /api/ as the rest of it is.
+        assert isinstance(exc, HTTPException)
+        headers = _headers() | dict(exc.headers or {})
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": exc.detail}, exc.status_code, headers=headers)
+        return PlainTextResponse(exc.detail, exc.status_code, headers=headers)
+
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: no_route},
+    )
 
 
 async def _once(text: str) -> AsyncIterator[str]:

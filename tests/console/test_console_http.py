@@ -1369,3 +1369,23 @@ def test_a_journal_time_no_date_can_hold_is_shown_not_a_500(tmp_path: Path) -> N
         story = http.get("/run", params={"user": "bob", "run": run_id})
         assert story.status_code == 200
         assert '<table id="journal">' in story.text
+
+
+def test_an_address_or_method_the_console_does_not_serve(console: Server) -> None:
+    # Starlette's own 404 and 405 were text without the console's headers, even under /api/.
+    with console.client(ADMIN) as http:
+        for method, path, status in (
+            ("GET", "/api/nope", 404),
+            ("POST", "/api/users", 405),
+            ("DELETE", "/api/export", 405),
+        ):
+            got = http.request(method, path)
+            assert got.status_code == status
+            assert "error" in got.json()
+            assert got.headers["cache-control"] == "no-store"
+            assert got.headers["content-security-policy"].startswith("default-src 'none'")
+        assert "GET" in http.post("/api/users").headers["allow"]
+        page = http.get("/nope")
+        assert page.status_code == 404
+        assert page.headers["x-content-type-options"] == "nosniff"
+        assert page.headers["content-type"].startswith("text/plain")
