@@ -456,7 +456,9 @@ class ConsoleData:
         story = RunStory(user_id, run_id, shown, truncated, None, None)
         runtime = self.stores.runtime
         session_id = story.session_id
-        if runtime is not None and entries:
+        # Without a session the run has no row in the journal to find: asking for the user's
+        # sessions with no session id would answer with their latest one, another run's state.
+        if runtime is not None and entries and session_id is not None:
             try:
                 found = await runtime.sessions(user_id=user_id, session_id=session_id, limit=1)
                 if found:

@@ -1389,3 +1389,27 @@ def test_an_address_or_method_the_console_does_not_serve(console: Server) -> Non
         assert page.status_code == 404
         assert page.headers["x-content-type-options"] == "nosniff"
         assert page.headers["content-type"].startswith("text/plain")
+
+
+def test_a_run_without_a_session_is_not_given_another_runs_state(tmp_path: Path) -> None:
+    # Entries of a run that name no session (an application's own records) were told with the
+    # state and journal of the user's latest session: "finished", for a run never journaled.
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}", console_token=ADMIN)
+
+    async def make() -> None:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        await run_agent(settings, "bob", "s-bob")
+        async with Stores(settings, journal=False) as stores:
+            await stores.audit.append(
+                AuditRecord(user_id="bob", run_id="r-app", actor="app", action="export.sent")
+            )
+
+    asyncio.run(make())
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        story = http.get("/api/run", params={"user": "bob", "run": "r-app"}).json()
+        assert story["session_id"] is None
+        assert story["state"] is None
+        assert story["journal"] == []
+        page = http.get("/run", params={"user": "bob", "run": "r-app"}).text
+        assert "not in the journal" in page
