@@ -467,10 +467,13 @@ def create_app(
     @page("entry.html")
     async def entry(request: Request, who: Principal) -> Any:
         user_id = user_of(request)
-        try:
-            seq = int(request.query_params.get("seq", ""))
-        except ValueError:
-            raise _Refused(400, "seq must be a number") from None
+        text = request.query_params.get("seq", "")
+        # ASCII digits only, as a page size is read: int() would also take " 1", "1_0",
+        # Arabic-Indic digits or thousands of digits, and show (and record) an entry the
+        # address does not name.
+        if not (text.isascii() and text.isdigit() and len(text) <= 19):
+            raise _Refused(400, "seq must be a whole number")
+        seq = int(text)
         await data.record(who, "entry", viewed=user_id, details={"seq": seq})
         found = await data.entry(user_id, seq)  # redacted, as every page and route shows it
         if found is None:

@@ -902,6 +902,13 @@ def test_ages_and_bad_filters(console: Server) -> None:
         bad = http.get("/api/export", params={"user": BOB, "session": "a\x00b"})
         assert bad.status_code == 400
         assert "session_id" in bad.json()["error"]
+        # An entry's seq is written as the address shows it, not as int() would read it
+        # (" 1", "1_0", Arabic-Indic digits, thousands of digits were all taken).
+        assert http.get("/api/entry", params={"user": BOB, "seq": "10"}).json()["seq"] == 10
+        for seq in (" 1", "1_0", "\u0661", "9" * 400, "-1", "1.0", ""):
+            got = http.get("/api/entry", params={"user": BOB, "seq": seq})
+            assert got.status_code == 400, seq
+            assert got.json()["error"] == "seq must be a whole number"
         assert http.get("/api/verify").json()["ok"] is True
 
 
