@@ -193,8 +193,9 @@ class ConsoleAccess:
         return found
 
     def by_token(self, token: str) -> TokenEntry | None:
-        """The entry a presented token matches, if any."""
-        return self.by_digest(token_sha256(token))
+        """The entry a presented token matches, if any (whitespace around it, as a paste into
+        the sign-in form may bring, is no part of it: no token holds any)."""
+        return self.by_digest(token_sha256(token.strip()))
 
     def from_proxy(self, value: str) -> Principal | None:
         """The user a trusted proxy named, if the value is a usable name."""

@@ -14,7 +14,7 @@ from ..errors import ConfigurationError
 from ..redaction import Redactor
 from ..storage._url import sqlite_path
 from ..stores import Stores
-from ._access import ConsoleAccess, TokenEntry, load_tokens, token_sha256
+from ._access import MIN_TOKEN_LENGTH, ConsoleAccess, TokenEntry, load_tokens, token_sha256
 from ._data import ConsoleData
 
 __all__ = ["ConsoleOptions", "build_console", "serve"]
@@ -42,9 +42,16 @@ class ConsoleOptions:
 def _tokens(settings: Settings, options: ConsoleOptions) -> list[TokenEntry]:
     tokens = [] if options.tokens_file is None else load_tokens(options.tokens_file)
     if settings.console_token is not None:
+        # Whitespace around it (the newline a secrets file ends with) is no part of a token:
+        # a bearer or a typed token is read without it, and so is a tokens file.
+        token = settings.console_token.get_secret_value().strip()
+        if len(token) < MIN_TOKEN_LENGTH:
+            raise ConfigurationError(
+                f"LOOMFLOW_CONSOLE_TOKEN is {len(token)} characters without the whitespace "
+                f"around it; a console token is {MIN_TOKEN_LENGTH} or more"
+            )
         # The one token of a small deployment is its operator's: admin.
-        digest = token_sha256(settings.console_token.get_secret_value())
-        tokens.append(TokenEntry("admin", digest, "console-token"))
+        tokens.append(TokenEntry("admin", token_sha256(token), "console-token"))
     return tokens
 
 

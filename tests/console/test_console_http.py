@@ -761,6 +761,19 @@ def test_a_hashed_token_and_the_setting_token(deployment: Deployment, tmp_path: 
             assert http.get("/api/users").status_code == 401
         with server.client("setting-token-0123456789") as http:
             assert http.get("/api/runs").status_code == 200  # LOOMFLOW_CONSOLE_TOKEN: admin
+    # The newline a secrets file ends with is no part of the token (it made every bearer a
+    # 401), nor is a space pasted into the form around it.
+    settings = Settings(runtime_url=deployment.url, console_token="setting-token-0123456789\n")
+    with Server(settings, ConsoleOptions()) as server:
+        with server.client("setting-token-0123456789") as http:
+            assert http.get("/api/runs").status_code == 200
+        with server.client() as http:
+            typed = {"token": " setting-token-0123456789 "}
+            assert http.post("/signin", data=typed, follow_redirects=False).status_code == 303
+    with pytest.raises(ConfigurationError, match="without the whitespace"):
+        build_console(
+            Settings(runtime_url=deployment.url, console_token=" " * 20), ConsoleOptions()
+        )
 
 
 def test_the_console_adds_no_tables(console: Server, deployment: Deployment) -> None:
