@@ -507,7 +507,7 @@ def create_app(
         if state is not None and state not in RUN_STATES:
             raise _Refused(400, f"state must be one of {', '.join(RUN_STATES)}")
         await data.record(who, "runs", details={"state": state})
-        listed = await data.runs(state)
+        listed, more = await data.runs(state)
 
         def row(info: SessionInfo, shown: str, when: float | str | None) -> dict[str, Any]:
             return {
@@ -524,7 +524,8 @@ def create_app(
             "runs": [row(i, s, i.updated_at) for i, s in listed],  # the page formats it
             "state": state,
             "has_journal": data.stores.runtime is not None,
-            "api": {"runs": [row(i, s, iso_time(i.updated_at)) for i, s in listed]},
+            "more": more,
+            "api": {"runs": [row(i, s, iso_time(i.updated_at)) for i, s in listed], "more": more},
         }
 
     @page("verify.html", role="admin")

@@ -471,17 +471,22 @@ class ConsoleData:
                 pass
         return story
 
-    async def runs(self, state: str | None, limit: int = 500) -> list[tuple[SessionInfo, str]]:
-        """The journal's runs, most recent first, with their state (``state`` keeps one)."""
+    async def runs(
+        self, state: str | None, limit: int = 500
+    ) -> tuple[list[tuple[SessionInfo, str]], bool]:
+        """The journal's ``limit`` most recent runs, with their state (``state`` keeps one);
+        and whether there were more."""
         runtime = self.stores.runtime
         if runtime is None:
-            return []
+            return [], False
         try:
-            sessions = await runtime.sessions(limit=limit, state=state)
+            # One more than shown: a page cut at the limit says so, rather than passing for
+            # every run in that state.
+            sessions = await runtime.sessions(limit=limit + 1, state=state)
         except LoomflowError as exc:
             raise JournalError(
                 "the journal cannot be read here: the console never creates or migrates it "
                 f"(run `loomflow migrate` if this database should hold one) ({exc})"
             ) from exc
-        listed = [(info, info.state) for info in sessions]
-        return [(i, s) for i, s in listed if state is None or s == state]
+        listed = [(info, info.state) for info in sessions[:limit]]
+        return [(i, s) for i, s in listed if state is None or s == state], len(sessions) > limit

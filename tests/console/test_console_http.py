@@ -1433,3 +1433,36 @@ def test_a_run_without_a_session_is_not_given_another_runs_state(tmp_path: Path)
         assert story["journal"] == []
         page = http.get("/run", params={"user": "bob", "run": "r-app"}).text
         assert "not in the journal" in page
+
+
+def test_runs_by_state_says_when_there_are_more_than_it_shows(tmp_path: Path) -> None:
+    # The page lists the 500 most recent runs; past that it passed for every run there was.
+    path = tmp_path / "journal.db"
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+
+    async def make() -> None:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+        await run_agent(settings, "bob", "s-0")
+
+    asyncio.run(make())
+    with sqlite3.connect(path) as db:  # 500 more finished runs, as the first one is stored
+        row = db.execute("SELECT * FROM loom_sessions").fetchone()
+        names = [d[0] for d in db.execute("SELECT * FROM loom_sessions").description]
+        copies = []
+        for n in range(1, 501):
+            values = dict(zip(names, row, strict=True))
+            values |= {"scope": json.dumps([f"s-{n}", "bob"]), "session_id": f"s-{n}"}
+            copies.append(tuple(values[k] for k in names))
+        marks = ", ".join("?" * len(names))
+        db.executemany(f"INSERT INTO loom_sessions VALUES ({marks})", copies)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        for query in ({}, {"state": "finished"}):
+            listed = http.get("/api/runs", params=query).json()
+            assert len(listed["runs"]) == 500
+            assert listed["more"] is True
+            assert 'id="more"' in http.get("/runs", params=query).text
+        assert http.get("/api/runs", params={"state": "open"}).json() == {
+            "runs": [],
+            "more": False,
+        }
