@@ -170,6 +170,16 @@ class ConsoleAccess:
             )
         self.proxy_header = proxy_header.lower() if proxy_header else None
         self.proxy_admins = frozenset(proxy_admins)
+        # Either would be an admin who silently is not one: no header to carry the name, or a
+        # name the header can never carry (from_proxy refuses it).
+        if self.proxy_admins and self.proxy_header is None:
+            raise ConfigurationError("--proxy-admin needs --trust-proxy-header")
+        for name in sorted(self.proxy_admins):
+            if not _NAME.fullmatch(name):
+                raise ConfigurationError(
+                    f"--proxy-admin {name!r}: a name is 1 to 64 letters, digits or ._@+- "
+                    "characters, as the proxy header must carry it"
+                )
         if not self.tokens and self.proxy_header is None:
             raise ConfigurationError(
                 "the console needs a way in: set LOOMFLOW_CONSOLE_TOKEN, pass --tokens-file, "

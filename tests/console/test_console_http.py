@@ -732,6 +732,18 @@ def test_tokens_files_and_settings_are_checked(deployment: Deployment, tmp_path:
         build_console(deployment.settings, ConsoleOptions())
     with pytest.raises(ConfigurationError, match="cannot read tokens file"):
         build_console(deployment.settings, ConsoleOptions(tokens_file=tmp_path / "none"))
+    # An admin through the proxy who could never be one was taken without a word.
+    with pytest.raises(ConfigurationError, match="needs --trust-proxy-header"):
+        build_console(
+            deployment.settings,
+            ConsoleOptions(tokens_file=deployment.tokens, proxy_admins=("ada",)),
+        )
+    for name in ("bad!name", "ada ", "", "(unknown)"):
+        with pytest.raises(ConfigurationError, match="--proxy-admin"):
+            build_console(
+                deployment.settings,
+                ConsoleOptions(proxy_header="X-Forwarded-User", proxy_admins=(name,)),
+            )
 
 
 def test_a_hashed_token_and_the_setting_token(deployment: Deployment, tmp_path: Path) -> None:
