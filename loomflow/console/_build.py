@@ -105,7 +105,17 @@ async def serve(
         # Announced once it can be signed in to and is listening: a console with no way in,
         # or an address it cannot bind, fails before this with one line.
         print(f"loomflow console on http://{host}:{port}/ (Ctrl-C stops it)", file=sys.stderr)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any client on
+        # 127.0.0.1 (the default bind) as the client's address, and the failed sign-ins the
+        # audit log records would name whatever such a client wrote there.
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+        )
         await uvicorn.Server(config).serve(sockets=[listening])
     finally:
         await stores.close()

@@ -33,6 +33,7 @@ from console_helpers import (
 )
 from pydantic import SecretStr
 
+import loomflow
 from loomflow.agent import Agent
 from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore
 from loomflow.config import Settings
@@ -808,7 +809,9 @@ def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> No
     from console_helpers import free_port
 
     port = free_port()
-    env = {"LOOMFLOW_CONSOLE_TOKEN": ADMIN, "PATH": "/usr/bin:/bin"}
+    # The code under test, wherever it is imported from here (a checkout on PYTHONPATH).
+    code = str(Path(loomflow.__file__).parent.parent)
+    env = {"LOOMFLOW_CONSOLE_TOKEN": ADMIN, "PATH": "/usr/bin:/bin", "PYTHONPATH": code}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -851,12 +854,27 @@ def test_the_command_binds_localhost_and_changes_no_tables(tmp_path: Path) -> No
         )
         assert runs.status_code == 400
         assert "journal" in runs.json()["error"]
+        # A client on 127.0.0.1 could name any address it liked for its failed sign-in.
+        forged = httpx.get(
+            f"http://127.0.0.1:{port}/api/users",
+            headers={"Authorization": "Bearer not-a-token", "X-Forwarded-For": "203.0.113.9"},
+        )
+        assert forged.status_code == 401
     finally:
         proc.terminate()
         proc.wait(30)
         assert proc.stderr is not None
         proc.stderr.close()
     assert tables(path) == before  # no journal tables: the console made none
+
+    async def failures() -> list[Any]:
+        store = SqliteAuditStore(path)
+        try:
+            return [e.payload async for e in store.entries(user_id="console:(unknown)")]
+        finally:
+            await store.close()
+
+    assert [p["clients"] for p in asyncio.run(failures())] == [["127.0.0.1"]]
     missing = subprocess.run(
         [
             sys.executable,
