@@ -683,7 +683,9 @@ async def _once(text: str) -> AsyncIterator[str]:
 
 
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=_json_default))
+    # A figure worked out from stored ones may be no JSON number (costs of 1e308 sum to
+    # inf): it is written as the text "Infinity" or "NaN", not made a 500 by the encoder.
+    return json.loads(json.dumps(value, default=_json_default), parse_constant=str)
 
 
 def _json_default(value: Any) -> Any:

@@ -1496,3 +1496,32 @@ def test_runs_by_state_says_when_there_are_more_than_it_shows(tmp_path: Path) ->
             "runs": [],
             "more": False,
         }
+
+
+def test_a_cost_that_sums_past_any_number_is_not_a_500(tmp_path: Path) -> None:
+    # Two live model calls recorded at 1e308 each (a writer's nonsense, valid JSON) sum to inf,
+    # which the JSON encoder refused: the run's JSON twin was a 500.
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'audit.db'}", console_token=ADMIN)
+
+    async def make() -> None:
+        async with Stores(settings, journal=False) as stores:
+            await stores.audit.append(
+                [
+                    AuditRecord(
+                        user_id="rich",
+                        session_id="s",
+                        run_id="r",
+                        actor="agent:x",
+                        action="model.call",
+                        payload={"cost_usd": 1e308},
+                    )
+                    for _ in range(2)
+                ]
+            )
+
+    asyncio.run(make())
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        story = http.get("/api/run", params={"user": "rich", "run": "r"})
+        assert story.status_code == 200
+        assert story.json()["cost_usd"] == "Infinity"
+        assert http.get("/run", params={"user": "rich", "run": "r"}).status_code == 200
