@@ -659,6 +659,15 @@ class Agent:
         if approvals:
             check_id("session_id", session_id)
             check_id("user_id", user_id)
+            # What the resume itself would refuse is refused before any decision is audited
+            # and journaled: a decision is final, so the corrected call would otherwise meet
+            # ApprovalDecidedError for the very decisions it carries.
+            if not isinstance(prompt, str):
+                raise UserError("prompt must be a string")
+            self._structured(output_type, output_retries)
+            check_metadata(metadata)
+            if fork_session_id is not None:
+                raise UserError("fork_session_id= goes with from_checkpoint=")
             await decide(self, session_id, user_id, approvals, decided_by)
         return await self._drain(
             self._events(

@@ -337,6 +337,44 @@ async def test_unknown_ids_and_bad_input_are_refused(runtime_factory: Factory) -
     assert await agent.pending_approvals("s1", user_id="ana") == [request]
 
 
+async def test_a_resume_refused_for_its_own_arguments_records_no_decision(
+    runtime_factory: Factory,
+) -> None:
+    """A resume whose other arguments are wrong (an output type that is no model, bad
+    metadata, ...) is refused before its decisions are audited and journaled: a decision is
+    final, so otherwise the corrected retry would be refused as already decided."""
+    world = World()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = agent_for(world, await runtime_factory(), [DELETE], audit=audit)
+    (request,) = (await agent.run("clean up", session_id="s1", user_id="ana")).pending_approvals
+    approve = {request.request_id: Approve()}
+    wrong: list[dict[str, Any]] = [
+        {"output_type": int},
+        {"output_retries": -1},
+        {"metadata": "not a mapping"},
+        {"fork_session_id": "s9"},
+    ]
+    for options in wrong:
+        with pytest.raises(UserError):
+            await agent.resume(
+                "clean up", session_id="s1", user_id="ana", approvals=approve, **options
+            )
+    with pytest.raises(UserError, match="prompt"):
+        await agent.resume(
+            None,  # type: ignore[arg-type]
+            session_id="s1",
+            user_id="ana",
+            approvals=approve,
+        )
+    assert await agent.pending_approvals("s1", user_id="ana") == [request]
+    entries = (await audit.query(user_id="ana", limit=100)).entries
+    assert actions.APPROVAL_DECISION not in [e.action for e in entries]
+    # The corrected call decides and runs.
+    result = await agent.resume("clean up", session_id="s1", user_id="ana", approvals=approve)
+    assert not result.interrupted
+    assert world.deleted == ["alpha"]
+
+
 async def test_defer_needs_a_journal() -> None:
     world = World()
     agent = Agent(
