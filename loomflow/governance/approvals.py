@@ -51,7 +51,7 @@ from ..hooks import Interrupt, RunInfo
 from ..messages import ToolCall
 from ..runtime import codec
 from ..runtime._journal import JournalRun, JournalRuntime, _Frame, _frame
-from ..runtime._store import Scope, StoredEntry, path_key
+from ..runtime._store import Scope, StoredEntry, fingerprint, path_key
 from .events import ApprovalRequested
 
 __all__ = [
@@ -526,6 +526,8 @@ class Ledger:
 
 def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
     ledger = Ledger(epoch)
+    # Decision rows that read but are no decision on their request (see _damaged_decisions).
+    shapeless: list[tuple[StoredEntry, str]] = []
     for entry in entries:
         if entry.damaged() is not None:
             continue  # a hand-edited row no step matches: the run would journal it again
@@ -551,12 +553,48 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
             continue
         try:
             decision = RecordedDecision.model_validate(value)
-        except ValidationError:
-            continue  # no decision: the run's resume refuses it (CorruptEntryError)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"]) or "the record"
+            shapeless.append((entry, f"it is not a decision record ({where}: {error['msg']})"))
+            continue
         if not entry.name.endswith(f"_{decision.request_id}"):
-            continue  # a decision on another request than its step's: it decides nothing
+            shapeless.append((entry, "it decides another request than the one it is stored for"))
+            continue
         ledger.decisions[decision.request_id] = decision
+    _damaged_decisions(ledger, scope, shapeless)
     return ledger
+
+
+def _damaged_decisions(
+    ledger: Ledger, scope: Scope, shapeless: list[tuple[StoredEntry, str]]
+) -> None:
+    """Mark damaged the requests whose decision step holds a row that is no decision.
+
+    The run's resume reads that row back at the request (a journal hit) and stops with
+    CorruptEntryError; deciding again would hit the same row and journal nothing while
+    auditing a decision that never takes effect. So the request is listed as unreadable and
+    refused, like a damaged request.
+    """
+    for entry, problem in shapeless:
+        for request in list(ledger.requests.values()):
+            step = f"{_DECISION_STEP}{request.turn}_{request.slot}_{request.request_id}"
+            if (
+                entry.name == step
+                and entry.path == path_key(request.path)
+                and entry.fingerprint == fingerprint([request.request_id], {})
+            ):
+                del ledger.requests[request.request_id]
+                ledger.decisions.pop(request.request_id, None)
+                why = f"its decision (journal entry {step!r}) is damaged: {problem}"
+                ledger.damaged.append(
+                    _damaged(
+                        scope,
+                        f"{_REQUEST_STEP}{request.turn}_{request.slot}",
+                        request.request_id,
+                        why,
+                    )
+                )
 
 
 def _add_request(

@@ -381,3 +381,40 @@ def test_a_decision_the_audit_log_cannot_record_is_not_journaled(tmp_path: Path)
     assert [(e.actor, e.payload["request_id"]) for e in decisions] == [
         ("approver:carol", ops.request_id)
     ]
+
+
+def test_a_request_whose_decision_row_is_damaged_is_refused_not_said_recorded(
+    tmp_path: Path,
+) -> None:
+    """A decision row edited into no decision (a "maybe") is what the run reads back at the
+    request, so the resume stops at it: deciding again would hit that row and journal
+    nothing. The request is listed as unreadable and `approve` refuses it, instead of
+    printing "allow recorded" and auditing a decision that never takes effect."""
+    from loomflow.errors import CorruptEntryError
+
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    sent: list[dict[str, Any]] = []
+    ops, everyone = asyncio.run(_run(url, sent, resume=False)).pending_approvals
+    denied = loomflow(
+        "--url", url, "approvals", "deny", ops.request_id, "--session", "ops-1", "--reason", "no"
+    )
+    assert denied.returncode == 0, denied.stderr
+    _edit(path, f"approval_decision_0_0_{ops.request_id}", "behavior", '"maybe"')
+
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["request_id"]: r for r in map(json.loads, listed.stdout.splitlines())}
+    assert "unreadable" not in rows[everyone.request_id]
+    assert "decision" in rows[ops.request_id]["unreadable"]
+
+    approved = loomflow("--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1")
+    assert approved.returncode == 1, approved.stdout
+    assert approved.stderr.startswith("loomflow: error: ")
+    assert "damaged" in approved.stderr
+    assert "recorded" not in approved.stdout
+    decisions = [e for e in asyncio.run(_audit(url)) if e.action == actions.APPROVAL_DECISION]
+    assert [e.payload["decision"] for e in decisions] == ["deny"]  # the first one only
+    with pytest.raises(CorruptEntryError):
+        asyncio.run(_run(url, sent, resume=True))
+    assert sent == []

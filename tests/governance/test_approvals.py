@@ -567,10 +567,13 @@ async def test_crafted_journal_rows_are_not_trusted(tmp_path: Any) -> None:
         )
     async with SqliteRuntime(path) as runtime:
         agent = agent_for(world, runtime, [DELETE, DELETE_2])
-        # The junk request is not listed; alpha's shapeless decision does not count as one.
-        assert [p.request_id for p in await agent.pending_approvals("s1", user_id="ana")] == [
-            alpha.request_id
-        ]
+        # Neither is listed: the junk request, nor alpha, whose shapeless decision is what
+        # the run reads back at it (deciding again would journal nothing over it).
+        assert await agent.pending_approvals("s1", user_id="ana") == []
+        with pytest.raises(CorruptEntryError, match=r"its decision .* is damaged"):
+            await agent.resume(
+                "go", session_id="s1", user_id="ana", approvals={alpha.request_id: "allow"}
+            )
         with pytest.raises(CorruptEntryError):
             await agent.resume("go", session_id="s1", user_id="ana")
     assert world.deleted == []
