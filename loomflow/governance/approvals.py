@@ -717,8 +717,9 @@ async def journal_decisions(
     left in the state it was in (``interrupted``, as it stopped): only a resume continues it.
 
     ``before_each`` (the audit entry of a decision) is awaited for each decision under the
-    turn, after the checks and before its step is written: a decision that takes effect has
-    always been audited, and one whose audit write fails is not journaled (it can be retried).
+    turn, after the checks and before any step is written: a decision that takes effect has
+    always been audited, and when an audit write fails none of the decisions is journaled
+    (the same call can be retried).
 
     Raises:
         ApprovalNotFoundError: an id is not a request of that run.
@@ -757,10 +758,14 @@ async def journal_decisions(
         except (ApprovalError, PayloadTooLargeError) as exc:
             problem = exc
         else:
+            # Every decision is audited before any is journaled: an audit write that fails
+            # for the second decision must not leave the first one final, or deciding again
+            # (the same call, once the audit store answers) would be refused as decided.
+            if before_each is not None:
+                for request_id, decision in decisions.items():
+                    await before_each(ledger.requests[request_id], decision)
             for request_id, decision in decisions.items():
                 request = ledger.requests[request_id]
-                if before_each is not None:
-                    await before_each(request, decision)
                 reset = _frame.set(_Frame(run, tuple(request.path)))
                 try:
                     await runtime.step(

@@ -375,6 +375,47 @@ async def test_a_resume_refused_for_its_own_arguments_records_no_decision(
     assert world.deleted == ["alpha"]
 
 
+async def test_an_audit_refusal_on_a_later_decision_leaves_the_whole_call_retryable(
+    tmp_path: Any,
+) -> None:
+    """Two decisions in one call, and the audit store refuses the entry of the second: no
+    decision is journaled, so the same call, retried once the store takes entries again,
+    records both (before, the first was final and the retry was refused as decided)."""
+    import sqlite3
+
+    from loomflow.audit import SqliteAuditStore
+    from loomflow.errors import StoreUnavailableError
+    from loomflow.runtime import SqliteRuntime
+
+    world = World()
+    audit_path = tmp_path / "audit.db"
+    store = SqliteAuditStore(audit_path)
+    async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+        agent = agent_for(world, runtime, [DELETE, DELETE_2], audit=AuditLog(store))
+        alpha, beta = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+        with sqlite3.connect(audit_path) as db:  # the store refuses beta's decision entry
+            db.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON loom_audit "
+                f"WHEN NEW.payload LIKE '%{beta.request_id}%' "
+                "AND NEW.action = 'approval.decision' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+            )
+        decisions: dict[str, Any] = {alpha.request_id: Approve(), beta.request_id: Deny("no")}
+        with pytest.raises(StoreUnavailableError, match="refused"):
+            await agent.resume(
+                "go", session_id="s1", user_id="ana", approvals=decisions, decided_by="kim"
+            )
+        assert await agent.pending_approvals("s1", user_id="ana") == [alpha, beta]
+        assert world.deleted == []
+        with sqlite3.connect(audit_path) as db:
+            db.execute("DROP TRIGGER refuse")
+        result = await agent.resume(
+            "go", session_id="s1", user_id="ana", approvals=decisions, decided_by="kim"
+        )
+        assert not result.interrupted
+        assert world.deleted == ["alpha"]
+    await store.close()
+
+
 async def test_defer_needs_a_journal() -> None:
     world = World()
     agent = Agent(
