@@ -184,6 +184,12 @@ def normalize_decision(
                 f"approval {request_id!r}: arguments must be a mapping of argument names to "
                 f"values, not {type(arguments).__name__}"
             )
+        if arguments is not None:
+            for name in arguments:
+                if not isinstance(name, str):  # a decision journals names as JSON object keys
+                    raise InvalidArgumentTypeError(
+                        f"approval {request_id!r}: argument names are strings, not {name!r}"
+                    )
         # Text as the model's arguments are kept: a lone surrogate becomes U+FFFD.
         try:
             edited = valid_value(dict(arguments)) if arguments is not None else None

@@ -316,6 +316,13 @@ async def test_unknown_ids_and_bad_input_are_refused(runtime_factory: Factory) -
             approvals={request.request_id: "allow"},
             from_checkpoint="01ABC",
         )
+    with pytest.raises(InvalidArgumentTypeError, match="argument names are strings"):
+        await agent.resume(
+            "clean up",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Approve(arguments={1: "alpha"})},  # type: ignore[dict-item]
+        )
     with pytest.raises(UserError, match="map request ids"):
         await agent.resume(
             "clean up",
