@@ -534,6 +534,7 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
     ledger = Ledger(epoch)
     # Decision rows that read but are no decision on their request (see _damaged_decisions).
     shapeless: list[tuple[StoredEntry, str]] = []
+    found: list[tuple[RecordedDecision, StoredEntry]] = []  # decisions, and their rows
     for entry in entries:
         if entry.damaged() is not None:
             continue  # a hand-edited row no step matches: the run would journal it again
@@ -567,9 +568,26 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
         if not entry.name.endswith(f"_{decision.request_id}"):
             shapeless.append((entry, "it decides another request than the one it is stored for"))
             continue
-        ledger.decisions[decision.request_id] = decision
+        found.append((decision, entry))
+    for decision, entry in found:
+        request = ledger.requests.get(decision.request_id)
+        # Only the row the run reads back at the request decides it: one it never reads
+        # (moved to another turn or slot, keyed by other inputs) leaves the run waiting, so
+        # the request must stay open to a decision instead of being shown as decided.
+        if request is None or _read_by_run(entry, request):
+            ledger.decisions[decision.request_id] = decision
     _damaged_decisions(ledger, scope, shapeless)
     return ledger
+
+
+def _read_by_run(entry: StoredEntry, request: PendingApproval) -> bool:
+    """Whether ``entry`` is the journal row the run reads back as the decision on ``request``
+    (its step name, sub-run path and inputs)."""
+    return (
+        entry.name == f"{_DECISION_STEP}{request.turn}_{request.slot}_{request.request_id}"
+        and entry.path == path_key(request.path)
+        and entry.fingerprint == fingerprint([request.request_id], {})
+    )
 
 
 def _damaged_decisions(
@@ -585,11 +603,7 @@ def _damaged_decisions(
     for entry, problem in shapeless:
         for request in list(ledger.requests.values()):
             step = f"{_DECISION_STEP}{request.turn}_{request.slot}_{request.request_id}"
-            if (
-                entry.name == step
-                and entry.path == path_key(request.path)
-                and entry.fingerprint == fingerprint([request.request_id], {})
-            ):
+            if _read_by_run(entry, request):
                 del ledger.requests[request.request_id]
                 ledger.decisions.pop(request.request_id, None)
                 why = f"its decision (journal entry {step!r}) is damaged: {problem}"

@@ -418,3 +418,39 @@ def test_a_request_whose_decision_row_is_damaged_is_refused_not_said_recorded(
     with pytest.raises(CorruptEntryError):
         asyncio.run(_run(url, sent, resume=True))
     assert sent == []
+
+
+def test_a_decision_row_moved_where_the_run_never_reads_it_leaves_the_request_open(
+    tmp_path: Path,
+) -> None:
+    """A decision row renamed to another turn and slot is not read by the run, which keeps
+    stopping at the request: the request stays listed and can be decided, instead of being
+    shown as decided while the run waits on it for ever."""
+    import sqlite3
+
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    sent: list[dict[str, Any]] = []
+    ops, everyone = asyncio.run(_run(url, sent, resume=False)).pending_approvals
+    approved = loomflow("--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1")
+    assert approved.returncode == 0, approved.stderr
+    with sqlite3.connect(path) as db:
+        moved = db.execute(
+            "UPDATE loom_entries SET name = ? WHERE name = ?",
+            (f"approval_decision_5_5_{ops.request_id}", f"approval_decision_0_0_{ops.request_id}"),
+        ).rowcount
+    assert moved == 1
+    stopped = asyncio.run(_run(url, sent, resume=True))
+    assert ops.request_id in [p.request_id for p in stopped.pending_approvals]
+
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line)["request_id"] for line in listed.stdout.splitlines()] == [
+        ops.request_id,
+        everyone.request_id,
+    ]
+    again = loomflow("--url", url, "approvals", "approve", ops.request_id, "--session", "ops-1")
+    assert again.returncode == 0, again.stderr
+    stopped = asyncio.run(_run(url, sent, resume=True))
+    assert [p.request_id for p in stopped.pending_approvals] == [everyone.request_id]
+    assert sent == [{"to": "ops", "text": "down at 9"}]
