@@ -508,14 +508,22 @@ class Ledger:
     cancelled: bool = False  # the run was cancelled: nothing of it waits any more
     # Request rows that do not read as a request of this run: the run's resume refuses them.
     damaged: list[DamagedRequest] = field(default_factory=list)
-    # (sub-run path key, turn, slot) of the tool calls whose outcome is journaled.
-    settled: set[tuple[str, int, int]] = field(default_factory=set)
+    # (sub-run path key, turn, slot) of the tool calls whose outcome is journaled, with the
+    # journal position of the last such outcome.
+    settled: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    # The journal position of each request's row.
+    asked_at: dict[str, int] = field(default_factory=dict)
 
     def is_settled(self, request: PendingApproval) -> bool:
         """Whether the request's call already has a journaled outcome, reached without a
         decision on it (a resume after the policy changed no longer asked, or asked in other
-        words): no decision on it can take effect any more."""
-        return (path_key(request.path), request.turn, request.slot) in self.settled
+        words): no decision on it can take effect any more.
+
+        Only an outcome journaled after the request counts: one from before it belongs to
+        another call at that place (the run's model call was made again after a change of
+        instructions, and asked for something else there), and the run still waits."""
+        done = self.settled.get((path_key(request.path), request.turn, request.slot))
+        return done is not None and done > self.asked_at.get(request.request_id, -1)
 
     @property
     def pending(self) -> list[PendingApproval]:
@@ -540,7 +548,8 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
             continue  # a hand-edited row no step matches: the run would journal it again
         tool_step = _TOOL_STEP.fullmatch(entry.name)
         if tool_step is not None:
-            ledger.settled.add((entry.path, int(tool_step[1]), int(tool_step[2])))
+            call_at = (entry.path, int(tool_step[1]), int(tool_step[2]))
+            ledger.settled[call_at] = max(entry.seq, ledger.settled.get(call_at, -1))
             continue
         is_request = entry.name.startswith(_REQUEST_STEP)
         if not is_request and not entry.name.startswith(_DECISION_STEP):
@@ -644,6 +653,7 @@ def _add_request(
         ledger.requests.pop(request.request_id, None)  # that id is not to be decided
     elif not any(d.request_id == request.request_id for d in ledger.damaged):
         ledger.requests[request.request_id] = request
+        ledger.asked_at[request.request_id] = entry.seq
 
 
 def _damaged(scope: Scope, step: str, request_id: str | None, problem: str) -> DamagedRequest:

@@ -766,6 +766,45 @@ async def test_a_request_the_run_went_past_no_longer_waits(runtime_factory: Fact
     assert world.deleted == ["alpha"]
 
 
+async def test_a_call_asked_where_an_earlier_call_ran_can_be_decided(
+    runtime_factory: Factory,
+) -> None:
+    """A redeploy changes the instructions while a run waits: the resume makes the model call
+    again, and the model now asks, at the place where a call that needed nobody already ran,
+    for one that needs approval. The run stops at it; the result of the earlier call must not
+    make the new request look settled (unlisted, and refused as "no longer waits"), or the
+    run could never go on."""
+    world = World()
+    before = Agent(
+        "v1",
+        model=world.model([READ, DELETE]),
+        tools=world.tools(),
+        runtime=await runtime_factory(),
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+    )
+    await before.run("go", session_id="s1", user_id="ana")
+    assert world.read == ["gamma"]
+    after = Agent(
+        "v2",
+        model=world.model([DELETE]),
+        tools=world.tools(),
+        runtime=await runtime_factory(),
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+    )
+    stopped = await after.resume("go", session_id="s1", user_id="ana")
+    (request,) = stopped.pending_approvals
+    assert (request.turn, request.slot) == (0, 0)
+    listed = await after.pending_approvals("s1", user_id="ana")
+    assert request in listed
+    result = await after.resume(
+        "go", session_id="s1", user_id="ana", approvals={request.request_id: Approve()}
+    )
+    assert not result.interrupted
+    assert world.deleted == ["alpha"]
+
+
 async def test_a_decision_edited_to_name_a_hostile_approver_is_damaged(tmp_path: Any) -> None:
     """decided_by becomes the audit actor: read back holding a control character, the
     decision is a damaged record (the resume raises CorruptEntryError), not an actor."""
