@@ -506,6 +506,9 @@ class Ledger:
     requests: dict[str, PendingApproval] = field(default_factory=dict)
     decisions: dict[str, RecordedDecision] = field(default_factory=dict)
     cancelled: bool = False  # the run was cancelled: nothing of it waits any more
+    # The run went on to its answer: a request still undecided in it (one the run stopped
+    # at before its model call was made again, and no longer reached) waits for nothing.
+    finished: bool = False
     # Request rows that do not read as a request of this run: the run's resume refuses them.
     damaged: list[DamagedRequest] = field(default_factory=list)
     # (sub-run path key, turn, slot) of the tool calls whose outcome is journaled, with the
@@ -528,7 +531,7 @@ class Ledger:
     @property
     def pending(self) -> list[PendingApproval]:
         """Requests without a decision, in the order the model asked for them."""
-        if self.cancelled:
+        if self.cancelled or self.finished:
             return []
         waiting = [
             r
@@ -676,6 +679,7 @@ async def read_approvals(runtime: JournalRuntime, session_id: str, user_id: str 
     rows = await runtime._store.load_run(scope, epoch)
     ledger = _ledger(scope, epoch, rows)
     ledger.cancelled = info.state == "cancelled"
+    ledger.finished = info.state == "finished"
     return ledger
 
 
@@ -729,6 +733,13 @@ def check_decidable(
                 f"approval request {request_id!r} no longer waits: the run went past its call "
                 "without a decision (resumed under a policy that did not ask for it, or asked "
                 "in other words), so no decision on it can take effect; nothing was recorded",
+                request_id,
+            )
+        if ledger.finished:
+            raise ApprovalDecidedError(
+                f"approval request {request_id!r} no longer waits: the run finished without "
+                "reaching its call again, so no decision on it can take effect; nothing was "
+                "recorded",
                 request_id,
             )
 

@@ -803,6 +803,14 @@ async def test_a_call_asked_where_an_earlier_call_ran_can_be_decided(
     )
     assert not result.interrupted
     assert world.deleted == ["alpha"]
+    # The request of the first model call's second slot was never reached again: the run
+    # finished, so it waits for nothing, is not listed, and cannot be decided.
+    (stale,) = [r for r in listed if r.request_id != request.request_id]
+    assert await after.pending_approvals("s1", user_id="ana") == []
+    with pytest.raises(ApprovalDecidedError, match="the run finished"):
+        await after.resume(
+            "go", session_id="s1", user_id="ana", approvals={stale.request_id: Approve()}
+        )
 
 
 async def test_a_decision_edited_to_name_a_hostile_approver_is_damaged(tmp_path: Any) -> None:
