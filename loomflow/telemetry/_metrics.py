@@ -22,7 +22,7 @@ from prometheus_client.exposition import start_http_server
 
 from ..audit.actions import ALL as AUDIT_ACTIONS
 from ..audit.actions import KEPT_BY_ERASURE
-from ..errors import InvalidArgumentError
+from ..errors import ConfigurationError, InvalidArgumentError
 from ..governance.guardrails import Action as GuardrailAction
 from ..models._retry import ERROR_CLASSES, error_class
 from ..runtime import RUN_STATES
@@ -396,7 +396,7 @@ def _build(registry: CollectorRegistry) -> _Collectors:
         ),
         runs_by_state=Gauge(
             "loomflow_runs_by_state",
-            "Sessions of the journal by the state of their last run, as of the last sweep.",
+            "Runs of the journal by state (each session's last run), as of the last sweep.",
             ("state", "backend"),
             registry=r,
         ),
@@ -884,13 +884,19 @@ def serve_metrics(
     The server runs in a daemon thread. ``port=0`` picks a free port (read it from
     ``server.port``). Bind ``host="0.0.0.0"`` to be scraped from another container.
 
+    Raises:
+        ConfigurationError: the port cannot be bound (in use, or a host this machine lacks).
+
     Example:
         >>> with serve_metrics(0) as server:  # doctest: +SKIP
         ...     print(server.url)
     """
-    server, thread = start_http_server(
-        port, addr=host, registry=REGISTRY if registry is None else registry
-    )
+    try:
+        server, thread = start_http_server(
+            port, addr=host, registry=REGISTRY if registry is None else registry
+        )
+    except OSError as exc:  # a port in use, an address this host does not have
+        raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
     return MetricsServer(
         host=host, port=int(server.server_address[1]), _server=server, _thread=thread
     )

@@ -97,12 +97,7 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
         if _exports_metrics(s):
             result.meter_provider = _meter_provider(s)
         if s.metrics_port is not None:
-            try:
-                result.metrics_server = serve_metrics(s.metrics_port, host=s.metrics_host)
-            except OSError as exc:
-                raise ConfigurationError(
-                    f"cannot serve metrics on {s.metrics_host}:{s.metrics_port}: {exc}"
-                ) from exc
+            result.metrics_server = serve_metrics(s.metrics_port, host=s.metrics_host)
     except BaseException:
         result.shutdown()
         raise

@@ -355,6 +355,15 @@ def test_the_metrics_endpoint_serves_the_registry_and_stops(registry: CollectorR
         urllib.request.urlopen(server.url, timeout=5)
 
 
+def test_a_port_in_use_is_a_configuration_error_naming_it(registry: CollectorRegistry) -> None:
+    # It was the OSError of the bind, naming neither the port nor what failed.
+    from loomflow.errors import ConfigurationError
+
+    with serve_metrics(0, registry=registry) as taken:
+        with pytest.raises(ConfigurationError, match=rf"127\.0\.0\.1:{taken.port}: "):
+            serve_metrics(taken.port, registry=registry)
+
+
 # -- the label test ------------------------------------------------------------------------
 
 FORBIDDEN_LABELS = {"user_id", "user", "session_id", "session", "run_id", "run"}
