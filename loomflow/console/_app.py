@@ -670,12 +670,16 @@ def create_app(
             return JSONResponse({"error": exc.detail}, exc.status_code, headers=headers)
         return PlainTextResponse(exc.detail, exc.status_code, headers=headers)
 
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={HTTPException: no_route},
     )
+    # "/runs/" is a 404, not a redirect to "/runs" built from the request's Host header (a
+    # forged Host would send a shared cache's users elsewhere) without the console's headers.
+    app.router.redirect_slashes = False
+    return app
 
 
 async def _once(text: str) -> AsyncIterator[str]:

@@ -1439,6 +1439,11 @@ def test_an_address_or_method_the_console_does_not_serve(console: Server) -> Non
         assert page.status_code == 404
         assert page.headers["x-content-type-options"] == "nosniff"
         assert page.headers["content-type"].startswith("text/plain")
+        # A trailing slash is no redirect built from the Host header the client sent.
+        slashed = http.get("/runs/", headers={"host": "evil.example"}, follow_redirects=False)
+        assert slashed.status_code == 404
+        assert "evil.example" not in slashed.headers.get("location", "")
+        assert slashed.headers["cache-control"] == "no-store"
 
 
 def test_a_run_without_a_session_is_not_given_another_runs_state(tmp_path: Path) -> None:
