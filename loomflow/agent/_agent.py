@@ -31,7 +31,7 @@ import json
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar, cast, overload
 
@@ -827,6 +827,7 @@ class Agent:
             raise UserError("fork_session_id= goes with from_checkpoint=")
         if session_id is None:
             session_id = str(ULID())
+        end_untraced: Callable[[], None] | None = None
         try:
             async with enclosing_run(
                 runtime,
@@ -848,6 +849,12 @@ class Agent:
                 if claiming is not None:  # the fork session is ours now: let others look
                     claiming.release()
                     claiming = None
+                if self.telemetry is None and ctx.run_id is not None:
+                    # telemetry=False: no spans for its steps either, also on a runtime that
+                    # another agent's telemetry instrumented.
+                    from ..telemetry._hooks import untraced_run
+
+                    end_untraced = untraced_run(ctx.run_id)
                 restore = source
                 if restore is None and resume and store is not None:
                     restore = await latest_of_run(store, ctx, open_run, prompt)
@@ -879,6 +886,8 @@ class Agent:
         finally:
             if claiming is not None:
                 claiming.release()
+            if end_untraced is not None:
+                end_untraced()
 
     def _structured(
         self, output_type: type[BaseModel] | None, output_retries: int | None

@@ -64,7 +64,7 @@ from ..runtime._tracing import UNTRACED
 from ..tools import UNKNOWN_TOOL, Tool, ToolOutcome
 from . import _semconv as sc
 
-__all__ = ["Counters", "TelemetryHooks", "instrument"]
+__all__ = ["Counters", "TelemetryHooks", "instrument", "untraced_run"]
 
 
 UserIdMode = Literal["plain", "hashed", "omit"]
@@ -301,6 +301,25 @@ class _Tracing:
 # provider and user-id mode.
 _run_tracing: dict[str, _Tracing] = {}
 
+# What a run of an agent built with telemetry=False registers: no tracer, so its steps get no
+# span from the runtime's tracer (the first telemetry that instrumented the runtime).
+_NO_TELEMETRY = _Tracing(None, UserIds(), False)
+
+
+def untraced_run(run_id: str) -> Callable[[], None]:
+    """Keep the steps of ``run_id`` out of every span; returns what ends that (at the run's
+    end). An agent with ``telemetry=False`` on a runtime another agent's telemetry
+    instrumented: its steps would otherwise be traced with that agent's provider and
+    user-id mode."""
+    _run_tracing[run_id] = _NO_TELEMETRY
+
+    def end() -> None:
+        if _run_tracing.get(run_id) is _NO_TELEMETRY:
+            del _run_tracing[run_id]
+
+    return end
+
+
 # One step tracer per runtime.
 _traced: weakref.WeakKeyDictionary[Any, _StepTracer] = weakref.WeakKeyDictionary()
 _traced_lock = threading.Lock()
@@ -372,9 +391,10 @@ def _fail(
 class _StepTracer:
     """The runtime's step tracer: one ``loom.workflow.step`` span per journaled step.
 
-    A step of an agent's run is traced by that run's telemetry (``_run_tracing``); a step
-    outside any agent's run (a runtime used directly, a workflow's own nodes, an agent built
-    with ``telemetry=False``) by ``fallback``, the first telemetry that instrumented the runtime.
+    A step of an agent's run is traced by that run's telemetry (``_run_tracing``; an agent
+    built with ``telemetry=False`` registers none, see :func:`untraced_run`); a step outside
+    any agent's run (a runtime used directly, a workflow's own nodes) by ``fallback``, the
+    first telemetry that instrumented the runtime.
     """
 
     def __init__(self, fallback: _Tracing) -> None:

@@ -360,8 +360,9 @@ def test_a_port_in_use_is_a_configuration_error_naming_it(registry: CollectorReg
     from loomflow.errors import ConfigurationError
 
     with serve_metrics(0, registry=registry) as taken:
-        with pytest.raises(ConfigurationError, match=rf"127\.0\.0\.1:{taken.port}: "):
-            serve_metrics(taken.port, registry=registry)
+        port = taken.port
+        with pytest.raises(ConfigurationError, match=rf"127\.0\.0\.1:{port}: "):
+            serve_metrics(port, registry=registry)
 
 
 # -- the label test ------------------------------------------------------------------------

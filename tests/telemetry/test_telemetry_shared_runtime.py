@@ -202,3 +202,31 @@ def test_the_default_telemetry_and_an_omit_agent_on_one_runtime(tmp_path: Path, 
                 assert not set(USER_ATTRIBUTES) & set(span["attributes"])
     # B's user id reaches no span, of either provider (session ids are not user ids).
     assert "bob" not in json.dumps(found)
+
+
+@pytest.mark.parametrize("order", ["traced-first", "concurrent"])
+async def test_an_agent_without_telemetry_gets_no_spans_on_a_shared_runtime(order: str) -> None:
+    # telemetry=False records nothing at all, as the docs say: its steps were traced by the
+    # runtime's first telemetry (another agent's provider), with its user id in plain text.
+    capture = SpanCapture()
+    runtime = InMemoryRuntime()
+    traced = Agent(
+        "a", model=script(), tools=[lookup], runtime=runtime, name="traced",
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False),
+    )  # fmt: skip
+    dark = Agent("b", model=script(), tools=[lookup], runtime=runtime, name="dark", telemetry=False)
+    if order == "traced-first":
+        mine = await traced.run("go", session_id="s-traced", user_id="ana")
+        await dark.run("go", session_id="s-dark", user_id="private-bob")
+    else:
+        mine, _ = await asyncio.gather(
+            traced.run("go", session_id="s-traced", user_id="ana"),
+            dark.run("go", session_id="s-dark", user_id="private-bob"),
+        )
+    assert_own_run_only(capture, "traced", mine.run_id)
+    shown = json.dumps([attrs(s) for s in capture.spans])
+    assert "private-bob" not in shown
+    assert "s-dark" not in shown
+    from loomflow.telemetry._hooks import _run_tracing
+
+    assert _run_tracing == {}  # nothing kept once the runs ended
