@@ -56,8 +56,10 @@ _COLUMNS = (
     "reserved_cost_nanousd"
 )
 
-# Spent amounts only grow; held amounts move by a signed delta and never drop below zero
-# (a bucket recreated after a manual clean-up must not start with a negative hold).
+# Spent amounts only grow, and a negative one (edited by hand) stays as it is, so RETURNING
+# shows the damage: adding to it would turn it into a plausible figure short by that much.
+# Held amounts move by a signed delta and never drop below zero (a bucket recreated after a
+# manual clean-up must not start with a negative hold).
 _UPSERT = f"""
 INSERT INTO loom_budget_buckets
     (bucket, scope, user_id, period, {_COLUMNS}, updated_at)
@@ -68,11 +70,17 @@ VALUES ($1, $2, $3, $4, CAST($5 AS BIGINT), CAST($6 AS BIGINT), CAST($7 AS BIGIN
     CASE WHEN CAST($12 AS BIGINT) > 0 THEN CAST($12 AS BIGINT) ELSE 0 END,
     {{now}})
 ON CONFLICT (bucket) DO UPDATE SET
-    tokens_in = loom_budget_buckets.tokens_in + CAST($5 AS BIGINT),
-    tokens_out = loom_budget_buckets.tokens_out + CAST($6 AS BIGINT),
-    cost_nanousd = loom_budget_buckets.cost_nanousd + CAST($7 AS BIGINT),
-    wall_s = loom_budget_buckets.wall_s + CAST($8 AS DOUBLE PRECISION),
-    calls = loom_budget_buckets.calls + CAST($9 AS BIGINT),
+    tokens_in = CASE WHEN loom_budget_buckets.tokens_in < 0 THEN loom_budget_buckets.tokens_in
+        ELSE loom_budget_buckets.tokens_in + CAST($5 AS BIGINT) END,
+    tokens_out = CASE WHEN loom_budget_buckets.tokens_out < 0 THEN loom_budget_buckets.tokens_out
+        ELSE loom_budget_buckets.tokens_out + CAST($6 AS BIGINT) END,
+    cost_nanousd = CASE WHEN loom_budget_buckets.cost_nanousd < 0
+        THEN loom_budget_buckets.cost_nanousd
+        ELSE loom_budget_buckets.cost_nanousd + CAST($7 AS BIGINT) END,
+    wall_s = CASE WHEN loom_budget_buckets.wall_s < 0 THEN loom_budget_buckets.wall_s
+        ELSE loom_budget_buckets.wall_s + CAST($8 AS DOUBLE PRECISION) END,
+    calls = CASE WHEN loom_budget_buckets.calls < 0 THEN loom_budget_buckets.calls
+        ELSE loom_budget_buckets.calls + CAST($9 AS BIGINT) END,
     reserved_in = CASE WHEN loom_budget_buckets.reserved_in + CAST($10 AS BIGINT) > 0
         THEN loom_budget_buckets.reserved_in + CAST($10 AS BIGINT) ELSE 0 END,
     reserved_out = CASE WHEN loom_budget_buckets.reserved_out + CAST($11 AS BIGINT) > 0
@@ -83,6 +91,10 @@ ON CONFLICT (bucket) DO UPDATE SET
     updated_at = {{now}}
 RETURNING {_COLUMNS}
 """
+# SQLite keeps text or a blob in a number column and its arithmetic reads them as 0, so the
+# upsert would turn a damaged total into a clean figure (a spent total of 'x' becoming this
+# call's amount: the cap loosened and the damage erased). The row is read as stored first.
+_STORED = f"SELECT {_COLUMNS} FROM loom_budget_buckets WHERE bucket = $1"
 _HOLD = """
 INSERT INTO loom_budget_reservations
     (id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at, expires_at)
@@ -125,6 +137,10 @@ FROM loom_budget_reservations ORDER BY created_at, id
 """
 
 
+class _DamagedRow(StorageError):
+    """A bucket row whose totals cannot be what loomflow wrote (edited by hand, or damaged)."""
+
+
 class _Refused(Exception):
     """Raised inside a reservation's transaction to roll it back."""
 
@@ -157,7 +173,7 @@ def _totals(row: Sequence[Any], bucket: object = None) -> Totals:
     if why is not None:
         figures = ", ".join(repr(v)[:40] for v in row[:8])
         named = "" if bucket is None else f"bucket {shown(bucket)}, "
-        raise StorageError(
+        raise _DamagedRow(
             f"a budget bucket row is damaged ({named}{why}: totals {figures}): repair or "
             "delete it in loom_budget_buckets"
         )
@@ -171,7 +187,7 @@ def _totals(row: Sequence[Any], bucket: object = None) -> Totals:
 
 
 def _damaged(key: object, why: str) -> StorageError:
-    return StorageError(
+    return _DamagedRow(
         f"a budget bucket row is damaged (bucket {shown(key)}: {why}): repair or delete it in "
         "loom_budget_buckets"
     )
@@ -187,7 +203,7 @@ def _usage(row: Sequence[Any]) -> BucketUsage:
     try:
         bucket = Bucket.from_key(key)
     except InvalidArgumentError as exc:  # the message names the key
-        raise StorageError(
+        raise _DamagedRow(
             f"a budget bucket row is damaged ({exc}): repair or delete it in loom_budget_buckets"
         ) from None
     if (bucket.scope, bucket.user_id, bucket.period) != tuple(row[10:13]):
@@ -309,6 +325,7 @@ class SqlBudgetStore:
             async with self.db.transaction(what="budget reservation") as tx:
                 before: dict[str, Totals] = {}
                 for bucket in sorted(reservation.buckets, key=lambda b: b.key):
+                    await self._check_stored(tx, bucket)
                     rows = await tx.fetch(
                         _UPSERT,
                         *_bucket_args(bucket),
@@ -371,8 +388,18 @@ class SqlBudgetStore:
                 totals[bucket.key] = await self._move(tx, bucket, charged, held, 1 if found else 0)
         return CommitResult(charged, totals, found)
 
-    @staticmethod
-    async def _move(tx: Any, bucket: Bucket, spent: Amount, freed: Amount, calls: int) -> Totals:
+    async def _check_stored(self, tx: Any, bucket: Bucket) -> None:
+        """Refuse a damaged row before an upsert writes over it (see ``_STORED``); only
+        SQLite needs this: PostgreSQL's typed columns keep what ``RETURNING`` shows."""
+        if self.backend != "sqlite":
+            return
+        for row in await tx.fetch(_STORED, bucket.key):
+            _totals(row, bucket.key)
+
+    async def _move(
+        self, tx: Any, bucket: Bucket, spent: Amount, freed: Amount, calls: int
+    ) -> Totals:
+        await self._check_stored(tx, bucket)
         rows = await tx.fetch(
             _UPSERT,
             *_bucket_args(bucket),
@@ -448,9 +475,10 @@ class SqlBudgetStore:
                             tx, bucket, held if charge else Amount(), held, 1 if charge else 0
                         )
                     reclaimed += 1
-            except (_MalformedHold, ValueError, TypeError) as exc:
-                # Rolled back and left in place: one bad row must not fail the model calls of
-                # every worker (reclaim runs before reservations), nor be settled blindly.
+            except (_MalformedHold, _DamagedRow, ValueError, TypeError) as exc:
+                # Rolled back and left in place: one bad row (the hold, or a bucket it names)
+                # must not fail the model calls of every worker (reclaim runs before
+                # reservations), nor be settled blindly.
                 log.warning(
                     "budget reservation %r is malformed and was not reclaimed: %s",
                     reservation_id,

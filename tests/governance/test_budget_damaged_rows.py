@@ -1,0 +1,121 @@
+"""Budget rows edited by hand or damaged: refused where they are met, never rewritten as clean
+figures, and never a reason to refuse other users' calls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from loomflow.errors import BudgetUnavailableError
+from loomflow.governance.budget import Cap, StandardBudget
+from loomflow.governance.budget.sql import SqlBudgetStore
+from loomflow.messages import Usage
+
+
+def sqlite_exec(path: Path, sql: str) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            return list(conn.execute(sql))
+    finally:
+        conn.close()
+
+
+def _budget(url: str) -> StandardBudget:
+    return StandardBudget([Cap("tokens_total", 100_000)], store=SqlBudgetStore(url))
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [("tokens_in", "'x'"), ("cost_nanousd", "x'00'"), ("reserved_in", "'9e9x'")],
+)
+async def test_a_text_total_on_sqlite_is_refused_not_reset(
+    tmp_path: Path, column: str, value: str
+) -> None:
+    path = tmp_path / "budget.db"
+    budget = _budget(f"sqlite:///{path}")
+    try:
+        ticket = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        await budget.commit(ticket, Usage(input_tokens=90_000, output_tokens=10), model="scripted")
+        edit = f"UPDATE loom_budget_buckets SET {column} = {value}"
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        # SQLite's arithmetic reads text as 0: the reservation's upsert used to store a clean
+        # figure over it, so alice got her 90,010 spent tokens back and the damage was gone.
+        with pytest.raises(BudgetUnavailableError, match="text or a blob"):
+            await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        kind = f"SELECT typeof({column}) FROM loom_budget_buckets"
+        assert await asyncio.to_thread(sqlite_exec, path, kind) in ([("text",)], [("blob",)])
+    finally:
+        await budget.close()
+
+
+async def test_a_commit_does_not_write_over_a_text_total(tmp_path: Path) -> None:
+    path = tmp_path / "budget.db"
+    budget = _budget(f"sqlite:///{path}")
+    try:
+        ticket = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        edit = "UPDATE loom_budget_buckets SET tokens_out = 'x'"
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        with pytest.raises(BudgetUnavailableError, match="text or a blob"):
+            await budget.commit(ticket, Usage(input_tokens=9, output_tokens=1), model="scripted")
+        read = "SELECT tokens_out FROM loom_budget_buckets"
+        rows = await asyncio.to_thread(sqlite_exec, path, read)
+        assert rows == [("x",)]
+    finally:
+        await budget.close()
+
+
+async def _reclaim_past_a_damaged_bucket(url: str, execute: object) -> None:
+    alice = _budget(url)
+    bob = _budget(url)
+    try:
+        await alice.reserve(user_id="alice", model="scripted", max_tokens=10)
+        # alice's worker died holding that call (its lease long gone), and her total was
+        # damaged meanwhile.
+        await execute("UPDATE loom_budget_reservations SET expires_at = 0")  # type: ignore[operator]
+        await execute("UPDATE loom_budget_buckets SET tokens_in = -5")  # type: ignore[operator]
+        # A sweep runs before bob's reservation: it used to raise on alice's row, so every
+        # worker refused every user's calls.
+        ticket = await bob.reserve(user_id="bob", model="scripted", max_tokens=10)
+        await bob.commit(ticket, Usage(input_tokens=3, output_tokens=1), model="scripted")
+        # alice's hold is left for an operator, and her calls are still refused.
+        assert len(await bob.store.reservations()) == 1
+        with pytest.raises(BudgetUnavailableError, match="negative total"):
+            await alice.reserve(user_id="alice", model="scripted", max_tokens=10)
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+async def test_a_dead_hold_on_a_damaged_bucket_does_not_refuse_other_users_sqlite(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "budget.db"
+
+    async def execute(sql: str) -> None:
+        await asyncio.to_thread(sqlite_exec, path, sql)
+
+    with caplog.at_level(logging.WARNING, logger="loomflow.governance.budget"):
+        await _reclaim_past_a_damaged_bucket(f"sqlite:///{path}", execute)
+    assert "is malformed and was not reclaimed" in caplog.text
+    assert "negative total" in caplog.text
+
+
+@pytest.mark.postgres
+async def test_a_dead_hold_on_a_damaged_bucket_does_not_refuse_other_users_postgres(
+    pg_dsn: str,
+) -> None:
+    import asyncpg
+
+    async def execute(sql: str) -> None:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    await _reclaim_past_a_damaged_bucket(pg_dsn, execute)
