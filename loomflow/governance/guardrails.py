@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, get_args
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from .._pii import find_cards, find_emails, luhn_valid
 from ..errors import UserError
@@ -291,7 +292,12 @@ class GuardrailHooks(RunHooks):
 
 
 def _map_text(value: Any, fn: Callable[[str], str]) -> Any:
-    """Apply ``fn`` to every string (and number, as text) inside a JSON-like value."""
+    """Apply ``fn`` to every string (and number, as text) inside a JSON-like value.
+
+    Dict keys count too, and so does any other value (a dataclass, a set, bytes) in the JSON
+    form the model is shown: a result keyed by e-mail address, or a dataclass holding one,
+    must not reach the model and the journal unscanned.
+    """
     if isinstance(value, str):
         return fn(value)
     if isinstance(value, bool) or value is None:
@@ -304,7 +310,20 @@ def _map_text(value: Any, fn: Callable[[str], str]) -> Any:
     if isinstance(value, BaseModel):
         return _map_text(value.model_dump(mode="json"), fn)
     if isinstance(value, Mapping):
-        return {key: _map_text(item, fn) for key, item in value.items()}
+        return {_map_key(key, fn): _map_text(item, fn) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_map_text(item, fn) for item in value]
-    return value
+    try:
+        plain = to_jsonable_python(value, fallback=str)
+    except (ValueError, TypeError):  # bytes that are not UTF-8, say: shown by their repr
+        plain = str(value)
+    mapped = _map_text(plain, fn)
+    return value if mapped == plain else mapped
+
+
+def _map_key(key: Any, fn: Callable[[str], str]) -> Any:
+    if isinstance(key, str):
+        return fn(key)
+    text = str(key)  # a number or another hashable key reaches JSON as its text
+    mapped = fn(text)
+    return key if mapped == text else mapped

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ from loomflow.governance.guardrails import luhn_valid
 from loomflow.memory import memory_for
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel, ScriptedModel
-from loomflow.runtime import InMemoryRuntime
+from loomflow.runtime import InMemoryRuntime, SqliteRuntime
 from loomflow.tools import tool
 
 EMAIL = "jane.doe+billing@example.co.uk"
@@ -267,6 +269,54 @@ async def test_tool_results_are_redacted_before_the_journal_keeps_them() -> None
     stored = json.dumps([m.model_dump() for m in episode.messages])
     assert "[REDACTED:email]" in stored
     assert EMAIL not in stored
+
+
+@dataclasses.dataclass
+class Contact:
+    name: str
+    email: str
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {EMAIL: {"orders": 3}},  # a result keyed by e-mail address
+        [{"by_card": {4111111111111111: "gold"}}],
+        {EMAIL, "other"},
+        frozenset({EMAIL}),
+        Contact("Bob", EMAIL),
+        EMAIL.encode(),
+    ],
+    ids=["key", "number_key", "set", "frozenset", "dataclass", "bytes"],
+)
+async def test_every_shape_of_tool_result_is_scanned(tmp_path: Path, value: Any) -> None:
+    @tool
+    def lookup() -> Any:
+        """Look something up."""
+        return value
+
+    def fetch(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        results = [m for m in messages if m.role == "tool"]
+        if not results:
+            return [ToolCall(id="c1", name="lookup", arguments={})]
+        return f"seen: {results[0].content}"
+
+    # Dict keys, sets, dataclasses and bytes reached the model (and the journal) unscanned.
+    async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+        agent = Agent(
+            "x", model=FunctionModel(fetch), tools=[lookup], guardrails=[PIIGuardrail()],
+            runtime=runtime,
+        )  # fmt: skip
+        result, events = await events_of(agent, "go", session_id="s")
+        assert "[REDACTED:" in result.output
+        assert EMAIL not in result.output
+        assert "4111111111111111" not in result.output
+        assert [e.stage for e in tripped(events)] == ["tool_result"]
+        entries = await runtime.entries("s", None)
+    journal = (tmp_path / "journal.db").read_bytes()
+    assert EMAIL.encode() not in journal
+    assert b"4111111111111111" not in journal
+    assert any(e.name.startswith("tool_call") for e in entries)  # journaled, redacted
 
 
 async def test_a_blocked_tool_result_ends_the_run_and_is_not_journaled() -> None:
