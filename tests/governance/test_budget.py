@@ -386,7 +386,10 @@ async def test_direct_reservations_validate_their_counts(
         await budget.reserve(user_id="alice", model="scripted", **options)
 
 
-@pytest.mark.parametrize("limit", [-1, float("nan"), float("inf"), 1e300, True, "10"])
+# 10**400: an int too large for a float was an OverflowError from math.isfinite.
+@pytest.mark.parametrize(
+    "limit", [-1, float("nan"), float("inf"), 1e300, True, "10", pytest.param(10**400, id="huge")]
+)
 def test_caps_refuse_impossible_limits(limit: Any) -> None:
     with pytest.raises(InvalidUsageError):
         Cap("tokens_total", limit)
@@ -679,6 +682,15 @@ def test_a_reservation_assumes_the_dearest_input_rate() -> None:
 def test_a_negative_cache_rate_is_refused() -> None:
     with pytest.raises(InvalidUsageError, match="finite and >= 0"):
         StandardBudget(prices={"bad": ModelPrice(1.0, 1.0, cache_read_per_mtok=-1.0)})
+
+
+@pytest.mark.parametrize("rate", [True, pytest.param(10**400, id="huge")])
+def test_a_price_that_is_no_number_is_refused_when_the_budget_is_built(rate: Any) -> None:
+    # True was a decimal.InvalidOperation at the first call, 10**400 an OverflowError here.
+    with pytest.raises(InvalidUsageError, match="finite and >= 0"):
+        StandardBudget(prices={"bad": ModelPrice(rate, 1.0)})
+    with pytest.raises(UserError, match="lease_s must be a positive number"):
+        StandardBudget(lease_s=10**400)
 
 
 @pytest.mark.parametrize(

@@ -236,8 +236,8 @@ class StandardBudget:
         _count("overhead_tokens", overhead_tokens, MAX_TOKENS_PER_CALL)
         for what, value in (("lease_s", lease_s), ("store_timeout_s", store_timeout_s)):
             # bool is an int subclass: lease_s=True is a slip, not one second.
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (number and math.isfinite(value) and value > 0):
+            number = _real(value)
+            if number is None or number <= 0:
                 raise UserError(f"{what} must be a positive number of seconds, not {value!r}")
         self.caps: tuple[Cap, ...] = tuple(caps)
         self.store: BudgetStore = store if store is not None else InMemoryBudgetStore()
@@ -254,7 +254,7 @@ class StandardBudget:
                 price.cache_read_rate,
                 price.cache_write_rate,
             ):
-                if not (isinstance(side, int | float) and math.isfinite(side) and side >= 0):
+                if _real(side) is None or side < 0:
                     raise InvalidUsageError(f"price of {name!r} must be finite and >= 0: {price}")
         self.overhead_tokens = overhead_tokens
         self._estimate = estimate_input_tokens or bound_input_tokens
@@ -598,6 +598,18 @@ def _warn_unreported(model: str) -> None:
             "whole reservation (the most it could have spent) instead of trusting 0",
             model,
         )
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a finite float; ``None`` for a bool, text, NaN, an infinity or an int too
+    large for a float (which ``math.isfinite`` would raise ``OverflowError`` on)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _clip(seconds: float) -> float:

@@ -131,7 +131,9 @@ class Cap:
         limit = self.limit
         if isinstance(limit, bool) or not isinstance(limit, int | float):
             raise InvalidUsageError(f"cap {self.name}: the limit must be a number, not {limit!r}")
-        if not math.isfinite(limit) or limit < 0 or limit > _MAX_LIMIT:
+        # Compared, not passed to math.isfinite: an int too large for a float would raise
+        # OverflowError there; NaN fails every comparison.
+        if not 0 <= limit <= _MAX_LIMIT:
             raise InvalidUsageError(
                 f"cap {self.name}: the limit must be finite, non-negative and at most "
                 f"{_MAX_LIMIT:g}, got {limit!r}"
