@@ -26,6 +26,7 @@ import asyncio
 import fnmatch
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -523,6 +524,7 @@ class StandardPermissions:
         """Ask the approval handler; no handler, an error or a timeout is a denial."""
         if self.approval is None:
             return Approval.deny("the call needs approval and no approval handler is configured")
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.approval_timeout):
                 # Handlers are user code that the type hints do not bind: check what came back.
@@ -534,6 +536,11 @@ class StandardPermissions:
         except Exception as exc:
             log.error("the approval handler raised", exc_info=exc)
             return Approval.deny(f"the approval handler failed ({type(exc).__name__}: {exc})")
+        timeout = self.approval_timeout
+        if timeout is not None and time.monotonic() - started > timeout:
+            # A sync handler (or blocking work before an await) holds the event loop, so the
+            # timeout above cannot fire: an answer that came too late still denies.
+            return Approval.deny(f"no approval within {timeout:g} s")
         if isinstance(answer, bool):
             return Approval.allow() if answer else Approval.deny("not approved")
         if isinstance(answer, Approval):

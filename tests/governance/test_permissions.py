@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -303,6 +304,20 @@ async def test_a_slow_handler_times_out_into_a_denial() -> None:
     permissions = StandardPermissions(approval=slow, approval_timeout=0.05)
     _, [event] = await run_agent(permissions, make_tool(edits=False, destructive=True))
     assert (event.final, event.reason) == ("deny", "no approval within 0.05 s")
+
+
+async def test_a_slow_sync_handler_times_out_into_a_denial() -> None:
+    ran.clear()
+
+    def slow(request: ApprovalRequest) -> Approval:
+        time.sleep(0.3)  # holds the event loop, so no timer can interrupt it
+        return Approval.allow(by="late")
+
+    # The answer came after the timeout and used to be taken: the call ran.
+    permissions = StandardPermissions(approval=slow, approval_timeout=0.05)
+    _, [event] = await run_agent(permissions, make_tool(edits=False, destructive=True))
+    assert (event.final, event.reason) == ("deny", "no approval within 0.05 s")
+    assert ran == []
 
 
 async def test_an_approver_can_edit_the_arguments() -> None:
