@@ -15,6 +15,7 @@ card numbers that pass the Luhn check, and the shapes of common API keys and pri
 from __future__ import annotations
 
 import abc
+import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -263,7 +264,8 @@ class GuardrailHooks(RunHooks):
         if not findings:
             return text
         self._trip(info, stage, findings)
-        return self.guardrail.redact(text, findings)
+        redacted = self.guardrail.redact(text, findings)
+        return _still_json(text, redacted, self.guardrail) if stage == "output" else redacted
 
     async def check_input(self, info: RunInfo, prompt: str) -> str:
         return self._text(info, "input", prompt)
@@ -289,6 +291,25 @@ class GuardrailHooks(RunHooks):
             return outcome
         self._trip(info, "tool_result", findings)
         return outcome.model_copy(update={"value": value, "error": error})
+
+
+def _still_json(text: str, redacted: str, guardrail: Guardrail) -> str:
+    """A JSON answer (a structured output) redacted so that it is still JSON.
+
+    Redacting the text puts ``[REDACTED:card]`` where a card number stood as a JSON number,
+    and the answer no longer parses: a redacting guardrail must not fail the run. Such an
+    answer is redacted value by value instead (:func:`_map_text`), and written out again.
+    """
+    try:
+        json.loads(redacted)
+        return redacted
+    except (ValueError, RecursionError):
+        pass
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return redacted  # not JSON to begin with
+    return json.dumps(_map_text(value, guardrail.redact), ensure_ascii=False)
 
 
 def _map_text(value: Any, fn: Callable[[str], str]) -> Any:

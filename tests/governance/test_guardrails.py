@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from loomflow.agent import Agent, RunFinished, Tuning
 from loomflow.audit import AuditLog, InMemoryAuditStore
@@ -134,6 +135,27 @@ async def test_an_output_guardrail_blocks_or_redacts_the_answer() -> None:
     ).run("go")
     assert redacted.output == "the key is [REDACTED:api_key]"
     assert not redacted.interrupted
+
+
+class Payment(BaseModel):
+    email: str
+    card: int | str
+
+
+async def test_a_redacted_structured_answer_is_still_json() -> None:
+    answer = json.dumps({"email": EMAIL, "card": 4111111111111111})
+    agent = Agent(
+        "x",
+        model=FunctionModel(lambda messages, tools: answer),
+        output_type=Payment,
+        guardrails=[PIIGuardrail()],
+    )
+    # The card number, a JSON number, became a bare [REDACTED:card]: the answer was no longer
+    # JSON and the run failed with an OutputValidationError instead of going on.
+    result = await agent.run("pay")
+    assert result.parsed == Payment(email="[REDACTED:email]", card="[REDACTED:card]")
+    assert json.loads(result.output) == {"email": "[REDACTED:email]", "card": "[REDACTED:card]"}
+    assert result.messages[-1].content == result.output
 
 
 async def test_a_redacted_answer_is_what_the_transcript_and_snapshot_keep() -> None:
