@@ -309,7 +309,10 @@ def _still_json(text: str, redacted: str, guardrail: Guardrail) -> str:
         value = json.loads(text)
     except (ValueError, RecursionError):
         return redacted  # not JSON to begin with
-    return json.dumps(_map_text(value, guardrail.redact), ensure_ascii=False)
+    again = json.dumps(_map_text(value, guardrail.redact), ensure_ascii=False)
+    # A pattern that spans JSON syntax (r'"ssn": \d+') matches no single value: then the
+    # text's redaction stands, JSON or not, rather than an answer that still holds it.
+    return redacted if guardrail.find(again) else again
 
 
 def _map_text(value: Any, fn: Callable[[str], str]) -> Any:

@@ -156,6 +156,12 @@ async def test_a_redacted_structured_answer_is_still_json() -> None:
     assert result.parsed == Payment(email="[REDACTED:email]", card="[REDACTED:card]")
     assert json.loads(result.output) == {"email": "[REDACTED:email]", "card": "[REDACTED:card]"}
     assert result.messages[-1].content == result.output
+    # A pattern across JSON syntax matches no single value: the text's redaction stands.
+    spanning = RegexGuardrail("card_field", r'"card": \d+', action="redact")
+    agent = Agent("x", model=FunctionModel(lambda messages, tools: answer), guardrails=[spanning])
+    result = await agent.run("pay")
+    assert "4111111111111111" not in result.output
+    assert "[REDACTED:card_field]" in result.output
 
 
 async def test_a_redacted_answer_is_what_the_transcript_and_snapshot_keep() -> None:
