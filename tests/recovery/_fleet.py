@@ -127,6 +127,12 @@ async def start_and_kill(url: str, ledger: Path, count: int, prefix: str, **extr
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+    await kill_when_blocked(proc, ledger, count)
+    return proc.pid
+
+
+async def kill_when_blocked(proc: Any, ledger: Path, count: int) -> None:
+    """SIGKILL the child once ``count`` of its runs have written ``blocked`` to the ledger."""
     try:
         async with asyncio.timeout(60):
             while sum(tool_counts(ledger, "blocked").values()) < count:
@@ -139,7 +145,6 @@ async def start_and_kill(url: str, ledger: Path, count: int, prefix: str, **extr
             proc.send_signal(signal.SIGKILL)
         await proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    return proc.pid
 
 
 async def cli(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:  # noqa: ASYNC109

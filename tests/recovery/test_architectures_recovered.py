@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import _arch_app
 import pytest
-from _fleet import HERE, app_env, cli, tool_counts
+from _fleet import HERE, app_env, cli, kill_when_blocked, tool_counts
 from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent
@@ -30,18 +29,6 @@ from loomflow.recovery import Recovery
 from loomflow.runtime import JournalRuntime
 from loomflow.telemetry import Metrics
 from loomflow.tools import tool
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'journal.db'}"
-    return str(request.getfixturevalue("pg_dsn"))
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Path:
-    return tmp_path / "ledger.jsonl"
 
 
 @pytest.fixture
@@ -70,18 +57,7 @@ async def _start_and_kill(url: str, ledger: Path, kind: str, session: str) -> No
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    try:
-        async with asyncio.timeout(60):
-            while not tool_counts(ledger, "blocked"):
-                if proc.returncode is not None:
-                    err = (await proc.stderr.read()).decode() if proc.stderr else ""
-                    raise AssertionError(f"starter exited {proc.returncode}: {err[-3000:]}")
-                await asyncio.sleep(0.05)
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGKILL)
-        await proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    await kill_when_blocked(proc, ledger, 1)
 
 
 def _runtime(built: dict[str, Workflow | Debate]) -> JournalRuntime:

@@ -29,18 +29,6 @@ from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record
 from loomflow.telemetry import Metrics
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'journal.db'}"
-    return str(request.getfixturevalue("pg_dsn"))
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Path:
-    return tmp_path / "ledger.jsonl"
-
-
 @pytest.fixture
 def app_env(monkeypatch: pytest.MonkeyPatch, journal_url: str, ledger: Path) -> Iterator[None]:
     monkeypatch.setenv("FLEET_URL", journal_url)
