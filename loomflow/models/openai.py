@@ -81,7 +81,9 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         api_key: API key (default: ``OPENAI_API_KEY``).
         max_retries: Retries after the first attempt.
         backoff: Waits between attempts.
-        timeout: Request timeout in seconds (default: the SDK's).
+        timeout: Seconds the SDK waits on the network each time (to connect, and for each
+            read of a response or stream), per attempt; not a deadline for the whole
+            call: bound that with ``asyncio.timeout`` around the run (default: the SDK's).
     """
 
     provider = "openai"

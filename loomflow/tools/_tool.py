@@ -13,7 +13,16 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
 from ..context import RunContext, get_run_context
-from ..errors import ConfigurationError, InvalidArgumentTypeError, UserError
+from ..errors import (
+    AuditError,
+    ConfigurationError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    JournalError,
+    PayloadTooLargeError,
+    StorageError,
+    UserError,
+)
 from ..runtime import codec
 from ._docstring import parse_docstring
 from ._outcome import INVALID_ARGUMENTS, TIMEOUT, TOOL_ERROR, ToolOutcome
@@ -188,8 +197,8 @@ class Tool(Generic[P, R]):
         """Validate ``arguments`` from the model, run the tool and report what happened.
 
         Never raises for bad arguments, a failing tool or a timeout: each becomes a
-        ``ToolOutcome`` with ``ok=False``. Cancellation of the caller and
-        :class:`~loomflow.errors.ConfigurationError` (a deployment mistake) still propagate.
+        ``ToolOutcome`` with ``ok=False``. Cancellation of the caller and the failures of
+        loomflow itself that no model can fix still propagate (see :func:`_stops_the_run`).
 
         Args:
             arguments: The decoded JSON object the model sent.
@@ -222,11 +231,9 @@ class Tool(Generic[P, R]):
                 error_type=TIMEOUT,
                 error=f"tool {self.name!r} did not finish within {self.timeout:g} s",
             )
-        except ConfigurationError:
-            # A deployment mistake (a sub-agent on another journal, say): no model can fix it,
-            # so it stops the run instead of becoming a tool error.
-            raise
         except Exception as exc:
+            if _stops_the_run(exc):
+                raise
             return self._failure(exc)
 
         outcome = ToolOutcome(ok=True, value=value)
@@ -265,6 +272,24 @@ class Tool(Generic[P, R]):
         message = str(exc)
         error = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         return ToolOutcome(ok=False, error_type=TOOL_ERROR, error=error)
+
+
+_LOOMFLOWS_OWN = (ConfigurationError, UserError, JournalError, StorageError, AuditError)
+
+
+def _stops_the_run(exc: Exception) -> bool:
+    """Whether a tool's exception is loomflow's own failure, which stops the run.
+
+    A deployment mistake (a sub-agent on another journal), a misuse of the API (a step name
+    used twice, a step outside a run), the journal's or a store's failure (a strict replay's
+    divergence, a lost lease, a database down) or the audit log's: no model can fix these, and
+    as a tool error they would be journaled as the call's outcome and replayed for good, after
+    the code or the database was fixed. A bad value (an id, a result over the size cap) may
+    come from the model's arguments, so the model is told and can try others.
+    """
+    if isinstance(exc, InvalidArgumentError | PayloadTooLargeError):
+        return False
+    return isinstance(exc, _LOOMFLOWS_OWN)
 
 
 def _label(fn: object) -> str:
