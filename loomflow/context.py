@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar
 
 __all__ = ["RunContext", "get_run_context"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +60,63 @@ def reset_var(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -
     """
     with suppress(ValueError):
         var.reset(token)
+
+
+def own_context(
+    events: Callable[P, AsyncGenerator[T, None]],
+) -> Callable[P, AsyncGenerator[T, None]]:
+    """Run an async generator in a context of its own, a copy of its reader's.
+
+    A generator runs in the context of whoever iterates it, so the variables a run sets
+    (its RunContext, its journal frame, its span) are set in the *reader's* context until the
+    generator resets them. A reader that breaks out of ``agent.stream(...)`` and drops it
+    never lets it: asyncio's finalizer closes it later in a task of its own, and the reader's
+    context kept the dead run's variables. Its next ``agent.resume()`` then took itself for a
+    sub-run of that run: it re-ran its tools under a sub-run path, and once the dead run's
+    lease had run out failed with OwnershipLostError. Here every step of the generator,
+    closing included, runs in the copy: the reader's context never changes.
+    """
+
+    @functools.wraps(events)
+    async def isolated(*args: P.args, **kwargs: P.kwargs) -> AsyncGenerator[T, None]:
+        context = contextvars.copy_context()
+        inner = events(*args, **kwargs)
+        try:
+            while True:
+                try:
+                    item = await _InContext(context, inner.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:  # closed, abandoned or failed: the inner generator ends in its own context
+            await _InContext(context, inner.aclose())
+
+    return isolated
+
+
+class _InContext(Generic[T]):
+    """Await ``awaitable`` with each of its steps run in ``context`` (``Context.run``)."""
+
+    __slots__ = ("_awaitable", "_context")
+
+    def __init__(self, context: contextvars.Context, awaitable: Awaitable[T]) -> None:
+        self._context, self._awaitable = context, awaitable
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        steps = self._awaitable.__await__()
+        run = self._context.run
+        sent: Any = None
+        thrown: BaseException | None = None
+        while True:
+            try:
+                request = run(steps.send, sent) if thrown is None else run(steps.throw, thrown)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]  # the awaitable's T
+            sent, thrown = None, None
+            try:
+                sent = yield request  # a future for the task to wait on, as the step asked
+            except GeneratorExit:
+                run(steps.close)
+                raise
+            except BaseException as exc:  # a cancellation, say: the step gets it
+                thrown = exc

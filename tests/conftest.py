@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 from ulid import ULID
 
-from loomflow.runtime import JournalRuntime
+from loomflow.runtime import JournalRuntime, SessionInfo
 
 PG_ADMIN_DSN = os.environ.get(
     "LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -96,6 +97,26 @@ async def runtime_factory(
     yield factory
     for runtime in opened:
         await runtime.close()
+
+
+async def _until_given_back(runtime: JournalRuntime, session_id: str = "s") -> SessionInfo:
+    """Until asyncio's finalizer has closed a stream the test dropped unclosed and its run
+    gave its turn back (at most 5 s): a full collection per wait took seconds late in a long
+    test run, so only the first few waits collect."""
+    for attempt in range(500):
+        if attempt < 3:
+            gc.collect()
+        await asyncio.sleep(0.01)
+        [info] = await runtime.sessions(session_id=session_id)
+        if info.state != "running":
+            return info
+    raise AssertionError(f"the dropped stream's run on {session_id!r} kept its turn")
+
+
+@pytest.fixture
+def until_given_back() -> Callable[..., Awaitable[SessionInfo]]:
+    """Wait for a dropped stream's run to give its session back; returns the session."""
+    return _until_given_back
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ import json
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar, cast, overload
 
@@ -43,7 +43,7 @@ from .._json import canonical_json, valid_text
 from .._locks import drop_if_idle
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
-from ..context import RunContext, get_run_context, reset_var, use_run_context
+from ..context import RunContext, get_run_context, own_context, reset_var, use_run_context
 from ..errors import CheckpointError, CheckpointNotFoundError, SessionExistsError, UserError
 from ..governance.approvals import DecisionLike, PendingApproval
 from ..hooks import RunHooks
@@ -758,6 +758,9 @@ class Agent:
     def _runtime(self) -> Runtime:
         return runtime_for(self.runtime)
 
+    # A copy of the reader's context: an abandoned stream must not leave its run's context
+    # variables in the reader's context (see own_context).
+    @own_context
     async def _events(
         self,
         prompt: str,
@@ -771,7 +774,7 @@ class Agent:
         fork_session_id: str | None = None,
         output_type: type[BaseModel] | None = None,
         output_retries: int | None = None,
-    ) -> AsyncIterator[AgentEvent]:
+    ) -> AsyncGenerator[AgentEvent, None]:
         if not isinstance(prompt, str):
             raise UserError("prompt must be a string")
         # A lone surrogate (no character: no text column or audit hash can hold one) becomes

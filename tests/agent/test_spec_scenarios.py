@@ -7,10 +7,14 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from loomflow.agent import Agent, RunResult
+import pytest
+
+from loomflow.agent import Agent, RunResult, ToolCallFinished
+from loomflow.context import get_run_context
+from loomflow.errors import SessionBusyError
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel, ScriptedModel
-from loomflow.runtime import JournalRuntime
+from loomflow.runtime import JournalRuntime, SessionInfo
 from loomflow.tools import tool
 
 Factory = Callable[..., Awaitable[JournalRuntime]]
@@ -207,6 +211,52 @@ async def test_run_and_stream_replay_each_others_model_calls(runtime_factory: Fa
     replays = [e for e in events if getattr(e, "replayed", None) is not None]
     assert replays
     assert all(e.replayed for e in replays)  # type: ignore[union-attr]
+
+
+async def test_a_stream_dropped_without_closing_leaves_its_run_for_a_resume(
+    runtime_factory: Factory, until_given_back: Callable[..., Awaitable[SessionInfo]]
+) -> None:
+    # The stream used to leave its run's context variables in the reader's context: the
+    # resume then ran as a sub-run of the dead run, charged again under a sub-run path, left
+    # the session open, and (once the dead run's lease ran low) raised OwnershipLostError.
+    ledger = Ledger()
+    runtime = await runtime_factory(lease_seconds=1.0)
+    agent = Agent(
+        "billing", model=FunctionModel(charge_then_answer()), tools=[ledger.tool], runtime=runtime
+    )
+    async for event in agent.stream("charge 7", session_id="s", user_id="u"):
+        if isinstance(event, ToolCallFinished):
+            break
+    await until_given_back(runtime)
+    assert get_run_context().run_id is None  # nothing of the run is left in our context
+    await asyncio.sleep(0.7)  # the dead run's lease is down to its last third
+    resumed = await agent.resume("charge 7", session_id="s", user_id="u")
+    assert ledger.charges == [7]
+    assert resumed.output == "done: charged $7"
+    assert resumed.replayed_steps == 2  # the first model call and the charge
+    assert {e.path for e in await runtime.entries("s", "u")} == {()}
+    [info] = await runtime.sessions(session_id="s")
+    assert info.state == "finished"
+
+
+async def test_a_stream_kept_unfinished_holds_its_session_until_closed(
+    runtime_factory: Factory,
+) -> None:
+    ledger = Ledger()
+    runtime = await runtime_factory(turn_timeout=0.2)
+    agent = Agent(
+        "billing", model=FunctionModel(charge_then_answer()), tools=[ledger.tool], runtime=runtime
+    )
+    stream = agent.stream("charge 7", session_id="s", user_id="u")
+    async for event in stream:
+        if isinstance(event, ToolCallFinished):
+            break
+    with pytest.raises(SessionBusyError):  # its own run, not a sub-run of the one in progress
+        await agent.resume("charge 7", session_id="s", user_id="u")
+    await stream.aclose()  # type: ignore[attr-defined]
+    resumed = await agent.resume("charge 7", session_id="s", user_id="u")
+    assert ledger.charges == [7]
+    assert resumed.replayed_steps == 2
 
 
 async def test_scripted_run_stops_at_max_turns(runtime_factory: Factory) -> None:

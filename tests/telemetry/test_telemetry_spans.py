@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
 from loomflow.errors import ReplayDivergenceError
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import AnthropicModel, FunctionModel
-from loomflow.runtime import InMemoryRuntime, JournalRuntime, SqliteRuntime
+from loomflow.runtime import InMemoryRuntime, JournalRuntime, SessionInfo, SqliteRuntime
 from loomflow.telemetry import Telemetry
 from loomflow.telemetry.testing import SpanCapture
 from loomflow.testing.providers import Failure, FakeAnthropicAPI, Reply
@@ -437,7 +436,10 @@ async def test_an_abandoned_stream_ends_its_spans_and_restores_the_context(
 
 
 async def test_a_stream_left_without_closing_it_is_cleaned_up_without_errors(
-    capture: SpanCapture, telemetry: Telemetry, tmp_path: Path
+    capture: SpanCapture,
+    telemetry: Telemetry,
+    tmp_path: Path,
+    until_given_back: Callable[..., Awaitable[SessionInfo]],
 ) -> None:
     # `break` out of the stream and drop it: asyncio's finalizer closes the loop's generators
     # in tasks of their own, where resetting the run's context variables raised ValueError
@@ -455,15 +457,7 @@ async def test_a_stream_left_without_closing_it_is_cleaned_up_without_errors(
         async for event in agent.stream("go", session_id="s", user_id="u"):
             if event.type == "model_delta":
                 break
-        # Until asyncio's finalizer has closed the stream and the run gave its turn back
-        # (at most 5 s): a full collection per wait took seconds late in a long test run.
-        for attempt in range(500):
-            if attempt < 3:
-                gc.collect()
-            await asyncio.sleep(0.01)
-            [info] = await runtime.sessions(session_id="s")
-            if info.state != "running":
-                break
+        info = await until_given_back(runtime)
         assert errors == []
         assert info.state == "open"  # released for its caller to resume, not left running
         resumed = await agent.resume("go", session_id="s", user_id="u")
