@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._ids import check_id, user_label
-from .._json import canonical_json, valid_text
+from .._json import valid_text
 from .._locks import drop_if_idle
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
@@ -66,7 +66,7 @@ from ._arguments import (
 )
 from ._output import StructuredOutput, check_output_retries, check_output_type
 from ._passthrough import Passthrough
-from ._run import _Run, check_prompt, inconsistency, latest_of_run
+from ._run import _Run, check_prompt, contract_mismatch, inconsistency, latest_of_run
 from ._sealing import SealedArguments
 from ._seams import HookProvider, RedactingAudit, RunPlugin, hooks_of
 from ._types import AgentEvent, RunFinished, RunResult, RunStarted, Tuning
@@ -85,10 +85,9 @@ RECORD_OUTPUT = "output"
 
 def output_contract(structured: StructuredOutput) -> dict[str, Any]:
     """A run's output contract as its record stores it: type name, format digest, retries."""
-    shape = canonical_json(structured.format.model_dump(mode="json"))
     return {
         "type": structured.type.__qualname__,
-        "format": hashlib.sha256(shape.encode("utf-8", "surrogatepass")).hexdigest(),
+        "format": structured.digest,
         "retries": structured.retries,
     }
 
@@ -801,7 +800,9 @@ class Agent:
         source: Checkpoint | None = None
         claiming: asyncio.Lock | None = None  # held from the fork session's check to its claim
         if from_checkpoint is not None:
-            source = await _fork_source(store, from_checkpoint, session_id, user_id, prompt)
+            source = await _fork_source(
+                store, from_checkpoint, session_id, user_id, prompt, structured
+            )
             if fork_session_id == session_id:
                 raise UserError("a fork needs a session id of its own")
             # Forking into a session that has runs would continue its last run (an open one
@@ -860,7 +861,7 @@ class Agent:
                     end_untraced = untraced_run(ctx.run_id)
                 restore = source
                 if restore is None and resume and store is not None:
-                    restore = await latest_of_run(store, ctx, open_run, prompt)
+                    restore = await latest_of_run(store, ctx, open_run, prompt, structured)
                 yield RunStarted(run_id=ctx.run_id or "", session_id=session_id, user_id=user_id)
                 run = _Run(
                     self,
@@ -958,8 +959,10 @@ async def _fork_source(
     session_id: str | None,
     user_id: str | None,
     prompt: str,
+    structured: StructuredOutput | None,
 ) -> Checkpoint:
-    """The snapshot ``resume(from_checkpoint=...)`` forks: of (session, user), for ``prompt``."""
+    """The snapshot ``resume(from_checkpoint=...)`` forks: of (session, user), for ``prompt``
+    and the run's output contract (a fork has no journal of its own to fall back to)."""
     if store is None:
         raise UserError("from_checkpoint= needs an agent with Tuning(checkpoint=True)")
     source = await store.get(checkpoint_id, session_id=session_id or "", user_id=user_id)
@@ -968,6 +971,11 @@ async def _fork_source(
             f"no checkpoint {checkpoint_id!r} in session {session_id!r} of {user_label(user_id)}"
         )
     check_prompt(source, prompt)
+    if (why := contract_mismatch(source, structured)) is not None:
+        raise UserError(
+            f"checkpoint {checkpoint_id!r} of session {session_id!r} {why}: fork it with the "
+            "output_type it was taken with, or use run() for a new request"
+        )
     if (why := inconsistency(source)) is not None:
         raise CheckpointError(f"checkpoint {checkpoint_id!r} cannot be forked: it {why}")
     return source

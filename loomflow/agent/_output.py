@@ -14,6 +14,8 @@ value is always rebuilt by validating the journaled text, never read back from s
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import inspect
 import json
 import re
@@ -22,11 +24,15 @@ from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, PydanticUserError, ValidationError
 
+from .._json import canonical_json
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, OutputValidationError
 from ..messages import Message, ModelChunk, ModelSettings, OutputFormat, ToolSpec
 from ..models import Model
 
-__all__ = ["StructuredOutput", "check_output_type"]
+__all__ = ["TEXT_OUTPUT", "StructuredOutput", "check_output_type", "contract_digest"]
+
+TEXT_OUTPUT = "text"
+"""The output contract of a run without ``output_type`` (see :func:`contract_digest`)."""
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 _LOCAL_REF = re.compile(r"^#/\$defs/([^/~]+)$")  # a reference pydantic writes into $defs
@@ -84,6 +90,13 @@ class StructuredOutput:
         self.type = check_output_type(output_type)
         self.retries = check_output_retries(retries)
         self.format = _format_of(self.type, tool_names)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A digest of the format: what a run record and a checkpoint keep of the contract
+        (a class cannot be stored, and decoding never imports one)."""
+        shape = canonical_json(self.format.model_dump(mode="json"))
+        return hashlib.sha256(shape.encode("utf-8", "surrogatepass")).hexdigest()
 
     @property
     def step_inputs(self) -> tuple[OutputFormat]:
@@ -169,6 +182,16 @@ class StructuredOutput:
             return self.validate(text)
         except ValidationError as exc:
             raise OutputValidationError(self.type.__name__, _describe(exc), 1, text) from None
+
+
+def contract_digest(structured: StructuredOutput | None) -> str:
+    """The output contract a checkpoint records: the format's digest, or :data:`TEXT_OUTPUT`.
+
+    The format is an input of every model call of the run (:attr:`StructuredOutput.step_inputs`),
+    so a run under another contract replays none of them; a snapshot taken under another
+    contract must not be restored either (see ``_run.contract_mismatch``).
+    """
+    return TEXT_OUTPUT if structured is None else structured.digest
 
 
 def _format_of(output_type: type[BaseModel], tool_names: Collection[str]) -> OutputFormat:

@@ -25,6 +25,7 @@ from ulid import ULID
 
 from .._cleanup import run_cleanup
 from .._json import valid_text, valid_value
+from .._printable import shown
 from ..checkpoints import (
     Checkpoint,
     CheckpointRestored,
@@ -53,7 +54,7 @@ from ..runtime._expect import expecting
 from ..runtime._journal import Encoded
 from ..runtime._names import tool_step_name
 from ..tools import TOOL_ERROR, ToolOutcome
-from ._output import StructuredOutput
+from ._output import TEXT_OUTPUT, StructuredOutput, contract_digest
 from ._sealing import SealedValueLost, Sealer
 from ._seams import PricedBudget
 from ._types import ModelDeltaEvent, RunFinished, RunResult, ToolCallFinished, ToolCallStarted
@@ -61,7 +62,7 @@ from ._types import ModelDeltaEvent, RunFinished, RunResult, ToolCallFinished, T
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["check_prompt", "latest_of_run", "tool_step_name"]
+__all__ = ["check_prompt", "contract_mismatch", "latest_of_run", "tool_step_name"]
 
 log = logging.getLogger("loomflow.agent")
 
@@ -611,6 +612,8 @@ class _Run:
                 usage=self.usage,
                 cost_usd=round(self.cost, 10),
                 parent_id=self.fork_of,
+                output_type=self.structured.type.__qualname__ if self.structured else None,
+                output_format=contract_digest(self.structured),
             ),
             retention=self.agent.tuning.checkpoint_retention,
         )
@@ -699,6 +702,28 @@ def check_prompt(checkpoint: Checkpoint, prompt: str) -> None:
         )
 
 
+def contract_mismatch(checkpoint: Checkpoint, structured: StructuredOutput | None) -> str | None:
+    """How the snapshot's output contract differs from the run's, if it does.
+
+    The output format keys every model call, so a run under another contract replays none of
+    the journaled ones; restoring the snapshot instead would validate an answer given for one
+    type into another. A snapshot that does not record its contract (written by an earlier
+    loomflow) is taken as it always was.
+    """
+    stored = checkpoint.output_format
+    if stored is None or stored == contract_digest(structured):
+        return None
+    now = "none" if structured is None else structured.type.__qualname__
+    if stored == TEXT_OUTPUT:
+        was = "a run without output_type"
+    elif checkpoint.output_type == now:  # the same name, another schema (a changed model)
+        was = f"a run whose output_type {now} had another schema (format {stored[:12]}…)"
+    else:
+        name = checkpoint.output_type or "another model"
+        was = f"a run with output_type {shown(name)} (format {stored[:12]}…)"
+    return f"was taken by {was}; this run's output_type is {now}"
+
+
 def inconsistency(checkpoint: Checkpoint) -> str | None:
     """What in a snapshot disagrees with its own transcript, if anything.
 
@@ -720,12 +745,19 @@ def inconsistency(checkpoint: Checkpoint) -> str | None:
 
 
 async def latest_of_run(
-    store: CheckpointStore, ctx: RunContext, open_run: OpenRun | None, prompt: str
+    store: CheckpointStore,
+    ctx: RunContext,
+    open_run: OpenRun | None,
+    prompt: str,
+    structured: StructuredOutput | None,
 ) -> Checkpoint | None:
     """The newest snapshot, if it belongs to the run being resumed; else journal replay.
 
     A snapshot of an *earlier* epoch is not this run's: the last run crashed before its first
-    pass ended, so its journal, not an older transcript, says where it stands.
+    pass ended, so its journal, not an older transcript, says where it stands. Nor is one
+    taken under another output contract: the journal's model calls are keyed on it, so the
+    replay does what a resume without checkpoints does (asks the model again, or raises
+    ``ReplayDivergenceError`` under ``strict_replay``).
     """
     try:
         latest = await store.latest(ctx.session_id or "", user_id=ctx.user_id)
@@ -743,6 +775,14 @@ async def latest_of_run(
     if latest is None or open_run is None or latest.epoch != open_run.epoch:
         return None
     check_prompt(latest, prompt)
+    if (why := contract_mismatch(latest, structured)) is not None:
+        log.warning(
+            "checkpoint %s of session %r %s: replaying the journal instead",
+            latest.id,
+            ctx.session_id,
+            why,
+        )
+        return None
     return latest
 
 

@@ -26,8 +26,8 @@ from ..storage._component import ComponentStore
 from ._types import (
     Checkpoint,
     UnreadableCheckpoint,
-    decode_messages,
-    encode_messages,
+    decode_payload,
+    encode_payload,
     timestamp,
 )
 from .inmemory import export_document
@@ -183,7 +183,7 @@ def _checkpoint(row: Sequence[Any]) -> Checkpoint:
         # restored, it would reach a model call, and a fork would write it back, which fails.
         prompt=unicode_column("prompt", prompt),
         output=unicode_column("output", output),
-        messages=decode_messages(
+        **decode_payload(
             _column("messages", _blob, raw), _column("codec_version", _integer, version), cid
         ),
         prompt_index=_column("prompt_index", _integer, index),
@@ -213,7 +213,7 @@ class SqlCheckpointStore(ComponentStore):
 
     async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
-        raw = encode_messages(checkpoint.messages)
+        raw = encode_payload(checkpoint)
         args = (
             checkpoint.id,
             scope.key,

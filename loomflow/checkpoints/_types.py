@@ -34,6 +34,12 @@ class Checkpoint(BaseModel):
         cost_usd: Estimated cost of those calls.
         parent_id: The checkpoint this one was forked from, if any.
         created_at: When the store recorded it (the database clock), UTC.
+        output_type: The name of the ``output_type`` the run validated its answer into
+            (``None`` for a plain-text run, and when not recorded).
+        output_format: The run's output contract: the digest of its output format, which
+            keys its model calls, or ``"text"`` without ``output_type``. ``None`` for a
+            snapshot written before loomflow recorded it. A resume under another contract
+            does not restore the snapshot (the journal's model calls do not replay either).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -53,6 +59,8 @@ class Checkpoint(BaseModel):
     cost_usd: float = Field(ge=0.0)
     parent_id: str | None = None
     created_at: dt.datetime | None = None
+    output_type: str | None = None
+    output_format: str | None = Field(default=None, pattern=r"^(text|[0-9a-f]{64})$")
 
     def summary(self) -> dict[str, Any]:
         """The checkpoint without its transcript, as JSON-ready data (for listings)."""
@@ -132,13 +140,22 @@ def timestamp(seconds: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(float(seconds), dt.UTC)
 
 
-def encode_messages(messages: list[Message]) -> bytes:
-    """The stored form of a transcript: the journal's tagged JSON."""
-    return codec.dumps(list(messages))
+def encode_payload(checkpoint: Checkpoint) -> bytes:
+    """The stored form of a snapshot's transcript and output contract: the journal's tagged
+    JSON, an object so that it can carry more than the transcript without a new column."""
+    return codec.dumps(
+        {
+            "messages": list(checkpoint.messages),
+            "output_type": checkpoint.output_type,
+            "output_format": checkpoint.output_format,
+        }
+    )
 
 
-def decode_messages(raw: bytes, version: int, checkpoint_id: str) -> list[Message]:
-    """Read a stored transcript back; a damaged one is a :class:`CheckpointError`."""
+def decode_payload(raw: bytes, version: int, checkpoint_id: str) -> dict[str, Any]:
+    """Read a stored payload back as Checkpoint fields; a damaged one is a
+    :class:`CheckpointError`. A bare list of messages is a snapshot written before the
+    payload carried the output contract: it reads with the contract unknown."""
     if version > codec.CODEC_VERSION:
         raise CheckpointError(
             f"checkpoint {checkpoint_id} was written by a newer codec (v{version}); "
@@ -148,6 +165,13 @@ def decode_messages(raw: bytes, version: int, checkpoint_id: str) -> list[Messag
         value = codec.loads(raw)
     except codec.UnknownTagError as exc:
         raise CheckpointError(f"checkpoint {checkpoint_id} cannot be decoded: {exc}") from exc
-    if not isinstance(value, list) or not all(isinstance(m, Message) for m in value):
+    # Keys a later release adds are left alone; the ones read here are checked by the model.
+    fields = value if isinstance(value, dict) else {"messages": value}
+    messages = fields.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, Message) for m in messages):
         raise CheckpointError(f"checkpoint {checkpoint_id} does not hold a transcript")
-    return value
+    return {
+        "messages": messages,
+        "output_type": fields.get("output_type"),
+        "output_format": fields.get("output_format"),
+    }
