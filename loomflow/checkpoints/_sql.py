@@ -26,6 +26,7 @@ from ..storage._component import ComponentStore
 from ._types import (
     Checkpoint,
     UnreadableCheckpoint,
+    check_count,
     decode_payload,
     encode_payload,
     timestamp,
@@ -213,6 +214,7 @@ class SqlCheckpointStore(ComponentStore):
 
     async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
+        retention = check_count("retention", retention, 1)
         raw = encode_payload(checkpoint)
         args = (
             checkpoint.id,
@@ -241,7 +243,7 @@ class SqlCheckpointStore(ComponentStore):
         async with self.db.transaction(what="checkpoint write") as tx:
             rows = await tx.fetch(_INSERT, *args)
             if retention is not None:
-                await tx.execute(_RETAIN, scope.key, int(retention))
+                await tx.execute(_RETAIN, scope.key, retention)
         return checkpoint.model_copy(update={"created_at": timestamp(rows[0][0])})
 
     async def latest(self, session_id: str, *, user_id: str | None) -> Checkpoint | None:
@@ -267,9 +269,9 @@ class SqlCheckpointStore(ComponentStore):
         self, session_id: str, user_id: str | None, limit: int | None
     ) -> Sequence[Sequence[Any]]:
         key = Scope.checked(session_id, user_id).key
-        if limit is None:
+        if check_count("limit", limit, 0) is None:
             return await self._fetch("read", _LIST, key)
-        return await self._fetch("read", _LIST_LIMIT, key, int(limit))
+        return await self._fetch("read", _LIST_LIMIT, key, limit)
 
     async def delete_session(self, session_id: str, *, user_id: str | None) -> int:
         key = Scope.checked(session_id, user_id).key

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._ids import check_id
 from ..runtime._store import Scope
-from ._types import Checkpoint, UnreadableCheckpoint, timestamp
+from ._types import Checkpoint, UnreadableCheckpoint, check_count, timestamp
 
 __all__ = ["InMemoryCheckpointStore"]
 
@@ -49,6 +49,7 @@ class InMemoryCheckpointStore:
 
     async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
+        retention = check_count("retention", retention, 1)
         stored = checkpoint.model_copy(update={"created_at": timestamp(time.time())})
         self._seq += 1
         rows = self._rows.setdefault(scope.key, [])
@@ -77,6 +78,7 @@ class InMemoryCheckpointStore:
     ) -> list[Checkpoint]:
         rows = self._rows.get(Scope.checked(session_id, user_id).key, [])
         newest = [c for _, c in reversed(rows)]
+        limit = check_count("limit", limit, 0)
         return newest if limit is None else newest[:limit]
 
     async def listing(

@@ -29,7 +29,12 @@ from ..checkpoints import (
     CheckpointStore,
     checkpoint_store_for,
 )
-from ..errors import CheckpointNotFoundError, UserError
+from ..errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    UserError,
+)
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..messages import Message, ModelResponse, ModelSettings, ToolCall, ToolSpec, Usage
 from ..models import FunctionModel
@@ -166,7 +171,9 @@ class CheckpointConformance:
         assert created == sorted(created)  # type: ignore[type-var]
 
     async def test_the_transcript_and_usage_round_trip(self, store: CheckpointStore) -> None:
-        original = checkpoint(turn=4, final=True, text="naïve café ☕", parent_id="p")
+        original = checkpoint(turn=4, final=True, text="naïve café ☕", parent_id="p").model_copy(
+            update={"output_type": "Weather", "output_format": "0f" * 32}
+        )
         await store.put(original)
         loaded = await store.latest("s", user_id="u")
         assert loaded is not None
@@ -250,6 +257,41 @@ class CheckpointConformance:
         for bad, why in (("a\x00b", "NUL"), ("\ud800", "surrogate"), ("", "must not be empty")):
             with pytest.raises(UserError, match=why):
                 await store.get(bad, session_id="s", user_id="u")
+
+    @pytest.mark.parametrize(
+        ("limit", "error"),
+        [
+            (-1, InvalidArgumentError),
+            (2**63, InvalidArgumentError),
+            (True, InvalidArgumentTypeError),
+            (2.5, InvalidArgumentTypeError),
+            ("2", InvalidArgumentTypeError),
+        ],
+    )
+    async def test_a_bad_limit_is_refused_by_name(
+        self, store: CheckpointStore, limit: Any, error: type[Exception]
+    ) -> None:
+        await store.put(checkpoint())
+        with pytest.raises(error, match="limit"):
+            await store.list_checkpoints("s", user_id="u", limit=limit)
+        assert await store.list_checkpoints("s", user_id="u", limit=0) == []
+
+    @pytest.mark.parametrize(
+        ("retention", "error"),
+        [
+            (0, InvalidArgumentError),
+            (-1, InvalidArgumentError),
+            (True, InvalidArgumentTypeError),
+            (2.5, InvalidArgumentTypeError),
+        ],
+    )
+    async def test_a_bad_retention_is_refused_before_anything_is_written_or_cut(
+        self, store: CheckpointStore, retention: Any, error: type[Exception]
+    ) -> None:
+        kept = await store.put(checkpoint())
+        with pytest.raises(error, match="retention"):
+            await store.put(checkpoint(turn=2), retention=retention)
+        assert await store.list_checkpoints("s", user_id="u") == [kept]
 
     # -- through the agent -------------------------------------------------------------------
 
