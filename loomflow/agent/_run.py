@@ -777,7 +777,7 @@ async def latest_of_run(
     check_prompt(latest, prompt)
     if (why := contract_mismatch(latest, structured)) is not None:
         log.warning(
-            "checkpoint %s of session %r %s: replaying the journal instead",
+            "checkpoint %r of session %r %s: replaying the journal instead",
             latest.id,
             ctx.session_id,
             why,
