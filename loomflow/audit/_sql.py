@@ -95,7 +95,6 @@ class SqlAuditStore(AuditStore):
             migrations_for(db.dialect.name),
             owns_db=owns_db,
             auto_migrate=auto_migrate,
-            on_ready=self._opened,
         )
 
     def __repr__(self) -> str:
@@ -104,8 +103,9 @@ class SqlAuditStore(AuditStore):
     async def open(self) -> None:
         await self._life.ensure_open()
 
-    async def _opened(self) -> None:
-        """Called once the store is connected and migrated (PostgreSQL checks the role)."""
+    async def _before_write(self) -> None:
+        """Called before each append (PostgreSQL checks the role once): not on opening, so
+        that reading the trail (query, export, verify) warns of nothing a reader can mend."""
 
     @property
     def ready(self) -> bool:
@@ -120,6 +120,7 @@ class SqlAuditStore(AuditStore):
         await self._life.close()
 
     async def _append_chain(self, key: str, records: Sequence[AuditRecord]) -> list[AuditEntry]:
+        await self._before_write()
         async with self.db.transaction(lock_key=lock_key(key), what="audit append") as tx:
             now_us, seq, prev = (await tx.fetch(_HEAD, key))[0]
             if seq is None and prev is None:  # no head: the user's first entry, unless...

@@ -34,8 +34,10 @@ class PostgresAuditStore(SqlAuditStore):
     pool (which stays yours), or a runtime's ``database`` to share its pool.
 
     The triggers bind every role but the tables' owner and superusers, who can switch them
-    off: connect as a role made with ``loomflow migrate --app-role``. Opening the store as
-    an owner or a superuser logs a warning, once per database and role in a process.
+    off: connect as a role made with ``loomflow migrate --app-role``. The first append
+    through a store connected as an owner or a superuser logs a warning, once per database and
+    role in a process; reading the trail does not, nor do erasure and retention, which must
+    run as the owner.
     """
 
     def __init__(
@@ -46,13 +48,17 @@ class PostgresAuditStore(SqlAuditStore):
         max_size: int = 10,
         auto_migrate: bool = True,
     ) -> None:
+        self._role_checked = False
         if isinstance(dsn_or_pool, PostgresDatabase):
             super().__init__(dsn_or_pool, owns_db=False, auto_migrate=auto_migrate)
             return
         db = PostgresDatabase(dsn_or_pool, min_size=min_size, max_size=max_size)
         super().__init__(db, owns_db=True, auto_migrate=auto_migrate)
 
-    async def _opened(self) -> None:
+    async def _before_write(self) -> None:
+        if self._role_checked:
+            return
+        self._role_checked = True
         rows = await self.db.fetch(_WRITER, what="audit role check")
         if not rows:
             return
@@ -70,6 +76,9 @@ class PostgresAuditStore(SqlAuditStore):
         )
 
     async def check_can_erase(self) -> None:
+        # Erasure must run as the owner: its own appends (the erasure records) are not the
+        # application writing as one, so they are not warned of.
+        self._role_checked = True
         await self.open()
         rows = await self.db.fetch(
             "SELECT current_user, has_table_privilege('loom_audit', 'UPDATE')",

@@ -283,3 +283,45 @@ async def test_a_store_error_names_the_refusal(app_dsn: str) -> None:
     with pytest.raises(StoreUnavailableError, match="permission denied"):
         await store.db.execute("DELETE FROM loom_audit")
     await store.close()
+
+
+def _audit_cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "audit", "--audit-url", dsn, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+async def test_reading_the_trail_as_the_owner_warns_of_nothing_writing_does(
+    pg_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warning is for an application writing as a role that can switch the triggers off:
+    a compliance team reading the trail (query, show, export, verify) can do nothing about
+    that, and retention and erasure must run as the owner."""
+    caplog.set_level(logging.WARNING, logger="loomflow.audit")
+    store = PostgresAuditStore(pg_dsn)
+    try:
+        await store.open()
+        assert (await store.verify()).ok
+        assert (await store.query()).entries == []
+        assert "switch the append-only triggers off" not in caplog.text
+        await store.append(AuditRecord(user_id="ann", actor="t", action="x"))
+        assert "is a superuser" in caplog.text
+    finally:
+        await store.close()
+    # A new process, so nothing was warned of yet: the read-only commands stay quiet.
+    for command in (
+        ("query",),
+        ("export", "-o", str(tmp_path / "out.jsonl"), "--no-progress"),
+        ("verify", "--no-progress"),
+        ("retain", "--older-than", "365d", "--dry-run"),
+        ("retain", "--older-than", "365d", "--yes"),
+    ):
+        done = _audit_cli(pg_dsn, *command)
+        assert done.returncode == 0, (command, done.stderr)
+        assert "triggers off" not in done.stderr, command
