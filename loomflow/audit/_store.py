@@ -13,6 +13,7 @@ import datetime as dt
 import io
 import json
 import os
+import shlex
 import stat
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -318,8 +319,9 @@ class RetentionReport:
         cutoff: Payloads of entries written before this time were erased.
         erased: Payloads erased per user (would be, with ``dry_run``).
         held: Users with payloads past the cut-off left alone: they are under legal hold.
-        refused: Users left alone because an entry of their trail no longer matches its hash
-            (edited or forged in the database): erasing would hide it. Each with the reason.
+        refused: Users left alone because ``verify`` finds their trail damaged (an entry
+            edited, forged, deleted, reordered or unreadable, a payload erased on no record):
+            it is evidence, and nothing of it is erased. Each with the damage, by kind.
     """
 
     cutoff: dt.datetime
@@ -825,7 +827,9 @@ class AuditStore(abc.ABC):
         """Erase the payloads of entries older than ``older_than``, but not of held users.
 
         Each user with such payloads gets one ``audit.erasure`` entry (reason ``retention``)
-        and loses the payloads written before the cut-off (see :meth:`erase`).
+        and loses the payloads written before the cut-off (see :meth:`erase`). A user whose
+        trail ``verify`` finds damaged is left alone and listed under ``refused`` (with
+        ``dry_run`` too); the others are still erased.
 
         Raises:
             UserError: ``older_than`` is not a positive timedelta, or reaches before year 1
@@ -849,6 +853,13 @@ class AuditStore(abc.ABC):
         for user_id, count in counts:
             if user_key(user_id) in held:
                 report.held.append(user_id)
+                continue
+            # A trail verify finds damaged in any way (an entry deleted, reordered, forged,
+            # unreadable...) is evidence: routine retention leaves all of it as it is, and a
+            # dry run says so too.
+            damage = (await self.verify(user_id=user_id)).problems
+            if damage:
+                report.refused[user_id] = _damaged(user_id, damage)
             elif dry_run:
                 report.erased[user_id] = count
             else:
@@ -1483,6 +1494,21 @@ def erasure_problem(entry: AuditEntry) -> str | None:
     except AuditError as exc:
         return f"its content cannot be hashed ({exc})"
     return entry.payload_problem()
+
+
+def _damaged(user_id: str | None, problems: Sequence[ChainProblem]) -> str:
+    """Why retention leaves a trail alone: verify's problems, by kind, with their entries."""
+    kinds: dict[str, list[int]] = {}
+    for problem in problems:
+        kinds.setdefault(problem.kind, []).extend([] if problem.seq is None else [problem.seq])
+    found = "; ".join(
+        f"{kind}: {_seq_list(seqs)}" if seqs else kind for kind, seqs in kinds.items()
+    )
+    check = "--anonymous" if user_id is None else f"--user {shlex.quote(user_id)}"
+    return (
+        f"the audit trail of {user_label(user_id)} is damaged ({found}), so nothing of it was "
+        f"erased; see `loomflow audit verify {check}`"
+    )
 
 
 def _refuse_changed(user_id: str | None, seqs: Sequence[int]) -> None:

@@ -1,8 +1,9 @@
-"""``loomflow audit query|export|verify``: the audit trail for compliance teams.
+"""``loomflow audit query|export|verify|retain``: the audit trail for compliance teams.
 
 The store comes from ``--audit-url`` or ``LOOMFLOW_AUDIT_URL``, else it is the journal's
 database (``--url`` or ``LOOMFLOW_RUNTIME_URL``). Tables for people; ``--json``
-for scripts. ``verify`` exits 1 when it finds a problem, so a cron job can alert on it.
+for scripts. ``verify`` exits 1 when it finds a problem, so a cron job can alert on it, and
+so does ``retain`` when it leaves a damaged trail alone.
 """
 
 from __future__ import annotations
@@ -325,5 +326,6 @@ async def _retain(store: AuditStore, args: argparse.Namespace) -> int:
     for user in report.held:
         print(f"kept (legal hold): {'-' if user is None else user}")
     for problem in report.refused.values():
-        print(f"loomflow: not erased: {problem}", file=sys.stderr)
+        # Exit 1, as verify does on a damaged trail, so a cron job alerts on it.
+        print(f"loomflow: error: {problem}", file=sys.stderr)
     return failed

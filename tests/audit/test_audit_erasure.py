@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -572,6 +575,7 @@ async def _edit_behind_its_back(backend: str, where: Any, *statements: str) -> N
     if backend == "sqlite":
         with sqlite3.connect(where) as conn:
             conn.execute("DROP TRIGGER loom_audit_no_update")
+            conn.execute("DROP TRIGGER loom_audit_no_delete")
             for sql in statements:
                 if not sql.startswith("UPDATE loom_audit_heads"):  # the trigger moved it
                     conn.execute(sql)
@@ -646,3 +650,73 @@ async def test_erasure_never_launders_an_edited_or_forged_entry(
         assert (await store.verify(user_id="bob")).ok
     finally:
         await store.close()
+
+
+# Damage that no single entry shows (each left entry still matches its own hash): only the
+# chain, as verify walks it, does.
+DAMAGE = {
+    "deleted": ("DELETE FROM loom_audit WHERE user_id = 'ana' AND seq = 2",),
+    "reordered": (
+        "UPDATE loom_audit SET seq = 99 WHERE user_id = 'ana' AND seq = 2",
+        "UPDATE loom_audit SET seq = 2 WHERE user_id = 'ana' AND seq = 3",
+        "UPDATE loom_audit SET seq = 3 WHERE user_id = 'ana' AND seq = 99",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+async def test_retention_leaves_a_damaged_trail_alone_and_says_why(
+    backend: str, damage: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Retention (dry run or not) refuses any trail verify finds damaged, naming the damage,
+    and the CLI exits 1 as verify does; the other users' payloads still go."""
+    where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
+    url = f"sqlite:///{where}" if backend == "sqlite" else where
+
+    def open_store() -> AuditStore:
+        return SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
+
+    store = open_store()
+    await store.append(_records("ana", 4) + _records("bob", 2))
+    await store.close()
+    await _edit_behind_its_back(backend, where, *DAMAGE[damage])
+    kind = "missing" if damage == "deleted" else "reordered"
+    store = open_store()
+    try:
+        before = (await store.verify(user_id="ana")).problems
+        assert kind in {p.kind for p in before}
+        await asyncio.sleep(0.01)
+        for dry_run in (True, False):
+            report = await store.retain(dt.timedelta(milliseconds=1), dry_run=dry_run)
+            assert list(report.refused) == ["ana"]
+            assert f"{kind}: entr" in report.refused["ana"]
+            assert "nothing of it was erased" in report.refused["ana"]
+            assert list(report.erased) == ["bob"]
+        assert (await store.verify(user_id="ana")).problems == before
+        assert all([e.payload is not None async for e in store.entries(user_id="ana")])
+        assert (await store.verify(user_id="bob")).ok
+    finally:
+        await store.close()
+    await asyncio.sleep(1.1)  # ana's entries older than the CLI's shortest age
+    for flag in ("--dry-run", "--yes"):
+        done = _retain_cli(url, flag)
+        assert done.returncode == 1, done.stderr
+        assert "loomflow: error: the audit trail of user 'ana' is damaged (" in done.stderr
+        assert f"{kind}: entr" in done.stderr
+        assert "audit verify --user ana" in done.stderr
+
+
+def _retain_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    command = ["audit", "--audit-url", url, "retain", "--older-than", "1s", *args]
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
