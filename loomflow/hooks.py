@@ -110,6 +110,12 @@ class RunHooks:
         """Inspect (and possibly rewrite) the user's prompt, or raise :class:`Interrupt`."""
         return prompt
 
+    async def check_history(self, info: RunInfo, messages: list[Message]) -> list[Message]:
+        """Inspect (and possibly rewrite) the messages the caller put before the prompt (a
+        team worker's earlier tasks and answers), or raise :class:`Interrupt`. Called with the
+        same messages on a replay, so a rewrite must depend on them alone."""
+        return messages
+
     async def before_model_call(
         self, info: RunInfo, turn: int, messages: list[Message], settings: ModelSettings
     ) -> Any:

@@ -191,13 +191,17 @@ class _Run:
         restore = self.restore
         if restore is None:
             prompt = self.prompt
+            # The history is the caller's text as much as the prompt is: an input guardrail
+            # must not be got round by putting what it stops there.
+            history = list(self.history)
             for hook in self.hooks:
+                history = await hook.check_history(self.info, history)
                 prompt = await hook.check_input(self.info, prompt)
             recalled = await self.recall()
             self.messages = [
                 Message.system(self.agent.instructions),
                 *recalled,
-                *self.history,
+                *history,
                 Message.user(prompt),
             ]
             self.prompt_index = len(self.messages) - 1

@@ -1,4 +1,5 @@
-"""Guardrails: scan the prompt, the final answer and live tool results, then block or redact.
+"""Guardrails: scan the prompt (and the history given with it), the final answer and live tool
+results, then block or redact.
 
 A guardrail finds spans of text (:meth:`Guardrail.find`). With ``action="block"`` a finding
 ends the run with ``guardrail:<name>``; with ``action="redact"`` each span is replaced by
@@ -28,7 +29,7 @@ from pydantic_core import to_jsonable_python
 from .._pii import find_cards, find_emails, luhn_valid
 from ..errors import UserError
 from ..hooks import Interrupt, RunHooks, RunInfo
-from ..messages import ToolCall
+from ..messages import Message, ToolCall
 from ..tools import ToolOutcome
 from .events import GuardrailTripped
 
@@ -70,7 +71,8 @@ class Guardrail(abc.ABC):
     Args:
         name: Short name used in ``guardrail:<name>`` and events.
         action: ``block`` (interrupt the run) or ``redact`` (replace the spans).
-        stages: Which of ``input``, ``output`` and ``tool_result`` to watch.
+        stages: Which of ``input`` (the prompt and any history given with it), ``output``
+            and ``tool_result`` to watch.
     """
 
     def __init__(
@@ -269,6 +271,33 @@ class GuardrailHooks(RunHooks):
 
     async def check_input(self, info: RunInfo, prompt: str) -> str:
         return self._text(info, "input", prompt)
+
+    async def check_history(self, info: RunInfo, messages: list[Message]) -> list[Message]:
+        # The input stage covers the history given with the prompt: every message's text and
+        # the arguments of its tool calls, whatever its role. One trip for all of them.
+        if "input" not in self.guardrail.stages:
+            return messages
+        findings: list[Finding] = []
+
+        def scan(text: str) -> str:
+            found = self.guardrail.find(text)
+            findings.extend(found)
+            return self.guardrail.redact(text, found) if found else text
+
+        checked: list[Message] = []
+        for message in messages:
+            before = len(findings)
+            content = scan(message.content)
+            calls = [
+                call.model_copy(update={"arguments": _map_text(call.arguments, scan)})
+                for call in message.tool_calls
+            ]
+            if len(findings) > before:
+                message = message.model_copy(update={"content": content, "tool_calls": calls})
+            checked.append(message)
+        if findings:
+            self._trip(info, "input", findings)
+        return checked
 
     async def check_output(self, info: RunInfo, text: str) -> str:
         return self._text(info, "output", text)

@@ -373,3 +373,85 @@ async def test_stages_limit_where_a_guardrail_looks() -> None:
     result = await agent.run(f"from {EMAIL}")
     assert result.output == f"sure, {EMAIL}"
     assert "[REDACTED:email]" in model.requests[0][-1].content
+
+
+async def test_input_guardrails_scan_the_history_given_with_the_prompt() -> None:
+    """What an input guardrail stops in a prompt, it stops in the messages given before it:
+    their text and their tool calls' arguments, whatever the role."""
+    history = [
+        Message.user(f"I am {EMAIL}"),
+        Message.assistant("noted", [ToolCall(id="c", name="save", arguments={"card": CARD})]),
+        Message.tool_result("c", "saved"),
+        Message.assistant("anything else?"),
+    ]
+    model = ScriptedModel([], default="hi")
+    agent = Agent("x", model=model, guardrails=[PIIGuardrail(action="block")])
+    result = await Agent._drain(
+        agent._events("hello", None, None, None, resume=False, history=history)
+    )
+    assert (result.interrupted, result.interruption_reason) == (True, "guardrail:pii")
+    assert model.calls == 0
+
+    model = ScriptedModel([], default="hi")
+    agent = Agent("x", model=model, guardrails=[PIIGuardrail()])
+    events = [
+        e async for e in agent._events("hello", None, None, None, resume=False, history=history)
+    ]
+    assert not events[-1].result.interrupted
+    seen = json.dumps([m.model_dump(mode="json") for m in model.requests[0]])
+    assert EMAIL not in seen
+    assert CARD not in seen
+    assert "I am [REDACTED:email]" in seen
+    assert [(e.stage, e.detail) for e in tripped(events)] == [("input", "1 card, 1 email")]
+    # An output-only guardrail leaves the history alone.
+    model = ScriptedModel([], default="hi")
+    agent = Agent("x", model=model, guardrails=[PIIGuardrail(stages=("output",))])
+    await Agent._drain(agent._events("hello", None, None, None, resume=False, history=history))
+    assert EMAIL in model.requests[0][1].content
+
+
+async def test_a_team_worker_never_sees_an_earlier_task_unredacted_and_still_replays(
+    tmp_path: Path,
+) -> None:
+    """A team worker remembers its earlier tasks as history: its input guardrail redacted
+    each task as its prompt, and must redact it there too. On a resume the history is
+    rebuilt and redacted the same way, so the worker's model calls replay from the journal."""
+
+    class Crash(Exception):
+        pass
+
+    worker_seen: list[list[Message]] = []
+
+    def worker_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        worker_seen.append(list(messages))
+        return "done"
+
+    crash = True
+
+    def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        answers = [m for m in messages if m.role == "tool"]
+        if len(answers) < 2:
+            task = f"bill {EMAIL}, step {len(answers)}"
+            return [ToolCall(id=f"a{len(answers)}", name="ask_w", arguments={"task": task})]
+        if crash:
+            raise Crash
+        return "all done"
+
+    from loomflow.agent.architectures import Team
+
+    async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+        worker = Agent(
+            "w", model=FunctionModel(worker_decides), name="w", guardrails=[PIIGuardrail()]
+        )
+        lead = Agent("lead", model=FunctionModel(lead_decides), runtime=runtime, name="lead")
+        team = Team(lead, [worker])
+        with pytest.raises(Crash):
+            await team.run("bill", session_id="s", user_id="u")
+        assert len(worker_seen) == 2
+        for request in worker_seen:
+            assert all(EMAIL not in m.content for m in request), request
+        assert [m.role for m in worker_seen[1]] == ["system", "user", "assistant", "user"]
+        crash = False
+        result = await team.resume("bill", session_id="s", user_id="u")
+        assert result.output == "all done"
+        assert len(worker_seen) == 2  # both worker calls replayed: the same redacted inputs
