@@ -28,7 +28,14 @@ from ._entry import (
     read_stored_payload,
     unreadable_reason,
 )
-from ._store import AuditFilter, AuditStore, ChainHead, ChainItem, ChainProblem
+from ._store import (
+    AuditFilter,
+    AuditStore,
+    ChainHead,
+    ChainItem,
+    ChainProblem,
+    _user_of_key,
+)
 from .actions import KEPT_BY_ERASURE
 from .migrations import COMPONENT, migrations_for
 
@@ -277,7 +284,9 @@ class SqlAuditStore(AuditStore):
             before_us,
             what="audit retention",
         )
-        return [(r[1], int(r[2])) for r in rows]
+        # The user whose trail the key is: a row's user_id column may have been edited, and
+        # retention works on trails, by key, as verify and erasure do.
+        return [(_user_of_key(str(r[0]), r[1]), int(r[2])) for r in rows]
 
     async def _heads(self, only: str | None) -> dict[str, ChainHead]:
         if only is None:

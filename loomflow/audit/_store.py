@@ -27,6 +27,7 @@ from ..errors import (
     AuditError,
     AuditIntegrityError,
     InvalidArgumentError,
+    InvalidIdError,
     LegalHoldError,
     UserError,
 )
@@ -853,6 +854,15 @@ class AuditStore(abc.ABC):
         for user_id, count in counts:
             if user_key(user_id) in held:
                 report.held.append(user_id)
+                continue
+            try:
+                check_id("user_id", user_id)
+            except InvalidIdError as exc:  # a trail key edited into no id: nothing reads it
+                report.refused[user_id] = (
+                    f"an audit trail is filed under a user id no writer makes ({exc}): it was "
+                    "edited in the database, so nothing of it was erased; see "
+                    "`loomflow audit verify`"
+                )
                 continue
             # A trail verify finds damaged in any way (an entry deleted, reordered, forged,
             # unreadable...) is evidence: routine retention leaves all of it as it is, and a

@@ -720,3 +720,40 @@ def _retain_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
         check=False,
         env=env,
     )
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+@pytest.mark.parametrize("key_too", [False, True], ids=["user_id", "user_id_and_key"])
+async def test_retention_survives_a_user_id_edited_into_no_valid_id(
+    backend: str, key_too: bool, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A row's user id edited to hold a control character (no writer makes one) named a
+    user retention could not even look up: it stopped with an id error, nobody's payloads
+    went and no trail was reported. The trail is refused, the others are retained."""
+    where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
+
+    def open_store() -> AuditStore:
+        return SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
+
+    store = open_store()
+    await store.append(_records("ana", 2) + _records("bob", 2))
+    await store.close()
+    bad = "'bob' || chr(27) || '[1m'".replace("chr(", "char(" if backend == "sqlite" else "chr(")
+    key = f", user_key = '\"' || {bad} || '\"'" if key_too else ""
+    await _edit_behind_its_back(
+        backend, where, f"UPDATE loom_audit SET user_id = {bad}{key} WHERE user_id = 'bob'"
+    )
+    store = open_store()
+    try:
+        await asyncio.sleep(0.01)
+        for dry_run in (True, False):
+            report = await store.retain(dt.timedelta(milliseconds=1), dry_run=dry_run)
+            assert list(report.erased) == ["ana"]
+            [(user, why)] = report.refused.items()
+            assert "nothing of it was erased" in why
+            assert user == ("bob\x1b[1m" if key_too else "bob")
+        assert all([e.payload is not None async for e in store.entries(user_id="bob")])
+    finally:
+        await store.close()
