@@ -119,3 +119,61 @@ async def test_a_dead_hold_on_a_damaged_bucket_does_not_refuse_other_users_postg
             await conn.close()
 
     await _reclaim_past_a_damaged_bucket(pg_dsn, execute)
+
+
+async def _two_holds(url: str) -> tuple[StandardBudget, str, str]:
+    """A budget with a live hold for alice and one for bob; their reservation ids."""
+    budget = _budget(url)
+    alice = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+    bob = await budget.reserve(user_id="bob", model="scripted", max_tokens=10)
+    return budget, alice.reservation.id, bob.reservation.id
+
+
+async def _pg_execute(dsn: str, sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def _reclaims_an_unreadable_expiry(url: str, execute: object, value: str) -> None:
+    budget, alice, bob = await _two_holds(url)
+    try:
+        edit = f"UPDATE loom_budget_reservations SET expires_at = {value} WHERE id = '{bob}'"
+        await execute(edit)  # type: ignore[operator]
+        # Comparing it with the clock is never true (NaN, an infinity, or text, which SQLite
+        # sorts after every number): the hold used to block bob's budget for good.
+        assert await budget.reclaim() == 1
+        assert [r.id for r in await budget.store.reservations()] == [alice]
+        bob_usage = await budget.store.usage("bob")
+        assert bob_usage
+        assert all(u.totals.reserved_in == 0 for u in bob_usage)
+        assert all(u.totals.calls == 1 for u in bob_usage)  # charged, per on_expiry
+        # alice's live hold is untouched.
+        alice_usage = await budget.store.usage("alice")
+        assert alice_usage
+        assert all(u.totals.reserved_in > 0 for u in alice_usage)
+    finally:
+        await budget.close()
+
+
+@pytest.mark.parametrize("value", ["'nan'", "9e999", "-9e999", "x'00'", "'2030-01-01'"])
+async def test_an_unreadable_expiry_is_reclaimed_sqlite(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "budget.db"
+
+    async def execute(sql: str) -> None:
+        await asyncio.to_thread(sqlite_exec, path, sql)
+
+    await _reclaims_an_unreadable_expiry(f"sqlite:///{path}", execute, value)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("value", ["'NaN'", "'Infinity'", "'-Infinity'"])
+async def test_an_unreadable_expiry_is_reclaimed_postgres(pg_dsn: str, value: str) -> None:
+    async def execute(sql: str) -> None:
+        await _pg_execute(pg_dsn, sql)
+
+    await _reclaims_an_unreadable_expiry(pg_dsn, execute, value)

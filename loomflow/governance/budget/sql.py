@@ -107,17 +107,24 @@ RETURNING buckets, tokens_in, tokens_out, cost_nanousd
 """
 # A reclaimer re-checks, inside its own transaction, that the hold is still expired (its
 # owner may have renewed it meanwhile) unless it saw the owner's process is gone.
-_TAKE_DEAD = """
+# An expiry no lease writes (edited by hand: NaN, an infinity, and on SQLite text, a blob or
+# NULL) is never below the clock, so as a live lease it would hold its amount in the user's
+# buckets for good: it counts as lapsed. ``now + lease_s`` is a finite number, and both
+# databases sort what is none above every number (PostgreSQL's NaN, SQLite's text and blobs).
+_LAPSED = (
+    "(expires_at < {now} OR expires_at > CAST(1e308 AS DOUBLE PRECISION) OR expires_at IS NULL)"
+)
+_TAKE_DEAD = f"""
 DELETE FROM loom_budget_reservations
-WHERE id = $1 AND (expires_at < {now} OR owner = $2)
+WHERE id = $1 AND ({_LAPSED} OR owner = $2)
 RETURNING buckets, tokens_in, tokens_out, cost_nanousd, on_expiry
 """
 _RENEW = """
 UPDATE loom_budget_reservations SET expires_at = {now} + CAST($2 AS DOUBLE PRECISION)
 WHERE id = $1 RETURNING 1
 """
-_EXPIRED = """
-SELECT id, owner FROM loom_budget_reservations WHERE expires_at < {now}
+_EXPIRED = f"""
+SELECT id, owner FROM loom_budget_reservations WHERE {_LAPSED}
 ORDER BY expires_at LIMIT $1
 """
 # Owner ids start with the pid namespace, so a worker can find holds of dead local processes.
