@@ -139,6 +139,72 @@ async def _pg_execute(dsn: str, sql: str) -> None:
         await conn.close()
 
 
+async def _lists_past_a_damaged_hold(
+    url: str, execute: object, column: str, value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget, alice, bob = await _two_holds(url)
+    try:
+        edit = f"UPDATE loom_budget_reservations SET {column} = {value} WHERE id = '{bob}'"
+        await execute(edit)  # type: ignore[operator]
+        with caplog.at_level(logging.WARNING, logger="loomflow.governance.budget"):
+            listed = await budget.store.reservations()
+        # The listing used to fail as a whole (a ValueError, or a BudgetError on the bucket
+        # list): alice's hold is listed, bob's is named in a warning saying why it is left out.
+        assert [r.id for r in listed] == [alice]
+        assert bob in caplog.text
+        assert column in caplog.text
+        assert "loom_budget_reservations" in caplog.text
+    finally:
+        await budget.close()
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("tokens_in", "'x'"),
+        ("cost_nanousd", "x'00'"),
+        ("tokens_out", "-5"),
+        ("buckets", "'not json'"),
+        ("buckets", "'[1]'"),
+        ("on_expiry", "'maybe'"),
+        ("created_at", "'yesterday'"),
+        ("expires_at", "'nan'"),
+        ("expires_at", "9e999"),
+        ("owner", "x'ff'"),
+    ],
+)
+async def test_a_damaged_hold_is_left_out_of_the_listing_sqlite(
+    tmp_path: Path, column: str, value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "budget.db"
+
+    async def execute(sql: str) -> None:
+        await asyncio.to_thread(sqlite_exec, path, sql)
+
+    await _lists_past_a_damaged_hold(f"sqlite:///{path}", execute, column, value, caplog)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("tokens_in", "-5"),
+        ("buckets", "'{\"a\": 1}'"),
+        ("on_expiry", "'maybe'"),
+        ("created_at", "'NaN'"),
+        ("expires_at", "'NaN'"),
+        ("expires_at", "'Infinity'"),
+    ],
+)
+async def test_a_damaged_hold_is_left_out_of_the_listing_postgres(
+    pg_dsn: str, column: str, value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def execute(sql: str) -> None:
+        await _pg_execute(pg_dsn, sql)
+
+    await _lists_past_a_damaged_hold(pg_dsn, execute, column, value, caplog)
+
+
 async def _reclaims_an_unreadable_expiry(url: str, execute: object, value: str) -> None:
     budget, alice, bob = await _two_holds(url)
     try:

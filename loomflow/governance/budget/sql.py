@@ -252,7 +252,7 @@ def _keys(buckets: Sequence[Bucket]) -> str:
 
 
 class _MalformedHold(BudgetError):
-    """A reservation row whose bucket list cannot be read (edited by hand, or damaged)."""
+    """A reservation row that cannot be read back (edited by hand, or damaged)."""
 
 
 def _on_expiry(value: object) -> OnExpiry:
@@ -268,7 +268,7 @@ def _buckets(text: str) -> tuple[Bucket, ...]:
     try:
         return tuple(Bucket.from_key(k) for k in json.loads(text))
     except (ValueError, TypeError, RecursionError) as exc:
-        raise _MalformedHold(f"its bucket list {str(text)[:80]!r} cannot be read: {exc}") from exc
+        raise _MalformedHold(f"its buckets {str(text)[:80]!r} cannot be read: {exc}") from exc
 
 
 class SqlBudgetStore:
@@ -558,20 +558,46 @@ class SqlBudgetStore:
         return len(rows)
 
     async def reservations(self) -> list[ReservationInfo]:
+        """Every hold, oldest first; a row that cannot be read back (edited by hand) is left
+        out with a warning naming it and why, instead of failing the listing."""
         await self.open()
-        rows = await self.db.fetch(_RESERVATIONS, what="budget read")
-        return [
-            ReservationInfo(
-                str(r[0]),
-                str(r[1]),
-                _buckets(str(r[2])),
-                Amount(int(r[3]), int(r[4]), int(r[5])),
-                _on_expiry(r[6]),
-                float(r[7]),
-                float(r[8]),
-            )
-            for r in rows
-        ]
+        listed = []
+        for row in await self.db.fetch(_RESERVATIONS, what="budget read"):
+            try:
+                listed.append(_reservation(row))
+            except _MalformedHold as exc:
+                log.warning(
+                    "budget reservation %s is unreadable and left out of the listing (%s): "
+                    "repair or delete it in loom_budget_reservations",
+                    shown(row[0]),
+                    exc,
+                )
+        return listed
+
+
+def _reservation(row: Sequence[Any]) -> ReservationInfo:
+    """A row of ``_RESERVATIONS``; a :class:`_MalformedHold` naming the column that cannot be
+    what loomflow wrote (text where a number belongs, a negative amount, a time that is no
+    finite number, an id or owner that is not UTF-8 text)."""
+    for column, value in (("id", row[0]), ("owner", row[1]), ("buckets", row[2])):
+        if not (isinstance(value, str) and is_unicode(value)):
+            raise _MalformedHold(f"its {column} {shown(value)} is not text")
+    buckets = _buckets(row[2])
+    for column, value in zip(("tokens_in", "tokens_out", "cost_nanousd"), row[3:6], strict=True):
+        if type(value) is not int or value < 0:
+            raise _MalformedHold(f"its {column} {shown(value)} is no amount")
+    for column, value in (("created_at", row[7]), ("expires_at", row[8])):
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise _MalformedHold(f"its {column} {shown(value)} is no time")
+    return ReservationInfo(
+        row[0],
+        row[1],
+        buckets,
+        Amount(row[3], row[4], row[5]),
+        _on_expiry(row[6]),
+        float(row[7]),
+        float(row[8]),
+    )
 
 
 _check: type[BudgetStore] = SqlBudgetStore  # the class must satisfy the protocol
