@@ -243,3 +243,44 @@ async def test_an_unreadable_expiry_is_reclaimed_postgres(pg_dsn: str, value: st
         await _pg_execute(pg_dsn, sql)
 
     await _reclaims_an_unreadable_expiry(pg_dsn, execute, value)
+
+
+async def _commits_past_a_damaged_hold_amount(url: str, execute: object, value: str) -> None:
+    budget = _budget(url)
+    try:
+        ticket = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        edit = f"UPDATE loom_budget_reservations SET tokens_in = {value}"
+        await execute(edit)  # type: ignore[operator]
+        # The commit used to free the stored copy of the amount: text raised a bare
+        # ValueError, a negative one an InvalidUsageError about the call's usage, and a
+        # fraction freed too little, leaving tokens held in alice's bucket for good.
+        await budget.commit(ticket, Usage(input_tokens=5, output_tokens=1), model="scripted")
+        [usage] = await budget.store.usage("alice")
+        assert (usage.totals.tokens_in, usage.totals.tokens_out, usage.totals.calls) == (5, 1, 1)
+        held = (usage.totals.reserved_in, usage.totals.reserved_out)
+        assert held == (0, 0)
+        assert await budget.store.reservations() == []
+    finally:
+        await budget.close()
+
+
+@pytest.mark.parametrize("value", ["'x'", "-50000", "3.7", "x'00'"])
+async def test_a_commit_frees_what_was_reserved_past_a_damaged_hold_sqlite(
+    tmp_path: Path, value: str
+) -> None:
+    path = tmp_path / "budget.db"
+
+    async def execute(sql: str) -> None:
+        await asyncio.to_thread(sqlite_exec, path, sql)
+
+    await _commits_past_a_damaged_hold_amount(f"sqlite:///{path}", execute, value)
+
+
+@pytest.mark.postgres
+async def test_a_commit_frees_what_was_reserved_past_a_damaged_hold_postgres(
+    pg_dsn: str,
+) -> None:
+    async def execute(sql: str) -> None:
+        await _pg_execute(pg_dsn, sql)
+
+    await _commits_past_a_damaged_hold_amount(pg_dsn, execute, "-50000")

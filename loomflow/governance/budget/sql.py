@@ -382,10 +382,12 @@ class SqlBudgetStore:
     async def commit(self, reservation: Reservation, actual: Amount) -> CommitResult:
         await self.open()
         async with self.db.transaction(what="budget commit") as tx:
-            rows = await tx.fetch(_TAKE, reservation.id)
-            found = bool(rows)
+            found = bool(await tx.fetch(_TAKE, reservation.id))
             if found:
-                held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
+                # What reserve added to the buckets is the ticket's amount (no statement
+                # changes a stored hold's amount): a copy edited by hand must not decide what
+                # is freed, nor fail the commit and lose the call's charge.
+                held = reservation.amount
                 charged = actual
             else:  # reclaimed meanwhile
                 held = Amount()
