@@ -284,3 +284,27 @@ async def test_a_commit_frees_what_was_reserved_past_a_damaged_hold_postgres(
         await _pg_execute(pg_dsn, sql)
 
     await _commits_past_a_damaged_hold_amount(pg_dsn, execute, "-50000")
+
+
+async def test_forget_user_erases_past_a_hold_whose_id_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "budget.db"
+    budget = _budget(f"sqlite:///{path}")
+    try:
+        await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        await budget.reserve(user_id="bob", model="scripted", max_tokens=10)
+        # One of alice's holds (left by a dead worker) has an id edited into bytes that are
+        # not UTF-8: binding it back raised a bare UnicodeEncodeError, and the erasure failed.
+        edit = (
+            "UPDATE loom_budget_reservations SET id = CAST(x'ff41' AS TEXT) WHERE id = "
+            "(SELECT MIN(id) FROM loom_budget_reservations WHERE buckets LIKE '%alice%')"
+        )
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        assert await budget.store.forget_user("alice") == 1
+        left = "SELECT buckets FROM loom_budget_reservations"
+        rows = await asyncio.to_thread(sqlite_exec, path, left)
+        assert len(rows) == 1
+        assert "alice" not in str(rows)
+        assert "bob" in str(rows)
+    finally:
+        await budget.close()

@@ -532,22 +532,29 @@ class SqlBudgetStore:
             )
             # A hold left by a dead worker names the user's buckets: without this, it would
             # keep the user's id and a reclaim would write their bucket back afterwards.
-            for hold_id, text in await tx.fetch("SELECT id, buckets FROM loom_budget_reservations"):
-                try:
-                    buckets = _buckets(str(text))
-                except _MalformedHold:
+            # Holds are found by their bucket list, not their id: an id edited into text
+            # that is not UTF-8 cannot be bound, and must not fail the erasure; holds with
+            # the same list are all changed alike anyway.
+            for (text,) in await tx.fetch("SELECT DISTINCT buckets FROM loom_budget_reservations"):
+                if not (isinstance(text, str) and is_unicode(text)):
                     continue  # left for an operator, as reclaim leaves it
+                try:
+                    buckets = _buckets(text)
+                except _MalformedHold:
+                    continue
                 keep = [b for b in buckets if not (b.scope == "user" and b.user_id == user_id)]
                 if len(keep) == len(buckets):
                     continue
                 if keep:  # everyone's buckets keep their share of the hold
                     await tx.execute(
-                        "UPDATE loom_budget_reservations SET buckets = $1 WHERE id = $2",
+                        "UPDATE loom_budget_reservations SET buckets = $1 WHERE buckets = $2",
                         _keys(keep),
-                        hold_id,
+                        text,
                     )
                 else:
-                    await tx.execute("DELETE FROM loom_budget_reservations WHERE id = $1", hold_id)
+                    await tx.execute(
+                        "DELETE FROM loom_budget_reservations WHERE buckets = $1", text
+                    )
         return len(rows)
 
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
