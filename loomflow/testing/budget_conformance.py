@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import pytest
 from ulid import ULID
 
+from ..errors import InvalidIdError
 from ..governance.budget import (
     Amount,
     Bucket,
@@ -326,3 +327,15 @@ class BudgetStoreConformance:
         left = {u.bucket.key for u in await store.usage()}
         assert left == {b.key for n, b in names.items() if n not in ("old day", "old month")}
         assert await store.prune(ended_before=cutoff) == 0  # idempotent
+
+    @pytest.mark.parametrize("user_id", [5, b"alice", "", "\udcff", "a\x00b", "a" * 300])
+    async def test_a_user_id_no_bucket_has_is_refused_by_name(
+        self, store: BudgetStore, user_id: object
+    ) -> None:
+        assert await _reserve(store, _hold(_ALICE))
+        # Not an empty answer (an erasure reported done), nor a driver error read as the
+        # store being down.
+        for call in (store.usage, getattr(store, "listing", store.usage), store.forget_user):
+            with pytest.raises(InvalidIdError, match="user_id"):
+                await call(user_id)  # type: ignore[arg-type]  # the point of the test
+        assert [u.bucket for u in await store.usage("alice")] == [_ALICE]

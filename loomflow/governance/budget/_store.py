@@ -88,7 +88,8 @@ class BudgetStore(Protocol):
         """The totals of the given buckets (missing buckets are left out)."""
 
     async def usage(self, user_id: str | None = None) -> list[BucketUsage]:
-        """Every bucket, or with ``user_id`` only that user's, in a stable order."""
+        """Every bucket, or with ``user_id`` only that user's, in a stable order (a user id
+        no bucket can have is an :class:`~loomflow.errors.InvalidIdError`)."""
 
     async def reservations(self) -> list[ReservationInfo]:
         """Every hold in the store, oldest first."""
@@ -98,7 +99,8 @@ class BudgetStore(Protocol):
 
         Global buckets keep their totals, which name no user. Holds still in the store (left
         by a worker that died during a call) drop the user's buckets, and a hold that named
-        only theirs goes, so a later reclaim cannot write the user's buckets back."""
+        only theirs goes, so a later reclaim cannot write the user's buckets back. A user id
+        no bucket can have is an :class:`~loomflow.errors.InvalidIdError`."""
 
     async def prune(self, *, ended_before: float, dry_run: bool = False) -> int:
         """Delete the day and month buckets whose period ended by the Unix time

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..._ids import check_id
 from ._store import BudgetStore
 from ._types import (
     Amount,
@@ -158,6 +159,7 @@ class InMemoryBudgetStore:
         return {k: self._rows[k].totals for k in keys if k in self._rows}
 
     async def usage(self, user_id: str | None = None) -> list[BucketUsage]:
+        check_id("user_id", user_id)  # refused as the SQL store refuses it
         rows = [
             BucketUsage(r.bucket, r.totals, r.updated_at)
             for r in self._rows.values()
@@ -170,6 +172,7 @@ class InMemoryBudgetStore:
         return list(await self.usage(user_id))
 
     async def forget_user(self, user_id: str | None) -> int:
+        check_id("user_id", user_id)
         gone = [
             key
             for key, row in self._rows.items()

@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..._ids import check_id
 from ..._printable import is_unicode, shown, text_of
 from ...config import Settings
 from ...errors import BudgetError, InvalidArgumentError, StorageError
@@ -515,6 +516,7 @@ class SqlBudgetStore:
         return sorted((_readable(r) for r in await self._usage_rows(user_id)), key=_order)
 
     async def _usage_rows(self, user_id: str | None) -> Sequence[Sequence[Any]]:
+        check_id("user_id", user_id)  # a driver error would read as the store being down
         await self.open()
         if user_id is None:
             return await self.db.fetch(_USAGE, what="budget read")
@@ -523,6 +525,7 @@ class SqlBudgetStore:
         )
 
     async def forget_user(self, user_id: str | None) -> int:
+        check_id("user_id", user_id)  # an id no bucket has is no erasure to report as done
         await self.open()
         cond, args = ("user_id IS NULL", []) if user_id is None else ("user_id = $1", [user_id])
         async with self.db.transaction(what="budget forget") as tx:
