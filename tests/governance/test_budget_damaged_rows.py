@@ -69,7 +69,12 @@ async def test_a_commit_does_not_write_over_a_text_total(tmp_path: Path) -> None
         await budget.close()
 
 
-async def _reclaim_past_a_damaged_bucket(url: str, execute: object) -> None:
+async def _reclaim_past_a_damaged_bucket(
+    url: str,
+    execute: object,
+    damage: str = "UPDATE loom_budget_buckets SET tokens_in = -5",
+    why: str = "negative total",
+) -> None:
     alice = _budget(url)
     bob = _budget(url)
     try:
@@ -77,14 +82,14 @@ async def _reclaim_past_a_damaged_bucket(url: str, execute: object) -> None:
         # alice's worker died holding that call (its lease long gone), and her total was
         # damaged meanwhile.
         await execute("UPDATE loom_budget_reservations SET expires_at = 0")  # type: ignore[operator]
-        await execute("UPDATE loom_budget_buckets SET tokens_in = -5")  # type: ignore[operator]
+        await execute(damage)  # type: ignore[operator]
         # A sweep runs before bob's reservation: it used to raise on alice's row, so every
         # worker refused every user's calls.
         ticket = await bob.reserve(user_id="bob", model="scripted", max_tokens=10)
         await bob.commit(ticket, Usage(input_tokens=3, output_tokens=1), model="scripted")
         # alice's hold is left for an operator, and her calls are still refused.
         assert len(await bob.store.reservations()) == 1
-        with pytest.raises(BudgetUnavailableError, match="negative total"):
+        with pytest.raises(BudgetUnavailableError, match=why):
             await alice.reserve(user_id="alice", model="scripted", max_tokens=10)
     finally:
         await alice.close()
@@ -308,3 +313,26 @@ async def test_forget_user_erases_past_a_hold_whose_id_is_not_utf8(tmp_path: Pat
         assert "bob" in str(rows)
     finally:
         await budget.close()
+
+
+# A total no sum of calls reaches, edited in: charging alice's dead hold on it overflowed
+# BIGINT on PostgreSQL, which failed the sweep before bob's reservation, so bob's calls were
+# refused ("bigint out of range"); SQLite read it back as a cap reached.
+_ABSURD = f"UPDATE loom_budget_buckets SET tokens_in = {2**63 - 10}"
+
+
+async def test_an_absurd_total_does_not_refuse_other_users_sqlite(tmp_path: Path) -> None:
+    path = tmp_path / "budget.db"
+
+    async def execute(sql: str) -> None:
+        await asyncio.to_thread(sqlite_exec, path, sql)
+
+    await _reclaim_past_a_damaged_bucket(f"sqlite:///{path}", execute, _ABSURD, "too large")
+
+
+@pytest.mark.postgres
+async def test_an_absurd_total_does_not_refuse_other_users_postgres(pg_dsn: str) -> None:
+    async def execute(sql: str) -> None:
+        await _pg_execute(pg_dsn, sql)
+
+    await _reclaim_past_a_damaged_bucket(pg_dsn, execute, _ABSURD, "too large")

@@ -57,10 +57,33 @@ _COLUMNS = (
     "reserved_cost_nanousd"
 )
 
-# Spent amounts only grow, and a negative one (edited by hand) stays as it is, so RETURNING
-# shows the damage: adding to it would turn it into a plausible figure short by that much.
-# Held amounts move by a signed delta and never drop below zero (a bucket recreated after a
-# manual clean-up must not start with a negative hold).
+# No sum of calls gets near this (a call adds at most 10**7 tokens or 10**14 nano-USD), and
+# adding one call to it cannot pass the BIGINT range: a larger total was edited in.
+_MOST = 2**62
+
+
+def _spent(column: str, arg: int, kind: str = "BIGINT") -> str:
+    # Spent amounts only grow, and a negative or absurd one (edited by hand) stays as it is,
+    # so RETURNING shows the damage: adding to a negative one would turn it into a plausible
+    # figure short by that much, and to an absurd one fail with an overflow (on PostgreSQL),
+    # which would fail the sweep of dead workers' holds for every user.
+    old = f"loom_budget_buckets.{column}"
+    return (
+        f"{column} = CASE WHEN {old} < 0 OR {old} > {_MOST} THEN {old} "
+        f"ELSE {old} + CAST(${arg} AS {kind}) END"
+    )
+
+
+def _held(column: str, arg: int) -> str:
+    # Held amounts move by a signed delta and never drop below zero (a bucket recreated after
+    # a manual clean-up must not start with a negative hold); an absurd one stays, as above.
+    old, new = (
+        f"loom_budget_buckets.{column}",
+        f"loom_budget_buckets.{column} + CAST(${arg} AS BIGINT)",
+    )
+    return f"{column} = CASE WHEN {old} > {_MOST} THEN {old} WHEN {new} > 0 THEN {new} ELSE 0 END"
+
+
 _UPSERT = f"""
 INSERT INTO loom_budget_buckets
     (bucket, scope, user_id, period, {_COLUMNS}, updated_at)
@@ -71,24 +94,14 @@ VALUES ($1, $2, $3, $4, CAST($5 AS BIGINT), CAST($6 AS BIGINT), CAST($7 AS BIGIN
     CASE WHEN CAST($12 AS BIGINT) > 0 THEN CAST($12 AS BIGINT) ELSE 0 END,
     {{now}})
 ON CONFLICT (bucket) DO UPDATE SET
-    tokens_in = CASE WHEN loom_budget_buckets.tokens_in < 0 THEN loom_budget_buckets.tokens_in
-        ELSE loom_budget_buckets.tokens_in + CAST($5 AS BIGINT) END,
-    tokens_out = CASE WHEN loom_budget_buckets.tokens_out < 0 THEN loom_budget_buckets.tokens_out
-        ELSE loom_budget_buckets.tokens_out + CAST($6 AS BIGINT) END,
-    cost_nanousd = CASE WHEN loom_budget_buckets.cost_nanousd < 0
-        THEN loom_budget_buckets.cost_nanousd
-        ELSE loom_budget_buckets.cost_nanousd + CAST($7 AS BIGINT) END,
-    wall_s = CASE WHEN loom_budget_buckets.wall_s < 0 THEN loom_budget_buckets.wall_s
-        ELSE loom_budget_buckets.wall_s + CAST($8 AS DOUBLE PRECISION) END,
-    calls = CASE WHEN loom_budget_buckets.calls < 0 THEN loom_budget_buckets.calls
-        ELSE loom_budget_buckets.calls + CAST($9 AS BIGINT) END,
-    reserved_in = CASE WHEN loom_budget_buckets.reserved_in + CAST($10 AS BIGINT) > 0
-        THEN loom_budget_buckets.reserved_in + CAST($10 AS BIGINT) ELSE 0 END,
-    reserved_out = CASE WHEN loom_budget_buckets.reserved_out + CAST($11 AS BIGINT) > 0
-        THEN loom_budget_buckets.reserved_out + CAST($11 AS BIGINT) ELSE 0 END,
-    reserved_cost_nanousd = CASE
-        WHEN loom_budget_buckets.reserved_cost_nanousd + CAST($12 AS BIGINT) > 0
-        THEN loom_budget_buckets.reserved_cost_nanousd + CAST($12 AS BIGINT) ELSE 0 END,
+    {_spent("tokens_in", 5)},
+    {_spent("tokens_out", 6)},
+    {_spent("cost_nanousd", 7)},
+    {_spent("wall_s", 8, "DOUBLE PRECISION")},
+    {_spent("calls", 9)},
+    {_held("reserved_in", 10)},
+    {_held("reserved_out", 11)},
+    {_held("reserved_cost_nanousd", 12)},
     updated_at = {{now}}
 RETURNING {_COLUMNS}
 """
@@ -171,6 +184,8 @@ def _damage(row: Sequence[Any]) -> str | None:
         return "a negative total"
     if not math.isfinite(row[3]) or row[3] < 0:
         return "a negative or non-finite model time"
+    if any(n > _MOST for n in (*numbers, row[3])):
+        return f"a total too large for any sum of calls (over {_MOST})"
     return None
 
 
