@@ -91,7 +91,10 @@ def _local_pid(owner: str) -> int | None:
         or not (pid_text.isascii() and pid_text.isdigit())
     ):
         return None
-    return int(pid_text)
+    pid = int(pid_text)
+    # Read from a row that may be edited by hand: 0 is no process (kill(0) signals our own
+    # group), and one past the pid range would raise OverflowError out of os.kill.
+    return pid if 0 < pid < 2**31 else None
 
 
 def is_this_process(owner: str) -> bool:

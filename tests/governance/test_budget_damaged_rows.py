@@ -336,3 +336,24 @@ async def test_an_absurd_total_does_not_refuse_other_users_postgres(pg_dsn: str)
         await _pg_execute(pg_dsn, sql)
 
     await _reclaim_past_a_damaged_bucket(pg_dsn, execute, _ABSURD, "too large")
+
+
+async def test_a_hold_owner_naming_no_possible_pid_does_not_fail_the_sweep(
+    tmp_path: Path,
+) -> None:
+    from loomflow.runtime._owner import pid_namespace
+
+    path = tmp_path / "budget.db"
+    alice = _budget(f"sqlite:///{path}")
+    try:
+        await alice.reserve(user_id="alice", model="scripted", max_tokens=10)
+        # A hand-edited owner of this pid namespace whose pid no process can have: checking
+        # whether it is alive raised OverflowError out of the sweep, and so out of every
+        # reservation that ran one.
+        edit = f"UPDATE loom_budget_reservations SET owner = '{pid_namespace()}:{10**20}:h:x'"
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        assert await alice.reclaim() == 0  # its lease still runs: left until it ends
+        ticket = await alice.reserve(user_id="bob", model="scripted", max_tokens=10)
+        await alice.release(ticket)
+    finally:
+        await alice.close()
