@@ -357,3 +357,23 @@ async def test_a_hold_owner_naming_no_possible_pid_does_not_fail_the_sweep(
         await alice.release(ticket)
     finally:
         await alice.close()
+
+
+async def test_a_lapsed_hold_whose_id_is_a_blob_is_reclaimed(tmp_path: Path) -> None:
+    path = tmp_path / "budget.db"
+    budget = _budget(f"sqlite:///{path}")
+    try:
+        await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        edit = "UPDATE loom_budget_reservations SET id = x'00ff', expires_at = 0"
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        # Looked up again by its id as text, a blob id found no row: the hold was skipped
+        # without a word, and its amount stayed held in alice's bucket for good.
+        assert await budget.reclaim() == 1
+        [usage] = await budget.store.usage("alice")
+        assert (usage.totals.reserved_in, usage.totals.calls) == (0, 1)
+        count = await asyncio.to_thread(
+            sqlite_exec, path, "SELECT COUNT(*) FROM loom_budget_reservations"
+        )
+        assert count == [(0,)]
+    finally:
+        await budget.close()

@@ -267,6 +267,10 @@ def _keys(buckets: Sequence[Bucket]) -> str:
     return json.dumps([b.key for b in buckets])
 
 
+def _id_as_read(value: object) -> str | bytes:
+    return value if isinstance(value, bytes) else str(value)
+
+
 class _MalformedHold(BudgetError):
     """A reservation row that cannot be read back (edited by hand, or damaged)."""
 
@@ -467,17 +471,20 @@ class SqlBudgetStore:
 
     async def reclaim(self, *, limit: int = 100) -> int:
         await self.open()
-        candidates: dict[str, str] = {}
+        # Ids are kept as read: a blob id (edited in on SQLite) finds its row only as a blob,
+        # and as text would be skipped without a word, its amount held for good.
+        candidates: dict[str | bytes, str] = {}
         for row in await self.db.fetch(_EXPIRED, limit, what="budget reclaim"):
-            candidates[str(row[0])] = ""
+            candidates[_id_as_read(row[0])] = ""
         namespace = pid_namespace()
         if namespace != "unknown":
             for row in await self.db.fetch(_LOCAL, f"{namespace}:%", limit, what="budget reclaim"):
                 if owner_is_dead(str(row[1])):
-                    candidates[str(row[0])] = str(row[1])
+                    candidates[_id_as_read(row[0])] = str(row[1])
         reclaimed = 0
         for reservation_id, dead_owner in candidates.items():
-            if not (is_unicode(reservation_id) and is_unicode(dead_owner)):
+            text = reservation_id if isinstance(reservation_id, str) else ""
+            if not (is_unicode(text) and is_unicode(dead_owner)):
                 # Text that is not UTF-8 (see storage/_sqlite.read_text) cannot be bound to
                 # find the row again: left in place, as a malformed hold is.
                 log.warning(
