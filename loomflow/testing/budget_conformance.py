@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import pytest
 from ulid import ULID
 
-from ..errors import InvalidIdError
+from ..errors import InvalidArgumentError, InvalidIdError
 from ..governance.budget import (
     Amount,
     Bucket,
@@ -339,3 +339,24 @@ class BudgetStoreConformance:
             with pytest.raises(InvalidIdError, match="user_id"):
                 await call(user_id)  # type: ignore[arg-type]  # the point of the test
         assert [u.bucket for u in await store.usage("alice")] == [_ALICE]
+
+    async def test_bad_store_arguments_are_refused_by_name(self, store: BudgetStore) -> None:
+        kept = _hold(_ALICE)
+        assert await _reserve(store, kept)
+        # Each used to differ by backend: memory swept all holds but the last for limit=-1,
+        # SQLite all of them and PostgreSQL failed as if down; a NaN lease stored an expiry
+        # no clock passes; a surrogate id raised a bare UnicodeEncodeError.
+        for limit in (-1, 0, True, "5", 1.5):
+            with pytest.raises(InvalidArgumentError, match="limit"):
+                await store.reclaim(limit=limit)  # type: ignore[arg-type]  # the point
+        for lease in (float("nan"), float("inf"), 0, -1.0, "60", True):
+            with pytest.raises(InvalidArgumentError, match="lease_s"):
+                await store.renew(kept.id, lease)  # type: ignore[arg-type]  # the point
+            with pytest.raises(InvalidArgumentError, match="lease_s"):
+                await _reserve(store, _hold(_BOB), lease_s=lease)  # type: ignore[arg-type]
+        for bad_id in ("\udcff", 5, "", "a\x00"):
+            with pytest.raises(InvalidIdError, match="reservation_id"):
+                await store.release(bad_id)  # type: ignore[arg-type]  # the point
+            with pytest.raises(InvalidIdError, match="reservation_id"):
+                await store.renew(bad_id, 60.0)  # type: ignore[arg-type]  # the point
+        assert [r.id for r in await store.reservations()] == [kept.id]

@@ -58,6 +58,8 @@ class BudgetStore(Protocol):
         """Hold ``reservation.amount`` in every one of its buckets, or in none.
 
         Returns ``None`` when the hold is recorded, or the first limit it would break.
+        A ``lease_s`` that is not a finite, positive number is an
+        :class:`~loomflow.errors.InvalidArgumentError` (see ``_types.lease_seconds``).
         """
 
     async def commit(self, reservation: Reservation, actual: Amount) -> CommitResult:
@@ -81,8 +83,8 @@ class BudgetStore(Protocol):
         """Extend a hold's lease; ``False`` if it was gone (reclaimed)."""
 
     async def reclaim(self, *, limit: int = 100) -> int:
-        """Settle up to ``limit`` holds of dead workers (per their ``on_expiry``); return how
-        many."""
+        """Settle up to ``limit`` (a positive integer) holds of dead workers, per their
+        ``on_expiry``; return how many. A hold whose expiry is no number counts as lapsed."""
 
     async def totals(self, keys: Sequence[str]) -> dict[str, Totals]:
         """The totals of the given buckets (missing buckets are left out)."""

@@ -38,7 +38,9 @@ __all__ = [
     "Window",
     "evaluate",
     "late_charge",
+    "lease_seconds",
     "nanousd",
+    "sweep_limit",
     "usd",
 ]
 
@@ -68,6 +70,34 @@ def nanousd(usd_value: float) -> int:
 def usd(nano: int) -> float:
     """Integer nano-USD as USD."""
     return nano / 1e9
+
+
+def lease_seconds(value: object) -> float:
+    """A store's ``lease_s``: a finite, positive number of seconds.
+
+    Raises:
+        InvalidArgumentError: anything else; NaN or an infinity would store an expiry no
+            clock reaches, so the hold would be swept at once (or, before, never).
+    """
+    try:
+        number = float(value) if isinstance(value, int | float) else math.nan
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if isinstance(value, bool) or not 0 < number < math.inf:
+        raise InvalidArgumentError(f"lease_s must be a positive number of seconds, not {value!r}")
+    return number
+
+
+def sweep_limit(value: object) -> int:
+    """A reclaim's ``limit``: a positive integer (one beyond BIGINT is no limit at all).
+
+    Raises:
+        InvalidArgumentError: anything else; SQL reads a negative LIMIT as none (SQLite) or
+            an error (PostgreSQL), a slice as all but the last.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"limit must be a positive integer, not {value!r}")
+    return min(value, 2**62)
 
 
 def _count(what: str, value: object, limit: int) -> int:

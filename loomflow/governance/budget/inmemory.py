@@ -27,7 +27,9 @@ from ._types import (
     ended_periods,
     evaluate,
     late_charge,
+    lease_seconds,
     period_ended,
+    sweep_limit,
 )
 
 __all__ = ["InMemoryBudgetStore"]
@@ -100,6 +102,7 @@ class InMemoryBudgetStore:
         hard: bool,
         lease_s: float,
     ) -> Denial | None:
+        lease = lease_seconds(lease_s)
         before = {
             b.key: self._rows[b.key].totals for b in reservation.buckets if b.key in self._rows
         }
@@ -109,7 +112,7 @@ class InMemoryBudgetStore:
         now = self._clock()
         for bucket in reservation.buckets:
             self._add(bucket, Amount(), reservation.amount, +1, 0)
-        self._holds[reservation.id] = _Hold(reservation, now, now + lease_s)
+        self._holds[reservation.id] = _Hold(reservation, now, now + lease)
         return None
 
     async def commit(self, reservation: Reservation, actual: Amount) -> CommitResult:
@@ -128,6 +131,7 @@ class InMemoryBudgetStore:
         return CommitResult(actual, totals, True)
 
     async def release(self, reservation_id: str) -> bool:
+        check_id("reservation_id", reservation_id)
         hold = self._holds.pop(reservation_id, None)
         if hold is None:
             return False
@@ -136,13 +140,16 @@ class InMemoryBudgetStore:
         return True
 
     async def renew(self, reservation_id: str, lease_s: float) -> bool:
+        check_id("reservation_id", reservation_id)
+        lease = lease_seconds(lease_s)
         hold = self._holds.get(reservation_id)
         if hold is None:
             return False
-        hold.expires_at = self._clock() + lease_s
+        hold.expires_at = self._clock() + lease
         return True
 
     async def reclaim(self, *, limit: int = 100) -> int:
+        limit = sweep_limit(limit)
         now = self._clock()
         expired = sorted(
             (h for h in self._holds.values() if h.expires_at < now), key=lambda h: h.expires_at

@@ -45,6 +45,8 @@ from ._types import (
     ended_periods,
     evaluate,
     late_charge,
+    lease_seconds,
+    sweep_limit,
 )
 from .migrations import COMPONENT, MIGRATIONS
 
@@ -346,6 +348,7 @@ class SqlBudgetStore:
         hard: bool,
         lease_s: float,
     ) -> Denial | None:
+        lease = lease_seconds(lease_s)
         await self.open()
         held = reservation.amount
         try:
@@ -393,7 +396,7 @@ class SqlBudgetStore:
                     held.tokens_out,
                     held.cost_nanousd,
                     reservation.on_expiry,
-                    float(lease_s),
+                    lease,
                 )
         except _Refused as refused:
             return refused.denial
@@ -452,6 +455,7 @@ class SqlBudgetStore:
         return CommitResult(actual, totals, True)
 
     async def release(self, reservation_id: str) -> bool:
+        check_id("reservation_id", reservation_id)
         await self.open()
         async with self.db.transaction(what="budget release") as tx:
             rows = await tx.fetch(_TAKE, reservation_id)
@@ -463,13 +467,14 @@ class SqlBudgetStore:
         return True
 
     async def renew(self, reservation_id: str, lease_s: float) -> bool:
+        check_id("reservation_id", reservation_id)
+        lease = lease_seconds(lease_s)
         await self.open()
-        rows = await self.db.fetch(
-            _RENEW, reservation_id, float(lease_s), what="budget lease renewal"
-        )
+        rows = await self.db.fetch(_RENEW, reservation_id, lease, what="budget lease renewal")
         return bool(rows)
 
     async def reclaim(self, *, limit: int = 100) -> int:
+        limit = sweep_limit(limit)
         await self.open()
         # Ids are kept as read: a blob id (edited in on SQLite) finds its row only as a blob,
         # and as text would be skipped without a word, its amount held for good.
