@@ -377,3 +377,22 @@ async def test_a_lapsed_hold_whose_id_is_a_blob_is_reclaimed(tmp_path: Path) -> 
         assert count == [(0,)]
     finally:
         await budget.close()
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        '["global","alice",""]',  # everyone's totals, carrying a user id
+        '["user","alice","week:1"]',  # a period no window has
+        '["user","alice","day:9999-99-99"]',
+        '["user","alice","month:2026-05-01"]',
+    ],
+)
+def test_a_key_naming_no_bucket_a_budget_has_is_refused(key: str) -> None:
+    from loomflow.errors import InvalidArgumentError
+    from loomflow.governance.budget import Bucket
+
+    # Read back from a hand-edited hold, such a key was settled into a bucket row of its own
+    # (a global one keeping alice's id through her erasure, a period no prune ends).
+    with pytest.raises(InvalidArgumentError, match="names no bucket"):
+        Bucket.from_key(key)

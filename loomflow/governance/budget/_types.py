@@ -310,9 +310,30 @@ class Bucket:
                 f"bucket key {str(key)[:80]!r} is not a [scope, user_id, period] list"
             )
         scope, user_id, period = parts
-        if scope not in ("user", "global") or not isinstance(period, str):
+        if (
+            scope not in ("user", "global")
+            or (scope == "global" and user_id is not None)
+            or not _is_period(period)
+        ):
+            # Settled into a row of its own, such a key would make a bucket no budget has: a
+            # global one keeping a user's id through their erasure, a period no prune ends.
             raise InvalidArgumentError(f"bucket key {str(key)[:80]!r} names no bucket")
         return cls(scope, user_id, period)  # check_id refuses a user id no store accepts
+
+
+def _is_period(period: object) -> bool:
+    """Whether ``period`` is one :meth:`Bucket.for_window` makes: ``""``, or a day or a month
+    written as it writes them."""
+    if period == "":
+        return True
+    if not isinstance(period, str):
+        return False
+    kind, _, date = period.partition(":")
+    form = {"day": "%Y-%m-%d", "month": "%Y-%m"}.get(kind)
+    try:
+        return form is not None and dt.datetime.strptime(date, form).strftime(form) == date
+    except ValueError:
+        return False
 
 
 def ended_periods(cutoff: float) -> tuple[str, str]:
