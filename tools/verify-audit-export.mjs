@@ -41,6 +41,9 @@ const DIGESTED_VERSION = 3;
 // The first line of an export made with filters: {"filters": {...}, "loomflow_audit_export": 1}.
 const EXPORT_HEADER = 'loomflow_audit_export';
 const EXPORT_FILTERS = ['user_id', 'session_id', 'run_id', 'action', 'since', 'until'];
+// The key of a line whose stored row the exporter could not read (a payload that is no strict
+// JSON, a row no writer makes): the line says why, and the entry is unreadable where it is.
+const UNREADABLE = 'unreadable';
 const AUDIT_ERASURE = 'audit.erasure';
 const HOLD_PLACED = 'legal_hold.placed';
 const HOLD_ACTIONS = [HOLD_PLACED, 'legal_hold.released'];
@@ -126,6 +129,7 @@ const FIELDS = new Set([
   'schema_version', 'hash_version', 'user_id', 'seq', 'time', 'session_id', 'run_id', 'actor',
   'action', 'payload', 'payload_digest', 'payload_salt', 'prev_hash', 'hash',
   'time_us', // replaced by the one read from "time", as loomflow does
+  UNREADABLE,
 ]);
 const INTEGERS = ['schema_version', 'hash_version', 'seq'];
 const INTEGER_TEXT = /^-?(0|[1-9][0-9]*)$/;
@@ -390,6 +394,7 @@ function readEntry(line) {
   for (const key of ['session_id', 'run_id', 'payload_digest', 'payload_salt']) {
     if (key in data && !isTextOrNull(data[key])) wrong.push(`${key}: not text or null`);
   }
+  if (UNREADABLE in data && !isText(data[UNREADABLE])) wrong.push(`${UNREADABLE}: not text`);
   if ('payload' in data && data.payload !== null &&
       (typeof data.payload !== 'object' || Array.isArray(data.payload))) {
     wrong.push('payload: not an object or null');
@@ -419,6 +424,11 @@ function readEntry(line) {
   Object.defineProperty(entry, 'unsafe', { value: unsafe });
   // ...and hash_version as written, for the report (18446744073709551616, not ...552000).
   Object.defineProperty(entry, 'versionText', { value: texts.get('hash_version') ?? '1' });
+  if (UNREADABLE in data) {
+    // However its row was damaged (a version relabelled, a digest dropped): reported as that.
+    Object.defineProperty(entry, 'unreadable', { value: data[UNREADABLE] });
+    return entry;
+  }
   if (entry.hash_version < DIGESTED_VERSION &&
       (entry.payload_digest !== null || entry.payload_salt !== null)) {
     throw new Error(`a hash version ${entry.hash_version} entry has no payload_digest or salt`);
@@ -560,6 +570,19 @@ class ChainCheck {
     this.expected = entry.seq;
     this.prevHash = entry.prev_hash;
     this.lastSeq = entry.seq - 1;
+  }
+
+  // The entry at `seq` was exported unreadable (loomflow's _ChainCheck.skip): the entries
+  // before it must still be there, and the chain goes on after it, its next link unchecked.
+  skip(position, seq) {
+    if (this.firstSeq === null) this.firstSeq = seq;
+    if (seq <= this.lastSeq) return; // a second line claiming a seq: the unreadable report is enough
+    if (seq > this.expected) this.gap(seq, position);
+    this.expected = seq + 1;
+    this.prevHash = null;
+    this.prevPosition = position;
+    this.lastSeq = seq;
+    this.lastHash = null;
   }
 
   gap(seq, position) {
@@ -818,6 +841,15 @@ for (const [key, trail] of trails) {
         warning(entry.user_id, 'unanchored', entry.seq, line,
           `the export starts at entry ${entry.seq}: its link to entry ${entry.seq - 1} cannot be checked here`);
       }
+    }
+    if (entry.unreadable !== undefined) {
+      // As loomflow's "\u" escapes spell it (json.dumps): ASCII, whatever the line holds.
+      const why = JSON.stringify(entry.unreadable)
+        .replace(/[\u0080-\uffff]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+      problem(entry.user_id, 'unreadable', entry.seq, line,
+        `entry ${entry.seq} was exported unreadable: ${why.slice(0, 300)}`);
+      check.skip(line, entry.seq);
+      continue;
     }
     report.entries += 1;
     check.feed(line, entry);

@@ -48,7 +48,15 @@ import secrets
 from typing import Any, Final
 
 import rfc8785
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from .._ids import check_id, check_key
 from .._json import canonical_json, json_safe
@@ -90,6 +98,9 @@ apart (salted) so that it can be erased."""
 
 DIGESTED_VERSION: Final = 3
 """The first hash version whose hash covers a digest of the payload instead of the payload."""
+
+UNREADABLE: Final = "unreadable"
+"""The key of an exported line whose stored row is damaged (see ``AuditEntry.unreadable``)."""
 
 HASH_VERSIONS: Final = (1, 2, 3)
 """Every hash version this loomflow can check (1: Python's ``json.dumps`` spelling)."""
@@ -367,9 +378,15 @@ class AuditEntry(BaseModel):
         payload_salt: Version 3: the random salt of the digest; ``None`` once erased.
         prev_hash: ``hash`` of the user's previous entry (:data:`GENESIS` for the first).
         hash: SHA-256 of the canonical JSON of all the fields above.
+        unreadable: Why the stored row this entry was read from is damaged (a payload that is
+            no strict JSON, a row no writer makes), else ``None``. No field and never hashed:
+            an export writes it as the line's ``"unreadable"`` key, so that ``verify --file``
+            (and the Node verifier) report the entry as ``unreadable`` where it is, as
+            ``verify`` does on the store, rather than as ``edited``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    _unreadable: str | None = PrivateAttr(default=None)
 
     schema_version: int = ENTRY_SCHEMA_VERSION
     # 1 is what a row or line from before hash versions existed is; strict, so that ``true``
@@ -393,7 +410,9 @@ class AuditEntry(BaseModel):
     hash: str
 
     @model_validator(mode="after")
-    def _digest_fields_match_version(self) -> AuditEntry:
+    def _digest_fields_match_version(self, info: ValidationInfo) -> AuditEntry:
+        if info.context and info.context.get(UNREADABLE):
+            return self  # a damaged row's line: reported as that, however it was damaged
         # Fields a version does not hash may not appear in it: they would ride along unchecked.
         if self.hash_version < DIGESTED_VERSION:
             if self.payload_digest is not None or self.payload_salt is not None:
@@ -402,6 +421,16 @@ class AuditEntry(BaseModel):
                 )
         elif self.hash_version == DIGESTED_VERSION and not isinstance(self.payload_digest, str):
             raise ValueError(f"a hash version {self.hash_version} entry needs a payload_digest")
+        return self
+
+    @property
+    def unreadable(self) -> str | None:
+        """Why the row this entry was read from is damaged (``None``: it is not)."""
+        return self._unreadable
+
+    def marked_unreadable(self, why: str) -> AuditEntry:
+        """This entry, read from a damaged row: ``why`` says what is wrong with it."""
+        self._unreadable = why
         return self
 
     @property
@@ -480,6 +509,8 @@ class AuditEntry(BaseModel):
         if self.hash_version >= DIGESTED_VERSION:
             line["payload"] = self.payload
             line["payload_salt"] = self.payload_salt
+        if self._unreadable is not None:
+            line[UNREADABLE] = self._unreadable
         return {**line, "hash": self.hash}
 
     def _hashed(self) -> dict[str, Any]:
@@ -548,7 +579,15 @@ class AuditEntry(BaseModel):
         when = body.pop("time", None)
         if when is None:
             raise ValueError("no time")
-        return cls.model_validate({**body, "time_us": time_us_of_text(when)}, strict=True)
+        why = body.pop(UNREADABLE, None)
+        if UNREADABLE in data and not isinstance(why, str):
+            raise ValueError(f"{UNREADABLE} is not text")
+        entry = cls.model_validate(
+            {**body, "time_us": time_us_of_text(when)},
+            strict=True,
+            context={UNREADABLE: why is not None},
+        )
+        return entry if why is None else entry.marked_unreadable(why)
 
     @classmethod
     def from_line(cls, line: str | bytes) -> AuditEntry:

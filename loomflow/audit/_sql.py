@@ -418,7 +418,10 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         "hash": hash_,
     }
     try:
-        return problem, AuditEntry(**fields)
+        entry = AuditEntry(**fields)
+        # Marked, so that its exported line says so and verify --file reports it as verify
+        # does (its hash or digest cannot match what is shown in place of the payload).
+        return problem, entry if problem is None else entry.marked_unreadable(problem.detail)
     except ValidationError as exc:
         # A row edited into an entry no writer makes (a hash version relabelled, a digest
         # dropped, a number where text belongs): queries show it as stored, and verify
@@ -428,15 +431,15 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
             k: v if k in _NUMBERS or v is None or k == "payload" else str(v)
             for k, v in fields.items()
         }
-        return (
-            ChainProblem(
-                user_id if user_id is None else str(user_id),
-                "unreadable",
-                int(seq),
-                int(_id),
-                f"entry {seq} does not read as an audit entry: {why}",
-            ),
-            AuditEntry.model_construct(set(kept), **kept),
+        problem = ChainProblem(
+            user_id if user_id is None else str(user_id),
+            "unreadable",
+            int(seq),
+            int(_id),
+            f"entry {seq} does not read as an audit entry: {why}",
+        )
+        return problem, AuditEntry.model_construct(set(kept), **kept).marked_unreadable(
+            problem.detail
         )
 
 

@@ -8,6 +8,7 @@ earlier (the ``heads`` of a ``loomflow audit verify --json`` report).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -342,6 +343,19 @@ def _feed_line(
                     f"{entry.seq - 1} cannot be checked here",
                 )
             )
+    if entry.unreadable is not None:
+        # A row the exporter could not read (its line says why): reported as verify reports
+        # it on the store, in its place, and the chain goes on past it.
+        problem = ChainProblem(
+            entry.user_id,
+            "unreadable",
+            entry.seq,
+            number,
+            f"entry {entry.seq} was exported unreadable: {json.dumps(entry.unreadable)[:300]}",
+        )
+        report.problems.append(problem)
+        check.skip(number, problem, report)
+        return
     report.entries += 1
     check.feed(number, entry, report)
 

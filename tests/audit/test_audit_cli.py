@@ -202,9 +202,11 @@ async def test_export_and_query_a_nan_payload_without_a_traceback(tmp_path: Path
     assert len(rows) == 10
     nan = next(r for r in rows if isinstance(r, dict) and r["seq"] == 4 and r["user_id"] == "alice")
     assert nan["payload"] == {"unreadable_payload": '{"a":NaN}'}
-    offline = loomflow("audit", "verify", "--file", str(out))
+    assert nan["unreadable"] == "entry 4 has an unreadable payload: NaN is not JSON"
+    offline = loomflow("audit", "verify", "--file", str(out), "--json")
     assert offline.returncode == 1, offline.stdout
-    assert "entry 4 was changed" in offline.stdout
+    found = json.loads(offline.stdout)["problems"]
+    assert [(p["user_id"], p["kind"], p["seq"]) for p in found] == [("alice", "unreadable", 4)]
     query = loomflow("--url", url, "audit", "query", "--user", "alice", "--json")
     assert query.returncode == 0, query.stderr
     page = _no_constants(query.stdout)

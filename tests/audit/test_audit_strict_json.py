@@ -117,7 +117,15 @@ async def test_a_stored_payload_that_is_not_strict_json_is_reported_and_still_ex
         for line in lines:
             _strict(line)
         offline = verify_lines(lines, heads=heads_from_json(report.to_json()))
-        assert [(p.user_id, p.kind, p.seq) for p in offline.problems] == [("alice", "edited", 2)]
+        # The line says its row was unreadable: verify --file reports it as verify does (it
+        # called it edited), and nothing else (no gap, no broken link after it).
+        assert [(p.user_id, p.kind, p.seq) for p in offline.problems] == [
+            ("alice", "unreadable", 2)
+        ], offline.problems
+        assert report.problems[0].detail in offline.problems[0].detail.encode().decode(
+            "unicode_escape"
+        )
+        assert offline.entries == report.entries
     finally:
         await store.close()
 

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -802,3 +803,51 @@ def test_node_refuses_a_user_that_is_no_id_as_loomflow_does(
     assert done.returncode == 2, done.stdout
     assert done.stderr.startswith("--user "), done.stderr
     assert done.stdout == ""
+
+
+# Rows damaged in the database, each as someone with the file would leave it (the trigger
+# dropped first), and the row it damages (user, seq).
+DAMAGED_ROWS: dict[str, tuple[str | None, int, str, tuple[Any, ...]]] = {
+    "payload with NaN": (A, 2, "payload = ?", ('{"a":NaN}',)),
+    "payload of bytes that are not UTF-8": (A, 3, "payload = ?", (b"\xff\xfe{",)),
+    "payload with a key twice": (None, 1, "payload = ?", ('{"i":1,"i":2}',)),
+    "hash version relabelled": ("\U0001f600-user", 2, "hash_version = 2", ()),
+    "digest dropped": ("\U0001f600-user", 3, "payload_digest = NULL", ()),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_ROWS))
+async def test_an_exported_unreadable_row_is_unreadable_to_both_verifiers(
+    verifier: Path, tmp_path: Path, damage: str
+) -> None:
+    # Exported, such a row's line held {"unreadable_payload": ...} (or the relabelled fields)
+    # and both verifiers called it edited, where verify on the store says unreadable. The
+    # line now says its row was unreadable, and both report that, in its place, alone.
+    _, heads, _ = await _export(tmp_path)
+    user, seq, change, args = DAMAGED_ROWS[damage]
+    with sqlite3.connect(tmp_path / "audit.db") as db:
+        db.execute("DROP TRIGGER loom_audit_no_update")
+        db.execute(
+            f"UPDATE loom_audit SET {change} WHERE user_key = ? AND seq = ?",
+            (*args, user_key(user), seq),
+        )
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        stored = await store.verify()
+        export = tmp_path / "damaged.jsonl"
+        assert await store.export(export) == 12
+    finally:
+        await store.close()
+    assert [(p.user_id, p.kind, p.seq) for p in stored.problems] == [(user, "unreadable", seq)]
+    with export.open(encoding="utf-8", errors="surrogateescape") as fh:
+        python = verify_lines(fh, heads=heads_from_json(json.loads(heads.read_text()))).to_json()
+    at = _at(export.read_text(encoding="utf-8").splitlines(), user, seq) + 1
+    assert [(p["user_id"], p["kind"], p["seq"], p["position"]) for p in python["problems"]] == [
+        (user, "unreadable", seq, at)
+    ], python["problems"]
+    assert python["entries"] == stored.entries == 11
+    done = _node(verifier, "--json", export, heads)
+    assert done.returncode == 1, done.stdout + done.stderr
+    node = json.loads(done.stdout)
+    assert _findings(node) == _findings(python)
+    assert [p["detail"] for p in node["problems"]] == [p["detail"] for p in python["problems"]]

@@ -35,7 +35,7 @@ from pydantic import SecretStr
 
 import loomflow
 from loomflow.agent import Agent
-from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore
+from loomflow.audit import AuditLog, AuditRecord, SqliteAuditStore, verify_lines
 from loomflow.config import Settings
 from loomflow.console import ConsoleOptions, SignInFailures, build_console, token_sha256
 from loomflow.console._access import SignIns
@@ -935,6 +935,45 @@ def test_a_tampered_trail_fails_verification_on_the_page(tmp_path: Path) -> None
         # The console's own chain, written while looking, verifies.
         mine = http.get("/api/users/console:console-token", params={"verify": 1}).json()
         assert mine["verify"]["ok"] is True
+
+
+def _audit_db(folder: Path, records: list[AuditRecord]) -> Path:
+    """A SQLite audit log in ``folder`` holding ``records``, appended one by one."""
+    path = folder / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        for record in records:
+            await store.append(record)
+        await store.close()
+
+    asyncio.run(make())
+    return path
+
+
+def test_an_exported_row_with_an_unreadable_payload_verifies_as_unreadable(
+    tmp_path: Path,
+) -> None:
+    # The export carried {"unreadable_payload": ...} where the hashed payload was, and
+    # verify --file called the entry edited; the page's verify says unreadable, as now does
+    # the export's, in its place and alone.
+    path = _audit_db(
+        tmp_path,
+        [AuditRecord(user_id="eve", actor="t", action="x", payload={"n": n}) for n in range(3)],
+    )
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("UPDATE loom_audit SET payload = ? WHERE seq = 2", (b"\xff{",))
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        shown = http.get("/api/users/eve", params={"verify": 1}).json()["verify"]
+        assert [(p["kind"], p["seq"]) for p in shown["problems"]] == [("unreadable", 2)]
+        for params in ({"user": "eve"}, {"user": "eve", "limit": 10}):
+            lines = http.get("/api/export", params=params).text.splitlines()
+            report = verify_lines(lines, user_id="eve")
+            assert [(p.kind, p.seq, p.position) for p in report.problems] == [
+                ("unreadable", 2, 3)  # the header is line 1
+            ], report.problems
 
 
 def test_ages_and_bad_filters(console: Server) -> None:
