@@ -279,6 +279,13 @@ def create_app(
                 return Principal(entry.name, entry.role, "cookie")
         return None
 
+    def unauthorized() -> Response:
+        return JSONResponse(
+            {"error": "sign in: send Authorization: Bearer <token>"},
+            401,
+            headers={"WWW-Authenticate": "Bearer"} | _headers(),
+        )
+
     def client_of(request: Request) -> str | None:
         return None if request.client is None else request.client.host
 
@@ -299,11 +306,7 @@ def create_app(
                     if failed is not None:
                         await data.signin_failed(failed, client_of(request))
                     if api:
-                        return JSONResponse(
-                            {"error": "sign in: send Authorization: Bearer <token>"},
-                            401,
-                            headers={"WWW-Authenticate": "Bearer"} | _headers(),
-                        )
+                        return unauthorized()
                     # The path as sent (still percent-encoded: an id may hold "?" or "/").
                     raw = request.scope.get("raw_path") or request.url.path.encode()
                     back = raw.decode("latin-1")
@@ -666,7 +669,14 @@ def create_app(
         # the headers of every other answer, and are JSON under /api/ as the rest of it is.
         assert isinstance(exc, HTTPException)
         headers = _headers() | dict(exc.headers or {})
-        if request.url.path.startswith("/api/"):
+        if request.url.path == "/api" or request.url.path.startswith("/api/"):
+            # Only to someone signed in: a 404 (or 405) to anyone else, where the routes that
+            # exist answer 401, would map the API for them.
+            who, failed = principal(request)
+            if who is None:
+                if failed is not None:
+                    await data.signin_failed(failed, client_of(request))
+                return unauthorized()
             return JSONResponse({"error": exc.detail}, exc.status_code, headers=headers)
         return PlainTextResponse(exc.detail, exc.status_code, headers=headers)
 

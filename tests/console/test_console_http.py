@@ -1485,6 +1485,36 @@ def test_an_address_or_method_the_console_does_not_serve(console: Server) -> Non
         assert slashed.headers["cache-control"] == "no-store"
 
 
+def test_the_api_answers_401_to_anyone_not_signed_in_whatever_the_address(
+    console: Server,
+) -> None:
+    # Unknown addresses under /api/ were a 404 (and a wrong method a 405) without a token,
+    # where the real ones said 401: anyone could map the API.
+    probes = [
+        ("GET", "/api/nope"),
+        ("GET", "/api"),
+        ("GET", "/api/"),
+        ("GET", "/api/..%2F..%2Fetc%2Fpasswd"),
+        ("GET", "/api/admin' OR '1'='1"),
+        ("GET", "/api/" + "x" * 5000),
+        ("GET", "/api/%C3%A9v%C3%A9"),
+        ("POST", "/api/users"),
+        ("DELETE", "/api/export"),
+    ]
+    for token in (None, "not-a-token-at-all-0123456789"):
+        with console.client(token) as http:
+            for method, path in probes:
+                got = http.request(method, path)
+                assert got.status_code == 401, (token, method, path, got.status_code)
+                assert got.headers["www-authenticate"] == "Bearer"
+                assert got.json() == {"error": "sign in: send Authorization: Bearer <token>"}
+                assert got.headers["cache-control"] == "no-store"
+    with console.client(ADMIN) as http:  # signed in, the addresses that do not exist are 404
+        assert http.get("/api/nope").status_code == 404
+        assert http.get("/api").status_code == 404
+        assert http.post("/api/users").status_code == 405
+
+
 def test_a_run_without_a_session_is_not_given_another_runs_state(tmp_path: Path) -> None:
     # Entries of a run that name no session (an application's own records) were told with the
     # state and journal of the user's latest session: "finished", for a run never journaled.
