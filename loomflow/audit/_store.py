@@ -537,12 +537,20 @@ class AuditStore(abc.ABC):
         """The recorded head of a user's chain, or ``None`` if the user has no entries."""
         check_id("user_id", user_id)
         await self.open()
-        return (await self._heads(user_key(user_id))).get(user_key(user_id))
+        key = user_key(user_id)
+        found = (await self._heads(key)).get(key)
+        return None if found is None else _keyed(key, found)[0]
 
     async def heads(self) -> list[ChainHead]:
-        """The recorded head of every user's chain: who the log knows, with entry counts."""
+        """The recorded head of every user's chain: who the log knows, with entry counts.
+
+        Each names the user whose trail key it is recorded under, which is what that trail's
+        entries are stored and queried by: no hash covers a head's user column, and one
+        edited to another name would list that user in place of the trail's own (``verify``
+        reports such a head as ``head_mismatch``).
+        """
         await self.open()
-        return [head for _, head in sorted((await self._heads(None)).items())]
+        return [_keyed(key, head)[0] for key, head in sorted((await self._heads(None)).items())]
 
     # -- erasure, retention and legal hold ---------------------------------------------------
 
@@ -924,13 +932,13 @@ class AuditStore(abc.ABC):
         heads_now, items = await self._verify_source(only)
         report = VerifyReport()
         for key, head in list(heads_now.items()):
-            owner = _user_of_key(key, head.user_id)
-            if user_key(owner) == key and head.user_id != owner:
+            heads_now[key], edited = _keyed(key, head)
+            if edited:
                 # No hash covers the head's user column, and the report's heads are what is
                 # saved away: a head saved under another name would guard no trail.
                 report.problems.append(
                     ChainProblem(
-                        owner,
+                        heads_now[key].user_id,
                         "head_mismatch",
                         head.seq,
                         None,
@@ -938,7 +946,6 @@ class AuditStore(abc.ABC):
                         "the head was edited",
                     )
                 )
-                heads_now[key] = ChainHead(owner, head.seq, head.hash)
         checker: _ChainCheck | None = None
         seen: set[str] = set()
         progress = Progress(
@@ -1149,6 +1156,15 @@ def _user_of_key(key: str, fallback: str | None) -> str | None:
     except (ValueError, RecursionError):
         return fallback
     return user if user is None or isinstance(user, str) else fallback
+
+
+def _keyed(key: str, head: ChainHead) -> tuple[ChainHead, bool]:
+    """``head`` as the head of the trail stored under ``key``: named for the key's user, and
+    whether its user column named someone else (edited: no hash covers it)."""
+    owner = _user_of_key(key, head.user_id)
+    if user_key(owner) == key and head.user_id != owner:
+        return ChainHead(owner, head.seq, head.hash), True
+    return head, False
 
 
 class _ChainCheck:

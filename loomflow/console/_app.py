@@ -406,7 +406,8 @@ def create_app(
         await data.record(who, "users", details={"search": search})
         heads, more = await data.users(search)
         listed = [
-            {"user_id": h.user_id, "entries": h.seq, "url": user_url(h.user_id)} for h in heads
+            {"user_id": h.user_id, "entries": h.seq, "url": user_url(h.user_id), "problem": why}
+            for h, why in heads
         ]
         return {
             "search": search,

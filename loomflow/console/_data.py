@@ -370,13 +370,37 @@ class ConsoleData:
             self.failures.put_back(tally)
             log.warning("could not record %d failed console sign-in(s): %s", tally.count, exc)
 
-    async def users(self, search: str = "", limit: int = 200) -> tuple[list[ChainHead], bool]:
+    async def users(
+        self, search: str = "", limit: int = 200
+    ) -> tuple[list[tuple[ChainHead, str | None]], bool]:
         """Users the audit log knows (their chain heads), those whose id contains ``search``
-        (case-insensitive); and whether there were more than ``limit``."""
+        (case-insensitive), each with what is wrong with it (see :meth:`head_problem`); and
+        whether there were more than ``limit``."""
         needle = search.casefold()
         found = [h for h in await self.stores.audit.heads() if needle in str(h.user_id).casefold()]
         found.sort(key=lambda h: (h.user_id is not None, h.user_id or ""))
-        return found[:limit], len(found) > limit
+        return [(h, await self.head_problem(h)) for h in found[:limit]], len(found) > limit
+
+    async def head_problem(self, head: ChainHead) -> str | None:
+        """Why the entries stored under a head's user do not bear it out (``None``: they do).
+
+        No hash covers a head row, so the search does not take its word for the user: the
+        trail's first entry, whose user id its own hash covers, must be stored under it and
+        name that user. (Only ``verify`` walks the whole trail.)
+        """
+        page = await self.stores.audit.query(user_id=head.user_id, limit=1)
+        if not page.entries:
+            return (
+                f"its recorded head counts {head.seq} entries, but none is stored under this "
+                "user: the head was edited, or the entries deleted (verify to see which)"
+            )
+        named = page.entries[0].user_id
+        if named != head.user_id:
+            return (
+                f"its first entry names user {named!r:.80}: entries were filed under "
+                "another user's trail (verify to see which)"
+            )
+        return None
 
     def shown(self, entry: AuditEntry) -> AuditEntry:
         """``entry`` as the console shows it: its payload passed through the deployment's

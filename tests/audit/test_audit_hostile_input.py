@@ -328,3 +328,9 @@ async def test_a_head_edited_to_name_another_user_is_reported_and_not_saved_so(
         ], report.problems
         assert "names user 'mallory'" in report.problems[0].detail
         assert [(h.user_id, h.seq) for h in report.heads] == [("alice", 3), ("bob", 1)]
+        # Nor do heads() (who the log knows: the console's search, a forget's look for
+        # console chains) list mallory in alice's place.
+        assert [(h.user_id, h.seq) for h in await store.heads()] == [("alice", 3), ("bob", 1)]
+        alice = await store.head("alice")
+        assert alice is not None
+        assert alice.user_id == "alice"

@@ -976,6 +976,36 @@ def test_an_exported_row_with_an_unreadable_payload_verifies_as_unreadable(
             ], report.problems
 
 
+def test_the_search_does_not_take_a_head_rows_word_for_its_user(tmp_path: Path) -> None:
+    # The users page listed whoever a head row's user column named: edited to "mallory",
+    # alice's trail was hidden from a search for her and listed as mallory's; a head row
+    # under a made-up key listed a user with entries that do not exist.
+    users = ("alice", "alice", "alice", "bob", "carol")
+    path = _audit_db(tmp_path, [AuditRecord(user_id=u, actor="t", action="x") for u in users])
+    with sqlite3.connect(path) as db:  # someone with write access to the file
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_heads_forward")
+        db.execute("""UPDATE loom_audit_heads SET user_id = 'mallory' WHERE user_id = 'alice'""")
+        db.execute(
+            """UPDATE loom_audit_heads SET user_key = '"ghost"', user_id = 'ghost'
+            WHERE user_id = 'carol'"""
+        )
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+
+        def found(search: str) -> list[tuple[Any, ...]]:
+            users = http.get("/api/users", params={"q": search}).json()["users"]
+            return [(u["user_id"], u["entries"], u["url"], u["problem"]) for u in users]
+
+        assert found("alice") == [("alice", 3, "/users/alice", None)]
+        assert found("mallory") == []
+        assert found("bob") == [("bob", 1, "/users/bob", None)]
+        [(user, entries, _, problem)] = found("ghost")
+        assert (user, entries) == ("ghost", 1)
+        assert "none is stored under this user" in problem
+        page = http.get("/users", params={"q": "ghost"}).text
+        assert "Not borne out by the trail" in page
+
+
 def test_ages_and_bad_filters(console: Server) -> None:
     with console.client(ADMIN) as http:
         recent = http.get("/api/users/bob", params={"since": "1d", "limit": 100}).json()
