@@ -22,7 +22,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, unquote_to_bytes, urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
@@ -76,22 +76,24 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class _RefuseControlCharacters:
-    """Refuse (400) a request whose decoded path holds a control character, before routing.
+    """Refuse (400) a request whose decoded path holds a control character, or whose path or
+    query percent-encodes bytes that are not UTF-8, before routing.
 
     Ids in a path (``/users/<id>``) must get the same answer as in a query, but a route's
     pattern never sees such an id whole: its ``.`` stops at a line feed and its ``$`` matches
-    before a final one, so ``/api/users/bob%0A`` would be served as bob's trail.
+    before a final one, so ``/api/users/bob%0A`` would be served as bob's trail. Bytes that
+    are not UTF-8 (``%FF``, an encoded surrogate) are decoded to U+FFFD: ``?user=%FF`` would be
+    served (and recorded as a look) as the trail of the user ``"\ufffd"``, whom it never named.
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        found = _CONTROL.search(scope.get("path", "")) if scope["type"] == "http" else None
-        if found is None:
+        message = _refused_address(scope) if scope["type"] == "http" else None
+        if message is None:
             await self.app(scope, receive, send)
             return
-        message = f"the path contains the control character U+{ord(found.group()):04X}"
         headers = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"}
         response: Response
         if scope["path"].startswith("/api/"):
@@ -99,6 +101,19 @@ class _RefuseControlCharacters:
         else:
             response = PlainTextResponse(message, 400, headers=headers)
         await response(scope, receive, send)
+
+
+def _refused_address(scope: Scope) -> str | None:
+    """Why the address of a request is refused before routing (``None``: it is not)."""
+    found = _CONTROL.search(scope.get("path", ""))
+    if found is not None:
+        return f"the path contains the control character U+{ord(found.group()):04X}"
+    for part, raw in (("path", scope.get("raw_path")), ("query", scope.get("query_string"))):
+        try:
+            unquote_to_bytes(raw or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            return f"the {part} percent-encodes bytes that are not UTF-8 text"
+    return None
 
 
 def _cross_site(request: Request) -> bool:

@@ -1337,6 +1337,27 @@ def test_a_control_character_in_the_path_is_refused_before_routing(console: Serv
         assert http.get("/api/users/bob").status_code == 200  # the id itself is served
 
 
+def test_an_address_that_encodes_no_utf8_is_refused_not_read_as_another_id(
+    console: Server,
+) -> None:
+    # %FF (or an encoded surrogate) was decoded to U+FFFD: the console served, and recorded
+    # a look at, the trail of the user "\ufffd", whom the address never named.
+    with console.client(ADMIN) as http:
+        for path, query in (
+            ("/api/users/%FF", ""),
+            ("/api/users/%ED%A0%80", ""),
+            ("/api/trail", "user=%FF"),
+            ("/api/export", "user=bob&action=%ED%A0%80"),
+            ("/api/users", "q=%C3"),
+            ("/users/%FF", ""),
+        ):
+            got = http.get(path + ("?" + query if query else ""))
+            assert got.status_code == 400, (path, query)
+            assert "not UTF-8 text" in got.text, (path, query)
+        assert http.get("/api/users/%C3%A9v%C3%A9").status_code == 200  # UTF-8 is an id
+        assert http.get("/api/trail", params={"user": "\ufffd"}).status_code == 200
+
+
 def test_the_viewed_user_is_recorded_as_named_even_when_it_looks_like_personal_data(
     console: Server, deployment: Deployment
 ) -> None:
