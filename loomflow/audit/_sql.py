@@ -300,7 +300,7 @@ class SqlAuditStore(AuditStore):
                 what="audit heads",
             )
         try:
-            return {str(r[0]): ChainHead(r[1], int(r[2]), str(r[3])) for r in rows}
+            return {str(r[0]): ChainHead(_head_user(r[1]), int(r[2]), str(r[3])) for r in rows}
         except (TypeError, ValueError) as exc:  # a head row edited by hand
             raise AuditIntegrityError(f"an audit head is malformed: {exc}") from exc
 
@@ -353,6 +353,14 @@ def _malformed(row: Sequence[Any], detail: str) -> ChainProblem:
     seq = row[2] if type(row[2]) is int else None
     user = row[1] if row[1] is None or isinstance(row[1], str) else str(row[1])
     return ChainProblem(user, "unreadable", seq, int(row[0]), detail)
+
+
+def _head_user(value: Any) -> str | None:
+    """A head's user column as stored: SQLite keeps a number or bytes in a TEXT column, which
+    no user id is (and no page could link to)."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"user_id is {value!r:.80}, not text")
+    return value
 
 
 def _whole(value: Any, column: str) -> int:

@@ -28,7 +28,7 @@ from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
 from ..audit._store import AuditFilter
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
-from ..errors import JournalError, LoomflowError
+from ..errors import JournalError, LoomflowError, UserError
 from ..redaction import Redactor
 from ..runtime import EntryInfo, SessionInfo
 from ..stores import Stores
@@ -388,7 +388,10 @@ class ConsoleData:
         trail's first entry, whose user id its own hash covers, must be stored under it and
         name that user. (Only ``verify`` walks the whole trail.)
         """
-        page = await self.stores.audit.query(user_id=head.user_id, limit=1)
+        try:
+            page = await self.stores.audit.query(user_id=head.user_id, limit=1)
+        except UserError as exc:  # a head row under a key no writer makes: not a 400 for all
+            return f"its user id is no id an entry can have ({exc})"
         if not page.entries:
             return (
                 f"its recorded head counts {head.seq} entries, but none is stored under this "

@@ -976,6 +976,10 @@ def test_an_exported_row_with_an_unreadable_payload_verifies_as_unreadable(
             ], report.problems
 
 
+def found_in(http: httpx.Client, search: str) -> list[Any]:
+    return [u["user_id"] for u in http.get("/api/users", params={"q": search}).json()["users"]]
+
+
 def test_the_search_does_not_take_a_head_rows_word_for_its_user(tmp_path: Path) -> None:
     # The users page listed whoever a head row's user column named: edited to "mallory",
     # alice's trail was hidden from a search for her and listed as mallory's; a head row
@@ -1004,6 +1008,22 @@ def test_the_search_does_not_take_a_head_rows_word_for_its_user(tmp_path: Path) 
         assert "none is stored under this user" in problem
         page = http.get("/users", params={"q": "ghost"}).text
         assert "Not borne out by the trail" in page
+    # A head whose user is no id (a control character) made the whole search a 400; one whose
+    # user column holds no text (SQLite keeps bytes in it) made it a 500.
+    with sqlite3.connect(path) as db:
+        db.execute(
+            """INSERT INTO loom_audit_heads VALUES ('"a\\nb"', 'a' || char(10) || 'b', 1, 'x')"""
+        )
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        [listed] = http.get("/api/users", params={"q": "a\nb"}).json()["users"]
+        assert "no id an entry can have" in listed["problem"]
+        assert found_in(http, "alice") == ["alice"]
+    with sqlite3.connect(path) as db:
+        db.execute("""INSERT INTO loom_audit_heads VALUES ('"5"', X'35', 1, 'x')""")
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/users")
+        assert got.status_code == 400
+        assert "an audit head is malformed: user_id is b'5', not text" in got.json()["error"]
 
 
 def test_ages_and_bad_filters(console: Server) -> None:
