@@ -574,8 +574,11 @@ def create_app(
             page_lines = "".join(e.to_line() + "\n" for e in shown.entries)
             lines = _once(data.export_header(user_id, where) + page_lines)
         else:
-            # Streamed a page at a time: a long trail is never held in memory whole.
-            lines = data.export_lines(user_id, where)
+            # Streamed a page at a time: a long trail is never held in memory whole. The first
+            # chunk is read before the answer starts, so a malformed row among its entries is
+            # a 400 naming it, not a download cut off after a 200.
+            rest = data.export_lines(user_id, where)
+            lines = _then(await anext(rest), rest)
         return StreamingResponse(
             lines,
             media_type="application/x-ndjson",
@@ -710,6 +713,12 @@ def create_app(
 
 async def _once(text: str) -> AsyncIterator[str]:
     yield text
+
+
+async def _then(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for text in rest:
+        yield text
 
 
 def _jsonable(value: Any) -> Any:

@@ -1026,6 +1026,23 @@ def test_the_search_does_not_take_a_head_rows_word_for_its_user(tmp_path: Path) 
         assert "an audit head is malformed: user_id is b'5', not text" in got.json()["error"]
 
 
+def test_an_export_over_a_malformed_row_is_a_400_not_a_download_cut_off(tmp_path: Path) -> None:
+    # The export streamed: a row with text in its seq broke it after the 200 went out, and
+    # the admin got a download the connection cut off, with no word of why.
+    path = _audit_db(tmp_path, [AuditRecord(user_id="eve", actor="t", action="x")] * 3)
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("UPDATE loom_audit SET seq = 'two' WHERE seq = 2")
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/export", params={"user": "eve"})
+        assert got.status_code == 400
+        assert "seq is 'two', not a whole number" in got.json()["error"]
+        page = http.get("/export", params={"user": "eve"})
+        assert page.status_code == 400
+        assert "not a whole number" in page.text
+
+
 def test_ages_and_bad_filters(console: Server) -> None:
     with console.client(ADMIN) as http:
         recent = http.get("/api/users/bob", params={"since": "1d", "limit": 100}).json()
