@@ -25,6 +25,10 @@
 // covered by an audit.erasure entry of the same user after it (by its cut-off or its list of
 // seqs), which for an erased version 1 or 2 entry also keeps the digest of its other fields.
 //
+// A line with an "unreadable" key is an entry whose stored row loomflow could not read when it
+// exported it (the key says why; no hash covers it): it is reported unreadable, in its place,
+// and the chain goes on past it, as `loomflow audit verify` reports the row on the store.
+//
 // Exit status: 0 intact, 1 a problem found, 2 bad usage or an unreadable file.
 // Version 1 entries (written before loomflow 0.21) hash Python's own JSON spelling, which
 // JavaScript cannot rebuild from parsed values (5.0 and 5 both parse to 5): their links are
