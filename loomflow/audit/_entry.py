@@ -565,13 +565,17 @@ class AuditEntry(BaseModel):
         return json_line(self.to_json())
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AuditEntry:
+    def from_json(cls, data: dict[str, Any], *, exported: bool = False) -> AuditEntry:
         """Parse an exported line's object (raises ``ValueError`` on a malformed one).
 
         Strictly: a line that says ``"seq": "2"`` or ``"seq": 3.0``, or spells its time
         another way, is not the entry its writer hashed, and a lax parse would hash the value
         it was coerced to instead (the Node verifier, reading the line as it is, would
         disagree).
+
+        ``exported``: the line is from an export, where an ``"unreadable"`` key marks an entry
+        whose row could not be read (see :attr:`unreadable`); anywhere else (a JSONL store's
+        own file) no writer puts it there, and it is a field no entry has.
         """
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
@@ -579,8 +583,8 @@ class AuditEntry(BaseModel):
         when = body.pop("time", None)
         if when is None:
             raise ValueError("no time")
-        why = body.pop(UNREADABLE, None)
-        if UNREADABLE in data and not isinstance(why, str):
+        why = body.pop(UNREADABLE, None) if exported else None
+        if exported and UNREADABLE in data and not isinstance(why, str):
             raise ValueError(f"{UNREADABLE} is not text")
         entry = cls.model_validate(
             {**body, "time_us": time_us_of_text(when)},
@@ -590,15 +594,15 @@ class AuditEntry(BaseModel):
         return entry if why is None else entry.marked_unreadable(why)
 
     @classmethod
-    def from_line(cls, line: str | bytes) -> AuditEntry:
+    def from_line(cls, line: str | bytes, *, exported: bool = False) -> AuditEntry:
         """Parse one exported line (raises ``ValueError`` or ``RecursionError`` when it is
         not an entry).
 
         JSON as RFC 8259 has it, read strictly (:func:`read_json`): a key given twice, ``NaN``,
         ``Infinity`` or a number beyond a double's range make the line unreadable here as they
-        do for the Node verifier.
+        do for the Node verifier. ``exported``: as :meth:`from_json` has it.
         """
-        return cls.from_json(read_json(line))
+        return cls.from_json(read_json(line), exported=exported)
 
     def canonical_bytes(self) -> bytes:
         """The bytes :attr:`hash` is the SHA-256 of, in the entry's own hash version.

@@ -149,7 +149,7 @@ def verify_lines(
                 }
                 continue
         try:
-            entry = AuditEntry.from_line(line)
+            entry = AuditEntry.from_line(line, exported=True)
         # RecursionError: a line nested too deep for the JSON parser is damage, not a crash.
         except (ValueError, TypeError, KeyError, ValidationError, RecursionError) as exc:
             detail = unreadable_reason(exc)

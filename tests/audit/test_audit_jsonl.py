@@ -286,3 +286,20 @@ async def test_a_full_disk_is_an_audit_error(tmp_path: Path) -> None:
     assert json.loads(store.heads_path.read_text())["users"] == {}
     with pytest.raises(AuditError, match="No space left"):  # and again, not a damaged trail
         await store.append(rec("alice"))
+
+
+async def test_an_unreadable_mark_in_the_stores_own_file_is_no_field_of_an_entry(
+    tmp_path: Path,
+) -> None:
+    # The "unreadable" key marks, in an export, an entry whose row could not be read; no hash
+    # covers it. In a JSONL store's own file no writer puts it there: a line given one is a
+    # line no writer made, as one with any other unknown key is, not an intact entry.
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    lines = path.read_text().splitlines(keepends=True)
+    marked = json.loads(lines[2]) | {"unreadable": "x"}
+    lines[2] = json.dumps(marked) + "\n"
+    path.write_text("".join(lines))
+    report = await JsonlAuditStore(path).verify()
+    assert [p.kind for p in report.problems] == ["unreadable", "missing"], report.problems
+    await store.close()
