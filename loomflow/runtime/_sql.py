@@ -42,6 +42,9 @@ __all__ = ["SqlJournalStore"]
 
 
 _LAST_NUMBER = 2**63 - 1  # an epoch or token here could not grow by one (BIGINT, INTEGER)
+# Past any position a run can reach (its entries are all held in memory), and far enough below
+# the top of PostgreSQL's INTEGER seq column that the positions after it still fit.
+_SEQ_LIMIT = 2**30
 
 
 def _bumped(column: str) -> str:
@@ -404,8 +407,10 @@ def _stored(
     """
     if isinstance(value, str):
         value = value.encode("utf-8", "surrogateescape")
-    if type(seq) is not int:
-        seq = -1  # only orders a run's entries; a damaged one must not break that
+    if type(seq) is not int or not 0 <= seq < _SEQ_LIMIT:
+        # Only orders a run's entries; a damaged one must not break that, nor number the
+        # run's next entry past what the column holds (a hand-edited 2**31 - 1).
+        seq = -1
     if (
         isinstance(value, bytes | bytearray | memoryview)
         and type(version) is int
