@@ -600,6 +600,9 @@ class _Run:
         name the one it was forked from, so that its resume knows it is one."""
         if self.store is None or self.epoch is None:
             return  # no snapshots asked for (a store always comes with a journal's epoch)
+        if isinstance(self.runtime, JournalRuntime):
+            # Not over the snapshots of whoever took the run over while this one was stopped.
+            await self.runtime.check_turn(f"checkpoint_{self.turns}")
         saved = await self.store.put(
             Checkpoint(
                 id=str(ULID()),

@@ -404,6 +404,24 @@ class JournalRuntime:
             return None
         return frame.run
 
+    async def check_turn(self, what: str) -> None:
+        """Refuse ``what`` (a write outside the journal, such as a snapshot) once the run open
+        here may have lost its turn, as a step's body is refused: a process stopped past its
+        lease must not write after waking over what the run's new owner wrote meanwhile.
+
+        Free while the lease is fresh; a run that has not taken the turn (it only replayed
+        so far) holds no lease to check.
+
+        Raises:
+            OwnershipLostError: another owner took the run over (``RunCancelledError``: it
+                was cancelled).
+        """
+        run = self.current_run
+        if run is None or not run.claimed:
+            return
+        if not _lease.turn_is_fresh(run, self.lease_seconds):
+            await _lease.check_turn(self._store, run, what, self.lease_seconds)
+
     @contextlib.asynccontextmanager
     async def session(
         self,
