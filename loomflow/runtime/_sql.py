@@ -189,7 +189,9 @@ ORDER BY {prefer}CASE WHEN owner IS NULL OR lease_until < {now} THEN 0 ELSE 1 EN
 LIMIT $1
 """
 # Compare-and-set on the token: of two recoverers that saw the same orphan, one wins. A lease
-# renewed since it was read (a slow owner, not a dead one) keeps the run with its owner.
+# renewed since it was read (a slow owner, not a dead one) keeps the run with its owner. An
+# attempt count no claim wrote (negative or text: a hand-edited row) starts again at 1: counted
+# up from below zero, the run went unretried and never reached the dead-letter limit.
 _CLAIM_ORPHAN = (
     """
 UPDATE loom_sessions SET owner = $2,
@@ -197,7 +199,8 @@ UPDATE loom_sessions SET owner = $2,
     + _bumped("token")
     + """,
     lease_until = {now} + $4,
-    attempts = attempts + 1, retry_at = {now} + $5, updated_at = {now}
+    attempts = CASE WHEN attempts = attempts + 0 AND attempts >= 0 THEN attempts + 1 ELSE 1 END,
+    retry_at = {now} + $5, updated_at = {now}
 WHERE scope = $1 AND token = $3 AND open = 1 AND status IS NULL
     AND (owner IS NULL OR lease_until < {now} OR CAST($6 AS INTEGER) = 1)
 RETURNING token, attempts

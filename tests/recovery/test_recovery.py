@@ -171,6 +171,31 @@ async def test_attempts_backoff_and_dead_letter(
     assert fast.failures == 1
 
 
+@pytest.mark.parametrize("attempts", [-5, -(2**31)])
+async def test_a_negative_attempt_count_is_retried_up_to_the_dead_letter_limit(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    attempts: int,
+) -> None:
+    # Counted up from a negative number, the run's count stayed at or below 0 after a failed
+    # attempt: no sweep looked at it again (only runs with attempts are retried), so it was
+    # listed as open, never retried and never dead-lettered.
+    await start_and_kill(journal_url, ledger, 1, "count")
+    monkeypatch.setenv("FLEET_FAIL", "1")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute(f"UPDATE loom_sessions SET attempts = {attempts}")
+    recovery = Recovery(runtime, worker, max_attempts=2, backoff=0, metrics=_metrics())
+    for _ in range(4):
+        await recovery.sweep()
+        await recovery.wait()
+    [info] = await runtime.sessions()
+    assert (info.state, info.attempts) == ("failed", 2)
+    assert tool_counts(ledger, "failed") == {"count-0": 2}
+
+
 async def test_a_dead_letter_out_of_attempts_says_how_its_last_attempt_ended(
     worker: dict[str, Agent],
     journal_url: str,
