@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from .._ids import check_id
+from .._printable import shown
 from ..agent import Agent
 from ..agent._agent import RECORD_OUTPUT, RECORD_WITHHELD
 from ..agent.architectures import Debate, Workflow
@@ -268,7 +269,8 @@ class Recovery:
                 "the run stored no agent name (opened before 0.21, by a Debate or Workflow "
                 "built without name=, or by a runtime.session block)"
                 if orphan.agent is None
-                else f"no agent registered as {orphan.agent!r}"
+                # Cut short: the name is read from the row, which may hold anything.
+                else f"no agent registered as {shown(orphan.agent)}"
             )
             self._leave(report, ref, why)
             return
@@ -276,8 +278,8 @@ class Recovery:
             self._leave(
                 report,
                 ref,
-                f"agent {orphan.agent!r} is registered with another configuration than the run "
-                "was started with",
+                f"agent {shown(orphan.agent)} is registered with another configuration than the "
+                "run was started with",
             )
             return
         try:

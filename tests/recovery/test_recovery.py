@@ -334,6 +334,25 @@ async def test_a_per_call_output_type_needs_an_agent_that_gives_it(
     assert result.fresh_steps == 0
 
 
+async def test_a_huge_recorded_agent_name_is_cut_short_where_the_sweep_names_it(
+    worker: dict[str, Agent], journal_url: str, ledger: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A hand-edited name of 100,000 characters went whole into the sweep's reason and its log
+    # line (the worker's output), once per run.
+    await start_and_kill(journal_url, ledger, 1, "named")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute("UPDATE loom_sessions SET agent = $1", "orders" + "\u202e" * 100_000)
+    with caplog.at_level("WARNING", logger="loomflow.recovery"):
+        report = await Recovery(runtime, worker, metrics=_metrics()).sweep()
+    [left] = report.unregistered
+    assert left.reason.startswith("no agent registered as 'orders\\u202e")
+    assert len(left.reason) < 200
+    [line] = [r.getMessage() for r in caplog.records if "left orphaned" in r.getMessage()]
+    assert len(line) < 300
+    assert (await _states(runtime)) == {"named-0": "orphaned"}
+
+
 @pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
 async def test_a_worker_killed_too_often_is_dead_lettered(
     worker: dict[str, Agent], journal_url: str, ledger: Path
