@@ -304,12 +304,26 @@ class SqliteDatabase(Database):
         elif isinstance(exc, sqlite3.OperationalError) and self.path.is_dir():
             why = "it is a directory, not a SQLite file (name the file inside it)"
         elif isinstance(exc, sqlite3.OperationalError) and "unable to open" in str(exc):
-            why = "SQLite cannot open or create it: is its directory writable by this user?"
+            why = self._why_unopenable()
         else:
             return None  # locked (see _explain), or nothing better to say than the error
         return StoreUnavailableError(
             f"{what} failed: {path!r}: {why} ({type(exc).__name__}: {exc})"
         )
+
+    def _why_unopenable(self) -> str:
+        """sqlite3 says "unable to open database file" both for a directory that takes no new
+        file and for a file this user may not read: tell them apart, so that the hint names
+        what to fix (a journal made by root and read by the app's user is the usual case)."""
+        try:
+            with open(self.path, "rb"):
+                pass
+        except PermissionError:
+            if self.path.exists():  # not a directory this user may not search
+                return "the file exists but this user may not read it (check its owner and mode)"
+        except OSError:
+            pass
+        return "SQLite cannot open or create it: is its directory writable by this user?"
 
     def _is_duplicate_key(self, exc: BaseException) -> bool:
         return isinstance(exc, sqlite3.IntegrityError) and exc.sqlite_errorcode in (

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,3 +43,29 @@ async def test_a_directory_sqlite_cannot_write(tmp_path: Path) -> None:
     with pytest.raises(StoreUnavailableError, match="cannot open or create it") as caught:
         await _open("/proc/loomflow-journal.db")
     assert "/proc/loomflow-journal.db" in str(caught.value)
+
+
+def test_a_file_this_user_may_not_read() -> None:
+    # A journal made by root, opened by the app's user. Root reads any file, so as root the
+    # test opens it as nobody, in a directory anyone may write (the hint must not blame it).
+    directory = Path(tempfile.mkdtemp(prefix="loomflow-unreadable-"))
+    try:
+        directory.chmod(0o777)
+        path = directory / "journal.db"
+        asyncio.run(_open(path))
+        path.chmod(0o000)
+        as_root = os.geteuid() == 0
+        if as_root:
+            os.seteuid(65534)
+        try:
+            with pytest.raises(StoreUnavailableError) as caught:
+                asyncio.run(_open(path))
+        finally:
+            if as_root:
+                os.seteuid(0)
+        message = str(caught.value)
+        assert "the file exists but this user may not read it" in message, message
+        assert "directory" not in message, message
+        assert not (directory / "journal.db-wal").exists()  # nothing made beside it
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
