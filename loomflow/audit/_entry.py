@@ -62,6 +62,7 @@ from .._ids import check_id, check_key
 from .._json import canonical_json, json_safe
 from .._printable import escaped_surrogates
 from .._timefmt import holdable_seconds
+from .._timefmt import iso_time as json_time
 from ..errors import AuditError, InvalidArgumentError, UserError
 
 __all__ = [
@@ -208,10 +209,10 @@ def _within_dates(time_us: int) -> int:
 
 
 def iso_time(time_us: int) -> str:
-    """Microseconds since the epoch as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (exact, no float)."""
-    seconds, micros = divmod(_within_dates(time_us), 1_000_000)
-    stamp = dt.datetime(1970, 1, 1) + dt.timedelta(seconds=seconds)
-    return stamp.strftime("%Y-%m-%dT%H:%M:%S") + f".{micros:06d}Z"
+    """Microseconds since the epoch as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (exact, no float), with
+    the zeros of a year before 1000 that every verifier expects (``--since 0001-01-01``)."""
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    return json_time(epoch + dt.timedelta(microseconds=_within_dates(time_us)))
 
 
 def time_us_of_text(text: object) -> int:
