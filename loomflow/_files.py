@@ -12,8 +12,13 @@ import os
 from pathlib import Path
 from typing import TextIO
 
+from .errors import InvalidArgumentError
+
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
+
+# The first bytes of a SQLite database and of its write-ahead log (both byte orders).
+_SQLITE_HEADERS = (b"SQLite format 3\x00", b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83")
 
 
 def create_private(path: Path) -> None:
@@ -32,7 +37,12 @@ def create_private(path: Path) -> None:
 
 def open_private(path: Path) -> TextIO:
     """``path`` opened for writing UTF-8 text, created owner-only; an existing file is
-    truncated and keeps its mode."""
+    truncated and keeps its mode.
+
+    Raises:
+        InvalidArgumentError: ``path`` is a SQLite database or its log, which would be lost.
+    """
+    _refuse_a_database(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
     return os.fdopen(fd, "w", encoding="utf-8")
 
@@ -41,3 +51,20 @@ def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` as :func:`open_private` opens it."""
     with open_private(path) as fh:
         fh.write(text)
+
+
+def _refuse_a_database(path: Path) -> None:
+    """An export is never written over a SQLite file: ``-o journal.db`` would destroy the
+    journal, and the command reading it would then export the emptied file."""
+    if not path.is_file():  # missing, a directory, a pipe or a device: not read here
+        return
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except OSError:
+        return  # the open for writing reports it in its own words
+    if head.startswith(_SQLITE_HEADERS):
+        raise InvalidArgumentError(
+            f"{str(path)!r} is a SQLite database (a journal or another store), which an "
+            "export would overwrite: name a new file"
+        )

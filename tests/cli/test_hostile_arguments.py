@@ -10,14 +10,20 @@ from _cli import loomflow
 from loomflow.audit._entry import MIN_TIME_US, iso_time, time_us_of_text
 
 
-@pytest.mark.parametrize("bound", ["--since", "--until"])
-def test_an_export_filtered_from_year_one_verifies(bound: str, tmp_path: Path) -> None:
-    # Before: the header said "1-01-01T00:00:00.000000Z" (strftime drops a year's zeros
-    # before 1000), and both verifiers refused the export they were handed as unreadable.
+def _journal_with_a_trail(tmp_path: Path) -> str:
+    """The URL of a new journal whose audit log holds one entry (ana's legal hold)."""
     url = f"sqlite:///{tmp_path / 'journal.db'}"
     assert loomflow("--url", url, "migrate").returncode == 0
     held = loomflow("--url", url, "users", "hold", "ana", "--reason", "audit test")
     assert held.returncode == 0, held.stderr
+    return url
+
+
+@pytest.mark.parametrize("bound", ["--since", "--until"])
+def test_an_export_filtered_from_year_one_verifies(bound: str, tmp_path: Path) -> None:
+    # Before: the header said "1-01-01T00:00:00.000000Z" (strftime drops a year's zeros
+    # before 1000), and both verifiers refused the export they were handed as unreadable.
+    url = _journal_with_a_trail(tmp_path)
     export = tmp_path / "ana.jsonl"
     done = loomflow("--url", url, "audit", "export", bound, "0001-01-01", "-o", str(export))
     assert done.returncode == 0, done.stderr
@@ -30,3 +36,30 @@ def test_audit_times_keep_the_zeros_of_early_years() -> None:
     assert iso_time(MIN_TIME_US) == "0001-01-01T00:00:00.000000Z"
     assert time_us_of_text("0999-12-31T23:59:59.999999Z") < 0
     assert iso_time(time_us_of_text("0999-12-31T23:59:59.999999Z")) == "0999-12-31T23:59:59.999999Z"
+
+
+@pytest.mark.parametrize(
+    "export",
+    [
+        ["users", "export", "ana"],
+        ["checkpoints", "export", "--user", "ana"],
+        ["audit", "export", "--user", "ana"],
+    ],
+)
+def test_an_export_is_never_written_over_the_journal(export: list[str], tmp_path: Path) -> None:
+    # Before: `-o journal.db` replaced the journal with the export (audit export even read
+    # the emptied file back and exported 0 entries), and the command said it succeeded.
+    url = _journal_with_a_trail(tmp_path)
+    journal = tmp_path / "journal.db"
+    done = loomflow("--url", url, *export, "-o", str(journal))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "is a SQLite database" in done.stderr
+    assert journal.read_bytes().startswith(b"SQLite format 3\x00")
+    checked = loomflow("--url", url, "audit", "verify")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "checked 1 entries" in checked.stdout
+    # A file of the export's own (written once already) is still overwritten as before.
+    again = tmp_path / "ana.json"
+    for _ in range(2):
+        assert loomflow("--url", url, *export, "-o", str(again)).returncode == 0
