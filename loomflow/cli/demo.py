@@ -147,7 +147,13 @@ async def _start(
 ) -> int:
     # Built before anything else, so a missing SDK, driver or API key leaves nothing behind.
     if postgres is not None:
-        runtime_from_url(postgres)  # names the extra to install when asyncpg is missing
+        # Reached here first, so a server that does not answer is one error line before the
+        # story starts, not the worker's error and then the story's own.
+        runtime = runtime_from_url(postgres)  # names the extra to install when asyncpg is missing
+        try:
+            await runtime.open()
+        finally:
+            await runtime.close()
     model = build_model(spec)
     try:
         work = workdir or Path(tempfile.mkdtemp(prefix="loomflow-demo-"))

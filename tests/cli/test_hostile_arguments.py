@@ -63,3 +63,16 @@ def test_an_export_is_never_written_over_the_journal(export: list[str], tmp_path
     again = tmp_path / "ana.json"
     for _ in range(2):
         assert loomflow("--url", url, *export, "-o", str(again)).returncode == 0
+
+
+def test_the_demo_on_a_server_that_does_not_answer_says_so_in_one_line(tmp_path: Path) -> None:
+    # Before: the story began on stdout, the worker printed its error, then the demo another.
+    work = tmp_path / "work"
+    done = loomflow(
+        "demo", "--postgres", "postgresql://root@127.0.0.1:1/test", "--workdir", str(work)
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("loomflow: error: postgres connect failed: "), done.stderr
+    assert not work.exists()
