@@ -481,6 +481,20 @@ class AuditStore(abc.ABC):
             for entry in page:
                 yield entry
 
+    def _own_files(self) -> tuple[Path, ...]:
+        """The files this store keeps the log in (none for a database or memory)."""
+        return ()
+
+    def _refuse_own_file(self, dest: Path) -> None:
+        """An export written over the log's own file would truncate it before reading it: the
+        trail lost, and an empty export reported as a success."""
+        for own in self._own_files():
+            if dest.exists() and own.exists() and os.path.samefile(dest, own):
+                raise InvalidArgumentError(
+                    f"{str(dest)!r} is a file of the audit log itself, which an export would "
+                    "overwrite: name a new file"
+                )
+
     async def export(
         self,
         dest: str | os.PathLike[str] | TextIO,
@@ -501,6 +515,7 @@ class AuditStore(abc.ABC):
         """
         where = AuditFilter.build(**filters)  # bad filters fail before the file is created
         if isinstance(dest, str | os.PathLike):
+            self._refuse_own_file(Path(dest))
             # Local file writes in 1 MiB chunks: not worth a thread hop per chunk.
             fh = open_private(Path(dest))  # owner-only: users' data
             regular = stat.S_ISREG(os.fstat(fh.fileno()).st_mode)  # not a pipe or a device

@@ -86,6 +86,9 @@ class JsonlAuditStore(AuditStore):
     def __repr__(self) -> str:
         return f"JsonlAuditStore({str(self.path)!r})"
 
+    def _own_files(self) -> tuple[Path, ...]:
+        return (self.path, self.heads_path, self.lock_path)
+
     async def prepare(self) -> bool:
         """Create the log and its heads file if missing, and check that the heads are readable
         and describe no more than the file holds (``loomflow migrate`` runs this).
