@@ -40,7 +40,8 @@ def open_private(path: Path) -> TextIO:
     truncated and keeps its mode.
 
     Raises:
-        InvalidArgumentError: ``path`` is a SQLite database or its log, which would be lost.
+        InvalidArgumentError: ``path`` is a SQLite database or its log, or a JSONL audit
+            log, which would be lost.
     """
     _refuse_a_database(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
@@ -66,5 +67,10 @@ def _refuse_a_database(path: Path) -> None:
     if head.startswith(_SQLITE_HEADERS):
         raise InvalidArgumentError(
             f"{str(path)!r} is a SQLite database (a journal or another store), which an "
+            "export would overwrite: name a new file"
+        )
+    if path.with_name(path.name + ".heads").exists():  # how a JSONL audit log is told apart
+        raise InvalidArgumentError(
+            f"{str(path)!r} is a JSONL audit log (its .heads file is beside it), which an "
             "export would overwrite: name a new file"
         )
