@@ -130,6 +130,22 @@ def lower_scheme(url: str) -> str:
     return found.group(0).lower() + url[found.end() :]
 
 
+def query_in_file_url(url: str) -> str | None:
+    """Why a ``sqlite://`` or ``jsonl://`` URL is refused for holding a ?query or #fragment.
+
+    SQLAlchemy-style options (``?mode=ro``, ``?timeout=5``) are read by no loomflow store: the
+    whole text became the file's name, and a new, empty store was made there. A bare path may
+    still name a file with ``?`` or ``#`` in it.
+    """
+    path = url.split("://", 1)[1] if "://" in url else ""
+    if "?" not in path and "#" not in path:
+        return None
+    return (
+        f"bad store URL {_masked_url(url)!r}: loomflow reads no ?query or #fragment in a "
+        "file URL; give the file's path alone"
+    )
+
+
 def sqlite_path(url: str) -> str | None:
     """The file a SQLite URL (or bare path) names; ``None`` for other schemes."""
     url = lower_scheme(url)
@@ -137,6 +153,8 @@ def sqlite_path(url: str) -> str | None:
         path = url.removeprefix("sqlite://")
         if not path.startswith("/") or path == "/":
             raise ConfigurationError(f"bad SQLite URL {url!r}: use sqlite:///relative/path.db")
+        if (problem := query_in_file_url(url)) is not None:
+            raise ConfigurationError(problem)
         return path[1:]  # sqlite:///x.db -> x.db ; sqlite:////abs/x.db -> /abs/x.db
     if "://" in url:
         return None
@@ -168,6 +186,8 @@ def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
                 f"bad {head} URL {_masked_url(url)!r}: use {head}:///relative/path or "
                 f"{head}:////absolute/path"
             )
+        if (problem := query_in_file_url(url)) is not None:
+            raise ValueError(problem)
     if head in ("postgresql", "postgres"):
         netloc = urlsplit(url).netloc
         if "," not in netloc:  # one host; asyncpg also takes a list, which urlsplit cannot

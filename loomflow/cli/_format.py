@@ -6,6 +6,7 @@ import argparse
 import datetime as dt
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .._ids import user_label as who
@@ -22,6 +23,7 @@ __all__ = [
     "login",
     "port",
     "positive_int",
+    "some_path",
     "printable",
     "prune_age",
     "table",
@@ -76,6 +78,14 @@ def login() -> str:
         return getpass.getuser()
     except (KeyError, OSError):  # no passwd entry (containers): still say it was a person
         return "unknown"
+
+
+def some_path(text: str) -> Path:
+    """A file or directory path as an argparse type; an empty one is refused: ``Path("")`` is
+    the current directory, so ``--workdir ""`` (an unset shell variable) wrote there."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (a shell variable left unset?)")
+    return Path(text)
 
 
 _MAX_COUNT = 1_000_000_000  # a count past it is a typo, and no database column binds 10**20

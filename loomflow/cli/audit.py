@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from ..audit import (
@@ -27,7 +26,7 @@ from ..audit._store import MAX_PAGE
 from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
-from ._format import duration, json_text, positive_int, table, when
+from ._format import duration, json_text, positive_int, some_path, table, when
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
 
@@ -88,12 +87,12 @@ def register(subparsers: Any) -> None:
     )
     verify.add_argument(
         "--file",
-        type=Path,
+        type=some_path,
         help="check this export (JSON lines) instead of the store; no database needed",
     )
     verify.add_argument(
         "--heads",
-        type=Path,
+        type=some_path,
         help="heads saved earlier (a `verify --json` report): the trail must still hold the "
         "entry each names, with --file or on the store",
     )

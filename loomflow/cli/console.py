@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from ._format import fixed_port
+from ._format import fixed_port, some_path
 from ._stores import existing
 
 __all__ = ["register"]
@@ -31,7 +30,7 @@ def register(subparsers: Any) -> None:
     )
     console.add_argument(
         "--tokens-file",
-        type=Path,
+        type=some_path,
         help="lines of `role token name` (role reader or admin; token as sha256:<hex>)",
     )
     console.add_argument(

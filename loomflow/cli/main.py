@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from pydantic import SecretStr
@@ -42,6 +41,7 @@ from ._format import (
     positive_int,
     printable,
     prune_age,
+    some_path,
     table,
     who,
 )
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="crash a worker mid-run, resume it, show the replay")
     demo.add_argument("--postgres", metavar="DSN", help="run the story on PostgreSQL")
-    demo.add_argument("--workdir", type=Path, help="keep the journal and ledger here")
+    demo.add_argument("--workdir", type=some_path, help="keep the journal and ledger here")
     demo.add_argument(
         "--kill-after",
         type=positive_int,

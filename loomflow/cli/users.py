@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
-from pathlib import Path
 from typing import Any
 
 from .._files import write_private
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import json_text, table, who
+from ._format import json_text, some_path, table, who
 from ._stores import existing
 
 __all__ = ["register"]
@@ -41,7 +40,7 @@ def register(subparsers: Any) -> None:
     who.add_argument("user_id", nargs="?", help="the user id")
     who.add_argument("--anonymous", action="store_true", help="the runs without a user")
     export.add_argument(
-        "-o", "--output", type=Path, help="write here instead of stdout ('-': stdout)"
+        "-o", "--output", type=some_path, help="write here instead of stdout ('-': stdout)"
     )
 
     forget = commands.add_parser(

@@ -141,6 +141,10 @@ def load_tokens(path: Path) -> list[TokenEntry]:
         else:
             digest = token_sha256(token)
         entries.append(TokenEntry(role, digest, name))
+    if not entries:
+        # An operator who names a tokens file means to sign in with it: an empty one (a
+        # secret not mounted yet) is said as such, not as "the console needs a way in".
+        raise ConfigurationError(f"tokens file {path} holds no `role token name` line")
     return entries
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from ..config import scheme_without_slashes
+from ..config import query_in_file_url, scheme_without_slashes
 from ..errors import ConfigurationError
 
 __all__ = ["SCHEMES", "StoreKind", "check_scheme", "file_path", "scheme_of"]
@@ -72,4 +72,6 @@ def file_path(url: str, scheme: str) -> str:
         kind = "SQLite" if scheme == "sqlite" else "JSONL"
         ext = "db" if scheme == "sqlite" else "jsonl"
         raise ConfigurationError(f"bad {kind} URL {url!r}: use {scheme}:///relative/path.{ext}")
+    if (problem := query_in_file_url(url)) is not None:
+        raise ConfigurationError(problem)
     return path[1:]  # x:///rel.db -> rel.db ; x:////abs/rel.db -> /abs/rel.db

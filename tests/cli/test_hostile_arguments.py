@@ -105,3 +105,64 @@ def test_an_export_is_never_written_over_a_jsonl_audit_log(
     assert log.read_bytes() == before
     checked = loomflow("--url", url, "audit", "verify", env=env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "url"),
+    [
+        ("--url", "sqlite:///journal.db?mode=ro"),
+        ("--url", "sqlite:///journal.db#main"),
+        ("LOOMFLOW_RUNTIME_URL", "sqlite:///journal.db?timeout=5"),
+        ("LOOMFLOW_AUDIT_URL", "jsonl:///audit.jsonl?x=1"),
+        ("audit --audit-url", "sqlite:///journal.db?mode=ro"),
+    ],
+)
+def test_a_file_url_with_a_query_is_refused_and_makes_no_file(
+    option: str, url: str, tmp_path: Path
+) -> None:
+    # Before: SQLAlchemy-style options were part of the file name: `sqlite:///journal.db?mode=ro`
+    # made a new, empty journal named "journal.db?mode=ro" beside the real one.
+    if option.startswith("LOOMFLOW_"):
+        done = loomflow("audit", "verify", cwd=tmp_path, env=clean_env(**{option: url}))
+    elif option == "--url":
+        done = loomflow("--url", url, "migrate", cwd=tmp_path)
+    else:
+        done = loomflow("audit", "--audit-url", url, "verify", cwd=tmp_path)
+    assert done.returncode != 0
+    assert "reads no ?query or #fragment" in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bare_path_may_still_name_a_file_with_a_question_mark(tmp_path: Path) -> None:
+    done = loomflow("--url", "odd?.db", "migrate", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "odd?.db").read_bytes().startswith(b"SQLite format 3\x00")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo", "--workdir", ""],
+        ["audit", "verify", "--file", " "],
+        ["users", "export", "ana", "-o", ""],
+        ["console", "--tokens-file", ""],
+    ],
+)
+def test_an_empty_path_is_refused_by_name(command: list[str], tmp_path: Path) -> None:
+    # Before: Path("") is the current directory: `demo --workdir "$UNSET"` wrote its journal
+    # and ledger there.
+    done = loomflow(*command, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "an empty path" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_tokens_file_is_named_as_such(tmp_path: Path) -> None:
+    from loomflow.console._access import load_tokens
+    from loomflow.errors import ConfigurationError
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# filled in by the deploy\n\n")
+    with pytest.raises(ConfigurationError, match="holds no `role token name` line"):
+        load_tokens(tokens)
