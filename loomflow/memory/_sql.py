@@ -94,6 +94,10 @@ _TABLES = {
     "facts": "loom_memory_facts",
     "blocks": "loom_memory_blocks",
 }
+# The rows an erasure or an export covers: those under the user's key, and those that name
+# the user but were moved under another key (edited in the database), which still hold the
+# user's data. ``user_id = NULL`` matches nothing, so the anonymous bucket is its key alone.
+_OF_USER = "(user_key = $1 OR user_id = $2)"
 
 
 def _why(exc: ValidationError) -> str:
@@ -302,11 +306,17 @@ class SqlMemoryStore(ComponentStore):
         before_epoch: int | None,
         limit: int | None,
     ) -> list[Episode]:
-        args: list[Any] = [Scope(session_id, user_id).key]
-        sql = f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes WHERE scope = $1"
+        scope = Scope(session_id, user_id)
+        # The user's key as well as the scope: what a run recalls is then always something
+        # forget_user erases, even from a row whose user_key was edited away from its scope.
+        args: list[Any] = [scope.key, scope.user_key]
+        sql = (
+            f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes "
+            "WHERE scope = $1 AND user_key = $2"
+        )
         if before_epoch is not None:
             args.append(int(before_epoch))
-            sql += " AND epoch < $2"
+            sql += f" AND epoch < ${len(args)}"
         # Newest first so LIMIT keeps the most recent; COALESCE because PostgreSQL and SQLite
         # disagree on where NULLs (runs without a journal) sort.
         sql += " ORDER BY COALESCE(epoch, -1) DESC, seq DESC"
@@ -442,7 +452,7 @@ class SqlMemoryStore(ComponentStore):
         async with self.db.transaction(what="memory forget") as tx:
             for kind, table in _TABLES.items():
                 rows = await tx.fetch(
-                    f"DELETE FROM {table} WHERE user_key = $1 RETURNING 1", user_key
+                    f"DELETE FROM {table} WHERE {_OF_USER} RETURNING 1", user_key, user_id
                 )
                 counts[kind] = len(rows)
         return counts
@@ -457,15 +467,22 @@ class SqlMemoryStore(ComponentStore):
         user_key = Scope(None, user_id).user_key
         episodes = await self._fetch(
             "read",
-            f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes WHERE user_key = $1 ORDER BY seq",
+            f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes WHERE {_OF_USER} ORDER BY seq",
             user_key,
+            user_id,
         )
         facts = await self._fetch(
             "read",
-            f"SELECT {_FACT_COLUMNS} FROM loom_memory_facts WHERE user_key = $1 ORDER BY seq",
+            f"SELECT {_FACT_COLUMNS} FROM loom_memory_facts WHERE {_OF_USER} ORDER BY seq",
             user_key,
+            user_id,
         )
-        blocks = await self._fetch("read", _BLOCKS, user_key)
+        blocks = await self._fetch(
+            "read",
+            f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE {_OF_USER} ORDER BY name",
+            user_key,
+            user_id,
+        )
         return (
             [_readable_episode(r, user_id) for r in episodes],
             [_readable_fact(r, user_id) for r in facts],

@@ -359,3 +359,51 @@ async def test_rows_moved_under_another_users_key_are_damage_not_that_users_memo
         assert block.user_id == "bob"
     finally:
         await runtime.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_forget_user_erases_rows_edited_away_from_the_users_key(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Recall found episodes by their (session, user) scope, erasure and export by the user's
+    # key: an episode whose user_key was edited survived forget_user and was still recalled
+    # into alice's next run; a fact or block of hers moved under another key was missed too.
+    import asyncpg
+
+    dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
+    runtime = await PostgresRuntime.connect(dsn) if dsn else SqliteRuntime(tmp_path / "m.db")
+    memory = memory_for(runtime)
+    try:
+        await memory.record_episode(
+            "chat", user_id="alice", key="k", messages=[Message.user("my PIN is 1234")],
+            output="noted", epoch=0,
+        )  # fmt: skip
+        await memory.remember("alice", "pin", "1234", user_id="alice")
+        await memory.set_block("profile", "alice's secrets", user_id="alice")
+        await memory.remember("bob", "likes", "tea", user_id="bob")
+        statements = [
+            f"UPDATE {table} SET user_key = '[\"elsewhere\"]' WHERE user_id = 'alice'"
+            for table in ("loom_memory_episodes", "loom_memory_facts", "loom_memory_blocks")
+        ]
+        if dsn:
+            conn = await asyncpg.connect(dsn)
+            for sql in statements:
+                await conn.execute(sql)
+            await conn.close()
+        else:
+            with sqlite3.connect(tmp_path / "m.db") as conn:
+                for sql in statements:
+                    conn.execute(sql)
+        # Her export still shows what the rows hold about her.
+        exported = await memory.export_user("alice")
+        assert [len(exported[kind]) for kind in ("episodes", "facts", "blocks")] == [1, 1, 1]
+        assert await memory.forget_user("alice") == {"episodes": 1, "facts": 1, "blocks": 1}
+        assert await memory.episodes("chat", user_id="alice") == []
+        assert await memory.history("chat", user_id="alice") == []
+        exported = await memory.export_user("alice")
+        assert [exported[kind] for kind in ("episodes", "facts", "blocks")] == [[], [], []]
+        # Nobody else's memory went with hers; the anonymous bucket is its own key alone.
+        assert [f.object for f in await memory.facts(user_id="bob")] == ["tea"]
+        assert await memory.forget_user(None) == {"episodes": 0, "facts": 0, "blocks": 0}
+    finally:
+        await runtime.close()
