@@ -236,6 +236,10 @@ class _Recoverable:
         metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
         """Run on ``prompt`` (a debate's topic) as one journaled run of ``session_id``."""
+        # Refused before the run opens, as an agent refuses it: a debate would argue over
+        # "None" at the models' cost, a workflow would fail in its first node.
+        if not isinstance(prompt, str):
+            raise UserError(f"prompt must be a string, not {type(prompt).__name__}")
         runtime = runtime_for(self.runtime)
         record = self._record(runtime, prompt, metadata)
         session_id, user_id = _ids(session_id, user_id)
@@ -357,6 +361,10 @@ class Workflow(_Recoverable):
         name: str | None = None,
     ) -> None:
         items = list(nodes.items()) if isinstance(nodes, Mapping) else list(nodes)
+        for item in items:
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise UserError(f"a workflow node is a (name, node) pair, not {item!r:.80}")
+        items = [(node_name, node) for node_name, node in items]
         names = [node_name for node_name, _ in items]
         if not items or len(set(names)) != len(names):
             raise UserError(f"a workflow needs nodes with distinct names, got {names}")

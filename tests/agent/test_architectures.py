@@ -9,6 +9,7 @@ import pytest
 
 from loomflow.agent import Agent, Tuning
 from loomflow.agent.architectures import Debate, Team, Workflow
+from loomflow.errors import UserError
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
 from loomflow.runtime import JournalRuntime
@@ -209,6 +210,10 @@ def test_architectures_refuse_bad_parts_when_built() -> None:
         Workflow([("outline", agent), ("publish", "print it")])
     with pytest.raises(UserError, match=r"workflow node 'x' must be .* not NoneType"):
         Workflow({"x": None})  # type: ignore[dict-item]
+    for item in (("a", agent, "extra"), "ab", ("only",)):
+        with pytest.raises(UserError, match=r"a workflow node is a \(name, node\) pair"):
+            Workflow([item])  # type: ignore[list-item]
+    assert Workflow([["upper", str.upper]]).nodes == [("upper", str.upper)]  # type: ignore[list-item]
     with pytest.raises(UserError, match="node's name must be a string, not 5"):
         Workflow([(5, agent)])  # type: ignore[list-item]
     with pytest.raises(InvalidIdError, match="workflow node name contains the control"):
@@ -278,3 +283,33 @@ async def test_a_team_run_resumed_through_its_lead_gives_workers_their_memory(
     assert result.output == "research: tides measured | research: moons measured"
     assert asked == [2, 4]  # the worker's model calls replayed: no new one
     assert done == ["tides", "moons", "moons"]  # only the call in flight ran again
+
+
+async def test_a_prompt_that_is_no_string_is_refused_before_anything_runs(
+    runtime_factory: Factory,
+) -> None:
+    # An agent and a team refuse it; a debate argued over "Topic: None" at the models' cost,
+    # and a workflow opened its run and failed with a TypeError in its first node.
+    called: list[str] = []
+
+    def model(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        called.append(messages[-1].content)
+        return "ok"
+
+    def node(text: str) -> str:
+        called.append(text)
+        return text.upper()
+
+    runtime = await runtime_factory()
+    agent = Agent("a", model=FunctionModel(model))
+    debate = Debate([agent], agent, runtime=runtime, name="debate")
+    flow = Workflow([("upper", node)], runtime=runtime, name="flow")
+    for prompt in (None, 123, b"bytes"):
+        with pytest.raises(UserError, match="prompt must be a string"):
+            await debate.run(prompt, session_id="d", user_id="u")  # type: ignore[arg-type]
+        with pytest.raises(UserError, match="prompt must be a string"):
+            await flow.run(prompt, session_id="w", user_id="u")  # type: ignore[arg-type]
+    assert called == []
+    # Nothing was journaled: the sessions run afresh.
+    assert (await flow.run("x", session_id="w", user_id="u")).output == "X"
+    assert (await debate.run("t", session_id="d", user_id="u")).fresh_steps > 0
