@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import unicodedata
 
-from .errors import InvalidIdError
+from .errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidIdError
 
-__all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "check_id", "check_key", "user_label"]
+__all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "check_count", "check_id", "check_key", "user_label"]
 
 MAX_ID_BYTES = 256
 """The longest id (session, user, run, checkpoint), in UTF-8 bytes."""
@@ -86,3 +86,22 @@ def user_label(user_id: str | None) -> str:
     """A user as a message names them: ``user 'alice'``, or ``the anonymous user`` for the runs
     without a user id (``None``), which "user None" would misname as a user called None."""
     return "the anonymous user" if user_id is None else f"user {user_id!r}"
+
+
+_MOST = 2**63 - 1  # what a database's 64-bit LIMIT or OFFSET takes
+
+
+def check_count(name: str, value: int | None, least: int) -> int | None:
+    """``value`` if it is ``None`` or an int from ``least`` up, else a typed error naming it.
+
+    Each backend read a bad one its own way: ``retention=0`` deleted the snapshot just
+    written (SQLite, memory), ``-1`` every one (or PostgreSQL refused it as a database
+    failure), ``limit=-1`` listed all on SQLite and all but the oldest in memory.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgumentTypeError(f"{name} must be an int or None, not {value!r}")
+    if not least <= value <= _MOST:
+        raise InvalidArgumentError(f"{name} must be an int from {least} to 2**63-1, not {value}")
+    return value

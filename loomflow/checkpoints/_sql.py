@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from .._ids import check_id, user_label
+from .._ids import check_count, check_id, user_label
 from .._printable import shown, text_of, unicode_column
 from ..config import Settings
 from ..errors import CheckpointError
@@ -26,7 +26,6 @@ from ..storage._component import ComponentStore
 from ._types import (
     Checkpoint,
     UnreadableCheckpoint,
-    check_count,
     decode_payload,
     encode_payload,
     timestamp,

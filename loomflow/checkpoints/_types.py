@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import CheckpointError, InvalidArgumentError, InvalidArgumentTypeError
+from ..errors import CheckpointError
 from ..messages import Message, Usage
 from ..runtime import codec
 
@@ -133,25 +133,6 @@ class CheckpointRestored(BaseModel):
     checkpoint_id: str
     turn: int
     forked_from: str | None = None
-
-
-_MOST = 2**63 - 1  # what a database's 64-bit LIMIT or OFFSET takes
-
-
-def check_count(name: str, value: int | None, least: int) -> int | None:
-    """``value`` if it is ``None`` or an int from ``least`` up, else a typed error naming it.
-
-    Each backend read a bad one its own way: ``retention=0`` deleted the snapshot just
-    written (SQLite, memory), ``-1`` every one (or PostgreSQL refused it as a database
-    failure), ``limit=-1`` listed all on SQLite and all but the oldest in memory.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgumentTypeError(f"{name} must be an int or None, not {value!r}")
-    if not least <= value <= _MOST:
-        raise InvalidArgumentError(f"{name} must be an int from {least} to 2**63-1, not {value}")
-    return value
 
 
 def timestamp(seconds: float) -> dt.datetime:

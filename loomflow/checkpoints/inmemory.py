@@ -6,9 +6,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._ids import check_id
+from .._ids import check_count, check_id
 from ..runtime._store import Scope
-from ._types import Checkpoint, UnreadableCheckpoint, check_count, timestamp
+from ._types import Checkpoint, UnreadableCheckpoint, timestamp
 
 __all__ = ["InMemoryCheckpointStore"]
 

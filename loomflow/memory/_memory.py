@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ulid import ULID
 
-from .._ids import check_id, check_key
+from .._ids import check_count, check_id, check_key
 from .._json import valid_text
 from .._timefmt import iso_time
 from ..config import Settings
@@ -104,10 +104,8 @@ class Memory:
     """
 
     def __init__(self, store: MemoryStore, *, history_episodes: int | None = 20) -> None:
-        if history_episodes is not None and history_episodes < 0:
-            raise UserError("history_episodes must be 0 or more, or None for all")
         self.store = store
-        self.history_episodes = history_episodes
+        self.history_episodes = check_count("history_episodes", history_episodes, 0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.store!r})"
@@ -179,8 +177,10 @@ class Memory:
 
         ``before_epoch`` keeps only runs journaled at a lower epoch than that one.
         """
-        if limit is not None and limit < 0:
-            raise UserError("limit must be 0 or more")
+        # Checked here, alike on every backend: a string was a TypeError, a float or a flag
+        # taken as a number, and a number past 64 bits a "store unavailable" failure.
+        check_count("limit", limit, 0)
+        check_count("before_epoch", before_epoch, 0)
         session, user = _session(session_id), _user(user_id)
         if before_epoch is not None and before_epoch <= 0:
             # No run journals below epoch 0: the first run of a session (the common case)

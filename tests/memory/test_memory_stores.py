@@ -407,3 +407,40 @@ async def test_forget_user_erases_rows_edited_away_from_the_users_key(
         assert await memory.forget_user(None) == {"episodes": 0, "facts": 0, "blocks": 0}
     finally:
         await runtime.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "postgres"])
+async def test_a_bad_count_is_a_typed_error_alike_on_every_backend(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # limit="5" or before_epoch="x" was a bare TypeError, a float or a flag was taken as a
+    # number, and a count past 64 bits was a StoreUnavailableError on SQLite (a store that is
+    # down, which callers retry); history_episodes="3" was a TypeError, 2.5 accepted.
+    from loomflow.errors import InvalidArgumentError, InvalidArgumentTypeError
+
+    if backend == "memory":
+        memory: Memory = InMemoryMemory()
+    else:
+        dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
+        memory = memory_from_url(dsn or f"sqlite:///{tmp_path / 'm.db'}")
+    try:
+        await memory.record_episode(
+            "s", user_id="u", key="k", messages=[Message.user("hi")], output="", epoch=0
+        )
+        for option, value in [
+            ("limit", "5"), ("limit", True), ("limit", 1.5),
+            ("before_epoch", "x"), ("before_epoch", 1.5), ("before_epoch", True),
+        ]:  # fmt: skip
+            with pytest.raises(InvalidArgumentTypeError, match=f"{option} must be an int"):
+                await memory.episodes("s", user_id="u", **{option: value})
+        for option in ("limit", "before_epoch"):
+            with pytest.raises(InvalidArgumentError, match=f"{option} must be an int from 0"):
+                await memory.episodes("s", user_id="u", **{option: 2**64})
+            with pytest.raises(InvalidArgumentError, match=f"{option} must be an int from 0"):
+                await memory.episodes("s", user_id="u", **{option: -1})
+        assert len(await memory.episodes("s", user_id="u", limit=2**63 - 1)) == 1
+        for bad in ("3", 2.5, True, -1):
+            with pytest.raises(UserError, match="history_episodes must be an int"):
+                Memory(memory.store, history_episodes=bad)  # type: ignore[arg-type]
+    finally:
+        await memory.close()
