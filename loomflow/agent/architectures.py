@@ -180,13 +180,19 @@ class Team:
         )
         if snapshot is None:
             return {}
-        answers = {
-            m.tool_call_id: m.content
-            for m in snapshot.messages
-            if m.role == "tool" and not m.is_error
-        }
         history: dict[str, list[tuple[str, str]]] = {}
-        for message in snapshot.messages:
+        messages = snapshot.messages
+        for at, message in enumerate(messages):
+            if not message.tool_calls:
+                continue
+            # A call id is unique within one answer only (a model may send "a" every turn):
+            # a call is answered by the tool results that follow its own answer.
+            answers: dict[str | None, str] = {}
+            for reply in messages[at + 1 :]:
+                if reply.role != "tool":
+                    break
+                if not reply.is_error:
+                    answers.setdefault(reply.tool_call_id, reply.content)
             for call in message.tool_calls:
                 worker = call.name.removeprefix("ask_")
                 asked = call.name == self.tool_name(worker) and worker in self.workers

@@ -313,3 +313,43 @@ async def test_a_prompt_that_is_no_string_is_refused_before_anything_runs(
     # Nothing was journaled: the sessions run afresh.
     assert (await flow.run("x", session_id="w", user_id="u")).output == "X"
     assert (await debate.run("t", session_id="d", user_id="u")).fresh_steps > 0
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["replay", "snapshot"])
+async def test_a_worker_asked_twice_under_one_call_id_remembers_both_answers(
+    runtime_factory: Factory, checkpoint: bool
+) -> None:
+    """A tool call id is unique within one model answer, not across turns (scripted models
+    and some servers send "a" every turn). Rebuilt from a snapshot, the worker's memory took
+    the last answer to id "a" for every task asked under it, so after the resume the worker
+    was told it had answered "one" with what it answered "two"."""
+    seen: list[list[str]] = []
+
+    def worker_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        seen.append([m.content for m in messages[1:]])
+        return f"did {messages[-1].content}"
+
+    crash = True
+
+    def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        asked = [m for m in messages if m.role == "tool"]
+        if len(asked) == 2 and crash:
+            raise Crash
+        if len(asked) < 3:
+            task = ("one", "two", "three")[len(asked)]
+            return [ToolCall(id="a", name="ask_w", arguments={"task": task})]
+        return "done"
+
+    runtime = await runtime_factory()
+    lead = Agent(
+        "lead",
+        model=FunctionModel(lead_decides),
+        runtime=runtime,
+        tuning=Tuning(checkpoint=checkpoint),
+    )
+    team = Team(lead, [Agent("w", model=FunctionModel(worker_decides), name="w")])
+    with pytest.raises(Crash):
+        await team.run("go", session_id="s", user_id="u")
+    crash = False
+    assert (await team.resume("go", session_id="s", user_id="u")).output == "done"
+    assert seen[-1] == ["one", "did one", "two", "did two", "three"]
