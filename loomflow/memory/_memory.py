@@ -14,7 +14,7 @@ from .._json import valid_text
 from .._timefmt import iso_time
 from ..config import Settings
 from ..context import get_run_context
-from ..errors import UserError
+from ..errors import InvalidArgumentTypeError, UserError
 from ..messages import Message
 from ..runtime._store import Scope
 from ..storage import PostgresDatabase, SqliteDatabase
@@ -152,13 +152,19 @@ class Memory:
         The agent calls this from a journaled step (see the memory docs); call it yourself to
         import conversations.
         """
+        # Checked by name before the write, alike on every backend: a flag was taken as epoch
+        # 1, an epoch past 64 bits was a "store unavailable" failure on the SQL backends.
+        if not isinstance(messages, list | tuple) or not all(
+            isinstance(m, Message) for m in messages
+        ):
+            raise InvalidArgumentTypeError("messages must be a list of Message")
         episode = Episode(
             id=str(ULID()),
             session_id=_session(session_id),
             user_id=_user(user_id),
             key=_key(key),
             run_id=check_id("run_id", run_id),
-            epoch=epoch,
+            epoch=check_count("epoch", epoch, 0),
             messages=list(messages),
             output=_content("output", output),
             created_at=dt.datetime.now(dt.UTC),  # replaced by the store's clock

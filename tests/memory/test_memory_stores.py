@@ -444,3 +444,45 @@ async def test_a_bad_count_is_a_typed_error_alike_on_every_backend(
                 Memory(memory.store, history_episodes=bad)  # type: ignore[arg-type]
     finally:
         await memory.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "postgres"])
+async def test_record_episode_refuses_a_bad_epoch_or_messages_by_name(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # epoch=True was stored as epoch 1 and epoch=-5 kept, an epoch past 64 bits was a
+    # StoreUnavailableError on SQLite and PostgreSQL (stored in memory), and a message that
+    # is no Message a pydantic ValidationError; nothing is written.
+    from loomflow.errors import InvalidArgumentError, InvalidArgumentTypeError
+
+    if backend == "memory":
+        memory: Memory = InMemoryMemory()
+    else:
+        dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
+        memory = memory_from_url(dsn or f"sqlite:///{tmp_path / 'm.db'}")
+    hi = [Message.user("hi")]
+    try:
+        for epoch, error in [
+            (True, InvalidArgumentTypeError), ("0", InvalidArgumentTypeError),
+            (1.0, InvalidArgumentTypeError), (-5, InvalidArgumentError),
+            (2**70, InvalidArgumentError),
+        ]:  # fmt: skip
+            with pytest.raises(error, match="epoch must be an int"):
+                await memory.record_episode(
+                    "s", user_id="u", key="k", messages=hi, output="", epoch=epoch
+                )
+        for messages in (["hi"], "hi", [{"role": "user", "content": "hi"}], None):
+            with pytest.raises(InvalidArgumentTypeError, match="messages must be a list"):
+                await memory.record_episode(
+                    "s",
+                    user_id="u",
+                    key="k",
+                    messages=messages,
+                    output="",  # type: ignore[arg-type]
+                )
+        assert await memory.episodes("s", user_id="u") == []
+        saved = await memory.record_episode("s", user_id="u", key="k", messages=hi, output="")
+        assert saved.epoch is None
+        assert [e.messages for e in await memory.episodes("s", user_id="u")] == [hi]
+    finally:
+        await memory.close()
