@@ -1,0 +1,47 @@
+"""Tool-call arguments that JSON cannot carry, or that nest too deep, through both real SDKs."""
+
+from __future__ import annotations
+
+import pytest
+
+from loomflow.errors import ModelError, ModelRetryExhaustedError
+from loomflow.messages import Message, ToolCall
+from loomflow.models import AnthropicModel, Backoff, OpenAIModel, complete
+from loomflow.testing.providers import FakeAnthropicAPI, FakeOpenAIAPI, Reply
+
+CALL = ToolCall(id="call_01", name="get_weather", arguments={})
+
+
+@pytest.mark.parametrize(
+    ("api_type", "model_type"),
+    [(FakeAnthropicAPI, AnthropicModel), (FakeOpenAIAPI, OpenAIModel)],
+    ids=["anthropic", "openai"],
+)
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        # NaN compares false to everything: a rule like args={"days": lambda v: v > 7}
+        # would let it through. JSON has neither it nor Infinity.
+        ('{"days": NaN}', "not a JSON object"),
+        ('{"days": -Infinity}', "not a JSON object"),
+        # Deep enough to end the run in the journal (or in a RecursionError) once paid for.
+        ('{"days": ' + "[" * 97 + "]" * 97 + "}", "nested more than 64 levels deep"),
+        # This deep, the Anthropic SDK's own parser gives up first.
+        ('{"days": ' + "[" * 900 + "]" * 900 + "}", "nested more than 64|could not read"),
+    ],
+    ids=["nan", "infinity", "deep", "deeper-than-json-reads"],
+)
+async def test_tool_arguments_json_cannot_carry_are_a_model_error(
+    api_type: type[FakeAnthropicAPI | FakeOpenAIAPI],
+    model_type: type[AnthropicModel | OpenAIModel],
+    fast: Backoff,
+    raw: str,
+    said: str,
+) -> None:
+    with api_type() as api:
+        api.add(Reply(tool_calls=[CALL], raw_arguments=[raw]))
+        async with model_type("m", base_url=api.base_url, api_key="k", backoff=fast) as model:
+            with pytest.raises(ModelError, match=said) as info:
+                await complete(model, [Message.user("hi")])
+        assert not isinstance(info.value, ModelRetryExhaustedError)
+        assert api.request_count == 1  # not retried: the same model would say the same
