@@ -202,7 +202,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             self._warn_usage_unreported()
         yield ModelResponse(
             text="".join(text),
-            tool_calls=[self._tool_call(calls[i]) for i in sorted(calls)],
+            tool_calls=[self._tool_call(pending) for pending in calls.values()],
             usage=usage,
             finish_reason=_FINISH_REASONS.get(finish, finish),
             model=model,
@@ -213,12 +213,16 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
     def _tool_call_delta(calls: dict[int, _PendingCall], piece: Any, where: str) -> ToolCallDelta:
         """One streamed piece of a tool call, added to its pending call."""
         piece = f.obj(piece, where)
-        slot = f.index(f.field(piece, "index"), f"{where}.index")
+        index = f.index(f.field(piece, "index"), f"{where}.index")
         call_id = f.optional_text(f.field(piece, "id"), f"{where}.id")
         function = f.optional_obj(f.field(piece, "function"), f"{where}.function")
         name = f.optional_text(f.field(function, "name"), f"{where}.function.name")
         arguments = f.optional_text(f.field(function, "arguments"), f"{where}.function.arguments")
-        pending = calls.setdefault(slot, _PendingCall())
+        pending = calls.setdefault(index, _PendingCall())
+        # A delta's index is the call's place in the response, numbered from 0 in the order
+        # the calls came: a server's own numbering may skip (index 1 alone), and a delta that
+        # named no call of the response would escape the sealing of sensitive arguments.
+        slot = list(calls).index(index)
         if call_id:
             pending.id = call_id
         # OpenAI sends the name once, in the call's first piece; some compatible servers

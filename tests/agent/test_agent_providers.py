@@ -164,3 +164,49 @@ async def test_a_run_without_a_budget_goes_on_when_no_usage_is_reported(
     assert result.output == "hello"
     assert (result.tokens_in, result.tokens_out, result.cost_usd) == (0, 0, 0.0)
     assert [r for r in caplog.records if "without reporting its token usage" in r.message]
+
+
+@tool(sensitive=["password"])
+def login(user: str, password: str) -> str:
+    """Log in."""
+    return f"{user} logged in"
+
+
+def _openai_chunk(fields: dict[str, object]) -> bytes:
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4.1"}
+    return f"data: {json.dumps({**head, **fields})}\n\n".encode()
+
+
+async def test_a_servers_own_tool_call_numbering_does_not_unseal_a_streamed_secret(
+    tmp_path: Path,
+) -> None:
+    # An OpenAI-compatible server that numbers its only tool call 1: the deltas the stream
+    # shows must still carry the sealed arguments, as the response does.
+    piece = {
+        "index": 1,
+        "id": "call_1",
+        "type": "function",
+        "function": {
+            "name": "login",
+            "arguments": json.dumps({"user": "bob", "password": "hunter2-secret"}),
+        },
+    }
+    body = [
+        _openai_chunk(
+            {"choices": [{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}]}
+        ),
+        _openai_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+        _openai_chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}),
+        b"data: [DONE]\n\n",
+    ]
+    with FakeOpenAIAPI(Reply(raw_stream=body), Reply(text="done")) as api:
+        model = _model_for("openai", api)
+        runtime = SqliteRuntime(tmp_path / "journal.db")
+        agent = Agent("login bot", model=model, tools=[login], runtime=runtime)
+        try:
+            shown = [repr(event) async for event in agent.stream("log in", session_id="s")]
+        finally:
+            await runtime.close()
+            await model.aclose()
+    assert any("bob logged in" in event for event in shown)  # the tool ran with the value
+    assert not [event for event in shown if "hunter2" in event]

@@ -412,6 +412,31 @@ async def test_a_tool_name_repeated_in_every_piece_is_taken_once(
     assert names == ["get_weather", None]
 
 
+async def test_tool_call_deltas_number_the_calls_of_the_response_from_0(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # A server's own numbering (7, then 3) is not the response's: a delta naming no call of
+    # it escaped the agent's sealing of sensitive arguments.
+    body = [
+        _tool_piece(
+            f'{{"index":{index},"id":"call_{index}","type":"function",'
+            f'"function":{{"name":"get_weather","arguments":{json.dumps(json.dumps(arguments))}}}}}'
+        )
+        for index, arguments in ((7, {"city": "Oslo"}), (3, {"city": "Rome"}))
+    ]
+    openai_api.add(Reply(raw_stream=[*body, _chunk(USAGE), DONE]))
+    async with make(openai_api, fast) as model:
+        chunks = await drain(model, [Message.user("weather?")])
+    response = chunks[-1]
+    assert isinstance(response, ModelResponse)
+    assert [(c.id, c.arguments["city"]) for c in response.tool_calls] == [
+        ("call_7", "Oslo"),
+        ("call_3", "Rome"),
+    ]
+    deltas = [(c.index, c.id) for c in chunks if isinstance(c, ToolCallDelta)]
+    assert deltas == [(0, "call_7"), (1, "call_3")]
+
+
 async def test_a_choice_without_an_index_is_the_answer(
     openai_api: FakeOpenAIAPI, fast: Backoff
 ) -> None:
