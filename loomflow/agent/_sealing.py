@@ -162,7 +162,8 @@ class Sealer:
 
         Text streams as it comes. Tool-call deltas are held until the final response: a call
         with nothing to seal is then replayed delta for delta, a sealed one as a single delta
-        carrying its sealed arguments. Use it with ``contextlib.aclosing`` so an abandoned
+        carrying its sealed arguments; deltas of no call of the response (or of a stream that
+        brought none) are not shown. Use it with ``contextlib.aclosing`` so an abandoned
         stream closes the model's stream at once.
         """
         source = aiter(chunks)
@@ -185,13 +186,15 @@ class Sealer:
             if isinstance(chunk, ModelResponse):
                 sealed = self.seal_response(chunk)
                 for index in sorted(held):
-                    original = chunk.tool_calls[index] if index < len(chunk.tool_calls) else None
-                    now = sealed.tool_calls[index] if original is not None else None
-                    if original is None or now is original:
+                    if index >= len(chunk.tool_calls):
+                        # Deltas that name no call of the response (a model that numbers its
+                        # calls its own way) cannot be checked for secrets: not shown.
+                        continue
+                    original, now = chunk.tool_calls[index], sealed.tool_calls[index]
+                    if now is original:
                         for delta in held[index]:
                             yield delta
                     else:
-                        assert now is not None
                         yield ToolCallDelta(
                             index=index,
                             id=now.id,
@@ -202,9 +205,8 @@ class Sealer:
                 yield sealed
                 continue
             yield chunk
-        for index in sorted(held):  # a stream that ended without a response
-            for delta in held[index]:
-                yield delta
+        # A stream that ended without a response: its held deltas belong to no call that can
+        # be checked for secrets, and none of them runs, so they are not shown either.
 
     def unseal(self, call: ToolCall) -> ToolCall:
         """``call`` with the real values back, for the tool invocation only.

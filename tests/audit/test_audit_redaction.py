@@ -157,6 +157,26 @@ def test_scrub_removes_sealed_values_from_results_only_when_present() -> None:
     assert sealer.scrub(failed).error == f"card {PLACEHOLDER} declined"
 
 
+@pytest.mark.parametrize("with_response", [True, False])
+async def test_deltas_that_name_no_call_of_the_response_are_not_shown(with_response: bool) -> None:
+    # A model numbering its only call 1 (or a stream that brings no response): the deltas
+    # cannot be matched to a call whose arguments were checked, so they were shown raw.
+    response = ModelResponse(
+        tool_calls=[ToolCall(id="a", name="pay", arguments={"card": "4111-2222", "amount": 1})],
+        finish_reason="tool_calls",
+    )
+
+    async def stream() -> AsyncIterator[Any]:
+        yield ToolCallDelta(index=1, id="a", name="pay", arguments_delta='{"card": "4111-2222"')
+        yield ToolCallDelta(index=1, arguments_delta=', "amount": 1}')
+        if with_response:
+            yield response
+
+    chunks = [c async for c in _sealer().stream(stream())]
+    assert "4111" not in "".join(c.model_dump_json() for c in chunks)
+    assert len(chunks) == (1 if with_response else 0)
+
+
 async def test_the_stream_holds_sealed_call_deltas_and_passes_the_rest() -> None:
     response = ModelResponse(
         text="hi",
