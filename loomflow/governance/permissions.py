@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import inspect
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -87,8 +88,9 @@ class Rule:
     Args:
         behavior: ``allow``, ``deny`` or ``ask``.
         tool: A glob on the tool name (``"*"``, ``"fs_*"``, ``"delete_user"``).
-        args: Per argument name, a glob on the value's text or a predicate on the value; every
-            one must match (a missing argument does not).
+        args: Per argument name, a glob on the value's text (a non-string as Python or as JSON
+            writes it: ``True`` or ``true``) or a predicate on the value; every one must match
+            (a missing argument does not).
         when: A predicate on the whole arguments dict.
         destructive: Match only tools with (``True``) or without (``False``) that flag.
         edits: Match only tools with or without the ``edits`` flag.
@@ -170,9 +172,7 @@ class Rule:
                 return False
             value = call.arguments[name]
             if isinstance(matcher, str):
-                if not fnmatch.fnmatchcase(
-                    value if isinstance(value, str) else str(value), matcher
-                ):
+                if not any(fnmatch.fnmatchcase(text, matcher) for text in _texts(value)):
                     return False
             elif not matcher(value):
                 return False
@@ -190,6 +190,19 @@ class Rule:
             if getattr(self, flag) is not None:
                 parts.append(f"{flag}={getattr(self, flag)}")
         return f"{self.behavior}({', '.join(parts)})"
+
+
+def _texts(value: Any) -> tuple[str, ...]:
+    """The texts an argument glob is matched against: a string itself; any other value as
+    Python writes it (``True``, ``None``) and as the model sent it in JSON (``true``,
+    ``null``), so that a deny rule written either way is not dodged by the other."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        sent = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):  # not from JSON: a hook's or an edit's
+        return (str(value),)
+    return (str(value), sent)
 
 
 def _rules(rules: object) -> tuple[Rule, ...]:

@@ -198,6 +198,28 @@ def test_argument_rules() -> None:
     assert check("fetch", port=22) == "deny"  # non-strings are matched as text
 
 
+def test_an_argument_glob_matches_a_non_string_as_python_and_as_json_write_it() -> None:
+    # A model sends JSON true; str() made it "True", so a rule written "true" never denied.
+    permissions = StandardPermissions(
+        "default",
+        [
+            Rule.deny("deploy", args={"force": "true"}),
+            Rule.deny("deploy", args={"target": "null"}),
+            Rule.deny("deploy", args={"hosts": '*"prod*'}),
+            Rule.deny("wipe", args={"all": "True"}),
+        ],
+    )
+
+    def check(name: str, **arguments: Any) -> str:
+        return permissions.check(ToolCall(id="c", name=name, arguments=arguments)).behavior
+
+    assert check("deploy", force=True) == "deny"
+    assert check("deploy", target=None) == "deny"
+    assert check("deploy", hosts=["staging", "prod-1"]) == "deny"
+    assert check("wipe", all=True) == "deny"  # as Python writes it, as before
+    assert check("deploy", force=False, target="staging", hosts=["staging"]) == "allow"
+
+
 def test_a_failing_rule_denies() -> None:
     permissions = StandardPermissions("bypass", [Rule.allow("*", when=lambda a: a["missing"])])
     decision = permissions.check(ToolCall(id="c", name="anything", arguments={}))
