@@ -280,6 +280,11 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         reads = count("cache_read_input_tokens", f.field(usage, "cache_read_input_tokens"))
         input_tokens = f.field(usage, "input_tokens")
         output_tokens = f.field(usage, "output_tokens")
+        # Each part may be plausible and their sum not: checked as the one figure it becomes.
+        total_input = count(
+            "input_tokens + cache_creation_input_tokens + cache_read_input_tokens",
+            count("input_tokens", input_tokens) + writes + reads,
+        )
         reported = input_tokens is not None and output_tokens is not None
         if not reported:
             self._warn_usage_unreported()
@@ -294,7 +299,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             text="".join(text),
             tool_calls=calls,
             usage=Usage(
-                input_tokens=count("input_tokens", input_tokens) + writes + reads,
+                input_tokens=total_input,
                 output_tokens=count("output_tokens", output_tokens),
                 cache_read_tokens=reads,
                 cache_write_tokens=writes,

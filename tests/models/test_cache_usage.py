@@ -83,14 +83,30 @@ async def test_a_reported_count_that_cannot_be_true_is_not_trusted(
     # is not retried, which would bill a second call). An absurdly large one is refused in
     # the adapter too: journaled, every resume would replay it into the run's result.
     api: FakeAnthropicAPI | FakeOpenAIAPI = anthropic_api if provider == "anthropic" else openai_api
-    figures: dict[str, int] = {"input_tokens": 10, "output_tokens": 4, field: bad}
+    await _not_trusted(api, fast, {"input_tokens": 10, "output_tokens": 4, field: bad}, f"={bad}")
+
+
+async def _not_trusted(
+    api: FakeAnthropicAPI | FakeOpenAIAPI, fast: Backoff, figures: dict[str, int], said: str
+) -> None:
+    """The call with these usage figures raises UntrustedUsageError, and is not retried."""
     api.add(Reply(text="Hi.", **figures))
-    adapter = AnthropicModel if provider == "anthropic" else OpenAIModel
-    name = "claude-opus-4-7" if provider == "anthropic" else "gpt-4.1"
+    anthropic = isinstance(api, FakeAnthropicAPI)
+    adapter = AnthropicModel if anthropic else OpenAIModel
+    name = "claude-opus-4-7" if anthropic else "gpt-4.1"
     async with adapter(name, base_url=api.base_url, api_key="sk-test", backoff=fast) as model:
-        with pytest.raises(UntrustedUsageError, match=f"={bad}"):
+        with pytest.raises(UntrustedUsageError, match=said):
             await complete(model, [Message.user("hi")])
     assert api.request_count == 1
+
+
+async def test_anthropic_input_parts_that_add_up_past_any_call_are_not_trusted(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    # Each part is plausible; their sum, the call's input_tokens, is not. It reached the
+    # budget as a plain InvalidUsageError (ending the run rather than charging the hold).
+    figures = {"input_tokens": 6_000_000, "cache_read_tokens": 6_000_000}
+    await _not_trusted(anthropic_api, fast, figures, "cache_read_input_tokens=12000000")
 
 
 async def test_zero_cache_figures_mean_no_cache(
