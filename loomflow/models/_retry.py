@@ -31,7 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
-from ..errors import ModelError, ModelRetryExhaustedError
+from ..errors import InvalidArgumentError, ModelError, ModelRetryExhaustedError
 from ..messages import ModelChunk
 
 __all__ = [
@@ -130,6 +130,21 @@ class Backoff:
     initial: float = 0.5
     maximum: float = 8.0
     multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        # The maximum is what bounds a provider's retry-after header ("inf" included): an
+        # infinite or NaN one would let a hostile header stall the call for good.
+        for name in ("initial", "maximum", "multiplier"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise InvalidArgumentError(
+                    f"Backoff {name} must be a finite number from 0, not {value!r}"
+                )
 
     def delay(self, retry: int, rng: random.Random, retry_after: float | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (0-based)."""

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 
-from loomflow.errors import ModelError, ModelRetryExhaustedError
+from loomflow.errors import InvalidArgumentError, ModelError, ModelRetryExhaustedError
 from loomflow.messages import ModelChunk, ModelResponse, TextDelta
 from loomflow.models import Backoff
 from loomflow.models._retry import (
@@ -42,6 +42,21 @@ def test_backoff_grows_caps_and_jitters() -> None:
         waits = {backoff.delay(retry, rng) for _ in range(50)}
         assert all(base / 2 <= w <= base for w in waits)
         assert len(waits) > 1  # jittered, not lockstep
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"maximum": float("inf")},  # a hostile "retry-after: 1e9" then waited that long
+        {"maximum": float("nan")},
+        {"initial": -1.0},
+        {"multiplier": float("inf")},
+        {"maximum": "8"},
+    ],
+)
+def test_a_backoff_that_cannot_bound_a_wait_is_refused(options: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgumentError, match="Backoff"):
+        Backoff(**options)  # type: ignore[arg-type]
 
 
 def test_retry_after_is_honoured_up_to_the_cap() -> None:
