@@ -434,17 +434,8 @@ class Recovery:
             await self._quietly(self.runtime.requeue(session_id, claim.user_id))
             raise
         except Exception as exc:
-            self.failures += 1
             # Journaled as the run's last error, so the agent's redactor sees it first.
             error = agent.redactor.text(f"{type(exc).__name__}: {exc}")[:4000]
-            if claim.attempts >= self.max_attempts:
-                outcome = "dead_lettered"
-                await self._quietly(self.runtime.dead_letter(session_id, claim.user_id, error))
-            else:
-                outcome = "retry_failed"
-                await self._quietly(
-                    self.runtime.note_recovery_error(session_id, claim.user_id, error)
-                )
             log.warning(
                 "resumed session %r of user %r raised (attempt %d of %d): %s",
                 session_id,
@@ -453,6 +444,9 @@ class Recovery:
                 self.max_attempts,
                 error,
             )
+            outcome = await self._attempt_failed(session_id, claim, error)
+            if outcome != "cancelled":
+                self.failures += 1
         self.metrics.recovery(outcome)
         payload: dict[str, Any] = {"agent": agent.name, "attempt": claim.attempts}
         payload["outcome"] = outcome
@@ -462,6 +456,29 @@ class Recovery:
             payload["error"] = error
         action = RUN_DEAD_LETTER if outcome == "dead_lettered" else RUN_RECOVER
         await self._quietly(self._audit_ids(action, session_id, claim.user_id, payload))
+
+    async def _attempt_failed(self, session_id: str, claim: OrphanClaim, error: str) -> str:
+        """Record an attempt that raised, and say how it counts: ``dead_lettered`` (the last
+        one, and the run is now ``failed``), ``cancelled`` (cancelled while it ran: the run
+        says so, whatever its steps raised on the way out) or ``retry_failed``."""
+        user_id = claim.user_id
+        if claim.attempts >= self.max_attempts:
+            try:
+                marked = await self.runtime.dead_letter(session_id, user_id, error)
+            except Exception:
+                log.warning("recovery bookkeeping failed", exc_info=True)
+                marked = False
+            if marked:
+                log.error("gave up on session %r of user %r: %s", session_id, user_id, error)
+                return "dead_lettered"
+            # Not marked: cancelled meanwhile, or the journal failed (the run stays orphaned
+            # out of attempts, and the next sweep gives it up with this error as its last).
+        await self._quietly(self.runtime.note_recovery_error(session_id, user_id, error))
+        try:
+            [info] = await self.runtime.sessions(session_id=session_id, user_id=user_id, limit=1)
+        except Exception:  # unreadable now: counted as the failure it most likely is
+            return "retry_failed"
+        return "cancelled" if info.state == "cancelled" else "retry_failed"
 
     async def _audit(self, action: str, orphan: Orphan, payload: dict[str, Any]) -> None:
         await self._audit_ids(action, orphan.session_id, orphan.user_id, payload)

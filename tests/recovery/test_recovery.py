@@ -16,7 +16,7 @@ from pathlib import Path
 import _app
 import pytest
 from _fleet import app_env as fleet_env
-from _fleet import start_and_kill, tool_counts
+from _fleet import start_and_kill, tool_counts, wait_for
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
@@ -24,8 +24,8 @@ from loomflow.agent import Agent
 from loomflow.audit import AuditLog
 from loomflow.errors import ConfigurationError, CorruptEntryError, InvalidArgumentError, UserError
 from loomflow.models import ScriptedModel
-from loomflow.recovery import Recovery, default_backoff
-from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record
+from loomflow.recovery import Recovery, cancel_run, default_backoff
+from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record, runtime_from_url
 from loomflow.telemetry import Metrics
 
 
@@ -169,6 +169,71 @@ async def test_attempts_backoff_and_dead_letter(
     assert sample("loomflow_recoveries_total", {"outcome": "retry_failed"}) == 1
     assert sample("loomflow_recoveries_total", {"outcome": "dead_lettered"}) == 1
     assert fast.failures == 1
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+async def test_a_run_cancelled_while_its_attempt_fails_counts_as_cancelled(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    max_attempts: int,
+) -> None:
+    # A run cancelled while a worker resumed it, whose step then raised, was counted and
+    # audited as a dead letter (or a failed attempt, failing `worker --once`) while
+    # `runs list` showed it cancelled: the metrics an SRE reads disagreed with the journal.
+    await start_and_kill(journal_url, ledger, 1, "gone")
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLEET_BLOCK", "1")
+    monkeypatch.setenv("FLEET_GATE", str(gate))
+    monkeypatch.setenv("FLEET_FAIL", "1")
+    runtime = _runtime(worker)
+    metrics = _metrics()
+    recovery = Recovery(runtime, worker, max_attempts=max_attempts, backoff=0, metrics=metrics)
+    assert len((await recovery.sweep()).resumed) == 1
+    await wait_for(ledger, "blocked", 2)  # the killed run's, then the resumed attempt's
+    other = runtime_from_url(journal_url)  # the operator's `runs cancel`, another process
+    try:
+        assert await cancel_run(other, "gone-0", user_id="ana")
+    finally:
+        await other.close()
+    gate.touch()  # ship now raises
+    with caplog.at_level("INFO", logger="loomflow.recovery"):
+        await recovery.wait()
+    assert await _states(runtime) == {"gone-0": "cancelled"}
+    sample = metrics.registry.get_sample_value
+    counted = {
+        o: sample("loomflow_recoveries_total", {"outcome": o})
+        for o in ("dead_lettered", "retry_failed", "cancelled")
+    }
+    assert counted == {"dead_lettered": 0, "retry_failed": 0, "cancelled": 1}
+    assert recovery.failures == 0
+    assert not [r for r in caplog.records if "gave up" in r.getMessage()]
+
+
+async def test_a_last_attempt_that_raises_is_logged_as_given_up(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A run given up at a sweep logged "gave up on session ..." as an error; one whose last
+    # attempt raised (the usual dead letter) only logged the attempt's warning.
+    await start_and_kill(journal_url, ledger, 1, "last")
+    monkeypatch.setenv("FLEET_FAIL", "1")
+    runtime = _runtime(worker)
+    recovery = Recovery(runtime, worker, max_attempts=1, metrics=_metrics())
+    with caplog.at_level("WARNING", logger="loomflow.recovery"):
+        await recovery.sweep()
+        await recovery.wait()
+    assert await _states(runtime) == {"last-0": "failed"}
+    [line] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert line.getMessage() == (
+        "gave up on session 'last-0' of user 'ana': ConfigurationError: the carrier is down"
+    )
 
 
 @pytest.mark.parametrize("attempts", [-5, -(2**31)])
