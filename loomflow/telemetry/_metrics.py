@@ -27,6 +27,7 @@ from ..governance.guardrails import Action as GuardrailAction
 from ..models._retry import ERROR_CLASSES, error_class
 from ..runtime import RUN_STATES
 from ..runtime._journal import StepEvent
+from ..runtime._states import UNREADABLE
 from . import _semconv as sc
 from ._hooks import TelemetryHooks
 from ._instruments import Instruments, InstrumentSpec, instruments_for
@@ -820,7 +821,8 @@ class Metrics:
         """Set the runs-by-state gauge of ``backend`` from a sweep's count (every state set,
         zeros included, so a state that empties reads 0 rather than its last value)."""
         backend = self._c.bound("backend", backend)
-        for state in RUN_STATES:
+        # "unreadable" too: `runs list` shows hand-edited rows so, and the gauge adds up to it.
+        for state in (*RUN_STATES, UNREADABLE):
             count = max(counts.get(state, 0), 0)
             self._c.runs_by_state.labels(state, backend).set(count)
             if self._o is not None:

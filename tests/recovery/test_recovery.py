@@ -536,6 +536,28 @@ async def test_a_closed_run_with_a_damaged_epoch_is_counted_as_runs_list_shows_i
     assert (states["unreadable"], states["finished"]) == (1, 0)
 
 
+async def test_the_runs_by_state_gauge_counts_unreadable_runs_as_runs_list_shows_them(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    # `runs list` shows a hand-edited row as "unreadable", but the gauge an SRE reads dropped
+    # it: the journal's runs did not add up, and no series showed that rows were damaged.
+    await start_and_kill(journal_url, ledger, 1, "odd")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute("UPDATE loom_sessions SET open = 0, status = 'zombie'")
+    assert await _states(runtime) == {"odd-0": "unreadable"}
+    metrics = _metrics()
+    await Recovery(runtime, worker, metrics=metrics).sweep()
+    gauge = {
+        labels["state"]: value
+        for family in metrics.registry.collect()
+        if family.name == "loomflow_runs_by_state"
+        for _name, labels, value, *_ in family.samples
+    }
+    assert gauge["unreadable"] == 1
+    assert sum(gauge.values()) == 1
+
+
 @pytest.mark.parametrize("journal_url", ["sqlite"], indirect=True)
 async def test_agents_of_another_journal_are_refused_before_any_claim(
     worker: dict[str, Agent], journal_url: str, ledger: Path, tmp_path: Path
