@@ -12,36 +12,16 @@ and only then did it learn, at its next model call, that it had lost the turn.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import signal
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import _paused_worker as worker
 import pytest
+from _process_harness import harness as h  # the crash tests' process helpers
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _load_harness() -> ModuleType:
-    # The process helpers live beside the crash tests; loaded by path, as the runtime's
-    # two-process tests do.
-    path = Path(__file__).resolve().parents[1] / "crash" / "_harness.py"
-    name = "_loomflow_process_harness"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-h = _load_harness()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

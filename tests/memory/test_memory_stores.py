@@ -283,6 +283,33 @@ async def test_a_fact_remembered_over_a_damaged_current_version_supersedes_it(
     await memory.close()
 
 
+async def _record_alices_secrets(memory: Any) -> None:
+    """An episode, a fact and a block of alice's, each holding something only she may see."""
+    await memory.record_episode(
+        "chat", user_id="alice", key="k", messages=[Message.user("my PIN is 1234")],
+        output="noted", epoch=0,
+    )  # fmt: skip
+    await memory.remember("alice", "pin", "1234", user_id="alice")
+    await memory.set_block("profile", "alice's secrets", user_id="alice")
+
+
+async def _edit_rows(dsn: str, sqlite_file: Path, statements: list[str]) -> None:
+    """Edit rows by hand: on the PostgreSQL database ``dsn``, else in the SQLite file."""
+    if dsn:
+        import asyncpg
+
+        conn = await asyncpg.connect(dsn)
+        try:
+            for sql in statements:
+                await conn.execute(sql)
+        finally:
+            await conn.close()
+    else:
+        with sqlite3.connect(sqlite_file) as conn:
+            for sql in statements:
+                conn.execute(sql)
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_rows_moved_under_another_users_key_are_damage_not_that_users_memory(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
@@ -290,18 +317,11 @@ async def test_rows_moved_under_another_users_key_are_damage_not_that_users_memo
     # Rows are found by the user's key alone: alice's episode, fact and block, filed under
     # bob's key in the database, were recalled into bob's run, read by his tools and put in
     # his export. They now read as damaged (as a moved checkpoint does).
-    import asyncpg
-
     dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
     runtime = await PostgresRuntime.connect(dsn) if dsn else SqliteRuntime(tmp_path / "m.db")
     memory = memory_for(runtime)
     try:
-        await memory.record_episode(
-            "chat", user_id="alice", key="k", messages=[Message.user("my PIN is 1234")],
-            output="noted", epoch=0,
-        )  # fmt: skip
-        await memory.remember("alice", "pin", "1234", user_id="alice")
-        await memory.set_block("profile", "alice's secrets", user_id="alice")
+        await _record_alices_secrets(memory)
         await memory.record_episode(
             "chat", user_id="bob", key="b", messages=[Message.user("hello")], output="hi",
             epoch=0,
@@ -320,15 +340,7 @@ async def test_rows_moved_under_another_users_key_are_damage_not_that_users_memo
             "UPDATE loom_memory_facts SET user_key = (SELECT user_key FROM loom_memory_facts "
             "WHERE user_id = 'bob') WHERE user_id = 'alice'"
         )
-        if dsn:
-            conn = await asyncpg.connect(dsn)
-            for sql in statements:
-                await conn.execute(sql)
-            await conn.close()
-        else:
-            with sqlite3.connect(tmp_path / "m.db") as conn:
-                for sql in statements:
-                    conn.execute(sql)
+        await _edit_rows(dsn, tmp_path / "m.db", statements)
         with pytest.raises(CorruptEntryError, match="moved"):
             await memory.episodes("chat", user_id="bob")
         with pytest.raises(CorruptEntryError, match="moved"):
@@ -368,32 +380,17 @@ async def test_forget_user_erases_rows_edited_away_from_the_users_key(
     # Recall found episodes by their (session, user) scope, erasure and export by the user's
     # key: an episode whose user_key was edited survived forget_user and was still recalled
     # into alice's next run; a fact or block of hers moved under another key was missed too.
-    import asyncpg
-
     dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
     runtime = await PostgresRuntime.connect(dsn) if dsn else SqliteRuntime(tmp_path / "m.db")
     memory = memory_for(runtime)
     try:
-        await memory.record_episode(
-            "chat", user_id="alice", key="k", messages=[Message.user("my PIN is 1234")],
-            output="noted", epoch=0,
-        )  # fmt: skip
-        await memory.remember("alice", "pin", "1234", user_id="alice")
-        await memory.set_block("profile", "alice's secrets", user_id="alice")
+        await _record_alices_secrets(memory)
         await memory.remember("bob", "likes", "tea", user_id="bob")
         statements = [
             f"UPDATE {table} SET user_key = '[\"elsewhere\"]' WHERE user_id = 'alice'"
             for table in ("loom_memory_episodes", "loom_memory_facts", "loom_memory_blocks")
         ]
-        if dsn:
-            conn = await asyncpg.connect(dsn)
-            for sql in statements:
-                await conn.execute(sql)
-            await conn.close()
-        else:
-            with sqlite3.connect(tmp_path / "m.db") as conn:
-                for sql in statements:
-                    conn.execute(sql)
+        await _edit_rows(dsn, tmp_path / "m.db", statements)
         # Her export still shows what the rows hold about her.
         exported = await memory.export_user("alice")
         assert [len(exported[kind]) for kind in ("episodes", "facts", "blocks")] == [1, 1, 1]

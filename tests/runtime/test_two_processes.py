@@ -7,35 +7,14 @@ was already running is refused by the store, and the new owner's entries stand.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from _process_harness import harness as h  # the crash tests' process helpers
 
 from loomflow.runtime import JournalRuntime
-
-
-def _load_harness() -> ModuleType:
-    # The worker harness lives beside the crash tests; load it by path so this module does not
-    # depend on which test directories pytest happened to put on sys.path.
-    path = Path(__file__).resolve().parents[1] / "crash" / "_harness.py"
-    name = "_loomflow_process_harness"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-h = _load_harness()
 
 pytestmark = pytest.mark.timeout(120)
 
