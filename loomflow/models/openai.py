@@ -133,12 +133,13 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         if output is not None:
             # strict only when the schema has a strict form (see OutputFormat.strict): the
             # API refuses strict schemas with optional fields or open objects.
+            schema = _without_one_of(output.json_schema) if output.strict else output.json_schema
             request["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {
                     "name": output.name,
                     "description": output.description,
-                    "schema": output.json_schema,
+                    "schema": schema,
                     "strict": output.strict,
                 },
             }
@@ -290,6 +291,25 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         if isinstance(exc, sdk.OpenAIError):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=False)
         return None
+
+
+def _without_one_of(node: Any) -> Any:
+    """``node`` with each ``oneOf`` spelled ``anyOf``, which is all strict mode takes.
+
+    Pydantic writes a discriminated union as ``oneOf`` (plus a ``discriminator`` that only
+    points into it); its members differ in the tag's ``const``, so at most one can match
+    and ``anyOf`` asks for the same answers. Done here, at send time, so that the format,
+    and with it the journal key of every model call, stays as it was.
+    """
+    if isinstance(node, list):
+        return [_without_one_of(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _without_one_of(value) for key, value in node.items()}
+    if isinstance(out.get("oneOf"), list) and "anyOf" not in out:
+        out["anyOf"] = out.pop("oneOf")
+        out.pop("discriminator", None)
+    return out
 
 
 def _detail(exc: Any) -> str:

@@ -791,6 +791,8 @@ def _strict_problem(node: Any, where: str) -> str | None:
         return None
     if not isinstance(node, dict):
         return None
+    if "oneOf" in node:  # the real service: "'oneOf' is not permitted"
+        return f"{where}: 'oneOf' is not permitted in strict mode"
     if node.get("type") == "object" or "properties" in node:
         if node.get("additionalProperties") is not False:
             return f"{where}: additionalProperties must be false in strict mode"

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from loomflow.agent import Agent, ModelDeltaEvent, RunFinished
 from loomflow.agent._output import StructuredOutput
@@ -37,6 +37,23 @@ class Tree(BaseModel):
 
     name: str
     children: list[Tree]  # recursive, every field required: strict mode can take it
+
+
+class Sunny(BaseModel):
+    sky: Literal["sunny"]
+    uv_index: int
+
+
+class Rainy(BaseModel):
+    sky: Literal["rainy"]
+    mm: float
+
+
+class Outlook(BaseModel):
+    """A discriminated union, every field required: pydantic writes it as a oneOf."""
+
+    city: str
+    today: Sunny | Rainy = Field(discriminator="sky")
 
 
 ANSWER = {"city": "Oslo", "temp_c": 3.5}
@@ -289,18 +306,40 @@ async def test_openai_fake_refuses_a_strict_schema_strict_mode_cannot_take() -> 
         await client.close()
 
 
-async def test_openai_answers_with_a_recursive_model_in_strict_mode() -> None:
-    with FakeOpenAIAPI(Reply(structured=TREE)) as api:
+async def _openai_answer(
+    answer: dict[str, Any], output_type: type[BaseModel]
+) -> tuple[Any, dict[str, Any]]:
+    """The parsed answer of a run on the OpenAI fake, and the response format it was sent."""
+    with FakeOpenAIAPI(Reply(structured=answer)) as api:
         model = _openai(api)
         try:
-            result = await _agent(model).run("places?", output_type=Tree)
+            result = await _agent(model).run("answer?", output_type=output_type)
         finally:
             await model.aclose()
-    assert result.parsed == Tree.model_validate(TREE)
-    spec = api.last_request.body["response_format"]["json_schema"]
+    return result.parsed, api.last_request.body["response_format"]["json_schema"]
+
+
+async def test_openai_answers_with_a_recursive_model_in_strict_mode() -> None:
+    parsed, spec = await _openai_answer(TREE, Tree)
+    assert parsed == Tree.model_validate(TREE)
     assert spec["strict"] is True
     assert spec["schema"]["type"] == "object"
     assert spec["schema"]["$defs"]["Tree"]["additionalProperties"] is False
+
+
+async def test_openai_answers_with_a_discriminated_union_in_strict_mode() -> None:
+    """OpenAI's strict mode refuses "oneOf", which pydantic writes for a discriminated union:
+    the adapter sends it as the equivalent "anyOf" (pydantic still checks the tag)."""
+    assert "oneOf" in str(StructuredOutput(Outlook, 1).format.json_schema)
+    answer = {"city": "Oslo", "today": {"sky": "rainy", "mm": 4.5}}
+    parsed, spec = await _openai_answer(answer, Outlook)
+    assert parsed == Outlook.model_validate(answer)
+    assert isinstance(parsed.today, Rainy)
+    assert spec["strict"] is True
+    today = spec["schema"]["properties"]["today"]
+    assert "oneOf" not in today
+    assert "discriminator" not in today
+    assert today["anyOf"] == [{"$ref": "#/$defs/Sunny"}, {"$ref": "#/$defs/Rainy"}]
 
 
 async def test_openai_fake_refuses_a_schema_that_is_not_an_object() -> None:
