@@ -133,7 +133,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         if output is not None:
             # strict only when the schema has a strict form (see OutputFormat.strict): the
             # API refuses strict schemas with optional fields or open objects.
-            schema = _without_one_of(output.json_schema) if output.strict else output.json_schema
+            schema = _strict_form(output.json_schema) if output.strict else output.json_schema
             request["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {
@@ -293,22 +293,26 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         return None
 
 
-def _without_one_of(node: Any) -> Any:
-    """``node`` with each ``oneOf`` spelled ``anyOf``, which is all strict mode takes.
+def _strict_form(node: Any) -> Any:
+    """``node`` in the words strict mode takes: each ``oneOf`` spelled ``anyOf``, and the
+    keywords beside a ``$ref`` moved onto an ``anyOf`` of that one ``$ref``.
 
     Pydantic writes a discriminated union as ``oneOf`` (plus a ``discriminator`` that only
-    points into it); its members differ in the tag's ``const``, so at most one can match
-    and ``anyOf`` asks for the same answers. Done here, at send time, so that the format,
+    points into it); its members differ in the tag's ``const``, so at most one can match and
+    ``anyOf`` asks for the same answers. A described field of a model or enum type is a
+    ``$ref`` with a ``description`` beside it. Done here, at send time, so that the format,
     and with it the journal key of every model call, stays as it was.
     """
     if isinstance(node, list):
-        return [_without_one_of(item) for item in node]
+        return [_strict_form(item) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {key: _without_one_of(value) for key, value in node.items()}
+    out = {key: _strict_form(value) for key, value in node.items()}
     if isinstance(out.get("oneOf"), list) and "anyOf" not in out:
         out["anyOf"] = out.pop("oneOf")
         out.pop("discriminator", None)
+    if isinstance(out.get("$ref"), str) and len(out) > 1 and "anyOf" not in out:
+        out["anyOf"] = [{"$ref": out.pop("$ref")}]
     return out
 
 

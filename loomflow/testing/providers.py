@@ -793,6 +793,8 @@ def _strict_problem(node: Any, where: str) -> str | None:
         return None
     if "oneOf" in node:  # the real service: "'oneOf' is not permitted"
         return f"{where}: 'oneOf' is not permitted in strict mode"
+    if "$ref" in node and len(node) > 1:
+        return f"{where}: $ref cannot have keywords {sorted(set(node) - {'$ref'})}"
     if node.get("type") == "object" or "properties" in node:
         if node.get("additionalProperties") is not False:
             return f"{where}: additionalProperties must be false in strict mode"

@@ -54,6 +54,8 @@ class Outlook(BaseModel):
 
     city: str
     today: Sunny | Rainy = Field(discriminator="sky")
+    # A described field of a model type: pydantic writes the description beside the $ref.
+    tomorrow: Sunny = Field(description="The forecast for tomorrow.")
 
 
 ANSWER = {"city": "Oslo", "temp_c": 3.5}
@@ -327,11 +329,17 @@ async def test_openai_answers_with_a_recursive_model_in_strict_mode() -> None:
     assert spec["schema"]["$defs"]["Tree"]["additionalProperties"] is False
 
 
-async def test_openai_answers_with_a_discriminated_union_in_strict_mode() -> None:
-    """OpenAI's strict mode refuses "oneOf", which pydantic writes for a discriminated union:
-    the adapter sends it as the equivalent "anyOf" (pydantic still checks the tag)."""
-    assert "oneOf" in str(StructuredOutput(Outlook, 1).format.json_schema)
-    answer = {"city": "Oslo", "today": {"sky": "rainy", "mm": 4.5}}
+async def test_openai_strict_mode_takes_a_discriminated_union_and_a_described_model_field() -> None:
+    """OpenAI's strict mode refuses "oneOf", which pydantic writes for a discriminated union,
+    and keywords beside a "$ref": the adapter sends the same schema in forms it takes."""
+    sent = StructuredOutput(Outlook, 1).format.json_schema["properties"]
+    assert "oneOf" in sent["today"]
+    assert sent["tomorrow"] == {
+        "$ref": "#/$defs/Sunny",
+        "description": "The forecast for tomorrow.",
+    }
+    tomorrow = {"sky": "sunny", "uv_index": 3}
+    answer = {"city": "Oslo", "today": {"sky": "rainy", "mm": 4.5}, "tomorrow": tomorrow}
     parsed, spec = await _openai_answer(answer, Outlook)
     assert parsed == Outlook.model_validate(answer)
     assert isinstance(parsed.today, Rainy)
@@ -340,6 +348,11 @@ async def test_openai_answers_with_a_discriminated_union_in_strict_mode() -> Non
     assert "oneOf" not in today
     assert "discriminator" not in today
     assert today["anyOf"] == [{"$ref": "#/$defs/Sunny"}, {"$ref": "#/$defs/Rainy"}]
+    # Strict mode takes no keyword beside a $ref, but takes them beside an anyOf.
+    assert spec["schema"]["properties"]["tomorrow"] == {
+        "anyOf": [{"$ref": "#/$defs/Sunny"}],
+        "description": "The forecast for tomorrow.",
+    }
 
 
 async def test_openai_fake_refuses_a_schema_that_is_not_an_object() -> None:
