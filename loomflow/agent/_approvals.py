@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..audit import AuditLog, actions
-from ..errors import ApprovalArgumentsError, UserError
+from ..checkpoints import checkpoint_store_for
+from ..errors import ApprovalArgumentsError, CheckpointError, UserError
 from ..governance.approvals import (
     PendingApproval,
     RecordedDecision,
@@ -22,6 +23,7 @@ from ..governance.approvals import (
 )
 from ..runtime._journal import JournalRuntime
 from ..tools import Tool
+from ._run import check_prompt, inconsistency
 
 if TYPE_CHECKING:
     from ._agent import Agent
@@ -50,13 +52,17 @@ async def decide(
     user_id: str | None,
     approvals: Mapping[str, object],
     decided_by: str | None,
+    prompt: str,
 ) -> None:
-    """Check, journal and audit ``approvals``; the resumed run then applies them."""
+    """Check, journal and audit ``approvals``; the resumed run (with ``prompt``) then
+    applies them."""
     if not isinstance(approvals, Mapping):
         raise UserError(f"approvals must map request ids to decisions, not {approvals!r}")
     runtime = _journal(agent)
     ledger = await read_approvals(runtime, session_id, user_id)
     check_decidable(ledger, approvals, session_id, user_id)
+    if agent.tuning.checkpoint:
+        await _check_snapshot_prompt(runtime, session_id, user_id, ledger.epoch, prompt)
     recorded: dict[str, RecordedDecision] = {}
     for request_id, decision in approvals.items():
         recorded[request_id] = normalize_decision(request_id, decision, decided_by)
@@ -77,6 +83,20 @@ async def decide(
             )
 
     await journal_decisions(runtime, session_id, user_id, recorded, before_each=audited)
+
+
+async def _check_snapshot_prompt(
+    runtime: JournalRuntime, session_id: str, user_id: str | None, epoch: int | None, prompt: str
+) -> None:
+    """Raise the ``UserError`` the resume would raise for a snapshot of the stopped run taken
+    for another prompt, before any decision is recorded: a decision is final, so the
+    corrected resume would meet ``ApprovalDecidedError`` for the decisions it carries."""
+    try:
+        latest = await checkpoint_store_for(runtime).latest(session_id, user_id=user_id)
+    except CheckpointError:
+        return  # the resume replays the journal instead (see _run.latest_of_run)
+    if latest is not None and latest.epoch == epoch and inconsistency(latest) is None:
+        check_prompt(latest, prompt)
 
 
 def tool_of(agent: Agent, request: PendingApproval) -> Tool[..., Any] | None:

@@ -382,6 +382,45 @@ async def test_a_resume_refused_for_its_own_arguments_records_no_decision(
     assert world.deleted == ["alpha"]
 
 
+async def test_a_resume_refused_for_its_prompt_by_a_snapshot_records_no_decision(
+    runtime_factory: Factory,
+) -> None:
+    """With checkpoints on, the run's snapshot (taken after an earlier turn) was taken for
+    the run's prompt, and a resume with another one is refused: before the decisions are
+    audited and journaled, or the corrected retry would be refused as already decided."""
+    from loomflow.agent import Tuning
+
+    world = World()
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        done = [m for m in messages if m.role == "tool"]
+        return [[READ], [DELETE]][len(done)] if len(done) < 2 else "done"
+
+    audit = AuditLog(InMemoryAuditStore())
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=world.tools(),
+        runtime=await runtime_factory(),
+        permissions=StandardPermissions(approval="defer"),
+        memory=False,
+        audit=audit,
+        tuning=Tuning(checkpoint=True),
+    )
+    (request,) = (await agent.run("clean up", session_id="s1", user_id="ana")).pending_approvals
+    assert await agent.list_checkpoints("s1", user_id="ana")  # the turn that read
+    approve = {request.request_id: Approve()}
+    with pytest.raises(UserError, match="was taken for the prompt 'clean up'"):
+        await agent.resume("clean up!", session_id="s1", user_id="ana", approvals=approve)
+    assert await agent.pending_approvals("s1", user_id="ana") == [request]
+    entries = (await audit.query(user_id="ana", limit=100)).entries
+    assert actions.APPROVAL_DECISION not in [e.action for e in entries]
+    result = await agent.resume("clean up", session_id="s1", user_id="ana", approvals=approve)
+    assert result.output == "done"
+    assert world.deleted == ["alpha"]
+    assert world.read == ["gamma"]  # restored from the snapshot, not read again
+
+
 async def test_an_audit_refusal_on_a_later_decision_leaves_the_whole_call_retryable(
     tmp_path: Any,
 ) -> None:
