@@ -9,17 +9,29 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["canonical_json", "json_safe", "valid_text", "valid_value"]
+__all__ = ["canonical_json", "json_safe", "unfenced", "valid_text", "valid_value"]
 
 
 # Built once (json.dumps builds an encoder per call when given options).
 _canonical = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
 ).encode
+
+
+_FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*)\n\s*```$", re.DOTALL)
+
+
+def unfenced(text: str) -> str:
+    """The JSON inside a Markdown code fence, which models without native support often add
+    to a structured answer (``text`` stripped, when it has none)."""
+    stripped = text.strip()
+    match = _FENCE.match(stripped)
+    return match.group(1) if match else stripped
 
 
 def canonical_json(value: Any) -> str:

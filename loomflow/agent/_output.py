@@ -24,7 +24,7 @@ from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, PydanticUserError, ValidationError
 
-from .._json import canonical_json
+from .._json import canonical_json, unfenced
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, OutputValidationError
 from ..messages import Message, ModelChunk, ModelSettings, OutputFormat, ToolSpec
 from ..models import Model
@@ -36,7 +36,6 @@ TEXT_OUTPUT = "text"
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 _LOCAL_REF = re.compile(r"^#/\$defs/([^/~]+)$")  # a reference pydantic writes into $defs
-_FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*)\n\s*```$", re.DOTALL)
 # Keys under which a JSON schema nests other schemas.
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
@@ -128,7 +127,7 @@ class StructuredOutput:
 
     def validate(self, text: str) -> BaseModel:
         """The answer ``text`` validated into the output type (pydantic's error if not)."""
-        return self.type.model_validate_json(_unfenced(text))
+        return self.type.model_validate_json(unfenced(text))
 
     def retry_message(self, messages: Sequence[Message], prompt_index: int) -> Message | None:
         """What to ask the model next if the last answer does not validate, else ``None``.
@@ -279,13 +278,6 @@ def _close_objects(node: Any) -> bool:
         if isinstance(value, dict | list):
             ok = ok and _close_objects(value)
     return ok
-
-
-def _unfenced(text: str) -> str:
-    """The JSON inside a Markdown code fence, which models without native support often add."""
-    stripped = text.strip()
-    match = _FENCE.match(stripped)
-    return match.group(1) if match else stripped
 
 
 def _describe(exc: ValidationError) -> str:

@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeAlias, get_args
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from .._json import unfenced
 from .._pii import find_cards, find_emails, luhn_valid
 from ..errors import UserError
 from ..hooks import Interrupt, RunHooks, RunInfo
@@ -330,12 +331,12 @@ def _still_json(text: str, redacted: str, guardrail: Guardrail) -> str:
     answer is redacted value by value instead (:func:`_map_text`), and written out again.
     """
     try:
-        json.loads(redacted)
+        json.loads(unfenced(redacted))
         return redacted
     except (ValueError, RecursionError):
         pass
     try:
-        value = json.loads(text)
+        value = json.loads(unfenced(text))  # a fenced answer is taken as JSON, see _output
     except (ValueError, RecursionError):
         return redacted  # not JSON to begin with
     again = json.dumps(_map_text(value, guardrail.redact), ensure_ascii=False)

@@ -164,6 +164,22 @@ async def test_a_redacted_structured_answer_is_still_json() -> None:
     assert "[REDACTED:card_field]" in result.output
 
 
+async def test_a_redacted_structured_answer_in_a_code_fence_is_still_json() -> None:
+    """Models without native structured output often fence their JSON, which is accepted: a
+    redaction that would break it is made value by value there too."""
+    answer = "```json\n" + json.dumps({"email": EMAIL, "card": 4111111111111111}) + "\n```"
+    agent = Agent(
+        "x",
+        model=FunctionModel(lambda messages, tools: answer),
+        output_type=Payment,
+        output_retries=0,
+        guardrails=[PIIGuardrail()],
+    )
+    result = await agent.run("pay")
+    assert result.parsed == Payment(email="[REDACTED:email]", card="[REDACTED:card]")
+    assert "4111111111111111" not in result.output
+
+
 async def test_a_redacted_answer_is_what_the_transcript_and_snapshot_keep() -> None:
     runtime = InMemoryRuntime()
     answer = f"Mail {EMAIL} for help."
