@@ -190,6 +190,8 @@ def load_app(spec: str) -> dict[str, Recoverable]:
                 f"APP {spec!r}: the factory raised {type(exc).__name__}: {exc}"
             ) from exc
         if inspect.isawaitable(target):
+            if inspect.iscoroutine(target):
+                target.close()  # never run: no "coroutine was never awaited" warning after ours
             raise UserError(f"APP {spec!r}: the factory must be a plain function, not async")
     if not isinstance(target, Mapping) or not target:
         raise UserError(

@@ -455,3 +455,15 @@ def test_a_missing_module_says_where_it_was_looked_for_and_a_missing_dependency_
         load_app("not_here_xyz.workers:AGENTS")
     assert "cannot import module 'not_here_xyz.workers'" in str(caught.value)
     assert f"in the directory the worker starts in ({tmp_path})" in str(caught.value)
+
+
+async def test_an_async_factory_is_refused_without_a_stray_warning(tmp_path: Path) -> None:
+    # Calling an `async def` factory makes a coroutine that is never awaited: the refusal
+    # must be the one line on stderr, not followed by Python's "never awaited" warning.
+    (tmp_path / "async_factory_app.py").write_text("async def AGENTS():\n    return {}\n")
+    env = app_env(f"sqlite:///{tmp_path / 'journal.db'}", tmp_path / "ledger.jsonl")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    code, _out, err = await cli("worker", "async_factory_app:AGENTS", "--once", env=env)
+    assert code == 1
+    assert "the factory must be a plain function, not async" in err
+    assert "never awaited" not in err
