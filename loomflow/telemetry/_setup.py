@@ -97,7 +97,11 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
         if _exports_metrics(s):
             result.meter_provider = _meter_provider(s)
         if s.metrics_port is not None:
-            result.metrics_server = serve_metrics(s.metrics_port, host=s.metrics_host)
+            try:
+                result.metrics_server = serve_metrics(s.metrics_port, host=s.metrics_host)
+            except ConfigurationError as exc:
+                _refuse_if_served_here(s, exc)
+                raise
     except BaseException:
         result.shutdown()
         raise
@@ -135,6 +139,25 @@ def _remember(s: Settings, setup: TelemetrySetup) -> None:
     with _once_lock:
         if _once is None:
             _once = (_export_key(s), setup)
+
+
+def _refuse_if_served_here(s: Settings, exc: ConfigurationError) -> None:
+    """The port is taken by this process's own earlier setup (Agent.from_settings, or a
+    notebook cell run again): say so, rather than send the reader looking for another
+    program behind "Address already in use"."""
+    with _once_lock:
+        server = _once[1].metrics_server if _once is not None else None
+    if (
+        server is not None
+        and (server.host, server.port) == (s.metrics_host, s.metrics_port)
+        and server._thread.is_alive()  # not shut down since
+    ):
+        raise ConfigurationError(
+            f"cannot serve metrics on {server.host}:{server.port}: this process serves "
+            "/metrics there already (an earlier setup_telemetry() or Agent.from_settings); "
+            "call setup_telemetry() once, at start, or setup_telemetry_once(), which returns "
+            "the running setup"
+        ) from exc
 
 
 def already_set_up() -> bool:

@@ -44,6 +44,25 @@ def _env(**values: str) -> dict[str, str]:
     return env
 
 
+def _served_at_a_free_port(
+    script: str, cwd: Path, **values: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a new interpreter with LOOMFLOW_METRICS_PORT a port that was free a
+    moment ago (passed as the script's one argument too, so the caller can read it back)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    return subprocess.run(
+        [sys.executable, "-c", script, port],
+        env=_env(LOOMFLOW_METRICS_PORT=port, LOOMFLOW_METRICS_HOST="127.0.0.1", **values),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def test_the_environment_turns_on_otlp_export_and_the_metrics_endpoint(
     otlp_receiver: tuple[str, Received], tmp_path: Path
 ) -> None:
@@ -202,22 +221,7 @@ def test_a_setup_that_failed_installs_nothing_and_a_retry_starts_everything(
     then returned it, with no metrics endpoint, and its shut-down tracer provider stayed the
     global one, so the retry's spans were lost."""
     url, received = otlp_receiver
-    with socket.socket() as probe:  # a free port, for the worker to find taken
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    done = subprocess.run(
-        [sys.executable, "-c", RETRY],
-        env=_env(
-            LOOMFLOW_OTLP_ENDPOINT=url,
-            LOOMFLOW_METRICS_PORT=str(port),
-            LOOMFLOW_METRICS_HOST="127.0.0.1",
-        ),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = _served_at_a_free_port(RETRY, tmp_path, LOOMFLOW_OTLP_ENDPOINT=url)
     assert done.returncode == 0, done.stderr
     assert "REFUSED True" in done.stdout
     assert "GLOBAL AFTER FAILURE ProxyTracerProvider" in done.stdout
@@ -262,3 +266,33 @@ def test_the_public_surface_is_exported_and_sorted() -> None:
         assert names == sorted(names), module.__name__
         for name in names:
             assert getattr(module, name) is not None
+
+
+TWICE = """
+import asyncio
+from loomflow import Agent
+from loomflow.errors import ConfigurationError
+from loomflow.models import ScriptedModel
+from loomflow.telemetry import setup_telemetry
+
+async def build():
+    async with Agent.from_settings("x", model=ScriptedModel(["hi"])) as agent:
+        await agent.run("hi")
+
+asyncio.run(build())  # Agent.from_settings started /metrics for this process
+try:
+    setup_telemetry()  # the README's telemetry section, run after it
+except ConfigurationError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_a_second_setup_in_one_process_says_the_port_is_its_own(tmp_path: Path) -> None:
+    """setup_telemetry() after Agent.from_settings (or twice, as a re-run notebook cell does)
+    failed with "Address already in use", which sent the reader looking for another program
+    on the port: the process itself serves it."""
+    done = _served_at_a_free_port(TWICE, tmp_path, LOOMFLOW_RUNTIME_URL="memory://")
+    assert done.returncode == 0, done.stderr
+    port = done.args[-1]
+    assert f"REFUSED cannot serve metrics on 127.0.0.1:{port}: this process serves" in done.stdout
+    assert "setup_telemetry_once()" in done.stdout
