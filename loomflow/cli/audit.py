@@ -141,6 +141,17 @@ async def _handle(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    since, until = getattr(args, "since", None), getattr(args, "until", None)
+    if since is not None and until is not None and since >= until:
+        # "--since 1d --until 2d" read as "from one day back to two" selects nothing, and an
+        # empty answer would pass for a trail with nothing in that time.
+        print(
+            f"loomflow: error: --since ({since.isoformat()}) is not before --until "
+            f"({until.isoformat()}): the range selects nothing; an age counts back from now, "
+            "so the older bound is the larger age",
+            file=sys.stderr,
+        )
+        return 2
     if getattr(args, "file", None) is not None:
         return _verify_file(args)
     settings = Settings()

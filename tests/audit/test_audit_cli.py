@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sqlite3
@@ -105,6 +106,23 @@ async def test_query_export_and_verify(tmp_path: Path) -> None:
     assert report["problems"][0]["user_id"] == "alice"
     assert report["problems"][0]["seq"] == 3
     assert loomflow("audit", "--audit-url", url, "verify", "--user", "bob").returncode == 0
+
+
+def test_a_range_that_runs_backwards_is_refused_not_answered_empty(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    asyncio.run(_fill(db))
+    url = f"sqlite:///{db}"
+    for command in ("query", "export"):
+        backwards = loomflow("audit", "--audit-url", url, command, "--since", "1d", "--until", "2d")
+        assert backwards.returncode == 2, backwards.stdout
+        assert "--since" in backwards.stderr
+        assert "is not before --until" in backwards.stderr
+        assert backwards.stdout == ""
+    forwards = loomflow(
+        "audit", "--audit-url", url, "query", "--since", "2d", "--until", "2999-01-01"
+    )
+    assert forwards.returncode == 0, forwards.stderr
+    assert "model.call" in forwards.stdout
 
 
 def test_usage_and_store_errors_have_distinct_exit_codes(tmp_path: Path) -> None:
