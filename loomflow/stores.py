@@ -389,7 +389,8 @@ class Stores:
 
         ``journal`` holds the user's ``sessions``, their ``entries`` and the results kept
         under the user's idempotency keys (``idempotency``; ``None`` when the journal's
-        store cannot list them), each described without its value.
+        store cannot list them), each described without its value. ``audit_problems`` lists
+        what ``verify`` finds wrong with the user's trail (empty when it is intact).
         """
         runtime = self.runtime
         sessions = [] if runtime is None else await runtime.sessions(user_id=user_id, limit=10**6)
@@ -417,6 +418,9 @@ class Stores:
             memory = await self.memory.export_user(user_id)
         budget = [_budget_json(u) for u in await self._budget_of(user_id)]
         audit = [entry.to_json() async for entry in self.audit.entries(user_id=user_id)]
+        # The trail is shown as stored; what verify finds wrong with it goes along, so an
+        # entry edited in the storage is not handed out as the record.
+        damage = (await self.audit.verify(user_id=user_id)).problems
         document: dict[str, Any] = {
             "user_id": user_id,
             "exported_at": _iso(dt.datetime.now(dt.UTC)),
@@ -438,6 +442,7 @@ class Stores:
             "memory": memory,
             "budget": budget,
             "audit": audit,
+            "audit_problems": [problem.to_json() for problem in damage],
         }
         document["counts"] = {
             "sessions": len(sessions),
