@@ -1403,6 +1403,16 @@ class _ChainCheck:
                     self.user_id, "unanchored", 1, None, "no head is recorded for this user"
                 )
             )
+        elif head.seq < 1:
+            # A head is written with the first entry: one before it was edited, and is no
+            # place the entries could have grown past.
+            self._problem(
+                report,
+                "head_mismatch",
+                head.seq,
+                None,
+                f"the recorded head names seq {head.seq}, which no entry has: it was edited",
+            )
         elif head.seq > self.last_seq:
             gap = (
                 f"entry {head.seq} is"

@@ -334,3 +334,23 @@ async def test_a_head_edited_to_name_another_user_is_reported_and_not_saved_so(
         alice = await store.head("alice")
         assert alice is not None
         assert alice.user_id == "alice"
+
+
+@pytest.mark.parametrize("seq", [0, -5])
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_head_edited_to_a_seq_no_entry_has_is_named_as_the_damage(
+    kind: str, seq: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # It was read as a head the trail had grown past: "entries -4-4 come after the recorded
+    # head (seq -5)", an `unanchored` that names the entries, not the edited head.
+    async with _tampered(kind, tmp_path, request) as (store, tamper):
+        await store.append([_record("alice") for _ in range(3)] + [_record("bob")])
+        await tamper(f"""UPDATE loom_audit_heads SET seq = {seq} WHERE user_key = '"alice"'""")
+        report = await store.verify()
+        assert [(p.user_id, p.kind, p.seq) for p in report.problems] == [
+            ("alice", "head_mismatch", seq)
+        ], report.problems
+        assert f"the recorded head names seq {seq}, which no entry has" in (
+            report.problems[0].detail
+        )
+        assert report.warnings == []
