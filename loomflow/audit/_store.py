@@ -602,11 +602,15 @@ class AuditStore(abc.ABC):
         before_us = None if before is None else time_us_of(before)
         count, old, changed = 0, {}, []
         async for entry in self.entries(user_id=user_id, until=before):
-            if entry.payload is None or entry.action in KEPT_BY_ERASURE:
+            if entry.payload is None:
                 continue
-            count += 1
+            # A hold or erasure record keeps its payload but decides what may go: one edited
+            # in the database (a placement turned into a release) refuses erasure too.
             if erasure_problem(entry) is not None:
                 changed.append(entry.seq)
+            if entry.action in KEPT_BY_ERASURE:
+                continue
+            count += 1
             if entry.hash_version < DIGESTED_VERSION:
                 old[str(entry.seq)] = entry.rest_digest()
         _refuse_changed(user_id, changed)
@@ -629,14 +633,13 @@ class AuditStore(abc.ABC):
 
     async def check_erasable(self, user_id: str | None) -> None:
         """Raise :class:`~loomflow.errors.AuditIntegrityError` if erasing the payloads of the
-        user's entries would hide that one of them was changed (see :func:`erasure_problem`);
-        a forget calls it before deleting anything anywhere."""
+        user's entries would hide that one of them was changed (see :func:`erasure_problem`),
+        or if a hold or erasure record, which decides what may be erased, was changed; a
+        forget calls it before deleting anything anywhere."""
         changed = [
             entry.seq
             async for entry in self.entries(user_id=user_id)
-            if entry.payload is not None
-            and entry.action not in KEPT_BY_ERASURE
-            and erasure_problem(entry) is not None
+            if entry.payload is not None and erasure_problem(entry) is not None
         ]
         _refuse_changed(user_id, changed)
         _refuse_uncovered(user_id, await self._uncovered_erasures(user_id))

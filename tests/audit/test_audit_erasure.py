@@ -757,3 +757,43 @@ async def test_retention_survives_a_user_id_edited_into_no_valid_id(
         assert all([e.payload is not None async for e in store.entries(user_id="bob")])
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_hold_edited_into_a_release_does_not_let_erasure_through(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The payloads of holds and erasure records are never erased, so their entries were
+    left out of the check for edited entries: a `legal_hold.placed` edited in the database
+    into `legal_hold.released` (its hash no longer matches) lifted the hold, and forget
+    erased the held user's payloads. The changed entry refuses the erasure instead."""
+    from loomflow.errors import AuditIntegrityError
+
+    where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
+
+    def open_store() -> AuditStore:
+        return SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
+
+    store = open_store()
+    await store.append(_records("ana", 2))
+    await store.place_hold("ana", reason="litigation L-7", actor="legal")
+    await store.close()
+    await _edit_behind_its_back(
+        backend,
+        where,
+        "UPDATE loom_audit SET action = 'legal_hold.released' WHERE action = 'legal_hold.placed'",
+    )
+    store = open_store()
+    try:
+        assert [(p.kind, p.seq) for p in (await store.verify(user_id="ana")).problems] == [
+            ("edited", 3)
+        ]
+        with pytest.raises(AuditIntegrityError, match=r"ana.*\(seq 3\)"):
+            await store.check_erasable("ana")
+        with pytest.raises(AuditIntegrityError, match=r"ana.*nothing was erased"):
+            await store.erase("ana", reason="forget")
+        assert [e.payload is not None async for e in store.entries(user_id="ana")] == [True] * 3
+    finally:
+        await store.close()
