@@ -634,8 +634,9 @@ class AuditStore(abc.ABC):
     async def check_erasable(self, user_id: str | None) -> None:
         """Raise :class:`~loomflow.errors.AuditIntegrityError` if erasing the payloads of the
         user's entries would hide that one of them was changed (see :func:`erasure_problem`),
-        or if a hold or erasure record, which decides what may be erased, was changed; a
-        forget calls it before deleting anything anywhere."""
+        or if a hold or erasure record, which decides what may be erased, was changed, or if
+        ``verify`` finds the trail damaged in any other way (as retention leaves such a trail
+        alone); a forget calls it before deleting anything anywhere."""
         changed = [
             entry.seq
             async for entry in self.entries(user_id=user_id)
@@ -643,6 +644,10 @@ class AuditStore(abc.ABC):
         ]
         _refuse_changed(user_id, changed)
         _refuse_uncovered(user_id, await self._uncovered_erasures(user_id))
+        # A hold is looked up in the trail: one deleted from it, or moved under another trail
+        # key, goes unseen, so a trail with entries gone (or any damage) is evidence to keep.
+        if damage := (await self.verify(user_id=user_id)).problems:
+            raise AuditIntegrityError(_damaged(user_id, damage))
 
     async def _uncovered_erasures(self, user_id: str | None) -> list[int]:
         """The seqs of the user's erased payloads that no erasure record covers (what

@@ -759,6 +759,20 @@ async def test_retention_survives_a_user_id_edited_into_no_valid_id(
         await store.close()
 
 
+async def _held_then_edited(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest, edit: str
+) -> Any:
+    """ana's trail: two entries and a legal hold, then ``edit`` run behind the store's back.
+    Returns where the store is (a SQLite path or a PostgreSQL DSN)."""
+    where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
+    store = SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
+    await store.append(_records("ana", 2))
+    await store.place_hold("ana", reason="litigation L-7", actor="legal")
+    await store.close()
+    await _edit_behind_its_back(backend, where, edit)
+    return where
+
+
 @pytest.mark.parametrize(
     "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
@@ -771,21 +785,13 @@ async def test_a_hold_edited_into_a_release_does_not_let_erasure_through(
     erased the held user's payloads. The changed entry refuses the erasure instead."""
     from loomflow.errors import AuditIntegrityError
 
-    where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
-
-    def open_store() -> AuditStore:
-        return SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
-
-    store = open_store()
-    await store.append(_records("ana", 2))
-    await store.place_hold("ana", reason="litigation L-7", actor="legal")
-    await store.close()
-    await _edit_behind_its_back(
+    where = await _held_then_edited(
         backend,
-        where,
+        tmp_path,
+        request,
         "UPDATE loom_audit SET action = 'legal_hold.released' WHERE action = 'legal_hold.placed'",
     )
-    store = open_store()
+    store = SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
     try:
         assert [(p.kind, p.seq) for p in (await store.verify(user_id="ana")).problems] == [
             ("edited", 3)
@@ -797,3 +803,35 @@ async def test_a_hold_edited_into_a_release_does_not_let_erasure_through(
         assert [e.payload is not None async for e in store.entries(user_id="ana")] == [True] * 3
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_forget_leaves_a_trail_alone_whose_hold_was_moved_out_of_it(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A hold is looked up in the user's trail. Its row moved under another trail key (no
+    hash covers the key) left the trail `truncated`, the hold unseen, and a forget erased the
+    held user's data. As retention does, a forget leaves a trail verify finds damaged alone."""
+    from loomflow.config import Settings
+    from loomflow.errors import AuditIntegrityError
+    from loomflow.stores import Stores
+
+    where = await _held_then_edited(
+        backend,
+        tmp_path,
+        request,
+        """UPDATE loom_audit SET user_key = '"zed"' WHERE action = 'legal_hold.placed'""",
+    )
+    url = f"sqlite:///{where}" if backend == "sqlite" else where
+    async with Stores(Settings(runtime_url=url)) as stores:
+        assert await stores.audit.legal_hold("ana") is None  # the trail no longer shows it
+        found = {p.kind for p in (await stores.audit.verify(user_id="ana")).problems}
+        assert "truncated" in found
+        with pytest.raises(AuditIntegrityError, match=r"stopped before deleting anything.*ana"):
+            await stores.forget_user("ana")
+        kept = [e.payload async for e in stores.audit.entries(user_id="ana")]
+        assert len(kept) == 2
+        assert None not in kept
+        assert "erased" not in {p.kind for p in (await stores.audit.verify()).problems}
