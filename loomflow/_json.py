@@ -54,6 +54,14 @@ def valid_text(text: str) -> str:
     return text
 
 
+def valid_line(text: str) -> str:
+    """:func:`valid_text`, with each NUL replaced by U+FFFD too: for the prompt and a model's
+    answer, which checkpoints and memory episodes keep in text columns, and PostgreSQL text
+    cannot hold a NUL (a run that kept one failed at its checkpoint, on every resume too)."""
+    text = valid_text(text)
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def valid_value(value: Any) -> Any:
     """``value`` with :func:`valid_text` applied to the strings (keys too) of its dicts, lists
     and tuples; the very same object when nothing needed replacing."""

@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from ulid import ULID
 
 from .._ids import check_id, user_label
-from .._json import valid_text
+from .._json import valid_line
 from .._locks import drop_if_idle
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
@@ -776,9 +776,9 @@ class Agent:
     ) -> AsyncGenerator[AgentEvent, None]:
         if not isinstance(prompt, str):
             raise UserError("prompt must be a string")
-        # A lone surrogate (no character: no text column or audit hash can hold one) becomes
-        # U+FFFD, the same way on the first run and on a resume.
-        prompt = valid_text(prompt)
+        # A lone surrogate (no character: no text column or audit hash can hold one) or a NUL
+        # (no PostgreSQL text can) becomes U+FFFD, the same way on the first run and on a resume.
+        prompt = valid_line(prompt)
         structured = self._structured(output_type, output_retries)
         # Refused before anything runs: an empty session id must not become a fresh session
         # (a redelivered request would repeat its side effects), nor a too-long id a driver

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from loomflow import Agent, ToolCall, tool
+from loomflow import Agent, ToolCall, Tuning, tool
 from loomflow.audit import AuditLog
 from loomflow.audit.sqlite import SqliteAuditStore
 from loomflow.messages import Message, ToolSpec
@@ -92,6 +92,45 @@ async def test_a_tool_name_or_call_id_with_a_lone_surrogate_is_an_unknown_tool(
     report = await audit.verify()
     assert report.ok, report.problems
     await audit.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_nul_in_the_prompt_or_the_answer_leaves_a_run_that_finishes_and_replays(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # PostgreSQL text cannot hold NUL: a checkpoint of such a prompt or answer failed every
+    # run and resume of the session as StoreUnavailableError, and the answer's memory
+    # episode as UserError on every backend, each after the tool had run.
+    from loomflow.config import Settings
+    from loomflow.stores import Stores
+
+    calls: list[str] = []
+
+    @tool
+    def fetch(url: str) -> str:
+        """Fetch a page."""
+        calls.append(url)
+        return "page"
+
+    url = request.getfixturevalue("pg_dsn") if kind == "postgres" else f"sqlite:///{tmp_path}/j.db"
+    settings = Settings(runtime_url=url)
+    script = [[ToolCall(id="c", name="fetch", arguments={"url": "u"})], "do\x00ne"]
+    async with Stores(settings) as stores:
+
+        def build() -> Agent:
+            return Agent.from_settings(
+                "x", model=ScriptedModel(script), tools=[fetch], settings=settings,
+                runtime=stores.runtime, memory=stores.memory, tuning=Tuning(checkpoint=True),
+            )  # fmt: skip
+
+        async with build() as agent:
+            result = await agent.run("g\x00o", session_id="s", user_id="u")
+        assert result.output == "do\ufffdne"
+        async with build() as agent:
+            replay = await agent.resume("g\x00o", session_id="s", user_id="u")
+        assert (replay.output, replay.fresh_steps, calls) == (result.output, 0, ["u"])
+        [latest] = await stores.checkpoints.list_checkpoints("s", user_id="u", limit=1)
+        assert (latest.prompt, latest.output) == ("g\ufffdo", "do\ufffdne")
 
 
 async def test_a_provider_answer_with_half_an_emoji_is_kept(runtime_factory: Factory) -> None:
