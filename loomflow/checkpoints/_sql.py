@@ -26,6 +26,7 @@ from ..storage._component import ComponentStore
 from ._types import (
     Checkpoint,
     UnreadableCheckpoint,
+    check_writable,
     decode_payload,
     encode_payload,
     timestamp,
@@ -213,6 +214,7 @@ class SqlCheckpointStore(ComponentStore):
 
     async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
+        check_writable(checkpoint)
         retention = check_count("retention", retention, 1)
         raw = encode_payload(checkpoint)
         args = (

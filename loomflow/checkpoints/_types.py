@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import CheckpointError
+from .._ids import check_count, check_id
+from ..errors import CheckpointError, InvalidArgumentError, UserError
 from ..messages import Message, Usage
 from ..runtime import codec
 
@@ -79,6 +81,28 @@ class Checkpoint(BaseModel):
             "parent_id": self.parent_id,
             "created_at": self.created_at.isoformat() if self.created_at else None,
         }
+
+
+def check_writable(checkpoint: Checkpoint) -> None:
+    """Refuse, by name, what not every backend can keep, before a store writes it.
+
+    Each store read its own way what its columns cannot hold: PostgreSQL failed a NUL in an
+    id or in the prompt, or a number past its column, as StoreUnavailableError (an outage,
+    to an operator), SQLite a number past 64 bits, and memory kept any of them.
+    """
+    check_id("id", checkpoint.id, optional=False)
+    check_id("run_id", checkpoint.run_id, optional=False)
+    check_id("parent_id", checkpoint.parent_id)
+    for name, text in (("prompt", checkpoint.prompt), ("output", checkpoint.output)):
+        if "\x00" in text:
+            raise UserError(
+                f"checkpoint {name} contains a NUL character, which no backend can store"
+            )
+    check_count("epoch", checkpoint.epoch, 0)
+    check_count("turn", checkpoint.turn, 0)
+    check_count("prompt_index", checkpoint.prompt_index, 0)
+    if not math.isfinite(checkpoint.cost_usd):
+        raise InvalidArgumentError(f"cost_usd must be a finite number, not {checkpoint.cost_usd}")
 
 
 class UnreadableCheckpoint(BaseModel):

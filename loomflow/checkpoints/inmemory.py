@@ -8,7 +8,7 @@ from typing import Any
 
 from .._ids import check_count, check_id
 from ..runtime._store import Scope
-from ._types import Checkpoint, UnreadableCheckpoint, timestamp
+from ._types import Checkpoint, UnreadableCheckpoint, check_writable, timestamp
 
 __all__ = ["InMemoryCheckpointStore"]
 
@@ -49,6 +49,7 @@ class InMemoryCheckpointStore:
 
     async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
+        check_writable(checkpoint)
         retention = check_count("retention", retention, 1)
         stored = checkpoint.model_copy(update={"created_at": timestamp(time.time())})
         self._seq += 1

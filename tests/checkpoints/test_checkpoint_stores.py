@@ -23,6 +23,8 @@ from loomflow.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigurationError,
+    InvalidArgumentError,
+    InvalidIdError,
     MigrationError,
     SessionExistsError,
     StoreUnavailableError,
@@ -336,3 +338,43 @@ async def test_forks_from_two_workers_into_one_new_session_id_fork_once(
     finally:
         await first.close()
         await second.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("id", "a\x00b", InvalidIdError),
+        ("id", "", InvalidIdError),
+        ("run_id", "r" * 300, InvalidIdError),
+        ("parent_id", "a\x00", InvalidIdError),
+        ("prompt", "a\x00b", UserError),
+        ("output", "a\x00", UserError),
+        ("epoch", 2**63, InvalidArgumentError),
+        ("turn", 2**63, InvalidArgumentError),
+        ("prompt_index", 2**63, InvalidArgumentError),
+        ("cost_usd", float("inf"), InvalidArgumentError),
+    ],
+)
+@pytest.mark.parametrize(
+    "kind", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_checkpoint_no_backend_can_keep_is_refused_by_name_before_the_write(
+    kind: str,
+    field: str,
+    value: object,
+    error: type[Exception],
+    request: pytest.FixtureRequest,
+    sqlite_path: Path,
+) -> None:
+    # PostgreSQL failed such a write as StoreUnavailableError (NUL, a number past its column),
+    # SQLite on a number past 64 bits; the others kept what PostgreSQL could not.
+    url = {"memory": "memory://", "sqlite": f"sqlite:///{sqlite_path}"}.get(kind)
+    store = checkpoint_store_from_url(url or request.getfixturevalue("pg_dsn"))
+    bad = checkpoint().model_copy(update={field: value})
+    try:
+        with pytest.raises(error, match=field):
+            await store.put(bad)
+        assert await store.list_checkpoints("s", user_id="u") == []
+        await store.put(checkpoint())  # a sound one still goes in
+    finally:
+        await store.close()
