@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ulid import ULID
@@ -57,6 +58,16 @@ def _content(what: str, value: object) -> str:
     if "\x00" in value:
         raise UserError(f"{what} contains a NUL character")
     return valid_text(value)
+
+
+def _argument(check: Callable[[str, object], str], what: str, value: object) -> str:
+    """A memory tool's argument, checked as the API checks it. A bad one is the model's
+    mistake, told to it as a tool error: as the API's UserError it stopped the run, and every
+    resume of it, since the replayed model call asks for the same call again."""
+    try:
+        return check(what, value)
+    except UserError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _source(value: object) -> str | None:
@@ -330,6 +341,9 @@ class Memory:
                 predicate: The relation, e.g. "prefers_language".
                 value: The value, e.g. "French".
             """
+            subject = _argument(_text, "subject", subject)
+            predicate = _argument(_text, "predicate", predicate)
+            value = _argument(_content, "value", value)
             ctx = get_run_context()
             await self.remember(subject, predicate, value, user_id=ctx.user_id, source=ctx.run_id)
             return f"remembered: {subject} {predicate} {value}"
@@ -340,6 +354,8 @@ class Memory:
             Args:
                 subject: Only facts about this subject.
             """
+            if subject is not None:
+                subject = _argument(_text, "subject", subject)
             facts = await self.facts(user_id=get_run_context().user_id, subject=subject)
             if not facts:
                 return "nothing remembered"
@@ -351,6 +367,7 @@ class Memory:
             Args:
                 name: The block's name, e.g. "notes".
             """
+            name = _argument(_text, "name", name)
             found = await self.block(name, user_id=get_run_context().user_id)
             return found.content if found is not None else f"(no block named {name!r})"
 
@@ -361,6 +378,7 @@ class Memory:
                 name: The block's name, e.g. "notes".
                 content: Its new text.
             """
+            name, content = _argument(_text, "name", name), _argument(_content, "content", content)
             await self.set_block(name, content, user_id=get_run_context().user_id)
             return f"block {name!r} saved"
 

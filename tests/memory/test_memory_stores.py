@@ -171,6 +171,43 @@ async def test_memory_tools_outside_a_run_use_the_anonymous_bucket() -> None:
     assert (await tools["recall_facts"].invoke({})).as_text() == "nothing remembered"
 
 
+@pytest.mark.parametrize(
+    ("tool_name", "arguments"),
+    [
+        ("remember_fact", {"subject": "", "predicate": "p", "value": "v"}),
+        ("remember_fact", {"subject": "s" * 2000, "predicate": "p", "value": "v"}),
+        ("remember_fact", {"subject": "s", "predicate": "p", "value": "v\x00"}),
+        ("recall_facts", {"subject": "s" * 2000}),
+        ("read_block", {"name": "n\x00"}),
+        ("write_block", {"name": "", "content": "c"}),
+    ],
+)
+async def test_a_bad_argument_from_the_model_is_a_tool_error_it_sees(
+    tool_name: str, arguments: dict[str, Any], sqlite_path: Path
+) -> None:
+    # The model's argument is its own mistake: the UserError it made stopped the run, and
+    # every resume of the session (the model call replays the same tool call) stopped again.
+    from loomflow.models import ScriptedModel
+
+    runtime = SqliteRuntime(sqlite_path)
+    memory = memory_for(runtime)
+    script = [[ToolCall(id="c1", name=tool_name, arguments=arguments)], "done"]
+
+    def build() -> Agent:
+        return Agent(
+            "x", model=ScriptedModel(script), tools=memory.tools(), runtime=runtime, memory=memory
+        )
+
+    result = await build().run("hi", session_id="s", user_id="u")
+    [answer] = [m for m in result.messages if m.role == "tool"]
+    assert result.output == "done"
+    assert "at most" in answer.content or "NUL" in answer.content or "non-empty" in answer.content
+    replay = await build().resume("hi", session_id="s", user_id="u")
+    assert (replay.output, replay.fresh_steps) == ("done", 0)
+    assert await memory.facts(user_id="u") == []
+    await runtime.close()
+
+
 async def test_the_store_protocol_is_satisfied() -> None:
     from loomflow.memory import MemoryStore
 
