@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._ids import check_count, check_id
+from .._printable import is_unicode
 from ..errors import CheckpointError, InvalidArgumentError, UserError
 from ..messages import Message, Usage
 from ..runtime import codec
@@ -87,8 +88,9 @@ def check_writable(checkpoint: Checkpoint) -> None:
     """Refuse, by name, what not every backend can keep, before a store writes it.
 
     Each store read its own way what its columns cannot hold: PostgreSQL failed a NUL in an
-    id or in the prompt, or a number past its column, as StoreUnavailableError (an outage,
-    to an operator), SQLite a number past 64 bits, and memory kept any of them.
+    id or in the prompt, a lone surrogate or a number past its column as StoreUnavailableError
+    (an outage, to an operator), SQLite a big number too and a lone surrogate as a bare
+    UnicodeEncodeError, and memory kept any of them.
     """
     check_id("id", checkpoint.id, optional=False)
     check_id("run_id", checkpoint.run_id, optional=False)
@@ -98,6 +100,8 @@ def check_writable(checkpoint: Checkpoint) -> None:
             raise UserError(
                 f"checkpoint {name} contains a NUL character, which no backend can store"
             )
+        if not is_unicode(text):
+            raise UserError(f"checkpoint {name} holds a lone surrogate, which has no UTF-8 form")
     check_count("epoch", checkpoint.epoch, 0)
     check_count("turn", checkpoint.turn, 0)
     check_count("prompt_index", checkpoint.prompt_index, 0)

@@ -349,6 +349,7 @@ async def test_forks_from_two_workers_into_one_new_session_id_fork_once(
         ("parent_id", "a\x00", InvalidIdError),
         ("prompt", "a\x00b", UserError),
         ("output", "a\x00", UserError),
+        ("prompt", "a\ud800", UserError),  # a bare UnicodeEncodeError on SQLite
         ("epoch", 2**63, InvalidArgumentError),
         ("turn", 2**63, InvalidArgumentError),
         ("prompt_index", 2**63, InvalidArgumentError),
