@@ -637,7 +637,12 @@ class JournalRuntime:
                     began or claim.open or await self._store.begin_run(scope, claim.token, record)
                 )
                 if not begun:
-                    raise OwnershipLostError(f"lost {scope.key} while opening the run")
+                    # Stopped past the lease between the claim and this write: named as
+                    # the other messages name a session, never by the store's key.
+                    raise OwnershipLostError(
+                        f"session {scope.session_id!r} of {user_label(scope.user_id)} was "
+                        "taken over before the run could be opened"
+                    )
             rows = [] if opened else await self._store.load_run(scope, epoch)
             run = self._run_of(scope, epoch, claim.token, rows, strict)
             run.reopen = resume and not claim.open and claim.epoch > 0

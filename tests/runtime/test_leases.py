@@ -271,6 +271,34 @@ async def test_a_run_stalled_past_its_lease_starts_no_body(
         await runtime.close()
 
 
+async def test_a_run_stalled_between_its_claim_and_its_opening_names_its_session(
+    backend: tuple[str, str],
+) -> None:
+    # A resume of a new session claims the turn, then opens the run in a second write. A
+    # process stopped in between past its lease (SIGSTOP, a long GC pause) was told
+    # 'lost ["lease-session","lease-user"] while opening the run': the store's internal key.
+    lease = 0.5
+    runtime = _runtime(backend, lease_seconds=lease, turn_timeout=10)
+    store: Any = runtime._store
+    begin_run = store.begin_run
+
+    async def stalled(*args: Any) -> Any:
+        assert _take_over_in_thread(backend, lease * 1.5, "step-1") == ["B"]
+        return await begin_run(*args)
+
+    store.begin_run = stalled
+    try:
+        with pytest.raises(OwnershipLostError) as caught:
+            async with runtime.session(SESSION, USER, resume=True):
+                pytest.fail("the run opened although another worker took the turn")
+    finally:
+        del store.begin_run
+        await runtime.close()
+    assert str(caught.value) == (
+        f"session {SESSION!r} of user {USER!r} was taken over before the run could be opened"
+    )
+
+
 async def test_a_lost_turn_the_heartbeat_saw_first_reads_the_same(
     backend: tuple[str, str],
 ) -> None:
