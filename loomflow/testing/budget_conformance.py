@@ -266,6 +266,7 @@ class BudgetStoreConformance:
         assert late.charged == Amount(5, 0)
         assert late.totals[_ALICE.key].tokens_in == 15
         assert late.totals[_ALICE.key].reserved_in == 10
+        assert late.totals[_ALICE.key].calls == 1  # counted once, by the reclaim
 
     async def test_an_expired_hold_can_be_released_instead(self, make_store: StoreFactory) -> None:
         dead, alive = await make_store(), await make_store()
@@ -282,6 +283,8 @@ class BudgetStoreConformance:
         assert await _reserve(alive, _hold(_ALICE), cap)  # the room is back
         late = await dead.commit(r, Amount(15, 5))  # nothing was charged for it: all counts
         assert late.charged == Amount(15, 5)
+        # ... and so does the call, which the release did not count.
+        assert late.totals[_ALICE.key].calls == 1
 
     async def test_renewal_keeps_a_hold_alive(self, store: BudgetStore) -> None:
         r = _hold(_ALICE)

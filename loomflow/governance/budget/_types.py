@@ -492,3 +492,9 @@ def late_charge(reservation: Reservation, actual: Amount) -> Amount:
     if reservation.on_expiry == "charge":
         return actual.exceeding(reservation.amount)
     return actual
+
+
+def late_calls(reservation: Reservation) -> int:
+    """The calls such a commit counts: a charged hold was counted as a call when it was
+    reclaimed, a released one was not (its call would be missing from the totals)."""
+    return 0 if reservation.on_expiry == "charge" else 1

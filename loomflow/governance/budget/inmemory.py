@@ -26,6 +26,7 @@ from ._types import (
     UnreadableBucket,
     ended_periods,
     evaluate,
+    late_calls,
     late_charge,
     lease_seconds,
     period_ended,
@@ -120,10 +121,8 @@ class InMemoryBudgetStore:
         found = hold is not None
         charged = actual if found else late_charge(reservation, actual)
         released = reservation.amount if found else Amount()
-        totals = {
-            b.key: self._add(b, charged, released, -1, 1 if found else 0)
-            for b in reservation.buckets
-        }
+        calls = 1 if found else late_calls(reservation)
+        totals = {b.key: self._add(b, charged, released, -1, calls) for b in reservation.buckets}
         return CommitResult(charged, totals, found)
 
     async def record(self, buckets: Sequence[Bucket], actual: Amount) -> CommitResult:

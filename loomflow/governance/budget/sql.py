@@ -44,6 +44,7 @@ from ._types import (
     UnreadableBucket,
     ended_periods,
     evaluate,
+    late_calls,
     late_charge,
     lease_seconds,
     sweep_limit,
@@ -416,8 +417,9 @@ class SqlBudgetStore:
                 held = Amount()
                 charged = late_charge(reservation, actual)
             totals = {}
+            calls = 1 if found else late_calls(reservation)
             for bucket in sorted(reservation.buckets, key=lambda b: b.key):
-                totals[bucket.key] = await self._move(tx, bucket, charged, held, 1 if found else 0)
+                totals[bucket.key] = await self._move(tx, bucket, charged, held, calls)
         return CommitResult(charged, totals, found)
 
     async def _check_stored(self, tx: Any, bucket: Bucket) -> None:
