@@ -667,7 +667,7 @@ class Agent:
             check_metadata(metadata)
             if fork_session_id is not None:
                 raise UserError("fork_session_id= goes with from_checkpoint=")
-            await decide(self, session_id, user_id, approvals, decided_by, valid_text(prompt))
+            await decide(self, session_id, user_id, approvals, decided_by, valid_line(prompt))
         return await self._drain(
             self._events(
                 prompt,
