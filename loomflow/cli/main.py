@@ -120,7 +120,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="runs_command", required=True
     )
     listing = runs.add_parser("list", help="sessions in the journal, most recent first")
-    listing.add_argument("--user", dest="user_id", help="only this user's sessions")
+    who = listing.add_mutually_exclusive_group()
+    who.add_argument("--user", dest="user_id", help="only this user's sessions")
+    who.add_argument("--anonymous", action="store_true", help="only sessions without a user")
     listing.add_argument("--limit", type=positive_int, default=50, help="at most N (50)")
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
     listing.add_argument(
@@ -591,7 +593,9 @@ def _when(ts: float) -> str:
 
 async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     filters: dict[str, Any] = {"limit": args.limit}
-    if args.user_id is not None:
+    if args.anonymous:
+        filters["user_id"] = None  # the anonymous bucket, not every user
+    elif args.user_id is not None:
         filters["user_id"] = args.user_id
     if args.state is not None:
         filters["state"] = args.state
@@ -621,7 +625,13 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         return 0
     if not sessions:
         which = "" if args.state is None else f"{args.state} "
-        whose = "" if args.user_id is None else f" of user {printable(repr(args.user_id))}"
+        whose = (
+            " without a user"
+            if args.anonymous
+            else ""
+            if args.user_id is None
+            else f" of user {printable(repr(args.user_id))}"
+        )
         print(
             f"no {which}runs{whose} in the journal"
             if which or whose

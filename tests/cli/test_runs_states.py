@@ -75,6 +75,27 @@ def test_list_reports_true_states_as_json_and_table(journal: Path) -> None:
     )
 
 
+def test_list_keeps_to_the_anonymous_sessions_with_anonymous(journal: Path) -> None:
+    async def anonymous_run() -> None:
+        runtime = SqliteRuntime(journal)
+        try:
+            async with runtime.session("nobody's", None):
+                await runtime.step("s", lambda: 1)
+        finally:
+            await runtime.close()
+
+    asyncio.run(anonymous_run())
+    result = loomflow("runs", "list", "--anonymous", "--json", journal=journal)
+    assert result.returncode == 0, result.stderr
+    rows = _json_rows(result.stdout)
+    assert set(rows) == {"nobody's"}
+    assert rows["nobody's"]["user_id"] is None
+    none_open = loomflow("runs", "list", "--anonymous", "--state", "open", journal=journal)
+    assert none_open.stdout.strip() == "no open runs without a user in the journal"
+    both = loomflow("runs", "list", "--anonymous", "--user", "ana", journal=journal)
+    assert both.returncode == 2  # one or the other
+
+
 def test_cancel_from_the_cli(journal: Path) -> None:
     result = loomflow("runs", "cancel", "victim", "--user", "ana", "--json", journal=journal)
     assert result.returncode == 0, result.stderr
