@@ -197,10 +197,22 @@ class SdkEvents(Generic[T]):
     (the adapter's) is not the stream's and propagates unchanged. SDK and transport errors
     (``APIError``, ``httpx.TransportError``), cancellation and ``KeyboardInterrupt`` are not
     of those types and pass through as they are.
+
+    With ``ended`` and ``drops``: a connection lost (one of ``drops``) once ``ended()`` says the
+    provider's end-of-message marker has come ends the events instead. The answer is whole and
+    billed; failing the call for the close of the connection had a resume pay for it again.
     """
 
-    def __init__(self, events: AsyncIterable[T]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterable[T],
+        *,
+        ended: Callable[[], bool] | None = None,
+        drops: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self._events = events.__aiter__()
+        self._ended = ended
+        self._drops = drops
 
     def __aiter__(self) -> SdkEvents[T]:
         return self
@@ -210,6 +222,10 @@ class SdkEvents(Generic[T]):
             return await self._events.__anext__()
         except _SDK_DATA_ERRORS as exc:
             raise malformed_sdk_data(exc) from exc
+        except self._drops as exc:
+            if self._ended is not None and self._ended():
+                raise StopAsyncIteration from exc
+            raise
 
 
 def malformed_sdk_data(exc: BaseException) -> MalformedStreamError:

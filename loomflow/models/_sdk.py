@@ -86,6 +86,8 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         self.backoff = backoff or Backoff()
         self._rng = random.Random()
         self._transport_errors = transport_errors()
+        # A lost connection, as the SDK or the HTTP library under it raises it.
+        self._connection_errors = (sdk.APIConnectionError, *self._transport_errors)
 
     # -- provider hooks ----------------------------------------------------------------------
 

@@ -179,7 +179,9 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             # The SDK builds events without validating them: the fields read here are
             # checked (see _fields), and the SDK's own errors on malformed data become
             # MalformedStreamError (SdkEvents, read_sdk).
-            async for event in SdkEvents(stream):
+            # A drop after message_stop loses nothing: the answer is whole.
+            ended = SdkEvents(stream, ended=lambda: stopped, drops=self._connection_errors)
+            async for event in ended:
                 kind = f.field(event, "type")
                 if kind == "content_block_start":
                     position = f.index(f.field(event, "index"), f"{kind}.index")

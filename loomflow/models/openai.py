@@ -160,7 +160,14 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             # The SDK builds chunks without validating them: every field read below is
             # checked (see _fields), so a malformed stream is a ModelError saying what was
             # wrong rather than a TypeError from deep inside the loop.
-            async for chunk in SdkEvents(stream):
+            # A drop once the finish reason and the usage came (OpenAI's last chunk, before
+            # "[DONE]") loses nothing: the answer is whole and its cost known.
+            ended = SdkEvents(
+                stream,
+                ended=lambda: finish is not None and usage_reported,
+                drops=self._connection_errors,
+            )
+            async for chunk in ended:
                 chunk = f.obj(chunk, "a chunk")
                 model = f.optional_text(f.field(chunk, "model"), "model") or model
                 reported = f.optional_obj(f.field(chunk, "usage"), "usage")

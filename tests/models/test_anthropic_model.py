@@ -491,3 +491,23 @@ async def test_a_stream_without_usage_is_marked_unreported(
     warned = [r for r in caplog.records if "without reporting its token usage" in r.message]
     assert len(warned) == 1  # once per model
     assert "claude-sonnet-4-5" in warned[0].message
+
+
+async def test_a_drop_after_message_stop_keeps_the_whole_answer(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    # The connection reset after message_stop, before the body's own end (a proxy closing
+    # early): the answer was whole and billed, yet the call failed, and a resume paid for it
+    # again. One event earlier, the answer is cut and the call still fails.
+    body = [_start(), _block(0, TEXT), _delta(0, {"type": "text_delta", "text": "all here"})]
+    body += _end()
+    anthropic_api.add(Reply(raw_stream=[*body, b": more\n\n"], cut_after=len(body)))
+    anthropic_api.add(Reply(raw_stream=body, cut_after=len(body) - 1), Reply(text="unused"))
+    async with make(anthropic_api, fast) as model:
+        response = await complete(model, [Message.user("hi")])
+        assert (response.text, response.finish_reason) == ("all here", "stop")
+        assert response.usage == Usage(input_tokens=10, output_tokens=3)
+        assert anthropic_api.request_count == 1
+        with pytest.raises(ModelError, match="not retried"):
+            await complete(model, [Message.user("hi")])
+    assert anthropic_api.request_count == 2

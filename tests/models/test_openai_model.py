@@ -449,3 +449,24 @@ async def test_a_choice_without_an_index_is_the_answer(
         response = await complete(model, [Message.user("hi")])
     assert (response.text, response.finish_reason) == ("hi", "stop")
     assert openai_api.request_count == 1
+
+
+async def test_a_drop_after_the_usage_chunk_keeps_the_whole_answer(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # The connection reset after the last chunk (the usage one), before "[DONE]": the answer
+    # was whole and billed, yet the call failed, and a resume paid for it again. Cut before
+    # the usage chunk, the call still fails: the cost is not known.
+    content = _chunk('"choices":[{"index":0,"delta":{"content":"all here"},"finish_reason":null}]')
+    body = [content, STOP, _chunk(f'"choices":[],{USAGE}')]
+    openai_api.add(Reply(raw_stream=[*body, DONE], cut_after=len(body)))
+    openai_api.add(Reply(raw_stream=[*body, DONE], cut_after=len(body) - 1), Reply(text="x"))
+    async with make(openai_api, fast) as model:
+        response = await complete(model, [Message.user("hi")])
+        assert (response.text, response.finish_reason) == ("all here", "stop")
+        assert response.usage == Usage(input_tokens=5, output_tokens=1)
+        assert response.usage_reported
+        assert openai_api.request_count == 1
+        with pytest.raises(ModelError, match="not retried"):
+            await complete(model, [Message.user("hi")])
+    assert openai_api.request_count == 2
