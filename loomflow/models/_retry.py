@@ -245,6 +245,17 @@ async def read_sdk(operation: Awaitable[T]) -> T:
         raise malformed_sdk_data(exc) from exc
 
 
+def connection_detail(exc: BaseException) -> str:
+    """What a lost connection says, with the cause an SDK's own message leaves out (the OpenAI
+    SDK's is "Connection error." for a refused connection and a reset stream alike)."""
+    detail = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__
+    said = str(cause).splitlines()[0][:300] if cause is not None and str(cause) else ""
+    if said and said not in detail:
+        detail += f" ({type(cause).__name__}: {said})"
+    return detail
+
+
 def transport_errors() -> tuple[type[BaseException], ...]:
     """Connection-level exception classes of the HTTP library under the SDKs.
 

@@ -30,6 +30,7 @@ from ._retry import (
     IncompleteStreamError,
     MalformedStreamError,
     SdkEvents,
+    connection_detail,
     is_retryable_status,
     read_sdk,
     retry_after_from,
@@ -327,10 +328,8 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                 retryable=is_retryable_status(status),
                 retry_after=retry_after_from(exc.response.headers),
             )
-        if isinstance(exc, sdk.APIConnectionError):
-            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
-        if isinstance(exc, (IncompleteStreamError, *self._transport_errors)):
-            return Failure(f"{type(exc).__name__}: {exc}", None, retryable=True)
+        if isinstance(exc, (IncompleteStreamError, *self._connection_errors)):
+            return Failure(connection_detail(exc), None, retryable=True)
         if isinstance(exc, MalformedStreamError):
             return Failure(f"malformed response stream: {exc}", None, retryable=False)
         if isinstance(exc, sdk.AnthropicError):

@@ -470,3 +470,18 @@ async def test_a_drop_after_the_usage_chunk_keeps_the_whole_answer(
         with pytest.raises(ModelError, match="not retried"):
             await complete(model, [Message.user("hi")])
     assert openai_api.request_count == 2
+
+
+async def test_a_lost_connection_says_how_it_was_lost(fast: Backoff) -> None:
+    # The SDK's own message is "Connection error." for a refused connection and a stream cut
+    # mid-answer alike; the error (and the audit trail and logs that carry it) said no more.
+    with FakeOpenAIAPI(Reply(text=["partial ", "answer"], cut_after=2)) as api:
+        async with make(api, fast) as model:
+            with pytest.raises(ModelError, match="not retried") as cut:
+                await complete(model, [Message.user("hi")])
+        url = api.base_url  # a port that was just free and is now closed
+    assert "peer closed connection" in str(cut.value)
+    async with OpenAIModel(MODEL, base_url=url, api_key="k", max_retries=0) as model:
+        with pytest.raises(ModelRetryExhaustedError) as refused:
+            await complete(model, [Message.user("hi")])
+    assert "ConnectError" in str(refused.value)
