@@ -36,9 +36,10 @@ def _too_deep(value: Any) -> bool:
 
 
 def parse_tool_arguments(
-    raw: str, *, provider: str, model: str, tool: str, call_id: str
+    raw: str, *, provider: str, model: str, tool: str, call_id: str, cut: bool = False
 ) -> dict[str, Any]:
-    """Decode a tool call's arguments; empty text means no arguments.
+    """Decode a tool call's arguments; empty text means no arguments. ``cut``: the response
+    ended at its output limit, which the error then names as the likely cause.
 
     Raises:
         ModelError: The text is not a JSON object (truncated or malformed model output, or
@@ -60,6 +61,9 @@ def parse_tool_arguments(
             return arguments
         problem = f"arguments nested more than {MAX_ARGUMENT_DEPTH} levels deep"
     problem = f"tool call {tool!r} ({call_id}) came with {problem}: {raw[:200]!r}"
+    if cut:
+        # Not the model's JSON at fault: a long input (a file to write) outgrew the limit.
+        problem += " (the response was cut off at its output limit: raise ModelSettings.max_tokens)"
     # Caused by what came over the connection, not by the connection: the error metric
     # counts it as "other", as other malformed answers.
     raise ModelError(provider, model, problem) from MalformedStreamError(problem)

@@ -246,6 +246,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         text: list[str] = []
         calls: list[ToolCall] = []
         answered: str | None = None
+        stop = f.optional_text(f.field(message, "stop_reason"), "stop_reason")
         for n, block in enumerate(f.items(f.field(message, "content"), "content")):
             block = f.obj(block, f"content[{n}]")
             kind = f.field(block, "type")
@@ -272,6 +273,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                         model=self._name,
                         tool=name,
                         call_id=call_id,
+                        cut=_FINISH_REASONS.get(stop or "") == "length",
                     )
                 calls.append(ToolCall(id=call_id, name=name, arguments=decoded))
         usage = f.optional_obj(f.field(message, "usage"), "usage")
@@ -291,7 +293,6 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         reported = input_tokens is not None and output_tokens is not None
         if not reported:
             self._warn_usage_unreported()
-        stop = f.optional_text(f.field(message, "stop_reason"), "stop_reason")
         if answered is not None and not calls:
             # The answer tool's input is the answer; the tool itself never runs. Called beside
             # other tools, it is dropped: their results come first, and the model answers again.

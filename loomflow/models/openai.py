@@ -211,7 +211,9 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             self._warn_usage_unreported()
         yield ModelResponse(
             text="".join(text),
-            tool_calls=[self._tool_call(pending) for pending in calls.values()],
+            tool_calls=[
+                self._tool_call(pending, cut=finish == "length") for pending in calls.values()
+            ],
             usage=usage,
             finish_reason=_FINISH_REASONS.get(finish, finish),
             model=model,
@@ -264,13 +266,14 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         )
         return usage, prompt_tokens is not None and completion_tokens is not None
 
-    def _tool_call(self, pending: _PendingCall) -> ToolCall:
+    def _tool_call(self, pending: _PendingCall, *, cut: bool) -> ToolCall:
         arguments = parse_tool_arguments(
             "".join(pending.arguments),
             provider=self.provider,
             model=self._name,
             tool=pending.name,
             call_id=pending.id,
+            cut=cut,
         )
         return ToolCall(id=pending.id, name=pending.name, arguments=arguments)
 

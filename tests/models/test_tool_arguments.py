@@ -45,3 +45,29 @@ async def test_tool_arguments_json_cannot_carry_are_a_model_error(
                 await complete(model, [Message.user("hi")])
         assert not isinstance(info.value, ModelRetryExhaustedError)
         assert api.request_count == 1  # not retried: the same model would say the same
+
+
+@pytest.mark.parametrize(
+    ("api_type", "model_type", "stop_reason"),
+    [(FakeAnthropicAPI, AnthropicModel, "max_tokens"), (FakeOpenAIAPI, OpenAIModel, "length")],
+    ids=["anthropic", "openai"],
+)
+async def test_arguments_cut_by_max_tokens_say_so(
+    api_type: type[FakeAnthropicAPI | FakeOpenAIAPI],
+    model_type: type[AnthropicModel | OpenAIModel],
+    stop_reason: str,
+    fast: Backoff,
+) -> None:
+    # The default max_tokens (1024) cuts a long tool input (a file to write) mid-JSON: the
+    # error blamed the model's JSON, when what to raise is ModelSettings.max_tokens.
+    with api_type() as api:
+        api.add(Reply(tool_calls=[CALL], raw_arguments=['{"days": [1, 2'], stop_reason=stop_reason))
+        api.add(Reply(tool_calls=[CALL], raw_arguments=['{"days": [1, 2']))
+        async with model_type("m", base_url=api.base_url, api_key="k", backoff=fast) as model:
+            with pytest.raises(ModelError, match="not a JSON object") as cut:
+                await complete(model, [Message.user("hi")])
+            with pytest.raises(ModelError, match="not a JSON object") as malformed:
+                await complete(model, [Message.user("hi")])
+    assert "max_tokens" in str(cut.value)
+    assert "max_tokens" not in str(malformed.value)  # not cut: the model's JSON is at fault
+    assert api.request_count == 2  # neither retried: the same request is cut the same way
