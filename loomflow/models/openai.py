@@ -285,7 +285,8 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             return Failure(
                 _detail(exc),
                 status,
-                retryable=is_retryable_status(status),
+                # A 429 for an account out of credit is no rate limit: no retry can help.
+                retryable=is_retryable_status(status) and _error_kind(exc) != "insufficient_quota",
                 retry_after=retry_after_from(exc.response.headers),
             )
         if isinstance(exc, (IncompleteStreamError, *self._connection_errors)):
@@ -294,9 +295,9 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             return Failure(f"malformed response stream: {exc}", None, retryable=False)
         if isinstance(exc, sdk.APIError):
             # An error object inside a 200 stream: no status, only its type or code.
-            body = exc.body if isinstance(exc.body, dict) else {}
-            kind = body.get("type") or body.get("code")
-            return Failure(_detail(exc), None, retryable=kind in _TRANSIENT_STREAM_ERRORS)
+            return Failure(
+                _detail(exc), None, retryable=_error_kind(exc) in _TRANSIENT_STREAM_ERRORS
+            )
         if isinstance(exc, sdk.OpenAIError):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=False)
         return None
@@ -323,6 +324,14 @@ def _strict_form(node: Any) -> Any:
     if isinstance(out.get("$ref"), str) and len(out) > 1 and "anyOf" not in out:
         out["anyOf"] = [{"$ref": out.pop("$ref")}]
     return out
+
+
+def _error_kind(exc: Any) -> object:
+    """The error's ``type`` (or ``code``), from its body or the ``error`` object in it."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error", body)
+    error = error if isinstance(error, dict) else body
+    return error.get("type") or error.get("code")
 
 
 def _detail(exc: Any) -> str:

@@ -485,3 +485,16 @@ async def test_a_lost_connection_says_how_it_was_lost(fast: Backoff) -> None:
         with pytest.raises(ModelRetryExhaustedError) as refused:
             await complete(model, [Message.user("hi")])
     assert "ConnectError" in str(refused.value)
+
+
+async def test_an_exhausted_quota_fails_at_once(openai_api: FakeOpenAIAPI, fast: Backoff) -> None:
+    # A 429 with "insufficient_quota" is no rate limit: the account is out of credit until
+    # someone pays, so retrying only delayed the error and counted retries that could not help.
+    quota = "You exceeded your current quota, please check your plan and billing details."
+    openai_api.add(Failure(429, quota, error_type="insufficient_quota"), Reply(text="unused"))
+    async with make(openai_api, fast) as model:
+        with pytest.raises(ModelError, match="insufficient_quota: You exceeded") as info:
+            await complete(model, [Message.user("hi")])
+    assert not isinstance(info.value, ModelRetryExhaustedError)
+    assert info.value.status == 429
+    assert openai_api.request_count == 1
