@@ -311,6 +311,17 @@ def retry_after_from(headers: Mapping[str, str] | None) -> float | None:
     return parse_retry_after(headers.get("retry-after"))
 
 
+_MAX_DETAIL = 1000
+
+
+def _clipped(detail: str) -> str:
+    """``detail`` cut to :data:`_MAX_DETAIL` characters: a gateway's error page (tens of KB of
+    HTML) would otherwise be the error's message whole, and so fill the audit trail and logs."""
+    if len(detail) <= _MAX_DETAIL:
+        return detail
+    return f"{detail[:_MAX_DETAIL]}... ({len(detail) - _MAX_DETAIL} more characters)"
+
+
 async def stream_with_retries(
     attempt: Callable[[], AsyncGenerator[ModelChunk, None]],
     classify: Callable[[Exception], Failure | None],
@@ -348,19 +359,19 @@ async def stream_with_retries(
             failure = classify(exc)
             if failure is None:
                 raise
+            detail = _clipped(failure.detail)
             if started:
                 raise ModelError(
                     provider,
                     model,
-                    f"{failure.detail} (the stream had already produced output, so it was "
-                    "not retried)",
+                    f"{detail} (the stream had already produced output, so it was not retried)",
                     failure.status,
                 ) from exc
             if not failure.retryable:
-                raise ModelError(provider, model, failure.detail, failure.status) from exc
+                raise ModelError(provider, model, detail, failure.status) from exc
             if retries >= max_retries:
                 raise ModelRetryExhaustedError(
-                    provider, model, failure.detail, failure.status, attempts=retries + 1
+                    provider, model, detail, failure.status, attempts=retries + 1
                 ) from exc
             wait = backoff.delay(retries, rng, failure.retry_after)
             retries += 1

@@ -7,7 +7,7 @@ import pytest
 from loomflow.errors import ModelError, ModelRetryExhaustedError
 from loomflow.messages import Message, ToolCall
 from loomflow.models import AnthropicModel, Backoff, OpenAIModel, complete
-from loomflow.testing.providers import FakeAnthropicAPI, FakeOpenAIAPI, Reply
+from loomflow.testing.providers import Failure, FakeAnthropicAPI, FakeOpenAIAPI, Reply
 
 CALL = ToolCall(id="call_01", name="get_weather", arguments={})
 
@@ -71,3 +71,26 @@ async def test_arguments_cut_by_max_tokens_say_so(
     assert "max_tokens" in str(cut.value)
     assert "max_tokens" not in str(malformed.value)  # not cut: the model's JSON is at fault
     assert api.request_count == 2  # neither retried: the same request is cut the same way
+
+
+@pytest.mark.parametrize(
+    ("api_type", "model_type"),
+    [(FakeAnthropicAPI, AnthropicModel), (FakeOpenAIAPI, OpenAIModel)],
+    ids=["anthropic", "openai"],
+)
+async def test_a_huge_error_body_is_clipped_in_the_error(
+    api_type: type[FakeAnthropicAPI | FakeOpenAIAPI],
+    model_type: type[AnthropicModel | OpenAIModel],
+    fast: Backoff,
+) -> None:
+    # A gateway's error page (tens of KB of HTML) became the error's message whole, and with
+    # it the audit trail's model.error and run.end entries, the logs and the span status.
+    page = "<html>" + "Bad gateway. " * 5000 + "</html>"
+    with api_type() as api:
+        api.add(Failure(502, page), Failure(400, page))
+        async with model_type("m", base_url=api.base_url, api_key="k", max_retries=0) as model:
+            for _ in range(2):  # retries exhausted, then a request refused
+                with pytest.raises(ModelError, match="Bad gateway") as info:
+                    await complete(model, [Message.user("hi")])
+                assert len(str(info.value)) < 1200
+                assert "more characters" in str(info.value)
