@@ -1,4 +1,5 @@
-"""Tool-call arguments that JSON cannot carry, or that nest too deep, through both real SDKs."""
+"""Tool-call arguments that JSON cannot carry, or that nest too deep or were cut off, and error
+bodies too large to repeat, through both real SDKs."""
 
 from __future__ import annotations
 
