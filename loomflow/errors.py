@@ -436,7 +436,8 @@ class ModelRetryExhaustedError(ModelError):
         self.attempts = attempts
         where = f"HTTP {status}" if status is not None else "connection failure"
         self.args = (
-            f"{provider} model {model!r} failed after {attempts} attempts; last error "
+            f"{provider} model {model!r} failed after {attempts} "
+            f"{'attempt' if attempts == 1 else 'attempts'}; last error "
             f"({where}): {detail}",
         )
 

@@ -129,3 +129,10 @@ def test_bad_arguments_raise_typed_errors_that_stay_builtin_compatible(tmp_path:
         codec.register_type(int)
     assert isinstance(typed.value, TypeError)
     assert issubclass(errors.ConfigurationError, ValueError)
+
+
+def test_a_single_attempt_is_counted_in_the_singular() -> None:
+    one = errors.ModelRetryExhaustedError("openai", "gpt-x", "reset", None, 1)
+    assert "failed after 1 attempt;" in str(one)
+    four = errors.ModelRetryExhaustedError("openai", "gpt-x", "rate limited", 429, 4)
+    assert "failed after 4 attempts;" in str(four)

@@ -88,7 +88,7 @@ class SweepReport:
 def _given_up(orphan: Orphan) -> str:
     """Why a run out of attempts is a dead letter: how its last attempt ended, as far as its
     row tells, with the last error an attempt raised (which the dead letter replaces)."""
-    why = f"gave up after {orphan.attempts} attempts"
+    why = f"gave up after {orphan.attempts} attempt{'' if orphan.attempts == 1 else 's'}"
     if orphan.abandoned:
         why += "; its worker died during the last"
         if orphan.last_error:

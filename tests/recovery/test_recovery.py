@@ -280,7 +280,7 @@ async def test_a_dead_letter_out_of_attempts_says_how_its_last_attempt_ended(
     await failing.wait()
     report = await Recovery(runtime, worker, max_attempts=1, metrics=_metrics()).sweep()
     assert [(r.session_id, r.reason) for r in report.dead_lettered] == [
-        ("raised-0", f"gave up after 1 attempts; the last raised {raised}")
+        ("raised-0", f"gave up after 1 attempt; the last raised {raised}")
     ]
     # A run whose first attempt raised and whose second one's worker was killed holding it.
     ledger = ledger.with_name("died.jsonl")
@@ -313,7 +313,7 @@ async def test_a_dead_letter_out_of_attempts_says_how_its_last_attempt_ended(
     ]
     errors = {s.session_id: s.last_error for s in await runtime.sessions(state="failed")}
     assert errors == {
-        "raised-0": f"gave up after 1 attempts; the last raised {raised}",
+        "raised-0": f"gave up after 1 attempt; the last raised {raised}",
         "died-0": report.dead_lettered[0].reason,
     }
     assert tool_counts(ledger, "ship") == {}
