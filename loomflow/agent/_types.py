@@ -50,7 +50,8 @@ class Tuning(_Frozen):
 
     strict_replay: bool | None = None
     checkpoint: bool = False
-    checkpoint_retention: int | None = Field(default=10, ge=1)
+    # At most what a store's 64-bit OFFSET takes: refused here, not at a run's first snapshot.
+    checkpoint_retention: int | None = Field(default=10, ge=1, le=2**63 - 1)
     parallel_tools: bool = True
     tool_timeout: float | None = Field(default=None, gt=0)
     max_tokens: int = Field(default=1024, gt=0)

@@ -182,6 +182,45 @@ async def test_misuse_is_a_user_error() -> None:
         Tuning(checkpoint_retention=0)
 
 
+async def test_a_retention_no_store_can_keep_is_refused_when_tuning_is_built() -> None:
+    """Accepted by Tuning, a retention past 64 bits failed every run at its first snapshot,
+    after the first tool call had run (and again on each resume)."""
+    with pytest.raises(ValueError, match="less than or equal to"):
+        Tuning(checkpoint_retention=2**63)
+    assert Tuning(checkpoint_retention=2**63 - 1).checkpoint_retention == 2**63 - 1
+    shop = Shop()
+    agent = shopping_agent(InMemoryRuntime(), shop, checkpoint_retention=2**63 - 1)
+    assert (await agent.run("shop", session_id="s", user_id="u")).output.startswith("bought:")
+
+
+async def test_a_restored_run_keeps_its_instructions_and_calls_todays_tools(
+    sqlite_path: Path,
+) -> None:
+    """As the checkpoints doc says: the snapshot's system prompt goes on, the agent's current
+    tools answer, and a tool removed since is an error the model reads."""
+    runtime = SqliteRuntime(sqlite_path)
+    with pytest.raises(ConnectionError):
+        await shopping_agent(runtime, Shop(fail_at=2)).run("shop", session_id="s", user_id="u")
+    seen: list[tuple[str, list[str]]] = []
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> object:
+        seen.append((messages[0].content, [t.name for t in tools]))
+        return [ToolCall(id="x", name="buy", arguments={"item": "z"})] if len(seen) == 1 else "ok"
+
+    changed = Agent(
+        "New instructions.",
+        model=FunctionModel(decide),
+        runtime=runtime,
+        tuning=Tuning(checkpoint=True),
+    )
+    result = await changed.resume("shop", session_id="s", user_id="u")
+    assert result.restored_from is not None
+    assert seen == [("You shop.", []), ("You shop.", [])]
+    assert result.messages[-2].is_error
+    assert "no tool named 'buy'" in result.messages[-2].content
+    await runtime.close()
+
+
 async def test_an_agent_inside_another_run_writes_no_checkpoints() -> None:
     runtime = InMemoryRuntime()
     shop = Shop()
