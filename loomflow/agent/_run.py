@@ -186,9 +186,15 @@ class _Run:
 
     async def start(self) -> list[BaseModel]:
         """Tell the hooks, then build the transcript: fresh, or from the restored snapshot."""
+        restore = self.restore
+        if restore is not None and self.forked:
+            # The fork's session was claimed when its run opened. Its first snapshot goes in
+            # before any hook can fail (or the process die in one): without it, a resume of
+            # the fork would start the errand again from its prompt.
+            self.load(restore)
+            await self.save(restore.final)
         for hook in self.hooks:
             await hook.run_started(self.info)
-        restore = self.restore
         if restore is None:
             prompt = self.prompt
             # The history is the caller's text as much as the prompt is: an input guardrail
@@ -205,29 +211,30 @@ class _Run:
                 Message.user(prompt),
             ]
             self.prompt_index = len(self.messages) - 1
-        else:
-            # Restored, not replayed: earlier turns are neither re-run nor re-billed (no
-            # hook sees them again) and memory is not consulted: the snapshot holds it all.
-            self.original_prompt = restore.prompt
-            self.messages = list(restore.messages)
-            self.usage, self.cost, self.output = restore.usage, restore.cost_usd, restore.output
-            self.turns, self.answered = restore.turn, restore.final
-            self.prompt_index = restore.prompt_index
-            # A forked run, or a snapshot of one (resumed after a crash): see fork_of.
-            self.fork_of = restore.id if self.forked else restore.parent_id
-            self.info.emit(
-                CheckpointRestored(
-                    checkpoint_id=restore.id,
-                    turn=restore.turn,
-                    forked_from=restore.session_id if self.forked else None,
-                )
-            )
-            if self.forked:  # the fork's own first snapshot: a crash now resumes the fork
-                await self.save(restore.final)
+        elif not self.forked:
+            self.load(restore)
         events = await self.flush()
         if self.answered:
             self.interrupted = None
         return events
+
+    def load(self, restore: Checkpoint) -> None:
+        """Restored, not replayed: earlier turns are neither re-run nor re-billed (no hook
+        sees them again) and memory is not consulted: the snapshot holds it all."""
+        self.original_prompt = restore.prompt
+        self.messages = list(restore.messages)
+        self.usage, self.cost, self.output = restore.usage, restore.cost_usd, restore.output
+        self.turns, self.answered = restore.turn, restore.final
+        self.prompt_index = restore.prompt_index
+        # A forked run, or a snapshot of one (resumed after a crash): see fork_of.
+        self.fork_of = restore.id if self.forked else restore.parent_id
+        self.info.emit(
+            CheckpointRestored(
+                checkpoint_id=restore.id,
+                turn=restore.turn,
+                forked_from=restore.session_id if self.forked else None,
+            )
+        )
 
     async def model_turn(self, turn: int) -> AsyncGenerator[BaseModel, None]:
         """One journaled model call, streamed; an answer without tool calls ends the run."""

@@ -30,6 +30,7 @@ from loomflow.errors import (
     StoreUnavailableError,
     UserError,
 )
+from loomflow.hooks import RunHooks, RunInfo
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
 from loomflow.runtime import InMemoryRuntime, PostgresRuntime, SqliteRuntime
@@ -218,6 +219,51 @@ async def test_a_restored_run_keeps_its_instructions_and_calls_todays_tools(
     assert seen == [("You shop.", []), ("You shop.", [])]
     assert result.messages[-2].is_error
     assert "no tool named 'buy'" in result.messages[-2].content
+    await runtime.close()
+
+
+class _FailsToStart(RunHooks):
+    """A hook whose store is down when the next run starts (an audit log, say)."""
+
+    armed = False
+
+    async def run_started(self, info: RunInfo) -> None:
+        if self.armed:
+            self.armed = False
+            raise ConnectionError("the hook's store went away")
+
+
+async def test_a_fork_that_fails_as_it_starts_resumes_from_the_fork_point(
+    sqlite_path: Path,
+) -> None:
+    """The fork's session is claimed when its run opens; a run_started hook that raised
+    before the fork's first snapshot left a session whose resume began the errand again from
+    its prompt, buying what the source had bought, and which no fork could take any more."""
+    runtime = SqliteRuntime(sqlite_path)
+    shop, hook = Shop(), _FailsToStart()
+    agent = Agent(
+        "You shop.",
+        model=shop.model,
+        tools=[shop.tool],
+        runtime=runtime,
+        hooks=[hook],
+        tuning=Tuning(checkpoint=True),
+    )
+    await agent.run("shop", session_id="s", user_id="u")
+    [after_bread] = [c for c in await agent.list_checkpoints("s", user_id="u") if c.turn == 2]
+    bought = list(shop.bought)
+    hook.armed = True
+    with pytest.raises(ConnectionError):
+        await agent.resume(
+            "shop", session_id="s", user_id="u", from_checkpoint=after_bread.id,
+            fork_session_id="fork",
+        )  # fmt: skip
+    resumed = await agent.resume("shop", session_id="fork", user_id="u")
+    assert resumed.restored_from is not None
+    assert shop.bought == [*bought, "cheese"]  # only what comes after the fork point
+    assert resumed.output == "bought: bought apples, bought bread, bought cheese"
+    forked = await agent.list_checkpoints("fork", user_id="u")
+    assert {c.parent_id for c in forked} == {after_bread.id}
     await runtime.close()
 
 
