@@ -7,7 +7,10 @@ memory on the journal at URL; every real purchase is appended to LEDGER.
   ``PASS-2`` and wait to be killed.
 - ``episode``: finish the run, but when the episode has been written to memory (and before
   the journal records that step) print ``EPISODE-WRITTEN`` and wait to be killed.
-- ``resume``: resume the session and print a JSON summary.
+- ``fork``: finish the run, then fork it from its second pass into ``crash-fork``; when the
+  fork's run has started (its hooks are being told), print ``FORK-STARTING`` and wait to be
+  killed.
+- ``resume`` / ``resume-fork``: resume the session (the fork) and print a JSON summary.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ class LiveTurns(RunHooks):
         return None
 
 
+class StopsAsItStarts(RunHooks):
+    armed = False
+
+    async def run_started(self, info: RunInfo) -> None:
+        if self.armed:
+            print("FORK-STARTING", flush=True)
+            await asyncio.Event().wait()
+
+
 class StopsAfterWriting(Memory):
     async def record_episode(self, *args: Any, **kwargs: Any) -> Episode:
         episode = await super().record_episode(*args, **kwargs)
@@ -68,6 +80,7 @@ async def main(url: str, ledger: Path, mode: str) -> None:
     runtime = runtime_from_url(url)
     model = FunctionModel(decide)
     live = LiveTurns()
+    starting = StopsAsItStarts()
     memory = memory_for(runtime)
     if mode == "episode":
         memory = StopsAfterWriting(memory.store)
@@ -77,15 +90,24 @@ async def main(url: str, ledger: Path, mode: str) -> None:
         tools=[buy],
         runtime=runtime,
         memory=memory,
-        hooks=[live],
+        hooks=[live, starting],
         tuning=Tuning(checkpoint=True),
     )
     try:
-        if mode != "resume":
+        if not mode.startswith("resume"):
             await agent.run("shop", session_id="crash", user_id="alice")
+            if mode == "fork":
+                listed = await agent.list_checkpoints("crash", user_id="alice")
+                [second] = [c for c in listed if c.turn == 2]
+                starting.armed = True
+                await agent.resume(
+                    "shop", session_id="crash", user_id="alice", from_checkpoint=second.id,
+                    fork_session_id="crash-fork",
+                )  # fmt: skip
             return
-        result = await agent.resume("shop", session_id="crash", user_id="alice")
-        episodes = await memory.episodes("crash", user_id="alice")
+        session = "crash-fork" if mode == "resume-fork" else "crash"
+        result = await agent.resume("shop", session_id=session, user_id="alice")
+        episodes = await memory.episodes(session, user_id="alice")
         print(
             json.dumps(
                 {

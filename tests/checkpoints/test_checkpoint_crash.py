@@ -35,9 +35,9 @@ def _kill_after(url: str, ledger: Path, mode: str, line: str) -> None:
     assert got == line, stderr
 
 
-def _resume(url: str, ledger: Path) -> dict[str, Any]:
+def _resume(url: str, ledger: Path, mode: str = "resume") -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, str(WORKER), url, str(ledger), "resume"],
+        [sys.executable, str(WORKER), url, str(ledger), mode],
         capture_output=True,
         text=True,
         timeout=120,
@@ -83,3 +83,19 @@ def test_killed_after_the_episode_write_leaves_one_episode(url: str, tmp_path: P
     assert summary["episodes"] == 1  # rewritten in place, not duplicated
     assert summary["episode_messages"] == 8
     assert ledger.read_text().splitlines() == ["apples", "bread", "cheese"]
+
+
+@pytest.mark.crash
+def test_killed_as_a_fork_starts_resumes_the_fork_from_its_fork_point(
+    url: str, tmp_path: Path
+) -> None:
+    """Killed after the fork's run opened (its session claimed) but while its hooks were
+    being told: the resume continues the fork after bread, instead of shopping afresh."""
+    ledger = tmp_path / "ledger.txt"
+    _kill_after(url, ledger, "fork", "FORK-STARTING")
+    assert ledger.read_text().splitlines() == ["apples", "bread", "cheese"]
+    summary = _resume(url, ledger, "resume-fork")
+    assert summary["restored"]
+    assert summary["output"] == "bought everything"
+    assert summary["live_turns"] == [2, 3]  # the fork's own turns: cheese, then the answer
+    assert ledger.read_text().splitlines() == ["apples", "bread", "cheese", "cheese"]
