@@ -12,9 +12,18 @@ characters such as the bidirectional ones, separators other than the space) as a
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
-__all__ = ["escaped_surrogates", "is_unicode", "printable", "shown", "text_of", "unicode_column"]
+__all__ = [
+    "escaped_controls",
+    "escaped_surrogates",
+    "is_unicode",
+    "printable",
+    "shown",
+    "text_of",
+    "unicode_column",
+]
 
 _T = TypeVar("_T")
 
@@ -58,6 +67,21 @@ def escaped_surrogates(text: str) -> str:
     line naming a damaged row says what the row holds (inside a JSON string the escape reads
     back as that very surrogate), where UTF-8 output would fail on it."""
     return text if is_unicode(text) else text.encode("utf-8", "backslashreplace").decode()
+
+
+# What JSON may carry raw but a terminal acts on: DEL and the C1 controls (U+009B starts an
+# escape sequence on terminals that take 8-bit ones), and the marks that reorder or hide text
+# around them (bidirectional overrides and isolates, the line and paragraph separators).
+_TERMINAL_CONTROLS = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def escaped_controls(json_text: str) -> str:
+    """JSON text with each character a terminal would act on written as its ``\\uXXXX``
+    escape: the same document to a JSON reader, inert on a screen. Such characters only occur
+    inside strings (JSON's own syntax is plain ASCII), where the escape stands for them."""
+    if json_text.isascii() and "\x7f" not in json_text:  # nearly always: no copy
+        return json_text
+    return _TERMINAL_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text)
 
 
 def unicode_column(column: str, value: _T) -> _T:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._ids import user_label as who
-from .._printable import escaped_surrogates, printable
+from .._printable import escaped_controls, escaped_surrogates, printable
 from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
 
@@ -134,8 +134,12 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
     """``value`` as JSON for stdout or an ``-o`` file, non-ASCII text as it is. Text read back
     from a damaged SQLite row (bytes that are not UTF-8) holds lone surrogates, which UTF-8
     output cannot spell: each is written as its ``\\udcxx`` escape, so the document still
-    says what the row holds instead of the command failing on it."""
-    return escaped_surrogates(json.dumps(value, ensure_ascii=False, indent=indent))
+    says what the row holds instead of the command failing on it. Characters a terminal acts
+    on (a C1 control, a bidirectional override a model or a crafted row put in a transcript)
+    are escaped too (:func:`escaped_controls`)."""
+    return escaped_controls(
+        escaped_surrogates(json.dumps(value, ensure_ascii=False, indent=indent))
+    )
 
 
 CELL_LIMIT = 1000

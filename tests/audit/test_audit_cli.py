@@ -306,3 +306,33 @@ async def test_verify_file_reports_a_line_that_is_not_utf8_where_it_is(tmp_path:
         assert "0xff" in report["problems"][0]["detail"]
         # Every other line was read and checked: alice's other four, and all of bob's.
         assert (report["users"], report["entries"]) == (2, 9)
+
+
+def test_json_output_escapes_what_a_terminal_would_act_on(tmp_path: Path) -> None:
+    """A model or a crafted row can put a C1 control (U+009B opens an escape sequence on
+    8-bit terminals) or a bidirectional override in a payload: the JSON a person may read on
+    a terminal carries them as escapes, and parses back to the same text."""
+    db = tmp_path / "audit.db"
+    hostile = "paid \x9b31m\u202egnp.exe\x7f done"
+
+    async def fill() -> None:
+        store = SqliteAuditStore(db)
+        await store.append(
+            [
+                AuditRecord(
+                    user_id="ana", actor="agent:a", action="tool.call", payload={"t": hostile}
+                )
+            ]
+        )
+        await store.close()
+
+    asyncio.run(fill())
+    result = loomflow("audit", "--audit-url", f"sqlite:///{db}", "query", "--json")
+    assert result.returncode == 0, result.stderr
+    for raw in ("\x9b", "\u202e", "\x7f"):
+        assert raw not in result.stdout
+    assert "\\u009b" in result.stdout
+    assert json.loads(result.stdout)["entries"][0]["payload"]["t"] == hostile
+    exported = loomflow("users", "--url", f"sqlite:///{db}", "export", "ana")
+    assert exported.returncode == 0, exported.stderr
+    assert "\u202e" not in exported.stdout
