@@ -89,9 +89,10 @@ class Rule:
         behavior: ``allow``, ``deny`` or ``ask``.
         tool: A glob on the tool name (``"*"``, ``"fs_*"``, ``"delete_user"``).
         args: Per argument name, a glob on the value's text (a non-string as Python or as JSON
-            writes it: ``True`` or ``true``) or a predicate on the value; every one must match
-            (a missing argument does not).
-        when: A predicate on the whole arguments dict.
+            writes it: ``True`` or ``true``) or a predicate on the value, tried on the value as
+            sent and as the tool receives it after validation; every one must match (a
+            missing argument does not).
+        when: A predicate on the whole arguments dict (as sent, and as validated).
         destructive: Match only tools with (``True``) or without (``False``) that flag.
         edits: Match only tools with or without the ``edits`` flag.
         reason: Said to the model and the audit log when this rule decides.
@@ -167,16 +168,28 @@ class Rule:
             return False
         if self.edits is not None and bool(tool and tool.edits) != self.edits:
             return False
+        received: dict[str, Any] | None = None
+        if (self.args or self.when is not None) and tool is not None:
+            # The tool runs with its validated values: a "yes" or 1 it reads as True, a 22.0
+            # or " 22" it reads as 22, must not dodge a rule written for True or 22.
+            received = tool.received_arguments(call.arguments)
         for name, matcher in self.args.items():
             if name not in call.arguments:
                 return False
             value = call.arguments[name]
             if isinstance(matcher, str):
-                if not any(fnmatch.fnmatchcase(text, matcher) for text in _texts(value)):
+                texts = _texts(value)
+                if received is not None and name in received:
+                    texts += _texts(received[name])
+                if not any(fnmatch.fnmatchcase(text, matcher) for text in texts):
                     return False
-            elif not matcher(value):
+            elif not matcher(value) and not (
+                received is not None and name in received and _holds(matcher, received[name])
+            ):
                 return False
-        return self.when is None or bool(self.when(call.arguments))
+        if self.when is None or self.when(call.arguments):
+            return True
+        return received is not None and _holds(self.when, received)
 
     def describe(self) -> str:
         """A short text naming the rule, for reasons."""
@@ -190,6 +203,15 @@ class Rule:
             if getattr(self, flag) is not None:
                 parts.append(f"{flag}={getattr(self, flag)}")
         return f"{self.behavior}({', '.join(parts)})"
+
+
+def _holds(predicate: Callable[[Any], Any], validated: Any) -> bool:
+    """Whether ``predicate`` holds for a validated value. It was written for what the model
+    sends and was tried on that first (where raising denies): here, failing is no match."""
+    try:
+        return bool(predicate(validated))
+    except Exception:
+        return False
 
 
 def _texts(value: Any) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, PydanticUserError, ValidationError, create_model
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, PydanticSerializationError
 
 from ..context import RunContext
 from ..errors import UserError
@@ -101,6 +101,20 @@ class ArgumentBinder:
             else:
                 kwargs[slot.name] = value
         return args, kwargs
+
+    def received(self, arguments: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The given arguments as the function receives them (validated, so coerced: ``"yes"``
+        becomes ``True``), by name; ``None`` when they do not validate (nothing then runs)."""
+        try:
+            validated = self.model.model_validate(dict(arguments))
+        except ValidationError:
+            return None
+        # Nested models as mappings, as the model sent them, so that a rule's predicate
+        # written for that JSON can read them.
+        try:
+            return validated.model_dump(by_alias=True, exclude_unset=True, round_trip=True)
+        except (PydanticSerializationError, TypeError, ValueError):
+            return None  # a value pydantic cannot copy out: what the model sent is judged
 
     def _explain(self, errors: list[ErrorDetails]) -> str:
         problems: list[str] = []

@@ -177,6 +177,12 @@ class Tool(Generic[P, R]):
             return str(exc)
         return None
 
+    def received_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``arguments`` as this tool's function would receive them, after validation
+        (``"yes"`` for a ``bool`` is ``True``), by name; ``None`` when they do not validate.
+        Permission rules judge these as well as what the model sent."""
+        return self._binder.received(arguments)
+
     def spec(self) -> dict[str, Any]:
         """Return ``{"name", "description", "parameters"}`` for a model request."""
         return {"name": self.name, "description": self.description, "parameters": self.parameters}

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from loomflow.agent import Agent, RunFinished
 from loomflow.errors import UserError
@@ -424,3 +425,93 @@ async def test_a_denial_is_journaled_and_replays_as_a_denial() -> None:
     tool_messages = [m for m in again.messages if m.role == "tool"]
     assert tool_messages[0].is_error
     assert PERMISSION_DENIED == "permission_denied"
+
+
+deployed: list[tuple[str, bool, int]] = []
+
+
+def deploy(target: str, force: bool = False, port: int = 80) -> str:
+    """Deploy somewhere."""
+    deployed.append((target, force, port))
+    return "deployed"
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"target": "s", "force": "TRUE"},
+        {"target": "s", "force": "yes"},
+        {"target": "s", "force": 1},
+        {"target": "s", "port": 22.0},
+        {"target": "s", "port": " 22"},
+        {"target": "s", "port": "022"},
+    ],
+)
+async def test_an_argument_rule_is_not_dodged_by_a_value_the_tool_coerces(
+    arguments: dict[str, Any],
+) -> None:
+    # The tool receives force=True or port=22 (validation coerces "yes", 1, 22.0, " 22"): a
+    # deny rule judged only on the text the model sent let the call run.
+    deployed.clear()
+    permissions = StandardPermissions(
+        "default",
+        [
+            Rule.deny("deploy", args={"force": "true"}),
+            Rule.deny("deploy", args={"port": lambda v: v == 22}),
+        ],
+    )
+    decision = permissions.check(
+        ToolCall(id="c", name="deploy", arguments=arguments),
+        context=PermissionContext(tool=Tool(deploy)),
+    )
+    assert decision.behavior == "deny"
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if not any(m.role == "tool" for m in messages):
+            return [ToolCall(id="c1", name="deploy", arguments=arguments)]
+        return "done"
+
+    agent = Agent("x", model=FunctionModel(decide), tools=[deploy], permissions=permissions)
+    events = [e async for e in agent.stream("go")]
+    assert deployed == []
+    assert [e.final for e in events if isinstance(e, PermissionDecided)] == ["deny"]
+
+
+def test_an_argument_rule_still_judges_what_the_model_sent_when_it_does_not_validate() -> None:
+    permissions = StandardPermissions("default", [Rule.deny("deploy", args={"port": "2*"})])
+    call = ToolCall(id="c", name="deploy", arguments={"target": "s", "port": "22 ports"})
+    context = PermissionContext(tool=Tool(deploy))
+    assert permissions.check(call, context=context).behavior == "deny"
+    allowed = ToolCall(id="c", name="deploy", arguments={"target": "s", "port": 80})
+    assert permissions.check(allowed, context=context).behavior == "allow"
+
+
+class Target(BaseModel):
+    env: str
+    force: bool = False
+
+
+def release(target: Target) -> str:
+    """Release to a target."""
+    return target.env
+
+
+def test_predicates_written_for_the_json_the_model_sends_still_work() -> None:
+    # The value the tool receives is a Target; a predicate written for the JSON object the
+    # model sends sees a mapping either way, and one that cannot read it is no match there.
+    permissions = StandardPermissions(
+        "default",
+        [
+            Rule.deny("release", args={"target": lambda v: v["env"] == "prod"}),
+            Rule.deny("release", when=lambda a: a["target"].get("force") is True),
+        ],
+    )
+    context = PermissionContext(tool=Tool(release))
+
+    def check(**target: Any) -> str:
+        call = ToolCall(id="c", name="release", arguments={"target": target})
+        return permissions.check(call, context=context).behavior
+
+    assert check(env="staging") == "allow"
+    assert check(env="prod") == "deny"
+    assert check(env="staging", force="yes") == "deny"  # the tool reads it as True
