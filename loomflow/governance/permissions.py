@@ -292,14 +292,25 @@ class PermissionContext:
         run_id: str | None = None,
         session_id: str | None = None,
     ) -> PermissionContext:
-        """Roles come from ``metadata["role"]``: one name, or a list of names."""
+        """Roles come from ``metadata["role"]``: one name, or a list (or set) of names.
+
+        Raises:
+            UserError: ``metadata["role"]`` is something else (an enum member, a number, a
+                list holding one): read as no role, it would shed that role's restrictions.
+        """
         role = metadata.get("role")
-        if isinstance(role, str):
-            roles: tuple[str, ...] = (role,)
-        elif isinstance(role, list | tuple):
-            roles = tuple(r for r in role if isinstance(r, str))
+        if role is None:
+            roles: tuple[str, ...] = ()
+        elif isinstance(role, str):
+            roles = (role,)
+        elif isinstance(role, list | tuple | set | frozenset) and all(
+            isinstance(r, str) for r in role
+        ):
+            roles = tuple(sorted(role)) if isinstance(role, set | frozenset) else tuple(role)
         else:
-            roles = ()
+            raise UserError(
+                f"metadata['role'] must be a role name or a list of role names, not {role!r}"
+            )
         return cls(tool, roles, metadata, run_id, session_id)
 
 
@@ -599,9 +610,14 @@ class PermissionHooks(RunHooks):
         self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
     ) -> ToolCall | ToolOutcome:
         permissions = self.permissions
-        context = PermissionContext.from_metadata(
-            info.ctx.metadata, tool=tool, run_id=info.run_id, session_id=info.session_id
-        )
+        refused: Decision | None = None
+        try:
+            context = PermissionContext.from_metadata(
+                info.ctx.metadata, tool=tool, run_id=info.run_id, session_id=info.session_id
+            )
+        except UserError as exc:  # roles that name none: the roles' policies are unknown
+            context = PermissionContext(tool, (), info.ctx.metadata, info.run_id, info.session_id)
+            refused = Decision("deny", f"{exc}, so the call is denied", "error")
         # A call whose sealed values this process does not hold (the run resumed elsewhere):
         # rules judged on placeholders would decide another call. The loop hands it here
         # only when the run journaled an approval request for it; the decision on that
@@ -609,7 +625,9 @@ class PermissionHooks(RunHooks):
         asked = None
         if permissions.deferred and holds_sealed_argument(call.arguments):
             asked = journaled_request(info, turn, slot)
-        if asked is not None:
+        if refused is not None:
+            decision = refused
+        elif asked is not None:
             decision = Decision("ask", asked.reason, asked.policy)
         else:
             try:

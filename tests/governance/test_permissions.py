@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
 from typing import Any
@@ -152,7 +153,8 @@ def test_deny_beats_ask_beats_allow_across_layers() -> None:
         "mallory may not write",
     )
     assert check("alice", role=["support", "nobody"]).behavior == "ask"
-    assert check("alice", role=42).behavior == "allow"  # not a role name: no role
+    with pytest.raises(UserError, match="role name"):  # read as no role, it shed the role's
+        check("alice", role=42)  # restrictions (see test_a_role_that_is_no_name_denies...)
 
 
 def test_the_users_mode_wins_and_among_roles_the_strictest() -> None:
@@ -515,3 +517,36 @@ def test_predicates_written_for_the_json_the_model_sends_still_work() -> None:
     assert check(env="staging") == "allow"
     assert check(env="prod") == "deny"
     assert check(env="staging", force="yes") == "deny"  # the tool reads it as True
+
+
+class RoleName(enum.Enum):
+    VIEWER = "viewer"
+
+
+@pytest.mark.parametrize(
+    ("role", "policy"),
+    [
+        ({"viewer"}, "role:viewer"),
+        (frozenset({"viewer", "other"}), "role:viewer"),
+        (RoleName.VIEWER, "error"),
+        ([RoleName.VIEWER], "error"),
+        (["viewer", 7], "error"),
+        ({"viewer": 1}, "error"),
+    ],
+)
+async def test_roles_are_read_from_a_set_and_a_role_that_is_no_name_denies(
+    role: Any, policy: str
+) -> None:
+    # A set of names, an enum member or a list holding one was read as no role at all: the
+    # viewer's readOnly did not apply and the tool ran.
+    ran.clear()
+    permissions = StandardPermissions("bypass", roles={"viewer": Policy(mode="readOnly")})
+    _, decided = await run_agent(
+        permissions, make_tool(edits=True, destructive=False), metadata={"role": role}
+    )
+    assert ran == []
+    assert [(d.final, d.policy) for d in decided] == [("deny", policy)]
+    if policy == "error":
+        assert "metadata['role']" in decided[0].reason
+        with pytest.raises(UserError, match=r"metadata\['role'\]"):
+            PermissionContext.from_metadata({"role": role})
