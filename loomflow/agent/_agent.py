@@ -352,7 +352,7 @@ class Agent:
         :class:`Agent`). The audit log (redacting the configured secrets) is
         ``audit_url`` and the budget's totals ``budget_url``; either, when unset, lives beside
         the journal (in its database, or in memory). The budget enforces ``caps``; with none it
-        only records usage (a reservation and a commit per model call; pass ``budget=None``
+        only records usage (one write after each model call, no reservation; pass ``budget=None``
         to skip it). With ``otlp_endpoint`` (or the standard ``OTEL_EXPORTER_OTLP_*``
         variables) or ``metrics_port`` set, spans are exported and metrics served, once per
         process. Close what this built with :meth:`aclose` or ``async with``.
