@@ -273,6 +273,31 @@ async def test_run_caps_limit_one_run_only() -> None:
     assert second.turns == 2  # a new run starts from zero
 
 
+@pytest.mark.parametrize("scope", ["run", "user"])
+async def test_a_call_that_fits_a_cost_cap_exactly_runs_whatever_its_scope(scope: Any) -> None:
+    # $0.10 spent, $0.20 reserved, a $0.30 cap: 0.1 + 0.2 > 0.3 in floats, so a run cap
+    # refused the call a user cap (compared in nano-USD) let through.
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        if not any(m.role == "tool" for m in messages):
+            call = ToolCall(id="c0", name="lookup", arguments={"key": "k"})
+            usage = Usage(input_tokens=100_000, output_tokens=1)
+            return ModelResponse(tool_calls=[call], usage=usage, finish_reason="tool_calls")
+        return ModelResponse(text="done", usage=Usage(input_tokens=200_000, output_tokens=1))
+
+    def estimate(messages: Sequence[Message]) -> int:
+        return 200_000 if any(m.role == "tool" for m in messages) else 100_000
+
+    budget = StandardBudget(
+        [Cap("cost_usd", 0.3, scope=scope)],
+        prices={"acme-1": ModelPrice(1.0, 0.0)},
+        overhead_tokens=0,
+        estimate_input_tokens=estimate,
+    )
+    result, _ = await collect(agent_with(budget, PricedModel(decide, name="acme-1")), user_id="u")
+    assert (result.interrupted, result.output) == (False, "done")
+    assert result.cost_usd == pytest.approx(0.3)
+
+
 async def test_a_run_time_cap_is_a_deadline() -> None:
     budget = StandardBudget([Cap("wall_clock_s", 0.05, scope="run")])
 

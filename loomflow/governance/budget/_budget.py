@@ -46,11 +46,11 @@ from ._types import (
     BucketLimit,
     Cap,
     CommitResult,
-    Metric,
     OnExpiry,
     Reservation,
     Totals,
     _count,
+    evaluate,
 )
 from .inmemory import InMemoryBudgetStore
 
@@ -631,13 +631,18 @@ class _RunState:
     cost_nanousd: int = 0
     tickets: dict[str, tuple[Ticket, asyncio.Task[None] | None]] = field(default_factory=dict)
 
-    def used(self, metric: Metric) -> float:
-        if metric == "wall_clock_s":
-            return time.monotonic() - self.started
-        return Totals(self.tokens_in, self.tokens_out, self.cost_nanousd).used(metric)
-
-    def held(self, metric: Metric) -> float:
-        return sum(t.amount.value(metric) for t, _ in self.tickets.values())
+    def totals(self) -> Totals:
+        """The run's figures as a bucket's: its wall clock is the time since it started."""
+        held = [t.amount for t, _ in self.tickets.values()]
+        return Totals(
+            self.tokens_in,
+            self.tokens_out,
+            self.cost_nanousd,
+            time.monotonic() - self.started,
+            reserved_in=sum(a.tokens_in for a in held),
+            reserved_out=sum(a.tokens_out for a in held),
+            reserved_cost_nanousd=sum(a.cost_nanousd for a in held),
+        )
 
     def add(self, amount: Amount) -> None:
         self.tokens_in += amount.tokens_in
@@ -651,7 +656,9 @@ class BudgetHooks(RunHooks):
     def __init__(self, budget: StandardBudget) -> None:
         self.budget = budget
         self._runs: dict[str, _RunState] = {}
-        self._run_caps = tuple(c for c in budget.caps if c.scope == "run")
+        self._run_caps = tuple(
+            BucketLimit("run", c.name, c.metric, c.limit) for c in budget.caps if c.scope == "run"
+        )
 
     def _state(self, info: RunInfo) -> _RunState:
         state = self._runs.get(info.run_id)
@@ -673,17 +680,15 @@ class BudgetHooks(RunHooks):
             messages=messages,
             provider=info.provider,
         )
-        for cap in self._run_caps:
-            used, held = state.used(cap.metric), state.held(cap.metric)
-            if cap.metric == "wall_clock_s":
-                asked, over = 0.0, used >= cap.limit
-            elif budget.hard:
-                asked = amount.value(cap.metric)
-                over = used + held + asked > cap.limit
-            else:
-                asked, over = amount.value(cap.metric), used + held >= cap.limit
-            if over:
-                self._deny(info, BudgetExceededError(cap.name, cap.limit, used, held, asked))
+        if self._run_caps:
+            # Judged as a store judges its buckets: cost in nano-USD, where floats would
+            # refuse a call that fits exactly (0.1 + 0.2 > 0.3).
+            denial = evaluate({"run": state.totals()}, self._run_caps, amount, hard=budget.hard)
+            if denial is not None:
+                exceeded = BudgetExceededError(
+                    denial.cap, denial.limit, denial.used, denial.reserved, denial.requested
+                )
+                self._deny(info, exceeded)
         try:
             ticket = await budget.reserve_amount(
                 user_id=info.user_id,
@@ -790,11 +795,11 @@ class BudgetHooks(RunHooks):
         for cap in self._run_caps:
             if cap.metric == "wall_clock_s" or cap.limit <= 0:
                 continue
-            after = state.used(cap.metric)
+            after = state.totals().used(cap.metric)
             if _crossed(self.budget.warn_at, cap.limit, previous.used(cap.metric), after):
                 info.emit(
                     BudgetWarning(
-                        cap=cap.name, limit=cap.limit, used=after, fraction=after / cap.limit
+                        cap=cap.cap, limit=cap.limit, used=after, fraction=after / cap.limit
                     )
                 )
 
