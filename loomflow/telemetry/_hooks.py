@@ -843,8 +843,10 @@ class TelemetryHooks(RunHooks):
         # The parent is the tool's step span, current in this coroutine (or, with no journal,
         # the run's root span).
         parent, live = _parent(info.run_id)
+        # The span name is what backends group by (operations, span metrics): a made-up
+        # name is "unknown" there, as on the metrics, so the model cannot multiply them.
         span = self.tracer.start_span(
-            f"execute_tool {name}",
+            f"execute_tool {name if tool is not None else 'unknown'}",
             context=parent,
             kind=SpanKind.INTERNAL,
             attributes=attributes,

@@ -1029,6 +1029,31 @@ async def test_a_tool_name_the_model_made_up_is_redacted_and_cut_on_its_span(
     for span in tool_spans:
         shown = attrs(span)["gen_ai.tool.name"]
         assert len(shown) <= 64
-        assert span.name == f"execute_tool {shown}"
+        assert span.name == "execute_tool unknown"  # bounded: the name is the attribute's
         assert attrs(span)["error.type"] == "unknown_tool"
     assert {attrs(s)["gen_ai.tool.name"] for s in tool_spans} >= {'a"b\\c\nd', "x" * 63 + "…"}
+
+
+async def test_made_up_tool_names_do_not_multiply_span_names(capture: SpanCapture) -> None:
+    # Span names are what tracing backends group by (Jaeger's operations, span metrics): a
+    # name per made-up tool would let a prompt-injected model create series without bound.
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id="c1", name=f"tool_{messages[-1].content}", arguments={})]
+
+    agent = Agent(
+        "you look things up",
+        model=FunctionModel(decide),
+        tools=[lookup],
+        runtime=InMemoryRuntime(),
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False),
+        memory=False,
+    )
+    for n in range(20):
+        await agent.run(f"q{n}", session_id=f"s{n}", user_id="erin")
+    tool_spans = [s for s in capture.spans if s.name.startswith("execute_tool")]
+    assert len(tool_spans) == 20
+    assert {s.name for s in tool_spans} == {"execute_tool unknown"}
+    # The made-up name itself is still there to read, on the span's attribute.
+    assert len({attrs(s)["gen_ai.tool.name"] for s in tool_spans}) == 20
