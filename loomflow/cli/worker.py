@@ -473,6 +473,7 @@ class _Sweeper:
         loop = asyncio.get_running_loop()
         if self._stuck is not None:
             if not self._stuck.done():
+                self.recovery.metrics.store_unavailable("journal")
                 raise TimeoutError(
                     f"the journal has not answered for {loop.time() - self._stuck_since:.0f}s: "
                     "the sweep cancelled then has not ended yet"
@@ -496,6 +497,9 @@ class _Sweeper:
             self._stuck, self._stuck_since = task, started
         if self.stop.is_set():
             return None
+        # A journal that does not answer is a failed store, as one that refuses (the sweep
+        # counts that): LoomflowStoreUnavailable fires on both.
+        self.recovery.metrics.store_unavailable("journal")
         raise TimeoutError(
             f"the sweep did not finish within {self.timeout:g}s (--sweep-timeout): the journal "
             "did not answer in time"

@@ -33,6 +33,7 @@ from ..errors import (
     InvalidArgumentError,
     OwnershipLostError,
     RunCancelledError,
+    StoreUnavailableError,
     UserError,
 )
 from ..runtime import JournalRuntime, Orphan, OrphanClaim, decode_record
@@ -228,6 +229,15 @@ class Recovery:
 
         Returns at once: the runs it resumed go on in tasks (see :meth:`wait`).
         """
+        try:
+            return await self._sweep()
+        except StoreUnavailableError as exc:
+            # A journal (or audit store) that fails every sweep shows nowhere else: the
+            # run-state gauge keeps its last value.
+            self.metrics.store_failed(exc)
+            raise
+
+    async def _sweep(self) -> SweepReport:
         if not self._journals_checked:
             await self._check_journals()
         report = SweepReport()

@@ -167,6 +167,8 @@ class Counters(Protocol):
 
     def budget_denied(self, cap: str) -> None: ...
 
+    def store_failed(self, exc: BaseException) -> None: ...
+
     def permission_decided(self, decision: str, final: str) -> None: ...
 
     def guardrail_tripped(self, stage: str, action: str) -> None: ...
@@ -637,6 +639,8 @@ class TelemetryHooks(RunHooks):
                 resumed=info.resumed,
                 duration_s=None if started is None else time.monotonic() - started,
             )
+            if error is not None:
+                self.metrics.store_failed(error)
         live = self._run(info)
         if live is None:
             return

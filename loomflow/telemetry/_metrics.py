@@ -22,7 +22,7 @@ from prometheus_client.exposition import start_http_server
 
 from ..audit.actions import ALL as AUDIT_ACTIONS
 from ..audit.actions import KEPT_BY_ERASURE
-from ..errors import ConfigurationError, InvalidArgumentError
+from ..errors import ConfigurationError, InvalidArgumentError, StoreUnavailableError
 from ..governance.guardrails import Action as GuardrailAction
 from ..models._retry import ERROR_CLASSES, error_class
 from ..runtime import RUN_STATES
@@ -447,6 +447,32 @@ def _collectors_for(registry: CollectorRegistry) -> _Collectors:
         return found
 
 
+# Which store's code a StoreUnavailableError was raised under, by module: the innermost one
+# on its traceback decides (the journal's step wraps memory writes and tool bodies, say).
+_STORE_MODULES: Final = (
+    ("loomflow.runtime", "journal"),
+    ("loomflow.audit", "audit"),
+    ("loomflow.memory", None),
+    ("loomflow.checkpoints", None),
+    ("loomflow.governance", None),  # the budget store: counted as a denial at "unavailable"
+)
+# A failure that ends a sub-agent's run and then its caller's is one failure of the store.
+_counted_failures: weakref.WeakSet[BaseException] = weakref.WeakSet()
+
+
+def _failed_store(exc: BaseException) -> str | None:
+    store = None
+    frame = exc.__traceback__
+    while frame is not None:
+        module = frame.tb_frame.f_globals.get("__name__", "")
+        for prefix, name in _STORE_MODULES:
+            if module == prefix or module.startswith(prefix + "."):
+                store = name
+                break
+        frame = frame.tb_next
+    return store
+
+
 class Metrics:
     """loomflow's metrics: Prometheus families on one registry, and OpenTelemetry instruments.
 
@@ -766,6 +792,17 @@ class Metrics:
         self._c.store_unavailable.labels(store).inc()
         if self._o is not None:
             self._o.add("store_unavailable", 1, {"store": store})
+
+    def store_failed(self, exc: BaseException) -> None:
+        """Count ``exc`` in ``loomflow_store_unavailable_total`` when it is the failure of the
+        journal or the audit store (a :class:`StoreUnavailableError` raised under their code),
+        once however many runs and sweeps it passes through."""
+        if not isinstance(exc, StoreUnavailableError) or exc in _counted_failures:
+            return
+        _counted_failures.add(exc)
+        store = _failed_store(exc)
+        if store is not None:
+            self.store_unavailable(store)
 
     def permission_decided(self, decision: str, final: str) -> None:
         """Count a permission decision (``allow``/``deny``/``ask``) and its final answer."""

@@ -76,6 +76,13 @@ async def _until(port: int, status: int, timeout: float = 30) -> str:  # noqa: A
             await asyncio.sleep(0.1)
 
 
+def _journal_failures(metrics: str) -> float:
+    """``loomflow_store_unavailable_total{store="journal"}`` in a /metrics text."""
+    prefix = 'loomflow_store_unavailable_total{store="journal"} '
+    [line] = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(line.removeprefix(prefix))
+
+
 async def _stop(proc: asyncio.subprocess.Process, timeout: float = 30) -> tuple[str, str, float]:  # noqa: ASYNC109
     """SIGTERM, then the process's output and how long it took to exit."""
     started = time.monotonic()
@@ -112,6 +119,8 @@ async def test_a_journal_that_stops_answering_fails_readyz_and_sigterm_still_han
         assert body.startswith("not ready: the last sweep failed: TimeoutError: ")
         assert "\n" not in body.rstrip("\n")
         assert (await asyncio.to_thread(_get, port, "/healthz"))[0] == 200  # alive, not ready
+        # ...and on /metrics, where LoomflowStoreUnavailable looks (the gauge keeps its value).
+        assert _journal_failures((await asyncio.to_thread(_get, port, "/metrics"))[1]) >= 1
         # The hand-over cannot write to the journal either: bounded, then named.
         out, err, took = await _stop(proc)
     finally:
@@ -193,12 +202,14 @@ async def test_a_failed_sweep_says_why_in_the_log_and_in_readyz(
                 if "sweep failed" in body:
                     break
                 await asyncio.sleep(0.1)
+        metrics = (await asyncio.to_thread(_get, port, "/metrics"))[1]
         _out, err, _ = await _stop(proc)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0, err[-3000:]
+    assert _journal_failures(metrics) >= 1
     assert body.startswith("not ready: the last sweep failed: StoreUnavailableError: ")
     assert "has not answered yet" not in body
     warnings = [line for line in err.splitlines() if "sweep failed" in line]

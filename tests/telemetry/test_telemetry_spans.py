@@ -988,6 +988,11 @@ async def test_a_run_whose_audit_end_fails_still_ends_its_span_and_is_counted(
         )
         == 1.0
     )
+    # ...and counted as a failure of the audit store (LoomflowStoreUnavailable), not the journal.
+    assert [
+        registry.get_sample_value("loomflow_store_unavailable_total", {"store": store})
+        for store in ("audit", "journal")
+    ] == [1.0, 0.0]
     run_id = root.attributes["loom.run.id"]
     assert run_id not in _hooks._live  # nothing of the run is left behind
     assert run_id not in _hooks._run_tracing
