@@ -195,6 +195,10 @@ class Recovery:
         self.concurrency = concurrency
         self.batch = batch
         self.metrics = metrics if metrics is not None else Metrics()
+        # The journal's step and run series at 0 before the first sweep resumes anything: a
+        # worker replays at once, before its first scrape, and a series born at its first
+        # increments hides them from increase().
+        self.metrics.prepare_backend(str(runtime.backend))
         self._tasks: dict[asyncio.Task[None], RunRef] = {}  # the runs being resumed
         self._stopping = False
         self._wake: asyncio.Event | None = None

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from loomflow.agent import Agent
 from loomflow.errors import InvalidArgumentError
 from loomflow.governance import Cap
-from loomflow.telemetry import BUDGET_CAPS, STORES, Metrics
+from loomflow.models import FunctionModel
+from loomflow.recovery import Recovery
+from loomflow.runtime import SqliteRuntime
+from loomflow.telemetry import BUDGET_CAPS, KINDS, OUTCOMES, RUN_OUTCOMES, STORES, Metrics
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -61,3 +66,24 @@ def test_an_unknown_store_is_refused() -> None:
     # A typed error (still a ValueError, as it was).
     with pytest.raises(InvalidArgumentError, match="store must be one of"):
         Metrics(CollectorRegistry()).store_unavailable("redis")
+
+
+async def test_a_recoverer_creates_its_journals_step_and_run_series_at_zero(
+    tmp_path: Path,
+) -> None:
+    # A worker resumes runs (replay hits) at its first sweep, before Prometheus first scrapes
+    # it: series born then hid those hits from increase() on the replay-ratio panel.
+    registry = CollectorRegistry()
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    try:
+        agent = Agent("x", model=FunctionModel(lambda m, t: "hi"), runtime=runtime, name="a")
+        Recovery(runtime, {"a": agent}, metrics=Metrics(registry))
+        for kind in KINDS:
+            for outcome in OUTCOMES:
+                labels = {"backend": "sqlite", "kind": kind, "outcome": outcome}
+                assert registry.get_sample_value("loomflow_journal_steps_total", labels) == 0.0
+        for outcome in RUN_OUTCOMES:
+            labels = {"backend": "sqlite", "outcome": outcome, "resumed": "true"}
+            assert registry.get_sample_value("loomflow_runs_total", labels) == 0.0
+    finally:
+        await runtime.close()
