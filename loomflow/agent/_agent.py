@@ -33,7 +33,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from pydantic import BaseModel
 from ulid import ULID
@@ -44,7 +44,13 @@ from .._locks import drop_if_idle
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
 from ..context import RunContext, get_run_context, own_context, reset_var, use_run_context
-from ..errors import CheckpointError, CheckpointNotFoundError, SessionExistsError, UserError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    SessionExistsError,
+    StoreUnavailableError,
+    UserError,
+)
 from ..governance.approvals import DecisionLike, PendingApproval
 from ..hooks import RunHooks
 from ..memory import InMemoryMemory, Memory, memory_for
@@ -70,6 +76,9 @@ from ._run import _Run, check_prompt, contract_mismatch, inconsistency, latest_o
 from ._sealing import SealedArguments
 from ._seams import HookProvider, RedactingAudit, RunPlugin, hooks_of
 from ._types import AgentEvent, RunFinished, RunResult, RunStarted, Tuning
+
+if TYPE_CHECKING:
+    from ..telemetry import Metrics
 
 __all__ = ["Agent"]
 
@@ -887,6 +896,10 @@ class Agent:
                     # Hooks' own events (budget warnings, permission decisions, ...) travel the
                     # stream too; AgentEvent names only the agent's.
                     yield cast(AgentEvent, event)
+        except StoreUnavailableError as exc:
+            # A journal that cannot open the run fails it before any hook hears of it.
+            _count_store_failure(self.telemetry, exc)
+            raise
         finally:
             if claiming is not None:
                 claiming.release()
@@ -914,16 +927,27 @@ class Agent:
         return checkpoint_store_for(runtime)
 
 
+def _metrics_of(telemetry: RunPlugin | None) -> Metrics | None:
+    from ..telemetry import Metrics, Telemetry
+
+    if isinstance(telemetry, Telemetry):
+        return telemetry.metrics
+    return telemetry if isinstance(telemetry, Metrics) else None
+
+
 def _count_audit_entries(telemetry: RunPlugin, audit: RunPlugin) -> None:
     """Let the agent's metrics count what its audit log appends (the two layers do not know
     each other; the agent, which holds both, connects them)."""
-    from ..telemetry import Metrics, Telemetry
-
-    metrics = telemetry if isinstance(telemetry, Metrics) else None
-    if isinstance(telemetry, Telemetry):
-        metrics = telemetry.metrics
+    metrics = _metrics_of(telemetry)
     if metrics is not None:
         metrics.count_audit(audit)
+
+
+def _count_store_failure(telemetry: RunPlugin | None, exc: StoreUnavailableError) -> None:
+    """Count a store failure in the agent's metrics (once: a run that began counted it)."""
+    metrics = _metrics_of(telemetry)
+    if metrics is not None:
+        metrics.store_failed(exc)
 
 
 # Per journal object, the (fork session, user) pairs a fork is about to claim; entries go

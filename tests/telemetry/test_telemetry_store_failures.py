@@ -95,3 +95,20 @@ async def test_a_recovery_sweep_that_fails_on_the_journal_is_counted(
         with pytest.raises(StoreUnavailableError):
             await recovery.sweep()
     assert failures(registry) == {"journal": 2, "audit": 0, "budget": 0}
+
+
+async def test_a_journal_that_cannot_open_a_run_is_counted(
+    registry: CollectorRegistry, tmp_path: Path
+) -> None:
+    # The database down from the start: the run never begins, so no hook hears it end.
+    runtime = SqliteRuntime(tmp_path)  # a directory, not a SQLite file
+    agent = Agent(
+        "x",
+        model=FunctionModel(lambda m, t: "hi"),
+        runtime=runtime,
+        telemetry=Telemetry(metrics=Metrics(registry), tracing=False),
+    )
+    for n in range(2):
+        with pytest.raises(StoreUnavailableError):
+            await agent.run("q", session_id=f"s{n}", user_id="erin")
+    assert failures(registry) == {"journal": 2, "audit": 0, "budget": 0}
