@@ -10,6 +10,7 @@ series count.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -751,7 +752,9 @@ class Metrics:
         provider, model = series.provider, series.model
         inputs, outputs = max(input_tokens, 0), max(output_tokens, 0)
         reads, writes = max(cache_read_tokens, 0), max(cache_write_tokens, 0)
-        cost = max(cost_usd or 0.0, 0.0)
+        # A NaN would stay in the counter for good (and inf too): a custom price table's bad
+        # figure is not counted rather than spoiling every later rate of the series.
+        cost = cost_usd if cost_usd is not None and 0.0 < cost_usd < math.inf else 0.0
         series.input_tokens.inc(inputs)
         series.output_tokens.inc(outputs)
         if cost:

@@ -459,3 +459,24 @@ def _identities(*workloads: Expected) -> set[str]:
     for w in workloads:
         found.update(w.users, w.sessions, w.run_ids)
     return found
+
+
+def test_a_cost_that_is_no_finite_amount_is_not_counted() -> None:
+    """A NaN from a custom price table would turn the cost counter into NaN for good."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    for bad in (float("nan"), float("inf"), -1.0):
+        metrics.model_usage(
+            provider="anthropic", model="m", input_tokens=1, output_tokens=1, cost_usd=bad
+        )
+    metrics.model_usage(
+        provider="anthropic", model="m", input_tokens=1, output_tokens=1, cost_usd=0.25
+    )
+    value = registry.get_sample_value(
+        "loomflow_model_cost_usd_total", {"provider": "anthropic", "model": "m"}
+    )
+    assert value == 0.25
+    tokens = registry.get_sample_value(
+        "loomflow_model_tokens_total", {"provider": "anthropic", "model": "m", "type": "input"}
+    )
+    assert tokens == 4  # the tokens of every call still count
