@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from .._ids import check_id, user_label
 from .._json import valid_value
+from .._printable import shown
 from .._timefmt import iso_time
 from ..context import reset_var
 from ..errors import (
@@ -715,7 +716,9 @@ def check_decidable(
             )
         if request_id not in ledger.requests:
             raise ApprovalNotFoundError(
-                f"no approval request {request_id!r} in the last run of session {session!r} "
+                # Cut: an id pasted wrong (a whole file, say) need not come back whole.
+                f"no approval request {shown(request_id, 80)} in the last run of session "
+                f"{session!r} "
                 f"of {user_label(user)} (pending_approvals() or `loomflow approvals list` shows "
                 "the ones waiting)",
                 request_id,

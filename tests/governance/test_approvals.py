@@ -295,6 +295,12 @@ async def test_unknown_ids_and_bad_input_are_refused(runtime_factory: Factory) -
     for bad in ("apr_000000000000000000000000", "", "x" * 300):
         with pytest.raises(ApprovalNotFoundError):
             await agent.resume("clean up", session_id="s1", user_id="ana", approvals={bad: "allow"})
+    # An id pasted wrong (a whole file) is named, cut, not echoed whole.
+    with pytest.raises(ApprovalNotFoundError, match=r"no approval request 'xxx") as refused:
+        await agent.resume(
+            "clean up", session_id="s1", user_id="ana", approvals={"x" * 100_000: "allow"}
+        )
+    assert len(str(refused.value)) < 500
     # Another user's session does not have the request.
     (request,) = await agent.pending_approvals("s1", user_id="ana")
     with pytest.raises(ApprovalNotFoundError):
