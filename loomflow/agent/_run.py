@@ -66,6 +66,10 @@ __all__ = ["check_prompt", "contract_mismatch", "latest_of_run", "tool_step_name
 
 log = logging.getLogger("loomflow.agent")
 
+# Finish reasons of an answer the model did not finish: at its output limit, or stopped by
+# the provider's content filter.
+_CUT_SHORT = frozenset({"length", "content_filter"})
+
 
 class _Run:
     """The state of one run in progress; :meth:`events` runs it."""
@@ -279,6 +283,18 @@ class _Run:
         self.messages.append(response.to_message())
         self.output = response.text or self.output
         self.tool_calls = list(response.tool_calls)
+        if live and not self.tool_calls and response.finish_reason in _CUT_SHORT:
+            # The run still ends as answered (the text is what the model said); the log says
+            # it is not the whole answer, which nothing else would.
+            log.warning(
+                "agent %r: model %r stopped its answer at turn %d with finish_reason %r: "
+                "the answer is cut short%s",
+                self.agent.name,
+                self.agent.model.name,
+                turn,
+                response.finish_reason,
+                " (raise ModelSettings.max_tokens)" if response.finish_reason == "length" else "",
+            )
         if not self.tool_calls:
             if self.structured is not None:
                 retry = self.structured.retry_message(self.messages, self.prompt_index)

@@ -19,7 +19,7 @@ from loomflow.agent import (
     Tuning,
 )
 from loomflow.errors import UserError
-from loomflow.messages import Message, ToolCall, ToolSpec
+from loomflow.messages import Message, ModelResponse, ToolCall, ToolSpec
 from loomflow.models import FunctionModel, ScriptedModel
 from loomflow.runtime import InMemoryRuntime
 from loomflow.tools import tool
@@ -200,3 +200,26 @@ async def test_without_a_journal_every_run_executes() -> None:
     await agent.run("a", session_id="s")
     await agent.resume("a", session_id="s")
     assert model.calls == 2
+
+
+async def test_an_answer_cut_at_the_output_limit_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain answer that stopped at max_tokens ends the run as answered, as the model said
+    it; the log says it is cut short (nothing else would), and a replay says nothing more."""
+
+    def cut(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        return ModelResponse(text="The three steps are: first, open the", finish_reason="length")
+
+    agent = Agent("writer", model=FunctionModel(cut), runtime=InMemoryRuntime())
+    with caplog.at_level("WARNING", logger="loomflow.agent"):
+        result = await agent.run("explain", session_id="s", user_id="u")
+    assert result.output == "The three steps are: first, open the"
+    warned = [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()]
+    assert len(warned) == 1
+    assert "finish_reason 'length'" in warned[0]
+    assert "ModelSettings.max_tokens" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="loomflow.agent"):
+        await agent.resume("explain", session_id="s", user_id="u")
+    assert not [r for r in caplog.records if "cut short" in r.getMessage()]
