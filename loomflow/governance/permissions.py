@@ -160,36 +160,41 @@ class Rule:
         """A rule that sends matching calls to the approval handler."""
         return cls("ask", tool, **options)
 
-    def matches(self, call: ToolCall, tool: Tool[..., Any] | None) -> bool:
-        """Whether this rule applies to ``call`` (predicates may raise; the caller denies)."""
+    def matches(
+        self, call: ToolCall, tool: Tool[..., Any] | None, *, received: Received | None = None
+    ) -> bool:
+        """Whether this rule applies to ``call`` (predicates may raise; the caller denies).
+        ``received`` shares the validated arguments between the rules judging one call."""
         if not fnmatch.fnmatchcase(call.name, self.tool):
             return False
         if self.destructive is not None and bool(tool and tool.destructive) != self.destructive:
             return False
         if self.edits is not None and bool(tool and tool.edits) != self.edits:
             return False
-        received: dict[str, Any] | None = None
-        if (self.args or self.when is not None) and tool is not None:
-            # The tool runs with its validated values: a "yes" or 1 it reads as True, a 22.0
-            # or " 22" it reads as 22, must not dodge a rule written for True or 22.
-            received = tool.received_arguments(call.arguments)
+        # What the model sent is judged first; only where that does not match, the values the
+        # tool runs with (a "yes" or 1 it reads as True, a 22.0 or " 22" it reads as 22), so
+        # that they cannot dodge a rule written for True or 22.
+        validated = received if received is not None else Received(tool, call.arguments)
         for name, matcher in self.args.items():
             if name not in call.arguments:
                 return False
             value = call.arguments[name]
             if isinstance(matcher, str):
-                texts = _texts(value)
-                if received is not None and name in received:
-                    texts += _texts(received[name])
-                if not any(fnmatch.fnmatchcase(text, matcher) for text in texts):
+                if any(fnmatch.fnmatchcase(text, matcher) for text in _texts(value)):
+                    continue
+                coerced = validated.value(name)
+                if coerced is _ABSENT or not any(
+                    fnmatch.fnmatchcase(text, matcher) for text in _texts(coerced)
+                ):
                     return False
-            elif not matcher(value) and not (
-                received is not None and name in received and _holds(matcher, received[name])
-            ):
-                return False
+            elif not matcher(value):
+                coerced = validated.value(name)
+                if coerced is _ABSENT or not _holds(matcher, coerced):
+                    return False
         if self.when is None or self.when(call.arguments):
             return True
-        return received is not None and _holds(self.when, received)
+        arguments = validated.arguments()
+        return arguments is not None and _holds(self.when, arguments)
 
     def describe(self) -> str:
         """A short text naming the rule, for reasons."""
@@ -203,6 +208,35 @@ class Rule:
             if getattr(self, flag) is not None:
                 parts.append(f"{flag}={getattr(self, flag)}")
         return f"{self.behavior}({', '.join(parts)})"
+
+
+_ABSENT: Any = object()  # an argument the validated call does not hold
+
+
+class Received:
+    """One call's arguments as its tool receives them after validation, worked out at most
+    once however many rules ask (and not at all when what the model sent decides)."""
+
+    __slots__ = ("_arguments", "_done", "_tool", "_value")
+
+    def __init__(self, tool: Tool[..., Any] | None, arguments: Mapping[str, Any]) -> None:
+        self._tool, self._arguments = tool, arguments
+        self._value: dict[str, Any] | None = None
+        self._done = False
+
+    def arguments(self) -> dict[str, Any] | None:
+        """The validated arguments by name; ``None`` without a tool, or when they do not
+        validate (the tool then does not run)."""
+        if not self._done:
+            self._done = True
+            if self._tool is not None:
+                self._value = self._tool.received_arguments(self._arguments)
+        return self._value
+
+    def value(self, name: str) -> Any:
+        """One validated argument, or ``_ABSENT``."""
+        arguments = self.arguments()
+        return _ABSENT if arguments is None else arguments.get(name, _ABSENT)
 
 
 def _holds(predicate: Callable[[Any], Any], validated: Any) -> bool:
@@ -519,10 +553,11 @@ class StandardPermissions:
         layers = self._layers(user_id, ctx.roles)
         mode, mode_policy = self._mode(layers)
         matched: dict[Behavior, tuple[str, Rule]] = {}
+        received = Received(tool, call.arguments)
         for policy_name, policy in layers:
             for rule in policy.rules:
                 try:
-                    hit = rule.matches(call, tool)
+                    hit = rule.matches(call, tool, received=received)
                 except Exception as exc:
                     log.error("permission rule %s raised", rule.describe(), exc_info=exc)
                     return Decision(

@@ -479,6 +479,41 @@ async def test_an_argument_rule_is_not_dodged_by_a_value_the_tool_coerces(
     assert [e.final for e in events if isinstance(e, PermissionDecided)] == ["deny"]
 
 
+def test_one_decision_validates_the_arguments_once_and_only_when_the_sent_ones_do_not_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    validations: list[dict[str, Any]] = []
+    tool = Tool(deploy)
+    received = tool.received_arguments
+
+    def counted(arguments: Any) -> Any:
+        validations.append(dict(arguments))
+        return received(arguments)
+
+    monkeypatch.setattr(tool, "received_arguments", counted)
+    permissions = StandardPermissions(
+        "default",
+        [
+            Rule.deny("deploy", args={"force": "true"}),
+            Rule.deny("deploy", args={"port": "22"}),
+            Rule.deny("deploy", when=lambda a: a.get("port") == 22),
+        ],
+    )
+    context = PermissionContext(tool=tool)
+    sent = permissions.check(
+        ToolCall(id="c", name="deploy", arguments={"target": "prod", "force": True, "port": 22}),
+        context=context,
+    )
+    assert sent.behavior == "deny"
+    assert validations == []  # what the model sent decided every rule
+    coerced = permissions.check(
+        ToolCall(id="c", name="deploy", arguments={"target": "prod", "force": "no", "port": " 22"}),
+        context=context,
+    )
+    assert coerced.behavior == "deny"
+    assert len(validations) == 1  # three rules asked, one validation
+
+
 def test_an_argument_rule_still_judges_what_the_model_sent_when_it_does_not_validate() -> None:
     permissions = StandardPermissions("default", [Rule.deny("deploy", args={"port": "2*"})])
     call = ToolCall(id="c", name="deploy", arguments={"target": "s", "port": "22 ports"})
