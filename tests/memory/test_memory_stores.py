@@ -25,7 +25,7 @@ from loomflow.memory import (
 )
 from loomflow.memory.migrations import SCHEMA_VERSION
 from loomflow.messages import Message, ToolCall, ToolSpec
-from loomflow.models import FunctionModel
+from loomflow.models import FunctionModel, ScriptedModel
 from loomflow.runtime import InMemoryRuntime, PostgresRuntime, SqliteRuntime
 from loomflow.storage import schema_versions
 from loomflow.testing.memory_conformance import recalling_model
@@ -187,8 +187,6 @@ async def test_a_bad_argument_from_the_model_is_a_tool_error_it_sees(
 ) -> None:
     # The model's argument is its own mistake: the UserError it made stopped the run, and
     # every resume of the session (the model call replays the same tool call) stopped again.
-    from loomflow.models import ScriptedModel
-
     runtime = SqliteRuntime(sqlite_path)
     memory = memory_for(runtime)
     script = [[ToolCall(id="c1", name=tool_name, arguments=arguments)], "done"]
@@ -443,6 +441,14 @@ async def test_forget_user_erases_rows_edited_away_from_the_users_key(
         await runtime.close()
 
 
+def _memory_on(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Memory:
+    """A fresh memory on ``backend``: ``memory``, ``sqlite`` or ``postgres``."""
+    if backend == "memory":
+        return InMemoryMemory()
+    dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
+    return memory_from_url(dsn or f"sqlite:///{tmp_path / 'm.db'}")
+
+
 @pytest.mark.parametrize("backend", ["memory", "sqlite", "postgres"])
 async def test_a_bad_count_is_a_typed_error_alike_on_every_backend(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
@@ -452,11 +458,7 @@ async def test_a_bad_count_is_a_typed_error_alike_on_every_backend(
     # down, which callers retry); history_episodes="3" was a TypeError, 2.5 accepted.
     from loomflow.errors import InvalidArgumentError, InvalidArgumentTypeError
 
-    if backend == "memory":
-        memory: Memory = InMemoryMemory()
-    else:
-        dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
-        memory = memory_from_url(dsn or f"sqlite:///{tmp_path / 'm.db'}")
+    memory = _memory_on(backend, tmp_path, request)
     try:
         await memory.record_episode(
             "s", user_id="u", key="k", messages=[Message.user("hi")], output="", epoch=0
@@ -489,11 +491,7 @@ async def test_record_episode_refuses_a_bad_epoch_or_messages_by_name(
     # is no Message a pydantic ValidationError; nothing is written.
     from loomflow.errors import InvalidArgumentError, InvalidArgumentTypeError
 
-    if backend == "memory":
-        memory: Memory = InMemoryMemory()
-    else:
-        dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
-        memory = memory_from_url(dsn or f"sqlite:///{tmp_path / 'm.db'}")
+    memory = _memory_on(backend, tmp_path, request)
     hi = [Message.user("hi")]
     try:
         for epoch, error in [
