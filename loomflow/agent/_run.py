@@ -557,6 +557,7 @@ class _Run:
             # the call's approval request may still settle it (a denial, or an edit that
             # gives every value): the hooks apply it. Without one the model is told.
             current, gone = call, lost
+        asked = current  # what the model asked for; a hook (an approver's edit) may replace it
         if gone is not None and journaled_request(self.info, turn, slot) is None:
             outcome = self.sealer.lost(gone)
         else:
@@ -582,8 +583,11 @@ class _Run:
                 outcome = await self.agent.tools.invoke(current.name, current.arguments)
             else:
                 # Announced before the body runs: a crash inside it still leaves a trace.
+                # Hooks see the call as it runs: the model's, sealed, unless a hook replaced
+                # its arguments (an approver's edit), which are what the tool gets.
+                started = call if current is asked else current
                 for hook in self.hooks:
-                    await hook.tool_started(self.info, turn, slot, call, step)
+                    await hook.tool_started(self.info, turn, slot, started, step)
                 executed = True
                 with self.runtime.subrun(step):  # steps the tool makes key under this call
                     outcome = await self._run_tool(current.name, current.arguments)

@@ -515,6 +515,11 @@ async def test_audit_records_the_request_and_who_decided(runtime_factory: Factor
     assert applied[-1].payload["edited"]
     order = [e.action for e in entries]
     assert order.index(actions.APPROVAL_DECISION) < order.index(actions.TOOL_CALL)
+    # The trail's tool.call says what the tool ran with: the edit, not the model's arguments.
+    assert world.deleted == ["alpha2"]
+    (ran,) = [e for e in entries if e.action == actions.TOOL_CALL]
+    assert ran.payload["arguments"] == {"name": "alpha2"}
+    assert ran.payload["executed"] is True
 
 
 async def test_no_budget_reservation_is_held_while_waiting(runtime_factory: Factory) -> None:
