@@ -218,3 +218,54 @@ def test_sqlite_backup_lines_copy_a_journal_that_workers_keep_writing(
         assert "OK: checked" in capsys.readouterr().out
     finally:
         os.chdir(cwd)
+
+
+def _provider_free(code: str, model: str) -> str:
+    """A snippet with its provider model id swapped for a scripted model built by the test."""
+    assert code.count('model="claude-opus-4-7"') == 1
+    return code.replace('model="claude-opus-4-7"', f"model={model}")
+
+
+async def test_structured_output_snippets_run_as_written() -> None:
+    # docs/structured-output.md: the first example with a scripted answer, then the testing
+    # example against the local Anthropic wire-format server, as the page shows them.
+    first = _provider_free(_block("structured-output.md", "python", "class Invoice"), "MODEL")
+    answer = '{"vendor": "ACME", "items": 3, "total_eur": 59}'
+    namespace: dict[str, Any] = {"MODEL": ScriptedModel([answer])}
+    exec("async def snippet():\n" + textwrap.indent(first + "\nreturn invoice", "    "), namespace)
+    invoice = await namespace["snippet"]()
+    assert (invoice.vendor, invoice.items, invoice.total_eur) == ("ACME", 3, 59.0)
+
+    testing = _block("structured-output.md", "python", "FakeAnthropicAPI(")
+    weather = textwrap.dedent("""
+        from pydantic import BaseModel
+
+        class Weather(BaseModel):
+            city: str
+            celsius: int
+        """)
+    namespace = {
+        "agent": Agent("x", model=ScriptedModel([])),
+        "ANSWER": {"city": "Oslo", "celsius": 4},
+    }
+    exec(weather, namespace)
+    exec("async def snippet():\n" + textwrap.indent(testing + "\nreturn result", "    "), namespace)
+    assert (await namespace["snippet"]()).parsed.celsius == 4
+
+
+async def test_memory_snippets_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/memory.md: the default memory, its episodes, facts and blocks, in the page's order.
+    monkeypatch.chdir(tmp_path)  # the first snippet journals to ./journal.db
+    model = ScriptedModel(["Hello Alice.", "You said you're Alice."])
+    code = _provider_free(_block("memory.md", "python", "What did I just say?"), "MODEL")
+    for marker in ("memory.episodes(", "memory.remember(", "memory.set_block("):
+        code += "\n" + _block("memory.md", "python", marker)
+    code += "\nawait agent.runtime.close()\nreturn paris"
+    namespace: dict[str, Any] = {"MODEL": model}
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    paris = await namespace["snippet"]()
+    # The second run was sent the first run's turns, as the page's comment says.
+    assert [m.content for m in model.requests[1][1:3]] == ["Hi, I'm Alice.", "Hello Alice."]
+    assert paris.object == "Paris"
