@@ -269,3 +269,46 @@ async def test_memory_snippets_run_as_written(
     # The second run was sent the first run's turns, as the page's comment says.
     assert [m.content for m in model.requests[1][1:3]] == ["Hi, I'm Alice.", "Hello Alice."]
     assert paris.object == "Paris"
+
+
+async def test_checkpoint_snippets_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/checkpoints.md: the run and its resume, listing and forking, export and erasure.
+    from loomflow import ToolCall, tool
+    from loomflow.models import FunctionModel
+
+    @tool
+    def fetch_invoice(number: str) -> str:
+        """Fetch an invoice."""
+        return f"invoice {number}: 120 EUR"
+
+    @tool
+    def post_correction(number: str) -> str:
+        """Post a correction."""
+        return "posted"
+
+    def reconcile(messages: list[Any], tools: list[Any]) -> Any:
+        turn = sum(1 for m in messages if m.role == "assistant")
+        if turn < 2:
+            return [ToolCall(id=f"c{turn}", name="fetch_invoice", arguments={"number": str(turn)})]
+        return "reconciled"
+
+    monkeypatch.chdir(tmp_path)  # the snippet journals to ./journal.db
+    code = _provider_free(_block("checkpoints.md", "python", "checkpoint_retention=10"), "MODEL")
+    code += "\n" + _block("checkpoints.md", "python", "fork_session_id=")
+    code += "\nruntime = agent.runtime\n" + _block("checkpoints.md", "python", "export_user(")
+    code += "\nawait runtime.close()\nreturn result, fork, document, deleted"
+    namespace: dict[str, Any] = {
+        "MODEL": FunctionModel(reconcile),
+        "fetch_invoice": fetch_invoice,
+        "post_correction": post_correction,
+    }
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    result, fork, document, deleted = await namespace["snippet"]()
+    assert result.restored_from is not None  # the finished run's last snapshot
+    assert result.output == "reconciled"
+    assert fork.session_id == "inv-2026-03-retry"
+    assert document["user_id"] == "acct-7"
+    assert document["checkpoints"]
+    assert deleted == len(document["checkpoints"])
