@@ -312,3 +312,61 @@ async def test_checkpoint_snippets_run_as_written(
     assert document["user_id"] == "acct-7"
     assert document["checkpoints"]
     assert deleted == len(document["checkpoints"])
+
+
+async def test_approvals_snippets_run_as_written(tmp_path: Path) -> None:
+    # docs/approvals.md: a run stops at three refunds, lists them, and a resume decides them
+    # (one as asked, one edited, one denied); then the page's two endpoints do it over again.
+    from loomflow import ToolCall, tool
+    from loomflow.runtime import SqliteRuntime
+
+    refunded: list[tuple[int, int]] = []
+
+    @tool(destructive=True)
+    def refund(order: int, cents: int) -> str:
+        """Refund part of an order."""
+        refunded.append((order, cents))
+        return "refunded"
+
+    def refunds() -> ScriptedModel:
+        calls = [
+            ToolCall(id=f"c{n}", name="refund", arguments={"order": order, "cents": cents})
+            for n, (order, cents) in enumerate([(42, 5000), (43, 900), (44, 99_000)])
+        ]
+        return ScriptedModel([calls, "Done."])
+
+    page = [
+        _block("approvals.md", "python", marker)
+        for marker in ('approval="defer")', "print(request.")
+    ]
+    page += [_block("approvals.md", "python", "waiting = await")]
+    page += ["first, second, third = waiting", _block("approvals.md", "python", "third.request_id")]
+    code = "\n".join(page) + "\nreturn result, permissions"
+    async with SqliteRuntime(tmp_path / "journal.db") as runtime:
+
+        def agent_with(permissions: Any) -> Agent:
+            return Agent(
+                "x", model=refunds(), tools=[refund], runtime=runtime, permissions=permissions
+            )
+
+        namespace: dict[str, Any] = {"agent_with": agent_with}
+        body = code.replace(
+            'approval="defer")', 'approval="defer")\nagent = agent_with(permissions)', 1
+        )
+        exec("async def snippet():\n" + textwrap.indent(body, "    "), namespace)
+        result, permissions = await namespace["snippet"]()
+        assert result.output == "Done."
+        assert refunded == [(42, 5000), (42, 2500)]  # the third was denied
+
+        server = {"agent": agent_with(permissions)}
+        exec(_block("approvals.md", "python", "async def post_task("), server)
+        task = {"prompt": "Refund order 42.", "session": "t-8", "user": "ana"}
+        status, reply = await server["post_task"](task)
+        assert status == 202
+        assert len(reply["approvals"]) == 3
+        decisions = {r["request_id"]: {"allow": True} for r in reply["approvals"]}
+        status, reply = await server["post_approvals"]({**task, "decisions": decisions}, "kim")
+        assert (status, reply) == (200, {"status": "done", "output": "Done."})
+        assert refunded[2:] == [(42, 5000), (43, 900), (44, 99_000)]
+        status, reply = await server["post_approvals"]({**task, "decisions": decisions}, "kim")
+        assert status == 409  # decided already
