@@ -26,7 +26,7 @@ from ..audit._store import MAX_PAGE
 from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
-from ._format import duration, json_text, positive_int, some_path, table, when
+from ._format import duration, json_text, login, positive_int, some_path, table, when
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
 
@@ -322,7 +322,7 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
 
 
 async def _retain(store: AuditStore, args: argparse.Namespace) -> int:
-    report = await store.retain(args.older_than, actor="cli:audit-retain", dry_run=args.dry_run)
+    report = await store.retain(args.older_than, actor=f"cli:{login()}", dry_run=args.dry_run)
     failed = 1 if report.refused else 0
     if args.json:
         print(json_text(report.to_json() | {"dry_run": args.dry_run}))

@@ -18,7 +18,7 @@ from ..checkpoints import Checkpoint, CheckpointStore, UnreadableCheckpoint
 from ..config import Settings
 from ..errors import CheckpointNotFoundError
 from ..stores import Stores
-from ._format import iso_time, json_text, positive_int, printable, table, who
+from ._format import iso_time, json_text, login, positive_int, printable, table, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -101,7 +101,7 @@ async def _handle(args: argparse.Namespace) -> int:
         if args.checkpoints_command == "export":
             return await _export(store, args)
         # Refused for a user under legal hold; noted in the user's audit trail.
-        deleted = await stores.forget_checkpoints(args.user_id, actor="cli:checkpoints-forget")
+        deleted = await stores.forget_checkpoints(args.user_id, actor=f"cli:{login()}")
         if args.json:
             print(json.dumps({"user_id": args.user_id, "deleted": deleted}))
         else:

@@ -803,7 +803,7 @@ async def _prune(stores: Stores, args: argparse.Namespace) -> int:
     if args.user_id is not None:
         filters["user_id"] = args.user_id
     # Users under legal hold keep everything; a prune of one of them is refused.
-    filters["actor"] = "cli:journal-prune"
+    filters["actor"] = f"cli:{login()}"
     if args.dry_run:
         count = await stores.prune_journal(**filters, dry_run=True)
         print(

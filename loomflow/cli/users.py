@@ -25,7 +25,7 @@ from .._printable import printable
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import json_text, some_path, table, who
+from ._format import json_text, login, some_path, table, who
 from ._stores import existing
 
 __all__ = ["register"]
@@ -96,7 +96,7 @@ async def _handle(args: argparse.Namespace) -> int:
     async with _stores(args) as stores:
         audit = stores.audit
         if command == "forget":
-            report = await stores.forget_user(user, actor="cli:users-forget")
+            report = await stores.forget_user(user, actor=f"cli:{login()}")
             if args.json:
                 print(json_text(report.to_json()))
             else:
@@ -111,10 +111,10 @@ async def _handle(args: argparse.Namespace) -> int:
                     )
                 )
         elif command == "hold":
-            placed = await audit.place_hold(user, reason=args.reason, actor="cli:users-hold")
+            placed = await audit.place_hold(user, reason=args.reason, actor=f"cli:{login()}")
             print(f"{who(user)} is under legal hold (audit entry {placed.seq})")
         elif command == "release":
-            await audit.release_hold(user, actor="cli:users-release", reason=args.reason)
+            await audit.release_hold(user, actor=f"cli:{login()}", reason=args.reason)
             print(f"released the legal hold of {who(user)}")
         else:
             found = await audit.legal_holds()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as dt
+import getpass
 import json
 import os
 import signal
@@ -39,6 +40,8 @@ from loomflow.errors import (
 )
 from loomflow.models import ScriptedModel
 from loomflow.stores import Stores
+
+LOGIN = getpass.getuser()
 
 HERE = Path(__file__).resolve().parent
 NAME = "Ana Lindqvist of flat 4B"  # personal data no redactor shape catches
@@ -219,7 +222,14 @@ async def test_the_cli_refuses_to_delete_a_held_users_data(tmp_path: Path) -> No
     assert json.loads(done.stdout)["deleted"] > 0
     trail = _cli(env, "audit", "query", "--user", "ana", "--action", "audit.deletion", "--json")
     [note] = json.loads(trail.stdout)["entries"]
-    assert (note["actor"], note["payload"]["store"]) == ("cli:checkpoints-forget", "checkpoints")
+    assert (note["actor"], note["payload"]["store"]) == (f"cli:{LOGIN}", "checkpoints")
+    # Who placed and lifted the hold, and who erased the user, is the person at the terminal
+    # (as for runs cancel and approvals), not the name of the command.
+    assert _cli(env, "users", "forget", "ana", "--yes").returncode == 0
+    trail = _cli(env, "audit", "query", "--user", "ana", "--json")
+    actors = {e["action"]: e["actor"] for e in json.loads(trail.stdout)["entries"]}
+    for action in ("legal_hold.placed", "legal_hold.released", "audit.erasure"):
+        assert actors[action] == f"cli:{LOGIN}", (action, actors)
 
 
 # -- the least-privilege role on PostgreSQL ---------------------------------------------------
