@@ -208,6 +208,41 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith("/v1/traces") else f"{base}/v1/traces"
 
 
+def _standard_endpoint(signal: str) -> None:
+    """Refuse the standard endpoint variable the SDK will use for ``signal`` unless it is an
+    http(s) URL: the SDK takes anything, and every export then fails (logged, for good)."""
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigurationError(
+                    f"{name} must be an http(s) URL like http://otel-collector:4318, "
+                    f"not {_masked_url(value)!r}"
+                )
+            return  # the signal's own variable wins over the base one, as in the SDK
+
+
+def _http_protobuf(signal: str) -> None:
+    """Refuse another OTLP protocol for ``signal``: loomflow's exporters speak http/protobuf."""
+    name = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+    if not os.environ.get(name, "").strip():
+        name = "OTEL_EXPORTER_OTLP_PROTOCOL"
+    protocol = os.environ.get(name, "").strip()
+    if protocol not in ("", "http/protobuf"):
+        raise ConfigurationError(
+            f"{name}={protocol!r}: loomflow exports {signal} over http/protobuf (port 4318 on "
+            "a collector); set it to http/protobuf or unset it"
+        )
+
+
+def _sdk_refused(exc: ValueError) -> ConfigurationError:
+    """The SDK's own check of an ``OTEL_*`` value (a queue size, a limit), as a setting error."""
+    return ConfigurationError(
+        f"the OpenTelemetry SDK refused its OTEL_* settings: {' '.join(str(exc).split())}"
+    )
+
+
 def signal_url(endpoint: str, signal: str) -> str:
     """The OTLP/HTTP URL of ``signal`` (``traces``, ``metrics``) from a receiver's base URL."""
     base = traces_url(endpoint).removesuffix("/v1/traces")
@@ -336,6 +371,9 @@ def _meter_provider(s: Settings) -> Any:
 
     readers = []
     if "otlp" in exporters:
+        _http_protobuf("metrics")
+        if not s.otlp_endpoint:
+            _standard_endpoint("metrics")
         # None lets the SDK read OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT itself.
         url = signal_url(s.otlp_endpoint, "metrics") if s.otlp_endpoint else None
         readers.append(periodic(OTLPMetricExporter(endpoint=url, headers=headers)))
@@ -352,24 +390,25 @@ def _tracer_provider(s: Settings) -> Any:
     headers = (
         parse_headers(s.otlp_headers.get_secret_value()) if s.otlp_headers is not None else None
     )
-    protocol = os.environ.get(
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
-    ).strip()
-    if "otlp" in exporters and protocol not in ("", "http/protobuf"):
-        raise ConfigurationError(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: loomflow exports spans over "
-            "http/protobuf (port 4318 on a collector); set it to http/protobuf or unset it"
-        )
+    if "otlp" in exporters:
+        _http_protobuf("traces")
+        if url is None:
+            _standard_endpoint("traces")
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
-    provider = TracerProvider(resource=_resource(s))
-    if "otlp" in exporters:
-        exporter = OTLPSpanExporter(endpoint=url, headers=headers)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    if "console" in exporters:
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    try:
+        provider = TracerProvider(resource=_resource(s))  # reads the OTEL_*_LIMIT variables
+        processors = []  # OTEL_BSP_*: built before any is added, so a bad one starts none
+        if "otlp" in exporters:
+            processors.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, headers=headers)))
+        if "console" in exporters:
+            processors.append(BatchSpanProcessor(ConsoleSpanExporter()))
+    except ValueError as exc:
+        raise _sdk_refused(exc) from None
+    for processor in processors:
+        provider.add_span_processor(processor)
     return provider

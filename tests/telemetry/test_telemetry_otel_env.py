@@ -7,6 +7,7 @@ exports to a real OTLP/HTTP receiver on loopback.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +187,68 @@ def test_setup_is_requested_by_the_standard_endpoint_alone(
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     assert not setup_requested(bare)
     assert setup_requested(Settings(otlp_endpoint=None, metrics_port=0))
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        # No scheme: the SDK took it and every export then failed, logged, for good.
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "otel-collector:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        (
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector/v1/traces"},
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ),
+        (
+            {
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "collector:4318",
+            },
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        ),
+        # Pushed metrics over gRPC went out as http/protobuf to the gRPC port, unsaid.
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc",
+            },
+            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='grpc'",
+        ),
+        # The SDK's own checks raised a bare ValueError from deep inside it.
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_BSP_MAX_QUEUE_SIZE": "-5"},
+            "max_queue_size must be a positive integer",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "many",
+            },
+            "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be a non-negative integer",
+        ),
+    ],
+)
+def test_bad_standard_values_are_configuration_errors(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
+
+
+def test_a_standard_endpoint_is_quoted_without_its_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://user:hunter22@collector:4318")
+    with pytest.raises(ConfigurationError, match="OTEL_EXPORTER_OTLP_ENDPOINT") as raised:
+        setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
+    assert "hunter22" not in str(raised.value)
