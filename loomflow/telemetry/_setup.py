@@ -90,6 +90,8 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
         >>> agent = Agent("...", model="...", telemetry=Telemetry())  # doctest: +SKIP
     """
     s = settings or Settings()
+    if set_global:
+        _refuse_second_global(s)
     result = TelemetrySetup()
     try:
         if _exports_spans(s):
@@ -108,11 +110,15 @@ def setup_telemetry(settings: Settings | None = None, *, set_global: bool = True
     # Installed and remembered only once everything started: a setup that failed (a port in
     # use, a bad export interval) must leave no shut-down provider as the global one, which
     # OpenTelemetry never lets go, nor be what setup_telemetry_once hands a retry.
+    global _installed
     if set_global:
         if result.tracer_provider is not None:
             trace.set_tracer_provider(result.tracer_provider)
         if result.meter_provider is not None:
             metrics.set_meter_provider(result.meter_provider)
+        if result.tracer_provider is not None or result.meter_provider is not None:
+            with _once_lock:
+                _installed = _installed or result
     _remember(s, result)  # so setup_telemetry_once after this reuses it (or refuses clearly)
     return result
 
@@ -132,6 +138,28 @@ def _export_key(s: Settings) -> tuple[Any, ...]:
         s.metrics_host,
         otel,
     )
+
+
+# The setup whose providers this process installed as OpenTelemetry's global ones: the SDK
+# keeps the first for good and ignores a later one with only a logged warning.
+_installed: TelemetrySetup | None = None
+
+
+def _refuse_second_global(s: Settings) -> None:
+    with _once_lock:
+        installed = _installed
+    if installed is None:
+        return
+    spans = installed.tracer_provider is not None and _exports_spans(s)
+    if spans or (installed.meter_provider is not None and _exports_metrics(s)):
+        raise ConfigurationError(
+            "telemetry is already set up in this process (an earlier setup_telemetry() or "
+            "Agent.from_settings installed its "
+            f"{'tracer' if spans else 'meter'} provider, which OpenTelemetry keeps for good): "
+            "call setup_telemetry() once, at start, or setup_telemetry_once(), which returns "
+            "the running setup; setup_telemetry(set_global=False) builds a provider to pass "
+            "on yourself"
+        )
 
 
 def _remember(s: Settings, setup: TelemetrySetup) -> None:

@@ -296,3 +296,47 @@ def test_a_second_setup_in_one_process_says_the_port_is_its_own(tmp_path: Path) 
     port = done.args[-1]
     assert f"REFUSED cannot serve metrics on 127.0.0.1:{port}: this process serves" in done.stdout
     assert "setup_telemetry_once()" in done.stdout
+
+
+SECOND_EXPORTER = """
+import asyncio
+from opentelemetry import trace
+from loomflow.agent import Agent
+from loomflow.errors import ConfigurationError
+from loomflow.models import ScriptedModel
+from loomflow.runtime import InMemoryRuntime
+from loomflow.telemetry import setup_telemetry
+
+first = setup_telemetry()
+try:
+    second = setup_telemetry()  # a re-run notebook cell, a second start-up hook
+except ConfigurationError as exc:
+    print("REFUSED", exc)
+else:
+    print("ACCEPTED, global is the second:", trace.get_tracer_provider() is second.tracer_provider)
+agent = Agent("x", model=ScriptedModel(["hello"]), runtime=InMemoryRuntime())
+asyncio.run(agent.run("hi", session_id="s-twice", user_id="alice"))
+first.shutdown()
+"""
+
+
+def test_a_second_setup_without_a_metrics_port_is_refused_too(
+    otlp_receiver: tuple[str, Received], tmp_path: Path
+) -> None:
+    """A second setup_telemetry() exporting spans returned a provider OpenTelemetry had not
+    installed (it keeps the first and only logs a warning): shutting that one down flushed
+    nothing, and its settings were silently ignored."""
+    url, received = otlp_receiver
+    done = subprocess.run(
+        [sys.executable, "-c", SECOND_EXPORTER],
+        env=_env(OTEL_EXPORTER_OTLP_ENDPOINT=url),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "REFUSED" in done.stdout, done.stdout
+    assert "setup_telemetry_once()" in done.stdout
+    assert received.bodies  # the first setup still exports the run's spans
