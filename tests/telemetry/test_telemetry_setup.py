@@ -44,17 +44,11 @@ def _env(**values: str) -> dict[str, str]:
     return env
 
 
-def _served_at_a_free_port(
-    script: str, cwd: Path, **values: str
-) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` in a new interpreter with LOOMFLOW_METRICS_PORT a port that was free a
-    moment ago (passed as the script's one argument too, so the caller can read it back)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+def _python(script: str, cwd: Path, *args: str, **values: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a new interpreter with ``values`` as its only LOOMFLOW_/OTEL_ settings."""
     return subprocess.run(
-        [sys.executable, "-c", script, port],
-        env=_env(LOOMFLOW_METRICS_PORT=port, LOOMFLOW_METRICS_HOST="127.0.0.1", **values),
+        [sys.executable, "-c", script, *args],
+        env=_env(**values),
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -63,24 +57,31 @@ def _served_at_a_free_port(
     )
 
 
+def _served_at_a_free_port(
+    script: str, cwd: Path, **values: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a new interpreter with LOOMFLOW_METRICS_PORT a port that was free a
+    moment ago (passed as the script's one argument too, so the caller can read it back)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    return _python(
+        script, cwd, port, LOOMFLOW_METRICS_PORT=port, LOOMFLOW_METRICS_HOST="127.0.0.1", **values
+    )
+
+
 def test_the_environment_turns_on_otlp_export_and_the_metrics_endpoint(
     otlp_receiver: tuple[str, Received], tmp_path: Path
 ) -> None:
     url, received = otlp_receiver
-    done = subprocess.run(
-        [sys.executable, "-c", WORKER],
-        env=_env(
-            LOOMFLOW_OTLP_ENDPOINT=url,
-            LOOMFLOW_OTLP_HEADERS="x-tenant=acme, x-team = sre",
-            LOOMFLOW_OTEL_SERVICE_NAME="orders-agent",
-            LOOMFLOW_METRICS_PORT="0",
-            LOOMFLOW_METRICS_HOST="127.0.0.1",
-        ),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    done = _python(
+        WORKER,
+        tmp_path,
+        LOOMFLOW_OTLP_ENDPOINT=url,
+        LOOMFLOW_OTLP_HEADERS="x-tenant=acme, x-team = sre",
+        LOOMFLOW_OTEL_SERVICE_NAME="orders-agent",
+        LOOMFLOW_METRICS_PORT="0",
+        LOOMFLOW_METRICS_HOST="127.0.0.1",
     )
     assert done.returncode == 0, done.stderr
     assert "METRICS 127.0.0.1 True" in done.stdout
@@ -243,15 +244,7 @@ except ImportError as exc:
 
 
 def test_export_without_the_sdk_says_what_to_install(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", NO_SDK],
-        env=_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = _python(NO_SDK, tmp_path)
     assert done.returncode == 0, done.stderr
     assert "HINT" in done.stdout
     assert "pip install 'loomflow[otel]'" in done.stdout
@@ -327,15 +320,7 @@ def test_a_second_setup_without_a_metrics_port_is_refused_too(
     installed (it keeps the first and only logs a warning): shutting that one down flushed
     nothing, and its settings were silently ignored."""
     url, received = otlp_receiver
-    done = subprocess.run(
-        [sys.executable, "-c", SECOND_EXPORTER],
-        env=_env(OTEL_EXPORTER_OTLP_ENDPOINT=url),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = _python(SECOND_EXPORTER, tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=url)
     assert done.returncode == 0, done.stderr
     assert "REFUSED" in done.stdout, done.stdout
     assert "setup_telemetry_once()" in done.stdout
