@@ -55,6 +55,30 @@ def _masked_url(url: str) -> str:
     return _QUERY_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1***@", url))
 
 
+def check_otlp_url(url: str) -> str:
+    """``url`` if it is an http(s) URL with a host and a valid port (``ValueError`` if not)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"{_masked_url(url)!r} is not an http(s) URL like http://otel-collector:4318"
+        )
+    try:
+        _ = parts.port  # parsed on access: one that is no number, or above 65535, raises
+    except ValueError:
+        # Otherwise found only by the exporter's thread, which then drops every span.
+        raise ValueError(f"bad port in {_masked_url(url)!r}") from None
+    return url
+
+
+def check_otlp_headers(text: str) -> None:
+    """Raise ``ValueError`` unless ``text`` is ``name=value`` items separated by commas."""
+    for i, item in enumerate(text.split(","), start=1):
+        name, equals, _ = item.partition("=")
+        if item.strip() and not (equals and name.strip()):
+            # The item itself is not shown: it usually carries a token.
+            raise ValueError(f"item {i} is not name=value (the value is kept secret)")
+
+
 def _text_list(value: Any) -> Any:
     """A list from the environment: a JSON list, or comma-separated values (blanks dropped)."""
     if not isinstance(value, str):
@@ -598,30 +622,13 @@ class Settings(BaseSettings):
     def _otlp_endpoint(cls, url: str | None) -> str | None:
         # Checked here, not only when telemetry is set up: a typo would otherwise pass
         # `loomflow settings` and every command, then stop the application at its first agent.
-        if url is None:
-            return None
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(
-                f"{_masked_url(url)!r} is not an http(s) URL like http://otel-collector:4318"
-            )
-        try:
-            _ = parts.port  # parsed on access: one that is no number, or above 65535, raises
-        except ValueError:
-            # Otherwise found only by the exporter's thread, which then drops every span.
-            raise ValueError(f"bad port in {_masked_url(url)!r}") from None
-        return url
+        return None if url is None else check_otlp_url(url)
 
     @field_validator("otlp_headers")
     @classmethod
     def _otlp_headers(cls, headers: SecretStr | None) -> SecretStr | None:
-        if headers is None:
-            return None
-        for i, item in enumerate(headers.get_secret_value().split(","), start=1):
-            name, equals, _ = item.partition("=")
-            if item.strip() and not (equals and name.strip()):
-                # The item itself is not shown: it usually carries a token.
-                raise ValueError(f"item {i} is not name=value (the value is kept secret)")
+        if headers is not None:
+            check_otlp_headers(headers.get_secret_value())
         return headers
 
     @field_serializer(*_URL_SETTINGS)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from opentelemetry import metrics, trace
 
-from ..config import Settings, _masked_url
+from ..config import Settings, _masked_url, check_otlp_headers, check_otlp_url
 from ..errors import ConfigurationError
 from ._metrics import MetricsServer, serve_metrics
 
@@ -236,19 +237,29 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith("/v1/traces") else f"{base}/v1/traces"
 
 
-def _standard_endpoint(signal: str) -> None:
-    """Refuse the standard endpoint variable the SDK will use for ``signal`` unless it is an
-    http(s) URL: the SDK takes anything, and every export then fails (logged, for good)."""
-    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+def _standard(signal: str, variable: str, check: Callable[[str], object]) -> None:
+    """Check the standard variable the SDK will read for ``signal`` (``OTEL_EXPORTER_OTLP_
+    <SIGNAL>_<variable>``, else ``OTEL_EXPORTER_OTLP_<variable>``) as loomflow's own setting
+    is checked: the SDK takes a bad endpoint (every export then fails, logged, for good) and
+    drops a bad header item with a warning (the collector then refuses every export)."""
+    for name in (
+        f"OTEL_EXPORTER_OTLP_{signal.upper()}_{variable}",
+        f"OTEL_EXPORTER_OTLP_{variable}",
+    ):
         value = os.environ.get(name, "").strip()
         if value:
-            parts = urlsplit(value)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ConfigurationError(
-                    f"{name} must be an http(s) URL like http://otel-collector:4318, "
-                    f"not {_masked_url(value)!r}"
-                )
+            try:
+                check(value)
+            except ValueError as exc:
+                raise ConfigurationError(f"{name}: {exc}") from None
             return  # the signal's own variable wins over the base one, as in the SDK
+
+
+def _standard_endpoint_and_headers(s: Settings, signal: str) -> None:
+    if not s.otlp_endpoint:
+        _standard(signal, "ENDPOINT", check_otlp_url)
+    if s.otlp_headers is None:
+        _standard(signal, "HEADERS", check_otlp_headers)
 
 
 def _http_protobuf(signal: str) -> None:
@@ -400,8 +411,7 @@ def _meter_provider(s: Settings) -> Any:
     readers = []
     if "otlp" in exporters:
         _http_protobuf("metrics")
-        if not s.otlp_endpoint:
-            _standard_endpoint("metrics")
+        _standard_endpoint_and_headers(s, "metrics")
         # None lets the SDK read OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT itself.
         url = signal_url(s.otlp_endpoint, "metrics") if s.otlp_endpoint else None
         readers.append(periodic(OTLPMetricExporter(endpoint=url, headers=headers)))
@@ -420,8 +430,7 @@ def _tracer_provider(s: Settings) -> Any:
     )
     if "otlp" in exporters:
         _http_protobuf("traces")
-        if url is None:
-            _standard_endpoint("traces")
+        _standard_endpoint_and_headers(s, "traces")
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace import TracerProvider

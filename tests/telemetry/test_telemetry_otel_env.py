@@ -206,6 +206,25 @@ def test_setup_is_requested_by_the_standard_endpoint_alone(
             },
             "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
         ),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:99999"}, "bad port"),
+        # A header item without "=" was dropped with a warning, so the collector refused
+        # every export for want of its token.
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=acme,Bearer%20sk-live-abc",
+            },
+            "OTEL_EXPORTER_OTLP_HEADERS: item 2 is not name=value",
+        ),
+        (
+            {
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_EXPORTER_OTLP_METRICS_HEADERS": "sk-live-abc",
+            },
+            "OTEL_EXPORTER_OTLP_METRICS_HEADERS: item 1 is not name=value",
+        ),
         # Pushed metrics over gRPC went out as http/protobuf to the gRPC port, unsaid.
         (
             {
@@ -238,8 +257,9 @@ def test_bad_standard_values_are_configuration_errors(
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ConfigurationError, match=re.escape(message)):
+    with pytest.raises(ConfigurationError, match=re.escape(message)) as raised:
         setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
+    assert "sk-live" not in str(raised.value)
 
 
 def test_a_standard_endpoint_is_quoted_without_its_password(
