@@ -941,6 +941,9 @@ class _GovernanceSignals:
         return policy
 
     def _reason(self, reason: str) -> str:
+        # Exported with content capture off, like error text, and scrubbed as it is: a failed
+        # check's reason quotes its exception, an approver's is free text.
+        reason = _redactor(self.info).text(reason)
         hide = self.user_ids.hide(self.info.user_id)
         return reason if hide is None else hide(reason)
 

@@ -1062,3 +1062,40 @@ async def test_made_up_tool_names_do_not_multiply_span_names(capture: SpanCaptur
     assert {s.name for s in tool_spans} == {"execute_tool unknown"}
     # The made-up name itself is still there to read, on the span's attribute.
     assert len({attrs(s)["gen_ai.tool.name"] for s in tool_spans}) == 20
+
+
+async def test_a_permission_reason_on_the_run_span_is_redacted() -> None:
+    """``loom.permission.reason`` is exported with content capture off, and a failed check's
+    reason quotes its exception: it carried the card number and key of the call as they were."""
+    from loomflow.governance import StandardPermissions
+
+    card, key = "4111 1111 1111 1111", "sk-ant-api03-" + "a" * 40
+
+    @tool
+    def pay(card: str) -> str:
+        """Pay by card."""
+        return "paid"
+
+    class Remote(StandardPermissions):
+        def check(self, call: ToolCall, **kwargs: Any) -> Any:
+            # A policy service whose error echoes the request (and the key it was sent with).
+            raise RuntimeError(f"policy service refused card {call.arguments['card']} ({key})")
+
+    capture = SpanCapture()
+    agent = Agent(
+        "x",
+        model=FunctionModel(one_tool("pay", {"card": card})),
+        tools=[pay],
+        permissions=Remote(),
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False),
+        name="a",
+    )
+    await agent.run("pay", session_id="s1", user_id="alice")
+
+    [root] = capture.named("invoke_agent a")
+    [event] = [e for e in root.events if e.name == "loom.permission.decided"]
+    reason = str((event.attributes or {})["loom.permission.reason"])
+    assert reason.startswith("the permission check failed (RuntimeError: policy service refused")
+    assert card not in reason
+    assert key not in reason
+    assert "[REDACTED" in reason
