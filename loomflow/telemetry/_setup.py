@@ -399,7 +399,16 @@ def _meter_provider(s: Settings) -> Any:
 
     def periodic(exporter: Any) -> Any:
         # The reader reads OTEL_METRIC_EXPORT_INTERVAL and _TIMEOUT itself, and refuses 0 or
-        # a negative one with a bare ValueError from deep inside the SDK.
+        # a negative one with a bare ValueError from deep inside the SDK; one that is not a
+        # number it replaces with its default, saying so only in a log line.
+        for name in ("OTEL_METRIC_EXPORT_INTERVAL", "OTEL_METRIC_EXPORT_TIMEOUT"):
+            value = os.environ.get(name, "")
+            try:
+                _ = float(value) if value.strip() else None  # empty: unset, the default
+            except ValueError:
+                raise ConfigurationError(
+                    f"{name}={value!r}: give a number of milliseconds, like 60000"
+                ) from None
         try:
             return PeriodicExportingMetricReader(exporter)
         except ValueError as exc:

@@ -235,6 +235,16 @@ def test_setup_is_requested_by_the_standard_endpoint_alone(
             },
             "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='grpc'",
         ),
+        # Not a number: the SDK pushed every 60 s instead, with only a logged warning (while
+        # 0 or a negative number was refused).
+        (
+            {
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_METRICS_EXPORTER": "console",
+                "OTEL_METRIC_EXPORT_INTERVAL": "10s",
+            },
+            "OTEL_METRIC_EXPORT_INTERVAL='10s'",
+        ),
         # The SDK's own checks raised a bare ValueError from deep inside it.
         (
             {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_BSP_MAX_QUEUE_SIZE": "-5"},
