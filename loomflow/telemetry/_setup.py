@@ -255,11 +255,18 @@ def _standard(signal: str, variable: str, check: Callable[[str], object]) -> Non
             return  # the signal's own variable wins over the base one, as in the SDK
 
 
+def _readable_file(path: str) -> None:
+    if not os.access(path, os.R_OK) or not os.path.isfile(path):
+        raise ValueError(f"no readable file at {path!r}")
+
+
 def _standard_endpoint_and_headers(s: Settings, signal: str) -> None:
     if not s.otlp_endpoint:
         _standard(signal, "ENDPOINT", check_otlp_url)
     if s.otlp_headers is None:
         _standard(signal, "HEADERS", check_otlp_headers)
+    for variable in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
+        _standard(signal, variable, _readable_file)
 
 
 def _http_protobuf(signal: str) -> None:

@@ -235,6 +235,21 @@ def test_setup_is_requested_by_the_standard_endpoint_alone(
             },
             "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='grpc'",
         ),
+        # A CA file that is not there: every export failed to open it, logged, for good.
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "https://127.0.0.1:9",
+                "OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent/ca.pem",
+            },
+            "OTEL_EXPORTER_OTLP_CERTIFICATE: no readable file at '/nonexistent/ca.pem'",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "https://127.0.0.1:9",
+                "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": "/nonexistent/client.key",
+            },
+            "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY: no readable file",
+        ),
         # Not a number: the SDK pushed every 60 s instead, with only a logged warning (while
         # 0 or a negative number was refused).
         (
