@@ -8,7 +8,7 @@ from typing import Any, Final
 from ..errors import ModelError
 from ._retry import MalformedStreamError
 
-__all__ = ["MAX_ARGUMENT_DEPTH", "parse_tool_arguments"]
+__all__ = ["MAX_ARGUMENT_DEPTH", "parse_tool_arguments", "tool_call_name"]
 
 MAX_ARGUMENT_DEPTH: Final = 64
 """How many containers deep a tool call's arguments may nest. Well inside the journal's
@@ -66,4 +66,17 @@ def parse_tool_arguments(
         problem += " (the response was cut off at its output limit: raise ModelSettings.max_tokens)"
     # Caused by what came over the connection, not by the connection: the error metric
     # counts it as "other", as other malformed answers.
+    raise ModelError(provider, model, problem) from MalformedStreamError(problem)
+
+
+def tool_call_name(name: str, *, provider: str, model: str, call_id: str) -> str:
+    """A tool call's name, which must be there: a call without one named no tool to run.
+
+    Raises:
+        ModelError: The name is empty (or only spaces). Taken as given, it was a call to the
+            tool ``''``, which reached the permission checks and the audit trail as such.
+    """
+    if name.strip():
+        return name
+    problem = f"tool call {call_id or '(no id)'} came without a tool name: {name!r}"
     raise ModelError(provider, model, problem) from MalformedStreamError(problem)

@@ -24,7 +24,7 @@ from ..messages import (
     Usage,
 )
 from . import _fields as f
-from ._arguments import parse_tool_arguments
+from ._arguments import parse_tool_arguments, tool_call_name
 from ._retry import (
     Failure,
     IncompleteStreamError,
@@ -260,6 +260,9 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             else:
                 name = f.text(f.field(block, "name"), f"content[{n}].name")
                 call_id = f.text(f.field(block, "id"), f"content[{n}].id")
+                name = tool_call_name(
+                    name, provider=self.provider, model=self._name, call_id=call_id
+                )
                 raw = arguments[len(calls)] if len(calls) < len(arguments) else ""
                 given = f.field(block, "input")
                 if not raw and isinstance(given, dict):

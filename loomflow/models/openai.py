@@ -25,7 +25,7 @@ from ..messages import (
     Usage,
 )
 from . import _fields as f
-from ._arguments import parse_tool_arguments
+from ._arguments import parse_tool_arguments, tool_call_name
 from ._retry import (
     Failure,
     IncompleteStreamError,
@@ -267,6 +267,9 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         return usage, prompt_tokens is not None and completion_tokens is not None
 
     def _tool_call(self, pending: _PendingCall, *, cut: bool) -> ToolCall:
+        name = tool_call_name(
+            pending.name, provider=self.provider, model=self._name, call_id=pending.id
+        )
         arguments = parse_tool_arguments(
             "".join(pending.arguments),
             provider=self.provider,
@@ -275,7 +278,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             call_id=pending.id,
             cut=cut,
         )
-        return ToolCall(id=pending.id, name=pending.name, arguments=arguments)
+        return ToolCall(id=pending.id, name=name, arguments=arguments)
 
     def _classify(self, exc: Exception) -> Failure | None:
         """Map an SDK or transport exception to a :class:`Failure` (the one translation point)."""

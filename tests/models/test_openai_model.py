@@ -498,3 +498,20 @@ async def test_an_exhausted_quota_fails_at_once(openai_api: FakeOpenAIAPI, fast:
     assert not isinstance(info.value, ModelRetryExhaustedError)
     assert info.value.status == 429
     assert openai_api.request_count == 1
+
+
+async def test_a_tool_call_that_never_names_its_function_is_a_model_error(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # No "name" in any piece of the call: it became a call to the tool ''.
+    body = [
+        _tool_piece('{"index":0,"id":"call_9","type":"function","function":{"arguments":"{}"}}'),
+        _chunk(f'"choices":[],{USAGE}'),
+        DONE,
+    ]
+    openai_api.add(Reply(raw_stream=body), Reply(text="unused"))
+    async with make(openai_api, fast) as model:
+        with pytest.raises(ModelError, match="tool call call_9 came without a tool name") as info:
+            await drain(model, [Message.user("hi")])
+    assert type(info.value) is ModelError
+    assert openai_api.request_count == 1

@@ -3,21 +3,32 @@ bodies too large to repeat, through both real SDKs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from loomflow.errors import ModelError, ModelRetryExhaustedError
 from loomflow.messages import Message, ToolCall
 from loomflow.models import AnthropicModel, Backoff, OpenAIModel, complete
-from loomflow.testing.providers import Failure, FakeAnthropicAPI, FakeOpenAIAPI, Reply
+from loomflow.models._sdk import SdkModel
+from loomflow.testing.providers import (
+    Failure,
+    FakeAnthropicAPI,
+    FakeOpenAIAPI,
+    FakeProviderAPI,
+    Reply,
+)
 
 CALL = ToolCall(id="call_01", name="get_weather", arguments={})
 
-
-@pytest.mark.parametrize(
+BOTH_PROVIDERS = pytest.mark.parametrize(
     ("api_type", "model_type"),
     [(FakeAnthropicAPI, AnthropicModel), (FakeOpenAIAPI, OpenAIModel)],
     ids=["anthropic", "openai"],
 )
+
+
+@BOTH_PROVIDERS
 @pytest.mark.parametrize(
     ("raw", "said"),
     [
@@ -74,11 +85,7 @@ async def test_arguments_cut_by_max_tokens_say_so(
     assert api.request_count == 2  # neither retried: the same request is cut the same way
 
 
-@pytest.mark.parametrize(
-    ("api_type", "model_type"),
-    [(FakeAnthropicAPI, AnthropicModel), (FakeOpenAIAPI, OpenAIModel)],
-    ids=["anthropic", "openai"],
-)
+@BOTH_PROVIDERS
 async def test_a_huge_error_body_is_clipped_in_the_error(
     api_type: type[FakeAnthropicAPI | FakeOpenAIAPI],
     model_type: type[AnthropicModel | OpenAIModel],
@@ -95,3 +102,18 @@ async def test_a_huge_error_body_is_clipped_in_the_error(
                     await complete(model, [Message.user("hi")])
                 assert len(str(info.value)) < 1200
                 assert "more characters" in str(info.value)
+
+
+@BOTH_PROVIDERS
+async def test_a_tool_call_without_a_name_is_a_model_error(
+    api_type: type[FakeProviderAPI], model_type: type[SdkModel[Any]], fast: Backoff
+) -> None:
+    # A call whose name came empty became a call to the tool '': it reached the permission
+    # checks and the audit trail as such. Like arguments that are not JSON, it is the answer
+    # that is malformed: a ModelError naming the call, not retried.
+    with api_type() as api:
+        api.add(Reply(tool_calls=[ToolCall(id="call_07", name="", arguments={"city": "Oslo"})]))
+        async with model_type("m", base_url=api.base_url, api_key="k", backoff=fast) as model:
+            with pytest.raises(ModelError, match=r"tool call call_07 came without a tool name"):
+                await complete(model, [Message.user("hi")])
+        assert api.request_count == 1
