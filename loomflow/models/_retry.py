@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import email.utils
 import importlib
+import json
 import logging
 import math
 import random
@@ -45,6 +46,7 @@ __all__ = [
     "observe_retries",
     "parse_retry_after",
     "retry_after_from",
+    "stream_error_status",
     "stream_with_retries",
 ]
 
@@ -110,6 +112,48 @@ _CONNECTION_ERRORS = frozenset(
 def is_retryable_status(status: int) -> bool:
     """Whether an HTTP status is transient."""
     return status in _RETRYABLE_STATUS or status >= 500
+
+
+# Error types and codes that an error object inside a 200 stream can carry, with the HTTP
+# status each stands for (Anthropic's types, OpenAI's types and codes).
+_STREAM_ERROR_STATUS: Final = {
+    "overloaded_error": 529,
+    "api_error": 500,
+    "server_error": 500,
+    "rate_limit_error": 429,
+    "rate_limit_exceeded": 429,
+    "timeout_error": 504,
+}
+
+
+def stream_error_status(body: object) -> int | None:
+    """The HTTP status that an error sent inside a 200 stream stands for, or ``None``.
+
+    ``body`` is the error event's JSON: an ``error`` object, or one holding it. Its ``type``,
+    then its ``code``, is read: a kind above, or a code that is itself an HTTP status (Azure
+    OpenAI sends ``"code": "429"``). An error given so is retried as that status would be.
+    """
+    if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
+        body = body["error"]
+    if not isinstance(body, Mapping):
+        return None
+    for key in ("type", "code"):
+        kind = body.get(key)
+        if isinstance(kind, int) and not isinstance(kind, bool):
+            kind = str(kind)
+        if not isinstance(kind, str):
+            continue
+        if kind in _STREAM_ERROR_STATUS:
+            return _STREAM_ERROR_STATUS[kind]
+        if len(kind) == 3 and kind.isascii() and kind.isdigit() and 400 <= int(kind) <= 599:
+            return int(kind)
+    return None
+
+
+def not_json(text: str) -> str:
+    """Says that ``text``, what an event held, is not JSON, quoting it cut to 300 characters."""
+    more = f" ({len(text) - 300} more characters)" if len(text) > 300 else ""
+    return f"not JSON: {text[:300]!r}{more}"
 
 
 @dataclass(frozen=True)
@@ -231,9 +275,13 @@ class SdkEvents(Generic[T]):
 def malformed_sdk_data(exc: BaseException) -> MalformedStreamError:
     """The :class:`MalformedStreamError` for an error the SDK raised reading the stream."""
     detail = str(exc).splitlines()[0][:300] if str(exc) else ""
-    return MalformedStreamError(
+    said = (
         f"the SDK could not read the stream ({type(exc).__name__}{': ' if detail else ''}{detail})"
     )
+    if isinstance(exc, json.JSONDecodeError):
+        # What the event held, e.g. a proxy's "event: error" in plain text.
+        said += f": an event's data is {not_json(exc.doc)}"
+    return MalformedStreamError(said)
 
 
 async def read_sdk(operation: Awaitable[T]) -> T:

@@ -32,8 +32,10 @@ from ._retry import (
     SdkEvents,
     connection_detail,
     is_retryable_status,
+    not_json,
     read_sdk,
     retry_after_from,
+    stream_error_status,
 )
 from ._sdk import SdkModel
 
@@ -50,15 +52,6 @@ _FINISH_REASONS = {
     "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",
     "refusal": "content_filter",
-}
-
-# Error types that an in-stream ``event: error`` can carry, with the HTTP status they stand for
-# (the response itself was a 200 by then).
-_STREAM_ERROR_STATUS = {
-    "overloaded_error": 529,
-    "api_error": 500,
-    "rate_limit_error": 429,
-    "timeout_error": 504,
 }
 
 
@@ -323,9 +316,18 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
             status = exc.status_code
             if status < 400:
                 # An ``event: error`` inside a 200 stream: its error type tells what happened.
-                error_type = _error_type(exc.body)
-                mapped = _STREAM_ERROR_STATUS.get(error_type or "")
-                return Failure(_detail(exc), mapped, retryable=mapped is not None, retry_after=None)
+                if isinstance(exc.body, str):  # the SDK could not read it as JSON
+                    return Failure(
+                        f"the stream sent an error event that is {not_json(exc.body)}",
+                        None,
+                        retryable=False,
+                    )
+                mapped = stream_error_status(exc.body)
+                return Failure(
+                    _detail(exc),
+                    mapped,
+                    retryable=mapped is not None and is_retryable_status(mapped),
+                )
             return Failure(
                 _detail(exc),
                 status,
@@ -341,20 +343,12 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         return None
 
 
-def _error_type(body: object) -> str | None:
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("type"), str):
-            return str(error["type"])
-    return None
-
-
 def _detail(exc: Any) -> str:
     body = exc.body
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
-            return f"{error.get('type', 'error')}: {error['message']}"
+            return f"{error.get('type') or error.get('code') or 'error'}: {error['message']}"
     return str(exc)
 
 

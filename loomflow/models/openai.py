@@ -34,6 +34,7 @@ from ._retry import (
     connection_detail,
     is_retryable_status,
     retry_after_from,
+    stream_error_status,
 )
 from ._sdk import SdkModel
 
@@ -44,9 +45,6 @@ __all__ = ["OpenAIModel"]
 
 # OpenAI finish reasons onto the neutral vocabulary; "function_call" is the legacy name.
 _FINISH_REASONS = {"function_call": "tool_calls"}
-
-# Error types an in-stream error object can carry that mean "try again".
-_TRANSIENT_STREAM_ERRORS = frozenset({"server_error", "rate_limit_exceeded", "overloaded_error"})
 
 
 def _import_sdk() -> Any:
@@ -289,7 +287,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
                 _detail(exc),
                 status,
                 # A 429 for an account out of credit is no rate limit: no retry can help.
-                retryable=is_retryable_status(status) and _error_kind(exc) != "insufficient_quota",
+                retryable=is_retryable_status(status) and not _out_of_quota(exc),
                 retry_after=retry_after_from(exc.response.headers),
             )
         if isinstance(exc, (IncompleteStreamError, *self._connection_errors)):
@@ -297,9 +295,15 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         if isinstance(exc, MalformedStreamError):
             return Failure(f"malformed response stream: {exc}", None, retryable=False)
         if isinstance(exc, sdk.APIError):
-            # An error object inside a 200 stream: no status, only its type or code.
+            # An error object inside a 200 stream: no status, only its type or code, which
+            # may stand for one (a rate limit, an overload), and is retried as that status.
+            mapped = stream_error_status(exc.body)
             return Failure(
-                _detail(exc), None, retryable=_error_kind(exc) in _TRANSIENT_STREAM_ERRORS
+                _detail(exc),
+                mapped,
+                retryable=mapped is not None
+                and is_retryable_status(mapped)
+                and not _out_of_quota(exc),
             )
         if isinstance(exc, sdk.OpenAIError):
             return Failure(f"{type(exc).__name__}: {exc}", None, retryable=False)
@@ -329,12 +333,13 @@ def _strict_form(node: Any) -> Any:
     return out
 
 
-def _error_kind(exc: Any) -> object:
-    """The error's ``type`` (or ``code``), from its body or the ``error`` object in it."""
+def _out_of_quota(exc: Any) -> bool:
+    """Whether the error's ``type`` or ``code`` (in its body or the ``error`` object in it)
+    says the account is out of credit (a 429 that no retry can help)."""
     body = exc.body if isinstance(exc.body, dict) else {}
     error = body.get("error", body)
     error = error if isinstance(error, dict) else body
-    return error.get("type") or error.get("code")
+    return "insufficient_quota" in (error.get("type"), error.get("code"))
 
 
 def _detail(exc: Any) -> str:

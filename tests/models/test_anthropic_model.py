@@ -511,3 +511,15 @@ async def test_a_drop_after_message_stop_keeps_the_whole_answer(
         with pytest.raises(ModelError, match="not retried"):
             await complete(model, [Message.user("hi")])
     assert anthropic_api.request_count == 2
+
+
+async def test_an_in_stream_error_with_a_status_code_is_retried_as_that_status(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    # A gateway in front of the Messages API that reports a rate limit by its status code in
+    # the error event: it failed at once, where the same 429 as HTTP status is retried.
+    event = b'event: error\ndata: {"type":"error","error":{"code":"429","message":"slow down"}}\n\n'
+    anthropic_api.add(Reply(raw_stream=[event]), Reply(text="ok"))
+    async with make(anthropic_api, fast) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "ok"
+    assert anthropic_api.request_count == 2

@@ -515,3 +515,41 @@ async def test_a_tool_call_that_never_names_its_function_is_a_model_error(
             await drain(model, [Message.user("hi")])
     assert type(info.value) is ModelError
     assert openai_api.request_count == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        # Azure OpenAI: the code is the HTTP status, as a string, and there is no type.
+        ('{"code":"429","message":"Rate limit is exceeded. Try again in 1 seconds."}', 429),
+        # OpenAI's own rate-limit body: the type says which limit, the code what happened.
+        ('{"type":"requests","code":"rate_limit_exceeded","message":"Rate limit reached"}', 429),
+        ('{"type":null,"code":"503","message":"The engine is currently overloaded"}', 503),
+    ],
+    ids=["azure-429", "requests-rate-limit", "code-503"],
+)
+async def test_an_in_stream_rate_limit_or_overload_is_retried(
+    openai_api: FakeOpenAIAPI, fast: Backoff, error: str, status: int
+) -> None:
+    # The same errors as an HTTP status are retried; inside a 200 stream they failed the call
+    # at once (a code "429") or were retried as a lost connection (metrics said so too).
+    body = [f'data: {{"error":{error}}}\n\n'.encode(), DONE]
+    openai_api.add(Reply(raw_stream=body), Reply(text="ok"), *[Reply(raw_stream=body)] * 2)
+    async with make(openai_api, fast, max_retries=1) as model:
+        assert (await complete(model, [Message.user("hi")])).text == "ok"
+        with pytest.raises(ModelRetryExhaustedError) as info:
+            await complete(model, [Message.user("hi")])
+    assert info.value.status == status
+    assert openai_api.request_count == 4
+
+
+async def test_an_in_stream_exhausted_quota_fails_at_once(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    error = '{"error":{"type":"insufficient_quota","code":"429","message":"You exceeded"}}'
+    openai_api.add(Reply(raw_stream=[f"data: {error}\n\n".encode(), DONE]), Reply(text="x"))
+    async with make(openai_api, fast) as model:
+        with pytest.raises(ModelError, match="You exceeded") as info:
+            await complete(model, [Message.user("hi")])
+    assert type(info.value) is ModelError
+    assert openai_api.request_count == 1

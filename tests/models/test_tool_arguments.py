@@ -117,3 +117,20 @@ async def test_a_tool_call_without_a_name_is_a_model_error(
             with pytest.raises(ModelError, match=r"tool call call_07 came without a tool name"):
                 await complete(model, [Message.user("hi")])
         assert api.request_count == 1
+
+
+@BOTH_PROVIDERS
+@pytest.mark.parametrize("size", [1, 2000], ids=["short", "long"])
+async def test_an_error_event_that_is_not_json_says_what_it_held(
+    api_type: type[FakeProviderAPI], model_type: type[SdkModel[Any]], fast: Backoff, size: int
+) -> None:
+    # A proxy's "event: error" with a plain-text body: OpenAI's said only "JSONDecodeError:
+    # Expecting value", nothing of what the event held; Anthropic's gave the text whole.
+    text = "upstream overloaded, try later" * size
+    with api_type() as api:
+        api.add(Reply(raw_stream=[f"event: error\ndata: {text}\n\n"]), Reply(text="unused"))
+        async with model_type("m", base_url=api.base_url, api_key="k", backoff=fast) as model:
+            with pytest.raises(ModelError, match="not JSON: 'upstream overloaded") as info:
+                await complete(model, [Message.user("hi")])
+        assert api.request_count == 1
+    assert len(str(info.value)) < 600
