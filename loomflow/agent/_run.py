@@ -66,9 +66,17 @@ __all__ = ["check_prompt", "contract_mismatch", "latest_of_run", "tool_step_name
 
 log = logging.getLogger("loomflow.agent")
 
-# Finish reasons of an answer the model did not finish: at its output limit, or stopped by
-# the provider's content filter.
-_CUT_SHORT = frozenset({"length", "content_filter"})
+# Finish reasons of an answer the model did not finish, with what the log says of each: at
+# its output limit, declined (Anthropic's refusal) or stopped by the provider's content filter,
+# or a turn Anthropic paused (pause_turn: its server tools ran long; loomflow offers none, and
+# does not send the turn back to go on).
+_CUT_SHORT = {
+    "length": "the answer is cut short (raise ModelSettings.max_tokens)",
+    "content_filter": "the answer is cut short: the model declined to answer, or a content "
+    "filter stopped it",
+    "pause_turn": "the provider paused the turn before it ended, and loomflow does not "
+    "continue it: the answer is unfinished",
+}
 
 
 class _Run:
@@ -287,13 +295,12 @@ class _Run:
             # The run still ends as answered (the text is what the model said); the log says
             # it is not the whole answer, which nothing else would.
             log.warning(
-                "agent %r: model %r stopped its answer at turn %d with finish_reason %r: "
-                "the answer is cut short%s",
+                "agent %r: model %r stopped its answer at turn %d with finish_reason %r: %s",
                 self.agent.name,
                 self.agent.model.name,
                 turn,
                 response.finish_reason,
-                " (raise ModelSettings.max_tokens)" if response.finish_reason == "length" else "",
+                _CUT_SHORT[response.finish_reason],
             )
         if not self.tool_calls:
             if self.structured is not None:

@@ -20,8 +20,9 @@ from loomflow.agent import (
 )
 from loomflow.errors import UserError
 from loomflow.messages import Message, ModelResponse, ToolCall, ToolSpec
-from loomflow.models import FunctionModel, ScriptedModel
+from loomflow.models import AnthropicModel, FunctionModel, ScriptedModel
 from loomflow.runtime import InMemoryRuntime
+from loomflow.testing.providers import FakeAnthropicAPI, Reply
 from loomflow.tools import tool
 
 
@@ -223,3 +224,28 @@ async def test_an_answer_cut_at_the_output_limit_is_logged_once(
     with caplog.at_level("WARNING", logger="loomflow.agent"):
         await agent.resume("explain", session_id="s", user_id="u")
     assert not [r for r in caplog.records if "cut short" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "said"),
+    [
+        ("refusal", "the model declined to answer, or a content filter stopped it"),
+        # A turn Anthropic paused (its server tools run long): loomflow offers none, so it
+        # does not continue it; the run ended as answered and nothing said so.
+        ("pause_turn", "the provider paused the turn before it ended"),
+    ],
+)
+async def test_an_anthropic_answer_that_did_not_end_is_logged(
+    caplog: pytest.LogCaptureFixture, stop_reason: str, said: str
+) -> None:
+    with FakeAnthropicAPI(Reply(text="I can", stop_reason=stop_reason)) as api:
+        model = AnthropicModel("claude-opus-4-7", base_url=api.base_url, api_key="k")
+        agent = Agent("writer", model=model, runtime=InMemoryRuntime())
+        with caplog.at_level("WARNING", logger="loomflow.agent"):
+            result = await agent.run("explain", session_id="s", user_id="u")
+        await model.aclose()
+    assert result.output == "I can"
+    warned = [r.getMessage() for r in caplog.records if r.name == "loomflow.agent"]
+    assert len(warned) == 1
+    assert said in warned[0]
+    assert "max_tokens" not in warned[0]
