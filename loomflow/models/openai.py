@@ -222,11 +222,22 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
     def _tool_call_delta(calls: dict[int, _PendingCall], piece: Any, where: str) -> ToolCallDelta:
         """One streamed piece of a tool call, added to its pending call."""
         piece = f.obj(piece, where)
-        index = f.index(f.field(piece, "index"), f"{where}.index")
         call_id = f.optional_text(f.field(piece, "id"), f"{where}.id")
         function = f.optional_obj(f.field(piece, "function"), f"{where}.function")
         name = f.optional_text(f.field(function, "name"), f"{where}.function.name")
         arguments = f.optional_text(f.field(function, "arguments"), f"{where}.function.arguments")
+        given = f.field(piece, "index")
+        if given is not None:
+            index = f.index(given, f"{where}.index")
+        else:
+            # Gemini's compatible endpoint numbers no call: a piece with an id (or a name) of
+            # its own starts one, any other continues the call before it. Kept under keys
+            # below 0, apart from the numbers a server gives.
+            last = calls[min(calls)] if any(k < 0 for k in calls) else None
+            starts = last is None or (
+                (call_id and call_id != last.id) or (name and last.name and name != last.name)
+            )
+            index = min((*calls, 0)) - 1 if starts else min(calls)
         pending = calls.setdefault(index, _PendingCall())
         # A delta's index is the call's place in the response, numbered from 0 in the order
         # the calls came: a server's own numbering may skip (index 1 alone), and a delta that

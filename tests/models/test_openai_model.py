@@ -553,3 +553,34 @@ async def test_an_in_stream_exhausted_quota_fails_at_once(
             await complete(model, [Message.user("hi")])
     assert type(info.value) is ModelError
     assert openai_api.request_count == 1
+
+
+async def test_tool_calls_without_an_index_are_told_apart_by_their_ids(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # Gemini's OpenAI-compatible endpoint leaves "index" out of each call: every tool call
+    # failed as a malformed stream. A piece with a new id starts a call; one without
+    # continues the call before it.
+    def piece(fields: dict[str, object]) -> bytes:
+        call = {"type": "function", **fields}
+        delta = {"tool_calls": [call]}
+        return _chunk(f'"choices":[{{"index":0,"delta":{json.dumps(delta)}}}]')
+
+    body = [
+        piece({"id": "fc-1", "function": {"name": "get_weather", "arguments": '{"city":'}}),
+        piece({"function": {"arguments": ' "Paris"}'}}),
+        piece({"id": "fc-2", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}),
+        _chunk('"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]'),
+        _chunk(f'"choices":[],{USAGE}'),
+        DONE,
+    ]
+    openai_api.add(Reply(raw_stream=body))
+    async with make(openai_api, fast) as model:
+        chunks = await drain(model, [Message.user("weather?")])
+    response = chunks[-1]
+    assert isinstance(response, ModelResponse)
+    assert [(c.id, c.arguments) for c in response.tool_calls] == [
+        ("fc-1", {"city": "Paris"}),
+        ("fc-2", {"city": "Rome"}),
+    ]
+    assert [c.index for c in chunks if isinstance(c, ToolCallDelta)] == [0, 0, 1]
