@@ -293,6 +293,24 @@ async def read_sdk(operation: Awaitable[T]) -> T:
         raise malformed_sdk_data(exc) from exc
 
 
+def ended_early(response: object, missing: str) -> Exception:
+    """The error for a stream that ended without its end-of-message marker (``missing`` says
+    which): a lost connection, to retry, unless the answer was no event stream at all.
+
+    A server that ignores ``"stream": true`` answers with the whole JSON body, in which the
+    SDK finds no events: that is no dropped connection, and sending the (billed) request again
+    gets the same answer.
+    """
+    headers = getattr(response, "headers", None)
+    kind = headers.get("content-type") if isinstance(headers, Mapping) else None
+    if isinstance(kind, str) and kind and "text/event-stream" not in kind.lower():
+        return MalformedStreamError(
+            f"the server answered with a {kind[:100]!r} body, not an event stream: it does not "
+            'stream answers (it ignores "stream": true), which loomflow needs'
+        )
+    return IncompleteStreamError(missing)
+
+
 def connection_detail(exc: BaseException) -> str:
     """What a lost connection says, with the cause an SDK's own message leaves out (the OpenAI
     SDK's is "Connection error." for a refused connection and a reset stream alike)."""

@@ -31,6 +31,7 @@ from ._retry import (
     MalformedStreamError,
     SdkEvents,
     connection_detail,
+    ended_early,
     is_retryable_status,
     not_json,
     read_sdk,
@@ -222,7 +223,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                 elif kind == "message_stop":
                     stopped = True
             if not stopped:
-                raise IncompleteStreamError("the event stream ended before message_stop")
+                raise ended_early(stream.response, "the event stream ended before message_stop")
             message = await read_sdk(stream.get_final_message())
         yield self._response(
             message, ["".join(arguments[i]) for i in sorted(arguments)], output, "".join(answer)

@@ -32,6 +32,7 @@ from ._retry import (
     MalformedStreamError,
     SdkEvents,
     connection_detail,
+    ended_early,
     is_retryable_status,
     retry_after_from,
     stream_error_status,
@@ -202,7 +203,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
                     if reason:
                         finish = reason
         if finish is None:
-            raise IncompleteStreamError("the stream ended without a finish_reason")
+            raise ended_early(stream.response, "the stream ended without a finish_reason")
         if not usage_reported:
             # A server that ignores stream_options.include_usage: the call's cost is unknown
             # (a budget charges its whole reservation; see ModelResponse.usage_reported).

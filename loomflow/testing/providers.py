@@ -91,6 +91,8 @@ class Reply:
             events the other fields describe (to test malformed streams: a field of the wrong
             type, events out of order, bytes that are not UTF-8). A ``str`` piece is sent as
             UTF-8; ``cut_after`` and ``end_after`` count pieces.
+        ignore_stream: Answer a streamed request with the whole JSON body, as a server that
+            does not stream (one that ignores ``"stream": true``) does.
     """
 
     text: str | Sequence[str] = ""
@@ -108,6 +110,7 @@ class Reply:
     refusal: str | None = None
     report_usage: bool = True
     raw_stream: Sequence[bytes | str] | None = None
+    ignore_stream: bool = False
 
     @property
     def structured_json(self) -> str:
@@ -392,7 +395,7 @@ class FakeProviderAPI:
                     out.end_stream()
                 else:
                     self._error(out, answer)
-            elif record.streamed:
+            elif record.streamed and not answer.ignore_stream:
                 self._stream(out, answer, record)
             else:
                 out.json(200, self._message(answer, record))

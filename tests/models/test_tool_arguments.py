@@ -134,3 +134,16 @@ async def test_an_error_event_that_is_not_json_says_what_it_held(
                 await complete(model, [Message.user("hi")])
         assert api.request_count == 1
     assert len(str(info.value)) < 600
+
+
+@BOTH_PROVIDERS
+async def test_a_server_that_does_not_stream_is_told_apart_from_a_lost_connection(
+    api_type: type[FakeProviderAPI], model_type: type[SdkModel[Any]], fast: Backoff
+) -> None:
+    # A gateway that ignores stream=true answers with the whole JSON body: the call was sent
+    # four times (and paid for each time), then failed as a "connection failure".
+    with api_type(Reply(text="hello", ignore_stream=True), Reply(text="unused")) as api:
+        async with model_type("m", base_url=api.base_url, api_key="k", backoff=fast) as model:
+            with pytest.raises(ModelError, match="'application/json' body, not an event stream"):
+                await complete(model, [Message.user("hi")])
+        assert api.request_count == 1
