@@ -378,8 +378,9 @@ def _to_anthropic_messages(messages: list[Message]) -> tuple[str, list[dict[str,
                 result["is_error"] = True
             blocks.append(result)
         else:
-            # The API rejects empty text blocks.
-            if message.content:
+            # The API refuses empty text blocks, and blank ones in a turn with no other text
+            # (Claude may write only "\n\n" before its tool calls): they carry nothing.
+            if message.content.strip():
                 blocks.append({"type": "text", "text": message.content})
             blocks.extend(
                 {"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments}

@@ -522,6 +522,9 @@ class FakeAnthropicAPI(FakeProviderAPI):
                 return Failure(
                     400, f"tools.{index}.custom.input_schema.type: Input should be 'object'"
                 )
+        blank = self._blank_text(body.get("messages"))
+        if blank is not None:
+            return blank
         choice = body.get("tool_choice")
         if choice is None:
             return None
@@ -532,6 +535,24 @@ class FakeAnthropicAPI(FakeProviderAPI):
             return Failure(400, f"tool_choice names tool {choice.get('name')!r}, not in tools")
         if choice["type"] in ("any", "tool") and not names:
             return Failure(400, "tool_choice requires tools")
+        return None
+
+    @staticmethod
+    def _blank_text(messages: object) -> Failure | None:
+        """As the real API: an empty text block is refused, and so is one of only whitespace
+        in a message with no other text."""
+        for message in messages if isinstance(messages, list) else ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                continue
+            texts = [
+                b.get("text") for b in content if isinstance(b, dict) and b.get("type") == "text"
+            ]
+            if "" in texts:
+                return Failure(400, "messages: text content blocks must be non-empty")
+            if texts and not any(isinstance(t, str) and t.strip() for t in texts):
+                blank = "messages: text content blocks must contain non-whitespace text"
+                return Failure(400, blank)
         return None
 
     def _shape(self, reply: Reply, request: RecordedRequest) -> Reply:

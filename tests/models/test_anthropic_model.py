@@ -523,3 +523,24 @@ async def test_an_in_stream_error_with_a_status_code_is_retried_as_that_status(
     async with make(anthropic_api, fast) as model:
         assert (await complete(model, [Message.user("hi")])).text == "ok"
     assert anthropic_api.request_count == 2
+
+
+async def test_a_blank_text_beside_tool_calls_is_not_sent_back(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    # Claude may write only "\n\n" before its tool calls. Sent back as a text block, the next
+    # request was refused (400: text content blocks must contain non-whitespace text), and so
+    # was every later one of the run.
+    anthropic_api.add(Reply(text="\n\n", tool_calls=[CALL]), Reply(text="Sunny."))
+    async with make(anthropic_api, fast) as model:
+        first = await complete(model, [Message.user("Paris?")], tools=[WEATHER])
+        assert first.text == "\n\n"
+        transcript = [
+            Message.user("Paris?"),
+            first.to_message(),
+            Message.tool_result("toolu_01", "sunny", name="get_weather"),
+        ]
+        assert (await complete(model, transcript, tools=[WEATHER])).text == "Sunny."
+    assert anthropic_api.last_request.body["messages"][1]["content"] == [
+        {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": CALL.arguments}
+    ]
