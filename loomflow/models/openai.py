@@ -360,6 +360,10 @@ def _detail(exc: Any) -> str:
         error = body.get("error", body)
         if isinstance(error, dict) and error.get("message"):
             return f"{error.get('type') or error.get('code') or 'error'}: {error['message']}"
+    if isinstance(body, str) and body and body not in str(exc):
+        # {"error": "..."} in a stream: the SDK's message is only "An error occurred during
+        # streaming", the text is the body.
+        return f"{exc}: {body[:300]!r}"
     return str(exc)
 
 

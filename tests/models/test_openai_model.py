@@ -584,3 +584,15 @@ async def test_tool_calls_without_an_index_are_told_apart_by_their_ids(
         ("fc-2", {"city": "Rome"}),
     ]
     assert [c.index for c in chunks if isinstance(c, ToolCallDelta)] == [0, 0, 1]
+
+
+async def test_an_in_stream_error_given_as_a_string_says_what_it_held(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # A proxy's {"error": "..."}: the error said only "An error occurred during streaming".
+    body = [b'data: {"error":"upstream connection reset by the gateway"}\n\n', DONE]
+    openai_api.add(Reply(raw_stream=body), Reply(text="unused"))
+    async with make(openai_api, fast) as model:
+        with pytest.raises(ModelError, match="upstream connection reset by the gateway"):
+            await complete(model, [Message.user("hi")])
+    assert openai_api.request_count == 1
