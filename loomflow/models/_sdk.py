@@ -195,7 +195,9 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         With ``output``, the provider is asked for an answer of that shape (natively: see
         ``docs/structured-output.md``), and the answer's JSON is the response's ``text``.
         """
-        request = self._request(messages, list(tools), settings or ModelSettings(), output)
+        request = _sendable(
+            self._request(messages, list(tools), settings or ModelSettings(), output)
+        )
         return stream_with_retries(
             lambda: self._attempt(request, output),
             self._classify,
@@ -205,3 +207,24 @@ class SdkModel(abc.ABC, Generic[ClientT]):
             backoff=self.backoff,
             rng=self._rng,
         )
+
+
+def _sendable(value: Any) -> Any:
+    """``value`` with every string made valid Unicode, as a request body must be (UTF-8).
+
+    A lone surrogate cannot be encoded: a tool result naming a file whose name is not UTF-8
+    (``os.listdir`` gives ``"caf\\udce9"``) failed the next call with a bare
+    UnicodeEncodeError inside the SDK. It is sent as U+FFFD (a surrogate pair, as the character
+    it stands for). Done at send time, so the journal key of the call stays as it was.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return value
+    if isinstance(value, dict):
+        return {_sendable(k): _sendable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_sendable(item) for item in value]
+    return value

@@ -3,6 +3,7 @@ bodies too large to repeat, through both real SDKs."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -147,3 +148,21 @@ async def test_a_server_that_does_not_stream_is_told_apart_from_a_lost_connectio
             with pytest.raises(ModelError, match="'application/json' body, not an event stream"):
                 await complete(model, [Message.user("hi")])
         assert api.request_count == 1
+
+
+@BOTH_PROVIDERS
+async def test_text_that_is_not_valid_unicode_is_sent_with_replacement_characters(
+    api_type: type[FakeProviderAPI], model_type: type[SdkModel[Any]], fast: Backoff
+) -> None:
+    # A tool's result with a byte that is not UTF-8 (os.listdir names such a file
+    # "caf\udce9"): the next model call failed with a bare UnicodeEncodeError from the SDK.
+    transcript = [
+        Message.user("list the files"),
+        Message.assistant("", [ToolCall(id="call_01", name="ls", arguments={})]),
+        Message.tool_result("call_01", "caf\udce9.txt", name="ls"),
+    ]
+    with api_type(Reply(text="done")) as api:
+        async with model_type("m", base_url=api.base_url, api_key="k", backoff=fast) as model:
+            assert (await complete(model, transcript)).text == "done"
+        sent = json.dumps(api.last_request.body, ensure_ascii=False)
+    assert "caf\ufffd.txt" in sent
