@@ -149,6 +149,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         self, request: dict[str, Any], output: OutputFormat | None
     ) -> AsyncGenerator[ModelChunk, None]:
         text: list[str] = []
+        refused = False
         calls: dict[int, _PendingCall] = {}
         usage = Usage()
         usage_reported = False
@@ -191,6 +192,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
                     # (validation then fails and says so).
                     refusal = f.optional_text(f.field(delta, "refusal"), "choices[0].delta.refusal")
                     if refusal:
+                        refused = True
                         text.append(refusal)
                         yield TextDelta(text=refusal)
                     pieces = f.field(delta, "tool_calls")
@@ -204,6 +206,8 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
                         finish = reason
         if finish is None:
             raise ended_early(stream.response, "the stream ended without a finish_reason")
+        if refused and finish == "stop":
+            finish = "content_filter"  # declined, as Anthropic's "refusal" reads: not answered
         if not usage_reported:
             # A server that ignores stream_options.include_usage: the call's cost is unknown
             # (a budget charges its whole reservation; see ModelResponse.usage_reported).

@@ -596,3 +596,16 @@ async def test_an_in_stream_error_given_as_a_string_says_what_it_held(
         with pytest.raises(ModelError, match="upstream connection reset by the gateway"):
             await complete(model, [Message.user("hi")])
     assert openai_api.request_count == 1
+
+
+async def test_a_refusal_finishes_as_content_filter(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # The model declined (its reason in "refusal", finish_reason "stop"): the answer read as
+    # a whole one, where Anthropic's refusal reads as content_filter, which the agent logs.
+    openai_api.add(Reply(refusal="I cannot help with that."), Reply(text="fine"))
+    async with make(openai_api, fast) as model:
+        refused = await complete(model, [Message.user("hi")])
+        answered = await complete(model, [Message.user("hi")])
+    assert (refused.text, refused.finish_reason) == ("I cannot help with that.", "content_filter")
+    assert answered.finish_reason == "stop"
