@@ -166,6 +166,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         arguments: dict[int, list[str]] = {}
         started: set[int] = set()  # content blocks begun
         stopped = False
+        start_usage: Any = None  # the usage of message_start, before message_delta's
         # Events are read by their ``type`` tags rather than SDK classes, whose names move
         # between SDK releases while the wire format stays put.
         manager: Any = self._client.messages.stream(**request)
@@ -220,13 +221,20 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
                             slot = tool_slots[position]
                             arguments[slot].append(piece)
                             yield ToolCallDelta(index=slot, arguments_delta=piece)
+                elif kind == "message_start":
+                    begun = f.optional_obj(f.field(event, "message"), f"{kind}.message")
+                    start_usage = f.optional_obj(f.field(begun, "usage"), f"{kind}.usage")
                 elif kind == "message_stop":
                     stopped = True
             if not stopped:
                 raise ended_early(stream.response, "the event stream ended before message_stop")
             message = await read_sdk(stream.get_final_message())
         yield self._response(
-            message, ["".join(arguments[i]) for i in sorted(arguments)], output, "".join(answer)
+            message,
+            ["".join(arguments[i]) for i in sorted(arguments)],
+            output,
+            "".join(answer),
+            start_usage,
         )
 
     def _response(
@@ -235,6 +243,7 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         arguments: list[str],
         output: OutputFormat | None = None,
         answer: str = "",
+        start_usage: Any = None,
     ) -> ModelResponse:
         message = f.obj(message, "the message")
         text: list[str] = []
@@ -278,14 +287,21 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         # input (as the GenAI conventions count it), and the cache parts are kept apart for
         # pricing at their own rates.
         count = self._reported_count
-        writes = count("cache_creation_input_tokens", f.field(usage, "cache_creation_input_tokens"))
-        reads = count("cache_read_input_tokens", f.field(usage, "cache_read_input_tokens"))
+
+        def cumulative(name: str) -> int:
+            # message_delta's figures are cumulative: one below message_start's (some
+            # compatible servers send 0 there) cannot undo what the start reported.
+            start = count(name, f.field(start_usage, name)) if start_usage is not None else 0
+            return max(count(name, f.field(usage, name)), start)
+
+        writes = cumulative("cache_creation_input_tokens")
+        reads = cumulative("cache_read_input_tokens")
         input_tokens = f.field(usage, "input_tokens")
         output_tokens = f.field(usage, "output_tokens")
         # Each part may be plausible and their sum not: checked as the one figure it becomes.
         total_input = count(
             "input_tokens + cache_creation_input_tokens + cache_read_input_tokens",
-            count("input_tokens", input_tokens) + writes + reads,
+            cumulative("input_tokens") + writes + reads,
         )
         reported = input_tokens is not None and output_tokens is not None
         if not reported:

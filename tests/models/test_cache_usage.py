@@ -210,3 +210,34 @@ def test_an_unreported_usage_round_trips_through_the_journal() -> None:
     decoded = decode(json.loads(json.dumps(encode(response))))
     assert decoded == response
     assert decoded.usage_reported is False
+
+
+async def test_anthropic_input_counts_zeroed_in_message_delta_keep_the_start_figures(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff
+) -> None:
+    # message_delta's counts are cumulative, but some compatible servers send 0 there for
+    # the input figures: the SDK took the 0, and the call's input cost nothing (a budget
+    # charged only its output).
+    def event(kind: str, data: dict[str, object]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    start_usage = {"input_tokens": 40, "cache_read_input_tokens": 900, "output_tokens": 1}
+    message = {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-opus-4-7",
+        "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage,
+    }  # fmt: skip
+    zeroed = {"input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 5}
+    body = [
+        event("message_start", {"message": message}),
+        event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+        event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hi"}}),
+        event("content_block_stop", {"index": 0}),
+        event("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": zeroed}),
+        event("message_stop", {}),
+    ]
+    anthropic_api.add(Reply(raw_stream=body))
+    async with AnthropicModel(
+        "claude-opus-4-7", base_url=anthropic_api.base_url, api_key="sk-test", backoff=fast
+    ) as model:
+        response = await complete(model, [Message.user("hi")])
+    assert response.usage == Usage(input_tokens=940, output_tokens=5, cache_read_tokens=900)
