@@ -170,6 +170,15 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
             )
             async for chunk in ended:
                 chunk = f.obj(chunk, "a chunk")
+                if f.field(chunk, "object") == "error" and f.field(chunk, "choices") is None:
+                    # An error in place of a chunk, without the "error" key the SDK looks for
+                    # (older vLLM): raised as the SDK raises one with it.
+                    error = {k: f.field(chunk, k) for k in ("message", "type", "code")}
+                    raise self._sdk.APIError(
+                        message=str(error["message"] or "an error object in the stream"),
+                        request=stream.response.request,
+                        body=error,
+                    )
                 model = f.optional_text(f.field(chunk, "model"), "model") or model
                 reported = f.optional_obj(f.field(chunk, "usage"), "usage")
                 if reported is not None:

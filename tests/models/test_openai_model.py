@@ -609,3 +609,24 @@ async def test_a_refusal_finishes_as_content_filter(
         answered = await complete(model, [Message.user("hi")])
     assert (refused.text, refused.finish_reason) == ("I cannot help with that.", "content_filter")
     assert answered.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("code", "retried"), [(400, False), (503, True)])
+async def test_an_error_object_in_place_of_a_chunk_is_the_servers_error(
+    openai_api: FakeOpenAIAPI, fast: Backoff, code: int, retried: bool
+) -> None:
+    # vLLM's older in-stream error: {"object": "error", ...} with no "error" key. It failed
+    # as "choices is missing or null", and its message and code were lost.
+    error = (
+        f'data: {{"object":"error","message":"engine said no","type":"BadRequestError",'
+        f'"param":null,"code":{code}}}\n\n'
+    ).encode()
+    openai_api.add(Reply(raw_stream=[error]), Reply(text="ok"))
+    async with make(openai_api, fast) as model:
+        if retried:
+            assert (await complete(model, [Message.user("hi")])).text == "ok"
+        else:
+            with pytest.raises(ModelError, match="BadRequestError: engine said no") as info:
+                await complete(model, [Message.user("hi")])
+            assert info.value.status == code
+    assert openai_api.request_count == (2 if retried else 1)
