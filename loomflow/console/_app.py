@@ -406,9 +406,19 @@ def create_app(
 
     def filters(request: Request) -> TrailFilter:
         q = request.query_params
+        since, until = _time(q.get("since"), "since"), _time(q.get("until"), "until")
+        if since is not None and until is not None and since >= until:
+            # As `loomflow audit query` refuses it: an empty page (or an export of nothing)
+            # would pass for a trail with nothing in that time.
+            raise _Refused(
+                400,
+                f"since ({iso_time(since)}) is not before until ({iso_time(until)}): the range "
+                "selects nothing; an age counts back from now, so the older bound is the "
+                "larger age",
+            )
         return TrailFilter(
-            since=_time(q.get("since"), "since"),
-            until=_time(q.get("until"), "until"),
+            since=since,
+            until=until,
             session_id=q.get("session") or None,
             action=q.get("action") or None,
         )

@@ -1095,6 +1095,35 @@ def test_times_out_of_range_are_a_400_naming_the_filter(console: Server) -> None
         assert http.get("/api/verify").json()["ok"] is True
 
 
+def test_a_time_range_that_selects_nothing_is_a_400_as_in_the_cli(console: Server) -> None:
+    # "since 7d until 30d" read as "from a week back to a month back" selects nothing: an
+    # empty page (or an export of no entries) would pass for a trail with nothing in that time.
+    routes = [
+        ("/users/bob", {}),
+        ("/trail", {"user": BOB}),
+        ("/export", {"user": BOB}),
+        ("/export", {"user": BOB, "limit": "25"}),
+    ]
+    ranges = [
+        {"since": "7d", "until": "30d"},
+        {"since": "2026-06-01", "until": "2026-06-01"},
+        {"since": "2026-06-02", "until": "2026-06-02T01:00:00+02:00"},  # 06-01 23:00 UTC
+    ]
+    with console.client(ADMIN) as http:
+        for window in ranges:
+            for route, extra in routes:
+                api = http.get("/api" + route, params=extra | window)
+                assert api.status_code == 400, (route, window, api.text[:200])
+                assert api.json()["error"].startswith("since ("), api.json()
+                assert "is not before until" in api.json()["error"]
+                page = http.get(route, params=extra | window)
+                assert page.status_code == 400, (route, window)
+                assert "is not before until" in page.text
+        # A range the right way round is served.
+        fine = {"since": "30d", "until": "0d"}
+        assert http.get("/api/users/bob", params=fine).json()["entries"]
+
+
 FORGOTTEN = "forget-me-7731"  # not an email: the redactor would hide that one itself
 
 
