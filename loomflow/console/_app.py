@@ -44,8 +44,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._ids import check_id, check_key
 from .._printable import printable
 from .._timefmt import iso_time, parse_when
-from ..audit import ANY_USER
-from ..errors import InvalidArgumentError, LoomflowError, StorageError, UserError
+from ..audit import ANY_USER, AuditPage
+from ..errors import (
+    AuditIntegrityError,
+    InvalidArgumentError,
+    LoomflowError,
+    StorageError,
+    UserError,
+)
 from ..runtime import RUN_STATES, SessionInfo
 from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, CONSOLE_SIGNOUT, ConsoleData, TrailFilter
@@ -453,8 +459,17 @@ def create_app(
             viewed=user_id,
             details=where.as_json() | {"cursor": cursor, "limit": limit, "verify": verify},
         )
-        page_ = await data.trail(user_id, where, limit=limit, cursor=cursor)
         report = await data.verify(user_id) if verify else None
+        unreadable = None
+        try:
+            page_ = await data.trail(user_id, where, limit=limit, cursor=cursor)
+        except AuditIntegrityError as exc:
+            # A hand-edited row (text in its seq, say) makes the page's entries unreadable,
+            # not the chain's verification, which reports the row with its place: asked
+            # for, it is shown; else the page says why and offers it.
+            if request.url.path.startswith("/api/") and report is None:
+                raise
+            page_, unreadable = AuditPage([], None), str(exc)
         shown = {k: v for k, v in where.as_json().items() if v}
         next_url = None
         if page_.next_cursor is not None:
@@ -464,11 +479,14 @@ def create_app(
         api = {
             "user_id": user_id,
             "filters": where.as_json(),
-            "entries": [e.to_json() for e in page_.entries],
+            # None, not []: a page that could not be read is not an empty one.
+            "entries": None if unreadable else [e.to_json() for e in page_.entries],
             "next_cursor": page_.next_cursor,
             "verify": None if report is None else report.to_json(),
         }
-        return {
+        if unreadable:
+            api["unreadable"] = unreadable
+        context = {
             "user_id": user_id,
             "filters": where,
             "form": {k: q.get(k, "") for k in ("since", "until", "session", "action")},
@@ -482,8 +500,14 @@ def create_app(
             "export_page_url": _query_url("/export", user_id, **shown, limit=limit, cursor=cursor),
             "heads_url": _query_url("/export/heads", user_id),
             "report": report,
+            "unreadable": unreadable,
             "api": api,
         }
+        if unreadable and report is None:
+            response = render("trail.html", request, who, **context)
+            response.status_code = 400
+            return response
+        return context
 
     @page("trail.html")
     async def trail_by_path(request: Request, who: Principal) -> Any:

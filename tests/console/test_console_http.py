@@ -1026,14 +1026,19 @@ def test_the_search_does_not_take_a_head_rows_word_for_its_user(tmp_path: Path) 
         assert "an audit head is malformed: user_id is b'5', not text" in got.json()["error"]
 
 
-def test_an_export_over_a_malformed_row_is_a_400_not_a_download_cut_off(tmp_path: Path) -> None:
-    # The export streamed: a row with text in its seq broke it after the 200 went out, and
-    # the admin got a download the connection cut off, with no word of why.
-    path = _audit_db(tmp_path, [AuditRecord(user_id="eve", actor="t", action="x")] * 3)
+def _eve_with_a_text_seq(folder: Path) -> Settings:
+    """Settings over an audit log where eve's entry 2 has text in its seq (a hand edit)."""
+    path = _audit_db(folder, [AuditRecord(user_id="eve", actor="t", action="x")] * 3)
     with sqlite3.connect(path) as db:
         db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
         db.execute("UPDATE loom_audit SET seq = 'two' WHERE seq = 2")
-    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    return Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+
+
+def test_an_export_over_a_malformed_row_is_a_400_not_a_download_cut_off(tmp_path: Path) -> None:
+    # The export streamed: a row with text in its seq broke it after the 200 went out, and
+    # the admin got a download the connection cut off, with no word of why.
+    settings = _eve_with_a_text_seq(tmp_path)
     with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
         got = http.get("/api/export", params={"user": "eve"})
         assert got.status_code == 400
@@ -1041,6 +1046,32 @@ def test_an_export_over_a_malformed_row_is_a_400_not_a_download_cut_off(tmp_path
         page = http.get("/export", params={"user": "eve"})
         assert page.status_code == 400
         assert "not a whole number" in page.text
+
+
+def test_a_trail_with_a_malformed_row_can_still_be_verified_on_its_page(tmp_path: Path) -> None:
+    # "Verify this chain" on a trail holding a hand-edited row answered 400 (the page's
+    # entries could not be read), where `loomflow audit verify --user` reports the row as
+    # unreadable, with its place: the verification asked for was never shown.
+    settings = _eve_with_a_text_seq(tmp_path)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/users/eve", params={"verify": 1})
+        assert got.status_code == 200, got.text[:300]
+        body = got.json()
+        assert body["verify"]["ok"] is False
+        assert ("unreadable", None) in [(p["kind"], p["seq"]) for p in body["verify"]["problems"]]
+        assert body["entries"] is None  # not [], which would read as an empty trail
+        assert "seq is 'two', not a whole number" in body["unreadable"]
+        page = http.get("/users/eve", params={"verify": 1})
+        assert page.status_code == 200
+        assert "Chain verification FAILED" in page.text
+        assert 'id="unreadable"' in page.text
+        # Without verify=1 the entries are still a 400, and the page offers the verification.
+        assert http.get("/api/users/eve").status_code == 400
+        plain = http.get("/users/eve")
+        assert plain.status_code == 400
+        assert "not a whole number" in plain.text
+        assert 'id="verify"' in plain.text
+        assert 'id="entries"' not in plain.text
 
 
 def test_ages_and_bad_filters(console: Server) -> None:
