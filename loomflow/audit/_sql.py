@@ -329,6 +329,8 @@ def _conditions(where: AuditFilter) -> tuple[list[str], list[Any]]:
         conds.append(f"time_us >= {param(where.since_us)}")
     if where.until_us is not None:
         conds.append(f"time_us < {param(where.until_us)}")
+    if where.seq is not None:
+        conds.append(f"seq = {param(where.seq)}")
     return conds, args
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import bisect
 import contextlib
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -107,6 +108,7 @@ class AuditFilter:
     action_prefix: str | None = None
     since_us: int | None = None
     until_us: int | None = None
+    seq: int | None = None  # one entry of a user's trail (AuditStore.entry); never exported
 
     @classmethod
     def build(
@@ -181,6 +183,7 @@ class AuditFilter:
             and (self.action_prefix is None or entry.action.startswith(self.action_prefix))
             and (self.since_us is None or entry.time_us >= self.since_us)
             and (self.until_us is None or entry.time_us < self.until_us)
+            and (self.seq is None or entry.seq == self.seq)
         )
 
 
@@ -437,6 +440,23 @@ class AuditStore(abc.ABC):
         entries, last = await self._query(where, limit, after)
         more = len(entries) == limit and last is not None
         return AuditPage(entries, str(last) if more else None)
+
+    async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
+        """The entry ``seq`` of the user's trail (``None``: no entry has it), looked up by
+        its seq rather than found by reading the trail from its start: the last entry of a
+        long trail is as quick as the first, and rows before it are not read.
+
+        A trail whose rows were edited may hold more than one row with that seq (a store
+        without a unique key): the first stored is returned.
+        """
+        if type(seq) is not int or seq < 1:
+            raise UserError(f"seq must be a whole number from 1, not {seq!r}")
+        where = AuditFilter.build(user_id=user_id)
+        if seq > _MAX_SEQ:  # no entry has it, and a database would refuse the number
+            return None
+        await self.open()
+        found, _ = await self._query(dataclasses.replace(where, seq=seq), 1, None)
+        return found[0] if found else None
 
     @abc.abstractmethod
     async def _query(

@@ -437,14 +437,10 @@ class ConsoleData:
         )
 
     async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
-        """The user's entry ``seq``, as shown (entries are stored in seq order: stop once past
-        it)."""
-        async for entry in self.stores.audit.entries(user_id=user_id):
-            if entry.seq == seq:
-                return self.shown(entry)
-            if entry.seq > seq:
-                break
-        return None
+        """The user's entry ``seq``, as shown (looked up by its seq: the trail is not read
+        from its start)."""
+        found = await self.stores.audit.entry(user_id, seq)
+        return None if found is None else self.shown(found)
 
     async def verify(self, user_id: str | Any | None = ANY_USER) -> VerifyReport:
         return await self.stores.audit.verify(user_id=user_id)

@@ -221,6 +221,17 @@ class AuditStoreConformance:
         with pytest.raises(UserError, match="limit"):
             await store.query(limit=0)
 
+    async def test_an_entry_is_looked_up_by_user_and_seq(self, store: AuditStore) -> None:
+        written = await store.append([rec("alice", i=i) for i in range(3)])
+        await store.append([rec("bob"), rec(None)])
+        assert await store.entry("alice", 2) == written[1]
+        assert (await store.entry(None, 1)) is not None
+        assert await store.entry("bob", 2) is None
+        assert await store.entry("carol", 1) is None
+        assert await store.entry("alice", 2**63) is None  # no entry, and no database error
+        with pytest.raises(UserError, match="seq"):
+            await store.entry("alice", 0)
+
     async def test_export_writes_the_exported_form_as_json_lines(self, store: AuditStore) -> None:
         written = await store.append([rec("alice", i=1), rec("bob"), rec("alice", i=2)])
         out = io.StringIO()

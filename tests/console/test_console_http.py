@@ -1074,6 +1074,36 @@ def test_a_trail_with_a_malformed_row_can_still_be_verified_on_its_page(tmp_path
         assert 'id="entries"' not in plain.text
 
 
+def test_an_entry_is_looked_up_by_its_seq_not_found_by_walking_the_trail(
+    tmp_path: Path,
+) -> None:
+    # The entry page read the trail from its first entry until it met the seq: the last
+    # entry of a 200,000-entry trail took half a minute, a malformed row before the one
+    # asked for made it a 400, and a row moved out of order hid the entry (404).
+    settings = _eve_with_a_text_seq(tmp_path)
+    path = Path(settings.runtime_url.removeprefix("sqlite:///"))
+    asyncio.run(_append(path, [AuditRecord(user_id="ray", actor="t", action="x")] * 3))
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("""UPDATE loom_audit SET id = id + 1000 WHERE user_key = '"ray"' AND seq = 2""")
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/entry", params={"user": "eve", "seq": 3})
+        assert got.status_code == 200, got.text[:300]
+        assert got.json()["seq"] == 3
+        got = http.get("/api/entry", params={"user": "ray", "seq": 2})
+        assert got.status_code == 200, got.text[:300]
+        assert got.json()["seq"] == 2
+        for seq in (4, 9223372036854775807, 9999999999999999999):
+            assert http.get("/api/entry", params={"user": "ray", "seq": seq}).status_code == 404
+
+
+async def _append(path: Path, records: list[AuditRecord]) -> None:
+    store = SqliteAuditStore(path)
+    for record in records:
+        await store.append(record)
+    await store.close()
+
+
 def test_ages_and_bad_filters(console: Server) -> None:
     with console.client(ADMIN) as http:
         recent = http.get("/api/users/bob", params={"since": "1d", "limit": 100}).json()
@@ -1372,6 +1402,12 @@ def test_the_console_on_postgresql(pg_dsn: str) -> None:
         runs = http.get("/api/runs").json()["runs"]
         assert [(r["user_id"], r["state"]) for r in runs] == [(HOSTILE, "finished")]
         assert "&lt;script&gt;" in http.get(user_url(HOSTILE)).text
+        # An entry is looked up by its seq, one that no BIGINT holds included.
+        entry = http.get("/api/entry", params={"user": HOSTILE, "seq": 2}).json()
+        assert (entry["user_id"], entry["seq"]) == (HOSTILE, 2)
+        for seq in (9223372036854775807, 9999999999999999999):
+            got = http.get("/api/entry", params={"user": HOSTILE, "seq": seq})
+            assert got.status_code == 404, got.text[:300]
 
 
 def test_loomflow_settings_hides_the_console_secrets(tmp_path: Path) -> None:
