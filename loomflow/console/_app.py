@@ -139,6 +139,24 @@ def _cross_site(request: Request) -> bool:
     return origin.lower() not in (f"http://{host}".lower(), f"https://{host}".lower())
 
 
+def _loaded_by_another_site(request: Request) -> bool:
+    """Whether another site's page makes the browser load this address in the background
+    (an image, a script, a fetch, a frame), by the browser's own ``Sec-Fetch-*`` headers.
+
+    Such a request carries whatever the browser sends the console on its own: the sign-in
+    cookie (from a sibling subdomain, which ``SameSite`` counts as the same site) or, behind
+    a signing-in proxy, the user's name on every request. Served, it would run an export or
+    "verify all" in their name and record looks they never took. A link followed from another
+    site (a top-level navigation) is served: its reader sees the page that is recorded.
+    """
+    site = request.headers.get("sec-fetch-site")
+    if site is None or site.lower() in ("same-origin", "none"):
+        return False
+    mode = request.headers.get("sec-fetch-mode", "").lower()
+    dest = request.headers.get("sec-fetch-dest", "").lower()
+    return not (mode == "navigate" and dest == "document" and request.method in ("GET", "HEAD"))
+
+
 def user_url(user_id: str | None) -> str:
     """The trail page of a user, safe in a URL whatever the id holds."""
     if user_id is None:
@@ -149,6 +167,10 @@ def user_url(user_id: str | None) -> str:
 
 
 _CROSS_SITE = "This form was sent from another site's page; sign in from the console itself."
+_LOADED_ELSEWHERE = (
+    "This address was loaded by another site's page, not opened in the console: open it "
+    "from the console itself (a bearer token is needed to read it from a script)."
+)
 
 
 def _local(target: str) -> bool:
@@ -335,6 +357,11 @@ def create_app(
                         back += "?" + request.url.query
                     target = "/signin?" + urlencode({"next": back})
                     return RedirectResponse(target, 303, headers=_headers())
+                if who.via != "token" and _loaded_by_another_site(request):
+                    # Not recorded: it is no look the signed-in user took. (Nor is the
+                    # address logged: it may name a user.)
+                    log.warning("console: refused a load by another site's page (%s)", who.name)
+                    return _error(request, who, 403, _LOADED_ELSEWHERE, api)
                 try:
                     if role == "admin" and not who.is_admin:
                         await data.record(

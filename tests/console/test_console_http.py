@@ -714,6 +714,56 @@ def test_a_trusted_proxy_header(deployment: Deployment) -> None:
     assert _audit(deployment, user_id="console:carol", action="console.query")
 
 
+def test_another_sites_page_cannot_load_the_console_in_the_background(
+    deployment: Deployment,
+) -> None:
+    # Behind a signing-in proxy every request the browser sends carries the user's name, so
+    # an image on any page the officer visited ran an export (or "verify all") in their name
+    # and recorded looks they never took; the sign-in cookie goes along from a sibling
+    # subdomain (SameSite counts it the same site). A link followed from elsewhere is served.
+    image = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+    frame = {
+        "Sec-Fetch-Site": "same-site",
+        "Sec-Fetch-Mode": "navigate",
+        "Sec-Fetch-Dest": "iframe",
+    }
+    fetch = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "cors", "Sec-Fetch-Dest": "empty"}
+    link = {
+        "Sec-Fetch-Site": "cross-site",
+        "Sec-Fetch-Mode": "navigate",
+        "Sec-Fetch-Dest": "document",
+    }
+    victim = "background-load-victim"
+    options = ConsoleOptions(
+        proxy_header="X-Forwarded-User", proxy_admins=("ada",), tokens_file=deployment.tokens
+    )
+    with Server(deployment.settings, options) as server, server.client() as http:
+        ada = {"X-Forwarded-User": "ada"}
+        for forged in (image, frame, fetch):
+            for route in ("/export", "/api/export", "/export/heads"):
+                got = http.get(route, params={"user": victim}, headers=ada | forged)
+                assert got.status_code == 403, (route, forged)
+                assert "another site" in got.text
+        assert http.get("/verify", headers=ada | image).status_code == 403
+        assert http.get("/users/bob", headers=ada | link).status_code == 200
+        assert http.get("/users/bob", headers=ada | {"Sec-Fetch-Site": "none"}).status_code == 200
+        # A bearer token is sent by a script that holds it, never by a browser on its own.
+        bearer = {"Authorization": f"Bearer {ADMIN}"} | image
+        assert http.get("/api/export/heads", params={"user": "bob"}, headers=bearer).is_success
+        # The sign-in cookie, sent along by a sibling subdomain's page.
+        signed = http.post("/signin", data={"token": ADMIN}, follow_redirects=False)
+        assert signed.status_code == 303
+        got = http.get("/export", params={"user": victim}, headers=fetch)
+        assert got.status_code == 403
+        assert http.get("/users/bob", headers={"Sec-Fetch-Site": "same-origin"}).status_code == 200
+    looks = [
+        e
+        for e in _audit(deployment, action="console.query")
+        if (e["payload"] or {}).get("viewed_user") == victim
+    ]
+    assert looks == []  # nothing was recorded in anyone's name
+
+
 def test_tokens_files_and_settings_are_checked(deployment: Deployment, tmp_path: Path) -> None:
     cases = {
         "root " + "t" * 20 + " x": "role must be reader or admin",
