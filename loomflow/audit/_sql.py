@@ -289,6 +289,34 @@ class SqlAuditStore(AuditStore):
         return [(_user_of_key(str(r[0]), r[1]), int(r[2])) for r in rows]
 
     async def _heads(self, only: str | None) -> dict[str, ChainHead]:
+        heads, malformed = await self._head_rows(only)
+        if malformed:
+            raise AuditIntegrityError(f"an audit head is malformed: {malformed[0][1]}")
+        return heads
+
+    async def _verify_source(
+        self, only: str | None
+    ) -> tuple[dict[str, ChainHead], AsyncIterator[ChainItem]]:
+        # A head row edited by hand is a problem verify reports, with the trail it heads, not
+        # an error that leaves every other trail unchecked. That trail is then walked as one
+        # without a head.
+        heads, malformed = await self._head_rows(only)
+        problems = [
+            ChainProblem(
+                _user_of_key(key, None),
+                "head_mismatch",
+                None,
+                None,
+                f"the recorded head of this trail is malformed ({why}): the head was edited",
+            )
+            for key, why in malformed
+        ]
+        return heads, _after(problems, self._chain_items(only))
+
+    async def _head_rows(
+        self, only: str | None
+    ) -> tuple[dict[str, ChainHead], list[tuple[str, str]]]:
+        """The heads that read as heads, and the keys of those that do not, with why."""
         if only is None:
             rows = await self.db.fetch(
                 "SELECT user_key, user_id, seq, hash FROM loom_audit_heads", what="audit heads"
@@ -299,10 +327,24 @@ class SqlAuditStore(AuditStore):
                 only,
                 what="audit heads",
             )
-        try:
-            return {str(r[0]): ChainHead(_head_user(r[1]), int(r[2]), str(r[3])) for r in rows}
-        except (TypeError, ValueError) as exc:  # a head row edited by hand
-            raise AuditIntegrityError(f"an audit head is malformed: {exc}") from exc
+        heads: dict[str, ChainHead] = {}
+        malformed: list[tuple[str, str]] = []
+        for r in rows:
+            try:
+                heads[str(r[0])] = ChainHead(_head_user(r[1]), _whole(r[2], "seq"), str(r[3]))
+            except (TypeError, ValueError) as exc:  # a head row edited by hand
+                malformed.append((str(r[0]), str(exc)))
+        return heads, malformed
+
+
+async def _after(
+    problems: list[ChainProblem], items: AsyncIterator[ChainItem]
+) -> AsyncIterator[ChainItem]:
+    """``problems`` (of no entry, reported as they are), then ``items``."""
+    for problem in problems:
+        yield "", -1, problem
+    async for item in items:
+        yield item
 
 
 def _conditions(where: AuditFilter) -> tuple[list[str], list[Any]]:

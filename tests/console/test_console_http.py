@@ -1154,6 +1154,42 @@ async def _append(path: Path, records: list[AuditRecord]) -> None:
     await store.close()
 
 
+def test_a_malformed_head_row_is_a_problem_verify_reports_not_an_error(tmp_path: Path) -> None:
+    # One head row edited into no number made `loomflow audit verify` and the console's
+    # "Verify all" an error: no report at all, so the damage elsewhere in the log (zed's
+    # edited entry here) went unreported with it.
+    path = _audit_db(
+        tmp_path, [AuditRecord(user_id=u, actor="t", action="x") for u in ("eve", "eve", "zed")]
+    )
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_heads_forward")
+        db.execute("""UPDATE loom_audit_heads SET seq = 'x' WHERE user_key = '"eve"'""")
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("""UPDATE loom_audit SET payload = '{"n": 1}' WHERE user_key = '"zed"'""")
+    expected = {("eve", "head_mismatch"), ("zed", "edited")}
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/verify")
+        assert got.status_code == 200, got.text[:300]
+        problems = got.json()["problems"]
+        assert expected <= {(p["user_id"], p["kind"]) for p in problems}, problems
+        assert "seq" in next(p["detail"] for p in problems if p["kind"] == "head_mismatch")
+        assert "Verification FAILED" in http.get("/verify").text
+        mine = http.get("/api/users/eve", params={"verify": 1}).json()["verify"]
+        assert ("eve", "head_mismatch") in {(p["user_id"], p["kind"]) for p in mine["problems"]}
+    cli = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "audit", "verify", "--json", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "LOOMFLOW_RUNTIME_URL": settings.runtime_url},
+    )
+    assert cli.returncode == 1, cli.stderr
+    report = json.loads(cli.stdout)
+    assert expected <= {(p["user_id"], p["kind"]) for p in report["problems"]}
+
+
 def test_ages_and_bad_filters(console: Server) -> None:
     with console.client(ADMIN) as http:
         recent = http.get("/api/users/bob", params={"since": "1d", "limit": 100}).json()
