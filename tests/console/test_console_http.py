@@ -1174,7 +1174,9 @@ def test_a_malformed_head_row_is_a_problem_verify_reports_not_an_error(tmp_path:
         problems = got.json()["problems"]
         assert expected <= {(p["user_id"], p["kind"]) for p in problems}, problems
         assert "seq" in next(p["detail"] for p in problems if p["kind"] == "head_mismatch")
-        assert "Verification FAILED" in http.get("/verify").text
+        page = http.get("/verify").text
+        assert "Verification FAILED" in page
+        assert "<td>None</td>" not in page  # a problem of no seq (or of no user) shows "-"
         mine = http.get("/api/users/eve", params={"verify": 1}).json()["verify"]
         assert ("eve", "head_mismatch") in {(p["user_id"], p["kind"]) for p in mine["problems"]}
     cli = subprocess.run(
