@@ -108,6 +108,7 @@ def load_tokens(path: Path) -> list[TokenEntry]:
         raise ConfigurationError(f"tokens file {path} is not UTF-8 text") from exc
     entries: list[TokenEntry] = []
     names: set[str] = set()
+    lines_of: dict[str, int] = {}  # a token's SHA-256 -> the line that gives it
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -140,6 +141,14 @@ def load_tokens(path: Path) -> list[TokenEntry]:
             )
         else:
             digest = token_sha256(token)
+        if digest in lines_of:
+            # Whoever holds it would be signed in as one of the two names, with its role,
+            # and the audit log would name that one for both.
+            raise ConfigurationError(
+                f"{where}: the same token as line {lines_of[digest]} (each name needs a token "
+                "of its own)"
+            )
+        lines_of[digest] = number
         entries.append(TokenEntry(role, digest, name))
     if not entries:
         # An operator who names a tokens file means to sign in with it: an empty one (a

@@ -51,7 +51,14 @@ def _tokens(settings: Settings, options: ConsoleOptions) -> list[TokenEntry]:
                 f"around it; a console token is {MIN_TOKEN_LENGTH} or more"
             )
         # The one token of a small deployment is its operator's: admin.
-        tokens.append(TokenEntry("admin", token_sha256(token), "console-token"))
+        digest = token_sha256(token)
+        for entry in tokens:
+            if entry.sha256 == digest:
+                raise ConfigurationError(
+                    f"LOOMFLOW_CONSOLE_TOKEN is the token of {entry.name!r} in the tokens file: "
+                    "give each a token of its own"
+                )
+        tokens.append(TokenEntry("admin", digest, "console-token"))
     return tokens
 
 

@@ -772,6 +772,9 @@ def test_tokens_files_and_settings_are_checked(deployment: Deployment, tmp_path:
         f"admin {'t' * 20} a\nreader {'u' * 20} a": "given twice",
         f"admin {'t' * 20}": "expected `role token name`",
         f"admin {'t' * 20} <b>": "a name is",
+        # One token, two names (and roles): whoever holds it was signed in as the last one.
+        f"reader {'t' * 20} rob\nadmin {'t' * 20} ada": "the same token as line 1",
+        f"reader {'t' * 20} rob\nadmin sha256:{token_sha256('t' * 20)} ada": "same token as line 1",
     }
     for text, message in cases.items():
         path = tmp_path / "tokens"
@@ -781,6 +784,13 @@ def test_tokens_files_and_settings_are_checked(deployment: Deployment, tmp_path:
         assert "t" * 20 not in str(caught.value)  # a token never lands in a message
     with pytest.raises(ConfigurationError, match="needs a way in"):
         build_console(deployment.settings, ConsoleOptions())
+    path.write_text(f"reader {'t' * 20} rob\n", encoding="utf-8")
+    same = deployment.settings.model_copy(update={"console_token": SecretStr("t" * 20)})
+    with pytest.raises(
+        ConfigurationError, match="LOOMFLOW_CONSOLE_TOKEN is the token of"
+    ) as caught:
+        build_console(same, ConsoleOptions(tokens_file=path))
+    assert "t" * 20 not in str(caught.value)
     with pytest.raises(ConfigurationError, match="cannot read tokens file"):
         build_console(deployment.settings, ConsoleOptions(tokens_file=tmp_path / "none"))
     # An admin through the proxy who could never be one was taken without a word.
