@@ -39,6 +39,9 @@ class ConsoleOptions:
     secure_cookie: bool = False
 
 
+_SETTING_NAME = "console-token"  # who LOOMFLOW_CONSOLE_TOKEN signs in, in the audit log
+
+
 def _tokens(settings: Settings, options: ConsoleOptions) -> list[TokenEntry]:
     tokens = [] if options.tokens_file is None else load_tokens(options.tokens_file)
     if settings.console_token is not None:
@@ -53,12 +56,18 @@ def _tokens(settings: Settings, options: ConsoleOptions) -> list[TokenEntry]:
         # The one token of a small deployment is its operator's: admin.
         digest = token_sha256(token)
         for entry in tokens:
+            if entry.name == _SETTING_NAME:
+                raise ConfigurationError(
+                    f"the tokens file names someone {_SETTING_NAME!r}, the name "
+                    "LOOMFLOW_CONSOLE_TOKEN is recorded under: their looks and the setting's "
+                    "would share one chain"
+                )
             if entry.sha256 == digest:
                 raise ConfigurationError(
                     f"LOOMFLOW_CONSOLE_TOKEN is the token of {entry.name!r} in the tokens file: "
                     "give each a token of its own"
                 )
-        tokens.append(TokenEntry("admin", digest, "console-token"))
+        tokens.append(TokenEntry("admin", digest, _SETTING_NAME))
     return tokens
 
 

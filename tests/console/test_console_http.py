@@ -791,6 +791,10 @@ def test_tokens_files_and_settings_are_checked(deployment: Deployment, tmp_path:
     ) as caught:
         build_console(same, ConsoleOptions(tokens_file=path))
     assert "t" * 20 not in str(caught.value)
+    # Two tokens recorded under one name: one chain for two people's looks.
+    path.write_text(f"reader {'u' * 20} console-token\n", encoding="utf-8")
+    with pytest.raises(ConfigurationError, match="the name LOOMFLOW_CONSOLE_TOKEN"):
+        build_console(same, ConsoleOptions(tokens_file=path))
     with pytest.raises(ConfigurationError, match="cannot read tokens file"):
         build_console(deployment.settings, ConsoleOptions(tokens_file=tmp_path / "none"))
     # An admin through the proxy who could never be one was taken without a word.
