@@ -486,7 +486,6 @@ def create_app(
             viewed=user_id,
             details=where.as_json() | {"cursor": cursor, "limit": limit, "verify": verify},
         )
-        report = await data.verify(user_id) if verify else None
         unreadable = None
         try:
             page_ = await data.trail(user_id, where, limit=limit, cursor=cursor)
@@ -494,9 +493,10 @@ def create_app(
             # A hand-edited row (text in its seq, say) makes the page's entries unreadable,
             # not the chain's verification, which reports the row with its place: asked
             # for, it is shown; else the page says why and offers it.
-            if request.url.path.startswith("/api/") and report is None:
+            if request.url.path.startswith("/api/") and not verify:
                 raise
             page_, unreadable = AuditPage([], None), str(exc)
+        report = await data.verify(user_id) if verify else None
         shown = {k: v for k, v in where.as_json().items() if v}
         next_url = None
         if page_.next_cursor is not None:
