@@ -307,10 +307,11 @@ def _print(report: SweepReport, as_json: bool) -> None:
         f"{len(report.claim_lost)}, deferred {len(report.deferred)}",
         flush=True,
     )
+    # A reason quotes the run's last error, read from the journal: shown escaped.
     for ref in report.unregistered:
-        print(f"  left alone: session {ref.session_id!r} of {who(ref.user_id)}: {ref.reason}")
+        print(f"  left alone: {_named(ref)}: {printable(ref.reason)}")
     for ref in report.dead_lettered:
-        print(f"  dead letter: session {ref.session_id!r} of {who(ref.user_id)}: {ref.reason}")
+        print(f"  dead letter: {_named(ref)}: {printable(ref.reason)}")
 
 
 def _event(as_json: bool, event: str, text: str, **fields: Any) -> None:

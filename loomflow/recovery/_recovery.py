@@ -387,6 +387,9 @@ class Recovery:
     async def _dead_letter(
         self, report: SweepReport, orphan: Orphan, ref: RunRef, error: str
     ) -> None:
+        # Cut as the journal stores it: the reason quotes the row's last error, which a
+        # hand-edited row may make any size, and the report, log and audit say what is stored.
+        error = error[:4000]
         if not await self.runtime.dead_letter(
             orphan.session_id, orphan.user_id, error, token=orphan.token
         ):

@@ -467,3 +467,29 @@ async def test_an_async_factory_is_refused_without_a_stray_warning(tmp_path: Pat
     assert code == 1
     assert "the factory must be a plain function, not async" in err
     assert "never awaited" not in err
+
+
+async def test_a_crafted_last_error_is_printed_escaped_and_cut_when_its_run_is_given_up(
+    tmp_path: Path,
+) -> None:
+    # A run out of attempts is given up with its last error in the reason. A hand-edited
+    # 200 KB last_error holding terminal escapes went raw into the worker's output (recolouring
+    # the terminal, a carriage return overwriting the line) and whole into its log line.
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(url, ledger, 1, "esc")
+    crafted = "RuntimeError: boom \x1b[31mRED\x1b[0m\rFORGED\n" + "x" * 200_000
+    with sqlite3.connect(tmp_path / "journal.db") as db:
+        db.execute("UPDATE loom_sessions SET attempts = 5, last_error = ?", (crafted,))
+    db.close()
+    code, out, err = await cli("worker", "_app:agents", "--once", env=app_env(url, ledger))
+    assert code == 0, err
+    raw = "\x1b" in out or "\r" in out
+    assert not raw, "the worker printed a terminal control"
+    [line] = [text for text in out.splitlines() if "dead letter" in text]
+    assert "boom \\x1b[31mRED\\x1b[0m\\rFORGED\\nxxx" in line
+    assert len(line) < 5_000, f"a line of {len(line)} characters"
+    [logged] = [text for text in err.splitlines() if "gave up on session" in text]
+    assert len(logged) < 5_000, f"a log line of {len(logged)} characters"
