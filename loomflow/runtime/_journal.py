@@ -1086,11 +1086,18 @@ class JournalRuntime:
             value = self._decode(entry)
         except _Skipped:
             return "miss", None
-        except CorruptEntryError:
+        except CorruptEntryError as exc:
             run.stats.corrupt += 1
             if run.strict:
                 raise
-            log.warning("%s is corrupt; running the step again", what % label)
+            # Which run, and why: a worker resumes many, and the row is there to repair.
+            log.warning(
+                "%s of session %r of user %r is corrupt (%s); running the step again",
+                what % label,
+                run.session_id,
+                run.user_id,
+                str(exc)[:300],
+            )
             return "corrupt", None
         wanted = unexpected(name, value)
         if wanted is not None:  # well-formed, but not what this step returns (a crafted row)
@@ -1098,7 +1105,12 @@ class JournalRuntime:
             problem = f"{what % label} holds {type(value).__name__}, not {wanted}"
             if run.strict:
                 raise CorruptEntryError(problem)
-            log.warning("%s; running the step again", problem)
+            log.warning(
+                "%s in session %r of user %r; running the step again",
+                problem,
+                run.session_id,
+                run.user_id,
+            )
             return "corrupt", None
         run.stats.hits += 1
         run.stats.hit_steps.append(name)

@@ -469,21 +469,32 @@ async def test_an_async_factory_is_refused_without_a_stray_warning(tmp_path: Pat
     assert "never awaited" not in err
 
 
+async def _orphans_edited(
+    tmp_path: Path, count: int, prefix: str, edit: str, *params: object
+) -> tuple[str, Path]:
+    """``count`` runs orphaned in a SQLite journal (their process killed), then ``edit`` run
+    on the file by hand: the journal's URL and the ledger."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(url, ledger, count, prefix)
+    with sqlite3.connect(tmp_path / "journal.db") as db:
+        db.execute(edit, params)
+    db.close()
+    return url, ledger
+
+
 async def test_a_crafted_last_error_is_printed_escaped_and_cut_when_its_run_is_given_up(
     tmp_path: Path,
 ) -> None:
     # A run out of attempts is given up with its last error in the reason. A hand-edited
     # 200 KB last_error holding terminal escapes went raw into the worker's output (recolouring
     # the terminal, a carriage return overwriting the line) and whole into its log line.
-    import sqlite3
-
-    url = f"sqlite:///{tmp_path / 'journal.db'}"
-    ledger = tmp_path / "ledger.jsonl"
-    await start_and_kill(url, ledger, 1, "esc")
     crafted = "RuntimeError: boom \x1b[31mRED\x1b[0m\rFORGED\n" + "x" * 200_000
-    with sqlite3.connect(tmp_path / "journal.db") as db:
-        db.execute("UPDATE loom_sessions SET attempts = 5, last_error = ?", (crafted,))
-    db.close()
+    url, ledger = await _orphans_edited(
+        tmp_path, 1, "esc", "UPDATE loom_sessions SET attempts = 5, last_error = ?", crafted
+    )
     code, out, err = await cli("worker", "_app:agents", "--once", env=app_env(url, ledger))
     assert code == 0, err
     raw = "\x1b" in out or "\r" in out
@@ -493,3 +504,24 @@ async def test_a_crafted_last_error_is_printed_escaped_and_cut_when_its_run_is_g
     assert len(line) < 5_000, f"a line of {len(line)} characters"
     [logged] = [text for text in err.splitlines() if "gave up on session" in text]
     assert len(logged) < 5_000, f"a log line of {len(logged)} characters"
+
+
+async def test_a_corrupt_step_run_again_by_a_worker_is_logged_with_its_run_and_why(
+    tmp_path: Path,
+) -> None:
+    # The warning only named the step ("journal entry for step 'tool_call_0_0_...' is
+    # corrupt"): with several runs resumed, an SRE could not tell which run's row was damaged,
+    # nor how (bad JSON, an unknown format, a newer codec).
+    url, ledger = await _orphans_edited(
+        tmp_path,
+        2,
+        "bad",
+        "UPDATE loom_entries SET value = X'7b6e6f74206a736f6e' "
+        """WHERE scope = '["bad-1","ana"]' AND name LIKE 'tool_call_0%'""",
+    )
+    code, _out, err = await cli("worker", "_app:agents", "--once", env=app_env(url, ledger))
+    assert code == 0, err
+    [line] = [text for text in err.splitlines() if "is corrupt" in text]
+    assert "of session 'bad-1' of user 'ana'" in line
+    assert "not valid JSON" in line
+    assert tool_counts(ledger, "reserve") == {"bad-0": 1, "bad-1": 2}
