@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeVar, overload
 
 from .._cleanup import attach_cleanup_error
 from .._ids import check_id, check_key, user_label
+from .._json import valid_line
 from .._locks import drop_if_idle
 from .._progress import OnProgress
 from ..config import Settings
@@ -1380,13 +1381,13 @@ class JournalRuntime:
         self, session_id: str | None, user_id: str | None, error: str, *, token: int | None = None
     ) -> bool:
         """Mark the open run ``failed`` with ``error``: recovery gave up on it."""
-        return await self._store.dead_letter(Scope(session_id, user_id), token, error[:4000])
+        return await self._store.dead_letter(Scope(session_id, user_id), token, _error(error))
 
     async def note_recovery_error(
         self, session_id: str | None, user_id: str | None, error: str
     ) -> None:
         """Record why a recovery attempt failed (the run stays orphaned until its retry)."""
-        await self._store.note_error(Scope(session_id, user_id), error[:4000])
+        await self._store.note_error(Scope(session_id, user_id), _error(error))
 
     async def prune(
         self,
@@ -1475,6 +1476,13 @@ class JournalRuntime:
         else:  # a store from before 0.21
             deleted = await self.prune(user_id=user_id, include_open=True, older_than=timedelta(0))
         return deleted + await self._store.forget_sessions(user_id)
+
+
+def _error(text: str) -> str:
+    """A run's last error as its text column can hold it: cut, and with each NUL and lone
+    surrogate (a tool's message may hold either) replaced; PostgreSQL refused the whole
+    write, SQLite a surrogate, and the error was lost."""
+    return valid_line(text[:4000])
 
 
 def _takes(method: Callable[..., Any], option: str) -> bool:

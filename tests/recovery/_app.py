@@ -7,7 +7,8 @@ Configured by environment variables, as a deployed app would be:
   is how the tests count side effects;
 - ``FLEET_BLOCK=1``: ``ship`` writes a ``blocked`` line and then waits forever (to be killed),
   or, with ``FLEET_GATE=<path>``, until that file exists;
-- ``FLEET_FAIL=1``: ``ship`` raises (a run that cannot succeed);
+- ``FLEET_FAIL=1``: ``ship`` raises (a run that cannot succeed), with the message
+  ``FLEET_FAIL_MESSAGE`` if set (backslash escapes decoded: ``\\x00`` is a NUL);
 - ``FLEET_INSTRUCTIONS``: the agent's instructions (changing them changes its fingerprint);
 - ``FLEET_OUTPUT=1``: ``start`` asks each run for ``output_type=Note`` (the model answers JSON).
 
@@ -82,7 +83,8 @@ async def ship(order: int) -> str:
     if os.environ.get("FLEET_FAIL") == "1":
         _mark("failed")
         # ConfigurationError stops the run (other tool errors go back to the model).
-        raise ConfigurationError("the carrier is down")
+        message = os.environ.get("FLEET_FAIL_MESSAGE", "the carrier is down")
+        raise ConfigurationError(message.encode().decode("unicode_escape"))
     _mark("ship")
     return f"shipped {order}"
 

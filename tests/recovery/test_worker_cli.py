@@ -525,3 +525,30 @@ async def test_a_corrupt_step_run_again_by_a_worker_is_logged_with_its_run_and_w
     assert "of session 'bad-1' of user 'ana'" in line
     assert "not valid JSON" in line
     assert tool_counts(ledger, "reserve") == {"bad-0": 1, "bad-1": 2}
+
+
+async def test_an_error_holding_a_nul_is_kept_as_the_runs_last_error_and_dead_letter(
+    journal_url: str, tmp_path: Path
+) -> None:
+    # PostgreSQL text holds no NUL: a resumed run whose error held one (a tool's message, a
+    # lone surrogate too) lost its last error ("recovery bookkeeping failed"), and its last
+    # attempt was not given up, so the dead letter that followed said no error at all.
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(journal_url, ledger, 1, "nul")
+    failing = app_env(
+        journal_url, ledger, FLEET_FAIL="1", FLEET_FAIL_MESSAGE="carrier said \\x00 and \\udce9"
+    )
+    env = app_env(journal_url, ledger)
+    for attempt, state in ((1, "orphaned"), (2, "failed")):
+        if attempt == 2:
+            await asyncio.sleep(1.5)  # the backoff after the first attempt
+        code, _out, err = await cli(
+            "worker", "_app:agents", "--once", "--max-attempts", "2", env=failing
+        )
+        assert code == 1, err
+        assert "bookkeeping failed" not in err
+        code, out, err = await cli("--url", journal_url, "runs", "list", "--json", env=env)
+        assert code == 0, err
+        row = _rows(out)["nul-0"]
+        assert (row["state"], row["attempts"]) == (state, attempt)
+        assert row["last_error"] == "ConfigurationError: carrier said \ufffd and \ufffd"
