@@ -6,9 +6,10 @@ runtime; every agent must journal to that database) and the first one's audit lo
 no ``--url``; a ``LOOMFLOW_RUNTIME_URL`` naming another journal than the agents' is refused,
 so the worker never sweeps a journal other than the one the other commands read. It sweeps
 at start and then every ``--interval`` seconds, serves ``/metrics`` (prometheus-client's default
-registry), ``/healthz`` and ``/readyz`` (200 once a sweep has reached the journal) on
-``--host``:``--port``, and on SIGTERM or SIGINT stops taking work, releases the leases of the
-runs it is resuming (another worker takes them over at once) and exits 0.
+registry), ``/healthz`` (200 while its event loop runs) and ``/readyz`` (200 once a sweep has
+reached the journal) on ``--host``:``--port``, and on SIGTERM or SIGINT stops taking work,
+releases the leases of the runs it is resuming (another worker takes them over at once) and
+exits 0.
 
 A sweep still running after ``--sweep-timeout`` seconds (by default the lease,
 ``LOOMFLOW_LEASE_SECONDS``) is cancelled and counts as failed: a journal that accepts
@@ -39,6 +40,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
@@ -73,6 +75,10 @@ _HANDOVER_MAX_S = 5.0
 """At shutdown, the longest wait for the runs to be handed over, and then for the journal to
 close (each; the sweep timeout when that is shorter). Handing over is a few writes, done in
 milliseconds; a database that does not answer would otherwise keep the worker from exiting."""
+
+
+_STALL_MIN_S = 5.0
+"""The shortest time the event loop may go without running before /healthz fails."""
 
 
 def register(subparsers: Any) -> None:
@@ -210,18 +216,42 @@ def load_app(spec: str) -> dict[str, Recoverable]:
 
 
 class _Health:
-    """What /healthz and /readyz answer: alive while serving; ready while the last sweep
-    reached the journal, and otherwise why not (one line)."""
+    """What /healthz and /readyz answer: alive while the worker's event loop runs; ready
+    while the last sweep reached the journal, and otherwise why not (one line).
 
-    def __init__(self) -> None:
+    The HTTP server runs in a thread of its own, so it answers even when a blocking call (in
+    a tool, a hook, the application's code) holds the event loop, and nothing sweeps, renews
+    a lease or handles a signal: the loop marks :attr:`beat` every second (:meth:`pulse`),
+    and a beat older than ``stall_s`` fails both probes.
+    """
+
+    def __init__(self, stall_s: float) -> None:
         # One tuple, replaced whole: the HTTP threads read it while the loop writes it.
         self.state: tuple[bool, str] = (False, "the journal has not answered yet")
+        self.stall_s = stall_s
+        self.beat = time.monotonic()
 
     def ready(self) -> None:
         self.state = (True, "ready")
 
     def failed(self, why: str) -> None:
         self.state = (False, why)
+
+    def stalled(self) -> str | None:
+        """Why the worker is not alive (its event loop has not run for too long), or None."""
+        silent = time.monotonic() - self.beat
+        if silent <= self.stall_s:
+            return None
+        return (
+            f"the worker's event loop has not run for {silent:.0f}s (a blocking call in a "
+            "tool, a hook or the application holds it): nothing is swept, no lease renewed"
+        )
+
+    async def pulse(self) -> None:
+        """Mark the loop alive every second, until cancelled."""
+        while True:
+            self.beat = time.monotonic()
+            await asyncio.sleep(min(1.0, self.stall_s / 4))
 
 
 # A client that gave up (a probe's timeout ran out while the worker was slow to answer).
@@ -246,10 +276,17 @@ def _serve(host: str, port: int, health: _Health) -> ThreadingHTTPServer:
             if path == "/metrics":
                 self._answer(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
             elif path == "/healthz":
-                self._answer(200, b"ok\n")
+                stalled = health.stalled()
+                if stalled is None:
+                    self._answer(200, b"ok\n")
+                else:
+                    self._answer(503, f"not alive: {stalled}\n".encode())
             elif path == "/readyz":
                 ready, why = health.state
-                if ready:
+                stalled = health.stalled()
+                if stalled is not None:
+                    self._answer(503, f"not ready: {stalled}\n".encode())
+                elif ready:
                     self._answer(200, b"ready\n")
                 else:
                     self._answer(503, f"not ready: {why}\n".encode())
@@ -537,10 +574,13 @@ async def _recover(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    health = _Health()
+    # A loop held longer than a sweep may take is a worker that does nothing (not less than
+    # _STALL_MIN_S: a busy host's pauses are no reason to restart it).
+    health = _Health(stall_s=max(_STALL_MIN_S, args.sweep_timeout))
     sweeper = _Sweeper(recovery, stop, args.sweep_timeout)
     port = args.port if args.port is not None else (None if args.once else 9464)
     server = None
+    pulse = asyncio.create_task(health.pulse(), name="loomflow-worker-pulse")
     try:
         server = _serve(args.host, port, health) if port is not None else None
         if server is not None:
@@ -561,6 +601,7 @@ async def _recover(
         await _hand_over(sweeper, args.json)
         return 0
     finally:
+        pulse.cancel()
         shutdown.hung = sweeper.hung
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

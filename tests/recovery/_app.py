@@ -9,6 +9,8 @@ Configured by environment variables, as a deployed app would be:
   or, with ``FLEET_GATE=<path>``, until that file exists;
 - ``FLEET_FAIL=1``: ``ship`` raises (a run that cannot succeed), with the message
   ``FLEET_FAIL_MESSAGE`` if set (backslash escapes decoded: ``\\x00`` is a NUL);
+- ``FLEET_WEDGE=1``: ``ship`` writes a ``wedged`` line and blocks the whole event loop (a
+  blocking call in an async tool) until the file ``FLEET_GATE`` exists;
 - ``FLEET_INSTRUCTIONS``: the agent's instructions (changing them changes its fingerprint);
 - ``FLEET_OUTPUT=1``: ``start`` asks each run for ``output_type=Note`` (the model answers JSON).
 
@@ -80,6 +82,10 @@ async def ship(order: int) -> str:
         # Polled: the gate is a file another process creates, there is no event to wait on.
         while gate is None or not os.path.exists(gate):  # noqa: ASYNC110, ASYNC240
             await asyncio.sleep(0.05)
+    if os.environ.get("FLEET_WEDGE") == "1":
+        _mark("wedged")
+        while not os.path.exists(os.environ["FLEET_GATE"]):  # noqa: ASYNC240
+            time.sleep(0.05)  # noqa: ASYNC251 - the point: nothing else in the loop runs
     if os.environ.get("FLEET_FAIL") == "1":
         _mark("failed")
         # ConfigurationError stops the run (other tool errors go back to the model).

@@ -66,11 +66,11 @@ def _get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-async def _until(port: int, status: int, timeout: float = 30) -> str:  # noqa: ASYNC109
-    """Poll /readyz until it answers ``status``; its body."""
+async def _until(port: int, status: int, timeout: float = 30, path: str = "/readyz") -> str:  # noqa: ASYNC109
+    """Poll ``path`` until it answers ``status``; its body."""
     async with asyncio.timeout(timeout):
         while True:
-            code, body = await asyncio.to_thread(_get, port, "/readyz")
+            code, body = await asyncio.to_thread(_get, port, path)
             if code == status:
                 return body
             await asyncio.sleep(0.1)
@@ -354,3 +354,33 @@ async def test_closing_a_journal_whose_server_stopped_answering_is_bounded(
     assert took < 20, took  # the lane's 5 s, then the pool's 10 s
     with pytest.raises((StoreUnavailableError, asyncio.CancelledError)):
         await asyncio.wait_for(stuck, 10)
+
+
+async def test_a_worker_whose_event_loop_is_blocked_says_so_on_healthz_and_readyz(
+    tmp_path: Path,
+) -> None:
+    # A blocking call in an async tool stops the worker's event loop: no sweep, no lease
+    # renewal, no signal handled. /healthz kept answering 200 (its server runs in a thread)
+    # and /readyz "ready" from the last sweep, so no liveness probe ever restarted it.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ledger = tmp_path / "ledger.jsonl"
+    gate = tmp_path / "gate"
+    await start_and_kill(url, ledger, 1, "wedge")
+    env = app_env(url, ledger, FLEET_WEDGE="1", FLEET_GATE=str(gate))
+    proc = await _worker(env, "--json", "--port", "0", "--interval", "0.2", "--sweep-timeout", "2")
+    try:
+        port = await _port(proc)
+        await wait_for(ledger, "wedged", 1)
+        assert "has not run for" in await _until(port, 503, path="/healthz")
+        code, body = await asyncio.to_thread(_get, port, "/readyz")
+        assert code == 503
+        assert "has not run for" in body
+        gate.touch()  # the tool returns: the loop runs again
+        assert await _until(port, 200, path="/healthz") == "ok\n"
+        await wait_for(ledger, "ship", 1)
+        await _until(port, 200)
+    finally:
+        gate.touch()
+        _out, err, _took = await _stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert tool_counts(ledger, "ship") == {"wedge-0": 1}
