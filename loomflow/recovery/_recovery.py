@@ -33,6 +33,7 @@ from ..errors import (
     InvalidArgumentError,
     OwnershipLostError,
     RunCancelledError,
+    SessionBusyError,
     StoreUnavailableError,
     UserError,
 )
@@ -431,11 +432,13 @@ class Recovery:
                 outcome, stopped = "interrupted", result.interruption_reason
         except RunCancelledError:
             outcome = "cancelled"
-        except OwnershipLostError as exc:
+        except (OwnershipLostError, SessionBusyError) as exc:
             # Another owner took the run over while this one resumed it (this worker was
             # frozen past its lease, or the application resumed the run itself): the new
             # owner decides how it ends. Not a failed attempt: no error noted, no dead letter
             # (the run may well have finished), and `worker --once` does not fail for it.
+            # Held up between the claim and the run's turn, this worker finds the turn
+            # taken: the run's new owner keeps it past the turn timeout (SessionBusyError).
             outcome = "claim_lost"
             error = agent.redactor.text(f"{type(exc).__name__}: {exc}")[:4000]
             log.warning(

@@ -11,6 +11,7 @@ Configured by environment variables, as a deployed app would be:
   ``FLEET_FAIL_MESSAGE`` if set (backslash escapes decoded: ``\\x00`` is a NUL);
 - ``FLEET_WEDGE=1``: ``ship`` writes a ``wedged`` line and blocks the whole event loop (a
   blocking call in an async tool) until the file ``FLEET_GATE`` exists;
+- ``FLEET_AUDIT_URL``: the audit log's store (by default the journal's);
 - ``FLEET_INSTRUCTIONS``: the agent's instructions (changing them changes its fingerprint);
 - ``FLEET_OUTPUT=1``: ``start`` asks each run for ``output_type=Note`` (the model answers JSON).
 
@@ -99,7 +100,7 @@ def agents() -> dict[str, Agent]:
     """The worker's registry (a factory: ``loomflow worker _app:agents``)."""
     lease = float(os.environ.get("FLEET_LEASE", "30"))
     runtime = runtime_from_url(os.environ["FLEET_URL"], lease_seconds=lease)
-    audit = AuditLog(f"{os.environ['FLEET_URL']}", redact_logs=False)
+    audit = AuditLog(os.environ.get("FLEET_AUDIT_URL", os.environ["FLEET_URL"]), redact_logs=False)
     agent = Agent(
         os.environ.get("FLEET_INSTRUCTIONS", "You fulfil orders."),
         model=ScriptedModel(SCRIPT),

@@ -552,3 +552,96 @@ async def test_an_error_holding_a_nul_is_kept_as_the_runs_last_error_and_dead_le
         row = _rows(out)["nul-0"]
         assert (row["state"], row["attempts"]) == (state, attempt)
         assert row["last_error"] == "ConfigurationError: carrier said \ufffd and \ufffd"
+
+
+_HOLD_LOCK = """
+import os, sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+"""
+
+
+async def test_a_worker_held_up_between_its_claim_and_the_run_is_no_failed_attempt(
+    tmp_path: Path,
+) -> None:
+    # Worker A claims a run, then waits (its audit log is locked) past its lease; worker B
+    # takes the run over and runs it. When A goes on, the run's turn is B's: A waited for it,
+    # failed with SessionBusyError and counted that as its attempt failing (`--once` exited 1,
+    # "raised", run.recover outcome retry_failed), where a claim lost at a later step is not.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ledger = tmp_path / "ledger.jsonl"
+    audit_a, audit_b = tmp_path / "audit-a.db", tmp_path / "audit-b.db"
+    gate, unlock = tmp_path / "gate", tmp_path / "unlock"
+    await start_and_kill(url, ledger, 1, "late")
+    env = app_env(url, ledger)
+    code, _out, err = await cli("--url", f"sqlite:///{audit_a}", "migrate", env=env)
+    assert code == 0, err
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLD_LOCK, str(audit_a), str(unlock), stdout=asyncio.subprocess.PIPE
+    )
+    assert holder.stdout is not None
+    assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"locked\n"
+    a_env = app_env(
+        url,
+        ledger,
+        FLEET_AUDIT_URL=f"sqlite:///{audit_a}",
+        FLEET_LEASE="1",
+        LOOMFLOW_SQLITE_BUSY_TIMEOUT_MS="120000",
+        LOOMFLOW_TURN_TIMEOUT_SECONDS="2",
+    )
+    b_env = app_env(
+        url, ledger, FLEET_AUDIT_URL=f"sqlite:///{audit_b}", FLEET_BLOCK="1", FLEET_GATE=str(gate)
+    )
+    a = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "loomflow.cli", "worker", "_app:agents", "--once"),
+        *("--worker-id", "A"),
+        env=a_env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    b = None
+    try:
+        runtime = runtime_from_url(url)
+        try:
+            async with asyncio.timeout(60):  # A's claim is in: it counted an attempt
+                while (await runtime.sessions(session_id="late-0"))[0].attempts < 1:  # noqa: ASYNC110 - another process's row
+                    await asyncio.sleep(0.1)
+        finally:
+            await runtime.close()
+        b = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "loomflow.cli", "worker", "_app:agents", "--once"),
+            *("--worker-id", "B"),
+            env=b_env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        await wait_for(ledger, "blocked", 2)  # B resumed the run (after A's 1 s lease)
+        unlock.touch()  # A's audit entry is written, and A goes on to resume the run
+        async with asyncio.timeout(60):
+            _out_a, err_a = await a.communicate()
+        gate.touch()
+        async with asyncio.timeout(60):
+            _out_b, err_b = await b.communicate()
+    finally:
+        unlock.touch()
+        gate.touch()
+        for proc in (a, b, holder):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert b.returncode == 0, err_b.decode()[-3000:]
+    assert a.returncode == 0, err_a.decode()[-3000:]
+    assert "was taken over by another owner" in err_a.decode()
+    assert tool_counts(ledger, "ship") == {"late-0": 1}
+    audit = AuditLog(f"sqlite:///{audit_a}")
+    try:
+        recovers = (await audit.query(user_id="ana", action="run.recover")).entries
+        assert [e.payload.get("outcome") for e in recovers] == [None, "claim_lost"]
+    finally:
+        await audit.close()
+    code, out, err = await cli("--url", url, "runs", "list", "--json", env=env)
+    row = _rows(out)["late-0"]
+    assert (row["state"], row["last_error"]) == ("finished", None)
