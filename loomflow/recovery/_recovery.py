@@ -87,6 +87,14 @@ class SweepReport:
     states: dict[str, int] = field(default_factory=dict)
 
 
+class _NotAudited(Exception):
+    """The audit log refused a recovery's first entry: the run was not started."""
+
+    def __init__(self, failure: StoreUnavailableError) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 def _given_up(orphan: Orphan) -> str:
     """Why a run out of attempts is a dead letter: how its last attempt ended, as far as its
     row tells, with the last error an attempt raised (which the dead letter replaces)."""
@@ -418,13 +426,20 @@ class Recovery:
         try:
             async with self.runtime.adopt(claim):
                 # Audited before anything runs: if the audit log refuses, the run is not
-                # resumed (the claim is given back and the attempt counts as failed).
-                await self._audit_ids(
-                    RUN_RECOVER,
-                    session_id,
-                    claim.user_id,
-                    {"agent": agent.name, "attempt": claim.attempts, "waited_s": round(waited, 3)},
-                )
+                # resumed (the claim is given back; see _not_audited).
+                try:
+                    await self._audit_ids(
+                        RUN_RECOVER,
+                        session_id,
+                        claim.user_id,
+                        {
+                            "agent": agent.name,
+                            "attempt": claim.attempts,
+                            "waited_s": round(waited, 3),
+                        },
+                    )
+                except StoreUnavailableError as exc:
+                    raise _NotAudited(exc) from exc
                 result = await agent.resume(
                     prompt, session_id=session_id, user_id=claim.user_id, metadata=metadata
                 )
@@ -432,6 +447,9 @@ class Recovery:
                 outcome, stopped = "interrupted", result.interruption_reason
         except RunCancelledError:
             outcome = "cancelled"
+        except _NotAudited as exc:
+            await self._not_audited(session_id, claim, exc.failure)
+            return
         except (OwnershipLostError, SessionBusyError) as exc:
             # Another owner took the run over while this one resumed it (this worker was
             # frozen past its lease, or the application resumed the run itself): the new
@@ -476,6 +494,24 @@ class Recovery:
             payload["error"] = error
         action = RUN_DEAD_LETTER if outcome == "dead_lettered" else RUN_RECOVER
         await self._quietly(self._audit_ids(action, session_id, claim.user_id, payload))
+
+    async def _not_audited(
+        self, session_id: str, claim: OrphanClaim, failure: StoreUnavailableError
+    ) -> None:
+        """The audit log refused the recovery's entry, so the run did not start: an outage of
+        the audit store, not a failure of the run. The claim is given back with its attempt
+        (as a stopping worker gives it back), so an outage never makes dead letters of the
+        runs it holds back; they are claimed again at the next sweep."""
+        self.metrics.store_failed(failure)
+        self.failures += 1  # `worker --once` exits 1: the work was not done
+        log.warning(
+            "session %r of user %r was not resumed: the audit log refused its recovery entry "
+            "(%s); it is claimed again at the next sweep",
+            session_id,
+            claim.user_id,
+            failure,
+        )
+        await self._quietly(self.runtime.requeue(session_id, claim.user_id))
 
     async def _attempt_failed(self, session_id: str, claim: OrphanClaim, error: str) -> str:
         """Record an attempt that raised, and say how it counts: ``dead_lettered`` (the last

@@ -564,6 +564,27 @@ while not os.path.exists(sys.argv[2]):
 """
 
 
+async def _orphan_with_audit_locked(
+    tmp_path: Path, prefix: str, audit_db: Path, unlock: Path
+) -> tuple[str, Path, asyncio.subprocess.Process]:
+    """One run orphaned in a SQLite journal, and an audit store ``audit_db`` whose write lock
+    another process holds until ``unlock`` exists: the journal's URL, the ledger, that
+    process."""
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(url, ledger, 1, prefix)
+    code, _out, err = await cli(
+        "--url", f"sqlite:///{audit_db}", "migrate", env=app_env(url, ledger)
+    )
+    assert code == 0, err
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLD_LOCK, str(audit_db), str(unlock), stdout=asyncio.subprocess.PIPE
+    )
+    assert holder.stdout is not None
+    assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"locked\n"
+    return url, ledger, holder
+
+
 async def test_a_worker_held_up_between_its_claim_and_the_run_is_no_failed_attempt(
     tmp_path: Path,
 ) -> None:
@@ -571,19 +592,10 @@ async def test_a_worker_held_up_between_its_claim_and_the_run_is_no_failed_attem
     # takes the run over and runs it. When A goes on, the run's turn is B's: A waited for it,
     # failed with SessionBusyError and counted that as its attempt failing (`--once` exited 1,
     # "raised", run.recover outcome retry_failed), where a claim lost at a later step is not.
-    url = f"sqlite:///{tmp_path / 'journal.db'}"
-    ledger = tmp_path / "ledger.jsonl"
     audit_a, audit_b = tmp_path / "audit-a.db", tmp_path / "audit-b.db"
     gate, unlock = tmp_path / "gate", tmp_path / "unlock"
-    await start_and_kill(url, ledger, 1, "late")
+    url, ledger, holder = await _orphan_with_audit_locked(tmp_path, "late", audit_a, unlock)
     env = app_env(url, ledger)
-    code, _out, err = await cli("--url", f"sqlite:///{audit_a}", "migrate", env=env)
-    assert code == 0, err
-    holder = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _HOLD_LOCK, str(audit_a), str(unlock), stdout=asyncio.subprocess.PIPE
-    )
-    assert holder.stdout is not None
-    assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"locked\n"
     a_env = app_env(
         url,
         ledger,
@@ -643,5 +655,38 @@ async def test_a_worker_held_up_between_its_claim_and_the_run_is_no_failed_attem
     finally:
         await audit.close()
     code, out, err = await cli("--url", url, "runs", "list", "--json", env=env)
+    assert code == 0, err
     row = _rows(out)["late-0"]
     assert (row["state"], row["last_error"]) == ("finished", None)
+
+
+async def test_an_audit_log_that_is_down_uses_up_no_attempt_of_the_runs_it_holds_back(
+    tmp_path: Path,
+) -> None:
+    # A worker audits a recovery before the run starts, and does not start it when the audit
+    # log refuses. That refusal counted as the run's attempt failing: an audit store locked
+    # for half a minute made a dead letter of every run due then, none of which had run.
+    audit_db, unlock = tmp_path / "audit.db", tmp_path / "unlock"
+    url, ledger, holder = await _orphan_with_audit_locked(tmp_path, "down", audit_db, unlock)
+    env = app_env(url, ledger)
+    down = app_env(
+        url, ledger, FLEET_AUDIT_URL=f"sqlite:///{audit_db}", LOOMFLOW_SQLITE_BUSY_TIMEOUT_MS="100"
+    )
+    try:
+        for _ in range(3):  # more than --max-attempts
+            code, _out, err = await cli(
+                "worker", "_app:agents", "--once", "--max-attempts", "2", env=down
+            )
+            assert code == 1, err
+            assert "audit" in err
+            code, out, err = await cli("--url", url, "runs", "list", "--json", env=env)
+            assert _rows(out)["down-0"]["state"] == "orphaned", err
+    finally:
+        unlock.touch()
+        async with asyncio.timeout(30):
+            await holder.wait()
+    code, out, err = await cli("worker", "_app:agents", "--once", "--max-attempts", "2", env=down)
+    assert code == 0, err
+    assert tool_counts(ledger, "ship") == {"down-0": 1}
+    code, out, err = await cli("--url", url, "runs", "list", "--json", env=env)
+    assert _rows(out)["down-0"]["state"] == "finished", err
