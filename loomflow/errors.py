@@ -25,6 +25,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── JournalEncodeError         a value has no journal encoding (also TypeError)
     │   ├── PayloadTooLargeError       a step result exceeds the size cap
     │   ├── CorruptEntryError          a stored entry cannot be decoded (strict mode)
+    │   │   └── NewerEntryError        ... because a newer loomflow wrote it (always raised)
     │   ├── ReplayDivergenceError      a replayed position got other inputs (strict mode)
     │   ├── SessionBusyError           a run holds the (session, user): too long, or in a forget
     │   └── OwnershipLostError         this run was fenced out by a newer owner
@@ -100,6 +101,7 @@ __all__ = [
     "LoomflowError",
     "MigrationError",
     "ModelError",
+    "NewerEntryError",
     "ModelRetryExhaustedError",
     "NoActiveRunError",
     "OutputValidationError",
@@ -347,6 +349,15 @@ class PayloadTooLargeError(JournalError):
 
 class CorruptEntryError(JournalError):
     """A journal entry exists but cannot be decoded."""
+
+
+class NewerEntryError(CorruptEntryError):
+    """A journal entry was written by a newer loomflow, in an encoding this one cannot read.
+
+    Raised whether or not replay is strict: the entry is most likely sound, so running its
+    step again (what a damaged entry costs) could do its side effect twice, and replacing
+    the entry would lose what the newer release journaled. Upgrade the process that reads it.
+    """
 
 
 class ReplayDivergenceError(JournalError):

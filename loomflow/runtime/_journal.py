@@ -44,6 +44,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     JournalEncodeError,
+    NewerEntryError,
     NoActiveRunError,
     OwnershipLostError,
     PayloadTooLargeError,
@@ -1087,6 +1088,9 @@ class JournalRuntime:
             value = self._decode(entry)
         except _Skipped:
             return "miss", None
+        except NewerEntryError:
+            run.stats.corrupt += 1
+            raise
         except CorruptEntryError as exc:
             run.stats.corrupt += 1
             if run.strict:
@@ -1171,8 +1175,10 @@ class JournalRuntime:
         if entry.format != "json":
             raise CorruptEntryError(f"step {entry.name!r}: unknown value format {entry.format!r}")
         if entry.codec_version > codec.CODEC_VERSION:
-            raise CorruptEntryError(
-                f"step {entry.name!r}: written by a newer codec (v{entry.codec_version})"
+            raise NewerEntryError(
+                f"step {entry.name!r}: written by a newer codec (v{entry.codec_version}) than "
+                f"this loomflow reads (up to v{codec.CODEC_VERSION}); upgrade this process. "
+                "The step is not run again: what it did would be done twice"
             )
         try:
             return codec.loads(entry.value)

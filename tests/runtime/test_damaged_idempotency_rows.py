@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from loomflow.errors import NewerEntryError
 from loomflow.runtime import JournalRuntime, PostgresRuntime, SqliteRuntime, codec
 from loomflow.runtime._store import StoredEntry
 
@@ -51,7 +52,6 @@ SQLITE_DAMAGE = [
     ("codec_version", "'x'"),
     ("codec_version", "1.5"),
     ("codec_version", "X'01'"),
-    ("codec_version", "999"),
 ]
 
 POSTGRES_DAMAGE = [
@@ -60,7 +60,6 @@ POSTGRES_DAMAGE = [
     ("format", "'X'"),
     ("format", "''"),
     ("format", "'pickle'"),
-    ("codec_version", "999"),
 ]
 
 
@@ -189,5 +188,79 @@ async def test_replacing_a_damaged_sqlite_row_keeps_fencing_and_a_concurrent_win
             assert winner.value == first.value
         stored = await asyncio.to_thread(_sqlite, path, "SELECT value FROM loom_idempotency")
         assert stored == [(codec.dumps("first"),)]
+    finally:
+        await runtime.close()
+
+
+# A row a newer loomflow wrote (a higher codec version) is not damage: it is most likely sound,
+# so running the step again could charge twice, and replacing the row would lose it. Every
+# reader refuses it, strict or not, and leaves it as it is. It used to run the step again.
+async def _newer_row_is_refused(
+    runtime: JournalRuntime, mark_newer: Any, read_rows: Any, table: str
+) -> None:
+    charge = Charge()
+
+    async def positional(session_id: str) -> Any:
+        async with runtime.session(session_id, user_id="alice"):
+            return await runtime.step("charge", charge, 7)
+
+    await _charge(runtime, "a", charge)
+    with pytest.raises(RuntimeError, match="crash"):  # the run stays open: a resume replays it
+        async with runtime.session("p", user_id="alice"):
+            await runtime.step("charge", charge, 7)
+            raise RuntimeError("crash")
+    assert charge.calls == 2
+    await mark_newer()
+    before = await read_rows()
+    for attempt in (
+        lambda: _charge(runtime, "c", charge),
+        lambda: positional("p"),
+    ):
+        with pytest.raises(NewerEntryError, match=r"newer codec \(v999\).*upgrade"):
+            await attempt()
+    assert charge.calls == 2, "a step a newer loomflow journaled ran again"
+    assert await read_rows() == before, f"the newer {table} row was changed"
+
+
+async def test_a_row_a_newer_loomflow_wrote_is_refused_not_run_again_sqlite(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+
+    async def mark_newer() -> None:
+        for table in ("loom_idempotency", "loom_entries"):
+            await asyncio.to_thread(_sqlite, path, f"UPDATE {table} SET codec_version = 999")
+
+    async def read_rows() -> list[Any]:
+        return [
+            await asyncio.to_thread(_sqlite, path, f"SELECT * FROM {table} ORDER BY 1, 2, 3")
+            for table in ("loom_idempotency", "loom_entries")
+        ]
+
+    try:
+        await _newer_row_is_refused(runtime, mark_newer, read_rows, "journal")
+    finally:
+        await runtime.close()
+
+
+@pytest.mark.postgres
+async def test_a_row_a_newer_loomflow_wrote_is_refused_not_run_again_postgres(
+    pg_dsn: str,
+) -> None:
+    runtime = await PostgresRuntime.connect(pg_dsn)
+
+    async def mark_newer() -> None:
+        for table in ("loom_idempotency", "loom_entries"):
+            await _postgres(pg_dsn, f"UPDATE {table} SET codec_version = 999")
+
+    async def read_rows() -> list[Any]:
+        return [
+            await _postgres(pg_dsn, f"SELECT * FROM {table} ORDER BY 1, 2, 3")
+            for table in ("loom_idempotency", "loom_entries")
+        ]
+
+    try:
+        await _newer_row_is_refused(runtime, mark_newer, read_rows, "journal")
     finally:
         await runtime.close()
