@@ -11,10 +11,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from typing import Final
 
-__all__ = ["attach_cleanup_error", "cleanup_errors", "raise_if_cancelled", "run_cleanup"]
+from .errors import RunCancelledError
+
+__all__ = [
+    "CANCELLATIONS",
+    "attach_cleanup_error",
+    "cleanup_errors",
+    "raise_if_cancelled",
+    "run_cleanup",
+]
 
 log = logging.getLogger("loomflow")
+
+CANCELLATIONS: Final = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt, RunCancelledError)
+"""What ends a run as ``cancelled``, not ``failed``: its caller went away (the task was
+cancelled, the stream closed, Ctrl-C) or someone cancelled the run (``runtime.cancel``). The
+metrics, the spans and the audit trail's ``run.end`` classify a run's end with this one list."""
 
 
 def attach_cleanup_error(first: BaseException, cleanup: BaseException, what: str) -> None:

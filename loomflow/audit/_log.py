@@ -17,6 +17,7 @@ from typing import Any, Literal, TextIO
 from pydantic import BaseModel
 from ulid import ULID
 
+from .._cleanup import CANCELLATIONS
 from .._ids import check_id
 from .._progress import OnProgress
 from ..context import get_run_context
@@ -585,7 +586,9 @@ class AuditHooks(RunHooks):
                 }
             else:
                 payload = {
-                    "outcome": "failed",
+                    # As the metrics and spans say: a run whose caller went away or that
+                    # someone cancelled did not fail (error_type tells which it was).
+                    "outcome": "cancelled" if isinstance(error, CANCELLATIONS) else "failed",
                     "error_type": type(error).__name__ if error is not None else None,
                     "error": str(error) if error is not None else None,
                 }

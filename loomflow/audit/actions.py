@@ -45,7 +45,9 @@ __all__ = [
 RUN_START: Final = "run.start"
 """A run took its turn: agent, model, prompt (redacted), epoch, whether it resumed."""
 RUN_END: Final = "run.end"
-"""A run returned or raised: outcome, usage, cost, interruption reason, error."""
+"""A run returned or raised: outcome (``completed``, ``interrupted``, ``failed``, or
+``cancelled``: its caller went away or someone cancelled it), usage, cost, interruption reason,
+error."""
 MODEL_START: Final = "model.start"
 """A live model call is about to be sent: turn, model, its execution id."""
 MODEL_CALL: Final = "model.call"

@@ -24,7 +24,6 @@ between, so it is never made current: its ``chat`` child finds it by (run id, st
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import hashlib
@@ -44,8 +43,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel
 
+from .._cleanup import CANCELLATIONS
 from ..context import get_run_context, reset_var
-from ..errors import ModelError, RunCancelledError
+from ..errors import ModelError
 from ..governance.events import (
     ApprovalRequested,
     BudgetDenied,
@@ -173,10 +173,6 @@ class Counters(Protocol):
 
     def guardrail_tripped(self, stage: str, action: str) -> None: ...
 
-
-# Exceptions that mean "the caller went away" (or someone cancelled the run: runtime.cancel),
-# not "the work failed".
-_CANCELLED = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt, RunCancelledError)
 
 # Retries happen inside the provider adapter, below the hooks: the retry loop reports them
 # here and they are counted by the metrics of the run in progress (found by its run id).
@@ -362,7 +358,7 @@ def _fail(
     redactor: Redactor | None = None,
     hide: Callable[[str], str] | None = None,
 ) -> None:
-    if isinstance(exc, _CANCELLED):
+    if isinstance(exc, CANCELLATIONS):
         span.set_attribute(sc.ERROR_TYPE, "cancelled")
         span.set_status(Status(StatusCode.ERROR, "cancelled"))
         return
@@ -622,7 +618,7 @@ class TelemetryHooks(RunHooks):
         self, info: RunInfo, result: Any | None, error: BaseException | None
     ) -> None:
         if error is not None:
-            outcome = "cancelled" if isinstance(error, _CANCELLED) else "failed"
+            outcome = "cancelled" if isinstance(error, CANCELLATIONS) else "failed"
         elif result is not None and result.interrupted:
             outcome = "interrupted"
         else:
@@ -772,7 +768,7 @@ class TelemetryHooks(RunHooks):
         # A refusal by a hook (a budget) is no provider call; a caller going away is not a
         # provider error, but the call it abandoned did take time.
         if self.metrics is not None and call is not None and not isinstance(error, Interrupt):
-            if isinstance(error, _CANCELLED):
+            if isinstance(error, CANCELLATIONS):
                 kind = "cancelled"
             else:
                 kind = error_class(error.status if isinstance(error, ModelError) else None, error)

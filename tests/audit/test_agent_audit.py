@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent, Tuning
 from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
 from loomflow.audit import AuditLog, AuditRecord, InMemoryAuditStore, SqliteAuditStore, actions
-from loomflow.errors import ReplayDivergenceError, StoreUnavailableError
+from loomflow.errors import ReplayDivergenceError, RunCancelledError, StoreUnavailableError
 from loomflow.governance.events import (
     BudgetDenied,
     BudgetUnavailable,
@@ -22,6 +24,7 @@ from loomflow.governance.events import (
 from loomflow.messages import Message, ModelSettings, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
 from loomflow.runtime import InMemoryRuntime, SqliteRuntime
+from loomflow.telemetry import Metrics, Telemetry
 from loomflow.tools import Tool, ToolOutcome, tool
 
 
@@ -410,4 +413,70 @@ async def test_a_tool_name_the_model_made_up_is_audited_as_not_executed(tmp_path
         assert calls[0].payload["execution"] == results[0].payload["execution"]
     finally:
         await agent.aclose()
+        await store.close()
+
+
+gate: list[asyncio.Event] = []
+
+
+@tool
+async def wait_for_gate(order: str) -> str:
+    """Wait until the test opens the gate."""
+    started, release = gate
+    started.set()
+    await release.wait()
+    return "waited"
+
+
+def _waits(messages: list[Message], tools: list[ToolSpec]) -> Any:
+    if not any(m.role == "tool" for m in messages):
+        return [ToolCall(id="w0", name="wait_for_gate", arguments={"order": "o-1"})]
+    return "done"
+
+
+def _runs_counted(registry: CollectorRegistry, outcome: str) -> float:
+    found = registry.get_sample_value(
+        "loomflow_runs_total", {"backend": "sqlite", "outcome": outcome, "resumed": "false"}
+    )
+    return found or 0.0
+
+
+@pytest.mark.parametrize("how", ["task", "runtime"])
+async def test_a_cancelled_run_ends_cancelled_in_the_trail_as_in_the_metrics(
+    tmp_path: Path, how: str
+) -> None:
+    # A run whose task was cancelled, or which someone cancelled (runtime.cancel): the
+    # metrics count it as cancelled, and so does its run.end (it said "failed").
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    registry = CollectorRegistry()
+    telemetry = Telemetry(metrics=Metrics(registry), tracing=False)
+    agent = Agent("x", model=FunctionModel(_waits), tools=[wait_for_gate], runtime=runtime,
+                  audit=AuditLog(store), telemetry=telemetry)  # fmt: skip
+    gate[:] = [asyncio.Event(), asyncio.Event()]
+    try:
+        task = asyncio.create_task(agent.run("go", session_id="s", user_id="alice"))
+        await asyncio.wait_for(gate[0].wait(), 10)
+        if how == "task":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            error_type = "CancelledError"
+        else:
+            assert await runtime.cancel("s", user_id="alice")
+            gate[1].set()
+            with pytest.raises(RunCancelledError):
+                await task
+            error_type = "RunCancelledError"
+        entries = (await store.query(user_id="alice")).entries
+        end = entries[-1]
+        assert end.action == actions.RUN_END
+        assert end.payload["outcome"] == "cancelled"
+        assert end.payload["error_type"] == error_type
+        assert _runs_counted(registry, "cancelled") == 1
+        assert _runs_counted(registry, "failed") == 0
+        assert (await store.verify()).ok
+    finally:
+        gate.clear()
+        await runtime.close()
         await store.close()
