@@ -336,6 +336,11 @@ class Stores:
         """
         if app_role is not None and not self.on_postgres():
             raise UserError("app_role needs a PostgreSQL database; no store here is in one")
+        if app_role is not None:
+            from .storage._roles import app_role_problem
+
+            if (problem := app_role_problem(app_role)) is not None:
+                raise UserError(problem)  # before anything is migrated
         report = MigrationReport()
         grants = _AppRoleGrants(app_role, app_login, report)
         runtime = self.runtime

@@ -33,6 +33,7 @@ from ..config import (
 from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserError
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
+from ..storage._roles import app_role_problem
 from ..stores import SCHEMES, Stores
 from ._format import (
     exception_line,
@@ -572,6 +573,9 @@ async def _migrate(stores: Stores, args: argparse.Namespace) -> int:
     if args.app_role is not None and not stores.on_postgres():
         # Said before migrating: a command that cannot do what was asked changes nothing.
         print("loomflow: error: --app-role needs a PostgreSQL database", file=sys.stderr)
+        return 2
+    if args.app_role is not None and (problem := app_role_problem(args.app_role)) is not None:
+        print(f"loomflow: error: --app-role: {printable(problem)}", file=sys.stderr)
         return 2
     report = await stores.migrate(
         app_role=args.app_role, app_login=args.app_login, import_legacy=args.import_0_20

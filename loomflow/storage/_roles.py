@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigurationError, UserError
 from ._database import Database
 
-__all__ = ["AppRoleGrant", "grant_app_role"]
+__all__ = ["AppRoleGrant", "app_role_problem", "grant_app_role"]
 
 _READ_WRITE = "SELECT, INSERT, UPDATE, DELETE"
 # Tables the application may not change freely; everything else named loom_* is read-write.
@@ -45,6 +45,38 @@ class AppRoleGrant:
     login_granted: bool = False
 
 
+# Names PostgreSQL reserves, or that GRANT and ALTER read as something else when written
+# unquoted (PUBLIC is every role; CURRENT_USER whoever runs the statement).
+_RESERVED = frozenset({"public", "none", "current_user", "current_role", "session_user", "user"})
+
+
+def app_role_problem(role: object) -> str | None:
+    """Why ``role`` cannot be the application's role, or ``None`` when the name will do.
+
+    Refused: an empty or too long name, control or other non-printable characters, a name
+    PostgreSQL reserves (``pg_...``: the predefined roles such as ``pg_monitor`` or
+    ``pg_read_all_data``, whose members would all be given write access to the tables) and
+    the names that statements read as some other role (``public``, ``current_user``, ...).
+    """
+    if not isinstance(role, str) or not role.strip():
+        return f"bad role name {role!r}: it is empty or blank"
+    if len(role.encode()) > 63:
+        return f"bad role name {role[:20]!r}...: at most 63 bytes (PostgreSQL cuts longer ones)"
+    if not role.isprintable() or role != role.strip():
+        return f"bad role name {role!r}: no control characters, nor spaces at its ends"
+    if role.lower().startswith("pg_"):
+        return (
+            f"{role!r} is a reserved PostgreSQL role name (pg_...: the predefined roles, whose "
+            "members would all be granted the application's access); name a role of your own"
+        )
+    if role.lower() in _RESERVED:
+        return (
+            f"{role!r} is a reserved PostgreSQL role name, or one that statements read as "
+            "another role; name a role of your own"
+        )
+    return None
+
+
 def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -60,13 +92,14 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
     too much.
 
     Raises:
-        UserError: not PostgreSQL, a bad name, or a role that could undo the audit log's
-            protection (the current role, a superuser, or an owner of the tables).
+        UserError: not PostgreSQL, a bad or reserved name (:func:`app_role_problem`), or a
+            role that could undo the audit log's protection (the current role, a superuser,
+            or an owner of the tables).
     """
     if db.backend != "postgres":
         raise UserError("an application role needs PostgreSQL; SQLite has no roles")
-    if not isinstance(role, str) or not role.strip() or len(role.encode()) > 63 or "\x00" in role:
-        raise UserError(f"bad role name {role!r}: 1 to 63 bytes, no NUL")
+    if (problem := app_role_problem(role)) is not None:
+        raise UserError(problem)
     await db.open()
     quoted = _ident(role)
     async with db.transaction(what="app role grants") as tx:

@@ -325,3 +325,40 @@ async def test_reading_the_trail_as_the_owner_warns_of_nothing_writing_does(
         done = _audit_cli(pg_dsn, *command)
         assert done.returncode == 0, (command, done.stderr)
         assert "triggers off" not in done.stderr, command
+
+
+@pytest.mark.parametrize(
+    "role",
+    ["pg_monitor", "pg_read_all_data", "pg_write_all_data", "pg_my_app", "PG_Monitor", "public",
+     "PUBLIC", "none", "current_user", "Session_User", " app", "app\n", "app\u202e", "   "],
+)  # fmt: skip
+async def test_migrate_refuses_a_reserved_or_unsafe_role_name_before_migrating(
+    pg_dsn: str, role: str
+) -> None:
+    # pg_monitor exists and is no superuser: every member of it was given write access to
+    # the tables; a new pg_* name failed with the driver's error after the migrations ran.
+    refused = await asyncio.to_thread(_migrate, pg_dsn, "--app-role", role)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.startswith("loomflow: error: --app-role: ")
+    assert "reserved PostgreSQL role name" in refused.stderr or "bad role name" in refused.stderr
+    assert "\n" not in refused.stderr.rstrip("\n")
+    assert refused.stdout == ""  # nothing was migrated
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT to_regclass('loom_entries')") is None
+    finally:
+        await conn.close()
+    # Through the API too, after the migrations: nothing is granted to the name.
+    assert (await asyncio.to_thread(_migrate, pg_dsn)).returncode == 0
+    db = PostgresDatabase(pg_dsn)
+    try:
+        with pytest.raises(UserError, match=r"reserved PostgreSQL role name|bad role name"):
+            await grant_app_role(db, role)
+        granted = await db.fetch(
+            "SELECT 1 FROM information_schema.role_table_grants "
+            "WHERE grantee = $1 AND table_name LIKE 'loom%'",
+            role,
+        )
+    finally:
+        await db.close()
+    assert granted == []
