@@ -29,8 +29,10 @@ from loomflow.governance.budget import (
     MAX_TOKENS_PER_CALL,
     Amount,
     Bucket,
+    BucketLimit,
     Cap,
     InMemoryBudgetStore,
+    Reservation,
     SqlBudgetStore,
     StandardBudget,
     bound_input_tokens,
@@ -921,3 +923,24 @@ async def test_caps_given_as_a_generator_are_all_kept_and_enforced() -> None:
     agent = Agent("x", model=ScriptedModel(["a long answer"]), budget=budget, telemetry=False)
     result = await agent.run("hello there", session_id="s", user_id="alice")
     assert result.interruption_reason == "budget:user.tokens_total"
+
+
+async def test_a_soft_cost_cap_reached_by_spend_and_holds_together_refuses(
+    tmp_path: Path,
+) -> None:
+    # Spent plus held came to exactly the cap, but summed as floats in USD they fell short of
+    # it (0.280660968 + 0.687313381 < 0.967974349), so a soft cap let the next call through.
+    store = SqlBudgetStore(f"sqlite:///{tmp_path / 'budget.db'}")
+    try:
+        bucket = Bucket("user", "alice")
+        spent, held = 280_660_968, 687_313_381
+        limits = [BucketLimit(bucket.key, "user.cost_usd", "cost_usd", (spent + held) / 1e9)]
+        await store.record([bucket], Amount(cost_nanousd=spent))
+        first = Reservation("r-1", "worker", (bucket,), Amount(cost_nanousd=held))
+        assert await store.reserve(first, limits, hard=False, lease_s=60) is None
+        after = Reservation("r-2", "worker", (bucket,), Amount(cost_nanousd=1))
+        denial = await store.reserve(after, limits, hard=False, lease_s=60)
+        assert denial is not None
+        assert denial.cap == "user.cost_usd"
+    finally:
+        await store.close()

@@ -475,12 +475,12 @@ def evaluate(
         else:
             asked = requested.value(limit.metric)
             over = used + held + asked > limit.limit if hard else used + held >= limit.limit
-        if limit.metric == "cost_usd" and hard:
-            # Compare in integer nano-USD so a cap of exactly the spend is not lost to floats.
-            over = (
-                totals.cost_nanousd + totals.reserved_cost_nanousd + requested.cost_nanousd
-                > nanousd(limit.limit)
-            )
+        if limit.metric == "cost_usd":
+            # Compare in integer nano-USD so a cap of exactly the spend is not lost to floats
+            # (spent and held summed in USD can fall a rounding short of the cap they reach).
+            taken = totals.cost_nanousd + totals.reserved_cost_nanousd
+            cap = nanousd(limit.limit)
+            over = taken + requested.cost_nanousd > cap if hard else taken >= cap
         if over:
             return Denial(limit.cap, limit.limit, used, held, asked)
     return None
