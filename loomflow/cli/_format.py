@@ -27,6 +27,7 @@ __all__ = [
     "printable",
     "prune_age",
     "table",
+    "user_cell",
     "when",
     "who",
 ]
@@ -153,6 +154,27 @@ table to its width (a 1 MB tool name made `runs show` print megabytes). ``--json
 def _cell(value: Any) -> str:
     text = printable(value)
     return text if len(text) <= CELL_LIMIT else text[: CELL_LIMIT - 1] + "…"
+
+
+_QUOTES = ("'", '"')
+
+
+def user_cell(user_id: str | None) -> str:
+    """A user id as a table shows it: ``-`` for the anonymous user (``None``), the id as it is
+    when it reads unmistakably, else quoted as a Python literal: an id that is ``-``, blank,
+    with spaces at its ends or two in a row (the columns' gap), starting with a quote, or
+    holding characters a terminal would not show. ``--json`` gives every id as it is."""
+    if user_id is None:
+        return "-"
+    if (
+        user_id in ("", "-")
+        or user_id != user_id.strip()
+        or user_id.startswith(_QUOTES)
+        or "  " in user_id
+        or not user_id.isprintable()
+    ):
+        return repr(user_id)
+    return user_id
 
 
 def table(rows: Sequence[Sequence[Any]]) -> None:

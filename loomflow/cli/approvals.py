@@ -41,7 +41,7 @@ from ..governance.approvals import (
 from ..redaction import Redactor
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import iso_time, login, positive_int, printable, table, who
+from ._format import iso_time, login, positive_int, printable, table, user_cell, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -222,7 +222,7 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             (
                 r.request_id,
                 r.session_id,
-                r.user_id if r.user_id is not None else "-",
+                user_cell(r.user_id),
                 r.tool,
                 shown if len(shown) <= 60 else shown[:57] + "...",
                 _iso(r.requested_at)[:19].replace("T", " "),
@@ -234,7 +234,7 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             (
                 _cut(bad.request_id) if bad.request_id is not None else "-",
                 bad.session_id,
-                bad.user_id if bad.user_id is not None else "-",
+                user_cell(bad.user_id),
                 "unreadable",
                 "-",
                 "-",

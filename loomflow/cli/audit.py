@@ -26,7 +26,17 @@ from ..audit._store import MAX_PAGE
 from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
-from ._format import duration, json_text, login, positive_int, some_path, table, when
+from ._format import (
+    duration,
+    json_text,
+    login,
+    positive_int,
+    printable,
+    some_path,
+    table,
+    user_cell,
+    when,
+)
 from ._progress import add_no_progress, progress_bar
 from ._stores import existing
 
@@ -216,7 +226,7 @@ async def _query(store: AuditStore, args: argparse.Namespace) -> int:
         rows.append(
             (
                 e.time.strftime("%Y-%m-%d %H:%M:%S"),
-                "-" if e.user_id is None else e.user_id,
+                user_cell(e.user_id),
                 str(e.seq),
                 e.session_id or "-",
                 e.actor,
@@ -309,7 +319,7 @@ def _report(report: VerifyReport, args: argparse.Namespace) -> int:
             rows.append(
                 (
                     label,
-                    "-" if p.user_id is None else p.user_id,
+                    user_cell(p.user_id),
                     p.kind,
                     "-" if p.seq is None else str(p.seq),
                     "-" if p.position is None else str(p.position),
@@ -334,7 +344,7 @@ async def _retain(store: AuditStore, args: argparse.Namespace) -> int:
         f"{report.cutoff.isoformat(timespec='seconds')}"
     )
     for user in report.held:
-        print(f"kept (legal hold): {'-' if user is None else user}")
+        print(f"kept (legal hold): {printable(user_cell(user))}")
     for problem in report.refused.values():
         # Exit 1, as verify does on a damaged trail, so a cron job alerts on it.
         print(f"loomflow: error: {problem}", file=sys.stderr)

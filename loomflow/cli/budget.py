@@ -17,7 +17,7 @@ from ..config import Settings
 from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, UnreadableBucket
 from ..stores import Stores
-from ._format import duration, iso_time, printable
+from ._format import duration, iso_time, printable, user_cell
 from ._format import table as print_table
 from ._stores import existing
 
@@ -132,14 +132,14 @@ async def _show(args: argparse.Namespace) -> int:
     ]
     for r in rows:
         if "unreadable" in r:
-            who = "-" if r["user_id"] is None else r["user_id"]
+            who = user_cell(r["user_id"])
             table.append((r["scope"] or "-", who, r["period"], "unreadable", *("-",) * 6))
             continue
         when = r["updated_at"][:19].replace("T", " ")
         table.append(
             (
                 r["scope"],
-                "-" if r["user_id"] is None else r["user_id"],
+                user_cell(r["user_id"]),
                 r["period"],
                 r["tokens_in"],
                 r["tokens_out"],

@@ -44,6 +44,7 @@ from ._format import (
     prune_age,
     some_path,
     table,
+    user_cell,
     who,
 )
 from ._progress import add_no_progress, progress_bar
@@ -655,7 +656,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         rows.append(
             (
                 s.session_id,
-                s.user_id or "-",
+                user_cell(s.user_id),
                 runs_done,
                 state,
                 s.agent or "-",

@@ -25,7 +25,7 @@ from .._printable import printable
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import json_text, login, some_path, table, who
+from ._format import json_text, login, some_path, table, user_cell, who
 from ._stores import existing
 
 __all__ = ["register"]
@@ -128,7 +128,7 @@ async def _handle(args: argparse.Namespace) -> int:
                 for h in found:
                     reason = h.reason if len(h.reason) <= 60 else h.reason[:57] + "..."
                     since = h.placed_at.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-                    user = "-" if h.user_id is None else h.user_id
+                    user = user_cell(h.user_id)
                     rows.append((user, since, h.actor, reason))
                 table(rows)  # escapes what a crafted id or reason could do to a terminal
     return 0

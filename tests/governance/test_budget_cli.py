@@ -15,6 +15,7 @@ from loomflow.agent import Agent
 from loomflow.governance.budget import Cap, SqlBudgetStore, StandardBudget
 from loomflow.messages import ModelResponse, Usage
 from loomflow.models import FunctionModel
+from loomflow.runtime import SqliteRuntime
 
 
 def loomflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -146,3 +147,43 @@ def test_prune_removes_ended_day_totals_and_keeps_the_rest(tmp_path: Path) -> No
     bad = loomflow("budget", "--budget-url", url, "prune", "--older-than", "soon")
     assert bad.returncode == 2
     assert "not a duration" in bad.stderr
+
+
+HOSTILE_USERS = ("-", "   ", " bob", "'bob'", "a  b")
+
+
+async def _spend_as(url: str, users: tuple[str | None, ...]) -> None:
+    budget = StandardBudget([Cap("tokens_total", 10_000)], store=SqlBudgetStore(url))
+    model = FunctionModel(
+        lambda m, t: ModelResponse(text="ok", usage=Usage(input_tokens=7, output_tokens=5))
+    )
+    agent = Agent("x", model=model, budget=budget, runtime=SqliteRuntime(url.removeprefix(
+        "sqlite:///")))  # fmt: skip
+    for n, user in enumerate(users):
+        await agent.run("go", session_id=f"s{n}", user_id=user)
+    await budget.close()
+
+
+def test_tables_tell_hostile_user_ids_from_the_anonymous_user(tmp_path: Path) -> None:
+    # A user named "-" looked like the anonymous user, one named "   " showed a blank cell,
+    # in `runs list` and `budget show` alike; --json was always unambiguous.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    asyncio.run(_spend_as(url, (None, *HOSTILE_USERS, "bob")))
+    expected = {"-", "'-'", "'   '", "' bob'", "\"'bob'\"", "'a  b'", "bob"}
+    for command, after in ((["runs", "list"], "runs"), (["budget", "show"], "period")):
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 0, done.stderr
+        header, *rows = done.stdout.splitlines()
+        start, end = header.index("user"), header.index(after)
+        # The anonymous user as -, the others quoted where the plain text would mislead.
+        assert {row[start:end].rstrip() for row in rows} == expected, done.stdout
+    # Every table with a user column says it the same way (legal holds, the audit trail).
+    for user in ("-", "   "):
+        held = loomflow("--url", url, "users", "hold", user, "--reason", "review")
+        assert held.returncode == 0, held.stderr
+    for command, after in ((["users", "holds"], "placed"), (["audit", "query"], "seq")):
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 0, done.stderr
+        header, *rows = done.stdout.splitlines()
+        start, end = header.index("user"), header.index(after)
+        assert {row[start:end].rstrip() for row in rows} == {"'-'", "'   '"}, done.stdout
