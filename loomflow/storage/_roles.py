@@ -32,6 +32,13 @@ _RESTRICTED = {
 }
 
 
+# Predefined roles whose members hold table privileges no REVOKE here takes back.
+_WRITES_ALL = (
+    "SELECT rolname FROM pg_roles WHERE rolname = 'pg_write_all_data' "
+    "AND pg_has_role($1, oid, 'MEMBER')"
+)
+
+
 @dataclass(slots=True)
 class AppRoleGrant:
     """What :func:`grant_app_role` did: the role, whether it was created (or, existing, given
@@ -94,7 +101,7 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
     Raises:
         UserError: not PostgreSQL, a bad or reserved name (:func:`app_role_problem`), or a
             role that could undo the audit log's protection (the current role, a superuser,
-            or an owner of the tables).
+            an owner of the tables, a role with ``CREATEROLE`` or in ``pg_write_all_data``).
     """
     if db.backend != "postgres":
         raise UserError("an application role needs PostgreSQL; SQLite has no roles")
@@ -114,7 +121,7 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
                 "another role for the application"
             )
         found = await tx.fetch(
-            "SELECT rolsuper, rolcanlogin FROM pg_roles WHERE rolname = $1", role
+            "SELECT rolsuper, rolcanlogin, rolcreaterole FROM pg_roles WHERE rolname = $1", role
         )
         created = not found
         login_granted = False
@@ -122,6 +129,18 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
             await tx.execute(f"CREATE ROLE {quoted} {'LOGIN' if login else 'NOLOGIN'}")
         elif found[0][0]:
             raise UserError(f"{role!r} is a superuser, which no trigger or grant can restrict")
+        elif found[0][2]:
+            raise UserError(
+                f"{role!r} has CREATEROLE, with which (before PostgreSQL 16) it can make itself "
+                "a member of the tables' owner and switch the audit triggers off; name a role "
+                "without it"
+            )
+        elif writers := await tx.fetch(_WRITES_ALL, role):
+            raise UserError(
+                f"{role!r} is a member of {writers[0][0]}, which writes every table whatever "
+                "is granted here (an UPDATE of loom_audit could erase payloads unrecorded); "
+                "name a role outside it"
+            )
         elif login and not found[0][1]:
             # Asked for a role the application can sign in as: an existing NOLOGIN one would
             # otherwise be reported granted and still refuse every connection.

@@ -362,3 +362,30 @@ async def test_migrate_refuses_a_reserved_or_unsafe_role_name_before_migrating(
     finally:
         await db.close()
     assert granted == []
+
+
+@pytest.mark.parametrize(
+    ("attributes", "refusal"),
+    [("CREATEROLE", "CREATEROLE"), ("IN ROLE pg_write_all_data", "pg_write_all_data")],
+)
+async def test_migrate_refuses_an_existing_role_that_could_write_past_its_grants(
+    pg_dsn: str, app_role: str, attributes: str, refusal: str
+) -> None:
+    # Granted as asked, a role in pg_write_all_data kept UPDATE on loom_audit (and so could
+    # erase payloads without an erasure record); one with CREATEROLE could, before
+    # PostgreSQL 16, make itself a member of a non-superuser owner and switch triggers off.
+    _run(pg_dsn, f'CREATE ROLE "{app_role}" LOGIN {attributes}')
+    refused = await asyncio.to_thread(_migrate, pg_dsn, "--app-role", app_role)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refusal in refused.stderr
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        granted = await conn.fetch(
+            "SELECT 1 FROM information_schema.role_table_grants "
+            "WHERE grantee = $1 AND table_name LIKE 'loom%'",
+            app_role,
+        )
+    finally:
+        await conn.close()
+    assert granted == []
