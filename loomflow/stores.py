@@ -350,7 +350,6 @@ class Stores:
                 MigrationStep("journal", f"journal schema at version {version}", version)
             )
         database = self.database
-        await grants.grant(database)
         if runtime is not None and database is not None:
             for kind, store in (("checkpoints", self.checkpoints), ("memory", self.memory)):
                 assert store is not None  # there is a journal
@@ -358,6 +357,8 @@ class Stores:
                 report.steps.append(
                     MigrationStep(kind, f"{kind} schema at version {version}", version)
                 )
+        # After the checkpoint and memory tables exist: each grant covers the tables there.
+        await grants.grant(database)
         budget = self.budget
         if budget.backend != "memory":
             version = await budget.migrate()

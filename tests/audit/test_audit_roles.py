@@ -389,3 +389,31 @@ async def test_migrate_refuses_an_existing_role_that_could_write_past_its_grants
     finally:
         await conn.close()
     assert granted == []
+
+
+async def test_the_app_role_gets_checkpoints_and_memory_when_nothing_else_shares_the_database(
+    pg_dsn: str, app_role: str, tmp_path: Path
+) -> None:
+    # The grant ran right after the journal's migration; the checkpoint and memory tables,
+    # made next, were granted only when the budget or the audit log lived in that database
+    # too, so with neither the application's role could not write them.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    env |= {"LOOMFLOW_RUNTIME_URL": pg_dsn, "LOOMFLOW_BUDGET_URL": "memory://",
+            "LOOMFLOW_AUDIT_URL": str(tmp_path / "audit.jsonl")}  # fmt: skip
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "loomflow.cli", "migrate", "--app-role", app_role],
+        capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        missing = await conn.fetch(
+            "SELECT relname FROM pg_class WHERE relname LIKE 'loom%' AND relkind = 'r' "
+            "AND relname <> 'loom_schema_version' "
+            "AND NOT has_table_privilege($1, oid, 'INSERT')",
+            app_role,
+        )
+    finally:
+        await conn.close()
+    assert [r[0] for r in missing] == []
