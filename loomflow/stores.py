@@ -357,15 +357,14 @@ class Stores:
                 report.steps.append(
                     MigrationStep(kind, f"{kind} schema at version {version}", version)
                 )
-        # After the checkpoint and memory tables exist: each grant covers the tables there.
-        await grants.grant(database)
+        grants.add(database)
         budget = self.budget
         if budget.backend != "memory":
             version = await budget.migrate()
             report.steps.append(
                 MigrationStep("budget", f"budget schema at version {version}", version)
             )
-            await grants.grant(getattr(budget, "db", None))
+            grants.add(getattr(budget, "db", None))
         audit = self.audit
         from .audit import JsonlAuditStore
 
@@ -383,7 +382,10 @@ class Stores:
             report.steps.append(
                 MigrationStep("audit", f"audit schema at version {version}", version)
             )
-        await grants.grant(getattr(audit, "db", None))
+        grants.add(getattr(audit, "db", None))
+        # Once every table exists: a grant covers the loomflow tables of its database, and
+        # its report line says truly what it covered (the audit table there, or not).
+        await grants.grant_all()
         if runtime is not None:
             for line in await _legacy(runtime, do_import=import_legacy):
                 report.steps.append(MigrationStep("0.20 journal", line))
@@ -704,12 +706,23 @@ class _AppRoleGrants:
         self.login = login
         self.report = report
         self.done: set[str] = set()
+        self.databases: list[Database] = []
 
-    async def grant(self, db: Database | None) -> None:
-        from .storage import grant_app_role
-
+    def add(self, db: Database | None) -> None:
+        """Note a database migrated; :meth:`grant_all` grants there after every migration."""
         if self.role is None or db is None or db.backend != "postgres":
             return
+        if all(db is not seen for seen in self.databases):  # a store sharing the journal's
+            self.databases.append(db)
+
+    async def grant_all(self) -> None:
+        for db in self.databases:
+            await self._grant(db)
+
+    async def _grant(self, db: Database) -> None:
+        from .storage import grant_app_role
+
+        assert self.role is not None  # add() notes nothing without one
         result = await grant_app_role(db, self.role, login=self.login)
         where = f"{result.database}.{result.schema}"
         if where in self.done:  # the audit log or budget beside the journal
@@ -721,11 +734,13 @@ class _AppRoleGrants:
             made = " (created with LOGIN: set its password)" if self.login else " (created NOLOGIN)"
         elif result.login_granted:
             made = " (existing role given LOGIN: set its password)"
+        # Only where the audit table is: a JSON-lines log or another database's is not.
+        guarded = "; the audit log is append-only for it" if "loom_audit" in result.grants else ""
         self.report.steps.append(
             MigrationStep(
                 "app role",
                 f"app role {result.role}{made}: {len(result.grants)} tables and sequences "
-                f"granted in {where}; the audit log is append-only for it",
+                f"granted in {where}{guarded}",
             )
         )
 

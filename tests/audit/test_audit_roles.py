@@ -406,6 +406,9 @@ async def test_the_app_role_gets_checkpoints_and_memory_when_nothing_else_shares
         capture_output=True, text=True, timeout=120, check=False, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    # No claim about an audit log the role's grants do not reach (it is a JSON-lines file).
+    assert "app role" in done.stdout
+    assert "append-only" not in done.stdout
     conn = await asyncpg.connect(pg_dsn)
     try:
         missing = await conn.fetch(
