@@ -265,15 +265,17 @@ async def refuse_unready(urls: Sequence[str | None], timeout_s: float) -> None:
 
 async def refuse_without(url: str | None, component: str, what: str, timeout_s: float) -> None:
     """Refuse a database that holds loomflow stores but not ``component``, for a command
-    that reads it (``audit query``, the console): opening it would create its tables, an
-    empty store where the operator expected theirs (a forgotten ``--audit-url``, say)."""
+    that reads or writes it (``audit query``, the console, ``users hold``): opening it would
+    create its tables, an empty store where the operator expected theirs (a forgotten
+    ``--audit-url`` or ``LOOMFLOW_AUDIT_URL``, say)."""
     if not url:
         return
     read = await _versions_of(url, timeout_s)  # None: the JSON-lines log, memory
     versions = None if read is None else read[0]
     if isinstance(versions, dict) and versions and component not in versions:
         raise ConfigurationError(
-            f"{_masked_url(url)!r} holds no {what}: check the URL (or --audit-url), or run "
+            f"{_masked_url(url)!r} holds no {what}: check the URL (--audit-url, or "
+            "LOOMFLOW_AUDIT_URL when the log is kept elsewhere), or run "
             f"`loomflow migrate` to create one there (other commands add no tables)"
         )
 

@@ -368,8 +368,10 @@ def _command(args: argparse.Namespace) -> int:
     _check_urls(args)
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
         asyncio.run(refuse_unready(_databases(args, settings), settings.postgres_timeout_seconds))
-        # They read the audit log, so they never create one (`audit verify --file` reads a file).
-        if args.command in ("audit", "console") and getattr(args, "file", None) is None:
+        # They never create an audit log: a hold placed in an empty one made beside the
+        # journal (a forgotten LOOMFLOW_AUDIT_URL) is one the real log never has, so nothing
+        # keeps the user's data (`audit verify --file` reads a file).
+        if _uses_audit_log(args):
             journal = args.url or settings.runtime_url
             audit = getattr(args, "audit_url", None) or settings.audit_url or journal
             asyncio.run(
@@ -398,6 +400,13 @@ def _command(args: argparse.Namespace) -> int:
     if handler is not None:
         return int(asyncio.run(handler(args)))
     return asyncio.run(_dispatch(args))
+
+
+def _uses_audit_log(args: argparse.Namespace) -> bool:
+    """Whether the command reads the audit log, or places or lifts a legal hold in it."""
+    if args.command in ("audit", "console"):
+        return getattr(args, "file", None) is None
+    return args.command == "users" and args.users_command in ("hold", "release")
 
 
 # The commands that create or upgrade tables: the others read or tidy a store and must not
