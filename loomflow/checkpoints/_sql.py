@@ -169,14 +169,20 @@ def _blob(value: Any) -> bytes:
     return bytes(value)
 
 
+def _id_column(name: str, value: Any, *, optional: bool = False) -> Any:
+    """An id column as read back; one that breaks the id rules (``put()`` refuses it: a NUL,
+    300 bytes) is damage, not an id to restore and hand back as ``restored_from``."""
+    return check_id(name, unicode_column(name, value), optional=optional)
+
+
 def _checkpoint(row: Sequence[Any]) -> Checkpoint:
     (cid, session, user, run, epoch, turn, final, prompt, output, index) = row[:10]
     tokens_in, tokens_out, cost, parent, version, raw, created = row[10:]
     return Checkpoint(
-        id=unicode_column("checkpoint_id", cid),
+        id=_id_column("checkpoint_id", cid),
         session_id=unicode_column("session_id", session),
         user_id=unicode_column("user_id", user),
-        run_id=unicode_column("run_id", run),
+        run_id=_id_column("run_id", run),
         epoch=_column("epoch", _integer, epoch),
         turn=_column("turn", _integer, turn),
         final=_column("final", _flag, final),
@@ -193,7 +199,7 @@ def _checkpoint(row: Sequence[Any]) -> Checkpoint:
             output_tokens=_column("tokens_out", _integer, tokens_out),
         ),
         cost_usd=_column("cost_usd", _number, cost),
-        parent_id=unicode_column("parent_id", parent),
+        parent_id=_id_column("parent_id", parent, optional=True),
         created_at=_column("created_at", lambda v: timestamp(_number(v)), created),
     )
 

@@ -188,3 +188,50 @@ async def test_the_table_marks_the_damaged_row_and_says_why(tmp_path: Path) -> N
     assert lines[-1].split()[1] == "unreadable"
     assert "turn holds 'two\\x1b[2J'" in done.stderr  # why, with the escape shown, not sent
     assert "\x1b" not in done.stdout + done.stderr
+
+
+NEWEST_OF_ALICE_S = (
+    "seq = (SELECT MAX(seq) FROM loom_checkpoints WHERE session_id = 's' AND user_id = 'alice')"
+)
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ("checkpoint_id = 'cp' || char(0)", "checkpoint_id contains the control character U+0000"),
+        ("checkpoint_id = printf('%.300c', 'x')", "checkpoint_id is 300 bytes long"),
+        ("run_id = run_id || char(10)", "run_id contains the control character U+000A"),
+        ("parent_id = char(27) || '[2J'", "parent_id contains the control character U+001B"),
+    ],
+)
+async def test_a_checkpoint_whose_ids_no_put_accepts_is_not_restored(
+    tmp_path: Path, edit: str, named: str
+) -> None:
+    """An id that breaks the id rules (put() refuses it) was read back as it was: resume
+    restored such a snapshot and handed its NUL or 300-byte id back as ``restored_from``."""
+    _, tamper, make = await _database(tmp_path)
+    await _recorded(recording := await make())
+    await recording.close()
+    await tamper(f"UPDATE loom_checkpoints SET {edit} WHERE {NEWEST_OF_ALICE_S}")
+    for strict in (True, False):  # strict first: a replay writes new snapshots
+        runtime = await make()
+        try:
+            shop = Shop()
+            tuning = Tuning(checkpoint=True, strict_replay=strict)
+            agent = Agent("You shop.", model=shop.model, tools=[shop.tool], runtime=runtime,
+                          tuning=tuning)  # fmt: skip
+            if strict:
+                with pytest.raises(CheckpointError, match=re.escape(named)):
+                    await agent.resume("shop", session_id="s", user_id="alice")
+            else:
+                result = await agent.resume("shop", session_id="s", user_id="alice")
+                assert result.restored_from is None  # the journal replayed instead
+                assert result.output.startswith("bought: ")
+                assert shop.bought == []
+                store = checkpoint_store_for(runtime)
+                assert isinstance(store, SqlCheckpointStore)
+                listed = await store.listing("s", user_id="alice")
+                [bad] = [c for c in listed if not isinstance(c, Checkpoint)]
+                assert named in bad.unreadable
+        finally:
+            await runtime.close()
