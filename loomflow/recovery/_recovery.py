@@ -33,7 +33,6 @@ from ..errors import (
     InvalidArgumentError,
     OwnershipLostError,
     RunCancelledError,
-    SessionBusyError,
     StoreUnavailableError,
     UserError,
 )
@@ -450,13 +449,11 @@ class Recovery:
         except _NotAudited as exc:
             await self._not_audited(session_id, claim, exc.failure)
             return
-        except (OwnershipLostError, SessionBusyError) as exc:
+        except OwnershipLostError as exc:
             # Another owner took the run over while this one resumed it (this worker was
             # frozen past its lease, or the application resumed the run itself): the new
             # owner decides how it ends. Not a failed attempt: no error noted, no dead letter
             # (the run may well have finished), and `worker --once` does not fail for it.
-            # Held up between the claim and the run's turn, this worker finds the turn
-            # taken: the run's new owner keeps it past the turn timeout (SessionBusyError).
             outcome = "claim_lost"
             error = agent.redactor.text(f"{type(exc).__name__}: {exc}")[:4000]
             log.warning(
