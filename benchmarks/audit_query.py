@@ -161,6 +161,12 @@ async def measure(store: AuditStore, repeat: int) -> dict[str, Any]:
     assert all(e.user_id == TARGET for e in first.entries)
     deep = await store.query(user_id=TARGET, limit=100, cursor=first.next_cursor)
     middle = first.entries[50].time
+
+    async def console_users_page() -> None:  # what the console's users page reads
+        heads = store.iter_heads()
+        await anext(heads)  # the first page of heads
+        await heads.aclose()
+
     results = {
         "first_page_100": await timed(lambda: store.query(user_id=TARGET, limit=100), repeat),
         "second_page_100": await timed(
@@ -173,6 +179,9 @@ async def measure(store: AuditStore, repeat: int) -> dict[str, Any]:
             lambda: store.query(user_id=TARGET, since=middle, limit=100), repeat
         ),
         "one_user_verify_500": await timed(lambda: store.verify(user_id=TARGET), 5),
+        # The console's users page reads a page of heads (1,000) where it read every head.
+        "users_page_heads": await timed(console_users_page, repeat),
+        "all_heads": await timed(store.heads, 5),
     }
     assert len(deep.entries) == 100
     return results

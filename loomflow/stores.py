@@ -644,7 +644,7 @@ class Stores:
         if user_id is None:
             return {}
         found: dict[str, list[int]] = {}
-        for head in await self.audit.heads():
+        async for head in self.audit.iter_heads():
             chain = head.user_id
             if chain is None or not chain.startswith(CONSOLE_CHAINS):
                 continue

@@ -377,7 +377,17 @@ class ConsoleData:
         (case-insensitive), each with what is wrong with it (see :meth:`head_problem`); and
         whether there were more than ``limit``."""
         needle = search.casefold()
-        found = [h for h in await self.stores.audit.heads() if needle in str(h.user_id).casefold()]
+        audit = self.stores.audit
+        # Read page by page until one more than the page shows has matched: a log that knows
+        # 300,000 users lists its first ones at once, and a search holds only its matches.
+        # The anonymous bucket is listed first, so it is looked up by itself.
+        anonymous = await audit.head(None) if needle in "none" else None
+        found = [] if anonymous is None else [anonymous]
+        async for head in audit.iter_heads():
+            if len(found) > limit:
+                break
+            if head.user_id is not None and needle in head.user_id.casefold():
+                found.append(head)
         found.sort(key=lambda h: (h.user_id is not None, h.user_id or ""))
         return [(h, await self.head_problem(h)) for h in found[:limit]], len(found) > limit
 

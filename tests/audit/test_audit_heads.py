@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from loomflow.audit import (
     JsonlAuditStore,
     SqliteAuditStore,
 )
+from loomflow.errors import AuditIntegrityError
 
 
 def _store(kind: str, tmp_path: Path) -> AuditStore:
@@ -39,5 +41,40 @@ async def test_heads_name_every_user_with_their_last_entry(kind: str, tmp_path: 
             (ChainHead(u, 2, last[u].hash) for u in users), key=lambda h: str(h.user_id)
         )
         assert heads == await store.heads()
+    finally:
+        await store.close()
+
+
+async def test_iter_heads_pages_through_every_head_once(store: AuditStore) -> None:
+    users = [None, "a", "b/..", "<é>", 'q"uote', "z" * 40, "A", "b"]
+    await store.append([AuditRecord(user_id=u, actor="t", action="x") for u in users])
+    listed = [h async for h in store.iter_heads(page_size=3)]  # pages of 3, 3 and 2
+    assert sorted(listed, key=lambda h: str(h.user_id)) == sorted(
+        await store.heads(), key=lambda h: str(h.user_id)
+    )
+    assert len({h.user_id for h in listed}) == len(users)
+    assert [h async for h in store.iter_heads(page_size=len(users))] == listed  # a full page
+
+
+async def test_iter_heads_refuses_a_page_size_below_one(store: AuditStore) -> None:
+    with pytest.raises(ValueError, match="page_size must be at least 1, not 0"):
+        [h async for h in store.iter_heads(page_size=0)]
+
+
+async def test_a_head_key_edited_to_a_blob_is_an_integrity_error_not_an_endless_walk(
+    tmp_path: Path,
+) -> None:
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        await store.append([AuditRecord(user_id=u, actor="t", action="x") for u in "abc"])
+    finally:
+        await store.close()
+    with sqlite3.connect(tmp_path / "audit.db") as db:
+        db.execute("DROP TRIGGER loom_audit_heads_forward")  # as one who edits rows would
+        db.execute("UPDATE loom_audit_heads SET user_key = CAST(user_key AS BLOB)")
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        with pytest.raises(AuditIntegrityError, match="user key is not text"):
+            [h async for h in store.iter_heads(page_size=2)]
     finally:
         await store.close()

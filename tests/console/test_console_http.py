@@ -1885,3 +1885,32 @@ def test_a_cost_that_sums_past_any_number_is_not_a_500(tmp_path: Path) -> None:
         assert story.status_code == 200
         assert story.json()["cost_usd"] == "Infinity"
         assert http.get("/run", params={"user": "rich", "run": "r"}).status_code == 200
+
+
+def test_the_users_page_lists_and_finds_users_past_the_first_page_of_heads(
+    tmp_path: Path,
+) -> None:
+    # The heads are read a thousand at a time (the page shows 200): a search must still find
+    # a user whose head is in a later page, and the anonymous bucket still comes first.
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'audit.db'}", console_token=ADMIN)
+    users = [None, *(f"user-{n:04}" for n in range(1300))]
+
+    async def make() -> None:
+        async with Stores(settings, journal=False) as stores:
+            await stores.audit.append(
+                [AuditRecord(user_id=u, actor="app", action="run.start") for u in users]
+            )
+
+    asyncio.run(make())
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        listed = http.get("/api/users").json()
+        assert listed["more"] is True
+        # The console's own chain (its looks) sorts among them.
+        shown = [None, "console:console-token", *users[1:199]]
+        assert [u["user_id"] for u in listed["users"]] == shown
+        found = http.get("/api/users", params={"q": "USER-1250"}).json()
+        assert [u["user_id"] for u in found["users"]] == ["user-1250"]
+        assert found["more"] is False
+        many = http.get("/api/users", params={"q": "user-12"}).json()
+        assert [u["user_id"] for u in many["users"]] == [f"user-12{n:02}" for n in range(100)]
+        assert http.get("/api/users", params={"q": "zzz"}).json() == {"users": [], "more": False}
