@@ -316,10 +316,14 @@ class SqlMemoryStore(ComponentStore):
         )
         if before_epoch is not None:
             args.append(int(before_epoch))
-            sql += f" AND epoch < ${len(args)}"
-        # Newest first so LIMIT keeps the most recent; COALESCE because PostgreSQL and SQLite
-        # disagree on where NULLs (runs without a journal) sort.
-        sql += " ORDER BY COALESCE(epoch, -1) DESC, seq DESC"
+            # Newest first so LIMIT keeps the most recent. `epoch <` leaves out NULL epochs,
+            # so the order is the (scope, epoch) index's: a run's recall reads its last
+            # episodes, not every episode of a long session sorted (143 ms at 30,000).
+            sql += f" AND epoch < ${len(args)} ORDER BY epoch DESC, seq DESC"
+        else:
+            # COALESCE because PostgreSQL and SQLite disagree on where NULLs (runs without a
+            # journal) sort.
+            sql += " ORDER BY COALESCE(epoch, -1) DESC, seq DESC"
         if limit is not None:
             args.append(int(limit))
             sql += f" LIMIT ${len(args)}"

@@ -145,6 +145,10 @@ class SqliteDatabase(Database):
         self._conn: aiosqlite.Connection | None = None
         self._tx_lock = asyncio.Lock()
         self._open_lock = asyncio.Lock()
+        # The (device, inode) of the file the connection opened, None for ":memory:"; and
+        # why the connection may not be used any more, once that file left the path.
+        self._opened: tuple[int, int] | None = None
+        self._moved: str | None = None
 
     @classmethod
     def from_settings(
@@ -214,7 +218,45 @@ class SqliteDatabase(Database):
             except BaseException:
                 await conn.close()
                 raise
+            self._opened = self._identity()
             self._conn = conn
+
+    def _identity(self) -> tuple[int, int] | None:
+        """The (device, inode) of the file at the path now; None when there is none."""
+        where = str(self.path)
+        if where == ":memory:":
+            return None
+        try:
+            st = os.stat(where)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_same_file(self) -> None:
+        """Refuse every statement once the file opened is no longer the one at the path.
+
+        A file replaced under a running process (a backup restored, the file moved or
+        deleted) keeps the connection on the old inode, while SQLite finds the ``-wal`` file
+        by name: commits went on, acknowledged as durable, as frames that the next process
+        to open the path pairs with whatever file is there. One ``stat`` per statement
+        (about 1 us, against a commit's fsync) stops that at the first statement after. The
+        connection stays refused until it is closed: reconnecting on our own would read the
+        new file through the old one's ``-wal``.
+        """
+        if self._moved is not None:
+            raise StoreUnavailableError(self._moved)
+        opened = self._opened
+        if opened is None or self._identity() == opened:
+            return
+        self._moved = (
+            f"the SQLite file {self.path} was replaced, moved or deleted after this process "
+            "opened it, so nothing more is written or read through this connection. Stop "
+            "every process that has the file open before you restore or move it (SQLite "
+            "pairs the file with its -wal file by name), then close and open this runtime "
+            "or store again, or restart the process"
+        )
+        log.error("%s", self._moved)
+        raise StoreUnavailableError(self._moved)
 
     async def _enable_wal(self, conn: aiosqlite.Connection) -> None:
         # Switching a new file to WAL needs a lock that SQLite does not wait for through
@@ -236,6 +278,7 @@ class SqliteDatabase(Database):
 
     def _forget_connection(self) -> object | None:
         conn, self._conn = self._conn, None
+        self._opened = self._moved = None
         # The parent's locks may have been held at fork time, or bound to its event loop.
         self._tx_lock = asyncio.Lock()
         self._open_lock = asyncio.Lock()
@@ -333,10 +376,12 @@ class SqliteDatabase(Database):
 
     async def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
+        self._opened = self._moved = None
         if conn is not None:
             await conn.close()
 
     async def _fetch(self, sql: str, *args: Any) -> Rows:
+        self._check_same_file()
         conn = self.conn
         if self._tx_lock.locked():  # a transaction is open on our connection: wait it out
             async with self._tx_lock:
@@ -344,6 +389,7 @@ class SqliteDatabase(Database):
         return await conn.execute_fetchall(sql, args)  # type: ignore[return-value]
 
     async def _count(self, sql: str, *args: Any) -> int:
+        self._check_same_file()
         conn = self.conn
         if self._tx_lock.locked():
             async with self._tx_lock:
@@ -353,6 +399,7 @@ class SqliteDatabase(Database):
     @contextlib.asynccontextmanager
     async def _transaction(self, lock_key: int | None) -> AsyncIterator[Transaction]:
         async with self._tx_lock:
+            self._check_same_file()
             conn = self.conn
             await _begin(conn)  # the write lock: other processes queue here
             try:
