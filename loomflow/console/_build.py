@@ -117,6 +117,10 @@ async def serve(
         raise ImportError("the console needs its extra: pip install 'loomflow[console]'") from exc
     app, stores = build_console(settings, options)
     try:
+        # Connected now, not on the first request: a database that is not there (a typo in
+        # its name, a server that does not answer) is one line and exit 1, as for every other
+        # command, rather than a console announced and then a 503 on every page.
+        await stores.audit.open()
         listening = _listen(host, port)
         # Announced once it can be signed in to and is listening: a console with no way in,
         # or an address it cannot bind, fails before this with one line.

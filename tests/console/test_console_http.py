@@ -28,6 +28,7 @@ from console_helpers import (
     RESUMED,
     Deployment,
     Server,
+    free_port,
     run_agent,
     tables,
 )
@@ -1914,3 +1915,34 @@ def test_the_users_page_lists_and_finds_users_past_the_first_page_of_heads(
         many = http.get("/api/users", params={"q": "user-12"}).json()
         assert [u["user_id"] for u in many["users"]] == [f"user-12{n:02}" for n in range(100)]
         assert http.get("/api/users", params={"q": "zzz"}).json() == {"users": [], "more": False}
+
+
+@pytest.mark.postgres
+def test_the_console_does_not_start_on_an_audit_database_it_cannot_open(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A PostgreSQL database that does not exist (a typo in its name), or a server that does
+    not answer, was announced as `loomflow console on http://...` and then served a 503 on
+    every page, the reason only in a log line per request; every other command exits 1 with
+    that one line, as the console does for a SQLite file that is not there."""
+    gone = pg_dsn + "_gone"  # the same server, a database nobody created
+    env = {**os.environ, "LOOMFLOW_CONSOLE_TOKEN": ADMIN}
+    for url, audit in (
+        (gone, None),
+        (f"sqlite:///{tmp_path / 'j.db'}", "postgresql://x@127.0.0.1:1/audit"),
+    ):
+        port = str(free_port())
+        command = [sys.executable, "-m", "loomflow.cli", "--url", url, "console", "--port", port]
+        if audit is not None:
+            command += ["--audit-url", audit]
+        try:
+            done = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=30, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"the console started on {audit or url}: {exc.stderr!r}") from None
+        assert done.returncode == 1, (url, done.stderr)
+        assert "console on http" not in done.stderr
+        assert done.stderr.startswith("loomflow: error:"), done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "j.db").exists()
