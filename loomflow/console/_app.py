@@ -53,6 +53,7 @@ from ..errors import (
     UserError,
 )
 from ..runtime import RUN_STATES, SessionInfo
+from ..runtime._states import UNREADABLE
 from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
 from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, CONSOLE_SIGNOUT, ConsoleData, TrailFilter
 
@@ -584,8 +585,9 @@ def create_app(
     @page("runs.html", role="admin")
     async def runs(request: Request, who: Principal) -> Any:
         state = request.query_params.get("state") or None
-        if state is not None and state not in RUN_STATES:
-            raise _Refused(400, f"state must be one of {', '.join(RUN_STATES)}")
+        # "unreadable" too, as `runs list --state` takes it: the page lists such rows.
+        if state is not None and state not in (*RUN_STATES, UNREADABLE):
+            raise _Refused(400, f"state must be one of {', '.join((*RUN_STATES, UNREADABLE))}")
         await data.record(who, "runs", details={"state": state})
         listed, more = await data.runs(state)
 

@@ -1826,17 +1826,24 @@ def test_a_run_without_a_session_is_not_given_another_runs_state(tmp_path: Path)
         assert "not in the journal" in page
 
 
-def test_runs_by_state_says_when_there_are_more_than_it_shows(tmp_path: Path) -> None:
-    # The page lists the 500 most recent runs; past that it passed for every run there was.
-    path = tmp_path / "journal.db"
+def _bobs_runs(path: Path, *sessions: str) -> Settings:
+    """A migrated journal at ``path`` with one finished run of bob in each session."""
     settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
 
     async def make() -> None:
         async with Stores(settings) as stores:
             await stores.migrate()
-        await run_agent(settings, "bob", "s-0")
+        for session in sessions:
+            await run_agent(settings, "bob", session)
 
     asyncio.run(make())
+    return settings
+
+
+def test_runs_by_state_says_when_there_are_more_than_it_shows(tmp_path: Path) -> None:
+    # The page lists the 500 most recent runs; past that it passed for every run there was.
+    path = tmp_path / "journal.db"
+    settings = _bobs_runs(path, "s-0")
     with sqlite3.connect(path) as db:  # 500 more finished runs, as the first one is stored
         row = db.execute("SELECT * FROM loom_sessions").fetchone()
         names = [d[0] for d in db.execute("SELECT * FROM loom_sessions").description]
@@ -1946,3 +1953,26 @@ def test_the_console_does_not_start_on_an_audit_database_it_cannot_open(
         assert done.stderr.startswith("loomflow: error:"), done.stderr
         assert done.stderr.count("\n") == 1, done.stderr
     assert not (tmp_path / "j.db").exists()
+
+
+def test_runs_by_state_keeps_the_unreadable_runs_it_lists(tmp_path: Path) -> None:
+    """A session row edited into values no release writes is listed as `unreadable` (as `runs
+    list` shows it); asking for those alone, as `runs list --state unreadable` does, was a 400
+    saying the state must be one of the others."""
+    path = tmp_path / "journal.db"
+    settings = _bobs_runs(path, "s-ok", "s-edited")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE loom_sessions SET status = 'bogus' WHERE session_id = 's-edited'")
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        listed = http.get("/api/runs").json()["runs"]
+        assert {(r["session_id"], r["state"]) for r in listed} == {
+            ("s-ok", "finished"),
+            ("s-edited", "unreadable"),
+        }
+        damaged = http.get("/api/runs", params={"state": "unreadable"})
+        assert damaged.status_code == 200, damaged.text
+        assert [r["session_id"] for r in damaged.json()["runs"]] == ["s-edited"]
+        assert "s-edited" in http.get("/runs", params={"state": "unreadable"}).text
+        refused = http.get("/api/runs", params={"state": "gone"})
+        assert refused.status_code == 400
+        assert "unreadable" in refused.json()["error"]
