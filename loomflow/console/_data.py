@@ -380,8 +380,9 @@ class ConsoleData:
         audit = self.stores.audit
         # Read page by page until one more than the page shows has matched: a log that knows
         # 300,000 users lists its first ones at once, and a search holds only its matches.
-        # The anonymous bucket is listed first, so it is looked up by itself.
-        anonymous = await audit.head(None) if needle in "none" else None
+        # The runs without a user have no id to contain the text (not "None"): they are
+        # listed, first, when nothing is searched for, so they are looked up by themselves.
+        anonymous = None if needle else await audit.head(None)
         found = [] if anonymous is None else [anonymous]
         async for head in audit.iter_heads():
             if len(found) > limit:

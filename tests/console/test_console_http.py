@@ -1091,6 +1091,21 @@ def test_the_search_does_not_take_a_head_rows_word_for_its_user(tmp_path: Path) 
         assert "an audit head is malformed: user_id is b'5', not text" in got.json()["error"]
 
 
+def test_the_search_finds_ids_not_the_word_none(tmp_path: Path) -> None:
+    # The runs without a user (no id) were matched as the text "None": a search for "no",
+    # "ne" or "none" listed them, though no id contains it, and a search for "a" did not.
+    records = [AuditRecord(user_id=u, actor="t", action="x") for u in (None, "nora", "al")]
+    path = _audit_db(tmp_path, records)
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        everyone = found_in(http, "")  # no search: everyone, the bucket first
+        assert everyone == [None, "al", "console:console-token", "nora"]
+        assert found_in(http, "no") == ["nora"]
+        assert found_in(http, "NONE") == []
+        assert found_in(http, "ne") == []
+        assert "(runs without a user)" not in http.get("/users", params={"q": "n"}).text
+
+
 def _eve_with_a_text_seq(folder: Path) -> Settings:
     """Settings over an audit log where eve's entry 2 has text in its seq (a hand edit)."""
     path = _audit_db(folder, [AuditRecord(user_id="eve", actor="t", action="x")] * 3)
