@@ -624,6 +624,9 @@ def create_app(
         one_page = "limit" in request.query_params
         limit = page_size(request) if one_page else None
         cursor = request.query_params.get("cursor") or None
+        if cursor is not None and not one_page:
+            # Dropped, it would hand a script going on from a cursor the whole trail again.
+            raise _Refused(400, "cursor= picks one page of an export: give limit= with it")
         details = where.as_json() | ({"limit": limit, "cursor": cursor} if one_page else {})
         await data.record(who, "export", viewed=user_id, details=details)
         # Bad ids are a 400 now, not a stream cut short after its headers went out.

@@ -524,6 +524,11 @@ def test_verification_and_export_check_out_with_the_cli(
         assert "s3cr3t-value-xyz" in page
         assert "s3cr3t-value-xyz" not in json.dumps(second)
         assert http.get("/api/export", params={"user": BOB, "limit": 7}).status_code == 400
+        # A cursor without a page size was dropped: the whole trail came back, from entry 1,
+        # to a script that asked to go on from a cursor (so it held its first pages twice).
+        alone = http.get("/api/export", params={"user": BOB, "cursor": first["next_cursor"]})
+        assert alone.status_code == 400
+        assert "limit" in alone.json()["error"]
         full = http.get("/export", params={"user": BOB}).text
         heads = http.get("/export/heads", params={"user": BOB}).text
     (tmp_path / "bob.jsonl").write_text(full, encoding="utf-8")
