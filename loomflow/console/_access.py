@@ -101,7 +101,8 @@ def load_tokens(path: Path) -> list[TokenEntry]:
             gives its number, never the token).
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte order mark (some editors save one) is no part of the first role.
+        text = path.read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise ConfigurationError(f"cannot read tokens file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:

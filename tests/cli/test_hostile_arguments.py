@@ -166,3 +166,14 @@ def test_an_empty_tokens_file_is_named_as_such(tmp_path: Path) -> None:
     tokens.write_text("# filled in by the deploy\n\n")
     with pytest.raises(ConfigurationError, match="holds no `role token name` line"):
         load_tokens(tokens)
+
+
+def test_a_tokens_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    # An editor that saves UTF-8 with a BOM (Notepad) made the first role "\ufeffadmin", and
+    # the console refused to start: "role must be reader or admin, not '\ufeffadmin'".
+    from loomflow.console._access import load_tokens
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"admin {'t' * 20} ada\r\nreader {'u' * 20} rob\r\n", encoding="utf-8-sig")
+    assert tokens.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert [(e.role, e.name) for e in load_tokens(tokens)] == [("admin", "ada"), ("reader", "rob")]
