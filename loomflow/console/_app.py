@@ -41,7 +41,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._ids import check_id, check_key
+from .._ids import MAX_ID_BYTES, check_id, check_key
 from .._printable import printable
 from .._timefmt import iso_time, parse_when
 from ..audit import ANY_USER, AuditPage
@@ -121,6 +121,24 @@ def _refused_address(scope: Scope) -> str | None:
         except UnicodeDecodeError:
             return f"the {part} percent-encodes bytes that are not UTF-8 text"
     return None
+
+
+def _check_named(request: Request) -> None:
+    """Refuse (400) a user, session, run, action, cursor or search that no id, key or cursor
+    can be, before the look is recorded: the asker's chain keeps what it is given for good,
+    and an address can carry some 60 KB. (The stores would refuse them too, after it.)"""
+    q = request.query_params
+    for user in (request.path_params.get("user_id"), q.get("user")):
+        if user is not None:
+            check_id("user_id", user, optional=False)
+    for name, field in (("session", "session_id"), ("run", "run_id")):
+        check_id(field, q.get(name) or None)
+    check_key("action", q.get("action") or None)
+    cursor = q.get("cursor") or ""
+    if cursor and not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 19):
+        raise _Refused(400, f"bad cursor {cursor[:40]!r}: pass the next_cursor of a previous page")
+    if len(q.get("q", "").encode("utf-8")) > MAX_ID_BYTES:
+        raise _Refused(400, f"the search is longer than any user id ({MAX_ID_BYTES} bytes)")
 
 
 def _cross_site(request: Request) -> bool:
@@ -364,6 +382,7 @@ def create_app(
                     log.warning("console: refused a load by another site's page (%s)", who.name)
                     return _error(request, who, 403, _LOADED_ELSEWHERE, api)
                 try:
+                    _check_named(request)
                     if role == "admin" and not who.is_admin:
                         await data.record(
                             who,

@@ -1996,3 +1996,35 @@ def test_runs_by_state_keeps_the_unreadable_runs_it_lists(tmp_path: Path) -> Non
         refused = http.get("/api/runs", params={"state": "gone"})
         assert refused.status_code == 400
         assert "unreadable" in refused.json()["error"]
+
+
+def test_a_value_no_id_can_hold_is_refused_before_it_is_recorded(
+    console: Server, deployment: Deployment
+) -> None:
+    """Every look is written to the asker's chain, which can never be cleaned up, before the
+    store checked what it named: a search, id, session, run or cursor of ~60 KB (what an
+    address can carry) was kept in full in the entry of every such request, a 400 or not."""
+    huge = "x" * 3000
+    asked = [
+        ("/api/users", {"q": huge}),
+        ("/api" + user_url(huge), {}),
+        ("/api/trail", {"user": huge}),
+        ("/api/users/bob", {"session": huge}),
+        ("/api/users/bob", {"cursor": "9" * 3000}),
+        ("/api/entry", {"user": huge, "seq": "1"}),
+        ("/api/run", {"user": BOB, "run": huge}),
+        ("/api/export", {"user": huge}),
+        ("/api/export", {"user": BOB, "session": huge}),
+        ("/api/export/heads", {"user": huge}),
+    ]
+    for who, chain in ((ADMIN, "console:ada"), (READER, "console:rob")):
+        before = len(_audit(deployment, user_id=chain))
+        with console.client(who) as http:
+            for route, params in asked:
+                got = http.get(route, params=params)
+                assert got.status_code == 400, (route, params.keys(), got.text)
+                assert "x" * 100 not in got.text
+        written = _audit(deployment, user_id=chain)[before:]
+        assert written == [], [(e["action"], len(json.dumps(e["payload"]))) for e in written]
+    with console.client(ADMIN) as http:  # a search as long as an id still runs
+        assert http.get("/api/users", params={"q": "x" * 256}).json()["users"] == []
