@@ -634,6 +634,23 @@ def _by_rule(behavior: Behavior, policy: str, rule: Rule) -> Decision:
     return Decision(behavior, reason, policy, rule)
 
 
+def _checked(
+    permissions: StandardPermissions,
+    call: ToolCall,
+    user_id: str | None,
+    context: PermissionContext,
+) -> Decision:
+    """``permissions.check``, failing closed: a custom subclass's check that raises denies
+    (for the model's call and for an approver's edit alike)."""
+    try:
+        return permissions.check(call, user_id=user_id, context=context)
+    except Exception as exc:
+        log.error("the permission check raised", exc_info=exc)
+        return Decision(
+            "deny", f"the permission check failed ({type(exc).__name__}: {exc})", "error"
+        )
+
+
 class PermissionHooks(RunHooks):
     """Plugs :class:`StandardPermissions` into the agent loop, before each live tool call."""
 
@@ -665,13 +682,7 @@ class PermissionHooks(RunHooks):
         elif asked is not None:
             decision = Decision("ask", asked.reason, asked.policy)
         else:
-            try:
-                decision = permissions.check(call, user_id=info.user_id, context=context)
-            except Exception as exc:  # a custom subclass's check: fail closed
-                log.error("the permission check raised", exc_info=exc)
-                decision = Decision(
-                    "deny", f"the permission check failed ({type(exc).__name__}: {exc})", "error"
-                )
+            decision = _checked(permissions, call, info.user_id, context)
         if decision.behavior == "ask" and tool is None and asked is None:
             # A name the model made up: nobody is asked to approve a tool that does not exist
             # (an approver could only allow an error, and a later hook that answers such
@@ -729,7 +740,7 @@ class PermissionHooks(RunHooks):
                 current = call.model_copy(update={"arguments": dict(answer.arguments)})
                 edited = True
                 # Edited arguments must still pass the deny rules (an approver cannot lift them).
-                recheck = permissions.check(current, user_id=info.user_id, context=context)
+                recheck = _checked(permissions, current, info.user_id, context)
                 if recheck.behavior == "deny":
                     final, reason = "deny", f"the edited arguments are denied: {recheck.reason}"
         sensitive = tool.sensitive if tool is not None else frozenset()

@@ -83,14 +83,9 @@ READ = ToolCall(id="c3", name="read_record", arguments={"name": "gamma"})
 def agent_for(
     world: World, runtime: JournalRuntime, calls: list[ToolCall], **options: Any
 ) -> Agent:
+    options.setdefault("permissions", StandardPermissions(approval="defer"))
     return Agent(
-        "x",
-        model=world.model(calls),
-        tools=world.tools(),
-        runtime=runtime,
-        permissions=StandardPermissions(approval="defer"),
-        memory=False,
-        **options,
+        "x", model=world.model(calls), tools=world.tools(), runtime=runtime, memory=False, **options
     )
 
 
@@ -1042,3 +1037,35 @@ async def test_requests_with_any_json_arguments_list_and_decide_as_asked(
     [answer] = [m for m in result.messages if m.role == "tool"]
     assert "permission denied" not in answer.content
     assert await agent.pending_approvals("s1", user_id="ana") == []
+
+
+async def test_a_check_that_raises_on_an_edit_denies_it_on_resume(
+    runtime_factory: Factory,
+) -> None:
+    """A custom check that fails for the edited arguments fails closed, as it does for the
+    model's call: the resumed run gives the model the denial and finishes (it raised the
+    check's RuntimeError on every resume, and the run could never finish)."""
+
+    class FailsOnEdits(StandardPermissions):
+        def check(self, call: ToolCall, **kwargs: Any) -> Any:
+            if call.arguments.get("name") == "edited":
+                raise RuntimeError("policy service down")
+            return super().check(call, **kwargs)
+
+    world = World()
+    runtime = await runtime_factory()
+    agent = agent_for(world, runtime, [DELETE], permissions=FailsOnEdits(approval="defer"))
+    stopped = await agent.run("clean up", session_id="s1", user_id="ana")
+    [request] = stopped.pending_approvals
+    result = await agent.resume(
+        "clean up",
+        session_id="s1",
+        user_id="ana",
+        approvals={request.request_id: Approve(arguments={"name": "edited"})},
+        decided_by="kim",
+    )
+    assert world.deleted == []
+    assert not result.interrupted
+    assert "policy service down" in result.output
+    [session] = await runtime.sessions(session_id="s1")
+    assert session.state == "finished"

@@ -585,3 +585,44 @@ async def test_roles_are_read_from_a_set_and_a_role_that_is_no_name_denies(
         assert "metadata['role']" in decided[0].reason
         with pytest.raises(UserError, match=r"metadata\['role'\]"):
             PermissionContext.from_metadata({"role": role})
+
+
+class FailsOnLargeEdits(StandardPermissions):
+    """A custom check that raises for the edited arguments only (a policy service that is
+    down for them, a bug on a value the model never sent)."""
+
+    def check(self, call: ToolCall, **kwargs: Any) -> Decision:
+        if call.arguments.get("record") == "edited":
+            raise RuntimeError("policy service down")
+        return super().check(call, **kwargs)
+
+
+async def test_a_check_that_raises_on_edited_arguments_denies_the_call(tmp_path: Any) -> None:
+    # The check of the model's call failed closed, but the re-check of the approver's edit
+    # let the error escape: the run raised RuntimeError and stayed open, and every resume
+    # raised again.
+    from loomflow.runtime import SqliteRuntime
+
+    ran.clear()
+    permissions = FailsOnLargeEdits(
+        approval=lambda request: Approval.edit({"record": "edited"}, by="lead")
+    )
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    agent = Agent(
+        "x",
+        model=one_call(),
+        tools=[make_tool(edits=False, destructive=True)],
+        permissions=permissions,
+        runtime=runtime,
+    )
+    events = [e async for e in agent.stream("go", session_id="s", user_id="u")]
+    assert isinstance(events[-1], RunFinished)
+    [decided] = [e for e in events if isinstance(e, PermissionDecided)]
+    assert ran == []
+    assert decided.final == "deny"
+    assert "policy service down" in decided.reason
+    assert not events[-1].result.interrupted
+    assert "permission denied" in events[-1].result.output
+    [session] = await runtime.sessions()
+    assert session.state == "finished"
+    await runtime.close()
