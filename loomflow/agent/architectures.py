@@ -21,7 +21,7 @@ from ..errors import UserError
 from ..messages import Message
 from ..redaction import Redactor
 from ..runtime import RunRecord, Runtime
-from ..runtime._journal import JournalRuntime
+from ..runtime._journal import JournalRun, JournalRuntime
 from ..tools import Tool
 from ._agent import Agent, enclosing_ids, enclosing_run, run_record, runtime_for
 from ._types import AgentEvent, RunResult, ToolCallFinished
@@ -248,11 +248,15 @@ class _Recoverable:
             raise UserError(f"prompt must be a string, not {type(prompt).__name__}")
         runtime = runtime_for(self.runtime)
         record = self._record(runtime, prompt, metadata)
+        nested = enclosing_ids()[0]  # a sub-run: the run around it records how it ends
         session_id, user_id = _ids(session_id, user_id)
         async with enclosing_run(
             runtime, session_id, user_id, metadata, resume=resume, record=record
-        ) as (ctx, _):
+        ) as (ctx, run):
             results, final = await self._play(runtime, prompt)
+            if final.interrupted and isinstance(run, JournalRun) and not nested:
+                # As an agent's run: an interrupted run stays resumable, not finished.
+                run.outcome = "interrupted"
             return _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
 
     async def _play(self, runtime: Runtime, prompt: str) -> tuple[list[RunResult], RunResult]:
@@ -324,6 +328,8 @@ class Debate(_Recoverable):
                 with runtime.subrun(f"debater:{index}:{debater.name}:round{round_no}"):
                     result = await debater.run(prompt)
                 results.append(result)
+                if result.interrupted:  # a budget cap, a guardrail: the debate stops there
+                    return results, result
                 transcript.append(f"{debater.name}: {result.output}")
         with runtime.subrun("judge"):
             verdict = await self.judge.run(
@@ -405,6 +411,8 @@ class Workflow(_Recoverable):
                 with runtime.subrun(f"node:{name}"):
                     result = await node.run(text)
                 results.append(result)
+                if result.interrupted:  # the next node would work on no answer
+                    return results, result
                 text = result.output
             else:
                 text = str(await runtime.step(f"node:{name}", _bind(node), text))

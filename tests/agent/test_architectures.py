@@ -353,3 +353,77 @@ async def test_a_worker_asked_twice_under_one_call_id_remembers_both_answers(
     crash = False
     assert (await team.resume("go", session_id="s", user_id="u")).output == "done"
     assert seen[-1] == ["one", "did one", "two", "did two", "three"]
+
+
+@pytest.fixture
+async def budget_store(tmp_path: Any) -> Any:
+    from loomflow.governance import SqlBudgetStore
+
+    store = SqlBudgetStore(f"sqlite:///{tmp_path}/budget.db")
+    yield store
+    await store.close()
+
+
+def _noting(calls: list[str], **options: Any) -> Agent:
+    """An agent whose model notes each prompt it answers."""
+
+    def answer(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        calls.append(messages[-1].content)
+        return f"answer to {messages[-1].content}"
+
+    return Agent("n", model=FunctionModel(answer), **options)
+
+
+def _capped(calls: list[str], limit: int, store: Any) -> Agent:
+    """A noting agent under a user cap of ``limit`` tokens."""
+    from loomflow.governance import Cap, StandardBudget
+
+    budget = StandardBudget([Cap("tokens_total", limit)], store=store)
+    return _noting(calls, budget=budget, tuning=Tuning(max_tokens=16))
+
+
+async def test_a_workflow_stops_at_a_node_a_budget_interrupted(
+    runtime_factory: Factory, budget_store: Any
+) -> None:
+    # The node's budget:<cap> interruption was swallowed: the next node ran on an empty
+    # text, and the workflow returned as finished, not interrupted.
+    first: list[str] = []
+    second: list[str] = []
+    runtime = await runtime_factory()
+    flow = Workflow(
+        [("first", _capped(first, 5, budget_store)), ("second", _noting(second))],
+        runtime=runtime,
+    )
+    result = await flow.run("go", session_id="s", user_id="u")
+    assert (result.interrupted, result.interruption_reason) == (True, "budget:user.tokens_total")
+    assert first == second == []
+    [session] = await runtime.sessions(session_id="s")
+    assert session.state == "interrupted"
+    # With room in the budget, the resume continues from the node that stopped.
+    flow = Workflow(
+        [("first", _capped(first, 10**6, budget_store)), ("second", _noting(second))],
+        runtime=runtime,
+    )
+    resumed = await flow.resume("go", session_id="s", user_id="u")
+    assert not resumed.interrupted
+    assert resumed.output == "answer to answer to go"
+    assert (first, second) == (["go"], ["answer to go"])
+
+
+async def test_a_debate_stops_at_a_debater_a_budget_interrupted(
+    tmp_path: Any, budget_store: Any
+) -> None:
+    from loomflow.runtime import SqliteRuntime
+
+    argued: list[str] = []
+    judged: list[str] = []
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    debaters = [_noting(argued), _capped(argued, 5, budget_store)]
+    debate = Debate(debaters, _noting(judged), rounds=1, runtime=runtime)
+    result = await debate.run("tabs or spaces", session_id="s", user_id="u")
+    assert (result.interrupted, result.interruption_reason) == (True, "budget:user.tokens_total")
+    assert len(argued) == 1  # the first debater spoke; the second was refused its call
+    assert judged == []
+    [session] = await runtime.sessions(session_id="s")
+    assert session.state == "interrupted"
+    await runtime.close()
