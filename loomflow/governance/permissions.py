@@ -482,6 +482,10 @@ class StandardPermissions:
                 if not isinstance(key, str):
                     # User ids and role names are strings: another key never matches a run.
                     raise UserError(f"{what} are keyed by strings, not {key!r}")
+                if what == "users":
+                    # A key no user id can be (empty, a control character, too long) names
+                    # no run's user: that user's rules would never apply.
+                    check_id("a users key (a user id)", key, optional=False)
                 if not isinstance(policy, Policy):
                     raise UserError(f"{what}[{key!r}] must be a Policy, not {policy!r}")
         self.deferred = isinstance(approval, str) and approval == "defer"

@@ -254,6 +254,10 @@ def test_bad_configuration_is_refused() -> None:
         (lambda: StandardPermissions("default", Rule.deny("wipe")), "rules must be a list"),
         (lambda: StandardPermissions(roles=[Policy()]), "roles must be a mapping"),
         (lambda: StandardPermissions(users={7: Policy()}), "users are keyed by strings"),
+        # No run has such a user id: the user's deny rules would never apply.
+        (lambda: StandardPermissions(users={"": Policy()}), "must not be empty"),
+        (lambda: StandardPermissions(users={"ana\n": Policy()}), "control character"),
+        (lambda: StandardPermissions(users={"a" * 300: Policy()}), "256-byte limit"),
         (lambda: StandardPermissions(approval_timeout="5"), "approval_timeout must be"),
         (lambda: StandardPermissions(approval_timeout=True), "approval_timeout must be"),
     ],
