@@ -178,6 +178,13 @@ def normalize_decision(
         decision = Approve()
     elif decision == "deny":
         decision = Deny()
+    if isinstance(decision, Approve | Deny) and not isinstance(decision.reason, str):
+        # As for an in-process Approval: str() would journal a repr ("None") as the reason
+        # the model is given.
+        raise InvalidArgumentTypeError(
+            f"approval {request_id!r}: a decision's reason must be text, not "
+            f"{type(decision.reason).__name__}"
+        )
     if isinstance(decision, Approve):
         arguments = decision.arguments
         if arguments is not None and not isinstance(arguments, Mapping):
@@ -209,7 +216,7 @@ def normalize_decision(
             request_id=request_id,
             behavior="allow",
             arguments=edited,
-            reason=str(decision.reason),
+            reason=decision.reason,
             decided_by=decided_by,
             decided_at=now,
         )
@@ -217,7 +224,7 @@ def normalize_decision(
         return RecordedDecision(
             request_id=request_id,
             behavior="deny",
-            reason=str(decision.reason),
+            reason=decision.reason,
             decided_by=decided_by,
             decided_at=now,
         )

@@ -340,6 +340,15 @@ async def test_unknown_ids_and_bad_input_are_refused(runtime_factory: Factory) -
                 approvals={request.request_id: "allow"},
                 decided_by=who,  # type: ignore[arg-type]
             )
+    # A reason that is no text was journaled as its repr: the model was told "None".
+    for decision in (Deny(None), Deny(5), Approve(reason=b"ok")):  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentTypeError, match="reason must be text"):
+            await agent.resume(
+                "clean up",
+                session_id="s1",
+                user_id="ana",
+                approvals={request.request_id: decision},
+            )
     assert world.deleted == []
     # Nothing above was recorded: the request still waits.
     assert await agent.pending_approvals("s1", user_id="ana") == [request]
