@@ -22,12 +22,13 @@ import json
 import sys
 from typing import Any
 
-from .._printable import is_unicode
+from .._ids import check_id
+from .._printable import is_unicode, shown
 from .._timefmt import parse_time
 from ..agent._approvals import audit_decision
 from ..audit import AuditLog
 from ..config import Settings
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidIdError
 from ..governance.approvals import (
     Approve,
     DamagedRequest,
@@ -106,7 +107,7 @@ async def _handle(args: argparse.Namespace) -> int:
             decision = Deny(args.reason)
         # Without --by, still name the person at the terminal (as `runs cancel` does): the
         # audit actor becomes approver:cli:<login>, never a bare "approver".
-        decided_by = args.decided_by or f"cli:{login()}"
+        decided_by = _approver(args.decided_by)
         recorded = normalize_decision(args.request_id, decision, decided_by)
         # Which user's session: the journal knows who ran it when only one user did.
         info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
@@ -143,6 +144,24 @@ async def _handle(args: argparse.Namespace) -> int:
                 "next resume() of that session applies it"
             )
         return 0
+
+
+def _approver(given: str | None) -> str:
+    """``--by``, else ``cli:<login>``; an error names which of them breaks the id rules."""
+    if given:
+        try:
+            return str(check_id("--by", given, optional=False))
+        except InvalidIdError as exc:
+            raise InvalidIdError("--by", exc.reason) from None
+    name = login()
+    try:
+        return str(check_id("decided_by", f"cli:{name}", optional=False))
+    except InvalidIdError as exc:
+        raise InvalidIdError(
+            "--by",
+            f"is needed: your login name {shown(name, 80)} cannot name the approver "
+            f"(cli:<login> {exc.reason})",
+        ) from None
 
 
 def _edited(text: str | None) -> dict[str, Any] | None:

@@ -454,3 +454,33 @@ def test_a_decision_row_moved_where_the_run_never_reads_it_leaves_the_request_op
     stopped = asyncio.run(_run(url, sent, resume=True))
     assert [p.request_id for p in stopped.pending_approvals] == [everyone.request_id]
     assert sent == [{"to": "ops", "text": "down at 9"}]
+
+
+@pytest.mark.parametrize(
+    ("by", "login", "said"),
+    [
+        (None, "ops\nlead", "your login name 'ops\\nlead' cannot name the approver"),
+        ("kim\x1b[2J", "kim", "--by contains the control character U+001B"),
+    ],
+    ids=["login", "by"],
+)
+def test_an_approver_name_that_is_no_id_names_where_it_came_from(
+    by: str | None, login: str, said: str, tmp_path: Path
+) -> None:
+    # Without --by, a login name with a control character was refused as "decided_by
+    # contains the control character U+000A": an option the person never gave.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ops, _ = asyncio.run(_run(url, [], resume=False)).pending_approvals
+    named = ["--by", by] if by is not None else []
+    approved = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "--url", url, "approvals", "approve",
+         ops.request_id, "--session", "ops-1", "--user", "ana", *named],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "LOGNAME": login, "USER": login},
+    )  # fmt: skip
+    assert approved.returncode == 1, approved.stdout
+    assert approved.stderr.startswith("loomflow: error: ")
+    assert said in approved.stderr
+    assert "decided_by" not in approved.stderr
+    # Nothing decided: only the requests are on record.
+    assert [e.action for e in asyncio.run(_audit(url))] == [actions.APPROVAL_REQUEST] * 2
