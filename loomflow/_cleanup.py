@@ -13,12 +13,13 @@ import logging
 from collections.abc import Awaitable
 from typing import Final
 
-from .errors import RunCancelledError
+from .errors import OwnershipLostError, RunCancelledError
 
 __all__ = [
     "CANCELLATIONS",
     "attach_cleanup_error",
     "cleanup_errors",
+    "end_outcome",
     "raise_if_cancelled",
     "run_cleanup",
 ]
@@ -29,6 +30,16 @@ CANCELLATIONS: Final = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt
 """What ends a run as ``cancelled``, not ``failed``: its caller went away (the task was
 cancelled, the stream closed, Ctrl-C) or someone cancelled the run (``runtime.cancel``). The
 metrics, the spans and the audit trail's ``run.end`` classify a run's end with this one list."""
+
+
+def end_outcome(error: BaseException) -> str:
+    """How a run that raised ``error`` ended, as the metrics, spans and ``run.end`` say it:
+    ``cancelled`` (:data:`CANCELLATIONS`), ``claim_lost`` (another owner took the run over,
+    :class:`~loomflow.errors.OwnershipLostError`: the new owner decides how it ends, so this
+    process must not count it as failed), or ``failed``."""
+    if isinstance(error, CANCELLATIONS):
+        return "cancelled"
+    return "claim_lost" if isinstance(error, OwnershipLostError) else "failed"
 
 
 def attach_cleanup_error(first: BaseException, cleanup: BaseException, what: str) -> None:

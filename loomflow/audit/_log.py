@@ -17,7 +17,7 @@ from typing import Any, Literal, TextIO
 from pydantic import BaseModel
 from ulid import ULID
 
-from .._cleanup import CANCELLATIONS
+from .._cleanup import end_outcome
 from .._ids import check_id
 from .._progress import OnProgress
 from ..context import get_run_context
@@ -587,8 +587,9 @@ class AuditHooks(RunHooks):
             else:
                 payload = {
                     # As the metrics and spans say: a run whose caller went away or that
-                    # someone cancelled did not fail (error_type tells which it was).
-                    "outcome": "cancelled" if isinstance(error, CANCELLATIONS) else "failed",
+                    # someone cancelled did not fail (error_type tells which it was), nor
+                    # did one another owner took over (claim_lost: it ends there).
+                    "outcome": "failed" if error is None else end_outcome(error),
                     "error_type": type(error).__name__ if error is not None else None,
                     "error": str(error) if error is not None else None,
                 }

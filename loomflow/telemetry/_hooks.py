@@ -43,7 +43,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel
 
-from .._cleanup import CANCELLATIONS
+from .._cleanup import CANCELLATIONS, end_outcome
 from ..context import get_run_context, reset_var
 from ..errors import ModelError
 from ..governance.events import (
@@ -618,7 +618,7 @@ class TelemetryHooks(RunHooks):
         self, info: RunInfo, result: Any | None, error: BaseException | None
     ) -> None:
         if error is not None:
-            outcome = "cancelled" if isinstance(error, CANCELLATIONS) else "failed"
+            outcome = end_outcome(error)
         elif result is not None and result.interrupted:
             outcome = "interrupted"
         else:

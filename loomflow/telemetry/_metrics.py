@@ -61,9 +61,10 @@ KINDS: Final = ("model", "tool", "memory", "custom")
 OUTCOMES: Final = ("hit", "miss", "divergence", "corrupt")
 """What the journal did at a step: replayed it, ran it fresh, ran it fresh although the journal
 held other inputs at that position, or ran it fresh because the stored entry was unreadable."""
-RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled")
+RUN_OUTCOMES: Final = ("finished", "interrupted", "failed", "cancelled", "claim_lost")
 """How a run ended: returned an answer, returned interrupted (max_turns, budget, guardrail),
-raised (stays open, resumable), or was cancelled / abandoned by its caller (also resumable)."""
+raised (stays open, resumable), was cancelled / abandoned by its caller (also resumable), or
+was taken over by another owner (``OwnershipLostError``: the new owner decides how it ends)."""
 RECOVERY_OUTCOMES: Final = (
     "resumed", "finished", "interrupted", "retry_failed", "dead_lettered", "unregistered",
     "claim_lost", "cancelled",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sqlite3
 import sys
@@ -169,14 +170,21 @@ async def freeze(child: Child, journal: Journal) -> None:
     write transaction would hold the file's write lock forever and block every other writer:
     a property of SQLite, not of the journal. So on SQLite we retry until the lock is free.
     """
+    sqlite_file = journal.target if journal.backend == "sqlite" else None
+    await freeze_pid(child.pid, sqlite_file, name=child.name)
+
+
+async def freeze_pid(pid: int, sqlite_file: str | None, *, name: str = "") -> None:
+    """:func:`freeze` for any child process ``pid`` using the SQLite file ``sqlite_file``
+    (``None``: a PostgreSQL journal)."""
     for _ in range(100):
-        child.signal(signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
         async with asyncio.timeout(5):
             # kill() returns before the stop lands; the kernel offers no event to wait on.
-            while process_state(child.pid) != "T":  # noqa: ASYNC110
+            while process_state(pid) != "T":  # noqa: ASYNC110
                 await asyncio.sleep(0.001)
-        if journal.backend != "sqlite" or sqlite_writable(journal.target):
+        if sqlite_file is None or sqlite_writable(sqlite_file):
             return
-        child.signal(signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
         await asyncio.sleep(0.005)
-    raise AssertionError(f"worker {child.name} kept holding the SQLite write lock")
+    raise AssertionError(f"worker {name or pid} kept holding the SQLite write lock")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,10 +11,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from _fleet import APP, app_env, cli, start_and_kill, start_blocked, tool_counts, wait_for
+from _process_harness import harness as h  # the crash tests' process helpers
 
 from loomflow.audit import AuditLog
 from loomflow.recovery import Recovery
@@ -354,38 +357,46 @@ async def test_the_installed_command_imports_the_app_from_where_it_starts(tmp_pa
     assert "sweep:" in out.decode()
 
 
-async def test_a_frozen_worker_whose_run_was_taken_over_neither_fails_nor_dead_letters_it(
-    journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A worker on its last attempt is frozen (SIGSTOP) past its lease; the application resumes
-    # the run by hand and finishes it; the worker thaws and is fenced out. It used to count
-    # that as its attempt failing: `--once` exited 1, the log said the run "raised (attempt 1
-    # of 1)", and a `run.dead_letter` entry went into the audit trail of a finished run.
+@contextlib.asynccontextmanager
+async def _fenced_out_worker(
+    journal_url: str,
+    tmp_path: Path,
+    name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *args: str,
+    **extra_env: str,
+) -> AsyncIterator[tuple[dict[str, str], asyncio.subprocess.Process, Path]]:
+    """Worker ``name`` (1 s lease) takes over orphaned run ``<name>-0`` and blocks in ``ship``;
+    it is frozen (SIGSTOP) past its lease while this process resumes and finishes the run;
+    then ``ship`` is let go and the worker thawed. Yields its environment, process, ledger."""
     import _app
 
     ledger = tmp_path / "ledger.jsonl"
     gate = tmp_path / "gate"
-    await start_and_kill(journal_url, ledger, 1, "frozen")
-    env = app_env(journal_url, ledger, FLEET_BLOCK="1", FLEET_GATE=str(gate), FLEET_LEASE="1")
+    await start_and_kill(journal_url, ledger, 1, name)
+    env = app_env(
+        journal_url, ledger, FLEET_BLOCK="1", FLEET_GATE=str(gate), FLEET_LEASE="1", **extra_env
+    )
     proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "loomflow.cli", "worker", "_app:agents", "--once"),
-        *("--max-attempts", "1", "--port", "0", "--worker-id", "frozen"),
+        *(sys.executable, "-m", "loomflow.cli", "worker", "_app:agents", *args),
+        *("--port", "0", "--worker-id", name),
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        await wait_for(ledger, "blocked", 2)
-        proc.send_signal(signal.SIGSTOP)
+        await wait_for(ledger, "blocked", 2, timeout=30)
+        # Never inside a lease renewal's write on SQLite: that would keep the file locked.
+        sqlite_file = journal_url.removeprefix("sqlite:///")
+        await h.freeze_pid(proc.pid, None if sqlite_file == journal_url else sqlite_file)
         await asyncio.sleep(2)  # past the worker's 1 s lease
-        for name, value in app_env(journal_url, ledger).items():
-            if name.startswith("FLEET_"):
-                monkeypatch.setenv(name, value)
+        for key, value in app_env(journal_url, ledger).items():
+            if key.startswith("FLEET_"):
+                monkeypatch.setenv(key, value)
         monkeypatch.delenv("FLEET_BLOCK", raising=False)
-        agents = _app.agents()
-        agent = agents["orders"]
+        agent = _app.agents()["orders"]
         try:
-            result = await agent.resume(_app.PROMPT, session_id="frozen-0", user_id="ana")
+            result = await agent.resume(_app.PROMPT, session_id=f"{name}-0", user_id="ana")
             assert result.output == "Reserved and shipped."
         finally:
             assert agent.runtime is not None
@@ -394,13 +405,26 @@ async def test_a_frozen_worker_whose_run_was_taken_over_neither_fails_nor_dead_l
             await agent.audit.close()
         gate.touch()
         proc.send_signal(signal.SIGCONT)
-        async with asyncio.timeout(60):
-            _out, err = await proc.communicate()
+        yield env, proc, ledger
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             await proc.wait()
+
+
+async def test_a_frozen_worker_whose_run_was_taken_over_neither_fails_nor_dead_letters_it(
+    journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker on its last attempt is frozen (SIGSTOP) past its lease; the application resumes
+    # the run by hand and finishes it; the worker thaws and is fenced out. It used to count
+    # that as its attempt failing: `--once` exited 1, the log said the run "raised (attempt 1
+    # of 1)", and a `run.dead_letter` entry went into the audit trail of a finished run.
+    async with _fenced_out_worker(
+        journal_url, tmp_path, "frozen", monkeypatch, "--once", "--max-attempts", "1"
+    ) as (env, proc, ledger):
+        async with asyncio.timeout(60):
+            _out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()[-3000:]
     assert "was taken over by another owner" in err.decode()
     assert tool_counts(ledger, "ship") == {"frozen-0": 2}  # the hand resume's, the thawed one's
@@ -615,3 +639,47 @@ async def test_an_audit_log_that_is_down_uses_up_no_attempt_of_the_runs_it_holds
     assert tool_counts(ledger, "ship") == {"down-0": 1}
     code, out, err = await cli("--url", url, "runs", "list", "--json", env=env)
     assert _rows(out)["down-0"]["state"] == "finished", err
+
+
+async def test_a_fenced_out_worker_counts_its_run_as_claim_lost_not_failed(
+    journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, with a long-running worker that serves /metrics: the run finished elsewhere,
+    # so the thawed worker's run must not count as failed (loomflow_runs_total, the
+    # LoomflowRunsFailing alert) nor audit a run.end saying so.
+    async with _fenced_out_worker(
+        journal_url, tmp_path, "fenced", monkeypatch, "--json", "--interval", "0.2",
+        FLEET_TELEMETRY="1",
+    ) as (_, proc, _ledger):  # fmt: skip
+        assert proc.stdout is not None
+        serving = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+
+        def metrics() -> str:
+            url = f"http://127.0.0.1:{serving['port']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return str(response.read().decode())
+
+        claim_lost = 'loomflow_recoveries_total{outcome="claim_lost"} 1.0'
+        async with asyncio.timeout(20):
+            while claim_lost not in (body := await asyncio.to_thread(metrics)):  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            _out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    backend = "sqlite" if journal_url.startswith("sqlite") else "postgres"
+    runs = f'loomflow_runs_total{{backend="{backend}",outcome="%s",resumed="true"}}'
+    assert runs % "failed" + " 0.0" in body
+    assert runs % "claim_lost" + " 1.0" in body
+    audit = AuditLog(journal_url)
+    try:
+        ends = (await audit.query(user_id="ana", action="run.end")).entries
+        # The hand resume's run completed; the thawed worker's run (another run id) was
+        # fenced out, and says so.
+        assert sorted((e.payload["outcome"], e.payload.get("error_type")) for e in ends) == [
+            ("claim_lost", "OwnershipLostError"),
+            ("completed", None),
+        ]
+        assert (await audit.verify()).ok
+    finally:
+        await audit.close()

@@ -221,4 +221,4 @@ def test_error_classes_come_from_a_fixed_set(
 
 def test_run_outcomes_and_buckets_are_fixed() -> None:
     assert len(RUN_BUCKETS) + 1 <= 18  # the label test's bound on `le` values
-    assert set(RUN_OUTCOMES) == {"finished", "interrupted", "failed", "cancelled"}
+    assert set(RUN_OUTCOMES) == {"finished", "interrupted", "failed", "cancelled", "claim_lost"}

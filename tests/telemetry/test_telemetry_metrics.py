@@ -427,6 +427,7 @@ async def test_no_label_is_per_user_or_unbounded_under_a_many_user_workload(
         "interrupted",
         "failed",
         "cancelled",
+        "claim_lost",  # created at 0 with the backend's series
     }
     # The error and duration families are in the sweep above, with samples.
     assert "other" in values[("loomflow_model_errors", "error")]  # the workload's ProviderDown
