@@ -630,6 +630,9 @@ class _RunState:
     tokens_out: int = 0
     cost_nanousd: int = 0
     tickets: dict[str, tuple[Ticket, asyncio.Task[None] | None]] = field(default_factory=dict)
+    # The answers of live calls not yet journaled, by reservation id, with their wall time:
+    # what a hold the loop never settled is charged if the journal write then fails.
+    answered: dict[str, tuple[ModelResponse, float]] = field(default_factory=dict)
 
     def totals(self) -> Totals:
         """The run's figures as a bucket's: its wall clock is the time since it started."""
@@ -743,10 +746,19 @@ class BudgetHooks(RunHooks):
             entry[1].cancel()
         return token
 
+    async def model_call_finished(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, token: Any
+    ) -> None:
+        state = self._runs.get(info.run_id)
+        if isinstance(token, Ticket) and state is not None:
+            state.answered[token.reservation.id] = (response, time.monotonic() - token.started)
+
     async def after_model_call(
         self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
     ) -> None:
         state = self._state(info)
+        if isinstance(token, Ticket):
+            state.answered.pop(token.reservation.id, None)
         ticket = None if replayed else self._take(info, token)
         if ticket is None:
             # A replayed call is never charged, but it is part of this run's own usage.
@@ -831,11 +843,23 @@ class BudgetHooks(RunHooks):
             if renewal is not None:
                 renewal.cancel()
             # A hold the loop never settled: a run that returned never made the call (a later
-            # hook refused it); a run that raised may have made it (the journal write failed
-            # after the stream ended), so its hold is charged in full.
+            # hook refused it); a run that raised may have made it. When its answer came
+            # (the journal write failed after the stream ended: the store is down, or another
+            # owner took the run over), it is charged what the answer says it spent, as the
+            # audit trail records it; otherwise in full.
+            answered = state.answered.get(ticket.reservation.id)
             try:
                 if error is None:
                     await self.budget.release(ticket)
+                elif answered is not None:
+                    response, wall_s = answered
+                    await self.budget.commit(
+                        ticket,
+                        response.usage,
+                        model=response.model,
+                        wall_s=wall_s,
+                        usage_reported=response.usage_reported,
+                    )
                 else:
                     await self.budget.charge(ticket, ticket.amount)
             except Exception as exc:
