@@ -336,13 +336,14 @@ class Settings(BaseSettings):
         env_file = values.get("_env_file", self.model_config.get("env_file"))
         encoding = values.get("_env_file_encoding", self.model_config.get("env_file_encoding"))
         in_files = env_file_variables(env_file, encoding or "utf-8")
+        # Before the values are checked: a typo beside a bad value is reported in the same go.
+        _warn_unknown_variables(in_files)
         try:
             super().__init__(**values)
         except ValidationError as exc:
             raise ConfigurationError(_bad_settings(exc)) from exc
         except SettingsError as exc:  # pydantic-settings could not even read a value
             raise ConfigurationError(_unreadable_setting(exc)) from exc
-        _warn_unknown_variables(in_files)
 
     runtime_url: str = Field(
         default="sqlite:///.loomflow/journal.db",

@@ -71,3 +71,24 @@ def test_every_command_line_command_warns_not_only_settings(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("LOOMFLOW_LEASE_SECOND is not a setting") == 1, done.stderr
     assert "did you mean LOOMFLOW_LEASE_SECONDS?" in done.stderr
+
+
+def test_a_misspelled_variable_is_reported_also_when_another_value_is_bad(
+    tmp_path: Path,
+) -> None:
+    # The bad value stops the command; the typo beside it must not wait for the next try
+    # (a user who fixes the one error would then meet a second surprise).
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "cli"))
+    from _cli import clean_env, loomflow
+
+    env = clean_env(LOOMFLOW_RUNTIM_URL="sqlite:///journal.db", LOOMFLOW_LEASE_SECONDS="soon")
+    done = loomflow("runs", "list", env=env, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        "loomflow: warning: LOOMFLOW_RUNTIM_URL is not a setting and is ignored "
+        "(did you mean LOOMFLOW_RUNTIME_URL?)",
+        "loomflow: error: bad setting LOOMFLOW_LEASE_SECONDS: Input should be a valid number, "
+        "unable to parse string as a number",
+    ]
