@@ -28,6 +28,16 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert _bash_blocks()[1] in ci
 
 
+def test_ci_installs_the_tools_the_docs_blocks_pipe_into() -> None:
+    # tests/test_docs_walkthrough.py runs docs/audit.md's shell block, which pipes into jq, and
+    # fails in CI without it: a clean CI machine must install it before the tests run.
+    ci = (ROOT / ".ci" / "run").read_text()
+    install = re.search(r"apt-get install [^\n]* jq\b", ci)
+    assert install is not None
+    assert "command -v jq" in ci
+    assert install.start() < ci.index(".venv/bin/pytest")  # before the tests run
+
+
 def test_ci_refuses_an_empty_test_run() -> None:
     assert '"$rc" -eq 5' in (ROOT / ".ci" / "run").read_text()
 
