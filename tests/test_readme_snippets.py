@@ -236,3 +236,43 @@ async def test_a_resume_must_repeat_the_runs_prompt_session_and_user(tmp_path: P
         await snapshots.run("Refund order 42", session_id="t-43", user_id="alice")
         with pytest.raises(UserError, match="was taken for the prompt"):
             await snapshots.resume("Refund 42", session_id="t-43", user_id="alice")
+
+
+async def test_settings_snippets_build_the_agent_and_the_stores_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # README, Settings: `Agent.from_settings` and `Stores()`, run as written (top-level awaits,
+    # as in a notebook) with the environment the comment shows, on SQLite files.
+    import os
+
+    from loomflow import ToolCall, tool
+
+    @tool(destructive=True)
+    async def refund(order_id: str, amount: float) -> str:
+        """Refund part of an order."""
+        return f"refunded ${amount:.2f} on {order_id}"
+
+    for variable in [v for v in os.environ if v.upper().startswith("LOOMFLOW_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.chdir(tmp_path)  # no .env of the caller's
+    monkeypatch.setenv("LOOMFLOW_RUNTIME_URL", f"sqlite:///{tmp_path / 'app.db'}")
+    monkeypatch.setenv("LOOMFLOW_AUDIT_URL", f"sqlite:///{tmp_path / 'audit.db'}")
+    call = ToolCall(id="c1", name="refund", arguments={"order_id": "42", "amount": 20.0})
+    namespace: dict[str, Any] = {
+        "refund": refund,
+        "MODEL": ScriptedModel([[call], "Refunded $20 on order 42."]),
+    }
+    code = _with_model(_block("async with Agent.from_settings("), "MODEL")
+    code += "\n" + _block("async with Stores() as stores:") + "\nreturn document"
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    document = await namespace["snippet"]()
+
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("journal schema at version")  # report.steps, one a line
+    assert any(line.startswith("audit schema at version") for line in printed)
+    assert document["user_id"] == "alice"
+    assert [s["session_id"] for s in document["journal"]["sessions"]] == ["ticket-42"]
+    actions = [entry["action"] for entry in document["audit"]]
+    assert actions[0] == "run.start"
+    assert actions[-1] == "run.end"
+    assert (tmp_path / "audit.db").exists()  # the audit log went where LOOMFLOW_AUDIT_URL says
