@@ -4,6 +4,7 @@ and command-line messages that say what the docs say they say."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -379,3 +380,61 @@ async def test_approvals_snippets_run_as_written(tmp_path: Path) -> None:
         assert refunded[2:] == [(42, 5000), (43, 900), (44, 99_000)]
         status, reply = await server["post_approvals"]({**task, "decisions": decisions}, "kim")
         assert status == 409  # decided already
+
+
+async def test_audit_api_snippets_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/audit.md, in the page's order: turn it on, record, query/export/verify, then the
+    # erasure, hold and retention of `Stores()` (the settings name the page's two files), and
+    # the testing example.
+    from datetime import datetime
+
+    from loomflow import ToolCall, tool
+
+    @tool
+    def lookup_order(order_id: str) -> str:
+        """Look an order up."""
+        return "paid"
+
+    @tool(destructive=True)
+    def refund(order_id: str) -> str:
+        """Refund an order."""
+        return "refunded"
+
+    for variable in [v for v in os.environ if v.upper().startswith("LOOMFLOW_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOOMFLOW_RUNTIME_URL", "sqlite:///journal.db")
+    monkeypatch.setenv("LOOMFLOW_AUDIT_URL", "sqlite:///audit.db")
+
+    def refunding() -> ScriptedModel:
+        call = ToolCall(id="c1", name="refund", arguments={"order_id": "1042"})
+        return ScriptedModel([[call], "Refunded."])
+
+    turning_on = _block("audit.md", "python", 'AuditLog(\n    "sqlite:///audit.db"')
+    code = _provider_free(turning_on, "MODEL")
+    for marker in ("await audit.record(", "page = await audit.query(", "stores.forget_user("):
+        code += "\n" + _block("audit.md", "python", marker)
+    code += "\nawait agent.runtime.close()\nawait audit.close()"  # the program is done with them
+    testing = _block("audit.md", "python", "InMemoryAuditStore()")
+    code += "\n" + testing.replace("ScriptedModel([...])", "refunding()")
+    namespace: dict[str, Any] = {
+        "MODEL": refunding(),
+        "datetime": datetime,
+        "lookup_order": lookup_order,
+        "refund": refund,
+        "refunding": refunding,
+    }
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    await namespace["snippet"]()
+
+    printed = capsys.readouterr().out
+    assert " tool.call {" in printed  # the query's page: seq, time, action, payload
+    assert "'journal': " in printed  # forget_user's counts
+    # The export, made before the erasure: alice's whole trail, the recorded approval last.
+    trail = [json.loads(line) for line in (tmp_path / "alice.jsonl").read_text().splitlines()]
+    actions = [e["action"] for e in trail[1:]]
+    assert actions[0] == "run.start"
+    assert actions[-2:] == ["run.end", "approval.granted"]
+    assert trail[-1]["payload"] == {"ticket": "T-77"}
