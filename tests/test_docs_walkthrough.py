@@ -438,3 +438,85 @@ async def test_audit_api_snippets_run_as_written(
     assert actions[0] == "run.start"
     assert actions[-2:] == ["run.end", "approval.granted"]
     assert trail[-1]["payload"] == {"ticket": "T-77"}
+
+
+@pytest.mark.postgres
+async def test_governance_snippets_run_as_written(
+    pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/governance.md on a real PostgreSQL: the approval handler, the agent (its DSN swapped
+    # for the test database), its budget status and a permission check, the rule and guardrail
+    # examples, and the budget stores.
+    from types import SimpleNamespace
+
+    from loomflow import ToolCall, tool
+
+    @tool
+    def find_customer(name: str) -> str:
+        """Find a customer."""
+        return "c-1"
+
+    @tool
+    def update_customer(customer_id: str, email: str) -> str:
+        """Update a customer's e-mail."""
+        return "updated"
+
+    @tool(destructive=True)
+    def delete_customer(customer_id: str) -> str:
+        """Delete a customer."""
+        raise AssertionError("the deny rule let a VIP deletion through")
+
+    class Ticketing:  # the page's ticketing system: the reviewer says yes
+        async def ask(self, *question: Any) -> SimpleNamespace:
+            return SimpleNamespace(
+                approved=True, reviewer="kim", for_whole_run=False, corrected_arguments=None
+            )
+
+    monkeypatch.chdir(tmp_path)
+    calls = [
+        ToolCall(id="c1", name="update_customer", arguments={"customer_id": "c-1", "email": "x"}),
+        ToolCall(id="c2", name="delete_customer", arguments={"customer_id": "vip-7"}),
+    ]
+    namespace: dict[str, Any] = {
+        "find_customer": find_customer,
+        "update_customer": update_customer,
+        "delete_customer": delete_customer,
+        "ticketing": Ticketing(),
+        "MODEL": ScriptedModel([calls, "Tidied up."]),
+        "call": calls[0],
+    }
+    setup = _block("governance.md", "python", "async def ask_a_human(")
+    code = _provider_free(_block("governance.md", "python", "Tidy up duplicate"), "MODEL")
+    code = code.replace("postgresql://loom@db/loom", pg_dsn)
+    code += "\nbudget, permissions = agent.budget, agent.permissions"
+    for marker in ("await budget.status(", "permissions.check(call", 'Rule.allow("read_*")'):
+        code += "\n" + _block("governance.md", "python", marker)
+    code += "\n" + _block("governance.md", "python", "RegexGuardrail(")
+    stores = _block("governance.md", "python", "InMemoryBudgetStore()")
+    # The page's own absolute directory, moved into this test's; that store is then opened.
+    stores = stores.replace("/var/lib/loom/", f"{tmp_path}/").replace(
+        'SqlBudgetStore("sqlite:', 'own = SqlBudgetStore("sqlite:'
+    )
+    stores += "\nawait own.open()\nawait own.close()"
+    code += "\n" + stores.replace("postgresql://loom@db/loom", pg_dsn)
+    code += "\nawait runtime.close()\nreturn result"
+    exec("async def snippet():\n" + textwrap.indent(setup + "\n" + code, "    "), namespace)
+    result = await namespace["snippet"]()
+
+    assert result.output == "Tidied up."
+    outcomes = [m.content for m in result.messages if m.role == "tool"]
+    assert outcomes[0] == "updated"
+    assert "permission denied" in outcomes[1]  # the VIP rule, before the approval handler
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("user.cost_usd.daily ")  # budget.status(): one cap a line
+    assert printed[-1].startswith("allow ")  # permissions.check(): behavior, reason, policy
+    assert (tmp_path / "budget.db").exists()  # where the URL says, not below the working dir
+
+
+def test_no_page_names_an_absolute_directory_with_a_relative_sqlite_url() -> None:
+    # `sqlite:///var/lib/loom/budget.db` is the file var/lib/loom/budget.db below wherever the
+    # process starts; the absolute one takes four slashes (`sqlite:////var/lib/...`).
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    wrong = re.compile(r"\b(?:sqlite|jsonl):///(?:var|srv|etc|opt|home|data|mnt|run)/\S*")
+    found = [(p.name, m) for p in pages for m in wrong.findall(p.read_text())]
+    assert found == []
