@@ -504,7 +504,7 @@ class Stores:
         audit = self.audit
         await audit.check_not_held(user_id)
         await audit.check_can_erase()  # before anything is deleted anywhere
-        if not await self._knows(user_id):
+        if not await self.knows_user(user_id):
             raise UnknownUserError(f"no store holds anything about {user_label(user_id)}")
         for chain in await self._console_mentions(user_id):
             await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
@@ -663,8 +663,8 @@ class Stores:
             return list(await listing(user_id))
         return [u for u in await listing() if _whose(u) == ("user", None)]
 
-    async def _knows(self, user_id: str | None) -> bool:
-        """Whether any store holds something about the user."""
+    async def knows_user(self, user_id: str | None) -> bool:
+        """Whether any store holds something about the user (``False`` for a mistyped id)."""
         runtime = self.runtime
         if runtime is not None and await runtime.sessions(user_id=user_id, limit=1):
             return True

@@ -111,8 +111,17 @@ async def _handle(args: argparse.Namespace) -> int:
                     )
                 )
         elif command == "hold":
+            known = await stores.knows_user(user)
             placed = await audit.place_hold(user, reason=args.reason, actor=f"cli:{login()}")
             print(f"{who(user)} is under legal hold (audit entry {placed.seq})")
+            if not known:
+                # Placed all the same (a hold may come before the user's data), but a mistyped
+                # id would leave the real user's data erasable without a word.
+                print(
+                    f"loomflow: warning: no store held anything about {who(user)} before this "
+                    "hold: check the id (the hold protects that id alone)",
+                    file=sys.stderr,
+                )
         elif command == "release":
             await audit.release_hold(user, actor=f"cli:{login()}", reason=args.reason)
             print(f"released the legal hold of {who(user)}")

@@ -629,3 +629,28 @@ def test_heads_from_a_file_that_is_not_a_verify_report_are_refused(tmp_path: Pat
     report = tmp_path / "heads.json"
     report.write_text(loomflow("--url", url, "audit", "verify", "--json").stdout)
     assert loomflow("--url", url, "audit", "verify", "--heads", str(report)).returncode == 0
+
+
+def test_a_hold_on_an_id_no_store_knows_warns_of_a_typo(tmp_path: Path) -> None:
+    # A legal hold on a mistyped id protects nobody: the real user's data stays erasable. The
+    # hold is placed (one may precede the user's data), with a warning, as `users export` does.
+    from loomflow.runtime import SqliteRuntime
+
+    async def journal_alice() -> None:
+        runtime = SqliteRuntime(tmp_path / "journal.db")
+        async with runtime, runtime.session("s-1", user_id="alice@example.com"):
+            await runtime.step("one", asyncio.sleep, 0)
+
+    asyncio.run(journal_alice())
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    typo = loomflow("--url", url, "users", "hold", "alice@exmaple.com", "--reason", "L-7")
+    assert typo.returncode == 0, typo.stderr
+    assert typo.stdout == "user 'alice@exmaple.com' is under legal hold (audit entry 1)\n"
+    assert typo.stderr.splitlines() == [
+        "loomflow: warning: no store held anything about user 'alice@exmaple.com' before this "
+        "hold: check the id (the hold protects that id alone)"
+    ]
+    right = loomflow("--url", url, "users", "hold", "alice@example.com", "--reason", "L-7")
+    assert right.returncode == 0, right.stderr
+    assert right.stderr == ""
