@@ -159,8 +159,8 @@ class RunHooks:
         """Live tool calls only: every ``before_tool_call`` let the call through and the tool
         body is about to run (``step`` is the call's journal step name). ``call`` is the one a
         ``before_tool_call`` put in the model's call's place (an approver's edit), else the
-        model's call with its sensitive arguments sealed. Raising here keeps the tool from
-        running."""
+        model's call; either way with its sensitive arguments sealed. Raising here keeps the
+        tool from running."""
 
     async def check_tool_result(
         self, info: RunInfo, turn: int, slot: int, call: ToolCall, outcome: ToolOutcome

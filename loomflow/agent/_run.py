@@ -590,9 +590,9 @@ class _Run:
                 outcome = await self.agent.tools.invoke(current.name, current.arguments)
             else:
                 # Announced before the body runs: a crash inside it still leaves a trace.
-                # Hooks see the call as it runs: the model's, sealed, unless a hook replaced
-                # its arguments (an approver's edit), which are what the tool gets.
-                started = call if current is asked else current
+                # Hooks see the call as it runs (an approver's edit, if a hook made one),
+                # sealed as every other hook's call is: ``current`` holds the real values.
+                started = call if current is asked else self.sealer.seal_call(current)
                 for hook in self.hooks:
                     await hook.tool_started(self.info, turn, slot, started, step)
                 executed = True

@@ -157,3 +157,45 @@ def ScriptedModelFor(text: str) -> Any:
     from loomflow.models import ScriptedModel
 
     return ScriptedModel([text])
+
+
+@tool(sensitive=["password"])
+def sign_in(user: str, password: str) -> str:
+    """Sign in."""
+    ran.append(f"{user}:{password}")
+    return f"{user} signed in"
+
+
+class Renamer(RunHooks):
+    """Edits one argument of the call it is given (as an approver's edit does), and notes the
+    call the tool_started hooks are shown."""
+
+    def __init__(self) -> None:
+        self.started: list[ToolCall] = []
+
+    async def before_tool_call(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Tool[..., Any] | None
+    ) -> ToolCall | ToolOutcome:
+        return call.model_copy(update={"arguments": {**call.arguments, "user": "alice"}})
+
+    async def tool_started(
+        self, info: RunInfo, turn: int, slot: int, call: ToolCall, step: str
+    ) -> None:
+        self.started.append(call)
+
+
+async def test_tool_started_shows_an_edited_call_with_its_sensitive_arguments_sealed() -> None:
+    ran.clear()
+
+    def sign(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id="1", name="sign_in", arguments={"user": "bob", "password": "hunter2"})]
+
+    hooks = Renamer()
+    agent = Agent("x", model=FunctionModel(sign), tools=[sign_in], hooks=[hooks])
+    await agent.run("sign in")
+    assert ran == ["alice:hunter2"]  # the tool ran with the edit and the real value
+    (started,) = hooks.started
+    assert started.arguments["user"] == "alice"  # the call as it runs: the edit
+    assert "hunter2" not in repr(started)  # its secret sealed, as in every other hook's call
