@@ -32,10 +32,13 @@ _RESTRICTED = {
 }
 
 
-# Predefined roles whose members hold table privileges no REVOKE here takes back.
-_WRITES_ALL = (
-    "SELECT rolname FROM pg_roles WHERE rolname = 'pg_write_all_data' "
-    "AND pg_has_role($1, oid, 'MEMBER')"
+# Other roles the role belongs to (and so can act as, SET ROLE) that reach past any grant
+# here: a superuser, one with CREATEROLE (see grant_app_role), and pg_write_all_data, which
+# writes every table. The role's own attributes are checked apart, with their own messages.
+_POWERFUL_GROUPS = (
+    "SELECT rolname, rolsuper, rolcreaterole FROM pg_roles WHERE rolname <> $1 "
+    "AND (rolsuper OR rolcreaterole OR rolname = 'pg_write_all_data') "
+    "AND pg_has_role($1, oid, 'MEMBER') ORDER BY rolsuper DESC, rolcreaterole DESC LIMIT 1"
 )
 
 
@@ -135,12 +138,6 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
                 "a member of the tables' owner and switch the audit triggers off; name a role "
                 "without it"
             )
-        elif writers := await tx.fetch(_WRITES_ALL, role):
-            raise UserError(
-                f"{role!r} is a member of {writers[0][0]}, which writes every table whatever "
-                "is granted here (an UPDATE of loom_audit could erase payloads unrecorded); "
-                "name a role outside it"
-            )
         elif login and not found[0][1]:
             # Asked for a role the application can sign in as: an existing NOLOGIN one would
             # otherwise be reported granted and still refuse every connection.
@@ -160,6 +157,18 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
                 f"{role!r} owns (or is a member of the owner of) {', '.join(owned[:3])}: an "
                 "owner can switch the audit triggers off; run the migrations as another role"
             )
+        if groups := await tx.fetch(_POWERFUL_GROUPS, role):
+            group, superuser, createrole = groups[0]
+            if superuser:
+                power = "a superuser, which no trigger or grant can restrict"
+            elif createrole:
+                power = "a role with CREATEROLE, as which it can switch the audit triggers off"
+            else:
+                power = (
+                    "which writes every table whatever is granted here (an UPDATE of loom_audit "
+                    "could erase payloads unrecorded)"
+                )
+            raise UserError(f"{role!r} is a member of {group}, {power}; name a role outside it")
         if not relations:
             raise UserError(f"no loomflow tables in schema {schema!r}: run the migrations first")
         await tx.execute(f"GRANT USAGE ON SCHEMA {_ident(schema)} TO {quoted}")

@@ -379,16 +379,41 @@ async def test_migrate_refuses_an_existing_role_that_could_write_past_its_grants
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert refusal in refused.stderr
     assert refused.stderr.count("\n") == 1, refused.stderr
-    conn = await asyncpg.connect(pg_dsn)
+    assert await _loom_grants(pg_dsn, app_role) == []
+
+
+async def _loom_grants(dsn: str, role: str) -> list[asyncpg.Record]:
+    """What ``role`` was granted on loomflow's tables."""
+    conn = await asyncpg.connect(dsn)
     try:
-        granted = await conn.fetch(
+        return await conn.fetch(
             "SELECT 1 FROM information_schema.role_table_grants "
             "WHERE grantee = $1 AND table_name LIKE 'loom%'",
-            app_role,
+            role,
         )
     finally:
         await conn.close()
-    assert granted == []
+
+
+@pytest.mark.parametrize("power", ["SUPERUSER", "CREATEROLE"])
+async def test_migrate_refuses_a_role_that_is_a_member_of_a_superuser_or_createrole_role(
+    pg_dsn: str, app_role: str, power: str
+) -> None:
+    # The role's own attributes were checked, not those of the roles it belongs to: a member
+    # of a superuser role (not the tables' owner) can SET ROLE to it and switch triggers off.
+    _run(
+        pg_dsn,
+        f'CREATE ROLE "{app_role}_p" NOLOGIN {power}',
+        f'CREATE ROLE "{app_role}" LOGIN IN ROLE "{app_role}_p"',
+    )
+    try:
+        refused = await asyncio.to_thread(_migrate, pg_dsn, "--app-role", app_role)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert f"member of {app_role}_p" in refused.stderr
+        assert power in refused.stderr.upper()
+        assert await _loom_grants(pg_dsn, app_role) == []
+    finally:
+        _run(pg_dsn, f'DROP ROLE "{app_role}_p"')  # the fixture drops the role itself
 
 
 async def test_the_app_role_gets_checkpoints_and_memory_when_nothing_else_shares_the_database(
