@@ -244,13 +244,18 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
         if given is not None:
             index = f.index(given, f"{where}.index")
         else:
-            # Gemini's compatible endpoint numbers no call: a piece with an id (or a name) of
-            # its own starts one, any other continues the call before it. Kept under keys
-            # below 0, apart from the numbers a server gives.
+            # Gemini's compatible endpoint numbers no call: a piece with an id of its own
+            # starts one, as does one naming a tool without the last call's id (a call's
+            # later pieces name none; two calls of one tool may come with no id at all);
+            # any other continues the call before it. Kept under keys below 0, apart from
+            # the numbers a server gives.
             last = calls[min(calls)] if any(k < 0 for k in calls) else None
-            starts = last is None or (
-                (call_id and call_id != last.id) or (name and last.name and name != last.name)
-            )
+            if last is None:
+                starts = True
+            elif call_id:
+                starts = call_id != last.id
+            else:
+                starts = bool(name)
             index = min((*calls, 0)) - 1 if starts else min(calls)
         pending = calls.setdefault(index, _PendingCall())
         # A delta's index is the call's place in the response, numbered from 0 in the order

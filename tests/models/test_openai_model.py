@@ -586,6 +586,31 @@ async def test_tool_calls_without_an_index_are_told_apart_by_their_ids(
     assert [c.index for c in chunks if isinstance(c, ToolCallDelta)] == [0, 0, 1]
 
 
+async def test_tool_calls_without_an_index_or_an_id_to_one_tool_stay_apart(
+    openai_api: FakeOpenAIAPI, fast: Backoff
+) -> None:
+    # Two whole calls of one tool in one chunk, numbered by neither index nor id (an empty
+    # id): each named piece is a call of its own, not the continuation of the one before (the
+    # two calls' arguments were joined into one, which failed as malformed JSON).
+    calls = [
+        {"id": "", "type": "function", "function": {"name": "get_weather", "arguments": city}}
+        for city in ('{"city": "Paris"}', '{"city": "Rome"}')
+    ]
+    delta = json.dumps({"tool_calls": calls})
+    body = [
+        _chunk(f'"choices":[{{"index":0,"delta":{delta},"finish_reason":"tool_calls"}}]'),
+        _chunk(f'"choices":[],{USAGE}'),
+        DONE,
+    ]
+    openai_api.add(Reply(raw_stream=body))
+    async with make(openai_api, fast) as model:
+        response = await complete(model, [Message.user("weather?")])
+    assert [(c.name, c.arguments) for c in response.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+
+
 async def test_an_in_stream_error_given_as_a_string_says_what_it_held(
     openai_api: FakeOpenAIAPI, fast: Backoff
 ) -> None:
