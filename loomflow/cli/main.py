@@ -369,8 +369,8 @@ def _command(args: argparse.Namespace) -> int:
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
         asyncio.run(refuse_unready(_databases(args, settings), settings.postgres_timeout_seconds))
         # They never create an audit log: a hold placed in an empty one made beside the
-        # journal (a forgotten LOOMFLOW_AUDIT_URL) is one the real log never has, so nothing
-        # keeps the user's data (`audit verify --file` reads a file).
+        # journal (a forgotten LOOMFLOW_AUDIT_URL) is one the real log never has, and an
+        # erasure checked against one finds none of the real log's holds.
         if _uses_audit_log(args):
             journal = args.url or settings.runtime_url
             audit = getattr(args, "audit_url", None) or settings.audit_url or journal
@@ -403,10 +403,11 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _uses_audit_log(args: argparse.Namespace) -> bool:
-    """Whether the command reads the audit log, or places or lifts a legal hold in it."""
+    """Whether the command reads the audit log, places, lifts or lists legal holds in it,
+    or erases a user as its holds allow (`audit verify --file` reads a file)."""
     if args.command in ("audit", "console"):
         return getattr(args, "file", None) is None
-    return args.command == "users" and args.users_command in ("hold", "release")
+    return args.command == "users" and args.users_command in ("hold", "release", "holds", "forget")
 
 
 # The commands that create or upgrade tables: the others read or tidy a store and must not

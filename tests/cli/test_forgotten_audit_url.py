@@ -1,5 +1,5 @@
-"""Placing or lifting a legal hold refuses a journal database that holds no audit log instead
-of creating an empty one there.
+"""Placing, lifting or listing legal holds, and forgetting a user, refuse a journal database
+that holds no audit log instead of creating an empty one there.
 
 With the audit log kept elsewhere (``LOOMFLOW_AUDIT_URL``) and the variable forgotten in one
 shell, ``users hold`` created a fresh audit log beside the journal, placed the hold there and
@@ -66,6 +66,10 @@ def deployment(tmp_path: Path) -> tuple[Path, Path]:
     [
         ["users", "hold", "alice", "--reason", "case 8"],
         ["users", "release", "bob"],
+        # They check the holds: in an empty log made here, bob (held in the real one) was
+        # erased, exit 0; `users holds` listed nobody.
+        ["users", "forget", "bob", "--yes"],
+        ["users", "holds"],
     ],
     ids=" ".join,
 )
