@@ -38,6 +38,7 @@ from ..errors import (
 )
 from ..runtime import JournalRuntime, Orphan, OrphanClaim, decode_record
 from ..runtime._identity import journal_identity
+from ..runtime._journal import stored_error
 from ..telemetry import Metrics
 
 __all__ = ["Recoverable", "Recovery", "RunRef", "SweepReport", "default_backoff"]
@@ -395,9 +396,9 @@ class Recovery:
     async def _dead_letter(
         self, report: SweepReport, orphan: Orphan, ref: RunRef, error: str
     ) -> None:
-        # Cut as the journal stores it: the reason quotes the row's last error, which a
+        # As the journal stores it: the reason quotes the row's last error, which a
         # hand-edited row may make any size, and the report, log and audit say what is stored.
-        error = error[:4000]
+        error = stored_error(error)
         if not await self.runtime.dead_letter(
             orphan.session_id, orphan.user_id, error, token=orphan.token
         ):
@@ -455,7 +456,7 @@ class Recovery:
             # owner decides how it ends. Not a failed attempt: no error noted, no dead letter
             # (the run may well have finished), and `worker --once` does not fail for it.
             outcome = "claim_lost"
-            error = agent.redactor.text(f"{type(exc).__name__}: {exc}")[:4000]
+            error = stored_error(agent.redactor.text(f"{type(exc).__name__}: {exc}"))
             log.warning(
                 "session %r of user %r was taken over by another owner while this worker "
                 "resumed it; the new owner decides how it ends: %s",
@@ -470,7 +471,7 @@ class Recovery:
             raise
         except Exception as exc:
             # Journaled as the run's last error, so the agent's redactor sees it first.
-            error = agent.redactor.text(f"{type(exc).__name__}: {exc}")[:4000]
+            error = stored_error(agent.redactor.text(f"{type(exc).__name__}: {exc}"))
             log.warning(
                 "resumed session %r of user %r raised (attempt %d of %d): %s",
                 session_id,

@@ -1387,13 +1387,13 @@ class JournalRuntime:
         self, session_id: str | None, user_id: str | None, error: str, *, token: int | None = None
     ) -> bool:
         """Mark the open run ``failed`` with ``error``: recovery gave up on it."""
-        return await self._store.dead_letter(Scope(session_id, user_id), token, _error(error))
+        return await self._store.dead_letter(Scope(session_id, user_id), token, stored_error(error))
 
     async def note_recovery_error(
         self, session_id: str | None, user_id: str | None, error: str
     ) -> None:
         """Record why a recovery attempt failed (the run stays orphaned until its retry)."""
-        await self._store.note_error(Scope(session_id, user_id), _error(error))
+        await self._store.note_error(Scope(session_id, user_id), stored_error(error))
 
     async def prune(
         self,
@@ -1484,10 +1484,11 @@ class JournalRuntime:
         return deleted + await self._store.forget_sessions(user_id)
 
 
-def _error(text: str) -> str:
+def stored_error(text: str) -> str:
     """A run's last error as its text column can hold it: cut, and with each NUL and lone
     surrogate (a tool's message may hold either) replaced; PostgreSQL refused the whole
-    write, SQLite a surrogate, and the error was lost."""
+    write, SQLite a surrogate, and the error was lost. Recovery reports and audits a dead
+    letter's reason in this form too, so that each says what the journal stores."""
     return valid_line(text[:4000])
 
 
