@@ -190,7 +190,7 @@ def decode_payload(raw: bytes, version: int, checkpoint_id: str) -> dict[str, An
             "upgrade loomflow"
         )
     try:
-        value = codec.loads(raw)
+        value = codec.loads(raw, version=version)
     except codec.UnknownTagError as exc:
         raise CheckpointError(f"checkpoint {checkpoint_id} cannot be decoded: {exc}") from exc
     # Keys a later release adds are left alone; the ones read here are checked by the model.

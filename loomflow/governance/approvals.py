@@ -568,7 +568,7 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
         if entry.format != "json" or entry.codec_version > codec.CODEC_VERSION:
             continue  # the journal skips such rows too: the step would run again
         try:
-            value = codec.loads(entry.value)
+            value = codec.loads(entry.value, version=entry.codec_version)
         except (codec.UnknownTagError, ValueError, RecursionError):
             if is_request:  # the run's resume stops at it with CorruptEntryError
                 ledger.damaged.append(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CorruptEntryError
 from ..messages import Message
@@ -37,7 +37,7 @@ class Episode(_Frozen):
     user_id: str | None
     key: str
     run_id: str | None
-    epoch: int | None
+    epoch: int | None = Field(ge=0)  # a row read back with a negative one is damage
     messages: list[Message]
     output: str
     created_at: dt.datetime
@@ -176,7 +176,7 @@ def decode_messages(raw: bytes, version: int, episode_id: str) -> list[Message]:
     if version > codec.CODEC_VERSION:
         raise CorruptEntryError(f"episode {episode_id} was written by a newer codec (v{version})")
     try:
-        value = codec.loads(raw)
+        value = codec.loads(raw, version=version)
     except codec.UnknownTagError as exc:
         raise CorruptEntryError(f"episode {episode_id} cannot be decoded: {exc}") from exc
     if not isinstance(value, list) or not all(isinstance(m, Message) for m in value):

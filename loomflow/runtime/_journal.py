@@ -1181,7 +1181,7 @@ class JournalRuntime:
                 "The step is not run again: what it did would be done twice"
             )
         try:
-            return codec.loads(entry.value)
+            return codec.loads(entry.value, version=entry.codec_version)
         except codec.UnknownTagError as exc:
             raise CorruptEntryError(f"step {entry.name!r}: {exc}") from exc
 

@@ -694,8 +694,17 @@ def _key_text(key: Any) -> str:
     return str(key)
 
 
-def loads(raw: bytes | str) -> Any:
-    """Decode bytes written by :func:`dumps`; see :func:`decode` for what it refuses."""
+def loads(raw: bytes | str, *, version: int = CODEC_VERSION) -> Any:
+    """Decode bytes written by :func:`dumps`; see :func:`decode` for what it refuses.
+
+    ``version`` is the codec version stored beside them: one no loomflow writes (below 1, a
+    row edited by hand) is damage, not the current version. Callers refuse a newer one first,
+    with an error of their own (it is no damage: upgrade).
+    """
+    if not 1 <= version <= CODEC_VERSION:
+        raise UnknownTagError(
+            f"malformed codec version {version} (this loomflow reads 1 to {CODEC_VERSION})"
+        )
     try:
         # dumps() writes UTF-8 only; json.loads(bytes) would sniff UTF-16/32 and import
         # their codecs, and decoding must import nothing.

@@ -109,6 +109,9 @@ async def test_a_value_stored_as_sqlite_text_is_read_as_its_json(tmp_path: Path)
     [
         "UPDATE loom_entries SET value = '{\"fresh\":'",  # text, and not JSON
         "UPDATE loom_entries SET codec_version = 'one'",
+        # No loomflow writes a version below 1: it was read as the current one and replayed.
+        "UPDATE loom_entries SET codec_version = -1",
+        "UPDATE loom_entries SET codec_version = 0",
     ],
 )
 async def test_a_row_with_text_where_a_value_belongs_is_corrupt(tmp_path: Path, edit: str) -> None:
@@ -202,6 +205,7 @@ CHECKPOINT_EDITS = {
         "UPDATE loom_checkpoints SET messages = 'not json'",
         "UPDATE loom_checkpoints SET epoch = 'x'",
         "UPDATE loom_checkpoints SET codec_version = 'x'",
+        "UPDATE loom_checkpoints SET codec_version = -1",
         "UPDATE loom_checkpoints SET cost_usd = 'x'",
         "UPDATE loom_checkpoints SET cost_usd = 1e999",  # infinity: restored, the run's cost
         "UPDATE loom_checkpoints SET created_at = 1e300",
@@ -212,6 +216,7 @@ CHECKPOINT_EDITS = {
         "UPDATE loom_checkpoints SET created_at = 1e300",
         "UPDATE loom_checkpoints SET created_at = 'NaN'",
         "UPDATE loom_checkpoints SET cost_usd = 'Infinity'",
+        "UPDATE loom_checkpoints SET codec_version = 0",
         *_INCONSISTENT,
         *_MOVED,
     ],
@@ -268,6 +273,9 @@ async def test_a_hand_edited_checkpoint_falls_back_to_journal_replay(
     [
         "UPDATE loom_memory_episodes SET created_at = 1e300",
         "UPDATE loom_memory_episodes SET codec_version = 'x'",
+        # No run journals at a negative epoch, and no loomflow writes a version below 1.
+        "UPDATE loom_memory_episodes SET epoch = -1",
+        "UPDATE loom_memory_episodes SET codec_version = -1",
     ],
 )
 async def test_a_hand_edited_episode_is_a_corrupt_entry(tmp_path: Path, edit: str) -> None:
