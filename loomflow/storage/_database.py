@@ -12,7 +12,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import StoreUnavailableError, UserError
+from ..errors import MigrationError, StorageError, StoreUnavailableError, UserError
 from ._dialect import Dialect
 
 __all__ = ["Database", "Transaction", "translate_errors", "unbounded"]
@@ -51,7 +51,7 @@ _INHERITED: list[object] = []
 def translate_errors(
     driver_errors: tuple[type[BaseException], ...],
     what: str,
-    explain: Callable[[BaseException, str], StoreUnavailableError | None] | None = None,
+    explain: Callable[[BaseException, str], StorageError | None] | None = None,
 ) -> Iterator[None]:
     """The one place where driver exceptions become loomflow errors (chained with ``from``).
 
@@ -66,13 +66,26 @@ def translate_errors(
 def store_error(
     exc: BaseException,
     what: str,
-    explain: Callable[[BaseException, str], StoreUnavailableError | None] | None = None,
-) -> StoreUnavailableError:
+    explain: Callable[[BaseException, str], StorageError | None] | None = None,
+) -> StorageError:
     """The loomflow error for the driver error ``exc`` (raise it ``from exc``)."""
     error = explain(exc, what) if explain is not None else None
     if error is None:
         error = StoreUnavailableError(f"{what} failed: {type(exc).__name__}: {exc}")
     return error
+
+
+def schema_changed(exc: BaseException, what: str) -> MigrationError:
+    """The error for a statement that names a table or column the database no longer has.
+
+    The version table said the schema was current, so it was changed behind loomflow's back
+    (dropped by hand, restored in part): no retry brings it back, unlike an outage.
+    """
+    return MigrationError(
+        f"{what} failed: {type(exc).__name__}: {exc}: the database was changed outside "
+        "loomflow (a table or column dropped by hand, or restored in part); `loomflow "
+        "migrate` names what is missing; restore it from a backup"
+    )
 
 
 class Transaction(abc.ABC):
@@ -179,7 +192,7 @@ class Database(abc.ABC):
             gc.collect()  # asyncpg's connections sit in reference cycles
         self._loop = None
 
-    def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+    def _explain(self, exc: BaseException, what: str) -> StorageError | None:
         """A backend's more telling error for ``exc``, or ``None`` for the generic one."""
         return None
 

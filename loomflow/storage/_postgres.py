@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings, _masked_url
-from ..errors import ConfigurationError, StoreUnavailableError, UserError
-from ._database import Database, Rows, Transaction, is_unbounded
+from ..errors import ConfigurationError, StorageError, StoreUnavailableError, UserError
+from ._database import Database, Rows, Transaction, is_unbounded, schema_changed
 from ._dialect import POSTGRES
 
 if TYPE_CHECKING:
@@ -218,7 +218,9 @@ class PostgresDatabase(Database):
     def _is_duplicate_key(self, exc: BaseException) -> bool:
         return isinstance(exc, self._duplicate_key)
 
-    def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+    def _explain(self, exc: BaseException, what: str) -> StorageError | None:
+        if getattr(exc, "sqlstate", None) in ("42703", "42P01"):  # undefined column, table
+            return schema_changed(exc, what)
         if isinstance(exc, TimeoutError) and self.timeout_s is not None:
             return StoreUnavailableError(
                 f"{what} failed: PostgreSQL did not answer within {self.timeout_s:g}s "

@@ -19,10 +19,11 @@ from ..config import MAX_BUSY_TIMEOUT_MS, Settings, sqlite_path
 from ..errors import (
     ConfigurationError,
     InvalidArgumentError,
+    StorageError,
     StoreLockedError,
     StoreUnavailableError,
 )
-from ._database import Database, Rows, Transaction
+from ._database import Database, Rows, Transaction, schema_changed
 from ._dialect import SQLITE
 
 __all__ = ["SqliteDatabase"]
@@ -284,10 +285,14 @@ class SqliteDatabase(Database):
         self._open_lock = asyncio.Lock()
         return conn
 
-    def _explain(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+    def _explain(self, exc: BaseException, what: str) -> StorageError | None:
         opening = self._explain_connect(exc, what) if what.endswith(" connect") else None
         if opening is not None:
             return opening
+        if isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(
+            ("no such table: ", "no such column: ")
+        ):
+            return schema_changed(exc, what)
         if (read_only := self._explain_read_only(exc, what)) is not None:
             return read_only
         # SQLITE_BUSY after busy_timeout: name who holds the lock rather than the statement

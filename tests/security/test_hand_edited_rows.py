@@ -265,6 +265,48 @@ async def test_a_hand_edited_checkpoint_falls_back_to_journal_replay(
         await runtime.close()
 
 
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_checkpoint_column_dropped_by_hand_is_a_migration_error_naming_it(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # Before: StoreUnavailableError ("checkpoints read failed: UndefinedColumnError"), which
+    # reads as a database that is down and is retried as one; the column is gone for good.
+    from loomflow.errors import MigrationError, StoreUnavailableError
+
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    path = tmp_path / "journal.db"
+
+    async def runtime() -> Any:
+        return SqliteRuntime(path) if kind == "sqlite" else await PostgresRuntime.connect(dsn)
+
+    shop = Shop(fail_at=2)
+
+    def agent(runtime: Any) -> Agent:
+        tuning = Tuning(checkpoint=True)
+        return Agent(
+            "You shop.", model=shop.model, tools=[shop.tool], runtime=runtime, tuning=tuning
+        )
+
+    first = await runtime()
+    try:
+        with pytest.raises(ConnectionError):
+            await agent(first).run("shop", session_id="s", user_id="u")
+    finally:
+        await first.close()
+    drop = "ALTER TABLE loom_checkpoints DROP COLUMN cost_usd"
+    if kind == "sqlite":
+        await asyncio.to_thread(sqlite_exec, path, drop)
+    else:
+        await pg_exec(dsn, drop)
+    second = await runtime()
+    try:
+        with pytest.raises(MigrationError, match=r"cost_usd.*changed outside loomflow") as caught:
+            await agent(second).resume("shop", session_id="s", user_id="u")
+        assert not isinstance(caught.value, StoreUnavailableError)
+    finally:
+        await second.close()
+
+
 # -- memory episodes -------------------------------------------------------------------------
 
 
