@@ -396,3 +396,26 @@ def test_a_key_naming_no_bucket_a_budget_has_is_refused(key: str) -> None:
     # (a global one keeping alice's id through her erasure, a period no prune ends).
     with pytest.raises(InvalidArgumentError, match="names no bucket"):
         Bucket.from_key(key)
+
+
+async def test_a_bucket_whose_scope_was_edited_is_still_listed_and_forgotten(
+    tmp_path: Path,
+) -> None:
+    # A row naming alice whose scope was edited by hand: `budget show --user alice` said "no
+    # budget usage recorded" and `users forget alice` left it (both looked at scope 'user'
+    # only), while `budget show` listed it as alice's unreadable bucket.
+    path = tmp_path / "budget.db"
+    budget = _budget(f"sqlite:///{path}")
+    try:
+        for user in ("alice", "bob"):
+            await budget.reserve(user_id=user, model="scripted", max_tokens=10)
+        edit = "UPDATE loom_budget_buckets SET scope = 'bogus' WHERE user_id = 'alice'"
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        listed = await budget.store.listing("alice")
+        assert len(listed) == 1
+        assert "does not match" in str(listed[0])
+        assert await budget.store.forget_user("alice") == 1
+        left = await asyncio.to_thread(sqlite_exec, path, "SELECT user_id FROM loom_budget_buckets")
+        assert left == [("bob",)]
+    finally:
+        await budget.close()

@@ -549,18 +549,22 @@ class SqlBudgetStore:
         await self.open()
         if user_id is None:
             return await self.db.fetch(_USAGE, what="budget read")
-        return await self.db.fetch(
-            f"{_USAGE} WHERE scope = 'user' AND user_id = $1", user_id, what="budget read"
-        )
+        # Only a user bucket names a user: a row naming this one is theirs whatever its scope
+        # (one edited by hand is listed, unreadable, rather than hidden from their report).
+        return await self.db.fetch(f"{_USAGE} WHERE user_id = $1", user_id, what="budget read")
 
     async def forget_user(self, user_id: str | None) -> int:
         check_id("user_id", user_id)  # an id no bucket has is no erasure to report as done
         await self.open()
-        cond, args = ("user_id IS NULL", []) if user_id is None else ("user_id = $1", [user_id])
+        # As in a listing, a row naming the user is erased whatever its scope.
+        cond, args = (
+            ("scope = 'user' AND user_id IS NULL", [])
+            if user_id is None
+            else ("user_id = $1", [user_id])
+        )
         async with self.db.transaction(what="budget forget") as tx:
             rows = await tx.fetch(
-                f"DELETE FROM loom_budget_buckets WHERE scope = 'user' AND {cond} RETURNING 1",
-                *args,
+                f"DELETE FROM loom_budget_buckets WHERE {cond} RETURNING 1", *args
             )
             # A hold left by a dead worker names the user's buckets: without this, it would
             # keep the user's id and a reclaim would write their bucket back afterwards.
