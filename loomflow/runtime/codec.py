@@ -701,9 +701,11 @@ def loads(raw: bytes | str, *, version: int = CODEC_VERSION) -> Any:
     row edited by hand) is damage, not the current version. Callers refuse a newer one first,
     with an error of their own (it is no damage: upgrade).
     """
-    if not 1 <= version <= CODEC_VERSION:
+    if version < 1:
+        raise UnknownTagError(f"malformed codec version {version} (none is below 1)")
+    if version > CODEC_VERSION:
         raise UnknownTagError(
-            f"malformed codec version {version} (this loomflow reads 1 to {CODEC_VERSION})"
+            f"codec version {version} is newer than this loomflow reads (up to {CODEC_VERSION})"
         )
     try:
         # dumps() writes UTF-8 only; json.loads(bytes) would sniff UTF-16/32 and import

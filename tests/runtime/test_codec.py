@@ -389,3 +389,13 @@ def test_a_surrogate_pair_spelled_as_two_code_points_keeps_its_fingerprint() -> 
     assert back == "\U0001f600"
     assert fingerprint((pair,), {}) == fingerprint((back,), {})
     assert codec.canonical_bytes(pair) == codec.canonical_bytes(back)
+
+
+def test_a_stored_codec_version_below_1_is_malformed_not_the_current_one() -> None:
+    raw = codec.dumps({"a": 1})
+    assert codec.loads(raw, version=codec.CODEC_VERSION) == {"a": 1}
+    for version in (0, -1):
+        with pytest.raises(codec.UnknownTagError, match=f"malformed codec version {version}"):
+            codec.loads(raw, version=version)
+    with pytest.raises(codec.UnknownTagError, match="newer than this loomflow reads"):
+        codec.loads(raw, version=codec.CODEC_VERSION + 1)
