@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -870,15 +870,15 @@ class SqlJournalStore:
     ) -> list[SessionInfo]:
         conditions: list[str] = []
         args: list[Any] = []
+
+        def param(value: Any) -> str:
+            args.append(value)
+            return f"${len(args)}"
+
         if by_user:
-            if user_id is None:
-                conditions.append("s.user_id IS NULL")
-            else:
-                args.append(user_id)
-                conditions.append(f"s.user_id = ${len(args)}")
+            conditions.append(sessions_of(user_id, param, "s."))
         if session_id is not None:
-            args.append(session_id)
-            conditions.append(f"s.session_id = ${len(args)}")
+            conditions.append(f"s.session_id = {param(session_id)}")
         if state is not None:
             conditions.append(_STATE_PREFILTER[state])
         where = ("WHERE " + " AND ".join(conditions)) if conditions else ""
@@ -892,7 +892,7 @@ class SqlJournalStore:
                 "SELECT s.session_id, s.user_id, s.epoch, s.open, s.owner, s.updated_at, "
                 "(SELECT COUNT(*) FROM loom_entries e WHERE e.scope = s.scope), "
                 "s.lease_until, {now}, s.status, s.attempts, s.agent, s.config, s.last_error, "
-                f"s.created_at, s.token FROM loom_sessions s {where} "
+                f"s.created_at, s.token, s.scope FROM loom_sessions s {where} "
                 f"ORDER BY s.updated_at DESC, s.scope LIMIT ${len(args) + 1} "
                 f"OFFSET ${len(args) + 2}",
                 *args,
@@ -948,9 +948,7 @@ class SqlJournalStore:
                 else "session_id IS NULL"
             )
         if by_user:
-            scope_filters.append(
-                f"user_id = {param(user_id)}" if user_id is not None else "user_id IS NULL"
-            )
+            scope_filters.append(sessions_of(user_id, param))
         if scope_filters:
             where.append(
                 "scope IN (SELECT scope FROM loom_sessions WHERE "
@@ -962,11 +960,8 @@ class SqlJournalStore:
                 "NOT EXISTS (SELECT 1 FROM loom_sessions s WHERE s.scope = loom_entries.scope"
                 " AND s.open = 1 AND s.epoch = loom_entries.epoch)"
             )
-        named = [u for u in keep_users if u is not None]
         if keep_users:  # users under legal hold: none of their entries go
-            held = [f"user_id IN ({', '.join(param(u) for u in named)})"] if named else []
-            if None in keep_users:
-                held.append("user_id IS NULL")
+            held = [sessions_of(user, param) for user in dict.fromkeys(keep_users)]
             where.append(
                 "scope NOT IN (SELECT scope FROM loom_sessions WHERE " + " OR ".join(held) + ")"
             )
@@ -1019,7 +1014,13 @@ class SqlJournalStore:
         return progress.done
 
     async def forget_sessions(self, user_id: str | None) -> int:
-        cond, args = ("user_id = $1", [user_id]) if user_id is not None else ("user_id IS NULL", [])
+        args: list[Any] = []
+
+        def param(value: Any) -> str:
+            args.append(value)
+            return f"${len(args)}"
+
+        cond = sessions_of(user_id, param)
         # A lease whose holder is known to be dead (a worker on this host killed during a
         # run) protects nothing: its row, which holds the run's inputs, goes too. Matched on
         # the owner text, so a run that claims the row meanwhile keeps it.
@@ -1064,6 +1065,17 @@ _STATE_PREFILTER = {
 }
 
 
+def _moved(scope: object, session_id: object, user_id: object) -> bool:
+    """Whether a session row's id columns are not the ids its key was made from (edited by
+    hand): listed under the user its key names, it reads as unreadable, not as theirs."""
+    if not all(v is None or isinstance(v, str) for v in (session_id, user_id)):
+        return False  # not text: reported as such
+    try:
+        return Scope(session_id, user_id).key != scope  # type: ignore[arg-type]
+    except (UserError, ValueError):
+        return True
+
+
 def _session_info(r: Sequence[Any]) -> SessionInfo:
     """A listing row; a damaged one reads as ``unreadable`` (and -1/NaN), never an error."""
     state = run_state(
@@ -1074,6 +1086,8 @@ def _session_info(r: Sequence[Any]) -> SessionInfo:
     elif any(isinstance(v, str) and not is_unicode(v) for v in r[:2]):
         # A session or user id that is not UTF-8 (see storage/_sqlite.read_text) names no
         # session anyone can show, resume or cancel.
+        state = UNREADABLE
+    elif _moved(r[16], r[0], r[1]):
         state = UNREADABLE
     return SessionInfo(
         r[0] if isinstance(r[0], str) else None,
@@ -1163,3 +1177,20 @@ def _key_compare(
 
 def json_user_key(user_id: str | None) -> str:
     return Scope(None, user_id).user_key
+
+
+def sessions_of(user_id: str | None, param: Callable[[Any], str], table: str = "") -> str:
+    """SQL true for a ``loom_sessions`` row of ``user_id``: its user_id column names them,
+    or its scope key does. The key is what runs are found by, so a column edited by hand
+    must not take a user's runs out of their listing, export or erasure, nor out of the
+    legal hold that keeps them; the key's last element is the user (compact JSON, so the
+    user's part ``,"alice"]`` ends it exactly when it is theirs)."""
+    tail = "," + json_user_key(user_id)[1:]
+    named = (
+        f"{table}user_id = {param(user_id)}" if user_id is not None else f"{table}user_id IS NULL"
+    )
+    keyed = (
+        f"substr({table}scope, length({table}scope) - {param(len(tail))} + 1) "
+        f"= CAST({param(tail)} AS TEXT)"
+    )
+    return f"({named} OR {keyed})"

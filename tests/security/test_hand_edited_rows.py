@@ -956,3 +956,34 @@ async def test_a_cancel_leaves_a_text_token_for_the_next_claim_to_report(tmp_pat
                 pass
     finally:
         await runtime.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_session_row_whose_user_was_edited_stays_its_users_runs(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # The scope key says whose run it is; the user_id column was the only thing looked at:
+    # edited to bob, alice's runs left her listing and export, `users forget alice` left
+    # them behind, and a prune that keeps alice's (legal hold) deleted them.
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path) if kind == "sqlite" else await PostgresRuntime.connect(dsn)
+    try:
+        for user in ("alice", "bob"):
+            async with runtime.session(f"{user}-s", user):
+                await runtime.step("charge", Counter())
+        edit = "UPDATE loom_sessions SET user_id = 'bob' WHERE session_id = 'alice-s'"
+        if kind == "sqlite":
+            await asyncio.to_thread(sqlite_exec, path, edit)
+        else:
+            await pg_exec(dsn, edit)
+        listed = await runtime.sessions(user_id="alice")
+        assert [(s.session_id, s.state) for s in listed] == [("alice-s", "unreadable")]
+        bobs = {s.session_id: s.state for s in await runtime.sessions(user_id="bob")}
+        assert bobs == {"bob-s": "finished", "alice-s": "unreadable"}  # it names bob
+        assert await runtime.prune(user_id="bob", include_open=True, keep_users=["alice"]) == 1
+        assert len(await runtime.sessions(user_id="alice")) == 1  # still there
+        assert await runtime.forget_user("alice") == 2  # its entry, then its session row
+        assert await runtime.sessions(user_id="alice") == []
+    finally:
+        await runtime.close()
