@@ -76,10 +76,17 @@ def lock_key(key: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def _next_text(prefix: str) -> str:
-    # The smallest string above every string starting with ``prefix``, so that a family
-    # filter (``tool.*``) is an index range instead of a LIKE with escaping rules.
-    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+def _next_text(prefix: str) -> str | None:
+    """The smallest text above every text starting with ``prefix`` in code point order
+    (``None``: there is none, the prefix is all U+10FFFF), skipping the surrogates, which
+    no stored text holds."""
+    end = len(prefix)
+    while end and prefix[end - 1] == "\U0010ffff":
+        end -= 1
+    if not end:
+        return None
+    following = ord(prefix[end - 1]) + 1
+    return prefix[: end - 1] + chr(0xE000 if following == 0xD800 else following)
 
 
 class SqlAuditStore(AuditStore):
@@ -184,7 +191,7 @@ class SqlAuditStore(AuditStore):
     async def _query(
         self, where: AuditFilter, limit: int, after: int | None
     ) -> tuple[list[AuditEntry], int | None]:
-        conds, args = _conditions(where)
+        conds, args = _conditions(where, self.db.dialect.name == "sqlite")
         if after is not None:
             args.append(after)
             conds.append(f"id > ${len(args)}")
@@ -195,7 +202,7 @@ class SqlAuditStore(AuditStore):
         return entries, int(rows[-1][0]) if rows else None
 
     async def _count(self, where: AuditFilter) -> int:
-        conds, args = _conditions(where)
+        conds, args = _conditions(where, self.db.dialect.name == "sqlite")
         sql = f"SELECT COUNT(*) FROM loom_audit{_where(conds)}"
         return int((await self.db.fetch(sql, *args, what="audit count"))[0][0])
 
@@ -373,8 +380,9 @@ async def _after(
         yield item
 
 
-def _conditions(where: AuditFilter) -> tuple[list[str], list[Any]]:
-    """The SQL conditions of a filter, numbered ``$1..$n``, and their arguments."""
+def _conditions(where: AuditFilter, code_point_order: bool) -> tuple[list[str], list[Any]]:
+    """The SQL conditions of a filter, numbered ``$1..$n``, and their arguments;
+    ``code_point_order``: whether the database compares text by code point (SQLite)."""
     args: list[Any] = []
 
     def param(value: Any) -> str:
@@ -391,8 +399,18 @@ def _conditions(where: AuditFilter) -> tuple[list[str], list[Any]]:
     if where.action is not None:
         conds.append(f"action = {param(where.action)}")
     if where.action_prefix:
-        conds.append(f"action >= {param(where.action_prefix)}")
-        conds.append(f"action < {param(_next_text(where.action_prefix))}")
+        prefix = where.action_prefix
+        # A family (``tool.*``) is the actions whose first characters are the prefix: an
+        # equality, which holds under every collation. The text range is added only where
+        # text sorts by code point (SQLite), for the index: PostgreSQL sorts by the
+        # database's collation, where ``Tool.x`` may fall inside the range of ``tool.`` and
+        # ``legal_hold.placed`` (punctuation passed over) outside that of ``legal_hold.``.
+        conds.append(f"substr(action, 1, {len(prefix)}) = {param(prefix)}")
+        if code_point_order:
+            conds.append(f"action >= ${len(args)}")
+            upper = _next_text(prefix)
+            if upper is not None:
+                conds.append(f"action < {param(upper)}")
     if where.since_us is not None:
         conds.append(f"time_us >= {param(where.since_us)}")
     if where.until_us is not None:

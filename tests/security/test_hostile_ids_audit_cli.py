@@ -126,3 +126,17 @@ def test_a_heads_file_nested_too_deep_is_one_error_line(tmp_path: Path) -> None:
     assert done.returncode == 1, err
     assert "Traceback" not in err
     assert err.startswith("loomflow: error: bad --heads file"), err
+
+
+@pytest.mark.parametrize("last", ["\U0010ffff", "\ud7ff"], ids=["U+10FFFF", "U+D7FF"])
+async def test_a_family_whose_prefix_ends_in_the_last_character_of_a_range(
+    log: AuditLog, last: str
+) -> None:
+    # The family's text range ended at the next character: none after U+10FFFF (a
+    # ValueError), a surrogate after U+D7FF (an encoding error from the driver).
+    actions = [f"x{last}", f"x{last}a", f"x{last}\U0010ffff", "x\ue000", "y", "x"]
+    for action in actions:
+        await log.record(action, user_id="ana", actor="test", payload={})
+    page = await log.query(action=f"x{last}*", limit=100)
+    assert [e.action for e in page.entries] == actions[:3]
+    assert await log.count(action=f"x{last}\U0010ffff*") == 1
