@@ -18,6 +18,7 @@ __all__ = [
     "duration",
     "exception_line",
     "fixed_port",
+    "id_cell",
     "iso_time",
     "json_text",
     "login",
@@ -159,22 +160,27 @@ def _cell(value: Any) -> str:
 _QUOTES = ("'", '"')
 
 
-def user_cell(user_id: str | None) -> str:
-    """A user id as a table shows it: ``-`` for the anonymous user (``None``), the id as it is
+def id_cell(value: str | None) -> str:
+    """An id (a user's, a session's) as a table shows it: ``-`` for none, the id as it is
     when it reads unmistakably, else quoted as a Python literal: an id that is ``-``, blank,
     with spaces at its ends or two in a row (the columns' gap), starting with a quote, or
     holding characters a terminal would not show. ``--json`` gives every id as it is."""
-    if user_id is None:
+    if value is None:
         return "-"
     if (
-        user_id in ("", "-")
-        or user_id != user_id.strip()
-        or user_id.startswith(_QUOTES)
-        or "  " in user_id
-        or not user_id.isprintable()
+        value in ("", "-")
+        or value != value.strip()
+        or value.startswith(_QUOTES)
+        or "  " in value
+        or not value.isprintable()
     ):
-        return repr(user_id)
-    return user_id
+        return repr(value)
+    return value
+
+
+def user_cell(user_id: str | None) -> str:
+    """A user id as a table shows it (:func:`id_cell`): ``-`` is the anonymous user."""
+    return id_cell(user_id)
 
 
 def table(rows: Sequence[Sequence[Any]]) -> None:

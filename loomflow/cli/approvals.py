@@ -42,7 +42,7 @@ from ..governance.approvals import (
 from ..redaction import Redactor
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import iso_time, login, positive_int, printable, table, user_cell, who
+from ._format import id_cell, iso_time, login, positive_int, printable, table, user_cell, who
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -240,7 +240,7 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         rows.append(
             (
                 r.request_id,
-                r.session_id,
+                id_cell(r.session_id),
                 user_cell(r.user_id),
                 r.tool,
                 shown if len(shown) <= 60 else shown[:57] + "...",
@@ -252,7 +252,7 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
         rows.append(
             (
                 _cut(bad.request_id) if bad.request_id is not None else "-",
-                bad.session_id,
+                id_cell(bad.session_id),
                 user_cell(bad.user_id),
                 "unreadable",
                 "-",

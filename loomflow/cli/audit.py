@@ -28,6 +28,7 @@ from ..errors import AuditError
 from ..stores import Stores
 from ._format import (
     duration,
+    id_cell,
     json_text,
     login,
     positive_int,
@@ -228,7 +229,7 @@ async def _query(store: AuditStore, args: argparse.Namespace) -> int:
                 e.time.strftime("%Y-%m-%d %H:%M:%S"),
                 user_cell(e.user_id),
                 str(e.seq),
-                e.session_id or "-",
+                id_cell(e.session_id),
                 e.actor,
                 e.action,
                 _summary(e),

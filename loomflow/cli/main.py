@@ -37,6 +37,7 @@ from ..storage._roles import app_role_problem
 from ..stores import SCHEMES, Stores
 from ._format import (
     exception_line,
+    id_cell,
     iso_time,
     login,
     positive_int,
@@ -665,7 +666,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             state = f"failed: {s.last_error[:60]}"
         rows.append(
             (
-                s.session_id,
+                id_cell(s.session_id),
                 user_cell(s.user_id),
                 runs_done,
                 state,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 from _cli import clean_env, loomflow
 
+from loomflow import Agent
 from loomflow.audit._entry import MIN_TIME_US, iso_time, time_us_of_text
+from loomflow.config import Settings
+from loomflow.models import ScriptedModel
 
 
 def _journal_with_a_trail(tmp_path: Path) -> str:
@@ -177,3 +181,33 @@ def test_a_tokens_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> N
     tokens.write_text(f"admin {'t' * 20} ada\r\nreader {'u' * 20} rob\r\n", encoding="utf-8-sig")
     assert tokens.read_bytes().startswith(b"\xef\xbb\xbf")
     assert [(e.role, e.name) for e in load_tokens(tokens)] == [("admin", "ada"), ("reader", "rob")]
+
+
+# Sessions of one user that a plain cell showed alike: spaces at an end, a line separator
+# (written as its escape) beside the escape typed as text, "-" beside an entry of no session.
+HOSTILE_SESSIONS = ("s-1", "s-1 ", " s-1", "-", "a\u2028b", "a\\u2028b", "'x'")
+
+
+async def _runs_in_sessions(url: str) -> None:
+    settings = Settings(runtime_url=url)
+    async with Agent.from_settings("S.", model=ScriptedModel(["hi"] * 9), settings=settings) as a:
+        for session in HOSTILE_SESSIONS:
+            await a.run("hello", session_id=session, user_id="ana")
+
+
+def test_tables_tell_sessions_apart_that_read_alike(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    asyncio.run(_runs_in_sessions(url))
+    assert loomflow("--url", url, "users", "hold", "ana", "--reason", "r").returncode == 0
+    expected = {"s-1", "'s-1 '", "' s-1'", "'-'", "'a\\u2028b'", "a\\u2028b", "\"'x'\""}
+    for command, start, end in (
+        (["runs", "list"], "session", "user"),
+        (["audit", "query", "--limit", "1000"], "session", "actor"),
+    ):
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 0, done.stderr
+        header, *rows = done.stdout.strip().splitlines()
+        cells = {row[header.index(start) : header.index(end)].rstrip() for row in rows}
+        cells.discard("")  # the line that offers the next page
+        # The hold is the one audit entry of no session: "-", and the session "-" quoted.
+        assert cells == expected | ({"-"} if command[0] == "audit" else set()), done.stdout
