@@ -400,6 +400,7 @@ class Stores:
         store cannot list them), each described without its value. ``audit_problems`` lists
         what ``verify`` finds wrong with the user's trail (empty when it is intact).
         """
+        check_id("user_id", user_id)
         runtime = self.runtime
         sessions = [] if runtime is None else await runtime.sessions(user_id=user_id, limit=10**6)
         entries = []

@@ -1262,7 +1262,9 @@ class JournalRuntime:
 
         Raises:
             InvalidArgumentError: ``state`` is not a known state.
+            InvalidIdError: ``user_id`` or ``session_id`` breaks the id rules.
         """
+        _check_filters(session_id, user_id)
         if state is not None and state not in (*RUN_STATES, UNREADABLE):
             raise InvalidArgumentError(
                 f"state must be one of {', '.join((*RUN_STATES, UNREADABLE))}, not {state!r}"
@@ -1433,6 +1435,7 @@ class JournalRuntime:
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"batch_size must be a positive integer, not {batch_size!r}")
+        _check_filters(session_id, user_id)
         keep = [check_id("keep_users", user) for user in keep_users]
         await self._ensure_open()
         extra: dict[str, Any] = {"keep_users": keep} if keep else {}
@@ -1582,6 +1585,15 @@ def _next_path(frame: _Frame, name: str) -> tuple[str, ...]:
     n = frame.run.occurrences.get(counter_key, 0)
     frame.run.occurrences[counter_key] = n + 1
     return (*frame.path, f"{name}#{n}")
+
+
+def _check_filters(session_id: object, user_id: object) -> None:
+    """Refuse a filter (a listing's, a prune's) that no stored id can match, as a run refuses
+    it, before the store reads it: the database would fail on a NUL or a lone surrogate."""
+    if session_id is not _ANY:
+        check_id("session_id", session_id)
+    if user_id is not _ANY:
+        check_id("user_id", user_id)
 
 
 def _check_text(what: str, value: object) -> None:

@@ -16,6 +16,7 @@ from loomflow.governance import Cap, InMemoryBudgetStore, StandardBudget
 from loomflow.governance.budget import budget_store_for
 from loomflow.memory import memory_for
 from loomflow.runtime import JournalRuntime
+from loomflow.stores import Stores
 
 Factory = Callable[..., Awaitable[JournalRuntime]]
 
@@ -221,3 +222,27 @@ async def test_postgres_identity_falls_back_when_the_control_data_is_refused(
     finally:
         await first.close()
         await second.close()
+
+
+@pytest.mark.parametrize(("bad", "reason"), BAD_IDS)
+async def test_listing_and_pruning_refuse_bad_ids_by_name(
+    runtime_factory: Factory, bad: str, reason: str
+) -> None:
+    # They took any value: a lone surrogate was the driver's UnicodeEncodeError on SQLite,
+    # and an empty, NUL or 3000-byte id a listing of nothing or a prune of nothing.
+    runtime = await runtime_factory()
+    async with runtime.session("s", "ana"):
+        await runtime.step("a", lambda: 1)
+    for field, call in (
+        ("user_id", lambda: runtime.sessions(user_id=bad)),
+        ("session_id", lambda: runtime.sessions(session_id=bad)),
+        ("user_id", lambda: runtime.prune(user_id=bad, include_open=True)),
+        ("session_id", lambda: runtime.prune(session_id=bad, include_open=True)),
+    ):
+        with pytest.raises(InvalidIdError, match=f"{field} .*{re.escape(reason)}"):
+            await call()
+    async with Stores(Settings(runtime_url="memory://")) as stores:
+        with pytest.raises(InvalidIdError, match=f"user_id .*{re.escape(reason)}"):
+            await stores.export_user(bad)
+    assert [s.user_id for s in await runtime.sessions(user_id="ana")] == ["ana"]
+    assert len(await runtime.entries("s", "ana")) == 1
