@@ -21,6 +21,7 @@ __all__ = [
     "is_unicode",
     "printable",
     "shown",
+    "shown_id",
     "text_of",
     "unicode_column",
 ]
@@ -34,6 +35,27 @@ def printable(value: Any) -> str:
     if text.isprintable():  # nearly always: no copy
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+_QUOTES = ("'", '"')
+
+
+def shown_id(value: str | None) -> str:
+    """An id (a user's, a session's) as a table or a page shows it: ``-`` for none, the id as
+    it is when it reads unmistakably, else quoted as a Python literal: an id that is ``-``,
+    blank, with spaces at its ends or two in a row (a table's gap; a page folds them into
+    one), starting with a quote, or holding characters a screen would not show."""
+    if value is None:
+        return "-"
+    if (
+        value in ("", "-")
+        or value != value.strip()
+        or value.startswith(_QUOTES)
+        or "  " in value
+        or not value.isprintable()
+    ):
+        return repr(value)
+    return value
 
 
 def shown(value: object, limit: int = 60) -> str:

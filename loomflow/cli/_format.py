@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._ids import user_label as who
-from .._printable import escaped_controls, escaped_surrogates, printable
+from .._printable import escaped_controls, escaped_surrogates, printable, shown_id
 from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
 
@@ -157,25 +157,10 @@ def _cell(value: Any) -> str:
     return text if len(text) <= CELL_LIMIT else text[: CELL_LIMIT - 1] + "…"
 
 
-_QUOTES = ("'", '"')
-
-
 def id_cell(value: str | None) -> str:
-    """An id (a user's, a session's) as a table shows it: ``-`` for none, the id as it is
-    when it reads unmistakably, else quoted as a Python literal: an id that is ``-``, blank,
-    with spaces at its ends or two in a row (the columns' gap), starting with a quote, or
-    holding characters a terminal would not show. ``--json`` gives every id as it is."""
-    if value is None:
-        return "-"
-    if (
-        value in ("", "-")
-        or value != value.strip()
-        or value.startswith(_QUOTES)
-        or "  " in value
-        or not value.isprintable()
-    ):
-        return repr(value)
-    return value
+    """An id (a user's, a session's) as a table shows it: see
+    :func:`~loomflow._printable.shown_id`. ``--json`` gives every id as it is."""
+    return shown_id(value)
 
 
 def user_cell(user_id: str | None) -> str:

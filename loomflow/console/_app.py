@@ -42,7 +42,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._ids import MAX_ID_BYTES, check_id, check_key
-from .._printable import printable
+from .._printable import printable, shown_id
 from .._timefmt import iso_time, parse_when
 from ..audit import ANY_USER, AuditPage
 from ..errors import (
@@ -259,6 +259,7 @@ def _env() -> Environment:
     env.filters["user_url"] = user_url
     env.globals["query_url"] = _query_url
     env.filters["shown"] = printable
+    env.filters["id"] = shown_id
     env.filters["pretty"] = _pretty
     env.filters["when"] = _when
     env.filters["ts"] = _ts

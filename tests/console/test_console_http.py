@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import html
 import json
 import os
 import re
@@ -301,6 +302,40 @@ def test_bidirectional_overrides_and_line_separators_are_shown_escaped(tmp_path:
         assert "s\\u2066z" in pages["trail"]
         assert "custom.\\u202ename" in pages["entry"]
         assert "a\\u202eb\\u0085c" in pages["entry"]  # the payload, as JSON escapes
+
+
+def _seen(html_text: str) -> str:
+    """Text as a browser shows it: entities read, white space collapsed and trimmed."""
+    return " ".join(html.unescape(html_text).split())
+
+
+def test_ids_that_a_page_would_show_alike_are_quoted(tmp_path: Path) -> None:
+    # A page folds white space: "bob", " bob", "bob " and "b  ob" read the same, so an
+    # officer picking a user or reading whose session an entry is could not tell them apart.
+    users = ["bob", " bob", "bob ", "b  ob", "b ob", "'bob'", "-"]
+    path = tmp_path / "audit.db"
+
+    async def make() -> None:
+        store = SqliteAuditStore(path)
+        for user in users:
+            await store.append([AuditRecord(user_id=user, session_id=user, actor="a", action="x")])
+        await store.append([AuditRecord(user_id=None, actor="a", action="x")])
+        await store.close()
+
+    asyncio.run(make())
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        page = http.get("/users").text
+        names = [_seen(n) for n in re.findall(r'<td class="id"><a href="[^"]*">(.*?)</a>', page)]
+        assert len(set(names)) == len(names), names  # the console's own chain is one too
+        assert {"bob", "' bob'", "'bob '", "'b ob'", "b ob", "\"'bob'\"", "'-'"} <= set(names)
+        headings = []
+        for user in users:
+            trail = http.get(user_url(user)).text
+            headings.append(_seen(re.findall(r'<span id="user">(.*?)</span>', trail)[0]))
+            session = re.findall(r'<td class="id">(.*?)</td>', trail)[0]
+            assert _seen(session) == headings[-1]  # the session column, shown alike
+        assert len(set(headings)) == len(users), headings
 
 
 def test_a_trail_pages_and_filters(console: Server) -> None:
