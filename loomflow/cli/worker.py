@@ -7,9 +7,9 @@ no ``--url``; a ``LOOMFLOW_RUNTIME_URL`` naming another journal than the agents'
 so the worker never sweeps a journal other than the one the other commands read. It sweeps
 at start and then every ``--interval`` seconds, serves ``/metrics`` (prometheus-client's default
 registry), ``/healthz`` (200 while its event loop runs) and ``/readyz`` (200 once a sweep has
-reached the journal) on ``--host``:``--port``, and on SIGTERM or SIGINT stops taking work,
-releases the leases of the runs it is resuming (another worker takes them over at once) and
-exits 0.
+reached the journal) on ``--host``:``--port``, and on SIGTERM or SIGINT fails ``/readyz``,
+stops taking work, releases the leases of the runs it is resuming (another worker takes them
+over at once) and exits 0.
 
 A sweep still running after ``--sweep-timeout`` seconds (by default the lease,
 ``LOOMFLOW_LEASE_SECONDS``) is cancelled and counts as failed: a journal that accepts
@@ -230,6 +230,7 @@ class _Health:
         self.state: tuple[bool, str] = (False, "the journal has not answered yet")
         self.stall_s = stall_s
         self.beat = time.monotonic()
+        self.stopping = False  # a signal came: the worker hands its runs over and exits
 
     def ready(self) -> None:
         self.state = (True, "ready")
@@ -286,6 +287,8 @@ def _serve(host: str, port: int, health: _Health) -> ThreadingHTTPServer:
                 stalled = health.stalled()
                 if stalled is not None:
                     self._answer(503, f"not ready: {stalled}\n".encode())
+                elif health.stopping:
+                    self._answer(503, b"not ready: the worker is stopping (SIGTERM or SIGINT)\n")
                 elif ready:
                     self._answer(200, b"ready\n")
                 else:
@@ -569,14 +572,20 @@ async def _recover(
         audit=audit,
         concurrency=args.concurrency,
     )
-    # SIGTERM and SIGINT, from here on, in both modes: stop sweeping, hand the runs over.
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     # A loop held longer than a sweep may take is a worker that does nothing (not less than
     # _STALL_MIN_S: a busy host's pauses are no reason to restart it).
     health = _Health(stall_s=max(_STALL_MIN_S, args.sweep_timeout))
+    # SIGTERM and SIGINT, from here on, in both modes: stop sweeping, hand the runs over,
+    # and not ready from the signal on (a sweep ending meanwhile does not make it ready).
+    stop = asyncio.Event()
+
+    def stopping() -> None:
+        health.stopping = True
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping)
     sweeper = _Sweeper(recovery, stop, args.sweep_timeout)
     port = args.port if args.port is not None else (None if args.once else 9464)
     server = None

@@ -8,6 +8,7 @@ id that is no id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -100,20 +101,35 @@ async def _stop(proc: asyncio.subprocess.Process, timeout: float = 30) -> tuple[
 # -- a database that stops answering ------------------------------------------------------
 
 
-@pytest.mark.postgres
-async def test_a_journal_that_stops_answering_fails_readyz_and_sigterm_still_hands_over(
-    pg_dsn: str, proxy: HangingProxy, tmp_path: Path
-) -> None:
-    ledger = tmp_path / "ledger.jsonl"
-    await start_and_kill(pg_dsn, ledger, 1, "hang")
-    # The worker reaches the journal through the proxy, resumes the run, blocks in ship.
+@contextlib.asynccontextmanager
+async def _frozen_while_resuming(
+    pg_dsn: str, proxy: HangingProxy, ledger: Path, prefix: str, *options: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
+    """A worker (``--json --port 0`` and ``options``) that reaches the journal through the
+    proxy, is ready and has resumed an orphaned run (blocked in ship); then the proxy
+    freezes. The worker and its port; killed at the end if still running."""
+    await start_and_kill(pg_dsn, ledger, 1, prefix)
     env = app_env(proxy.url(pg_dsn), ledger, FLEET_BLOCK="1")
-    proc = await _worker(env, "--port", "0", "--json", "--interval", "0.2", "--sweep-timeout", "1")
+    proc = await _worker(env, "--port", "0", "--json", *options)
     try:
         port = await _port(proc)
         await _until(port, 200)
         await wait_for(ledger, "blocked", 2)
         proxy.freeze()
+        yield proc, port
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.postgres
+async def test_a_journal_that_stops_answering_fails_readyz_and_sigterm_still_hands_over(
+    pg_dsn: str, proxy: HangingProxy, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    options = ("--interval", "0.2", "--sweep-timeout", "1")
+    async with _frozen_while_resuming(pg_dsn, proxy, ledger, "hang", *options) as (proc, port):
         # Before: 200 for as long as the database hung, and not a word in the log.
         body = await _until(port, 503)
         assert body.startswith("not ready: the last sweep failed: TimeoutError: ")
@@ -123,10 +139,6 @@ async def test_a_journal_that_stops_answering_fails_readyz_and_sigterm_still_han
         assert _journal_failures((await asyncio.to_thread(_get, port, "/metrics"))[1]) >= 1
         # The hand-over cannot write to the journal either: bounded, then named.
         out, err, took = await _stop(proc)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert took < 15, took
     assert "loomflow: warning: sweep failed (trying again in 0.2s): TimeoutError: the sweep " in err
@@ -137,6 +149,25 @@ async def test_a_journal_that_stops_answering_fails_readyz_and_sigterm_still_han
     stopped = json.loads(out.splitlines()[-1])
     assert stopped["event"] == "stopped"
     assert stopped["not_handed_over"] == [{"session_id": "hang-0", "user_id": "ana"}]
+
+
+@pytest.mark.postgres
+async def test_readyz_fails_as_soon_as_sigterm_stops_the_worker_while_it_hands_over(
+    pg_dsn: str, proxy: HangingProxy, tmp_path: Path
+) -> None:
+    # One sweep resumes the run; the next is far away. The hand-over cannot reach the
+    # frozen journal: it takes its 5 s.
+    options = ("--interval", "60", "--sweep-timeout", "10")
+    ledger = tmp_path / "ledger.jsonl"
+    async with _frozen_while_resuming(pg_dsn, proxy, ledger, "drain", *options) as (proc, port):
+        proc.send_signal(signal.SIGTERM)
+        # Before: "ready" for the whole hand-over, from a worker that takes no more work.
+        body = await _until(port, 503, timeout=4)
+        assert body == "not ready: the worker is stopping (SIGTERM or SIGINT)\n"
+        assert (await asyncio.to_thread(_get, port, "/healthz"))[0] == 200
+        out, err, _ = await _stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.splitlines()[-1])["event"] == "stopped"
 
 
 @pytest.mark.postgres
