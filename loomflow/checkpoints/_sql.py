@@ -67,8 +67,13 @@ _GET = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE scope = $1 AND checkpoint
 _LIST = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE scope = $1 ORDER BY seq DESC"
 _LIST_LIMIT = _LIST + " LIMIT $2"
 _DELETE_SCOPE = "DELETE FROM loom_checkpoints WHERE scope = $1 RETURNING 1"
-_DELETE_USER = "DELETE FROM loom_checkpoints WHERE user_key = $1 RETURNING 1"
-_EXPORT = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE user_key = $1 ORDER BY seq"
+# The rows an erasure or an export covers: those under the user's key, and those that name
+# the user but were moved under another key (edited in the database), which still hold the
+# user's transcript (as memory's do). ``user_id = NULL`` matches nothing: the anonymous
+# bucket is its key alone.
+_OF_USER = "(user_key = $1 OR user_id = $2)"
+_DELETE_USER = f"DELETE FROM loom_checkpoints WHERE {_OF_USER} RETURNING 1"
+_EXPORT = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE {_OF_USER} ORDER BY seq"
 
 
 _ANY_SESSION = object()
@@ -286,7 +291,7 @@ class SqlCheckpointStore(ComponentStore):
 
     async def forget_user(self, user_id: str | None) -> int:
         user_key = Scope.checked(None, user_id).user_key
-        return len(await self._fetch("delete", _DELETE_USER, user_key))
+        return len(await self._fetch("delete", _DELETE_USER, user_key, user_id))
 
     async def listing(
         self, session_id: str, *, user_id: str | None, limit: int | None = None
@@ -298,7 +303,7 @@ class SqlCheckpointStore(ComponentStore):
 
     async def export_user(self, user_id: str | None) -> dict[str, Any]:
         user_key = Scope.checked(None, user_id).user_key
-        rows = await self._fetch("read", _EXPORT, user_key)
+        rows = await self._fetch("read", _EXPORT, user_key, user_id)
         # A data-access export carries on past a damaged row, and shows it as damaged.
         return export_document(user_id, [_readable(r, user_id) for r in rows])
 

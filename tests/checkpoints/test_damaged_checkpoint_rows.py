@@ -101,6 +101,20 @@ async def _database(
     return dsn, pg_edit, pg_runtime
 
 
+async def _recorded_journal(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[str, Callable[[str], Awaitable[None]], Callable[[], Awaitable[JournalRuntime]]]:
+    """:func:`_database` on ``kind`` ("sqlite" or "postgres"), with :func:`_recorded`'s runs."""
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+    url, tamper, make = await _database(tmp_path, dsn)
+    runtime = await make()
+    try:
+        await _recorded(runtime)
+    finally:
+        await runtime.close()
+    return url, tamper, make
+
+
 def _cli(url: str, cwd: Path, *command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "loomflow.cli", "--url", url, *command],
@@ -115,11 +129,9 @@ def _cli(url: str, cwd: Path, *command: str) -> subprocess.CompletedProcess[str]
 async def test_listings_and_exports_show_a_damaged_checkpoint_and_carry_on(
     kind: str, edit: str, named: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
-    url, tamper, make = await _database(tmp_path, dsn)
+    url, tamper, make = await _recorded_journal(kind, request, tmp_path)
     runtime = await make()
     try:
-        await _recorded(runtime)
         oldest = await checkpoint_store_for(runtime).list_checkpoints("s", user_id="alice")
         damaged = oldest[-1].id
     finally:
@@ -235,3 +247,38 @@ async def test_a_checkpoint_whose_ids_no_put_accepts_is_not_restored(
                 assert named in bad.unreadable
         finally:
             await runtime.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_snapshot_moved_under_another_users_key_goes_with_its_users_erasure(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # Found by the user key alone: bob's snapshots, moved under alice's key in the database,
+    # left bob's export, and `users forget bob` left his transcript behind (memory rows and
+    # journal sessions moved the same way go with either user's export and erasure).
+    from loomflow.runtime._store import Scope
+
+    url, tamper, make = await _recorded_journal(kind, request, tmp_path)
+    alices = Scope("s", "alice")
+    await tamper(
+        f"UPDATE loom_checkpoints SET scope = '{alices.key}', user_key = '{alices.user_key}' "
+        "WHERE user_id = 'bob'"
+    )
+    output = tmp_path / "bob.json"
+    exported = await asyncio.to_thread(
+        _cli, url, tmp_path, "users", "export", "bob", "-o", str(output)
+    )
+    assert exported.returncode == 0, exported.stderr
+    snapshots = json.loads(output.read_text())["checkpoints"]["checkpoints"]
+    assert [(c["session_id"], c["user_id"]) for c in snapshots] == [("s", "bob")] * 4
+    forgot = await asyncio.to_thread(_cli, url, tmp_path, "users", "forget", "bob", "--yes")
+    assert forgot.returncode == 0, forgot.stderr
+    assert "checkpoints: 4," in forgot.stdout
+    runtime = await make()
+    try:
+        store = checkpoint_store_for(runtime)
+        assert (await store.export_user("bob"))["checkpoints"] == []
+        left = (await store.export_user("alice"))["checkpoints"]
+        assert [c["user_id"] for c in left] == ["alice"] * 8  # none of alice's went
+    finally:
+        await runtime.close()
