@@ -459,6 +459,8 @@ class Stores:
             "idempotency results": len(idempotency or ()),
             "checkpoints": len(checkpoints.get("checkpoints", [])),
             "episodes": len(memory.get("episodes", [])),
+            "facts": len(memory.get("facts", [])),
+            "blocks": len(memory.get("blocks", [])),
             "audit entries": len(audit),
         }
         return document

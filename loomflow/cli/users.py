@@ -152,13 +152,7 @@ async def _export(args: argparse.Namespace) -> int:
     async with Stores(settings.model_copy(update={"runtime_url": url})) as stores:
         document = await stores.export_user(user)
     text = json_text(document, indent=2)
-    memory = document["memory"]
-    held = [
-        *document["counts"].values(),
-        document["budget"],
-        memory.get("facts"),
-        memory.get("blocks"),
-    ]
+    held = [*document["counts"].values(), document["budget"]]  # memory's facts and blocks too
     if args.output is None or str(args.output) == "-":  # "-" is stdout, as for the others
         print(text)
     else:

@@ -611,6 +611,8 @@ def test_users_export_gathers_one_users_data_from_every_store(tmp_path: Path) ->
         "idempotency results": 0,
         "checkpoints": 0,
         "episodes": 0,
+        "facts": 0,
+        "blocks": 0,
         "audit entries": 0,
     }
     assert loomflow("--url", url, "users", "export").returncode == 2  # whom?

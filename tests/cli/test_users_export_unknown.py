@@ -10,6 +10,7 @@ from pathlib import Path
 from _cli import loomflow
 
 from loomflow import Agent
+from loomflow.memory import SqliteMemory
 from loomflow.models import ScriptedModel
 from loomflow.runtime import SqliteRuntime
 
@@ -37,3 +38,27 @@ def test_an_unknown_id_is_exported_empty_with_a_warning(tmp_path: Path) -> None:
     forget = loomflow("--url", url, "users", "forget", "anna", "--yes")
     assert forget.returncode == 1
     assert "no store holds anything about user 'anna'" in forget.stderr
+
+
+async def _remembered(path: Path) -> None:
+    memory = SqliteMemory(path)
+    try:
+        await memory.remember("ana", "lives_in", "Lyon", user_id="ana")
+        await memory.remember("ana", "lives_in", "Paris", user_id="ana")
+        await memory.set_block("notes", "Prefers French.", user_id="ana")
+    finally:
+        await memory.close()
+
+
+def test_the_export_summary_counts_facts_and_blocks(tmp_path: Path) -> None:
+    # A user known only by what the model remembered: the summary line said "episodes: 0"
+    # and nothing of the facts and blocks the file holds.
+    asyncio.run(_remembered(tmp_path / "journal.db"))
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    out = tmp_path / "ana.json"
+    done = loomflow("--url", url, "users", "export", "ana", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "episodes: 0, facts: 2, blocks: 1," in done.stderr
+    document = json.loads(out.read_text())
+    assert (document["counts"]["facts"], document["counts"]["blocks"]) == (2, 1)
+    assert len(document["memory"]["facts"]) == 2  # the superseded version too
