@@ -31,6 +31,7 @@ from ..errors import (
     ConfigurationError,
     CorruptEntryError,
     InvalidArgumentError,
+    NewerEntryError,
     OwnershipLostError,
     RunCancelledError,
     StoreUnavailableError,
@@ -72,7 +73,8 @@ class SweepReport:
     Attributes:
         resumed: Orphans claimed and now resuming (in tasks; :meth:`Recovery.wait` for them).
         unregistered: Orphans left alone: no agent is registered under the name they
-            recorded, or the registered agent's configuration changed (``reason`` says which).
+            recorded, the registered agent's configuration changed, or a newer loomflow
+            journaled steps of the run (``reason`` says which).
         dead_lettered: Runs marked ``failed``: out of attempts, or an unreadable record.
         claim_lost: Orphans another recoverer claimed first.
         deferred: Orphans left for the next sweep (this recoverer is at its concurrency).
@@ -93,6 +95,12 @@ class _NotAudited(Exception):
     def __init__(self, failure: StoreUnavailableError) -> None:
         super().__init__(str(failure))
         self.failure = failure
+
+
+_NEWER = (
+    "its journal holds steps a newer loomflow wrote, which this one cannot read; "
+    "a worker of that release resumes it"
+)
 
 
 def _given_up(orphan: Orphan) -> str:
@@ -212,6 +220,8 @@ class Recovery:
         self._stopping = False
         self._wake: asyncio.Event | None = None
         self._reported: set[tuple[str | None, str | None, str]] = set()
+        # Runs whose journal a newer loomflow wrote: this process can never replay them.
+        self._newer: set[tuple[str | None, str | None]] = set()
         self._journals_checked = False
         self.failures = 0  # resumed runs of this recoverer that raised (``worker --once``)
 
@@ -285,6 +295,9 @@ class Recovery:
             self._leave(
                 report, ref, f"its session row is damaged: {orphan.damage}; repair or delete it"
             )
+            return
+        if (orphan.session_id, orphan.user_id) in self._newer:
+            self._leave(report, ref, _NEWER)
             return
         agent = self.agents.get(orphan.agent) if orphan.agent is not None else None
         if agent is None:
@@ -381,6 +394,19 @@ class Recovery:
         if not task.cancelled():
             task.exception()  # retrieved (logged by _resume itself): no "never retrieved"
 
+    def _left_to_newer(self, session_id: str, user_id: str | None, error: str) -> None:
+        if len(self._newer) >= 100_000:  # bounded, as _reported is
+            self._newer.clear()
+        self._newer.add((session_id, user_id))
+        self._reported.add((session_id, user_id, _NEWER))  # logged here, not again by _leave
+        log.warning(
+            "left session %r of user %r to a newer worker: %s (%s)",
+            session_id,
+            user_id,
+            _NEWER,
+            error,
+        )
+
     def _leave(self, report: SweepReport, ref: RunRef, why: str) -> None:
         report.unregistered.append(RunRef(ref.session_id, ref.user_id, ref.agent, why))
         key = (ref.session_id, ref.user_id, why)
@@ -450,6 +476,15 @@ class Recovery:
         except _NotAudited as exc:
             await self._not_audited(session_id, claim, exc.failure)
             return
+        except NewerEntryError as exc:
+            # A rolling upgrade: a newer loomflow journaled steps this one cannot read. The
+            # run is sound and a newer worker finishes it: no failed attempt, no error noted,
+            # no dead letter. The claim's attempt is given back and the run made due at once
+            # (for a newer worker); this recoverer leaves it alone from now on.
+            outcome = "unregistered"
+            error = stored_error(agent.redactor.text(f"{type(exc).__name__}: {exc}"))
+            self._left_to_newer(session_id, claim.user_id, error)
+            await self._quietly(self.runtime.requeue(session_id, claim.user_id))
         except OwnershipLostError as exc:
             # Another owner took the run over while this one resumed it (this worker was
             # frozen past its lease, or the application resumed the run itself): the new

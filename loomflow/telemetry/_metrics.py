@@ -72,8 +72,8 @@ RECOVERY_OUTCOMES: Final = (
 """What a recoverer did with an orphaned run: claimed and resumed it; the resumed run finished;
 the resumed run stopped again (for an approval, at a budget cap or ``max_turns``); the resumed
 run raised (retried later); gave up on it (``failed``); left it alone (no agent registered
-under its name, or a changed configuration); lost the claim to another recoverer; found it
-cancelled while resuming it."""
+under its name, a changed configuration, or steps a newer loomflow journaled); lost the claim
+to another recoverer; found it cancelled while resuming it."""
 # From a lease running out to a recoverer resuming the run: a lease (30 s by default) plus a
 # sweep interval is the expected range, minutes mean no worker is sweeping.
 RECOVERY_BUCKETS: Final = (

@@ -26,6 +26,7 @@ from loomflow.errors import ConfigurationError, CorruptEntryError, InvalidArgume
 from loomflow.models import ScriptedModel
 from loomflow.recovery import Recovery, cancel_run, default_backoff
 from loomflow.runtime import JournalRuntime, SqliteRuntime, decode_record, runtime_from_url
+from loomflow.runtime.codec import CODEC_VERSION
 from loomflow.telemetry import Metrics
 
 
@@ -694,3 +695,52 @@ async def test_a_session_row_whose_ids_no_longer_match_its_key_is_left_alone(
         assert all("session row is damaged" in why for why in reasons.values()), reasons
     assert (await _states(runtime))["moved-2"] == "finished"
     assert tool_counts(ledger, "ship").get("moved-1", 0) == 0  # never resumed as mallory's
+
+
+@pytest.mark.parametrize("entries", ["", "WHERE name NOT LIKE 'model%'"])  # all, or a tool's
+async def test_a_run_a_newer_loomflow_journaled_is_left_to_a_newer_worker(
+    worker: dict[str, Agent],
+    journal_url: str,
+    ledger: Path,
+    caplog: pytest.LogCaptureFixture,
+    entries: str,
+) -> None:
+    # A rolling upgrade: a newer loomflow journaled the run's steps in a codec this worker
+    # cannot read. Each replay raised NewerEntryError, counted as a failed attempt, and after
+    # max_attempts the old worker dead-lettered a sound run that a newer worker would finish.
+    await start_and_kill(journal_url, ledger, 1, "newer")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    await db.execute(f"UPDATE loom_entries SET codec_version = {CODEC_VERSION + 1} {entries}")
+    metrics = _metrics()
+    old = Recovery(runtime, worker, max_attempts=2, backoff=0, metrics=metrics, worker_id="old")
+    with caplog.at_level("WARNING", logger="loomflow.recovery"):
+        assert [r.session_id for r in (await old.sweep()).resumed] == ["newer-0"]
+        await old.wait()
+        for _ in range(3):  # left alone from now on: not claimed sweep after sweep
+            report = await old.sweep()
+            await old.wait()
+            assert report.resumed == []
+            [left] = report.unregistered
+            assert left.session_id == "newer-0"
+            assert "newer loomflow" in left.reason
+    [info] = await runtime.sessions()
+    # Not failed, no error noted, and the attempt given back (only the first claim stays).
+    assert (info.state, info.attempts, info.last_error) == ("orphaned", 1, None)
+    [line] = [r.getMessage() for r in caplog.records if "newer" in r.getMessage()]
+    assert "'newer-0'" in line
+    sample = metrics.registry.get_sample_value
+    counted = {
+        o: sample("loomflow_recoveries_total", {"outcome": o})
+        for o in ("unregistered", "retry_failed", "dead_lettered")
+    }
+    assert counted == {"unregistered": 1, "retry_failed": 0, "dead_lettered": 0}
+    assert old.failures == 0
+    # A newer worker (here: the entries made readable again) takes it over at once.
+    await db.execute(f"UPDATE loom_entries SET codec_version = {CODEC_VERSION}")
+    new = Recovery(runtime, worker, max_attempts=2, metrics=_metrics(), worker_id="new")
+    assert [r.session_id for r in (await new.sweep()).resumed] == ["newer-0"]
+    await new.wait()
+    assert await _states(runtime) == {"newer-0": "finished"}
+    assert tool_counts(ledger, "reserve") == {"newer-0": 1}
+    assert tool_counts(ledger, "ship") == {"newer-0": 1}
