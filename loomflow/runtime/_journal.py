@@ -259,6 +259,12 @@ def _encode_record(record: RunRecord | None) -> tuple[str, str, bytes] | None:
     return record.agent, record.config, raw
 
 
+def _newer(entry: StoredEntry) -> bool:
+    """Whether a newer loomflow wrote the entry (a codec version above the one this reads)."""
+    version = entry.codec_version
+    return type(version) is int and version > codec.CODEC_VERSION
+
+
 def decode_record(raw: bytes | None) -> dict[str, Any]:
     """The inputs a run stored, read with the journal's codec (never runs code).
 
@@ -1059,6 +1065,11 @@ class JournalRuntime:
             return "miss", None, pkey, fp
         entry = slot.get(fp)
         if entry is None:
+            # A newer release may fingerprint the same inputs differently: its entry is no
+            # divergence to run again (what the step did would be done twice), but refused.
+            newer = next((e for e in slot.values() if _newer(e)), None)
+            if newer is not None:
+                self._read(run, newer, name, "journal entry for step %r", name)
             stored = next(iter(slot))
             run.stats.divergences += 1
             log.warning(
@@ -1172,14 +1183,15 @@ class JournalRuntime:
                 _warn_pickled_once()
                 raise _Skipped
             return _unpickle(entry.value)
-        if entry.format != "json":
-            raise CorruptEntryError(f"step {entry.name!r}: unknown value format {entry.format!r}")
-        if entry.codec_version > codec.CODEC_VERSION:
+        # Before the format: a newer release may write a format this one does not know.
+        if _newer(entry):
             raise NewerEntryError(
                 f"step {entry.name!r}: written by a newer codec (v{entry.codec_version}) than "
                 f"this loomflow reads (up to v{codec.CODEC_VERSION}); upgrade this process. "
                 "The step is not run again: what it did would be done twice"
             )
+        if entry.format != "json":
+            raise CorruptEntryError(f"step {entry.name!r}: unknown value format {entry.format!r}")
         try:
             return codec.loads(entry.value, version=entry.codec_version)
         except codec.UnknownTagError as exc:

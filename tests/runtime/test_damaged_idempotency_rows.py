@@ -264,3 +264,33 @@ async def test_a_row_a_newer_loomflow_wrote_is_refused_not_run_again_postgres(
         await _newer_row_is_refused(runtime, mark_newer, read_rows, "journal")
     finally:
         await runtime.close()
+
+
+@pytest.mark.parametrize("fmt", ["json", "cbor"])  # a format this release does not know, too
+async def test_a_newer_row_with_other_inputs_is_refused_not_run_again_as_a_divergence(
+    tmp_path: Path, fmt: str
+) -> None:
+    # A newer release may encode a step's arguments differently, so the fingerprint it stored
+    # is not the one this release computes. The mismatch was taken for a divergence: the
+    # step ran again (charging twice) and its result replaced the newer release's entry.
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    charge = Charge()
+    try:
+        with pytest.raises(RuntimeError, match="crash"):
+            async with runtime.session("p", user_id="alice"):
+                await runtime.step("charge", charge, 7)
+                raise RuntimeError("crash")
+        await asyncio.to_thread(
+            _sqlite,
+            path,
+            f"UPDATE loom_entries SET codec_version = 999, fingerprint = 'newer', format = '{fmt}'",
+        )
+        before = await asyncio.to_thread(_sqlite, path, "SELECT * FROM loom_entries")
+        with pytest.raises(NewerEntryError, match=r"newer codec \(v999\).*upgrade"):
+            async with runtime.session("p", user_id="alice", resume=True):
+                await runtime.step("charge", charge, 7)
+        assert charge.calls == 1, "a step a newer loomflow journaled ran again"
+        assert await asyncio.to_thread(_sqlite, path, "SELECT * FROM loom_entries") == before
+    finally:
+        await runtime.close()
