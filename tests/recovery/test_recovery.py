@@ -712,8 +712,9 @@ async def test_a_run_a_newer_loomflow_journaled_is_left_to_a_newer_worker(
     runtime = _runtime(worker)
     db = runtime.database  # type: ignore[attr-defined]
     await db.execute(f"UPDATE loom_entries SET codec_version = {CODEC_VERSION + 1} {entries}")
+    await db.execute("UPDATE loom_sessions SET attempts = 1")  # one attempt raised before
     metrics = _metrics()
-    old = Recovery(runtime, worker, max_attempts=2, backoff=0, metrics=metrics, worker_id="old")
+    old = Recovery(runtime, worker, max_attempts=2, backoff=300, metrics=metrics, worker_id="old")
     with caplog.at_level("WARNING", logger="loomflow.recovery"):
         assert [r.session_id for r in (await old.sweep()).resumed] == ["newer-0"]
         await old.wait()
@@ -725,7 +726,7 @@ async def test_a_run_a_newer_loomflow_journaled_is_left_to_a_newer_worker(
             assert left.session_id == "newer-0"
             assert "newer loomflow" in left.reason
     [info] = await runtime.sessions()
-    # Not failed, no error noted, and the attempt given back (only the first claim stays).
+    # Not failed, no error noted, and the attempt given back.
     assert (info.state, info.attempts, info.last_error) == ("orphaned", 1, None)
     [line] = [r.getMessage() for r in caplog.records if "newer" in r.getMessage()]
     assert "'newer-0'" in line
@@ -736,7 +737,8 @@ async def test_a_run_a_newer_loomflow_journaled_is_left_to_a_newer_worker(
     }
     assert counted == {"unregistered": 1, "retry_failed": 0, "dead_lettered": 0}
     assert old.failures == 0
-    # A newer worker (here: the entries made readable again) takes it over at once.
+    # A newer worker (here: the entries made readable again) takes it over at once, although
+    # the old worker's claim set a retry 300 s away.
     await db.execute(f"UPDATE loom_entries SET codec_version = {CODEC_VERSION}")
     new = Recovery(runtime, worker, max_attempts=2, metrics=_metrics(), worker_id="new")
     assert [r.session_id for r in (await new.sweep()).resumed] == ["newer-0"]
