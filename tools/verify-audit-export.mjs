@@ -111,6 +111,7 @@ if (headsPath) {
     for (const head of items) {
       if (
         typeof head !== 'object' || head === null || !Number.isSafeInteger(head.seq) ||
+        head.seq < 1 ||
         typeof head.hash !== 'string' ||
         !(head.user_id === undefined || head.user_id === null || typeof head.user_id === 'string')
       ) {

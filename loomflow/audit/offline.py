@@ -410,8 +410,8 @@ def heads_from_json(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> li
 
     Raises:
         InvalidArgumentError: an item lacks ``seq`` or ``hash``, or has one of the wrong type
-            (a ``seq`` that is no whole number within 2**53 - 1, a ``hash`` that is not text;
-            a ``ValueError``).
+            (a ``seq`` that is no whole number from 1 to 2**53 - 1, a ``hash`` that is not
+            text; a ``ValueError``).
     """
     items = data.get("heads", []) if isinstance(data, Mapping) else data
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):
@@ -434,10 +434,11 @@ def _head_seq(value: object) -> int:
     """A saved head's ``seq``: a whole number a JSON reader holds exactly (``3.0`` is 3, as
     JavaScript reads it). ``True``, ``"3"``, infinity (``1e400`` in the file) and numbers
     past 2**53 - 1 are refused rather than turned into some other seq, as the Node verifier
-    refuses them."""
+    refuses them; so is a seq below 1, which no entry has (``verify --json`` never saves
+    one): it would check nothing and pass."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if type(value) is not int or not -MAX_EXACT_INT <= value <= MAX_EXACT_INT:
+    if type(value) is not int or not 1 <= value <= MAX_EXACT_INT:
         raise ValueError("seq")
     return value
 

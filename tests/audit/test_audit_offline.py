@@ -110,13 +110,16 @@ HASH = "f" * 64
 
 @pytest.mark.parametrize(
     "head", ['"seq":true', '"seq":"3"', '"seq":3.5', '"seq":1e400', '"seq":NaN',
-             '"seq":9007199254740993', '"seq":3,"hash":null', '"seq":3,"hash":7']
+             '"seq":9007199254740993', '"seq":3,"hash":null', '"seq":3,"hash":7',
+             '"seq":0', '"seq":-3', '"seq":-9007199254740991']
 )  # fmt: skip
 def test_a_saved_head_of_the_wrong_type_is_refused_not_taken_for_another(
     head: str, tmp_path: Path
 ) -> None:
     # True was taken for seq 1, "3" for 3 and a null hash for the text "None"; 1e400 (read
-    # as infinity) crashed the CLI with a traceback. The Node verifier refuses them all.
+    # as infinity) crashed the CLI with a traceback. A seq below 1, which no entry has, let a
+    # heads file edited to seq 0 pass as ok, with warnings of "entries -2-5". The Node
+    # verifier refuses them all.
     if '"hash"' not in head:
         head += f',"hash":"{HASH}"'
     text = '{"heads":[{"user_id":"a",' + head + "}]}"

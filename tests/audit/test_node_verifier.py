@@ -805,6 +805,25 @@ def test_node_refuses_a_user_that_is_no_id_as_loomflow_does(
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize("seq", [0, -3])
+def test_node_refuses_a_saved_head_below_seq_1_as_loomflow_does(
+    verifier: Path, trail: tuple[Lines, Path], tmp_path: Path, seq: int
+) -> None:
+    # A heads file edited to seq 0 checked nothing of that user's trail and passed as ok.
+    lines, heads = trail
+    export = _write(tmp_path / "export.jsonl", lines)
+    saved = json.loads(heads.read_text())
+    saved["heads"][0]["seq"] = seq
+    edited = tmp_path / "heads.json"
+    edited.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="not a chain head"):
+        heads_from_json(saved)
+    done = _node(verifier, export, edited)
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.startswith(f"cannot read the heads {edited}: not a chain head"), done.stderr
+    assert done.stdout == ""
+
+
 # Rows damaged in the database, each as someone with the file would leave it (the trigger
 # dropped first), and the row it damages (user, seq).
 DAMAGED_ROWS: dict[str, tuple[str | None, int, str, tuple[Any, ...]]] = {
