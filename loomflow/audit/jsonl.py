@@ -30,8 +30,9 @@ import re
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from .._progress import OnProgress
 from ..errors import AuditError, AuditIntegrityError
 from ._entry import (
     DIGESTED_VERSION,
@@ -585,6 +586,32 @@ class JsonlAuditStore(AuditStore):
             except (ValueError, RecursionError):  # nested too deep to parse: damage too
                 continue
             yield number, entry
+
+    def _refuse_unreadable(self) -> None:
+        """Raise if a complete line of the log is no entry: an export would leave it out."""
+        for number, raw in self._lines():
+            try:
+                AuditEntry.from_line(raw)
+            except (ValueError, TypeError, RecursionError) as exc:  # as _scan reads it
+                raise AuditIntegrityError(
+                    f"{self.path} line {number} is not an entry ({unreadable_reason(exc)}): an "
+                    f"export would leave it out unseen, and pass for complete; `loomflow audit "
+                    f"verify` reports it"
+                ) from exc
+
+    async def export(
+        self,
+        dest: str | os.PathLike[str] | TextIO,
+        *,
+        on_progress: OnProgress | None = None,
+        **filters: Any,
+    ) -> int:
+        """As :meth:`AuditStore.export`, but refused (``AuditIntegrityError``) while the log
+        holds a line that is no entry: unlike a database row, such a line names no user or
+        seq to export it under, and the export would verify without it."""
+        if not isinstance(dest, str | os.PathLike):  # a path comes back here as a stream
+            await asyncio.to_thread(self._refuse_unreadable)
+        return await super().export(dest, on_progress=on_progress, **filters)
 
     # -- the store interface ----------------------------------------------------------------
 

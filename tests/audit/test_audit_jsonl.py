@@ -9,6 +9,7 @@ short write is a real file size limit (``RLIMIT_FSIZE``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -303,3 +304,46 @@ async def test_an_unreadable_mark_in_the_stores_own_file_is_no_field_of_an_entry
     report = await JsonlAuditStore(path).verify()
     assert [p.kind for p in report.problems] == ["unreadable", "missing"], report.problems
     await store.close()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda line: line.replace(b'"actor":"t"', b'"actor":"\xff"', 1),  # a byte that is not UTF-8
+        lambda line: line[:50] + b"\n",  # cut short
+    ],
+    ids=["not utf-8", "cut short"],
+)
+async def test_an_export_of_a_log_with_an_unreadable_line_is_refused_not_written_without_it(
+    tmp_path: Path, damage: object
+) -> None:
+    # The line was left out of the export without a word, so alice's export began at her
+    # entry 2 and verify --file passed it, even against the heads saved before the damage.
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    await store.close()
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert json.loads(lines[0])["user_id"] == "alice"
+    lines[0] = damage(lines[0])  # type: ignore[operator]
+    path.write_bytes(b"".join(lines))
+    out = tmp_path / "alice.jsonl"
+    damaged = JsonlAuditStore(path)
+    with pytest.raises(AuditIntegrityError, match="line 1 is not an entry"):
+        await damaged.export(out, user_id="alice")
+    assert not out.exists()
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "loomflow", "audit", "--audit-url", f"jsonl:///{path}", "export"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "line 1 is not an entry" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    # Reading it is still possible: query shows what is readable, verify says what is not.
+    assert [e.seq for e in (await damaged.query(user_id="alice")).entries] == [2, 3]
+    report = await damaged.verify()
+    assert [p.kind for p in report.problems] == ["unreadable", "missing"]
+    await damaged.close()
