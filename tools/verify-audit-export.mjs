@@ -138,7 +138,20 @@ const FIELDS = new Set([
 ]);
 const INTEGERS = ['schema_version', 'hash_version', 'seq'];
 const INTEGER_TEXT = /^-?(0|[1-9][0-9]*)$/;
-const STRING = /"(?:[^"\\]|\\.)*"/y;
+// Where the JSON string opening at text[start] ends (the index past its closing quote). Only
+// called on text JSON.parse accepted. Not a regular expression: one alternation per character
+// overflowed the stack on a text of some megabytes, making an intact entry "unreadable".
+function stringEnd(text, start) {
+  let at = start + 1;
+  for (;;) {
+    const quote = text.indexOf('"', at);
+    if (quote === -1) return text.length; // unclosed: JSON.parse refused it already
+    let slashes = 0;
+    while (text[quote - 1 - slashes] === '\\') slashes += 1;
+    if (slashes % 2 === 0) return quote + 1; // not escaped
+    at = quote + 1;
+  }
+}
 
 // The text of each top-level value of a JSON object, by key (the last one wins, as in
 // JSON.parse): JSON.parse reads 4.0 as 4, but loomflow, reading the number as written, refuses
@@ -150,10 +163,10 @@ function topLevelTexts(text) {
     while (' \t\r\n'.includes(text[at]) && at < text.length) at += 1;
   };
   const string = () => {
-    STRING.lastIndex = at;
-    const found = STRING.exec(text);
-    at = STRING.lastIndex;
-    return found[0];
+    const end = stringEnd(text, at);
+    const found = text.slice(at, end);
+    at = end;
+    return found;
   };
   for (;;) {
     skipSpace();
@@ -206,9 +219,9 @@ function checkStrict(text) {
   while (at < text.length) {
     const c = text[at];
     if (c === '"') {
-      STRING.lastIndex = at;
-      const found = STRING.exec(text)[0];
-      at = STRING.lastIndex;
+      const end = stringEnd(text, at);
+      const found = text.slice(at, end);
+      at = end;
       const keys = open[open.length - 1];
       if (keyNext && keys) {
         const key = JSON.parse(found);

@@ -126,6 +126,38 @@ async def test_node_accepts_a_real_export_and_its_heads(verifier: Path, tmp_path
     )
 
 
+async def test_node_accepts_an_entry_holding_a_long_text(verifier: Path, tmp_path: Path) -> None:
+    # A payload text of some megabytes (a document a tool read) overflowed the stack of the
+    # regular expression that found where a string ends: the intact entry was "unreadable:
+    # Maximum call stack size exceeded", though verify --file passes it.
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        await store.append(
+            [
+                AuditRecord(user_id="alice", actor="a", action="tool.result", payload={"i": 0}),
+                AuditRecord(
+                    user_id="alice",
+                    actor="a",
+                    action="tool.result",
+                    payload={"text": "x" * 10_000_000 + '"\\ \n', "quoted": '\\"' * 9},
+                ),
+            ]
+        )
+        export = tmp_path / "export.jsonl"
+        await store.export(export)
+        heads = tmp_path / "heads.json"
+        heads.write_text(json.dumps((await store.verify()).to_json()))
+    finally:
+        await store.close()
+    with export.open(encoding="utf-8") as fh:
+        assert verify_lines(fh).ok
+    done = await asyncio.to_thread(_node, verifier, export, heads)
+    assert done.returncode == 0, done.stdout[-500:] + done.stderr[-500:]
+    assert done.stdout.splitlines()[-1] == (
+        "ok: 2 entries of 1 users, 2 re-hashed (RFC 8785), 1 users' saved heads, 0 problems"
+    )
+
+
 async def test_node_finds_an_edited_entry(verifier: Path, tmp_path: Path) -> None:
     _, heads, lines = await _export(tmp_path)
     target = next(
