@@ -103,11 +103,13 @@ let version1 = 0;
 // -- saved heads: grouped by user, in the order they first appear ------------------------------
 
 const saved = new Map();
+let headsGiven = false; // any heads, of any user: then a user none of them covers is warned of
 if (headsPath) {
   try {
     const data = JSON.parse(readFileSync(headsPath, 'utf8'));
     const items = Array.isArray(data) ? data : data?.heads;
     if (!Array.isArray(items)) throw new Error('not a `verify --json` report (no "heads")');
+    headsGiven = items.length > 0;
     for (const head of items) {
       if (
         typeof head !== 'object' || head === null || !Number.isSafeInteger(head.seq) ||
@@ -891,6 +893,13 @@ for (const [key, heads] of saved) {
     warning(found.userId, 'unanchored', last.seq + 1, null,
       `${span(last.seq + 1, found.lastSeq)} ${one ? 'comes' : 'come'} after the last saved head ` +
       `(seq ${last.seq}): a later saved head would cover ${one ? 'it' : 'them'}`);
+  }
+}
+for (const [key, check] of checks) {
+  if (headsGiven && !saved.has(key) && check.firstSeq !== null) {
+    // Heads of another log, or with this user's cut out: nothing vouches for the trail.
+    warning(check.userId, 'unanchored', check.firstSeq, null,
+      `${span(check.firstSeq, check.lastSeq)}: no saved head covers this user's trail`);
   }
 }
 for (const check of checks.values()) check.finishErasures();

@@ -99,6 +99,7 @@ def verify_lines(
     if user_id is not ANY_USER:
         check_id("user_id", user_id)
         only = user_key(user_id)
+    heads = list(heads)
     saved = _saved_by_user(heads, only)
     report = VerifyReport()
     checks: dict[str, _ChainCheck] = {}
@@ -169,7 +170,7 @@ def verify_lines(
     for key, trail in trails.items():
         for _seq, number, entry in sorted(trail, key=lambda item: (item[0], item[1])):
             _feed_line(checks, key, number, entry, saved, report)
-    _finish_lines(checks, saved, report)
+    _finish_lines(checks, saved, report, bool(heads))
     for found in outside.values():
         report.problems.append(found.problem())
     named = (report.export_filters or {}).get("user_id", ANY_USER)
@@ -364,11 +365,13 @@ def _finish_lines(
     checks: dict[str, _ChainCheck],
     saved: Mapping[str, Any],
     report: VerifyReport,
+    with_heads: bool,
 ) -> None:
     """What can be told only at the end: saved heads reached, erasures recorded.
 
     Every user in ``saved`` is looked for: which users an export covers is the caller's
     ``user_id`` (by which ``saved`` was narrowed), never what the file says of itself.
+    ``with_heads``: heads were given, so a user none of them covers is warned of.
     """
     for key, user_heads in saved.items():
         found = checks.get(key)
@@ -399,6 +402,19 @@ def _finish_lines(
                     f"{tail} {'comes' if last.seq + 1 == found.last_seq else 'come'} after the "
                     f"last saved head (seq {last.seq}): a later saved head would cover "
                     f"{'it' if last.seq + 1 == found.last_seq else 'them'}",
+                )
+            )
+    for key, check in checks.items():
+        if with_heads and key not in saved and check.first_seq is not None:
+            # Heads of another log, or with this user's cut out: nothing vouches for the trail.
+            report.warnings.append(
+                ChainProblem(
+                    check.user_id,
+                    "unanchored",
+                    check.first_seq,
+                    None,
+                    f"{_span(check.first_seq, check.last_seq)}: no saved head covers this "
+                    f"user's trail",
                 )
             )
     for check in checks.values():

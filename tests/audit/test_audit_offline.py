@@ -744,3 +744,21 @@ async def test_the_documented_workflow_passes_with_several_users(tmp_path: Path)
     on_store = _cli("--audit-url", url, "verify", "--anonymous", "--json")
     assert on_store.returncode == 0, on_store.stderr
     assert [h["user_id"] for h in json.loads(on_store.stdout)["heads"]] == [None]
+
+
+async def test_a_user_whom_no_saved_head_covers_is_warned_of(tmp_path: Path) -> None:
+    # Heads saved from another log (or with a user's head cut out of the file) named none of
+    # the export's users, and the export passed without a word that no head had vouched for it.
+    lines, heads = await _export(tmp_path, user_id="alice")
+    other = [ChainHead("carol", 3, "c" * 64)]
+    for saved, user in ((other, "alice"), (other, ANY_USER), ([heads[1]], "alice")):
+        report = verify_lines(lines, heads=saved, user_id=user)
+        if user is ANY_USER:  # the whole log: carol's trail is gone
+            assert [(p.user_id, p.kind) for p in report.problems] == [("carol", "truncated")]
+        else:
+            assert report.ok, report.problems  # nothing found wrong: warned of, as past a head
+        [warning] = [w for w in report.warnings if w.kind == "unanchored"]
+        assert (warning.user_id, warning.seq, warning.position) == ("alice", 1, None)
+        assert warning.detail == "entries 1-6: no saved head covers this user's trail"
+    # Without heads, nothing is said of them.
+    assert verify_lines(lines, user_id="alice").warnings == []

@@ -21,7 +21,14 @@ from typing import Any
 import pytest
 import rfc8785
 
-from loomflow.audit import AuditEntry, AuditRecord, SqliteAuditStore, heads_from_json, verify_lines
+from loomflow.audit import (
+    ANY_USER,
+    AuditEntry,
+    AuditRecord,
+    SqliteAuditStore,
+    heads_from_json,
+    verify_lines,
+)
 from loomflow.audit._entry import canonical_json, user_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -819,6 +826,32 @@ async def test_node_reports_a_line_that_is_not_utf8_as_python_does(
     done = _node(verifier, "--json", export, heads)
     assert done.returncode == 1, done.stdout + done.stderr
     assert _findings(json.loads(done.stdout)) == _findings(python)
+
+
+@pytest.mark.parametrize("user", [None, A])
+async def test_node_warns_of_a_user_no_saved_head_covers_as_python_does(
+    verifier: Path, tmp_path: Path, user: str | None
+) -> None:
+    # Heads with alice's cut out (or from another log) vouched for none of her entries, and
+    # neither verifier said so.
+    export, heads, lines = await _export(tmp_path)
+    saved = json.loads(heads.read_text())
+    saved["heads"] = [h for h in saved["heads"] if h["user_id"] != A]
+    assert saved["heads"]
+    heads.write_text(json.dumps(saved))
+    options = [] if user is None else ["--user", user]
+    python = verify_lines(
+        lines, heads=heads_from_json(saved), user_id=ANY_USER if user is None else user
+    )
+    assert python.ok is (user is None)  # with --user, the other users are outside_export
+    assert [(w.user_id, w.kind, w.detail) for w in python.warnings] == [
+        (A, "unanchored", "entries 1-4: no saved head covers this user's trail")
+    ]
+    done = await asyncio.to_thread(_node, verifier, *options, "--json", export, heads)
+    assert done.returncode == (0 if python.ok else 1), done.stdout + done.stderr
+    node = json.loads(done.stdout)
+    assert node["warnings"] == python.to_json()["warnings"]
+    assert _findings(node) == _findings(python.to_json())
 
 
 @pytest.mark.parametrize("bad", ["", "a\x01b", "x" * 300])
