@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from loomflow.errors import StoreUnavailableError
+from loomflow.errors import MigrationError, StoreUnavailableError
 from loomflow.runtime import JournalRuntime, PostgresRuntime, SqliteRuntime
 from loomflow.runtime._store import StoredEntry, path_key
 from loomflow.runtime.codec import CODEC_VERSION
@@ -72,16 +72,22 @@ async def test_an_insert_that_selects_nothing_adds_nothing(db: Database) -> None
 
 
 @pytest.mark.parametrize(
-    ("sql", "args", "named"),
+    ("sql", "args", "named", "error"),
     [
-        ("INSERT INTO t (k, u, v) VALUES ($1, $2, NULL)", ("a", "x"), "null"),
-        ("INSERT INTO missing (k) VALUES ($1)", ("a",), "missing"),
+        (
+            "INSERT INTO t (k, u, v) VALUES ($1, $2, NULL)",
+            ("a", "x"),
+            "null",
+            StoreUnavailableError,
+        ),
+        # A table that is not there was dropped outside loomflow: a schema error, not an outage.
+        ("INSERT INTO missing (k) VALUES ($1)", ("a",), "missing", MigrationError),
     ],
 )
 async def test_any_other_failure_is_a_store_error(
-    db: Database, sql: str, args: tuple[str, ...], named: str
+    db: Database, sql: str, args: tuple[str, ...], named: str, error: type[Exception]
 ) -> None:
-    with pytest.raises(StoreUnavailableError, match=f"(?i)test insert failed: .*{named}"):
+    with pytest.raises(error, match=f"(?i)test insert failed: .*{named}"):
         await db.insert_new(sql, *args, what="test insert")
     assert await db.insert_new(_INSERT, "a", "x", 1) == 1
 
