@@ -301,27 +301,38 @@ class SqlAuditStore(AuditStore):
             raise AuditIntegrityError(f"an audit head is malformed: {malformed[0][1]}")
         return heads
 
-    async def _head_page(self, after: str | None, limit: int) -> list[tuple[str, ChainHead]]:
+    async def _head_pages(self, size: int) -> AsyncIterator[list[tuple[str, ChainHead]]]:
         # Keyset paging over the heads' primary key: each page is one index range scan.
         select = "SELECT user_key, user_id, seq, hash FROM loom_audit_heads"
-        if after is None:
-            rows = await self.db.fetch(
-                f"{select} ORDER BY user_key LIMIT $1", limit, what="audit heads"
-            )
-        else:
-            rows = await self.db.fetch(
-                f"{select} WHERE user_key > $1 ORDER BY user_key LIMIT $2",
-                after,
-                limit,
-                what="audit heads",
-            )
-        heads, malformed = self._read_head_rows(rows)
-        if malformed:
-            raise AuditIntegrityError(f"an audit head is malformed: {malformed[0][1]}")
-        if any(type(r[0]) is not str for r in rows):  # a blob put in by hand: no cursor
-            raise AuditIntegrityError("an audit head's user key is not text: the head was edited")
-        # The rows' order, which is the database's collation of the keys (a dict keeps it).
-        return list(heads.items())
+        after: str | None = None
+        while True:
+            if after is None:
+                rows = await self.db.fetch(
+                    f"{select} ORDER BY user_key LIMIT $1", size, what="audit heads"
+                )
+            else:
+                rows = await self.db.fetch(
+                    f"{select} WHERE user_key > $1 ORDER BY user_key LIMIT $2",
+                    after,
+                    size,
+                    what="audit heads",
+                )
+            heads, malformed = self._read_head_rows(rows)
+            if malformed:
+                raise AuditIntegrityError(f"an audit head is malformed: {malformed[0][1]}")
+            if any(type(r[0]) is not str for r in rows):  # a blob put in by hand: no cursor
+                raise AuditIntegrityError(
+                    "an audit head's user key is not text: the head was edited"
+                )
+            # The rows' order, which is the database's collation of the keys (a dict keeps it).
+            page = list(heads.items())
+            if page:
+                yield page
+            if len(rows) < size:
+                return
+            if page[-1][0] == after:  # a cursor that does not move: never read a page twice
+                raise AuditIntegrityError("the audit heads do not sort by their keys")
+            after = page[-1][0]
 
     async def _verify_source(
         self, only: str | None

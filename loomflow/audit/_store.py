@@ -597,16 +597,9 @@ class AuditStore(abc.ABC):
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, not {page_size}")
         await self.open()
-        after: str | None = None
-        while True:
-            page = await self._head_page(after, page_size)
+        async for page in self._head_pages(page_size):
             for key, head in page:
                 yield _keyed(key, head)[0]
-            if len(page) < page_size:
-                return
-            if page[-1][0] == after:  # a cursor that does not move: never walk a page twice
-                raise AuditIntegrityError("the audit heads do not sort by their keys")
-            after = page[-1][0]
 
     # -- erasure, retention and legal hold ---------------------------------------------------
 
@@ -1091,16 +1084,15 @@ class AuditStore(abc.ABC):
     async def _heads(self, only: str | None) -> dict[str, ChainHead]:
         """The recorded head of every user (or of one user key)."""
 
-    async def _head_page(self, after: str | None, limit: int) -> list[tuple[str, ChainHead]]:
-        """Up to ``limit`` heads with their trail keys, in key order, after the key ``after``.
+    async def _head_pages(self, size: int) -> AsyncIterator[list[tuple[str, ChainHead]]]:
+        """The heads with their trail keys, ``size`` at a time, in key order.
 
-        Backends whose heads sit in memory or in one file read them all; a database
-        overrides this with a keyset query.
+        Backends whose heads sit in memory or in one file read them once; a database
+        overrides this with keyset pages.
         """
         heads = sorted((await self._heads(None)).items())
-        if after is not None:
-            heads = [kv for kv in heads if kv[0] > after]
-        return heads[:limit]
+        for start in range(0, len(heads), size):
+            yield heads[start : start + size]
 
 
 @dataclass(frozen=True, slots=True)
