@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ulid import ULID
@@ -15,7 +17,7 @@ from .._json import valid_text
 from .._timefmt import iso_time
 from ..config import Settings
 from ..context import get_run_context
-from ..errors import InvalidArgumentTypeError, UserError
+from ..errors import CorruptEntryError, InvalidArgumentTypeError, UserError
 from ..messages import Message
 from ..runtime._store import Scope
 from ..storage import PostgresDatabase, SqliteDatabase
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     import asyncpg
 
 __all__ = ["InMemoryMemory", "Memory", "PostgresMemory", "SqliteMemory"]
+
+log = logging.getLogger("loomflow.memory")
 
 
 # A subject, predicate or block name is a lookup key: PostgreSQL indexes it (an index entry
@@ -68,6 +72,24 @@ def _argument(check: Callable[[str, object], str], what: str, value: object) -> 
         return check(what, value)
     except UserError as exc:
         raise ValueError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _damage_told(tool: str) -> Iterator[None]:
+    """A damaged fact or block met by a memory tool, told to the model as a tool error.
+
+    As a damaged episode lets a run go on without the session's memory: raised, it stopped
+    the run and every resume of it (the replayed model call asks for the same call again).
+    The model is told only that the entry is damaged; the details (which may name the user a
+    moved row belongs to) go to the log.
+    """
+    try:
+        yield
+    except CorruptEntryError:
+        log.warning("memory tool %r met a damaged entry; the model is told", tool, exc_info=True)
+        raise ValueError(
+            "the stored memory entry is damaged and cannot be read; it can be overwritten"
+        ) from None
 
 
 def _source(value: object) -> str | None:
@@ -345,7 +367,10 @@ class Memory:
             predicate = _argument(_text, "predicate", predicate)
             value = _argument(_content, "value", value)
             ctx = get_run_context()
-            await self.remember(subject, predicate, value, user_id=ctx.user_id, source=ctx.run_id)
+            with _damage_told("remember_fact"):
+                await self.remember(
+                    subject, predicate, value, user_id=ctx.user_id, source=ctx.run_id
+                )
             return f"remembered: {subject} {predicate} {value}"
 
         async def recall_facts(subject: str | None = None) -> str:
@@ -356,7 +381,8 @@ class Memory:
             """
             if subject is not None:
                 subject = _argument(_text, "subject", subject)
-            facts = await self.facts(user_id=get_run_context().user_id, subject=subject)
+            with _damage_told("recall_facts"):
+                facts = await self.facts(user_id=get_run_context().user_id, subject=subject)
             if not facts:
                 return "nothing remembered"
             return "\n".join(f"{f.subject} {f.predicate} {f.object}" for f in facts)
@@ -368,7 +394,8 @@ class Memory:
                 name: The block's name, e.g. "notes".
             """
             name = _argument(_text, "name", name)
-            found = await self.block(name, user_id=get_run_context().user_id)
+            with _damage_told("read_block"):
+                found = await self.block(name, user_id=get_run_context().user_id)
             return found.content if found is not None else f"(no block named {name!r})"
 
         async def write_block(name: str, content: str) -> str:
@@ -379,7 +406,8 @@ class Memory:
                 content: Its new text.
             """
             name, content = _argument(_text, "name", name), _argument(_content, "content", content)
-            await self.set_block(name, content, user_id=get_run_context().user_id)
+            with _damage_told("write_block"):
+                await self.set_block(name, content, user_id=get_run_context().user_id)
             return f"block {name!r} saved"
 
         return [

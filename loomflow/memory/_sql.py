@@ -82,7 +82,11 @@ _SET_BLOCK = f"""
 INSERT INTO loom_memory_blocks (user_key, name, user_id, content, created_at, updated_at)
 VALUES ($1, $2, $3, $4, {{now}}, {{now}})
 ON CONFLICT (user_key, name) DO UPDATE SET
-    user_id = excluded.user_id, content = excluded.content, updated_at = excluded.updated_at
+    user_id = excluded.user_id, content = excluded.content, updated_at = excluded.updated_at,
+    -- As an episode's rewrite: a creation time no date can hold takes the write's, or the
+    -- write would happen and then fail reading its own row back.
+    created_at = CASE WHEN loom_memory_blocks.created_at BETWEEN 0 AND 253402300799
+        THEN loom_memory_blocks.created_at ELSE excluded.created_at END
 RETURNING {_BLOCK_COLUMNS}
 """
 _GET_BLOCK = f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE user_key = $1 AND name = $2"

@@ -171,6 +171,26 @@ async def test_memory_tools_outside_a_run_use_the_anonymous_bucket() -> None:
     assert (await tools["recall_facts"].invoke({})).as_text() == "nothing remembered"
 
 
+async def _one_tool_call_then_resume(
+    runtime: SqliteRuntime, memory: Memory, tool_name: str, arguments: dict[str, Any]
+) -> str:
+    """Run a model that makes one memory tool call, check the run and its resume finish, and
+    return what the tool answered."""
+    script = [[ToolCall(id="c1", name=tool_name, arguments=arguments)], "done"]
+
+    def build() -> Agent:
+        return Agent(
+            "x", model=ScriptedModel(script), tools=memory.tools(), runtime=runtime, memory=memory
+        )
+
+    result = await build().run("hi", session_id="s", user_id="u")
+    [answer] = [m for m in result.messages if m.role == "tool"]
+    assert result.output == "done"
+    replay = await build().resume("hi", session_id="s", user_id="u")
+    assert (replay.output, replay.fresh_steps) == ("done", 0)
+    return answer.content
+
+
 @pytest.mark.parametrize(
     ("tool_name", "arguments"),
     [
@@ -189,19 +209,8 @@ async def test_a_bad_argument_from_the_model_is_a_tool_error_it_sees(
     # every resume of the session (the model call replays the same tool call) stopped again.
     runtime = SqliteRuntime(sqlite_path)
     memory = memory_for(runtime)
-    script = [[ToolCall(id="c1", name=tool_name, arguments=arguments)], "done"]
-
-    def build() -> Agent:
-        return Agent(
-            "x", model=ScriptedModel(script), tools=memory.tools(), runtime=runtime, memory=memory
-        )
-
-    result = await build().run("hi", session_id="s", user_id="u")
-    [answer] = [m for m in result.messages if m.role == "tool"]
-    assert result.output == "done"
-    assert "at most" in answer.content or "NUL" in answer.content or "non-empty" in answer.content
-    replay = await build().resume("hi", session_id="s", user_id="u")
-    assert (replay.output, replay.fresh_steps) == ("done", 0)
+    answer = await _one_tool_call_then_resume(runtime, memory, tool_name, arguments)
+    assert "at most" in answer or "NUL" in answer or "non-empty" in answer
     assert await memory.facts(user_id="u") == []
     await runtime.close()
 
@@ -518,3 +527,57 @@ async def test_record_episode_refuses_a_bad_epoch_or_messages_by_name(
         assert [e.messages for e in await memory.episodes("s", user_id="u")] == [hi]
     finally:
         await memory.close()
+
+
+@pytest.mark.parametrize(
+    ("tool_name", "arguments", "edit"),
+    [
+        ("recall_facts", {}, "UPDATE loom_memory_facts SET valid_from = 'x'"),
+        ("read_block", {"name": "notes"}, "UPDATE loom_memory_blocks SET content = X'ff'"),
+        ("read_block", {"name": "notes"}, "UPDATE loom_memory_blocks SET user_id = 'eve'"),
+    ],
+)
+async def test_a_damaged_fact_or_block_met_by_a_tool_is_a_tool_error_not_a_stopped_run(
+    tool_name: str, arguments: dict[str, Any], edit: str, sqlite_path: Path
+) -> None:
+    # A damaged episode lets a run go on without the session's memory; a damaged fact or
+    # block read through a memory tool stopped the run, and every resume of it, for good.
+    runtime = SqliteRuntime(sqlite_path)
+    memory = memory_for(runtime)
+    await memory.remember("ana", "lives_in", "Paris", user_id="u")
+    await memory.set_block("notes", "old", user_id="u")
+
+    def damage() -> None:
+        with sqlite3.connect(sqlite_path) as conn:
+            conn.execute(edit)
+
+    await asyncio.to_thread(damage)
+    answer = await _one_tool_call_then_resume(runtime, memory, tool_name, arguments)
+    assert "damaged" in answer
+    assert "Paris" not in answer
+    assert "eve" not in answer
+    # Reading it through the API is still the typed error.
+    with pytest.raises(CorruptEntryError):
+        await (memory.facts if tool_name == "recall_facts" else memory.blocks)(user_id="u")
+    await runtime.close()
+
+
+@pytest.mark.parametrize("edit", ["created_at = 'x'", "created_at = 1e300"])
+async def test_set_block_over_a_damaged_creation_time_repairs_it(
+    sqlite_path: Path, edit: str
+) -> None:
+    # set_block wrote the new content and then raised CorruptEntryError reading the damaged
+    # created_at back: the caller was told the write failed when it had happened, and the
+    # block stayed unreadable for good. As an episode's rewrite, it takes the write's time.
+    memory = SqliteMemory(sqlite_path)
+    await memory.set_block("notes", "old", user_id="u")
+
+    def damage() -> None:
+        with sqlite3.connect(sqlite_path) as conn:
+            conn.execute(f"UPDATE loom_memory_blocks SET {edit}")
+
+    await asyncio.to_thread(damage)
+    block = await memory.set_block("notes", "new", user_id="u")
+    assert block.created_at == block.updated_at
+    assert await memory.block("notes", user_id="u") == block
+    await memory.close()
