@@ -36,7 +36,7 @@ from ..context import RunContext
 from ..errors import CheckpointError, CorruptEntryError, UserError
 from ..governance.approvals import ApprovalPending, PendingApproval, journaled_request
 from ..hooks import Interrupt, RunHooks, RunInfo
-from ..memory import AgentMemory
+from ..memory import AgentMemory, Memory
 from ..messages import (
     Message,
     ModelResponse,
@@ -669,15 +669,29 @@ class _Run:
         """
         if self.memory is None or self.ctx.session_id is None:
             return []
+        strict = self.open_run is not None and self.open_run.strict
+        session = self.ctx.session_id
+
+        def left_out(exc: CorruptEntryError) -> None:
+            # One damaged episode costs the run that episode, not the session's whole memory:
+            # re-recording never rewrites an earlier run's row, so it would hide it for good.
+            if strict:
+                raise exc
+            log.warning("an episode of session %r is left out of memory: %s", session, exc)
+
         # Without a journal the epoch is None: every episode is earlier.
         try:
+            if isinstance(self.memory, Memory):
+                return await self.memory.history(
+                    session, user_id=self.ctx.user_id, before_epoch=self.epoch, on_damaged=left_out
+                )
             return await self.memory.history(
-                self.ctx.session_id, user_id=self.ctx.user_id, before_epoch=self.epoch
+                session, user_id=self.ctx.user_id, before_epoch=self.epoch
             )
         except CorruptEntryError:
             # Like a damaged journal entry or checkpoint: one bad row must not fail every
             # later run of the session. Strict runs raise.
-            if self.open_run is not None and self.open_run.strict:
+            if strict:
                 raise
             log.warning(
                 "the memory of session %r cannot be read; this run goes on without it",

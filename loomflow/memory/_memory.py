@@ -211,10 +211,14 @@ class Memory:
         user_id: str | None,
         before_epoch: int | None = None,
         limit: int | None = None,
+        on_damaged: Callable[[CorruptEntryError], None] | None = None,
     ) -> list[Episode]:
         """The episodes of (session, user), oldest first; the newest ``limit`` of them.
 
-        ``before_epoch`` keeps only runs journaled at a lower epoch than that one.
+        ``before_epoch`` keeps only runs journaled at a lower epoch than that one. An episode
+        that cannot be read back is a ``CorruptEntryError``; with ``on_damaged``, it is
+        handed to that instead and left out (on a store of your own, which cannot leave one
+        out, the whole session is).
         """
         # Checked here, alike on every backend: a string was a TypeError, a float or a flag
         # taken as a number, and a number past 64 bits a "store unavailable" failure.
@@ -225,17 +229,37 @@ class Memory:
             # No run journals below epoch 0: the first run of a session (the common case)
             # recalls nothing, so it need not ask the store.
             return []
-        return await self.store.episodes(session, user, before_epoch=before_epoch, limit=limit)
+        if on_damaged is not None and isinstance(self.store, SqlMemoryStore):
+            return await self.store.episodes(
+                session, user, before_epoch=before_epoch, limit=limit, on_damaged=on_damaged
+            )
+        try:
+            return await self.store.episodes(session, user, before_epoch=before_epoch, limit=limit)
+        except CorruptEntryError as exc:
+            if on_damaged is None:
+                raise
+            on_damaged(exc)
+            return []
 
     async def history(
-        self, session_id: str, *, user_id: str | None, before_epoch: int | None = None
+        self,
+        session_id: str,
+        *,
+        user_id: str | None,
+        before_epoch: int | None = None,
+        on_damaged: Callable[[CorruptEntryError], None] | None = None,
     ) -> list[Message]:
         """The messages a run on (session, user) is reminded of, oldest first.
 
-        The latest ``history_episodes`` episodes (of runs before ``before_epoch``), flattened.
+        The latest ``history_episodes`` episodes (of runs before ``before_epoch``), flattened;
+        ``on_damaged`` as for :meth:`episodes`.
         """
         episodes = await self.episodes(
-            session_id, user_id=user_id, before_epoch=before_epoch, limit=self.history_episodes
+            session_id,
+            user_id=user_id,
+            before_epoch=before_epoch,
+            limit=self.history_episodes,
+            on_damaged=on_damaged,
         )
         return [message for episode in episodes for message in episode.messages]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -309,7 +309,10 @@ class SqlMemoryStore(ComponentStore):
         *,
         before_epoch: int | None,
         limit: int | None,
+        on_damaged: Callable[[CorruptEntryError], None] | None = None,
     ) -> list[Episode]:
+        """As the protocol's; with ``on_damaged``, a damaged row is handed to it and left out
+        instead of raised."""
         scope = Scope(session_id, user_id)
         # The user's key as well as the scope: what a run recalls is then always something
         # forget_user erases, even from a row whose user_key was edited away from its scope.
@@ -332,7 +335,15 @@ class SqlMemoryStore(ComponentStore):
             args.append(int(limit))
             sql += f" LIMIT ${len(args)}"
         rows = await self._fetch("read", sql, *args)
-        return [_episode(r, user_id, session_id) for r in reversed(rows)]
+        found = []
+        for row in reversed(rows):
+            try:
+                found.append(_episode(row, user_id, session_id))
+            except CorruptEntryError as exc:
+                if on_damaged is None:
+                    raise
+                on_damaged(exc)
+        return found
 
     async def delete_episodes(self, session_id: str, user_id: str | None) -> int:
         key = Scope(session_id, user_id).key

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,9 +191,9 @@ async def test_the_first_run_of_a_session_does_not_ask_memory(runtime_factory: F
     asked: list[int | None] = []
     episodes = store.episodes
 
-    async def counted(*args: object, before_epoch: int | None, limit: int | None) -> object:
+    async def counted(*args: object, before_epoch: int | None, **kwargs: Any) -> object:
         asked.append(before_epoch)
-        return await episodes(*args, before_epoch=before_epoch, limit=limit)
+        return await episodes(*args, before_epoch=before_epoch, **kwargs)
 
     store.episodes = counted
     await agent.run(HELLO, session_id="conv_42", user_id="alice")

@@ -581,3 +581,31 @@ async def test_set_block_over_a_damaged_creation_time_repairs_it(
     assert block.created_at == block.updated_at
     assert await memory.block("notes", user_id="u") == block
     await memory.close()
+
+
+async def test_a_damaged_episode_is_left_out_of_recall_not_the_whole_session(
+    sqlite_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One damaged episode hid every episode of the session from every later run, for good:
+    # re-recording never touches an earlier run's row. It is left out alone, and named.
+    runtime = SqliteRuntime(sqlite_path)
+    memory = memory_for(runtime)
+    agent = Agent("x", model=recalling_model(), runtime=runtime, memory=memory)
+    for text in ("one", "two", "three"):
+        await agent.run(text, session_id="s", user_id="u")
+    damaged = (await memory.episodes("s", user_id="u"))[1]
+
+    def damage() -> None:
+        with sqlite3.connect(sqlite_path) as conn:
+            conn.execute(
+                "UPDATE loom_memory_episodes SET messages = X'7b' WHERE episode_id = ?",
+                (damaged.id,),
+            )
+
+    await asyncio.to_thread(damage)
+    answer = await agent.run("what did I say?", session_id="s", user_id="u")
+    assert answer.output == "you said: one | three"
+    assert damaged.id in caplog.text
+    with pytest.raises(CorruptEntryError, match="cannot be decoded"):
+        await memory.history("s", user_id="u")  # the API still says so
+    await runtime.close()

@@ -631,7 +631,7 @@ async def test_a_damaged_episode_does_not_fail_every_later_run_of_the_session(
             await agent(True).run("shop", session_id="s", user_id="u")
         result = await agent(False).run("shop", session_id="s", user_id="u")
         assert result.output.startswith("bought:")
-        assert "memory of session 's' cannot be read" in caplog.text
+        assert "an episode of session 's' is left out of memory" in caplog.text
     finally:
         await runtime.close()
 
