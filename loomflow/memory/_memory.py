@@ -313,6 +313,8 @@ class Memory:
         By default the current ones; with ``as_of`` (a datetime or Unix seconds) those that
         were valid then; with ``history=True`` every version, superseded ones included.
         """
+        if not isinstance(history, bool):  # "no" was taken as True
+            raise InvalidArgumentTypeError(f"history must be True or False, not {history!r}")
         if history and as_of is not None:
             raise UserError("pass as_of or history=True, not both")
         return await self.store.facts(

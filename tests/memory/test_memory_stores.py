@@ -609,3 +609,21 @@ async def test_a_damaged_episode_is_left_out_of_recall_not_the_whole_session(
     with pytest.raises(CorruptEntryError, match="cannot be decoded"):
         await memory.history("s", user_id="u")  # the API still says so
     await runtime.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_facts_history_must_be_a_flag(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # history="no" was taken as True (any non-empty string), and with as_of it read as
+    # "pass as_of or history=True, not both", naming a mistake the caller did not make.
+    from loomflow.errors import InvalidArgumentTypeError
+
+    memory = _memory_on(backend, tmp_path, request)
+    try:
+        await memory.remember("ana", "lives_in", "Paris", user_id="u")
+        for bad in ("no", 0, None):
+            with pytest.raises(InvalidArgumentTypeError, match="history must be True or False"):
+                await memory.facts(user_id="u", history=bad)  # type: ignore[arg-type]
+    finally:
+        await memory.close()
