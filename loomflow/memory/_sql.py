@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -90,7 +90,7 @@ ON CONFLICT (user_key, name) DO UPDATE SET
 RETURNING {_BLOCK_COLUMNS}
 """
 _GET_BLOCK = f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE user_key = $1 AND name = $2"
-_BLOCKS = f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE user_key = $1 ORDER BY name"
+_BLOCKS = f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE user_key = $1"
 _DELETE_BLOCK = "DELETE FROM loom_memory_blocks WHERE user_key = $1 AND name = $2 RETURNING 1"
 
 _TABLES = {
@@ -260,6 +260,15 @@ def _readable_block(row: Sequence[Any], user_id: str | None) -> Block | Unreadab
         return UnreadableBlock(
             user_id=text_of(row[0]), name=text_of(row[1]) or "", unreadable=str(exc)
         )
+
+
+_B = TypeVar("_B", Block, Block | UnreadableBlock)
+
+
+def _by_name(blocks: list[_B]) -> list[_B]:
+    # Sorted here, not by ORDER BY: PostgreSQL orders text by the database's collation (with
+    # an en_US locale "a" before "B"), SQLite and the in-memory store by code point.
+    return sorted(blocks, key=lambda b: b.name)
 
 
 def _fact_lock(user_key: str, subject: str, predicate: str) -> int:
@@ -455,7 +464,7 @@ class SqlMemoryStore(ComponentStore):
 
     async def blocks(self, user_id: str | None) -> list[Block]:
         rows = await self._fetch("read", _BLOCKS, Scope(None, user_id).user_key)
-        return [_block(r, user_id) for r in rows]
+        return _by_name([_block(r, user_id) for r in rows])
 
     async def delete_block(self, user_id: str | None, name: str) -> bool:
         user_key = Scope(None, user_id).user_key
@@ -498,12 +507,12 @@ class SqlMemoryStore(ComponentStore):
         )
         blocks = await self._fetch(
             "read",
-            f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE {_OF_USER} ORDER BY name",
+            f"SELECT {_BLOCK_COLUMNS} FROM loom_memory_blocks WHERE {_OF_USER}",
             user_key,
             user_id,
         )
         return (
             [_readable_episode(r, user_id) for r in episodes],
             [_readable_fact(r, user_id) for r in facts],
-            [_readable_block(r, user_id) for r in blocks],
+            _by_name([_readable_block(r, user_id) for r in blocks]),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -611,19 +612,38 @@ async def test_a_damaged_episode_is_left_out_of_recall_not_the_whole_session(
     await runtime.close()
 
 
-@pytest.mark.parametrize("backend", ["memory", "sqlite"])
-async def test_facts_history_must_be_a_flag(
-    backend: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+@pytest.fixture
+async def backend_memory(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Memory]:
+    """A fresh memory on the backend named by indirect parametrisation, closed afterwards."""
+    memory = _memory_on(request.param, tmp_path, request)
+    yield memory
+    await memory.close()
+
+
+@pytest.mark.parametrize("backend_memory", ["memory", "sqlite"], indirect=True)
+async def test_facts_history_must_be_a_flag(backend_memory: Memory) -> None:
     # history="no" was taken as True (any non-empty string), and with as_of it read as
     # "pass as_of or history=True, not both", naming a mistake the caller did not make.
     from loomflow.errors import InvalidArgumentTypeError
 
-    memory = _memory_on(backend, tmp_path, request)
-    try:
-        await memory.remember("ana", "lives_in", "Paris", user_id="u")
-        for bad in ("no", 0, None):
-            with pytest.raises(InvalidArgumentTypeError, match="history must be True or False"):
-                await memory.facts(user_id="u", history=bad)  # type: ignore[arg-type]
-    finally:
-        await memory.close()
+    await backend_memory.remember("ana", "lives_in", "Paris", user_id="u")
+    for bad in ("no", 0, None):
+        with pytest.raises(InvalidArgumentTypeError, match="history must be True or False"):
+            await backend_memory.facts(user_id="u", history=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend_memory", ["memory", "sqlite", "postgres"], indirect=True)
+async def test_blocks_are_listed_in_one_order_on_every_backend(backend_memory: Memory) -> None:
+    # PostgreSQL sorted block names by the database's collation: on one created with an
+    # en_US locale (a managed database's default) "a" came before "B", elsewhere after it.
+    memory = backend_memory
+    await memory.open()
+    if memory.backend == "postgres":
+        await memory.store.db.execute(  # type: ignore[attr-defined]
+            'ALTER TABLE loom_memory_blocks ALTER COLUMN name TYPE TEXT COLLATE "en-US-x-icu"'
+        )
+    for name in ("a", "B", "_z"):
+        await memory.set_block(name, "c", user_id="u")
+    assert [b.name for b in await memory.blocks(user_id="u")] == ["B", "_z", "a"]
+    exported = await memory.export_user("u")
+    assert [b["name"] for b in exported["blocks"]] == ["B", "_z", "a"]
