@@ -78,8 +78,8 @@ def _argument(check: Callable[[str, object], str], what: str, value: object) -> 
 def _damage_told(tool: str) -> Iterator[None]:
     """A damaged fact or block met by a memory tool, told to the model as a tool error.
 
-    As a damaged episode lets a run go on without the session's memory: raised, it stopped
-    the run and every resume of it (the replayed model call asks for the same call again).
+    As a damaged episode is left out of a run's recall: raised, it stopped the run and every
+    resume of it (the replayed model call asks for the same call again).
     The model is told only that the entry is damaged; the details (which may name the user a
     moved row belongs to) go to the log.
     """
