@@ -269,26 +269,70 @@ async def _commits_past_a_damaged_hold_amount(url: str, execute: object, value: 
         await budget.close()
 
 
-@pytest.mark.parametrize("value", ["'x'", "-50000", "3.7", "x'00'"])
-async def test_a_commit_frees_what_was_reserved_past_a_damaged_hold_sqlite(
-    tmp_path: Path, value: str
+async def _releases_past_a_damaged_hold_amount(url: str, execute: object, value: str) -> None:
+    budget = _budget(url)
+    try:
+        other = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        ticket = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        edit = f"UPDATE loom_budget_reservations SET tokens_in = {value} WHERE id = "
+        await execute(f"{edit}'{ticket.reservation.id}'")  # type: ignore[operator]
+        # A failed call's release used to free the stored copy: text or a negative figure
+        # raised, a fraction freed too little (held for good: the hold was gone), and a large
+        # one freed the other call's hold too, so alice could pass her cap meanwhile.
+        assert await budget.release(ticket)
+        [usage] = await budget.store.usage("alice")
+        held = (usage.totals.reserved_in, usage.totals.reserved_out)
+        assert held == (other.amount.tokens_in, other.amount.tokens_out)
+        assert [r.id for r in await budget.store.reservations()] == [other.reservation.id]
+    finally:
+        await budget.close()
+
+
+_SETTLES = {
+    "commit": _commits_past_a_damaged_hold_amount,
+    "release": _releases_past_a_damaged_hold_amount,
+}
+
+
+@pytest.mark.parametrize("settle", sorted(_SETTLES))
+@pytest.mark.parametrize("value", ["'x'", "-50000", "3.7", "x'00'", "9000000"])
+async def test_a_settlement_frees_what_was_reserved_past_a_damaged_hold_sqlite(
+    tmp_path: Path, value: str, settle: str
 ) -> None:
     path = tmp_path / "budget.db"
 
     async def execute(sql: str) -> None:
         await asyncio.to_thread(sqlite_exec, path, sql)
 
-    await _commits_past_a_damaged_hold_amount(f"sqlite:///{path}", execute, value)
+    await _SETTLES[settle](f"sqlite:///{path}", execute, value)
 
 
 @pytest.mark.postgres
-async def test_a_commit_frees_what_was_reserved_past_a_damaged_hold_postgres(
-    pg_dsn: str,
+@pytest.mark.parametrize("settle", sorted(_SETTLES))
+@pytest.mark.parametrize("value", ["-50000", "9000000"])
+async def test_a_settlement_frees_what_was_reserved_past_a_damaged_hold_postgres(
+    pg_dsn: str, value: str, settle: str
 ) -> None:
     async def execute(sql: str) -> None:
         await _pg_execute(pg_dsn, sql)
 
-    await _commits_past_a_damaged_hold_amount(pg_dsn, execute, "-50000")
+    await _SETTLES[settle](pg_dsn, execute, value)
+
+
+async def test_a_release_after_forget_user_does_not_write_the_user_back(tmp_path: Path) -> None:
+    caps = [Cap("tokens_total", 100_000), Cap("tokens_total", 10**6, scope="global")]
+    budget = StandardBudget(caps, store=SqlBudgetStore(f"sqlite:///{tmp_path / 'b.db'}"))
+    try:
+        ticket = await budget.reserve(user_id="alice", model="scripted", max_tokens=10)
+        assert await budget.store.forget_user("alice") == 1
+        # The erasure narrowed the live hold to the global bucket; the failed call's release
+        # frees that, and must not bring back a bucket row naming alice.
+        assert await budget.release(ticket)
+        assert await budget.store.usage("alice") == []
+        [everyone] = await budget.store.usage()
+        assert (everyone.totals.reserved_in, everyone.totals.reserved_out) == (0, 0)
+    finally:
+        await budget.close()
 
 
 async def test_forget_user_erases_past_a_hold_whose_id_is_not_utf8(tmp_path: Path) -> None:

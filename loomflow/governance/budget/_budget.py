@@ -534,7 +534,7 @@ class StandardBudget:
         """Give a reservation back uncharged (the call failed before spending)."""
         if not ticket.held:
             return True
-        return await self._call("release", self.store.release(ticket.reservation.id))
+        return await self._call("release", self.store.release(ticket.reservation))
 
     def _warnings(self, limits: Sequence[BucketLimit], result: CommitResult) -> list[BudgetWarning]:
         warnings: list[BudgetWarning] = []

@@ -76,8 +76,12 @@ class BudgetStore(Protocol):
         Counts one call in each bucket, like :meth:`commit` of a found hold.
         """
 
-    async def release(self, reservation_id: str) -> bool:
-        """Drop a hold without charging it (the call failed); ``False`` if it was gone."""
+    async def release(self, reservation: Reservation | str) -> bool:
+        """Drop a hold without charging it (the call failed); ``False`` if it was gone.
+
+        Given the :class:`Reservation`, its amount is freed from its buckets, as
+        :meth:`commit` frees it; given only an id, the stored copy of the hold is.
+        """
 
     async def renew(self, reservation_id: str, lease_s: float) -> bool:
         """Extend a hold's lease; ``False`` if it was gone (reclaimed)."""

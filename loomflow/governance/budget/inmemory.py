@@ -129,7 +129,8 @@ class InMemoryBudgetStore:
         totals = {b.key: self._add(b, actual, Amount(), 0, 1) for b in buckets}
         return CommitResult(actual, totals, True)
 
-    async def release(self, reservation_id: str) -> bool:
+    async def release(self, reservation: Reservation | str) -> bool:
+        reservation_id = reservation.id if isinstance(reservation, Reservation) else reservation
         check_id("reservation_id", reservation_id)
         hold = self._holds.pop(reservation_id, None)
         if hold is None:

@@ -270,6 +270,18 @@ def _keys(buckets: Sequence[Bucket]) -> str:
     return json.dumps([b.key for b in buckets])
 
 
+def _still_held(buckets: Sequence[Bucket], stored: object) -> Sequence[Bucket]:
+    """The buckets of ``buckets`` a hold's stored list still names; all of them when that list
+    cannot be read (edited by hand): what reserve added there is freed either way."""
+    try:
+        keys = json.loads(stored) if isinstance(stored, str) else None
+    except (ValueError, RecursionError):
+        keys = None
+    if not isinstance(keys, list):
+        return buckets
+    return [b for b in buckets if b.key in keys]
+
+
 def _id_as_read(value: object) -> str | bytes:
     return value if isinstance(value, bytes) else str(value)
 
@@ -456,15 +468,24 @@ class SqlBudgetStore:
                 totals[bucket.key] = await self._move(tx, bucket, actual, Amount(), 1)
         return CommitResult(actual, totals, True)
 
-    async def release(self, reservation_id: str) -> bool:
+    async def release(self, reservation: Reservation | str) -> bool:
+        reservation_id = reservation.id if isinstance(reservation, Reservation) else reservation
         check_id("reservation_id", reservation_id)
         await self.open()
         async with self.db.transaction(what="budget release") as tx:
             rows = await tx.fetch(_TAKE, reservation_id)
             if not rows:
                 return False
-            held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
-            for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
+            if isinstance(reservation, Reservation):
+                # As in commit: what reserve added is the ticket's amount, so a stored copy
+                # edited by hand neither fails the release nor frees other calls' holds. The
+                # stored bucket list still narrows it: a user's erasure drops their buckets
+                # from it, and freeing those would write a row naming the user back.
+                held, buckets = reservation.amount, _still_held(reservation.buckets, rows[0][0])
+            else:
+                held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
+                buckets = _buckets(rows[0][0])
+            for bucket in sorted(buckets, key=lambda b: b.key):
                 await self._move(tx, bucket, Amount(), held, 0)
         return True
 
