@@ -335,6 +335,28 @@ async def test_a_release_after_forget_user_does_not_write_the_user_back(tmp_path
         await budget.close()
 
 
+@pytest.mark.parametrize("value", ["3.7", "-5"])
+async def test_a_dead_hold_whose_amount_is_no_count_is_left_for_an_operator(
+    tmp_path: Path, value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "budget.db"
+    budget, _, bob = await _two_holds(f"sqlite:///{path}")
+    try:
+        lapse = f"UPDATE loom_budget_reservations SET expires_at = 0, tokens_in = {value} WHERE "
+        await asyncio.to_thread(sqlite_exec, path, f"{lapse}id = '{bob}'")
+        # The sweep used to settle int(3.7) = 3 of the 1,024 tokens held and drop the hold:
+        # the rest stayed held in bob's bucket for good, with no hold left to say why.
+        with caplog.at_level(logging.WARNING, logger="loomflow.governance.budget"):
+            assert await budget.reclaim() == 0
+        assert "tokens_in" in caplog.text
+        count = "SELECT COUNT(*) FROM loom_budget_reservations"
+        assert await asyncio.to_thread(sqlite_exec, path, count) == [(2,)]
+        [usage] = await budget.store.usage("bob")
+        assert (usage.totals.tokens_in, usage.totals.reserved_in) == (0, 1024)
+    finally:
+        await budget.close()
+
+
 async def test_forget_user_erases_past_a_hold_whose_id_is_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "budget.db"
     budget = _budget(f"sqlite:///{path}")

@@ -25,7 +25,7 @@ from typing import Any
 from ..._ids import check_id
 from ..._printable import is_unicode, shown, text_of
 from ...config import Settings
-from ...errors import BudgetError, InvalidArgumentError, StorageError
+from ...errors import BudgetError, InvalidArgumentError, InvalidUsageError, StorageError
 from ...storage import Database, database_from_url
 from ...storage._component import SqlLifecycle
 from ._owner import owner_is_dead, pid_namespace
@@ -483,8 +483,7 @@ class SqlBudgetStore:
                 # from it, and freeing those would write a row naming the user back.
                 held, buckets = reservation.amount, _still_held(reservation.buckets, rows[0][0])
             else:
-                held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
-                buckets = _buckets(rows[0][0])
+                held, buckets = _stored_amount(rows[0][1:4]), _buckets(rows[0][0])
             for bucket in sorted(buckets, key=lambda b: b.key):
                 await self._move(tx, bucket, Amount(), held, 0)
         return True
@@ -528,7 +527,7 @@ class SqlBudgetStore:
                     rows = await tx.fetch(_TAKE_DEAD, reservation_id, dead_owner)
                     if not rows:
                         continue
-                    held = Amount(int(rows[0][1]), int(rows[0][2]), int(rows[0][3]))
+                    held = _stored_amount(rows[0][1:4])
                     charge = _on_expiry(rows[0][4]) == "charge"
                     for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
                         await self._move(
@@ -641,6 +640,19 @@ class SqlBudgetStore:
         return listed
 
 
+def _stored_amount(values: Sequence[Any]) -> Amount:
+    """A hold's stored ``tokens_in, tokens_out, cost_nanousd``, as reserve wrote them; else a
+    :class:`_MalformedHold` naming the column (``int()`` would read 3.7 as 3 or '9' as 9, and
+    settle a part of what the buckets hold, the rest held for good with no hold to say why)."""
+    for column, value in zip(("tokens_in", "tokens_out", "cost_nanousd"), values, strict=True):
+        if type(value) is not int or value < 0:
+            raise _MalformedHold(f"its {column} {shown(value)} is no amount")
+    try:
+        return Amount(*values)
+    except InvalidUsageError as exc:  # beyond what one call can hold
+        raise _MalformedHold(f"its amount cannot be what a call reserved: {exc}") from None
+
+
 def _reservation(row: Sequence[Any]) -> ReservationInfo:
     """A row of ``_RESERVATIONS``; a :class:`_MalformedHold` naming the column that cannot be
     what loomflow wrote (text where a number belongs, a negative amount, a time that is no
@@ -649,9 +661,7 @@ def _reservation(row: Sequence[Any]) -> ReservationInfo:
         if not (isinstance(value, str) and is_unicode(value)):
             raise _MalformedHold(f"its {column} {shown(value)} is not text")
     buckets = _buckets(row[2])
-    for column, value in zip(("tokens_in", "tokens_out", "cost_nanousd"), row[3:6], strict=True):
-        if type(value) is not int or value < 0:
-            raise _MalformedHold(f"its {column} {shown(value)} is no amount")
+    amount = _stored_amount(row[3:6])
     for column, value in (("created_at", row[7]), ("expires_at", row[8])):
         if type(value) not in (int, float) or not math.isfinite(value):
             raise _MalformedHold(f"its {column} {shown(value)} is no time")
@@ -659,7 +669,7 @@ def _reservation(row: Sequence[Any]) -> ReservationInfo:
         row[0],
         row[1],
         buckets,
-        Amount(row[3], row[4], row[5]),
+        amount,
         _on_expiry(row[6]),
         float(row[7]),
         float(row[8]),
