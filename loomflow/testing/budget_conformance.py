@@ -119,6 +119,10 @@ class BudgetStoreConformance:
         assert await _reserve(store, r)
         assert await store.release(r.id)
         assert not await store.release(r.id)  # a second release finds nothing
+        by_ticket = _hold(_ALICE, _EVERYONE)
+        assert await _reserve(store, by_ticket)
+        assert await store.release(by_ticket)  # StandardBudget passes the Reservation
+        assert not await store.release(by_ticket)
         for totals in (await store.totals([_ALICE.key, _EVERYONE.key])).values():
             assert (totals.tokens_in, totals.reserved_in, totals.reserved_out) == (0, 0, 0)
 
