@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
+import math
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Self, TypeVar
@@ -57,8 +59,19 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         timeout: float | None = None,
     ) -> None:
         sdk = self._import_sdk()
-        if max_retries < 0:
-            raise InvalidArgumentError(f"max_retries must be >= 0, not {max_retries!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise InvalidArgumentError(f"max_retries must be an integer >= 0, not {max_retries!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            # Left to the SDK, NaN failed the first call with a bare ValueError and 0 or less
+            # "timed out" on every attempt, retried until the retries ran out.
+            raise InvalidArgumentError(
+                f"timeout must be a finite number of seconds above 0 (or None), not {timeout!r}"
+            )
         self._name = model
         self._sdk = sdk
         self._owns_client = client is None
@@ -123,6 +136,23 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         """Describe a failure (retryable or not), or ``None`` if it is not the provider's."""
 
     # -- shared behaviour --------------------------------------------------------------------
+
+    def _classify_redacted(self, exc: Exception) -> Failure | None:
+        """:meth:`_classify`, with the client's credentials cut out of the detail.
+
+        Some gateways quote the key they refused ("Incorrect API key provided: sk-..."); the
+        detail becomes the ModelError's message, which logs and the audit trail keep.
+        """
+        failure = self._classify(exc)
+        if failure is None:
+            return None
+        detail = failure.detail
+        for name in ("api_key", "auth_token"):
+            secret = getattr(self._client, name, None)
+            # A key of a few characters (a test's "k") would cut letters out of every word.
+            if isinstance(secret, str) and len(secret.strip()) >= 8:
+                detail = detail.replace(secret.strip(), "[api key]")
+        return dataclasses.replace(failure, detail=detail)
 
     def _reported_count(self, field: str, value: Any) -> int:
         """A token count from the provider's usage: a missing one is 0; one that cannot be true
@@ -200,7 +230,7 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         )
         return stream_with_retries(
             lambda: self._attempt(request, output),
-            self._classify,
+            self._classify_redacted,
             provider=self.provider,
             model=self._name,
             max_retries=self.max_retries,

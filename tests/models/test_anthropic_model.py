@@ -8,7 +8,7 @@ import re
 import anthropic
 import pytest
 
-from loomflow.errors import ModelError, ModelRetryExhaustedError
+from loomflow.errors import InvalidArgumentError, ModelError, ModelRetryExhaustedError
 from loomflow.messages import (
     Message,
     ModelChunk,
@@ -544,3 +544,24 @@ async def test_a_blank_text_beside_tool_calls_is_not_sent_back(
     assert anthropic_api.last_request.body["messages"][1]["content"] == [
         {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": CALL.arguments}
     ]
+
+
+@pytest.mark.parametrize("credential", ["api_key", "auth_token"])
+async def test_an_error_that_echoes_the_credential_does_not_repeat_it(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff, credential: str
+) -> None:
+    # Some gateways quote the key they refused; the error goes to logs and the audit trail.
+    key = "sk-ant-0123456789abcdef"
+    anthropic_api.add(Failure(401, f"invalid x-api-key {key}"))
+    client = anthropic.AsyncAnthropic(base_url=anthropic_api.base_url, **{credential: key})
+    async with client, AnthropicModel(MODEL, client=client, backoff=fast) as model:
+        with pytest.raises(ModelError) as info:
+            await complete(model, [Message.user("hi")])
+    assert key not in str(info.value)
+    assert key not in info.value.detail
+    assert "invalid x-api-key [api key]" in info.value.detail
+
+
+def test_a_timeout_that_cannot_work_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        AnthropicModel(MODEL, base_url="http://127.0.0.1:9", api_key="k", timeout=-1)

@@ -8,7 +8,7 @@ import re
 import openai
 import pytest
 
-from loomflow.errors import ModelError, ModelRetryExhaustedError
+from loomflow.errors import InvalidArgumentError, ModelError, ModelRetryExhaustedError
 from loomflow.messages import (
     Message,
     ModelChunk,
@@ -655,3 +655,43 @@ async def test_an_error_object_in_place_of_a_chunk_is_the_servers_error(
                 await complete(model, [Message.user("hi")])
             assert info.value.status == code
     assert openai_api.request_count == (2 if retried else 1)
+
+
+@pytest.mark.parametrize("in_stream", [False, True])
+async def test_an_error_that_echoes_the_api_key_does_not_repeat_it(
+    openai_api: FakeOpenAIAPI, fast: Backoff, in_stream: bool
+) -> None:
+    # Some gateways quote the key they refused; the error goes to logs and the audit trail.
+    key = "sk-live-0123456789abcdef"
+    openai_api.add(Failure(401, f"Incorrect API key provided: {key}.", in_stream=in_stream))
+    model = OpenAIModel(MODEL, base_url=openai_api.base_url, api_key=key, backoff=fast)
+    async with model:
+        with pytest.raises(ModelError) as info:
+            await complete(model, [Message.user("hi")])
+    assert key not in str(info.value)
+    assert key not in info.value.detail
+    assert "Incorrect API key provided: [api key]." in info.value.detail
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": -1.0}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"timeout": float("inf")}, "timeout"),
+        ({"timeout": "30"}, "timeout"),
+        ({"timeout": True}, "timeout"),
+        ({"max_retries": "2"}, "max_retries"),
+        ({"max_retries": 1.5}, "max_retries"),
+        ({"max_retries": True}, "max_retries"),
+        ({"max_retries": -1}, "max_retries"),
+    ],
+)
+def test_a_timeout_or_retry_count_that_cannot_work_is_refused(
+    options: dict[str, object], named: str
+) -> None:
+    # A NaN timeout was a bare ValueError on the first call, a negative one a "timed out"
+    # retried until exhausted, a string one a bare TypeError from the SDK.
+    with pytest.raises(InvalidArgumentError, match=named):
+        OpenAIModel(MODEL, base_url="http://127.0.0.1:9/v1", api_key="k", **options)  # type: ignore[arg-type]
