@@ -115,8 +115,15 @@ def is_retryable_status(status: int) -> bool:
 
 
 # Error types and codes that an error object inside a 200 stream can carry, with the HTTP
-# status each stands for (Anthropic's types, OpenAI's types and codes).
+# status each stands for (Anthropic's types, OpenAI's types and codes). The request errors are
+# not retried either way; their status keeps the error metric from counting them as lost
+# connections.
 _STREAM_ERROR_STATUS: Final = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
     "overloaded_error": 529,
     "api_error": 500,
     "server_error": 500,

@@ -21,6 +21,7 @@ from loomflow.messages import (
     Usage,
 )
 from loomflow.models import AnthropicModel, Backoff, Model, _sdk, complete
+from loomflow.models._retry import error_class
 from loomflow.testing.providers import Failure, FakeAnthropicAPI, Reply
 
 MODEL = "claude-opus-4-7"
@@ -565,3 +566,27 @@ async def test_an_error_that_echoes_the_credential_does_not_repeat_it(
 def test_a_timeout_that_cannot_work_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="timeout"):
         AnthropicModel(MODEL, base_url="http://127.0.0.1:9", api_key="k", timeout=-1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "status"),
+    [
+        ("invalid_request_error", 400),
+        ("authentication_error", 401),
+        ("permission_error", 403),
+        ("not_found_error", 404),
+        ("request_too_large", 413),
+    ],
+)
+async def test_an_in_stream_request_error_is_a_client_error_not_a_lost_connection(
+    anthropic_api: FakeAnthropicAPI, fast: Backoff, kind: str, status: int
+) -> None:
+    # It carried no status, so the error metric counted it as a lost connection.
+    anthropic_api.add(Failure(200, "prompt is too long", error_type=kind, in_stream=True))
+    async with make(anthropic_api, fast) as model:
+        with pytest.raises(ModelError, match="prompt is too long") as info:
+            await complete(model, [Message.user("hi")])
+    assert type(info.value) is ModelError
+    assert info.value.status == status
+    assert error_class(info.value.status, info.value) == "client"
+    assert anthropic_api.request_count == 1

@@ -21,6 +21,7 @@ from loomflow.messages import (
     Usage,
 )
 from loomflow.models import Backoff, Model, OpenAIModel, _sdk, complete
+from loomflow.models._retry import error_class
 from loomflow.testing.providers import Failure, FakeOpenAIAPI, Reply
 
 MODEL = "gpt-4.1"
@@ -543,15 +544,25 @@ async def test_an_in_stream_rate_limit_or_overload_is_retried(
     assert openai_api.request_count == 4
 
 
-async def test_an_in_stream_exhausted_quota_fails_at_once(
-    openai_api: FakeOpenAIAPI, fast: Backoff
+@pytest.mark.parametrize(
+    ("error", "status", "kind"),
+    [
+        ('{"type":"insufficient_quota","code":"429","message":"You exceeded"}', 429, "rate_limit"),
+        # It carried no status, so the error metric counted it as a lost connection.
+        ('{"type":"invalid_request_error","message":"You exceeded the context"}', 400, "client"),
+    ],
+)
+async def test_an_in_stream_exhausted_quota_or_request_error_fails_at_once(
+    openai_api: FakeOpenAIAPI, fast: Backoff, error: str, status: int, kind: str
 ) -> None:
-    error = '{"error":{"type":"insufficient_quota","code":"429","message":"You exceeded"}}'
-    openai_api.add(Reply(raw_stream=[f"data: {error}\n\n".encode(), DONE]), Reply(text="x"))
+    body = f'{{"error":{error}}}'
+    openai_api.add(Reply(raw_stream=[f"data: {body}\n\n".encode(), DONE]), Reply(text="x"))
     async with make(openai_api, fast) as model:
         with pytest.raises(ModelError, match="You exceeded") as info:
             await complete(model, [Message.user("hi")])
     assert type(info.value) is ModelError
+    assert info.value.status == status
+    assert error_class(info.value.status, info.value) == kind
     assert openai_api.request_count == 1
 
 
