@@ -42,6 +42,8 @@ class SdkModel(abc.ABC, Generic[ClientT]):
 
     provider: ClassVar[str]
     _label: ClassVar[str]  # the provider's name in messages, e.g. "Anthropic"
+    # The client's credential attributes, with where each comes from (for the error on a bad one).
+    _credentials: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Why a response may come without token counts, for the warning when none came.
     _usage_hint: ClassVar[str] = ""
     # ``stream`` takes ``output=``: the provider itself is asked for an answer of that shape.
@@ -95,6 +97,7 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         else:
             # A copy sharing the caller's connection pool, with the SDK retries off.
             self._client = client.with_options(**options)  # type: ignore[attr-defined]
+        self._check_credentials()
         self.max_retries = max_retries
         self.backoff = backoff or Backoff()
         self._rng = random.Random()
@@ -136,6 +139,27 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         """Describe a failure (retryable or not), or ``None`` if it is not the provider's."""
 
     # -- shared behaviour --------------------------------------------------------------------
+
+    def _check_credentials(self) -> None:
+        """Refuse a key that no request can carry, naming where it came from but not its text.
+
+        Sent as it is, a key read from a file with its newline (or pasted with a quote) failed
+        every call inside the HTTP library: a "connection failure", retried until the retries
+        ran out, or a bare UnicodeEncodeError.
+        """
+        for attribute, source in self._credentials:
+            key = getattr(self._client, attribute, None)
+            if not isinstance(key, str) or not key:
+                continue
+            if any(c.isspace() or not c.isprintable() for c in key):
+                problem = "holds white space or a control character (a newline read with it?)"
+            elif not key.isascii():
+                problem = "holds a character that is not ASCII (a quote pasted with it?)"
+            else:
+                continue
+            raise ConfigurationError(
+                f"the {self._label} key ({source}) {problem}: no request can carry it"
+            )
 
     def _classify_redacted(self, exc: Exception) -> Failure | None:
         """:meth:`_classify`, with the client's credentials cut out of the detail.

@@ -93,6 +93,10 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
 
     provider = "anthropic"
     _label = "Anthropic"
+    _credentials = (
+        ("api_key", "api_key= or ANTHROPIC_API_KEY"),
+        ("auth_token", "ANTHROPIC_AUTH_TOKEN"),
+    )
 
     @staticmethod
     def _import_sdk() -> Any:
@@ -102,9 +106,10 @@ class AnthropicModel(SdkModel["AsyncAnthropic"]):
         client = sdk.AsyncAnthropic(**options)
         # Recent SDKs accept a client without credentials and fail only when a request is
         # built, with a bare TypeError; say it now, as the OpenAI SDK does.
+        # An empty key (ANTHROPIC_API_KEY="") is none: every request failed as a lost connection.
         if (
-            client.api_key is None
-            and client.auth_token is None
+            not client.api_key
+            and not client.auth_token
             and getattr(client, "credentials", None) is None
         ):
             raise ConfigurationError(

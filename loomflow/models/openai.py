@@ -89,6 +89,7 @@ class OpenAIModel(SdkModel["AsyncOpenAI"]):
     provider = "openai"
     _label = "OpenAI"
     _usage_hint = " (does the server ignore stream_options.include_usage?)"
+    _credentials = (("api_key", "api_key= or OPENAI_API_KEY"),)
 
     @staticmethod
     def _import_sdk() -> Any:

@@ -133,3 +133,35 @@ def test_missing_anthropic_credentials_are_a_configuration_error_when_built(
     monkeypatch.delenv("ANTHROPIC_API_KEY")
     with pytest.raises(ConfigurationError, match="ANTHROPIC_API_KEY"):
         resolve_model("anthropic:claude-sonnet-4-5")
+
+
+_SECRET = "sk-abcdef0123456789"
+
+
+@pytest.mark.parametrize("spec", ["gpt-4.1", "claude-sonnet-4-5"])
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [
+        (_SECRET + "\n", "white space or a control character"),  # a key read from a file
+        (" " + _SECRET, "white space or a control character"),
+        (_SECRET + "\u2019", "not ASCII"),  # a quote pasted along with it
+    ],
+)
+def test_an_api_key_no_request_can_carry_is_a_configuration_error_when_built(
+    monkeypatch: pytest.MonkeyPatch, spec: str, key: str, named: str
+) -> None:
+    # Sent as it was, each call failed as a "connection failure" retried to exhaustion (the
+    # HTTP library refuses the header), or with a bare UnicodeEncodeError.
+    variable = "OPENAI_API_KEY" if spec.startswith("gpt") else "ANTHROPIC_API_KEY"
+    monkeypatch.setenv(variable, key)
+    with pytest.raises(ConfigurationError, match=named) as info:
+        resolve_model(spec)
+    assert variable in str(info.value)
+    assert _SECRET not in str(info.value)
+
+
+def test_an_empty_anthropic_key_is_no_credential() -> None:
+    from loomflow.models import AnthropicModel
+
+    with pytest.raises(ConfigurationError, match="ANTHROPIC_API_KEY"):
+        AnthropicModel("claude-sonnet-4-5", base_url="http://127.0.0.1:9", api_key="")
