@@ -9,7 +9,9 @@ import math
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Self, TypeVar
+from urllib.parse import urlsplit
 
+from ..config import _masked_url
 from ..errors import ConfigurationError, InvalidArgumentError, UntrustedUsageError
 from ..messages import (
     MAX_TOKENS_PER_CALL,
@@ -98,6 +100,7 @@ class SdkModel(abc.ABC, Generic[ClientT]):
             # A copy sharing the caller's connection pool, with the SDK retries off.
             self._client = client.with_options(**options)  # type: ignore[attr-defined]
         self._check_credentials()
+        self._check_base_url()
         self.max_retries = max_retries
         self.backoff = backoff or Backoff()
         self._rng = random.Random()
@@ -139,6 +142,21 @@ class SdkModel(abc.ABC, Generic[ClientT]):
         """Describe a failure (retryable or not), or ``None`` if it is not the provider's."""
 
     # -- shared behaviour --------------------------------------------------------------------
+
+    def _check_base_url(self) -> None:
+        """Refuse a base URL that is not http(s) with a host (its password masked in the error).
+
+        "localhost:8000/v1" failed every call inside the HTTP library as a "connection
+        failure" (an unsupported protocol), retried until the retries ran out.
+        """
+        url = str(getattr(self._client, "base_url", ""))
+        parts = urlsplit(url)
+        if parts.scheme in ("http", "https") and parts.hostname:
+            return
+        raise ConfigurationError(
+            f"the {self._label} base URL (base_url= or {self.provider.upper()}_BASE_URL) "
+            f"{_masked_url(url)!r} is not an http(s) URL like https://llm-proxy.internal/v1"
+        )
 
     def _check_credentials(self) -> None:
         """Refuse a key that no request can carry, naming where it came from but not its text.

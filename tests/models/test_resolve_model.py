@@ -165,3 +165,21 @@ def test_an_empty_anthropic_key_is_no_credential() -> None:
 
     with pytest.raises(ConfigurationError, match="ANTHROPIC_API_KEY"):
         AnthropicModel("claude-sonnet-4-5", base_url="http://127.0.0.1:9", api_key="")
+
+
+@pytest.mark.parametrize("spec", ["gpt-4.1", "claude-sonnet-4-5"])
+@pytest.mark.parametrize(
+    "url", ["localhost:8000/v1", "127.0.0.1:8000", "htp://proxy:8000", "http://user:pw-secret@/v1"]
+)
+def test_a_base_url_that_is_no_http_url_is_a_configuration_error_when_built(
+    monkeypatch: pytest.MonkeyPatch, spec: str, url: str
+) -> None:
+    # Every call failed as a "connection failure" (an unsupported protocol), retried to
+    # exhaustion, and the error metric counted lost connections.
+    variable = "OPENAI_BASE_URL" if spec.startswith("gpt") else "ANTHROPIC_BASE_URL"
+    monkeypatch.setenv(variable, url)
+    monkeypatch.setenv(variable.replace("BASE_URL", "API_KEY"), "sk-test")
+    with pytest.raises(ConfigurationError, match=r"http\(s\) URL") as info:
+        resolve_model(spec)
+    assert variable in str(info.value)
+    assert "pw-secret" not in str(info.value)
