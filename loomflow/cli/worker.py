@@ -270,39 +270,48 @@ class _Server(ThreadingHTTPServer):
         log.warning("answering an HTTP request failed", exc_info=True)
 
 
+_TEXT = "text/plain; charset=utf-8"
+
+
 def _serve(host: str, port: int, health: _Health) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            self._answer(*self._route())
+
+        def do_HEAD(self) -> None:
+            # Probes and load balancers often check with HEAD: the same status and headers
+            # as GET, without the body (501 before).
+            self._answer(*self._route(), head=True)
+
+        def _route(self) -> tuple[int, bytes, str]:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._answer(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
+                return 200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+            if path == "/healthz":
                 stalled = health.stalled()
                 if stalled is None:
-                    self._answer(200, b"ok\n")
-                else:
-                    self._answer(503, f"not alive: {stalled}\n".encode())
-            elif path == "/readyz":
+                    return 200, b"ok\n", _TEXT
+                return 503, f"not alive: {stalled}\n".encode(), _TEXT
+            if path == "/readyz":
                 ready, why = health.state
                 stalled = health.stalled()
                 if stalled is not None:
-                    self._answer(503, f"not ready: {stalled}\n".encode())
-                elif health.stopping:
-                    self._answer(503, b"not ready: the worker is stopping (SIGTERM or SIGINT)\n")
-                elif ready:
-                    self._answer(200, b"ready\n")
-                else:
-                    self._answer(503, f"not ready: {why}\n".encode())
-            else:
-                self._answer(404, b"not found\n")
+                    return 503, f"not ready: {stalled}\n".encode(), _TEXT
+                if health.stopping:
+                    return 503, b"not ready: the worker is stopping (SIGTERM or SIGINT)\n", _TEXT
+                if ready:
+                    return 200, b"ready\n", _TEXT
+                return 503, f"not ready: {why}\n".encode(), _TEXT
+            return 404, b"not found\n", _TEXT
 
-        def _answer(self, status: int, body: bytes, kind: str = "text/plain") -> None:
+        def _answer(self, status: int, body: bytes, kind: str, *, head: bool = False) -> None:
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if not head:
+                    self.wfile.write(body)
             except _DISCONNECTS:
                 self.close_connection = True  # the client gave up waiting: nobody to tell
 

@@ -278,6 +278,22 @@ async def test_health_ready_and_metrics_endpoints(tmp_path: Path) -> None:
         assert 'loomflow_recoveries_total{outcome="dead_lettered"} 0.0' in body
         assert 'loomflow_runs_by_state{backend="sqlite",state="finished"}' in body
         assert (await asyncio.to_thread(get, "/nope"))[0] == 404
+
+        def head(path: str) -> tuple[int, str | None, bytes]:
+            request = urllib.request.Request(base + path, method="HEAD")
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    return response.status, response.headers["Content-Length"], response.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.headers["Content-Length"], exc.read()
+
+        # Probes and load balancers that check with HEAD get GET's status, without a body.
+        for path, status in (("/healthz", 200), ("/readyz", 200), ("/metrics", 200)):
+            code, length, content = await asyncio.to_thread(head, path)
+            assert (code, content) == (status, b""), path
+            assert length is not None
+            assert int(length) > 0
+        assert (await asyncio.to_thread(head, "/nope"))[0] == 404
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(30):
             await proc.wait()
