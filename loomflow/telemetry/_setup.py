@@ -389,6 +389,9 @@ def _resource(s: Settings) -> Any:
     return resource
 
 
+_EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
+
+
 def _meter_provider(s: Settings) -> Any:
     exporters = _metrics_exporters()
     headers = (
@@ -424,6 +427,14 @@ def _meter_provider(s: Settings) -> Any:
                 f"numbers of milliseconds: {' '.join(str(exc).split())}"
             ) from None
 
+    # The provider reads this one only once the readers run their export threads, and
+    # refused an unknown value with a bare ValueError, leaving those threads running.
+    exemplars = os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "trace_based")
+    if exemplars not in _EXEMPLAR_FILTERS:  # as the SDK compares: exactly
+        raise ConfigurationError(
+            f"OTEL_METRICS_EXEMPLAR_FILTER={exemplars!r}: Unknown exemplar filter "
+            f"{exemplars!r}; use one of {', '.join(_EXEMPLAR_FILTERS)} or unset it"
+        )
     readers = []
     if "otlp" in exporters:
         _http_protobuf("metrics")
@@ -433,7 +444,12 @@ def _meter_provider(s: Settings) -> Any:
         readers.append(periodic(OTLPMetricExporter(endpoint=url, headers=headers)))
     if "console" in exporters:
         readers.append(periodic(ConsoleMetricExporter()))
-    return MeterProvider(resource=_resource(s), metric_readers=readers)
+    try:
+        return MeterProvider(resource=_resource(s), metric_readers=readers)
+    except ValueError as exc:  # any other OTEL_* value it refuses: stop the readers' threads
+        for reader in readers:
+            reader.shutdown()
+        raise _sdk_refused(exc) from None
 
 
 def _tracer_provider(s: Settings) -> Any:

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,15 @@ async def main():
 
 asyncio.run(main())
 """
+
+
+def _only(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """Set ``env`` as the only ``OTEL_*`` variables of this process."""
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
 
 
 def run_worker(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -272,16 +282,21 @@ def test_setup_is_requested_by_the_standard_endpoint_alone(
             },
             "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be a non-negative integer",
         ),
+        # The meter provider refused it with a bare ValueError (the run never started).
+        (
+            {
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_METRICS_EXPORTER": "console",
+                "OTEL_METRICS_EXEMPLAR_FILTER": "sometimes",
+            },
+            "Unknown exemplar filter 'sometimes'",
+        ),
     ],
 )
 def test_bad_standard_values_are_configuration_errors(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
 ) -> None:
-    for name in list(os.environ):
-        if name.startswith("OTEL_"):
-            monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _only(monkeypatch, env)
     with pytest.raises(ConfigurationError, match=re.escape(message)) as raised:
         setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
     assert "sk-live" not in str(raised.value)
@@ -290,10 +305,26 @@ def test_bad_standard_values_are_configuration_errors(
 def test_a_standard_endpoint_is_quoted_without_its_password(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in list(os.environ):
-        if name.startswith("OTEL_"):
-            monkeypatch.delenv(name)
+    _only(monkeypatch, {})
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://user:hunter22@collector:4318")
     with pytest.raises(ConfigurationError, match="OTEL_EXPORTER_OTLP_ENDPOINT") as raised:
         setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
     assert "hunter22" not in str(raised.value)
+
+
+def test_a_refused_meter_provider_leaves_no_export_thread_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The readers start their export threads before the provider checks its variables.
+    _only(
+        monkeypatch,
+        {
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRICS_EXPORTER": "console",
+            "OTEL_METRICS_EXEMPLAR_FILTER": "sometimes",
+        },
+    )
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigurationError, match="OTEL_METRICS_EXEMPLAR_FILTER"):
+        setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
