@@ -213,7 +213,12 @@ class _Bounded:
         text = str(value or "unknown")[:_MAX_LABEL_LENGTH]
         if text in self._seen or text in self.known:
             return text
+        # A lone surrogate (bytes decoded with surrogateescape) cannot be encoded: in a label
+        # it failed every later scrape of the whole registry.
+        text = text.encode("utf-8", "replace").decode("utf-8")
         with self._lock:
+            if text in self._seen:
+                return text
             if len(self._seen) >= self.limit:
                 return "other"
             self._seen.add(text)

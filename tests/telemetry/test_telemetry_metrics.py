@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -481,3 +482,29 @@ def test_a_cost_that_is_no_finite_amount_is_not_counted() -> None:
         "loomflow_model_tokens_total", {"provider": "anthropic", "model": "m", "type": "input"}
     )
     assert tokens == 4  # the tokens of every call still count
+
+
+async def test_a_label_value_that_utf8_cannot_encode_does_not_break_the_scrape(
+    registry: CollectorRegistry,
+) -> None:
+    # A model name read from bytes that are not UTF-8 (os.environ decodes them with
+    # surrogateescape) holds a lone surrogate: encoding it failed every later scrape, so one
+    # bad name hid every metric of the process.
+    model = "gpt-\udcff"
+    agent = Agent(
+        "x",
+        model=FunctionModel(lambda messages, tools: "done", name=model),
+        runtime=InMemoryRuntime(),
+        telemetry=Metrics(registry),
+    )
+    await agent.run("q", session_id="s1", user_id="u1")
+
+    def scrape(url: str) -> tuple[int, str]:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+
+    with serve_metrics(0, registry=registry) as server:
+        status, body = await asyncio.to_thread(scrape, server.url)
+    assert status == 200
+    assert 'loomflow_runs_total{backend="memory",outcome="finished",resumed="false"} 1.0' in body
+    assert 'model="gpt-?"' in body
