@@ -44,6 +44,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel
 
 from .._cleanup import CANCELLATIONS, end_outcome
+from .._printable import escaped_surrogates
 from ..context import get_run_context, reset_var
 from ..errors import ModelError
 from ..governance.events import (
@@ -336,6 +337,13 @@ def _redactor(info: RunInfo | None = None) -> Redactor:
     return _fallback_redactor
 
 
+def _model_name(name: str) -> str:
+    """A model name as spans show it. A lone surrogate (bytes that were not UTF-8, read through
+    os.environ's surrogateescape) has no UTF-8 form: in a span name it failed the OTLP encoding
+    of the whole batch, every run's spans in it; it is written as its escape."""
+    return escaped_surrogates(name)
+
+
 _MADE_UP_NAME_CHARS = 64
 
 
@@ -585,7 +593,7 @@ class TelemetryHooks(RunHooks):
             sc.GEN_AI_OPERATION_NAME: "invoke_agent",
             sc.GEN_AI_AGENT_NAME: info.agent_name,
             sc.GEN_AI_PROVIDER_NAME: info.provider,
-            sc.GEN_AI_REQUEST_MODEL: info.model_name,
+            sc.GEN_AI_REQUEST_MODEL: _model_name(info.model_name),
             sc.GEN_AI_CONVERSATION_ID: info.session_id,
             sc.SESSION_ID: info.session_id,
             sc.LOOM_RUN_ID: info.run_id,
@@ -713,7 +721,7 @@ class TelemetryHooks(RunHooks):
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: "chat",
             sc.GEN_AI_PROVIDER_NAME: info.provider,
-            sc.GEN_AI_REQUEST_MODEL: info.model_name,
+            sc.GEN_AI_REQUEST_MODEL: _model_name(info.model_name),
             sc.GEN_AI_REQUEST_MAX_TOKENS: settings.max_tokens,
             sc.GEN_AI_CONVERSATION_ID: info.session_id,
         }
@@ -729,7 +737,7 @@ class TelemetryHooks(RunHooks):
                 info, [_message_json(m) for m in messages if m.role != "system"]
             )
         span = self.tracer.start_span(
-            f"chat {info.model_name}",
+            f"chat {_model_name(info.model_name)}",
             context=parent,
             kind=SpanKind.CLIENT,
             attributes=attributes,
@@ -810,7 +818,7 @@ class TelemetryHooks(RunHooks):
         if child is None or child.done:
             return
         span = child.span
-        span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, response.model or info.model_name)
+        span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, _model_name(response.model or info.model_name))
         _set_usage(span, usage)
         span.set_attribute(sc.GEN_AI_RESPONSE_FINISH_REASONS, [response.finish_reason])
         if self.content:

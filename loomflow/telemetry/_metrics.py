@@ -21,6 +21,7 @@ from opentelemetry.metrics import MeterProvider
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
+from .._printable import escaped_surrogates
 from ..audit.actions import ALL as AUDIT_ACTIONS
 from ..audit.actions import KEPT_BY_ERASURE
 from ..errors import ConfigurationError, InvalidArgumentError, StoreUnavailableError
@@ -214,8 +215,8 @@ class _Bounded:
         if text in self._seen or text in self.known:
             return text
         # A lone surrogate (bytes decoded with surrogateescape) cannot be encoded: in a label
-        # it failed every later scrape of the whole registry.
-        text = text.encode("utf-8", "replace").decode("utf-8")
+        # it failed every later scrape of the whole registry. Spans escape it the same way.
+        text = escaped_surrogates(text)
         with self._lock:
             if text in self._seen:
                 return text

@@ -1099,3 +1099,41 @@ async def test_a_permission_reason_on_the_run_span_is_redacted() -> None:
     assert card not in reason
     assert key not in reason
     assert "[REDACTED" in reason
+
+
+async def test_a_model_name_utf8_cannot_encode_does_not_lose_the_batch_of_spans(
+    otlp_receiver: tuple[str, Any],
+) -> None:
+    """A lone surrogate (a model name from bytes that were not UTF-8, through os.environ's
+    surrogateescape) in a span name failed the OTLP encoding of the whole batch: every run's
+    spans in it were lost, not only that run's."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    url, received = otlp_receiver
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{url}/v1/traces")))
+    telemetry = Telemetry(tracer_provider=provider, metrics=False)
+    for name, model in (("odd", "gpt-\udcff"), ("plain", "gpt-4o")):
+        agent = Agent(
+            "x",
+            model=FunctionModel(lambda messages, tools: "done", name=model),
+            runtime=InMemoryRuntime(),
+            telemetry=telemetry,
+            name=name,
+        )
+        await agent.run("q", session_id="s1", user_id="u1")
+    provider.shutdown()  # flushes the one batch
+    names = [
+        span.name
+        for body in received.bodies
+        for resource in ExportTraceServiceRequest.FromString(body).resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    ]
+    assert "invoke_agent plain" in names
+    assert "chat gpt-\\udcff" in names
