@@ -337,11 +337,12 @@ def _redactor(info: RunInfo | None = None) -> Redactor:
     return _fallback_redactor
 
 
-def _model_name(name: str) -> str:
-    """A model name as spans show it. A lone surrogate (bytes that were not UTF-8, read through
-    os.environ's surrogateescape) has no UTF-8 form: in a span name it failed the OTLP encoding
-    of the whole batch, every run's spans in it; it is written as its escape."""
-    return escaped_surrogates(name)
+def _encodable(text: str) -> str:
+    """``text`` as a span name or status shows it. A lone surrogate (bytes that were not UTF-8,
+    read through os.environ's surrogateescape or os.listdir) has no UTF-8 form: in a span's name
+    or status it failed the OTLP encoding of the whole batch, every run's spans in it; it is
+    written as its escape."""
+    return escaped_surrogates(text)
 
 
 _MADE_UP_NAME_CHARS = 64
@@ -377,7 +378,7 @@ def _fail(
 
     def scrub(text: str) -> str:
         text = redact(text)
-        return hide(text) if hide is not None else text
+        return _encodable(hide(text) if hide is not None else text)
 
     message = scrub(str(exc))
     span.add_event(
@@ -593,7 +594,7 @@ class TelemetryHooks(RunHooks):
             sc.GEN_AI_OPERATION_NAME: "invoke_agent",
             sc.GEN_AI_AGENT_NAME: info.agent_name,
             sc.GEN_AI_PROVIDER_NAME: info.provider,
-            sc.GEN_AI_REQUEST_MODEL: _model_name(info.model_name),
+            sc.GEN_AI_REQUEST_MODEL: _encodable(info.model_name),
             sc.GEN_AI_CONVERSATION_ID: info.session_id,
             sc.SESSION_ID: info.session_id,
             sc.LOOM_RUN_ID: info.run_id,
@@ -721,7 +722,7 @@ class TelemetryHooks(RunHooks):
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: "chat",
             sc.GEN_AI_PROVIDER_NAME: info.provider,
-            sc.GEN_AI_REQUEST_MODEL: _model_name(info.model_name),
+            sc.GEN_AI_REQUEST_MODEL: _encodable(info.model_name),
             sc.GEN_AI_REQUEST_MAX_TOKENS: settings.max_tokens,
             sc.GEN_AI_CONVERSATION_ID: info.session_id,
         }
@@ -737,7 +738,7 @@ class TelemetryHooks(RunHooks):
                 info, [_message_json(m) for m in messages if m.role != "system"]
             )
         span = self.tracer.start_span(
-            f"chat {_model_name(info.model_name)}",
+            f"chat {_encodable(info.model_name)}",
             context=parent,
             kind=SpanKind.CLIENT,
             attributes=attributes,
@@ -818,7 +819,7 @@ class TelemetryHooks(RunHooks):
         if child is None or child.done:
             return
         span = child.span
-        span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, _model_name(response.model or info.model_name))
+        span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, _encodable(response.model or info.model_name))
         _set_usage(span, usage)
         span.set_attribute(sc.GEN_AI_RESPONSE_FINISH_REASONS, [response.finish_reason])
         if self.content:
@@ -888,7 +889,7 @@ class TelemetryHooks(RunHooks):
             hide = self.user_ids.hide(info.user_id)
             if hide is not None:
                 error = hide(error)
-            span.set_status(Status(StatusCode.ERROR, error[:500]))
+            span.set_status(Status(StatusCode.ERROR, _encodable(error)[:500]))
         elif self.content:
             found = info.tools.get(call.name)
             if found is not None and found.sensitive_result:

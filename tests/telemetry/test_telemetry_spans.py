@@ -1108,9 +1108,6 @@ async def test_a_model_name_utf8_cannot_encode_does_not_lose_the_batch_of_spans(
     surrogateescape) in a span name failed the OTLP encoding of the whole batch: every run's
     spans in it were lost, not only that run's."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -1128,12 +1125,58 @@ async def test_a_model_name_utf8_cannot_encode_does_not_lose_the_batch_of_spans(
         )
         await agent.run("q", session_id="s1", user_id="u1")
     provider.shutdown()  # flushes the one batch
-    names = [
-        span.name
+    names = {span.name: span for span in _exported(received)}
+    assert "invoke_agent plain" in names
+    assert "chat gpt-\\udcff" in names
+
+
+def _exported(received: Any) -> list[Any]:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    return [
+        span
         for body in received.bodies
         for resource in ExportTraceServiceRequest.FromString(body).resource_spans
         for scope in resource.scope_spans
         for span in scope.spans
     ]
-    assert "invoke_agent plain" in names
-    assert "chat gpt-\\udcff" in names
+
+
+async def test_an_error_message_utf8_cannot_encode_does_not_lose_the_batch_of_spans(
+    otlp_receiver: tuple[str, Any],
+) -> None:
+    """A tool's error naming a file whose name is not UTF-8 (os.listdir gives it lone
+    surrogates) became the span's status description, which failed the OTLP encoding of the
+    whole batch."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    @tool
+    def read(path: str) -> str:
+        """Read a file."""
+        raise FileNotFoundError(f"no such file: {path}/data-\udcff.csv")
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id="c1", name="read", arguments={"path": "/x"})]
+
+    url, received = otlp_receiver
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{url}/v1/traces")))
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[read],
+        runtime=InMemoryRuntime(),
+        telemetry=Telemetry(tracer_provider=provider, metrics=False),
+        name="a",
+    )
+    await agent.run("q", session_id="s1", user_id="u1")
+    provider.shutdown()
+    spans = {span.name: span for span in _exported(received)}
+    assert "invoke_agent a" in spans
+    assert "data-\\udcff.csv" in spans["execute_tool read"].status.message
