@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.trace import StatusCode
 
 from loomflow.agent import Agent
 from loomflow.errors import OwnershipLostError
@@ -108,6 +109,11 @@ async def test_a_lost_lease_error_on_spans_does_not_name_a_hidden_user(
         await runtime.close()
 
     [root] = capture.named("invoke_agent a")
+    # An error span (this invocation raised to its caller), told apart by its outcome.
+    assert root.status.status_code is StatusCode.ERROR
+    assert root.attributes is not None
+    assert root.attributes["loom.run.outcome"] == "claim_lost"
+    assert root.attributes["error.type"] == "OwnershipLostError"
     description = root.status.description or ""
     assert "now belongs to a newer run" in description
     text = _exported_text(capture)
