@@ -19,7 +19,7 @@ from typing import Any, Final, get_args
 
 from opentelemetry.metrics import MeterProvider
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app, start_http_server
 
 from .._printable import escaped_surrogates
 from ..audit.actions import ALL as AUDIT_ACTIONS
@@ -940,12 +940,35 @@ def serve_metrics(
         >>> with serve_metrics(0) as server:  # doctest: +SKIP
         ...     print(server.url)
     """
+    registry = REGISTRY if registry is None else registry
     try:
-        server, thread = start_http_server(
-            port, addr=host, registry=REGISTRY if registry is None else registry
-        )
+        server, thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:  # a port in use, an address this host does not have
         raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    server.set_app(_with_head(make_wsgi_app(registry)))
     return MetricsServer(
         host=host, port=int(server.server_address[1]), _server=server, _thread=thread
     )
+
+
+def _with_head(app: Callable[..., Any]) -> Callable[..., Any]:
+    """``app`` (prometheus-client's WSGI app, which answers HEAD with 405) answering HEAD as it
+    answers GET, without the body: probes and load balancers often check with HEAD."""
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if environ.get("REQUEST_METHOD") != "HEAD":
+            return app(environ, start_response)
+        answer: list[Any] = []
+
+        def keep(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            answer[:] = [status, headers]
+            return lambda data: None
+
+        body = b"".join(app({**environ, "REQUEST_METHOD": "GET"}, keep))
+        status, headers = answer
+        if not any(name.lower() == "content-length" for name, _ in headers):
+            headers = [*headers, ("Content-Length", str(len(body)))]
+        start_response(status, headers)
+        return []
+
+    return serve

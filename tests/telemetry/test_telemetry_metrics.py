@@ -508,3 +508,22 @@ async def test_a_label_value_that_utf8_cannot_encode_does_not_break_the_scrape(
     assert status == 200
     assert 'loomflow_runs_total{backend="memory",outcome="finished",resumed="false"} 1.0' in body
     assert 'model="gpt-\\\\udcff"' in body
+
+
+def test_the_metrics_endpoint_answers_head_as_get_without_the_body(
+    registry: CollectorRegistry,
+) -> None:
+    # Probes and load balancers often check with HEAD; prometheus-client's server said 405.
+    Metrics(registry).audit_entry("run.start")
+    with serve_metrics(0, registry=registry) as server:
+        head = urllib.request.Request(server.url, method="HEAD")
+        with urllib.request.urlopen(head, timeout=10) as response:
+            status, length, body = (
+                response.status,
+                response.headers["Content-Length"],
+                response.read(),
+            )
+        with urllib.request.urlopen(server.url, timeout=10) as response:
+            full = response.read()
+    assert (status, body) == (200, b"")
+    assert length == str(len(full))
