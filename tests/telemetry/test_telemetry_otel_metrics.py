@@ -117,7 +117,7 @@ async def test_a_run_and_its_resume_as_genai_and_loomflow_metrics(
     assert step_seconds.unit == "s"
     assert count(step_seconds) == first.fresh_steps + again.replayed_steps
     # Only a step that wrote an entry has a write time: the first run's.
-    assert count(found["loomflow.journal.write.duration"], backend="sqlite") == first.fresh_steps
+    assert count(found["loomflow.journal.write"], backend="sqlite") == first.fresh_steps
     runs = found["loomflow.runs"]
     assert total(runs, backend="sqlite", outcome="finished", resumed="false") == 1
     assert total(runs, backend="sqlite", outcome="finished", resumed="true") == 1
@@ -210,6 +210,31 @@ def test_every_instrument_has_a_conventional_unit_and_a_unique_name() -> None:
         assert spec.unit == "s" or spec.unit.startswith("{"), spec
         assert spec.name.startswith(("gen_ai.client.", "loomflow.")), spec
         assert (spec.kind == "histogram") == (spec.buckets is not None), spec
+
+
+def _collector_name(spec: Any) -> str:
+    """The name an OTel-to-Prometheus translation (the collector's Prometheus exporter, with its
+    default unit and type suffixes) gives an instrument: dots become underscores, ``s`` adds
+    ``_seconds``, an annotation unit in braces adds nothing, a counter adds ``_total``."""
+    name = spec.name.replace(".", "_")
+    if spec.unit == "s" and not name.endswith("_seconds"):
+        name += "_seconds"
+    return name + ("_total" if spec.kind == "counter" else "")
+
+
+def test_loomflows_own_instruments_arrive_over_otlp_under_their_prometheus_names() -> None:
+    # An SRE who pushes metrics over OTLP (the collector of deploy/ re-exposes them) must find
+    # the names the alert rules and the dashboard use, not near misses that keep alerts silent.
+    registry = CollectorRegistry()
+    Metrics(registry=registry, otel=False)
+    exposed = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in registry.collect()
+    }
+    own = {key: spec for key, spec in OTEL_INSTRUMENTS.items() if spec.name.startswith("loomflow.")}
+    assert own
+    for key, spec in own.items():
+        assert _collector_name(spec) in exposed, (key, spec.name, _collector_name(spec))
 
 
 def test_runs_by_state_is_a_gauge_of_the_latest_report(reader: MetricCapture) -> None:
@@ -447,7 +472,7 @@ async def test_openai_cache_figures_through_the_real_sdk_reach_spans_metrics_and
     # 928 uncached at $2, 3,072 cached at $0.50, 10 out at $8 (per million).
     expected = (928 * 2.0 + 3072 * 0.5 + 10 * 8.0) / 1e6
     assert result.cost_usd == pytest.approx(expected)
-    assert reader.total("loomflow.model.cost", provider="openai") == pytest.approx(expected)
+    assert reader.total("loomflow.model.cost.usd", provider="openai") == pytest.approx(expected)
     usage = Usage(input_tokens=4000, output_tokens=10, cache_read_tokens=3072)
     assert cost_usd("gpt-4.1", usage) == pytest.approx(expected)
     assert (
