@@ -562,17 +562,22 @@ class Stores:
     async def forget_checkpoints(self, user_id: str | None, *, actor: str = "loomflow") -> int:
         """Delete every checkpoint of one user; returns how many went.
 
-        Refused for a user under legal hold. A deletion is noted in the user's audit trail
-        (an ``audit.deletion`` entry naming the store and the count).
+        Refused for a user under legal hold, and while a run of the user is in progress. A
+        deletion is noted in the user's audit trail (an ``audit.deletion`` entry naming the
+        store and the count).
 
         Raises:
             LegalHoldError: the user is under legal hold (nothing is deleted).
+            SessionBusyError: a run of the user is in progress (it would write its next
+                snapshot right after the deletion); nothing is deleted.
         """
         check_id("user_id", user_id)
         store = self.checkpoints
         if store is None:
             raise UserError("these stores have no checkpoints (no journal database)")
         await self.audit.check_not_held(user_id)
+        if self.runtime is not None:
+            await _refuse_live_runs(self.runtime, user_id)
         deleted = await store.forget_user(user_id)
         if deleted:
             await self._note_deletion(user_id, "checkpoints", deleted, actor, {})

@@ -80,7 +80,8 @@ async def _handle(args: argparse.Namespace) -> int:
         return 2
     settings = Settings()
     url = existing(args.url or settings.runtime_url, "journal")
-    # The checkpoints on a connection of their own: export and forget never open the journal.
+    # The checkpoints on a connection of their own: export never opens the journal (forget
+    # reads it, for runs of the user in progress, as list and show do for who ran a session).
     async with Stores(
         settings.model_copy(update={"runtime_url": url}), checkpoints_url=url
     ) as stores:

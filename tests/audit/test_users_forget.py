@@ -578,7 +578,9 @@ async def test_forget_is_refused_while_a_run_of_the_user_is_in_progress(
 ) -> None:
     """A run in progress would write its snapshots, episode, budget and audit entries back
     after the erasure (with the prompt it was given before it): forget refuses, deletes
-    nothing, and works once the run is over."""
+    nothing, and works once the run is over. So does a forget of the user's checkpoints
+    alone (the API's and the CLI's, from another process): the run's next snapshot would be
+    back a turn after the deletion."""
     settings = _settings(kind, tmp_path, request)
     await _runs(settings, "bob")  # the stores exist
     started, release = asyncio.Event(), asyncio.Event()
@@ -591,20 +593,34 @@ async def test_forget_is_refused_while_a_run_of_the_user_is_in_progress(
         return f"{order_id}: shipped to {NAME}"
 
     async with Stores(settings) as stores:
-        model = ScriptedModel(
-            [[ToolCall(id="c1", name="slow", arguments={"order_id": "A-1"})], "Shipped."]
+        model = ScriptedModel(  # the first pass ends (a snapshot), the second waits
+            [
+                [ToolCall(id="c0", name="lookup", arguments={"order_id": "A-0"})],
+                [ToolCall(id="c1", name="slow", arguments={"order_id": "A-1"})],
+                "Shipped.",
+            ]
         )
         async with Agent.from_settings(
-            "Support.", model=model, tools=[slow], settings=settings, runtime=stores.runtime,
-            memory=stores.memory, tuning=Tuning(checkpoint=True),
+            "Support.", model=model, tools=[lookup, slow], settings=settings,
+            runtime=stores.runtime, memory=stores.memory, tuning=Tuning(checkpoint=True),
         ) as agent:  # fmt: skip
             run = asyncio.create_task(
                 agent.run(f"Where is A-1? I am {NAME}", session_id="t-1", user_id="ana")
             )
             await asyncio.wait_for(started.wait(), 30)
             before = _has_data(await stores.export_user("ana"))
+            assert before["checkpoints"] > 0
             with pytest.raises(SessionBusyError, match="'t-1'"):
                 await stores.forget_user("ana", actor="test")
+            with pytest.raises(SessionBusyError, match="'t-1'"):
+                await stores.forget_checkpoints("ana", actor="test")
+            if kind == "sqlite":
+                env = {"LOOMFLOW_RUNTIME_URL": settings.runtime_url}
+                done = await asyncio.to_thread(
+                    _cli, env, "checkpoints", "forget", "--user", "ana", "--yes"
+                )
+                assert done.returncode == 1, done
+                assert "has a run in progress (session 't-1')" in done.stderr
             assert _has_data(await stores.export_user("ana")) == before  # nothing deleted
             release.set()
             assert (await run).output == "Shipped."
