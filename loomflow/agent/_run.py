@@ -49,7 +49,7 @@ from ..messages import (
 )
 from ..models.pricing import normalize_prices
 from ..redaction import Redactor
-from ..runtime import JournalRuntime, OpenRun, Runtime, codec
+from ..runtime import JournalRun, JournalRuntime, OpenRun, Runtime, codec
 from ..runtime._expect import expecting
 from ..runtime._journal import Encoded
 from ..runtime._names import tool_step_name
@@ -634,6 +634,11 @@ class _Run:
         name the one it was forked from, so that its resume knows it is one."""
         if self.store is None or self.epoch is None:
             return  # no snapshots asked for (a store always comes with a journal's epoch)
+        if isinstance(self.open_run, JournalRun) and not self.open_run.claimed:
+            # A resume of a closed run that has only replayed so far writes nothing (it holds
+            # no turn): its passes were snapshotted when they ran, or never were, and these
+            # would push the snapshots of a newer run out of the retention.
+            return
         if isinstance(self.runtime, JournalRuntime):
             # Not over the snapshots of whoever took the run over while this one was stopped.
             await self.runtime.check_turn(f"checkpoint_{self.turns}")

@@ -464,3 +464,31 @@ async def test_a_checkpoint_no_backend_can_keep_is_refused_by_name_before_the_wr
         await store.put(checkpoint())  # a sound one still goes in
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_resume_that_only_replays_a_finished_run_writes_no_checkpoints(
+    kind: str, sqlite_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A retried resume of a run that finished before checkpoints were turned on replays every
+    step from the journal: it writes nothing, snapshots included (it holds no turn, and a new
+    run of the session may be writing its own snapshots, which the retention cut would drop)."""
+    if kind == "sqlite":
+        runtime: SqliteRuntime | PostgresRuntime = SqliteRuntime(sqlite_path)
+    else:
+        runtime = await PostgresRuntime.connect(request.getfixturevalue("pg_dsn"))
+    shop = Shop()
+    try:
+        before = Agent("You shop.", model=shop.model, tools=[shop.tool], runtime=runtime)
+        first = await before.run("shop", session_id="s", user_id="u")
+        agent = shopping_agent(runtime, shop)
+        again = await agent.resume("shop", session_id="s", user_id="u")
+        assert again.output == first.output
+        assert again.replayed_steps >= 7  # four model calls, three tool calls (and more)
+        assert shop.bought == ["apples", "bread", "cheese"]
+        assert await agent.list_checkpoints("s", user_id="u") == []
+        # A later run of the session writes its own, as always.
+        await agent.run("shop", session_id="s", user_id="u")
+        assert len(await agent.list_checkpoints("s", user_id="u")) == 4
+    finally:
+        await runtime.close()
