@@ -639,6 +639,15 @@ class JournalRuntime:
                 epoch = claim.epoch - 1  # continue the last, finished run
                 opened = False
             else:
+                if resume and not claim.open:
+                    # Not an error: a resume is a run of (session, user), as the spec says. But
+                    # a resume that left out or mistyped the user runs every step again.
+                    log.warning(
+                        "session %r of %s has no run to resume: a new run starts, and its "
+                        "steps run (check the session id and user_id of the run to resume)",
+                        scope.session_id,
+                        user_label(scope.user_id),
+                    )
                 epoch = claim.epoch
                 opened = began or not claim.open  # a new run: nothing of it is journaled yet
                 begun = (

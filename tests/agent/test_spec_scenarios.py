@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -82,15 +83,28 @@ async def test_a_finished_run_resumes_with_zero_model_calls(runtime_factory: Fac
     assert (resumed.tokens_in, resumed.tokens_out) == (first.tokens_in, first.tokens_out)
 
 
-async def test_another_user_on_the_same_session_replays_nothing(runtime_factory: Factory) -> None:
+async def test_another_user_on_the_same_session_replays_nothing(
+    runtime_factory: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resume is a run of (session, user): bob has none there, so his starts afresh, and
+    says so in the log (a resume that left out or mistyped the user runs the tools again)."""
     ledger = Ledger()
     model = FunctionModel(charge_then_answer())
     agent = Agent("billing", model=model, tools=[ledger.tool], runtime=await runtime_factory())
     await agent.run("charge 7", session_id="shared", user_id="alice")
-    bob = await agent.resume("charge 7", session_id="shared", user_id="bob")
+    assert "no run to resume" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="loomflow.runtime"):
+        bob = await agent.resume("charge 7", session_id="shared", user_id="bob")
+        again = await agent.resume("charge 7", session_id="shared", user_id="bob")
     assert ledger.charges == [7, 7]
     assert bob.replayed_steps == 0
+    assert again.replayed_steps > 0  # bob's own run now, replayed
     assert model.calls == 4
+    [warned] = [r for r in caplog.records if "no run to resume" in r.getMessage()]
+    assert warned.getMessage() == (
+        "session 'shared' of user 'bob' has no run to resume: a new run starts, and its steps "
+        "run (check the session id and user_id of the run to resume)"
+    )
 
 
 async def test_a_new_prompt_on_an_old_session_runs_fresh(runtime_factory: Factory) -> None:
