@@ -38,6 +38,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     ├── CheckpointError                a checkpoint could not be found or read back
     │   └── CheckpointNotFoundError    no checkpoint with that id for this session and user
     ├── OutputValidationError          the final answer never fitted the run's output_type
+    ├── SubAgentInterruptedError       an agent used as a tool stopped before it answered
     ├── BudgetError                    the budget would not vouch for a model call
     │   ├── BudgetExceededError        the call would cross a cap (agents end budget:<cap>)
     │   ├── BudgetUnavailableError     the budget store failed, so the call was refused
@@ -116,6 +117,7 @@ __all__ = [
     "StorageError",
     "StoreLockedError",
     "StoreUnavailableError",
+    "SubAgentInterruptedError",
     "UnknownModelPriceError",
     "UnknownUserError",
     "UntrustedUsageError",
@@ -479,6 +481,15 @@ class OutputValidationError(LoomflowError):
             f"the final answer did not fit {output_type} after {attempts} attempt(s); "
             f"last error: {detail}"
         )
+
+
+class SubAgentInterruptedError(LoomflowError):
+    """An agent used as a tool (``as_tool()``, a ``Team`` worker) was interrupted before it
+    answered (a budget cap, a guardrail, ``max_turns``).
+
+    Raised inside the tool, so the calling agent's model reads it as the call's tool error
+    instead of an empty answer it would take for the sub-agent's work.
+    """
 
 
 class BudgetError(LoomflowError):

@@ -49,6 +49,7 @@ from ..errors import (
     CheckpointNotFoundError,
     SessionExistsError,
     StoreUnavailableError,
+    SubAgentInterruptedError,
     UserError,
 )
 from ..governance.approvals import DecisionLike, PendingApproval
@@ -200,6 +201,18 @@ def enclosing_ids() -> tuple[bool, str | None, str | None]:
     if journal_run is not None:
         return True, journal_run.session_id, journal_run.user_id
     return False, None, None
+
+
+def answer_of(name: str, result: RunResult) -> str:
+    """What an agent used as a tool answers its caller: its output, or, for a run that was
+    interrupted, a :class:`SubAgentInterruptedError` the caller's model reads as the call's
+    tool error (an empty answer would pass for finished work)."""
+    if result.interrupted:
+        raise SubAgentInterruptedError(
+            f"the {name} agent was interrupted ({result.interruption_reason}) before it "
+            "answered; its task is not done"
+        )
+    return result.output
 
 
 def runtime_for(runtime: Runtime | None) -> Runtime:
@@ -744,7 +757,7 @@ class Agent:
             result = await self.run(
                 task, session_id=ctx.session_id, user_id=ctx.user_id, metadata=ctx.metadata
             )
-            return result.output
+            return answer_of(self.name, result)
 
         return Tool(
             delegate,

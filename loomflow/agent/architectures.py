@@ -23,7 +23,7 @@ from ..redaction import Redactor
 from ..runtime import RunRecord, Runtime
 from ..runtime._journal import JournalRun, JournalRuntime
 from ..tools import Tool
-from ._agent import Agent, enclosing_ids, enclosing_run, run_record, runtime_for
+from ._agent import Agent, answer_of, enclosing_ids, enclosing_run, run_record, runtime_for
 from ._types import AgentEvent, RunResult, ToolCallFinished
 
 __all__ = ["Debate", "Team", "Workflow"]
@@ -109,7 +109,7 @@ class Team:
             events = worker._events(
                 task, ctx.session_id, ctx.user_id, ctx.metadata, resume=False, history=history
             )
-            return (await Agent._drain(events)).output
+            return answer_of(worker.name, await Agent._drain(events))
 
         return Tool(
             ask,

@@ -427,3 +427,43 @@ async def test_a_debate_stops_at_a_debater_a_budget_interrupted(
     [session] = await runtime.sessions(session_id="s")
     assert session.state == "interrupted"
     await runtime.close()
+
+
+async def test_an_interrupted_sub_agent_is_a_tool_error_not_an_empty_answer(
+    tmp_path: Any,
+) -> None:
+    # An agent used as a tool (or a team worker) that stopped at max_turns returned "" as
+    # the call's result: the caller's model took it for finished work.
+    from loomflow.runtime import SqliteRuntime
+
+    @tool
+    def look(q: str) -> str:
+        """Look something up."""
+        return "nothing yet"
+
+    def looks_forever(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        return [ToolCall(id=f"l{len(messages)}", name="look", arguments={"q": "x"})]
+
+    seen: list[Message] = []
+
+    def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        results = [m for m in messages if m.role == "tool"]
+        if not results:
+            return [ToolCall(id="a", name=tools[0].name, arguments={"task": "find it"})]
+        seen.append(results[-1])
+        return "done"
+
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    worker = Agent(
+        "w", model=FunctionModel(looks_forever), tools=[look], name="finder", max_turns=2
+    )
+    as_tool = Agent("lead", model=FunctionModel(lead_decides), tools=[worker.as_tool()])
+    team = Team(Agent("lead", model=FunctionModel(lead_decides), runtime=runtime), [worker])
+    for index, lead in enumerate((as_tool.clone(runtime=runtime), team.lead)):
+        seen.clear()
+        result = await lead.run("go", session_id=f"s{index}", user_id="u")
+        assert not result.interrupted
+        [answer] = seen
+        assert answer.is_error
+        assert "finder agent was interrupted (max_turns)" in answer.content
+    await runtime.close()
