@@ -33,7 +33,7 @@ from ..checkpoints import (
     CheckpointStore,
 )
 from ..context import RunContext
-from ..errors import CheckpointError, CorruptEntryError, UserError
+from ..errors import CheckpointError, CorruptEntryError, OutputValidationError, UserError
 from ..governance.approvals import ApprovalPending, PendingApproval, journaled_request
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..memory import AgentMemory, Memory
@@ -304,7 +304,10 @@ class _Run:
             )
         if not self.tool_calls:
             if self.structured is not None:
-                retry = self.structured.retry_message(self.messages, self.prompt_index)
+                try:
+                    retry = self.structured.retry_message(self.messages, self.prompt_index)
+                except OutputValidationError as refused:
+                    raise await self.checked_refusal(refused) from None
                 if retry is not None:  # ask again; the (empty) tool turn saves the snapshot
                     self.messages.append(retry)
                     return
@@ -363,6 +366,20 @@ class _Run:
             self.messages[-1] = last.model_copy(update={"content": checked})
         if self.structured is not None:
             self.parsed = self.structured.parse(checked)
+
+    async def checked_refusal(self, refused: OutputValidationError) -> OutputValidationError:
+        """``refused`` carrying the last answer as the output guardrails leave it.
+
+        The error hands the answer to the caller as a final answer would be: a blocking
+        guardrail interrupts the run instead (its Interrupt propagates), a redacting one
+        rewrites what the error holds.
+        """
+        self.checking_output = True  # a block keeps the answer out of the transcript
+        shown, self.output = self.messages[-1].content, ""  # nor may the result hold it
+        for hook in self.hooks:
+            shown = await hook.check_output(self.info, shown)
+        self.checking_output = False
+        return OutputValidationError(refused.output_type, refused.detail, refused.attempts, shown)
 
     async def stop(self, interrupt: Interrupt) -> list[BaseModel]:
         """A hook interrupted the run: it returns, with the hook's reason."""

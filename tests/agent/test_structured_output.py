@@ -110,6 +110,28 @@ async def test_spent_retries_raise_a_typed_error_naming_the_model() -> None:
     assert (copy.output_type, copy.attempts, copy.detail) == ("Weather", 2, error.detail)
 
 
+async def test_a_refused_answer_passes_the_output_guardrails_before_it_leaves() -> None:
+    # The last refused answer reached the caller in OutputValidationError.output without
+    # the output guardrails: an e-mail address a guardrail redacts or blocks in any answer.
+    from loomflow.governance import PIIGuardrail
+
+    leaky = '{"city": "ana@example.com"}'
+    model = ScriptedModel([leaky])
+    agent = _agent(model, guardrails=[PIIGuardrail(stages=("output",))])
+    with pytest.raises(OutputValidationError) as caught:
+        await agent.run("weather?", output_type=Weather, output_retries=0)
+    assert "ana@example.com" not in caught.value.output
+    assert "[REDACTED:email]" in caught.value.output
+    blocking = _agent(
+        ScriptedModel([leaky]), guardrails=[PIIGuardrail(action="block", stages=("output",))]
+    )
+    result = await blocking.run("weather?", output_type=Weather, output_retries=0)
+    assert (result.interrupted, result.interruption_reason) == (True, "guardrail:pii")
+    assert result.parsed is None
+    assert "ana@example.com" not in result.output
+    assert all("ana@example.com" not in m.content for m in result.messages)
+
+
 async def test_zero_retries_raise_on_the_first_bad_answer() -> None:
     model = ScriptedModel(["{}", GOOD])
     with pytest.raises(OutputValidationError, match="after 1 attempt"):
