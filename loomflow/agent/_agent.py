@@ -348,6 +348,9 @@ class Agent:
         # From the stored tuples: a generator passed as guardrails= or hooks= is spent already.
         governing = [*self.guardrails, budget, permissions, memory_hooks, audit]
         self._hooks = hooks_of([*governing, self.telemetry, *self.hooks])
+        # The leading hooks that check a tool call (guardrails, budget, permissions): a call
+        # a later hook rewrites goes through them again (see _Run._live_tool_call).
+        self._checks = sum(1 for c in (*self.guardrails, budget, permissions) if c is not None)
         if audit is not None and self.telemetry is not None:
             _count_audit_entries(self.telemetry, audit)
         self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]

@@ -587,8 +587,12 @@ class _Run:
         else:
             answer: ToolOutcome | None = None
             tool = self.agent.tools.get(tool_name)  # None: a name the model made up
-            for hook in self.hooks:
+            checks = self.hooks[: self.agent._checks]
+            for index, hook in enumerate(self.hooks):
                 checked = await hook.before_tool_call(self.info, turn, slot, current, tool)
+                if index >= len(checks) and _rewritten(checked, current):
+                    # Rewritten after the permission check: what runs is checked too.
+                    checked = await self._checked_again(checks, turn, slot, cast(ToolCall, checked))
                 if isinstance(checked, ToolOutcome):
                     answer = checked  # denied (or answered) without running the tool
                     break
@@ -628,6 +632,18 @@ class _Run:
             # Sized by its encoding: the journal stores that instead of encoding it again.
             return Encoded(outcome, raw)
         return outcome
+
+    async def _checked_again(
+        self, checks: Sequence[RunHooks], turn: int, slot: int, call: ToolCall
+    ) -> ToolCall | ToolOutcome:
+        """``call``, as a hook rewrote it, through the checking hooks once more."""
+        tool = self.agent.tools.get(call.name)
+        for hook in checks:
+            checked = await hook.before_tool_call(self.info, turn, slot, call, tool)
+            if isinstance(checked, ToolOutcome):
+                return checked
+            call = checked  # an approver's edit of the rewritten call
+        return call
 
     async def _run_tool(self, tool_name: str, arguments: dict[str, Any]) -> ToolOutcome:
         tools, timeout = self.agent.tools, self.agent.tuning.tool_timeout
@@ -918,6 +934,13 @@ def _valid_call(call: ToolCall) -> ToolCall:
     if name is call.name and call_id is call.id and arguments is call.arguments:
         return call
     return call.model_copy(update={"name": name, "id": call_id, "arguments": arguments})
+
+
+def _rewritten(checked: ToolCall | ToolOutcome, call: ToolCall) -> bool:
+    """Whether a hook returned ``call`` with another tool name or other arguments."""
+    if isinstance(checked, ToolOutcome):
+        return False
+    return (checked.name, checked.arguments) != (call.name, call.arguments)
 
 
 def _is_outcome(value: Any) -> bool:

@@ -630,3 +630,37 @@ async def test_a_check_that_raises_on_edited_arguments_denies_the_call(tmp_path:
     [session] = await runtime.sessions()
     assert session.state == "finished"
     await runtime.close()
+
+
+async def test_a_call_a_later_hook_rewrites_is_checked_again() -> None:
+    # Hooks run after the permission check (hooks= comes last) and may return the call with
+    # other arguments; the rewritten call ran without any check: a deny rule on its
+    # arguments was got round by a hook that changed them after the check.
+    from loomflow.hooks import RunHooks, RunInfo
+
+    class Retarget(RunHooks):
+        async def before_tool_call(
+            self, info: RunInfo, turn: int, slot: int, call: ToolCall, tool: Any
+        ) -> ToolCall:
+            return call.model_copy(update={"arguments": {"record": "prod-db"}})
+
+    ran.clear()
+    permissions = StandardPermissions(
+        mode="bypass", rules=[Rule.deny("write_record", args={"record": "prod-*"})]
+    )
+    agent = Agent(
+        "x",
+        model=one_call(),
+        tools=[make_tool(edits=False, destructive=False)],
+        permissions=permissions,
+        hooks=[Retarget()],
+    )
+    events = [e async for e in agent.stream("go")]
+    assert isinstance(events[-1], RunFinished)
+    decided = [e for e in events if isinstance(e, PermissionDecided)]
+    assert [(e.final, e.arguments.get("record")) for e in decided] == [
+        ("allow", "r1"),
+        ("deny", "prod-db"),
+    ]
+    assert ran == []
+    assert "permission denied" in events[-1].result.output
