@@ -654,7 +654,8 @@ class Agent:
         ``from_checkpoint=<id>`` (an id from :meth:`list_checkpoints`) forks that snapshot into
         a new session (``fork_session_id``, or a fresh ULID; see ``RunResult.session_id``) and
         continues there; the original session is left untouched. ``metadata`` is the run
-        context's metadata, as for :meth:`run`.
+        context's metadata, as for :meth:`run`; left out, the resume gets the metadata the
+        run was started with (its run record's), so its roles are the first attempt's.
 
         Pass the ``output_type`` of the original run (it keys its model calls); the parsed
         answer is rebuilt by validating the journaled text again.
@@ -821,6 +822,11 @@ class Agent:
         if nested:
             session_id = session_id if session_id is not None else outer_session
             user_id = user_id if user_id is not None else outer_user
+        continuing = resume and from_checkpoint is None and not nested
+        if continuing and metadata is None and isinstance(runtime, JournalRuntime) and session_id:
+            # The run's own metadata (its roles, say), as a recoverer resumes it: without it
+            # the resumed run would be decided on as some other caller's.
+            metadata = await runtime.run_metadata(session_id, user_id)
         store = self._checkpoint_store(runtime) if self.tuning.checkpoint and not nested else None
         source: Checkpoint | None = None
         claiming: asyncio.Lock | None = None  # held from the fork session's check to its claim

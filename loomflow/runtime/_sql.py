@@ -153,6 +153,7 @@ UPDATE loom_sessions SET owner = NULL, lease_until = 0, open = 0, updated_at = {
 WHERE scope = $1 AND token = $2 RETURNING token
 """
 _STATUS = "SELECT status FROM loom_sessions WHERE scope = $1"
+_RECORD = "SELECT record FROM loom_sessions WHERE scope = $1"
 # Cancel closes the run and bumps the token in one statement: the next fenced write (or lease
 # renewal) of whoever runs it fails, and that run then reads the status to say why. An
 # interrupted run (waiting for approval, say) is closed already: its epoch moved on when it
@@ -369,6 +370,7 @@ _QUERIES = {
     "reopen": _REOPEN,
     "release_advance": _RELEASE_ADVANCE,
     "status": _STATUS,
+    "record": _RECORD,
     "cancel": _CANCEL,
     "claim_orphan": _CLAIM_ORPHAN,
     "dead_letter_seen": _DEAD_LETTER_SEEN,
@@ -629,6 +631,11 @@ class SqlJournalStore:
     async def run_status(self, scope: Scope) -> str | None:
         rows = await self._run("read", "status", scope.key)
         return rows[0][0] if rows and isinstance(rows[0][0], str) else None
+
+    async def run_record(self, scope: Scope) -> bytes | None:
+        rows = await self._run("read", "record", scope.key)
+        raw = rows[0][0] if rows else None
+        return bytes(raw) if isinstance(raw, bytes | bytearray | memoryview) else None
 
     async def cancel(self, scope: Scope) -> bool:
         return bool(await self._run("cancel", "cancel", scope.key))

@@ -190,6 +190,10 @@ class InMemoryStore:
         row = self.sessions.get(scope.key)
         return row.status if row is not None else None
 
+    async def run_record(self, scope: Scope) -> bytes | None:
+        row = self.sessions.get(scope.key)
+        return row.record if row is not None else None
+
     async def cancel(self, scope: Scope) -> bool:
         row = self.sessions.get(scope.key)
         if row is None:

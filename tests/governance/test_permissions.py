@@ -664,3 +664,42 @@ async def test_a_call_a_later_hook_rewrites_is_checked_again() -> None:
     ]
     assert ran == []
     assert "permission denied" in events[-1].result.output
+
+
+async def test_a_resume_without_metadata_keeps_the_roles_the_run_started_with(
+    runtime_factory: Any,
+) -> None:
+    # agent.resume() without metadata= ran with none: the role a policy denied the call
+    # for on the first attempt was gone, so the resumed run ran the call.
+    ran.clear()
+    crash = [True]
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        results = [m for m in messages if m.role == "tool"]
+        if not results:
+            return [ToolCall(id="c0", name="write_record", arguments={"record": "a"})]
+        if len(results) == 1:
+            if crash[0]:
+                raise RuntimeError("process died")
+            return [ToolCall(id="c1", name="write_record", arguments={"record": "prod-b"})]
+        return f"model saw: {results[-1].content}"
+
+    permissions = StandardPermissions(
+        mode="bypass",
+        roles={"intern": Policy([Rule.deny("write_record", args={"record": "prod-*"})])},
+    )
+    runtime = await runtime_factory()
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[make_tool(edits=False, destructive=False)],
+        permissions=permissions,
+        runtime=runtime,
+        name="writer",
+    )
+    with pytest.raises(RuntimeError):
+        await agent.run("go", session_id="s", user_id="u", metadata={"role": "intern"})
+    crash[0] = False
+    result = await agent.resume("go", session_id="s", user_id="u")
+    assert [r["record"] for r in ran] == ["a"]
+    assert "permission denied" in result.output
