@@ -611,7 +611,10 @@ class _GovernanceRecords:
 
     def permission_decided(self, event: PermissionDecided) -> AuditRecord:
         audit = self.hooks.audit
-        actor = f"approver:{event.approver}" if event.approver else f"policy:{event.policy}"
+        if event.approver:
+            actor = f"approver:{event.approver}"
+        else:  # an approver who gave no name is still not the policy
+            actor = "approver" if event.by_approver else f"policy:{event.policy}"
         sensitive = self.hooks._sensitive(self.info, event.tool) or frozenset()
         payload = {
             "tool": event.tool,

@@ -108,6 +108,9 @@ class PermissionDecided(GovernanceEvent):
     approver: str | None = None
     arguments: dict[str, Any] = Field(default_factory=dict)  # already redacted
     edited: bool = False
+    # An approver answered the ask (named or not), rather than the policy refusing it because
+    # nobody could be asked (no handler, a timeout, a handler that failed).
+    by_approver: bool = False
 
     def accept(self, visitor: GovernanceVisitor[R]) -> R:
         return visitor.permission_decided(self)

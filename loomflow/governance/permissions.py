@@ -422,6 +422,13 @@ class Approval:
         return cls("allow", dict(arguments), remember, reason, by)
 
 
+class _Unanswered(Approval):
+    """The denial of an ask nobody answered (no handler, a timeout, a failed handler): the
+    policy's, not an approver's, on the audit trail."""
+
+    __slots__ = ()
+
+
 ApprovalHandler: TypeAlias = Callable[
     [ApprovalRequest], "Approval | bool | Awaitable[Approval | bool]"
 ]
@@ -608,7 +615,7 @@ class StandardPermissions:
     async def request_approval(self, request: ApprovalRequest) -> Approval:
         """Ask the approval handler; no handler, an error or a timeout is a denial."""
         if self.approval is None:
-            return Approval.deny("the call needs approval and no approval handler is configured")
+            return _Unanswered.deny("the call needs approval and no approval handler is configured")
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.approval_timeout):
@@ -617,20 +624,20 @@ class StandardPermissions:
                 if inspect.isawaitable(answer):
                     answer = await answer
         except TimeoutError:
-            return Approval.deny(f"no approval within {self.approval_timeout:g} s")
+            return _Unanswered.deny(f"no approval within {self.approval_timeout:g} s")
         except Exception as exc:
             log.error("the approval handler raised", exc_info=exc)
-            return Approval.deny(f"the approval handler failed ({type(exc).__name__}: {exc})")
+            return _Unanswered.deny(f"the approval handler failed ({type(exc).__name__}: {exc})")
         timeout = self.approval_timeout
         if timeout is not None and time.monotonic() - started > timeout:
             # A sync handler (or blocking work before an await) holds the event loop, so the
             # timeout above cannot fire: an answer that came too late still denies.
-            return Approval.deny(f"no approval within {timeout:g} s")
+            return _Unanswered.deny(f"no approval within {timeout:g} s")
         if isinstance(answer, bool):
             return Approval.allow() if answer else Approval.deny("not approved")
         if isinstance(answer, Approval):
             return answer
-        return Approval.deny(f"the approval handler returned {answer!r}, not an Approval")
+        return _Unanswered.deny(f"the approval handler returned {answer!r}, not an Approval")
 
 
 def _by_rule(behavior: Behavior, policy: str, rule: Rule) -> Decision:
@@ -698,10 +705,11 @@ class PermissionHooks(RunHooks):
             )
         final: Literal["allow", "deny"] = "deny" if decision.behavior == "deny" else "allow"
         reason, approver, edited, current = decision.reason, None, False, call
+        by_approver = False
         if decision.behavior == "ask":
             remembered = self._remembered.get(info.run_id, {}).get(call.name)
             if remembered is not None:
-                answer, approver = remembered, remembered.by
+                answer, approver, by_approver = remembered, remembered.by, True
                 reason = f"{answer.behavior} remembered for this run: {answer.reason or reason}"
             elif permissions.deferred:
                 # Stops the run (ApprovalPending) until a decision is journaled.
@@ -724,6 +732,7 @@ class PermissionHooks(RunHooks):
                     recorded.decided_by,
                 )
                 approver = answer.by
+                by_approver = bool(recorded.request_id)  # "": refused, nobody could be asked
                 reason = answer.reason or (
                     f"approved: {decision.reason}"
                     if answer.behavior == "allow"
@@ -734,6 +743,7 @@ class PermissionHooks(RunHooks):
                     ApprovalRequest(call, tool, info.user_id, decision, context)
                 )
                 approver = answer.by
+                by_approver = not isinstance(answer, _Unanswered)
                 reason = answer.reason or (
                     f"approved: {decision.reason}" if answer.behavior == "allow" else reason
                 )
@@ -760,6 +770,7 @@ class PermissionHooks(RunHooks):
                 approver=approver,
                 arguments=redact_arguments(current.arguments, sensitive),
                 edited=edited,
+                by_approver=by_approver,
             )
         )
         if final == "deny":

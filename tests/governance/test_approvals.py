@@ -1078,3 +1078,21 @@ async def test_a_check_that_raises_on_an_edit_denies_it_on_resume(
     assert "policy service down" in result.output
     [session] = await runtime.sessions(session_id="s1")
     assert session.state == "finished"
+
+
+async def test_a_deferred_decision_without_a_name_is_applied_as_an_approvers(
+    runtime_factory: Factory,
+) -> None:
+    # resume(approvals=...) without decided_by: approval.decision said actor "approver",
+    # and the permission.decision that applied it said policy:<policy>.
+    world = World()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = agent_for(world, await runtime_factory(), [DELETE], audit=audit)
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    await agent.resume(
+        "go", session_id="s1", user_id="ana", approvals={request.request_id: "allow"}
+    )
+    entries = (await audit.query(user_id="ana", limit=100)).entries
+    [applied] = [e for e in entries if e.action == actions.PERMISSION_DECISION]
+    assert applied.actor == "approver"
+    assert world.deleted == ["alpha"]

@@ -703,3 +703,34 @@ async def test_a_resume_without_metadata_keeps_the_roles_the_run_started_with(
     result = await agent.resume("go", session_id="s", user_id="u")
     assert [r["record"] for r in ran] == ["a"]
     assert "permission denied" in result.output
+
+
+@pytest.mark.parametrize(
+    ("approval", "actor"),
+    [
+        (lambda request: True, "approver"),
+        (lambda request: Approval.deny("no"), "approver"),
+        (lambda request: Approval.allow(by="kim"), "approver:kim"),
+        (None, "policy:global"),  # nobody was there to ask: the policy's own denial
+    ],
+    ids=["true", "unnamed-deny", "named", "no-handler"],
+)
+async def test_an_approver_without_a_name_is_audited_as_an_approver(
+    approval: Any, actor: str
+) -> None:
+    # An approval handler that answered without a name (True, or an Approval without by=)
+    # was audited with the actor policy:<policy>, as if the policy had decided.
+    from loomflow.audit import AuditLog, InMemoryAuditStore, actions
+
+    ran.clear()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = Agent(
+        "x",
+        model=one_call(),
+        tools=[make_tool(edits=False, destructive=True)],
+        permissions=StandardPermissions(approval=approval),
+        audit=audit,
+    )
+    await agent.run("go", user_id="u")
+    [decided] = (await audit.query(user_id="u", action=actions.PERMISSION_DECISION)).entries
+    assert decided.actor == actor
