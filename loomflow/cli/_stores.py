@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,8 +61,14 @@ def existing(url: str, what: str) -> str:
                 f"no {what} at {path}, the default journal: name yours with --url "
                 "(`loomflow --url sqlite:///journal.db ...`) or with LOOMFLOW_RUNTIME_URL"
             )
+        where = path
+        if not Path(path).is_absolute():
+            # A relative URL is read from where the command runs, which need not be where
+            # the application ran: say which file that was, so the mix-up is plain.
+            where = f"{path} ({os.path.abspath(path)}: a relative path is read from the "
+            where += "directory the command runs in)"
         raise ConfigurationError(
-            f"no {what} at {path}: check the URL (a new store is made by `loomflow migrate` "
+            f"no {what} at {where}: check the URL (a new store is made by `loomflow migrate` "
             "or by its first write)"
         )
     return url

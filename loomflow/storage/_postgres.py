@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -227,6 +229,17 @@ class PostgresDatabase(Database):
                 "(LOOMFLOW_POSTGRES_TIMEOUT_SECONDS): the server may be paused, overloaded "
                 "or cut off"
             )
+        if (option := _unknown_dsn_option(exc, self._dsn)) is not None:
+            # asyncpg sends a query option it does not read itself to the server as a
+            # setting, so a libpq-only one fails as an unknown parameter, naming no URL.
+            hint = ""
+            if option == "connect_timeout":
+                hint = "; connecting is bounded by LOOMFLOW_POSTGRES_TIMEOUT_SECONDS instead"
+            return StoreUnavailableError(
+                f"{what} failed: the server knows no setting {option!r}, which the URL's "
+                f"?{option}= option asked for (options other than the SSL and connection ones "
+                f"are sent to the server as settings): remove it from the URL{hint}"
+            )
         if isinstance(exc, socket.gaierror) and self._dsn is not None:
             # The resolver's own words ("Name or service not known") name no host at all.
             return StoreUnavailableError(
@@ -334,3 +347,15 @@ class PostgresDatabase(Database):
                 # Transaction-scoped, so the pool cannot hand the lock to another caller.
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key, timeout=timeout)
             yield _Tx(conn, timeout)
+
+
+def _unknown_dsn_option(exc: BaseException, dsn: str | None) -> str | None:
+    """The query option of ``dsn`` that the server refused as an unknown setting, if that is
+    what ``exc`` is (SQLSTATE 42704 naming a parameter the DSN's query holds)."""
+    if dsn is None or getattr(exc, "sqlstate", None) != "42704":
+        return None
+    found = re.search(r'unrecognized configuration parameter "([^"]+)"', str(exc))
+    if found is None:
+        return None
+    query = urllib.parse.urlsplit(dsn).query
+    return found[1] if found[1] in urllib.parse.parse_qs(query) else None

@@ -578,6 +578,26 @@ def test_without_url_a_missing_default_journal_says_how_to_name_one(tmp_path: Pa
     assert not (tmp_path / ".loomflow").exists()
 
 
+def test_a_relative_url_from_another_directory_names_the_file_it_looked_for(
+    tmp_path: Path,
+) -> None:
+    # The README's quick start writes ./journal.db in the application's directory; the same
+    # --url typed in another one looked for a file there and said only "no journal at
+    # journal.db", as if the application had written nothing.
+    app, elsewhere = tmp_path / "app", tmp_path / "home"
+    app.mkdir()
+    elsewhere.mkdir()
+    assert loomflow("--url", "sqlite:///journal.db", "migrate", cwd=app).returncode == 0
+    done = loomflow("--url", "sqlite:///journal.db", "runs", "list", cwd=elsewhere)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"loomflow: error: no journal at journal.db ({elsewhere / 'journal.db'}: a relative "
+        "path is read from the directory the command runs in): check the URL (a new store is "
+        "made by `loomflow migrate` or by its first write)"
+    ]
+    assert not (elsewhere / "journal.db").exists()
+
+
 def test_a_workdir_that_is_not_a_directory_is_one_error_line(tmp_path: Path) -> None:
     afile = tmp_path / "notes.txt"
     afile.write_text("mine\n")

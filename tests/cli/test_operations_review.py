@@ -260,6 +260,23 @@ async def test_a_host_that_does_not_resolve_is_named() -> None:
     assert "s3cret" not in message
 
 
+@pytest.mark.postgres
+def test_a_libpq_only_dsn_option_is_named_with_what_to_do(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: "postgres connect failed: UndefinedObjectError: unrecognized configuration
+    # parameter "connect_timeout"", naming neither the URL nor what to do instead.
+    assert cli_main.main(["--url", pg_dsn, "migrate"]) == 0
+    capsys.readouterr()
+    assert cli_main.main(["--url", f"{pg_dsn}?connect_timeout=5", "runs", "list"]) == 1
+    err = capsys.readouterr().err
+    assert "the URL's ?connect_timeout= option" in err
+    assert "remove it from the URL" in err
+    assert "LOOMFLOW_POSTGRES_TIMEOUT_SECONDS" in err
+    # An option the server does know as a setting still just works.
+    assert cli_main.main(["--url", f"{pg_dsn}?application_name=w-1", "runs", "list"]) == 0
+
+
 # -- a URL whose scheme is in capitals ---------------------------------------------------------
 
 
