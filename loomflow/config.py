@@ -313,6 +313,17 @@ def _warn_unknown_variables(in_files: list[tuple[str, str]]) -> None:
         )
 
 
+def _unknown_keyword(keyword: str) -> str:
+    """Why ``Settings(keyword=...)`` is refused, and the setting it most likely meant."""
+    names = list(Settings.model_fields)
+    name = keyword.lower().removeprefix("loomflow_")
+    if name in names:  # Settings(LOOMFLOW_LEASE_SECONDS=5): the variable's name, not the field's
+        return f"Settings() takes the setting {keyword!r} as {name}=, not by its variable's name"
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"Settings() has no setting {keyword!r}{hint}"
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -333,6 +344,12 @@ class Settings(BaseSettings):
     def __init__(self, **values: Any) -> None:
         """Read the settings; a value that does not parse is a :class:`ConfigurationError`
         naming its ``LOOMFLOW_*`` variable (pydantic's own error names the field)."""
+        if unknown := [
+            k for k in values if not k.startswith("_") and k not in type(self).model_fields
+        ]:
+            # extra="ignore" is for the environment; a keyword in code that names no
+            # setting (`Settings(lease_second=5)`) left the default in force without a word.
+            raise ConfigurationError(_unknown_keyword(unknown[0]))
         env_file = values.get("_env_file", self.model_config.get("env_file"))
         encoding = values.get("_env_file_encoding", self.model_config.get("env_file_encoding"))
         in_files = env_file_variables(env_file, encoding or "utf-8")

@@ -92,3 +92,14 @@ def test_a_misspelled_variable_is_reported_also_when_another_value_is_bad(
         "loomflow: error: bad setting LOOMFLOW_LEASE_SECONDS: Input should be a valid number, "
         "unable to parse string as a number",
     ]
+
+
+def test_a_keyword_in_code_that_names_no_setting_is_refused() -> None:
+    from loomflow.errors import ConfigurationError
+
+    # Before: extra="ignore" dropped it, and the service ran on the default 30 s lease.
+    with pytest.raises(ConfigurationError, match=r"'lease_second' \(did you mean lease_seconds"):
+        Settings(lease_second=5)
+    with pytest.raises(ConfigurationError, match="as lease_seconds=, not by its variable"):
+        Settings(LOOMFLOW_LEASE_SECONDS=5)
+    assert Settings(lease_seconds=5, _env_file=None).lease_seconds == 5
