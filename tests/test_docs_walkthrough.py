@@ -520,3 +520,46 @@ def test_no_page_names_an_absolute_directory_with_a_relative_sqlite_url() -> Non
     wrong = re.compile(r"\b(?:sqlite|jsonl):///(?:var|srv|etc|opt|home|data|mnt|run)/\S*")
     found = [(p.name, m) for p in pages for m in wrong.findall(p.read_text())]
     assert found == []
+
+
+def _commands() -> dict[tuple[str, ...], set[str]]:
+    """Every command of the CLI (``("runs", "list")``) with the options it takes."""
+    import argparse
+
+    from loomflow.cli.main import _parser
+
+    found: dict[tuple[str, ...], set[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        found[path] = {o for a in parser._actions for o in a.option_strings}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*path, name))
+
+    walk(_parser(), ())
+    return found
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/operations/cli.md"])
+def test_every_option_a_command_table_names_is_one_that_command_takes(page: str) -> None:
+    # A flag in the table that the command does not take is the first thing a new user types.
+    commands = _commands()
+    text = (ROOT / page).read_text()
+    rows = [ln for ln in text.splitlines() if re.match(r"\| `(loomflow )?[a-z]+[ `]", ln)]
+    checked = 0
+    for row in rows:
+        first = row.split(" | ")[0]
+        for segment in re.findall(r"`([^`]+)`", first):
+            words = segment.removeprefix("loomflow ").split()
+            if not words or words[0] not in {p[0] for p in commands if p}:
+                continue  # `--anonymous` or `reclaim` on its own: part of a neighbour
+            paths = [(words[0],)]
+            if len(words) > 1 and re.fullmatch(r"[a-z][a-z-]*(\\\|[a-z][a-z-]*)*", words[1]):
+                paths = [(words[0], leaf) for leaf in words[1].split("\\|")]
+            for path in paths:
+                assert path in commands, f"{page}: no command {' '.join(path)!r}"
+                for flag in re.findall(r"(?<![\w-])--?[a-z][a-z0-9.-]*", segment):
+                    assert flag in commands[path], f"{page}: {' '.join(path)} takes no {flag}"
+                    checked += 1
+    assert checked > 50  # the tables were found and read

@@ -57,7 +57,7 @@ def check_scheme(kind: StoreKind, url: str) -> str:
     if scheme not in accepted:
         listed = ", ".join(f"{s}://" for s in accepted)
         raise ConfigurationError(
-            f"unknown {kind} URL scheme in {url!r}: a {kind} store takes {listed} "
+            f"unknown {kind} URL scheme in {url!r}: the {kind} store takes {listed} "
             "(or a bare file path)"
         )
     return scheme
