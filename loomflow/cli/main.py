@@ -164,7 +164,10 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument(
         "--older-than",
         type=prune_age,
-        help="e.g. 7d, 12h (default: LOOMFLOW_JOURNAL_RETENTION_DAYS; unset: any age)",
+        help=(
+            "e.g. 7d, 12h (default: LOOMFLOW_JOURNAL_RETENTION_DAYS; unset: any age, once "
+            "--session, --user or --all says which runs)"
+        ),
     )
     prune.add_argument("--session", dest="session_id")
     prune.add_argument("--user", dest="user_id")
