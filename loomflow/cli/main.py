@@ -530,8 +530,9 @@ def _warn_incomplete(settings: Settings) -> None:
     if settings.telemetry_user_ids == "hashed" and key is None:
         print(
             "loomflow: warning: LOOMFLOW_TELEMETRY_USER_IDS=hashed needs "
-            "LOOMFLOW_TELEMETRY_USER_ID_KEY (16 characters or more): Agent.from_settings and "
-            "setup_telemetry() refuse to start without it, unless the code passes user_id_key=",
+            "LOOMFLOW_TELEMETRY_USER_ID_KEY (16 characters or more): an agent with the default "
+            "telemetry (Agent(...), Agent.from_settings) refuses to be built without it, unless "
+            "the code passes Telemetry(user_id_key=...)",
             file=sys.stderr,
         )
 

@@ -580,8 +580,31 @@ def test_settings_warns_of_hashed_user_ids_without_their_key(tmp_path: Path) -> 
     # Each valid alone; together the telemetry set-up refuses to start, which `settings`
     # used to show as fine.
     env = {"LOOMFLOW_TELEMETRY_USER_IDS": "hashed"}
-    done = loomflow("settings", "--json", env=env, cwd=tmp_path)
+    done = loomflow("settings", "--json", env=clean_env(**env), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "LOOMFLOW_TELEMETRY_USER_IDS=hashed needs LOOMFLOW_TELEMETRY_USER_ID_KEY" in done.stderr
+    # It named setup_telemetry() as refusing, which starts without a word (it builds no
+    # Telemetry); the agent built next is what refuses, as the warning now says.
+    assert "setup_telemetry" not in done.stderr
+    check = (
+        "from loomflow import Agent\n"
+        "from loomflow.errors import ConfigurationError\n"
+        "from loomflow.telemetry import setup_telemetry\n"
+        "setup_telemetry()\n"
+        "try:\n"
+        "    Agent('x', model='scripted')\n"
+        "except ConfigurationError:\n"
+        "    print('agent refused')\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(**env),
+        check=False,
+    )
+    assert ran.stdout == "agent refused\n", ran.stderr
+    assert "an agent with the default telemetry (Agent(...)" in done.stderr
     keyed = {**env, "LOOMFLOW_TELEMETRY_USER_ID_KEY": "k" * 16}
     assert "needs" not in loomflow("settings", env=keyed, cwd=tmp_path).stderr
