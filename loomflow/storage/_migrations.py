@@ -8,6 +8,7 @@ cluster-wide lock and re-reads the version inside it, so concurrent migrators ap
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from collections.abc import Sequence
@@ -193,6 +194,16 @@ def _stored_version(value: object, component: str) -> int:
     return value
 
 
+def _migrate_command(db: Database) -> str:
+    """The ``loomflow migrate`` that reaches ``db``: a bare one migrates the default journal
+    (``.loomflow/journal.db``), not the file or database the application named."""
+    path = getattr(db, "path", None)
+    if path is not None and str(path) != ":memory:":
+        return f"loomflow --url sqlite:///{os.path.abspath(path)} migrate"
+    dsn = getattr(db, "shown_dsn", None)
+    return "loomflow migrate" if dsn is None else f"loomflow --url {dsn} migrate"
+
+
 async def require_schema(db: Database, component: str, migrations: Sequence[Migration]) -> None:
     """Check, without changing anything, that ``component``'s tables are at the version this
     loomflow expects (for stores opened with ``auto_migrate=False``).
@@ -205,8 +216,8 @@ async def require_schema(db: Database, component: str, migrations: Sequence[Migr
     if current < latest:
         raise MigrationError(
             f"the {component} schema is at version {current} and this loomflow needs {latest}; "
-            "automatic migration is off (LOOMFLOW_AUTO_MIGRATE=false), so run `loomflow "
-            "migrate` first"
+            f"automatic migration is off (LOOMFLOW_AUTO_MIGRATE=false), so run "
+            f"`{_migrate_command(db)}` first"
         )
     if current > latest:
         raise MigrationError(

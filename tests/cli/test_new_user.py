@@ -674,3 +674,39 @@ def test_a_hold_on_an_id_no_store_knows_warns_of_a_typo(tmp_path: Path) -> None:
     right = loomflow("--url", url, "users", "hold", "alice@example.com", "--reason", "L-7")
     assert right.returncode == 0, right.stderr
     assert right.stderr == ""
+
+
+def test_a_schema_left_unmigrated_names_the_migrate_command_that_reaches_it(
+    tmp_path: Path,
+) -> None:
+    # Before: "run `loomflow migrate` first", which, run as told, migrated the CLI's default
+    # .loomflow/journal.db and left the application's own file as it was.
+    app = (
+        "import asyncio\n"
+        "from loomflow.runtime import SqliteRuntime\n"
+        "async def main():\n"
+        "    runtime = SqliteRuntime('./app.db')\n"
+        "    async with runtime.session('s', user_id='u'):\n"
+        "        pass\n"
+        "    await runtime.close()\n"
+        "asyncio.run(main())\n"
+    )
+
+    def run_app() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", app],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "LOOMFLOW_AUTO_MIGRATE": "false"},
+            check=False,
+        )
+
+    refused = run_app()
+    assert refused.returncode == 1
+    hint = re.search(r"so run `loomflow (.*)` first", refused.stderr)
+    assert hint is not None, refused.stderr
+    assert hint[1] == f"--url sqlite:///{tmp_path / 'app.db'} migrate"
+    assert loomflow(*hint[1].split(), cwd=tmp_path).returncode == 0  # the hint, as given
+    assert run_app().returncode == 0
+    assert not (tmp_path / ".loomflow").exists()
