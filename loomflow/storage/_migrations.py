@@ -199,9 +199,9 @@ def _migrate_command(db: Database) -> str:
     (``.loomflow/journal.db``), not the file or database the application named."""
     path = getattr(db, "path", None)
     if path is not None and str(path) != ":memory:":
-        return f"loomflow --url sqlite:///{os.path.abspath(path)} migrate"
+        return f"loomflow migrate --url sqlite:///{os.path.abspath(path)}"
     dsn = getattr(db, "shown_dsn", None)
-    return "loomflow migrate" if dsn is None else f"loomflow --url {dsn} migrate"
+    return "loomflow migrate" if dsn is None else f"loomflow migrate --url {dsn}"
 
 
 async def require_schema(db: Database, component: str, migrations: Sequence[Migration]) -> None:

@@ -706,7 +706,7 @@ def test_a_schema_left_unmigrated_names_the_migrate_command_that_reaches_it(
     assert refused.returncode == 1
     hint = re.search(r"so run `loomflow (.*)` first", refused.stderr)
     assert hint is not None, refused.stderr
-    assert hint[1] == f"--url sqlite:///{tmp_path / 'app.db'} migrate"
+    assert hint[1] == f"migrate --url sqlite:///{tmp_path / 'app.db'}"
     assert loomflow(*hint[1].split(), cwd=tmp_path).returncode == 0  # the hint, as given
     assert run_app().returncode == 0
     assert not (tmp_path / ".loomflow").exists()
