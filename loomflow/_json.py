@@ -39,6 +39,11 @@ def canonical_json(value: Any) -> str:
     return _canonical(value)
 
 
+# Leaves that both walks below hand back as they are: skipped without a call (most of a tool's
+# arguments and results are these, and the walks run on every call and result).
+_AS_IS = frozenset({int, bool, type(None)})
+
+
 def valid_text(text: str) -> str:
     """``text`` with each lone surrogate replaced by U+FFFD (the replacement character).
 
@@ -68,12 +73,14 @@ def valid_value(value: Any) -> Any:
     if isinstance(value, str):
         return valid_text(value)
     if isinstance(value, dict):
-        items = [(valid_value(k), valid_value(v)) for k, v in value.items()]
+        items = [
+            (valid_value(k), v if type(v) in _AS_IS else valid_value(v)) for k, v in value.items()
+        ]
         if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
             return value
         return dict(items)
     if isinstance(value, list | tuple):
-        out = [valid_value(v) for v in value]
+        out = [v if type(v) in _AS_IS else valid_value(v) for v in value]
         if all(a is b for a, b in zip(out, value, strict=True)):
             return value
         return out if isinstance(value, list) else tuple(out)
@@ -90,9 +97,11 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
-        return {valid_text(str(k)): json_safe(v) for k, v in value.items()}
+        return {
+            valid_text(str(k)): v if type(v) in _AS_IS else json_safe(v) for k, v in value.items()
+        }
     if isinstance(value, list | tuple | set | frozenset):
-        items = [json_safe(v) for v in value]
+        items = [v if type(v) in _AS_IS else json_safe(v) for v in value]
         return sorted(items, key=canonical_json) if isinstance(value, set | frozenset) else items
     if isinstance(value, BaseModel):
         return json_safe(value.model_dump(mode="json"))

@@ -240,6 +240,11 @@ class Redactor:
         """``value`` as redacted JSON data; strings longer than ``max_text`` are cut."""
         return self._walk(json_safe(value), max_text, pii)
 
+    def _plain_value(self, value: Any, *, pii: bool = True) -> Any:
+        """:meth:`value` of data that :func:`~loomflow._json.json_safe` has already made plain
+        (a caller that keeps the plain form too need not walk it twice)."""
+        return self._walk(value, None, pii)
+
     def _walk(self, value: Any, max_text: int | None, pii: bool = True) -> Any:
         if isinstance(value, str):
             out = self.text(value, pii=pii)

@@ -38,7 +38,7 @@ import hmac
 import os
 import re
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Mapping
 from typing import Any
 
 from .._json import canonical_json, json_safe
@@ -167,46 +167,43 @@ class Sealer:
         stream closes the model's stream at once.
         """
         source = aiter(chunks)
+        # One generator, not one wrapped in another: every chunk of every turn passes here.
+        held: dict[int, list[ToolCallDelta]] = {}
         try:
-            async for chunk in self._sealed(source):
+            async for chunk in source:
+                if isinstance(chunk, ToolCallDelta):
+                    held.setdefault(chunk.index, []).append(chunk)
+                    continue
+                if isinstance(chunk, ModelResponse):
+                    sealed = self.seal_response(chunk)
+                    for index in sorted(held):
+                        if index >= len(chunk.tool_calls):
+                            # Deltas that name no call of the response (a model that numbers
+                            # its calls its own way) cannot be checked for secrets: not shown.
+                            continue
+                        original, now = chunk.tool_calls[index], sealed.tool_calls[index]
+                        if now is original:
+                            for delta in held[index]:
+                                yield delta
+                        else:
+                            yield ToolCallDelta(
+                                index=index,
+                                id=now.id,
+                                name=now.name,
+                                arguments_delta=canonical_json(now.arguments),
+                            )
+                    held.clear()
+                    yield sealed
+                    continue
                 yield chunk
+            # A stream that ended without a response: its held deltas belong to no call that
+            # can be checked for secrets, and none of them runs, so they are not shown either.
         finally:
             # Close the model's stream now, in this context, not whenever it is collected:
             # an abandoned stream must release what it holds (spans, connections) at once.
             aclose = getattr(source, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-    async def _sealed(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        held: dict[int, list[ToolCallDelta]] = {}
-        async for chunk in chunks:
-            if isinstance(chunk, ToolCallDelta):
-                held.setdefault(chunk.index, []).append(chunk)
-                continue
-            if isinstance(chunk, ModelResponse):
-                sealed = self.seal_response(chunk)
-                for index in sorted(held):
-                    if index >= len(chunk.tool_calls):
-                        # Deltas that name no call of the response (a model that numbers its
-                        # calls its own way) cannot be checked for secrets: not shown.
-                        continue
-                    original, now = chunk.tool_calls[index], sealed.tool_calls[index]
-                    if now is original:
-                        for delta in held[index]:
-                            yield delta
-                    else:
-                        yield ToolCallDelta(
-                            index=index,
-                            id=now.id,
-                            name=now.name,
-                            arguments_delta=canonical_json(now.arguments),
-                        )
-                held.clear()
-                yield sealed
-                continue
-            yield chunk
-        # A stream that ended without a response: its held deltas belong to no call that can
-        # be checked for secrets, and none of them runs, so they are not shown either.
 
     def unseal(self, call: ToolCall) -> ToolCall:
         """``call`` with the real values back, for the tool invocation only.
@@ -284,7 +281,7 @@ class Sealer:
                 update["error"] = error
         if outcome.ok and outcome.value is not None:
             plain = json_safe(outcome.value)
-            clean = self._redactor.value(plain, pii=False)
+            clean = self._redactor._plain_value(plain, pii=False)  # plain already: not again
             if clean != plain:  # only a result that held a secret changes shape
                 update["value"] = clean
         return outcome.model_copy(update=update) if update else outcome
