@@ -222,12 +222,17 @@ class Tool(Generic[P, R]):
                 error=f"invalid arguments for tool {self.name!r}: {exc}",
             )
 
-        deadline = asyncio.timeout(self.timeout)
+        # No deadline to arm without a timeout: asyncio.timeout(None) would be set up and
+        # torn down on every call for nothing.
+        deadline = asyncio.timeout(self.timeout) if self.timeout is not None else None
         try:
-            async with deadline:
+            if deadline is None:
                 value = await self._run(args, kwargs)
+            else:
+                async with deadline:
+                    value = await self._run(args, kwargs)
         except TimeoutError as exc:
-            if not deadline.expired():
+            if deadline is None or not deadline.expired():
                 return self._failure(exc)  # the tool's own TimeoutError, e.g. from an HTTP call
             # An async tool was cancelled at its current await. A sync tool's thread cannot be
             # killed in Python: it runs to completion in the background and its result is

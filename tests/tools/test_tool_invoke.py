@@ -415,3 +415,35 @@ def test_outcome_is_frozen_and_journal_encodable() -> None:
     # Quote is not registered, so it comes back as plain data; the model reads the same text.
     assert decoded.value == {"sku": "Q", "cents": 3}
     assert decoded.as_text() == outcome.as_text()
+
+
+async def test_without_a_timeout_the_tools_own_timeout_error_is_its_failure() -> None:
+    # No deadline is armed without a timeout; the tool's TimeoutError is still its failure.
+    @tool
+    async def flaky_http() -> None:
+        raise TimeoutError("upstream read timed out")
+
+    assert flaky_http.timeout is None
+    outcome = await flaky_http.invoke({})
+    assert outcome.error_type == "tool_error"
+    assert outcome.error == "TimeoutError: upstream read timed out"
+
+
+async def test_a_tool_without_a_timeout_arms_no_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    armed: list[float | None] = []
+    real = asyncio.timeout
+
+    def counting(delay: float | None) -> Any:
+        armed.append(delay)
+        return real(delay)
+
+    monkeypatch.setattr(asyncio, "timeout", counting)
+    assert (await add.invoke({"a": 1})).value == 11
+    assert armed == []  # asyncio.timeout(None) would be set up and torn down for nothing
+
+    @tool(timeout=5)
+    async def quick() -> int:
+        return 1
+
+    assert (await quick.invoke({})).value == 1
+    assert armed == [5]
