@@ -70,6 +70,11 @@ class RunInfo:
     # ``None``: the list prices).
     prices: Mapping[str, ModelPrice] | None = None
     _emit: Callable[[BaseModel], None] = field(default=lambda _e: None, repr=False)
+    # The last response priced, with its table and cost: the run, the telemetry, the audit
+    # log and a budget each price every live response, the same way (responses are values).
+    _priced: tuple[Any, Any, float | None] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def run_id(self) -> str:
@@ -87,13 +92,18 @@ class RunInfo:
         """What ``response`` cost in USD, priced as the budget charges it (see
         :func:`~loomflow.models.pricing.price_for`), or ``None`` when no table knows the model.
         """
-        return cost_usd(
+        priced = self._priced
+        if priced is not None and priced[0] is response and priced[1] is self.prices:
+            return priced[2]
+        cost = cost_usd(
             self.model_name,
             response.usage,
             provider=self.provider,
             prices=self.prices,
             reported=response.model,
         )
+        self._priced = (response, self.prices, cost)
+        return cost
 
     def emit(self, event: BaseModel) -> None:
         """Put ``event`` in the run's event stream; every hook's ``on_event`` sees it."""

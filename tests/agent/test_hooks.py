@@ -199,3 +199,49 @@ async def test_tool_started_shows_an_edited_call_with_its_sensitive_arguments_se
     (started,) = hooks.started
     assert started.arguments["user"] == "alice"  # the call as it runs: the edit
     assert "hunter2" not in repr(started)  # its secret sealed, as in every other hook's call
+
+
+async def test_each_live_response_is_priced_once_for_the_run_and_its_hooks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import loomflow.hooks as hooks_module
+
+    priced: list[ModelResponse] = []
+    real = hooks_module.cost_usd
+
+    def counting(*args: Any, **kwargs: Any) -> float | None:
+        priced.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hooks_module, "cost_usd", counting)
+    seen: list[float | None] = []
+
+    class Pricing(RunHooks):
+        async def after_model_call(
+            self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+        ) -> None:
+            seen.append(info.cost_usd(response))
+
+    ran.clear()
+    agent = Agent("x", model=FunctionModel(decide), tools=[delete_all], hooks=[Pricing()])
+    result = await agent.run("go")
+    assert result.turns == 2
+    # The run, the telemetry and the hook price each response; the table is asked once.
+    assert len(priced) == 2
+    assert seen == [0.0, 0.0]
+
+
+def test_a_run_info_prices_a_response_again_under_another_table() -> None:
+    from loomflow.context import RunContext
+    from loomflow.messages import Usage
+    from loomflow.models.pricing import ModelPrice
+
+    info = RunInfo(
+        ctx=RunContext(), agent_name="a", model_name="gpt-x", provider="openai", backend="none",
+        prompt="p",
+    )  # fmt: skip
+    response = ModelResponse(text="hi", usage=Usage(input_tokens=1_000_000))
+    assert info.cost_usd(response) is None  # no table knows the model
+    info.prices = {"gpt-x": ModelPrice(input_per_mtok=2.0, output_per_mtok=0.0)}
+    assert info.cost_usd(response) == 2.0
+    assert info.cost_usd(ModelResponse(text="hi", usage=Usage(input_tokens=500_000))) == 1.0
