@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import math
+import operator
 import uuid
 import weakref
 from collections.abc import Callable
@@ -767,7 +768,8 @@ class GrowingHasher:
 
     def snapshot(self, items: list[Any]) -> GrowingList:
         kept = self._items
-        if len(items) < len(kept) or any(a is not b for a, b in zip(kept, items, strict=False)):
+        # map, not a generator expression: the whole kept prefix is compared on every call.
+        if len(items) < len(kept) or any(map(operator.is_not, kept, items)):
             self._items, self._state = [], hashlib.sha256(_GROWING_PREFIX)
             kept = self._items
         state = self._state
