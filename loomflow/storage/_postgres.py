@@ -43,6 +43,43 @@ finds its connection closed when it wakes.
 """
 
 
+# What a server's refusal means for a deployment, and the fix, by SQLSTATE.
+_SERVER_REFUSALS = {
+    "25006": (  # read_only_sql_transaction
+        "this server takes no writes: it is a read-only standby (a replica, or a primary "
+        "demoted by a failover) or default_transaction_read_only is on for the database or "
+        "role; point the DSN at the primary (with several hosts in the DSN, "
+        "target_session_attrs=read-write picks the one that takes writes)"
+    ),
+    "57014": (  # query_canceled: asyncpg's own timeout raises TimeoutError, not this
+        "the server cancelled the statement: its statement_timeout (set on the role or "
+        "database: SHOW statement_timeout) or an operator's pg_cancel_backend; keep the "
+        "server's limit above LOOMFLOW_POSTGRES_TIMEOUT_SECONDS and above the longest "
+        "migration or prune, or lift it for the role that migrates (ALTER ROLE ... SET "
+        "statement_timeout = 0); a statement waiting on a lock another session holds is "
+        "cancelled this way too (see pg_locks)"
+    ),
+    "3D000": (  # invalid_catalog_name
+        "create the database (CREATE DATABASE, or createdb) or correct its name in the DSN"
+    ),
+    "53300": (  # too_many_connections
+        "the server has no connection left for this role or database (max_connections, or a "
+        "CONNECTION LIMIT on the role or database); each loomflow process holds up to its "
+        "pool size plus one connection: end idle sessions (pg_stat_activity), raise the "
+        "limit, or put a pooler such as PgBouncer in front"
+    ),
+    "57P03": (  # cannot_connect_now
+        "the server is starting up, shutting down or recovering: try again once it accepts "
+        "connections"
+    ),
+    "57P01": (  # admin_shutdown: pg_terminate_backend, a fast shutdown
+        "the server ended this session (pg_terminate_backend, a restart or a failover); "
+        "nothing committed is lost, the next statement connects anew, and an interrupted run "
+        "resumes from its journal"
+    ),
+}
+
+
 def _asyncpg() -> Any:
     try:
         import asyncpg
@@ -227,7 +264,8 @@ class PostgresDatabase(Database):
             return StoreUnavailableError(
                 f"{what} failed: PostgreSQL did not answer within {self.timeout_s:g}s "
                 "(LOOMFLOW_POSTGRES_TIMEOUT_SECONDS): the server may be paused, overloaded "
-                "or cut off"
+                "or cut off, or another session holds a lock on loomflow's tables (see "
+                "pg_locks and pg_stat_activity)"
             )
         if (option := _unknown_dsn_option(exc, self._dsn)) is not None:
             # asyncpg sends a query option it does not read itself to the server as a
@@ -240,6 +278,11 @@ class PostgresDatabase(Database):
                 f"?{option}= option asked for (options other than the SSL and connection ones "
                 f"are sent to the server as settings): remove it from the URL{hint}"
             )
+        why = _SERVER_REFUSALS.get(getattr(exc, "sqlstate", None) or "")
+        if why is not None:
+            # The server's words name the symptom ("cannot execute INSERT in a read-only
+            # transaction"); an operator needs the cause, and which setting to change.
+            return StoreUnavailableError(f"{what} failed: {type(exc).__name__}: {exc}: {why}")
         if isinstance(exc, socket.gaierror) and self._dsn is not None:
             # The resolver's own words ("Name or service not known") name no host at all.
             return StoreUnavailableError(

@@ -1,0 +1,129 @@
+"""A PostgreSQL server that refuses our work says why, and what to do about it.
+
+Each case is set up on a real server the way operators meet it: a replica promoted the other
+way (default_transaction_read_only), a statement_timeout on the database, a database that is
+not there, a role out of connection slots. The error stays a StoreUnavailableError (a
+MigrationError when migrating), and its message names the cause and the fix, not only the
+driver's words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from loomflow.errors import StorageError, StoreUnavailableError
+from loomflow.runtime import PostgresRuntime
+from loomflow.storage import PostgresDatabase
+
+pytestmark = pytest.mark.postgres
+
+PG_ADMIN_DSN = os.environ.get(
+    "LOOMFLOW_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+
+
+async def _admin(sql: str) -> None:
+    conn = await asyncpg.connect(PG_ADMIN_DSN, timeout=5)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def _name_of(dsn: str) -> str:
+    return dsn.rpartition("/")[2]
+
+
+async def _one_step(dsn: str) -> None:
+    runtime = await PostgresRuntime.connect(dsn)
+    try:
+        async with runtime.session("s", "u"):
+
+            async def body() -> int:
+                return 1
+
+            await runtime.step("a", body)
+    finally:
+        await runtime.close()
+
+
+async def test_a_read_only_server_names_the_primary_as_the_fix(pg_dsn: str) -> None:
+    await _one_step(pg_dsn)  # migrated and written while the server took writes
+    await _admin(f'ALTER DATABASE "{_name_of(pg_dsn)}" SET default_transaction_read_only = on')
+    with pytest.raises(StoreUnavailableError) as caught:
+        await _one_step(pg_dsn)
+    message = str(caught.value)
+    assert "read-only" in message
+    assert "target_session_attrs=read-write" in message
+    assert isinstance(caught.value.__cause__, asyncpg.ReadOnlySQLTransactionError)
+
+
+@contextlib.asynccontextmanager
+async def _locked(dsn: str, table: str) -> AsyncIterator[None]:
+    """Another session holding ``table`` in an open transaction while the block runs."""
+    holder = await asyncpg.connect(dsn)
+    try:
+        await holder.execute("SET statement_timeout = 0")
+        async with holder.transaction():
+            await holder.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+            yield
+    finally:
+        await holder.close()
+
+
+async def test_the_servers_statement_timeout_is_named(pg_dsn: str) -> None:
+    await _one_step(pg_dsn)
+    await _admin(f"ALTER DATABASE \"{_name_of(pg_dsn)}\" SET statement_timeout = '300ms'")
+    # Another session holds our table, so the server cancels our statement at 300 ms,
+    # well before LOOMFLOW_POSTGRES_TIMEOUT_SECONDS would.
+    async with _locked(pg_dsn, "loom_sessions"):
+        with pytest.raises(StoreUnavailableError) as caught:
+            await asyncio.wait_for(_one_step(pg_dsn), 30)
+    message = str(caught.value)
+    assert "statement_timeout" in message
+    assert "ALTER ROLE" in message
+
+
+async def test_a_database_that_is_not_there_is_named() -> None:
+    name = f"loom_test_missing_{uuid.uuid4().hex[:8]}"
+    dsn = f"{PG_ADMIN_DSN.rpartition('/')[0]}/{name}"
+    with pytest.raises(StoreUnavailableError) as caught:
+        await _one_step(dsn)
+    message = str(caught.value)
+    assert name in message
+    assert "CREATE DATABASE" in message
+
+
+async def test_a_role_out_of_connection_slots_is_named(pg_dsn: str) -> None:
+    role = f"loom_test_role_{uuid.uuid4().hex[:8]}"
+    await _admin(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 0')
+    try:
+        dsn = pg_dsn.replace("://postgres@", f"://{role}@", 1)
+        assert role in dsn, "the test expects the admin DSN to log in as postgres"
+        with pytest.raises(StorageError) as caught:
+            await _one_step(dsn)
+    finally:
+        await _admin(f'DROP ROLE "{role}"')
+    message = str(caught.value)
+    assert "no connection left" in message
+    assert "max_connections" in message
+
+
+async def test_a_lock_held_past_our_timeout_is_named(pg_dsn: str) -> None:
+    db = PostgresDatabase(pg_dsn, timeout_s=0.5)
+    try:
+        await db.execute("CREATE TABLE held (x int)")
+        async with _locked(pg_dsn, "held"):
+            with pytest.raises(StoreUnavailableError) as caught:
+                await db.fetch("SELECT x FROM held")
+    finally:
+        await db.close()
+    assert "within 0.5s" in str(caught.value)
+    assert "holds a lock" in str(caught.value)
