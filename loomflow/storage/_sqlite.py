@@ -67,6 +67,41 @@ def _write_lock_holder(path: Path) -> int | None:
     return None
 
 
+# Below this much free space a write error is taken for a full filesystem: SQLite needs room
+# for whole pages, WAL frames and a 32 KiB -shm file, so a few KiB left is as good as none.
+_LOW_SPACE = 1 << 20
+
+_READ_ONLY_MOUNT = (
+    "its filesystem is mounted read-only (the kernel does that after an I/O error: see "
+    "dmesg); remount it read-write, or put the file on a writable volume"
+)
+
+
+def _statvfs(path: Path) -> os.statvfs_result | None:
+    """statvfs of the nearest directory of ``path`` that exists (the file may not yet)."""
+    for where in (path, *path.absolute().parents):
+        try:
+            return os.statvfs(where)
+        except OSError:
+            continue
+    return None
+
+
+def _read_only_mount(path: Path) -> bool:
+    st = _statvfs(path)
+    return st is not None and bool(st.f_flag & os.ST_RDONLY)
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes this process may write on the filesystem of ``path`` (root may use the
+    blocks kept for it)."""
+    st = _statvfs(path)
+    if st is None:
+        return None
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    return blocks * st.f_frsize
+
+
 def _is_stopped(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
@@ -295,6 +330,8 @@ class SqliteDatabase(Database):
             return schema_changed(exc, what)
         if (read_only := self._explain_read_only(exc, what)) is not None:
             return read_only
+        if (full := self._explain_no_space(exc, what)) is not None:
+            return full
         # SQLITE_BUSY after busy_timeout: name who holds the lock rather than the statement
         # that happened to wait (a schema check, a lease claim) as if it were the problem.
         if not isinstance(exc, sqlite3.OperationalError) or "database is locked" not in str(exc):
@@ -335,9 +372,38 @@ class SqliteDatabase(Database):
                 f"SQLite (in WAL mode) must create {self.path.name}-wal and "
                 f"{self.path.name}-shm beside the file, even to read it"
             )
+        elif _read_only_mount(self.path):
+            why = _READ_ONLY_MOUNT
         else:
             why = "the file (or its filesystem) is read-only for this user"
         return StoreUnavailableError(f"{what} failed: {path!r}: {why} ({exc})")
+
+    def _explain_no_space(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        """A filesystem that filled up, or was remounted read-only under a running process.
+
+        sqlite3 says "database or disk is full", or, when the -shm file cannot be made,
+        "disk I/O error": neither names the file, and the second reads like broken hardware.
+        """
+        if not isinstance(exc, sqlite3.OperationalError) or str(self.path) == ":memory:":
+            return None
+        code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+        if code not in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):
+            return None
+        path = str(self.path)
+        if _read_only_mount(self.path):
+            return StoreUnavailableError(
+                f"{what} failed: {path!r}: {_READ_ONLY_MOUNT} ({type(exc).__name__}: {exc})"
+            )
+        free = _free_bytes(self.path)
+        if free is None or free >= _LOW_SPACE:
+            return None  # not for want of space: the driver's words are all there is
+        return StoreUnavailableError(
+            f"{what} failed: the filesystem holding {str(self.path.parent)!r} is full "
+            f"({free} bytes free): free space there, or move the file to a larger volume; "
+            "the write that failed was rolled back, nothing committed before it is lost, and "
+            "a run that stopped resumes from its journal once there is room "
+            f"({type(exc).__name__}: {exc})"
+        )
 
     def _explain_connect(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
         """A file that cannot be opened: say which, and the likely reason (sqlite3 names
@@ -363,6 +429,8 @@ class SqliteDatabase(Database):
         """sqlite3 says "unable to open database file" both for a directory that takes no new
         file and for a file this user may not read: tell them apart, so that the hint names
         what to fix (a journal made by root and read by the app's user is the usual case)."""
+        if _read_only_mount(self.path):
+            return _READ_ONLY_MOUNT
         try:
             with open(self.path, "rb"):
                 pass
