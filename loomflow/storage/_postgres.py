@@ -151,7 +151,15 @@ class PostgresDatabase(Database):
             None if idle_in_transaction_timeout is None else int(idle_in_transaction_timeout * 1000)
         )
         driver = _asyncpg()
-        self.driver_errors = (driver.PostgresError, driver.InterfaceError, OSError)
+        # InternalClientError: a connection whose server ended it (its last message read, the
+        # close not yet) is in a state asyncpg cannot use; it is an outage like the others.
+        self.driver_errors = (
+            driver.PostgresError,
+            driver.InterfaceError,
+            driver.InternalClientError,
+            OSError,
+        )
+        self._confused: type[BaseException] = driver.InternalClientError
         self._server_errors: tuple[type[BaseException], ...] = (driver.PostgresError,)
         self._duplicate_key: type[BaseException] = driver.UniqueViolationError
         self._dsn = dsn_or_pool if isinstance(dsn_or_pool, str) else None
@@ -279,6 +287,8 @@ class PostgresDatabase(Database):
                 f"are sent to the server as settings): remove it from the URL{hint}"
             )
         why = _SERVER_REFUSALS.get(getattr(exc, "sqlstate", None) or "")
+        if isinstance(exc, self._confused):
+            why = "the driver lost track of the connection, as when " + _SERVER_REFUSALS["57P01"]
         if why is not None:
             # The server's words name the symptom ("cannot execute INSERT in a read-only
             # transaction"); an operator needs the cause, and which setting to change.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 
@@ -127,3 +128,90 @@ async def test_a_lock_held_past_our_timeout_is_named(pg_dsn: str) -> None:
         await db.close()
     assert "within 0.5s" in str(caught.value)
     assert "holds a lock" in str(caught.value)
+
+
+class _Proxy:
+    """A TCP relay to the server that can pass on, as the server would, the message a backend
+    sends when it is ended (FATAL 57P01), and hold the connection open a moment before the
+    close: asyncpg's connection then knows neither that it is closed nor that it is idle."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._clients: list[asyncio.StreamWriter] = []
+        self._cut = False
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._relay(reader, writer)
+        finally:
+            writer.close()
+            self._tasks.discard(task)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self._target)
+        self._clients.append(writer)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while (data := await src.read(65536)) and not self._cut:
+                    dst.write(data)
+                    await dst.drain()
+                if not self._cut:  # a close on one side is passed on to the other
+                    dst.close()
+
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        finally:
+            up_writer.close()
+
+    def end_sessions(self) -> None:
+        """What pg_terminate_backend sends each client, the close itself still to come."""
+        self._cut = True
+        fields = b"SFATAL\0VFATAL\0C57P01\0Mterminating connection due to administrator command\0\0"
+        for writer in self._clients:
+            writer.write(b"E" + (len(fields) + 4).to_bytes(4, "big") + fields)
+
+    async def close_ended(self) -> None:
+        """The close that follows; new connections are relayed again."""
+        ended, self._clients, self._cut = self._clients, [], False
+        for writer in ended:
+            writer.close()
+        await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        await self.close_ended()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def test_a_connection_the_server_ended_is_a_store_error(pg_dsn: str) -> None:
+    server = urllib.parse.urlsplit(pg_dsn)
+    proxy = _Proxy(server.hostname or "127.0.0.1", server.port or 5432)
+    port = await proxy.start()
+    login = server.netloc.rpartition("@")[0]
+    relayed = server._replace(netloc=f"{login}@127.0.0.1:{port}").geturl()
+    db = PostgresDatabase(relayed, timeout_s=5)
+    try:
+        assert await db.fetch("SELECT 1") == [(1,)]
+        proxy.end_sessions()
+        await asyncio.sleep(0.2)  # the message is read; the close has not come
+        with pytest.raises(StoreUnavailableError) as caught:
+            await db.fetch("SELECT 1")
+        await proxy.close_ended()
+        assert await db.fetch("SELECT 2") == [(2,)]  # connected anew
+    finally:
+        await db.close()
+        await proxy.close()
+    assert "the server ended this session" in str(caught.value)
