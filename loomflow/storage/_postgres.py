@@ -160,6 +160,7 @@ class PostgresDatabase(Database):
             OSError,
         )
         self._confused: type[BaseException] = driver.InternalClientError
+        self._rollback_error: type[BaseException] = driver.InterfaceError
         self._server_errors: tuple[type[BaseException], ...] = (driver.PostgresError,)
         self._duplicate_key: type[BaseException] = driver.UniqueViolationError
         self._dsn = dsn_or_pool if isinstance(dsn_or_pool, str) else None
@@ -285,6 +286,22 @@ class PostgresDatabase(Database):
                 f"{what} failed: the server knows no setting {option!r}, which the URL's "
                 f"?{option}= option asked for (options other than the SSL and connection ones "
                 f"are sent to the server as settings): remove it from the URL{hint}"
+            )
+        inner = exc.__context__
+        if (
+            isinstance(exc, self._rollback_error)
+            and "__aexit__" in str(exc)
+            and isinstance(inner, self.driver_errors)
+        ):
+            # asyncpg's rollback of a transaction whose connection closed under it ("cannot
+            # call Transaction.__aexit__()"), hiding the statement's error, which may only
+            # say "connection has been released back to the pool": say what happened.
+            return StoreUnavailableError(
+                f"{what} failed: the connection closed during the transaction (the server "
+                "ended the session: pg_terminate_backend, a restart or a failover; or the "
+                "network dropped it); the server rolled the transaction back, so nothing of "
+                "it was committed, and the next statement connects anew "
+                f"({type(inner).__name__}: {inner})"
             )
         why = _SERVER_REFUSALS.get(getattr(exc, "sqlstate", None) or "")
         if isinstance(exc, self._confused):

@@ -215,3 +215,23 @@ async def test_a_connection_the_server_ended_is_a_store_error(pg_dsn: str) -> No
         await db.close()
         await proxy.close()
     assert "the server ended this session" in str(caught.value)
+
+
+async def test_a_transaction_whose_session_was_ended_names_why_not_its_rollback(
+    pg_dsn: str,
+) -> None:
+    db = PostgresDatabase(pg_dsn, timeout_s=5)
+    try:
+        with pytest.raises(StoreUnavailableError) as caught:
+            async with db.transaction(what="audit append") as tx:
+                pid = (await tx.fetch("SELECT pg_backend_pid()"))[0][0]
+                await _admin(f"SELECT pg_terminate_backend({pid})")
+                await tx.fetch("SELECT pg_sleep(0.5)")
+        assert await db.fetch("SELECT 1") == [(1,)]  # connected anew
+    finally:
+        await db.close()
+    message = str(caught.value)
+    # The rollback that could not be sent is not the news: the statement's failure is.
+    assert "__aexit__" not in message, message
+    assert "the connection closed during the transaction" in message, message
+    assert "nothing of it was committed" in message, message
