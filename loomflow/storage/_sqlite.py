@@ -400,8 +400,8 @@ class SqliteDatabase(Database):
         return StoreUnavailableError(
             f"{what} failed: the filesystem holding {str(self.path.parent)!r} is full "
             f"({free} bytes free): free space there, or move the file to a larger volume; "
-            "the write that failed was rolled back, nothing committed before it is lost, and "
-            "a run that stopped resumes from its journal once there is room "
+            "nothing committed is lost (a write that fails is rolled back), and a run that "
+            "stopped resumes from its journal once there is room "
             f"({type(exc).__name__}: {exc})"
         )
 
