@@ -330,7 +330,24 @@ class PostgresDatabase(Database):
 
     async def _single(self, method: str, sql: str, args: tuple[Any, ...]) -> Any:
         """One statement through ``method`` (``fetch`` or ``execute``, which a connection and
-        the pool both have): on the lane if it is free, else on the pool."""
+        the pool both have): on the lane if it is free, else on the pool.
+
+        A connection the server ended while it was idle (idle_session_timeout, a restart,
+        pg_terminate_backend), whose FATAL message asyncpg has read but not yet the close,
+        refuses the statement before sending anything ("cannot switch to state"): the
+        statement is sent again on another connection. Each such connection is dropped as it
+        refuses, so the pool and the lane run out of them within that many tries.
+        """
+        for _ in range(self._max_size + 1):
+            try:
+                return await self._single_once(method, sql, args)
+            except self._confused as exc:
+                if "cannot switch to state" not in str(exc):
+                    raise
+                refused = exc
+        raise refused
+
+    async def _single_once(self, method: str, sql: str, args: tuple[Any, ...]) -> Any:
         timeout = self._statement_timeout()
         lane = self._take_lane()
         if lane is None:

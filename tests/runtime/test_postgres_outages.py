@@ -133,12 +133,13 @@ async def test_a_lock_held_past_our_timeout_is_named(pg_dsn: str) -> None:
 class _Proxy:
     """A TCP relay to the server that can pass on, as the server would, the message a backend
     sends when it is ended (FATAL 57P01), and hold the connection open a moment before the
-    close: asyncpg's connection then knows neither that it is closed nor that it is idle."""
+    close: asyncpg's connection then knows neither that it is closed nor that it is idle.
+    Connections made after that are relayed as before."""
 
     def __init__(self, host: str, port: int) -> None:
         self._target = (host, port)
         self._clients: list[asyncio.StreamWriter] = []
-        self._cut = False
+        self._ended: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -162,10 +163,10 @@ class _Proxy:
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):
-                while (data := await src.read(65536)) and not self._cut:
+                while (data := await src.read(65536)) and writer not in self._ended:
                     dst.write(data)
                     await dst.drain()
-                if not self._cut:  # a close on one side is passed on to the other
+                if writer not in self._ended:  # a close on one side is passed on
                     dst.close()
 
         try:
@@ -173,22 +174,18 @@ class _Proxy:
         finally:
             up_writer.close()
 
-    def end_sessions(self) -> None:
+    async def end_sessions(self) -> None:
         """What pg_terminate_backend sends each client, the close itself still to come."""
-        self._cut = True
         fields = b"SFATAL\0VFATAL\0C57P01\0Mterminating connection due to administrator command\0\0"
         for writer in self._clients:
+            self._ended.add(writer)
             writer.write(b"E" + (len(fields) + 4).to_bytes(4, "big") + fields)
-
-    async def close_ended(self) -> None:
-        """The close that follows; new connections are relayed again."""
-        ended, self._clients, self._cut = self._clients, [], False
-        for writer in ended:
-            writer.close()
-        await asyncio.sleep(0.1)
+        self._clients = []
+        await asyncio.sleep(0.2)  # the message is read; the close has not come
 
     async def close(self) -> None:
-        await self.close_ended()
+        for writer in (*self._ended, *self._clients):
+            writer.close()
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):
@@ -196,24 +193,45 @@ class _Proxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def test_a_connection_the_server_ended_is_a_store_error(pg_dsn: str) -> None:
+@contextlib.asynccontextmanager
+async def _relayed(pg_dsn: str) -> AsyncIterator[tuple[_Proxy, PostgresDatabase]]:
     server = urllib.parse.urlsplit(pg_dsn)
     proxy = _Proxy(server.hostname or "127.0.0.1", server.port or 5432)
     port = await proxy.start()
     login = server.netloc.rpartition("@")[0]
-    relayed = server._replace(netloc=f"{login}@127.0.0.1:{port}").geturl()
-    db = PostgresDatabase(relayed, timeout_s=5)
+    db = PostgresDatabase(server._replace(netloc=f"{login}@127.0.0.1:{port}").geturl())
     try:
         assert await db.fetch("SELECT 1") == [(1,)]
-        proxy.end_sessions()
-        await asyncio.sleep(0.2)  # the message is read; the close has not come
-        with pytest.raises(StoreUnavailableError) as caught:
-            await db.fetch("SELECT 1")
-        await proxy.close_ended()
-        assert await db.fetch("SELECT 2") == [(2,)]  # connected anew
+        await asyncio.sleep(0.3)  # the lane is up beside the pool's connection
+        assert await db.fetch("SELECT 1") == [(1,)]
+        yield proxy, db
     finally:
         await db.close()
         await proxy.close()
+
+
+async def test_a_statement_on_connections_the_server_ended_is_sent_on_a_new_one(
+    pg_dsn: str,
+) -> None:
+    # The server ended them while they were idle (idle_session_timeout, a restart); nothing
+    # of the statement was sent on them, so it is not lost and not sent twice.
+    async with _relayed(pg_dsn) as (proxy, db):
+        await proxy.end_sessions()
+        assert await db.fetch("SELECT 2") == [(2,)]
+        await proxy.end_sessions()
+        await db.execute("CREATE TABLE once (x int)")  # sent twice, it would fail
+        assert await db.fetch("SELECT count(*) FROM once") == [(0,)]
+
+
+async def test_a_transaction_on_a_connection_the_server_ended_is_a_store_error(
+    pg_dsn: str,
+) -> None:
+    async with _relayed(pg_dsn) as (proxy, db):
+        await proxy.end_sessions()
+        with pytest.raises(StoreUnavailableError) as caught:
+            async with db.transaction(what="audit append") as tx:
+                await tx.fetch("SELECT 1")
+        assert await db.fetch("SELECT 2") == [(2,)]  # connected anew
     assert "the server ended this session" in str(caught.value)
 
 
