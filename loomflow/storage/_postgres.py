@@ -59,6 +59,11 @@ _SERVER_REFUSALS = {
         "statement_timeout = 0); a statement waiting on a lock another session holds is "
         "cancelled this way too (see pg_locks)"
     ),
+    "55P03": (  # lock_not_available: loomflow itself never asks for NOWAIT
+        "another session held a lock this statement waited for past the server's "
+        "lock_timeout (set on the role or database: SHOW lock_timeout); find the holder in "
+        "pg_locks and pg_stat_activity"
+    ),
     "3D000": (  # invalid_catalog_name
         "create the database (CREATE DATABASE, or createdb) or correct its name in the DSN"
     ),

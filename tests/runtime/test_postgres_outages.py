@@ -79,17 +79,24 @@ async def _locked(dsn: str, table: str) -> AsyncIterator[None]:
         await holder.close()
 
 
-async def test_the_servers_statement_timeout_is_named(pg_dsn: str) -> None:
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [("statement_timeout", ("statement_timeout", "ALTER ROLE")), ("lock_timeout", ("pg_locks",))],
+)
+async def test_the_servers_own_timeouts_are_named(
+    pg_dsn: str, setting: str, named: tuple[str, ...]
+) -> None:
     await _one_step(pg_dsn)
-    await _admin(f"ALTER DATABASE \"{_name_of(pg_dsn)}\" SET statement_timeout = '300ms'")
-    # Another session holds our table, so the server cancels our statement at 300 ms,
+    await _admin(f"ALTER DATABASE \"{_name_of(pg_dsn)}\" SET {setting} = '300ms'")
+    # Another session holds our table, so the server ends our statement's wait at 300 ms,
     # well before LOOMFLOW_POSTGRES_TIMEOUT_SECONDS would.
     async with _locked(pg_dsn, "loom_sessions"):
         with pytest.raises(StoreUnavailableError) as caught:
             await asyncio.wait_for(_one_step(pg_dsn), 30)
     message = str(caught.value)
-    assert "statement_timeout" in message
-    assert "ALTER ROLE" in message
+    assert setting in message, message
+    for words in named:
+        assert words in message, message
 
 
 async def test_a_database_that_is_not_there_is_named() -> None:
