@@ -138,8 +138,10 @@ async def _handle(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(summary))
         else:
+            # The tool name is read back from the journal: a crafted row may hold escapes.
             print(
-                f"{recorded.behavior} recorded for {request.request_id} ({request.tool}) in "
+                f"{recorded.behavior} recorded for {request.request_id} "
+                f"({printable(request.tool)}) in "
                 f"session {args.session_id!r} of {who(args.user_id)}; the application's "
                 "next resume() of that session applies it"
             )

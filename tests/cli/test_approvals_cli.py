@@ -484,3 +484,41 @@ def test_an_approver_name_that_is_no_id_names_where_it_came_from(
     assert "decided_by" not in approved.stderr
     # Nothing decided: only the requests are on record.
     assert [e.action for e in asyncio.run(_audit(url))] == [actions.APPROVAL_REQUEST] * 2
+
+
+def test_a_request_row_naming_a_tool_with_terminal_escapes_is_shown_escaped(
+    tmp_path: Path,
+) -> None:
+    """A request row rewritten together with a matching id (the id is a hash, not a
+    signature) reads as a request; `approve` printed its tool name raw, so a crafted row
+    could retitle or clear the terminal of whoever decided it."""
+    import sqlite3
+
+    from loomflow.governance.approvals import _id_of
+    from loomflow.runtime._store import Scope
+
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    asyncio.run(_run(url, [], resume=False))
+    with sqlite3.connect(path) as db:
+        (value,) = db.execute(
+            "SELECT value FROM loom_entries WHERE name = 'approval_request_0_0'"
+        ).fetchone()
+        row = json.loads(value)
+        row["tool"] = "send\x1b]0;owned\x07_notice\x1b[2J"
+        shown = [row["tool"], row["arguments"], row["reason"], row["policy"]]
+        scope = Scope.checked(row["session_id"], row["user_id"])
+        row["request_id"] = _id_of(scope, row["epoch"], row["path"], "approval_request_0_0", shown)
+        db.execute(
+            "UPDATE loom_entries SET value = ? WHERE name = 'approval_request_0_0'",
+            (json.dumps(row).encode(),),
+        )
+
+    approved = loomflow(
+        "--url", url, "approvals", "approve", row["request_id"], "--session", "ops-1",
+        "--by", "carol",
+    )  # fmt: skip
+    assert approved.returncode == 0, approved.stderr
+    assert "\x1b" not in approved.stdout
+    assert "\x07" not in approved.stdout
+    assert "send\\x1b]0;owned\\x07_notice\\x1b[2J" in approved.stdout
