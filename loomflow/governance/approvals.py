@@ -38,6 +38,7 @@ from .._printable import shown
 from .._timefmt import iso_time
 from ..context import reset_var
 from ..errors import (
+    ApprovalArgumentsError,
     ApprovalDecidedError,
     ApprovalError,
     ApprovalNotFoundError,
@@ -50,6 +51,7 @@ from ..errors import (
 )
 from ..hooks import Interrupt, RunInfo
 from ..messages import ToolCall
+from ..redaction import PLACEHOLDER
 from ..runtime import codec
 from ..runtime._journal import JournalRun, JournalRuntime, _Frame, _frame
 from ..runtime._store import Scope, StoredEntry, fingerprint, path_key
@@ -782,9 +784,9 @@ async def journal_decisions(
     if not decisions:
         return {}
     # Checked before the turn is taken: a wrong id must not open (and so close) a run.
-    check_decidable(
-        await read_approvals(runtime, session_id, user_id), decisions, session_id, user_id
-    )
+    first = await read_approvals(runtime, session_id, user_id)
+    check_decidable(first, decisions, session_id, user_id)
+    _check_edits(first, decisions)  # a request's arguments are fixed by its id
     problem: ApprovalError | PayloadTooLargeError | None = None
     decided: dict[str, PendingApproval] = {}
     async with runtime.session(session_id, user_id, resume=True, take_turn=True) as run:
@@ -830,6 +832,52 @@ async def journal_decisions(
     if problem is not None:  # raised outside the block, so the run is left as it was
         raise problem
     return decided
+
+
+_REDACTED = PLACEHOLDER[:-1]  # "[REDACTED", which "[REDACTED:<kind>]" begins with too
+
+
+def _check_edits(ledger: Ledger, decisions: Mapping[str, RecordedDecision]) -> None:
+    """Raise :class:`ApprovalArgumentsError` for an edit that keeps a redacted value.
+
+    A request shows sensitive values and secrets as ``[REDACTED]`` (``[REDACTED:<kind>]``).
+    An edit replaces every argument, so one made by copying the request's arguments and
+    changing another value would run the tool with the placeholder as the value.
+    """
+    for request_id, decision in decisions.items():
+        if decision.arguments is None:
+            continue
+        kept = _kept_placeholder(ledger.requests[request_id].arguments, decision.arguments)
+        if kept is not None:
+            where, value = kept
+            raise ApprovalArgumentsError(
+                f"approval {request_id!r}: edited argument {where!r} is {shown(value, 80)}, "
+                "the request's redacted value, not a value to run the tool with: an edit "
+                "replaces every argument, so give the real value (or approve without edited "
+                "arguments to run the call as the model asked)",
+                request_id,
+            )
+
+
+def _kept_placeholder(asked: Any, edited: Any, where: str = "") -> tuple[str, str] | None:
+    """Where ``edited`` holds, at the same place, a value of ``asked`` (the request's
+    arguments) that was redacted."""
+    if isinstance(asked, str):
+        return (where, asked) if asked == edited and _REDACTED in asked else None
+    pairs: Iterable[tuple[Any, Any, str]] = ()
+    if isinstance(asked, dict) and isinstance(edited, dict):
+        pairs = (
+            (asked[k], v, f"{where}.{k}" if where else k) for k, v in edited.items() if k in asked
+        )
+    elif isinstance(asked, list) and isinstance(edited, list):
+        pairs = (
+            (a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(asked, edited, strict=False))
+        )
+    for inner_asked, inner_edited, inner_where in pairs:
+        found = _kept_placeholder(inner_asked, inner_edited, inner_where)
+        if found is not None:
+            return found
+    return None
 
 
 def _recorded(value: dict[str, Any], request_id: str) -> dict[str, Any]:

@@ -522,3 +522,29 @@ def test_a_request_row_naming_a_tool_with_terminal_escapes_is_shown_escaped(
     assert "\x1b" not in approved.stdout
     assert "\x07" not in approved.stdout
     assert "send\\x1b]0;owned\\x07_notice\\x1b[2J" in approved.stdout
+
+
+def test_arguments_copied_from_the_listing_with_a_redacted_value_are_refused(
+    tmp_path: Path,
+) -> None:
+    # The README says to copy the arguments `approvals list --json` shows and change only
+    # values; a sensitive one shows as "[REDACTED]", and the tool ran with that as its text.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    sent: list[dict[str, Any]] = []
+    asyncio.run(_run(url, sent, resume=False, sensitive=frozenset({"text"})))
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    first = json.loads(listed.stdout.splitlines()[0])
+    assert first["arguments"] == {"to": "ops", "text": "[REDACTED]"}
+    copied = json.dumps({**first["arguments"], "to": "oncall"})
+    approved = loomflow(
+        "--url", url, "approvals", "approve", first["request_id"], "--session", "ops-1",
+        "--arguments", copied, "--by", "carol",
+    )  # fmt: skip
+    assert approved.returncode == 1, approved.stdout
+    [line] = approved.stderr.splitlines()
+    assert line.startswith("loomflow: error: ")
+    assert "edited argument 'text' is '[REDACTED]'" in line
+    # Nothing decided or audited: the request still waits.
+    assert [e.action for e in asyncio.run(_audit(url))] == [actions.APPROVAL_REQUEST] * 2
+    again = loomflow("--url", url, "approvals", "list", "--json")
+    assert first["request_id"] in again.stdout

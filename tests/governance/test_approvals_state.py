@@ -17,7 +17,7 @@ import pytest
 from loomflow.agent import Agent
 from loomflow.agent._approvals import audit_decision
 from loomflow.audit import AuditLog, InMemoryAuditStore, actions
-from loomflow.errors import RunCancelledError, StoreUnavailableError
+from loomflow.errors import ApprovalArgumentsError, RunCancelledError, StoreUnavailableError
 from loomflow.governance import Approve, Deny, StandardPermissions
 from loomflow.governance.approvals import journal_decisions, normalize_decision
 from loomflow.messages import Message, ToolCall, ToolSpec
@@ -312,3 +312,48 @@ async def test_a_resume_elsewhere_without_a_decision_keeps_the_call_waiting(
     assert again.interruption_reason == "approval"
     assert [r.request_id for r in again.pending_approvals] == [request_id]
     assert bank.transfers == []
+
+
+async def test_an_edit_that_keeps_a_redacted_placeholder_is_refused(
+    runtime_factory: Factory,
+) -> None:
+    # The request shows a sensitive value as "[REDACTED]"; an edit made by copying the
+    # request's arguments and changing another value ran the tool with the placeholder as
+    # the PIN, even in the process that still held the model's value.
+    bank = Bank()
+    runtime = await runtime_factory()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = bank.agent(runtime, audit)
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+    copied = {**request.arguments, "account": "A-2"}
+    with pytest.raises(ApprovalArgumentsError, match=r"'pin'.*\[REDACTED\]") as caught:
+        await agent.resume(
+            "pay",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Approve(arguments=copied)},
+            decided_by="kim",
+        )
+    assert caught.value.request_id == request.request_id
+    # Nothing recorded (the same call journals nothing, as for a schema mismatch): the
+    # request still waits, no decision is audited, and the journal-only path refuses too.
+    assert (await audit.query(user_id="ana", action=actions.APPROVAL_DECISION)).entries == []
+    decision = normalize_decision(request.request_id, Approve(arguments=copied), "kim")
+    with pytest.raises(ApprovalArgumentsError):
+        await journal_decisions(
+            await runtime_factory(), "s1", "ana", {request.request_id: decision}
+        )
+    assert [p.request_id for p in await agent.pending_approvals("s1", user_id="ana")] == [
+        request.request_id
+    ]
+    # The value given, it runs with it.
+    given = {**copied, "pin": "9876"}
+    result = await agent.resume(
+        "pay",
+        session_id="s1",
+        user_id="ana",
+        approvals={request.request_id: Approve(arguments=given)},
+        decided_by="kim",
+    )
+    assert result.output == "done"
+    assert bank.transfers == [{"account": "A-2", "pin": "9876"}]
