@@ -847,7 +847,7 @@ def _check_edits(ledger: Ledger, decisions: Mapping[str, RecordedDecision]) -> N
     for request_id, decision in decisions.items():
         if decision.arguments is None:
             continue
-        kept = _kept_placeholder(ledger.requests[request_id].arguments, decision.arguments)
+        kept = kept_placeholder(ledger.requests[request_id].arguments, decision.arguments)
         if kept is not None:
             where, value = kept
             raise ApprovalArgumentsError(
@@ -859,7 +859,7 @@ def _check_edits(ledger: Ledger, decisions: Mapping[str, RecordedDecision]) -> N
             )
 
 
-def _kept_placeholder(asked: Any, edited: Any, where: str = "") -> tuple[str, str] | None:
+def kept_placeholder(asked: Any, edited: Any, where: str = "") -> tuple[str, str] | None:
     """Where ``edited`` holds, at the same place, a value of ``asked`` (the request's
     arguments) that was redacted."""
     if isinstance(asked, str):
@@ -874,7 +874,7 @@ def _kept_placeholder(asked: Any, edited: Any, where: str = "") -> tuple[str, st
             (a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(asked, edited, strict=False))
         )
     for inner_asked, inner_edited, inner_where in pairs:
-        found = _kept_placeholder(inner_asked, inner_edited, inner_where)
+        found = kept_placeholder(inner_asked, inner_edited, inner_where)
         if found is not None:
             return found
     return None

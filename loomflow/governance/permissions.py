@@ -39,7 +39,7 @@ from ..errors import UserError
 from ..hooks import RunHooks, RunInfo
 from ..messages import ToolCall
 from ..tools import Tool, ToolOutcome
-from .approvals import deferred_decision, journaled_request
+from .approvals import deferred_decision, journaled_request, kept_placeholder
 from .events import PermissionDecided
 
 __all__ = [
@@ -753,10 +753,22 @@ class PermissionHooks(RunHooks):
             if final == "allow" and answer.arguments is not None and remembered is None:
                 current = call.model_copy(update={"arguments": dict(answer.arguments)})
                 edited = True
-                # Edited arguments must still pass the deny rules (an approver cannot lift them).
-                recheck = _checked(permissions, current, info.user_id, context)
-                if recheck.behavior == "deny":
-                    final, reason = "deny", f"the edited arguments are denied: {recheck.reason}"
+                # An edit of the arguments as shown to a person can keep a hidden value's
+                # placeholder: the tool must not run with "[REDACTED]" as the value.
+                shown_to = redact_arguments(call.arguments, tool.sensitive if tool else frozenset())
+                kept = kept_placeholder(shown_to, answer.arguments)
+                if kept is not None:
+                    final = "deny"
+                    reason = (
+                        f"the edited arguments keep the redacted value {kept[1]!r} of "
+                        f"{kept[0]!r} instead of a value"
+                    )
+                else:
+                    # Edited arguments must still pass the deny rules (an approver cannot
+                    # lift them).
+                    recheck = _checked(permissions, current, info.user_id, context)
+                    if recheck.behavior == "deny":
+                        final, reason = "deny", f"the edited arguments are denied: {recheck.reason}"
         sensitive = tool.sensitive if tool is not None else frozenset()
         info.emit(
             PermissionDecided(

@@ -365,6 +365,23 @@ async def test_an_approver_can_edit_the_arguments() -> None:
     assert result.output == "model saw: wrote r1-reviewed"
 
 
+async def test_an_edit_that_keeps_a_redacted_value_is_denied_not_run_with_it() -> None:
+    # A handler that shows redacted_arguments to a person and sends back their edit of it
+    # ran the tool with "[REDACTED]" as the secret.
+    ran.clear()
+
+    async def edit(request: ApprovalRequest) -> Approval:
+        return Approval.edit({**request.redacted_arguments, "record": "r2"}, by="lead")
+
+    target = make_tool(edits=False, destructive=True)
+    result, [event] = await run_agent(StandardPermissions(approval=edit), target)
+    assert ran == []
+    assert event.final == "deny"
+    assert "'secret'" in event.reason
+    assert "redacted" in event.reason
+    assert "permission denied" in result.output
+
+
 async def test_edited_arguments_still_face_the_deny_rules() -> None:
     ran.clear()
     permissions = StandardPermissions(
