@@ -40,7 +40,8 @@ from ..governance.approvals import (
     read_approvals,
 )
 from ..redaction import Redactor
-from ..runtime import JournalRuntime
+from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
+from ..runtime._states import UNREADABLE
 from ..stores import Stores
 from ._format import id_cell, iso_time, login, positive_int, printable, table, user_cell, who
 from ._stores import existing, session_of
@@ -59,7 +60,10 @@ def register(subparsers: Any) -> None:
     listing.add_argument("--user", dest="user_id", help="only this user's sessions")
     listing.add_argument("--session", dest="session_id", help="only this session")
     listing.add_argument(
-        "--limit", type=positive_int, default=100, help="look at the N most recent sessions (100)"
+        "--limit",
+        type=positive_int,
+        default=100,
+        help="look at the N most recent sessions not finished or cancelled (100)",
     )
     listing.add_argument("--json", action="store_true", help="JSON lines for scripts")
 
@@ -210,7 +214,7 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     # A request row edited by hand is listed as unreadable, with why, instead of vanishing:
     # the run's resume stops at it, and `approve` refuses it.
     damaged: list[DamagedRequest] = []
-    for session in await runtime.sessions(**filters):
+    for session in await _waiting_sessions(runtime, filters):
         if session.session_id is None:
             continue
         if not all(is_unicode(v) for v in (session.session_id, session.user_id or "")):
@@ -266,6 +270,24 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     for bad in damaged:
         print(f"loomflow: {printable(_warning(bad))}", file=sys.stderr)
     return 0
+
+
+# Run states whose requests wait for nothing (Ledger.pending is empty for both).
+_DONE_STATES = ("finished", "cancelled")
+
+
+async def _waiting_sessions(runtime: JournalRuntime, filters: dict[str, Any]) -> list[SessionInfo]:
+    """The ``limit`` most recent sessions whose last run may still wait for a decision.
+
+    Finished and cancelled runs are left out before the limit applies: on a busy journal the
+    most recent sessions are mostly finished, and counting them hid the ones that wait.
+    """
+    found: list[SessionInfo] = []
+    for state in (*RUN_STATES, UNREADABLE):
+        if state not in _DONE_STATES:
+            found.extend(await runtime.sessions(**filters, state=state))
+    found.sort(key=lambda s: s.updated_at, reverse=True)
+    return found[: filters["limit"]]
 
 
 def _cut(text: str) -> str:

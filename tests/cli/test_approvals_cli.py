@@ -548,3 +548,31 @@ def test_arguments_copied_from_the_listing_with_a_redacted_value_are_refused(
     assert [e.action for e in asyncio.run(_audit(url))] == [actions.APPROVAL_REQUEST] * 2
     again = loomflow("--url", url, "approvals", "list", "--json")
     assert first["request_id"] in again.stdout
+
+
+def test_a_waiting_request_is_listed_behind_more_recent_finished_sessions(
+    tmp_path: Path,
+) -> None:
+    # --limit counted every session: on a busy journal the newest ones are finished, and
+    # `approvals list` said "no approval requests are waiting" while one waited.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    ops, everyone = asyncio.run(_run(url, [], resume=False)).pending_approvals
+
+    async def chat(session_id: str) -> None:
+        async with Agent.from_settings(
+            "x",
+            model=ScriptedModel(["hello"]),
+            settings=Settings(runtime_url=url),
+            memory=False,
+            telemetry=False,
+        ) as agent:
+            await agent.run("hi", session_id=session_id, user_id="ana")
+
+    for n in range(3):
+        asyncio.run(chat(f"chat-{n}"))
+    listed = loomflow("--url", url, "approvals", "list", "--limit", "2", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["request_id"] for r in rows] == [ops.request_id, everyone.request_id]
+    table = loomflow("--url", url, "approvals", "list", "--limit", "1")
+    assert ops.request_id in table.stdout
