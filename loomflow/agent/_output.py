@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, PydanticUserError, ValidationError
+from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from .._json import canonical_json, unfenced
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, OutputValidationError
@@ -195,8 +196,10 @@ def contract_digest(structured: StructuredOutput | None) -> str:
 
 def _format_of(output_type: type[BaseModel], tool_names: Collection[str]) -> OutputFormat:
     try:
-        schema = _root_resolved(output_type.model_json_schema())
-    except PydanticUserError as exc:
+        # Written as JSON data: pydantic leaves json_schema_extra values (a date, a Decimal
+        # among the examples) as given, and neither a prompt nor a provider request takes them.
+        schema = _root_resolved(to_jsonable_python(output_type.model_json_schema()))
+    except (PydanticUserError, PydanticSerializationError) as exc:
         # A field pydantic can validate but not describe (an arbitrary class with
         # arbitrary_types_allowed, a forward reference never defined): no provider could be
         # told the shape, so the type is refused before anything runs.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import pickle
 import selectors
@@ -311,6 +313,37 @@ async def test_an_output_type_without_a_json_schema_is_a_typed_error(
     with pytest.raises(InvalidArgumentError, match=f"output_type {name} .*{reason}"):
         await _agent(model).run("w?", output_type=output_type)
     assert model.calls == 0
+
+
+class Dated(BaseModel):
+    """Examples given as Python values, as pydantic validates them."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"day": datetime.date(2026, 1, 2)}]})
+
+    day: datetime.date
+    price: decimal.Decimal = Field(examples=[decimal.Decimal("9.50")])
+
+
+class Unwritable(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [Handle()]})
+
+    day: datetime.date
+
+
+async def test_schema_extras_given_as_python_values_are_written_as_json(tmp_path: Path) -> None:
+    # A date in json_schema_extra failed inside the first model call with a bare
+    # "TypeError: Object of type date is not JSON serializable", leaving the run open.
+    model = ScriptedModel(['{"day": "2026-03-04", "price": "1.25"}'])
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    result = await _agent(model, runtime=runtime).run("when?", output_type=Dated, session_id="d")
+    assert result.parsed == Dated(day=datetime.date(2026, 3, 4), price=decimal.Decimal("1.25"))
+    assert '"2026-01-02"' in model.requests[0][1].content
+    assert '"9.50"' in model.requests[0][1].content
+    # A value nothing can write as JSON is refused before anything runs.
+    with pytest.raises(InvalidArgumentError, match="output_type Unwritable has no JSON schema"):
+        await _agent(model, runtime=runtime).run("when?", output_type=Unwritable, session_id="u")
+    assert [s.session_id for s in await runtime.sessions()] == ["d"]
+    await runtime.close()
 
 
 async def test_a_prompt_that_reads_like_a_retry_request_is_not_counted_as_one() -> None:
