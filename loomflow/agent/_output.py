@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, PydanticUserError, ValidationError
-from pydantic_core import PydanticSerializationError, to_jsonable_python
+from pydantic_core import PydanticSerializationError, to_json
 
 from .._json import canonical_json, unfenced
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, OutputValidationError
@@ -197,8 +197,10 @@ def contract_digest(structured: StructuredOutput | None) -> str:
 def _format_of(output_type: type[BaseModel], tool_names: Collection[str]) -> OutputFormat:
     try:
         # Written as JSON data: pydantic leaves json_schema_extra values (a date, a Decimal
-        # among the examples) as given, and neither a prompt nor a provider request takes them.
-        schema = _root_resolved(to_jsonable_python(output_type.model_json_schema()))
+        # among the examples) as given, and a default of inf or NaN as a float, which no
+        # provider's request body takes. Those become the text pydantic parses back.
+        raw = to_json(output_type.model_json_schema(), inf_nan_mode="strings")
+        schema = _root_resolved(json.loads(raw))
     except (PydanticUserError, PydanticSerializationError) as exc:
         # A field pydantic can validate but not describe (an arbitrary class with
         # arbitrary_types_allowed, a forward reference never defined): no provider could be

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import json
+import math
 import pickle
 import selectors
 import signal
@@ -27,9 +28,10 @@ from loomflow.errors import (
 )
 from loomflow.memory import InMemoryMemory
 from loomflow.messages import Message, ModelSettings, OutputFormat, ToolCall, ToolSpec
-from loomflow.models import FunctionModel, ScriptedModel
+from loomflow.models import FunctionModel, OpenAIModel, ScriptedModel
 from loomflow.runtime import JournalRuntime, SqliteRuntime
 from loomflow.runtime._store import fingerprint
+from loomflow.testing.providers import FakeOpenAIAPI, Reply
 from loomflow.tools import tool
 
 WORKER = Path(__file__).with_name("_structured_worker.py")
@@ -324,6 +326,12 @@ class Dated(BaseModel):
     price: decimal.Decimal = Field(examples=[decimal.Decimal("9.50")])
 
 
+class Unbounded(BaseModel):
+    limit: float = math.inf
+    floor: float = -math.inf
+    day: datetime.date
+
+
 class Unwritable(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [Handle()]})
 
@@ -339,10 +347,20 @@ async def test_schema_extras_given_as_python_values_are_written_as_json(tmp_path
     assert result.parsed == Dated(day=datetime.date(2026, 3, 4), price=decimal.Decimal("1.25"))
     assert '"2026-01-02"' in model.requests[0][1].content
     assert '"9.50"' in model.requests[0][1].content
+    # JSON has no number for infinity: the default is written as the text pydantic parses
+    # back ("Infinity"); a provider's request body refused it with a bare ValueError.
+    with FakeOpenAIAPI(Reply(structured={"day": "2026-03-04"})) as api:
+        openai = OpenAIModel("gpt-4o", base_url=api.base_url, api_key="test")
+        unbounded = await _agent(openai, runtime=runtime).run(
+            "when?", output_type=Unbounded, session_id="i"
+        )
+    assert unbounded.parsed == Unbounded(day=datetime.date(2026, 3, 4))
+    sent = api.requests[0].body["response_format"]["json_schema"]["schema"]["properties"]
+    assert (sent["limit"]["default"], sent["floor"]["default"]) == ("Infinity", "-Infinity")
     # A value nothing can write as JSON is refused before anything runs.
     with pytest.raises(InvalidArgumentError, match="output_type Unwritable has no JSON schema"):
         await _agent(model, runtime=runtime).run("when?", output_type=Unwritable, session_id="u")
-    assert [s.session_id for s in await runtime.sessions()] == ["d"]
+    assert sorted(s.session_id or "" for s in await runtime.sessions()) == ["d", "i"]
     await runtime.close()
 
 
