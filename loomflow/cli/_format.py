@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
 
 __all__ = [
+    "damaged_trail",
     "duration",
     "exception_line",
     "fixed_port",
@@ -32,6 +34,20 @@ __all__ = [
     "when",
     "who",
 ]
+
+
+def damaged_trail(user: str | None, problems: Sequence[dict[str, Any]]) -> str:
+    """The warning line for an export of a trail that fails verification (``problems`` as in
+    ``verify --json``): exported as stored, but it must not pass for the record unremarked."""
+    first = problems[0]
+    option = "--anonymous" if user is None else f"--user {shlex.quote(user)}"
+    seq = "-" if first["seq"] is None else first["seq"]
+    message = (
+        f"the audit trail of {who(user)} fails verification: {len(problems)} problem(s), "
+        f"the first {first['kind']}, entry {seq}: {first['detail']}; "
+        f"see `loomflow audit verify {option}`"
+    )
+    return f"loomflow: warning: {printable(message)}"
 
 
 def duration(text: str) -> dt.timedelta:

@@ -27,6 +27,7 @@ from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
 from ._format import (
+    damaged_trail,
     duration,
     id_cell,
     json_text,
@@ -253,6 +254,16 @@ async def _export(store: AuditStore, args: argparse.Namespace) -> int:
         )
     if not to_stdout:
         print(f"exported {count} audit entries to {args.output}", file=sys.stderr)
+    # The file carries entries, not the store's heads: a trail cut off at its end (head left
+    # behind) or one whose head was moved exports as lines that verify on their own. Say what
+    # the store knows, as `users export` does; the export itself stays as stored.
+    with progress_bar("verifying", unit=" entries", enabled=enabled) as on_progress:
+        report = await store.verify(user_id=_user(args), on_progress=on_progress)
+    damaged: dict[str | None, list[dict[str, Any]]] = {}
+    for problem in report.problems:
+        damaged.setdefault(problem.user_id, []).append(problem.to_json())
+    for user, problems in damaged.items():
+        print(damaged_trail(user, problems), file=sys.stderr)
     return 0
 
 

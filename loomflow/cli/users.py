@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import shlex
 import sys
 from typing import Any
 
 from .._files import write_private
-from .._printable import printable
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import json_text, login, some_path, table, user_cell, who
+from ._format import damaged_trail, json_text, login, some_path, table, user_cell, who
 from ._stores import existing
 
 __all__ = ["register"]
@@ -160,15 +158,7 @@ async def _export(args: argparse.Namespace) -> int:
         counts = ", ".join(f"{k}: {v}" for k, v in document["counts"].items())
         print(f"exported {who(user)} to {args.output} ({counts})", file=sys.stderr)
     if damage := document["audit_problems"]:
-        # Exported as stored, but an edited trail must not pass for the record unremarked.
-        first = damage[0]
-        option = "--anonymous" if user is None else f"--user {shlex.quote(user)}"
-        message = (
-            f"the audit trail of {who(user)} fails verification: {len(damage)} problem(s), "
-            f"the first {first['kind']}, entry {first['seq']}: {first['detail']}; "
-            f"see `loomflow audit verify {option}`"
-        )
-        print(f"loomflow: warning: {printable(message)}", file=sys.stderr)
+        print(damaged_trail(user, damage), file=sys.stderr)
     if not any(held):
         # Still exported (an empty export is the answer to "what do you hold about X?"), but
         # a mistyped id must not pass for that answer: `forget` refuses it outright.

@@ -336,3 +336,30 @@ def test_json_output_escapes_what_a_terminal_would_act_on(tmp_path: Path) -> Non
     exported = loomflow("users", "--url", f"sqlite:///{db}", "export", "ana")
     assert exported.returncode == 0, exported.stderr
     assert "\u202e" not in exported.stdout
+
+
+async def test_export_of_a_truncated_trail_warns_what_the_file_cannot_show(tmp_path: Path) -> None:
+    # Entries cut off the end, head left as it was: only the store's head knows. An export
+    # of that trail verifies as intact on its own (no saved heads), so the export says so.
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    url = f"sqlite:///{db}"
+    with sqlite3.connect(db) as conn:
+        conn.execute("DROP TRIGGER loom_audit_no_delete")
+        conn.execute("DELETE FROM loom_audit WHERE user_id = 'alice' AND seq > 3")
+    out = tmp_path / "alice.jsonl"
+    for scope in (["--user", "alice"], []):
+        exported = loomflow("audit", "--audit-url", url, "export", *scope, "-o", str(out))
+        assert exported.returncode == 0, exported.stderr
+        assert "exported" in exported.stderr
+        assert "loomflow: warning: the audit trail of user 'alice' fails verification" in (
+            exported.stderr
+        )
+        assert "truncated" in exported.stderr
+        assert "entries 4-5 are missing at the end" in exported.stderr
+        # What the warning is for: the file alone passes.
+        offline = loomflow("audit", "verify", "--file", str(out), *scope)
+        assert offline.returncode == 0, offline.stdout
+    intact = loomflow("audit", "--audit-url", url, "export", "--user", "bob", "-o", str(out))
+    assert intact.returncode == 0
+    assert "warning" not in intact.stderr
