@@ -42,6 +42,7 @@ import canonicalize from 'canonicalize';
 
 const GENESIS = '0'.repeat(64);
 const DIGESTED_VERSION = 3;
+const ENTRY_SCHEMA_VERSION = 1; // the entry layout (loomflow's ENTRY_SCHEMA_VERSION)
 // The first line of an export made with filters: {"filters": {...}, "loomflow_audit_export": 1}.
 const EXPORT_HEADER = 'loomflow_audit_export';
 const EXPORT_FILTERS = ['user_id', 'session_id', 'run_id', 'action', 'since', 'until'];
@@ -442,8 +443,10 @@ function readEntry(line) {
   };
   // Not a field: the integers JSON.parse rounded, which loomflow cannot hash.
   Object.defineProperty(entry, 'unsafe', { value: unsafe });
-  // ...and hash_version as written, for the report (18446744073709551616, not ...552000).
+  // ...and hash_version and schema_version as written, for the report (18446744073709551616,
+  // not ...552000).
   Object.defineProperty(entry, 'versionText', { value: texts.get('hash_version') ?? '1' });
+  Object.defineProperty(entry, 'schemaText', { value: texts.get('schema_version') ?? '1' });
   if (UNREADABLE in data) {
     // However its row was damaged (a version relabelled, a digest dropped): reported as that.
     Object.defineProperty(entry, 'unreadable', { value: data[UNREADABLE] });
@@ -653,6 +656,11 @@ class ChainCheck {
   // Why the entry's content does not match its hash (null: it does); notes an erased payload.
   content(entry, position) {
     const version = entry.hash_version;
+    if (entry.schema_version !== ENTRY_SCHEMA_VERSION) {
+      // Hashed whole or not, its fields may mean what this verifier cannot tell.
+      return `its layout is schema version ${entry.schemaText}, which this loomflow ` +
+        `does not know (it reads version ${ENTRY_SCHEMA_VERSION})`;
+    }
     if (entry.payload === null) {
       report.erased += 1;
       if (version < DIGESTED_VERSION) {

@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ._entry import (
     DIGESTED_VERSION,
+    ENTRY_SCHEMA_VERSION,
     GENESIS,
     MAX_EXACT_INT,
     AuditEntry,
@@ -1367,6 +1368,13 @@ class _ChainCheck:
 
     def _content(self, entry: AuditEntry, position: int, report: VerifyReport) -> tuple[bool, str]:
         """Whether the entry's content was changed, and how; notes an erased payload."""
+        if entry.schema_version != ENTRY_SCHEMA_VERSION:
+            # Its hash may match, but its fields may mean what this loomflow cannot tell:
+            # vouching for it would be a guess (and a rewrite can relabel any entry so).
+            return True, (
+                f"its layout is schema version {entry.schema_version}, which this loomflow "
+                f"does not know (it reads version {ENTRY_SCHEMA_VERSION})"
+            )
         if entry.payload is None:
             report.erased += 1
             if entry.hash_version < DIGESTED_VERSION:

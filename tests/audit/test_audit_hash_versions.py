@@ -222,6 +222,21 @@ def test_content_that_cannot_be_hashed_is_reported_as_edited(
     assert why in report.problems[0].detail
 
 
+@pytest.mark.parametrize("schema", [2, 0, -1])
+def test_an_entry_of_a_layout_this_loomflow_does_not_know_is_not_vouched_for(
+    schema: int, tmp_path: Path
+) -> None:
+    # Hashed whole (a writer, or someone re-hashing the trail, made it so), but its fields
+    # may mean what this loomflow does not know: verify must not call it intact.
+    first, last = _v2_chain(2)
+    relabelled = last.model_copy(update={"schema_version": schema})
+    relabelled = relabelled.model_copy(update={"hash": relabelled.computed_hash()})
+    report = verify_lines([first.to_line(), relabelled.to_line()])
+    assert [(p.kind, p.seq) for p in report.problems] == [("edited", 2)]
+    assert f"schema version {schema}" in report.problems[0].detail
+    assert "reads version 1" in report.problems[0].detail
+
+
 def test_a_nan_in_an_exported_line_is_unreadable() -> None:
     # NaN is not JSON: Python's parser alone takes it, so a line holding one is not read as
     # an entry (as the Node verifier cannot read it either).

@@ -488,6 +488,14 @@ def _set(lines: Lines, user: str | None, seq: int, /, **fields: Any) -> Lines:
     return [*lines[:i], canonical_json(json.loads(lines[i]) | fields), *lines[i + 1 :]]
 
 
+def _rehashed(lines: Lines, user: str | None, seq: int, /, **fields: Any) -> Lines:
+    """Set fields and re-hash the line, as someone rewriting the storage would."""
+    i = _at(lines, user, seq)
+    entry = AuditEntry.from_line(canonical_json(json.loads(lines[i]) | fields))
+    return [*lines[:i], entry.model_copy(update={"hash": entry.computed_hash()}).to_line(),
+            *lines[i + 1 :]]  # fmt: skip
+
+
 def _raw(lines: Lines, user: str | None, seq: int, old: str, new: str) -> Lines:
     """Edit a line's text as it is spelled (numbers as written, NaN)."""
     i = _at(lines, user, seq)
@@ -563,6 +571,7 @@ TAMPERS: dict[str, Any] = {
     "schema_version 1.0": lambda ls: _raw(ls, A, 2, '"schema_version":1,', '"schema_version":1.0,'),
     "hash_version 3.0": lambda ls: _raw(ls, A, 2, '"hash_version":3,', '"hash_version":3.0,'),
     "hash_version 4": lambda ls: _set(ls, A, 2, hash_version=4),
+    "schema_version 2, re-hashed": lambda ls: _rehashed(ls, A, 5, schema_version=2),
     "hash_version true": lambda ls: _set(ls, A, 2, hash_version=True),
     "a field no entry has": lambda ls: _set(ls, A, 2, note="x"),
     "payload a list": lambda ls: _set(ls, A, 2, payload=[1]),
