@@ -251,6 +251,10 @@ class SqliteDatabase(Database):
                 await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
                 await self._enable_wal(conn)
                 await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+                # Deleted rows and erased payloads are overwritten with zeros, not left in
+                # free pages for anyone with the file to read back after `users forget`
+                # (Debian's SQLite does this by default; python.org's and macOS's do not).
+                await conn.execute("PRAGMA secure_delete = ON")
             except BaseException:
                 await conn.close()
                 raise

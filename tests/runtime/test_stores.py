@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,3 +139,32 @@ async def test_without_auto_migration_an_unmigrated_journal_says_to_migrate(
     async with runtime.session("s", "u"):  # now it opens without migrating
         assert await runtime.step("a", lambda: 1) == 1
     await runtime.close()
+
+
+async def test_sqlite_overwrites_deleted_content_whatever_sqlite_was_built_with(
+    sqlite_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Debian builds SQLite with SECURE_DELETE; python.org's and macOS's builds do not, and
+    # there a forgotten user's prompts stayed readable in the file's free pages after
+    # `users forget` had deleted them. Such a build is simulated by switching it off first.
+    connect = sqlite3.connect
+
+    def without_secure_delete(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = connect(*args, **kwargs)
+        conn.execute("PRAGMA secure_delete = OFF")
+        return conn
+
+    monkeypatch.setattr(sqlite3, "connect", without_secure_delete)
+    runtime = SqliteRuntime(sqlite_path)
+    await runtime.open()
+    try:
+        conn = runtime.database.conn
+        assert (await conn.execute_fetchall("PRAGMA secure_delete"))[0][0] == 1
+        await conn.execute("CREATE TABLE t (v TEXT)")
+        await conn.execute("INSERT INTO t VALUES (?)", ("quixotic-zanzibar " * 50,))
+        await conn.execute("DELETE FROM t")
+        await conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        await runtime.close()
+    stored = await asyncio.to_thread(sqlite_path.read_bytes)
+    assert b"quixotic-zanzibar" not in stored
