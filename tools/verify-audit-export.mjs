@@ -856,6 +856,10 @@ try {
 // Each user's entries in seq order, with their line numbers as positions, as loomflow checks
 // a store's rows: a line moved elsewhere is "reordered", not a deletion plus a duplicate.
 const checks = new Map();
+// Entries are never deleted, so an export whose header names no filter that starts a trail
+// later holds each trail from entry 1: one starting later lost its first lines.
+const fromStart = exportFilters !== null &&
+  Object.keys(exportFilters).every((name) => name === 'user_id' || name === 'until');
 for (const [key, trail] of trails) {
   trail.sort((a, b) => a.seq - b.seq || a.number - b.number);
   for (const { number: line, entry } of trail) {
@@ -864,7 +868,13 @@ for (const [key, trail] of trails) {
       check = new ChainCheck(entry.user_id, saved.get(key) ?? []);
       checks.set(key, check);
       report.users += 1;
-      if (entry.seq > 1) {
+      if (entry.seq > 1 && fromStart) {
+        check.startAt(entry);
+        const gap = entry.seq === 2 ? 'entry 1 is' : `entries 1-${entry.seq - 1} are`;
+        problem(entry.user_id, 'missing', 1, line,
+          `${gap} missing before entry ${entry.seq}: the export's header names no since, ` +
+          'session, run or action, so it holds the trail from its start');
+      } else if (entry.seq > 1) {
         check.startAt(entry);
         warning(entry.user_id, 'unanchored', entry.seq, line,
           `the export starts at entry ${entry.seq}: its link to entry ${entry.seq - 1} cannot be checked here`);

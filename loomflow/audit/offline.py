@@ -58,7 +58,9 @@ def verify_lines(
     Each user's entries are checked in ``seq`` order, as a store's are, with their line
     numbers as positions: a line that is not where an export writes it is ``reordered``, as
     on the store. An export need not start at a user's first entry (``--since`` a date): the
-    first entry's link to the one before is then unchecked, and a warning says so. Filters
+    first entry's link to the one before is then unchecked, and a warning says so; under a
+    header naming no filter that starts a trail later (only ``user_id``, ``until``), entries
+    are never deleted, so a trail starting past entry 1 is ``missing`` its first. Filters
     that pick entries from the middle of a trail (``--session``, ``--action``) leave gaps,
     which are reported as ``missing``: verify exports of whole trails or time ranges.
 
@@ -167,9 +169,12 @@ def verify_lines(
                 outside[key] = _Outside(number, entry, reasons)
         if only is None or key == only:
             trails.setdefault(key, []).append((entry.seq, number, entry))
+    # Entries are never deleted, so an export whose header names no filter that starts a
+    # trail later holds each trail from entry 1: one starting later lost its first lines.
+    from_start = report.export_filters is not None and not set(filters) - {"user_id", "until"}
     for key, trail in trails.items():
         for _seq, number, entry in sorted(trail, key=lambda item: (item[0], item[1])):
-            _feed_line(checks, key, number, entry, saved, report)
+            _feed_line(checks, key, number, entry, saved, report, from_start)
     _finish_lines(checks, saved, report, bool(heads))
     for found in outside.values():
         report.problems.append(found.problem())
@@ -326,24 +331,39 @@ def _feed_line(
     entry: AuditEntry,
     saved: Mapping[str, Any],
     report: VerifyReport,
+    from_start: bool,
 ) -> None:
-    """Check one line's entry against its user's chain (begun at its first seq)."""
+    """Check one line's entry against its user's chain (begun at its first seq; at 1 when
+    ``from_start``: the header names no filter that begins a trail later)."""
     check = checks.get(key)
     if check is None:
         check = checks[key] = _ChainCheck(key, entry.user_id, saved.get(key, ()))
         report.users += 1
         if entry.seq > 1:
             check.start_at(entry)
-            report.warnings.append(
-                ChainProblem(
-                    entry.user_id,
-                    "unanchored",
-                    entry.seq,
-                    number,
-                    f"the export starts at entry {entry.seq}: its link to entry "
-                    f"{entry.seq - 1} cannot be checked here",
+            if from_start:
+                report.problems.append(
+                    ChainProblem(
+                        entry.user_id,
+                        "missing",
+                        1,
+                        number,
+                        f"{_span(1, entry.seq - 1)} {'is' if entry.seq == 2 else 'are'} missing "
+                        f"before entry {entry.seq}: the export's header names no since, "
+                        "session, run or action, so it holds the trail from its start",
+                    )
                 )
-            )
+            else:
+                report.warnings.append(
+                    ChainProblem(
+                        entry.user_id,
+                        "unanchored",
+                        entry.seq,
+                        number,
+                        f"the export starts at entry {entry.seq}: its link to entry "
+                        f"{entry.seq - 1} cannot be checked here",
+                    )
+                )
     if entry.unreadable is not None:
         # A row the exporter could not read (its line says why): reported as verify reports
         # it on the store, in its place, and the chain goes on past it.

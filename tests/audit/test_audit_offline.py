@@ -89,12 +89,34 @@ async def test_tampering_with_an_export_is_found(tmp_path: Path, tamper: str, ki
 
 async def test_an_export_from_a_date_on_is_checked_from_its_first_entry(tmp_path: Path) -> None:
     lines, heads = await _export(tmp_path, user_id="bob")
-    header, *entries = lines  # the export says it is bob's
-    report = verify_lines([header, *entries[2:]], heads=heads, user_id="bob")
-    assert report.ok, report.problems
-    [warning] = report.warnings
-    assert warning.kind == "unanchored"
-    assert warning.seq == 3  # its link to entry 2 cannot be checked from the file alone
+    _, *entries = lines
+    since = json.loads(entries[2])["time"]
+    header = json.dumps({"filters": {"user_id": "bob", "since": since}, "loomflow_audit_export": 1})
+    for start in ([header], []):  # its header says since; an export from before headers
+        report = verify_lines([*start, *entries[2:]], heads=heads, user_id="bob")
+        assert report.ok, report.problems
+        [warning] = report.warnings
+        assert warning.kind == "unanchored"
+        assert warning.seq == 3  # its link to entry 2 cannot be checked from the file alone
+
+
+@pytest.mark.parametrize("until", [False, True])
+async def test_an_export_whose_header_names_no_start_must_begin_at_entry_1(
+    tmp_path: Path, until: bool
+) -> None:
+    # Entries are never deleted, so an export made without --since (or --session, --run,
+    # --action) holds each trail from entry 1: one starting later lost its first lines, and
+    # without saved heads nothing else would say so.
+    lines, _ = await _export(tmp_path, user_id="bob")
+    _, *entries = lines
+    filters: dict[str, object] = {"user_id": "bob"}
+    if until:
+        filters["until"] = "2999-01-01T00:00:00.000000Z"
+    header = json.dumps({"filters": filters, "loomflow_audit_export": 1})
+    report = verify_lines([header, *entries[2:]], user_id="bob")
+    assert [(p.kind, p.seq, p.position) for p in report.problems] == [("missing", 1, 2)]
+    assert "entries 1-2 are missing before entry 3" in report.problems[0].detail
+    assert report.warnings == []
 
 
 def test_heads_come_from_a_verify_report_or_a_list() -> None:

@@ -572,6 +572,9 @@ TAMPERS: dict[str, Any] = {
     "hash_version 3.0": lambda ls: _raw(ls, A, 2, '"hash_version":3,', '"hash_version":3.0,'),
     "hash_version 4": lambda ls: _set(ls, A, 2, hash_version=4),
     "schema_version 2, re-hashed": lambda ls: _rehashed(ls, A, 5, schema_version=2),
+    "an export of alice without its first lines": lambda ls: [
+        x for x in _only(ls, A, header=True) if '"seq":1,' not in x and '"seq":2,' not in x
+    ],
     "hash_version true": lambda ls: _set(ls, A, 2, hash_version=True),
     "a field no entry has": lambda ls: _set(ls, A, 2, note="x"),
     "payload a list": lambda ls: _set(ls, A, 2, payload=[1]),
@@ -719,6 +722,7 @@ HARMLESS = ("untouched", "session_id left out")  # a missing session_id is null,
         "an export of alice only",
         "alice's lines without their header",
         "an export of alice cut short",
+        "an export of alice without its first lines",
         "a header naming alice over a log missing a user",
         "a header naming the anonymous bucket over alice's lines",
         "a header whose since leaves out entries",
