@@ -47,6 +47,7 @@ from ..context import RunContext, get_run_context, own_context, reset_var, use_r
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptEntryError,
     SessionExistsError,
     StoreUnavailableError,
     SubAgentInterruptedError,
@@ -91,6 +92,8 @@ RECORD_WITHHELD = "withheld"
 """Key of a run record naming inputs kept out of the journal because they held a secret."""
 RECORD_OUTPUT = "output"
 """Key of a run record describing the run's structured output (see :func:`output_contract`)."""
+RECORD_FORK = "fork"
+"""Key of a fork's run record naming the checkpoint it was forked from (its session and id)."""
 
 
 def output_contract(structured: StructuredOutput) -> dict[str, Any]:
@@ -116,9 +119,10 @@ def run_record(
     prompt: str,
     metadata: Mapping[str, Any] | None,
     structured: StructuredOutput | None = None,
+    fork: Checkpoint | None = None,
 ) -> RunRecord:
     """What a recoverer needs to resume a run of ``name`` (an agent, or a workflow or debate
-    given a name) without its caller."""
+    given a name) without its caller; ``fork`` is the snapshot a fork's run continues."""
     # The journal never holds a secret the redactor recognises (the canary tests), and a
     # redacted prompt would resume as another run (its steps' fingerprints differ). So a
     # prompt or metadata holding one is withheld: the record says so, and a recoverer
@@ -145,6 +149,10 @@ def run_record(
         # recoverer never imports): its digest lets a recoverer check the agent it resumes
         # with asks for the same format (see output_contract).
         inputs[RECORD_OUTPUT] = output_contract(structured)
+    if fork is not None:
+        # The fork's first snapshot is a write of its own after this record's: a resume
+        # that finds none seeds the fork from here, not from the prompt (see _fork_reseed).
+        inputs[RECORD_FORK] = {"session_id": fork.session_id, "checkpoint": fork.id}
     return RunRecord(name, config, inputs)
 
 
@@ -521,9 +529,10 @@ class Agent:
         prompt: str,
         metadata: Mapping[str, Any] | None,
         structured: StructuredOutput | None = None,
+        fork: Checkpoint | None = None,
     ) -> RunRecord:
         return run_record(
-            self.name, self.config_fingerprint(), self._redactor, prompt, metadata, structured
+            self.name, self.config_fingerprint(), self._redactor, prompt, metadata, structured, fork
         )
 
     def default_output_contract(self) -> dict[str, Any] | None:
@@ -823,12 +832,22 @@ class Agent:
             session_id = session_id if session_id is not None else outer_session
             user_id = user_id if user_id is not None else outer_user
         continuing = resume and from_checkpoint is None and not nested
-        if continuing and metadata is None and isinstance(runtime, JournalRuntime) and session_id:
-            # The run's own metadata (its roles, say), as a recoverer resumes it: without it
-            # the resumed run would be decided on as some other caller's.
-            metadata = await runtime.run_metadata(session_id, user_id)
+        inputs: dict[str, Any] = {}
+        if continuing and isinstance(runtime, JournalRuntime) and session_id:
+            inputs = await runtime.run_inputs(session_id, user_id)
+            if metadata is None:
+                # The run's own metadata (its roles, say), as a recoverer resumes it: without
+                # it the resumed run would be decided on as some other caller's.
+                stored = inputs.get("metadata")
+                metadata = stored if isinstance(stored, dict) else None
         store = self._checkpoint_store(runtime) if self.tuning.checkpoint and not nested else None
         source: Checkpoint | None = None
+        if continuing and session_id and inputs.get(RECORD_FORK) is not None:
+            # A fork's run that a crash stopped before its first snapshot: seeded again from
+            # the snapshot it forks, as the fork was (its session holds nothing else).
+            source = await _fork_reseed(
+                store, inputs[RECORD_FORK], session_id, user_id, prompt, structured
+            )
         claiming: asyncio.Lock | None = None  # held from the fork session's check to its claim
         if from_checkpoint is not None:
             source = await _fork_source(
@@ -874,7 +893,7 @@ class Agent:
                 # Only a journal keeps a record (recovery reads it); building one costs a
                 # fingerprint of the configuration and a secret scan of the prompt.
                 record=(
-                    self._record(prompt, metadata, structured)
+                    self._record(prompt, metadata, structured, source)
                     if not nested and isinstance(runtime, JournalRuntime)
                     else None
                 ),
@@ -1025,6 +1044,53 @@ async def _fork_source(
     if (why := inconsistency(source)) is not None:
         raise CheckpointError(f"checkpoint {checkpoint_id!r} cannot be forked: it {why}")
     return source
+
+
+async def _fork_reseed(
+    store: CheckpointStore | None,
+    fork: Any,
+    session_id: str,
+    user_id: str | None,
+    prompt: str,
+    structured: StructuredOutput | None,
+) -> Checkpoint | None:
+    """What a resume of a fork's run (``fork``: what its record names) continues when the fork's
+    session has no snapshot: the checkpoint it was forked from; ``None`` when the session has
+    one (the fork's own snapshots then say where it stands).
+
+    Raises:
+        UserError: the agent takes no snapshots, so it cannot continue a fork.
+        CheckpointNotFoundError: the checkpoint forked from is gone.
+    """
+    if not isinstance(fork, dict) or not all(
+        isinstance(fork.get(key), str) for key in ("session_id", "checkpoint")
+    ):
+        raise CorruptEntryError(
+            f"the record of session {session_id!r} names the checkpoint it was forked from in "
+            "a form that cannot be read"
+        )
+    source_session, checkpoint_id = fork["session_id"], fork["checkpoint"]
+    if store is None:
+        # Journal replay alone would start the fork over from the prompt, in a transcript
+        # without the forked turns.
+        raise UserError(
+            f"session {session_id!r} is a fork of checkpoint {checkpoint_id!r}: resume it with "
+            "an agent built with Tuning(checkpoint=True)"
+        )
+    try:
+        if await store.latest(session_id, user_id=user_id) is not None:
+            return None
+    except CheckpointError:
+        return None  # a snapshot is there, if damaged: the resume reports it as for any run
+    try:
+        return await _fork_source(store, checkpoint_id, source_session, user_id, prompt, structured)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"session {session_id!r} is a fork that stopped before its first snapshot, and "
+            f"checkpoint {checkpoint_id!r} of session {source_session!r} it was forked from is "
+            "gone: resuming it would start the task again from its prompt (cancel the run, or "
+            "fork again from a checkpoint that is kept)"
+        ) from exc
 
 
 def _default_memory(runtime: JournalRuntime | None) -> Memory:

@@ -1295,19 +1295,19 @@ class JournalRuntime:
             None if user_id is _ANY else user_id, user_id is not _ANY, limit, session_id, state
         )
 
-    async def run_metadata(self, session_id: str, user_id: str | None) -> dict[str, Any] | None:
-        """The metadata the last run of (session, user) stored in its record, if it stored
-        any (a run whose metadata held a secret, or opened without a record, did not)."""
+    async def run_inputs(self, session_id: str, user_id: str | None) -> dict[str, Any]:
+        """The inputs the last run of (session, user) stored in its record; empty when it
+        stored none (opened without a record, or by a store of your own that cannot read it)
+        or the stored one is damaged."""
         scope = Scope.checked(session_id, user_id)
         reading = getattr(self._store, "run_record", None)  # custom stores may lack it
         if reading is None:
-            return None
+            return {}
         await self._ensure_open()
         try:
-            metadata = decode_record(await reading(scope)).get("metadata")
+            return decode_record(await reading(scope))
         except CorruptEntryError:
-            return None  # no record, or a damaged one: nothing is known of the metadata
-        return metadata if isinstance(metadata, dict) else None
+            return {}  # no record, or a damaged one: nothing is known of its inputs
 
     async def count_states(self) -> dict[str, int]:
         """How many sessions are in each run state (every state present, zeros included)."""

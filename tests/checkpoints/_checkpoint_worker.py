@@ -10,7 +10,12 @@ memory on the journal at URL; every real purchase is appended to LEDGER.
 - ``fork``: finish the run, then fork it from its second pass into ``crash-fork``; when the
   fork's run has started (its hooks are being told), print ``FORK-STARTING`` and wait to be
   killed.
+- ``half-fork``: finish the run, print ``RUN-DONE``, wait for a line on stdin, then fork it
+  from its second pass into ``crash-fork`` (the test blocks the fork's first snapshot write
+  and kills the worker there).
 - ``resume`` / ``resume-fork``: resume the session (the fork) and print a JSON summary.
+- ``recover``: once the dead worker's lease has run out, let a recovery worker resume what
+  it left open, and print the same summary for the fork's session.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from loomflow.agent.hooks import RunHooks, RunInfo
 from loomflow.memory import Episode, Memory, memory_for
 from loomflow.messages import Message, ModelSettings, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
+from loomflow.recovery import Recovery
 from loomflow.runtime import runtime_from_url
 from loomflow.tools import tool
 
@@ -77,7 +83,9 @@ async def main(url: str, ledger: Path, mode: str) -> None:
             return [ToolCall(id=f"call-{done}", name="buy", arguments={"item": ITEMS[done]})]
         return "bought everything"
 
-    runtime = runtime_from_url(url)
+    # A short lease where a recovery worker is to find the killed worker's run soon.
+    short = mode in ("half-fork", "recover")
+    runtime = runtime_from_url(url, **({"lease_seconds": 1} if short else {}))
     model = FunctionModel(decide)
     live = LiveTurns()
     starting = StopsAsItStarts()
@@ -86,6 +94,7 @@ async def main(url: str, ledger: Path, mode: str) -> None:
         memory = StopsAfterWriting(memory.store)
     agent = Agent(
         "You shop.",
+        name="shopper",
         model=model,
         tools=[buy],
         runtime=runtime,
@@ -94,19 +103,42 @@ async def main(url: str, ledger: Path, mode: str) -> None:
         tuning=Tuning(checkpoint=True),
     )
     try:
-        if not mode.startswith("resume"):
+        if mode not in ("resume", "resume-fork", "recover"):
             await agent.run("shop", session_id="crash", user_id="alice")
-            if mode == "fork":
+            if mode == "half-fork":
+                print("RUN-DONE", flush=True)
+                await asyncio.to_thread(sys.stdin.readline)
+            if mode in ("fork", "half-fork"):
                 listed = await agent.list_checkpoints("crash", user_id="alice")
                 [second] = [c for c in listed if c.turn == 2]
-                starting.armed = True
+                starting.armed = mode == "fork"
                 await agent.resume(
                     "shop", session_id="crash", user_id="alice", from_checkpoint=second.id,
                     fork_session_id="crash-fork",
                 )  # fmt: skip
             return
-        session = "crash-fork" if mode == "resume-fork" else "crash"
-        result = await agent.resume("shop", session_id=session, user_id="alice")
+        session = "crash" if mode == "resume" else "crash-fork"
+        if mode == "recover":
+            await asyncio.sleep(1.5)  # the killed worker's lease runs out
+            recovery = Recovery(runtime, {"shopper": agent}, worker_id="test")
+            report = await recovery.sweep()
+            await recovery.wait()
+            [info] = await runtime.sessions(session_id=session, user_id="alice")
+            print(
+                json.dumps(
+                    {
+                        "resumed": [r.session_id for r in report.resumed],
+                        "state": info.state,
+                        "last_error": info.last_error,
+                    }
+                ),
+                flush=True,
+            )
+            if info.state != "finished":
+                return
+            result = await agent.resume("shop", session_id=session, user_id="alice")
+        else:
+            result = await agent.resume("shop", session_id=session, user_id="alice")
         episodes = await memory.episodes(session, user_id="alice")
         print(
             json.dumps(

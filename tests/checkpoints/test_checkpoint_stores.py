@@ -267,6 +267,42 @@ async def test_a_fork_that_fails_as_it_starts_resumes_from_the_fork_point(
     await runtime.close()
 
 
+async def test_a_fork_whose_snapshots_are_gone_is_seeded_again_or_refused(
+    sqlite_path: Path,
+) -> None:
+    """A fork's session without a snapshot (a crash between the fork's run opening and its
+    first snapshot; here the rows are deleted) resumed from the prompt: the forked turns were
+    lost and the errand began again. Its record names the checkpoint it forks."""
+    runtime = SqliteRuntime(sqlite_path)
+    shop = Shop()
+    agent = shopping_agent(runtime, shop)
+    await agent.run("shop", session_id="s", user_id="u")
+    [after_bread] = [c for c in await agent.list_checkpoints("s", user_id="u") if c.turn == 2]
+    await agent.resume(
+        "shop", session_id="s", user_id="u", from_checkpoint=after_bread.id,
+        fork_session_id="fork",
+    )  # fmt: skip
+    bought = list(shop.bought)
+    # Without snapshots, continuing a fork would start it over: refused.
+    plain = Agent("You shop.", model=shop.model, tools=[shop.tool], runtime=runtime)
+    with pytest.raises(UserError, match="is a fork of checkpoint"):
+        await plain.resume("shop", session_id="fork", user_id="u")
+    with sqlite3.connect(sqlite_path) as db:
+        db.execute("DELETE FROM loom_checkpoints WHERE session_id = 'fork'")
+    db.close()
+    resumed = await agent.resume("shop", session_id="fork", user_id="u")
+    assert resumed.output == "bought: bought apples, bought bread, bought cheese"
+    assert resumed.restored_from == after_bread.id
+    assert shop.bought == bought  # replayed from the fork's journal: nothing bought again
+    with sqlite3.connect(sqlite_path) as db:
+        db.execute("DELETE FROM loom_checkpoints")
+    db.close()
+    with pytest.raises(CheckpointNotFoundError, match="stopped before its first snapshot"):
+        await agent.resume("shop", session_id="fork", user_id="u")
+    assert shop.bought == bought
+    await runtime.close()
+
+
 async def test_an_agent_inside_another_run_writes_no_checkpoints() -> None:
     runtime = InMemoryRuntime()
     shop = Shop()
