@@ -645,12 +645,12 @@ class Metrics:
 
     def prepare_model(self, provider: str, model: str) -> None:
         """Create the error and retry series of ``provider``/``model`` at 0 (for ratios)."""
+        provider, model = self._model_labels(provider, model)
+        # Keyed on the bounded labels: the raw names a caller passes are unbounded.
         key = f"model\x00{provider}\x00{model}"  # every run calls this: once is enough
         if key in self._c.prepared:
             return
         self._c.prepared.add(key)
-        provider = self._c.bound("provider", provider)
-        model = self._c.bound("model", model)
         for error in ERROR_CLASSES:
             self._c.model_errors.labels(provider, model, error)
             self._c.model_retries.labels(provider, model, error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -316,6 +317,29 @@ def test_configuration_driven_labels_are_capped(registry: CollectorRegistry) -> 
     assert value(registry, "loomflow_budget_denials_total", cap="other") == 25
     metrics.audit_entry("x" * 500)
     assert value(registry, "loomflow_audit_entries_total", action="x" * 64) == 1
+
+
+def test_model_names_past_the_label_cap_do_not_grow_memory(registry: CollectorRegistry) -> None:
+    # prepare_model remembered every raw model name it was given, so a caller passing
+    # unbounded names grew the process without limit though the labels stop at the cap.
+    metrics = Metrics(registry)
+    for n in range(MAX_LABEL_VALUES + 5):  # fill the cap: the rest is "other"
+        metrics.prepare_model("openai", f"model-{n}")
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for n in range(20_000):
+            metrics.prepare_model("openai", f"tenant-{n:08d}-fine-tune-{n}")
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - before < 100_000  # remembering them held over 2 MB
+    assert ("openai", "other") in {
+        (s.labels["provider"], s.labels["model"])
+        for f in registry.collect()
+        if f.name == "loomflow_model_errors"
+        for s in f.samples
+    }
 
 
 def test_each_metric_has_its_own_action_label_budget(registry: CollectorRegistry) -> None:
