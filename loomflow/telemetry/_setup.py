@@ -391,6 +391,24 @@ def _resource(s: Settings) -> Any:
 
 _EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
 
+# What the SDK's batch span processor reads with int(); one that is not a whole number it
+# replaced with its default, saying so only in a logged traceback.
+_BSP_NUMBERS = {
+    "OTEL_BSP_SCHEDULE_DELAY": "a whole number of milliseconds, like 5000",
+    "OTEL_BSP_EXPORT_TIMEOUT": "a whole number of milliseconds, like 30000",
+    "OTEL_BSP_MAX_QUEUE_SIZE": "a whole number of spans, like 2048",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "a whole number of spans, like 512",
+}
+
+
+def _sdk_number(name: str, parse: Callable[[str], object], hint: str) -> None:
+    """Refuse a standard variable ``parse`` (as the SDK parses it) cannot read."""
+    value = os.environ.get(name, "")
+    try:
+        _ = parse(value) if value.strip() else None  # empty: unset, the default
+    except ValueError:
+        raise ConfigurationError(f"{name}={value!r}: give {hint}") from None
+
 
 def _meter_provider(s: Settings) -> Any:
     exporters = _metrics_exporters()
@@ -412,13 +430,7 @@ def _meter_provider(s: Settings) -> Any:
         # a negative one with a bare ValueError from deep inside the SDK; one that is not a
         # number it replaces with its default, saying so only in a log line.
         for name in ("OTEL_METRIC_EXPORT_INTERVAL", "OTEL_METRIC_EXPORT_TIMEOUT"):
-            value = os.environ.get(name, "")
-            try:
-                _ = float(value) if value.strip() else None  # empty: unset, the default
-            except ValueError:
-                raise ConfigurationError(
-                    f"{name}={value!r}: give a number of milliseconds, like 60000"
-                ) from None
+            _sdk_number(name, float, "a number of milliseconds, like 60000")
         try:
             return PeriodicExportingMetricReader(exporter)
         except ValueError as exc:
@@ -469,6 +481,9 @@ def _tracer_provider(s: Settings) -> Any:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
+    if "otlp" in exporters or "console" in exporters:
+        for name, hint in _BSP_NUMBERS.items():
+            _sdk_number(name, int, hint)
     try:
         provider = TracerProvider(resource=_resource(s))  # reads the OTEL_*_LIMIT variables
         processors = []  # OTEL_BSP_*: built before any is added, so a bad one starts none

@@ -270,6 +270,26 @@ def test_setup_is_requested_by_the_standard_endpoint_alone(
             },
             "OTEL_METRIC_EXPORT_INTERVAL='10s'",
         ),
+        # Not whole numbers: the SDK logged a traceback and batched with its default instead.
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_BSP_SCHEDULE_DELAY": "abc"},
+            "OTEL_BSP_SCHEDULE_DELAY='abc': give a whole number of milliseconds",
+        ),
+        (
+            {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_EXPORT_TIMEOUT": "30s"},
+            "OTEL_BSP_EXPORT_TIMEOUT='30s'",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_BSP_MAX_QUEUE_SIZE": "lot"},
+            "OTEL_BSP_MAX_QUEUE_SIZE='lot': give a whole number of spans",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "51.2",
+            },
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE='51.2'",
+        ),
         # The SDK's own checks raised a bare ValueError from deep inside it.
         (
             {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_BSP_MAX_QUEUE_SIZE": "-5"},
