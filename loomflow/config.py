@@ -236,6 +236,9 @@ def _bad_settings(exc: ValidationError) -> str:
         field, *item = (str(part) for part in error["loc"])
         where = f"LOOMFLOW_{field.upper()}" + "".join(f"[{i}]" for i in item)
         message = error["msg"].removeprefix("Value error, ")  # pydantic's label for ours
+        if error["type"] in ("bool_parsing", "bool_type"):
+            # pydantic says only "a valid boolean", not which spellings it takes.
+            message = "give true or false (or 1/0, yes/no, on/off)"
         problems.append(f"{where}: {_one_line(message)}")
     return "bad setting " + "; ".join(problems)
 

@@ -149,6 +149,26 @@ def test_every_command_reports_every_bad_setting_in_one_line(
     assert not list(tmp_path.iterdir())  # nothing was created on the way
 
 
+def test_a_bad_boolean_setting_names_what_it_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # pydantic said only "Input should be a valid boolean", where the choices of every
+    # Literal setting are listed.
+    monkeypatch.chdir(tmp_path)
+    flags = [name for name, field in Settings.model_fields.items() if field.annotation is bool]
+    assert "auto_migrate" in flags
+    for name in flags:
+        variable = f"LOOMFLOW_{name.upper()}"
+        monkeypatch.setenv(variable, BAD[name])
+        assert cli_main.main(["settings"]) == 1
+        err = capsys.readouterr().err
+        assert err == (
+            f"loomflow: error: bad setting {variable}: give true or false "
+            "(or 1/0, yes/no, on/off)\n"
+        ), err
+        monkeypatch.delenv(variable)
+
+
 @pytest.mark.parametrize(
     "url",
     [
