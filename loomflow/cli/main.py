@@ -472,8 +472,11 @@ def _check_urls(args: argparse.Namespace) -> None:
         setattr(args, dest, url := lower_scheme(url))
         if dest == "postgres" and not url.startswith(_POSTGRES):
             continue
+        if url.startswith("memory:"):
+            continue  # a valid store, refused by each command that would open it, with why
         try:
-            _check_store_url(url, schemes, option)
+            # memory:// is not offered: no command can open a store in another process.
+            _check_store_url(url, tuple(s for s in schemes if s != "memory"), option)
         except ValueError as exc:
             raise ConfigurationError(f"{option}: {exc}") from None
 

@@ -195,6 +195,30 @@ def test_every_command_reports_a_bad_url_in_one_line(
         assert err.startswith("loomflow: error: --url: "), (argv, err)
 
 
+def test_an_unknown_scheme_on_the_command_line_lists_only_what_the_cli_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The list offered memory://, which every command then refused as living in another
+    # process.
+    monkeypatch.chdir(tmp_path)
+    for argv, listed in (
+        (["--url", "mysql://db/app", "runs", "list"], "sqlite://, postgresql://, postgres://"),
+        (
+            ["audit", "--audit-url", "mysql://db/app", "query"],
+            "jsonl://, sqlite://, postgresql://, postgres://",
+        ),
+        (
+            ["budget", "--budget-url", "mysql://db/app", "show"],
+            "sqlite://, postgresql://, postgres://",
+        ),
+    ):
+        assert cli_main.main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.endswith(f": use {listed}\n"), err
+        assert "memory" not in err, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_store_url_options_are_checked_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
