@@ -134,7 +134,9 @@ class AuditLog:
             UserError: ``action`` is one loomflow keeps for itself (``audit.*``,
                 ``legal_hold.*``, ``console.*``: erasures, holds and the console's record of
                 looks, which verification and erasure rely on), or ``user_id`` names a
-                console chain (``console:<name>``).
+                console chain (``console:<name>``). So is an action that reads like a
+                reserved one (``legaI_hold.placed``, ``AUDIT.erasure``, ``audit\u2024erasure``:
+                see :func:`loomflow.audit.actions.reserved_lookalike`).
         """
         check_id("user_id", user_id)
         check_id("session_id", session_id)
@@ -145,6 +147,14 @@ class AuditLog:
                 "place_hold()/release_hold() for holds and Stores.forget_user() or retain() "
                 "for erasures, and name your own actions outside audit.*, legal_hold.* and "
                 "console.*"
+            )
+        family = actions.reserved_lookalike(action) if isinstance(action, str) else None
+        if family is not None:
+            # Listed by `audit query` and the console, it would pass for a hold or an erasure.
+            raise UserError(
+                f"action {action[:80]!a} looks like loomflow's own {family}* actions "
+                "(compared ignoring case, _ - and spaces, invisible characters and look-alike "
+                "letters): name your own actions so they cannot be read as one of those"
             )
         if isinstance(user_id, str) and user_id.startswith(actions.CONSOLE_CHAINS):
             raise UserError(

@@ -9,6 +9,7 @@ exactly the tool executions that really began.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Final
 
 __all__ = [
@@ -134,6 +135,39 @@ RESERVED_PREFIXES: Final = ("audit.", "legal_hold.", "console.")
 """Prefixes of the actions loomflow acts on (an erasure record authorises erased payloads, a
 hold blocks erasure, the console's entries are its record of looks): ``AuditLog.record``
 refuses them."""
+
+# Characters that read as another in a listing: digits and bars as letters, Cyrillic and
+# Greek letters as Latin ones, other dots as "."; "_", hyphens and spaces are dropped. Letters
+# that look alike map to one ("i" and "l" both to "l"), on both sides of the comparison.
+_LOOKALIKES: Final = str.maketrans(
+    "1i|\u0131\u0456\u04cf\u03b90\u043e\u03bf"
+    "\u00b7\u3002\u30fb\u0430\u03b1\u0435\u03b5\u0440\u03c1\u0441"
+    "\u0445\u0443\u043a\u03ba\u0455\u0458\u04bb\u0501\u03c4\u03bd",
+    "lllllllooo...aaeeppcxykksjhdtv",
+    "_- \u2010\u2011\u2013",
+)
+
+
+def _skeleton(action: str) -> str:
+    folded = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", action).casefold())
+    # Invisible characters (zero-width spaces and joiners, Unicode category Cf) are dropped.
+    visible = "".join(c for c in folded if unicodedata.category(c) != "Cf")
+    return visible.translate(_LOOKALIKES)
+
+
+def reserved_lookalike(action: str) -> str | None:
+    """The reserved prefix (``audit.``, ...) that ``action`` reads as in a listing, or None.
+
+    Compared after NFKC normalisation and case folding, without invisible characters,
+    separators (``_``, ``-``, spaces, middle dots) and with common look-alike letters and
+    digits made one: ``legaI_hold.placed``, ``AUDIT.erasure`` and ``audit\u2024erasure`` all
+    read as reserved actions."""
+    skeleton = _skeleton(action)
+    for prefix in RESERVED_PREFIXES:
+        if skeleton.startswith(_skeleton(prefix)):
+            return prefix
+    return None
+
 
 CONSOLE_CHAINS: Final = "console:"
 """Not an action: the prefix of the user ids of the console's own chains (``console:<name>``),

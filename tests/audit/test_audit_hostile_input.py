@@ -75,6 +75,23 @@ async def test_the_log_refuses_actions_loomflow_gives_meaning_to(action: str) ->
     assert entry.seq == 1  # a name of the application's own is fine
 
 
+@pytest.mark.parametrize(
+    "action",
+    ["legaI_hold.placed", "audit\u2024erasure", "AUDIT.erasure", "Legal_Hold.placed",
+     "legal_hold\uff0ereleased", "\u0430udit.erasure", "legal\u200b_hold.placed", "C0NSOLE.query",
+     "legal-hold.placed"],
+)  # fmt: skip
+async def test_the_log_refuses_lookalikes_of_its_own_actions(action: str) -> None:
+    # Shown by `audit query` and the console, these read as a hold placed or an erasure made.
+    log = AuditLog(InMemoryAuditStore())
+    with pytest.raises(UserError, match="looks like loomflow's own"):
+        await log.record(action, user_id="bob", actor="app")
+    assert await log.store.count() == 0
+    for own in ("legal.review", "auditor.note", "consoles.sync", "hold.placed", "app.audit"):
+        await log.record(own, user_id="bob", actor="app")
+    assert await log.store.count() == 5
+
+
 async def test_an_audited_run_refuses_a_user_id_that_names_a_console_chain() -> None:
     # Its entries would join the console's record of looks, which erasure never removes.
     log = AuditLog(InMemoryAuditStore())
