@@ -51,7 +51,7 @@ from ..errors import (
 )
 from ..hooks import Interrupt, RunInfo
 from ..messages import ToolCall
-from ..redaction import PLACEHOLDER
+from ..redaction import PLACEHOLDER, Redactor
 from ..runtime import codec
 from ..runtime._journal import JournalRun, JournalRuntime, _Frame, _frame
 from ..runtime._store import Scope, StoredEntry, fingerprint, path_key
@@ -336,7 +336,7 @@ async def deferred_decision(
             reason="approval='defer' cannot wait inside a sub-run (an agent used as a tool); "
             "the call needs approval and is denied",
         )
-    arguments = _shown_arguments(info, shown)
+    arguments = shown_arguments(info.redactor, shown)
     step = f"{_REQUEST_STEP}{turn}_{slot}"
     inputs: list[Any] = [call.name, arguments, reason, policy]
     request_id = _request_id(run, path, step, inputs)
@@ -468,10 +468,11 @@ def _misplaced(
     return None
 
 
-def _shown_arguments(info: RunInfo, shown: dict[str, Any]) -> dict[str, Any]:
-    """The arguments as people may see them: sensitive names and secrets redacted."""
-    if info.redactor is not None:
-        value = info.redactor.value(shown)
+def shown_arguments(redactor: Redactor | None, shown: dict[str, Any]) -> dict[str, Any]:
+    """The arguments as people may see them: sensitive names and secrets redacted. Both a
+    deferred request and an in-process approval handler are shown this."""
+    if redactor is not None:
+        value = redactor.value(shown)
         if isinstance(value, dict):
             shown = value
     return shown

@@ -38,8 +38,9 @@ from .._sealed import holds_sealed_argument
 from ..errors import UserError
 from ..hooks import RunHooks, RunInfo
 from ..messages import ToolCall
+from ..redaction import Redactor
 from ..tools import Tool, ToolOutcome
-from .approvals import deferred_decision, journaled_request, kept_placeholder
+from .approvals import deferred_decision, journaled_request, kept_placeholder, shown_arguments
 from .events import PermissionDecided
 
 __all__ = [
@@ -350,20 +351,24 @@ class PermissionContext:
 
 @dataclass(frozen=True, slots=True)
 class ApprovalRequest:
-    """What an approval handler is asked about."""
+    """What an approval handler is asked about.
+
+    ``redactor`` is the run's: what it finds is hidden from ``redacted_arguments`` too.
+    """
 
     call: ToolCall
     tool: Tool[..., Any] | None
     user_id: str | None
     decision: Decision
     context: PermissionContext
+    redactor: Redactor | None = None
 
     @property
     def redacted_arguments(self) -> dict[str, Any]:
-        """The arguments with the tool's sensitive values hidden, for showing to people."""
-        return redact_arguments(
-            self.call.arguments, self.tool.sensitive if self.tool else frozenset()
-        )
+        """The arguments as a deferred request shows them, for showing to people: the tool's
+        sensitive values and what the run's redactor finds (secrets, personal data) hidden."""
+        sensitive = self.tool.sensitive if self.tool else frozenset()
+        return shown_arguments(self.redactor, redact_arguments(self.call.arguments, sensitive))
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,6 +711,8 @@ class PermissionHooks(RunHooks):
         final: Literal["allow", "deny"] = "deny" if decision.behavior == "deny" else "allow"
         reason, approver, edited, current = decision.reason, None, False, call
         by_approver = False
+        # What the approver was shown (an in-process handler is shown more redacted).
+        shown_to = redact_arguments(call.arguments, tool.sensitive if tool else frozenset())
         if decision.behavior == "ask":
             remembered = self._remembered.get(info.run_id, {}).get(call.name)
             if remembered is not None:
@@ -739,9 +746,11 @@ class PermissionHooks(RunHooks):
                     else f"denied by {approver or 'the approver'}"
                 )
             else:
-                answer = await permissions.request_approval(
-                    ApprovalRequest(call, tool, info.user_id, decision, context)
+                request = ApprovalRequest(
+                    call, tool, info.user_id, decision, context, info.redactor
                 )
+                shown_to = request.redacted_arguments
+                answer = await permissions.request_approval(request)
                 approver = answer.by
                 by_approver = not isinstance(answer, _Unanswered)
                 reason = answer.reason or (
@@ -755,7 +764,6 @@ class PermissionHooks(RunHooks):
                 edited = True
                 # An edit of the arguments as shown to a person can keep a hidden value's
                 # placeholder: the tool must not run with "[REDACTED]" as the value.
-                shown_to = redact_arguments(call.arguments, tool.sensitive if tool else frozenset())
                 kept = kept_placeholder(shown_to, answer.arguments)
                 if kept is not None:
                     final = "deny"

@@ -365,6 +365,50 @@ async def test_an_approver_can_edit_the_arguments() -> None:
     assert result.output == "model saw: wrote r1-reviewed"
 
 
+KEY = "sk-" + "abcdefghijklmnopqrstuvwx"  # an API key's shape, in an argument not `sensitive`
+CARD = "4111 1111 1111 1111"
+
+
+async def test_an_in_process_approver_sees_no_more_than_a_deferred_one() -> None:
+    # In process, redacted_arguments hid only the `sensitive` names: the key and the card in
+    # "record" were shown, while `approvals list` shows the same request with them redacted.
+    arguments = {"record": f"r1 {KEY} paid with {CARD}", "secret": "hunter2"}
+    target = make_tool(edits=False, destructive=True)
+    shown: list[dict[str, Any]] = []
+
+    def look(request: ApprovalRequest) -> Approval:
+        shown.append(request.redacted_arguments)
+        return Approval.deny("no")
+
+    await run_agent(StandardPermissions(approval=look), target, one_call(arguments))
+    deferred = Agent(
+        "x",
+        model=one_call(arguments),
+        tools=[target],
+        permissions=StandardPermissions(approval="defer"),
+        runtime=InMemoryRuntime(),
+    )
+    [pending] = (await deferred.run("go", session_id="s")).pending_approvals
+    assert shown == [pending.arguments]
+    assert KEY not in json.dumps(shown)
+    assert "4111" not in json.dumps(shown)
+    assert shown[0]["secret"] == "[REDACTED]"
+
+
+async def test_an_edit_that_keeps_a_redacted_secret_shape_is_denied() -> None:
+    ran.clear()
+    arguments = {"record": f"r1 {KEY}", "secret": "hunter2"}
+
+    async def edit(request: ApprovalRequest) -> Approval:
+        return Approval.edit({**request.redacted_arguments, "secret": "s3"}, by="lead")
+
+    target = make_tool(edits=False, destructive=True)
+    _, [event] = await run_agent(StandardPermissions(approval=edit), target, one_call(arguments))
+    assert ran == []
+    assert event.final == "deny"
+    assert "'record'" in event.reason
+
+
 async def test_an_edit_that_keeps_a_redacted_value_is_denied_not_run_with_it() -> None:
     # A handler that shows redacted_arguments to a person and sends back their edit of it
     # ran the tool with "[REDACTED]" as the secret.
