@@ -777,6 +777,10 @@ class PermissionHooks(RunHooks):
                     recheck = _checked(permissions, current, info.user_id, context)
                     if recheck.behavior == "deny":
                         final, reason = "deny", f"the edited arguments are denied: {recheck.reason}"
+        if info.redactor is not None:
+            # The reason reaches the model, and with it the journal and the model's provider:
+            # an approver's note may quote a card number or a key, which the audit entry hides.
+            reason = info.redactor.text(reason)
         sensitive = tool.sensitive if tool is not None else frozenset()
         info.emit(
             PermissionDecided(

@@ -18,6 +18,7 @@ from loomflow.governance import (
     Approval,
     ApprovalRequest,
     Decision,
+    Deny,
     PermissionContext,
     PermissionDecided,
     Policy,
@@ -407,6 +408,37 @@ async def test_an_edit_that_keeps_a_redacted_secret_shape_is_denied() -> None:
     assert ran == []
     assert event.final == "deny"
     assert "'record'" in event.reason
+
+
+async def test_an_approvers_deny_reason_reaches_the_model_redacted() -> None:
+    # The audit entry redacted the reason, but the model (and so the journal, the provider and
+    # result.messages) got the card number as the approver typed it.
+    permissions = StandardPermissions(
+        approval=lambda request: Approval.deny(f"card {CARD} is flagged, key {KEY}", by="kim")
+    )
+    target, runtime = make_tool(edits=False, destructive=True), InMemoryRuntime()
+    agent = Agent("x", model=one_call(), tools=[target], permissions=permissions, runtime=runtime)
+    result = await agent.run("go", session_id="s")
+    [denied] = [m for m in result.messages if m.role == "tool"]
+    assert denied.is_error
+    assert "[REDACTED:card] is flagged" in denied.content
+    assert "4111" not in denied.content
+    assert KEY not in denied.content
+    assert "4111" not in result.output
+    again = await agent.resume("go", session_id="s")
+    assert again.output == result.output
+
+
+async def test_a_deferred_deny_reason_reaches_the_model_redacted() -> None:
+    permissions = StandardPermissions(approval="defer")
+    target, runtime = make_tool(edits=False, destructive=True), InMemoryRuntime()
+    agent = Agent("x", model=one_call(), tools=[target], permissions=permissions, runtime=runtime)
+    [pending] = (await agent.run("go", session_id="s")).pending_approvals
+    decision = Deny(f"card {CARD} is flagged")
+    result = await agent.resume("go", session_id="s", approvals={pending.request_id: decision})
+    [denied] = [m for m in result.messages if m.role == "tool"]
+    assert "[REDACTED:card] is flagged" in denied.content
+    assert "4111" not in denied.content
 
 
 async def test_an_edit_that_keeps_a_redacted_value_is_denied_not_run_with_it() -> None:
