@@ -43,7 +43,14 @@ class InMemoryMemoryStore:
         return "InMemoryMemoryStore()"
 
     def _user(self, user_id: str | None) -> _User:
+        """The user's partition, created: only for writes."""
         return self._users.setdefault(Scope(None, user_id).user_key, _User())
+
+    def _found(self, user_id: str | None) -> _User:
+        """The user's partition, or an empty one left out of ``_users``: a read for an id
+        that stored nothing (hostile, or one of many) must not grow the process."""
+        found = self._users.get(Scope(None, user_id).user_key)
+        return found if found is not None else _User()
 
     async def open(self) -> None:
         return None
@@ -80,9 +87,7 @@ class InMemoryMemoryStore:
         before_epoch: int | None,
         limit: int | None,
     ) -> list[Episode]:
-        user = self._users.get(Scope(None, user_id).user_key)
-        if user is None:
-            return []
+        user = self._found(user_id)
         found = [
             e
             for e in (user.episodes[i] for i in user.by_session.get(session_id, ()))
@@ -96,7 +101,7 @@ class InMemoryMemoryStore:
         return found
 
     async def delete_episodes(self, session_id: str, user_id: str | None) -> int:
-        user = self._user(user_id)
+        user = self._found(user_id)
         kept = [e for e in user.episodes if e.session_id != session_id]
         deleted = len(user.episodes) - len(kept)
         if deleted:
@@ -142,7 +147,7 @@ class InMemoryMemoryStore:
         return new
 
     async def retract(self, user_id: str | None, subject: str, predicate: str) -> Fact | None:
-        user = self._user(user_id)
+        user = self._found(user_id)
         for i, fact in enumerate(user.facts):
             if fact.subject == subject and fact.predicate == predicate and fact.current:
                 end = micros(max(time.time(), fact.valid_from.timestamp() + TICK))
@@ -160,7 +165,7 @@ class InMemoryMemoryStore:
         history: bool,
     ) -> list[Fact]:
         found = []
-        for fact in self._user(user_id).facts:
+        for fact in self._found(user_id).facts:
             if (subject is not None and fact.subject != subject) or (
                 predicate is not None and fact.predicate != predicate
             ):
@@ -193,13 +198,13 @@ class InMemoryMemoryStore:
         return blocks[name]
 
     async def get_block(self, user_id: str | None, name: str) -> Block | None:
-        return self._user(user_id).blocks.get(name)
+        return self._found(user_id).blocks.get(name)
 
     async def blocks(self, user_id: str | None) -> list[Block]:
-        return sorted(self._user(user_id).blocks.values(), key=lambda b: b.name)
+        return sorted(self._found(user_id).blocks.values(), key=lambda b: b.name)
 
     async def delete_block(self, user_id: str | None, name: str) -> bool:
-        return self._user(user_id).blocks.pop(name, None) is not None
+        return self._found(user_id).blocks.pop(name, None) is not None
 
     # -- per user ----------------------------------------------------------------------------
 
@@ -214,7 +219,7 @@ class InMemoryMemoryStore:
     async def export_user(
         self, user_id: str | None
     ) -> tuple[list[Episode], list[Fact], list[Block]]:
-        user = self._users.get(Scope(None, user_id).user_key, _User())
+        user = self._found(user_id)
         return (
             list(user.episodes),
             list(user.facts),

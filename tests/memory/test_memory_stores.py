@@ -647,3 +647,27 @@ async def test_blocks_are_listed_in_one_order_on_every_backend(backend_memory: M
     assert [b.name for b in await memory.blocks(user_id="u")] == ["B", "_z", "a"]
     exported = await memory.export_user("u")
     assert [b["name"] for b in exported["blocks"]] == ["B", "_z", "a"]
+
+
+async def test_reading_memory_of_a_user_with_none_creates_nothing() -> None:
+    # Every read (and a delete that found nothing) created an empty partition for the user:
+    # a long-lived process reading for hostile or many ids grew without bound.
+    store = InMemoryMemoryStore()
+    memory = Memory(store)
+    for n in range(50):
+        user = f"reader-{n}"
+        assert await memory.facts(user_id=user) == []
+        assert await memory.facts(user_id=user, history=True) == []
+        assert await memory.block("notes", user_id=user) is None
+        assert await memory.blocks(user_id=user) == []
+        assert await memory.episodes("s", user_id=user) == []
+        assert await memory.delete_block("notes", user_id=user) is False
+        assert await memory.retract("a", "b", user_id=user) is None
+        assert await memory.forget_session("s", user_id=user) == 0
+        exported = await memory.export_user(user)
+        assert (exported["episodes"], exported["facts"], exported["blocks"]) == ([], [], [])
+    assert store._users == {}
+    # A user who stored something still has a partition, found by every read.
+    await memory.set_block("notes", "x", user_id="writer")
+    assert len(store._users) == 1
+    assert [b.name for b in await memory.blocks(user_id="writer")] == ["notes"]
