@@ -64,6 +64,19 @@ def _content(what: str, value: object) -> str:
     return valid_text(value)
 
 
+# Every character str.splitlines breaks a line at, written as its escape in what a memory tool
+# tells the model: recall_facts shows a fact a line, so a stored value holding one read as
+# facts never remembered. Only these: a tab, an accent or a backslash stays as it is.
+_ONE_LINE = str.maketrans(
+    {c: c.encode("unicode_escape").decode() for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+)
+
+
+def _fact_line(subject: str, predicate: str, value: str) -> str:
+    """One fact as one line of a memory tool's answer, whatever its parts hold."""
+    return f"{subject} {predicate} {value}".translate(_ONE_LINE)
+
+
 def _argument(check: Callable[[str, object], str], what: str, value: object) -> str:
     """A memory tool's argument, checked as the API checks it. A bad one is the model's
     mistake, told to it as a tool error: as the API's UserError it stopped the run, and every
@@ -397,7 +410,7 @@ class Memory:
                 await self.remember(
                     subject, predicate, value, user_id=ctx.user_id, source=ctx.run_id
                 )
-            return f"remembered: {subject} {predicate} {value}"
+            return f"remembered: {_fact_line(subject, predicate, value)}"
 
         async def recall_facts(subject: str | None = None) -> str:
             """List what is remembered about the user's world.
@@ -411,7 +424,7 @@ class Memory:
                 facts = await self.facts(user_id=get_run_context().user_id, subject=subject)
             if not facts:
                 return "nothing remembered"
-            return "\n".join(f"{f.subject} {f.predicate} {f.object}" for f in facts)
+            return "\n".join(_fact_line(f.subject, f.predicate, f.object) for f in facts)
 
         async def read_block(name: str) -> str:
             """Read one of the user's working-memory blocks.
