@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,8 @@ def test_the_budget_defaults_to_the_journal_database(tmp_path: Path) -> None:
     result = loomflow("--url", journal, "budget", "show", "--json")
     assert len(result.stdout.splitlines()) == 3
     reclaimed = loomflow("--url", journal, "budget", "reclaim", "--json")
-    assert json.loads(reclaimed.stdout) == {"reclaimed": 0}
+    assert json.loads(reclaimed.stdout) == {"reclaimed": 0, "left": 0}
+    assert reclaimed.returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -189,3 +191,39 @@ def test_tables_tell_hostile_user_ids_from_the_anonymous_user(tmp_path: Path) ->
         header, *rows = done.stdout.splitlines()
         start, end = header.index("user"), header.index(after)
         assert {row[start:end].rstrip() for row in rows} == {"'-'", "'   '"}, done.stdout
+
+
+async def _two_dead_holds(path: Path) -> None:
+    """Holds of alice and bob whose workers died (leases long gone); bob's amount edited."""
+    budget = StandardBudget(
+        [Cap("tokens_total", 10_000)], store=SqlBudgetStore(f"sqlite:///{path}")
+    )
+    for user in ("alice", "bob"):
+        await budget.reserve(user_id=user, model="scripted", max_tokens=10)
+    await budget.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE loom_budget_reservations SET expires_at = 0")
+        conn.execute(
+            "UPDATE loom_budget_reservations SET tokens_in = -3 WHERE buckets LIKE '%bob%'"
+        )
+    conn.close()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_reclaim_says_how_many_holds_it_left_and_exits_1(tmp_path: Path, as_json: bool) -> None:
+    # A malformed hold is left for an operator; reclaim printed only the ones it settled and
+    # exited 0, so a script running it could not tell anything was left.
+    path = tmp_path / "budget.db"
+    asyncio.run(_two_dead_holds(path))
+    args = ["budget", "--budget-url", f"sqlite:///{path}", "reclaim"]
+    result = loomflow(*args, *(["--json"] if as_json else []))
+    assert result.returncode == 1, result.stderr
+    if as_json:
+        assert json.loads(result.stdout) == {"reclaimed": 1, "left": 1}
+    else:
+        assert result.stdout.strip() == "reclaimed 1 reservations, left 1 malformed in place"
+    assert "1 reservation is malformed and was left in place" in result.stderr
+    assert "tokens_in -3 is no amount" in result.stderr
+    # Again: alice's is gone, bob's still left, and said again.
+    again = loomflow(*args, "--json")
+    assert (again.returncode, json.loads(again.stdout)) == (1, {"reclaimed": 0, "left": 1})

@@ -496,6 +496,11 @@ class SqlBudgetStore:
         return bool(rows)
 
     async def reclaim(self, *, limit: int = 100) -> int:
+        return (await self.reclaim_report(limit=limit))[0]
+
+    async def reclaim_report(self, *, limit: int = 100) -> tuple[int, int]:
+        """:meth:`reclaim`, returning ``(settled, left)``: ``left`` counts the malformed holds
+        met and left in place for an operator (each logged as a warning saying why)."""
         limit = sweep_limit(limit)
         await self.open()
         # Ids are kept as read: a blob id (edited in on SQLite) finds its row only as a blob,
@@ -508,7 +513,7 @@ class SqlBudgetStore:
             for row in await self.db.fetch(_LOCAL, f"{namespace}:%", limit, what="budget reclaim"):
                 if owner_is_dead(str(row[1])):
                     candidates[_id_as_read(row[0])] = str(row[1])
-        reclaimed = 0
+        reclaimed = left = 0
         for reservation_id, dead_owner in candidates.items():
             text = reservation_id if isinstance(reservation_id, str) else ""
             if not (is_unicode(text) and is_unicode(dead_owner)):
@@ -519,6 +524,7 @@ class SqlBudgetStore:
                     "owner is text that is not UTF-8",
                     reservation_id,
                 )
+                left += 1
                 continue
             # One transaction per hold: a reclaimer never holds two holds' locks at once, so
             # it cannot deadlock with a worker committing one of them.
@@ -543,7 +549,8 @@ class SqlBudgetStore:
                     reservation_id,
                     exc,
                 )
-        return reclaimed
+                left += 1
+        return reclaimed, left
 
     async def totals(self, keys: Sequence[str]) -> dict[str, Totals]:
         if not keys:
