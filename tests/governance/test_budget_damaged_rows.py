@@ -485,3 +485,35 @@ async def test_a_bucket_whose_scope_was_edited_is_still_listed_and_forgotten(
         assert left == [("bob",)]
     finally:
         await budget.close()
+
+
+async def test_malformed_holds_do_not_keep_a_sweep_from_the_sound_ones_behind_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "budget.db"
+    budget, alice, bob = await _two_holds(f"sqlite:///{path}")
+    try:
+        # 150 copies of bob's hold with an amount no reservation writes, lapsed before
+        # alice's sound one: a sweep read the 100 oldest, left them all, and never reached
+        # hers, so her 1,034 tokens stayed held for good however often it ran.
+        copies = (
+            "INSERT INTO loom_budget_reservations (id, owner, buckets, tokens_in, tokens_out, "
+            "cost_nanousd, on_expiry, created_at, expires_at) "
+            "SELECT 'bad-' || n, owner, buckets, 3.7, tokens_out, cost_nanousd, on_expiry, "
+            "created_at, 0 FROM loom_budget_reservations, "
+            "(WITH RECURSIVE c(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM c WHERE n < 150) "
+            f"SELECT n FROM c) WHERE id = '{bob}'"
+        )
+        await asyncio.to_thread(sqlite_exec, path, copies)
+        await asyncio.to_thread(
+            sqlite_exec,
+            path,
+            f"UPDATE loom_budget_reservations SET expires_at = 1 WHERE id = '{alice}'",
+        )
+        assert await budget.reclaim() == 1
+        [usage] = await budget.store.usage("alice")
+        assert usage.totals.reserved_in == 0
+        settled, left = await budget.store.reclaim_report()  # type: ignore[attr-defined]
+        assert (settled, left) == (0, 150)
+    finally:
+        await budget.close()

@@ -140,10 +140,15 @@ _RENEW = """
 UPDATE loom_budget_reservations SET expires_at = {now} + CAST($2 AS DOUBLE PRECISION)
 WHERE id = $1 RETURNING 1
 """
+# Malformed holds stay where they are (for an operator), so a sweep pages past them: the
+# offset is the number it has left so far; what it settled is gone from the set.
 _EXPIRED = f"""
 SELECT id, owner FROM loom_budget_reservations WHERE {_LAPSED}
-ORDER BY expires_at LIMIT $1
+ORDER BY expires_at, id LIMIT $1 OFFSET $2
 """
+# Pages one sweep reads at most: past this many malformed holds in a row it stops, and the
+# next sweep (or `budget reclaim`) starts again from the oldest.
+_RECLAIM_PAGES = 10
 # Owner ids start with the pid namespace, so a worker can find holds of dead local processes.
 _LOCAL = "SELECT id, owner FROM loom_budget_reservations WHERE owner LIKE $1 LIMIT $2"
 _USAGE = f"SELECT bucket, {_COLUMNS}, updated_at, scope, user_id, period FROM loom_budget_buckets"
@@ -506,14 +511,39 @@ class SqlBudgetStore:
         # Ids are kept as read: a blob id (edited in on SQLite) finds its row only as a blob,
         # and as text would be skipped without a word, its amount held for good.
         candidates: dict[str | bytes, str] = {}
-        for row in await self.db.fetch(_EXPIRED, limit, what="budget reclaim"):
+        for row in await self.db.fetch(_EXPIRED, limit, 0, what="budget reclaim"):
             candidates[_id_as_read(row[0])] = ""
+        expired = set(candidates)
+        full_page = len(candidates) == limit
         namespace = pid_namespace()
         if namespace != "unknown":
             for row in await self.db.fetch(_LOCAL, f"{namespace}:%", limit, what="budget reclaim"):
                 if owner_is_dead(str(row[1])):
                     candidates[_id_as_read(row[0])] = str(row[1])
-        reclaimed = left = 0
+        reclaimed, kept = await self._settle(candidates)
+        seen = set(candidates)
+        offset, pages = len(kept & expired), 1
+        # A page the sweep could not settle (malformed holds, left in place) must not hide
+        # the sound ones behind it for good: it reads on past what it left.
+        while full_page and reclaimed < limit and pages < _RECLAIM_PAGES:
+            rows = await self.db.fetch(_EXPIRED, limit, offset, what="budget reclaim")
+            pages += 1
+            full_page = len(rows) == limit
+            page = {_id_as_read(r[0]): "" for r in rows}
+            fresh = {k: v for k, v in page.items() if k not in seen}
+            if not fresh:
+                break
+            seen.update(fresh)
+            settled, left_here = await self._settle(fresh)
+            reclaimed += settled
+            kept |= left_here
+            offset += len(left_here)
+        return reclaimed, len(kept)
+
+    async def _settle(self, candidates: dict[str | bytes, str]) -> tuple[int, set[str | bytes]]:
+        """Settle each hold (``{id: dead owner or ""}``) in its own transaction; return how
+        many it settled and the ids of the malformed ones it left in place."""
+        reclaimed, left = 0, set[str | bytes]()
         for reservation_id, dead_owner in candidates.items():
             text = reservation_id if isinstance(reservation_id, str) else ""
             if not (is_unicode(text) and is_unicode(dead_owner)):
@@ -524,7 +554,7 @@ class SqlBudgetStore:
                     "owner is text that is not UTF-8",
                     reservation_id,
                 )
-                left += 1
+                left.add(reservation_id)
                 continue
             # One transaction per hold: a reclaimer never holds two holds' locks at once, so
             # it cannot deadlock with a worker committing one of them.
@@ -549,7 +579,7 @@ class SqlBudgetStore:
                     reservation_id,
                     exc,
                 )
-                left += 1
+                left.add(reservation_id)
         return reclaimed, left
 
     async def totals(self, keys: Sequence[str]) -> dict[str, Totals]:
