@@ -158,13 +158,23 @@ async def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+_RECLAIM_BATCH = 100
+
+
 async def _reclaim(args: argparse.Namespace) -> int:
     async with _stores(args) as stores:
         store = stores.budget
-        if isinstance(store, SqlBudgetStore):
-            count, left = await store.reclaim_report()
-        else:
-            count, left = await store.reclaim(), 0
+        # "Now" means every dead hold, not one worker sweep's worth: sweeps go on while a
+        # whole one was settled. The malformed holds left are those the last sweep met.
+        count = left = 0
+        while True:
+            if isinstance(store, SqlBudgetStore):
+                settled, left = await store.reclaim_report(limit=_RECLAIM_BATCH)
+            else:
+                settled = await store.reclaim(limit=_RECLAIM_BATCH)
+            count += settled
+            if settled < _RECLAIM_BATCH:
+                break
     if args.json:
         print(json.dumps({"reclaimed": count, "left": left}))
     elif left:

@@ -227,3 +227,27 @@ def test_reclaim_says_how_many_holds_it_left_and_exits_1(tmp_path: Path, as_json
     # Again: alice's is gone, bob's still left, and said again.
     again = loomflow(*args, "--json")
     assert (again.returncode, json.loads(again.stdout)) == (1, {"reclaimed": 0, "left": 1})
+
+
+async def _dead_holds(path: Path, count: int) -> None:
+    budget = StandardBudget(
+        [Cap("tokens_total", 10_000_000)], store=SqlBudgetStore(f"sqlite:///{path}")
+    )
+    for n in range(count):
+        await budget.reserve(user_id=f"user-{n % 7}", model="scripted", max_tokens=10)
+    await budget.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE loom_budget_reservations SET expires_at = 0")
+    conn.close()
+
+
+def test_reclaim_settles_every_dead_hold_not_the_first_hundred(tmp_path: Path) -> None:
+    # "Settle the reservations of dead workers now" settled one sweep's worth (100) and said
+    # so, leaving the rest held until a worker's sweeps got round to them.
+    path = tmp_path / "budget.db"
+    asyncio.run(_dead_holds(path, 250))
+    result = loomflow("budget", "--budget-url", f"sqlite:///{path}", "reclaim", "--json")
+    assert (result.returncode, json.loads(result.stdout)) == (0, {"reclaimed": 250, "left": 0})
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM loom_budget_reservations").fetchone() == (0,)
+    conn.close()
