@@ -214,6 +214,9 @@ class Failure:
     status: int | None
     retryable: bool
     retry_after: float | None = None
+    # The provider's exception quoted a secret the detail has cut out: it is not chained to
+    # the ModelError, or every printed traceback would show the secret again.
+    conceal_cause: bool = False
 
 
 class IncompleteStreamError(Exception):
@@ -433,19 +436,20 @@ async def stream_with_retries(
             if failure is None:
                 raise
             detail = _clipped(failure.detail)
+            cause = None if failure.conceal_cause else exc
             if started:
                 raise ModelError(
                     provider,
                     model,
                     f"{detail} (the stream had already produced output, so it was not retried)",
                     failure.status,
-                ) from exc
+                ) from cause
             if not failure.retryable:
-                raise ModelError(provider, model, detail, failure.status) from exc
+                raise ModelError(provider, model, detail, failure.status) from cause
             if retries >= max_retries:
                 raise ModelRetryExhaustedError(
                     provider, model, detail, failure.status, attempts=retries + 1
-                ) from exc
+                ) from cause
             wait = backoff.delay(retries, rng, failure.retry_after)
             retries += 1
             for observer in _observers:

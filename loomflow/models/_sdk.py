@@ -194,7 +194,9 @@ class SdkModel(abc.ABC, Generic[ClientT]):
             # A key of a few characters (a test's "k") would cut letters out of every word.
             if isinstance(secret, str) and len(secret.strip()) >= 8:
                 detail = detail.replace(secret.strip(), "[api key]")
-        return dataclasses.replace(failure, detail=detail)
+        if detail == failure.detail:
+            return failure
+        return dataclasses.replace(failure, detail=detail, conceal_cause=True)
 
     def _reported_count(self, field: str, value: Any) -> int:
         """A token count from the provider's usage: a missing one is 0; one that cannot be true

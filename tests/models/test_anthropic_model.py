@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import traceback
 
 import anthropic
 import pytest
@@ -561,6 +562,7 @@ async def test_an_error_that_echoes_the_credential_does_not_repeat_it(
     assert key not in str(info.value)
     assert key not in info.value.detail
     assert "invalid x-api-key [api key]" in info.value.detail
+    assert key not in "".join(traceback.format_exception(info.value))  # nor chained in
 
 
 def test_a_timeout_that_cannot_work_is_refused() -> None:

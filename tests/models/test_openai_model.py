@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import traceback
 
 import openai
 import pytest
@@ -682,6 +683,10 @@ async def test_an_error_that_echoes_the_api_key_does_not_repeat_it(
     assert key not in str(info.value)
     assert key not in info.value.detail
     assert "Incorrect API key provided: [api key]." in info.value.detail
+    # Nor in the traceback a logger prints (log.exception, an unhandled error): the SDK's
+    # exception, which quotes the key, is not chained into it.
+    printed = "".join(traceback.format_exception(info.value))
+    assert key not in printed
 
 
 @pytest.mark.parametrize(
