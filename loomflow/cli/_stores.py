@@ -24,6 +24,17 @@ from ..storage._url import sqlite_path
 __all__ = ["existing", "refuse_unready", "refuse_without", "session_of"]
 
 
+def not_in_process(url: str, what: str) -> None:
+    """Refuse a ``memory://`` store: it lives inside the process that made it, so a command
+    started on its own would read, change or migrate a new, empty one and report success."""
+    if url.startswith("memory:"):
+        raise ConfigurationError(
+            f"a memory:// {what} lives inside the process that made it, so a command cannot "
+            "read or change it: point the command at the SQLite file or PostgreSQL database "
+            "the application uses"
+        )
+
+
 def existing(url: str, what: str) -> str:
     """``url``, if it names a file that exists (or is not a file store at all).
 
@@ -36,12 +47,7 @@ def existing(url: str, what: str) -> str:
             command started on its own would read an empty one, or write a hold or a
             cancellation that is gone at exit).
     """
-    if url.startswith("memory:"):
-        raise ConfigurationError(
-            f"a memory:// {what} lives inside the process that made it, so a command cannot "
-            "read or change it: point the command at the SQLite file or PostgreSQL database "
-            "the application uses"
-        )
+    not_in_process(url, what)
     if url.startswith("jsonl://"):
         path: str | None = url.removeprefix("jsonl://")[1:]  # as audit_store_from_url reads it
     elif "://" not in url and url.endswith(".jsonl"):

@@ -49,7 +49,7 @@ from ._format import (
     who,
 )
 from ._progress import add_no_progress, progress_bar
-from ._stores import existing, refuse_unready, refuse_without, session_of
+from ._stores import existing, not_in_process, refuse_unready, refuse_without, session_of
 from ._upgrade import legacy_note, quiet_on_open
 
 
@@ -556,7 +556,9 @@ def _one_line(text: str) -> str:
 async def _dispatch(args: argparse.Namespace) -> int:
     settings = Settings()
     url = args.url or settings.runtime_url
-    if args.command != "migrate":
+    if args.command == "migrate":
+        not_in_process(url, "journal")  # migrating it would report a schema nobody keeps
+    else:
         existing(url, "journal")
         if getattr(args, "audit_url", None):  # runs cancel: its record must reach the real log
             existing(args.audit_url, "audit log")

@@ -219,6 +219,18 @@ def test_an_unknown_scheme_on_the_command_line_lists_only_what_the_cli_opens(
     assert not list(tmp_path.iterdir())
 
 
+def test_migrate_refuses_a_journal_that_lives_in_another_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It printed "journal schema at version 0" and exited 0: a deploy step that migrated
+    # nothing anyone keeps, reported as done.
+    monkeypatch.chdir(tmp_path)
+    assert cli_main.main(["--url", "memory://", "migrate"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("loomflow: error: a memory:// journal lives inside the process"), err
+    assert not list(tmp_path.iterdir())
+
+
 def test_store_url_options_are_checked_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
