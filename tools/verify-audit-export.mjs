@@ -45,7 +45,7 @@ const DIGESTED_VERSION = 3;
 const ENTRY_SCHEMA_VERSION = 1; // the entry layout (loomflow's ENTRY_SCHEMA_VERSION)
 // The first line of an export made with filters: {"filters": {...}, "loomflow_audit_export": 1}.
 const EXPORT_HEADER = 'loomflow_audit_export';
-const EXPORT_FILTERS = ['user_id', 'session_id', 'run_id', 'action', 'since', 'until'];
+const EXPORT_FILTERS = ['user_id', 'session_id', 'run_id', 'action', 'since', 'until', 'after_seq'];
 // The key of a line whose stored row the exporter could not read (a payload that is no strict
 // JSON, a row no writer makes): the line says why, and the entry is unreadable where it is.
 const UNREADABLE = 'unreadable';
@@ -348,7 +348,9 @@ function readHeader(line) {
     }
     // As loomflow's exporter checked them: a line is compared with them.
     if (name === 'since' || name === 'until') checkTime(value);
-    else if (value !== null) checkId(name, value, name === 'action' ? MAX_KEY_BYTES : MAX_ID_BYTES);
+    else if (name === 'after_seq') {
+      if (!/^[0-9]{1,19}$/.test(value)) throw new Error(`filter after_seq is ${JSON.stringify(value)}, not an entry number`);
+    } else if (value !== null) checkId(name, value, name === 'action' ? MAX_KEY_BYTES : MAX_ID_BYTES);
   }
   return filters;
 }
@@ -384,6 +386,7 @@ function outsideReasons(entry, key) {
     else if (name === 'action') {
       kept = value.endsWith('*') ? entry.action.startsWith(value.slice(0, -1)) : entry.action === value;
     } else if (name === 'since') kept = entry.time >= value; // fixed-width: text order is time order
+    else if (name === 'after_seq') kept = BigInt(entry.seq) > BigInt(value);
     else kept = entry.time < value; // until
     if (!kept) reasons.push(`its header says ${name} ${keyOf(value)}`);
   }

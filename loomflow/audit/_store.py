@@ -79,8 +79,9 @@ EXPORT_HEADER = "loomflow_audit_export"
 """The key of the line an export made with filters starts with; its value is the format
 (``EXPORT_FORMAT``), beside ``filters``. An export of the whole log has no such line."""
 EXPORT_FORMAT = 1
-EXPORT_FILTERS = ("user_id", "session_id", "run_id", "action", "since", "until")
-"""The filters an export header may name (``user_id`` may be ``null``: the anonymous bucket)."""
+EXPORT_FILTERS = ("user_id", "session_id", "run_id", "action", "since", "until", "after_seq")
+"""The filters an export header may name (``user_id`` may be ``null``: the anonymous bucket;
+``after_seq``, digits: a page of a trail that starts past that entry, as the console exports it)."""
 
 ProblemKind = Literal[
     "edited",

@@ -233,6 +233,10 @@ def read_export_header(line: str) -> dict[str, Any] | None:
         # As the exporter checked them (AuditFilter.build): a line is compared with them.
         if name in ("since", "until"):
             time_us_of_text(value)
+        elif name == "after_seq":
+            digits = str(value)  # text, as checked above (only user_id may be null)
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= 19):
+                raise ValueError(f"filter after_seq is {value!r}, not an entry number")
         elif name == "action":
             check_key(name, value)
         else:
@@ -300,6 +304,8 @@ def _kept(
         return entry.action == action
     if name == "since":
         return entry.time_us >= times[name]
+    if name == "after_seq":
+        return entry.seq > int(str(value))
     return entry.time_us < times[name]  # until
 
 

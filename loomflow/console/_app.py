@@ -658,7 +658,8 @@ def create_app(
         if limit is not None:
             shown = await data.export_page(user_id, where, limit=limit, cursor=cursor)
             page_lines = "".join(e.to_line() + "\n" for e in shown.entries)
-            lines = _once(data.export_header(user_id, where) + page_lines)
+            after = min((e.seq for e in shown.entries), default=1) - 1
+            lines = _once(data.export_header(user_id, where, after) + page_lines)
         else:
             # Streamed a page at a time: a long trail is never held in memory whole. The first
             # chunk is read before the answer starts, so a malformed row among its entries is

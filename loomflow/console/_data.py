@@ -26,7 +26,8 @@ from typing import Any
 
 from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
-from ..audit._store import AuditFilter
+from ..audit._entry import json_line
+from ..audit._store import EXPORT_FORMAT, EXPORT_HEADER, AuditFilter
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
 from ..errors import JournalError, LoomflowError, UserError
 from ..redaction import Redactor
@@ -457,13 +458,16 @@ class ConsoleData:
         return await self.stores.audit.verify(user_id=user_id)
 
     @staticmethod
-    def export_header(user_id: str | None, where: TrailFilter) -> str:
+    def export_header(user_id: str | None, where: TrailFilter, after_seq: int = 0) -> str:
         """The first line of an export of this user's trail (as ``loomflow audit export
         --user`` writes it): it names the filters, which ``verify --file`` holds the lines
-        to (``verify --file ... --user`` checks the export as this user's alone)."""
-        header = AuditFilter.build(user_id=user_id, **where.as_kwargs()).export_header()
-        assert header is not None  # a user is always a filter
-        return header + "\n"
+        to (``verify --file ... --user`` checks the export as this user's alone).
+        ``after_seq``: one page of the trail, whose entries come after that one; named, or a
+        verifier would take the page for a whole trail missing its first entries."""
+        named = AuditFilter.build(user_id=user_id, **where.as_kwargs()).described()
+        if after_seq > 0:
+            named["after_seq"] = str(after_seq)
+        return json_line({EXPORT_HEADER: EXPORT_FORMAT, "filters": named}) + "\n"
 
     async def export_lines(self, user_id: str | None, where: TrailFilter) -> AsyncIterator[str]:
         """The selected entries as the lines of ``loomflow audit export`` (as stored,

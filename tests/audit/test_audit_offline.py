@@ -119,6 +119,27 @@ async def test_an_export_whose_header_names_no_start_must_begin_at_entry_1(
     assert report.warnings == []
 
 
+async def test_a_page_that_names_where_it_starts_is_not_missing_its_first_entries(
+    tmp_path: Path,
+) -> None:
+    # The console exports one page of a trail; its header names the entry the page follows,
+    # so the page is not read as a whole trail missing its first entries, and a line from
+    # before that point is outside the export.
+    lines, _ = await _export(tmp_path, user_id="bob")
+    _, *entries = lines
+    header = json.dumps(
+        {"filters": {"user_id": "bob", "after_seq": "2"}, "loomflow_audit_export": 1}
+    )
+    report = verify_lines([header, *entries[2:]], user_id="bob")
+    assert report.problems == []
+    assert [w.kind for w in report.warnings] == ["unanchored"]
+    report = verify_lines([header, *entries[1:]], user_id="bob")
+    assert [p.kind for p in report.problems] == ["outside_export"]
+    bad = json.dumps({"filters": {"user_id": "bob", "after_seq": "-1"}, "loomflow_audit_export": 1})
+    report = verify_lines([bad, *entries], user_id="bob")
+    assert [p.kind for p in report.problems] == ["unreadable"]
+
+
 def test_heads_come_from_a_verify_report_or_a_list() -> None:
     head = {"user_id": "a", "seq": 3, "hash": "f" * 64}
     assert heads_from_json({"ok": True, "heads": [head]}) == [ChainHead("a", 3, "f" * 64)]

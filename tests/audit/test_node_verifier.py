@@ -575,6 +575,13 @@ TAMPERS: dict[str, Any] = {
     "an export of alice without its first lines": lambda ls: [
         x for x in _only(ls, A, header=True) if '"seq":1,' not in x and '"seq":2,' not in x
     ],
+    "a page of alice after entry 2": lambda ls: [
+        x for x in _said(ls, A, after_seq="2") if '"seq":1,' not in x and '"seq":2,' not in x
+    ],
+    "a page of alice after entry 2 holding entry 2": lambda ls: [
+        x for x in _said(ls, A, after_seq="2") if '"seq":1,' not in x
+    ],
+    "a page after a seq that is no number": lambda ls: _said(ls, A, after_seq="2x"),
     "hash_version true": lambda ls: _set(ls, A, 2, hash_version=True),
     "a field no entry has": lambda ls: _set(ls, A, 2, note="x"),
     "payload a list": lambda ls: _set(ls, A, 2, payload=[1]),

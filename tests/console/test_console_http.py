@@ -551,6 +551,9 @@ def test_verification_and_export_check_out_with_the_cli(
             "/export", params={"user": BOB, "limit": 25, "cursor": first["next_cursor"]}
         ).text
         exported = [json.loads(line) for line in page.splitlines()[1:]]  # after the header
+        # The header names where the page starts: a verifier took it for bob's whole trail
+        # missing entries 1-25.
+        assert json.loads(page.splitlines()[0])["filters"] == {"user_id": BOB, "after_seq": "25"}
         assert [(e["seq"], e["hash"]) for e in exported] == [
             (e["seq"], e["hash"]) for e in second["entries"]
         ]
