@@ -164,12 +164,15 @@ class AuditFilter:
             named["until"] = iso_time(self.until_us)
         return named
 
-    def export_header(self) -> str | None:
+    def export_header(self, after_seq: int = 0) -> str | None:
         """The first line of an export made with these filters (``None``: no filter, so the
         export is the whole log and has no header). It tells a reader what the export was
         made with; no hash covers it, so a verifier checks it against the lines and never lets
-        it narrow the check (which users to look for is the ``--user`` of whoever verifies)."""
+        it narrow the check (which users to look for is the ``--user`` of whoever verifies).
+        ``after_seq``: the export is one page of a trail, past that entry (the console's)."""
         named = self.described()
+        if after_seq > 0:
+            named["after_seq"] = str(after_seq)
         if not named:
             return None
         header = {EXPORT_HEADER: EXPORT_FORMAT, "filters": named}

@@ -26,8 +26,7 @@ from typing import Any
 
 from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
-from ..audit._entry import json_line
-from ..audit._store import EXPORT_FORMAT, EXPORT_HEADER, AuditFilter
+from ..audit._store import AuditFilter
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
 from ..errors import JournalError, LoomflowError, UserError
 from ..redaction import Redactor
@@ -464,10 +463,9 @@ class ConsoleData:
         to (``verify --file ... --user`` checks the export as this user's alone).
         ``after_seq``: one page of the trail, whose entries come after that one; named, or a
         verifier would take the page for a whole trail missing its first entries."""
-        named = AuditFilter.build(user_id=user_id, **where.as_kwargs()).described()
-        if after_seq > 0:
-            named["after_seq"] = str(after_seq)
-        return json_line({EXPORT_HEADER: EXPORT_FORMAT, "filters": named}) + "\n"
+        header = AuditFilter.build(user_id=user_id, **where.as_kwargs()).export_header(after_seq)
+        assert header is not None  # a user is always a filter
+        return header + "\n"
 
     async def export_lines(self, user_id: str | None, where: TrailFilter) -> AsyncIterator[str]:
         """The selected entries as the lines of ``loomflow audit export`` (as stored,
