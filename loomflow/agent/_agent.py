@@ -354,11 +354,11 @@ class Agent:
         # may); a memory that also offers hooks keeps its place in the order.
         memory_hooks = memory if isinstance(memory, HookProvider) else None
         # From the stored tuples: a generator passed as guardrails= or hooks= is spent already.
-        governing = [*self.guardrails, budget, permissions, memory_hooks, audit]
-        self._hooks = hooks_of([*governing, self.telemetry, *self.hooks])
-        # The leading hooks that check a tool call (guardrails, budget, permissions): a call
-        # a later hook rewrites goes through them again (see _Run._live_tool_call).
-        self._checks = sum(1 for c in (*self.guardrails, budget, permissions) if c is not None)
+        # The hooks that check a tool call (guardrails, budget, permissions) lead: a call a
+        # later hook rewrites goes through them again (see _Run._live_tool_call).
+        self._checks = tuple(hooks_of([*self.guardrails, budget, permissions]))
+        later = hooks_of([memory_hooks, audit, self.telemetry, *self.hooks])
+        self._hooks = [*self._checks, *later]
         if audit is not None and self.telemetry is not None:
             _count_audit_entries(self.telemetry, audit)
         self._specs = [ToolSpec(**spec) for spec in self.tools.specs()]

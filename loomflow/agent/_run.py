@@ -587,12 +587,12 @@ class _Run:
         else:
             answer: ToolOutcome | None = None
             tool = self.agent.tools.get(tool_name)  # None: a name the model made up
-            checks = self.hooks[: self.agent._checks]
+            checking = len(self.agent._checks)
             for index, hook in enumerate(self.hooks):
                 checked = await hook.before_tool_call(self.info, turn, slot, current, tool)
-                if index >= len(checks) and _rewritten(checked, current):
+                if index >= checking and _rewritten(checked, current):
                     # Rewritten after the permission check: what runs is checked too.
-                    checked = await self._checked_again(checks, turn, slot, cast(ToolCall, checked))
+                    checked = await self._checked_again(turn, slot, cast(ToolCall, checked))
                 if isinstance(checked, ToolOutcome):
                     answer = checked  # denied (or answered) without running the tool
                     break
@@ -633,12 +633,10 @@ class _Run:
             return Encoded(outcome, raw)
         return outcome
 
-    async def _checked_again(
-        self, checks: Sequence[RunHooks], turn: int, slot: int, call: ToolCall
-    ) -> ToolCall | ToolOutcome:
+    async def _checked_again(self, turn: int, slot: int, call: ToolCall) -> ToolCall | ToolOutcome:
         """``call``, as a hook rewrote it, through the checking hooks once more."""
         tool = self.agent.tools.get(call.name)
-        for hook in checks:
+        for hook in self.agent._checks:
             checked = await hook.before_tool_call(self.info, turn, slot, call, tool)
             if isinstance(checked, ToolOutcome):
                 return checked
