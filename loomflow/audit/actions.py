@@ -163,10 +163,14 @@ def reserved_lookalike(action: str) -> str | None:
     digits made one: ``legaI_hold.placed``, ``AUDIT.erasure`` and ``audit\u2024erasure`` all
     read as reserved actions."""
     skeleton = _skeleton(action)
-    for prefix in RESERVED_PREFIXES:
-        if skeleton.startswith(_skeleton(prefix)):
+    for prefix, folded in _RESERVED_SKELETONS:
+        if skeleton.startswith(folded):
             return prefix
     return None
+
+
+# Folded once: record() asks on every entry.
+_RESERVED_SKELETONS: Final = tuple((prefix, _skeleton(prefix)) for prefix in RESERVED_PREFIXES)
 
 
 CONSOLE_CHAINS: Final = "console:"
