@@ -28,6 +28,7 @@ from ..audit import AuditLog
 from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
 from ..config import Settings
 from ..errors import (
+    CheckpointNotFoundError,
     ConfigurationError,
     CorruptEntryError,
     InvalidArgumentError,
@@ -515,7 +516,10 @@ class Recovery:
                 self.max_attempts,
                 error,
             )
-            outcome = await self._attempt_failed(session_id, claim, error)
+            # A fork whose source checkpoint is gone fails the same way on every attempt:
+            # given up at once, not after the backoffs of every attempt left.
+            final = isinstance(exc, CheckpointNotFoundError)
+            outcome = await self._attempt_failed(session_id, claim, error, final=final)
             if outcome != "cancelled":
                 self.failures += 1
         self.metrics.recovery(outcome)
@@ -546,12 +550,15 @@ class Recovery:
         )
         await self._quietly(self.runtime.requeue(session_id, claim.user_id))
 
-    async def _attempt_failed(self, session_id: str, claim: OrphanClaim, error: str) -> str:
+    async def _attempt_failed(
+        self, session_id: str, claim: OrphanClaim, error: str, *, final: bool = False
+    ) -> str:
         """Record an attempt that raised, and say how it counts: ``dead_lettered`` (the last
-        one, and the run is now ``failed``), ``cancelled`` (cancelled while it ran: the run
-        says so, whatever its steps raised on the way out) or ``retry_failed``."""
+        one, or ``final``: no attempt could do better; the run is now ``failed``),
+        ``cancelled`` (cancelled while it ran: the run says so, whatever its steps raised on
+        the way out) or ``retry_failed``."""
         user_id = claim.user_id
-        if claim.attempts >= self.max_attempts:
+        if final or claim.attempts >= self.max_attempts:
             try:
                 marked = await self.runtime.dead_letter(session_id, user_id, error)
             except Exception:
