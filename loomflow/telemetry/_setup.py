@@ -391,14 +391,25 @@ def _resource(s: Settings) -> Any:
 
 _EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
 
-# What the SDK's batch span processor reads with int(); one that is not a whole number it
-# replaced with its default, saying so only in a logged traceback.
+# What the SDK's batch span processor reads with int(); one that is not a whole number (an
+# empty one too) it replaced with its default, saying so only in a logged traceback. They are
+# read here and handed to it, each with its argument and the specification's default.
 _BSP_NUMBERS = {
-    "OTEL_BSP_SCHEDULE_DELAY": "a whole number of milliseconds, like 5000",
-    "OTEL_BSP_EXPORT_TIMEOUT": "a whole number of milliseconds, like 30000",
-    "OTEL_BSP_MAX_QUEUE_SIZE": "a whole number of spans, like 2048",
-    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "a whole number of spans, like 512",
+    "OTEL_BSP_SCHEDULE_DELAY": ("schedule_delay_millis", 5000, "milliseconds"),
+    "OTEL_BSP_EXPORT_TIMEOUT": ("export_timeout_millis", 30000, "milliseconds"),
+    "OTEL_BSP_MAX_QUEUE_SIZE": ("max_queue_size", 2048, "spans"),
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": ("max_export_batch_size", 512, "spans"),
 }
+
+
+def _batch_options() -> dict[str, Any]:
+    """The batch span processor's arguments from OTEL_BSP_* (an empty one is unset)."""
+    options: dict[str, Any] = {}
+    for name, (argument, default, unit) in _BSP_NUMBERS.items():
+        _sdk_number(name, int, f"a whole number of {unit}, like {default}")
+        value = os.environ.get(name, "").strip()
+        options[argument] = int(value) if value else default
+    return options
 
 
 def _sdk_number(name: str, parse: Callable[[str], object], hint: str) -> None:
@@ -481,16 +492,15 @@ def _tracer_provider(s: Settings) -> Any:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
-    if "otlp" in exporters or "console" in exporters:
-        for name, hint in _BSP_NUMBERS.items():
-            _sdk_number(name, int, hint)
+    batch = _batch_options() if "otlp" in exporters or "console" in exporters else {}
     try:
         provider = TracerProvider(resource=_resource(s))  # reads the OTEL_*_LIMIT variables
-        processors = []  # OTEL_BSP_*: built before any is added, so a bad one starts none
+        processors = []  # built before any is added, so a refused option starts none
         if "otlp" in exporters:
-            processors.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, headers=headers)))
+            exporter = OTLPSpanExporter(endpoint=url, headers=headers)
+            processors.append(BatchSpanProcessor(exporter, **batch))
         if "console" in exporters:
-            processors.append(BatchSpanProcessor(ConsoleSpanExporter()))
+            processors.append(BatchSpanProcessor(ConsoleSpanExporter(), **batch))
     except ValueError as exc:
         raise _sdk_refused(exc) from None
     for processor in processors:

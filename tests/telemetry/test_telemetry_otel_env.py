@@ -348,3 +348,27 @@ def test_a_refused_meter_provider_leaves_no_export_thread_running(
     with pytest.raises(ConfigurationError, match="OTEL_METRICS_EXEMPLAR_FILTER"):
         setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
     assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+
+
+def test_an_empty_batch_variable_is_unset_without_a_logged_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The SDK read an empty OTEL_BSP_* value with int(), logged the ValueError's traceback
+    # and used its default; an empty value means unset, as for every other variable.
+    _only(
+        monkeypatch,
+        {
+            "OTEL_TRACES_EXPORTER": "console",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_BSP_SCHEDULE_DELAY": "",
+            "OTEL_BSP_MAX_QUEUE_SIZE": " ",
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64",
+        },
+    )
+    with caplog.at_level("DEBUG"):
+        setup = setup_telemetry(Settings(otlp_endpoint=None, metrics_port=None), set_global=False)
+    try:
+        assert [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"] == []
+        assert setup.tracer_provider is not None
+    finally:
+        setup.shutdown()
