@@ -408,9 +408,13 @@ def _command(args: argparse.Namespace) -> int:
 
 def _uses_audit_log(args: argparse.Namespace) -> bool:
     """Whether the command reads the audit log, places, lifts or lists legal holds in it,
-    or erases a user as its holds allow (`audit verify --file` reads a file)."""
+    or deletes a user's data as its holds allow (`audit verify --file` reads a file)."""
     if args.command in ("audit", "console"):
         return getattr(args, "file", None) is None
+    if args.command == "journal":  # prune keeps the held users' runs
+        return getattr(args, "journal_command", None) == "prune"
+    if args.command == "checkpoints":
+        return getattr(args, "checkpoints_command", None) == "forget"
     return args.command == "users" and args.users_command in ("hold", "release", "holds", "forget")
 
 

@@ -70,6 +70,11 @@ def deployment(tmp_path: Path) -> tuple[Path, Path]:
         # erased, exit 0; `users holds` listed nobody.
         ["users", "forget", "bob", "--yes"],
         ["users", "holds"],
+        # The same for the other deletions that keep held users' data: bob's run went with
+        # the rest of the journal, and his checkpoints.
+        ["journal", "prune", "--all"],
+        ["journal", "prune", "--user", "bob", "--all"],
+        ["checkpoints", "forget", "--user", "bob", "--yes"],
     ],
     ids=" ".join,
 )
