@@ -153,8 +153,11 @@ async def _handle(args: argparse.Namespace) -> int:
 
 
 def _approver(given: str | None) -> str:
-    """``--by``, else ``cli:<login>``; an error names which of them breaks the id rules."""
-    if given:
+    """``--by``, else ``cli:<login>``; an error names which of them breaks the id rules.
+
+    An empty ``--by`` (a script's unset variable) is refused, not taken for no ``--by``: the
+    decision would be audited as the login of whoever ran the script."""
+    if given is not None:
         try:
             return str(check_id("--by", given, optional=False))
         except InvalidIdError as exc:

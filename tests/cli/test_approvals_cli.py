@@ -461,8 +461,11 @@ def test_a_decision_row_moved_where_the_run_never_reads_it_leaves_the_request_op
     [
         (None, "ops\nlead", "your login name 'ops\\nlead' cannot name the approver"),
         ("kim\x1b[2J", "kim", "--by contains the control character U+001B"),
+        # An empty --by (a script's unset "$APPROVER") was taken as no --by at all: the
+        # decision was recorded and audited as the login of whoever ran the script.
+        ("", "kim", "--by must not be empty"),
     ],
-    ids=["login", "by"],
+    ids=["login", "by", "empty-by"],
 )
 def test_an_approver_name_that_is_no_id_names_where_it_came_from(
     by: str | None, login: str, said: str, tmp_path: Path
