@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic_core import to_json
 
 from .._ids import check_id, user_label
 from .._json import valid_value
@@ -205,6 +206,9 @@ def normalize_decision(
             edited = valid_value(dict(arguments)) if arguments is not None else None
             codec.canonical_bytes(edited)  # refuses nesting deeper than codec.MAX_DEPTH
             _finite(edited)
+            # As the decision is journaled (model_dump(mode="json")): bytes become UTF-8
+            # text there, so bytes that are not UTF-8 cannot be recorded.
+            to_json(edited)
         except RecursionError:  # too deep for the walk that cleans its text: far too deep
             raise InvalidArgumentTypeError(
                 f"approval {request_id!r}: edited arguments must be JSON values (nested more "

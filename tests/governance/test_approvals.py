@@ -786,6 +786,52 @@ async def test_deeply_nested_edited_arguments_are_refused() -> None:
         normalize_decision("apr_x", Approve(arguments={"name": deep}), "kim")
 
 
+async def test_edited_bytes_that_are_not_utf8_are_refused_before_anything_is_recorded(
+    runtime_factory: Factory,
+) -> None:
+    """An edit of a ``bytes`` argument passes the tool's schema, but the journal keeps a
+    decision as JSON, bytes as UTF-8 text: ``b"\\xff"`` escaped the checks and ended the
+    resume with a bare ``UnicodeDecodeError`` while the decision was being journaled."""
+    stored: list[bytes] = []
+
+    def store_blob(blob: bytes) -> str:
+        """Overwrite the stored blob."""
+        stored.append(blob)
+        return "stored"
+
+    world = World()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = Agent(
+        "x",
+        model=world.model([ToolCall(id="c1", name="store_blob", arguments={"blob": "abc"})]),
+        tools=[Tool(store_blob, destructive=True)],
+        runtime=await runtime_factory(),
+        memory=False,
+        permissions=StandardPermissions(approval="defer"),
+        audit=audit,
+    )
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    with pytest.raises(InvalidArgumentTypeError, match="edited arguments must be JSON values"):
+        await agent.resume(
+            "go",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Approve(arguments={"blob": b"\xff"})},
+        )
+    # Nothing recorded: the request still waits, no decision was audited.
+    assert await audit.count(action=actions.APPROVAL_DECISION) == 0
+    waiting = await agent.pending_approvals("s1", user_id="ana")
+    assert [p.request_id for p in waiting] == [request.request_id]
+    result = await agent.resume(
+        "go",
+        session_id="s1",
+        user_id="ana",
+        approvals={request.request_id: Approve(arguments={"blob": "xyz"})},
+    )
+    assert not result.interrupted
+    assert stored == [b"xyz"]
+
+
 async def test_a_request_the_run_went_past_no_longer_waits(runtime_factory: Factory) -> None:
     """Resumed under a policy that no longer asks, the run settles the call without a
     decision: its request is not listed, and deciding it records and audits nothing."""
