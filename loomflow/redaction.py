@@ -252,8 +252,12 @@ class Redactor:
                 out = f"{out[:max_text]}…[+{len(out) - max_text} chars]"
             return out
         if isinstance(value, dict):
+            # Keys too: a model may key an object by a secret (a header map keyed by the
+            # token), and a key is as much on show as a value.
             return {
-                k: PLACEHOLDER if _norm_key(k) in self._keys else self._walk(v, max_text, pii)
+                self.text(k, pii=pii): (
+                    PLACEHOLDER if _norm_key(k) in self._keys else self._walk(v, max_text, pii)
+                )
                 for k, v in value.items()
             }
         if isinstance(value, list):

@@ -871,6 +871,9 @@ def kept_placeholder(asked: Any, edited: Any, where: str = "") -> tuple[str, str
         return (where, asked) if asked == edited and _REDACTED in asked else None
     pairs: Iterable[tuple[Any, Any, str]] = ()
     if isinstance(asked, dict) and isinstance(edited, dict):
+        for key in edited:
+            if key in asked and isinstance(key, str) and _REDACTED in key:  # a redacted key
+                return (f"{where}.{key}" if where else key, key)
         pairs = (
             (asked[k], v, f"{where}.{k}" if where else k) for k, v in edited.items() if k in asked
         )

@@ -832,6 +832,48 @@ async def test_edited_bytes_that_are_not_utf8_are_refused_before_anything_is_rec
     assert stored == [b"xyz"]
 
 
+async def test_a_secret_the_model_puts_in_an_argument_key_is_redacted_in_the_request(
+    runtime_factory: Factory,
+) -> None:
+    """Values that look like secrets were redacted, but object keys were not: a model that
+    keyed a header by an API key showed the key in ``pending_approvals``, ``approvals
+    list`` and the ``approval.request`` audit entry (the ``tool.call`` entry hid it)."""
+    key = "sk-ant-api03-" + "k" * 40
+
+    def call_api(url: str, headers: dict[str, str]) -> str:
+        """Call an API."""
+        return "ok"
+
+    world = World()
+    audit = AuditLog(InMemoryAuditStore())
+    agent = Agent(
+        "x",
+        model=world.model(
+            [ToolCall(id="c1", name="call_api", arguments={"url": "u", "headers": {key: "v"}})]
+        ),
+        tools=[Tool(call_api, destructive=True)],
+        runtime=await runtime_factory(),
+        memory=False,
+        permissions=StandardPermissions(approval="defer"),
+        audit=audit,
+    )
+    (request,) = (await agent.run("go", session_id="s1", user_id="ana")).pending_approvals
+    assert key not in request.model_dump_json()
+    assert request.arguments["url"] == "u"
+    (listed,) = await agent.pending_approvals("s1", user_id="ana")
+    assert key not in listed.model_dump_json()
+    (entry,) = (await audit.query(user_id="ana", action=actions.APPROVAL_REQUEST)).entries
+    assert key not in str(entry.payload)
+    # An edit copied from the request keeps the redacted key: refused, as a redacted value is.
+    with pytest.raises(ApprovalArgumentsError, match="the request's redacted value"):
+        await agent.resume(
+            "go",
+            session_id="s1",
+            user_id="ana",
+            approvals={request.request_id: Approve(arguments={**request.arguments, "url": "w"})},
+        )
+
+
 async def test_a_request_the_run_went_past_no_longer_waits(runtime_factory: Factory) -> None:
     """Resumed under a policy that no longer asks, the run settles the call without a
     decision: its request is not listed, and deciding it records and audits nothing."""
