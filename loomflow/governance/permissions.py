@@ -782,6 +782,12 @@ class PermissionHooks(RunHooks):
             # an approver's note may quote a card number or a key, which the audit entry hides.
             reason = info.redactor.text(reason)
         sensitive = tool.sensitive if tool is not None else frozenset()
+        arguments = redact_arguments(current.arguments, sensitive)
+        if edited and info.redactor is not None:
+            # The model's secrets reach here sealed; an edit's do not (it is read back from
+            # the journal), so its secret shapes are hidden here. Personal data stays as
+            # given, as in the model's own arguments.
+            arguments = info.redactor.value(arguments, pii=False)
         info.emit(
             PermissionDecided(
                 tool=call.name,
@@ -792,7 +798,7 @@ class PermissionHooks(RunHooks):
                 reason=reason,
                 policy=decision.policy,
                 approver=approver,
-                arguments=redact_arguments(current.arguments, sensitive),
+                arguments=arguments,
                 edited=edited,
                 by_approver=by_approver,
             )

@@ -357,3 +357,36 @@ async def test_an_edit_that_keeps_a_redacted_placeholder_is_refused(
     )
     assert result.output == "done"
     assert bank.transfers == [{"account": "A-2", "pin": "9876"}]
+
+
+async def test_a_secret_in_an_edit_is_redacted_in_the_permission_event(
+    runtime_factory: Factory,
+) -> None:
+    """The model's secrets reach the ``PermissionDecided`` event sealed; an edit's are read
+    back from the journal, unsealed, and the event (what ``on_event`` hooks and the
+    application see) carried an API key given in an edit in clear."""
+    from loomflow.governance import PermissionDecided
+    from loomflow.hooks import RunHooks, RunInfo
+
+    key = "sk-ant-api03-" + "q" * 40
+    seen: list[PermissionDecided] = []
+
+    class Events(RunHooks):
+        async def on_event(self, info: RunInfo, event: Any) -> None:
+            if isinstance(event, PermissionDecided):
+                seen.append(event)
+
+    bank = Bank()
+    agent = bank.agent(await runtime_factory()).clone(guardrails=[Events()])
+    (request,) = (await agent.run("pay", session_id="s1", user_id="ana")).pending_approvals
+    await agent.resume(
+        "pay",
+        session_id="s1",
+        user_id="ana",
+        approvals={request.request_id: Approve(arguments={"account": f"A-2 {key}", "pin": "1"})},
+    )
+    (event,) = seen
+    assert event.edited
+    assert key not in event.model_dump_json()
+    assert event.arguments["pin"] == "[REDACTED]"
+    assert bank.transfers == [{"account": f"A-2 {key}", "pin": "1"}]  # the tool got it all
