@@ -9,9 +9,10 @@ note in the traceback, and in the ``cleanup_errors`` list on the exception.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable
-from typing import Final
+from collections.abc import AsyncIterator, Awaitable
+from typing import Final, TypeVar
 
 from .errors import OwnershipLostError, RunCancelledError
 
@@ -19,12 +20,15 @@ __all__ = [
     "CANCELLATIONS",
     "attach_cleanup_error",
     "cleanup_errors",
+    "closing",
     "end_outcome",
     "raise_if_cancelled",
     "run_cleanup",
 ]
 
 log = logging.getLogger("loomflow")
+
+T = TypeVar("T")
 
 CANCELLATIONS: Final = (asyncio.CancelledError, GeneratorExit, KeyboardInterrupt, RunCancelledError)
 """What ends a run as ``cancelled``, not ``failed``: its caller went away (the task was
@@ -81,3 +85,16 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+@contextlib.asynccontextmanager
+async def closing(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+    """``stream``, closed when the block ends if it can be (``contextlib.aclosing`` for an
+    iterator that may have no ``aclose``): one left open is closed only when the garbage
+    collector gets to it, after the code that reads it has gone on."""
+    try:
+        yield stream
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()

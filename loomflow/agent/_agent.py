@@ -926,17 +926,19 @@ class Agent:
                     memory=None if nested else self.memory,
                     structured=structured,
                 )
-                async for event in run.events():
-                    if (
-                        isinstance(event, RunFinished)
-                        and not nested
-                        and isinstance(open_run, JournalRun)
-                        and event.result.interrupted
-                    ):
-                        open_run.outcome = "interrupted"  # stored as the run's final status
-                    # Hooks' own events (budget warnings, permission decisions, ...) travel the
-                    # stream too; AgentEvent names only the agent's.
-                    yield cast(AgentEvent, event)
+                # aclosing: a closed stream ends its run here, before the run's session does.
+                async with contextlib.aclosing(run.events()) as events:
+                    async for event in events:
+                        if (
+                            isinstance(event, RunFinished)
+                            and not nested
+                            and isinstance(open_run, JournalRun)
+                            and event.result.interrupted
+                        ):
+                            open_run.outcome = "interrupted"  # stored as the run's final status
+                        # Hooks' own events (budget warnings, permission decisions, ...) travel
+                        # the stream too; AgentEvent names only the agent's.
+                        yield cast(AgentEvent, event)
         except StoreUnavailableError as exc:
             # A journal that cannot open the run fails it before any hook hears of it.
             _count_store_failure(self.telemetry, exc)

@@ -7,6 +7,8 @@ import inspect
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._cleanup import closing
+
 if TYPE_CHECKING:
     from ..runtime import RunRecord
 
@@ -39,8 +41,11 @@ class Passthrough:
         source = fn(*args, **kwargs)
         if inspect.isawaitable(source):
             source = await source
-        async for chunk in source:
-            yield chunk
+        # Closed with this stream, as a journal closes it: an abandoned call's hooks hear of
+        # it now, not when the garbage collector gets to it.
+        async with closing(aiter(source)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     @contextlib.asynccontextmanager
     async def session(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pydantic import BaseModel
 from ulid import ULID
 
-from .._cleanup import run_cleanup
+from .._cleanup import closing, run_cleanup
 from .._json import valid_line, valid_text, valid_value
 from .._printable import shown
 from ..checkpoints import (
@@ -163,7 +163,7 @@ class _Run:
 
     # -- the run, top to bottom ------------------------------------------------------------
 
-    async def events(self) -> AsyncIterator[BaseModel]:
+    async def events(self) -> AsyncGenerator[BaseModel, None]:
         """Run to the end; the stream of events, :class:`RunFinished` last."""
         try:
             for event in await self.start():
@@ -256,7 +256,7 @@ class _Run:
         name = f"model_call_{turn}"
         try:
             with expecting(name, _is_model_reply, "a model call's chunks and its response"):
-                async for chunk in self.runtime.stream_step(
+                step = self.runtime.stream_step(
                     name,
                     functools.partial(self._call_model, turn),  # the turn is not a step input
                     # With a journal, a snapshot that hashes only the messages added since the
@@ -268,11 +268,17 @@ class _Run:
                     self.agent._settings,
                     # Only runs with an output_type add this input: other runs keep their keys.
                     *(self.structured.step_inputs if self.structured is not None else ()),
-                ):
-                    if isinstance(chunk, ModelResponse):
-                        response = chunk
-                    elif isinstance(chunk, TextDelta | ToolCallDelta):
-                        yield ModelDeltaEvent(turn=turn, delta=chunk, replayed=not self.live_model)
+                )
+                # Closed here when the stream is abandoned: the model call's hooks (a budget
+                # giving its hold back) must hear of it before the run's end does.
+                async with closing(step) as chunks:
+                    async for chunk in chunks:
+                        if isinstance(chunk, ModelResponse):
+                            response = chunk
+                        elif isinstance(chunk, TextDelta | ToolCallDelta):
+                            yield ModelDeltaEvent(
+                                turn=turn, delta=chunk, replayed=not self.live_model
+                            )
         finally:
             for event in await self.flush():
                 yield event

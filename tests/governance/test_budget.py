@@ -944,3 +944,36 @@ async def test_a_soft_cost_cap_reached_by_spend_and_holds_together_refuses(
         assert denial.cap == "user.cost_usd"
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("journal", [True, False])
+async def test_a_stream_abandoned_during_a_model_call_frees_its_reservation(
+    journal: bool, tmp_path: Path
+) -> None:
+    # The run's end (which charges a hold the loop never settled in full) came before the
+    # abandoned model call was closed, so the call was charged its whole reservation instead
+    # of being given back, as the docs say; the model stream itself closed only when the
+    # garbage collector got to it.
+    from loomflow.agent import ModelDeltaEvent
+    from loomflow.models import OpenAIModel
+    from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+    store = InMemoryBudgetStore()
+    budget = StandardBudget([Cap("tokens_total", 100_000)], store=store)
+    runtime = SqliteRuntime(tmp_path / "journal.db") if journal else None
+    with FakeOpenAIAPI(default=Reply(text=["word "] * 50)) as api:
+        model = OpenAIModel("gpt-4o", base_url=api.base_url, api_key="test")
+        agent = Agent("x", model=model, budget=budget, memory=False, runtime=runtime)
+        stream = agent.stream("go", session_id="s", user_id="alice")
+        deltas = 0
+        async for event in stream:
+            deltas += isinstance(event, ModelDeltaEvent)
+            if deltas == 3:
+                break
+        await stream.aclose()  # type: ignore[attr-defined]
+        totals = (await store.totals([ALICE.key]))[ALICE.key]
+        await model.aclose()
+    if runtime is not None:
+        await runtime.close()
+    assert (totals.tokens_in, totals.tokens_out, totals.cost_nanousd) == (0, 0, 0)
+    assert (totals.reserved_in, totals.reserved_out) == (0, 0)
