@@ -657,23 +657,23 @@ class TelemetryHooks(RunHooks):
                     _fail(child.span, error, _redactor(info), self.user_ids.hide(info.user_id))
                 child.finish(child.end_ns)
         span.set_attribute(sc.LOOM_RUN_OUTCOME, outcome)
+        # Live calls under the GenAI names (what was billed now, as metrics and the audit log
+        # count it, also by a run that then failed); calls replayed from the journal under
+        # loom.usage.replayed.*.
+        _set_usage(span, live.live_usage)
+        replayed = live.replayed_usage
+        span.set_attribute(sc.LOOM_USAGE_REPLAYED_INPUT_TOKENS, replayed.input_tokens)
+        span.set_attribute(sc.LOOM_USAGE_REPLAYED_OUTPUT_TOKENS, replayed.output_tokens)
+        if replayed.cache_read_tokens:
+            span.set_attribute(
+                sc.LOOM_USAGE_REPLAYED_CACHE_READ_INPUT_TOKENS, replayed.cache_read_tokens
+            )
+        if replayed.cache_write_tokens:
+            span.set_attribute(
+                sc.LOOM_USAGE_REPLAYED_CACHE_CREATION_INPUT_TOKENS, replayed.cache_write_tokens
+            )
         if result is not None:
             span.set_attribute(sc.LOOM_RUN_TURNS, result.turns)
-            # Live calls under the GenAI names (what was billed now, as metrics and the
-            # audit log count it); calls replayed from the journal under loom.usage.replayed.*.
-            _set_usage(span, live.live_usage)
-            replayed = live.replayed_usage
-            span.set_attribute(sc.LOOM_USAGE_REPLAYED_INPUT_TOKENS, replayed.input_tokens)
-            span.set_attribute(sc.LOOM_USAGE_REPLAYED_OUTPUT_TOKENS, replayed.output_tokens)
-            if replayed.cache_read_tokens:
-                span.set_attribute(
-                    sc.LOOM_USAGE_REPLAYED_CACHE_READ_INPUT_TOKENS, replayed.cache_read_tokens
-                )
-            if replayed.cache_write_tokens:
-                span.set_attribute(
-                    sc.LOOM_USAGE_REPLAYED_CACHE_CREATION_INPUT_TOKENS,
-                    replayed.cache_write_tokens,
-                )
             span.set_attribute(sc.LOOM_RUN_COST_USD, result.cost_usd)
             span.set_attribute(sc.LOOM_RUN_REPLAYED_STEPS, result.replayed_steps)
             span.set_attribute(sc.LOOM_RUN_FRESH_STEPS, result.fresh_steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent
@@ -67,3 +68,33 @@ async def test_a_resumed_run_reports_replayed_usage_apart_from_live_usage(tmp_pa
         {"provider": "scripted", "model": model.name, "type": "input"},
     )
     assert tokens == first.tokens_in
+
+
+async def test_a_failed_run_reports_the_usage_of_the_calls_it_made() -> None:
+    # Usage went on the root span only with a result: a run that failed after a billed call
+    # showed no tokens in its trace, while the metrics and the audit log counted them.
+    from loomflow.errors import ModelError
+    from loomflow.models import OpenAIModel
+    from loomflow.testing.providers import Failure, FakeOpenAIAPI, Reply
+
+    capture = SpanCapture()
+    registry = CollectorRegistry()
+    telemetry = Telemetry(tracer_provider=capture.provider, metrics=Metrics(registry))
+    call = ToolCall(id="c1", name="lookup", arguments={"order": 7})
+    replies = [Reply(tool_calls=[call], input_tokens=100, output_tokens=10), Failure(400)]
+    with FakeOpenAIAPI(*replies) as api:
+        model = OpenAIModel("gpt-4o", base_url=api.base_url, api_key="test")
+        agent = Agent("support", model=model, tools=[lookup], telemetry=telemetry, memory=False)
+        with pytest.raises(ModelError):
+            await agent.run("where?", session_id="s-failed", user_id="ana")
+        await model.aclose()
+
+    [root] = [s for s in capture.spans if s.name.startswith("invoke_agent")]
+    assert root.attributes["loom.run.outcome"] == "failed"
+    assert root.attributes["gen_ai.usage.input_tokens"] == 100
+    assert root.attributes["gen_ai.usage.output_tokens"] == 10
+    assert root.attributes["loom.usage.replayed.input_tokens"] == 0
+    tokens = registry.get_sample_value(
+        "loomflow_model_tokens_total", {"provider": "openai", "model": "gpt-4o", "type": "input"}
+    )
+    assert tokens == 100
