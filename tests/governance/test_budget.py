@@ -953,17 +953,19 @@ async def test_a_stream_abandoned_during_a_model_call_frees_its_reservation(
     # The run's end (which charges a hold the loop never settled in full) came before the
     # abandoned model call was closed, so the call was charged its whole reservation instead
     # of being given back, as the docs say; the model stream itself closed only when the
-    # garbage collector got to it.
+    # garbage collector got to it (after the run's end in the audit trail).
     from loomflow.agent import ModelDeltaEvent
+    from loomflow.audit import AuditLog
     from loomflow.models import OpenAIModel
     from loomflow.testing.providers import FakeOpenAIAPI, Reply
 
     store = InMemoryBudgetStore()
     budget = StandardBudget([Cap("tokens_total", 100_000)], store=store)
+    audit = AuditLog("memory://")
     runtime = SqliteRuntime(tmp_path / "journal.db") if journal else None
     with FakeOpenAIAPI(default=Reply(text=["word "] * 50)) as api:
         model = OpenAIModel("gpt-4o", base_url=api.base_url, api_key="test")
-        agent = Agent("x", model=model, budget=budget, memory=False, runtime=runtime)
+        agent = Agent("x", model=model, budget=budget, audit=audit, memory=False, runtime=runtime)
         stream = agent.stream("go", session_id="s", user_id="alice")
         deltas = 0
         async for event in stream:
@@ -977,3 +979,6 @@ async def test_a_stream_abandoned_during_a_model_call_frees_its_reservation(
         await runtime.close()
     assert (totals.tokens_in, totals.tokens_out, totals.cost_nanousd) == (0, 0, 0)
     assert (totals.reserved_in, totals.reserved_out) == (0, 0)
+    # The audit trail closes the call before the run (without a journal it recorded neither).
+    trail = [e.action for e in (await audit.query(user_id="alice")).entries]
+    assert trail == ["run.start", "model.start", "model.error", "run.end"]
