@@ -805,7 +805,9 @@ class TelemetryHooks(RunHooks):
         if live is not None:
             live.live_usage = live.live_usage + usage
         call = token if isinstance(token, _ModelCall) else None
-        if self.metrics is not None:
+        # A call whose provider sent no token counts has no figures: 0 would read as a call
+        # that used nothing (a point of the token histogram, a span saying so).
+        if self.metrics is not None and response.usage_reported:
             self.metrics.model_usage(
                 provider=info.provider,
                 model=info.model_name,
@@ -820,7 +822,8 @@ class TelemetryHooks(RunHooks):
             return
         span = child.span
         span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, _encodable(response.model or info.model_name))
-        _set_usage(span, usage)
+        if response.usage_reported:
+            _set_usage(span, usage)
         span.set_attribute(sc.GEN_AI_RESPONSE_FINISH_REASONS, [response.finish_reason])
         if self.content:
             output = _message_json(response.to_message())

@@ -98,3 +98,28 @@ async def test_a_failed_run_reports_the_usage_of_the_calls_it_made() -> None:
         "loomflow_model_tokens_total", {"provider": "openai", "model": "gpt-4o", "type": "input"}
     )
     assert tokens == 100
+
+
+async def test_a_call_whose_usage_went_unreported_records_no_token_figures() -> None:
+    # A server that sends no usage: the call was recorded as 0 input and 0 output tokens, a
+    # point of the GenAI token histogram and a chat span saying the call used nothing.
+    from loomflow.models import OpenAIModel
+    from loomflow.telemetry.testing import MetricCapture
+    from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+    capture, metrics = SpanCapture(), MetricCapture()
+    telemetry = Telemetry(tracer_provider=capture.provider, meter_provider=metrics.provider)
+    with FakeOpenAIAPI(Reply(text="hi", report_usage=False), Reply(text="hi")) as api:
+        model = OpenAIModel("gpt-4o", base_url=api.base_url, api_key="test")
+        agent = Agent("support", model=model, telemetry=telemetry, memory=False)
+        await agent.run("where?", user_id="ana")
+        await agent.run("where?", user_id="ana")
+        await model.aclose()
+
+    unreported, reported = capture.named("chat gpt-4o")
+    assert "gen_ai.usage.input_tokens" not in unreported.attributes
+    assert "gen_ai.usage.output_tokens" not in unreported.attributes
+    assert reported.attributes["gen_ai.usage.input_tokens"] == 12
+    # One call's figures, not two: the unreported call left no zeros in the histogram.
+    assert metrics.count("gen_ai.client.token.usage", **{"gen_ai.token.type": "input"}) == 1
+    assert metrics.count("gen_ai.client.operation.duration") == 2
