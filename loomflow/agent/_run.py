@@ -313,6 +313,14 @@ class _Run:
                 try:
                     retry = self.structured.retry_message(self.messages, self.prompt_index)
                 except OutputValidationError as refused:
+                    cut = _CUT_SHORT.get(response.finish_reason)
+                    if cut is not None:  # why it did not parse, which the JSON error hides
+                        refused = OutputValidationError(
+                            refused.output_type,
+                            f"{refused.detail} (finish_reason {response.finish_reason!r}: {cut})",
+                            refused.attempts,
+                            refused.output,
+                        )
                     raise await self.checked_refusal(refused) from None
                 if retry is not None:  # ask again; the (empty) tool turn saves the snapshot
                     self.messages.append(retry)

@@ -456,3 +456,26 @@ async def test_the_fakes_answer_plain_sdk_calls_in_structured_form() -> None:
     content = completion.choices[0].message.content
     assert content is not None
     assert Weather.model_validate_json(content) == Weather(city="Oslo", temp_c=3.5)
+
+
+@pytest.mark.parametrize(
+    ("reply", "said"),
+    [
+        (Reply(text='{"city": "Os', stop_reason="length"), "raise ModelSettings.max_tokens"),
+        (Reply(refusal="I can't help with that."), "the model declined to answer"),
+    ],
+)
+async def test_an_answer_cut_short_says_so_when_it_does_not_validate(
+    reply: Reply, said: str
+) -> None:
+    # The error named only the JSON it could not parse ("EOF while parsing a string"), not
+    # that the model ran out of output tokens or declined: the fix was not in the schema.
+    with FakeOpenAIAPI(default=reply) as api:
+        model = _openai(api)
+        agent = _agent(model, output_type=Weather, output_retries=0)
+        with pytest.raises(OutputValidationError) as refused:
+            await agent.run("weather?")
+        await model.aclose()
+    error = refused.value
+    assert said in str(error)
+    assert said in error.detail
