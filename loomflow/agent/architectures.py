@@ -6,6 +6,7 @@ Each journals under the enclosing run: the agents inside are sub-runs keyed by a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -148,24 +149,26 @@ class Team:
         """A run of the lead, recording each worker's tasks and answers as it goes."""
         run_id: str | None = None
         try:
+            # Closed with this stream: the lead's run ends when the team's stream does.
             events = self._lead_events(prompt, session_id, user_id, metadata, **options)
-            async for event in events:
-                if run_id is None:
-                    run_id = getattr(event, "run_id", None)
-                    self._history[run_id or ""] = {}
-                if isinstance(event, CheckpointRestored):
-                    # Earlier turns come back from a snapshot, without ToolCallFinished events:
-                    # the workers' memory is rebuilt from the snapshot's transcript instead.
-                    self._history[run_id or ""] = await self._restored_history(
-                        event.checkpoint_id, session_id, user_id
-                    )
-                if isinstance(event, ToolCallFinished) and event.outcome.ok:
-                    worker = event.call.name.removeprefix("ask_")
-                    if event.call.name == self.tool_name(worker) and worker in self.workers:
-                        self._history[run_id or ""].setdefault(worker, []).append(
-                            (str(event.call.arguments.get("task", "")), event.outcome.as_text())
+            async with contextlib.aclosing(events) as lead_events:
+                async for event in lead_events:
+                    if run_id is None:
+                        run_id = getattr(event, "run_id", None)
+                        self._history[run_id or ""] = {}
+                    if isinstance(event, CheckpointRestored):
+                        # Earlier turns come back from a snapshot, without ToolCallFinished events:
+                        # the workers' memory is rebuilt from the snapshot's transcript instead.
+                        self._history[run_id or ""] = await self._restored_history(
+                            event.checkpoint_id, session_id, user_id
                         )
-                yield event
+                    if isinstance(event, ToolCallFinished) and event.outcome.ok:
+                        worker = event.call.name.removeprefix("ask_")
+                        if event.call.name == self.tool_name(worker) and worker in self.workers:
+                            self._history[run_id or ""].setdefault(worker, []).append(
+                                (str(event.call.arguments.get("task", "")), event.outcome.as_text())
+                            )
+                    yield event
         finally:
             self._history.pop(run_id or "", None)
 

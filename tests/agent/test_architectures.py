@@ -467,3 +467,28 @@ async def test_an_interrupted_sub_agent_is_a_tool_error_not_an_empty_answer(
         assert answer.is_error
         assert "finder agent was interrupted (max_turns)" in answer.content
     await runtime.close()
+
+
+async def test_a_team_stream_closed_during_the_leads_model_call_ends_the_leads_run() -> None:
+    # The team's stream did not close the lead's run it read: that run (and its model call,
+    # holding a budget reservation) went on until the garbage collector closed it.
+    from loomflow.agent import ModelDeltaEvent
+    from loomflow.governance.budget import Bucket, Cap, InMemoryBudgetStore, StandardBudget
+    from loomflow.models import OpenAIModel
+    from loomflow.testing.providers import FakeOpenAIAPI, Reply
+
+    store = InMemoryBudgetStore()
+    budget = StandardBudget([Cap("tokens_total", 100_000)], store=store)
+    with FakeOpenAIAPI(default=Reply(text=["word "] * 50)) as api:
+        model = OpenAIModel("gpt-4o", base_url=api.base_url, api_key="test")
+        lead = Agent("lead", model=model, budget=budget, memory=False, telemetry=False)
+        team = Team(lead, [Agent("w", model=FunctionModel(lambda m, t: "ok"), name="helper")])
+        stream = team.stream("go", session_id="s", user_id="u")
+        async for event in stream:
+            if isinstance(event, ModelDeltaEvent):
+                break
+        await stream.aclose()  # type: ignore[attr-defined]
+        key = Bucket("user", "u").key
+        totals = (await store.totals([key]))[key]
+        await model.aclose()
+    assert (totals.reserved_in, totals.reserved_out, totals.tokens_out) == (0, 0, 0)
