@@ -9,10 +9,9 @@ note in the traceback, and in the ``cleanup_errors`` list on the exception.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import Final, TypeVar
+from typing import Final, Generic, TypeVar
 
 from .errors import OwnershipLostError, RunCancelledError
 
@@ -87,14 +86,21 @@ def raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
-@contextlib.asynccontextmanager
-async def closing(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+class closing(Generic[T]):
     """``stream``, closed when the block ends if it can be (``contextlib.aclosing`` for an
     iterator that may have no ``aclose``): one left open is closed only when the garbage
-    collector gets to it, after the code that reads it has gone on."""
-    try:
-        yield stream
-    finally:
-        aclose = getattr(stream, "aclose", None)
+    collector gets to it, after the code that reads it has gone on. A class, not a generator:
+    it wraps every model call's stream."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: AsyncIterator[T]) -> None:
+        self.stream = stream
+
+    async def __aenter__(self) -> AsyncIterator[T]:
+        return self.stream
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        aclose = getattr(self.stream, "aclose", None)
         if aclose is not None:
             await aclose()
