@@ -205,7 +205,8 @@ function topLevelTexts(text) {
 // object, at any depth (JSON.parse keeps the last value, SQLite's json_extract the first, so
 // one text would be two entries), a number with a fraction or exponent beyond a double's
 // range (JSON.parse reads 1e400 as Infinity), or an integer of more digits than Python reads
-// (4300). Only called on text JSON.parse accepted.
+// (4300), or text nested more than MAX_JSON_DEPTH deep. Only called on text JSON.parse
+// accepted.
 //
 // Returns the integers written beyond 2**53 - 1 (either sign), each with its path of keys and
 // list indexes: JSON.parse rounds them (100000000000000000001 becomes 1e20), where loomflow
@@ -213,6 +214,14 @@ function topLevelTexts(text) {
 // firstUnsafeInteger.
 const NUMBER = /-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/y;
 const PYTHON_MAX_DIGITS = 4300; // sys.get_int_max_str_digits(): json.loads refuses more
+// loomflow's MAX_JSON_DEPTH: Python's parser recurses, so loomflow refuses text nested deeper
+// than this (JSON.parse reads any depth), and so does this verifier, the same way.
+const MAX_JSON_DEPTH = 256;
+function tooDeep(depth) {
+  if (depth > MAX_JSON_DEPTH) {
+    throw new Error(`it is nested more than ${MAX_JSON_DEPTH} lists and objects deep`);
+  }
+}
 function checkStrict(text) {
   const open = []; // the keys of each object open around `at` (null for a list), innermost last
   const path = []; // the key or list index of the value being read, in each open container
@@ -256,10 +265,12 @@ function checkStrict(text) {
       open.push(new Set());
       path.push(undefined);
       keyNext = true;
+      tooDeep(open.length);
     } else if (c === '[' || c === '}' || c === ']') {
       if (c === '[') {
         open.push(null);
         path.push(0);
+        tooDeep(open.length);
       } else {
         open.pop();
         path.pop();

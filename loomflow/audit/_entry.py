@@ -73,6 +73,7 @@ __all__ = [
     "GENESIS",
     "HASH_VERSION",
     "HASH_VERSIONS",
+    "MAX_JSON_DEPTH",
     "MAX_PAYLOAD_DEPTH",
     "canonical_bytes",
     "canonical_json",
@@ -645,6 +646,38 @@ def _finite(text: str) -> float:
     return value
 
 
+MAX_JSON_DEPTH: Final = 256
+"""How many lists and objects deep a line or stored payload may nest to be read at all.
+
+Python's parser and the walks that hash an entry recurse, so how deep they go depends on how
+deep the caller's stack already is, while JavaScript reads any depth: a line nested some 900
+deep was unreadable to ``verify --file`` (its user and seq unknown, so the next entry was
+reported as ``missing``, deleted) and ``edited`` to the Node verifier. Both refuse deeper
+text, the same way, well inside those limits and above what is written
+(:data:`MAX_PAYLOAD_DEPTH`)."""
+
+_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]', re.S)
+
+
+def _check_nesting(text: str | bytes) -> None:
+    """Refuse JSON text nested deeper than :data:`MAX_JSON_DEPTH` (strings skipped)."""
+    if isinstance(text, bytes):
+        if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
+            return
+        text = text.decode("utf-8", "surrogateescape")  # bytes that are not: json refuses them
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # the usual case
+        return
+    depth = 0
+    for found in _NESTING.finditer(text):
+        first = found.group()[0]
+        if first in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"it is nested more than {MAX_JSON_DEPTH} lists and objects deep")
+        elif first != '"':
+            depth -= 1
+
+
 def read_json(text: str | bytes) -> Any:
     """JSON as RFC 8259 has it, read strictly, as every audit line and stored payload is.
 
@@ -652,11 +685,12 @@ def read_json(text: str | bytes) -> Any:
     depth) keeps the last value, where SQLite's ``json_extract`` and others read the first, so
     one stored text would be two different entries; ``NaN`` and ``Infinity``; and numbers
     beyond a double's range (``1e400``), read as infinity. Each is a ``ValueError`` here (the
-    Node verifier refuses the same).
+    Node verifier refuses the same), as is text nested more than :data:`MAX_JSON_DEPTH` deep.
 
     Raises:
         ValueError: not such JSON (``RecursionError``: nested too deep to parse).
     """
+    _check_nesting(text)
     return json.loads(
         text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_finite
     )

@@ -520,6 +520,11 @@ def _rounded(lines: Lines, user: str | None, seq: int) -> Lines:
     return [*lines[:i], canonical_json(data), *lines[i + 1 :]]
 
 
+def _nested(depth: int) -> str:
+    """Lists ``depth`` deep (inside the line's object and its payload's)."""
+    return "[" * depth + "]" * depth
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -623,6 +628,12 @@ TAMPERS: dict[str, Any] = {
         ls, A, 2, '"i":1}', '"i":' + "1" * 4301 + "}"
     ),
     # Text that is no Unicode: both name it in the same words, whichever codec met it.
+    # Python's parser recurses (about 900 levels here), JavaScript's does not: both refuse
+    # text nested more than MAX_JSON_DEPTH (256) deep, where Python alone found it unreadable.
+    "a line nested 256 deep": lambda ls: _raw(ls, A, 2, '"i":1', '"i":' + _nested(254)),
+    "a line nested 257 deep": lambda ls: _raw(ls, A, 2, '"i":1', '"i":' + _nested(255)),
+    "a payload nested 990 deep": lambda ls: _raw(ls, A, 2, '"i":1', '"i":' + _nested(988)),
+    "a payload nested 100000 deep": lambda ls: _raw(ls, A, 2, '"i":1', '"i":' + _nested(10**5)),
     "a lone surrogate in the actor": lambda ls: _raw(ls, A, 2, '"agent:a"', '"agent:\\ud800a"'),
     "a lone surrogate in a payload": lambda ls: _raw(ls, A, 2, '"i":1}', '"i":"\\udc00"}'),
     "a lone surrogate as a payload key": lambda ls: _raw(ls, A, 2, '"i":1}', '"\\udc00":1}'),
