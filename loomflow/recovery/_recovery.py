@@ -504,6 +504,16 @@ class Recovery:
             # stop(): the run's lease was given back on the way out; make it due at once so
             # another worker takes it over now, not after the backoff.
             await self._quietly(self.runtime.requeue(session_id, claim.user_id))
+            # Ended like any other attempt in the audit log: the claim's run.recover has its
+            # closing entry, so the trail does not read as an attempt that never concluded.
+            await self._quietly(
+                self._audit_ids(
+                    RUN_RECOVER,
+                    session_id,
+                    claim.user_id,
+                    {"agent": agent.name, "attempt": claim.attempts, "outcome": "handed_over"},
+                )
+            )
             raise
         except Exception as exc:
             # Journaled as the run's last error, so the agent's redactor sees it first.

@@ -611,7 +611,11 @@ async def test_run_forever_resumes_and_stop_hands_the_run_over_at_once(
     await start_and_kill(journal_url, ledger, 1, "loop")
     runtime = _runtime(worker)
     monkeypatch.setenv("FLEET_BLOCK", "1")  # the resumed run blocks in ship again
-    first = Recovery(runtime, worker, interval=0.05, metrics=_metrics(), backoff=300)
+    audit = worker["orders"].audit
+    assert isinstance(audit, AuditLog)
+    first = Recovery(
+        runtime, worker, interval=0.05, metrics=_metrics(), backoff=300, audit=audit, worker_id="a"
+    )
     loop = asyncio.create_task(first.run_forever())
     async with asyncio.timeout(30):
         while sum(tool_counts(ledger, "blocked").values()) < 2:  # noqa: ASYNC110 - a file
@@ -624,6 +628,13 @@ async def test_run_forever_resumes_and_stop_hands_the_run_over_at_once(
     # Released and due now, although the backoff after this claim was 300 s.
     [info] = await runtime.sessions()
     assert (info.state, info.owner, info.attempts) == ("orphaned", None, 1)
+    # The hand-over ends the attempt in the audit log, as every other ending does (it wrote
+    # nothing: the claim's run.recover read as an attempt that never concluded).
+    entries = (await audit.query(user_id="ana", action="run.recover")).entries
+    assert [(e.actor, e.payload.get("attempt"), e.payload.get("outcome")) for e in entries] == [
+        ("worker:a", 1, None),
+        ("worker:a", 1, "handed_over"),
+    ]
     monkeypatch.delenv("FLEET_BLOCK")
     second = Recovery(runtime, worker, metrics=_metrics())
     assert [r.session_id for r in (await second.sweep()).resumed] == ["loop-0"]
