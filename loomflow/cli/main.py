@@ -255,23 +255,35 @@ def _command_modules() -> list[Any]:
     return modules
 
 
+# Drivers whose warnings a command shows too. asyncpg's pool logs each failed reconnection
+# while the database is away ("Failed to restore the pool connection floor"), with a
+# traceback: through Python's last-resort handler that was some twenty lines a time, between
+# the CLI's one-line warnings.
+_DRIVER_LOGGERS = ("asyncpg",)
+
+
 def _log_warnings_to_stderr() -> None:
-    """The library logs to a NullHandler; the CLI is an application, so its warnings show."""
+    """The library logs to a NullHandler; the CLI is an application, so its warnings show
+    (and those of the drivers it uses), one line each."""
     logger = logging.getLogger("loomflow")
     if logging.getLogger().handlers or any(isinstance(h, _CliLogHandler) for h in logger.handlers):
         return  # the embedding application (or a test harness) set up logging itself
     handler = _CliLogHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
-    logger.addHandler(handler)
+    for name in ("loomflow", *_DRIVER_LOGGERS):
+        logging.getLogger(name).addHandler(handler)
 
 
 class _CliLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """One line a record, as the CLI's own errors: the exception a record carries is named
     with its message (``sweep failed ...: StoreUnavailableError: ...``), never as a
-    traceback, and whatever the line quotes is escaped."""
+    traceback, and whatever the line quotes is escaped. A driver's record names the driver
+    (``loomflow: warning: asyncpg: ...``)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"loomflow: {record.levelname.lower()}: {printable(record.getMessage())}"
+        origin = record.name.partition(".")[0]
+        where = "" if origin == "loomflow" else f"{printable(origin)}: "
+        line = f"loomflow: {record.levelname.lower()}: {where}{printable(record.getMessage())}"
         exc = record.exc_info[1] if record.exc_info else None
         return line if exc is None else f"{line}: {exception_line(exc)}"
 

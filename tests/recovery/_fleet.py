@@ -47,6 +47,7 @@ class HangingProxy:
         self._flowing = threading.Event()
         self._flowing.set()
         self._closed = False
+        self._refusing = False
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -62,6 +63,15 @@ class HangingProxy:
     def thaw(self) -> None:
         self._flowing.set()
 
+    def cut(self) -> None:
+        """Close every connection and refuse new ones (each is closed as soon as it is
+        accepted), as when the database host goes away or restarts."""
+        self._refusing = True
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.close()
+
     def close(self) -> None:
         self._closed = True
         self._flowing.set()
@@ -76,6 +86,9 @@ class HangingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._refusing:
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.target, timeout=5)
             except OSError:

@@ -98,6 +98,23 @@ async def _stop(proc: asyncio.subprocess.Process, timeout: float = 30) -> tuple[
     return out.decode(), err.decode(), time.monotonic() - started
 
 
+@contextlib.asynccontextmanager
+async def _ready_worker(
+    env: dict[str, str], *options: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
+    """A worker (``--json --port 0`` and ``options``) whose ``/readyz`` answered 200, and
+    its port; killed at the end if still running."""
+    proc = await _worker(env, "--port", "0", "--json", *options)
+    try:
+        port = await _port(proc)
+        await _until(port, 200)
+        yield proc, port
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 # -- a database that stops answering ------------------------------------------------------
 
 
@@ -176,19 +193,10 @@ async def test_sigterm_cuts_short_a_sweep_waiting_on_a_hung_journal(
 ) -> None:
     # A sweep timeout far beyond the test: only the signal can end the sweep in flight.
     env = app_env(proxy.url(pg_dsn), tmp_path / "ledger.jsonl")
-    proc = await _worker(
-        env, "--port", "0", "--json", "--interval", "0.2", "--sweep-timeout", "600"
-    )
-    try:
-        port = await _port(proc)
-        await _until(port, 200)
+    async with _ready_worker(env, "--interval", "0.2", "--sweep-timeout", "600") as (proc, _):
         proxy.freeze()
         await asyncio.sleep(1)  # the next sweep has started and waits
         out, err, took = await _stop(proc)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert took < 15, took  # closing the journal gives up after 5 s
     assert json.loads(out.splitlines()[-1])["event"] == "stopped"
@@ -249,6 +257,31 @@ async def test_a_failed_sweep_says_why_in_the_log_and_in_readyz(
         "loomflow: warning: sweep failed (trying again in 0.2s): StoreUnavailableError: "
     )
     assert "Traceback" not in err
+
+
+@pytest.mark.postgres
+async def test_a_database_that_goes_away_is_logged_on_one_line_a_warning(
+    pg_dsn: str, proxy: HangingProxy, tmp_path: Path
+) -> None:
+    # The pool had its connection, then the server went away (a restart, a failover): the
+    # driver's pool tries to reconnect in the background and logs each failure.
+    env = app_env(proxy.url(pg_dsn), tmp_path / "ledger.jsonl")
+    async with _ready_worker(env, "--interval", "0.2") as (proc, port):
+        proxy.cut()
+        body = await _until(port, 503)
+        await asyncio.sleep(3)  # the pool's reconnections: at once, then after 1 s, 2 s
+        _out, err, _ = await _stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert body.startswith("not ready: the last sweep failed: StoreUnavailableError: ")
+    # Before: asyncpg's "Failed to restore the pool connection floor; retrying" and a
+    # traceback of some twenty lines, at every reconnection, between the worker's own lines.
+    assert "Traceback" not in err, err[-3000:]
+    lines = err.splitlines()
+    assert lines, err
+    assert all(line.startswith("loomflow: ") for line in lines), err[-3000:]
+    pool = [line for line in lines if "pool connection floor" in line]
+    assert pool, err[-3000:]
+    assert pool[0].startswith("loomflow: warning: asyncpg: Failed to restore the pool ")
 
 
 def test_the_cli_log_line_names_the_exception_on_one_line() -> None:
