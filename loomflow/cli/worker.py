@@ -65,6 +65,7 @@ from ..runtime._identity import journal_identity
 from ..storage import PostgresDatabase, SqliteDatabase
 from ..stores import Stores
 from ..telemetry import TelemetrySetup
+from ..tools._tool import tool_threads_running
 from ._format import exception_line, port, positive_int, printable, who
 
 __all__ = ["load_app", "register"]
@@ -422,10 +423,23 @@ async def _handle(args: argparse.Namespace) -> int:
     agents = load_app(args.app)
     exporting = _export_spans()
     try:
-        return await _handle_agents(args, agents)
+        code = await _handle_agents(args, agents)
     finally:
         if exporting is not None:
             exporting.shutdown()  # the spans still buffered
+    if running := tool_threads_running():
+        # A sync tool's body runs in a thread that no cancel stops, and asyncio's shutdown
+        # would wait for it: the step went on here, beside the same step started again by the
+        # worker that took its run over, and the worker exited whenever the body returned.
+        # Handed over means abandoned, as after a crash: the body ends with the process.
+        log.warning(
+            "%d sync tool call(s) were still running in threads (of a run handed over, or past "
+            "the tool's timeout); exiting without waiting for them: a handed-over run's call "
+            "runs again on the worker that takes the run over, as after a crash",
+            running,
+        )
+        _exit_now(code)
+    return code
 
 
 async def _handle_agents(args: argparse.Namespace, agents: dict[str, Recoverable]) -> int:

@@ -9,6 +9,7 @@ import inspect
 import logging
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
@@ -37,6 +38,28 @@ _log = logging.getLogger("loomflow.tools")
 
 # Anthropic and OpenAI both accept tool names matching this pattern and nothing else.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# Bodies of sync tools running in threads now, counted so a process that stops its runs
+# (a recovery worker on SIGTERM) can tell that one goes on, which cancelling cannot stop.
+_threads_lock = threading.Lock()
+_threads_running = 0
+
+
+def tool_threads_running() -> int:
+    """How many sync tool bodies are running in threads of this process right now (those a
+    cancelled or timed-out call left behind included)."""
+    return _threads_running
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    global _threads_running
+    with _threads_lock:
+        _threads_running += 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        with _threads_lock:
+            _threads_running -= 1
 
 
 class Tool(Generic[P, R]):
@@ -271,7 +294,7 @@ class Tool(Generic[P, R]):
         else:
             # to_thread copies the current contextvars into the worker, so get_run_context()
             # works in sync tools too; blocking I/O there never stalls the event loop.
-            value = await asyncio.to_thread(self._call, *args, **kwargs)
+            value = await asyncio.to_thread(_in_thread, self._call, *args, **kwargs)
         if inspect.isawaitable(value):
             # A sync-looking callable that returns a coroutine (a wrapped async function).
             value = await value

@@ -7,6 +7,8 @@ Configured by environment variables, as a deployed app would be:
   is how the tests count side effects;
 - ``FLEET_BLOCK=1``: ``ship`` writes a ``blocked`` line and then waits forever (to be killed),
   or, with ``FLEET_GATE=<path>``, until that file exists;
+- ``FLEET_SLOW_RESERVE=<seconds>``: ``reserve`` (a sync tool, run in a thread) writes a
+  ``blocked`` line, sleeps that long, then writes a ``reserved`` line;
 - ``FLEET_FAIL=1``: ``ship`` raises (a run that cannot succeed), with the message
   ``FLEET_FAIL_MESSAGE`` if set (backslash escapes decoded: ``\\x00`` is a NUL);
 - ``FLEET_WEDGE=1``: ``ship`` writes a ``wedged`` line and blocks the whole event loop (a
@@ -71,6 +73,11 @@ def _mark(tool_name: str) -> None:
 def reserve(sku: str) -> str:
     """Reserve stock."""
     _mark("reserve")
+    slow = os.environ.get("FLEET_SLOW_RESERVE")
+    if slow:
+        _mark("blocked")
+        time.sleep(float(slow))  # a sync tool: this runs in a thread no cancel can stop
+        _mark("reserved")
     return f"reserved {sku}"
 
 

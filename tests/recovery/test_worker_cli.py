@@ -132,6 +132,48 @@ async def test_sigterm_releases_the_run_for_another_worker_at_once(
     assert tool_counts(ledger, "reserve") == {"term-0": 1}
 
 
+async def test_sigterm_ends_a_sync_tool_in_flight_with_the_worker(
+    journal_url: str, tmp_path: Path
+) -> None:
+    # A sync tool runs in a thread, which cancelling the run cannot stop. The worker handed
+    # the run over and said so, then waited for the thread: the tool's body went on in the
+    # stopping worker, beside the same step started again by the worker that took the run
+    # over, and the worker exited only when the body returned (here 20 s, or never).
+    ledger = tmp_path / "ledger.jsonl"
+    await start_and_kill(journal_url, ledger, 1, "sync", FLEET_SLOW_RESERVE="600")
+    env = app_env(journal_url, ledger, FLEET_SLOW_RESERVE="20")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *("-m", "loomflow.cli", "worker", "_app:agents", "--port", "0", "--interval", "0.2"),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await wait_for(ledger, "blocked", 2)  # the worker is inside reserve's body
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            out, err = await proc.communicate()
+        took = time.monotonic() - started
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert took < 15, took
+    assert "stopped: the runs it held are handed over" in out.decode()
+    assert "1 sync tool call(s) were still running in threads" in err.decode()
+    assert tool_counts(ledger, "reserved") == {}  # the body ended with its process
+    # The run was handed over: the next worker resumes it at once, and runs the step again.
+    code, _out, err_text = await cli(
+        "worker", "_app:agents", "--once", env=app_env(journal_url, ledger)
+    )
+    assert code == 0, err_text
+    assert tool_counts(ledger, "reserve") == {"sync-0": 3}
+    assert tool_counts(ledger, "ship") == {"sync-0": 1}
+
+
 async def test_runs_handed_over_by_stopping_workers_are_not_given_up_for_it(
     journal_url: str, tmp_path: Path
 ) -> None:
