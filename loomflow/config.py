@@ -213,6 +213,15 @@ def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
         if (problem := query_in_file_url(url)) is not None:
             raise ValueError(problem)
     if head in ("postgresql", "postgres"):
+        try:
+            url.encode("utf-8")
+        except UnicodeEncodeError:
+            # Bytes that are not UTF-8 (an environment variable set from Latin-1 text): the
+            # driver fails on them mid-handshake, with a traceback that names no setting.
+            raise ValueError(
+                f"{_masked_url(url)!r} holds bytes that are not UTF-8 text, which PostgreSQL "
+                "cannot be sent"
+            ) from None
         netloc = urlsplit(url).netloc
         if "," not in netloc:  # one host; asyncpg also takes a list, which urlsplit cannot
             try:

@@ -211,3 +211,17 @@ def test_tables_tell_sessions_apart_that_read_alike(tmp_path: Path) -> None:
         cells.discard("")  # the line that offers the next page
         # The hold is the one audit entry of no session: "-", and the session "-" quoted.
         assert cells == expected | ({"-"} if command[0] == "audit" else set()), done.stdout
+
+
+@pytest.mark.parametrize("variable", ["LOOMFLOW_RUNTIME_URL", "LOOMFLOW_AUDIT_URL"])
+def test_a_postgres_url_setting_that_is_not_utf8_is_named(variable: str, tmp_path: Path) -> None:
+    # Before: a DSN holding a byte that is not UTF-8 (an environment set from Latin-1 text)
+    # reached asyncpg, which failed mid-handshake with a traceback ("surrogates not allowed").
+    # "\udcff" is how Python reads the byte 0xff of the environment; it is passed back as it.
+    env = clean_env(**{variable: "postgresql://postgres@127.0.0.1:5432/caf\udcff"})
+    done = loomflow("runs", "list", cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"bad setting {variable}" in done.stderr
+    assert "not UTF-8 text" in done.stderr
