@@ -27,6 +27,26 @@ def test_printing_an_agent_does_not_build_its_model(monkeypatch: pytest.MonkeyPa
         agent.model  # noqa: B018 - running it still needs the key, and says so
 
 
+async def test_a_model_that_cannot_be_built_leaves_no_run_in_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README's quick start without ANTHROPIC_API_KEY: the model was built only after the
+    # run was opened, so the ConfigurationError left an "open (resumable)" run with no steps
+    # in the journal, which `runs list` showed and a resume or a prune had to deal with.
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    runtime = SqliteRuntime(tmp_path / "journal.db")
+    agent = Agent("x", model="claude-opus-4-7", runtime=runtime)
+    try:
+        with pytest.raises(ConfigurationError, match="no credentials"):
+            await agent.run("Refund $20 on order 42", session_id="ticket-42", user_id="alice")
+        with pytest.raises(ConfigurationError, match="no credentials"):
+            await agent.resume("Refund $20 on order 42", session_id="ticket-42", user_id="alice")
+        assert await runtime.sessions() == []
+    finally:
+        await runtime.close()
+
+
 async def test_a_sqlite_url_given_for_a_path_opens_its_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

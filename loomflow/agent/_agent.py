@@ -823,6 +823,9 @@ class Agent:
         check_id("from_checkpoint", from_checkpoint)
         check_id("fork_session_id", fork_session_id)
         check_metadata(metadata)
+        # Built before the run is opened: a missing SDK or API key would otherwise leave an
+        # open run without a step in the journal.
+        self.model  # noqa: B018
         runtime = self._runtime()
         # Inside another run (an agent's, or a runtime.session block) this one is a sub-run
         # of it and inherits who it works for: a session id made up here would name its
