@@ -88,6 +88,18 @@ def echo_last_user(messages: Sequence[Message]) -> str:
     return "Echo: (no user message)"
 
 
+def _check_answer(answer: object, what: str) -> None:
+    """Refuse an answer that is no final text, no list of ``ToolCall`` and no response."""
+    if isinstance(answer, str | ModelResponse):
+        return
+    if isinstance(answer, Sequence) and all(isinstance(c, ToolCall) for c in answer):
+        return
+    raise InvalidArgumentTypeError(
+        f"{what} must be a final answer (a str), a tool-use turn (a list of ToolCall) or a "
+        f"ModelResponse, not {answer!r}"
+    )
+
+
 def _build_response(
     answer: FunctionResult, messages: Sequence[Message], model_name: str
 ) -> ModelResponse:
@@ -101,11 +113,8 @@ def _build_response(
             finish_reason="stop",
             model=model_name,
         )
+    _check_answer(answer, "the answer of a FunctionModel's function")
     calls = list(answer)
-    if not all(isinstance(c, ToolCall) for c in calls):
-        raise InvalidArgumentTypeError(
-            f"a tool-use turn must be a list of ToolCall, got {answer!r}"
-        )
     output = _call_tokens(calls)  # what the assistant message of these calls counts
     return ModelResponse(
         tool_calls=calls,
@@ -189,10 +198,15 @@ class ScriptedModel:
         self._answers: list[FunctionResult] = []
         # _failures[p]: the exceptions still to raise before answer p (one list per position).
         self._failures: list[list[BaseException]] = [[]]
-        for turn in turns:
+        if isinstance(turns, str):
+            raise InvalidArgumentTypeError(
+                f"turns must be a list of turns, not one string: write ScriptedModel([{turns!r}])"
+            )
+        for index, turn in enumerate(turns):
             if isinstance(turn, BaseException):
                 self._failures[-1].append(turn)
             else:
+                _check_answer(turn, f"scripted turn {index}")
                 self._answers.append(turn)
                 self._failures.append([])
         self._reached = 0  # one past the furthest turn answered

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from loomflow.agent import Agent
-from loomflow.errors import ModelError, ScriptExhaustedError
+from loomflow.errors import (
+    InvalidArgumentTypeError,
+    LoomflowError,
+    ModelError,
+    ScriptExhaustedError,
+)
 from loomflow.messages import (
     Message,
     ModelChunk,
@@ -136,6 +141,28 @@ async def test_the_turn_comes_from_the_conversation_not_the_call_count() -> None
     assert (await complete(fresh, _after(first))).text == "3"
     assert fresh.calls == 1
     assert script_position(_after(first)) == 1
+
+
+def test_a_script_given_as_one_string_is_refused() -> None:
+    # ScriptedModel("Hello") was read as the turns "H", "e", "l", ...: the run answered "H".
+    with pytest.raises(InvalidArgumentTypeError, match=r"ScriptedModel\(\['Hello'\]\)"):
+        ScriptedModel("Hello")
+
+
+@pytest.mark.parametrize("turn", [42, None, {"text": "x"}, CALL, [CALL, "3"]])
+def test_a_turn_of_no_known_kind_is_refused_when_the_script_is_built(turn: object) -> None:
+    # 42 was a bare TypeError at the first call, None a ScriptExhaustedError about a script
+    # that held the turn, a dict or a lone ToolCall an error only once the run reached them.
+    with pytest.raises(InvalidArgumentTypeError, match="scripted turn 1 must be") as info:
+        ScriptedModel(["first", turn])  # type: ignore[list-item]
+    assert isinstance(info.value, LoomflowError)
+
+
+@pytest.mark.parametrize("answer", [42, None])
+async def test_a_function_model_answer_of_no_known_kind_is_a_typed_error(answer: object) -> None:
+    model = FunctionModel(lambda messages, tools: answer)  # type: ignore[arg-type,return-value]
+    with pytest.raises(InvalidArgumentTypeError, match="must be a final answer"):
+        await complete(model, PROMPT)
 
 
 async def test_function_model_sync_and_async() -> None:
