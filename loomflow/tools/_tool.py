@@ -134,6 +134,7 @@ class Tool(Generic[P, R]):
                 "1-64 letters, digits, '_' or '-'; pass name=..."
             )
         _check_timeout(resolved_name, timeout)
+        _check_flags(resolved_name, destructive, edits, sensitive_result, blocking)
         if isinstance(sensitive, str):
             # sensitive="card" would otherwise become {"c", "a", "r", "d"} and redact nothing.
             raise UserError(
@@ -436,6 +437,23 @@ def as_tool(obj: Tool[P, R] | Callable[P, R], /) -> Tool[P, R]:
     if isinstance(obj, Tool):
         return obj
     return Tool(obj, localns=_caller_locals(1))
+
+
+def _check_flags(
+    name: str, destructive: object, edits: object, sensitive_result: object, blocking: object
+) -> None:
+    """The tool's flags are booleans: a ``"false"`` read from a config file is truthy, and an
+    ``""`` is falsy, so either would have turned a governance flag the wrong way silently."""
+    flags = {"destructive": destructive, "edits": edits, "sensitive_result": sensitive_result}
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidArgumentTypeError(
+                f"tool {name!r}: {flag} must be True or False, not {value!r}"
+            )
+    if blocking is not None and not isinstance(blocking, bool):
+        raise InvalidArgumentTypeError(
+            f"tool {name!r}: blocking must be True, False or None, not {blocking!r}"
+        )
 
 
 def _check_timeout(name: str, timeout: object) -> None:

@@ -69,6 +69,11 @@ def test_decorator_options() -> None:
         ({"timeout": float("nan")}, "timeout must be positive"),
         ({"name": "has space"}, "is not usable"),
         ({"name": "x" * 65}, "is not usable"),
+        # Flags read from a config file: "false" was a destructive tool, "" an unsealed result.
+        ({"destructive": "false"}, "destructive must be True or False, not 'false'"),
+        ({"edits": 1}, "edits must be True or False, not 1"),
+        ({"sensitive_result": ""}, "sensitive_result must be True or False, not ''"),
+        ({"blocking": "no"}, "blocking must be True, False or None, not 'no'"),
     ],
 )
 def test_bad_options_are_user_errors(options: dict[str, object], message: str) -> None:
