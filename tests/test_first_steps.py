@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,23 @@ async def test_a_model_that_cannot_be_built_leaves_no_run_in_the_journal(
         assert await runtime.sessions() == []
     finally:
         await runtime.close()
+
+
+async def test_resuming_an_agent_without_a_runtime_warns_that_it_runs_afresh(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An agent built without runtime= journals nothing, so its resume() ran every tool again
+    # without a word, while a journal's resume that finds no run warns exactly that.
+    agent = Agent("x", model="scripted")
+    with caplog.at_level(logging.WARNING, logger="loomflow.agent"):
+        result = await agent.resume("Refund $20 on order 42", session_id="ticket-42")
+    assert result.output == "Echo: Refund $20 on order 42"
+    assert "agent 'agent' has no runtime" in caplog.text
+    assert "give the agent a runtime=" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="loomflow.agent"):
+        await agent.run("Refund $20 on order 42", session_id="ticket-42")
+    assert "has no runtime" not in caplog.text  # run() promises no replay
 
 
 async def test_a_sqlite_url_given_for_a_path_opens_its_file(

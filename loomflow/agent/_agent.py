@@ -831,6 +831,14 @@ class Agent:
         # of it and inherits who it works for: a session id made up here would name its
         # sub-run differently on every attempt, and a resume would replay none of it.
         nested, outer_session, outer_user = enclosing_ids()
+        if resume and not nested and isinstance(runtime, Passthrough):
+            # As a journal's resume that finds no run says: every tool call runs again.
+            log.warning(
+                "agent %r has no runtime, so resume() has no journal to continue: session %r "
+                "runs afresh and its tools run again (give the agent a runtime=)",
+                self.name,
+                session_id,
+            )
         if nested:
             session_id = session_id if session_id is not None else outer_session
             user_id = user_id if user_id is not None else outer_user
