@@ -100,6 +100,23 @@ def _check_answer(answer: object, what: str) -> None:
     )
 
 
+def _check_function(fn: object) -> None:
+    """A ``FunctionModel``'s function is called as ``fn(messages, tools)``."""
+    if not callable(fn):
+        raise InvalidArgumentTypeError(
+            f"FunctionModel takes a function of (messages, tools), not {fn!r}"
+        )
+    try:
+        inspect.signature(fn).bind(..., ...)
+    except TypeError:
+        raise InvalidArgumentTypeError(
+            f"FunctionModel calls its function as fn(messages, tools): {fn!r} cannot take "
+            "those two arguments"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): the call will tell
+        return
+
+
 def _build_response(
     answer: FunctionResult, messages: Sequence[Message], model_name: str
 ) -> ModelResponse:
@@ -297,6 +314,7 @@ class FunctionModel:
         *,
         name: str = "function",
     ) -> None:
+        _check_function(fn)
         self._fn = fn
         self._name = name
         self.calls = 0

@@ -165,6 +165,14 @@ async def test_a_function_model_answer_of_no_known_kind_is_a_typed_error(answer:
         await complete(model, PROMPT)
 
 
+@pytest.mark.parametrize("fn", [42, lambda messages: "x", lambda: "x"])
+def test_a_function_model_needs_a_function_of_messages_and_tools(fn: object) -> None:
+    # Each was a bare TypeError ('int' object is not callable, "takes 1 positional argument")
+    # at the run's first model call.
+    with pytest.raises(InvalidArgumentTypeError, match="FunctionModel"):
+        FunctionModel(fn)  # type: ignore[arg-type]
+
+
 async def test_function_model_sync_and_async() -> None:
     def sync_fn(messages: list[Message], tools: list[ToolSpec]) -> str | list[ToolCall]:
         if messages[-1].role == "tool":
