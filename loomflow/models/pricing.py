@@ -149,17 +149,27 @@ def normalize_prices(prices: Mapping[str, ModelPrice]) -> Mapping[str, ModelPric
     or date suffix), so ``{"My-Model-2025-01-01": ...}`` prices ``"my-model"``.
 
     Raises:
-        InvalidArgumentTypeError: a key is not a string.
+        InvalidArgumentTypeError: ``prices`` is not a mapping, a key is not a string or a
+            price is not a :class:`ModelPrice`.
         InvalidArgumentError: two keys name the same model (``"My-Model"`` and ``"my-model"``)
             with different prices.
     """
     if isinstance(prices, _Normalized):
         return prices
+    if not isinstance(prices, Mapping):
+        raise InvalidArgumentTypeError(
+            f"prices must be a mapping of model id to ModelPrice, not {prices!r}"
+        )
     table = _Normalized()
     given: dict[str, str] = {}  # normalised name -> the key it came from
     for key, price in prices.items():
         if not isinstance(key, str):
             raise InvalidArgumentTypeError(f"price table keys must be model ids, not {key!r}")
+        if not isinstance(price, ModelPrice):
+            raise InvalidArgumentTypeError(
+                f"the price of {key!r} must be a ModelPrice(input_per_mtok, output_per_mtok), "
+                f"not {price!r}"
+            )
         name = _normalize(key)
         if name in table and table[name] != price:
             raise InvalidArgumentError(

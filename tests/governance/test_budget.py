@@ -19,6 +19,7 @@ from loomflow.errors import (
     BudgetExceededError,
     BudgetUnavailableError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidUsageError,
     UnknownModelPriceError,
     UntrustedUsageError,
@@ -456,6 +457,25 @@ def test_misconfigured_budgets_are_refused() -> None:
             StandardBudget(lease_s=seconds)  # type: ignore[arg-type]
         with pytest.raises(UserError, match="store_timeout_s must be a positive number"):
             StandardBudget(store_timeout_s=seconds)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # Each failed with a bare TypeError or AttributeError, the URL only at the first call.
+        ({"store": "sqlite:///budget.db"}, "store must be a budget store"),
+        ({"caps": None}, "caps must be a sequence of Cap"),
+        ({"warn_at": None}, "warn_at must be"),
+        ({"warn_at": "0.8"}, "warn_at must be"),
+        ({"prices": [("m", ModelPrice(1.0, 2.0))]}, "prices must be a mapping"),
+        ({"prices": {"m": (1.0, 2.0)}}, "ModelPrice"),
+    ],
+)
+def test_budget_arguments_of_the_wrong_type_are_refused_when_built(
+    arguments: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentTypeError, match=message):
+        StandardBudget(**arguments)
 
 
 async def test_direct_use_outside_an_agent() -> None:

@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal, NoReturn, TypeVar
@@ -27,6 +27,7 @@ from ..._cleanup import raise_if_cancelled
 from ...errors import (
     BudgetExceededError,
     BudgetUnavailableError,
+    InvalidArgumentTypeError,
     InvalidUsageError,
     StorageError,
     UnknownModelPriceError,
@@ -59,6 +60,9 @@ __all__ = ["BudgetHooks", "CapStatus", "StandardBudget", "Ticket", "bound_input_
 log = logging.getLogger("loomflow.governance.budget")
 
 T = TypeVar("T")
+
+# What the budget calls on its store (see BudgetStore).
+_STORE_OPS = ("reserve", "commit", "record", "release", "renew", "reclaim", "totals", "close")
 
 # Role markers and separators a chat template adds around each message.
 _PER_MESSAGE_TOKENS = 8
@@ -217,8 +221,11 @@ class StandardBudget:
         store_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if isinstance(caps, Cap):
-            raise UserError("caps must be a sequence of Cap, e.g. caps=[Cap(...)]")
+        given: object = caps  # typed loosely: callers pass None or a single Cap
+        if isinstance(given, Cap | str) or not isinstance(given, Iterable):
+            raise InvalidArgumentTypeError(
+                f"caps must be a sequence of Cap, e.g. caps=[Cap(...)], not {caps!r}"
+            )
         caps = tuple(caps)  # read once: a generator would be spent by the checks below
         for cap in caps:
             if not isinstance(cap, Cap):
@@ -229,6 +236,12 @@ class StandardBudget:
             raise UserError(f"caps {duplicated} are given more than once")
         if mode not in ("hard", "soft"):
             raise UserError(f"mode must be 'hard' or 'soft', not {mode!r}")
+        fractions: object = warn_at
+        if isinstance(fractions, str) or not isinstance(fractions, int | float | Iterable):
+            raise InvalidArgumentTypeError(
+                f"warn_at must be a fraction or a sequence of fractions (warn_at=() for no "
+                f"warnings), not {warn_at!r}"
+            )
         thresholds = (warn_at,) if isinstance(warn_at, int | float) else tuple(warn_at)
         for t in thresholds:
             if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < 1:
@@ -240,6 +253,12 @@ class StandardBudget:
             if number is None or number <= 0:
                 raise UserError(f"{what} must be a positive number of seconds, not {value!r}")
         self.caps: tuple[Cap, ...] = tuple(caps)
+        if store is not None and not all(callable(getattr(store, op, None)) for op in _STORE_OPS):
+            # A URL here failed only at the first model call, with an AttributeError.
+            raise InvalidArgumentTypeError(
+                f"store must be a budget store, e.g. SqlBudgetStore(url) or "
+                f"InMemoryBudgetStore(), not {store!r}"
+            )
         self.store: BudgetStore = store if store is not None else InMemoryBudgetStore()
         self.mode = mode
         self.warn_at: tuple[float, ...] = tuple(sorted(float(t) for t in thresholds))
