@@ -608,6 +608,26 @@ async def test_spending_more_than_reserved_is_charged_and_logged(
     assert any("more than the 1/32 reserved" in m for m in _caplog_names(caplog.records))
 
 
+async def test_costing_more_than_reserved_is_charged_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A gateway answers a request for the cheap model with the dear one: the tokens fit the
+    # reservation, the cost (priced as the model that answered) does not. The hard cap is
+    # passed, and that was logged only when tokens were over.
+    budget = StandardBudget([Cap("cost_usd", 1.0)], overhead_tokens=0)
+    model = PricedModel(
+        lambda m, t: ModelResponse(
+            text="x", model="gpt-4o", usage=Usage(input_tokens=20, output_tokens=20)
+        ),
+        name="gpt-4o-mini",
+    )
+    with caplog.at_level(logging.WARNING, "loomflow.governance.budget"):
+        await agent_with(budget, model).run("go", user_id="alice")
+    [usage] = await budget.store.usage("alice")
+    assert usage.totals.cost_nanousd == 250_000  # 20 * 2.5 + 20 * 10 USD per million
+    assert any("reserved" in m and "cost" in m for m in _caplog_names(caplog.records))
+
+
 async def test_a_long_call_keeps_its_reservation_alive() -> None:
     store = InMemoryBudgetStore()
     budget = StandardBudget([Cap("tokens_total", 10_000)], store=store, lease_s=0.15)

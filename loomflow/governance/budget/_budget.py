@@ -52,6 +52,7 @@ from ._types import (
     Totals,
     _count,
     evaluate,
+    usd,
 )
 from .inmemory import InMemoryBudgetStore
 
@@ -519,18 +520,27 @@ class StandardBudget:
         except InvalidUsageError:
             await self.charge_in_full(ticket, wall_s=elapsed)
             raise
-        if (
-            actual.tokens_in > ticket.amount.tokens_in
-            or actual.tokens_out > ticket.amount.tokens_out
-        ):
+        held = ticket.amount
+        if actual.tokens_in > held.tokens_in or actual.tokens_out > held.tokens_out:
             log.warning(
                 "model %r spent %d/%d tokens (in/out), more than the %d/%d reserved; raise "
                 "overhead_tokens or fix estimate_input_tokens",
                 model or ticket.model,
                 actual.tokens_in,
                 actual.tokens_out,
-                ticket.amount.tokens_in,
-                ticket.amount.tokens_out,
+                held.tokens_in,
+                held.tokens_out,
+            )
+        elif actual.cost_nanousd > held.cost_nanousd:
+            # The tokens fit, but the call was priced as a dearer model than the one asked for
+            # (the response named it): a hard cost cap can be passed, as with tokens above.
+            log.warning(
+                "model %r cost $%.9f, more than the $%.9f reserved for %r: the call is priced "
+                "as the model the response named",
+                model,
+                usd(actual.cost_nanousd),
+                usd(held.cost_nanousd),
+                ticket.model,
             )
         result = await self.charge(ticket, actual)
         return self._warnings(ticket.limits, result)
