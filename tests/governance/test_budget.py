@@ -14,7 +14,7 @@ from _governance_proxy import TcpProxy
 from pydantic import BaseModel
 
 from loomflow.agent import Agent, RunFinished, Tuning
-from loomflow.agent.hooks import RunHooks, RunInfo
+from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
 from loomflow.errors import (
     BudgetExceededError,
     BudgetUnavailableError,
@@ -626,6 +626,34 @@ async def test_costing_more_than_reserved_is_charged_and_logged(
     [usage] = await budget.store.usage("alice")
     assert usage.totals.cost_nanousd == 250_000  # 20 * 2.5 + 20 * 10 USD per million
     assert any("reserved" in m and "cost" in m for m in _caplog_names(caplog.records))
+
+
+class _OutputCheck(RunHooks):
+    """A guardrail of the user's that stops the run on what the model answered."""
+
+    async def after_model_call(
+        self, info: RunInfo, turn: int, response: ModelResponse, *, replayed: bool, token: Any
+    ) -> None:
+        if "secret" in response.text:
+            raise Interrupt("guardrail:output", "the answer names a secret")
+
+
+async def test_a_call_whose_answer_a_guardrail_stops_is_still_charged(tmp_path: Path) -> None:
+    # Guardrails run before the budget, so the budget never heard the call had finished: the
+    # run returned (interrupted) and its hold was given back, though the model had answered
+    # and billed; a resume replays the journaled answer, so it was never charged at all.
+    store = InMemoryBudgetStore()
+    budget = StandardBudget(WATCHED, store=store)
+    answer = ModelResponse(text="the secret is 42", usage=Usage(input_tokens=100, output_tokens=20))
+    model = FunctionModel(lambda m, t: answer)
+    agent = agent_with(
+        budget, model, guardrails=[_OutputCheck()], runtime=SqliteRuntime(tmp_path / "j.db")
+    )
+    result = await agent.run("go", user_id="alice")
+    assert result.interruption_reason == "guardrail:output"
+    [usage] = await store.usage("alice")
+    assert (usage.totals.tokens_in, usage.totals.tokens_out, usage.totals.calls) == (100, 20, 1)
+    assert (usage.totals.reserved_in, usage.totals.reserved_out) == (0, 0)
 
 
 async def test_a_long_call_keeps_its_reservation_alive() -> None:

@@ -871,16 +871,16 @@ class BudgetHooks(RunHooks):
         for ticket, renewal in state.tickets.values():
             if renewal is not None:
                 renewal.cancel()
-            # A hold the loop never settled: a run that returned never made the call (a later
-            # hook refused it); a run that raised may have made it. When its answer came
-            # (the journal write failed after the stream ended: the store is down, or another
-            # owner took the run over), it is charged what the answer says it spent, as the
-            # audit trail records it; otherwise in full.
+            # A hold the loop never settled. When its answer came, the call was made and
+            # billed: it is charged what the answer says it spent, as the audit trail records
+            # it, whether the run raised (the journal write failed after the stream ended:
+            # the store is down, or another owner took the run over) or returned (a guardrail
+            # before the budget stopped the run on the answer). Without an answer, a run that
+            # returned never made the call (a later hook refused it) and one that raised may
+            # have made it: charged in full.
             answered = state.answered.get(ticket.reservation.id)
             try:
-                if error is None:
-                    await self.budget.release(ticket)
-                elif answered is not None:
+                if answered is not None:
                     response, wall_s = answered
                     await self.budget.commit(
                         ticket,
@@ -889,6 +889,8 @@ class BudgetHooks(RunHooks):
                         wall_s=wall_s,
                         usage_reported=response.usage_reported,
                     )
+                elif error is None:
+                    await self.budget.release(ticket)
                 else:
                     await self.budget.charge(ticket, ticket.amount)
             except Exception as exc:
