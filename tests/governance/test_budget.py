@@ -532,6 +532,50 @@ async def test_a_hung_store_times_out_and_refuses(pg_dsn: str) -> None:
     await proxy.cut()
 
 
+class _SlowCommitStore(SqlBudgetStore):
+    """A SQLite store whose reservations commit, but only after the caller gave up (a slow
+    fsync): what a cancelled COMMIT on aiosqlite's thread does."""
+
+    granted: asyncio.Event
+
+    async def reserve(self, *args: Any, **kwargs: Any) -> Any:
+        async def slow() -> Any:
+            await asyncio.sleep(0.3)
+            denial = await SqlBudgetStore.reserve(self, *args, **kwargs)
+            self.granted.set()
+            return denial
+
+        write = asyncio.ensure_future(slow())
+        try:
+            return await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await write  # goes on to its end, as a COMMIT on the driver's thread does
+            raise
+
+
+async def test_a_reservation_granted_after_its_timeout_is_given_back(tmp_path: Path) -> None:
+    # The call was refused (the store did not answer in time), but the hold was written a
+    # moment later, renewed by no one: once its lease ran out it was charged in full, for a
+    # call that was never made.
+    store = _SlowCommitStore(f"sqlite:///{tmp_path / 'b.db'}")
+    store.granted = asyncio.Event()
+    await store.open()
+    budget = StandardBudget(WATCHED, store=store, store_timeout_s=0.1)
+    model = FunctionModel(tool_then_answer())
+    with pytest.raises(BudgetUnavailableError, match="did not answer"):
+        await agent_with(budget, model).run("go", user_id="alice")
+    assert model.calls == 0
+    await store.granted.wait()
+    for _ in range(50):  # the late hold is given back as soon as it is written
+        if not await store.reservations():
+            break
+        await asyncio.sleep(0.05)
+    assert await store.reservations() == []
+    [usage] = await store.usage("alice")
+    assert (usage.totals.reserved_in, usage.totals.tokens_in, usage.totals.calls) == (0, 0, 0)
+    await store.close()
+
+
 async def test_an_unreachable_store_refuses_the_first_call(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")

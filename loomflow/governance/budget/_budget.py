@@ -47,6 +47,7 @@ from ._types import (
     BucketLimit,
     Cap,
     CommitResult,
+    Denial,
     OnExpiry,
     Reservation,
     Totals,
@@ -374,7 +375,13 @@ class StandardBudget:
 
     # -- store access (fail closed) --------------------------------------------------------
 
-    async def _call(self, what: str, operation: Awaitable[T]) -> T:
+    async def _call(
+        self,
+        what: str,
+        operation: Awaitable[T],
+        *,
+        undo: Callable[[asyncio.Future[T]], Awaitable[object] | None] | None = None,
+    ) -> T:
         # The operation runs in a task of its own so that a hung store costs the caller no
         # more than store_timeout_s: cancelling a driver call can itself block (asyncpg rolls
         # back over the stalled connection), so on timeout the task is cancelled and left to
@@ -390,8 +397,12 @@ class StandardBudget:
             raise
         if not done:
             task.cancel()
-            self._abandoned.add(task)
-            task.add_done_callback(self._forget)
+            self._abandon(task)
+            if undo is not None:
+                # The cancel may come too late (a SQLite COMMIT runs on to its end on the
+                # driver's thread, though the task ends cancelled): once the operation is
+                # done, whatever it did anyway is undone.
+                task.add_done_callback(lambda late: self._undo(late, undo))
             raise BudgetUnavailableError(
                 f"the budget store ({self.store.backend}) did not answer {what} within "
                 f"{self.store_timeout_s:g} s, so {outcome}"
@@ -402,6 +413,19 @@ class StandardBudget:
             raise BudgetUnavailableError(
                 f"the budget store ({self.store.backend}) failed during {what}, so {outcome}: {exc}"
             ) from exc
+
+    def _abandon(self, task: asyncio.Future[Any]) -> None:
+        self._abandoned.add(task)
+        task.add_done_callback(self._forget)
+
+    def _undo(
+        self,
+        late: asyncio.Future[T],
+        undo: Callable[[asyncio.Future[T]], Awaitable[object] | None],
+    ) -> None:
+        follow = undo(late)
+        if follow is not None:
+            self._abandon(asyncio.ensure_future(follow))
 
     def _forget(self, task: asyncio.Future[Any]) -> None:
         self._abandoned.discard(task)
@@ -477,14 +501,25 @@ class StandardBudget:
         # Dead workers' holds are swept now and then, and again before a refusal (a released
         # hold frees room; a charged one at least turns into a definite figure).
         await self._reclaim_if_due(30.0)
+
+        def give_back(late: asyncio.Future[Denial | None]) -> Awaitable[bool] | None:
+            # A hold written after the call was refused for want of an answer: no one would
+            # renew or settle it, and once its lease ran out it was charged in full. Unless
+            # the store answered with a refusal, it may be there (given back by id: a no-op
+            # when it is not).
+            refused = not late.cancelled() and late.exception() is None and late.result()
+            return None if refused else self.store.release(reservation)
+
         denial = await self._call(
             "reservation",
             self.store.reserve(reservation, limits, hard=self.hard, lease_s=self.lease_s),
+            undo=give_back,
         )
         if denial is not None and await self._reclaim_if_due(1.0):
             denial = await self._call(
                 "reservation",
                 self.store.reserve(reservation, limits, hard=self.hard, lease_s=self.lease_s),
+                undo=give_back,
             )
         if denial is not None:
             raise BudgetExceededError(
