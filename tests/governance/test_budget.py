@@ -587,6 +587,19 @@ async def test_an_unreachable_store_refuses_the_first_call(tmp_path: Path) -> No
     assert raised.value.__cause__ is not None  # the driver's error is chained
 
 
+async def test_an_unreachable_store_says_what_it_costs_each_operation(tmp_path: Path) -> None:
+    # A report or an operator's reclaim said "so the model call is refused": there was none.
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    budget = StandardBudget(WATCHED, store=SqlBudgetStore(f"sqlite:///{blocker / 'b.db'}"))
+    for operation in (lambda: budget.status("alice"), budget.reclaim):
+        with pytest.raises(BudgetUnavailableError) as raised:
+            await operation()
+        assert "model call" not in str(raised.value)
+    with pytest.raises(BudgetUnavailableError, match="so the model call is refused"):
+        await budget.reserve(user_id="alice", model="scripted", max_tokens=1, input_tokens=1)
+
+
 async def test_a_budget_shares_the_runtime_database(sqlite_path: Path) -> None:
     runtime = SqliteRuntime(sqlite_path)
     store = SqlBudgetStore(runtime.database)

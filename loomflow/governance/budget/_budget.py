@@ -66,6 +66,11 @@ T = TypeVar("T")
 # What the budget calls on its store (see BudgetStore).
 _STORE_OPS = ("reserve", "commit", "record", "release", "renew", "reclaim", "totals", "close")
 
+# What a store failure costs a call, in BudgetUnavailableError's message (a commit comes after
+# the call: its figure is what is lost, not the call).
+_REFUSED = "the model call is refused"
+_UNRECORDED = "the call's charge is not recorded"
+
 # Role markers and separators a chat template adds around each message.
 _PER_MESSAGE_TOKENS = 8
 
@@ -380,6 +385,7 @@ class StandardBudget:
         what: str,
         operation: Awaitable[T],
         *,
+        outcome: str | None = None,
         undo: Callable[[asyncio.Future[T]], Awaitable[object] | None] | None = None,
     ) -> T:
         # The operation runs in a task of its own so that a hung store costs the caller no
@@ -387,9 +393,8 @@ class StandardBudget:
         # back over the stalled connection), so on timeout the task is cancelled and left to
         # finish in the background instead of being waited for.
         task = asyncio.ensure_future(operation)
-        # A commit comes after the call: its figure is what is lost, not the call.
-        refused = "the model call is refused"
-        outcome = "the call's charge is not recorded" if what == "commit" else refused
+        # What the failure costs the caller, if anything: a read for a report costs nothing.
+        so = f", so {outcome}" if outcome else ""
         try:
             done, _ = await asyncio.wait({task}, timeout=self.store_timeout_s)
         except asyncio.CancelledError:
@@ -405,13 +410,13 @@ class StandardBudget:
                 task.add_done_callback(lambda late: self._undo(late, undo))
             raise BudgetUnavailableError(
                 f"the budget store ({self.store.backend}) did not answer {what} within "
-                f"{self.store_timeout_s:g} s, so {outcome}"
+                f"{self.store_timeout_s:g} s{so}"
             )
         try:
             return task.result()
         except (StorageError, TimeoutError) as exc:  # down, unmigrated, or a damaged row
             raise BudgetUnavailableError(
-                f"the budget store ({self.store.backend}) failed during {what}, so {outcome}: {exc}"
+                f"the budget store ({self.store.backend}) failed during {what}{so}: {exc}"
             ) from exc
 
     def _abandon(self, task: asyncio.Future[Any]) -> None:
@@ -434,13 +439,16 @@ class StandardBudget:
 
     async def reclaim(self) -> int:
         """Settle the reservations of dead workers now (see ``on_expiry``); return how many."""
+        return await self._reclaim()
+
+    async def _reclaim(self, outcome: str | None = None) -> int:
         self._last_reclaim = time.monotonic()
-        return await self._call("reclaim", self.store.reclaim())
+        return await self._call("reclaim", self.store.reclaim(), outcome=outcome)
 
     async def _reclaim_if_due(self, every_s: float) -> int:
         if time.monotonic() - self._last_reclaim < every_s:
             return 0
-        return await self.reclaim()
+        return await self._reclaim(_REFUSED)  # a sweep before a reservation
 
     # -- the three operations of a call ----------------------------------------------------
 
@@ -513,12 +521,14 @@ class StandardBudget:
         denial = await self._call(
             "reservation",
             self.store.reserve(reservation, limits, hard=self.hard, lease_s=self.lease_s),
+            outcome=_REFUSED,
             undo=give_back,
         )
         if denial is not None and await self._reclaim_if_due(1.0):
             denial = await self._call(
                 "reservation",
                 self.store.reserve(reservation, limits, hard=self.hard, lease_s=self.lease_s),
+                outcome=_REFUSED,
                 undo=give_back,
             )
         if denial is not None:
@@ -591,14 +601,21 @@ class StandardBudget:
     async def charge(self, ticket: Ticket, amount: Amount) -> CommitResult:
         """Charge ``amount`` for the ticket's call as it stands (no checks or warnings)."""
         if not ticket.held:
-            return await self._call("commit", self.store.record(ticket.reservation.buckets, amount))
-        return await self._call("commit", self.store.commit(ticket.reservation, amount))
+            recording = self.store.record(ticket.reservation.buckets, amount)
+            return await self._call("commit", recording, outcome=_UNRECORDED)
+        return await self._call(
+            "commit", self.store.commit(ticket.reservation, amount), outcome=_UNRECORDED
+        )
 
     async def release(self, ticket: Ticket) -> bool:
         """Give a reservation back uncharged (the call failed before spending)."""
         if not ticket.held:
             return True
-        return await self._call("release", self.store.release(ticket.reservation))
+        return await self._call(
+            "release",
+            self.store.release(ticket.reservation),
+            outcome="the hold stays until its lease runs out, then is settled as a dead worker's",
+        )
 
     def _warnings(self, limits: Sequence[BucketLimit], result: CommitResult) -> list[BudgetWarning]:
         warnings: list[BudgetWarning] = []
