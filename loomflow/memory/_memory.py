@@ -114,10 +114,18 @@ def _source(value: object) -> str | None:
 
 def _when(value: object) -> float:
     """``as_of``: a datetime or Unix seconds (a finite number), else a ``UserError``."""
-    if isinstance(value, dt.datetime) or (
-        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    ):
+    if isinstance(value, dt.datetime):
         return seconds(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            if math.isfinite(value):  # an int past a float's range raises OverflowError
+                return seconds(value)
+        except OverflowError:
+            # Not shown: formatting such an int may itself fail (past 4,300 digits).
+            raise UserError(
+                f"as_of is an integer of {int(value).bit_length()} bits: out of range for Unix "
+                "seconds"
+            ) from None
     raise UserError(f"as_of must be a datetime or Unix seconds, not {value!r}")
 
 

@@ -274,6 +274,15 @@ async def test_bad_text_is_a_user_error_alike_on_every_backend(
         await memory.close()
 
 
+@pytest.mark.parametrize("as_of", [10**400, -(10**400)], ids=["huge", "negative"])
+async def test_an_as_of_no_float_holds_is_a_user_error(as_of: int) -> None:
+    # An integer past a float's range was a bare OverflowError ("int too large to convert to
+    # float") instead of the UserError naming as_of that every other bad as_of is.
+    memory = InMemoryMemory()
+    with pytest.raises(UserError, match="as_of"):
+        await memory.facts(user_id="u", as_of=as_of)
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_a_bad_fact_source_is_a_user_error_and_writes_nothing(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
