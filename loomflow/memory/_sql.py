@@ -80,7 +80,10 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 _BLOCK_COLUMNS = "user_id, name, content, created_at, updated_at"
 _SET_BLOCK = f"""
 INSERT INTO loom_memory_blocks (user_key, name, user_id, content, created_at, updated_at)
-VALUES ($1, $2, $3, $4, {{now}}, {{now}})
+-- The clock read once: PostgreSQL's clock_timestamp() twice gave a new block an updated_at
+-- microseconds after its created_at. (WHERE true: SQLite's parser then takes ON CONFLICT as
+-- the upsert, not as a join's ON.)
+SELECT $1, $2, $3, $4, clock.now, clock.now FROM (SELECT {{now}} AS now) AS clock WHERE true
 ON CONFLICT (user_key, name) DO UPDATE SET
     user_id = excluded.user_id, content = excluded.content, updated_at = excluded.updated_at,
     -- As an episode's rewrite: a creation time no date can hold takes the write's, or the

@@ -241,6 +241,9 @@ class MemoryConformance:
         block = await memory.block("notes", user_id="u")
         assert block is not None
         assert block.content == "v2"
+        # A block never rewritten was updated when it was created (PostgreSQL read its clock
+        # once for each, microseconds apart: it looked edited since).
+        assert first.created_at == first.updated_at
         assert second.created_at == first.created_at
         assert second.updated_at >= first.updated_at
         assert [b.name for b in await memory.blocks(user_id="u")] == ["notes", "persona"]
