@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from ..config import query_in_file_url, scheme_without_slashes
+from ..config import _masked_url, query_in_file_url, scheme_without_slashes
 from ..errors import ConfigurationError
 
 __all__ = ["SCHEMES", "StoreKind", "check_scheme", "file_path", "scheme_of"]
@@ -57,7 +57,7 @@ def check_scheme(kind: StoreKind, url: str) -> str:
     if scheme not in accepted:
         listed = ", ".join(f"{s}://" for s in accepted)
         raise ConfigurationError(
-            f"unknown {kind} URL scheme in {url!r}: the {kind} store takes {listed} "
+            f"unknown {kind} URL scheme in {_masked_url(url)!r}: the {kind} store takes {listed} "
             "(or a bare file path)"
         )
     return scheme
