@@ -175,16 +175,17 @@ def test_the_old_url_functions_go_through_the_one_table(build: object, kind: str
         build("redis://cache/0")  # type: ignore[operator]
 
 
-@pytest.mark.parametrize(
-    "build",
-    [
-        runtime_from_url,
-        audit_store_from_url,
-        checkpoint_store_from_url,
-        memory_from_url,
-        budget_store_from_url,
-    ],
+# Every store's URL function; budget_store_from_url last (see below).
+_FROM_URL = (
+    runtime_from_url,
+    audit_store_from_url,
+    checkpoint_store_from_url,
+    memory_from_url,
+    budget_store_from_url,
 )
+
+
+@pytest.mark.parametrize("build", _FROM_URL)
 def test_a_mistyped_scheme_does_not_show_the_password(build: Any) -> None:
     # "postgress://app:pw@db/x" (one s too many) was refused with the URL as given, password
     # included, in an error that ends up in logs; the settings already showed it masked.
@@ -192,6 +193,17 @@ def test_a_mistyped_scheme_does_not_show_the_password(build: Any) -> None:
         build("postgress://app:s3cret@db:5432/app?password=s3cret")
     assert "s3cret" not in str(caught.value)
     assert "postgress://app:***@" in str(caught.value)
+
+
+@pytest.mark.parametrize("url", [None, 5, "", "  "])
+# budget_store_from_url(None or "") reads the settings' URL, as documented.
+@pytest.mark.parametrize("build", _FROM_URL[:-1])
+def test_a_url_that_is_no_text_or_empty_is_refused(build: Any, url: object) -> None:
+    # None or a number was a bare AttributeError ('NoneType' object has no attribute
+    # 'startswith'); an empty URL was taken as the file path "" and opened the current
+    # directory as a SQLite file ("it is a directory"), or a JSON-lines log named "".
+    with pytest.raises(ConfigurationError, match="store URL"):
+        build(url)
 
 
 @pytest.mark.parametrize("kind", ["journal", "checkpoints", "memory", "budget", "audit"])

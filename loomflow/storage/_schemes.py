@@ -35,8 +35,13 @@ def scheme_of(url: str) -> str:
     A bare path is ``sqlite``, or ``jsonl`` when it ends in ``.jsonl``.
 
     Raises:
-        ConfigurationError: ``url`` spells a scheme without its ``//`` (``sqlite:x.db``).
+        ConfigurationError: ``url`` is no text, is empty, or spells a scheme without its
+            ``//`` (``sqlite:x.db``).
     """
+    if not isinstance(url, str):  # None was a bare AttributeError
+        raise ConfigurationError(f"a store URL must be a string, not {type(url).__name__}")
+    if not url.strip():  # taken as the path "": the current directory opened as SQLite
+        raise ConfigurationError("the store URL is empty: use memory://, a path or a DSN")
     if url.startswith("memory:"):
         return "memory"
     if (problem := scheme_without_slashes(url)) is not None:
