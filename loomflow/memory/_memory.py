@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ulid import ULID
 
 from .._ids import check_count, check_id, check_key
-from .._json import valid_text
+from .._json import json_safe, valid_text
 from .._timefmt import iso_time
 from ..config import Settings
 from ..context import get_run_context
@@ -127,6 +127,18 @@ def _when(value: object) -> float:
                 "seconds"
             ) from None
     raise UserError(f"as_of must be a datetime or Unix seconds, not {value!r}")
+
+
+def _exported(episode: Any) -> Any:
+    """An episode (or an unreadable one) as JSON data, for a user's export."""
+    try:
+        return episode.model_dump(mode="json")
+    except ValueError:
+        # Bytes no UTF-8 spells in a tool call's arguments (an episode imported through
+        # record_episode: the codec stores them) failed the user's whole export.
+        document = episode.model_dump(mode="json", exclude={"messages"})
+        document["messages"] = json_safe([m.model_dump() for m in episode.messages])
+        return document
 
 
 def _user(user_id: object) -> str | None:
@@ -387,7 +399,7 @@ class Memory:
         return {
             "user_id": uid,
             "exported_at": iso_time(dt.datetime.now(dt.UTC)),
-            "episodes": [e.model_dump(mode="json") for e in episodes],
+            "episodes": [_exported(e) for e in episodes],
             "facts": [f.model_dump(mode="json") for f in facts],
             "blocks": [b.model_dump(mode="json") for b in blocks],
         }

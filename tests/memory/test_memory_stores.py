@@ -703,3 +703,27 @@ async def test_recall_facts_shows_one_fact_a_line_whatever_a_value_holds(brk: st
     # What is stored is the value as given: only its rendering for the model changes.
     [fact] = await memory.facts(user_id=None, predicate="lives_in")
     assert fact.object == forged
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_an_imported_episode_with_bytes_in_its_arguments_is_exported(
+    backend: str, tmp_path: Path
+) -> None:
+    # record_episode stores tool arguments the journal's codec takes, bytes included, but
+    # export_user then raised UnicodeDecodeError for the user's whole document: a
+    # data-subject access request (`users export`) failed for one imported episode.
+    memory = memory_from_url("memory://" if backend == "memory" else str(tmp_path / "m.db"))
+    call = ToolCall(id="c1", name="upload", arguments={"data": b"\xff\x00ok", "n": 1})
+    messages = [
+        Message.user("send it"),
+        Message(role="assistant", tool_calls=[call]),
+        Message.tool_result("c1", "sent", name="upload"),
+    ]
+    await memory.record_episode("s", user_id="u", key="k", messages=messages, output="sent")
+    exported = await memory.export_user("u")
+    json.dumps(exported)
+    [episode] = exported["episodes"]
+    assert episode["messages"][1]["tool_calls"][0]["arguments"] == {"data": "\ufffd\x00ok", "n": 1}
+    assert episode["messages"][0]["content"] == "send it"
+    assert episode["output"] == "sent"
+    await memory.close()
