@@ -40,20 +40,29 @@ log = logging.getLogger("loomflow.memory")
 MAX_KEY_BYTES = 1024
 
 
-def _text(what: str, value: object) -> str:
+def _text(what: str, value: object, *, quote: bool = True) -> str:
+    """A lookup key, checked. ``quote=False`` keeps the value out of the error (a memory
+    tool's: a tool error is a span status, exported even with content capture off)."""
     if not isinstance(value, str) or not value:
-        raise UserError(f"{what} must be a non-empty string, not {value!r}")
+        shown_value = f", not {value!r}" if quote else ""
+        raise UserError(f"{what} must be a non-empty string{shown_value}")
     if "\x00" in value:
-        raise UserError(f"{what} {value[:80]!r} contains a NUL character")
+        raise UserError(f"{what}{f' {value[:80]!r}' if quote else ''} contains a NUL character")
     # A lone surrogate (no character: UTF-8 cannot spell it) becomes U+FFFD, as in prompts;
     # the same on writing and on looking up.
     value = valid_text(value)
     size = len(value.encode())
     if size > MAX_KEY_BYTES:
         raise UserError(
-            f"{what} {value[:40]!r}... is {size} bytes in UTF-8; at most {MAX_KEY_BYTES}"
+            f"{what}{f' {value[:40]!r}...' if quote else ''} is {size} bytes in UTF-8; "
+            f"at most {MAX_KEY_BYTES}"
         )
     return value
+
+
+def _key_argument(what: str, value: object) -> str:
+    """A memory tool's lookup key: :func:`_text`, with an error that does not quote it."""
+    return _text(what, value, quote=False)
 
 
 def _content(what: str, value: object) -> str:
@@ -80,7 +89,9 @@ def _fact_line(subject: str, predicate: str, value: str) -> str:
 def _argument(check: Callable[[str, object], str], what: str, value: object) -> str:
     """A memory tool's argument, checked as the API checks it. A bad one is the model's
     mistake, told to it as a tool error: as the API's UserError it stopped the run, and every
-    resume of it, since the replayed model call asks for the same call again."""
+    resume of it, since the replayed model call asks for the same call again. The error names
+    the argument, not its value: the model knows what it sent, and the error is also a span's
+    status, exported with content capture off (see :func:`_key_argument`)."""
     try:
         return check(what, value)
     except UserError as exc:
@@ -422,8 +433,8 @@ class Memory:
                 predicate: The relation, e.g. "prefers_language".
                 value: The value, e.g. "French".
             """
-            subject = _argument(_text, "subject", subject)
-            predicate = _argument(_text, "predicate", predicate)
+            subject = _argument(_key_argument, "subject", subject)
+            predicate = _argument(_key_argument, "predicate", predicate)
             value = _argument(_content, "value", value)
             ctx = get_run_context()
             with _damage_told("remember_fact"):
@@ -439,7 +450,7 @@ class Memory:
                 subject: Only facts about this subject.
             """
             if subject is not None:
-                subject = _argument(_text, "subject", subject)
+                subject = _argument(_key_argument, "subject", subject)
             with _damage_told("recall_facts"):
                 facts = await self.facts(user_id=get_run_context().user_id, subject=subject)
             if not facts:
@@ -452,7 +463,7 @@ class Memory:
             Args:
                 name: The block's name, e.g. "notes".
             """
-            name = _argument(_text, "name", name)
+            name = _argument(_key_argument, "name", name)
             with _damage_told("read_block"):
                 found = await self.block(name, user_id=get_run_context().user_id)
             return found.content if found is not None else f"(no block named {name!r})"
@@ -464,7 +475,8 @@ class Memory:
                 name: The block's name, e.g. "notes".
                 content: Its new text.
             """
-            name, content = _argument(_text, "name", name), _argument(_content, "content", content)
+            name = _argument(_key_argument, "name", name)
+            content = _argument(_content, "content", content)
             with _damage_told("write_block"):
                 await self.set_block(name, content, user_id=get_run_context().user_id)
             return f"block {name!r} saved"

@@ -727,3 +727,46 @@ async def test_an_imported_episode_with_bytes_in_its_arguments_is_exported(
     assert episode["messages"][0]["content"] == "send it"
     assert episode["output"] == "sent"
     await memory.close()
+
+
+async def test_a_refused_memory_tool_argument_is_not_quoted_onto_spans() -> None:
+    # A refused argument's error quoted the first 40-80 characters of the value (a fact's
+    # subject, a block's name), and a tool error is a span status exported even with content
+    # capture off: what the user told the model reached the traces. The model knows what it
+    # sent; the error names the argument and the problem.
+    from loomflow.telemetry import Telemetry
+    from loomflow.telemetry.testing import SpanCapture
+
+    capture = SpanCapture()
+    memory = InMemoryMemory()
+    secret = "Alice Dupont diagnosis "
+    script = [
+        [
+            ToolCall(
+                id="c1",
+                name="remember_fact",
+                arguments={"subject": secret * 100, "predicate": "p", "value": "v"},
+            ),
+            ToolCall(
+                id="c2", name="write_block", arguments={"name": secret + "\x00", "content": "c"}
+            ),
+            ToolCall(id="c3", name="read_block", arguments={"name": secret * 100}),
+        ],
+        "done",
+    ]
+    agent = Agent(
+        "x",
+        model=ScriptedModel(script),
+        tools=memory.tools(),
+        runtime=InMemoryRuntime(),
+        memory=memory,
+        telemetry=Telemetry(tracer_provider=capture.provider, metrics=False),
+    )
+    result = await agent.run("hi", session_id="s", user_id="u")
+    errors = [m.content for m in result.messages if m.role == "tool"]
+    assert len(errors) == 3
+    assert all("subject" in e or "name" in e for e in errors)
+    statuses = [s.status.description or "" for s in capture.spans]
+    assert sum("bytes in UTF-8" in d or "NUL" in d for d in statuses) == 3
+    assert not any("Dupont" in d for d in statuses)
+    assert not any("Dupont" in e for e in errors)
