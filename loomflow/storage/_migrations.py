@@ -146,8 +146,9 @@ async def _already_there(db: Database, tx: Transaction, statement: str) -> str |
     if (add := _ADDS.match(statement)) is not None:
         table, column = add.group(1), add.group(2)
         sql = (
-            "SELECT COUNT(*) > 0 FROM information_schema.columns WHERE table_schema = "
-            "current_schema() AND table_name = $1 AND column_name = $2"
+            # The table the search path resolves the name to, as every statement does.
+            "SELECT COUNT(*) > 0 FROM pg_attribute WHERE attrelid = to_regclass($1) "
+            "AND attname = $2 AND attnum > 0 AND NOT attisdropped"
             if postgres
             else "SELECT COUNT(*) > 0 FROM pragma_table_info($1) WHERE name = $2"
         )
@@ -278,19 +279,24 @@ def expected_schema(migrations: Sequence[Migration]) -> dict[str, int]:
 
 
 async def _present_schema(db: Database, tables: Sequence[str]) -> set[str]:
-    """The tables (of ``tables``), their columns and every trigger in the database."""
+    """The tables (of ``tables``), their columns and every trigger on them.
+
+    On PostgreSQL each name is resolved through the search path, as the version table and
+    every statement resolve it, not looked up in ``current_schema()`` alone: with
+    ``search_path=app2,app`` and the tables in ``app``, they are there for everything else."""
     present: set[str] = set()
     if db.backend == "postgres":
         columns = await db.fetch(
-            "SELECT table_name, column_name FROM information_schema.columns "
-            "WHERE table_schema = current_schema() AND table_name = ANY($1::text[])",
+            "SELECT t.name, a.attname FROM unnest($1::text[]) AS t(name) "
+            "JOIN pg_attribute a ON a.attrelid = to_regclass(t.name) "
+            "WHERE a.attnum > 0 AND NOT a.attisdropped",
             list(tables),
             what="schema read",
         )
         triggers = await db.fetch(
-            "SELECT t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
-            "JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = current_schema() AND NOT t.tgisinternal",
+            "SELECT g.tgname FROM unnest($1::text[]) AS t(name) "
+            "JOIN pg_trigger g ON g.tgrelid = to_regclass(t.name) WHERE NOT g.tgisinternal",
+            list(tables),
             what="schema read",
         )
     else:

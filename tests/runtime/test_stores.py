@@ -168,3 +168,26 @@ async def test_sqlite_overwrites_deleted_content_whatever_sqlite_was_built_with(
         await runtime.close()
     stored = await asyncio.to_thread(sqlite_path.read_bytes)
     assert b"quixotic-zanzibar" not in stored
+
+
+@pytest.mark.postgres
+async def test_migrate_finds_the_tables_where_the_search_path_finds_them(pg_dsn: str) -> None:
+    """With ``search_path=app2,app`` and the tables in ``app``, every statement reaches them
+    (unqualified names follow the search path), so ``migrate`` must find them there too; it
+    said they were missing and to restore the database from a backup."""
+    import asyncpg
+
+    from loomflow.stores import Stores
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("CREATE SCHEMA app; CREATE SCHEMA app2")
+    finally:
+        await conn.close()
+    first = f"{pg_dsn}?options=-c%20search_path%3Dapp"
+    async with Stores(Settings(runtime_url=first)) as stores:
+        await stores.migrate()
+    both = f"{pg_dsn}?options=-c%20search_path%3Dapp2,app"
+    async with Stores(Settings(runtime_url=both)) as stores:
+        report = await stores.migrate()
+    assert "journal schema at version" in " ".join(step.message for step in report.steps)
