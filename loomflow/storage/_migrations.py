@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import MigrationError
+from ..errors import MigrationError, StorageError
 from ._database import Database, Transaction, unbounded
 
 __all__ = [
@@ -83,7 +83,35 @@ async def apply_migrations(db: Database, component: str, migrations: Sequence[Mi
             f"({latest}); upgrade loomflow"
         )
     with unbounded():
-        return await _apply(db, component, migrations)
+        try:
+            return await _apply(db, component, migrations)
+        except StorageError as exc:
+            refusal = exc.__cause__
+            if refusal is None or getattr(refusal, "sqlstate", None) != "42501":
+                raise  # 42501: insufficient_privilege
+            raise await _not_allowed(db, component, current, latest, refusal) from refusal
+
+
+async def _not_allowed(
+    db: Database, component: str, current: int, latest: int, refusal: BaseException
+) -> MigrationError:
+    """The error for a role that may not apply a migration: a least-privilege role
+    (``--app-role``) left on automatic migration meets a release with a new migration, or a
+    first migration runs as a role without CREATE. No outage to retry: a deploy step."""
+    try:
+        who = f"the role {(await db.fetch('SELECT current_user', what='schema read'))[0][0]!r}"
+    except StorageError:
+        who = "this role"
+    if current == 0:
+        fix = "as a role with CREATE on the schema (the database's owner, say)"
+    else:
+        fix = "as the role that owns them (docs/operations/postgresql.md#roles)"
+    return MigrationError(
+        f"the {component} schema is at version {current} and this loomflow needs {latest}, "
+        f"but {who} may not {'create' if current == 0 else 'change'} loomflow's tables "
+        f"({refusal}): run `loomflow migrate` {fix}; an application role keeps "
+        "LOOMFLOW_AUTO_MIGRATE=false, so that it only checks the schema"
+    )
 
 
 async def _apply(db: Database, component: str, migrations: Sequence[Migration]) -> int:

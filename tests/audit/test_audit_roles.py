@@ -445,3 +445,36 @@ async def test_the_app_role_gets_checkpoints_and_memory_when_nothing_else_shares
     finally:
         await conn.close()
     assert [r[0] for r in missing] == []
+
+
+def test_the_app_role_migrating_an_upgraded_schema_says_to_migrate_as_the_owner(
+    pg_dsn: str, app_role: str
+) -> None:
+    """An application left on ``LOOMFLOW_AUTO_MIGRATE=true`` under the least-privilege role
+    meets a release with a new migration: it cannot apply it. That is no outage to retry
+    (``StoreUnavailableError: must be owner of table``) but a deploy step not yet run."""
+    from loomflow.errors import MigrationError
+    from loomflow.runtime.migrations import MIGRATIONS
+    from loomflow.storage import Migration, apply_migrations
+
+    assert _migrate(pg_dsn, "--app-role", app_role, "--app-login").returncode == 0
+    upgraded = (
+        *MIGRATIONS,
+        Migration("a new column", ("ALTER TABLE loom_sessions ADD COLUMN x TEXT",)),
+    )
+
+    async def open_as_app() -> None:
+        db = PostgresDatabase(_as(pg_dsn, app_role))
+        await db.open()
+        try:
+            await apply_migrations(db, "journal", upgraded)
+        finally:
+            await db.close()
+
+    with pytest.raises(MigrationError) as caught:
+        asyncio.run(open_as_app())
+    message = str(caught.value)
+    assert "must be owner of table loom_sessions" in message
+    assert f"role {app_role!r} may not change" in message
+    assert "`loomflow migrate` as the role that owns them" in message
+    assert "LOOMFLOW_AUTO_MIGRATE=false" in message
