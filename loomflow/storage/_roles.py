@@ -114,7 +114,13 @@ async def grant_app_role(db: Database, role: str, *, login: bool = False) -> App
     quoted = _ident(role)
     async with db.transaction(what="app role grants") as tx:
         me, database, schema = (
-            await tx.fetch("SELECT current_user, current_database(), current_schema()")
+            # The schema the search path finds the tables in, as the migrations and every
+            # statement do (search_path=app2,app with the tables in app), else the current one.
+            await tx.fetch(
+                "SELECT current_user, current_database(), COALESCE((SELECT n.nspname FROM "
+                "pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE c.oid = to_regclass('loom_schema_version')), current_schema())"
+            )
         )[0]
         if schema is None:
             raise ConfigurationError("no current schema: check the connection's search_path")

@@ -478,3 +478,19 @@ def test_the_app_role_migrating_an_upgraded_schema_says_to_migrate_as_the_owner(
     assert f"role {app_role!r} may not change" in message
     assert "`loomflow migrate` as the role that owns them" in message
     assert "LOOMFLOW_AUTO_MIGRATE=false" in message
+
+
+def test_the_app_role_is_granted_the_tables_the_search_path_finds(
+    pg_dsn: str, app_role: str
+) -> None:
+    """With ``search_path=app2,app`` and the tables in ``app``, migrate finds and checks them
+    there; ``--app-role`` said there were no loomflow tables in ``app2`` and to run the
+    migrations first, which had just run."""
+    _run(pg_dsn, "CREATE SCHEMA app", "CREATE SCHEMA app2")
+    assert _migrate(f"{pg_dsn}?options=-c%20search_path%3Dapp").returncode == 0
+    both = f"{pg_dsn}?options=-c%20search_path%3Dapp2,app"
+    done = _migrate(both, "--app-role", app_role, "--app-login")
+    assert done.returncode == 0, done.stderr
+    _run(_as(both, app_role), "SELECT count(*) FROM loom_sessions")
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        _run(_as(both, app_role), "DELETE FROM loom_audit")
