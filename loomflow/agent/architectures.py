@@ -112,11 +112,20 @@ class Team:
             )
             return answer_of(worker.name, await Agent._drain(events))
 
-        return Tool(
-            ask,
-            name=self.tool_name(worker.name),
-            description=f"Give the {worker.name} worker a task; it remembers earlier ones.",
-        )
+        name = self.tool_name(worker.name)
+        try:
+            return Tool(
+                ask,
+                name=name,
+                description=f"Give the {worker.name} worker a task; it remembers earlier ones.",
+            )
+        except UserError:
+            # Only the name can be refused here, and Tool's advice ("pass name=...") is not
+            # the user's to follow: the team builds this tool from the worker's name.
+            raise UserError(
+                f"team worker {worker.name!r} gives the lead a tool named {name!r}, which model "
+                "APIs refuse (1-64 letters, digits, '_' or '-'): rename the worker"
+            ) from None
 
     async def run(
         self, prompt: str, *, session_id: str | None = None, user_id: str | None = None

@@ -233,6 +233,21 @@ def test_architectures_refuse_bad_parts_when_built() -> None:
         Team("lead", [agent])  # type: ignore[arg-type]
 
 
+def test_a_team_refuses_a_worker_name_no_tool_can_carry_by_the_workers_name() -> None:
+    # The worker's tool is built by the team, so "pass name=..." (Tool's own advice) is
+    # advice the user cannot follow: the message names the worker and what to change.
+    lead = Agent("lead", model=FunctionModel(lambda messages, tools: "ok"), name="lead")
+    for name in ("billing/eu", "r\u00e9sum\u00e9", "w" * 61):
+        worker = Agent("w", model=FunctionModel(lambda messages, tools: "ok"), name=name)
+        with pytest.raises(UserError, match=r"team worker .* gives the lead a tool named") as err:
+            Team(lead, [worker])
+        assert "pass name=" not in str(err.value)
+        assert "rename the worker" in str(err.value)
+    assert list(Team(lead, [Agent("w", model="scripted", name="w" * 60)]).lead.tools) == [
+        "ask_" + "w" * 60
+    ]
+
+
 async def test_a_team_run_resumed_through_its_lead_gives_workers_their_memory(
     runtime_factory: Factory,
 ) -> None:
