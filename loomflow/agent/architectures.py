@@ -321,7 +321,7 @@ class Debate(_Recoverable):
         self.debaters = list(debaters)
         self.judge = judge
         self.rounds = rounds
-        self.runtime = runtime
+        self.runtime = runtime if runtime is not None else _journal_of([*debaters, judge])
         self._name_and_redactor(name)
 
     def _shape(self) -> dict[str, Any]:
@@ -351,6 +351,14 @@ class Debate(_Recoverable):
             )
         results.append(verdict)
         return results, verdict
+
+
+def _journal_of(agents: Sequence[Agent]) -> JournalRuntime | None:
+    """The runtime of a debate or workflow built without one: its first agent's journal.
+    Without it the run would be journaled nowhere, and each agent, run as a sub-run of a run
+    that keeps nothing, would open a new run of its own on every attempt, so a resume would
+    call (and pay) every finished agent's model again."""
+    return next((a.runtime for a in agents if isinstance(a.runtime, JournalRuntime)), None)
 
 
 def _check_agent(what: str, value: object) -> None:
@@ -404,7 +412,8 @@ class Workflow(_Recoverable):
                     f"node's text, not {type(node).__name__}"
                 )
         self.nodes = items
-        self.runtime = runtime
+        agents = [node for _, node in items if isinstance(node, Agent)]
+        self.runtime = runtime if runtime is not None else _journal_of(agents)
         self._name_and_redactor(name)
 
     def _shape(self) -> dict[str, Any]:

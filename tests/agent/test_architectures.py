@@ -144,6 +144,49 @@ async def test_workflow_nodes_replay_on_resume(runtime_factory: Factory) -> None
     assert executed == ["outline", "publish", "publish"]
 
 
+async def test_a_debate_or_workflow_built_without_a_runtime_journals_on_its_agents(
+    runtime_factory: Factory,
+) -> None:
+    """The docs build ``Debate(debaters, judge)`` and ``Workflow([...])`` without a runtime:
+    given agents that have one, a resume replays the finished agents instead of calling
+    (and paying) their models again."""
+    calls: list[str] = []
+    crash = True
+
+    def says(name: str) -> Callable[[list[Message], list[ToolSpec]], str]:
+        def decide(messages: list[Message], tools: list[ToolSpec]) -> str:
+            calls.append(name)
+            if name == "judge" and crash:
+                raise Crash
+            return f"{name} argues"
+
+        return decide
+
+    runtime = await runtime_factory()
+
+    def agent(name: str) -> Agent:
+        return Agent("x", model=FunctionModel(says(name)), runtime=runtime, name=name)
+
+    debate = Debate([agent("pro"), agent("con")], agent("judge"), rounds=1)
+    flow = Workflow([("draft", agent("pro")), ("review", agent("judge"))], name="flow")
+    assert debate.runtime is runtime
+    assert flow.runtime is runtime
+    for built, first in ((debate, ["pro", "con", "judge"]), (flow, ["pro", "judge"])):
+        crash, session = True, f"s-{type(built).__name__}"
+        calls.clear()
+        with pytest.raises(Crash):
+            await built.run("topic", session_id=session, user_id="u")
+        assert calls == first
+        crash = False
+        result = await built.resume("topic", session_id=session, user_id="u")
+        assert calls == [*first, "judge"]  # only the judge, which had crashed, ran again
+        assert result.replayed_steps == len(first) - 1
+    # A named one records its runs, so a recovery worker takes it (Recovery checks a runtime).
+    from loomflow.recovery import Recovery
+
+    Recovery(runtime, {"flow": flow})
+
+
 async def test_a_team_lead_keeps_its_governance_and_journal() -> None:
     # The lead is rebuilt with worker tools; its audit log, budget, permissions and hooks stay.
     from loomflow.audit import AuditLog, InMemoryAuditStore
