@@ -259,9 +259,14 @@ class _Recoverable:
         if not isinstance(prompt, str):
             raise UserError(f"prompt must be a string, not {type(prompt).__name__}")
         runtime = runtime_for(self.runtime)
-        record = self._record(runtime, prompt, metadata)
         nested = enclosing_ids()[0]  # a sub-run: the run around it records how it ends
         session_id, user_id = _ids(session_id, user_id)
+        if resume and metadata is None and not nested and isinstance(runtime, JournalRuntime):
+            # The run's own metadata (its roles), as an agent's resume and a recoverer take
+            # it: without it the agents inside would be decided on as some other caller's.
+            stored = (await runtime.run_inputs(session_id, user_id)).get("metadata")
+            metadata = stored if isinstance(stored, dict) else None
+        record = self._record(runtime, prompt, metadata)
         async with enclosing_run(
             runtime, session_id, user_id, metadata, resume=resume, record=record
         ) as (ctx, run):
@@ -283,7 +288,8 @@ class _Recoverable:
         user_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
-        """Continue the run on ``session_id``: what it journaled replays, the rest runs."""
+        """Continue the run on ``session_id``: what it journaled replays, the rest runs.
+        Without ``metadata`` a named run continues with the metadata it was started with."""
         return await self.run(
             prompt, session_id=session_id, user_id=user_id, resume=True, metadata=metadata
         )
@@ -338,7 +344,7 @@ class Debate(_Recoverable):
             for index, debater in enumerate(self.debaters):
                 prompt = _debate_prompt(topic, transcript, round_no)
                 with runtime.subrun(f"debater:{index}:{debater.name}:round{round_no}"):
-                    result = await debater.run(prompt)
+                    result = await debater.run(prompt, metadata=_metadata())
                 results.append(result)
                 if result.interrupted:  # a budget cap, a guardrail: the debate stops there
                     return results, result
@@ -347,7 +353,8 @@ class Debate(_Recoverable):
             verdict = await self.judge.run(
                 f"Topic: {topic}\n\nArguments:\n"
                 + "\n".join(transcript)
-                + "\n\nDecide which position is strongest and why."
+                + "\n\nDecide which position is strongest and why.",
+                metadata=_metadata(),
             )
         results.append(verdict)
         return results, verdict
@@ -359,6 +366,12 @@ def _journal_of(agents: Sequence[Agent]) -> JournalRuntime | None:
     that keeps nothing, would open a new run of its own on every attempt, so a resume would
     call (and pay) every finished agent's model again."""
     return next((a.runtime for a in agents if isinstance(a.runtime, JournalRuntime)), None)
+
+
+def _metadata() -> Mapping[str, Any]:
+    """The open run's metadata, for an agent run inside it (a debater, an agent node): its
+    roles decide that agent's permissions too, as they do a team worker's or a sub-agent's."""
+    return get_run_context().metadata
 
 
 def _check_agent(what: str, value: object) -> None:
@@ -430,7 +443,7 @@ class Workflow(_Recoverable):
         for name, node in self.nodes:
             if isinstance(node, Agent):
                 with runtime.subrun(f"node:{name}"):
-                    result = await node.run(text)
+                    result = await node.run(text, metadata=_metadata())
                 results.append(result)
                 if result.interrupted:  # the next node would work on no answer
                     return results, result

@@ -187,6 +187,52 @@ async def test_a_debate_or_workflow_built_without_a_runtime_journals_on_its_agen
     Recovery(runtime, {"flow": flow})
 
 
+async def test_a_debate_or_workflow_runs_its_agents_with_its_metadata(
+    runtime_factory: Factory,
+) -> None:
+    """A run's roles are its metadata's: an agent node or a debater is decided on with the
+    roles of the run it works in (as a team worker or an agent used as a tool is), also when
+    the run is resumed without ``metadata=`` (it keeps its recorded one, as an agent's
+    does). Left without them, a role's deny rule let the node run the tool."""
+    from loomflow.governance import Policy, Rule, StandardPermissions
+
+    deleted: list[str] = []
+    crash = True
+
+    @tool
+    def delete_all(what: str) -> str:
+        """Delete everything."""
+        deleted.append(what)
+        return "deleted"
+
+    def wants_to_delete(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return f"result: {messages[-1].content}"
+        return [ToolCall(id="d", name="delete_all", arguments={"what": "db"})]
+
+    def first(text: str) -> str:
+        if crash:
+            raise Crash
+        return text
+
+    runtime = await runtime_factory()
+    permissions = StandardPermissions(roles={"viewer": Policy(rules=[Rule.deny("delete_all")])})
+
+    model = FunctionModel(wants_to_delete)
+    cleaner = Agent("x", model=model, tools=[delete_all], runtime=runtime, permissions=permissions)
+    viewer = {"role": "viewer"}
+    flow = Workflow([("first", first), ("clean", cleaner)], runtime=runtime, name="flow")
+    with pytest.raises(Crash):
+        await flow.run("go", session_id="w", user_id="u", metadata=viewer)
+    crash = False
+    result = await flow.resume("go", session_id="w", user_id="u")
+    assert "permission denied" in result.output
+    judge = Agent("j", model=FunctionModel(lambda messages, tools: "judged"), runtime=runtime)
+    debate = Debate([cleaner], judge, rounds=1, runtime=runtime)
+    await debate.run("go", session_id="d", user_id="u", metadata=viewer)
+    assert deleted == []
+
+
 async def test_a_team_lead_keeps_its_governance_and_journal() -> None:
     # The lead is rebuilt with worker tools; its audit log, budget, permissions and hooks stay.
     from loomflow.audit import AuditLog, InMemoryAuditStore
