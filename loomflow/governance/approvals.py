@@ -332,13 +332,13 @@ async def deferred_decision(
     runtime = info.runtime
     assert runtime is not None  # _position checked it
     if path:
-        # An agent running inside a tool call of another run: its result is journaled as that
-        # call's, so a later decision could never reach it. Fail closed.
+        # An agent running inside another run: its result is that run's (a tool call's,
+        # journaled as one value), so a later decision could never reach it. Fail closed.
         return RecordedDecision(
             request_id="",
             behavior="deny",
-            reason="approval='defer' cannot wait inside a sub-run (an agent used as a tool); "
-            "the call needs approval and is denied",
+            reason="approval='defer' cannot wait inside a sub-run (an agent used as a tool, a "
+            "team worker, a debater or a workflow node); the call needs approval and is denied",
         )
     arguments = shown_arguments(info.redactor, shown)
     step = f"{_REQUEST_STEP}{turn}_{slot}"

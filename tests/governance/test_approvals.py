@@ -609,6 +609,26 @@ async def test_an_agent_used_as_a_tool_cannot_wait_and_is_denied(
     assert await outer.pending_approvals("s1", user_id="ana") == []
 
 
+async def test_a_workflow_node_cannot_wait_and_the_denial_says_why(
+    runtime_factory: Factory,
+) -> None:
+    """A workflow node, a debater and a team worker are sub-runs too: the call is denied, and
+    the reason the model (and the trail) gets names them, not only "an agent used as a tool"
+    (which a workflow node is not). The approvals page lists them among its limits."""
+    from pathlib import Path
+
+    from loomflow.agent.architectures import Workflow
+
+    world = World()
+    flow = Workflow([("clean", agent_for(world, await runtime_factory(), [DELETE]))])
+    result = await flow.run("go", session_id="s1", user_id="ana")
+    assert not result.interrupted
+    assert world.deleted == []
+    assert "a workflow node" in result.output
+    limits = (Path(__file__).parents[2] / "docs" / "approvals.md").read_text()
+    assert "a workflow's agent nodes" in " ".join(limits.split())
+
+
 async def test_a_new_run_leaves_the_old_requests_behind(runtime_factory: Factory) -> None:
     world = World()
     agent = agent_for(world, await runtime_factory(), [DELETE])
