@@ -128,24 +128,39 @@ class Team:
             ) from None
 
     async def run(
-        self, prompt: str, *, session_id: str | None = None, user_id: str | None = None
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
-        return await Agent._drain(self.stream(prompt, session_id=session_id, user_id=user_id))
+        """A run of the lead; ``metadata`` (its roles, say) is the run's, and its workers'."""
+        return await Agent._drain(
+            self.stream(prompt, session_id=session_id, user_id=user_id, metadata=metadata)
+        )
 
     async def resume(
-        self, prompt: str, *, session_id: str, user_id: str | None = None
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
-        return await Agent._drain(self._events(prompt, session_id, user_id, resume=True))
+        """Continue the lead's run; without ``metadata`` it keeps the one it was started with."""
+        events = self.lead._events(prompt, session_id, user_id, metadata, resume=True)
+        return await Agent._drain(events)
 
     def stream(
-        self, prompt: str, *, session_id: str | None = None, user_id: str | None = None
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[AgentEvent]:
-        return self._events(prompt, session_id, user_id, resume=False)
-
-    def _events(
-        self, prompt: str, session_id: str | None, user_id: str | None, *, resume: bool
-    ) -> AsyncIterator[AgentEvent]:
-        return self.lead._events(prompt, session_id, user_id, None, resume=resume)
+        return self.lead._events(prompt, session_id, user_id, metadata, resume=False)
 
     async def _tracked_events(
         self,

@@ -187,17 +187,9 @@ async def test_a_debate_or_workflow_built_without_a_runtime_journals_on_its_agen
     Recovery(runtime, {"flow": flow})
 
 
-async def test_a_debate_or_workflow_runs_its_agents_with_its_metadata(
-    runtime_factory: Factory,
-) -> None:
-    """A run's roles are its metadata's: an agent node or a debater is decided on with the
-    roles of the run it works in (as a team worker or an agent used as a tool is), also when
-    the run is resumed without ``metadata=`` (it keeps its recorded one, as an agent's
-    does). Left without them, a role's deny rule let the node run the tool."""
+def _cleaner(deleted: list[str], **options: Any) -> Agent:
+    """An agent that deletes everything at once, which its permissions deny the viewer role."""
     from loomflow.governance import Policy, Rule, StandardPermissions
-
-    deleted: list[str] = []
-    crash = True
 
     @tool
     def delete_all(what: str) -> str:
@@ -210,16 +202,28 @@ async def test_a_debate_or_workflow_runs_its_agents_with_its_metadata(
             return f"result: {messages[-1].content}"
         return [ToolCall(id="d", name="delete_all", arguments={"what": "db"})]
 
+    deny = Policy(rules=[Rule.deny("delete_all")])
+    permissions = StandardPermissions(roles={"viewer": deny})
+    model = FunctionModel(wants_to_delete)
+    return Agent("x", model=model, tools=[delete_all], permissions=permissions, **options)
+
+
+async def test_a_debate_or_workflow_runs_its_agents_with_its_metadata(
+    runtime_factory: Factory,
+) -> None:
+    """A run's roles are its metadata's: an agent node or a debater is decided on with the
+    roles of the run it works in (as a team worker or an agent used as a tool is), also when
+    the run is resumed without ``metadata=`` (it keeps its recorded one, as an agent's
+    does). Left without them, a role's deny rule let the node run the tool."""
+    deleted: list[str] = []
+    crash = True
+
     def first(text: str) -> str:
         if crash:
             raise Crash
         return text
 
-    runtime = await runtime_factory()
-    permissions = StandardPermissions(roles={"viewer": Policy(rules=[Rule.deny("delete_all")])})
-
-    model = FunctionModel(wants_to_delete)
-    cleaner = Agent("x", model=model, tools=[delete_all], runtime=runtime, permissions=permissions)
+    cleaner = _cleaner(deleted, runtime=(runtime := await runtime_factory()))
     viewer = {"role": "viewer"}
     flow = Workflow([("first", first), ("clean", cleaner)], runtime=runtime, name="flow")
     with pytest.raises(Crash):
@@ -230,6 +234,31 @@ async def test_a_debate_or_workflow_runs_its_agents_with_its_metadata(
     judge = Agent("j", model=FunctionModel(lambda messages, tools: "judged"), runtime=runtime)
     debate = Debate([cleaner], judge, rounds=1, runtime=runtime)
     await debate.run("go", session_id="d", user_id="u", metadata=viewer)
+    assert deleted == []
+
+
+async def test_a_team_run_takes_metadata_that_its_workers_are_decided_on(
+    runtime_factory: Factory,
+) -> None:
+    """``Team.run``/``stream``/``resume`` take ``metadata=`` as an agent's do: a run's roles
+    reach the lead and its workers' permission checks (there was no way to give them)."""
+    deleted: list[str] = []
+
+    def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return f"lead: {messages[-1].content}"
+        return [ToolCall(id="a", name="ask_cleaner", arguments={"task": "clean"})]
+
+    runtime = await runtime_factory()
+    worker = _cleaner(deleted, name="cleaner")
+    team = Team(Agent("l", model=FunctionModel(lead_decides), runtime=runtime), [worker])
+    viewer = {"role": "viewer"}
+    result = await team.run("go", session_id="t", user_id="u", metadata=viewer)
+    assert "permission denied" in result.output
+    events = team.stream("go", session_id="t2", user_id="u", metadata=viewer)
+    assert "permission denied" in (await Agent._drain(events)).output
+    resumed = await team.resume("go", session_id="t", user_id="u", metadata=viewer)
+    assert resumed.output == result.output
     assert deleted == []
 
 
