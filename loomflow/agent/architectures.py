@@ -25,6 +25,7 @@ from ..runtime import RunRecord, Runtime
 from ..runtime._journal import JournalRun, JournalRuntime
 from ..tools import Tool
 from ._agent import Agent, answer_of, enclosing_ids, enclosing_run, run_record, runtime_for
+from ._arguments import check_metadata
 from ._types import AgentEvent, RunResult, ToolCallFinished
 
 __all__ = ["Debate", "Team", "Workflow"]
@@ -273,6 +274,7 @@ class _Recoverable:
         # "None" at the models' cost, a workflow would fail in its first node.
         if not isinstance(prompt, str):
             raise UserError(f"prompt must be a string, not {type(prompt).__name__}")
+        check_metadata(metadata)
         runtime = runtime_for(self.runtime)
         nested = enclosing_ids()[0]  # a sub-run: the run around it records how it ends
         session_id, user_id = _ids(session_id, user_id)

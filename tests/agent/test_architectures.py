@@ -9,7 +9,7 @@ import pytest
 
 from loomflow.agent import Agent, Tuning
 from loomflow.agent.architectures import Debate, Team, Workflow
-from loomflow.errors import UserError
+from loomflow.errors import InvalidArgumentTypeError, UserError
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
 from loomflow.runtime import JournalRuntime
@@ -442,6 +442,13 @@ async def test_a_prompt_that_is_no_string_is_refused_before_anything_runs(
             await debate.run(prompt, session_id="d", user_id="u")  # type: ignore[arg-type]
         with pytest.raises(UserError, match="prompt must be a string"):
             await flow.run(prompt, session_id="w", user_id="u")  # type: ignore[arg-type]
+    # Metadata that is no mapping: the InvalidArgumentTypeError an agent (and so a team's
+    # lead) raises; a debate and a workflow raised a ValueError or TypeError from dict().
+    team = Team(Agent("lead", model=FunctionModel(model), runtime=runtime), [])
+    for metadata in ("role", ["admin"], 5):
+        for built in (debate, flow, team):
+            with pytest.raises(InvalidArgumentTypeError, match="metadata must be a mapping"):
+                await built.run("t", session_id="m", user_id="u", metadata=metadata)  # type: ignore[arg-type]
     assert called == []
     # Nothing was journaled: the sessions run afresh.
     assert (await flow.run("x", session_id="w", user_id="u")).output == "X"
