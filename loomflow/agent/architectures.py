@@ -230,6 +230,14 @@ class Team:
         return history
 
 
+def team_hint(value: object) -> str:
+    """What to register instead, for a :class:`Team` given to a recoverer: its runs are its
+    lead's (they record the lead's name), so the lead is what resumes them."""
+    if isinstance(value, Team):
+        return f"; a Team's runs are its lead's: register team.lead as {value.lead.name!r}"
+    return ""
+
+
 class _Recoverable:
     """What lets a recovery worker resume a debate's or a workflow's run, as it does an
     agent's: given a ``name``, each run records it with a fingerprint of the configuration

@@ -49,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from .._ids import check_id
 from ..agent import Agent
-from ..agent.architectures import Debate, Workflow
+from ..agent.architectures import Debate, Workflow, team_hint
 from ..audit import AuditLog
 from ..config import Settings, _masked_url
 from ..errors import (
@@ -210,7 +210,7 @@ def load_app(spec: str) -> dict[str, Recoverable]:
         if not isinstance(name, str) or not isinstance(agent, Agent | Debate | Workflow):
             raise UserError(
                 f"APP {spec!r}: entry {name!r} must map a name to a loomflow Agent, Debate or "
-                f"Workflow, not {type(agent).__name__}"
+                f"Workflow, not {type(agent).__name__}{team_hint(agent)}"
             )
         agents[name] = agent
     return agents

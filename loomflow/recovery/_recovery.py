@@ -23,7 +23,7 @@ from .._ids import check_id
 from .._printable import shown
 from ..agent import Agent
 from ..agent._agent import RECORD_OUTPUT, RECORD_WITHHELD
-from ..agent.architectures import Debate, Workflow
+from ..agent.architectures import Debate, Workflow, team_hint
 from ..audit import AuditLog
 from ..audit.actions import RUN_DEAD_LETTER, RUN_RECOVER
 from ..config import Settings
@@ -173,6 +173,7 @@ class Recovery:
             if not isinstance(agent, Agent | Debate | Workflow):
                 raise UserError(
                     f"agents[{name!r}] is not a loomflow Agent, Debate or Workflow: {agent!r}"
+                    + team_hint(agent)
                 )
             if agent.name is None:
                 raise UserError(

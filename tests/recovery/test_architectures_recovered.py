@@ -21,7 +21,7 @@ from _fleet import HERE, app_env, cli, kill_when_blocked, tool_counts
 from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent
-from loomflow.agent.architectures import Debate, Workflow
+from loomflow.agent.architectures import Debate, Team, Workflow
 from loomflow.errors import UserError
 from loomflow.messages import ToolCall
 from loomflow.models import ScriptedModel
@@ -128,6 +128,12 @@ async def test_registrations_need_a_name_that_matches(tmp_path: Path) -> None:
             Recovery(runtime, {"flow": named})
         with pytest.raises(UserError, match="Agent, Debate or Workflow"):
             Recovery(runtime, {"flow": object()})  # type: ignore[dict-item]
+        # A team is registered through its lead, which the refusal says.
+        lead = Agent("l", model=ScriptedModel(["ok"]), runtime=runtime, name="lead")
+        team = Team(lead, [Agent("w", model=ScriptedModel(["ok"]), name="w")])
+        with pytest.raises(UserError, match=r"register team\.lead as 'lead'"):
+            Recovery(runtime, {"lead": team})  # type: ignore[dict-item]
+        Recovery(runtime, {"lead": team.lead})
         # A name is checked as ids are.
         with pytest.raises(UserError):
             Workflow([("upper", str.upper)], runtime=runtime, name="bad\nname")

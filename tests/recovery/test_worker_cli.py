@@ -537,6 +537,15 @@ def test_a_missing_module_says_where_it_was_looked_for_and_a_missing_dependency_
         load_app("not_here_xyz.workers:AGENTS")
     assert "cannot import module 'not_here_xyz.workers'" in str(caught.value)
     assert f"in the directory the worker starts in ({tmp_path})" in str(caught.value)
+    # A Team in AGENTS: its runs are its lead's, and the refusal says to register the lead.
+    (tmp_path / "team_app_xyz.py").write_text(
+        "from loomflow.agent import Agent\n"
+        "from loomflow.agent.architectures import Team\n"
+        "lead = Agent('l', model='scripted', name='lead')\n"
+        "AGENTS = {'lead': Team(lead, [Agent('w', model='scripted', name='w')])}\n"
+    )
+    with pytest.raises(UserError, match=r"register team\.lead as 'lead'"):
+        load_app("team_app_xyz:AGENTS")
 
 
 async def test_an_async_factory_is_refused_without_a_stray_warning(tmp_path: Path) -> None:
