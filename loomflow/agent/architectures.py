@@ -59,8 +59,6 @@ def _combine(
             "cost_usd": round(sum(r.cost_usd for r in results), 10),
             "session_id": session_id,
             "run_id": run_id,
-            "replayed_steps": sum(r.replayed_steps for r in results),
-            "fresh_steps": sum(r.fresh_steps for r in results),
         }
     )
 
@@ -295,11 +293,18 @@ class _Recoverable:
         async with enclosing_run(
             runtime, session_id, user_id, metadata, resume=resume, record=record
         ) as (ctx, run):
+            # Every step of the run is counted, a function node's too, not only the agents'
+            # (a sub-run's steps count in the run it belongs to: hence the difference).
+            before = (run.stats.hits, run.stats.misses) if run is not None else (0, 0)
             results, final = await self._play(runtime, prompt)
             if final.interrupted and isinstance(run, JournalRun) and not nested:
                 # As an agent's run: an interrupted run stays resumable, not finished.
                 run.outcome = "interrupted"
-            return _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
+            combined = _combine(results, final, session_id=session_id, run_id=ctx.run_id or "")
+            if run is None:
+                return combined
+            replayed, fresh = run.stats.hits - before[0], run.stats.misses - before[1]
+            return combined.model_copy(update={"replayed_steps": replayed, "fresh_steps": fresh})
 
     async def _play(self, runtime: Runtime, prompt: str) -> tuple[list[RunResult], RunResult]:
         """The sub-runs' results and the final one, inside the open run."""

@@ -262,6 +262,21 @@ async def test_a_team_run_takes_metadata_that_its_workers_are_decided_on(
     assert deleted == []
 
 
+async def test_a_workflows_step_counts_include_its_function_nodes(
+    runtime_factory: Factory,
+) -> None:
+    """``replayed_steps`` and ``fresh_steps`` count every step of the run: a function node's
+    step too (they were summed over the agent nodes only, so a resume of a workflow of
+    functions reported that nothing replayed and nothing ran)."""
+    runtime = await runtime_factory()
+    draft = Agent("d", model=FunctionModel(lambda messages, tools: "draft"), runtime=runtime)
+    flow = Workflow([("upper", str.upper), ("draft", draft), ("lower", str.lower)])
+    first = await flow.run("x", session_id="s", user_id="u")
+    assert (first.replayed_steps, first.fresh_steps) == (0, 3)  # two functions, one model call
+    again = await flow.resume("x", session_id="s", user_id="u")
+    assert (again.replayed_steps, again.fresh_steps) == (3, 0)
+
+
 async def test_a_team_lead_keeps_its_governance_and_journal() -> None:
     # The lead is rebuilt with worker tools; its audit log, budget, permissions and hooks stay.
     from loomflow.audit import AuditLog, InMemoryAuditStore
