@@ -156,6 +156,24 @@ def run_record(
     return RunRecord(name, config, inputs)
 
 
+def stored_metadata(inputs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The metadata a run was started with, from its record's ``inputs``, for a resume given
+    none.
+
+    Raises:
+        UserError: the record withheld the metadata (it held a secret): resumed without it,
+            the run would lose its roles and be decided on as a caller with none.
+    """
+    withheld = inputs.get(RECORD_WITHHELD)
+    if isinstance(withheld, list) and "metadata" in withheld:
+        raise UserError(
+            "the run's metadata held a secret and was not journaled, so this resume cannot "
+            "reuse it (its roles would be lost): pass metadata= again, as the run was started"
+        )
+    stored = inputs.get("metadata")
+    return stored if isinstance(stored, dict) else None
+
+
 @contextlib.asynccontextmanager
 async def enclosing_run(
     runtime: Runtime,
@@ -664,7 +682,8 @@ class Agent:
         a new session (``fork_session_id``, or a fresh ULID; see ``RunResult.session_id``) and
         continues there; the original session is left untouched. ``metadata`` is the run
         context's metadata, as for :meth:`run`; left out, the resume gets the metadata the
-        run was started with (its run record's), so its roles are the first attempt's.
+        run was started with (its run record's), so its roles are the first attempt's; metadata
+        that held a secret was not kept, and must be passed again.
 
         Pass the ``output_type`` of the original run (it keys its model calls); the parsed
         answer is rebuilt by validating the journaled text again.
@@ -680,7 +699,8 @@ class Agent:
         Raises:
             CheckpointNotFoundError: ``from_checkpoint`` is not a snapshot of this
                 (session, user).
-            UserError: the snapshot was taken for another prompt, or checkpoints are off.
+            UserError: the snapshot was taken for another prompt, or checkpoints are off, or
+                the run's metadata held a secret and ``metadata=`` is left out.
             ApprovalNotFoundError: an approval names no request of the session's last run.
             ApprovalDecidedError: an approval names a request decided before.
             ApprovalArgumentsError: edited arguments do not fit the tool's schema.
@@ -702,6 +722,9 @@ class Agent:
             check_metadata(metadata)
             if fork_session_id is not None:
                 raise UserError("fork_session_id= goes with from_checkpoint=")
+            runtime = self._runtime()
+            if metadata is None and isinstance(runtime, JournalRuntime):
+                stored_metadata(await runtime.run_inputs(session_id, user_id))
             await decide(self, session_id, user_id, approvals, decided_by, valid_line(prompt))
         return await self._drain(
             self._events(
@@ -849,8 +872,7 @@ class Agent:
             if metadata is None:
                 # The run's own metadata (its roles, say), as a recoverer resumes it: without
                 # it the resumed run would be decided on as some other caller's.
-                stored = inputs.get("metadata")
-                metadata = stored if isinstance(stored, dict) else None
+                metadata = stored_metadata(inputs)
         store = self._checkpoint_store(runtime) if self.tuning.checkpoint and not nested else None
         source: Checkpoint | None = None
         if continuing and session_id and inputs.get(RECORD_FORK) is not None:

@@ -798,6 +798,44 @@ async def test_a_resume_without_metadata_keeps_the_roles_the_run_started_with(
     assert "permission denied" in result.output
 
 
+async def test_a_resume_of_a_run_whose_metadata_held_a_secret_needs_its_metadata(
+    runtime_factory: Any,
+) -> None:
+    # Metadata that held a secret is not journaled, and agent.resume() without metadata=
+    # then ran with none: a viewer's run (readOnly) resumed as a caller without a role, and
+    # its edit ran.
+    ran.clear()
+    crash = [True]
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if not [m for m in messages if m.role == "tool"]:
+            if crash[0]:
+                raise RuntimeError("process died")
+            return [ToolCall(id="c0", name="write_record", arguments={"record": "a"})]
+        return "done"
+
+    permissions = StandardPermissions("acceptEdits", roles={"viewer": Policy(mode="readOnly")})
+    agent = Agent(
+        "x",
+        model=FunctionModel(decide),
+        tools=[make_tool(edits=True, destructive=False)],
+        permissions=permissions,
+        runtime=await runtime_factory(),
+    )
+    metadata = {"role": "viewer", "token": "sk-ant-api03-" + "k" * 90}
+    with pytest.raises(RuntimeError):
+        await agent.run("go", session_id="s", user_id="u", metadata=metadata)
+    crash[0] = False
+    with pytest.raises(UserError, match=r"metadata held a secret.*pass metadata= again"):
+        await agent.resume("go", session_id="s", user_id="u")
+    with pytest.raises(UserError, match="pass metadata= again"):
+        await agent.resume("go", session_id="s", user_id="u", approvals={"x": "allow"})
+    assert ran == []
+    result = await agent.resume("go", session_id="s", user_id="u", metadata=metadata)
+    assert ran == []
+    assert result.output == "done"
+
+
 @pytest.mark.parametrize(
     ("approval", "actor"),
     [
