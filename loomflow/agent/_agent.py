@@ -89,7 +89,8 @@ OutputModel = TypeVar("OutputModel", bound=BaseModel)
 log = logging.getLogger("loomflow.agent")
 
 RECORD_WITHHELD = "withheld"
-"""Key of a run record naming inputs kept out of the journal because they held a secret."""
+"""Key of a run record naming inputs kept out of the journal because they held a secret (or,
+for metadata, a value the journal cannot encode)."""
 RECORD_OUTPUT = "output"
 """Key of a run record describing the run's structured output (see :func:`output_contract`)."""
 RECORD_FORK = "fork"
@@ -140,8 +141,10 @@ def run_record(
             else:
                 inputs["metadata"] = dict(metadata)
         except codec.UnsupportedValueError:
-            # The run goes ahead; only a recovery of it will lack the metadata.
+            # The run goes ahead, but the metadata (its roles, say) is withheld as a secret's
+            # is: a recovery or resume without it would decide the run as some other caller's.
             log.warning("run metadata has no journal encoding; it is not kept for recovery")
+            withheld.append("metadata")
     if withheld:
         inputs[RECORD_WITHHELD] = withheld
     if structured is not None:
@@ -161,14 +164,16 @@ def stored_metadata(inputs: Mapping[str, Any]) -> dict[str, Any] | None:
     none.
 
     Raises:
-        UserError: the record withheld the metadata (it held a secret): resumed without it,
+        UserError: the record withheld the metadata (it held a secret, or a value the journal
+            cannot encode): resumed without it,
             the run would lose its roles and be decided on as a caller with none.
     """
     withheld = inputs.get(RECORD_WITHHELD)
     if isinstance(withheld, list) and "metadata" in withheld:
         raise UserError(
-            "the run's metadata held a secret and was not journaled, so this resume cannot "
-            "reuse it (its roles would be lost): pass metadata= again, as the run was started"
+            "the run's metadata held a secret (or a value the journal cannot encode) and was "
+            "not journaled, so this resume cannot reuse it (its roles would be lost): pass "
+            "metadata= again, as the run was started"
         )
     stored = inputs.get("metadata")
     return stored if isinstance(stored, dict) else None
@@ -683,7 +688,8 @@ class Agent:
         continues there; the original session is left untouched. ``metadata`` is the run
         context's metadata, as for :meth:`run`; left out, the resume gets the metadata the
         run was started with (its run record's), so its roles are the first attempt's; metadata
-        that held a secret was not kept, and must be passed again.
+        that held a secret (or a value the journal cannot encode) was not kept, and must be
+        passed again.
 
         Pass the ``output_type`` of the original run (it keys its model calls); the parsed
         answer is rebuilt by validating the journaled text again.

@@ -328,7 +328,8 @@ class Recovery:
                 self._leave(
                     report,
                     ref,
-                    f"its {names} held a secret and were not journaled; the application that "
+                    f"its {names} held a secret (or a value the journal cannot encode) and "
+                    "were not journaled; the application that "
                     "started it must resume it",
                 )
                 return

@@ -798,12 +798,19 @@ async def test_a_resume_without_metadata_keeps_the_roles_the_run_started_with(
     assert "permission denied" in result.output
 
 
+class _Request:
+    """A value of the application's own in a run's metadata: the journal cannot encode it."""
+
+
+@pytest.mark.parametrize(
+    "extra", ["sk-ant-api03-" + "k" * 90, _Request()], ids=["secret", "unencodable"]
+)
 async def test_a_resume_of_a_run_whose_metadata_held_a_secret_needs_its_metadata(
-    runtime_factory: Any,
+    runtime_factory: Any, extra: object
 ) -> None:
-    # Metadata that held a secret is not journaled, and agent.resume() without metadata=
-    # then ran with none: a viewer's run (readOnly) resumed as a caller without a role, and
-    # its edit ran.
+    # Metadata that held a secret (or a value the journal cannot encode) is not journaled,
+    # and agent.resume() without metadata= then ran with none: a viewer's run (readOnly)
+    # resumed as a caller without a role, and its edit ran.
     ran.clear()
     crash = [True]
 
@@ -822,7 +829,7 @@ async def test_a_resume_of_a_run_whose_metadata_held_a_secret_needs_its_metadata
         permissions=permissions,
         runtime=await runtime_factory(),
     )
-    metadata = {"role": "viewer", "token": "sk-ant-api03-" + "k" * 90}
+    metadata = {"role": "viewer", "extra": extra}
     with pytest.raises(RuntimeError):
         await agent.run("go", session_id="s", user_id="u", metadata=metadata)
     crash[0] = False
