@@ -872,3 +872,45 @@ async def test_an_approver_without_a_name_is_audited_as_an_approver(
     await agent.run("go", user_id="u")
     [decided] = (await audit.query(user_id="u", action=actions.PERMISSION_DECISION)).entries
     assert decided.actor == actor
+
+
+def _writes_once(crash: list[bool] | None = None) -> FunctionModel:
+    """Calls ``write_record`` once (after a crash while ``crash[0]``), then answers."""
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        results = [m for m in messages if m.role == "tool"]
+        if not results:
+            if crash is not None and crash[0]:
+                raise RuntimeError("process died")
+            return [ToolCall(id="c0", name="write_record", arguments={"record": "a"})]
+        return f"model saw: {results[-1].content}"
+
+    return FunctionModel(decide)
+
+
+def _viewer_agent(model: FunctionModel, name: str = "writer") -> Agent:
+    return Agent(
+        "x",
+        model=model,
+        tools=[make_tool(edits=True, destructive=False)],
+        permissions=StandardPermissions("acceptEdits", roles={"viewer": Policy(mode="readOnly")}),
+        name=name,
+    )
+
+
+@pytest.mark.parametrize("architecture", ["workflow", "debate"])
+async def test_workflow_and_debate_agents_decide_with_the_runs_roles(architecture: str) -> None:
+    # A Workflow's nodes and a Debate's debaters and judge ran with no metadata: a viewer's
+    # run (readOnly) had its edits run by every agent of it.
+    from loomflow.agent.architectures import Debate, Workflow
+
+    ran.clear()
+    if architecture == "workflow":
+        run: Any = Workflow([("w", _viewer_agent(_writes_once()))])
+    else:
+        run = Debate(
+            [_viewer_agent(_writes_once(), "pro")], _viewer_agent(_writes_once(), "judge"), rounds=1
+        )
+    result = await run.run("go", metadata={"role": "viewer"})
+    assert ran == []
+    assert "permission denied: mode readOnly" in result.output
