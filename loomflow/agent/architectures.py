@@ -24,7 +24,15 @@ from ..redaction import Redactor
 from ..runtime import RunRecord, Runtime
 from ..runtime._journal import JournalRun, JournalRuntime
 from ..tools import Tool
-from ._agent import Agent, answer_of, enclosing_ids, enclosing_run, run_record, runtime_for
+from ._agent import (
+    Agent,
+    answer_of,
+    enclosing_ids,
+    enclosing_run,
+    run_record,
+    runtime_for,
+    stored_metadata,
+)
 from ._arguments import check_metadata
 from ._types import AgentEvent, RunResult, ToolCallFinished
 
@@ -285,10 +293,9 @@ class _Recoverable:
         nested = enclosing_ids()[0]  # a sub-run: the run around it records how it ends
         session_id, user_id = _ids(session_id, user_id)
         if resume and metadata is None and not nested and isinstance(runtime, JournalRuntime):
-            # The run's own metadata (its roles), as an agent's resume and a recoverer take
-            # it: without it the agents inside would be decided on as some other caller's.
-            stored = (await runtime.run_inputs(session_id, user_id)).get("metadata")
-            metadata = stored if isinstance(stored, dict) else None
+            # The run's own metadata (its roles, say), as an agent's resume and a recoverer
+            # use it: without it the nodes would be decided on as some other caller's.
+            metadata = stored_metadata(await runtime.run_inputs(session_id, user_id))
         record = self._record(runtime, prompt, metadata)
         async with enclosing_run(
             runtime, session_id, user_id, metadata, resume=resume, record=record
@@ -319,7 +326,7 @@ class _Recoverable:
         metadata: Mapping[str, Any] | None = None,
     ) -> RunResult:
         """Continue the run on ``session_id``: what it journaled replays, the rest runs.
-        Without ``metadata`` a named run continues with the metadata it was started with."""
+        Without ``metadata=``, the run's own (its run record's) is used, as for an agent."""
         return await self.run(
             prompt, session_id=session_id, user_id=user_id, resume=True, metadata=metadata
         )

@@ -914,3 +914,23 @@ async def test_workflow_and_debate_agents_decide_with_the_runs_roles(architectur
     result = await run.run("go", metadata={"role": "viewer"})
     assert ran == []
     assert "permission denied: mode readOnly" in result.output
+
+
+async def test_a_workflow_resumed_without_metadata_keeps_the_roles_it_started_with(
+    runtime_factory: Any,
+) -> None:
+    # Workflow.resume() without metadata= ran with none, where an agent's resume (and a
+    # recoverer) uses the run record's: the viewer's edit ran on the resume.
+    from loomflow.agent.architectures import Workflow
+
+    ran.clear()
+    crash = [True]
+    workflow = Workflow(
+        [("w", _viewer_agent(_writes_once(crash)))], runtime=await runtime_factory(), name="p"
+    )
+    with pytest.raises(RuntimeError):
+        await workflow.run("go", session_id="s", user_id="u", metadata={"role": "viewer"})
+    crash[0] = False
+    result = await workflow.resume("go", session_id="s", user_id="u")
+    assert ran == []
+    assert "permission denied: mode readOnly" in result.output
