@@ -871,6 +871,10 @@ class Agent:
         if nested:
             session_id = session_id if session_id is not None else outer_session
             user_id = user_id if user_id is not None else outer_user
+            if metadata is None:
+                # And for the same caller: the enclosing run's roles decide its sub-runs'
+                # tool calls too (an agent run from a tool would otherwise have none).
+                metadata = get_run_context().metadata
         continuing = resume and from_checkpoint is None and not nested
         inputs: dict[str, Any] = {}
         if continuing and isinstance(runtime, JournalRuntime) and session_id:

@@ -934,3 +934,25 @@ async def test_a_workflow_resumed_without_metadata_keeps_the_roles_it_started_wi
     result = await workflow.resume("go", session_id="s", user_id="u")
     assert ran == []
     assert "permission denied: mode readOnly" in result.output
+
+
+async def test_an_agent_run_from_a_tool_decides_with_the_enclosing_runs_roles() -> None:
+    # An agent run inside a tool of another run inherited its session and user but not its
+    # metadata: the viewer's (readOnly) edit ran in the sub-run.
+    ran.clear()
+    inner = _viewer_agent(_writes_once(), "inner")
+
+    async def delegate(task: str) -> str:
+        """Hand the task to the inner agent."""
+        return (await inner.run(task)).output
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        results = [m for m in messages if m.role == "tool"]
+        if not results:
+            return [ToolCall(id="d0", name="delegate", arguments={"task": "write"})]
+        return f"outer saw: {results[-1].content}"
+
+    outer = Agent("x", model=FunctionModel(decide), tools=[Tool(delegate)], name="outer")
+    result = await outer.run("go", metadata={"role": "viewer"})
+    assert ran == []
+    assert "permission denied: mode readOnly" in result.output
