@@ -17,7 +17,9 @@ __all__ = ["FINDERS", "find_cards", "find_emails", "find_ibans", "luhn_valid"]
 
 Span = tuple[int, int]
 
-EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+# Letters and digits of any script: an address with one accented letter (josé@, @bücher.de)
+# is as much personal data, and an ASCII-only class found none of it.
+EMAIL = re.compile(r"\b[\w.%+-]+@[\w-]+(?:\.[\w-]+)*\.[^\W\d_]{2,}\b")
 # 13 to 19 digits, optionally grouped by single spaces or dashes, not part of a longer number.
 # (The first digit comes before the check behind it, and the IBAN's first letter before its
 # word boundary: re then skips ahead by character class instead of trying every position.)

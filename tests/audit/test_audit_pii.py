@@ -70,6 +70,8 @@ def _reset() -> None:
         ("5555-5555-5555-4444", "card"),
         ("378282246310005", "card"),  # 15-digit Amex
         ("ana.lopez+billing@mail.example.co.uk", "email"),
+        ("josé.müller@example.com", "email"),  # letters of any script, as the name has them
+        ("ana@bücher.de", "email"),
         ("DE89 3704 0044 0532 0130 00", "iban"),
         ("GB82WEST12345698765432", "iban"),
     ],

@@ -41,6 +41,9 @@ KEY = "sk-ant-api03-" + "x" * 40
         ("google AIza" + "B" * 35, ["api_key"]),
         ("stripe sk_live_" + "c" * 24, ["api_key"]),
         ("-----BEGIN RSA PRIVATE KEY-----\nMIIE...", ["api_key"]),
+        # An accented letter anywhere in the address hid all of it (an ASCII-only pattern).
+        ("write to josé@example.com", ["email"]),
+        ("write to info@bücher.de", ["email"]),
     ],
 )
 def test_pii_is_found(text: str, kinds: list[str]) -> None:
