@@ -8,6 +8,7 @@ candidate only if it passes ISO 13616's mod-97 check.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Mapping
 
 from stdnum import iban as _iban
@@ -45,6 +46,10 @@ def find_cards(text: str) -> list[Span]:
     found = []
     for match in CARD.finditer(text):
         digits = re.sub(r"[ -]", "", match.group())
+        if not digits.isascii():
+            # Digits of another script (fullwidth, Arabic-Indic) spell the same number
+            # to a reader: checked as the ASCII digits they stand for.
+            digits = "".join(str(unicodedata.decimal(c)) for c in digits)
         # All zeros passes Luhn but is a placeholder, not a card.
         if 13 <= len(digits) <= 19 and digits.strip("0") and luhn_valid(digits):
             found.append(match.span())

@@ -69,6 +69,8 @@ def _reset() -> None:
         ("4111 1111 1111 1111", "card"),
         ("5555-5555-5555-4444", "card"),
         ("378282246310005", "card"),  # 15-digit Amex
+        # Fullwidth digits read the same.
+        ("4111 1111 1111 1111".translate({48 + d: 0xFF10 + d for d in range(10)}), "card"),
         ("ana.lopez+billing@mail.example.co.uk", "email"),
         ("josé.müller@example.com", "email"),  # letters of any script, as the name has them
         ("ana@bücher.de", "email"),

@@ -26,6 +26,10 @@ CARD = "4111 1111 1111 1111"
 KEY = "sk-ant-api03-" + "x" * 40
 
 
+FULLWIDTH = str.maketrans("0123456789", "".join(map(chr, range(0xFF10, 0xFF1A))))
+ARABIC_INDIC = str.maketrans("0123456789", "".join(map(chr, range(0x0660, 0x066A))))
+
+
 @pytest.mark.parametrize(
     ("text", "kinds"),
     [
@@ -44,6 +48,9 @@ KEY = "sk-ant-api03-" + "x" * 40
         # An accented letter anywhere in the address hid all of it (an ASCII-only pattern).
         ("write to josé@example.com", ["email"]),
         ("write to info@bücher.de", ["email"]),
+        # Digits of another script spell the same card number to a reader.
+        ("card " + "4111 1111 1111 1111".translate(FULLWIDTH), ["card"]),
+        ("card " + "4111111111111111".translate(ARABIC_INDIC), ["card"]),
     ],
 )
 def test_pii_is_found(text: str, kinds: list[str]) -> None:
