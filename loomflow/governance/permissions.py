@@ -91,8 +91,9 @@ class Rule:
         tool: A glob on the tool name (``"*"``, ``"fs_*"``, ``"delete_user"``).
         args: Per argument name, a glob on the value's text (a non-string as Python or as JSON
             writes it: ``True`` or ``true``) or a predicate on the value, tried on the value as
-            sent and as the tool receives it after validation; every one must match (a
-            missing argument does not).
+            sent and as the tool receives it after validation; every one must match (an
+            argument left out is judged as the default the tool runs with; without a default,
+            it does not match).
         when: A predicate on the whole arguments dict (as sent, and as validated).
         destructive: Match only tools with (``True``) or without (``False``) that flag.
         edits: Match only tools with or without the ``edits`` flag.
@@ -177,21 +178,22 @@ class Rule:
         # that they cannot dodge a rule written for True or 22.
         validated = received if received is not None else Received(tool, call.arguments)
         for name, matcher in self.args.items():
-            if name not in call.arguments:
-                return False
-            value = call.arguments[name]
-            if isinstance(matcher, str):
-                if any(fnmatch.fnmatchcase(text, matcher) for text in _texts(value)):
+            if name in call.arguments:
+                value = call.arguments[name]
+                if isinstance(matcher, str):
+                    if any(fnmatch.fnmatchcase(text, matcher) for text in _texts(value)):
+                        continue
+                elif matcher(value):
                     continue
-                coerced = validated.value(name)
-                if coerced is _ABSENT or not any(
-                    fnmatch.fnmatchcase(text, matcher) for text in _texts(coerced)
-                ):
+            # Left out, the argument is judged as the default the tool runs with.
+            coerced = validated.value(name)
+            if coerced is _ABSENT:
+                return False
+            if isinstance(matcher, str):
+                if not any(fnmatch.fnmatchcase(text, matcher) for text in _texts(coerced)):
                     return False
-            elif not matcher(value):
-                coerced = validated.value(name)
-                if coerced is _ABSENT or not _holds(matcher, coerced):
-                    return False
+            elif not _holds(matcher, coerced):
+                return False
         if self.when is None or self.when(call.arguments):
             return True
         arguments = validated.arguments()

@@ -104,7 +104,8 @@ class ArgumentBinder:
 
     def received(self, arguments: Mapping[str, Any]) -> dict[str, Any] | None:
         """The given arguments as the function receives them (validated, so coerced: ``"yes"``
-        becomes ``True``), by name; ``None`` when they do not validate (nothing then runs)."""
+        becomes ``True``; left out, the default), by name; ``None`` when they do not validate
+        (nothing then runs)."""
         try:
             validated = self.model.model_validate(dict(arguments))
         except ValidationError:
@@ -112,9 +113,20 @@ class ArgumentBinder:
         # Nested models as mappings, as the model sent them, so that a rule's predicate
         # written for that JSON can read them.
         try:
-            return validated.model_dump(by_alias=True, exclude_unset=True, round_trip=True)
+            received = validated.model_dump(by_alias=True, exclude_unset=True, round_trip=True)
         except (PydanticSerializationError, TypeError, ValueError):
             return None  # a value pydantic cannot copy out: what the model sent is judged
+        # An argument left out runs with its default: judged as that too, so that leaving out
+        # an env that defaults to "prod" does not dodge a deny on env="prod". A default that
+        # cannot be copied out is left unjudged, as before.
+        unset = set(type(validated).model_fields) - validated.model_fields_set
+        if unset:
+            try:
+                defaults = validated.model_dump(by_alias=True, include=unset, round_trip=True)
+            except (PydanticSerializationError, TypeError, ValueError):
+                defaults = {}
+            received = {**defaults, **received}
+        return received
 
     def _explain(self, errors: list[ErrorDetails]) -> str:
         problems: list[str] = []

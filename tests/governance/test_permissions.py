@@ -956,3 +956,28 @@ async def test_an_agent_run_from_a_tool_decides_with_the_enclosing_runs_roles() 
     result = await outer.run("go", metadata={"role": "viewer"})
     assert ran == []
     assert "permission denied: mode readOnly" in result.output
+
+
+def test_an_argument_left_out_is_judged_as_the_default_the_tool_runs_with() -> None:
+    # A deny on env="prod" matched only an env the model sent: leaving out an env that
+    # defaults to "prod" deployed to prod.
+    def deploy(service: str, env: str = "prod", replicas: int = 3) -> str:
+        """Deploy a service."""
+        return "deployed"
+
+    permissions = StandardPermissions(
+        "bypass",
+        [
+            Rule.deny("deploy", args={"env": "prod"}),
+            Rule.deny("deploy", args={"replicas": lambda n: n > 2}),
+        ],
+    )
+    context = PermissionContext(tool=Tool(deploy))
+
+    def check(**arguments: Any) -> str:
+        call = ToolCall(id="c", name="deploy", arguments=arguments)
+        return permissions.check(call, context=context).behavior
+
+    assert check(service="api", replicas=1) == "deny"  # env left out: "prod"
+    assert check(service="api", env="staging") == "deny"  # replicas left out: 3
+    assert check(service="api", env="staging", replicas=1) == "allow"
