@@ -254,12 +254,12 @@ class Redactor:
         if isinstance(value, dict):
             # Keys too: a model may key an object by a secret (a header map keyed by the
             # token), and a key is as much on show as a value.
-            return {
-                self.text(k, pii=pii): (
+            walked: dict[str, Any] = {}
+            for k, v in value.items():
+                walked[distinct_key(self.text(k, pii=pii), walked)] = (
                     PLACEHOLDER if _norm_key(k) in self._keys else self._walk(v, max_text, pii)
                 )
-                for k, v in value.items()
-            }
+            return walked
         if isinstance(value, list):
             return [self._walk(v, max_text, pii) for v in value]
         if pii and isinstance(value, int) and not isinstance(value, bool):
@@ -289,6 +289,17 @@ class Redactor:
             hidden = sensitive is None or name in sensitive or _norm_key(name) in self._keys
             out[str(name)] = PLACEHOLDER if hidden else self.value(value, max_text=max_text)
         return out
+
+
+def distinct_key(key: Any, taken: Mapping[Any, Any]) -> Any:
+    """``key``, or ``key#2``, ``key#3``... when ``taken`` holds it already: two keys redacted
+    to one placeholder (two e-mail addresses) must not merge into one entry."""
+    if key not in taken:
+        return key
+    n = 2
+    while f"{key}#{n}" in taken:
+        n += 1
+    return f"{key}#{n}"
 
 
 def _spans_of(pattern: re.Pattern[str]) -> Callable[[str], list[tuple[int, int]]]:

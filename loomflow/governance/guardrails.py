@@ -31,6 +31,7 @@ from .._pii import find_cards, find_emails, luhn_valid
 from ..errors import UserError
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..messages import Message, ToolCall
+from ..redaction import distinct_key
 from ..tools import ToolOutcome
 from .events import GuardrailTripped
 
@@ -364,7 +365,10 @@ def _map_text(value: Any, fn: Callable[[str], str]) -> Any:
     if isinstance(value, BaseModel):
         return _map_text(value.model_dump(mode="json"), fn)
     if isinstance(value, Mapping):
-        return {_map_key(key, fn): _map_text(item, fn) for key, item in value.items()}
+        out: dict[Any, Any] = {}
+        for key, item in value.items():
+            out[distinct_key(_map_key(key, fn), out)] = _map_text(item, fn)
+        return out
     if isinstance(value, list | tuple):
         return [_map_text(item, fn) for item in value]
     try:

@@ -481,3 +481,20 @@ async def test_a_team_worker_never_sees_an_earlier_task_unredacted_and_still_rep
         result = await team.resume("bill", session_id="s", user_id="u")
         assert result.output == "all done"
         assert len(worker_seen) == 2  # both worker calls replayed: the same redacted inputs
+
+
+def test_keys_redacted_to_one_placeholder_keep_their_entries_apart() -> None:
+    # A result keyed by e-mail address came back with one entry for all of them: the
+    # redacted keys were equal, so each overwrote the one before (the model, the journal and
+    # the audit log saw only the last customer).
+    from loomflow.governance.guardrails import _map_text
+    from loomflow.redaction import Redactor
+
+    result = {"ana@example.com": {"balance": 10}, "bob@example.com": {"balance": 20}, "n": 2}
+    expected = {
+        "[REDACTED:email]": {"balance": 10},
+        "[REDACTED:email]#2": {"balance": 20},
+        "n": 2,
+    }
+    assert _map_text(result, PIIGuardrail().redact) == expected
+    assert Redactor().value(result) == expected
