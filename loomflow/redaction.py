@@ -88,7 +88,8 @@ DEFAULT_SENSITIVE_KEYS = frozenset(
         "set_cookie",
     }
 )
-"""Mapping keys (compared lower-case, ``-`` read as ``_``) whose values are always hidden."""
+"""Mapping keys whose values are always hidden (compared lower-case, without ``-`` and ``_``:
+``accessToken``, ``access-token`` and ``ACCESS_TOKEN`` are all ``access_token``)."""
 
 _MIN_SECRET = 4  # a shorter "secret" would redact ordinary text everywhere
 # The shortest text each kind of rule can change (tests check them against the patterns): a
@@ -99,7 +100,9 @@ _NO_RULE = 1 << 30  # the shortest text a kind of rule that is off can change: n
 
 
 def _norm_key(key: str) -> str:
-    return key.lower().replace("-", "_")
+    # Without separators, so that camelCase (accessToken, clientSecret) is the key that
+    # snake_case (access_token) and kebab-case (access-token) name.
+    return key.lower().replace("-", "").replace("_", "")
 
 
 class Redactor:

@@ -131,3 +131,20 @@ def test_learned_secrets_lower_the_shortcut() -> None:
     assert r.text("wxyz") == "wxyz"
     r.learn({"password": "wxyz"})
     assert r.text("wxyz") == "[REDACTED]"
+
+
+def test_sensitive_keys_are_found_in_camel_and_kebab_case() -> None:
+    # "apiKey" was hidden (apikey is listed) but "accessToken", "clientSecret" and
+    # "privateKey" were not: camelCase lost the "_" the list spells them with.
+    r = Redactor()
+    value = {
+        "accessToken": "t0k3n-value",
+        "clientSecret": "s3cr3t-value",
+        "privateKey": "k3y-value",
+        "Refresh-Token": "r3fresh-value",
+        "SET_COOKIE": "c00kie-value",
+        "username": "ana",
+    }
+    hidden = {k: "[REDACTED]" for k in value if k != "username"}
+    assert r.value(value) == {**hidden, "username": "ana"}
+    assert r.arguments(value, ()) == {**hidden, "username": "ana"}
