@@ -636,7 +636,7 @@ class _Run:
             for hook in self.hooks:
                 outcome = await hook.check_tool_result(self.info, turn, slot, call, outcome)
         # Journaled and shown to hooks without secrets, and sealed if the tool says so.
-        outcome = self.sealer.seal_result(call.name, self.sealer.scrub(outcome))
+        outcome = self.sealer.seal_result(call.name, self.sealer.scrub(outcome, current))
         outcome, raw = _fit_payload(outcome, call.name, self.runtime.max_payload_bytes)
         for hook in self.hooks:
             await hook.tool_finished(

@@ -44,7 +44,7 @@ from typing import Any
 from .._json import canonical_json, json_safe
 from .._sealed import SEALED_ARGUMENT
 from ..messages import Message, ModelResponse, ToolCall, ToolCallDelta
-from ..redaction import Redactor
+from ..redaction import _MIN_SECRET, PLACEHOLDER, Redactor
 from ..runtime import codec
 from ..tools import Tool, ToolOutcome
 
@@ -264,21 +264,44 @@ class Sealer:
             out.append(message)
         return out
 
+    def _short_values_hidden(self, call: ToolCall, text: str) -> str:
+        """``text`` without the values of ``call``'s sensitive arguments that are too short for
+        the redactor to learn (a three-digit CVV would vanish from every text): a tool's error
+        that echoes its own is all that hides them from the journal and the audit log. Only
+        where they stand alone, not inside a longer number or word."""
+        found = self._tools.get(call.name)
+        if found is None:
+            return text
+        for name in found.sensitive:
+            value = call.arguments.get(name)
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                continue
+            shown = str(value)
+            if shown and len(shown) < _MIN_SECRET and shown in text:
+                alone = rf"(?<![0-9A-Za-z]){re.escape(shown)}(?![0-9A-Za-z])"
+                text = re.sub(alone, PLACEHOLDER, text)
+        return text
+
     def lost(self, error: SealedValueLost) -> ToolOutcome:
         """The tool error the model gets for a call whose sealed values are gone."""
         return ToolOutcome(ok=False, error_type=SEALED_ERROR, error=str(error))
 
-    def scrub(self, outcome: ToolOutcome) -> ToolOutcome:
-        """``outcome`` without sealed values or secrets in its value or error text."""
-        if self._redactor is None:
-            return outcome
+    def scrub(self, outcome: ToolOutcome, call: ToolCall | None = None) -> ToolOutcome:
+        """``outcome`` without sealed values or secrets in its value or error text; ``call``
+        is the call as it ran (real values), whose short sensitive values its error may echo."""
         update: dict[str, Any] = {}
         if outcome.error is not None:
-            # Secrets only: personal data a tool returns is for the model to read (tools mark
-            # such results sensitive_result=True to keep them out of the journal).
-            error = self._redactor.text(outcome.error, pii=False)
+            error = (
+                outcome.error if call is None else self._short_values_hidden(call, outcome.error)
+            )
+            if self._redactor is not None:
+                # Secrets only: personal data a tool returns is for the model to read (tools
+                # mark such results sensitive_result=True to keep them out of the journal).
+                error = self._redactor.text(error, pii=False)
             if error != outcome.error:
                 update["error"] = error
+        if self._redactor is None:
+            return outcome.model_copy(update=update) if update else outcome
         if outcome.ok and outcome.value is not None:
             plain = json_safe(outcome.value)
             clean = self._redactor._plain_value(plain, pii=False)  # plain already: not again

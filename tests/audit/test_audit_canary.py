@@ -42,12 +42,25 @@ def check_card(card: str) -> str:
     raise ValueError(f"card {card} is blocked")
 
 
+# A sensitive value too short for the redactor to learn (it would vanish from every text),
+# echoed by the tool's own error: only the phrase is a canary.
+CVV = "#7~"
+CVV_ECHO = f"cvv {CVV} does not match"
+
+
+@tool(sensitive=("cvv",))
+def check_cvv(cvv: str) -> str:
+    """Check a card's security code."""
+    raise ValueError(CVV_ECHO)
+
+
 def script(messages: list[Message], tools: list[ToolSpec]) -> Any:
     if any(m.role == "tool" for m in messages):
         return "done"
     return [
         ToolCall(id="a", name="pay", arguments={"card": CARD, "note": f"{API_KEY} {SECRET}"}),
         ToolCall(id="b", name="check_card", arguments={"card": CARD}),
+        ToolCall(id="c", name="check_cvv", arguments={"cvv": CVV}),
     ]
 
 
@@ -76,7 +89,7 @@ async def traces(
         return Agent(
             "You pay bills.",
             model=FunctionModel(script),
-            tools=[pay, check_card],
+            tools=[pay, check_card, check_cvv],
             runtime=runtime,
             audit=audit,
             telemetry=Telemetry(tracer_provider=capture.provider, metrics=False),
@@ -126,3 +139,12 @@ def test_canaries_never_reach_the_journal(traces: Traces) -> None:
     assert b"model_call_0" in traces.journal
     for canary in CANARIES:
         assert canary.encode() not in traces.journal
+
+
+def test_a_short_sensitive_value_its_tool_echoes_reaches_no_store(traces: Traces) -> None:
+    # A sensitive value shorter than 4 characters (a CVV) is not learned by the redactor,
+    # and the tool's error that echoed it was journaled and audited as it was.
+    hidden = CVV_ECHO.replace(CVV, "[REDACTED]")
+    assert hidden.encode() in traces.audit
+    for where in (traces.journal, traces.audit, traces.spans.encode()):
+        assert CVV_ECHO.encode() not in where
