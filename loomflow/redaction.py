@@ -2,8 +2,8 @@
 
 A :class:`Redactor` rewrites text and JSON data so that none of these reach a store:
 
-- *secret shapes*: API keys (``sk-…``, ``AKIA…``, ``AIza…``, GitHub and Slack tokens), bearer
-  tokens, JSON web tokens and PEM private keys, found anywhere in any string;
+- *secret shapes*: API keys (``sk-…``, ``AKIA…``, ``AIza…``, ``sk_live_…``, GitHub and Slack
+  tokens), bearer tokens, JSON web tokens and PEM private keys, found anywhere in any string;
 - *configured secret values*: ``Settings.redact_secrets`` and the values of the environment
   variables named in ``Settings.redact_env``, found anywhere in any string;
 - *learned values*: the values of tool arguments a tool declares ``sensitive``; the audit hook
@@ -58,6 +58,7 @@ SECRET_PATTERNS: tuple[tuple[str, str], ...] = (
     ("google_api_key", r"AIza(?<=\bAIza)[0-9A-Za-z_\-]{35}"),
     ("github_token", r"g(?<=\bg)(?:h[pousr]_[A-Za-z0-9]{36,}|ithub_pat_[A-Za-z0-9_]{40,})"),
     ("slack_token", r"xox(?<=\bxox)[abposr]-[A-Za-z0-9\-]{10,}"),
+    ("stripe_key", r"[rs](?<=\b[rs])k_live_[A-Za-z0-9]{16,}"),  # secret and restricted keys
     ("jwt", r"eyJ(?<=\beyJ)[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
     ("bearer_token", r"[Bb](?<=\b[Bb])(?i:earer\s+[A-Za-z0-9\-._~+/]{8,}=*)"),
 )

@@ -22,6 +22,7 @@ PLAIN_SECRETS = {
     "google_api_key": r"\bAIza[0-9A-Za-z_\-]{35}",
     "github_token": r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})",
     "slack_token": r"\bxox[abposr]-[A-Za-z0-9\-]{10,}",
+    "stripe_key": r"\b[rs]k_live_[A-Za-z0-9]{16,}",
     "jwt": r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}",
     "bearer_token": r"(?i)\bbearer\s+[A-Za-z0-9\-._~+/]{8,}=*",
 }
@@ -33,7 +34,7 @@ PLAIN_PII = {
 # Pieces that start, end or break every shape, so that generated texts hit the edges.
 PIECES = [
     "sk-", "AKIA", "ASIA", "AIza", "ghp_", "gho_", "github_pat_", "xoxb-", "xoxz-", "eyJ",
-    "Bearer ", "bEaReR\t", "bearer", "-----BEGIN RSA PRIVATE KEY-----",
+    "Bearer ", "bEaReR\t", "bearer", "sk_live_", "rk_live_", "-----BEGIN RSA PRIVATE KEY-----",
     "-----END RSA PRIVATE KEY-----", "GB82", "WEST", "1234", "4111 1111 1111 1111",
     "4111-1111-1111-1111", "@", "ana@example.com", ".", "=", "_", "-", " ", "\n", "x", "Z",
     "0", "9", "é", "\u017f", "\u212a",  # long s, Kelvin sign (they fold to s, k)
@@ -148,3 +149,13 @@ def test_sensitive_keys_are_found_in_camel_and_kebab_case() -> None:
     hidden = {k: "[REDACTED]" for k in value if k != "username"}
     assert r.value(value) == {**hidden, "username": "ana"}
     assert r.arguments(value, ()) == {**hidden, "username": "ana"}
+
+
+def test_stripe_keys_are_secret_shapes_as_the_pii_guardrail_finds_them() -> None:
+    # PIIGuardrail found sk_live_/rk_live_ keys, but the redactor did not: such a key in a
+    # tool argument was neither sealed in the journal nor hidden from the audit log.
+    r = Redactor(pii=False)
+    for key in ("sk_live_" + "4eC39HqLyjWDarjt", "rk_live_" + "Z" * 24):
+        assert r.text(f"key {key} here") == "key [REDACTED:stripe_key] here"
+        assert r.contains_secret(key)
+    assert r.text("task_live_" + "a" * 20) == "task_live_" + "a" * 20  # not at a word start
