@@ -26,7 +26,14 @@ def create_private(path: Path) -> None:
 
     A directory that cannot be made raises here; a file that cannot be created is left to
     the caller's own open, which reports it in its words (a read-only directory, say).
+
+    A symlink to a file not made yet is followed: the target is created here (SQLite would
+    create it through the link with the umask's mode, and not make its directory).
     """
+    try:
+        path = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: SQLite's open reports it
+        return
     path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)

@@ -38,14 +38,15 @@ def open_umask() -> Iterator[None]:
         os.umask(previous)
 
 
-async def _one_run(path: Path) -> None:
+async def _one_run(path: Path, real: Path | None = None) -> None:
+    """One run on ``path``; ``real`` is the file a symlink ``path`` points to."""
     runtime = SqliteRuntime(path)
     try:
         agent = Agent("x", model=ScriptedModel(["hi"]), runtime=runtime, telemetry=False)
         await agent.run("my card is 4111", session_id="chat", user_id="ana")
         # While the runtime is open the -wal and -shm files exist.
         for suffix in ("", "-wal", "-shm"):
-            file = path.with_name(path.name + suffix)
+            file = (real or path).with_name((real or path).name + suffix)
             assert _mode(file) == 0o600, f"{file.name} is {oct(_mode(file))}"
     finally:
         await runtime.close()
@@ -106,3 +107,14 @@ def test_exports_written_to_a_file_are_owner_only(
     assert done.returncode == 0, done.stderr
     assert "ana" in out.read_text(encoding="utf-8") or command[0] == "checkpoints"
     assert _mode(out) == 0o600
+
+
+def test_a_journal_made_through_a_symlink_is_owner_only(tmp_path: Path, open_umask: None) -> None:
+    # A path that is a symlink to a file not made yet (a journal kept on another volume):
+    # SQLite created the target through the link with the umask's 0644.
+    target = tmp_path / "volume" / "journal.db"
+    link = tmp_path / "journal.db"
+    link.symlink_to(target)
+    asyncio.run(_one_run(link, target))
+    assert _mode(target) == 0o600
+    assert _mode(target.parent) == 0o700
