@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -74,6 +75,12 @@ _LOW_SPACE = 1 << 20
 _READ_ONLY_MOUNT = (
     "its filesystem is mounted read-only (the kernel does that after an I/O error: see "
     "dmesg); remount it read-write, or put the file on a writable volume"
+)
+
+
+_NOTHING_LOST = (
+    "nothing committed is lost (a write that fails is rolled back), and a run that stopped "
+    "resumes from its journal once there is room"
 )
 
 
@@ -400,14 +407,32 @@ class SqliteDatabase(Database):
             )
         free = _free_bytes(self.path)
         if free is None or free >= _LOW_SPACE:
-            return None  # not for want of space: the driver's words are all there is
+            # Not for want of space: a file size limit, or the driver's words are all there is
+            return self._explain_size_limit(exc, what)
         return StoreUnavailableError(
             f"{what} failed: the filesystem holding {str(self.path.parent)!r} is full "
             f"({free} bytes free): free space there, or move the file to a larger volume; "
-            "nothing committed is lost (a write that fails is rolled back), and a run that "
-            "stopped resumes from its journal once there is room "
-            f"({type(exc).__name__}: {exc})"
+            f"{_NOTHING_LOST} ({type(exc).__name__}: {exc})"
         )
+
+    def _explain_size_limit(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
+        """The file (or its -wal) grew to the process's file size limit (``ulimit -f``,
+        systemd's ``LimitFSIZE=``): the write fails with EFBIG, which sqlite3 reports as
+        "disk I/O error", on a disk with room to spare."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        real = self.path.resolve()  # SQLite keeps the -wal beside a symlink's target
+        for file in (real.with_name(real.name + "-wal"), real):
+            with contextlib.suppress(OSError):
+                if file.stat().st_size + _LOW_SPACE >= soft:
+                    return StoreUnavailableError(
+                        f"{what} failed: {str(file)!r} reached this process's file size "
+                        f"limit ({soft} bytes: `ulimit -f`, or LimitFSIZE= in a systemd unit): "
+                        f"raise or remove the limit; {_NOTHING_LOST} "
+                        f"({type(exc).__name__}: {exc})"
+                    )
+        return None
 
     def _explain_connect(self, exc: BaseException, what: str) -> StoreUnavailableError | None:
         """A file that cannot be opened: say which, and the likely reason (sqlite3 names

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,3 +112,28 @@ async def test_a_read_only_filesystem_is_named(small_fs: Path) -> None:
     message = str(caught.value)
     assert "mounted read-only" in message, message
     assert "writable by this user" not in message, message
+
+
+async def test_a_file_size_limit_is_named_not_called_a_disk_error(tmp_path: Path) -> None:
+    # `ulimit -f` (systemd's LimitFSIZE=) on a disk with room: the write fails with EFBIG,
+    # which sqlite3 calls "disk I/O error", naming neither the file nor the limit.
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        with pytest.raises(StoreUnavailableError) as caught:
+            async with runtime.session("s", "u"):
+                for i in range(3):
+                    await runtime.step(f"step-{i}", _body, i)
+                # Python ignores SIGXFSZ, so a write beyond the limit fails with EFBIG.
+                resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 200_000, hard))
+                for i in range(3, 400):
+                    await runtime.step(f"step-{i}", _body, i)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        await runtime.close()
+    message = str(caught.value)
+    assert "file size limit" in message, message
+    assert "ulimit -f" in message, message
+    replayed = await _steps(path, 5)
+    assert replayed[:3] == ["step-0", "step-1", "step-2"]  # nothing journaled was lost
