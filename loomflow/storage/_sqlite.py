@@ -40,6 +40,7 @@ _DB_WRITE_BYTES = (0x40000000, 0x40000001)
 
 def _write_lock_holder(path: Path) -> int | None:
     """The pid holding ``path``'s SQLite write lock, read from /proc/locks (Linux only)."""
+    path = path.resolve()  # SQLite keeps the -shm beside a symlink's target
     wanted: dict[int, tuple[int, int]] = {}
     for file, byte_range in ((Path(f"{path}-shm"), _SHM_WRITE_BYTES), (path, _DB_WRITE_BYTES)):
         try:

@@ -576,6 +576,29 @@ async def test_a_lease_left_by_a_failed_release_is_taken_back_at_once_sqlite(
         await runtime.close()
 
 
+async def test_a_locked_journal_behind_a_symlink_names_who_holds_the_lock(
+    tmp_path: Path,
+) -> None:
+    """SQLite keeps the -shm beside a symlink's target, where the lock is looked for too: the
+    error said only "another process holds its write lock", whoever held it."""
+    (tmp_path / "volume").mkdir()
+    real = tmp_path / "volume" / "journal.db"
+    link = tmp_path / "journal.db"
+    link.symlink_to(real)
+    runtime = SqliteRuntime(link, busy_timeout_ms=200)
+    await runtime.open()
+    blocker = sqlite3.connect(real, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreLockedError, match="another connection of this process"):
+            async with runtime.session(SESSION, USER):
+                raise AssertionError("wrote past another connection's write lock")
+        blocker.execute("ROLLBACK")
+    finally:
+        blocker.close()
+        await runtime.close()
+
+
 async def test_another_runtime_of_this_process_still_waits_for_a_live_run(
     tmp_path: Path,
 ) -> None:
