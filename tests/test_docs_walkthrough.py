@@ -8,6 +8,8 @@ import json
 import os
 import re
 import shutil
+import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -563,3 +565,30 @@ def test_every_option_a_command_table_names_is_one_that_command_takes(page: str)
                     assert flag in commands[path], f"{page}: {' '.join(path)} takes no {flag}"
                     checked += 1
     assert checked > 50  # the tables were found and read
+
+
+def test_sqlite_backup_commands_make_an_owner_only_copy(tmp_path: Path) -> None:
+    # docs/operations/sqlite.md's backup commands, run as written under the usual umask 022:
+    # sqlite3 made the copy 0644, the journal's prompts and answers readable by every account.
+    if shutil.which("sqlite3") is None:
+        pytest.skip("the sqlite3 command line tool is not installed")
+    text = (DOCS / "operations" / "sqlite.md").read_text()
+    block = re.search(r"## Backups.*?```bash\n(.*?)```", text, flags=re.S)
+    assert block is not None
+    journal = tmp_path / "journal.db"
+    sqlite3.connect(journal).close()
+    lines = block.group(1).splitlines()
+    setup = "\n".join(line for line in lines if not line.startswith("sqlite3 "))
+    for line in lines:
+        if line.startswith("sqlite3 "):  # each makes the copy anew
+            (tmp_path / "journal-backup.db").unlink(missing_ok=True)
+            done = subprocess.run(
+                ["bash", "-c", f"umask 022\n{setup}\n{line}"],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr
+            mode = stat.S_IMODE((tmp_path / "journal-backup.db").stat().st_mode)
+            assert mode == 0o600, f"{line!r} made a copy with mode {oct(mode)}"
