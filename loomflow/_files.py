@@ -34,6 +34,10 @@ def create_private(path: Path) -> None:
         path = path.resolve()
     except (OSError, RuntimeError):  # a symlink loop: SQLite's open reports it
         return
+    # Each directory made is 0700, not only the last one as with mkdir -p; the last call
+    # raises for a parent that is a file.
+    for directory in reversed([d for d in path.parents if not d.exists()]):
+        directory.mkdir(mode=PRIVATE_DIR, exist_ok=True)
     path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)

@@ -118,3 +118,11 @@ def test_a_journal_made_through_a_symlink_is_owner_only(tmp_path: Path, open_uma
     asyncio.run(_one_run(link, target))
     assert _mode(target) == 0o600
     assert _mode(target.parent) == 0o700
+
+
+def test_every_directory_made_for_a_journal_is_owner_only(tmp_path: Path, open_umask: None) -> None:
+    # mkdir -p's way gave the directories above the last one the umask's 0755.
+    path = tmp_path / "var" / "lib" / "app" / "journal.db"
+    asyncio.run(_one_run(path))
+    for directory in (path.parent, path.parent.parent, path.parent.parent.parent):
+        assert _mode(directory) == 0o700, f"{directory} is {oct(_mode(directory))}"
