@@ -1022,7 +1022,7 @@ class AuditStore(abc.ABC):
                 continue
             if checker is None or checker.key != key:
                 if checker is not None:
-                    self._finish(checker, heads_now.get(checker.key), report)
+                    self._finish(checker, await self._head_after(checker, heads_now), report)
                 checker = _ChainCheck(key, item.user_id, saved.get(key, ()))
                 seen.add(key)
                 report.users += 1
@@ -1035,7 +1035,7 @@ class AuditStore(abc.ABC):
             report.entries += 1
             checker.feed(position, item, report)
         if checker is not None:
-            self._finish(checker, heads_now.get(checker.key), report)
+            self._finish(checker, await self._head_after(checker, heads_now), report)
         for key, head in sorted(heads_now.items()):
             if key not in seen:  # every entry of the user is gone
                 report.users += 1
@@ -1065,6 +1065,30 @@ class AuditStore(abc.ABC):
         report.heads = [heads_now[k] for k in sorted(heads_now)]
         progress.finish()
         return report
+
+    async def _head_after(
+        self, checker: _ChainCheck, heads: dict[str, ChainHead]
+    ) -> ChainHead | None:
+        """The head to end ``checker``'s walk with: the one read before the walk, unless
+        the walk found entries after it and the head recorded now covers them.
+
+        Workers append while ``verify`` reads a live store: an append moves the head in its
+        own transaction, after ``verify`` read the heads and before it read the entries. An
+        entry added behind the store's back moves no head, so it stays unanchored.
+        """
+        head = heads.get(checker.key)
+        if head is None or not 1 <= head.seq < checker.last_seq:
+            return head
+        try:
+            now = (await self._heads(checker.key)).get(checker.key)
+        except AuditIntegrityError:  # a head edited meanwhile: judged by the one read before
+            return head
+        if now is None or now.user_id != head.user_id or now.seq < checker.last_seq:
+            return head
+        if now.seq > checker.last_seq and checker.last_hash is not None:
+            # Appended again since the walk read this trail: it ends at its last entry read.
+            return ChainHead(now.user_id, checker.last_seq, checker.last_hash)
+        return now
 
     def _finish(self, checker: _ChainCheck, head: ChainHead | None, report: VerifyReport) -> None:
         checker.finish(head, report, self.head_written_atomically)

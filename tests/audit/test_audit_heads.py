@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from loomflow.audit import (
     ChainHead,
     InMemoryAuditStore,
     JsonlAuditStore,
+    PostgresAuditStore,
     SqliteAuditStore,
 )
 from loomflow.errors import AuditIntegrityError
@@ -76,5 +79,46 @@ async def test_a_head_key_edited_to_a_blob_is_an_integrity_error_not_an_endless_
     try:
         with pytest.raises(AuditIntegrityError, match="user key is not text"):
             [h async for h in store.iter_heads(page_size=2)]
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    "kind", ["sqlite", "jsonl", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_verify_while_another_process_appends_finds_nothing_wrong(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # `loomflow audit verify` on a store workers keep writing: entries appended after the
+    # heads were read came "after the recorded head" (unanchored), exit status 1, every time.
+    dsn = request.getfixturevalue("pg_dsn") if kind == "postgres" else ""
+
+    def make() -> AuditStore:
+        if kind == "postgres":
+            return PostgresAuditStore(dsn)
+        return _store(kind, tmp_path)
+
+    def records(n: int) -> list[AuditRecord]:
+        return [AuditRecord(user_id=u, actor="t", action="x") for u in ("ana", "bo")] * n
+
+    async def append_elsewhere() -> None:
+        other = make()
+        try:
+            await other.append(records(2))
+        finally:
+            await other.close()
+
+    def meanwhile(done: int, total: int | None) -> None:
+        if done == 0:  # verify has read the heads and not yet the entries
+            writer = threading.Thread(target=asyncio.run, args=(append_elsewhere(),))
+            writer.start()
+            writer.join()
+
+    store = make()
+    try:
+        await store.append(records(3))
+        report = await store.verify(on_progress=meanwhile)
+        assert (report.problems, report.warnings) == ([], []), report
+        assert report.entries in (6, 10)  # JSONL reads one snapshot, the others read on
     finally:
         await store.close()
