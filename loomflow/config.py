@@ -170,6 +170,20 @@ def query_in_file_url(url: str) -> str | None:
     )
 
 
+def home_in_file_path(url: str) -> str | None:
+    """Why a file URL or bare path starting with ``~`` is refused: no shell reads it, so
+    ``sqlite:///~/app/journal.db`` made a directory named ``~`` in the working directory and
+    a new, empty store in it. ``None`` when the path does not start so."""
+    path = url.split("://", 1)[1][1:] if "://" in url else url
+    if not path.startswith("~"):
+        return None
+    return (
+        f"bad store path {_masked_url(url)!r}: '~' is not expanded here (no shell reads it), "
+        "so it would make a directory named '~' in the working directory; write the home "
+        "directory out (sqlite:////home/me/app/journal.db, an absolute path)"
+    )
+
+
 def sqlite_path(url: str) -> str | None:
     """The file a SQLite URL (or bare path) names; ``None`` for other schemes."""
     url = lower_scheme(url)
@@ -177,12 +191,12 @@ def sqlite_path(url: str) -> str | None:
         path = url.removeprefix("sqlite://")
         if not path.startswith("/") or path == "/":
             raise ConfigurationError(f"bad SQLite URL {url!r}: use sqlite:///relative/path.db")
-        if (problem := query_in_file_url(url)) is not None:
+        if (problem := query_in_file_url(url) or home_in_file_path(url)) is not None:
             raise ConfigurationError(problem)
         return path[1:]  # sqlite:///x.db -> x.db ; sqlite:////abs/x.db -> /abs/x.db
     if "://" in url:
         return None
-    if (problem := scheme_without_slashes(url)) is not None:
+    if (problem := scheme_without_slashes(url) or home_in_file_path(url)) is not None:
         raise ConfigurationError(problem)
     return url
 
@@ -193,7 +207,7 @@ def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
     url = lower_scheme(url)
     head = url.split("://", 1)[0].lower() if "://" in url else None
     if head is None:
-        if (problem := scheme_without_slashes(url)) is not None:
+        if (problem := scheme_without_slashes(url) or home_in_file_path(url)) is not None:
             raise ValueError(problem)
         if "jsonl" in schemes and url.endswith(".jsonl"):
             return url
@@ -210,7 +224,7 @@ def _check_store_url(url: str, schemes: tuple[str, ...], what: str) -> str:
                 f"bad {head} URL {_masked_url(url)!r}: use {head}:///relative/path or "
                 f"{head}:////absolute/path"
             )
-        if (problem := query_in_file_url(url)) is not None:
+        if (problem := query_in_file_url(url) or home_in_file_path(url)) is not None:
             raise ValueError(problem)
     if head in ("postgresql", "postgres"):
         try:

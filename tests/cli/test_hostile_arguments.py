@@ -111,21 +111,32 @@ def test_an_export_is_never_written_over_a_jsonl_audit_log(
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+_QUERY = "reads no ?query or #fragment"
+_TILDE = "'~' is not expanded here"
+
+
 @pytest.mark.parametrize(
-    ("option", "url"),
+    ("option", "url", "why"),
     [
-        ("--url", "sqlite:///journal.db?mode=ro"),
-        ("--url", "sqlite:///journal.db#main"),
-        ("LOOMFLOW_RUNTIME_URL", "sqlite:///journal.db?timeout=5"),
-        ("LOOMFLOW_AUDIT_URL", "jsonl:///audit.jsonl?x=1"),
-        ("audit --audit-url", "sqlite:///journal.db?mode=ro"),
+        ("--url", "sqlite:///journal.db?mode=ro", _QUERY),
+        ("--url", "sqlite:///journal.db#main", _QUERY),
+        ("LOOMFLOW_RUNTIME_URL", "sqlite:///journal.db?timeout=5", _QUERY),
+        ("LOOMFLOW_AUDIT_URL", "jsonl:///audit.jsonl?x=1", _QUERY),
+        ("audit --audit-url", "sqlite:///journal.db?mode=ro", _QUERY),
+        ("--url", "sqlite:///~/app/journal.db", _TILDE),
+        ("--url", "~/app/journal.db", _TILDE),
+        ("LOOMFLOW_RUNTIME_URL", "sqlite:///~/app/journal.db", _TILDE),
+        ("LOOMFLOW_AUDIT_URL", "jsonl:///~/audit.jsonl", _TILDE),
+        ("audit --audit-url", "sqlite:///~alice/journal.db", _TILDE),
     ],
 )
-def test_a_file_url_with_a_query_is_refused_and_makes_no_file(
-    option: str, url: str, tmp_path: Path
+def test_a_file_url_with_a_query_or_a_tilde_is_refused_and_makes_no_file(
+    option: str, url: str, why: str, tmp_path: Path
 ) -> None:
     # Before: SQLAlchemy-style options were part of the file name: `sqlite:///journal.db?mode=ro`
-    # made a new, empty journal named "journal.db?mode=ro" beside the real one.
+    # made a new, empty journal named "journal.db?mode=ro" beside the real one. And no shell
+    # expands '~' in a setting: `sqlite:///~/app/journal.db` made a directory named '~' in
+    # the working directory, and an empty journal in it.
     if option.startswith("LOOMFLOW_"):
         done = loomflow("audit", "verify", cwd=tmp_path, env=clean_env(**{option: url}))
     elif option == "--url":
@@ -133,9 +144,17 @@ def test_a_file_url_with_a_query_is_refused_and_makes_no_file(
     else:
         done = loomflow("audit", "--audit-url", url, "verify", cwd=tmp_path)
     assert done.returncode != 0
-    assert "reads no ?query or #fragment" in done.stderr
+    assert why in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sqlite_runtime_refuses_a_path_under_a_tilde() -> None:
+    from loomflow.errors import ConfigurationError
+    from loomflow.runtime import SqliteRuntime
+
+    with pytest.raises(ConfigurationError, match=_TILDE):
+        SqliteRuntime("~/journal.db")
 
 
 def test_a_bare_path_may_still_name_a_file_with_a_question_mark(tmp_path: Path) -> None:
