@@ -19,6 +19,8 @@ PRIVATE_DIR = 0o700
 
 # The first bytes of a SQLite database and of its write-ahead log (both byte orders).
 _SQLITE_HEADERS = (b"SQLite format 3\x00", b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83")
+# The files SQLite keeps beside a database, named after it.
+_SQLITE_COMPANIONS = ("-shm", "-wal", "-journal")
 
 
 def create_private(path: Path) -> None:
@@ -65,17 +67,32 @@ def write_private(path: Path, text: str) -> None:
         fh.write(text)
 
 
+def _head(path: Path) -> bytes:
+    """The first 16 bytes of ``path``; none when it cannot be read (the open for writing
+    reports that in its own words)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(16)
+    except OSError:
+        return b""
+
+
 def _refuse_a_database(path: Path) -> None:
     """An export is never written over a SQLite file: ``-o journal.db`` would destroy the
     journal, and the command reading it would then export the emptied file."""
     if not path.is_file():  # missing, a directory, a pipe or a device: not read here
         return
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(16)
-    except OSError:
-        return  # the open for writing reports it in its own words
-    if head.startswith(_SQLITE_HEADERS):
+    for suffix in _SQLITE_COMPANIONS:
+        database = path.with_name(path.name.removesuffix(suffix))
+        if path.name.endswith(suffix) and _head(database).startswith(_SQLITE_HEADERS[0]):
+            # The -shm has no header of its own; truncating it under a process that maps it
+            # kills that process (SIGBUS).
+            raise InvalidArgumentError(
+                f"{str(path)!r} is the {suffix[1:]} file of the SQLite database "
+                f"{str(database)!r}, which an export would overwrite (and crash every process "
+                "that has the database open): name a new file"
+            )
+    if _head(path).startswith(_SQLITE_HEADERS):
         raise InvalidArgumentError(
             f"{str(path)!r} is a SQLite database (a journal or another store), which an "
             "export would overwrite: name a new file"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,47 @@ def test_an_export_is_never_written_over_the_journal(export: list[str], tmp_path
     again = tmp_path / "ana.json"
     for _ in range(2):
         assert loomflow("--url", url, *export, "-o", str(again)).returncode == 0
+
+
+@pytest.mark.parametrize("suffix", ["-shm", "-wal"])
+def test_an_export_is_never_written_over_the_journals_shm_or_wal(
+    suffix: str, tmp_path: Path
+) -> None:
+    # Before: `-o journal.db-shm` truncated the shared-memory index of a journal in use; every
+    # process that had it open (workers, and the export itself) died of SIGBUS.
+    url = _journal_with_a_trail(tmp_path)
+    journal = tmp_path / "journal.db"
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('PRAGMA journal_mode=WAL'); c.execute('CREATE TABLE IF NOT EXISTS t(x)')\n"
+            "c.execute('INSERT INTO t VALUES (1)'); print('open', flush=True)\n"
+            "while True:\n"
+            "    c.execute('SELECT count(*) FROM t').fetchall(); time.sleep(0.01)\n",
+            str(journal),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        assert worker.stdout.readline() == "open\n"
+        target = tmp_path / f"journal.db{suffix}"
+        before = target.read_bytes()
+        done = loomflow("--url", url, "users", "export", "ana", "-o", str(target))
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert f"is the {suffix[1:]} file of the SQLite database" in done.stderr
+        assert target.read_bytes()[:32] == before[:32]
+        assert worker.poll() is None, f"the worker died ({worker.returncode})"
+    finally:
+        worker.kill()
+        worker.wait()
+        if worker.stdout is not None:
+            worker.stdout.close()
 
 
 def test_the_demo_on_a_server_that_does_not_answer_says_so_in_one_line(tmp_path: Path) -> None:
