@@ -278,11 +278,17 @@ class Tool(Generic[P, R]):
             outcome = cast(ToolOutcome, codec.valid(outcome))
         except (TypeError, ValueError, RecursionError) as exc:
             _log.warning("tool %r returned an unstorable value: %s", self.name, exc)
+            if isinstance(exc, codec.NestingTooDeepError):
+                # JSON-like, only too deep: said as such, so the model can ask for less.
+                why = f"which {exc}, so it cannot be recorded; return a flatter value"
+            else:
+                why = (
+                    "which cannot be recorded; tools must return JSON-like data or pydantic models"
+                )
             return ToolOutcome(
                 ok=False,
                 error_type=TOOL_ERROR,
-                error=f"tool {self.name!r} returned a {type(value).__name__}, which cannot be "
-                "recorded; tools must return JSON-like data or pydantic models",
+                error=f"tool {self.name!r} returned a {type(value).__name__}, {why}",
             )
         return outcome
 

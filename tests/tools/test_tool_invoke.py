@@ -197,6 +197,22 @@ async def test_unstorable_return_value_is_a_tool_error() -> None:
     assert "JSON-like" in (outcome.error or "")
 
 
+@pytest.mark.parametrize("levels", [150, 5000])
+async def test_a_result_nested_too_deep_says_so(levels: int) -> None:
+    # A dict is JSON-like: the model must read that it nests too deep, not that dicts are
+    # refused, or it can only ask for the same thing again.
+    @tool
+    def tree() -> dict[str, Any]:
+        value: dict[str, Any] = {}
+        for _ in range(levels):
+            value = {"child": value}
+        return value
+
+    outcome = await tree.invoke({})
+    assert outcome.error_type == "tool_error"
+    assert "nested more than 100 containers deep" in (outcome.error or "")
+
+
 async def test_cancelling_the_caller_propagates() -> None:
     started = asyncio.Event()
 
