@@ -47,7 +47,8 @@ _URL_SETTINGS = ("runtime_url", "audit_url", "budget_url", "otlp_endpoint")
 # Up to the *last* "@": a password with an unescaped "@", "/", "?" or "#" is still hidden
 # whole (masking a little too much is harmless; showing part of a password is not).
 _USERINFO_PASSWORD = re.compile(r"(://[^:/@?#]*:).*@", re.DOTALL)
-_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd)=)[^&#]*", re.IGNORECASE)
+# sslpassword: the passphrase of the client certificate's key (libpq, asyncpg).
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd|sslpassword)=)[^&#]*", re.IGNORECASE)
 
 
 def _masked_url(url: str) -> str:

@@ -85,3 +85,17 @@ def test_a_url_without_a_password_is_shown_as_is() -> None:
     plain = Settings(runtime_url="postgresql://app@db/app")
     assert "postgresql://app@db/app" in repr(plain)
     assert Settings(runtime_url="sqlite:///x.db").model_dump()["runtime_url"] == "sqlite:///x.db"
+
+
+def test_the_client_key_passphrase_is_masked_too() -> None:
+    # libpq's and asyncpg's ?sslpassword= unlocks the client certificate's key: as much a
+    # credential as ?password=.
+    dsn = "postgresql://app@db/app?sslmode=verify-full&SSLPassword=k3y-pass&sslpassword=k3y-2"
+    shown = Settings(runtime_url=dsn)
+    for text in (repr(shown), shown.model_dump_json()):
+        assert "k3y-pass" not in text, text
+        assert "k3y-2" not in text, text
+    assert shown.model_dump()["runtime_url"] == (
+        "postgresql://app@db/app?sslmode=verify-full&SSLPassword=***&sslpassword=***"
+    )
+    assert shown.runtime_url == dsn
