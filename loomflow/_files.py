@@ -97,8 +97,24 @@ def _refuse_a_database(path: Path) -> None:
             f"{str(path)!r} is a SQLite database (a journal or another store), which an "
             "export would overwrite: name a new file"
         )
-    if path.with_name(path.name + ".heads").exists():  # how a JSONL audit log is told apart
+    if _is_jsonl_log(path):
         raise InvalidArgumentError(
             f"{str(path)!r} is a JSONL audit log (its .heads file is beside it), which an "
             "export would overwrite: name a new file"
         )
+    # The files kept beside such a log: without its heads, every later append is refused.
+    for suffix in (".heads", ".lock"):
+        stem = path.name.removesuffix(suffix)
+        if stem in ("", path.name):
+            continue
+        log = path.with_name(stem)
+        if log.is_file() and _is_jsonl_log(log):
+            raise InvalidArgumentError(
+                f"{str(path)!r} is the {suffix} file of the JSONL audit log {str(log)!r}, "
+                "which an export would overwrite: name a new file"
+            )
+
+
+def _is_jsonl_log(log: Path) -> bool:
+    """Whether ``log`` is a JSONL audit log: its ``.heads`` file is beside it."""
+    return log.with_name(log.name + ".heads").exists()

@@ -132,6 +132,10 @@ def test_the_demo_on_a_server_that_does_not_answer_says_so_in_one_line(tmp_path:
         (["audit", "export"], "audit.jsonl.heads"),
         (["users", "export", "ana"], "audit.jsonl"),
         (["checkpoints", "export", "--user", "ana"], "audit.jsonl"),
+        # Its heads file too: overwritten, every later append was refused as damage.
+        (["users", "export", "ana"], "audit.jsonl.heads"),
+        (["checkpoints", "export", "--user", "ana"], "audit.jsonl.heads"),
+        (["users", "export", "ana"], "audit.jsonl.lock"),
     ],
 )
 def test_an_export_is_never_written_over_a_jsonl_audit_log(
@@ -144,12 +148,13 @@ def test_an_export_is_never_written_over_a_jsonl_audit_log(
     url = f"sqlite:///{tmp_path / 'journal.db'}"
     assert loomflow("--url", url, "migrate", env=env).returncode == 0
     assert loomflow("--url", url, "users", "hold", "ana", "--reason", "r", env=env).returncode == 0
-    before = log.read_bytes()
+    files = [log, tmp_path / "audit.jsonl.heads", tmp_path / "audit.jsonl.lock"]
+    before = [f.read_bytes() for f in files]
     done = loomflow("--url", url, *export, "-o", str(tmp_path / own), env=env)
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert "audit log" in done.stderr
-    assert log.read_bytes() == before
+    assert [f.read_bytes() for f in files] == before
     checked = loomflow("--url", url, "audit", "verify", env=env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
