@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -192,7 +193,7 @@ class JsonlAuditStore(AuditStore):
         ).encode("utf-8")
         digest = hashlib.sha256(body).hexdigest().encode("ascii")
         try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb") as fh:
+            with os.fdopen(_replacement(tmp, self.heads_path), "wb") as fh:
                 fh.write(body[:-1] + b',"digest":"' + digest + b'"}')
                 fh.flush()
                 if self.fsync:
@@ -496,8 +497,7 @@ class JsonlAuditStore(AuditStore):
             last: tuple[int, bytes] | None = None
             offset = 0
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-                with os.fdopen(fd, "wb") as out:
+                with os.fdopen(_replacement(tmp, self.path), "wb") as out:
                     for _start, raw in self._line_spans(size):
                         entry = _erasable(raw, key, below_seq, before_us, old_seqs, sweep)
                         if entry is not None:
@@ -733,3 +733,18 @@ def _erasable(
 
 def _chain_order(item: ScanItem) -> tuple[str, int, int]:
     return item[0], item[1], item[2]
+
+
+def _replacement(tmp: Path, target: Path) -> int:
+    """A file descriptor of ``tmp``, made to be renamed over ``target``: with ``target``'s
+    mode, so that a mode its operator gave it (``chmod 600``) outlasts the rewrite; 0640
+    for a new file."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    try:
+        os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+    except FileNotFoundError:
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

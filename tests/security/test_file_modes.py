@@ -126,3 +126,30 @@ def test_every_directory_made_for_a_journal_is_owner_only(tmp_path: Path, open_u
     asyncio.run(_one_run(path))
     for directory in (path.parent, path.parent.parent, path.parent.parent.parent):
         assert _mode(directory) == 0o700, f"{directory} is {oct(_mode(directory))}"
+
+
+def test_a_jsonl_audit_log_keeps_the_modes_its_operator_gave_it(
+    tmp_path: Path, open_umask: None
+) -> None:
+    # Before: the heads file is written anew (and renamed over) at every append, and the log
+    # at every erasure, each as 0640: an operator's `chmod 600` lasted until the next one.
+    log = tmp_path / "audit.jsonl"
+    heads = tmp_path / "audit.jsonl.heads"
+
+    async def record_then_erase(first: bool) -> None:
+        audit = AuditLog(f"jsonl:///{log}")
+        try:
+            for user in ("ana", "bo"):
+                await audit.record("x.y", user_id=user, actor="t", payload={"k": 1})
+            if first:
+                return
+            await audit.store.erase("ana", reason="asked")
+        finally:
+            await audit.store.close()
+
+    asyncio.run(record_then_erase(first=True))
+    assert (_mode(log), _mode(heads)) == (0o640, 0o640)  # as made
+    log.chmod(0o600)
+    heads.chmod(0o600)
+    asyncio.run(record_then_erase(first=False))
+    assert (_mode(log), _mode(heads)) == (0o600, 0o600)
