@@ -47,5 +47,7 @@ def test_the_shapes_are_still_found() -> None:
     assert r.text(f"{BEGIN}x{BEGIN}y{END} z {END}") == f"[REDACTED:private_key] z {END}"
     assert r.text(f"{END} {BEGIN}cut off") == f"{END} {BEGIN}cut off"
     assert _pii.find_emails("mail bo.b+x@mail.example.org, a@b.c!") == [(5, 28)]
-    # An address right after characters that cannot start one is still found.
-    assert r.text("éana@example.com") == "é[REDACTED:email]"  # was left whole
+    # An address right after characters that cannot start one is still found; a letter of
+    # any script belongs to the address.
+    assert r.text("«ana@example.com»") == "«[REDACTED:email]»"
+    assert r.text("éana@example.com") == "[REDACTED:email]"  # was left whole
