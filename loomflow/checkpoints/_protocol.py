@@ -31,7 +31,8 @@ class CheckpointStore(Protocol):
     async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
         """Store a snapshot; then keep only the newest ``retention`` of its (session, user).
 
-        Returns the checkpoint with ``created_at`` filled in by the store's clock.
+        Returns the checkpoint with ``created_at`` filled in by the store's clock. An id
+        that is already stored, in any session of any user, is an ``InvalidIdError``.
         """
 
     async def latest(self, session_id: str, *, user_id: str | None) -> Checkpoint | None:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from .._ids import check_count, check_id, user_label
 from .._printable import shown, text_of, unicode_column
 from ..config import Settings
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StoreUnavailableError
 from ..messages import Usage
 from ..runtime import codec
 from ..runtime._store import Scope
@@ -29,6 +29,7 @@ from ._types import (
     check_writable,
     decode_payload,
     encode_payload,
+    taken,
     timestamp,
 )
 from .inmemory import export_document
@@ -252,10 +253,15 @@ class SqlCheckpointStore(ComponentStore):
         await self.open()
         # The insert and the retention cut commit together: a reader never sees more than
         # the retained number, and a crash between them cannot leave the cut undone.
-        async with self.db.transaction(what="checkpoint write") as tx:
-            rows = await tx.fetch(_INSERT, *args)
-            if retention is not None:
-                await tx.execute(_RETAIN, scope.key, retention)
+        try:
+            async with self.db.transaction(what="checkpoint write") as tx:
+                rows = await tx.fetch(_INSERT, *args)
+                if retention is not None:
+                    await tx.execute(_RETAIN, scope.key, retention)
+        except StoreUnavailableError as error:
+            if self.db.is_duplicate_key(error):  # no outage: the id is taken
+                raise taken(checkpoint.id) from error
+            raise
         return checkpoint.model_copy(update={"created_at": timestamp(rows[0][0])})
 
     async def latest(self, session_id: str, *, user_id: str | None) -> Checkpoint | None:

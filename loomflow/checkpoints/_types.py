@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._ids import check_count, check_id
 from .._printable import is_unicode
-from ..errors import CheckpointError, InvalidArgumentError, UserError
+from ..errors import CheckpointError, InvalidArgumentError, InvalidIdError, UserError
 from ..messages import Message, Usage
 from ..runtime import codec
 
@@ -161,6 +161,13 @@ class CheckpointRestored(BaseModel):
     checkpoint_id: str
     turn: int
     forked_from: str | None = None
+
+
+def taken(checkpoint_id: str) -> InvalidIdError:
+    """The error of a put() whose checkpoint id is already stored (in any session)."""
+    return InvalidIdError(
+        "id", f"{checkpoint_id!r} is already stored: each checkpoint needs an id of its own"
+    )
 
 
 def timestamp(seconds: float) -> dt.datetime:

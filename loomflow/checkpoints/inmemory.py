@@ -8,7 +8,7 @@ from typing import Any
 
 from .._ids import check_count, check_id
 from ..runtime._store import Scope
-from ._types import Checkpoint, UnreadableCheckpoint, check_writable, timestamp
+from ._types import Checkpoint, UnreadableCheckpoint, check_writable, taken, timestamp
 
 __all__ = ["InMemoryCheckpointStore"]
 
@@ -33,6 +33,8 @@ class InMemoryCheckpointStore:
         # scope key -> [(seq, checkpoint)], oldest first; seq orders "newest" exactly.
         self._rows: dict[str, list[tuple[int, Checkpoint]]] = {}
         self._users: dict[str, str] = {}  # scope key -> user key
+        # Every stored id: unique across sessions and users, as the SQL stores' column is.
+        self._ids: set[str] = set()
         self._seq = 0
 
     def __repr__(self) -> str:
@@ -51,14 +53,22 @@ class InMemoryCheckpointStore:
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
         check_writable(checkpoint)
         retention = check_count("retention", retention, 1)
+        if checkpoint.id in self._ids:
+            raise taken(checkpoint.id)
         stored = checkpoint.model_copy(update={"created_at": timestamp(time.time())})
         self._seq += 1
         rows = self._rows.setdefault(scope.key, [])
         rows.append((self._seq, stored))
+        self._ids.add(stored.id)
         self._users[scope.key] = scope.user_key
         if retention is not None and len(rows) > retention:
+            self._drop(rows[: len(rows) - retention])
             del rows[: len(rows) - retention]
         return stored
+
+    def _drop(self, rows: list[tuple[int, Checkpoint]]) -> int:
+        self._ids.difference_update(c.id for _, c in rows)
+        return len(rows)
 
     async def latest(self, session_id: str, *, user_id: str | None) -> Checkpoint | None:
         rows = self._rows.get(Scope.checked(session_id, user_id).key)
@@ -89,13 +99,13 @@ class InMemoryCheckpointStore:
         return list(await self.list_checkpoints(session_id, user_id=user_id, limit=limit))
 
     async def delete_session(self, session_id: str, *, user_id: str | None) -> int:
-        return len(self._rows.pop(Scope.checked(session_id, user_id).key, []))
+        return self._drop(self._rows.pop(Scope.checked(session_id, user_id).key, []))
 
     async def forget_user(self, user_id: str | None) -> int:
         user_key = Scope.checked(None, user_id).user_key
         deleted = 0
         for key in [k for k, u in self._users.items() if u == user_key]:
-            deleted += len(self._rows.pop(key, []))
+            deleted += self._drop(self._rows.pop(key, []))
             del self._users[key]
         return deleted
 

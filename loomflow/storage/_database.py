@@ -240,9 +240,14 @@ class Database(abc.ABC):
         try:
             return await self.count(sql, *args, what=what)
         except StoreUnavailableError as error:
-            if error.__cause__ is not None and self._is_duplicate_key(error.__cause__):
+            if self.is_duplicate_key(error):
                 return None
             raise
+
+    def is_duplicate_key(self, error: StoreUnavailableError) -> bool:
+        """Whether ``error``, raised by a write of this database, says a unique key was
+        already taken (a caller's mistake, not an outage to retry)."""
+        return error.__cause__ is not None and self._is_duplicate_key(error.__cause__)
 
     @abc.abstractmethod
     def _is_duplicate_key(self, exc: BaseException) -> bool:

@@ -33,6 +33,7 @@ from ..errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
+    InvalidIdError,
     UserError,
 )
 from ..hooks import Interrupt, RunHooks, RunInfo
@@ -257,6 +258,21 @@ class CheckpointConformance:
         for bad, why in (("a\x00b", "NUL"), ("\ud800", "surrogate"), ("", "must not be empty")):
             with pytest.raises(UserError, match=why):
                 await store.get(bad, session_id="s", user_id="u")
+
+    async def test_a_checkpoint_id_is_stored_once(self, store: CheckpointStore) -> None:
+        """A second put() of an id already stored, in any session of any user, is refused
+        by name on every backend, and leaves the first one as it was (the SQL stores failed
+        it as StoreUnavailableError, an outage to retry; memory kept both)."""
+        kept = await store.put(checkpoint())
+        for other in (kept, kept.model_copy(update={"session_id": "t", "user_id": "v"})):
+            with pytest.raises(InvalidIdError, match="already"):
+                await store.put(other.model_copy(update={"turn": 2}))
+        assert await store.list_checkpoints("s", user_id="u") == [kept]
+        assert await store.list_checkpoints("t", user_id="v") == []
+        # Gone (retention, erasure), its id can be used again.
+        await store.delete_session("s", user_id="u")
+        await store.put(kept)
+        assert [c.id for c in await store.list_checkpoints("s", user_id="u")] == [kept.id]
 
     @pytest.mark.parametrize(
         ("limit", "error"),
