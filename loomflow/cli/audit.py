@@ -122,7 +122,7 @@ def register(subparsers: Any) -> None:
     retain.add_argument("--yes", action="store_true", help="really erase (required)")
     retain.add_argument("--json", action="store_true", help="the report as JSON")
 
-    audit.set_defaults(handler=_handle)
+    audit.set_defaults(handler=_handle, unconfirmed=_unconfirmed)
 
 
 def _user(args: argparse.Namespace) -> str | None:
@@ -145,14 +145,16 @@ def _filter_args(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def _handle(args: argparse.Namespace) -> int:
+def _unconfirmed(args: argparse.Namespace) -> str | None:
+    """Why the command may not run without --yes (the CLI exits 2 before anything else)."""
     if args.audit_command == "retain" and not (args.yes or args.dry_run):
-        print(
-            "loomflow: error: audit retain erases payloads for good: pass --yes "
-            "(or --dry-run to count them first)",
-            file=sys.stderr,
+        return (
+            "audit retain erases payloads for good: pass --yes (or --dry-run to count them first)"
         )
-        return 2
+    return None
+
+
+async def _handle(args: argparse.Namespace) -> int:
     since, until = getattr(args, "since", None), getattr(args, "until", None)
     if since is not None and until is not None and since >= until:
         # "--since 1d --until 2d" read as "from one day back to two" selects nothing, and an

@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
     forget.add_argument("--yes", action="store_true", help="really delete (required)")
     forget.add_argument("--json", action="store_true")
 
-    group.set_defaults(handler=_handle)
+    group.set_defaults(handler=_handle, unconfirmed=_unconfirmed)
 
 
 def _whose(parser: argparse.ArgumentParser) -> None:
@@ -70,14 +70,14 @@ def _whose(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--anonymous", action="store_true", help="the snapshots without a user")
 
 
-async def _handle(args: argparse.Namespace) -> int:
+def _unconfirmed(args: argparse.Namespace) -> str | None:
+    """Why the command may not run without --yes (the CLI exits 2 before anything else)."""
     if args.checkpoints_command == "forget" and not args.yes:
-        print(
-            "loomflow: error: checkpoints forget deletes every snapshot of the user: "
-            "add --yes to confirm",
-            file=sys.stderr,
-        )
-        return 2
+        return "checkpoints forget deletes every snapshot of the user: add --yes to confirm"
+    return None
+
+
+async def _handle(args: argparse.Namespace) -> int:
     settings = Settings()
     url = existing(args.url or settings.runtime_url, "journal")
     # The checkpoints on a connection of their own: export never opens the journal (forget

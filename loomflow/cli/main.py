@@ -382,6 +382,13 @@ def _command(args: argparse.Namespace) -> int:
         return 2
     _check_text_args(args)
     _check_urls(args)
+    # A deletion without --yes is bad usage, said before any database is looked at (a
+    # journal without an audit log answered exit 1, as if --yes would have been enough).
+    unconfirmed = getattr(args, "unconfirmed", None)
+    why = unconfirmed(args) if unconfirmed is not None else None
+    if why:
+        print(f"loomflow: error: {why}", file=sys.stderr)
+        return 2
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
         asyncio.run(refuse_unready(_databases(args, settings), settings.postgres_timeout_seconds))
         # They never create an audit log: a hold placed in an empty one made beside the

@@ -61,7 +61,7 @@ def register(subparsers: Any) -> None:
 
     holds = commands.add_parser("holds", help="list the users under legal hold")
     holds.add_argument("--json", action="store_true", help="as JSON")
-    group.set_defaults(handler=_handle)
+    group.set_defaults(handler=_handle, unconfirmed=_unconfirmed)
 
 
 def _who(parser: argparse.ArgumentParser) -> None:
@@ -78,16 +78,17 @@ def _stores(args: argparse.Namespace) -> Stores:
     return Stores(settings.model_copy(update={"runtime_url": url}))
 
 
+def _unconfirmed(args: argparse.Namespace) -> str | None:
+    """Why the command may not run without --yes (the CLI exits 2 before anything else)."""
+    if args.users_command == "forget" and not args.yes:
+        return "users forget deletes the user's data for good: pass --yes"
+    return None
+
+
 async def _handle(args: argparse.Namespace) -> int:
     command = args.users_command
     if command == "export":
         return await _export(args)
-    if command == "forget" and not args.yes:
-        print(
-            "loomflow: error: users forget deletes the user's data for good: pass --yes",
-            file=sys.stderr,
-        )
-        return 2
     user: str | None = None
     if command != "holds":
         user = None if args.anonymous else args.user_id

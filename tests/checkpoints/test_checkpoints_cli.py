@@ -99,8 +99,13 @@ def test_export_then_forget_one_user(tmp_path: Path) -> None:
     assert document["user_id"] == "alice"
     assert {c["session_id"] for c in document["checkpoints"]} == {"s", "t"}
     assert len(document["checkpoints"]) == 8
+    # Without --yes is bad usage (exit 2), said before any database is looked at: it was
+    # exit 1 about the missing audit log, as if --yes would have been enough.
     refused = loomflow("--url", url, "checkpoints", "forget", "--user", "alice")
-    assert refused.returncode == 2
+    assert refused.returncode == 2, refused.stderr
+    assert "--yes" in refused.stderr
+    # forget checks legal holds: it needs the audit log, here beside the journal.
+    assert loomflow("--url", url, "migrate").returncode == 0
     forgot = loomflow("--url", url, "checkpoints", "forget", "--user", "alice", "--yes", "--json")
     assert json.loads(forgot.stdout) == {"user_id": "alice", "deleted": 8}
     left = loomflow("--url", url, "checkpoints", "list", "s", "--user", "bob", "--json")
@@ -148,6 +153,7 @@ def test_export_and_forget_the_anonymous_snapshots(tmp_path: Path) -> None:
     assert both.returncode == 2
     neither = loomflow("--url", url, "checkpoints", "export")
     assert neither.returncode == 2
+    assert loomflow("--url", url, "migrate").returncode == 0  # the audit log, for holds
     forgot = loomflow("--url", url, "checkpoints", "forget", "--anonymous", "--yes", "--json")
     assert json.loads(forgot.stdout) == {"user_id": None, "deleted": 4}
     left = loomflow("--url", url, "checkpoints", "list", "s", "--user", "alice", "--json")

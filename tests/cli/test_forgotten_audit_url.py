@@ -121,3 +121,24 @@ def test_a_postgres_journal_without_an_audit_log_is_refused_too(pg_dsn: str) -> 
         got = loomflow("--url", pg_dsn, *command)
         assert got.returncode == 1, (command, got.stderr)
         assert "holds no audit log" in got.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["users", "forget", "bob"],
+        ["checkpoints", "forget", "--user", "bob"],
+        ["audit", "retain", "--older-than", "30d"],
+    ],
+    ids=" ".join,
+)
+def test_a_deletion_without_yes_is_bad_usage_before_the_audit_log_is_looked_for(
+    deployment: tuple[Path, Path], command: list[str]
+) -> None:
+    """Without --yes: exit 2 naming --yes, as documented. The missing audit log was reported
+    first (exit 1), as if adding --yes would have been enough."""
+    journal, _ = deployment
+    got = loomflow("--url", f"sqlite:///{journal}", *command)
+    assert got.returncode == 2, (got.stdout, got.stderr)
+    assert "--yes" in got.stderr
+    assert "audit log" not in got.stderr
