@@ -55,7 +55,9 @@ class InMemoryCheckpointStore:
         retention = check_count("retention", retention, 1)
         if checkpoint.id in self._ids:
             raise taken(checkpoint.id)
-        stored = checkpoint.model_copy(update={"created_at": timestamp(time.time())})
+        # Copies in and out: the transcript's lists and argument dicts stay the store's, as
+        # a SQL row is (a caller's change to them changed the stored snapshot).
+        stored = checkpoint.model_copy(update={"created_at": timestamp(time.time())}, deep=True)
         self._seq += 1
         rows = self._rows.setdefault(scope.key, [])
         rows.append((self._seq, stored))
@@ -64,7 +66,7 @@ class InMemoryCheckpointStore:
         if retention is not None and len(rows) > retention:
             self._drop(rows[: len(rows) - retention])
             del rows[: len(rows) - retention]
-        return stored
+        return _copy(stored)
 
     def _drop(self, rows: list[tuple[int, Checkpoint]]) -> int:
         self._ids.difference_update(c.id for _, c in rows)
@@ -72,7 +74,7 @@ class InMemoryCheckpointStore:
 
     async def latest(self, session_id: str, *, user_id: str | None) -> Checkpoint | None:
         rows = self._rows.get(Scope.checked(session_id, user_id).key)
-        return rows[-1][1] if rows else None
+        return _copy(rows[-1][1]) if rows else None
 
     async def get(
         self, checkpoint_id: str, *, session_id: str, user_id: str | None
@@ -81,16 +83,16 @@ class InMemoryCheckpointStore:
         check_id("checkpoint_id", checkpoint_id, optional=False)  # as the SQL stores do
         for _, checkpoint in self._rows.get(scope.key, []):
             if checkpoint.id == checkpoint_id:
-                return checkpoint
+                return _copy(checkpoint)
         return None
 
     async def list_checkpoints(
         self, session_id: str, *, user_id: str | None, limit: int | None = None
     ) -> list[Checkpoint]:
         rows = self._rows.get(Scope.checked(session_id, user_id).key, [])
-        newest = [c for _, c in reversed(rows)]
         limit = check_count("limit", limit, 0)
-        return newest if limit is None else newest[:limit]
+        newest = [c for _, c in reversed(rows)]
+        return [_copy(c) for c in (newest if limit is None else newest[:limit])]
 
     async def listing(
         self, session_id: str, *, user_id: str | None, limit: int | None = None
@@ -118,3 +120,7 @@ class InMemoryCheckpointStore:
             for row in self._rows.get(key, [])
         ]
         return export_document(user_id, [c for _, c in sorted(rows, key=lambda r: r[0])])
+
+
+def _copy(checkpoint: Checkpoint) -> Checkpoint:
+    return checkpoint.model_copy(deep=True)

@@ -274,6 +274,28 @@ class CheckpointConformance:
         await store.put(kept)
         assert [c.id for c in await store.list_checkpoints("s", user_id="u")] == [kept.id]
 
+    async def test_a_stored_snapshot_is_not_changed_through_its_objects(
+        self, store: CheckpointStore
+    ) -> None:
+        """What put() was given and what a read returns are the caller's: changing their
+        transcript changes no stored snapshot (the in-memory store kept and handed out the
+        caller's own lists and argument dicts, which the SQL stores never share)."""
+        given = checkpoint()
+        expected = given.model_copy(deep=True).messages
+        returned = await store.put(given)
+        read = await store.latest("s", user_id="u")
+        assert read is not None
+        for cp in (given, returned, read):
+            cp.messages.append(Message.user("added afterwards"))
+            cp.messages[2].tool_calls[0].arguments["q"] = "changed"
+        for again in (
+            await store.latest("s", user_id="u"),
+            await store.get(given.id, session_id="s", user_id="u"),
+            (await store.list_checkpoints("s", user_id="u"))[0],
+        ):
+            assert again is not None
+            assert again.messages == expected
+
     @pytest.mark.parametrize(
         ("limit", "error"),
         [
