@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from .._files import write_private
@@ -19,6 +18,7 @@ from ..config import Settings
 from ..errors import CheckpointNotFoundError
 from ..stores import Stores
 from ._format import iso_time, json_text, login, positive_int, printable, table, who
+from ._format import some_path as file_path
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -52,7 +52,9 @@ def register(subparsers: Any) -> None:
 
     export = commands.add_parser("export", help="every checkpoint of a user, as one JSON document")
     _whose(export)
-    export.add_argument("-o", "--output", default="-", help="file to write ('-': stdout)")
+    export.add_argument(
+        "-o", "--output", type=file_path, default="-", help="file to write ('-': stdout)"
+    )
 
     forget = commands.add_parser("forget", help="delete every checkpoint of a user")
     _whose(forget)
@@ -167,10 +169,10 @@ async def _show(store: CheckpointStore, args: argparse.Namespace) -> int:
 async def _export(store: CheckpointStore, args: argparse.Namespace) -> int:
     exported = await store.export_user(args.user_id)
     document = json_text(exported)
-    if args.output == "-":
+    if str(args.output) == "-":
         print(document)
     else:
-        await asyncio.to_thread(write_private, Path(args.output), document + "\n")
+        await asyncio.to_thread(write_private, args.output, document + "\n")
         count = len(exported.get("checkpoints", []))
         # On stderr, as `audit export` does: stdout stays free for the document itself.
         print(

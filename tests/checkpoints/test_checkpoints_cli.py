@@ -160,3 +160,11 @@ def test_export_and_forget_the_anonymous_snapshots(tmp_path: Path) -> None:
     assert len(left.stdout.splitlines()) == 4
     gone = loomflow("--url", url, "checkpoints", "list", "s", "--anonymous", "--json")
     assert gone.stdout == ""
+
+
+def test_export_to_an_empty_path_is_bad_usage(url: str) -> None:
+    # `-o "$OUT"` with OUT unset: Path("") is the current directory, and the export failed
+    # with ".: Is a directory" (exit 1); `users export -o ''` already said what was wrong.
+    got = loomflow("--url", url, "checkpoints", "export", "--user", "alice", "-o", "")
+    assert got.returncode == 2, got.stderr
+    assert "empty path" in got.stderr
