@@ -576,6 +576,30 @@ async def test_a_reservation_granted_after_its_timeout_is_given_back(tmp_path: P
     await store.close()
 
 
+async def test_a_reservation_its_caller_gave_up_on_is_given_back(tmp_path: Path) -> None:
+    # The caller went away while the store wrote the hold (a stream closed, a task
+    # cancelled): the hold was written anyway, renewed by no one, and charged in full once its
+    # lease ran out.
+    store = _SlowCommitStore(f"sqlite:///{tmp_path / 'b.db'}")
+    store.granted = asyncio.Event()
+    await store.open()
+    budget = StandardBudget(WATCHED, store=store, store_timeout_s=5)
+    asking = asyncio.ensure_future(
+        budget.reserve(user_id="alice", model="scripted", max_tokens=10, input_tokens=10)
+    )
+    await asyncio.sleep(0.1)  # the reservation is on its way to the store
+    asking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    await store.granted.wait()
+    for _ in range(50):  # the late hold is given back as soon as it is written
+        if not await store.reservations():
+            break
+        await asyncio.sleep(0.05)
+    assert await store.reservations() == []
+    await store.close()
+
+
 async def test_an_unreachable_store_refuses_the_first_call(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")

@@ -397,17 +397,11 @@ class StandardBudget:
         so = f", so {outcome}" if outcome else ""
         try:
             done, _ = await asyncio.wait({task}, timeout=self.store_timeout_s)
-        except asyncio.CancelledError:
-            task.cancel()
+        except asyncio.CancelledError:  # the caller went away (a stream closed mid-call)
+            self._give_up(task, undo)
             raise
         if not done:
-            task.cancel()
-            self._abandon(task)
-            if undo is not None:
-                # The cancel may come too late (a SQLite COMMIT runs on to its end on the
-                # driver's thread, though the task ends cancelled): once the operation is
-                # done, whatever it did anyway is undone.
-                task.add_done_callback(lambda late: self._undo(late, undo))
+            self._give_up(task, undo)
             raise BudgetUnavailableError(
                 f"the budget store ({self.store.backend}) did not answer {what} within "
                 f"{self.store_timeout_s:g} s{so}"
@@ -418,6 +412,19 @@ class StandardBudget:
             raise BudgetUnavailableError(
                 f"the budget store ({self.store.backend}) failed during {what}{so}: {exc}"
             ) from exc
+
+    def _give_up(
+        self,
+        task: asyncio.Future[T],
+        undo: Callable[[asyncio.Future[T]], Awaitable[object] | None] | None,
+    ) -> None:
+        task.cancel()
+        self._abandon(task)
+        if undo is not None:
+            # The cancel may come too late (a SQLite COMMIT runs on to its end on the
+            # driver's thread, though the task ends cancelled): once the operation is done,
+            # whatever it did anyway is undone.
+            task.add_done_callback(lambda late: self._undo(late, undo))
 
     def _abandon(self, task: asyncio.Future[Any]) -> None:
         self._abandoned.add(task)
