@@ -253,6 +253,7 @@ class _Recoverable:
 
     name: str | None
     runtime: JournalRuntime | None
+    _inferred: bool
 
     def _name_and_redactor(self, name: str | None) -> None:
         if name is not None:
@@ -289,8 +290,9 @@ class _Recoverable:
         if not isinstance(prompt, str):
             raise UserError(f"prompt must be a string, not {type(prompt).__name__}")
         check_metadata(metadata)
-        runtime = runtime_for(self.runtime)
         nested = enclosing_ids()[0]  # a sub-run: the run around it records how it ends
+        # Built without runtime=, inside another run: under that run, as documented.
+        runtime = runtime_for(None if nested and self._inferred else self.runtime)
         session_id, user_id = _ids(session_id, user_id)
         if resume and metadata is None and not nested and isinstance(runtime, JournalRuntime):
             # The run's own metadata (its roles, say), as an agent's resume and a recoverer
@@ -365,6 +367,7 @@ class Debate(_Recoverable):
         self.judge = judge
         self.rounds = rounds
         self.runtime = runtime if runtime is not None else _journal_of([*debaters, judge])
+        self._inferred = runtime is None  # a sub-run of another run journals under it
         self._name_and_redactor(name)
 
     def _shape(self) -> dict[str, Any]:
@@ -464,6 +467,7 @@ class Workflow(_Recoverable):
         self.nodes = items
         agents = [node for _, node in items if isinstance(node, Agent)]
         self.runtime = runtime if runtime is not None else _journal_of(agents)
+        self._inferred = runtime is None  # a sub-run of another run journals under it
         self._name_and_redactor(name)
 
     def _shape(self) -> dict[str, Any]:
