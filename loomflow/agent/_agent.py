@@ -729,7 +729,8 @@ class Agent:
             if fork_session_id is not None:
                 raise UserError("fork_session_id= goes with from_checkpoint=")
             runtime = self._runtime()
-            if metadata is None and isinstance(runtime, JournalRuntime):
+            if metadata is None and isinstance(runtime, JournalRuntime) and not enclosing_ids()[0]:
+                # As the resume reads it below (a sub-run takes the enclosing run's instead).
                 stored_metadata(await runtime.run_inputs(session_id, user_id))
             await decide(self, session_id, user_id, approvals, decided_by, valid_line(prompt))
         return await self._drain(
