@@ -553,6 +553,17 @@ class _SlowCommitStore(SqlBudgetStore):
             raise
 
 
+async def _late_holds_given_back(store: _SlowCommitStore) -> list[Any]:
+    """The store's holds once its slow write has ended and a moment has passed: a late hold
+    is given back as soon as it is written."""
+    await store.granted.wait()
+    for _ in range(50):
+        if not await store.reservations():
+            break
+        await asyncio.sleep(0.05)
+    return list(await store.reservations())
+
+
 async def test_a_reservation_granted_after_its_timeout_is_given_back(tmp_path: Path) -> None:
     # The call was refused (the store did not answer in time), but the hold was written a
     # moment later, renewed by no one: once its lease ran out it was charged in full, for a
@@ -565,12 +576,7 @@ async def test_a_reservation_granted_after_its_timeout_is_given_back(tmp_path: P
     with pytest.raises(BudgetUnavailableError, match="did not answer"):
         await agent_with(budget, model).run("go", user_id="alice")
     assert model.calls == 0
-    await store.granted.wait()
-    for _ in range(50):  # the late hold is given back as soon as it is written
-        if not await store.reservations():
-            break
-        await asyncio.sleep(0.05)
-    assert await store.reservations() == []
+    assert await _late_holds_given_back(store) == []
     [usage] = await store.usage("alice")
     assert (usage.totals.reserved_in, usage.totals.tokens_in, usage.totals.calls) == (0, 0, 0)
     await store.close()
@@ -591,12 +597,7 @@ async def test_a_reservation_its_caller_gave_up_on_is_given_back(tmp_path: Path)
     asking.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asking
-    await store.granted.wait()
-    for _ in range(50):  # the late hold is given back as soon as it is written
-        if not await store.reservations():
-            break
-        await asyncio.sleep(0.05)
-    assert await store.reservations() == []
+    assert await _late_holds_given_back(store) == []
     await store.close()
 
 
