@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Generic, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from typing_extensions import TypeVar
 
 from ..checkpoints import CheckpointRestored, CheckpointSaved
+from ..errors import ConfigurationError
 from ..governance.approvals import PendingApproval
 from ..messages import Message, TextDelta, ToolCall, ToolCallDelta
 from ..tools import ToolOutcome
@@ -56,6 +58,34 @@ class Tuning(_Frozen):
     tool_timeout: float | None = Field(default=None, gt=0)
     max_tokens: int = Field(default=1024, gt=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+
+    def __init__(self, **knobs: Any) -> None:
+        # A typed error like Settings' (a ValueError still): pydantic's names the model's
+        # internals and a mistyped knob without the one that was meant.
+        try:
+            super().__init__(**knobs)
+        except ValidationError as exc:
+            raise ConfigurationError(_bad_tuning(exc)) from None
+
+
+# Loop settings that Agent() takes itself, and that are easily looked for in Tuning.
+_AGENT_KNOBS = ("max_turns", "output_retries")
+
+
+def _bad_tuning(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        knob = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            names = [*Tuning.model_fields, *_AGENT_KNOBS]
+            close = difflib.get_close_matches(knob, names, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            if close and close[0] in _AGENT_KNOBS:
+                hint = f" ({close[0]} is an argument of Agent(), not of Tuning)"
+            problems.append(f"Tuning has no knob {knob!r}{hint}")
+        else:
+            problems.append(f"{knob}: {' '.join(error['msg'].split())}")
+    return "bad Tuning: " + "; ".join(problems)
 
 
 class RunResult(_Frozen, Generic[OutputT]):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from loomflow import Agent, Tuning, tool
-from loomflow.errors import InvalidArgumentTypeError, UserError
+from loomflow.errors import ConfigurationError, InvalidArgumentTypeError, UserError
 from loomflow.governance import Cap, StandardBudget, StandardPermissions
 from loomflow.models import ScriptedModel
 from loomflow.runtime import SqliteRuntime
@@ -164,3 +164,21 @@ async def test_guardrails_and_hooks_given_as_generators_all_take_part() -> None:
     assert len(agent.guardrails) == 1
     assert agent.hooks == (counting,)
     assert counting.runs == 1
+
+
+@pytest.mark.parametrize(
+    ("knobs", "named"),
+    [
+        ({"tool_timeout": -1}, "tool_timeout: Input should be greater than 0"),
+        ({"temperature": 5}, "temperature: Input should be less than or equal to 2"),
+        ({"timeout": 3}, "no knob 'timeout' (did you mean tool_timeout?)"),
+        ({"max_turns": 3}, "max_turns is an argument of Agent(), not of Tuning"),
+    ],
+)
+def test_a_bad_tuning_is_a_configuration_error_naming_the_knob(
+    knobs: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        Tuning(**knobs)
+    assert named in str(caught.value)
+    assert isinstance(caught.value, ValueError)  # what pydantic's error was: old handlers hold
