@@ -130,12 +130,16 @@ class StructuredOutput:
         """The answer ``text`` validated into the output type (pydantic's error if not)."""
         return self.type.model_validate_json(unfenced(text))
 
-    def retry_message(self, messages: Sequence[Message], prompt_index: int) -> Message | None:
+    def retry_message(
+        self, messages: Sequence[Message], prompt_index: int, *, at_limit: bool = False
+    ) -> Message | None:
         """What to ask the model next if the last answer does not validate, else ``None``.
 
         The answers refused so far are counted in ``messages`` (the retry requests after the
         run's prompt, at ``prompt_index``), so a replayed or restored run counts exactly what
-        the first one did.
+        the first one did. An answer cut at the output-token limit (``at_limit``) is not
+        retried: asked again under the same limit, the model is cut again, and each retry
+        pays for the limit's worth of tokens.
 
         Raises:
             OutputValidationError: the answer does not validate and no retry is left.
@@ -146,7 +150,7 @@ class StructuredOutput:
         except ValidationError as exc:
             detail = _describe(exc)
             refused = self._requests_since_prompt(messages, prompt_index) + 1
-            if refused > self.retries:
+            if refused > self.retries or at_limit:
                 raise OutputValidationError(self.type.__name__, detail, refused, answer) from None
             return Message.user(
                 f"{self._retry_prefix} {detail}\nReply again with only the corrected JSON object."

@@ -311,7 +311,11 @@ class _Run:
         if not self.tool_calls:
             if self.structured is not None:
                 try:
-                    retry = self.structured.retry_message(self.messages, self.prompt_index)
+                    retry = self.structured.retry_message(
+                        self.messages,
+                        self.prompt_index,
+                        at_limit=response.finish_reason == "length",
+                    )
                 except OutputValidationError as refused:
                     cut = _CUT_SHORT.get(response.finish_reason)
                     if cut is not None:  # why it did not parse, which the JSON error hides

@@ -27,7 +27,14 @@ from loomflow.errors import (
     ReplayDivergenceError,
 )
 from loomflow.memory import InMemoryMemory
-from loomflow.messages import Message, ModelSettings, OutputFormat, ToolCall, ToolSpec
+from loomflow.messages import (
+    Message,
+    ModelResponse,
+    ModelSettings,
+    OutputFormat,
+    ToolCall,
+    ToolSpec,
+)
 from loomflow.models import FunctionModel, OpenAIModel, ScriptedModel
 from loomflow.runtime import JournalRuntime, SqliteRuntime
 from loomflow.runtime._store import fingerprint
@@ -141,6 +148,26 @@ async def test_zero_retries_raise_on_the_first_bad_answer() -> None:
     with pytest.raises(OutputValidationError, match="after 1 attempt"):
         await _agent(model).run("weather?", output_type=Weather, output_retries=0)
     assert model.calls == 1
+
+
+async def test_an_answer_cut_at_the_token_limit_is_not_retried_under_the_same_limit() -> None:
+    # Asked again with the same max_tokens the model is cut again: each retry paid for a
+    # whole limit's worth of output and ended in the same error.
+    cut = ModelResponse(text='{"city": "Oslo", "temp', finish_reason="length")
+    model = ScriptedModel([cut, GOOD])
+    with pytest.raises(OutputValidationError, match="after 1 attempt") as caught:
+        await _agent(model).run("weather?", output_type=Weather, output_retries=3)
+    assert model.calls == 1
+    assert "finish_reason 'length'" in caught.value.detail
+
+
+async def test_a_filtered_answer_is_still_retried_and_a_cut_one_that_fits_is_taken() -> None:
+    filtered = ModelResponse(text="I cannot", finish_reason="content_filter")
+    fits = ModelResponse(text=GOOD, finish_reason="length")
+    model = ScriptedModel([filtered, fits])
+    result = await _agent(model).run("weather?", output_type=Weather, output_retries=1)
+    assert result.parsed == Weather(city="Oslo", temp_c=3.5)
+    assert model.calls == 2
 
 
 async def test_retries_count_against_max_turns() -> None:
