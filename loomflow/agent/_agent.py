@@ -48,6 +48,7 @@ from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptEntryError,
+    NewerEntryError,
     SessionExistsError,
     StoreUnavailableError,
     SubAgentInterruptedError,
@@ -157,6 +158,33 @@ def run_record(
         # that finds none seeds the fork from here, not from the prompt (see _fork_reseed).
         inputs[RECORD_FORK] = {"session_id": fork.session_id, "checkpoint": fork.id}
     return RunRecord(name, config, inputs)
+
+
+async def stored_inputs(
+    runtime: JournalRuntime, session_id: str, user_id: str | None, *, for_metadata: bool
+) -> dict[str, Any]:
+    """The inputs the run's record stored, for a resume; ``{}`` for a run with none.
+
+    Raises:
+        UserError: ``for_metadata`` (the resume was given no ``metadata=``) and the record is
+            damaged: the run's roles are unknown, and a resume decided as a caller with none
+            could run what they deny.
+        NewerEntryError: ``for_metadata``, and a newer loomflow wrote the record.
+    """
+    try:
+        return await runtime.run_inputs(session_id, user_id)
+    except NewerEntryError:
+        if for_metadata:
+            raise
+        return {}
+    except CorruptEntryError as exc:
+        if for_metadata:
+            raise UserError(
+                f"the run's record is damaged ({exc}), so this resume cannot reuse the "
+                "run's metadata (its roles would be lost): pass metadata= again, as the run "
+                "was started"
+            ) from None
+        return {}  # what the record held beyond the metadata is gone: resumed without it
 
 
 def stored_metadata(inputs: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -731,7 +759,9 @@ class Agent:
             runtime = self._runtime()
             if metadata is None and isinstance(runtime, JournalRuntime) and not enclosing_ids()[0]:
                 # As the resume reads it below (a sub-run takes the enclosing run's instead).
-                stored_metadata(await runtime.run_inputs(session_id, user_id))
+                stored_metadata(
+                    await stored_inputs(runtime, session_id, user_id, for_metadata=True)
+                )
             await decide(self, session_id, user_id, approvals, decided_by, valid_line(prompt))
         return await self._drain(
             self._events(
@@ -879,7 +909,9 @@ class Agent:
         continuing = resume and from_checkpoint is None and not nested
         inputs: dict[str, Any] = {}
         if continuing and isinstance(runtime, JournalRuntime) and session_id:
-            inputs = await runtime.run_inputs(session_id, user_id)
+            inputs = await stored_inputs(
+                runtime, session_id, user_id, for_metadata=metadata is None
+            )
             if metadata is None:
                 # The run's own metadata (its roles, say), as a recoverer resumes it: without
                 # it the resumed run would be decided on as some other caller's.

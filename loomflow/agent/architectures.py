@@ -31,6 +31,7 @@ from ._agent import (
     enclosing_run,
     run_record,
     runtime_for,
+    stored_inputs,
     stored_metadata,
 )
 from ._arguments import check_metadata
@@ -297,7 +298,9 @@ class _Recoverable:
         if resume and metadata is None and not nested and isinstance(runtime, JournalRuntime):
             # The run's own metadata (its roles, say), as an agent's resume and a recoverer
             # use it: without it the nodes would be decided on as some other caller's.
-            metadata = stored_metadata(await runtime.run_inputs(session_id, user_id))
+            metadata = stored_metadata(
+                await stored_inputs(runtime, session_id, user_id, for_metadata=True)
+            )
         record = self._record(runtime, prompt, metadata)
         async with enclosing_run(
             runtime, session_id, user_id, metadata, resume=resume, record=record

@@ -99,7 +99,7 @@ class _NotAudited(Exception):
 
 
 _NEWER = (
-    "its journal holds steps a newer loomflow wrote, which this one cannot read; "
+    "its journal holds entries a newer loomflow wrote, which this one cannot read; "
     "a worker of that release resumes it"
 )
 
@@ -355,6 +355,11 @@ class Recovery:
             metadata = inputs.get("metadata")
             if metadata is not None and not isinstance(metadata, dict):
                 raise CorruptEntryError("the run's record holds metadata that is not a mapping")
+        except NewerEntryError:
+            # A rolling upgrade again: the run is sound, and a worker of that release can read
+            # its record. Dead-lettered here, it would never run.
+            self._leave(report, ref, _NEWER)
+            return
         except CorruptEntryError as exc:
             await self._dead_letter(report, orphan, ref, f"unreadable run record: {exc}")
             return

@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 import pickle
+import re
 import time
 import warnings
 import weakref
@@ -273,6 +274,12 @@ def decode_record(raw: bytes | None) -> dict[str, Any]:
     """
     if raw is None:
         raise CorruptEntryError("the run stored no record (opened before 0.21, or not by an agent)")
+    version = _record_version(raw)
+    if version > codec.CODEC_VERSION:
+        raise NewerEntryError(
+            f"the run's record was written by a newer codec (v{version}) than this loomflow "
+            f"reads (up to v{codec.CODEC_VERSION}); upgrade this process"
+        )
     try:
         value = codec.loads(raw)
     except Exception as exc:  # any damage, however crafted, is a corrupt record
@@ -280,6 +287,17 @@ def decode_record(raw: bytes | None) -> dict[str, Any]:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise CorruptEntryError(f"the run's record is not a mapping: {type(value).__name__}")
     return value
+
+
+# A record is tagged JSON of codec version 1 with no mark; a release that writes it with a
+# newer codec version begins it with this key, so that this one can tell "upgrade" from damage
+# without decoding what it cannot read.
+_RECORD_VERSION = re.compile(rb'\{"codec_version":([0-9]{1,9})[,}]')
+
+
+def _record_version(raw: bytes) -> int:
+    marked = _RECORD_VERSION.match(raw)
+    return int(marked[1]) if marked else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -1297,17 +1315,20 @@ class JournalRuntime:
 
     async def run_inputs(self, session_id: str, user_id: str | None) -> dict[str, Any]:
         """The inputs the last run of (session, user) stored in its record; empty when it
-        stored none (opened without a record, or by a store of your own that cannot read it)
-        or the stored one is damaged."""
+        stored none (opened without a record, or by a store of your own that cannot read it).
+
+        Raises:
+            CorruptEntryError: the stored record is damaged (``NewerEntryError``: a newer
+                loomflow wrote it). The caller decides: a resume that needs the run's
+                metadata must not go on as if the run had none.
+        """
         scope = Scope.checked(session_id, user_id)
         reading = getattr(self._store, "run_record", None)  # custom stores may lack it
         if reading is None:
             return {}
         await self._ensure_open()
-        try:
-            return decode_record(await reading(scope))
-        except CorruptEntryError:
-            return {}  # no record, or a damaged one: nothing is known of its inputs
+        raw = await reading(scope)
+        return {} if raw is None else decode_record(raw)
 
     async def count_states(self) -> dict[str, int]:
         """How many sessions are in each run state (every state present, zeros included)."""

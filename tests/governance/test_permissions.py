@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from loomflow.agent import Agent, RunFinished
-from loomflow.errors import UserError
+from loomflow.errors import NewerEntryError, UserError
 from loomflow.governance import (
     PERMISSION_DENIED,
     Approval,
@@ -27,7 +29,7 @@ from loomflow.governance import (
 )
 from loomflow.messages import Message, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
-from loomflow.runtime import InMemoryRuntime
+from loomflow.runtime import InMemoryRuntime, SqliteRuntime
 from loomflow.tools import Tool
 
 MODES = ("default", "acceptEdits", "bypass", "readOnly")
@@ -841,6 +843,56 @@ async def test_a_resume_of_a_run_whose_metadata_held_a_secret_needs_its_metadata
     result = await agent.resume("go", session_id="s", user_id="u", metadata=metadata)
     assert ran == []
     assert result.output == "done"
+
+
+@pytest.mark.parametrize(
+    ("record", "error", "says"),
+    [
+        (b'{"prompt": "go", "metadata": {"$t": "nonsense"}}', UserError, "record is damaged"),
+        (b'{"codec_version":2,"prompt":"go"}', NewerEntryError, "newer codec"),
+    ],
+    ids=["damaged", "newer"],
+)
+async def test_a_resume_whose_run_record_is_unreadable_does_not_go_on_without_roles(
+    tmp_path: Path, record: bytes, error: type[Exception], says: str
+) -> None:
+    # A damaged run record (a crafted row) read as "no inputs": a resume without metadata=
+    # ran the viewer's run as a caller with no role, and its edit ran.
+    ran.clear()
+    crash = [True]
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if not [m for m in messages if m.role == "tool"]:
+            if crash[0]:
+                raise RuntimeError("process died")
+            return [ToolCall(id="c0", name="write_record", arguments={"record": "a"})]
+        return "done"
+
+    path = tmp_path / "journal.db"
+    permissions = StandardPermissions("acceptEdits", roles={"viewer": Policy(mode="readOnly")})
+    async with SqliteRuntime(path) as runtime:
+        agent = Agent(
+            "x",
+            model=FunctionModel(decide),
+            tools=[make_tool(edits=True, destructive=False)],
+            permissions=permissions,
+            runtime=runtime,
+        )
+        metadata = {"role": "viewer"}
+        with pytest.raises(RuntimeError):
+            await agent.run("go", session_id="s", user_id="u", metadata=metadata)
+        with sqlite3.connect(path) as db:
+            assert db.execute("UPDATE loom_sessions SET record = ?", (record,)).rowcount == 1
+        crash[0] = False
+        with pytest.raises(error, match=says):
+            await agent.resume("go", session_id="s", user_id="u")
+        with pytest.raises(error, match=says):
+            await agent.resume("go", session_id="s", user_id="u", approvals={"x": "allow"})
+        assert ran == []
+        # Given its metadata again, the run goes on as the viewer's.
+        result = await agent.resume("go", session_id="s", user_id="u", metadata=metadata)
+        assert ran == []
+        assert result.output == "done"
 
 
 @pytest.mark.parametrize(

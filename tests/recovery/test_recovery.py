@@ -708,6 +708,34 @@ async def test_a_session_row_whose_ids_no_longer_match_its_key_is_left_alone(
     assert tool_counts(ledger, "ship").get("moved-1", 0) == 0  # never resumed as mallory's
 
 
+async def test_a_run_record_a_newer_loomflow_wrote_is_left_to_a_newer_worker(
+    worker: dict[str, Agent], journal_url: str, ledger: Path
+) -> None:
+    # A newer release's run record read as damage: the old worker dead-lettered a sound run
+    # that a worker of the newer release would have finished.
+    await start_and_kill(journal_url, ledger, 1, "record")
+    runtime = _runtime(worker)
+    db = runtime.database  # type: ignore[attr-defined]
+    [raw] = [r[0] for r in await db.fetch("SELECT record FROM loom_sessions")]
+    newer = b'{"codec_version":%d,' % (CODEC_VERSION + 1) + bytes(raw)[1:]
+    await db.execute("UPDATE loom_sessions SET record = $1", newer)
+    old = Recovery(runtime, worker, metrics=_metrics(), worker_id="old")
+    for _ in range(2):
+        report = await old.sweep()
+        await old.wait()
+        assert (report.resumed, report.dead_lettered) == ([], [])
+        [left] = report.unregistered
+        assert (left.session_id, "newer loomflow" in left.reason) == ("record-0", True)
+    [info] = await runtime.sessions()
+    assert (info.state, info.attempts, info.last_error) == ("orphaned", 0, None)
+    # Read by a release of that codec version (here: the mark taken off), it is resumed.
+    await db.execute("UPDATE loom_sessions SET record = $1", bytes(raw))
+    new = Recovery(runtime, worker, metrics=_metrics(), worker_id="new")
+    assert [r.session_id for r in (await new.sweep()).resumed] == ["record-0"]
+    await new.wait()
+    assert await _states(runtime) == {"record-0": "finished"}
+
+
 @pytest.mark.parametrize("entries", ["", "WHERE name NOT LIKE 'model%'"])  # all, or a tool's
 async def test_a_run_a_newer_loomflow_journaled_is_left_to_a_newer_worker(
     worker: dict[str, Agent],
