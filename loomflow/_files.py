@@ -79,7 +79,18 @@ def _head(path: Path) -> bytes:
 
 def _refuse_a_database(path: Path) -> None:
     """An export is never written over a SQLite file: ``-o journal.db`` would destroy the
-    journal, and the command reading it would then export the emptied file."""
+    journal, and the command reading it would then export the emptied file. A symlink is
+    judged by its target too: a link to ``journal.db-shm`` names no database itself."""
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: the open reports it
+        target = path
+    if target != path.absolute():
+        _refuse_one(target)  # first: its error names the file the link leads to
+    _refuse_one(path)
+
+
+def _refuse_one(path: Path) -> None:
     if not path.is_file():  # missing, a directory, a pipe or a device: not read here
         return
     for suffix in _SQLITE_COMPANIONS:

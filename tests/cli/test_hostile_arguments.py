@@ -71,12 +71,14 @@ def test_an_export_is_never_written_over_the_journal(export: list[str], tmp_path
         assert loomflow("--url", url, *export, "-o", str(again)).returncode == 0
 
 
+@pytest.mark.parametrize("through_a_link", [False, True], ids=["named", "symlinked"])
 @pytest.mark.parametrize("suffix", ["-shm", "-wal"])
 def test_an_export_is_never_written_over_the_journals_shm_or_wal(
-    suffix: str, tmp_path: Path
+    suffix: str, through_a_link: bool, tmp_path: Path
 ) -> None:
     # Before: `-o journal.db-shm` truncated the shared-memory index of a journal in use; every
-    # process that had it open (workers, and the export itself) died of SIGBUS.
+    # process that had it open (workers, and the export itself) died of SIGBUS. A symlink
+    # to the -shm file (`-o out.json`) was judged by its own name and did the same.
     url = _journal_with_a_trail(tmp_path)
     journal = tmp_path / "journal.db"
     worker = subprocess.Popen(
@@ -99,7 +101,11 @@ def test_an_export_is_never_written_over_the_journals_shm_or_wal(
         assert worker.stdout.readline() == "open\n"
         target = tmp_path / f"journal.db{suffix}"
         before = target.read_bytes()
-        done = loomflow("--url", url, "users", "export", "ana", "-o", str(target))
+        out = target
+        if through_a_link:
+            out = tmp_path / "out.json"
+            out.symlink_to(target)
+        done = loomflow("--url", url, "users", "export", "ana", "-o", str(out))
         assert done.returncode == 1, done.stdout + done.stderr
         assert done.stderr.count("\n") == 1, done.stderr
         assert f"is the {suffix[1:]} file of the SQLite database" in done.stderr
