@@ -539,4 +539,4 @@ class UntrustedUsageError(InvalidUsageError):
 
 
 class UnknownModelPriceError(BudgetError):
-    """The budget cannot price a model call: the model is in no price table it was given."""
+    """A cost cap cannot be kept: the model called is in no price table the budget was given."""

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from loomflow.agent import Agent, RunFinished, Tuning
 from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
+from loomflow.config import Settings
 from loomflow.errors import (
     BudgetExceededError,
     BudgetUnavailableError,
@@ -352,19 +353,67 @@ async def test_a_failed_call_gives_its_reservation_back() -> None:
     assert await store.reservations() == []
 
 
-async def test_an_unknown_price_is_refused_before_the_call() -> None:
+@pytest.mark.parametrize("scope", ["user", "global", "run"])
+async def test_an_unknown_price_under_a_cost_cap_is_refused_before_the_call(scope: Any) -> None:
     model = PricedModel(tool_then_answer(), name="mystery-model")
-    agent = agent_with(StandardBudget(), model)
-    with pytest.raises(UnknownModelPriceError, match="mystery-model"):
+    agent = agent_with(StandardBudget([Cap("cost_usd", 5.0, scope=scope)]), model)
+    with pytest.raises(UnknownModelPriceError, match="mystery-model") as raised:
         await agent.run("go", user_id="alice")
+    assert f"{scope}.cost_usd" in str(raised.value)  # the cap that needs the price
+    assert "prices=" in str(raised.value)  # and how to give it
     assert model.calls == 0
-    priced = StandardBudget(prices={"mystery-model": ModelPrice(1.0, 2.0)})
+    priced = StandardBudget(
+        [Cap("cost_usd", 5.0, scope=scope)], prices={"mystery-model": ModelPrice(1.0, 2.0)}
+    )
     result = await agent_with(priced, PricedModel(tool_then_answer(), name="mystery-model")).run(
         "go", user_id="alice"
     )
     assert not result.interrupted
     [usage] = await priced.store.usage("alice")
     assert usage.totals.cost_nanousd == 3 * (100 * 1_000 + 20 * 2_000)
+
+
+async def test_an_unknown_price_runs_without_a_cost_cap_and_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Agent.from_settings builds a budget that only records: a model missing from the price
+    # table failed every run with UnknownModelPriceError though no cap looked at cost.
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
+    model = PricedModel(tool_then_answer(), name="unpriced-from-settings")
+    with caplog.at_level(logging.WARNING, "loomflow.governance.budget"):
+        async with Agent.from_settings(
+            "You look things up.",
+            model=model,
+            settings=settings,
+            tools=[lookup],
+            tuning=Tuning(max_tokens=32),
+        ) as agent:
+            first = await agent.run("go", user_id="alice")
+            second = await agent.run("go", user_id="alice")
+            usage = await agent.budget.store.usage("alice")  # type: ignore[union-attr]
+    assert (first.interrupted, second.interrupted) == (False, False)
+    assert model.calls == 6
+    [bucket] = usage
+    # Tokens are counted; the cost is unknown and counts as 0 (a cost cap would refuse).
+    assert (bucket.totals.tokens_in, bucket.totals.tokens_out) == (600, 120)
+    assert (bucket.totals.cost_nanousd, bucket.totals.calls) == (0, 6)
+    budget_log = [r for r in caplog.records if r.name == "loomflow.governance.budget"]
+    warned = [m for m in _caplog_names(budget_log) if "unpriced-from-settings" in m]
+    assert len(warned) == 1, warned
+    assert "prices=" in warned[0]
+
+
+async def test_an_unknown_price_counts_tokens_toward_token_caps() -> None:
+    budget = StandardBudget(
+        [Cap("tokens_total", 400), Cap("tokens_total", 10**6, scope="run")], overhead_tokens=100
+    )
+    model = PricedModel(tool_then_answer(), name="unpriced-token-capped")
+    result = await agent_with(budget, model).run("go", user_id="alice")
+    # Each call spends 120 tokens; the third's reservation no longer fits under 400.
+    assert result.interruption_reason == "budget:user.tokens_total"
+    assert model.calls == 2
+    [usage] = await budget.store.usage("alice")
+    assert (usage.totals.tokens_in, usage.totals.cost_nanousd) == (200, 0)
 
 
 @pytest.mark.parametrize(

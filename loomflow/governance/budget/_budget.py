@@ -189,8 +189,9 @@ class StandardBudget:
         prices: Extra or overriding prices (USD per million tokens) by model id. Ids are
             matched as calls name them: case, an ``openai:``/``anthropic:`` prefix and a date
             suffix do not matter (two keys naming one model with different prices raise
-            :class:`~loomflow.errors.InvalidArgumentError`). A model in no table cannot be
-            charged: the call fails with :class:`UnknownModelPriceError`.
+            :class:`~loomflow.errors.InvalidArgumentError`). A model in no table is refused
+            before the call with :class:`UnknownModelPriceError` when a ``cost_usd`` cap
+            watches it; with no cost cap its calls count their tokens and no cost.
         overhead_tokens: Input tokens added to each reservation for what the messages do not
             show (tool schemas, provider system prompts).
         estimate_input_tokens: Replaces :func:`bound_input_tokens`. In hard mode it must not
@@ -260,6 +261,8 @@ class StandardBudget:
             if number is None or number <= 0:
                 raise UserError(f"{what} must be a positive number of seconds, not {value!r}")
         self.caps: tuple[Cap, ...] = tuple(caps)
+        # The caps that need every call priced: without one, a model in no table counts 0.
+        self._cost_caps = tuple(cap.name for cap in caps if cap.metric == "cost_usd")
         if store is not None and not all(callable(getattr(store, op, None)) for op in _STORE_OPS):
             # A URL here failed only at the first model call, with an AttributeError.
             raise InvalidArgumentTypeError(
@@ -313,16 +316,25 @@ class StandardBudget:
     def price(self, model: str, provider: str | None = None) -> ModelPrice:
         """The price the budget charges ``model`` at.
 
+        A model in no table is priced at 0 when no cap watches cost: its tokens still count
+        and a warning is logged once per model.
+
         Raises:
-            UnknownModelPriceError: when no table knows the model.
+            UnknownModelPriceError: when no table knows the model and a ``cost_usd`` cap
+                needs its price.
         """
         found = price_for(model, provider=provider, prices=self.prices)
-        if found is None:
+        if found is not None:
+            return found
+        if self._cost_caps:
             raise UnknownModelPriceError(
-                f"no price is known for model {model!r}, so the budget cannot charge it; "
-                "pass StandardBudget(prices={...}) with its USD per million tokens"
+                f"no price is known for model {model!r}, and cost cap "
+                f"{', '.join(self._cost_caps)} cannot be kept without one; pass "
+                f"StandardBudget(prices={{{model!r}: ModelPrice(input_usd_per_mtok, "
+                "output_usd_per_mtok)}) (ModelPrice is in loomflow.models.pricing)"
             )
-        return found
+        _warn_unpriced(model)
+        return _UNPRICED
 
     def size(
         self,
@@ -474,7 +486,7 @@ class StandardBudget:
         Raises:
             BudgetExceededError: a cap would be crossed.
             BudgetUnavailableError: the store failed (the call must not go ahead).
-            UnknownModelPriceError: the model has no price.
+            UnknownModelPriceError: the model has no price and a cost cap needs one.
             InvalidUsageError: a count is negative, NaN or absurd.
         """
         price, amount = self.size(
@@ -674,8 +686,23 @@ class StandardBudget:
         await self.store.close()
 
 
-# Models already warned about (see _warn_unreported).
+# Models already warned about (see _warn_unreported and _warn_unpriced).
 _unreported: set[str] = set()
+_unpriced: set[str] = set()
+
+# What a model in no price table costs a budget without a cost cap.
+_UNPRICED = ModelPrice(0.0, 0.0)
+
+
+def _warn_unpriced(model: str) -> None:
+    if model not in _unpriced:
+        _unpriced.add(model)
+        log.warning(
+            "no price is known for model %r: the budget counts its tokens but not its cost "
+            "(a cost_usd cap would refuse its calls); pass StandardBudget(prices={...}) to "
+            "price it",
+            model,
+        )
 
 
 def _warn_unreported(model: str) -> None:
