@@ -70,6 +70,12 @@ class RunInfo:
     # ``None``: the list prices).
     prices: Mapping[str, ModelPrice] | None = None
     _emit: Callable[[BaseModel], None] = field(default=lambda _e: None, repr=False)
+    # For a replayed model call, while its after_model_call hooks run: the messages and
+    # settings it was made with (a live call's hooks had them in before_model_call), so a
+    # budget counts it toward the run's caps as it counted when it ran. ``None`` otherwise.
+    _replayed_request: tuple[list[Message], ModelSettings] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
     # The last response priced, with its table and cost: the run, the telemetry, the audit
     # log and a budget each price every live response, the same way (responses are values).
     _priced: tuple[Any, Any, float | None] | None = field(

@@ -287,6 +287,8 @@ class _Run:
         # Ids for calls the model left without, the same way when the journal replays it.
         response = _with_call_ids(response, turn)
         live = self.live_model
+        # One attribute a turn: what a budget sizes a replayed call by (see RunInfo).
+        self.info._replayed_request = None if live else (self.messages, self.agent._settings)
         for hook, token in zip(self.hooks, self.tokens, strict=True):
             await hook.after_model_call(
                 self.info, turn, response, replayed=not live, token=token if live else None

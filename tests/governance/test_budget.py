@@ -195,6 +195,60 @@ async def test_a_replayed_model_call_is_never_charged(sqlite_path: Path) -> None
     await runtime.close()
 
 
+def lookups(crash: dict[str, bool], *, reported: bool) -> Any:
+    """Tool turns until the fifth, then an answer, each reporting ``FIXED`` usage or none.
+    The second call raises while ``crash["armed"]`` (the worker dies mid-call)."""
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        done = sum(1 for m in messages if m.role == "tool")
+        if crash["armed"] and done == 1:
+            raise RuntimeError("worker died mid-call")
+        if done < 5:
+            call = ToolCall(id=f"c{done}", name="lookup", arguments={"key": f"k{done}"})
+            return ModelResponse(tool_calls=[call], usage=FIXED, usage_reported=reported)
+        return ModelResponse(text="done", usage=FIXED, usage_reported=reported)
+
+    return decide
+
+
+@pytest.mark.parametrize("reported", [False, True], ids=["no-usage", "usage"])
+async def test_a_replayed_call_counts_toward_run_caps_as_it_did_live(
+    tmp_path: Path, reported: bool
+) -> None:
+    # A call whose provider reported no usage counts its whole reservation toward the run's
+    # caps, and an unpriced model's call its tokens; replayed after a crash either counted 0,
+    # so the resumed run made more calls than the cap lets one run make.
+    def agent_on(path: Path, crash: dict[str, bool]) -> tuple[Agent, FunctionModel]:
+        budget = StandardBudget([Cap("tokens_total", 700, scope="run")], overhead_tokens=100)
+        model = PricedModel(lookups(crash, reported=reported), name="unpriced-replayed")
+        return agent_with(budget, model, runtime=SqliteRuntime(path)), model
+
+    whole, whole_model = agent_on(tmp_path / "whole.db", {"armed": False})
+    baseline, baseline_events = await collect(whole, session_id="s", user_id="alice")
+    assert baseline.interruption_reason == "budget:run.tokens_total"
+    assert 2 < whole_model.calls < 6  # the cap, not the script, ends the run
+    [limit] = [e for e in baseline_events if isinstance(e, BudgetDenied)]
+
+    path = tmp_path / "crashed.db"
+    crash = {"armed": True}
+    first, _ = agent_on(path, crash)
+    with pytest.raises(RuntimeError, match="worker died"):
+        await first.run("go", session_id="s", user_id="alice")
+    await first.runtime.close()
+    # A new process: a new agent, budget and runtime on the same SQLite file.
+    crash["armed"] = False
+    again, again_model = agent_on(path, crash)
+    resumed, events = await collect(again, session_id="s", user_id="alice")
+    assert resumed.replayed_steps >= 2  # model_call_0 and the first tool call
+    assert resumed.interruption_reason == "budget:run.tokens_total"
+    assert resumed.turns == baseline.turns
+    [denied] = [e for e in events if isinstance(e, BudgetDenied)]
+    assert (denied.used, denied.requested) == (limit.used, limit.requested)
+    assert again_model.calls == whole_model.calls - 1  # the first call came from the journal
+    await whole.runtime.close()
+    await again.runtime.close()
+
+
 async def test_crossing_a_cap_interrupts_the_run_before_the_call() -> None:
     budget = StandardBudget([Cap("tokens_total", 400)], overhead_tokens=100)
     model = FunctionModel(tool_then_answer())

@@ -346,8 +346,17 @@ class StandardBudget:
         provider: str | None = None,
     ) -> tuple[ModelPrice, Amount]:
         """The most a call can spend: (its price, the amount a reservation holds for it)."""
-        _count("max_tokens", max_tokens, MAX_TOKENS_PER_CALL)
         price = self.price(model, provider)
+        return price, self._most(price, max_tokens, messages, input_tokens)
+
+    def _most(
+        self,
+        price: ModelPrice,
+        max_tokens: int,
+        messages: Sequence[Message],
+        input_tokens: int | None = None,
+    ) -> Amount:
+        _count("max_tokens", max_tokens, MAX_TOKENS_PER_CALL)
         if input_tokens is None:
             estimated = self._estimate(messages)
             input_tokens = _count("estimated input tokens", estimated, MAX_TOKENS_PER_CALL)
@@ -355,7 +364,7 @@ class StandardBudget:
         tokens_in = _count("input tokens", input_tokens, MAX_TOKENS_PER_CALL)
         # The input could all be cache writes, dearer than plain input at some providers.
         cost = _cost(price, tokens_in, max_tokens, input_rate=price.max_input_rate)
-        return price, Amount(tokens_in, max_tokens, cost)
+        return Amount(tokens_in, max_tokens, cost)
 
     def actual(self, ticket: Ticket, usage: Usage, *, model: str | None, wall_s: float) -> Amount:
         """What a finished call spent, priced as the model that answered (validated).
@@ -899,16 +908,25 @@ class BudgetHooks(RunHooks):
         self._run_warnings(info, state, before)
 
     def _replayed(self, info: RunInfo, response: ModelResponse) -> Amount:
+        """What a replayed call adds to the run's figures: what it added when it ran."""
         usage = response.usage
-        price = price_for(
-            info.model_name,
-            provider=info.provider,
-            prices=self.budget.prices,
-            reported=response.model,
-        )
-        if price is None:
-            return Amount()
+        budget = self.budget
+        request = info._replayed_request
         try:
+            if not response.usage_reported and request is not None:
+                # Live, the call counted its whole reservation (see commit): sized again
+                # from the same messages and settings, it is the same amount.
+                messages, settings = request
+                asked = price_for(info.model_name, provider=info.provider, prices=budget.prices)
+                return budget._most(asked or _UNPRICED, settings.max_tokens, messages)
+            price = price_for(
+                info.model_name,
+                provider=info.provider,
+                prices=budget.prices,
+                reported=response.model,
+            )
+            if price is None:  # live, the call was priced at 0 (no cost cap) or refused
+                price = _UNPRICED
             return Amount(
                 usage.input_tokens,
                 usage.output_tokens,
