@@ -251,3 +251,101 @@ def test_reclaim_settles_every_dead_hold_not_the_first_hundred(tmp_path: Path) -
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT COUNT(*) FROM loom_budget_reservations").fetchone() == (0,)
     conn.close()
+
+
+# -- holds ---------------------------------------------------------------------------------
+
+LONG_USER = "ü" * 128  # 256 bytes of UTF-8: the longest id a store takes
+
+
+async def _hold_for(url: str, users: tuple[str | None, ...]) -> None:
+    """One reservation per user, left held (the workers "died" during their calls)."""
+    budget = StandardBudget(
+        [Cap("tokens_total", 10**9), Cap("cost_usd", 1000.0, scope="global")],
+        store=SqlBudgetStore(url),
+    )
+    await budget.store.open()  # made, even with no hold
+    for user in users:
+        await budget.reserve(
+            user_id=user, model="claude-haiku-4-5", max_tokens=100, input_tokens=1000
+        )
+    await budget.close()
+
+
+def _holds(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return loomflow("budget", "--budget-url", url, "holds", *args)
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_holds_lists_each_reservation_per_user(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    # No command showed what a dead worker's reservations held, or for whom, until a reclaim
+    # settled them: an operator saw only `held tokens` summed in `budget show`.
+    url = (
+        f"sqlite:///{tmp_path / 'budget.db'}"
+        if backend == "sqlite"
+        else request.getfixturevalue("pg_dsn")
+    )
+    asyncio.run(_hold_for(url, ()))
+    empty = _holds(url)
+    assert (empty.returncode, empty.stdout.strip()) == (0, "no budget reservations held")
+    asyncio.run(_hold_for(url, ("bob", "alice", None, "alice")))
+    result = _holds(url, "--json")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["user_id"] for r in rows] == [None, "alice", "alice", "bob"]
+    assert {r["scope"] for r in rows} == {"user"}
+    first = rows[1]
+    assert (first["tokens_in"], first["tokens_out"], first["held_tokens"]) == (1000, 100, 1100)
+    assert first["held_cost_usd"] == pytest.approx(1000 * 1.25e-6 + 100 * 5e-6, rel=0.01)
+    assert first["since"] <= first["lease_expires"]
+    assert first["lease_lapsed"] is False
+    assert first["on_expiry"] == "charge"
+    assert ["global", None, "all"] in first["buckets"]
+    assert len({r["reservation_id"] for r in rows}) == 4
+    # Each user's held amounts add up to what `budget show` says they hold.
+    shown = loomflow("budget", "--budget-url", url, "show", "--user", "alice", "--json")
+    [alice] = [json.loads(line) for line in shown.stdout.splitlines()]
+    assert alice["held_tokens"] == sum(r["held_tokens"] for r in rows[1:3])
+
+    table = _holds(url, "--user", "alice")
+    assert table.returncode == 0, table.stderr
+    header, *lines = table.stdout.splitlines()
+    assert header.split()[:4] == ["scope", "user", "held", "tokens"]
+    assert [line.split()[:3] for line in lines] == [["user", "alice", "1100"]] * 2
+    nobody = _holds(url, "--user", "zoe")
+    assert nobody.stdout.strip() == "no budget reservations held for user zoe"
+
+
+def test_holds_print_hostile_user_ids_safely(tmp_path: Path) -> None:
+    path = tmp_path / "budget.db"
+    url = f"sqlite:///{path}"
+    users = (None, *HOSTILE_USERS, "\u202eevil", LONG_USER)
+    asyncio.run(_hold_for(url, users))
+    # A hand-edited row whose user id holds a terminal escape and a newline: no store takes
+    # such an id, so it is named on stderr (escaped) and left out, not printed raw.
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "UPDATE loom_budget_reservations SET buckets = ?, expires_at = 0 "
+            "WHERE buckets LIKE '%evil%'",
+            (json.dumps([json.dumps(["user", "\x1b[2J\nroot", ""])]),),
+        )
+    conn.close()
+    result = _holds(url)
+    assert result.returncode == 0, result.stderr
+    for stream in (result.stdout, result.stderr):
+        assert "\x1b" not in stream
+        assert "\u202e" not in stream
+    header, *rows = result.stdout.splitlines()
+    start, end = header.index("user"), header.index("held tokens")
+    cells = [row[start:end].rstrip() for row in rows]
+    assert cells == ["-", "'   '", "' bob'", "\"'bob'\"", "'-'", "'a  b'", LONG_USER], cells
+    assert "unreadable" in result.stderr
+    assert "U+001B" in result.stderr
+    # --json gives every id as it is (escaped as JSON).
+    as_json = _holds(url, "--json")
+    ids = [json.loads(line)["user_id"] for line in as_json.stdout.splitlines()]
+    assert ids == [None, "   ", " bob", "'bob'", "-", "a  b", LONG_USER]
