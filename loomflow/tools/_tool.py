@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import functools
 import inspect
 import logging
+import os
 import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
 from ..context import RunContext, get_run_context
@@ -49,6 +52,23 @@ def tool_threads_running() -> int:
     """How many sync tool bodies are running in threads of this process right now (those a
     cancelled or timed-out call left behind included)."""
     return _threads_running
+
+
+# Sync tools run in threads of their own, not in the event loop's default executor: that one
+# has cpu_count + 4 threads (6 on two cores), and the loop's own DNS lookups (a database
+# reconnecting) and the JSONL audit store's file I/O wait for it. A few sync tools stuck on a
+# dead socket, which no timeout can stop, would stall every run of the process.
+TOOL_THREADS = 64
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _tool_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _threads_lock:
+        # One per process: a forked child must not inherit its parent's threads' bookkeeping.
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(TOOL_THREADS, "loomflow-tool"))
+        return _pool[1]
 
 
 def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -299,9 +319,11 @@ class Tool(Generic[P, R]):
         elif not self.blocking:
             value = self._call(*args, **kwargs)
         else:
-            # to_thread copies the current contextvars into the worker, so get_run_context()
+            # With the caller's contextvars (as to_thread copies them), so get_run_context()
             # works in sync tools too; blocking I/O there never stalls the event loop.
-            value = await asyncio.to_thread(_in_thread, self._call, *args, **kwargs)
+            body = functools.partial(_in_thread, self._call, *args, **kwargs)
+            run = functools.partial(contextvars.copy_context().run, body)
+            value = await asyncio.get_running_loop().run_in_executor(_tool_pool(), run)
         if inspect.isawaitable(value):
             # A sync-looking callable that returns a coroutine (a wrapped async function).
             value = await value

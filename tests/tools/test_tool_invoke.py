@@ -6,16 +6,19 @@ import asyncio
 import math
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from loomflow import RunContext, get_run_context
+from loomflow.audit import AuditRecord, JsonlAuditStore
 from loomflow.context import use_run_context
 from loomflow.errors import UserError
 from loomflow.runtime import codec
 from loomflow.tools import ToolOutcome, tool
+from loomflow.tools._tool import tool_threads_running
 
 
 class Quote(BaseModel):
@@ -269,6 +272,34 @@ async def test_sync_timeout_returns_while_the_thread_lingers() -> None:
         release.set()
     await asyncio.to_thread(finished.wait, 5)
     assert finished.is_set()
+
+
+async def test_sync_tools_left_hanging_do_not_starve_the_loops_own_threads(
+    tmp_path: Path,
+) -> None:
+    # Sync tools ran in the event loop's default executor (6 threads on two cores): a few
+    # stuck past their timeout left none for the loop's DNS lookups and the JSONL audit
+    # store, and every run of the process stalled behind them.
+    release = threading.Event()
+
+    @tool(timeout=0.05)
+    def stuck() -> str:
+        release.wait(30)
+        return "late"
+
+    try:
+        outcomes = await asyncio.gather(*(stuck.invoke({}) for _ in range(12)))
+        assert {o.error_type for o in outcomes} == {"timeout"}
+        assert tool_threads_running() == 12
+        store = JsonlAuditStore(tmp_path / "audit.jsonl")
+        async with asyncio.timeout(10):
+            await asyncio.get_running_loop().getaddrinfo("127.0.0.1", 5432)
+            [entry] = await store.append([AuditRecord(user_id="u", actor="a", action="x")])
+        assert entry.user_id == "u"
+        # And the sync tools that come after still run.
+        assert (await add.invoke({"a": 1})).value == 11
+    finally:
+        release.set()
 
 
 async def test_fast_tool_within_timeout_and_own_timeout_error() -> None:
