@@ -65,6 +65,16 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
     ),
+    Migration(
+        "index the user_id of memory rows, for a user's export and erasure",
+        (
+            # An export or an erasure also takes rows that name the user under another key
+            # ((user_key = ? OR user_id = ?)): without these, each scanned the whole table.
+            "CREATE INDEX loom_memory_episodes_user ON loom_memory_episodes (user_id)",
+            "CREATE INDEX loom_memory_facts_user ON loom_memory_facts (user_id)",
+            "CREATE INDEX loom_memory_blocks_user ON loom_memory_blocks (user_id)",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
