@@ -383,6 +383,9 @@ class Agent:
         self._redactor = (
             audit.redactor if isinstance(audit, RedactingAudit) else Redactor.from_settings()
         )
+        if self._memory_default and self.memory is not None:
+            # Facts and blocks written to it lose their secrets as the episodes do.
+            self.memory.redactor = self._redactor
         # Sealed tool results of this agent's runs, in this process only (see Sealer).
         self._sealed_results: OrderedDict[str, str] = OrderedDict()
         self._sealed_arguments = SealedArguments()

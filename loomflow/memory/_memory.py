@@ -19,6 +19,7 @@ from ..config import Settings
 from ..context import get_run_context
 from ..errors import CorruptEntryError, InvalidArgumentTypeError, UserError
 from ..messages import Message
+from ..redaction import Redactor
 from ..runtime._store import Scope
 from ..storage import PostgresDatabase, SqliteDatabase
 from ..tools import Tool
@@ -178,11 +179,25 @@ class Memory:
         store: The backend (:class:`InMemoryMemoryStore`, :class:`SqlMemoryStore`, or yours).
         history_episodes: How many of the latest episodes a run is reminded of (``None``:
             all of them).
+        redactor: What takes secrets out of a fact's object and source and a block's text
+            before they are stored, as out of an episode (default: the one the settings
+            describe, ``LOOMFLOW_REDACT_*``; an agent's default memory uses the agent's).
     """
 
-    def __init__(self, store: MemoryStore, *, history_episodes: int | None = 20) -> None:
+    def __init__(
+        self,
+        store: MemoryStore,
+        *,
+        history_episodes: int | None = 20,
+        redactor: Redactor | None = None,
+    ) -> None:
         self.store = store
         self.history_episodes = check_count("history_episodes", history_episodes, 0)
+        if redactor is not None and not isinstance(redactor, Redactor):
+            raise InvalidArgumentTypeError(
+                f"redactor must be a loomflow.redaction.Redactor, not {type(redactor).__name__}"
+            )
+        self.redactor = redactor if redactor is not None else Redactor.from_settings()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.store!r})"
@@ -326,15 +341,16 @@ class Memory:
 
         It supersedes the user's current fact on the same (subject, predicate); repeating the
         current object changes nothing. Example: ``remember("alice", "lives_in", "Paris",
-        user_id="alice")``.
+        user_id="alice")``. Secrets in ``object`` and ``source`` are redacted before storing.
         """
+        source = _source(source)
         return await self.store.remember(
             str(ULID()),
             _user(user_id),
             _text("subject", subject),
             _text("predicate", predicate),
-            _content("object", object),
-            _source(source),
+            self.redactor.text(_content("object", object)),
+            None if source is None else self.redactor.text(source),
         )
 
     async def retract(self, subject: str, predicate: str, *, user_id: str | None) -> Fact | None:
@@ -372,10 +388,9 @@ class Memory:
     # -- working blocks ----------------------------------------------------------------------
 
     async def set_block(self, name: str, content: str, *, user_id: str | None) -> Block:
-        """Create or overwrite the user's block ``name``."""
-        return await self.store.set_block(
-            _user(user_id), _text("name", name), _content("content", content)
-        )
+        """Create or overwrite the user's block ``name`` (secrets in ``content`` redacted)."""
+        content = self.redactor.text(_content("content", content))
+        return await self.store.set_block(_user(user_id), _text("name", name), content)
 
     async def block(self, name: str, *, user_id: str | None) -> Block | None:
         """The user's block ``name``, if it exists."""
@@ -489,6 +504,11 @@ class Memory:
         ]
 
 
+def _redactor(settings: Settings | None) -> Redactor | None:
+    """The redactor ``settings`` describe; ``None`` (the environment's) without settings."""
+    return None if settings is None else Redactor.from_settings(settings)
+
+
 class InMemoryMemory(Memory):
     """Memory that lives as long as this object (tests, demos)."""
 
@@ -517,7 +537,7 @@ class SqliteMemory(Memory):
             s = settings or Settings()
             db = SqliteDatabase.from_settings(target, s)
             store = SqlMemoryStore(db, owns_db=True, auto_migrate=auto_migrate, settings=s)
-        super().__init__(store, history_episodes=history_episodes)
+        super().__init__(store, history_episodes=history_episodes, redactor=_redactor(settings))
 
 
 class PostgresMemory(Memory):
@@ -540,4 +560,4 @@ class PostgresMemory(Memory):
                 auto_migrate=auto_migrate,
                 settings=settings,
             )
-        super().__init__(store, history_episodes=history_episodes)
+        super().__init__(store, history_episodes=history_episodes, redactor=_redactor(settings))
