@@ -128,8 +128,10 @@ class RunHooks:
 
     async def check_history(self, info: RunInfo, messages: list[Message]) -> list[Message]:
         """Inspect (and possibly rewrite) the messages the caller put before the prompt (a
-        team worker's earlier tasks and answers), or raise :class:`Interrupt`. Called with the
-        same messages on a replay, so a rewrite must depend on them alone."""
+        team worker's earlier tasks and answers), or raise :class:`Interrupt`. Called again,
+        apart, with the messages memory recalled from the session's earlier runs, when there
+        are any. Called with the same messages on a replay, so a rewrite must depend on them
+        alone."""
         return messages
 
     async def before_model_call(

@@ -216,6 +216,11 @@ class _Run:
                 history = await hook.check_history(self.info, history)
                 prompt = await hook.check_input(self.info, prompt)
             recalled = await self.recall()
+            if recalled:
+                # What memory recalls reaches the model as the history does: through the
+                # same input checks (recall is the same on a replay, so is what they leave).
+                for hook in self.hooks:
+                    recalled = await hook.check_history(self.info, recalled)
             self.messages = [
                 Message.system(self.agent.instructions),
                 *recalled,

@@ -498,3 +498,54 @@ def test_keys_redacted_to_one_placeholder_keep_their_entries_apart() -> None:
     }
     assert _map_text(result, PIIGuardrail().redact) == expected
     assert Redactor().value(result) == expected
+
+
+def _codenames(action: str) -> RegexGuardrail:
+    return RegexGuardrail(
+        "codenames", {"project": r"project-falcon"}, action=action, stages=("input",)
+    )
+
+
+def _seen_by_model() -> tuple[FunctionModel, list[str]]:
+    """A model that names the codename the first time and records what it was sent."""
+    sent: list[str] = []
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> str:
+        sent.append(" ".join(m.content for m in messages))
+        return "it is project-falcon" if len(sent) == 1 else "ok"
+
+    return FunctionModel(decide), sent
+
+
+async def test_recalled_episodes_pass_the_input_guardrails(tmp_path: Path) -> None:
+    # The first run's answer names the codename (only the input is checked), so its episode
+    # holds it; the second run is reminded of it, and the guardrail sees that reminder.
+    runtime = SqliteRuntime(tmp_path / "j.db")
+    model, sent = _seen_by_model()
+    agent = Agent("x", model=model, runtime=runtime, guardrails=[_codenames("redact")])
+    await agent.run("what is it called?", session_id="s", user_id="u")
+    events = [e async for e in agent.stream("and again?", session_id="s", user_id="u")]
+    assert "project-falcon" not in sent[1]
+    assert "[REDACTED:project]" in sent[1]
+    tripped = [e for e in events if isinstance(e, GuardrailTripped)]
+    assert [(e.stage, e.detail) for e in tripped] == [("input", "1 project")]
+    # The stored episode is unchanged: what a run keeps is its own turns.
+    assert agent.memory is not None
+    episodes = await agent.memory.episodes("s", user_id="u")
+    assert "project-falcon" in episodes[0].messages[-1].content
+    replay = await agent.resume("and again?", session_id="s", user_id="u")
+    assert replay.fresh_steps == 0  # the same recall, redacted the same way, replays
+    await runtime.close()
+
+
+async def test_a_blocking_input_guardrail_stops_a_run_reminded_of_what_it_blocks(
+    tmp_path: Path,
+) -> None:
+    runtime = SqliteRuntime(tmp_path / "j.db")
+    model, sent = _seen_by_model()
+    await Agent("x", model=model, runtime=runtime).run("name it", session_id="s", user_id="u")
+    agent = Agent("x", model=model, runtime=runtime, guardrails=[_codenames("block")])
+    result = await agent.run("go on", session_id="s", user_id="u")
+    assert (result.interrupted, result.interruption_reason) == (True, "guardrail:codenames")
+    assert len(sent) == 1  # the second run never reached the model
+    await runtime.close()
