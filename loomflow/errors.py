@@ -25,7 +25,8 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   ├── JournalEncodeError         a value has no journal encoding (also TypeError)
     │   ├── PayloadTooLargeError       a step result exceeds the size cap
     │   ├── CorruptEntryError          a stored entry cannot be decoded (strict mode)
-    │   │   └── NewerEntryError        ... because a newer loomflow wrote it (always raised)
+    │   │   ├── NewerEntryError        ... because a newer loomflow wrote it (always raised)
+    │   │   └── MemoryEntryTooLargeError  ... because it is over a memory read's byte cap
     │   ├── ReplayDivergenceError      a replayed position got other inputs (strict mode)
     │   ├── SessionBusyError           a run holds the (session, user): too long, or in a forget
     │   └── OwnershipLostError         this run was fenced out by a newer owner
@@ -100,6 +101,7 @@ __all__ = [
     "LegacyJournalError",
     "LegalHoldError",
     "LoomflowError",
+    "MemoryEntryTooLargeError",
     "MigrationError",
     "ModelError",
     "ModelRetryExhaustedError",
@@ -374,6 +376,14 @@ class ReplayDivergenceError(JournalError):
             f"step {step!r} (sub-run path {path}) diverged on replay: journaled inputs "
             f"{stored[:12]}…, now {current[:12]}…"
         )
+
+
+class MemoryEntryTooLargeError(CorruptEntryError):
+    """A stored memory episode is larger than a recall may return (``history_bytes``).
+
+    Its message names the episode, its session, its size and the cap. A run's recall leaves
+    such an episode out (with a warning) rather than load it into every later prompt.
+    """
 
 
 class SessionBusyError(JournalError):

@@ -33,7 +33,13 @@ from ..checkpoints import (
     CheckpointStore,
 )
 from ..context import RunContext
-from ..errors import CheckpointError, CorruptEntryError, OutputValidationError, UserError
+from ..errors import (
+    CheckpointError,
+    CorruptEntryError,
+    MemoryEntryTooLargeError,
+    OutputValidationError,
+    UserError,
+)
 from ..governance.approvals import ApprovalPending, PendingApproval, journaled_request
 from ..hooks import Interrupt, RunHooks, RunInfo
 from ..memory import AgentMemory, Memory
@@ -736,7 +742,8 @@ class _Run:
         def left_out(exc: CorruptEntryError) -> None:
             # One damaged episode costs the run that episode, not the session's whole memory:
             # re-recording never rewrites an earlier run's row, so it would hide it for good.
-            if strict:
+            # One over the recall's byte cap is left out alike on every replay: never raised.
+            if strict and not isinstance(exc, MemoryEntryTooLargeError):
                 raise exc
             log.warning("an episode of session %r is left out of memory: %s", session, exc)
 

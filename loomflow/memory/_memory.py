@@ -25,7 +25,7 @@ from ..storage import PostgresDatabase, SqliteDatabase
 from ..tools import Tool
 from ._protocol import MemoryStore
 from ._sql import SqlMemoryStore
-from ._types import Block, Episode, Fact, seconds
+from ._types import Block, Episode, Fact, encode_messages, newest_within, seconds
 from .inmemory import InMemoryMemoryStore
 
 if TYPE_CHECKING:
@@ -35,6 +35,9 @@ __all__ = ["InMemoryMemory", "Memory", "PostgresMemory", "SqliteMemory"]
 
 log = logging.getLogger("loomflow.memory")
 
+
+DEFAULT_HISTORY_BYTES = 8 * 1024 * 1024
+"""The default cap on the stored messages a run recalls (the journal's default step cap)."""
 
 # A subject, predicate or block name is a lookup key: PostgreSQL indexes it (an index entry
 # holds at most about 8 KB), so a long one is refused here, alike on every backend.
@@ -179,6 +182,9 @@ class Memory:
         store: The backend (:class:`InMemoryMemoryStore`, :class:`SqlMemoryStore`, or yours).
         history_episodes: How many of the latest episodes a run is reminded of (``None``:
             all of them).
+        history_bytes: The most bytes of stored messages a run is reminded of (default 8 MiB,
+            the journal's default step cap; ``None``: no cap). The newest episodes that fit
+            are recalled; one over the cap on its own is left out with a warning.
         redactor: What takes secrets out of a fact's object and source and a block's text
             before they are stored, as out of an episode (default: the one the settings
             describe, ``LOOMFLOW_REDACT_*``; an agent's default memory uses the agent's).
@@ -189,10 +195,12 @@ class Memory:
         store: MemoryStore,
         *,
         history_episodes: int | None = 20,
+        history_bytes: int | None = DEFAULT_HISTORY_BYTES,
         redactor: Redactor | None = None,
     ) -> None:
         self.store = store
         self.history_episodes = check_count("history_episodes", history_episodes, 0)
+        self.history_bytes = check_count("history_bytes", history_bytes, 1)
         if redactor is not None and not isinstance(redactor, Redactor):
             raise InvalidArgumentTypeError(
                 f"redactor must be a loomflow.redaction.Redactor, not {type(redactor).__name__}"
@@ -271,34 +279,56 @@ class Memory:
         before_epoch: int | None = None,
         limit: int | None = None,
         on_damaged: Callable[[CorruptEntryError], None] | None = None,
+        max_bytes: int | None = None,
     ) -> list[Episode]:
         """The episodes of (session, user), oldest first; the newest ``limit`` of them.
 
         ``before_epoch`` keeps only runs journaled at a lower epoch than that one. An episode
         that cannot be read back is a ``CorruptEntryError``; with ``on_damaged``, it is
         handed to that instead and left out (on a store of your own, which cannot leave one
-        out, the whole session is).
+        out, the whole session is). ``max_bytes`` keeps the newest episodes whose stored
+        messages add up to at most that many bytes; one over it on its own is a
+        ``MemoryEntryTooLargeError`` naming it (handed to ``on_damaged`` when given).
         """
         # Checked here, alike on every backend: a string was a TypeError, a float or a flag
         # taken as a number, and a number past 64 bits a "store unavailable" failure.
         check_count("limit", limit, 0)
+        check_count("max_bytes", max_bytes, 1)
         check_count("before_epoch", before_epoch, 0)
         session, user = _session(session_id), _user(user_id)
         if before_epoch is not None and before_epoch <= 0:
             # No run journals below epoch 0: the first run of a session (the common case)
             # recalls nothing, so it need not ask the store.
             return []
-        if on_damaged is not None and isinstance(self.store, SqlMemoryStore):
+        if isinstance(self.store, SqlMemoryStore):
+            # The cap applied in the query: an oversize row's messages are never loaded.
             return await self.store.episodes(
-                session, user, before_epoch=before_epoch, limit=limit, on_damaged=on_damaged
+                session,
+                user,
+                before_epoch=before_epoch,
+                limit=limit,
+                on_damaged=on_damaged,
+                max_bytes=max_bytes,
             )
         try:
-            return await self.store.episodes(session, user, before_epoch=before_epoch, limit=limit)
+            found = await self.store.episodes(session, user, before_epoch=before_epoch, limit=limit)
         except CorruptEntryError as exc:
             if on_damaged is None:
                 raise
             on_damaged(exc)
             return []
+        if max_bytes is None:
+            return found
+        # Another store hands the episodes over decoded: each is measured by its encoding,
+        # one codec pass per recalled episode.
+        kept = newest_within(
+            found[::-1],
+            lambda e: (e.id, len(encode_messages(e.messages))),
+            max_bytes,
+            session,
+            on_damaged,
+        )
+        return kept[::-1]
 
     async def history(
         self,
@@ -310,8 +340,8 @@ class Memory:
     ) -> list[Message]:
         """The messages a run on (session, user) is reminded of, oldest first.
 
-        The latest ``history_episodes`` episodes (of runs before ``before_epoch``), flattened;
-        ``on_damaged`` as for :meth:`episodes`.
+        The latest ``history_episodes`` episodes (of runs before ``before_epoch``) that fit
+        in ``history_bytes``, flattened; ``on_damaged`` as for :meth:`episodes`.
         """
         episodes = await self.episodes(
             session_id,
@@ -319,6 +349,7 @@ class Memory:
             before_epoch=before_epoch,
             limit=self.history_episodes,
             on_damaged=on_damaged,
+            max_bytes=self.history_bytes,
         )
         return [message for episode in episodes for message in episode.messages]
 

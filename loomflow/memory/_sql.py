@@ -31,6 +31,7 @@ from ._types import (
     decode_messages,
     encode_messages,
     micros,
+    newest_within,
     timestamp,
 )
 from .migrations import COMPONENT, MIGRATIONS
@@ -322,17 +323,24 @@ class SqlMemoryStore(ComponentStore):
         before_epoch: int | None,
         limit: int | None,
         on_damaged: Callable[[CorruptEntryError], None] | None = None,
+        max_bytes: int | None = None,
     ) -> list[Episode]:
         """As the protocol's; with ``on_damaged``, a damaged row is handed to it and left out
-        instead of raised."""
+        instead of raised. With ``max_bytes``, see :func:`~._types.newest_within`: the
+        messages of a row over the cap are not even read from the database."""
         scope = Scope(session_id, user_id)
         # The user's key as well as the scope: what a run recalls is then always something
         # forget_user erases, even from a row whose user_key was edited away from its scope.
         args: list[Any] = [scope.key, scope.user_key]
-        sql = (
-            f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes "
-            "WHERE scope = $1 AND user_key = $2"
-        )
+        columns = _EPISODE_COLUMNS
+        if max_bytes is not None:
+            args.append(int(max_bytes))
+            # length() of a blob is its bytes, on SQLite as on PostgreSQL (bytea).
+            columns = columns.replace(
+                "messages,", "CASE WHEN length(messages) > $3 THEN NULL ELSE messages END,"
+            )
+            columns += ", length(messages)"
+        sql = f"SELECT {columns} FROM loom_memory_episodes WHERE scope = $1 AND user_key = $2"
         if before_epoch is not None:
             args.append(int(before_epoch))
             # Newest first so LIMIT keeps the most recent. `epoch <` leaves out NULL epochs,
@@ -347,10 +355,16 @@ class SqlMemoryStore(ComponentStore):
             args.append(int(limit))
             sql += f" LIMIT ${len(args)}"
         rows = await self._fetch("read", sql, *args)
+        if max_bytes is not None:
+            rows = newest_within(
+                rows, lambda r: (r[0], int(r[-1])), max_bytes, session_id, on_damaged
+            )
         found = []
         for row in reversed(rows):
             try:
-                found.append(_episode(row, user_id, session_id))
+                # Without the size column a capped read adds at the end.
+                plain = row if max_bytes is None else tuple(row)[:-1]
+                found.append(_episode(plain, user_id, session_id))
             except CorruptEntryError as exc:
                 if on_damaged is None:
                     raise

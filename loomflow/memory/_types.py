@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import CorruptEntryError
+from .._printable import shown
+from ..errors import CorruptEntryError, MemoryEntryTooLargeError
 from ..messages import Message
 from ..runtime import codec
 
@@ -182,3 +185,41 @@ def decode_messages(raw: bytes, version: int, episode_id: str) -> list[Message]:
     if not isinstance(value, list) or not all(isinstance(m, Message) for m in value):
         raise CorruptEntryError(f"episode {episode_id} does not hold messages")
     return value
+
+
+_T = TypeVar("_T")
+
+
+def newest_within(
+    newest_first: Sequence[_T],
+    measure: Callable[[_T], tuple[object, int]],
+    max_bytes: int,
+    session_id: str,
+    on_too_large: Callable[[CorruptEntryError], None] | None,
+) -> list[_T]:
+    """The newest episodes whose messages add up to at most ``max_bytes``, newest first
+    (``measure`` tells an episode's id and the bytes of its stored messages).
+
+    The walk stops at the first episode that no longer fits, so what is recalled is always
+    the end of the conversation, without holes. An episode over ``max_bytes`` on its own is a
+    :class:`MemoryEntryTooLargeError` naming it: raised, or, with ``on_too_large``, handed to
+    that and skipped, so that one huge row does not cost the session its whole memory.
+    """
+    kept: list[_T] = []
+    left = max_bytes
+    for item in newest_first:
+        eid, n = measure(item)
+        if n > max_bytes:
+            error = MemoryEntryTooLargeError(
+                f"episode {shown(eid)} of session {shown(session_id)} holds {n} bytes of "
+                f"messages, over the {max_bytes}-byte recall cap (history_bytes)"
+            )
+            if on_too_large is None:
+                raise error
+            on_too_large(error)
+            continue
+        if n > left:
+            break
+        left -= n
+        kept.append(item)
+    return kept

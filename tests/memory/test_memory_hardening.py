@@ -1,5 +1,5 @@
-"""Memory on real SQLite and PostgreSQL: secrets kept out of facts and blocks, bounded recall,
-and recalled episodes under the input guardrails."""
+"""Memory on real SQLite and PostgreSQL: secrets kept out of facts and blocks, and a recall
+bounded in bytes."""
 
 from __future__ import annotations
 
@@ -10,21 +10,28 @@ import pytest
 
 from loomflow.agent import Agent
 from loomflow.audit import AuditLog, InMemoryAuditStore
-from loomflow.memory import Memory, PostgresMemory, SqliteMemory, memory_for
-from loomflow.messages import ToolCall
-from loomflow.models import ScriptedModel
+from loomflow.errors import MemoryEntryTooLargeError, UserError
+from loomflow.memory import InMemoryMemory, Memory, PostgresMemory, SqliteMemory, memory_for
+from loomflow.memory._types import encode_messages
+from loomflow.messages import Message, ToolCall
+from loomflow.models import FunctionModel, ScriptedModel
 from loomflow.redaction import Redactor
 from loomflow.runtime import SqliteRuntime
 
 KEY = "sk-" + "a1b2c3d4e5" * 4  # an OpenAI-shaped key
 
 
+def _opened(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Memory:
+    if kind == "memory":
+        return InMemoryMemory()
+    if kind == "sqlite":
+        return SqliteMemory(tmp_path / "m.db")
+    return PostgresMemory(request.getfixturevalue("pg_dsn"))
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def memory(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Memory]:
-    if request.param == "sqlite":
-        made: Memory = SqliteMemory(tmp_path / "m.db")
-    else:
-        made = PostgresMemory(request.getfixturevalue("pg_dsn"))
+    made = _opened(request.param, request, tmp_path)
     yield made
     await made.close()
 
@@ -84,4 +91,66 @@ async def test_an_agents_default_memory_redacts_with_the_agents_redactor(tmp_pat
     assert agent.memory is not None
     block = await agent.memory.set_block("n", "tenant-secret-42", user_id="u")
     assert block.content == "[REDACTED]"
+    await runtime.close()
+
+
+def _turns(text: str) -> list[Message]:
+    return [Message.user(text), Message.assistant("ok")]
+
+
+async def _three_episodes(memory: Memory, sizes: tuple[int, int, int]) -> list[str]:
+    ids = []
+    for epoch, size in enumerate(sizes):
+        episode = await memory.record_episode(
+            "s", user_id="u", key=f"k{epoch}", messages=_turns("x" * size), output="ok", epoch=epoch
+        )
+        ids.append(episode.id)
+    return ids
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def any_memory(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Memory]:
+    made = _opened(request.param, request, tmp_path)
+    yield made
+    await made.close()
+
+
+async def test_recall_keeps_the_newest_episodes_that_fit(any_memory: Memory) -> None:
+    await _three_episodes(any_memory, (100, 3000, 200))
+    size = [len(encode_messages(_turns("x" * n))) for n in (100, 3000, 200)]
+    found = await any_memory.episodes("s", user_id="u", max_bytes=size[2] + size[1])
+    assert [e.key for e in found] == ["k1", "k2"]  # oldest first, as ever
+    # The walk stops at the first that does not fit: no older episode after a gap.
+    found = await any_memory.episodes("s", user_id="u", max_bytes=size[1] + 10)
+    assert [e.key for e in found] == ["k2"]
+    any_memory.history_bytes = size[2] + size[1] + size[0]
+    assert len(await any_memory.history("s", user_id="u")) == 6
+    with pytest.raises(UserError, match="max_bytes"):
+        await any_memory.episodes("s", user_id="u", max_bytes=0)
+
+
+async def test_an_episode_over_the_cap_is_a_typed_error_naming_it(any_memory: Memory) -> None:
+    ids = await _three_episodes(any_memory, (100, 50_000, 200))
+    with pytest.raises(MemoryEntryTooLargeError, match=rf"episode '{ids[1]}' of session 's'"):
+        await any_memory.episodes("s", user_id="u", max_bytes=10_000)
+    told: list[Exception] = []
+    found = await any_memory.episodes("s", user_id="u", max_bytes=10_000, on_damaged=told.append)
+    assert [e.key for e in found] == ["k0", "k2"]  # the rest of the session is still recalled
+    assert "over the 10000-byte recall cap" in str(told[0])
+
+
+async def test_a_run_is_not_wedged_by_a_huge_earlier_episode(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runtime = SqliteRuntime(tmp_path / "j.db")
+    memory = Memory(memory_for(runtime).store, history_bytes=20_000)
+    sent: list[list[Message]] = []
+    model = FunctionModel(lambda messages, tools: sent.append(messages) or "ok")
+    agent = Agent("x", model=model, runtime=runtime, memory=memory)
+    await agent.run("first", session_id="s", user_id="u")
+    await agent.run("huge " + "y" * 50_000, session_id="s", user_id="u")
+    third = await agent.run("third", session_id="s", user_id="u")
+    assert third.output == "ok"
+    assert [m.content for m in sent[2]] == ["x", "first", "ok", "third"]  # no "huge ..."
+    assert "over the 20000-byte recall cap" in caplog.text
     await runtime.close()
