@@ -30,7 +30,13 @@ from ..config import (
     env_file_variables,
     lower_scheme,
 )
-from ..errors import ConfigurationError, CorruptEntryError, LoomflowError, UserError
+from ..errors import (
+    ConfigurationError,
+    CorruptEntryError,
+    LoomflowError,
+    NewerEntryError,
+    UserError,
+)
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
 from ..runtime._store import path_key
 from ..storage._roles import app_role_problem
@@ -745,10 +751,13 @@ async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
     entries = await runtime.entries(args.session_id, info.user_id)
-    tools, unreadable = await _read_back(runtime, info, {e.epoch for e in entries})
+    tools, unreadable, newer_keys = await _read_back(runtime, info, {e.epoch for e in entries})
 
     def damage(e: EntryInfo) -> str | None:
         return e.damage or unreadable.get((e.epoch, path_key(e.path), e.name))
+
+    def newer(e: EntryInfo) -> bool:
+        return (e.epoch, path_key(e.path), e.name) in newer_keys
 
     if args.json:
         for e in entries:
@@ -780,7 +789,10 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     for e in entries:
         last = e.epoch == (info.epoch if info.open else info.epoch - 1)
         status = "replays" if last else "kept (earlier run)"
-        if damage(e) is not None:
+        if newer(e):
+            # Not run again: a resume stops with NewerEntryError (upgrade the process).
+            status = "newer loomflow: resume stops" if last else "newer loomflow"
+        elif damage(e) is not None:
             status = "damaged: runs again" if last else "damaged"
         tool = tools.get((e.epoch, path_key(e.path), e.name), "-")
         where = "/".join(e.path) or "-"
@@ -791,9 +803,12 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
 
 async def _read_back(
     runtime: JournalRuntime, info: SessionInfo, epochs: set[int]
-) -> tuple[dict[tuple[int, str, str], str], dict[tuple[int, str, str], str]]:
+) -> tuple[
+    dict[tuple[int, str, str], str], dict[tuple[int, str, str], str], set[tuple[int, str, str]]
+]:
     """What the session's stored values say, by (epoch, sub-run key, step name): the tool each
-    tool step ran, and why a value cannot be read back (a resume runs that step again).
+    tool step ran, why a value cannot be read back (a resume runs that step again), and the
+    steps a newer loomflow wrote (a resume stops there instead: ``NewerEntryError``).
 
     A tool step's name carries only a hash of the call; the tool it ran is in the journaled
     reply of the model call before it, so every value is read back (JSON values only: the CLI
@@ -805,9 +820,10 @@ async def _read_back(
 
     names: dict[tuple[int, str, str], str] = {}
     unreadable: dict[tuple[int, str, str], str] = {}
+    newer: set[tuple[int, str, str]] = set()
     store = getattr(runtime, "_store", None)
     if store is None:
-        return names, unreadable
+        return names, unreadable, newer
     for epoch in sorted(epochs):
         for row in await store.load_run(Scope(info.session_id, info.user_id), epoch):
             if row.damaged() is not None:
@@ -816,6 +832,10 @@ async def _read_back(
                 continue  # the runtime's serializer decides; never unpickled here
             try:
                 value = runtime._decode(row)  # what a resume reads, by the same checks
+            except NewerEntryError as exc:  # most likely sound: never run again
+                unreadable[(epoch, row.path, row.name)] = f"{exc}"[:200]
+                newer.add((epoch, row.path, row.name))
+                continue
             except CorruptEntryError as exc:  # untrusted data, and a step that runs again
                 unreadable[(epoch, row.path, row.name)] = f"an unreadable value: {exc}"[:200]
                 continue
@@ -828,7 +848,7 @@ async def _read_back(
                     for slot, call in enumerate(reply.tool_calls):
                         step = tool_step_name(int(turn), slot, call)
                         names[(epoch, row.path, step)] = call.name
-    return names, unreadable
+    return names, unreadable, newer
 
 
 async def _prune(stores: Stores, args: argparse.Namespace) -> int:

@@ -172,3 +172,38 @@ def test_a_huge_tool_name_from_the_model_does_not_widen_every_line(tmp_path: Pat
     assert "t" * 999 + "…" in result.stdout
     shown = loomflow("runs", "show", "wide", "--json", journal=path)
     assert name in shown.stdout
+
+
+def test_show_does_not_promise_to_run_again_a_step_a_newer_release_wrote(
+    journal: Path,
+) -> None:
+    # A step written by a newer loomflow (a codec version above this one's) is not run again
+    # on resume: NewerEntryError stops the run, so a side effect is not done twice. `runs
+    # show` listed it as "damaged: runs again", telling an operator the opposite.
+    from loomflow.errors import NewerEntryError
+
+    with sqlite3.connect(journal) as conn:
+        conn.execute("UPDATE loom_entries SET codec_version = 99")
+    shown = loomflow("runs", "show", "done", journal=journal)
+    assert shown.returncode == 0, shown.stderr
+    assert "runs again" not in shown.stdout
+    assert "newer loomflow" in shown.stdout
+    rows = [
+        json.loads(line)
+        for line in loomflow("runs", "show", "done", "--json", journal=journal).stdout.splitlines()
+    ]
+    assert rows
+    assert all("newer" in str(r["damage"]) for r in rows)
+
+    async def resume() -> None:
+        runtime = SqliteRuntime(journal)
+        ran: list[int] = []
+        try:
+            with pytest.raises(NewerEntryError):
+                async with runtime.session("done", "ana", resume=True):
+                    await runtime.step("s", lambda: ran.append(1))
+        finally:
+            await runtime.close()
+        assert ran == []
+
+    asyncio.run(resume())
