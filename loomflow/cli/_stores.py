@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._ids import user_label
 from ..config import Settings, _masked_url
 from ..errors import (
     ConfigurationError,
+    CorruptEntryError,
     JournalError,
     MigrationError,
     StoreUnavailableError,
@@ -88,6 +90,7 @@ async def session_of(
 
     Raises:
         JournalError: no such session (for that user).
+        CorruptEntryError: several session rows of one user, none of them sound.
         UserError: several users ran that session id and none was named.
     """
     if anonymous:
@@ -101,9 +104,19 @@ async def session_of(
         if user_id is not None:
             who = f" of user {user_id!r}"
         raise JournalError(f"no session {session_id!r}{who} in the journal")
+    if len(found) > 1 and len({s.user_id for s in found}) == 1:
+        # Rows of one (session, user) under keys spelled otherwise: edited by hand, and
+        # listed as unreadable. The row the runtime reads is the sound one.
+        sound = [s for s in found if s.state != "unreadable"]
+        if len(sound) == 1:
+            return sound[0]
+        raise CorruptEntryError(
+            f"session {session_id!r} of {user_label(found[0].user_id)} has {len(found)} session "
+            "rows, edited by hand (`runs list` marks them unreadable): repair loom_sessions"
+        )
     if len(found) > 1:
         users = ", ".join(
-            sorted("(no user)" if s.user_id is None else repr(s.user_id) for s in found)
+            sorted({"(no user)" if s.user_id is None else repr(s.user_id) for s in found})
         )
         raise UserError(
             f"session {session_id!r} has runs of several users ({users}): "

@@ -207,3 +207,26 @@ def test_show_does_not_promise_to_run_again_a_step_a_newer_release_wrote(
         assert ran == []
 
     asyncio.run(resume())
+
+
+def test_a_second_session_row_of_the_same_user_does_not_ask_for_user_again(
+    journal: Path,
+) -> None:
+    # A session row copied under a key spelled otherwise (a space in its JSON) is one more row
+    # of the same (session, user). Every command taking the session said "has runs of several
+    # users ('ana', 'ana'): pick one with --user", also when given --user ana: no way out.
+    with sqlite3.connect(journal) as conn:
+        conn.execute(
+            "INSERT INTO loom_sessions (scope, session_id, user_id, epoch, open, updated_at) "
+            'SELECT \'["done", "ana"]\', session_id, user_id, epoch, 1, updated_at + 10 '
+            "FROM loom_sessions WHERE session_id = 'done'"
+        )
+    listed = loomflow("runs", "list", "--json", journal=journal).stdout.splitlines()
+    states = sorted(json.loads(r)["state"] for r in listed if '"done"' in r)
+    assert states == ["finished", "unreadable"]  # the copy is listed, marked
+    for args in (["--user", "ana"], []):
+        shown = loomflow("runs", "show", "done", *args, journal=journal)
+        assert shown.returncode == 0, shown.stderr
+        assert "replays" in shown.stdout
+        listed_ckpt = loomflow("checkpoints", "list", "done", *args, journal=journal)
+        assert listed_ckpt.returncode == 0, listed_ckpt.stderr
