@@ -572,7 +572,20 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
         is_request = entry.name.startswith(_REQUEST_STEP)
         if not is_request and not entry.name.startswith(_DECISION_STEP):
             continue
-        if entry.format != "json" or entry.codec_version > codec.CODEC_VERSION:
+        if entry.format != "pickle" and entry.codec_version > codec.CODEC_VERSION:
+            # The run's resume stops here with NewerEntryError (it never asks again).
+            if is_request:
+                ledger.damaged.append(
+                    _damaged(
+                        scope,
+                        entry.name,
+                        None,
+                        f"a newer loomflow wrote it (codec v{entry.codec_version}); "
+                        "upgrade this process to read it",
+                    )
+                )
+            continue
+        if entry.format != "json":
             continue  # the journal skips such rows too: the step would run again
         try:
             value = codec.loads(entry.value, version=entry.codec_version)

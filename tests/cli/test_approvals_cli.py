@@ -356,6 +356,38 @@ def test_a_damaged_request_is_listed_refused_and_stops_the_resume(
     assert sent == []
 
 
+def test_a_request_a_newer_loomflow_wrote_is_listed_not_hidden(tmp_path: Path) -> None:
+    """A request row of a codec version above this release's (a newer worker wrote it, and
+    the deploy was rolled back) vanished from `approvals list` ("no approval requests are
+    waiting") while the run's resume stops at it with NewerEntryError: a person waiting for
+    the request saw nothing to decide, and the run never moved."""
+    import sqlite3
+
+    from loomflow.errors import NewerEntryError
+
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    sent: list[dict[str, Any]] = []
+    _ops, everyone = asyncio.run(_run(url, sent, resume=False)).pending_approvals
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE loom_entries SET codec_version = 99 WHERE name = 'approval_request_0_0'")
+
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["request_id"] for r in rows] == [everyone.request_id, None]
+    assert rows[1]["step"] == "approval_request_0_0"
+    assert "newer loomflow" in rows[1]["unreadable"]
+    table = loomflow("--url", url, "approvals", "list")
+    assert table.returncode == 0, table.stderr
+    assert "unreadable" in table.stdout
+    assert "newer loomflow" in table.stderr
+    # The run stops at it rather than asking again (the request is most likely sound).
+    with pytest.raises(NewerEntryError):
+        asyncio.run(_run(url, sent, resume=True))
+    assert sent == []
+
+
 def test_a_decision_the_audit_log_cannot_record_is_not_journaled(tmp_path: Path) -> None:
     """The audit entry is written before the decision is journaled: with the audit store
     down the command fails and nothing is decided, so the retry records (and audits) it."""
