@@ -701,30 +701,32 @@ class _Run:
             # no turn): its passes were snapshotted when they ran, or never were, and these
             # would push the snapshots of a newer run out of the retention.
             return
-        if isinstance(self.runtime, JournalRuntime):
-            # Not over the snapshots of whoever took the run over while this one was stopped.
-            await self.runtime.check_turn(f"checkpoint_{self.turns}")
-        saved = await self.store.put(
-            Checkpoint(
-                id=str(ULID()),
-                session_id=self.ctx.session_id or "",
-                user_id=self.ctx.user_id,
-                run_id=self.ctx.run_id or "",
-                epoch=self.epoch,
-                turn=self.turns,
-                final=final,
-                prompt=self.original_prompt,
-                output=self.output,
-                messages=list(self.messages),
-                prompt_index=self.prompt_index,
-                usage=self.usage,
-                cost_usd=round(self.cost, 10),
-                parent_id=self.fork_of,
-                output_type=self.structured.type.__qualname__ if self.structured else None,
-                output_format=contract_digest(self.structured),
-            ),
-            retention=self.agent.tuning.checkpoint_retention,
+        snapshot = Checkpoint(
+            id=str(ULID()),
+            session_id=self.ctx.session_id or "",
+            user_id=self.ctx.user_id,
+            run_id=self.ctx.run_id or "",
+            epoch=self.epoch,
+            turn=self.turns,
+            final=final,
+            prompt=self.original_prompt,
+            output=self.output,
+            messages=list(self.messages),
+            prompt_index=self.prompt_index,
+            usage=self.usage,
+            cost_usd=round(self.cost, 10),
+            parent_id=self.fork_of,
+            output_type=self.structured.type.__qualname__ if self.structured else None,
+            output_format=contract_digest(self.structured),
         )
+        retention = self.agent.tuning.checkpoint_retention
+        if isinstance(self.runtime, JournalRuntime):
+            # Not over the snapshots of whoever took the run over: fenced on the run's token.
+            saved = await self.runtime.put_checkpoint(
+                self.store, snapshot, retention=retention, name=f"checkpoint_{self.turns}"
+            )
+        else:
+            saved = await self.store.put(snapshot, retention=retention)
         self.info.emit(CheckpointSaved(checkpoint_id=saved.id, turn=self.turns, final=final))
 
     async def recall(self) -> list[Message]:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from .._ids import check_count, check_id, user_label
 from .._printable import shown, text_of, unicode_column
 from ..config import Settings
-from ..errors import CheckpointError, StoreUnavailableError
+from ..errors import CheckpointError, OwnershipLostError, StoreUnavailableError
 from ..messages import Usage
 from ..runtime import codec
 from ..runtime._store import Scope
@@ -54,6 +54,24 @@ INSERT INTO loom_checkpoints
      size, created_at)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19,
     {now})
+RETURNING created_at
+"""
+# The same insert, fenced as a journal step's write is (runtime/_sql.py _WRITE): it inserts
+# only while the run's lease row still holds the writer's token, in the same statement, so a
+# worker that lost its run between its lease check and this write stores nothing (PostgreSQL
+# also locks the row FOR SHARE: a takeover waits for the write to commit). Typed casts: the
+# values come from a SELECT, whose parameters PostgreSQL cannot type from the columns.
+_INSERT_FENCED = """
+INSERT INTO loom_checkpoints
+    (checkpoint_id, scope, user_key, session_id, user_id, run_id, epoch, turn, final, prompt,
+     output, prompt_index, tokens_in, tokens_out, cost_usd, parent_id, codec_version, messages,
+     size, created_at)
+SELECT CAST($1 AS TEXT), CAST($2 AS TEXT), CAST($3 AS TEXT), CAST($4 AS TEXT),
+    CAST($5 AS TEXT), CAST($6 AS TEXT), CAST($7 AS BIGINT), CAST($8 AS INTEGER),
+    CAST($9 AS SMALLINT), CAST($10 AS TEXT), CAST($11 AS TEXT), CAST($12 AS INTEGER),
+    CAST($13 AS BIGINT), CAST($14 AS BIGINT), CAST($15 AS DOUBLE PRECISION), CAST($16 AS TEXT),
+    CAST($17 AS INTEGER), $18, CAST($19 AS INTEGER), {now}
+FROM loom_sessions WHERE scope = $2 AND token = $20{lock}
 RETURNING created_at
 """
 # Keep the newest N of a scope: everything at or below the seq of the (N+1)-th newest goes.
@@ -224,7 +242,16 @@ class SqlCheckpointStore(ComponentStore):
     component = COMPONENT
     migrations = MIGRATIONS
 
-    async def put(self, checkpoint: Checkpoint, *, retention: int | None = None) -> Checkpoint:
+    async def put(
+        self, checkpoint: Checkpoint, *, retention: int | None = None, token: int | None = None
+    ) -> Checkpoint:
+        """Store a snapshot (see :class:`CheckpointStore`).
+
+        ``token`` fences the write on a run's lease, as the journal fences a step: the store
+        must share the journal's database, and the snapshot is stored only while the run's
+        lease row holds that token (otherwise :class:`~loomflow.errors.OwnershipLostError`,
+        and nothing is written). Agents pass it; most callers leave it out.
+        """
         scope = Scope.checked(checkpoint.session_id, checkpoint.user_id)
         check_writable(checkpoint)
         retention = check_count("retention", retention, 1)
@@ -255,7 +282,16 @@ class SqlCheckpointStore(ComponentStore):
         # the retained number, and a crash between them cannot leave the cut undone.
         try:
             async with self.db.transaction(what="checkpoint write") as tx:
-                rows = await tx.fetch(_INSERT, *args)
+                if token is None:
+                    rows = await tx.fetch(_INSERT, *args)
+                else:
+                    rows = await tx.fetch(_INSERT_FENCED, *args, token)
+                    if not rows:  # the lease row holds a newer token: nothing was written
+                        raise OwnershipLostError(
+                            f"checkpoint {checkpoint.id!r} was not written: session "
+                            f"{checkpoint.session_id!r} of user {checkpoint.user_id!r} now "
+                            "belongs to a newer run"
+                        )
                 if retention is not None:
                     await tx.execute(_RETAIN, scope.key, retention)
         except StoreUnavailableError as error:

@@ -448,6 +448,43 @@ class JournalRuntime:
         if not _lease.turn_is_fresh(run, self.lease_seconds):
             await _lease.check_turn(self._store, run, what, self.lease_seconds)
 
+    async def put_checkpoint(
+        self, store: Any, checkpoint: Any, *, retention: int | None, name: str
+    ) -> Any:
+        """Store ``checkpoint`` in ``store`` (a :class:`~loomflow.checkpoints.CheckpointStore`)
+        for the run open here, fenced on its turn as its steps' writes are.
+
+        A store beside this journal (:func:`~loomflow.checkpoints.checkpoint_store_for`)
+        writes only while the run's lease row holds its token, in the write itself, so a run
+        that loses its turn between :meth:`check_turn` and the write stores nothing; another
+        store gets the check alone. One statement as before: the fence is part of the insert.
+
+        Raises:
+            OwnershipLostError: another owner took the run over (``RunCancelledError``: it
+                was cancelled); nothing was stored.
+        """
+        run = self.current_run
+        if run is None or not run.claimed:
+            return await store.put(checkpoint, retention=retention)
+        if not _lease.turn_is_fresh(run, self.lease_seconds):
+            await _lease.check_turn(self._store, run, name, self.lease_seconds)
+        try:
+            journal_db = getattr(self._store, "db", None)
+            if journal_db is not None and getattr(store, "db", None) is journal_db:
+                return await store.put(checkpoint, retention=retention, token=run.token)
+            owned = getattr(self._store, "_owned", None)  # the in-memory journal's check
+            if owned is not None and owned(run.scope, run.token) is None:
+                # The in-memory store's put does not yield: nothing can take over between.
+                raise OwnershipLostError(f"snapshot {name!r} was not written")
+            return await store.put(checkpoint, retention=retention)
+        except OwnershipLostError as exc:
+            await _lease.fenced_out(self._store, run)
+            raise _lease.lost_error(
+                run,
+                f"snapshot {name!r} was not written: session {run.session_id!r} of user "
+                f"{run.user_id!r} now belongs to a newer run",
+            ) from exc
+
     @contextlib.asynccontextmanager
     async def session(
         self,
