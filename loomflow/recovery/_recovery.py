@@ -104,6 +104,11 @@ _NEWER = (
 )
 
 
+# Pauses between tries to give an attempt lost to a store outage back (about 7 s in all: a
+# failover or a restart of the database, not an outage of hours).
+_GIVE_BACK_DELAYS = (0.5, 1.0, 2.0, 4.0)
+
+
 def _given_up(orphan: Orphan) -> str:
     """Why a run out of attempts is a dead letter: how its last attempt ended, as far as its
     row tells, with the last error an attempt raised (which the dead letter replaces)."""
@@ -225,6 +230,13 @@ class Recovery:
         # Runs whose journal a newer loomflow wrote: this process can never replay them.
         self._newer: set[tuple[str | None, str | None]] = set()
         self._journals_checked = False
+        # Attempts of each run that this worker lost to an outage of its own stores: given
+        # back (not counted toward max_attempts) up to max_attempts of them per run, so a run
+        # whose every attempt breaks a store still ends as a dead letter.
+        self._store_lost: dict[tuple[str | None, str | None], int] = {}
+        # Of those, the ones the journal could not be told of (the run's lease was left held,
+        # or the journal stayed down): this worker does not count them when it decides.
+        self._owed: dict[tuple[str | None, str | None], int] = {}
         self.failures = 0  # resumed runs of this recoverer that raised (``worker --once``)
 
     @property
@@ -363,7 +375,9 @@ class Recovery:
         except CorruptEntryError as exc:
             await self._dead_letter(report, orphan, ref, f"unreadable run record: {exc}")
             return
-        if orphan.attempts >= self.max_attempts:
+        if orphan.attempts - self._owed.get((orphan.session_id, orphan.user_id), 0) >= (
+            self.max_attempts
+        ):
             await self._dead_letter(report, orphan, ref, _given_up(orphan))
             return
         if self._stopping or len(self._tasks) >= self.concurrency:
@@ -493,6 +507,17 @@ class Recovery:
             error = stored_error(agent.redactor.text(f"{type(exc).__name__}: {exc}"))
             self._left_to_newer(session_id, claim.user_id, error)
             await self._quietly(self.runtime.requeue(session_id, claim.user_id))
+        except StoreUnavailableError as exc:
+            # One of our own stores failed (the journal's database was unreachable for a few
+            # seconds, say): an outage, not a failure of the run. The attempt is given back,
+            # as far as the bound allows; beyond it the attempt counts like any other.
+            error = stored_error(agent.redactor.text(f"{type(exc).__name__}: {exc}"))
+            if await self._lost_to_store(session_id, claim, exc, error):
+                outcome = "store_unavailable"
+            else:
+                outcome = await self._attempt_failed(session_id, claim, error)
+                if outcome != "cancelled":
+                    self.failures += 1
         except OwnershipLostError as exc:
             # Another owner took the run over while this one resumed it (this worker was
             # frozen past its lease, or the application resumed the run itself): the new
@@ -539,7 +564,8 @@ class Recovery:
             outcome = await self._attempt_failed(session_id, claim, error, final=final)
             if outcome != "cancelled":
                 self.failures += 1
-        self.metrics.recovery(outcome)
+        if outcome != "store_unavailable":  # counted as the store's failure instead
+            self.metrics.recovery(outcome)
         payload: dict[str, Any] = {"agent": agent.name, "attempt": claim.attempts}
         payload["outcome"] = outcome
         if stopped is not None:
@@ -567,6 +593,44 @@ class Recovery:
         )
         await self._quietly(self.runtime.requeue(session_id, claim.user_id))
 
+    async def _lost_to_store(
+        self, session_id: str, claim: OrphanClaim, failure: StoreUnavailableError, error: str
+    ) -> bool:
+        """Give back an attempt that a store outage ended; False once the run has had
+        ``max_attempts`` such attempts from this worker (the attempt then counts).
+
+        The journal is told at once if it answers again within a few seconds (the attempt
+        count goes down and the run is due now, for any worker); otherwise this worker
+        remembers the attempt and leaves it out when it decides whether to give up."""
+        key = (session_id, claim.user_id)
+        lost = self._store_lost.get(key, 0)
+        if lost >= self.max_attempts:
+            return False
+        if len(self._store_lost) >= 100_000:  # bounded, as _reported is
+            self._store_lost.clear()
+            self._owed.clear()
+        self._store_lost[key] = lost + 1
+        self.metrics.store_failed(failure)
+        self.failures += 1  # `worker --once` exits 1: the work was not done
+        log.warning(
+            "session %r of user %r was not finished: a store failed during attempt %d (%s); "
+            "the attempt does not count toward max_attempts",
+            session_id,
+            claim.user_id,
+            claim.attempts,
+            error,
+        )
+        for delay in (0.0, *_GIVE_BACK_DELAYS):
+            await asyncio.sleep(delay)
+            try:
+                if await self.runtime.requeue(session_id, claim.user_id):
+                    return True
+                break  # answered, but the run's lease is held still: remembered below
+            except Exception:  # down still: try again after a pause
+                log.debug("giving back an attempt failed", exc_info=True)
+        self._owed[key] = self._owed.get(key, 0) + 1
+        return True
+
     async def _attempt_failed(
         self, session_id: str, claim: OrphanClaim, error: str, *, final: bool = False
     ) -> str:
@@ -575,7 +639,8 @@ class Recovery:
         ``cancelled`` (cancelled while it ran: the run says so, whatever its steps raised on
         the way out) or ``retry_failed``."""
         user_id = claim.user_id
-        if final or claim.attempts >= self.max_attempts:
+        owed = self._owed.get((session_id, user_id), 0)
+        if final or claim.attempts - owed >= self.max_attempts:
             try:
                 marked = await self.runtime.dead_letter(session_id, user_id, error)
             except Exception:

@@ -1473,10 +1473,11 @@ class JournalRuntime:
             except Exception:
                 log.warning("could not give back the recovery claim on %s", scope.key)
 
-    async def requeue(self, session_id: str | None, user_id: str | None) -> None:
+    async def requeue(self, session_id: str | None, user_id: str | None) -> bool:
         """Make an orphan that nobody holds due for recovery at once, and give back the attempt
-        its claim counted (a worker stopping hands it over; not below one attempt)."""
-        await self._store.requeue(Scope(session_id, user_id))
+        its claim counted (a worker stopping hands it over; not below one attempt). False when
+        no such orphan is there (its lease is held still, or the run was closed)."""
+        return await self._store.requeue(Scope(session_id, user_id))
 
     async def dead_letter(
         self, session_id: str | None, user_id: str | None, error: str, *, token: int | None = None

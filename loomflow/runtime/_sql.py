@@ -718,8 +718,8 @@ class SqlJournalStore:
     async def note_error(self, scope: Scope, error: str) -> None:
         await self._run("write", "note_error", scope.key, error)
 
-    async def requeue(self, scope: Scope) -> None:
-        await self._run("write", "requeue", scope.key)
+    async def requeue(self, scope: Scope) -> bool:
+        return bool(await self._run("write", "requeue", scope.key))
 
     async def count_states(self) -> dict[str, int]:
         counts = dict.fromkeys(RUN_STATES, 0)

@@ -406,8 +406,9 @@ class JournalStore(Protocol):
     async def note_error(self, scope: Scope, error: str) -> None:
         """Record a recovery attempt's failure on the open run nobody holds."""
 
-    async def requeue(self, scope: Scope) -> None:
-        """Make the open run nobody holds due for recovery now (its worker stopped)."""
+    async def requeue(self, scope: Scope) -> bool:
+        """Make the open run nobody holds due for recovery now (its worker stopped); False
+        when no such run is there (held still, or closed)."""
 
     async def count_states(self) -> dict[str, int]:
         """How many sessions are in each state (see :data:`RUN_STATES`)."""

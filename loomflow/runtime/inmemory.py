@@ -284,11 +284,13 @@ class InMemoryStore:
         if row is not None and row.owner is None and row.open and row.status is None:
             row.last_error = error
 
-    async def requeue(self, scope: Scope) -> None:
+    async def requeue(self, scope: Scope) -> bool:
         row = self.sessions.get(scope.key)
         if row is not None and row.owner is None and row.open and row.status is None:
             row.retry_at = 0.0
             row.attempts = max(1, row.attempts - 1)  # handed back, not failed (see _sql)
+            return True
+        return False
 
     async def count_states(self) -> dict[str, int]:
         now = time.time()

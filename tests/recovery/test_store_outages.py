@@ -1,0 +1,126 @@
+"""Attempts that an outage of our own stores ended are not the run's failures.
+
+The resumed attempt is blocked in a tool while another connection takes the SQLite journal's
+write lock (a real outage of the file: every write of the worker fails with
+``StoreLockedError``); then the tool returns, the attempt cannot journal it, and the lock is
+let go a moment later. With ``max_attempts=1`` the run used to be a dead letter for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import _app
+import pytest
+from _fleet import start_and_kill, wait_for
+from prometheus_client import CollectorRegistry
+
+from loomflow.audit import AuditLog
+from loomflow.recovery import Recovery
+from loomflow.runtime import SqliteRuntime
+from loomflow.telemetry import Metrics
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def journal(tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "journal.db"
+    monkeypatch.setenv("FLEET_URL", f"sqlite:///{path}")
+    monkeypatch.setenv("FLEET_LEDGER", str(ledger))
+    monkeypatch.setenv("FLEET_AUDIT_URL", f"sqlite:///{tmp_path / 'audit.db'}")
+    monkeypatch.setenv("LOOMFLOW_SQLITE_BUSY_TIMEOUT_MS", "200")
+    monkeypatch.delenv("FLEET_FAIL", raising=False)
+    return path
+
+
+async def test_an_attempt_a_journal_outage_ended_does_not_count(
+    journal: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await start_and_kill(f"sqlite:///{journal}", ledger, 1, "blip")
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLEET_BLOCK", "1")
+    monkeypatch.setenv("FLEET_GATE", str(gate))
+    agents = _app.agents()
+    runtime, audit = agents["orders"].runtime, agents["orders"].audit
+    assert isinstance(runtime, SqliteRuntime)
+    assert isinstance(audit, AuditLog)
+    metrics = Metrics(CollectorRegistry())
+    recovery = Recovery(
+        runtime, agents, max_attempts=1, backoff=0, audit=audit, metrics=metrics, worker_id="w"
+    )
+    holder = sqlite3.connect(journal, isolation_level=None)
+    try:
+        assert len((await recovery.sweep()).resumed) == 1
+        await wait_for(ledger, "blocked", 2)  # the killed run's, then the resumed attempt's
+        holder.execute("BEGIN IMMEDIATE")  # the journal is down for its writers
+        gate.touch()
+        await wait_for(ledger, "ship", 1)
+        await asyncio.sleep(1.0)
+        holder.execute("ROLLBACK")  # back a moment later
+        await recovery.wait()
+        [info] = await runtime.sessions()
+        assert (info.state, info.last_error) == ("orphaned", None)
+        assert metrics.registry.get_sample_value(
+            "loomflow_recoveries_total", {"outcome": "retry_failed"}
+        ) in (None, 0)
+        assert recovery.failures == 1  # `worker --once` says the work was not done
+        # The next attempt is allowed (it was not a dead letter) and finishes the run.
+        await runtime.database.execute("UPDATE loom_sessions SET retry_at = 0")
+        assert len((await recovery.sweep()).resumed) == 1
+        await recovery.wait()
+        [info] = await runtime.sessions()
+        assert info.state == "finished"
+        outcomes = [
+            e.payload.get("outcome")
+            for e in (await audit.query(user_id="ana", action="run.recover")).entries
+        ]
+        assert "store_unavailable" in outcomes
+        assert outcomes[-1] == "finished"
+    finally:
+        holder.close()
+        await runtime.close()
+        await audit.close()
+
+
+async def test_a_run_that_breaks_the_store_every_time_still_ends_as_a_dead_letter(
+    journal: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bound: a worker gives back as many lost attempts of a run as max_attempts, then
+    # counts them, so a run that fails a store on every attempt is not retried forever.
+    await start_and_kill(f"sqlite:///{journal}", ledger, 1, "every")
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLEET_BLOCK", "1")
+    monkeypatch.setenv("FLEET_GATE", str(gate))
+    agents = _app.agents()
+    runtime, audit = agents["orders"].runtime, agents["orders"].audit
+    assert isinstance(runtime, SqliteRuntime)
+    assert isinstance(audit, AuditLog)
+    recovery = Recovery(runtime, agents, max_attempts=1, backoff=0, audit=audit, worker_id="w")
+    holder = sqlite3.connect(journal, isolation_level=None)
+    try:
+        for attempt in (1, 2):
+            gate.unlink(missing_ok=True)
+            await runtime.database.execute("UPDATE loom_sessions SET retry_at = 0")
+            assert len((await recovery.sweep()).resumed) == 1
+            await wait_for(ledger, "blocked", 1 + attempt)
+            holder.execute("BEGIN IMMEDIATE")
+            gate.touch()
+            await wait_for(ledger, "ship", attempt)
+            await asyncio.sleep(1.0)
+            holder.execute("ROLLBACK")
+            await recovery.wait()
+        # The second attempt counted: out of attempts, given up (at once, or by the next
+        # sweep if the journal was still locked when the attempt ended).
+        await runtime.database.execute("UPDATE loom_sessions SET retry_at = 0")
+        report = await recovery.sweep()
+        assert report.resumed == []
+        [info] = await runtime.sessions()
+        assert (info.state, info.attempts) == ("failed", 2)
+    finally:
+        holder.close()
+        await runtime.close()
+        await audit.close()
+
