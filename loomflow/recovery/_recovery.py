@@ -11,6 +11,7 @@ a run uses one up too; a failed attempt is retried after a backoff.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -237,6 +238,12 @@ class Recovery:
         # Of those, the ones the journal could not be told of (the run's lease was left held,
         # or the journal stayed down): this worker does not count them when it decides.
         self._owed: dict[tuple[str | None, str | None], int] = {}
+        # Audit entries that ended attempts while the audit log was down, oldest first: each is
+        # written (marked ``recorded_late``) before this recoverer's next entry, and at each
+        # sweep, so the trail shows every attempt however its store fared at the time.
+        self._unaudited: collections.deque[tuple[str, str | None, str | None, dict[str, Any]]]
+        self._unaudited = collections.deque(maxlen=10_000)
+        self._audit_lock: asyncio.Lock | None = None
         self.failures = 0  # resumed runs of this recoverer that raised (``worker --once``)
 
     @property
@@ -278,6 +285,15 @@ class Recovery:
         if not self._journals_checked:
             await self._check_journals()
         report = SweepReport()
+        if self._unaudited:
+            try:
+                await self._flush_unaudited()
+            except Exception:  # down still: kept for the next sweep or entry
+                log.warning(
+                    "%d recovery audit entries are still waiting for the audit log",
+                    len(self._unaudited),
+                    exc_info=True,
+                )
         report.states = await self.runtime.count_states()
         self.metrics.runs_by_state(self.runtime.backend, report.states)
         if self._stopping:
@@ -573,7 +589,50 @@ class Recovery:
         if error is not None:
             payload["error"] = error
         action = RUN_DEAD_LETTER if outcome == "dead_lettered" else RUN_RECOVER
-        await self._quietly(self._audit_ids(action, session_id, claim.user_id, payload))
+        await self._audit_ending(action, session_id, claim.user_id, payload)
+
+    async def _audit_ending(
+        self, action: str, session_id: str, user_id: str | None, payload: dict[str, Any]
+    ) -> None:
+        """Record how an attempt ended, trying again for a few seconds if the audit log is
+        down; after that the entry waits for it (see ``_unaudited``), and is never dropped
+        while this recoverer runs."""
+        for delay in (0.0, *_GIVE_BACK_DELAYS[:3]):
+            await asyncio.sleep(delay)
+            try:
+                await self._audit_ids(action, session_id, user_id, payload)
+                return
+            except StoreUnavailableError:
+                continue
+            except Exception:  # bookkeeping after the run: the run's own outcome stands
+                log.warning("recovery bookkeeping failed", exc_info=True)
+                return
+        self._unaudited.append((action, session_id, user_id, {**payload, "recorded_late": True}))
+        log.warning(
+            "the audit log refused the entry ending attempt %s of session %r of user %r; it "
+            "is recorded when the audit log answers again",
+            payload.get("attempt"),
+            session_id,
+            user_id,
+        )
+
+    async def _flush_unaudited(self) -> None:
+        """Write the entries kept while the audit log was down, oldest first."""
+        if self.audit is None or not self._unaudited:
+            return
+        if self._audit_lock is None:
+            self._audit_lock = asyncio.Lock()
+        async with self._audit_lock:  # one writer: two tasks must not write one entry twice
+            while self._unaudited:
+                action, session_id, user_id, payload = self._unaudited[0]
+                await self.audit.record(
+                    action,
+                    user_id=user_id,
+                    session_id=session_id,
+                    actor=self.actor,
+                    payload=payload,
+                )
+                self._unaudited.popleft()
 
     async def _not_audited(
         self, session_id: str, claim: OrphanClaim, failure: StoreUnavailableError
@@ -666,6 +725,7 @@ class Recovery:
     ) -> None:
         if self.audit is None:
             return
+        await self._flush_unaudited()  # what waited for the audit log goes first
         await self.audit.record(
             action, user_id=user_id, session_id=session_id, actor=self.actor, payload=payload
         )
@@ -724,6 +784,15 @@ class Recovery:
             # Not gather(): cancelled itself (a timeout around stop()), it would cancel the
             # runs again, in the middle of handing them over, and then wait for them anyway.
             await asyncio.wait(running)
+        if self._unaudited:  # a last try: these are gone with this process otherwise
+            try:
+                await self._flush_unaudited()
+            except Exception:
+                log.error(
+                    "%d recovery audit entries were never recorded: the audit log is down",
+                    len(self._unaudited),
+                    exc_info=True,
+                )
 
     async def __aenter__(self) -> Recovery:
         return self

@@ -124,3 +124,41 @@ async def test_a_run_that_breaks_the_store_every_time_still_ends_as_a_dead_lette
         await runtime.close()
         await audit.close()
 
+
+async def test_the_entry_of_a_failed_attempt_waits_for_an_audit_log_that_was_down(
+    journal: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The audit log refused the entry ending a failed attempt (its store was down at that
+    # moment): the entry was dropped with a warning, and compliance saw an attempt begin and
+    # never end. It is now retried, then kept and recorded once the audit log answers.
+    await start_and_kill(f"sqlite:///{journal}", ledger, 1, "quiet")
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLEET_BLOCK", "1")
+    monkeypatch.setenv("FLEET_GATE", str(gate))
+    monkeypatch.setenv("FLEET_FAIL", "1")
+    agents = _app.agents()
+    runtime, audit = agents["orders"].runtime, agents["orders"].audit
+    assert isinstance(runtime, SqliteRuntime)
+    assert isinstance(audit, AuditLog)
+    recovery = Recovery(runtime, agents, max_attempts=3, backoff=60, audit=audit, worker_id="w")
+    holder = sqlite3.connect(tmp_path / "audit.db", isolation_level=None)
+    try:
+        assert len((await recovery.sweep()).resumed) == 1
+        await wait_for(ledger, "blocked", 2)
+        holder.execute("BEGIN IMMEDIATE")  # the audit store is down, the journal is not
+        gate.touch()  # ship raises: a failed attempt
+        await recovery.wait()  # its retries (a few seconds) gave up
+        holder.execute("ROLLBACK")
+        [info] = await runtime.sessions()
+        assert (info.state, info.attempts) == ("orphaned", 1)
+        await recovery.sweep()  # the retry is not due; the kept entry is written now
+        entries = (await audit.query(user_id="ana", action="run.recover")).entries
+        ended = [e.payload for e in entries if "outcome" in e.payload]
+        assert len(ended) == 1
+        assert ended[0]["outcome"] == "retry_failed"
+        assert ended[0]["recorded_late"] is True
+        assert "the carrier is down" in ended[0]["error"]
+    finally:
+        holder.close()
+        await runtime.close()
+        await audit.close()
