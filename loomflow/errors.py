@@ -14,6 +14,7 @@ Every error loomflow raises derives from :class:`LoomflowError`::
     │   │   ├── ApprovalNotFoundError  no pending request with that id in the session's last run
     │   │   ├── ApprovalDecidedError   the request was decided already
     │   │   └── ApprovalArgumentsError edited arguments do not fit the tool's schema
+    │   ├── ReservedActionError        an audit action or chain loomflow keeps for its own entries
     │   └── UnknownUserError           no store holds anything about the user named
     ├── ConfigurationError             bad settings or an unusable store URL (also ValueError)
     ├── StorageError                   a store's database failed or is at the wrong version
@@ -112,6 +113,7 @@ __all__ = [
     "PayloadTooLargeError",
     "ProtectedChainError",
     "ReplayDivergenceError",
+    "ReservedActionError",
     "RunCancelledError",
     "ScriptExhaustedError",
     "SessionBusyError",
@@ -301,6 +303,24 @@ class ProtectedChainError(AuditError):
 
     def __init__(self, message: str, *, user_id: str | None = None) -> None:
         super().__init__(message)
+        self.user_id = user_id
+
+
+class ReservedActionError(UserError):
+    """An audit entry given by application code (``AuditLog.record()``, ``AuditStore.append()``)
+    uses an action loomflow keeps for its own entries (``audit.*``, ``legal_hold.*``,
+    ``console.*`` or one that reads like them) or a console chain's user id
+    (``console:<name>``): verification, erasure and holds act on those, so a forged one would
+    pass for a hold, an erasure or a look.
+
+    Attributes:
+        action: The action refused (cut at 80 characters).
+        user_id: The user id of the entry.
+    """
+
+    def __init__(self, message: str, *, action: str = "", user_id: str | None = None) -> None:
+        super().__init__(message)
+        self.action = action
         self.user_id = user_id
 
 

@@ -640,7 +640,7 @@ class Stores:
         from .audit.actions import AUDIT_DELETION
 
         payload = {"store": store, "deleted": deleted, **details}
-        await self.audit.append(
+        await self.audit._write(
             AuditRecord(user_id=user_id, actor=actor, action=AUDIT_DELETION, payload=payload)
         )
 

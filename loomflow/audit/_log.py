@@ -103,7 +103,8 @@ class AuditLog:
         self._observers.append(observer)
 
     async def _append(self, records: Sequence[AuditRecord]) -> list[AuditEntry]:
-        entries = await self.store.append(records)
+        # The store's trusted path: the loop's own actions, and record()'s checked above.
+        entries = await self.store._write(records)
         for entry in entries:
             for observer in self._observers:
                 try:
@@ -131,7 +132,7 @@ class AuditLog:
                 character.
             InvalidArgumentError: the payload is nested too deep to store (more than
                 ``MAX_PAYLOAD_DEPTH``, 200, lists and objects deep), or contains itself.
-            UserError: ``action`` is one loomflow keeps for itself (``audit.*``,
+            ReservedActionError: ``action`` is one loomflow keeps for itself (``audit.*``,
                 ``legal_hold.*``, ``console.*``: erasures, holds and the console's record of
                 looks, which verification and erasure rely on), or ``user_id`` names a
                 console chain (``console:<name>``). So is an action that reads like a
@@ -141,26 +142,7 @@ class AuditLog:
         check_id("user_id", user_id)
         check_id("session_id", session_id)
         check_id("run_id", run_id)
-        if isinstance(action, str) and action.startswith(actions.RESERVED_PREFIXES):
-            raise UserError(
-                f"action {action[:80]!r} is kept for loomflow's own entries: use "
-                "place_hold()/release_hold() for holds and Stores.forget_user() or retain() "
-                "for erasures, and name your own actions outside audit.*, legal_hold.* and "
-                "console.*"
-            )
-        family = actions.reserved_lookalike(action) if isinstance(action, str) else None
-        if family is not None:
-            # Listed by `audit query` and the console, it would pass for a hold or an erasure.
-            raise UserError(
-                f"action {action[:80]!a} looks like loomflow's own {family}* actions "
-                "(compared ignoring case, _ - and spaces, invisible characters and look-alike "
-                "letters): name your own actions so they cannot be read as one of those"
-            )
-        if isinstance(user_id, str) and user_id.startswith(actions.CONSOLE_CHAINS):
-            raise UserError(
-                f"user id {user_id[:80]!r} names a console chain (console:<name>), which only "
-                "the console writes"
-            )
+        actions.refuse_reserved(action, user_id)
         try:
             redacted = self.redactor.value(dict(payload or {}), max_text=self.max_text)
         except RecursionError:

@@ -45,7 +45,13 @@ from ._entry import (
     time_us_of_text,
     user_key,
 )
-from .actions import AUDIT_ERASURE, KEPT_BY_ERASURE, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED
+from .actions import (
+    AUDIT_ERASURE,
+    KEPT_BY_ERASURE,
+    LEGAL_HOLD_PLACED,
+    LEGAL_HOLD_RELEASED,
+    refuse_reserved,
+)
 
 __all__ = [
     "ANY_USER",
@@ -380,13 +386,24 @@ class AuditStore(abc.ABC):
 
         Records of one user are written atomically, under a lock that serialises that user's
         writers in every process; returns the stored entries.
+
+        Raises:
+            ReservedActionError: a record's action is one loomflow keeps for its own entries
+                (``audit.*``, ``legal_hold.*``, ``console.*`` or one that reads like them) or
+                its user id names a console chain; nothing of the batch is written. Holds,
+                erasures and deletions are written by :meth:`place_hold`,
+                :meth:`release_hold`, :meth:`erase` and the ``Stores`` methods.
         """
-        batch = [records] if isinstance(records, AuditRecord) else list(records)
+        batch = _batch(records)
+        for record in batch:
+            refuse_reserved(record.action, record.user_id)
+        return await self._write(batch)
+
+    async def _write(self, records: AuditRecord | Iterable[AuditRecord]) -> list[AuditEntry]:
+        """:meth:`append` without the reserved-action check: loomflow's own writers only."""
         ordered: list[AuditRecord] = []
         groups: dict[str, list[AuditRecord]] = {}
-        for record in batch:
-            if not isinstance(record, AuditRecord):
-                raise UserError(f"append() takes AuditRecord objects, not {type(record).__name__}")
+        for record in _batch(records):
             checked = record.checked()
             ordered.append(checked)
             groups.setdefault(user_key(checked.user_id), []).append(checked)
@@ -716,7 +733,7 @@ class AuditStore(abc.ABC):
         A hold placed between the caller's check and the record comes before the record in
         the user's (serialised) trail: it still wins, and nothing is erased.
         """
-        [record] = await self.append(
+        [record] = await self._write(
             AuditRecord(user_id=user_id, actor=actor, action=AUDIT_ERASURE, payload=payload)
         )
         hold = _hold_of(await self._last_hold_entry(user_id, before_seq=record.seq))
@@ -856,7 +873,7 @@ class AuditStore(abc.ABC):
         held = await self.legal_hold(user_id)
         if held is not None:
             raise _held(held, "already ")
-        [entry] = await self.append(
+        [entry] = await self._write(
             AuditRecord(
                 user_id=user_id, actor=actor, action=LEGAL_HOLD_PLACED, payload={"reason": reason}
             )
@@ -878,7 +895,7 @@ class AuditStore(abc.ABC):
         held = await self.legal_hold(user_id)
         if held is None:
             raise UserError(f"{user_label(user_id)} is not under legal hold")
-        await self.append(
+        await self._write(
             AuditRecord(
                 user_id=user_id,
                 actor=actor,
@@ -1598,6 +1615,14 @@ def _parse_cursor(cursor: str | None) -> int | None:
         shown = cursor[:40] if isinstance(cursor, str) else cursor
         raise UserError(f"bad cursor {shown!r}: pass the next_cursor of a previous page")
     return int(cursor)
+
+
+def _batch(records: AuditRecord | Iterable[AuditRecord]) -> list[AuditRecord]:
+    batch = [records] if isinstance(records, AuditRecord) else list(records)
+    for record in batch:
+        if not isinstance(record, AuditRecord):
+            raise UserError(f"append() takes AuditRecord objects, not {type(record).__name__}")
+    return batch
 
 
 def _check_text(what: str, value: object) -> None:

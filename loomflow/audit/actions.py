@@ -12,6 +12,8 @@ from __future__ import annotations
 import unicodedata
 from typing import Final
 
+from ..errors import ReservedActionError
+
 __all__ = [
     "ALL",
     "APPROVAL_DECISION",
@@ -41,6 +43,8 @@ __all__ = [
     "TOOL_CALL",
     "TOOL_REPLAY",
     "TOOL_RESULT",
+    "refuse_reserved",
+    "reserved_lookalike",
 ]
 
 RUN_START: Final = "run.start"
@@ -177,3 +181,39 @@ CONSOLE_CHAINS: Final = "console:"
 """Not an action: the prefix of the user ids of the console's own chains (``console:<name>``),
 where each query records who looked at what. Their payloads name the users looked at, so a
 forget erases those payloads; the chains themselves cannot be forgotten."""
+
+
+def refuse_reserved(action: object, user_id: object) -> None:
+    """Raise :class:`~loomflow.errors.ReservedActionError` if application code may not write
+    an entry with this action or user id: a reserved family (:data:`RESERVED_PREFIXES`), an
+    action that reads as one (:func:`reserved_lookalike`), or a console chain's user id.
+
+    ``AuditLog.record()`` and ``AuditStore.append()`` ask it; loomflow's own writers (holds,
+    erasure records, deletions, the console) go past it."""
+    if isinstance(action, str):
+        if action.startswith(RESERVED_PREFIXES):
+            raise ReservedActionError(
+                f"action {action[:80]!r} is kept for loomflow's own entries: use "
+                "place_hold()/release_hold() for holds and Stores.forget_user() or retain() "
+                "for erasures, and name your own actions outside audit.*, legal_hold.* and "
+                "console.*",
+                action=action[:80],
+                user_id=user_id if isinstance(user_id, str) else None,
+            )
+        family = reserved_lookalike(action)
+        if family is not None:
+            # Listed by `audit query` and the console, it would pass for a hold or an erasure.
+            raise ReservedActionError(
+                f"action {action[:80]!a} looks like loomflow's own {family}* actions "
+                "(compared ignoring case, _ - and spaces, invisible characters and look-alike "
+                "letters): name your own actions so they cannot be read as one of those",
+                action=action[:80],
+                user_id=user_id if isinstance(user_id, str) else None,
+            )
+    if isinstance(user_id, str) and user_id.startswith(CONSOLE_CHAINS):
+        raise ReservedActionError(
+            f"user id {user_id[:80]!r} names a console chain (console:<name>), which only "
+            "the console writes",
+            action=action[:80] if isinstance(action, str) else "",
+            user_id=user_id,
+        )

@@ -339,7 +339,7 @@ class ConsoleData:
             redacted["viewed_user"] = viewed
         if details and "search" in details:  # the users page's search: part of an id
             redacted["details"]["search"] = details["search"]
-        await self.stores.audit.append(
+        await self.stores.audit._write(
             AuditRecord(user_id=who, actor=who, action=action, payload=redacted)
         )
 
@@ -365,7 +365,7 @@ class ConsoleData:
             payload=self.redactor.value(tally.payload()),
         )
         try:
-            await self.stores.audit.append(record)
+            await self.stores.audit._write(record)
         except LoomflowError as exc:
             self.failures.put_back(tally)
             log.warning("could not record %d failed console sign-in(s): %s", tally.count, exc)

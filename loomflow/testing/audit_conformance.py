@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import pytest
 
 from ..audit import GENESIS, HASH_VERSION, AuditEntry, AuditRecord, AuditStore
-from ..errors import UserError
+from ..errors import ReservedActionError, UserError
 
 __all__ = ["AuditStoreConformance", "AuditTamper", "StoreFactory"]
 
@@ -163,6 +163,27 @@ class AuditStoreConformance:
         with pytest.raises(UserError, match="action"):
             await store.append(AuditRecord(user_id="a", actor="x", action=""))
         assert [e async for e in store.entries()] == []
+
+    async def test_reserved_actions_are_refused_but_holds_still_written(
+        self, store: AuditStore
+    ) -> None:
+        # An application cannot forge a hold, an erasure record or a console look through
+        # append(): verification, erasure and the console act on those.
+        for action in ("legal_hold.placed", "audit.erasure", "console.view", "LegaI-Hold.placed"):
+            with pytest.raises(ReservedActionError) as caught:
+                await store.append([rec("alice"), rec("alice", action)])
+            assert caught.value.user_id == "alice"
+        with pytest.raises(ReservedActionError, match="console chain"):
+            await store.append(rec("console:carol"))
+        assert [e async for e in store.entries()] == []
+        # loomflow's own writers go through.
+        await store.place_hold("alice", reason="litigation", actor="cli:dana")
+        await store.release_hold("alice", actor="cli:dana")
+        assert [e.action async for e in store.entries(user_id="alice")] == [
+            "legal_hold.placed",
+            "legal_hold.released",
+        ]
+        assert (await store.verify()).ok
 
     # -- queries ----------------------------------------------------------------------------
 

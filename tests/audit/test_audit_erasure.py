@@ -118,7 +118,7 @@ async def _stored_text(store: AuditStore) -> str:
 
 
 async def test_forget_erases_payloads_and_the_chain_still_verifies(store: AuditStore) -> None:
-    await store.append(_records("ana", 3) + _records("bob", 2))
+    await store._write(_records("ana", 3) + _records("bob", 2))
     before = await store.verify()
     assert before.ok
     assert SECRET in await _stored_text(store)
@@ -146,7 +146,7 @@ async def test_forget_erases_payloads_and_the_chain_still_verifies(store: AuditS
     bob = [e async for e in store.entries(user_id="bob")]
     assert all(e.payload is not None and e.payload["email"] == "bob@x.io" for e in bob)
     # The trail goes on, and an export checks out offline.
-    await store.append(_records("ana", 1))
+    await store._write(_records("ana", 1))
     assert (await store.verify()).ok
     lines = [e.to_line() async for e in store.entries()]
     offline = verify_lines(lines)
@@ -155,9 +155,9 @@ async def test_forget_erases_payloads_and_the_chain_still_verifies(store: AuditS
 
 
 async def test_a_second_forget_erases_what_came_after_the_first(store: AuditStore) -> None:
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     await store.erase("ana", reason="forget")
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     again = await store.erase("ana", reason="forget")
     assert (again.record_seq, again.erased) == (6, 2)
     ana = [e async for e in store.entries(user_id="ana")]
@@ -170,7 +170,7 @@ async def test_erased_entries_of_hash_version_2_are_vouched_for_by_the_record(
     store: AuditStore,
 ) -> None:
     old = await _v2_entries(store, "ana", 2)
-    await store.append(_records("ana", 1))
+    await store._write(_records("ana", 1))
     assert (await store.verify()).ok
     done = await store.erase("ana", reason="forget")
     assert done.erased == 3
@@ -195,8 +195,8 @@ async def test_erase_entries_takes_only_the_chosen_payloads_and_the_chain_verifi
     store: AuditStore,
 ) -> None:
     old = await _v2_entries(store, "console:ops", 2)  # seqs 1-2, hash version 2
-    await store.append(_records("console:ops", 4))  # seqs 3-6
-    await store.append(_records("bob", 2))
+    await store._write(_records("console:ops", 4))  # seqs 3-6
+    await store._write(_records("bob", 2))
     done = await store.erase_entries("console:ops", [2, 4, 6, 99], reason="forget")
     assert done.erased == 3
     chain = [e async for e in store.entries(user_id="console:ops")]
@@ -221,10 +221,10 @@ async def test_erase_entries_takes_only_the_chosen_payloads_and_the_chain_verifi
 async def test_retention_erases_only_old_payloads_and_spares_held_users(
     store: AuditStore,
 ) -> None:
-    await store.append(_records("ana", 2) + _records("bob", 2) + _records("cy", 1))
+    await store._write(_records("ana", 2) + _records("bob", 2) + _records("cy", 1))
     await store.place_hold("bob", reason="litigation L-7", actor="legal:dana")
     await asyncio.sleep(0.3)
-    await store.append(_records("ana", 1, fresh=True))
+    await store._write(_records("ana", 1, fresh=True))
     dry = await store.retain(dt.timedelta(seconds=0.2), dry_run=True)
     assert dry.erased == {"ana": 2, "cy": 1}
     assert dry.held == ["bob"]
@@ -252,7 +252,7 @@ async def test_retention_erases_only_old_payloads_and_spares_held_users(
 
 
 async def test_a_legal_hold_blocks_erasure_until_released(store: AuditStore) -> None:
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     hold = await store.place_hold("ana", reason="subpoena 2026-14", actor="legal:dana")
     assert (hold.user_id, hold.reason, hold.actor, hold.seq) == (
         "ana",
@@ -307,7 +307,7 @@ async def test_erase_refuses_bad_arguments(
 
 
 async def test_times_out_of_range_are_refused_not_overflowed(store: AuditStore) -> None:
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     with pytest.raises(InvalidArgumentError, match="older_than"):
         await store.retain(dt.timedelta(days=999_999_999), dry_run=True)
     for bad in (1e300, -1e300, float("inf"), float("nan")):
@@ -362,9 +362,9 @@ async def _both_ways(store: AuditStore) -> list[tuple[str | None, str, int | Non
 
 async def test_an_erasure_after_a_retention_cut_off_is_not_on_record(store: AuditStore) -> None:
     # The retention record comes after the entry, but its cut-off does not reach it.
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     await asyncio.sleep(0.3)
-    await store.append(AuditRecord(user_id="ana", actor="app", action="note.after"))
+    await store._write(AuditRecord(user_id="ana", actor="app", action="note.after"))
     report = await store.retain(dt.timedelta(seconds=0.2), actor="test")
     assert report.erased == {"ana": 2}
     ana = [e async for e in store.entries(user_id="ana")]
@@ -385,7 +385,7 @@ async def test_an_erasure_after_a_retention_cut_off_is_not_on_record(store: Audi
 async def test_an_erasure_of_chosen_seqs_covers_those_seqs_only(store: AuditStore) -> None:
     # A forget's console erasure lists the seqs it erased; the rest of the chain keeps its
     # payloads, so a blank elsewhere is on no record, before the record or not.
-    await store.append(_records("console:ada", 6))
+    await store._write(_records("console:ada", 6))
     done = await store.erase_entries("console:ada", [3, 4], reason="forget")
     assert (done.record_seq, done.erased) == (7, 2)
     assert (await store.verify()).ok
@@ -400,16 +400,16 @@ async def test_an_erasure_of_chosen_seqs_covers_those_seqs_only(store: AuditStor
 async def test_a_record_written_under_a_legal_hold_covers_nothing(store: AuditStore) -> None:
     # The hold lands just before the record (as in the race erasure loses): the record is
     # there, but erasure stopped, so no payload may be gone under it.
-    await store.append(_records("ana", 2))
-    append = store.append
+    await store._write(_records("ana", 2))
+    append = store._write
 
     async def racing(records: Any) -> list[AuditEntry]:
         if getattr(records, "action", None) == "audit.erasure":
-            store.append = append  # type: ignore[method-assign]
+            store._write = append  # type: ignore[method-assign]
             await store.place_hold("ana", reason="late subpoena", actor="legal")
         return await append(records)
 
-    store.append = racing  # type: ignore[method-assign]
+    store._write = racing  # type: ignore[method-assign]
     with pytest.raises(LegalHoldError):
         await store.erase("ana", reason="forget")
     assert [e.action async for e in store.entries(user_id="ana")][-2:] == [
@@ -427,7 +427,7 @@ async def test_a_record_written_under_a_legal_hold_covers_nothing(store: AuditSt
 async def test_the_payload_of_a_hold_or_an_erasure_record_is_never_on_record(
     store: AuditStore,
 ) -> None:
-    await store.append(_records("ana", 1))
+    await store._write(_records("ana", 1))
     await store.place_hold("ana", reason="subpoena", actor="legal")
     await store.release_hold("ana", actor="legal")
     await store.erase("ana", reason="forget")  # seq 4: erases entry 1, keeps 2 and 3
@@ -443,7 +443,7 @@ async def test_the_payload_of_a_hold_or_an_erasure_record_is_never_on_record(
 
 async def test_sqlite_verify_catches_a_payload_erased_behind_its_back(tmp_path: Path) -> None:
     store = SqliteAuditStore(tmp_path / "audit.db")
-    await store.append(_records("ana", 3))
+    await store._write(_records("ana", 3))
     await store.close()
     with sqlite3.connect(tmp_path / "audit.db") as conn:
         # The trigger lets an erasure through (it is shaped like one); the chain tells.
@@ -462,7 +462,7 @@ async def test_sqlite_verify_catches_a_payload_erased_behind_its_back(tmp_path: 
 
 async def test_a_payload_edited_under_its_digest_is_found(tmp_path: Path) -> None:
     store = SqliteAuditStore(tmp_path / "audit.db")
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     await store.close()
     with sqlite3.connect(tmp_path / "audit.db") as conn:
         conn.execute("DROP TRIGGER loom_audit_no_update")
@@ -477,7 +477,7 @@ async def test_a_payload_edited_under_its_digest_is_found(tmp_path: Path) -> Non
 @pytest.mark.postgres
 async def test_postgres_lets_the_owner_erase_and_nothing_else(pg_dsn: str) -> None:
     store = PostgresAuditStore(pg_dsn)
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     conn = await asyncpg.connect(pg_dsn)
     try:
         for sql in (
@@ -495,9 +495,9 @@ async def test_postgres_lets_the_owner_erase_and_nothing_else(pg_dsn: str) -> No
 
 
 async def test_a_hold_placed_while_an_erasure_runs_still_wins(store: AuditStore) -> None:
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     placed = False
-    append = store.append
+    append = store._write
 
     async def racing(records: Any) -> list[AuditEntry]:
         # The hold lands after erase() checked for one, just before its record is written.
@@ -507,7 +507,7 @@ async def test_a_hold_placed_while_an_erasure_runs_still_wins(store: AuditStore)
             await store.place_hold("ana", reason="late subpoena", actor="legal")
         return await append(records)
 
-    store.append = racing  # type: ignore[method-assign]
+    store._write = racing  # type: ignore[method-assign]
     with pytest.raises(LegalHoldError, match="late subpoena"):
         await store.erase("ana", reason="forget")
     assert SECRET in await _stored_text(store)
@@ -624,7 +624,7 @@ async def test_erasure_never_launders_an_edited_or_forged_entry(
 
     where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
     store = open_store()
-    await store.append(_records("ana", 2) + _records("bob", 2))
+    await store._write(_records("ana", 2) + _records("bob", 2))
     await store.close()
     statements = (EDITED_PAYLOAD,) if edit == "payload" else FORGED_V2
     if backend == "sqlite":
@@ -680,7 +680,7 @@ async def test_retention_leaves_a_damaged_trail_alone_and_says_why(
         return SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
 
     store = open_store()
-    await store.append(_records("ana", 4) + _records("bob", 2))
+    await store._write(_records("ana", 4) + _records("bob", 2))
     await store.close()
     await _edit_behind_its_back(backend, where, *DAMAGE[damage])
     kind = "missing" if damage == "deleted" else "reordered"
@@ -738,7 +738,7 @@ async def test_retention_survives_a_user_id_edited_into_no_valid_id(
         return SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
 
     store = open_store()
-    await store.append(_records("ana", 2) + _records("bob", 2))
+    await store._write(_records("ana", 2) + _records("bob", 2))
     await store.close()
     bad = "'bob' || chr(27) || '[1m'".replace("chr(", "char(" if backend == "sqlite" else "chr(")
     key = f", user_key = '\"' || {bad} || '\"'" if key_too else ""
@@ -766,7 +766,7 @@ async def _held_then_edited(
     Returns where the store is (a SQLite path or a PostgreSQL DSN)."""
     where: Any = tmp_path / "audit.db" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
     store = SqliteAuditStore(where) if backend == "sqlite" else PostgresAuditStore(where)
-    await store.append(_records("ana", 2))
+    await store._write(_records("ana", 2))
     await store.place_hold("ana", reason="litigation L-7", actor="legal")
     await store.close()
     await _edit_behind_its_back(backend, where, edit)

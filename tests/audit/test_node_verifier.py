@@ -95,7 +95,7 @@ async def _export(tmp_path: Path) -> tuple[Path, Path, list[str]]:
     store = SqliteAuditStore(tmp_path / "audit.db")
     try:
         for i in range(4):
-            await store.append(
+            await store._write(
                 [
                     AuditRecord(
                         user_id=user,
@@ -139,7 +139,7 @@ async def test_node_accepts_an_entry_holding_a_long_text(verifier: Path, tmp_pat
     # Maximum call stack size exceeded", though verify --file passes it.
     store = SqliteAuditStore(tmp_path / "audit.db")
     try:
-        await store.append(
+        await store._write(
             [
                 AuditRecord(user_id="alice", actor="a", action="tool.result", payload={"i": 0}),
                 AuditRecord(
@@ -361,7 +361,7 @@ async def _erased_export(tmp_path: Path) -> tuple[Path, list[str]]:
                 e.prev_hash,
                 e.hash,
             )
-        await store.append(
+        await store._write(
             AuditRecord(user_id="ana", actor="a", action="tool.result", payload=PAYLOAD)
         )
         await store.erase("ana", reason="forget")
@@ -425,7 +425,7 @@ def trail(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lines, Path]:
         store = SqliteAuditStore(here / "erased.db")
         try:
             for i in range(5):
-                await store.append(
+                await store._write(
                     [
                         AuditRecord(
                             user_id=u, actor="agent:a", action="tool.call", payload={"i": i}
@@ -437,27 +437,27 @@ def trail(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lines, Path]:
             # bob: a retention whose cut-off takes entries 1-2, not 3.
             bob = []
             for _ in range(3):
-                bob += await store.append(AuditRecord(user_id="bob", actor="a", action="x"))
+                bob += await store._write(AuditRecord(user_id="bob", actor="a", action="x"))
                 await _tick()
             await store.erase("bob", reason="retention", before=bob[2].time)
             # dee: a note of a deletion, which an erasure keeps, then a retention.
             note = {"store": "journal", "deleted": 3}
-            await store.append(
+            await store._write(
                 AuditRecord(user_id="dee", actor="a", action="audit.deletion", payload=note)
             )
-            dee = (await store.append(AuditRecord(user_id="dee", actor="a", action="x")))[0]
+            dee = (await store._write(AuditRecord(user_id="dee", actor="a", action="x")))[0]
             await _tick()  # the cut-off falls after both
             await store.erase("dee", reason="retention", before=dee.time + dt.timedelta(0, 0, 1))
             # console:ops: a forget's erasure of two looks, by seq.
-            await store.append(
+            await store._write(
                 [AuditRecord(user_id="console:ops", actor="a", action="x") for _ in range(4)]
             )
             await store.erase_entries("console:ops", [2, 3], reason="forget")
             # cy: a record written after a hold was placed, which erased nothing.
-            await store.append(AuditRecord(user_id="cy", actor="a", action="x"))
+            await store._write(AuditRecord(user_id="cy", actor="a", action="x"))
             await store.place_hold("cy", reason="subpoena")
             payload = {"reason": "forget", "before": None, "entries": 1, "pre_v3": {}}
-            await store.append(
+            await store._write(
                 AuditRecord(user_id="cy", actor="a", action="audit.erasure", payload=payload)
             )
             await store.export(export)

@@ -382,7 +382,7 @@ async def test_console_chains_are_not_forgotten_and_a_held_one_blocks_the_forget
             action="console.query",
             payload={"query": "trail", "viewed_user": "ana"},
         )
-        await stores.audit.append(look)
+        await stores.audit._write(look)
         with pytest.raises(ProtectedChainError, match="console chain") as refused:
             await stores.forget_user("console:ops")
         assert refused.value.user_id == "console:ops"
@@ -507,7 +507,7 @@ async def test_a_forget_erases_the_console_looks_that_name_the_user_and_no_other
             await stores.audit.append(
                 AuditRecord(user_id=user, actor="agent:x", action="tool.call", payload={"n": 1})
             )
-        await stores.audit.append(
+        await stores.audit._write(
             [
                 AuditRecord(
                     user_id="console:ops",
