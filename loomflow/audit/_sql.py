@@ -234,7 +234,7 @@ class SqlAuditStore(AuditStore):
                 except AuditIntegrityError as exc:
                     # A seq or time edited into no number (SQLite keeps any type): reported
                     # where it lies, and the check goes on with the rest of the trails.
-                    yield key, int(row[1]), _malformed(row[1:], str(exc))
+                    yield key, int(row[1]), _malformed(key, row[1:], str(exc))
                     continue
                 yield key, int(row[1]), problem if problem is not None else entry
             if len(rows) < _PAGE:
@@ -441,16 +441,19 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
     except (TypeError, ValueError, ArithmeticError) as exc:
         # A row edited by hand (SQLite keeps any type in any column): a clear error for
         # query, export and verify alike, instead of a traceback.
-        raise AuditIntegrityError(
-            f"audit entry {row[0]!r} of user {row[1]!r} is malformed: {exc}"
-        ) from exc
+        # A user column that is not text names nobody: the message does not make it a user.
+        of = f" of user {row[1]!r}" if row[1] is None or isinstance(row[1], str) else ""
+        raise AuditIntegrityError(f"audit entry {row[0]!r}{of} is malformed: {exc}") from exc
 
 
-def _malformed(row: Sequence[Any], detail: str) -> ChainProblem:
+def _malformed(key: str, row: Sequence[Any], detail: str) -> ChainProblem:
     """The problem a row that reads as no entry at all is, for verify: its seq, when that
-    much is a whole number (so the chain counts it as present), else none."""
+    much is a whole number (so the chain counts it as present), else none. Filed under the
+    row's user, or the user of the trail it is stored under when its user column is not
+    text (SQLite keeps bytes in a TEXT column: ``str()`` of them is no user)."""
     seq = row[2] if type(row[2]) is int else None
-    user = row[1] if row[1] is None or isinstance(row[1], str) else str(row[1])
+    text = row[1] is None or isinstance(row[1], str)
+    user = row[1] if text else _user_of_key(key, None)
     return ChainProblem(user, "unreadable", seq, int(row[0]), detail)
 
 
@@ -488,6 +491,13 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         digest,
         salt,
     ) = row
+    for column, value in zip(
+        _TEXTS, (user_id, session_id, run_id, actor, action, prev, hash_, digest, salt), strict=True
+    ):
+        if value is not None and not isinstance(value, str):
+            # SQLite keeps bytes in a TEXT column; pydantic would read UTF-8 bytes as the
+            # text they spell, an entry no writer stored (and str() of others as a user).
+            raise TypeError(f"{column} is stored as {type(value).__name__}, not text")
     seq = _whole(seq, "seq")
     version, hash_version = _whole(version, "schema_version"), _whole(hash_version, "hash_version")
     time_us = _whole(time_us, "time_us")
@@ -551,3 +561,14 @@ def _entry_of(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
 
 
 _NUMBERS = ("schema_version", "hash_version", "seq", "time_us")
+_TEXTS = (
+    "user_id",
+    "session_id",
+    "run_id",
+    "actor",
+    "action",
+    "prev_hash",
+    "hash",
+    "payload_digest",
+    "payload_salt",
+)

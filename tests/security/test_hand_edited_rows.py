@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -598,6 +599,68 @@ async def test_an_audit_row_with_text_in_a_number_column_is_an_integrity_error(
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert "malformed" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(
+    ("column", "blob"),
+    [
+        ("user_id", "X'fffe'"),  # no text at all: str() of it was filed as user "b'\\xff\\xfe'"
+        ("user_id", "X'6d616c6c6f7279'"),  # b'mallory': read as an entry of user mallory
+        ("user_id", "X'616c696365'"),  # b'alice': read as alice's own entry, and passed
+        ("actor", "X'74657374'"),  # b'test': passed as the text it spells
+    ],
+)
+async def test_an_audit_row_with_bytes_in_a_text_column_is_unreadable_in_its_trail(
+    tmp_path: Path, column: str, blob: str
+) -> None:
+    path = tmp_path / "audit.db"
+    log = AuditLog(SqliteAuditStore(path))
+    try:
+        await _audit_rows(log)
+        await log.record("custom.note", user_id="bob", actor="test", payload={})
+    finally:
+        await log.close()
+    await asyncio.to_thread(
+        sqlite_exec,
+        path,
+        "DROP TRIGGER loom_audit_no_update",
+        f"UPDATE loom_audit SET {column} = {blob} WHERE seq = 2 AND user_key = '\"alice\"'",
+    )
+    # The code under test, also when it is not the installed copy (a worktree on PYTHONPATH).
+    env = {
+        "LOOMFLOW_AUDIT_URL": f"sqlite:///{path}",
+        "PATH": "",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+    }
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "loomflow.cli", "audit", "verify", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    report = json.loads(done.stdout)
+    # Alice's trail, where the row lies, holds the problem; no user is made up from the bytes.
+    assert [(p["user_id"], p["kind"], p["seq"]) for p in report["problems"]] == [
+        ("alice", "unreadable", 2)
+    ]
+    assert f"{column} is stored as bytes, not text" in report["problems"][0]["detail"]
+    assert report["users"] == 2
+    text = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "loomflow.cli", "audit", "verify"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert text.returncode == 1
+    assert "b'" not in text.stdout, text.stdout
 
 
 def test_an_export_line_nested_too_deep_is_an_unreadable_line() -> None:
