@@ -27,6 +27,9 @@ class RunContext:
     session_id: str | None = None
     user_id: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: The run this one was started inside (an agent of a ``Team``, ``Debate`` or
+    #: ``Workflow``, or one run from a tool), or ``None`` for a run of its own.
+    parent_run_id: str | None = None
 
 
 _EMPTY = RunContext()

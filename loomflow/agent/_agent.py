@@ -226,6 +226,8 @@ async def enclosing_run(
         session_id=session_id,
         user_id=user_id,
         metadata=MappingProxyType(dict(metadata or {})),
+        # A sub-run audits under its own run id: this leads compliance back to the enclosing one.
+        parent_run_id=get_run_context().run_id,
     )
     runtime_token = _active_runtime.set(runtime)
     try:

@@ -353,6 +353,8 @@ class AuditHooks(RunHooks):
                     "resumed": info.resumed,
                     "prompt": info.prompt,
                     "metadata": dict(info.ctx.metadata),
+                    # Only a sub-run's: the run it was started inside.
+                    **({"parent_run_id": parent} if (parent := info.ctx.parent_run_id) else {}),
                 },
             ),
         )

@@ -480,3 +480,73 @@ async def test_a_cancelled_run_ends_cancelled_in_the_trail_as_in_the_metrics(
         gate.clear()
         await runtime.close()
         await store.close()
+
+
+# -- sub-runs name the run they ran inside -------------------------------------------------
+
+
+def _answers(text: str) -> FunctionModel:
+    return FunctionModel(lambda messages, tools: text)
+
+
+async def _starts(store: InMemoryAuditStore) -> dict[str, dict[str, Any]]:
+    """The payload of each run.start entry, by the agent that wrote it."""
+    page = await store.query(action=actions.RUN_START)
+    return {e.payload["agent"]: {**e.payload, "run_id": e.run_id} for e in page.entries}
+
+
+@pytest.mark.parametrize("architecture", ["team", "workflow", "debate", "tool"])
+async def test_a_sub_run_names_its_parent_run_in_its_run_start(architecture: str) -> None:
+    # Agents of a Team, Debate or Workflow, and an agent run from a tool, audited under their
+    # own run ids with nothing leading back to the run they were part of.
+    from loomflow.agent.architectures import Debate, Team, Workflow
+
+    store = InMemoryAuditStore()
+    audit = AuditLog(store)
+
+    def agent(name: str, model: FunctionModel, **options: Any) -> Agent:
+        return Agent(name, model=model, name=name, audit=audit, **options)
+
+    result: Any
+    if architecture in ("team", "tool"):
+
+        def lead_decides(messages: list[Message], tools: list[ToolSpec]) -> Any:
+            if not any(m.role == "tool" for m in messages):
+                return [ToolCall(id="t0", name="ask_w", arguments={"task": "sum"})]
+            return "done"
+
+        worker = agent("w", _answers("42"))
+        if architecture == "team":
+            result = await Team(agent("lead", FunctionModel(lead_decides)), [worker]).run(
+                "go", user_id="u"
+            )
+        else:
+
+            @tool
+            async def ask_w(task: str) -> str:
+                """Ask the worker."""
+                return (await worker.run(task)).output
+
+            result = await agent("lead", FunctionModel(lead_decides), tools=[ask_w]).run(
+                "go", user_id="u"
+            )
+        starts = await _starts(store)
+        assert set(starts) == {"lead", "w"}
+        assert "parent_run_id" not in starts["lead"]  # a run of its own
+        assert starts["lead"]["run_id"] == result.run_id
+        assert starts["w"]["parent_run_id"] == result.run_id != starts["w"]["run_id"]
+        return
+    if architecture == "workflow":
+        result = await Workflow(
+            [("a", agent("a", _answers("1"))), ("b", agent("b", _answers("2")))]
+        ).run("go", user_id="u")
+        names = {"a", "b"}
+    else:
+        result = await Debate(
+            [agent("pro", _answers("yes"))], agent("judge", _answers("yes")), rounds=1
+        ).run("go", user_id="u")
+        names = {"pro", "judge"}
+    starts = await _starts(store)
+    assert set(starts) == names
+    for payload in starts.values():
+        assert payload["parent_run_id"] == result.run_id != payload["run_id"]
