@@ -12,6 +12,7 @@ collector that Prometheus also scrapes would count every series twice.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from ..errors import ConfigurationError
 from ._metrics import MetricsServer, serve_metrics
 
 __all__ = ["TelemetrySetup", "setup_telemetry", "setup_telemetry_once"]
+
+log = logging.getLogger("loomflow.telemetry")
 
 _INSTALL_HINT = (
     "exporting spans needs the OpenTelemetry SDK and OTLP exporter: pip install 'loomflow[otel]'"
@@ -464,7 +467,8 @@ def _meter_provider(s: Settings) -> Any:
         _standard_endpoint_and_headers(s, "metrics")
         # None lets the SDK read OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT itself.
         url = signal_url(s.otlp_endpoint, "metrics") if s.otlp_endpoint else None
-        readers.append(periodic(OTLPMetricExporter(endpoint=url, headers=headers)))
+        exporter = _METRIC_OUTAGES.watch(OTLPMetricExporter(endpoint=url, headers=headers))
+        readers.append(periodic(exporter))
     if "console" in exporters:
         readers.append(periodic(ConsoleMetricExporter()))
     try:
@@ -497,7 +501,7 @@ def _tracer_provider(s: Settings) -> Any:
         provider = TracerProvider(resource=_resource(s))  # reads the OTEL_*_LIMIT variables
         processors = []  # built before any is added, so a refused option starts none
         if "otlp" in exporters:
-            exporter = OTLPSpanExporter(endpoint=url, headers=headers)
+            exporter = _SPAN_OUTAGES.watch(OTLPSpanExporter(endpoint=url, headers=headers))
             processors.append(BatchSpanProcessor(exporter, **batch))
         if "console" in exporters:
             processors.append(BatchSpanProcessor(ConsoleSpanExporter(), **batch))
@@ -506,3 +510,72 @@ def _tracer_provider(s: Settings) -> Any:
     for processor in processors:
         provider.add_span_processor(processor)
     return provider
+
+
+class _ExportOutages(logging.Filter):
+    """One signal's OTLP export failures, logged once per outage instead of on every batch.
+
+    The SDK's exporter logs each failed batch (and each retry of it): with the collector
+    down, that is a few lines every few seconds for as long as it stays down. Its lines are
+    let through for the first failed batch (they say why), then a line of ours says the
+    export is failing; later failed batches are quiet until one goes through, which a
+    "recovered" line reports with the count of batches lost meanwhile.
+    """
+
+    _SDK_LINES = ("Failed to export", "Transient error")
+
+    def __init__(self, signal: str, sdk_logger: str) -> None:
+        super().__init__()
+        self.signal = signal
+        self.sdk_logger = sdk_logger
+        self.failed = 0  # batches failed since the last that went through
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            self.failed and isinstance(record.msg, str) and record.msg.startswith(self._SDK_LINES)
+        )
+
+    def watch(self, exporter: Any) -> Any:
+        """``exporter`` (an SDK OTLP exporter), its ``export`` reporting to this outage log."""
+        with self._lock:
+            if not self._installed:
+                logging.getLogger(self.sdk_logger).addFilter(self)
+                self._installed = True
+        export = exporter.export
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = export(*args, **kwargs)
+            except BaseException:
+                self.note(ok=False)
+                raise
+            self.note(ok=getattr(result, "name", None) == "SUCCESS")
+            return result
+
+        exporter.export = watched
+        return exporter
+
+    def note(self, *, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                if self.failed:
+                    log.warning(
+                        "OTLP %s export recovered; %d batch(es) were lost while it failed",
+                        self.signal,
+                        self.failed,
+                    )
+                self.failed = 0
+                return
+            self.failed += 1
+            if self.failed == 1:
+                log.warning(
+                    "OTLP %s export failed (is the collector up?); further failures are not "
+                    "logged until an export goes through again",
+                    self.signal,
+                )
+
+
+_SPAN_OUTAGES = _ExportOutages("span", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+_METRIC_OUTAGES = _ExportOutages("metric", "opentelemetry.exporter.otlp.proto.http.metric_exporter")
