@@ -9,7 +9,8 @@ A :class:`Redactor` rewrites text and JSON data so that none of these reach a st
 - *learned values*: the values of tool arguments a tool declares ``sensitive``; the audit hook
   teaches them to the redactor as soon as it sees them, so that the same value is also
   scrubbed from loomflow's own log records (see :func:`install_log_redaction`);
-- *sensitive keys*: a mapping key such as ``password`` or ``authorization`` hides its value;
+- *sensitive keys*: a mapping key such as ``password``, ``db_password`` or ``X-Api-Key``
+  hides its value (one whose words name a secret, see :data:`DEFAULT_SENSITIVE_KEYS`);
 - *personal-data shapes* (:data:`PII_KINDS`): payment card numbers that pass the Luhn check,
   e-mail addresses and IBANs that pass their checksum (the shapes the PII guardrail finds),
   plus any patterns you add. These are
@@ -37,11 +38,15 @@ from .errors import UserError
 
 __all__ = [
     "DEFAULT_SENSITIVE_KEYS",
+    "KEY_WORDS_ABOUT_A_SECRET",
     "PII_KINDS",
     "PLACEHOLDER",
     "Redactor",
     "SCRUBBED_LOGGERS",
+    "SECRET_KEY_PAIRS",
+    "SECRET_KEY_WORDS",
     "SECRET_PATTERNS",
+    "TOKEN_AS_TEXT",
     "install_log_redaction",
 ]
 
@@ -139,7 +144,172 @@ DEFAULT_SENSITIVE_KEYS = frozenset(
     }
 )
 """Mapping keys whose values are always hidden (compared lower-case, without ``-`` and ``_``:
-``accessToken``, ``access-token`` and ``ACCESS_TOKEN`` are all ``access_token``)."""
+``accessToken``, ``access-token`` and ``ACCESS_TOKEN`` are all ``access_token``).
+
+These are matched whole. Besides them, a key is also hidden when one of its *words* names a
+secret (``Redactor(key_words=True)``, the default): the key is cut into words at ``_``, ``-``,
+``.``, spaces, digits and camelCase humps (``dbPassword``, ``AWS_SECRET_ACCESS_KEY``,
+``X-Api-Key``), and it is hidden when a word is one of :data:`SECRET_KEY_WORDS` (``password``,
+``secret``, ``token``, ``cookie``, ``authorization``, ``credentials``, ``bearer``...) or two
+neighbouring words are one of :data:`SECRET_KEY_PAIRS` (``api key``, ``private key``, ``access
+key``...); ``pass`` and ``pwd`` count only as a key's last word (``smtp_pass``, ``db_pwd``;
+``pwd`` alone is a working directory). Words are whole: ``secretary``, ``passage`` and
+``tokenizer`` are not ``secret``, ``pass`` or ``token``, and neither is the plural ``tokens``
+(``max_tokens``, ``input_tokens``: counts) unless a pair names it (``access_tokens``).
+
+A key whose secret word is followed by a word that describes the secret rather than holding it
+(:data:`KEY_WORDS_ABOUT_A_SECRET`: ``token_count``, ``token_usage``, ``password_policy``,
+``secret_name``, ``api_key_id``, ``cookie_consent``, ``authorization_url``...) stays visible, and
+so does a ``token`` that a word before it makes a unit of text or a cursor
+(:data:`TOKEN_AS_TEXT`: ``cost_per_token``, ``eos_token``, ``next_token``). When in doubt, the
+key is hidden: ``password_hash`` and ``boarding_pass`` are."""
+
+SECRET_KEY_WORDS = frozenset(
+    {
+        "apikey",
+        "apikeys",
+        "authorization",
+        "bearer",
+        "cookie",
+        "cookies",
+        "credential",
+        "credentials",
+        "jwt",
+        "passcode",
+        "passphrase",
+        "passwd",
+        "password",
+        "passwords",
+        "privatekey",
+        "secret",
+        "secrets",
+        "token",
+    }
+)
+"""Words that make a key sensitive wherever they stand in it (:data:`DEFAULT_SENSITIVE_KEYS`)."""
+
+SECRET_KEY_PAIRS = frozenset(
+    {
+        ("access", "key"),
+        ("access", "tokens"),
+        ("api", "key"),
+        ("api", "keys"),
+        ("api", "tokens"),
+        ("auth", "tokens"),
+        ("encryption", "key"),
+        ("id", "tokens"),
+        ("master", "key"),
+        ("pass", "phrase"),
+        ("pass", "word"),
+        ("private", "key"),
+        ("private", "keys"),
+        ("refresh", "tokens"),
+        ("secret", "key"),
+        ("session", "key"),
+        ("signing", "key"),
+    }
+)
+"""Neighbouring words that make a key sensitive together (``x_api_key``, ``privateKey``)."""
+
+KEY_WORDS_ABOUT_A_SECRET = frozenset(
+    {
+        "age",
+        "arn",
+        "budget",
+        "consent",
+        "cost",
+        "count",
+        "counts",
+        "created",
+        "dir",
+        "domain",
+        "enabled",
+        "endpoint",
+        "env",
+        "estimate",
+        "exists",
+        "expiration",
+        "expired",
+        "expires",
+        "expiry",
+        "field",
+        "file",
+        "format",
+        "id",
+        "ids",
+        "kind",
+        "len",
+        "length",
+        "lifetime",
+        "limit",
+        "limits",
+        "max",
+        "min",
+        "name",
+        "names",
+        "path",
+        "per",
+        "policy",
+        "present",
+        "price",
+        "rate",
+        "ref",
+        "required",
+        "rotated",
+        "rules",
+        "size",
+        "strength",
+        "ttl",
+        "type",
+        "types",
+        "updated",
+        "uri",
+        "url",
+        "usage",
+        "used",
+        "version",
+    }
+)
+"""Words that, right after a secret word, make the key describe the secret rather than hold it
+(``token_count``, ``secret_name``, ``api_key_id``)."""
+
+TOKEN_AS_TEXT = frozenset(
+    {
+        "bos",
+        "cache",
+        "cached",
+        "cls",
+        "completion",
+        "continuation",
+        "eos",
+        "first",
+        "input",
+        "mask",
+        "max",
+        "min",
+        "next",
+        "num",
+        "output",
+        "pad",
+        "page",
+        "pagination",
+        "per",
+        "prompt",
+        "reasoning",
+        "sep",
+        "special",
+        "stop",
+        "total",
+        "unk",
+    }
+)
+"""Words that, right before ``token``, make it a unit of text (``max_token``, ``eos_token``,
+``cost_per_token``) or a page cursor (``next_token``, ``page_token``), not a credential."""
+
+# Only as a key's last word, in keys of at least this many words: "smtp_pass", "db_pwd".
+_LAST_WORDS = {"pass": 1, "pwd": 2}
+# Upper-case runs (an acronym: "API" of "APIKey"), capitalised or lower-case words, digits.
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 _MIN_SECRET = 4  # a shorter "secret" would redact ordinary text everywhere
 # The shortest text each kind of rule can change (tests check them against the patterns): a
@@ -155,6 +325,27 @@ def _norm_key(key: str) -> str:
     return key.lower().replace("-", "").replace("_", "")
 
 
+def _names_a_secret(key: str) -> bool:
+    """Whether a word of ``key`` (or two neighbouring ones) names a secret that the key holds
+    (see :data:`DEFAULT_SENSITIVE_KEYS`)."""
+    words = [w.lower() for w in _WORD.findall(key)]
+    n = len(words)
+    for i, word in enumerate(words):
+        if i + 1 < n and (word, words[i + 1]) in SECRET_KEY_PAIRS:
+            end = i + 2  # the longer match first: "secret_key_id" describes a key
+        elif word in SECRET_KEY_WORDS:
+            if word == "token" and i and words[i - 1] in TOKEN_AS_TEXT:
+                continue
+            end = i + 1
+        elif i == n - 1 and n >= _LAST_WORDS.get(word, n + 1):
+            end = n
+        else:
+            continue
+        if end == n or words[end] not in KEY_WORDS_ABOUT_A_SECRET:
+            return True
+    return False
+
+
 class Redactor:
     """Rewrites text and JSON data before it is stored or logged.
 
@@ -162,7 +353,10 @@ class Redactor:
         secrets: Secret values to remove wherever they appear.
         env: Names of environment variables whose values are secrets.
         patterns: Also remove secret *shapes* (:data:`SECRET_PATTERNS`).
-        sensitive_keys: Mapping keys whose values are always hidden.
+        sensitive_keys: Mapping keys whose values are always hidden (matched whole).
+        key_words: Also hide the values of keys whose words name a secret (``db_password``,
+            ``githubToken``; see :data:`DEFAULT_SENSITIVE_KEYS`). ``False`` hides only the
+            keys of ``sensitive_keys``.
         max_learned: How many learned values to keep (oldest forgotten first).
         pii: Remove the built-in personal-data shapes (:data:`PII_KINDS`).
         pii_patterns: Personal-data shapes of your own, ``{kind: regular expression}``, used
@@ -187,6 +381,7 @@ class Redactor:
         env: Iterable[str] = (),
         patterns: bool = True,
         sensitive_keys: Collection[str] = DEFAULT_SENSITIVE_KEYS,
+        key_words: bool = True,
         max_learned: int = 4096,
         pii: bool = True,
         pii_patterns: Mapping[str, str] | None = None,
@@ -215,6 +410,10 @@ class Redactor:
         # A pattern of one's own may match a single character (an empty match changes nothing).
         self._shortest_pii = 1 if pii_patterns else _SHORTEST_BUILTIN_PII if pii else _NO_RULE
         self._keys = frozenset(_norm_key(k) for k in sensitive_keys)
+        self._key_words = key_words
+        # Whether a key hides its value, by key: decided once per key (a few come back in
+        # every record), and unlike _redacted_keys, not changed by what is learned.
+        self._hiding: dict[str, bool] = {}
         self._learned: OrderedDict[str, None] = OrderedDict()
         self._max_learned = max_learned
         self._lock = threading.Lock()  # log records are built on any thread
@@ -313,7 +512,7 @@ class Redactor:
             walked: dict[str, Any] = {}
             for k, v in value.items():
                 walked[distinct_key(self._key(k, pii), walked)] = (
-                    PLACEHOLDER if _norm_key(k) in self._keys else self._walk(v, max_text, pii)
+                    PLACEHOLDER if self._hides(k) else self._walk(v, max_text, pii)
                 )
             return walked
         if isinstance(value, list):
@@ -337,6 +536,18 @@ class Redactor:
                 kept[(key, pii)] = found
         return found
 
+    def _hides(self, key: str) -> bool:
+        """Whether the value under ``key`` is hidden, remembered (keys of up to 128 characters)."""
+        kept = self._hiding
+        found = kept.get(key)
+        if found is None:
+            found = _norm_key(key) in self._keys or (self._key_words and _names_a_secret(key))
+            if len(key) <= 128:
+                if len(kept) >= 4096:
+                    kept.clear()
+                kept[key] = found
+        return found
+
     def arguments(
         self,
         arguments: Mapping[str, Any],
@@ -354,7 +565,7 @@ class Redactor:
         """
         out: dict[str, Any] = {}
         for name, value in arguments.items():
-            hidden = sensitive is None or name in sensitive or _norm_key(name) in self._keys
+            hidden = sensitive is None or name in sensitive or self._hides(str(name))
             out[str(name)] = PLACEHOLDER if hidden else self.value(value, max_text=max_text)
         return out
 

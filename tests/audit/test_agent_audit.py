@@ -14,6 +14,7 @@ from loomflow.agent import Agent, Tuning
 from loomflow.agent.hooks import Interrupt, RunHooks, RunInfo
 from loomflow.audit import AuditLog, AuditRecord, InMemoryAuditStore, SqliteAuditStore, actions
 from loomflow.errors import ReplayDivergenceError, RunCancelledError, StoreUnavailableError
+from loomflow.governance import Rule, StandardPermissions
 from loomflow.governance.events import (
     BudgetDenied,
     BudgetUnavailable,
@@ -411,6 +412,56 @@ async def test_a_tool_name_the_model_made_up_is_audited_as_not_executed(tmp_path
         assert [c.payload["executed"] for c in calls] == [False]
         assert [r.payload["error_type"] for r in results] == ["unknown_tool"]
         assert calls[0].payload["execution"] == results[0].payload["execution"]
+    finally:
+        await agent.aclose()
+        await store.close()
+
+
+async def test_a_db_password_argument_is_hidden_from_approvers_and_the_trail(
+    tmp_path: Path,
+) -> None:
+    """A tool that declares nothing sensitive still gets its ``db_password`` hidden: the key's
+    words name a secret (only a key spelt exactly ``password`` was hidden). The usage counts
+    loomflow writes itself (``input_tokens``, ``tokens_in``) stay visible."""
+    connected: list[str] = []
+
+    @tool
+    def connect(host: str, db_password: str) -> str:
+        """Connect to a database."""
+        connected.append(db_password)
+        return "connected"
+
+    from loomflow.models import ScriptedModel
+
+    args = {"host": "db-1", "db_password": "hunter2-prod"}
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    agent = Agent(
+        "x",
+        model=ScriptedModel([[ToolCall(id="c1", name="connect", arguments=args)], "done"]),
+        tools=[connect],
+        runtime=SqliteRuntime(tmp_path / "journal.db"),
+        permissions=StandardPermissions(rules=[Rule.ask("connect")], approval="defer"),
+        audit=AuditLog(store),
+    )
+    try:
+        first = await agent.run("go", session_id="s", user_id="alice")
+        (request,) = await agent.pending_approvals("s", user_id="alice")
+        assert request.arguments == {"host": "db-1", "db_password": "[REDACTED]"}
+        assert first.pending_approvals[0].arguments == request.arguments
+        await agent.resume("go", session_id="s", user_id="alice",
+                           approvals={request.request_id: "allow"})  # fmt: skip
+        assert connected == ["hunter2-prod"]  # the tool itself gets the real value
+        entries = (await store.query(user_id="alice")).entries
+        assert "hunter2-prod" not in str([e.payload for e in entries])
+        shown = {e.action: e.payload["arguments"] for e in entries if e.payload.get("arguments")}
+        assert set(shown) == {"approval.request", "permission.decision", "tool.call"}
+        assert all(a == request.arguments for a in shown.values())
+        calls = [e.payload for e in entries if e.action == actions.MODEL_CALL]
+        assert all(isinstance(c["input_tokens"], int) for c in calls)
+        assert all(isinstance(c["output_tokens"], int) for c in calls)
+        ends = [e.payload["tokens_in"] for e in entries if e.action == actions.RUN_END]
+        assert ends
+        assert all(isinstance(n, int) for n in ends)
     finally:
         await agent.aclose()
         await store.close()

@@ -76,6 +76,66 @@ def test_arguments_hide_declared_names_and_everything_of_unknown_tools() -> None
     assert set(redactor.arguments(args, None).values()) == {PLACEHOLDER}
 
 
+# Keys whose values hide, by the words in them; before, only a whole key of the list did
+# (db_password, github_token and a header map's X-Api-Key showed their values).
+HIDDEN_KEYS = [
+    "password", "db_password", "dbPassword", "user_password", "newPassword", "password2",
+    "password_hash", "password_confirmation", "passwd", "passphrase", "smtp_pass", "pass",
+    "db_pwd", "secret", "stripe_secret", "clientSecret", "secret_key", "aws_secret_access_key",
+    "AWS_SECRET_ACCESS_KEY", "aws.secret_access_key", "token", "github_token", "githubToken",
+    "slackBotToken", "id_token", "csrf_token", "OAuthToken", "access_tokens", "api_key",
+    "apiKey", "APIKey", "APIKEY", "X-Api-Key", "x_api_key", "XAPIKey", "google_api_key",
+    "aws_access_key", "private_key", "privateKey", "signing_key", "cookie", "Cookie",
+    "Set-Cookie", "session_cookie", "cookies", "authorization", "Proxy-Authorization",
+    "HTTP_AUTHORIZATION", "authorization_code", "credential", "credentials", "bearer", "jwt",
+]  # fmt: skip
+# Keys that merely hold such letters, or that describe a secret without holding it: the
+# usage fields loomflow writes (model.call, run.end, budgets, spans) among them.
+VISIBLE_KEYS = [
+    "token_count", "tokenCount", "max_tokens", "tokens_used", "input_tokens", "output_tokens",
+    "prompt_tokens", "completion_tokens", "total_tokens", "cache_read_tokens",
+    "cache_write_tokens", "cached_tokens", "max_completion_tokens", "prompt_tokens_details",
+    "tokens_in", "tokens_out", "tokens_total", "tokens", "token_usage", "token_limit",
+    "token_budget", "token_type", "cost_per_token", "input_cost_per_token", "eos_token",
+    "next_token", "page_token", "tokenizer", "secretary", "passage", "passenger", "passport",
+    "bypass", "compass", "pwd", "secret_name", "api_key_id", "aws_access_key_id",
+    "private_key_path", "credentials_file", "authorization_url", "password_policy",
+    "password_min_length", "cookie_consent", "cookie_domain", "key", "user_key",
+    "idempotency_key", "monkey", "keyboard",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", HIDDEN_KEYS)
+def test_a_key_whose_words_name_a_secret_hides_its_value(key: str) -> None:
+    redactor = Redactor()
+    assert redactor.value({key: "v4lue", "nested": {key: 7}}) == {
+        key: PLACEHOLDER,
+        "nested": {key: PLACEHOLDER},
+    }
+    assert redactor.arguments({key: "v4lue"}, frozenset()) == {key: PLACEHOLDER}
+
+
+@pytest.mark.parametrize("key", VISIBLE_KEYS)
+def test_a_key_that_only_holds_the_letters_of_a_secret_word_stays_visible(key: str) -> None:
+    redactor = Redactor()
+    assert redactor.value({key: 12, "nested": {key: "text"}}) == {key: 12, "nested": {key: "text"}}
+    assert redactor.arguments({key: 12}, frozenset()) == {key: 12}
+
+
+def test_key_words_can_be_turned_off_and_each_key_is_judged_once() -> None:
+    exact = Redactor(key_words=False)
+    assert exact.value({"db_password": "p", "password": "p"}) == {
+        "db_password": "p",
+        "password": PLACEHOLDER,
+    }
+    redactor = Redactor()
+    for _ in range(3):
+        redactor.value({"db_password": "p", "max_tokens": 5})
+    assert redactor._hiding == {"db_password": True, "max_tokens": False}
+    redactor.learn("sekret-value")  # a learned value changes what keys read, not what hides
+    assert redactor._hiding == {"db_password": True, "max_tokens": False}
+
+
 def test_learned_values_are_redacted_and_bounded() -> None:
     redactor = Redactor(max_learned=2)
     redactor.learn({"a": "value-one", "b": ["value-two", 12345, True, None, "xy"]})
