@@ -560,13 +560,19 @@ class Redactor:
         Args:
             arguments: The arguments as the model sent them.
             sensitive: The tool's declared sensitive argument names; ``None`` when the tool is
-                not known, in which case every value is hidden (names stay visible).
+                not known, in which case every value is hidden.
             max_text: Cut longer strings.
+
+        The names are redacted as any object key is (a secret or personal-data shape in a
+        name the model made up becomes its placeholder).
         """
         out: dict[str, Any] = {}
         for name, value in arguments.items():
-            hidden = sensitive is None or name in sensitive or self._hides(str(name))
-            out[str(name)] = PLACEHOLDER if hidden else self.value(value, max_text=max_text)
+            key = str(name)
+            hidden = sensitive is None or key in sensitive or self._hides(key)
+            out[distinct_key(self._key(key, True), out)] = (
+                PLACEHOLDER if hidden else self.value(value, max_text=max_text)
+            )
         return out
 
 

@@ -393,7 +393,8 @@ async def test_a_tool_name_the_model_made_up_is_audited_as_not_executed(tmp_path
 
     def made_up(messages: list[Message], tools: list[ToolSpec]) -> Any:
         if not any(m.role == "tool" for m in messages):
-            return [ToolCall(id="c1", name="ghost_tool", arguments={"x": 1})]
+            args = {"x": 1, "sk-abcdefghijklmnopqrstuvwxyz0123": 2}
+            return [ToolCall(id="c1", name="ghost_tool", arguments=args)]
         return "done"
 
     store = SqliteAuditStore(tmp_path / "audit.db")
@@ -412,6 +413,12 @@ async def test_a_tool_name_the_model_made_up_is_audited_as_not_executed(tmp_path
         assert [c.payload["executed"] for c in calls] == [False]
         assert [r.payload["error_type"] for r in results] == ["unknown_tool"]
         assert calls[0].payload["execution"] == results[0].payload["execution"]
+        # Its arguments are not the schema's: every value hidden, and a name shaped like a
+        # secret redacted as any key is.
+        assert calls[0].payload["arguments"] == {
+            "x": "[REDACTED]",
+            "[REDACTED:api_key]": "[REDACTED]",
+        }
     finally:
         await agent.aclose()
         await store.close()

@@ -76,6 +76,27 @@ def test_arguments_hide_declared_names_and_everything_of_unknown_tools() -> None
     assert set(redactor.arguments(args, None).values()) == {PLACEHOLDER}
 
 
+def test_argument_names_are_redacted_as_object_keys_are() -> None:
+    # A tool the model made up has no schema, so its argument names are the model's text: a
+    # key or an e-mail address as a name showed in clear, while the same name one level
+    # down was redacted.
+    redactor = Redactor()
+    key = "sk-abcdefghijklmnopqrstuvwxyz0123"
+    args = {key: "v", "ana@example.com": 1, "bob@example.com": 2, "nested": {key: 3}}
+    assert redactor.arguments(args, None) == {
+        "[REDACTED:api_key]": PLACEHOLDER,
+        "[REDACTED:email]": PLACEHOLDER,
+        "[REDACTED:email]#2": PLACEHOLDER,
+        "nested": PLACEHOLDER,
+    }
+    assert redactor.arguments(args, frozenset()) == {
+        "[REDACTED:api_key]": "v",
+        "[REDACTED:email]": 1,
+        "[REDACTED:email]#2": 2,
+        "nested": {"[REDACTED:api_key]": 3},
+    }
+
+
 # Keys whose values hide, by the words in them; before, only a whole key of the list did
 # (db_password, github_token and a header map's X-Api-Key showed their values).
 HIDDEN_KEYS = [
