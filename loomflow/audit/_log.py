@@ -609,7 +609,8 @@ class _GovernanceRecords:
             actor = f"approver:{event.approver}"
         else:  # an approver who gave no name is still not the policy
             actor = "approver" if event.by_approver else f"policy:{event.policy}"
-        sensitive = self.hooks._sensitive(self.info, event.tool) or frozenset()
+        # None for a name the model made up: every value hidden, as in its tool.call.
+        sensitive = self.hooks._sensitive(self.info, event.tool)
         payload = {
             "tool": event.tool,
             "turn": event.turn,

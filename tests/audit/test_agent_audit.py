@@ -424,6 +424,34 @@ async def test_a_tool_name_the_model_made_up_is_audited_as_not_executed(tmp_path
         await store.close()
 
 
+async def test_the_permission_decision_on_a_made_up_tool_hides_its_values_as_its_call_does() -> (
+    None
+):
+    """A name the model made up has no schema, so no argument is known to be harmless: its
+    tool.call hid every value, but the permission.decision just before it (a rule asking
+    about every tool) showed them all."""
+    from loomflow.models import ScriptedModel
+
+    args = {"card_no": "4000-1234-secret-77", "memo": "for ana"}
+    store = InMemoryAuditStore()
+    agent = Agent(
+        "x",
+        model=ScriptedModel([[ToolCall(id="c1", name="charge_card", arguments=args)], "done"]),
+        tools=[ship],
+        permissions=StandardPermissions(rules=[Rule.ask("*")], approval="defer"),
+        audit=AuditLog(store),
+    )
+    await agent.run("go", session_id="s", user_id="alice")
+    shown = {
+        e.action: e.payload["arguments"] for e in store.all_entries if "arguments" in e.payload
+    }
+    assert shown == {
+        "permission.decision": {"card_no": "[REDACTED]", "memo": "[REDACTED]"},
+        "tool.call": {"card_no": "[REDACTED]", "memo": "[REDACTED]"},
+    }
+    assert "secret-77" not in str([e.payload for e in store.all_entries])
+
+
 async def test_a_db_password_argument_is_hidden_from_approvers_and_the_trail(
     tmp_path: Path,
 ) -> None:
