@@ -150,7 +150,7 @@ These are matched whole. Besides them, a key is also hidden when one of its *wor
 secret (``Redactor(key_words=True)``, the default): the key is cut into words at ``_``, ``-``,
 ``.``, spaces, digits and camelCase humps (``dbPassword``, ``AWS_SECRET_ACCESS_KEY``,
 ``X-Api-Key``), and it is hidden when a word is one of :data:`SECRET_KEY_WORDS` (``password``,
-``secret``, ``token``, ``cookie``, ``authorization``, ``credentials``, ``bearer``...) or two
+``secret``, ``token``, ``cookie``, ``authorization``, ``credentials``...) or two
 neighbouring words are one of :data:`SECRET_KEY_PAIRS` (``api key``, ``private key``, ``access
 key``...); ``pass`` and ``pwd`` count only as a key's last word (``smtp_pass``, ``db_pwd``;
 ``pwd`` alone is a working directory). Words are whole: ``secretary``, ``passage`` and
@@ -169,7 +169,6 @@ SECRET_KEY_WORDS = frozenset(
         "apikey",
         "apikeys",
         "authorization",
-        "bearer",
         "cookie",
         "cookies",
         "credential",
