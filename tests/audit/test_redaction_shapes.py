@@ -65,10 +65,34 @@ def test_the_shapes_match_what_their_plain_forms_match(text: str) -> None:
         assert _spans(shipped, text) == _spans(plain, text), (plain.pattern, text)
 
 
-@settings(max_examples=300, deadline=None)
-@given(texts)
-def test_emails_are_found_with_or_without_the_quick_check(text: str) -> None:
-    assert _pii.find_emails(text) == _spans(_pii.EMAIL, text)
+# Pieces of addresses, their edges and their near misses: runs of local-part characters,
+# several ``@``s, labels that end in digits or ``_``, letters, digits and marks of other
+# scripts (accented, Greek, Arabic-Indic and superscript digits, a Roman numeral, a
+# combining accent, CJK), and characters that end an address.
+EMAIL_PIECES = [
+    "@", "@@", ".", "..", "-", "_", "%", "+", "a", "Z", "1", "a.", ".a", "a.a.a.", "x-y",
+    "ana", "ex.com", "mail.example.org", ".co", ".c", "cd", "b.c1", "_x", "é", "ß", "Ω",
+    "\u0661", "\u00b2", "\u216b", "e\u0301", "\u4e2d\u6587", "josé", "bücher.de", " ", "\n",
+    "«", "»", "'", "<", ">", ",", "!", "\u200b",
+]  # fmt: skip
+email_texts = st.lists(
+    st.sampled_from(EMAIL_PIECES) | st.sampled_from(PIECES) | st.text(max_size=3), max_size=40
+).map("".join)
+
+
+@settings(max_examples=600, deadline=None)
+@given(email_texts)
+def test_emails_are_found_where_the_pattern_finds_them(text: str) -> None:
+    # find_emails searches from each "@" outwards; EMAIL says what an address is.
+    assert _pii.find_emails(text) == _spans(_pii.EMAIL, text), text
+
+
+def test_long_local_parts_are_found_whole() -> None:
+    # The local part is read backwards in growing chunks: runs around the chunk sizes.
+    for size in (1, 63, 64, 65, 127, 128, 192, 193, 1000):
+        for before in ("", " ", "a", "@"):
+            text = f"{before}{'a.' * size}@example.com."
+            assert _pii.find_emails(text) == _spans(_pii.EMAIL, text), (size, before)
 
 
 @settings(max_examples=300, deadline=None)
