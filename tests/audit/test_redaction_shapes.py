@@ -8,6 +8,7 @@ them. On any text, both must match the same spans.
 from __future__ import annotations
 
 import re
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -183,3 +184,47 @@ def test_stripe_keys_are_secret_shapes_as_the_pii_guardrail_finds_them() -> None
         assert r.text(f"key {key} here") == "key [REDACTED:stripe_key] here"
         assert r.contains_secret(key)
     assert r.text("task_live_" + "a" * 20) == "task_live_" + "a" * 20  # not at a word start
+
+
+# -- secret values: learned ones are looked for on their own until a recompile -------------
+
+values = st.text(alphabet="ab-", min_size=4, max_size=7)
+# learn a value, redact a text, or fold what was learned into the compiled pattern
+steps = st.lists(
+    st.tuples(st.sampled_from(["learn", "text", "compile"]), values, texts | values),
+    max_size=25,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(values, max_size=3), st.integers(1, 6), steps)
+def test_secret_values_are_found_as_one_longest_first_alternation(
+    configured: list[str], max_learned: int, steps: list[tuple[str, str, str]]
+) -> None:
+    # As a flat "v1|v2|…" of the live values, longest first, found them: learned values
+    # not yet compiled, and forgotten values the pattern still holds, change nothing.
+    r = Redactor(secrets=configured, patterns=False, pii=False, max_learned=max_learned)
+    for action, value, text in steps:
+        if action == "learn":
+            r.learn(value)
+        elif action == "compile":
+            r._compile()
+        for sample in (text, text + value + text, value + value[1:]):
+            live = sorted(set(configured) | r._learned.keys(), key=len, reverse=True)
+            expected = (
+                re.sub("|".join(map(re.escape, live)), "[REDACTED]", sample) if live else sample
+            )
+            assert r.text(sample) == expected, (live, sample)
+
+
+def test_learning_a_value_does_not_recompile_every_value() -> None:
+    # Each value learned recompiled all of them (about 0.3 ms a value): learning 1,000 values,
+    # each followed by a redaction, took minutes; it takes well under a second now.
+    r = Redactor(patterns=False, pii=False)
+    started = time.perf_counter()
+    for n in range(1_000):
+        r.learn(f"learned-value-{n:04}")
+        assert r.text(f"call with learned-value-{n:04} and learned-value-0000") == (
+            "call with [REDACTED] and [REDACTED]"
+        )
+    assert time.perf_counter() - started < 20
