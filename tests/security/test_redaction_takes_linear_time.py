@@ -9,7 +9,6 @@ held them (a tool reading a hostile web page held up its run for minutes).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -53,26 +52,6 @@ def test_hostile_text_is_redacted_in_linear_time(text: str) -> None:
     started = time.perf_counter()
     Redactor().text(text)
     assert time.perf_counter() - started < 3  # was 20 s to minutes
-
-
-def test_emails_are_searched_from_each_at_not_at_every_letter() -> None:
-    # Prose with an address in it: scanning it with the pattern tries a start at every
-    # letter; the finder jumps from "@" to "@". Both are timed on the same text (best of
-    # five), so a slow machine slows both; the finder was 2 to 3 times slower, it is now
-    # about a hundred times faster.
-    prose = "the order shipped to the customer, see ticket 4411; " * 2_000
-    text = f"{prose} write to ana.maria+billing@mail.example.org {prose}"
-
-    def best(find: Callable[[], object]) -> float:
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            find()
-            times.append(time.perf_counter() - started)
-        return min(times)
-
-    assert _pii.find_emails(text) == [m.span() for m in _pii.EMAIL.finditer(text)]
-    assert best(lambda: _pii.find_emails(text)) < best(lambda: list(_pii.EMAIL.finditer(text))) / 4
 
 
 def test_the_shapes_are_still_found() -> None:
