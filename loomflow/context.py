@@ -101,6 +101,17 @@ def own_context(
     return isolated
 
 
+async def in_own_context(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` with every step of it run in a copy of the caller's context.
+
+    For a reader that consumes a whole :func:`own_context` stream in one await (``run()``
+    drains it to its result): one copy of the context and one hand-over for the whole run,
+    where wrapping the stream paid both for every event. The reader's context never changes,
+    as with :func:`own_context`.
+    """
+    return await _InContext(contextvars.copy_context(), awaitable)
+
+
 class _InContext(Generic[T]):
     """Await ``awaitable`` with each of its steps run in ``context`` (``Context.run``)."""
 

@@ -43,7 +43,14 @@ from .._json import valid_line
 from .._locks import drop_if_idle
 from ..checkpoints import Checkpoint, CheckpointStore, checkpoint_store_for
 from ..config import Settings
-from ..context import RunContext, get_run_context, own_context, reset_var, use_run_context
+from ..context import (
+    RunContext,
+    get_run_context,
+    in_own_context,
+    own_context,
+    reset_var,
+    use_run_context,
+)
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -651,16 +658,8 @@ class Agent:
         sent back with the errors, up to ``output_retries`` times (default: the agent's),
         then :class:`~loomflow.errors.OutputValidationError` is raised.
         """
-        return await self._drain(
-            self.stream(
-                prompt,
-                session_id=session_id,
-                user_id=user_id,
-                metadata=metadata,
-                output_type=output_type,
-                output_retries=output_retries,
-            )
-        )
+        options = {"output_type": output_type, "output_retries": output_retries}
+        return await self._drained(prompt, session_id, user_id, metadata, resume=False, **options)
 
     @overload
     async def resume(
@@ -768,18 +767,16 @@ class Agent:
                     await stored_inputs(runtime, session_id, user_id, for_metadata=True)
                 )
             await decide(self, session_id, user_id, approvals, decided_by, valid_line(prompt))
-        return await self._drain(
-            self._events(
-                prompt,
-                session_id,
-                user_id,
-                metadata,
-                resume=True,
-                from_checkpoint=from_checkpoint,
-                fork_session_id=fork_session_id,
-                output_type=output_type,
-                output_retries=output_retries,
-            )
+        return await self._drained(
+            prompt,
+            session_id,
+            user_id,
+            metadata,
+            resume=True,
+            from_checkpoint=from_checkpoint,
+            fork_session_id=fork_session_id,
+            output_type=output_type,
+            output_retries=output_retries,
         )
 
     async def pending_approvals(
@@ -854,13 +851,25 @@ class Agent:
         assert result is not None  # every event stream ends with RunFinished
         return result
 
+    async def _drained(
+        self,
+        prompt: str,
+        session_id: str | None,
+        user_id: str | None,
+        metadata: Mapping[str, Any] | None,
+        **options: Any,
+    ) -> RunResult:
+        """The run's result, its events drained in a copy of the caller's context as a whole
+        (as :meth:`_events` copies it for a stream), not event by event: the same isolation,
+        handed over once per run instead of once per event."""
+        return await in_own_context(
+            self._drain(self._run_events(prompt, session_id, user_id, metadata, **options))
+        )
+
     def _runtime(self) -> Runtime:
         return runtime_for(self.runtime)
 
-    # A copy of the reader's context: an abandoned stream must not leave its run's context
-    # variables in the reader's context (see own_context).
-    @own_context
-    async def _events(
+    async def _run_events(
         self,
         prompt: str,
         session_id: str | None,
@@ -1029,6 +1038,10 @@ class Agent:
                 claiming.release()
             if end_untraced is not None:
                 end_untraced()
+
+    # A copy of the reader's context: an abandoned stream must not leave its run's context
+    # variables in the reader's context (see own_context).
+    _events = own_context(_run_events)
 
     def _structured(
         self, output_type: type[BaseModel] | None, output_retries: int | None

@@ -22,6 +22,7 @@ from loomflow.errors import UserError
 from loomflow.messages import Message, ModelResponse, ToolCall, ToolSpec
 from loomflow.models import AnthropicModel, FunctionModel, ScriptedModel
 from loomflow.runtime import InMemoryRuntime
+from loomflow.runtime._journal import run_in_context
 from loomflow.testing.providers import FakeAnthropicAPI, Reply
 from loomflow.tools import tool
 
@@ -65,6 +66,41 @@ async def test_tools_see_the_run_context_in_threads_and_in_parallel() -> None:
     assert result.output == "answer: sync:alice, async:alice"
     assert sorted(seen) == [("alice", "s", False), ("alice", "s", True)]
     assert get_run_context() == RunContext()
+
+
+async def test_run_and_resume_leave_the_callers_context_as_it_was() -> None:
+    """run() and resume() drain the run in a copy of the caller's context, as the stream
+    does event by event: nothing of the run (its context, its journal frame) is left in
+    the caller's, whether the run answers, replays or raises."""
+    calls = 0
+
+    @tool
+    def fails_once() -> str:
+        """Fails the first time."""
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise KeyboardInterrupt  # not a tool error: it ends the run
+        return "ok"
+
+    def decide(messages: list[Message], tools: list[ToolSpec]) -> Any:
+        if messages[-1].role == "tool":
+            return "done"
+        return [ToolCall(id="a", name="fails_once", arguments={})]
+
+    runtime = InMemoryRuntime()
+    agent = Agent("ctx", model=FunctionModel(decide), tools=[fails_once], runtime=runtime)
+    with pytest.raises(KeyboardInterrupt):
+        await agent.run("go", session_id="s", user_id="u")
+    assert get_run_context() == RunContext()
+    assert run_in_context() is None
+    first = await agent.resume("go", session_id="s", user_id="u")  # the tool runs again
+    assert (first.output, calls) == ("done", 2)
+    assert get_run_context() == RunContext()
+    again = await agent.resume("go", session_id="s", user_id="u")  # replayed whole
+    assert (again.output, again.fresh_steps, calls) == ("done", 0, 2)
+    assert get_run_context() == RunContext()
+    assert run_in_context() is None
 
 
 async def test_stream_yields_deltas_tool_events_and_the_result() -> None:
