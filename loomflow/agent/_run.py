@@ -108,8 +108,14 @@ class _Run:
         self.ctx = ctx
         # A budget's own price table (its prices= overrides) is what the run is charged at.
         # Looked up once: a protocol isinstance check costs microseconds on every model call.
+        # Without a budget there is nothing to look up (the check walks the protocol's
+        # attributes even for None: about 470 bytecodes a run).
         budget = agent.budget
-        prices = normalize_prices(budget.prices) if isinstance(budget, PricedBudget) else None
+        prices = (
+            normalize_prices(budget.prices)
+            if budget is not None and isinstance(budget, PricedBudget)
+            else None
+        )
         self.open_run = open_run  # None without a journal
         self.epoch: int | None = open_run.epoch if open_run is not None else None
         self.prompt = prompt
