@@ -535,7 +535,7 @@ class Memory:
         ]
 
 
-def _redactor(settings: Settings | None) -> Redactor | None:
+def redactor_of(settings: Settings | None) -> Redactor | None:
     """The redactor ``settings`` describe; ``None`` (the environment's) without settings."""
     return None if settings is None else Redactor.from_settings(settings)
 
@@ -543,8 +543,19 @@ def _redactor(settings: Settings | None) -> Redactor | None:
 class InMemoryMemory(Memory):
     """Memory that lives as long as this object (tests, demos)."""
 
-    def __init__(self, *, history_episodes: int | None = 20) -> None:
-        super().__init__(InMemoryMemoryStore(), history_episodes=history_episodes)
+    def __init__(
+        self,
+        *,
+        history_episodes: int | None = 20,
+        history_bytes: int | None = DEFAULT_HISTORY_BYTES,
+        redactor: Redactor | None = None,
+    ) -> None:
+        super().__init__(
+            InMemoryMemoryStore(),
+            history_episodes=history_episodes,
+            history_bytes=history_bytes,
+            redactor=redactor,
+        )
 
 
 class SqliteMemory(Memory):
@@ -559,6 +570,8 @@ class SqliteMemory(Memory):
         target: str | os.PathLike[str] | SqliteDatabase,
         *,
         history_episodes: int | None = 20,
+        history_bytes: int | None = DEFAULT_HISTORY_BYTES,
+        redactor: Redactor | None = None,
         auto_migrate: bool | None = None,
         settings: Settings | None = None,
     ) -> None:
@@ -568,7 +581,12 @@ class SqliteMemory(Memory):
             s = settings or Settings()
             db = SqliteDatabase.from_settings(target, s)
             store = SqlMemoryStore(db, owns_db=True, auto_migrate=auto_migrate, settings=s)
-        super().__init__(store, history_episodes=history_episodes, redactor=_redactor(settings))
+        super().__init__(
+            store,
+            history_episodes=history_episodes,
+            history_bytes=history_bytes,
+            redactor=redactor if redactor is not None else redactor_of(settings),
+        )
 
 
 class PostgresMemory(Memory):
@@ -579,6 +597,8 @@ class PostgresMemory(Memory):
         target: str | asyncpg.Pool | PostgresDatabase,
         *,
         history_episodes: int | None = 20,
+        history_bytes: int | None = DEFAULT_HISTORY_BYTES,
+        redactor: Redactor | None = None,
         auto_migrate: bool | None = None,
         settings: Settings | None = None,
     ) -> None:
@@ -591,4 +611,9 @@ class PostgresMemory(Memory):
                 auto_migrate=auto_migrate,
                 settings=settings,
             )
-        super().__init__(store, history_episodes=history_episodes, redactor=_redactor(settings))
+        super().__init__(
+            store,
+            history_episodes=history_episodes,
+            history_bytes=history_bytes,
+            redactor=redactor if redactor is not None else redactor_of(settings),
+        )

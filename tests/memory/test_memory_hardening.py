@@ -10,8 +10,16 @@ import pytest
 
 from loomflow.agent import Agent
 from loomflow.audit import AuditLog, InMemoryAuditStore
+from loomflow.config import Settings
 from loomflow.errors import MemoryEntryTooLargeError, UserError
-from loomflow.memory import InMemoryMemory, Memory, PostgresMemory, SqliteMemory, memory_for
+from loomflow.memory import (
+    InMemoryMemory,
+    Memory,
+    PostgresMemory,
+    SqliteMemory,
+    memory_for,
+    memory_from_url,
+)
 from loomflow.memory._types import encode_messages
 from loomflow.messages import Message, ToolCall
 from loomflow.models import FunctionModel, ScriptedModel
@@ -154,3 +162,34 @@ async def test_a_run_is_not_wedged_by_a_huge_earlier_episode(
     assert [m.content for m in sent[2]] == ["x", "first", "ok", "third"]  # no "huge ..."
     assert "over the 20000-byte recall cap" in caplog.text
     await runtime.close()
+
+
+async def test_every_way_to_build_memory_takes_the_byte_cap_and_a_redactor(
+    tmp_path: Path,
+) -> None:
+    # Memory(history_bytes=, redactor=) came with the byte cap and fact redaction, but the
+    # classes and helpers people build memory with did not take them (a TypeError), so the
+    # cap could not be chosen and memory_from_url(settings=) redacted by the environment.
+    redactor = Redactor(secrets=["hunter2-correct-horse"])
+    runtime = SqliteRuntime(tmp_path / "j.db")
+    built = [
+        InMemoryMemory(history_bytes=4096, redactor=redactor),
+        SqliteMemory(tmp_path / "m.db", history_bytes=4096, redactor=redactor),
+        memory_for(runtime, history_bytes=4096, redactor=redactor),
+        memory_from_url(f"sqlite:///{tmp_path / 'u.db'}", history_bytes=4096, redactor=redactor),
+    ]
+    try:
+        for memory in built:
+            assert (memory.history_bytes, memory.redactor) == (4096, redactor)
+            fact = await memory.remember("db", "note", "pw hunter2-correct-horse", user_id="u")
+            assert fact.object == "pw [REDACTED]"
+        # Without a redactor, the one the settings describe, as SqliteMemory(settings=) does.
+        settings = Settings(redact_secrets="hunter2-correct-horse")
+        from_url = memory_from_url(f"sqlite:///{tmp_path / 'v.db'}", settings=settings)
+        built.append(from_url)
+        fact = await from_url.remember("db", "note", "pw hunter2-correct-horse", user_id="u")
+        assert fact.object == "pw [REDACTED]"
+    finally:
+        for memory in built:
+            await memory.close()
+        await runtime.close()
