@@ -9,6 +9,7 @@ let go a moment later. With ``max_attempts=1`` the run used to be a dead letter 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -25,6 +26,20 @@ from loomflow.telemetry import Metrics
 pytestmark = pytest.mark.timeout(120)
 
 
+_LOST = "does not count toward max_attempts"
+_COUNTED = ("gave up on session", "recovery bookkeeping failed")
+
+
+async def _told(caplog: pytest.LogCaptureFixture, *texts: str) -> None:
+    """Until the worker has logged a line holding one of ``texts``: the attempt met the
+    outage (a lost attempt is then given back for seconds, a counted one dead-lettered or
+    left for the next sweep), so the outage may end. Waited for, not slept for: a loaded
+    machine may take longer than a fixed pause to reach the failed write."""
+    async with asyncio.timeout(60):
+        while not any(t in r.getMessage() for r in caplog.records for t in texts):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # log records: nothing to wait on but a poll
+
+
 @pytest.fixture
 def journal(tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "journal.db"
@@ -37,8 +52,13 @@ def journal(tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
 
 
 async def test_an_attempt_a_journal_outage_ended_does_not_count(
-    journal: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    journal: Path,
+    ledger: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="loomflow.recovery")
     await start_and_kill(f"sqlite:///{journal}", ledger, 1, "blip")
     gate = tmp_path / "gate"
     monkeypatch.setenv("FLEET_BLOCK", "1")
@@ -58,7 +78,7 @@ async def test_an_attempt_a_journal_outage_ended_does_not_count(
         holder.execute("BEGIN IMMEDIATE")  # the journal is down for its writers
         gate.touch()
         await wait_for(ledger, "ship", 1)
-        await asyncio.sleep(1.0)
+        await _told(caplog, _LOST)
         holder.execute("ROLLBACK")  # back a moment later
         await recovery.wait()
         [info] = await runtime.sessions()
@@ -86,8 +106,13 @@ async def test_an_attempt_a_journal_outage_ended_does_not_count(
 
 
 async def test_a_run_that_breaks_the_store_every_time_still_ends_as_a_dead_letter(
-    journal: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    journal: Path,
+    ledger: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="loomflow.recovery")
     # The bound: a worker gives back as many lost attempts of a run as max_attempts, then
     # counts them, so a run that fails a store on every attempt is not retried forever.
     await start_and_kill(f"sqlite:///{journal}", ledger, 1, "every")
@@ -109,7 +134,8 @@ async def test_a_run_that_breaks_the_store_every_time_still_ends_as_a_dead_lette
             holder.execute("BEGIN IMMEDIATE")
             gate.touch()
             await wait_for(ledger, "ship", attempt)
-            await asyncio.sleep(1.0)
+            # The first is given back; the second is past the bound and counts.
+            await _told(caplog, _LOST) if attempt == 1 else await _told(caplog, *_COUNTED)
             holder.execute("ROLLBACK")
             await recovery.wait()
         # The second attempt counted: out of attempts, given up (at once, or by the next
