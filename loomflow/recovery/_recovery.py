@@ -624,15 +624,21 @@ class Recovery:
             self._audit_lock = asyncio.Lock()
         async with self._audit_lock:  # one writer: two tasks must not write one entry twice
             while self._unaudited:
-                action, session_id, user_id, payload = self._unaudited[0]
-                await self.audit.record(
-                    action,
-                    user_id=user_id,
-                    session_id=session_id,
-                    actor=self.actor,
-                    payload=payload,
-                )
-                self._unaudited.popleft()
+                # Taken off first: an entry kept while this one is written may push the
+                # oldest out of the full deque, and that must not be the next unwritten one.
+                kept = self._unaudited.popleft()
+                action, session_id, user_id, payload = kept
+                try:
+                    await self.audit.record(
+                        action,
+                        user_id=user_id,
+                        session_id=session_id,
+                        actor=self.actor,
+                        payload=payload,
+                    )
+                except BaseException:
+                    self._unaudited.appendleft(kept)  # still unwritten: first in line again
+                    raise
 
     async def _not_audited(
         self, session_id: str, claim: OrphanClaim, failure: StoreUnavailableError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -283,17 +284,19 @@ async def test_sync_tools_left_hanging_do_not_starve_the_loops_own_threads(
     release = threading.Event()
 
     # A timeout long enough for every call to reach its thread on a loaded machine (a call
-    # still queued when it times out never starts); the count is at least 12, as threads of
+    # still queued when it times out never starts); the count is at least `many`, as threads of
     # other tests may still be winding down.
     @tool(timeout=1.0)
     def stuck() -> str:
         release.wait(30)
         return "late"
 
+    # More than the default executor holds on any machine (cpu_count + 4, at most 32).
+    many = min(32, (os.cpu_count() or 1) + 4) + 6
     try:
-        outcomes = await asyncio.gather(*(stuck.invoke({}) for _ in range(12)))
+        outcomes = await asyncio.gather(*(stuck.invoke({}) for _ in range(many)))
         assert {o.error_type for o in outcomes} == {"timeout"}
-        assert tool_threads_running() >= 12
+        assert tool_threads_running() >= many
         store = JsonlAuditStore(tmp_path / "audit.jsonl")
         async with asyncio.timeout(10):
             await asyncio.get_running_loop().getaddrinfo("127.0.0.1", 5432)
