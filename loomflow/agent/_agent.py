@@ -862,6 +862,11 @@ class Agent:
         """The run's result, its events drained in a copy of the caller's context as a whole
         (as :meth:`_events` copies it for a stream), not event by event: the same isolation,
         handed over once per run instead of once per event."""
+        events = vars(self).get("_events")
+        if events is not None:
+            # A Team's lead: the team tracks its runs through _events (the workers' memory
+            # for a resume through the lead), so those go that way, as a stream's do.
+            return await self._drain(events(prompt, session_id, user_id, metadata, **options))
         return await in_own_context(
             self._drain(self._run_events(prompt, session_id, user_id, metadata, **options))
         )
