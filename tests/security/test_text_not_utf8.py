@@ -168,10 +168,13 @@ async def test_runs_show_marks_a_row_no_step_can_match(tmp_path: Path, edit: str
         done = await asyncio.to_thread(cli, path, "runs", "show", "s", *json_flag)
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout)
-    assert "damaged" in outputs[0]
+    # A newer release's step is no damage: a resume stops there rather than run it again.
+    assert ("newer loomflow: resume stops" if "newer codec" in why else "damaged") in outputs[0]
     assert " replays " not in outputs[0]
     [line] = outputs[1].splitlines()
-    assert json.loads(line)["damage"].startswith(why)
+    damage = json.loads(line)["damage"]
+    newer = why.removeprefix("an unreadable value: ")
+    assert damage.startswith(newer if "newer codec" in why else why)
 
 
 async def test_runs_show_keeps_a_sound_row_replaying(tmp_path: Path) -> None:
