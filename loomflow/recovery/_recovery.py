@@ -640,6 +640,12 @@ class Recovery:
                     self._unaudited.appendleft(kept)  # still unwritten: first in line again
                     raise
 
+    def _outage(self, failure: StoreUnavailableError) -> None:
+        """A store outage kept this worker from doing a run's work: counted, and
+        ``worker --once`` exits 1 (the work was not done)."""
+        self.metrics.store_failed(failure)
+        self.failures += 1
+
     async def _not_audited(
         self, session_id: str, claim: OrphanClaim, failure: StoreUnavailableError
     ) -> None:
@@ -647,8 +653,7 @@ class Recovery:
         the audit store, not a failure of the run. The claim is given back with its attempt
         (as a stopping worker gives it back), so an outage never makes dead letters of the
         runs it holds back; they are claimed again at the next sweep."""
-        self.metrics.store_failed(failure)
-        self.failures += 1  # `worker --once` exits 1: the work was not done
+        self._outage(failure)
         log.warning(
             "session %r of user %r was not resumed: the audit log refused its recovery entry "
             "(%s); it is claimed again at the next sweep",
@@ -675,8 +680,7 @@ class Recovery:
             self._store_lost.clear()
             self._owed.clear()
         self._store_lost[key] = lost + 1
-        self.metrics.store_failed(failure)
-        self.failures += 1  # `worker --once` exits 1: the work was not done
+        self._outage(failure)
         log.warning(
             "session %r of user %r was not finished: a store failed during attempt %d (%s); "
             "the attempt does not count toward max_attempts",

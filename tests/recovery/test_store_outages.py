@@ -12,6 +12,7 @@ import asyncio
 import logging
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import _app
 import pytest
@@ -51,6 +52,20 @@ def journal(tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
     return path
 
 
+def _blocked_app(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, dict[str, Any], SqliteRuntime, AuditLog]:
+    """The fleet app with its tool held at a gate file: its gate, agents, journal and audit."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLEET_BLOCK", "1")
+    monkeypatch.setenv("FLEET_GATE", str(gate))
+    agents = _app.agents()
+    runtime, audit = agents["orders"].runtime, agents["orders"].audit
+    assert isinstance(runtime, SqliteRuntime)
+    assert isinstance(audit, AuditLog)
+    return gate, agents, runtime, audit
+
+
 async def test_an_attempt_a_journal_outage_ended_does_not_count(
     journal: Path,
     ledger: Path,
@@ -60,13 +75,7 @@ async def test_an_attempt_a_journal_outage_ended_does_not_count(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="loomflow.recovery")
     await start_and_kill(f"sqlite:///{journal}", ledger, 1, "blip")
-    gate = tmp_path / "gate"
-    monkeypatch.setenv("FLEET_BLOCK", "1")
-    monkeypatch.setenv("FLEET_GATE", str(gate))
-    agents = _app.agents()
-    runtime, audit = agents["orders"].runtime, agents["orders"].audit
-    assert isinstance(runtime, SqliteRuntime)
-    assert isinstance(audit, AuditLog)
+    gate, agents, runtime, audit = _blocked_app(tmp_path, monkeypatch)
     metrics = Metrics(CollectorRegistry())
     recovery = Recovery(
         runtime, agents, max_attempts=1, backoff=0, audit=audit, metrics=metrics, worker_id="w"
@@ -116,13 +125,7 @@ async def test_a_run_that_breaks_the_store_every_time_still_ends_as_a_dead_lette
     # The bound: a worker gives back as many lost attempts of a run as max_attempts, then
     # counts them, so a run that fails a store on every attempt is not retried forever.
     await start_and_kill(f"sqlite:///{journal}", ledger, 1, "every")
-    gate = tmp_path / "gate"
-    monkeypatch.setenv("FLEET_BLOCK", "1")
-    monkeypatch.setenv("FLEET_GATE", str(gate))
-    agents = _app.agents()
-    runtime, audit = agents["orders"].runtime, agents["orders"].audit
-    assert isinstance(runtime, SqliteRuntime)
-    assert isinstance(audit, AuditLog)
+    gate, agents, runtime, audit = _blocked_app(tmp_path, monkeypatch)
     recovery = Recovery(runtime, agents, max_attempts=1, backoff=0, audit=audit, worker_id="w")
     holder = sqlite3.connect(journal, isolation_level=None)
     try:
