@@ -93,7 +93,9 @@ class Rule:
             writes it: ``True`` or ``true``) or a predicate on the value, tried on the value as
             sent and as the tool receives it after validation; every one must match (an
             argument left out is judged as the default the tool runs with; without a default,
-            it does not match).
+            it does not match). A glob on a list or mapping judges its elements (a mapping's
+            values, and for deny and ask its keys too): a deny or ask rule matches when any
+            one matches, an allow rule only when all do. A predicate gets the whole value.
         when: A predicate on the whole arguments dict (as sent, and as validated).
         destructive: Match only tools with (``True``) or without (``False``) that flag.
         edits: Match only tools with or without the ``edits`` flag.
@@ -177,11 +179,14 @@ class Rule:
         # tool runs with (a "yes" or 1 it reads as True, a 22.0 or " 22" it reads as 22), so
         # that they cannot dodge a rule written for True or 22.
         validated = received if received is not None else Received(tool, call.arguments)
+        # A glob on a list (or a mapping) judges its elements: a rule that restricts (deny,
+        # ask) matches when any of them matches, one that allows only when all of them do.
+        every = self.behavior == "allow"
         for name, matcher in self.args.items():
             if name in call.arguments:
                 value = call.arguments[name]
                 if isinstance(matcher, str):
-                    if any(fnmatch.fnmatchcase(text, matcher) for text in _texts(value)):
+                    if _glob_matches(matcher, value, every=every):
                         continue
                 elif matcher(value):
                     continue
@@ -190,7 +195,7 @@ class Rule:
             if coerced is _ABSENT:
                 return False
             if isinstance(matcher, str):
-                if not any(fnmatch.fnmatchcase(text, matcher) for text in _texts(coerced)):
+                if not _glob_matches(matcher, coerced, every=every):
                     return False
             elif not _holds(matcher, coerced):
                 return False
@@ -249,6 +254,31 @@ def _holds(predicate: Callable[[Any], Any], validated: Any) -> bool:
         return bool(predicate(validated))
     except Exception:
         return False
+
+
+def _glob_matches(pattern: str, value: Any, *, every: bool) -> bool:
+    """Whether the glob ``pattern`` matches an argument's value.
+
+    A scalar matches when one of its texts does. A list (tuple, set) or mapping is judged by
+    its parts, the elements of a list and the values of a mapping, nested ones the same way:
+    with ``every`` (an allow rule) each part must match, so that one allowed path cannot
+    carry a forbidden one past the rule; without it (deny, ask) one part is enough, and so is
+    a mapping's key or the text of the whole value (``"*etc*"`` on ``["/etc/passwd"]``), so
+    that no shape of the value dodges the rule. An empty one has no part: its text decides.
+    """
+    if isinstance(value, Mapping):
+        parts: list[Any] = list(value.values())
+        if not every:
+            parts += list(value.keys())
+    elif isinstance(value, list | tuple | set | frozenset):
+        parts = list(value)
+    else:
+        return any(fnmatch.fnmatchcase(text, pattern) for text in _texts(value))
+    if every and parts:
+        return all(_glob_matches(pattern, part, every=True) for part in parts)
+    if any(fnmatch.fnmatchcase(text, pattern) for text in _texts(value)):
+        return True
+    return any(_glob_matches(pattern, part, every=False) for part in parts)
 
 
 def _texts(value: Any) -> tuple[str, ...]:
