@@ -106,7 +106,8 @@ class PermissionDecided(GovernanceEvent):
     reason: str
     policy: str
     approver: str | None = None
-    arguments: dict[str, Any] = Field(default_factory=dict)  # already redacted
+    # Hidden as the audit entry hides them (sensitive names and keys, secrets, personal data).
+    arguments: dict[str, Any] = Field(default_factory=dict)
     edited: bool = False
     # An approver answered the ask (named or not), rather than the policy refusing it because
     # nobody could be asked (no handler, a timeout, a handler that failed).
@@ -140,7 +141,8 @@ class ApprovalRequested(GovernanceEvent):
     slot: int
     reason: str
     policy: str
-    arguments: dict[str, Any] = Field(default_factory=dict)  # already redacted
+    # Hidden as the audit entry hides them (sensitive names and keys, secrets, personal data).
+    arguments: dict[str, Any] = Field(default_factory=dict)
 
     def accept(self, visitor: GovernanceVisitor[R]) -> R:
         return visitor.approval_requested(self)

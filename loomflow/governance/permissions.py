@@ -682,6 +682,21 @@ def _by_rule(behavior: Behavior, policy: str, rule: Rule) -> Decision:
     return Decision(behavior, reason, policy, rule)
 
 
+def _event_arguments(
+    redactor: Redactor | None, arguments: Mapping[str, Any], tool: Tool[..., Any] | None
+) -> dict[str, Any]:
+    """The arguments a :class:`PermissionDecided` event carries, hidden as the audit entry
+    hides them: the event reaches every in-process hook (exporters, log shippers), which must
+    see no more than the compliance record. That is the tool's ``sensitive`` values, values
+    under keys that name a secret (``db_password``), secret shapes and personal data, and
+    every value of a tool that does not exist. A hook that needs the real values has them in
+    ``before_tool_call``."""
+    sensitive = tool.sensitive if tool is not None else None
+    if redactor is not None:
+        return redactor.arguments(arguments, sensitive)
+    return redact_arguments(arguments, frozenset(arguments) if sensitive is None else sensitive)
+
+
 def _checked(
     permissions: StandardPermissions,
     call: ToolCall,
@@ -813,13 +828,7 @@ class PermissionHooks(RunHooks):
             # The reason reaches the model, and with it the journal and the model's provider:
             # an approver's note may quote a card number or a key, which the audit entry hides.
             reason = info.redactor.text(reason)
-        sensitive = tool.sensitive if tool is not None else frozenset()
-        arguments = redact_arguments(current.arguments, sensitive)
-        if edited and info.redactor is not None:
-            # The model's secrets reach here sealed; an edit's do not (it is read back from
-            # the journal), so its secret shapes are hidden here. Personal data stays as
-            # given, as in the model's own arguments.
-            arguments = info.redactor.value(arguments, pii=False)
+        arguments = _event_arguments(info.redactor, current.arguments, tool)
         info.emit(
             PermissionDecided(
                 tool=call.name,
