@@ -10,7 +10,8 @@ A :class:`Redactor` rewrites text and JSON data so that none of these reach a st
   teaches them to the redactor as soon as it sees them, so that the same value is also
   scrubbed from loomflow's own log records (see :func:`install_log_redaction`);
 - *sensitive keys*: a mapping key such as ``password``, ``db_password`` or ``X-Api-Key``
-  hides its value (one whose words name a secret, see :data:`DEFAULT_SENSITIVE_KEYS`);
+  hides its value (one whose words name a secret, see :data:`DEFAULT_SENSITIVE_KEYS`); the
+  agent loop also seals tool arguments of such names out of the journal, and learns them;
 - *personal-data shapes* (:data:`PII_KINDS`): payment card numbers that pass the Luhn check,
   e-mail addresses and IBANs that pass their checksum (the shapes the PII guardrail finds),
   plus any patterns you add. These are
@@ -658,6 +659,11 @@ class Redactor:
                     kept.clear()
                 kept[(key, pii)] = found
         return found
+
+    def hides_key(self, key: str) -> bool:
+        """Whether the value under the mapping key (or argument name) ``key`` is hidden: a key
+        of ``sensitive_keys``, or with ``key_words``, one whose words name a secret."""
+        return self._hides(key)
 
     def _hides(self, key: str) -> bool:
         """Whether the value under ``key`` is hidden, remembered (keys of up to 128 characters)."""

@@ -3,7 +3,8 @@
 The journal stores each model response so that a resumed run replays it, and a response holds
 the tool calls the model asked for, arguments included. A :class:`Sealer` rewrites the response
 *before* it is journaled: each argument a tool declares ``sensitive`` (and each argument
-holding a secret shape or a configured secret) becomes a placeholder ``[sealed:<hmac>]``, and
+holding a secret shape or a configured secret, and each one whose name the redactor hides,
+such as ``db_password``) becomes a placeholder ``[sealed:<hmac>]``, and
 the real value stays in process memory only, in the sealer of the run. Everything downstream
 (the journal, the tool step's key, the transcript the model sees next, checkpoints, events)
 carries the placeholder; only the tool invocation gets the real value back
@@ -132,6 +133,15 @@ class Sealer:
             return True
         if self._redactor is None:
             return False
+        # An argument named as a secret (db_password, apiToken) is sealed as the audit log
+        # hides it; one that holds nothing (None, a flag, "") has nothing to keep out and
+        # is left for a resumed run to use.
+        if (
+            self._redactor.hides_key(name)
+            and value not in (None, "")
+            and not isinstance(value, bool)
+        ):
+            return True
         return self._redactor.contains_secret(canonical_json(json_safe(value)))
 
     def seal_call(self, call: ToolCall) -> ToolCall:
