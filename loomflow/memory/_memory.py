@@ -25,7 +25,15 @@ from ..storage import PostgresDatabase, SqliteDatabase
 from ..tools import Tool
 from ._protocol import MemoryStore
 from ._sql import SqlMemoryStore
-from ._types import Block, Episode, Fact, encode_messages, newest_within, seconds
+from ._types import (
+    Block,
+    Episode,
+    Fact,
+    checked_name,
+    encode_messages,
+    newest_within,
+    seconds,
+)
 from .inmemory import InMemoryMemoryStore
 
 if TYPE_CHECKING:
@@ -52,10 +60,7 @@ def _text(what: str, value: object, *, quote: bool = True) -> str:
         raise UserError(f"{what} must be a non-empty string{shown_value}")
     if "\x00" in value:
         raise UserError(f"{what}{f' {value[:80]!r}' if quote else ''} contains a NUL character")
-    # A lone surrogate (no character: UTF-8 cannot spell it) becomes U+FFFD, as in prompts;
-    # the same on writing and on looking up.
-    value = valid_text(value)
-    size = len(value.encode())
+    size = len(checked_name(what, value).encode())  # a lone surrogate refused, as in an id
     if size > MAX_KEY_BYTES:
         raise UserError(
             f"{what}{f' {value[:40]!r}...' if quote else ''} is {size} bytes in UTF-8; "

@@ -28,11 +28,14 @@ from ._types import (
     UnreadableBlock,
     UnreadableEpisode,
     UnreadableFact,
+    checked_name,
     decode_messages,
     encode_messages,
+    episode_scope,
     micros,
     newest_within,
     timestamp,
+    user_scope,
 )
 from .migrations import COMPONENT, MIGRATIONS
 
@@ -297,7 +300,7 @@ class SqlMemoryStore(ComponentStore):
     # -- episodes ----------------------------------------------------------------------------
 
     async def put_episode(self, episode: Episode) -> Episode:
-        scope = Scope(episode.session_id, episode.user_id)
+        scope = episode_scope(episode)
         rows = await self._fetch(
             "write",
             _PUT_EPISODE,
@@ -328,7 +331,7 @@ class SqlMemoryStore(ComponentStore):
         """As the protocol's; with ``on_damaged``, a damaged row is handed to it and left out
         instead of raised. With ``max_bytes``, see :func:`~._types.newest_within`: the
         messages of a row over the cap are not even read from the database."""
-        scope = Scope(session_id, user_id)
+        scope = Scope.checked(session_id, user_id)
         # The user's key as well as the scope: what a run recalls is then always something
         # forget_user erases, even from a row whose user_key was edited away from its scope.
         args: list[Any] = [scope.key, scope.user_key]
@@ -372,7 +375,7 @@ class SqlMemoryStore(ComponentStore):
         return found
 
     async def delete_episodes(self, session_id: str, user_id: str | None) -> int:
-        key = Scope(session_id, user_id).key
+        key = Scope.checked(session_id, user_id).key
         return len(await self._fetch("delete", _DELETE_EPISODES, key))
 
     # -- facts -------------------------------------------------------------------------------
@@ -386,7 +389,8 @@ class SqlMemoryStore(ComponentStore):
         object: str,
         source: str | None,
     ) -> Fact:
-        user_key = Scope(None, user_id).user_key
+        subject, predicate = checked_name("subject", subject), checked_name("predicate", predicate)
+        user_key = user_scope(user_id).user_key
         await self.open()
         lock = _fact_lock(user_key, subject, predicate)
         async with self.db.transaction(lock_key=lock, what="memory write") as tx:
@@ -422,7 +426,8 @@ class SqlMemoryStore(ComponentStore):
         )
 
     async def retract(self, user_id: str | None, subject: str, predicate: str) -> Fact | None:
-        user_key = Scope(None, user_id).user_key
+        subject, predicate = checked_name("subject", subject), checked_name("predicate", predicate)
+        user_key = user_scope(user_id).user_key
         await self.open()
         lock = _fact_lock(user_key, subject, predicate)
         async with self.db.transaction(lock_key=lock, what="memory write") as tx:
@@ -444,7 +449,9 @@ class SqlMemoryStore(ComponentStore):
         as_of: float | None,
         history: bool,
     ) -> list[Fact]:
-        args: list[Any] = [Scope(None, user_id).user_key]
+        subject = None if subject is None else checked_name("subject", subject)
+        predicate = None if predicate is None else checked_name("predicate", predicate)
+        args: list[Any] = [user_scope(user_id).user_key]
 
         def param(value: Any) -> str:
             args.append(value)
@@ -471,26 +478,29 @@ class SqlMemoryStore(ComponentStore):
     # -- blocks ------------------------------------------------------------------------------
 
     async def set_block(self, user_id: str | None, name: str, content: str) -> Block:
-        user_key = Scope(None, user_id).user_key
+        name = checked_name("name", name)
+        user_key = user_scope(user_id).user_key
         rows = await self._fetch("write", _SET_BLOCK, user_key, name, user_id, content)
         return _block(rows[0], user_id)
 
     async def get_block(self, user_id: str | None, name: str) -> Block | None:
-        rows = await self._fetch("read", _GET_BLOCK, Scope(None, user_id).user_key, name)
+        name = checked_name("name", name)
+        rows = await self._fetch("read", _GET_BLOCK, user_scope(user_id).user_key, name)
         return _block(rows[0], user_id) if rows else None
 
     async def blocks(self, user_id: str | None) -> list[Block]:
-        rows = await self._fetch("read", _BLOCKS, Scope(None, user_id).user_key)
+        rows = await self._fetch("read", _BLOCKS, user_scope(user_id).user_key)
         return _by_name([_block(r, user_id) for r in rows])
 
     async def delete_block(self, user_id: str | None, name: str) -> bool:
-        user_key = Scope(None, user_id).user_key
+        name = checked_name("name", name)
+        user_key = user_scope(user_id).user_key
         return bool(await self._fetch("delete", _DELETE_BLOCK, user_key, name))
 
     # -- per user ----------------------------------------------------------------------------
 
     async def forget_user(self, user_id: str | None) -> dict[str, int]:
-        user_key = Scope(None, user_id).user_key
+        user_key = user_scope(user_id).user_key
         await self.open()
         counts: dict[str, int] = {}
         # One transaction: a user is forgotten entirely or not at all.
@@ -509,7 +519,7 @@ class SqlMemoryStore(ComponentStore):
         list[Fact | UnreadableFact],
         list[Block | UnreadableBlock],
     ]:
-        user_key = Scope(None, user_id).user_key
+        user_key = user_scope(user_id).user_key
         episodes = await self._fetch(
             "read",
             f"SELECT {_EPISODE_COLUMNS} FROM loom_memory_episodes WHERE {_OF_USER} ORDER BY seq",

@@ -8,10 +8,12 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .._ids import check_id, check_key
 from .._printable import shown
-from ..errors import CorruptEntryError, MemoryEntryTooLargeError
+from ..errors import CorruptEntryError, InvalidIdError, MemoryEntryTooLargeError
 from ..messages import Message
 from ..runtime import codec
+from ..runtime._store import Scope
 
 __all__ = ["Block", "Episode", "Fact", "UnreadableBlock", "UnreadableEpisode", "UnreadableFact"]
 
@@ -140,6 +142,39 @@ class UnreadableBlock(_Frozen):
     user_id: str | None
     name: str
     unreadable: str
+
+
+def checked_name(what: str, value: str) -> str:
+    """A subject, predicate or block name as every store takes it: one with a lone surrogate
+    (no character: UTF-8 cannot spell it) is an :class:`InvalidIdError` naming ``what``, as an
+    id with one is. Made U+FFFD, "a\\udce9" and "a\\udcff" were one name, and one fact or
+    block overwrote and read back as the other; on SQLite it was a UnicodeEncodeError, on
+    PostgreSQL a store "unavailable"."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise InvalidIdError(what, "holds a lone surrogate, which has no UTF-8 form") from None
+    return value
+
+
+def user_scope(user_id: str | None) -> Scope:
+    """The user's scope, the id checked as every store checks it (see :mod:`loomflow._ids`)."""
+    return Scope.checked(None, user_id)
+
+
+def checked_session(session_id: str) -> str:
+    """A session id to look episodes up by, checked as every store checks it."""
+    return check_id("session_id", session_id, optional=False) or ""
+
+
+def episode_scope(episode: Episode) -> Scope:
+    """The scope an episode is stored under, after its ids and key are checked as a
+    :class:`~loomflow.memory.Memory` checks them: an episode handed to a store directly
+    with a lone surrogate in one failed differently on each backend."""
+    check_id("id", episode.id, optional=False)
+    check_key("key", episode.key, optional=False)
+    check_id("run_id", episode.run_id)
+    return Scope.checked(episode.session_id, episode.user_id)
 
 
 def timestamp(seconds: float) -> dt.datetime:

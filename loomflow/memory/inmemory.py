@@ -5,8 +5,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..runtime._store import Scope
-from ._types import TICK, Block, Episode, Fact, micros, timestamp
+from ._types import (
+    TICK,
+    Block,
+    Episode,
+    Fact,
+    checked_name,
+    checked_session,
+    episode_scope,
+    micros,
+    timestamp,
+    user_scope,
+)
 
 __all__ = ["InMemoryMemoryStore"]
 
@@ -44,12 +54,12 @@ class InMemoryMemoryStore:
 
     def _user(self, user_id: str | None) -> _User:
         """The user's partition, created: only for writes."""
-        return self._users.setdefault(Scope(None, user_id).user_key, _User())
+        return self._users.setdefault(user_scope(user_id).user_key, _User())
 
     def _found(self, user_id: str | None) -> _User:
         """The user's partition, or an empty one left out of ``_users``: a read for an id
         that stored nothing (hostile, or one of many) must not grow the process."""
-        found = self._users.get(Scope(None, user_id).user_key)
+        found = self._users.get(user_scope(user_id).user_key)
         return found if found is not None else _User()
 
     async def open(self) -> None:
@@ -64,6 +74,7 @@ class InMemoryMemoryStore:
     # -- episodes ----------------------------------------------------------------------------
 
     async def put_episode(self, episode: Episode) -> Episode:
+        episode_scope(episode)  # refused here as on the SQL stores
         user = self._user(episode.user_id)
         i = user.at_key.get(episode.key)
         if i is not None:
@@ -88,6 +99,7 @@ class InMemoryMemoryStore:
         limit: int | None,
     ) -> list[Episode]:
         user = self._found(user_id)
+        checked_session(session_id)
         found = [
             e
             for e in (user.episodes[i] for i in user.by_session.get(session_id, ()))
@@ -102,6 +114,7 @@ class InMemoryMemoryStore:
 
     async def delete_episodes(self, session_id: str, user_id: str | None) -> int:
         user = self._found(user_id)
+        checked_session(session_id)
         kept = [e for e in user.episodes if e.session_id != session_id]
         deleted = len(user.episodes) - len(kept)
         if deleted:
@@ -120,6 +133,7 @@ class InMemoryMemoryStore:
         object: str,
         source: str | None,
     ) -> Fact:
+        subject, predicate = checked_name("subject", subject), checked_name("predicate", predicate)
         user = self._user(user_id)
         now = micros(time.time())
         for i, fact in enumerate(user.facts):
@@ -147,6 +161,7 @@ class InMemoryMemoryStore:
         return new
 
     async def retract(self, user_id: str | None, subject: str, predicate: str) -> Fact | None:
+        subject, predicate = checked_name("subject", subject), checked_name("predicate", predicate)
         user = self._found(user_id)
         for i, fact in enumerate(user.facts):
             if fact.subject == subject and fact.predicate == predicate and fact.current:
@@ -164,6 +179,8 @@ class InMemoryMemoryStore:
         as_of: float | None,
         history: bool,
     ) -> list[Fact]:
+        subject = None if subject is None else checked_name("subject", subject)
+        predicate = None if predicate is None else checked_name("predicate", predicate)
         found = []
         for fact in self._found(user_id).facts:
             if (subject is not None and fact.subject != subject) or (
@@ -185,6 +202,7 @@ class InMemoryMemoryStore:
     # -- blocks ------------------------------------------------------------------------------
 
     async def set_block(self, user_id: str | None, name: str, content: str) -> Block:
+        name = checked_name("name", name)
         blocks = self._user(user_id).blocks
         now = timestamp(time.time())
         old = blocks.get(name)
@@ -198,18 +216,20 @@ class InMemoryMemoryStore:
         return blocks[name]
 
     async def get_block(self, user_id: str | None, name: str) -> Block | None:
+        name = checked_name("name", name)
         return self._found(user_id).blocks.get(name)
 
     async def blocks(self, user_id: str | None) -> list[Block]:
         return sorted(self._found(user_id).blocks.values(), key=lambda b: b.name)
 
     async def delete_block(self, user_id: str | None, name: str) -> bool:
+        name = checked_name("name", name)
         return self._found(user_id).blocks.pop(name, None) is not None
 
     # -- per user ----------------------------------------------------------------------------
 
     async def forget_user(self, user_id: str | None) -> dict[str, int]:
-        user = self._users.pop(Scope(None, user_id).user_key, _User())
+        user = self._users.pop(user_scope(user_id).user_key, _User())
         return {
             "episodes": len(user.episodes),
             "facts": len(user.facts),
