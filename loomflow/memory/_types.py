@@ -150,6 +150,8 @@ def checked_name(what: str, value: str) -> str:
     id with one is. Made U+FFFD, "a\\udce9" and "a\\udcff" were one name, and one fact or
     block overwrote and read back as the other; on SQLite it was a UnicodeEncodeError, on
     PostgreSQL a store "unavailable"."""
+    if not isinstance(value, str):  # a store called directly, past Memory's checks
+        raise InvalidIdError(what, f"must be a string, not {type(value).__name__}")
     try:
         value.encode()
     except UnicodeEncodeError:
