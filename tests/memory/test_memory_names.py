@@ -89,7 +89,7 @@ async def test_a_store_refuses_a_lone_surrogate_itself_alike_on_every_backend(
         ("name", store.get_block("u", 7)),  # type: ignore[arg-type]
     ]
     for field, call in refused:
-        with pytest.raises(InvalidIdError, match="lone surrogate|must be a string") as caught:
+        with pytest.raises(InvalidIdError, match=r"lone surrogate|must be a string") as caught:
             await call
         assert caught.value.field == field
     exported = await memory.export_user("u")
