@@ -53,7 +53,7 @@ from ..messages import (
     ToolSpec,
     Usage,
 )
-from ..models.pricing import normalize_prices
+from ..models.pricing import normalize_prices, warn_unpriced
 from ..redaction import Redactor
 from ..runtime import JournalRun, JournalRuntime, OpenRun, Runtime, codec
 from ..runtime._expect import expecting
@@ -577,7 +577,8 @@ class _Run:
         # The budget's rule and table (the audit's model.call entries use the same).
         value = self.info.cost_usd(response)
         if value is None:
-            _warn_unpriced(response.model or self.info.model_name)
+            # Named as the call asked for it: what a prices= table has to key it by.
+            warn_unpriced(self.info.model_name)
             return 0.0
         return value
 
@@ -1028,16 +1029,8 @@ def _counts(open_run: OpenRun | None) -> tuple[int, int]:
     return (open_run.stats.hits, open_run.stats.misses)
 
 
-_unpriced: set[str] = set()
-
 # The stand-in outcome of a call waiting for approval (never journaled nor shown to the model).
 _AWAITING = ToolOutcome(ok=False, error_type="approval_pending", error="waiting for approval")
-
-
-def _warn_unpriced(model_name: str) -> None:
-    if model_name not in _unpriced:
-        _unpriced.add(model_name)
-        log.warning("no price known for model %r; its cost counts as 0", model_name)
 
 
 def _redacted(redactor: Redactor, message: Message) -> Message:

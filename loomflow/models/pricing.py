@@ -16,6 +16,7 @@ Models priced by prompt length (e.g. Claude Haiku 5.5) are left out rather than 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +32,10 @@ __all__ = [
     "cost_usd",
     "normalize_prices",
     "price_for",
+    "warn_unpriced",
 ]
+
+log = logging.getLogger("loomflow.pricing")
 
 
 @dataclass(frozen=True)
@@ -240,3 +244,26 @@ def cost_usd(
     """
     price = price_for(model_name, provider=provider, prices=prices, reported=reported)
     return None if price is None else price.cost(usage)
+
+
+# Models already warned about, by normalised name: the loop (pricing the run) and the budget
+# (pricing the call) both meet an unpriced model, and one warning says it all.
+_unpriced: set[str] = set()
+
+
+def warn_unpriced(model_name: str) -> None:
+    """Log, once per process and model, that no price table knows ``model_name``: what that
+    costs (its calls count $0) and how to price it."""
+    name = _normalize(model_name)
+    if name in _unpriced:
+        return
+    _unpriced.add(name)
+    log.warning(
+        "no price is known for model %r: its calls count $0 of cost in RunResult.cost_usd, "
+        "the audit trail, the metrics and budget totals (a budget still counts their tokens; "
+        "a cost_usd cap refuses them). Price it with StandardBudget(prices={%r: "
+        "ModelPrice(input_usd_per_mtok, output_usd_per_mtok)}) or "
+        "Agent.from_settings(..., prices={...}); ModelPrice is in loomflow.models.pricing",
+        model_name,
+        model_name,
+    )

@@ -434,7 +434,7 @@ async def test_an_unknown_price_runs_without_a_cost_cap_and_warns_once(
     # table failed every run with UnknownModelPriceError though no cap looked at cost.
     settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}")
     model = PricedModel(tool_then_answer(), name="unpriced-from-settings")
-    with caplog.at_level(logging.WARNING, "loomflow.governance.budget"):
+    with caplog.at_level(logging.WARNING, "loomflow"):
         async with Agent.from_settings(
             "You look things up.",
             model=model,
@@ -451,10 +451,12 @@ async def test_an_unknown_price_runs_without_a_cost_cap_and_warns_once(
     # Tokens are counted; the cost is unknown and counts as 0 (a cost cap would refuse).
     assert (bucket.totals.tokens_in, bucket.totals.tokens_out) == (600, 120)
     assert (bucket.totals.cost_nanousd, bucket.totals.calls) == (0, 6)
-    budget_log = [r for r in caplog.records if r.name == "loomflow.governance.budget"]
-    warned = [m for m in _caplog_names(budget_log) if "unpriced-from-settings" in m]
+    # One warning in all, not one from the loop (pricing the run) and one from the budget,
+    # naming the model and how to price it.
+    warned = [m for m in _caplog_names(caplog.records) if "unpriced-from-settings" in m]
     assert len(warned) == 1, warned
-    assert "prices=" in warned[0]
+    assert "prices={'unpriced-from-settings': ModelPrice(" in warned[0]
+    assert "Agent.from_settings(..., prices=" in warned[0]
 
 
 async def test_an_unknown_price_counts_tokens_toward_token_caps() -> None:

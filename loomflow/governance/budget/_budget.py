@@ -36,7 +36,7 @@ from ...errors import (
 )
 from ...hooks import Interrupt, RunHooks, RunInfo
 from ...messages import Message, ModelResponse, ModelSettings, Usage
-from ...models.pricing import PRICES, ModelPrice, normalize_prices, price_for
+from ...models.pricing import PRICES, ModelPrice, normalize_prices, price_for, warn_unpriced
 from ..events import BudgetDenied, BudgetUnavailable, BudgetWarning
 from ._owner import current_owner
 from ._store import BudgetStore
@@ -333,7 +333,7 @@ class StandardBudget:
                 f"StandardBudget(prices={{{model!r}: ModelPrice(input_usd_per_mtok, "
                 "output_usd_per_mtok)}) (ModelPrice is in loomflow.models.pricing)"
             )
-        _warn_unpriced(model)
+        warn_unpriced(model)
         return _UNPRICED
 
     def size(
@@ -695,23 +695,11 @@ class StandardBudget:
         await self.store.close()
 
 
-# Models already warned about (see _warn_unreported and _warn_unpriced).
+# Models already warned about (see _warn_unreported).
 _unreported: set[str] = set()
-_unpriced: set[str] = set()
 
 # What a model in no price table costs a budget without a cost cap.
 _UNPRICED = ModelPrice(0.0, 0.0)
-
-
-def _warn_unpriced(model: str) -> None:
-    if model not in _unpriced:
-        _unpriced.add(model)
-        log.warning(
-            "no price is known for model %r: the budget counts its tokens but not its cost "
-            "(a cost_usd cap would refuse its calls); pass StandardBudget(prices={...}) to "
-            "price it",
-            model,
-        )
 
 
 def _warn_unreported(model: str) -> None:
