@@ -66,6 +66,7 @@ from ..hooks import RunHooks
 from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import Message, ModelSettings, ToolSpec
 from ..models import Model, resolve_model
+from ..models.pricing import ModelPrice
 from ..redaction import Redactor
 from ..runtime import OpenRun, RunRecord, Runtime, codec
 from ..runtime._journal import JournalRun, JournalRuntime, run_in_context
@@ -440,6 +441,7 @@ class Agent:
         model: Model | str,
         settings: Settings | None = None,
         caps: Sequence[Any] = (),
+        prices: Mapping[str, ModelPrice] | None = None,
         **options: Any,
     ) -> Agent:
         """An agent whose journal, audit log, budget and telemetry come from :class:`Settings`.
@@ -458,6 +460,10 @@ class Agent:
             model: A model or model string, as for :class:`Agent`.
             settings: Defaults to ``Settings()`` (``LOOMFLOW_*`` variables and ``.env``).
             caps: :class:`~loomflow.governance.Cap` objects for the budget.
+            prices: Extra or overriding model prices for the budget, as
+                ``StandardBudget(prices=...)`` takes them (``{"my-model": ModelPrice(3.0,
+                15.0)}``): the budget charges, and ``RunResult.cost_usd``, the audit trail and
+                the metrics report, calls at these prices.
             options: Any other :class:`Agent` argument. A ``runtime``, ``audit``, ``budget``
                 or ``telemetry`` given here is used as is, and left for the caller to close.
 
@@ -475,6 +481,12 @@ class Agent:
         s = settings or Settings()
         if caps and "budget" in options:
             raise UserError("pass either caps= or budget=, not both")
+        if prices is not None and "budget" in options:
+            # A given budget prices the run with its own table: this one would be ignored.
+            raise UserError(
+                "pass either prices= or budget=, not both (give the budget the prices: "
+                "StandardBudget(prices=...))"
+            )
         owned: list[Any] = []
         # Placement is decided in one place (loomflow.stores): unless their URLs say otherwise,
         # the audit log and the budget live beside the journal actually used (sharing its
@@ -488,7 +500,7 @@ class Agent:
             options["audit"] = AuditLog(stores.audit, redactor=Redactor.from_settings(s))
             owned.append(options["audit"])
         if "budget" not in options:
-            options["budget"] = StandardBudget(caps, store=stores.budget)
+            options["budget"] = StandardBudget(caps, store=stores.budget, prices=prices)
             owned.append(options["budget"])
         if "telemetry" not in options:
             if setup_requested(s):  # LOOMFLOW_* settings or the standard OTEL_* variables

@@ -17,7 +17,9 @@ from loomflow.errors import UserError
 from loomflow.governance import Cap, StandardBudget
 from loomflow.governance.budget import budget_store_from_url
 from loomflow.memory import memory_for
-from loomflow.models import ScriptedModel
+from loomflow.messages import ModelResponse, Usage
+from loomflow.models import FunctionModel, ScriptedModel
+from loomflow.models.pricing import ModelPrice
 from loomflow.runtime import InMemoryRuntime, runtime_from_url
 
 
@@ -115,6 +117,51 @@ def test_caps_and_a_budget_together_are_refused() -> None:
             "x",
             model="scripted",
             caps=[Cap("tokens_total", 10)],
+            budget=StandardBudget(),
+            settings=Settings(runtime_url="memory://", audit_url="memory://"),
+        )
+
+
+class _OwnModel(FunctionModel):
+    """A model no price table knows (not a free scripted one)."""
+
+    provider = "acme"
+
+
+async def test_prices_price_a_model_of_ones_own_under_a_cost_cap(tmp_path: Path) -> None:
+    # from_settings had no prices=: a model of one's own under a cost cap was refused with
+    # UnknownModelPriceError, and prices= failed as an unknown Agent argument.
+    settings = Settings(runtime_url=f"sqlite:///{tmp_path / 'journal.db'}", audit_url="memory://")
+    model = _OwnModel(
+        lambda m, t: ModelResponse(text="ok", usage=Usage(input_tokens=1000, output_tokens=100)),
+        name="our-llm",
+    )
+    async with Agent.from_settings(
+        "Support.",
+        model=model,
+        settings=settings,
+        caps=[Cap("cost_usd", 1.0)],
+        prices={"Our-LLM": ModelPrice(2.0, 10.0)},
+    ) as agent:
+        result = await agent.run("hi", session_id="t-p", user_id="ana")
+    assert (result.interrupted, result.output) == (False, "ok")
+    # 1000 input tokens at $2/M and 100 output at $10/M: $0.003, charged and reported alike.
+    assert result.cost_usd == pytest.approx(0.003)
+    budget = budget_store_from_url(settings=settings)
+    try:
+        [usage] = [u for u in await budget.usage("ana") if u.bucket.period == ""]
+    finally:
+        await budget.close()
+    assert usage.totals.cost_nanousd == 3_000_000
+
+
+def test_prices_and_a_budget_together_are_refused() -> None:
+    # The given budget prices the run with its own table: prices= would be ignored silently.
+    with pytest.raises(UserError, match="prices= or budget="):
+        Agent.from_settings(
+            "x",
+            model="scripted",
+            prices={"our-llm": ModelPrice(1.0, 1.0)},
             budget=StandardBudget(),
             settings=Settings(runtime_url="memory://", audit_url="memory://"),
         )
