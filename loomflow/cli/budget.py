@@ -165,7 +165,11 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 _HOLD_COLUMNS: tuple[str, ...] = ("scope", "user", "held tokens", "held USD", "since (UTC)")
-_HOLD_COLUMNS += ("lease ends (UTC)", "reservation", "worker")
+_HOLD_COLUMNS += ("lease ends (UTC)", "reservation", "run", "worker")
+
+# What a hold that names no run shows: one stored before holds named their run (or made by a
+# direct StandardBudget.reserve() outside a run). JSON says null.
+_UNKNOWN_RUN = "unknown"
 
 
 def _hold(info: ReservationInfo) -> dict[str, Any]:
@@ -185,6 +189,7 @@ def _hold(info: ReservationInfo) -> dict[str, Any]:
         "lease_expires": iso_time(info.expires_at),
         "lease_lapsed": info.expires_at <= time.time(),
         "on_expiry": info.on_expiry,
+        "run_id": info.run_id,
         "owner": info.owner,
         "buckets": [[b.scope, b.user_id, b.period or "all"] for b in info.buckets],
     }
@@ -220,6 +225,7 @@ async def _holds(args: argparse.Namespace) -> int:
                 r["since"][:19].replace("T", " "),
                 f"{lease} (lapsed)" if r["lease_lapsed"] else lease,
                 r["reservation_id"],
+                _UNKNOWN_RUN if r["run_id"] is None else r["run_id"],
                 r["owner"],
             )
         )

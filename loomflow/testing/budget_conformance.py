@@ -20,6 +20,7 @@ worker process would see it)::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
@@ -97,6 +98,14 @@ class BudgetStoreConformance:
         assert (after.tokens_in, after.tokens_out, after.wall_s, after.calls) == (7, 5, 0.25, 1)
         assert (after.reserved_in, after.reserved_out) == (0, 0)
         assert await store.reservations() == []
+
+    async def test_a_hold_names_its_run(self, store: BudgetStore) -> None:
+        r = dataclasses.replace(_hold(_ALICE), run_id="01RUNOFTHECALL")
+        anonymous = _hold(_ALICE)  # made outside a run: the run is unknown
+        assert await _reserve(store, r)
+        assert await _reserve(store, anonymous)
+        listed = {x.id: x.run_id for x in await store.reservations()}
+        assert listed == {r.id: "01RUNOFTHECALL", anonymous.id: None}
 
     async def test_record_charges_without_a_hold(self, store: BudgetStore) -> None:
         result = await store.record((_ALICE, _EVERYONE), Amount(3, 4, 9, 0.5))

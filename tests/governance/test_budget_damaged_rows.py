@@ -176,6 +176,7 @@ async def _lists_past_a_damaged_hold(
         ("expires_at", "'nan'"),
         ("expires_at", "9e999"),
         ("owner", "x'ff'"),
+        ("run_id", "x'ff'"),
     ],
 )
 async def test_a_damaged_hold_is_left_out_of_the_listing_sqlite(

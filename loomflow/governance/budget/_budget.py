@@ -24,6 +24,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 from ulid import ULID
 
 from ..._cleanup import raise_if_cancelled
+from ..._ids import check_id
 from ...errors import (
     BudgetExceededError,
     BudgetUnavailableError,
@@ -489,8 +490,12 @@ class StandardBudget:
         messages: Sequence[Message] = (),
         input_tokens: int | None = None,
         provider: str | None = None,
+        run_id: str | None = None,
     ) -> Ticket:
         """Reserve the most a model call can spend, or refuse it.
+
+        ``run_id`` names the run the call belongs to in the stored hold (``loomflow budget
+        holds`` shows it).
 
         Raises:
             BudgetExceededError: a cap would be crossed.
@@ -506,7 +511,12 @@ class StandardBudget:
             provider=provider,
         )
         return await self.reserve_amount(
-            user_id=user_id, model=model, price=price, amount=amount, provider=provider
+            user_id=user_id,
+            model=model,
+            price=price,
+            amount=amount,
+            provider=provider,
+            run_id=run_id,
         )
 
     async def reserve_amount(
@@ -517,10 +527,15 @@ class StandardBudget:
         price: ModelPrice,
         amount: Amount,
         provider: str | None = None,
+        run_id: str | None = None,
     ) -> Ticket:
         """Reserve an amount sized by :meth:`size` (see :meth:`reserve`)."""
+        # Stored with the hold: a driver error on a bad id would read as the store being down.
+        run = check_id("run_id", run_id or None)  # a RunInfo outside a run says ""
         buckets, limits = self._plan(user_id, self._clock())
-        reservation = Reservation(str(ULID()), current_owner(), buckets, amount, self.on_expiry)
+        reservation = Reservation(
+            str(ULID()), current_owner(), buckets, amount, self.on_expiry, run
+        )
         if not limits:
             # No cap watches these buckets, so there is nothing to hold against: skip the
             # reservation round trip (1.2-1.7 ms a call with its commit) and only record.
@@ -811,6 +826,7 @@ class BudgetHooks(RunHooks):
                 price=price,
                 amount=amount,
                 provider=info.provider,
+                run_id=info.run_id,
             )
         except BudgetExceededError as exc:
             self._deny(info, exc)

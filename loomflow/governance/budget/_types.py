@@ -372,7 +372,8 @@ class Reservation:
     """Capacity held for one model call in flight, until it is committed or released.
 
     ``on_expiry`` says what a reclaim does if the owner dies first: ``charge`` the held
-    amount as spent (the call may have been billed), or ``release`` it.
+    amount as spent (the call may have been billed), or ``release`` it. ``run_id`` names the
+    agent run the call belongs to (``None`` for a call made outside one).
     """
 
     id: str
@@ -380,6 +381,7 @@ class Reservation:
     buckets: tuple[Bucket, ...]
     amount: Amount
     on_expiry: OnExpiry = "charge"
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.on_expiry not in ("charge", "release"):
@@ -441,7 +443,11 @@ class UnreadableBucket:
 
 @dataclass(frozen=True, slots=True)
 class ReservationInfo:
-    """A reservation held in the store, for operators."""
+    """A reservation held in the store, for operators.
+
+    ``run_id`` is the run whose model call holds it; ``None`` when that is unknown (a hold
+    stored before reservations named their run, or made outside a run).
+    """
 
     id: str
     owner: str
@@ -450,6 +456,7 @@ class ReservationInfo:
     on_expiry: OnExpiry
     created_at: float
     expires_at: float
+    run_id: str | None = None
 
 
 def evaluate(

@@ -221,6 +221,7 @@ class InMemoryBudgetStore:
                 h.reservation.on_expiry,
                 h.created_at,
                 h.expires_at,
+                h.reservation.run_id,
             )
             for h in sorted(self._holds.values(), key=lambda h: h.created_at)
         ]

@@ -47,6 +47,10 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX loom_budget_reservations_owner ON loom_budget_reservations (owner)",
         ),
     ),
+    Migration(
+        "reservations name the run that holds them (NULL in holds made before: shown unknown)",
+        ("ALTER TABLE loom_budget_reservations ADD COLUMN run_id TEXT",),
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -114,9 +114,10 @@ RETURNING {_COLUMNS}
 _STORED = f"SELECT {_COLUMNS} FROM loom_budget_buckets WHERE bucket = $1"
 _HOLD = """
 INSERT INTO loom_budget_reservations
-    (id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at, expires_at)
+    (id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at, expires_at,
+    run_id)
 VALUES ($1, $2, $3, CAST($4 AS BIGINT), CAST($5 AS BIGINT), CAST($6 AS BIGINT), $7, {now},
-    {now} + CAST($8 AS DOUBLE PRECISION))
+    {now} + CAST($8 AS DOUBLE PRECISION), $9)
 """
 _TAKE = """
 DELETE FROM loom_budget_reservations WHERE id = $1
@@ -161,7 +162,7 @@ _PRUNE = f"DELETE FROM loom_budget_buckets {_PRUNABLE} RETURNING 1"
 _PRUNABLE_COUNT = f"SELECT COUNT(*) FROM loom_budget_buckets {_PRUNABLE}"
 _RESERVATIONS = """
 SELECT id, owner, buckets, tokens_in, tokens_out, cost_nanousd, on_expiry, created_at,
-    expires_at
+    expires_at, run_id
 FROM loom_budget_reservations ORDER BY created_at, id
 """
 
@@ -415,6 +416,7 @@ class SqlBudgetStore:
                     held.cost_nanousd,
                     reservation.on_expiry,
                     lease,
+                    reservation.run_id,
                 )
         except _Refused as refused:
             return refused.denial
@@ -693,10 +695,14 @@ def _stored_amount(values: Sequence[Any]) -> Amount:
 def _reservation(row: Sequence[Any]) -> ReservationInfo:
     """A row of ``_RESERVATIONS``; a :class:`_MalformedHold` naming the column that cannot be
     what loomflow wrote (text where a number belongs, a negative amount, a time that is no
-    finite number, an id or owner that is not UTF-8 text)."""
+    finite number, an id, owner or run id that is not UTF-8 text). A NULL run id is a hold
+    stored before the column existed, or made outside a run: unknown, not malformed."""
     for column, value in (("id", row[0]), ("owner", row[1]), ("buckets", row[2])):
         if not (isinstance(value, str) and is_unicode(value)):
             raise _MalformedHold(f"its {column} {shown(value)} is not text")
+    run_id = row[9]
+    if run_id is not None and not (isinstance(run_id, str) and is_unicode(run_id)):
+        raise _MalformedHold(f"its run_id {shown(run_id)} is not text")
     buckets = _buckets(row[2])
     amount = _stored_amount(row[3:6])
     for column, value in (("created_at", row[7]), ("expires_at", row[8])):
@@ -710,6 +716,7 @@ def _reservation(row: Sequence[Any]) -> ReservationInfo:
         _on_expiry(row[6]),
         float(row[7]),
         float(row[8]),
+        run_id,
     )
 
 
