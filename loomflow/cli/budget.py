@@ -18,7 +18,7 @@ from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, ReservationInfo, UnreadableBucket
 from ..governance.budget.sql import SqlBudgetStore
 from ..stores import Stores
-from ._format import duration, iso_time, json_text, printable, user_cell
+from ._format import duration, id_cell, iso_time, json_text, printable, user_cell
 from ._format import table as print_table
 from ._stores import existing
 
@@ -225,7 +225,7 @@ async def _holds(args: argparse.Namespace) -> int:
                 r["since"][:19].replace("T", " "),
                 f"{lease} (lapsed)" if r["lease_lapsed"] else lease,
                 r["reservation_id"],
-                _UNKNOWN_RUN if r["run_id"] is None else r["run_id"],
+                _UNKNOWN_RUN if r["run_id"] is None else id_cell(r["run_id"]),
                 r["owner"],
             )
         )

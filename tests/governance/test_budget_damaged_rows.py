@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loomflow.errors import BudgetUnavailableError
+from loomflow.errors import BudgetError, BudgetExceededError, BudgetUnavailableError
 from loomflow.governance.budget import Cap, StandardBudget
 from loomflow.governance.budget.sql import SqlBudgetStore
 from loomflow.messages import Usage
@@ -518,3 +518,69 @@ async def test_malformed_holds_do_not_keep_a_sweep_from_the_sound_ones_behind_th
         assert (settled, left) == (0, 150)
     finally:
         await budget.close()
+
+
+# A dead worker's hold edited in beside a live call's: its buckets name alice's bucket once
+# (an amount the bucket never held) or twice (a bucket list reserve never writes).
+_FORGED_BUCKETS = {
+    "once": "buckets",
+    "twice": "'[' || substr(buckets, 2, length(buckets) - 2) || ', ' "
+    "|| substr(buckets, 2, length(buckets) - 2) || ']'",
+}
+
+
+async def _forged_release_frees_no_live_hold(
+    url: str, execute: object, buckets: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget = StandardBudget([Cap("tokens_total", 1000)], store=SqlBudgetStore(url))
+    try:
+        live = await budget.reserve(
+            user_id="alice", model="scripted", max_tokens=100, input_tokens=400
+        )
+        await execute(  # type: ignore[operator]
+            "INSERT INTO loom_budget_reservations (id, owner, buckets, tokens_in, tokens_out, "
+            "cost_nanousd, on_expiry, created_at, expires_at) "
+            f"SELECT 'forged', 'elsewhere:1:h:o', {buckets}, tokens_in, tokens_out, "
+            "cost_nanousd, 'release', created_at, 0 FROM loom_budget_reservations"
+        )
+        with caplog.at_level(logging.WARNING, logger="loomflow.governance.budget"):
+            # Released, it freed the live call's 500 tokens from alice's bucket: the next two
+            # calls of 500 were granted beside it, past her cap of 1,000.
+            assert await budget.reclaim() == 0
+        assert "forged" in caplog.text
+        assert "malformed" in caplog.text
+        await budget.reserve(user_id="alice", model="scripted", max_tokens=100, input_tokens=400)
+        with pytest.raises(BudgetExceededError):
+            await budget.reserve(
+                user_id="alice", model="scripted", max_tokens=100, input_tokens=400
+            )
+        # Released by id, it is refused by name and frees nothing either.
+        with pytest.raises(BudgetError, match=r"other calls hold|a bucket twice"):
+            await budget.store.release("forged")
+        totals = await budget.store.totals([live.reservation.buckets[0].key])
+        assert [(t.reserved_in, t.reserved_out) for t in totals.values()] == [(800, 200)]
+    finally:
+        await budget.close()
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+@pytest.mark.parametrize("named", ["once", "twice"])
+async def test_a_forged_dead_hold_frees_no_live_hold(
+    tmp_path: Path,
+    backend: str,
+    named: str,
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
+) -> None:
+    path = tmp_path / "budget.db"
+    url = f"sqlite:///{path}" if backend == "sqlite" else request.getfixturevalue("pg_dsn")
+
+    async def execute(sql: str) -> None:
+        if backend == "sqlite":
+            await asyncio.to_thread(sqlite_exec, path, sql)
+        else:
+            await _pg_execute(url, sql)
+
+    await _forged_release_frees_no_live_hold(url, execute, _FORGED_BUCKETS[named], caplog)

@@ -152,6 +152,8 @@ ORDER BY expires_at, id LIMIT $1 OFFSET $2
 _RECLAIM_PAGES = 10
 # Owner ids start with the pid namespace, so a worker can find holds of dead local processes.
 _LOCAL = "SELECT id, owner FROM loom_budget_reservations WHERE owner LIKE $1 LIMIT $2"
+# The holds left once one is settled by its stored copy (see _check_freed).
+_OTHER_HOLDS = "SELECT buckets, tokens_in, tokens_out, cost_nanousd FROM loom_budget_reservations"
 _USAGE = f"SELECT bucket, {_COLUMNS}, updated_at, scope, user_id, period FROM loom_budget_buckets"
 # Period names sort by time (see ended_periods); a bucket still holding a call is kept.
 _PRUNABLE = """
@@ -307,9 +309,14 @@ def _on_expiry(value: object) -> OnExpiry:
 
 def _buckets(text: str) -> tuple[Bucket, ...]:
     try:
-        return tuple(Bucket.from_key(k) for k in json.loads(text))
+        buckets = tuple(Bucket.from_key(k) for k in json.loads(text))
     except (ValueError, TypeError, RecursionError) as exc:
         raise _MalformedHold(f"its buckets {str(text)[:80]!r} cannot be read: {exc}") from exc
+    if len({b.key for b in buckets}) != len(buckets):
+        # Reserve holds once per bucket: settled, a bucket named twice is charged and freed
+        # twice.
+        raise _MalformedHold(f"its buckets {str(text)[:80]!r} name a bucket twice")
+    return buckets
 
 
 class SqlBudgetStore:
@@ -491,8 +498,11 @@ class SqlBudgetStore:
                 held, buckets = reservation.amount, _still_held(reservation.buckets, rows[0][0])
             else:
                 held, buckets = _stored_amount(rows[0][1:4]), _buckets(rows[0][0])
+            after = {}
             for bucket in sorted(buckets, key=lambda b: b.key):
-                await self._move(tx, bucket, Amount(), held, 0)
+                after[bucket.key] = await self._move(tx, bucket, Amount(), held, 0)
+            if not isinstance(reservation, Reservation):
+                await _check_freed(tx, after)
         return True
 
     async def renew(self, reservation_id: str, lease_s: float) -> bool:
@@ -567,10 +577,12 @@ class SqlBudgetStore:
                         continue
                     held = _stored_amount(rows[0][1:4])
                     charge = _on_expiry(rows[0][4]) == "charge"
+                    after = {}
                     for bucket in sorted(_buckets(rows[0][0]), key=lambda b: b.key):
-                        await self._move(
+                        after[bucket.key] = await self._move(
                             tx, bucket, held if charge else Amount(), held, 1 if charge else 0
                         )
+                    await _check_freed(tx, after)
                     reclaimed += 1
             except (_MalformedHold, _DamagedRow, ValueError, TypeError) as exc:
                 # Rolled back and left in place: one bad row (the hold, or a bucket it names)
@@ -677,6 +689,42 @@ class SqlBudgetStore:
                     exc,
                 )
         return listed
+
+
+async def _check_freed(tx: Any, after: dict[str, Totals]) -> None:
+    """Refuse (a :class:`_MalformedHold`, rolling the settlement back) a hold settled by its
+    stored copy that freed what other holds still hold: their buckets' held totals, once it
+    is gone, must still cover every hold left in them.
+
+    Reserve and settle move a hold's amount in its buckets and its row in one transaction,
+    so only a row edited in (a bucket named twice, an amount its buckets never held) breaks
+    this. Released, such a row would free the holds of calls still in flight, and a hard
+    cap would let the next calls through past it. The settling transaction already locks
+    each bucket (its upsert), so no hold in them comes or goes while the others are summed.
+    One read of every hold: there are as many as calls in flight, and settling by the
+    stored copy happens only to dead workers' holds and ``release(id)``.
+    """
+    left = {key: [0, 0, 0] for key in after}
+    for stored, *amount in await tx.fetch(_OTHER_HOLDS):
+        try:
+            keys = {b.key for b in _buckets(stored)} & left.keys()
+            counted = _stored_amount(amount)
+        except (_MalformedHold, TypeError):
+            continue  # an unreadable hold is counted by no one (and settled by no one)
+        for key in keys:
+            for i, value in enumerate(
+                (counted.tokens_in, counted.tokens_out, counted.cost_nanousd)
+            ):
+                left[key][i] += value
+    for key, totals in after.items():
+        held = (totals.reserved_in, totals.reserved_out, totals.reserved_cost_nanousd)
+        if any(h < o for h, o in zip(held, left[key], strict=True)):
+            raise _MalformedHold(
+                f"settling it would free what other calls hold in bucket {shown(key)} (the "
+                f"bucket would hold {held[0]}/{held[1]} tokens and {held[2]} nano-USD, its "
+                f"other holds {left[key][0]}/{left[key][1]} and {left[key][2]}): its amount "
+                "or bucket list was edited"
+            )
 
 
 def _stored_amount(values: Sequence[Any]) -> Amount:
