@@ -32,7 +32,6 @@ __all__ = [
     "cost_usd",
     "normalize_prices",
     "price_for",
-    "warn_unpriced",
 ]
 
 log = logging.getLogger("loomflow.pricing")
