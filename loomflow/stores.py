@@ -398,7 +398,11 @@ class Stores:
         ``journal`` holds the user's ``sessions``, their ``entries`` and the results kept
         under the user's idempotency keys (``idempotency``; ``None`` when the journal's
         store cannot list them), each described without its value. ``audit_problems`` lists
-        what ``verify`` finds wrong with the user's trail (empty when it is intact).
+        what ``verify`` finds wrong with the user's trail (empty when it is intact). A stored
+        audit row that reads as no entry is in ``audit`` in its place as a marker
+        (:func:`~loomflow.audit.damaged_row`, no ``hash``), an entry whose payload alone is
+        damaged has an ``"unreadable"`` key, and ``counts`` then has ``"damaged audit
+        rows"``: the export goes on past them, and says so.
         """
         check_id("user_id", user_id)
         runtime = self.runtime
@@ -426,7 +430,20 @@ class Stores:
             checkpoints = await self.checkpoints.export_user(user_id)
             memory = await self.memory.export_user(user_id)
         budget = [_budget_json(u) for u in await self._budget_of(user_id)]
-        audit = [entry.to_json() async for entry in self.audit.entries(user_id=user_id)]
+        # A row that reads as no entry stands in its place as a marker (damaged_row: no hash,
+        # no time), so the rest of the trail is still handed out and the gap is not hidden.
+        from .audit import ChainProblem, damaged_row
+
+        audit: list[dict[str, Any]] = []
+        damaged = markers = 0
+        async for row in self.audit.rows(user_id=user_id):
+            if isinstance(row, ChainProblem):
+                damaged += 1
+                markers += 1
+                audit.append(damaged_row(row))
+            else:
+                damaged += row.unreadable is not None
+                audit.append(row.to_json())
         # The trail is shown as stored; what verify finds wrong with it goes along, so an
         # entry edited in the storage is not handed out as the record.
         damage = (await self.audit.verify(user_id=user_id)).problems
@@ -461,8 +478,11 @@ class Stores:
             "episodes": len(memory.get("episodes", [])),
             "facts": len(memory.get("facts", [])),
             "blocks": len(memory.get("blocks", [])),
-            "audit entries": len(audit),
+            "audit entries": len(audit) - markers,
         }
+        if damaged:
+            # Only when there are some: the counts of an intact trail stay as they were.
+            document["counts"]["damaged audit rows"] = damaged
         return document
 
     async def forget_user(self, user_id: str | None, *, actor: str = "loomflow") -> ForgetReport:

@@ -22,6 +22,7 @@ from ._store import (
     ChainHead,
     ChainProblem,
     VerifyReport,
+    damaged_row,
 )
 from ._url import audit_store_beside, audit_store_for, audit_store_from_url
 from .inmemory import InMemoryAuditStore
@@ -57,6 +58,7 @@ __all__ = [
     "audit_store_beside",
     "audit_store_for",
     "audit_store_from_url",
+    "damaged_row",
     "heads_from_json",
     "install_log_redaction",
     "verify_lines",

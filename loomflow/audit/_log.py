@@ -38,7 +38,7 @@ from ..runtime import StepEvent
 from ..tools import Tool, ToolOutcome
 from . import actions
 from ._entry import AuditEntry, AuditRecord, too_deep
-from ._store import ANY_USER, AuditPage, AuditStore, ChainHead, VerifyReport
+from ._store import ANY_USER, AuditPage, AuditStore, ChainHead, ChainProblem, VerifyReport
 from ._url import audit_store_from_url
 
 __all__ = ["AuditHooks", "AuditLog"]
@@ -194,10 +194,13 @@ class AuditLog:
         dest: str | os.PathLike[str] | TextIO,
         *,
         on_progress: OnProgress | None = None,
+        on_damaged: Callable[[ChainProblem], None] | None = None,
         **filters: Any,
     ) -> int:
         """Write matching entries as JSON lines; see :meth:`AuditStore.export`."""
-        return await self.store.export(dest, on_progress=on_progress, **filters)
+        return await self.store.export(
+            dest, on_progress=on_progress, on_damaged=on_damaged, **filters
+        )
 
     async def verify(
         self,

@@ -16,7 +16,7 @@ import json
 import os
 import shlex
 import stat
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -37,6 +37,7 @@ from ._entry import (
     ENTRY_SCHEMA_VERSION,
     GENESIS,
     MAX_EXACT_INT,
+    UNREADABLE,
     AuditEntry,
     AuditRecord,
     iso_time,
@@ -67,6 +68,7 @@ __all__ = [
     "LegalHold",
     "RetentionReport",
     "VerifyReport",
+    "damaged_row",
 ]
 
 
@@ -200,10 +202,19 @@ class AuditFilter:
 
 @dataclass(frozen=True, slots=True)
 class AuditPage:
-    """One page of a query; pass ``next_cursor`` back to get the next (``None``: no more)."""
+    """One page of a query; pass ``next_cursor`` back to get the next (``None``: no more).
+
+    ``damaged``: the rows of this page that could not be read as entries at all (a ``seq``
+    or time edited into something that is no number, bytes in a text column), each as the
+    ``unreadable`` problem ``verify`` reports for it (its user and seq as far as they can be
+    read, its row id as ``position``). They are not in ``entries``, so a page holding one is
+    not the whole answer; an entry whose payload alone is damaged is in ``entries``, marked
+    (:attr:`AuditEntry.unreadable`).
+    """
 
     entries: list[AuditEntry]
     next_cursor: str | None
+    damaged: list[ChainProblem] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,9 +470,11 @@ class AuditStore(abc.ABC):
             until=until,
         )
         await self.open()
-        entries, last = await self._query(where, limit, after)
-        more = len(entries) == limit and last is not None
-        return AuditPage(entries, str(last) if more else None)
+        rows, last = await self._query(where, limit, after)
+        more = len(rows) == limit and last is not None
+        entries = [row for row in rows if isinstance(row, AuditEntry)]
+        damaged = [row for row in rows if isinstance(row, ChainProblem)]
+        return AuditPage(entries, str(last) if more else None, damaged)
 
     async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
         """The entry ``seq`` of the user's trail (``None``: no entry has it), looked up by
@@ -478,14 +491,19 @@ class AuditStore(abc.ABC):
             return None
         await self.open()
         found, _ = await self._query(dataclasses.replace(where, seq=seq), 1, None)
-        return found[0] if found else None
+        if not found:
+            return None
+        if isinstance(found[0], ChainProblem):  # a row that reads as no entry
+            raise AuditIntegrityError(found[0].detail)
+        return found[0]
 
     @abc.abstractmethod
     async def _query(
         self, where: AuditFilter, limit: int, after: int | None
-    ) -> tuple[list[AuditEntry], int | None]:
-        """Up to ``limit`` matching entries stored after position ``after``, and the last
-        position returned."""
+    ) -> tuple[Sequence[AuditEntry | ChainProblem], int | None]:
+        """Up to ``limit`` matching rows stored after position ``after``, and the last
+        position returned: each an entry, or the ``unreadable`` problem of a row that reads
+        as no entry (a backend whose rows are typed in storage never has one)."""
 
     async def count(self, **filters: Any) -> int:
         """How many entries the filters of :meth:`query` select (over all its pages).
@@ -508,20 +526,38 @@ class AuditStore(abc.ABC):
                 return count
             after = last
 
-    async def _pages(self, **filters: Any) -> AsyncIterator[list[AuditEntry]]:
-        cursor: str | None = None
+    async def _pages(self, **filters: Any) -> AsyncIterator[list[AuditEntry | ChainProblem]]:
+        """Every matching row, a page at a time, in storage order (damaged rows in place)."""
+        where = AuditFilter.build(**filters)
+        await self.open()
+        after: int | None = None
         while True:
-            page = await self.query(**filters, limit=_PAGE, cursor=cursor)
-            yield page.entries
-            if page.next_cursor is None:
+            rows, last = await self._query(where, _PAGE, after)
+            yield list(rows)
+            if len(rows) < _PAGE or last is None:
                 return
-            cursor = page.next_cursor
+            after = last
 
     async def entries(self, **filters: Any) -> AsyncIterator[AuditEntry]:
-        """Every matching entry, page by page (the filters of :meth:`query`)."""
+        """Every matching entry, page by page (the filters of :meth:`query`).
+
+        Raises:
+            AuditIntegrityError: a row reads as no entry; :meth:`rows` yields it in its
+                place instead, and the entries after it.
+        """
+        async for row in self.rows(**filters):
+            if isinstance(row, ChainProblem):
+                raise AuditIntegrityError(row.detail)
+            yield row
+
+    async def rows(self, **filters: Any) -> AsyncIterator[AuditEntry | ChainProblem]:
+        """Every matching row in storage order (the filters of :meth:`query`): an entry, or
+        for a row that reads as no entry, the ``unreadable`` problem that says which row and
+        what is wrong (see :attr:`AuditPage.damaged`). For exports that must go on past a
+        damaged row and say where it was."""
         async for page in self._pages(**filters):
-            for entry in page:
-                yield entry
+            for row in page:
+                yield row
 
     def _own_files(self) -> tuple[Path, ...]:
         """The files this store keeps the log in (none for a database or memory)."""
@@ -542,6 +578,7 @@ class AuditStore(abc.ABC):
         dest: str | os.PathLike[str] | TextIO,
         *,
         on_progress: OnProgress | None = None,
+        on_damaged: Callable[[ChainProblem], None] | None = None,
         **filters: Any,
     ) -> int:
         """Write matching entries as JSON lines to a path or text stream; returns the count.
@@ -554,6 +591,14 @@ class AuditStore(abc.ABC):
         has no header. ``filters`` are those of :meth:`query`. With
         ``on_progress(done, total)``, the entries are counted first (:meth:`count`) and the
         callback hears after every page of 1000. The count returned is of entries.
+
+        A damaged row does not stop the export: a row that reads as no entry is written in its
+        place as a marker line (:func:`damaged_row`: ``"unreadable"``, ``"row"``,
+        ``"user_id"``, ``"seq"``, and no hash), which ``verify_lines`` and the Node verifier
+        report as ``unreadable``; an entry whose payload alone is damaged is written with its
+        ``"unreadable"`` key. ``on_damaged(problem)`` hears of each such row (kind
+        ``unreadable``, position its row id when known), so that the caller can tell an
+        export that holds one from a complete one.
         """
         where = AuditFilter.build(**filters)  # bad filters fail before the file is created
         if isinstance(dest, str | os.PathLike):
@@ -563,7 +608,9 @@ class AuditStore(abc.ABC):
             regular = stat.S_ISREG(os.fstat(fh.fileno()).st_mode)  # not a pipe or a device
             try:
                 with fh:
-                    return await self.export(fh, on_progress=on_progress, **filters)
+                    return await self.export(
+                        fh, on_progress=on_progress, on_damaged=on_damaged, **filters
+                    )
             except BaseException:
                 if regular:
                     # A file cut short (a malformed row, a cancelled export) would pass for a
@@ -577,9 +624,18 @@ class AuditStore(abc.ABC):
         header = where.export_header()
         if header is not None:
             buffer.write(header + "\n")
+        written = 0
         async for page in self._pages(**filters):
-            for entry in page:
-                buffer.write(entry.to_line())
+            for row in page:
+                if isinstance(row, ChainProblem):
+                    buffer.write(json_line(damaged_row(row)))
+                else:
+                    written += 1
+                    buffer.write(row.to_line())
+                    if row.unreadable is not None:
+                        row = ChainProblem(row.user_id, "unreadable", row.seq, None, row.unreadable)
+                if on_damaged is not None and isinstance(row, ChainProblem):
+                    on_damaged(row)
                 buffer.write("\n")
             progress.advance(len(page))
             if buffer.tell() > 1 << 20:
@@ -588,7 +644,7 @@ class AuditStore(abc.ABC):
         dest.write(buffer.getvalue())
         dest.flush()
         progress.finish()
-        return progress.done
+        return written
 
     async def head(self, user_id: str | None) -> ChainHead | None:
         """The recorded head of a user's chain, or ``None`` if the user has no entries."""
@@ -1615,6 +1671,19 @@ def _parse_cursor(cursor: str | None) -> int | None:
         shown = cursor[:40] if isinstance(cursor, str) else cursor
         raise UserError(f"bad cursor {shown!r}: pass the next_cursor of a previous page")
     return int(cursor)
+
+
+def damaged_row(problem: ChainProblem) -> dict[str, Any]:
+    """The marker that stands in an export (or a ``users export``'s ``audit`` list) for a
+    row that reads as no entry: why (``"unreadable"``, the key a damaged entry's line has),
+    its row id, and its user and seq as far as they could be read. It has no ``hash`` and no
+    ``time``, so no verifier or consumer takes it for an entry."""
+    return {
+        UNREADABLE: problem.detail,
+        "row": problem.position,
+        "user_id": problem.user_id,
+        "seq": problem.seq,
+    }
 
 
 def _batch(records: AuditRecord | Iterable[AuditRecord]) -> list[AuditRecord]:

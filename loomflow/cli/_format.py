@@ -16,6 +16,8 @@ from .._timefmt import iso_time, parse_age, parse_when
 from ..errors import InvalidArgumentError
 
 __all__ = [
+    "DAMAGED_ROWS",
+    "damaged_rows",
     "damaged_trail",
     "duration",
     "exception_line",
@@ -48,6 +50,34 @@ def damaged_trail(user: str | None, problems: Sequence[dict[str, Any]]) -> str:
         f"see `loomflow audit verify {option}`"
     )
     return f"loomflow: warning: {printable(message)}"
+
+
+DAMAGED_ROWS = 3
+"""The exit status of an ``audit query``, ``audit export`` or ``users export`` that went on
+past stored audit rows it could not read: what it wrote is incomplete (each row is marked in
+it and named on stderr), unlike 0, and yet written, unlike 1."""
+
+
+def damaged_rows(rows: Sequence[dict[str, Any]], what: str) -> list[str]:
+    """The stderr lines for damaged audit rows in an output: one per row (``rows`` as marked
+    in the output: ``"unreadable"`` says why, with ``user_id``, ``seq`` and, for a row that
+    reads as no entry, ``row``; ``position`` for a page's damaged rows), then what it means
+    for ``what`` (the export, the page)."""
+    lines = []
+    for row in rows:
+        where = row.get("row", row.get("position"))
+        seq = "?" if row.get("seq") is None else row["seq"]
+        place = f"row {where} of " if where is not None else ""
+        why = row.get("unreadable", row.get("detail"))
+        message = (
+            f"damaged audit row: {place}the trail of {who(row.get('user_id'))}, entry {seq}: {why}"
+        )
+        lines.append(f"loomflow: error: {printable(message)}")
+    lines.append(
+        f"loomflow: error: {len(rows)} audit row(s) could not be read: {what} is incomplete "
+        "(each is marked in it, not left out); see `loomflow audit verify`"
+    )
+    return lines
 
 
 def duration(text: str) -> dt.timedelta:

@@ -18,6 +18,7 @@ from ..audit import (
     AuditEntry,
     AuditStore,
     ChainHead,
+    ChainProblem,
     VerifyReport,
     heads_from_json,
     verify_lines,
@@ -27,6 +28,8 @@ from ..config import Settings
 from ..errors import AuditError
 from ..stores import Stores
 from ._format import (
+    DAMAGED_ROWS,
+    damaged_rows,
     damaged_trail,
     duration,
     id_cell,
@@ -213,16 +216,31 @@ def _rank(key: str) -> int:
 
 async def _query(store: AuditStore, args: argparse.Namespace) -> int:
     page = await store.query(**_filter_args(args), limit=args.limit, cursor=args.cursor)
+    # Rows that read as no entry, then entries whose payload alone is damaged (in the table
+    # and the JSON, marked): the page goes on past them and says so, exit DAMAGED_ROWS.
+    damaged = [p.to_json() for p in page.damaged]
+    damaged += [
+        {"user_id": e.user_id, "seq": e.seq, "position": None, "detail": e.unreadable}
+        for e in page.entries
+        if e.unreadable is not None
+    ]
+    status = DAMAGED_ROWS if damaged else 0
+    if damaged:
+        for line in damaged_rows(damaged, "this page"):
+            print(line, file=sys.stderr)
     if args.json:
-        print(
-            json_text(
-                {"entries": [e.to_json() for e in page.entries], "next_cursor": page.next_cursor}
-            )
-        )
-        return 0
+        answer: dict[str, Any] = {
+            "entries": [e.to_json() for e in page.entries],
+            "next_cursor": page.next_cursor,
+        }
+        if page.damaged:  # only then: the answer for an intact trail stays as it was
+            answer["damaged"] = [p.to_json() for p in page.damaged]
+        print(json_text(answer))
+        return status
     if not page.entries:
-        print("no audit entries match")
-        return 0
+        if not page.damaged:
+            print("no audit entries match")
+        return status
     rows: list[tuple[str, ...]] = [
         ("time (UTC)", "user", "seq", "session", "actor", "action", "details")
     ]
@@ -241,32 +259,37 @@ async def _query(store: AuditStore, args: argparse.Namespace) -> int:
     table(rows)
     if page.next_cursor is not None:
         print(f"\nmore entries: add --cursor {page.next_cursor}")
-    return 0
+    return status
 
 
 async def _export(store: AuditStore, args: argparse.Namespace) -> int:
     to_stdout = args.output == "-"
     # Lines written to the terminal the bar is drawn on would tangle with it.
     enabled = args.progress and not (to_stdout and sys.stdout.isatty())
+    damaged: list[ChainProblem] = []
     with progress_bar("exporting", unit=" entries", enabled=enabled) as on_progress:
         count = await store.export(
             sys.stdout if to_stdout else args.output,
             on_progress=on_progress,
+            on_damaged=damaged.append,
             **_filter_args(args),
         )
     if not to_stdout:
         print(f"exported {count} audit entries to {args.output}", file=sys.stderr)
+    if damaged:
+        for line in damaged_rows([p.to_json() for p in damaged], "the export"):
+            print(line, file=sys.stderr)
     # The file carries entries, not the store's heads: a trail cut off at its end (head left
     # behind) or one whose head was moved exports as lines that verify on their own. Say what
     # the store knows, as `users export` does; the export itself stays as stored.
     with progress_bar("verifying", unit=" entries", enabled=enabled) as on_progress:
         report = await store.verify(user_id=_user(args), on_progress=on_progress)
-    damaged: dict[str | None, list[dict[str, Any]]] = {}
+    trails: dict[str | None, list[dict[str, Any]]] = {}
     for problem in report.problems:
-        damaged.setdefault(problem.user_id, []).append(problem.to_json())
-    for user, problems in damaged.items():
+        trails.setdefault(problem.user_id, []).append(problem.to_json())
+    for user, problems in trails.items():
         print(damaged_trail(user, problems), file=sys.stderr)
-    return 0
+    return DAMAGED_ROWS if damaged else 0
 
 
 def _saved_heads(args: argparse.Namespace) -> list[ChainHead]:

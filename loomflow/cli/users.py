@@ -20,10 +20,21 @@ import sys
 from typing import Any
 
 from .._files import write_private
+from ..audit._entry import UNREADABLE
 from ..config import Settings
 from ..runtime import JournalRuntime
 from ..stores import Stores
-from ._format import damaged_trail, json_text, login, some_path, table, user_cell, who
+from ._format import (
+    DAMAGED_ROWS,
+    damaged_rows,
+    damaged_trail,
+    json_text,
+    login,
+    some_path,
+    table,
+    user_cell,
+    who,
+)
 from ._stores import existing
 
 __all__ = ["register"]
@@ -158,6 +169,13 @@ async def _export(args: argparse.Namespace) -> int:
         write_private(args.output, text + "\n")  # one person's data: owner-only
         counts = ", ".join(f"{k}: {v}" for k, v in document["counts"].items())
         print(f"exported {who(user)} to {args.output} ({counts})", file=sys.stderr)
+    status = 0
+    if rows := [item for item in document["audit"] if UNREADABLE in item]:
+        # Exported all the same, marked in place: a data-subject request is not held up by
+        # one damaged row, nor answered as if the document were whole.
+        for line in damaged_rows(rows, "the export's audit trail"):
+            print(line, file=sys.stderr)
+        status = DAMAGED_ROWS
     if damage := document["audit_problems"]:
         print(damaged_trail(user, damage), file=sys.stderr)
     if not any(held):
@@ -168,7 +186,7 @@ async def _export(args: argparse.Namespace) -> int:
             + (": check the id" if user is not None else ""),
             file=sys.stderr,
         )
-    return 0
+    return status
 
 
 async def export_user(

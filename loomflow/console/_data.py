@@ -28,7 +28,7 @@ from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
 from ..audit._store import AuditFilter
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
-from ..errors import JournalError, LoomflowError, UserError
+from ..errors import AuditIntegrityError, JournalError, LoomflowError, UserError
 from ..redaction import Redactor
 from ..runtime import EntryInfo, SessionInfo
 from ..stores import Stores
@@ -442,10 +442,18 @@ class ConsoleData:
     async def export_page(
         self, user_id: str | None, where: TrailFilter, *, limit: int, cursor: str | None
     ) -> AuditPage:
-        """One page of the user's trail as stored, unredacted: for the admin export only."""
-        return await self.stores.audit.query(
+        """One page of the user's trail as stored, unredacted: for the admin export only.
+
+        Raises:
+            AuditIntegrityError: a row of the page reads as no entry; the console shows why
+                (and the chain's verification) rather than a page with a row left out.
+        """
+        page = await self.stores.audit.query(
             user_id=user_id, **where.as_kwargs(), limit=limit, cursor=cursor
         )
+        if page.damaged:
+            raise AuditIntegrityError(page.damaged[0].detail)
+        return page
 
     async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
         """The user's entry ``seq``, as shown (looked up by its seq: the trail is not read

@@ -182,7 +182,7 @@ async def test_verify_reports_a_payload_with_a_key_twice(tmp_path: Path) -> None
     assert 'entry 4 has an unreadable payload: the key "tool" is given twice' in broken.stdout
     out = tmp_path / "all.jsonl"
     exported = loomflow("audit", "--audit-url", url, "export", "-o", str(out))
-    assert exported.returncode == 0, exported.stderr
+    assert exported.returncode == 3, exported.stderr  # written, with the row marked
     offline = loomflow("audit", "verify", "--file", str(out))
     assert offline.returncode == 1, offline.stdout
 
@@ -213,9 +213,10 @@ async def test_export_and_query_a_nan_payload_without_a_traceback(tmp_path: Path
     _edit(db, """UPDATE loom_audit SET payload = '{"a":NaN}' WHERE user_id = 'alice' AND seq = 4""")
     out = tmp_path / "all.jsonl"
     exported = loomflow("--url", url, "audit", "export", "-o", str(out))
-    assert exported.returncode == 0, exported.stderr
+    assert exported.returncode == 3, exported.stderr  # written, with the row marked
     assert "Traceback" not in exported.stderr
     assert "exported 10 audit entries" in exported.stderr
+    assert "damaged audit row: the trail of user 'alice', entry 4" in exported.stderr
     rows = [_no_constants(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert len(rows) == 10
     nan = next(r for r in rows if isinstance(r, dict) and r["seq"] == 4 and r["user_id"] == "alice")
@@ -226,27 +227,32 @@ async def test_export_and_query_a_nan_payload_without_a_traceback(tmp_path: Path
     found = json.loads(offline.stdout)["problems"]
     assert [(p["user_id"], p["kind"], p["seq"]) for p in found] == [("alice", "unreadable", 4)]
     query = loomflow("--url", url, "audit", "query", "--user", "alice", "--json")
-    assert query.returncode == 0, query.stderr
+    assert query.returncode == 3, query.stderr  # shown, marked, and not passed for intact
+    assert "damaged audit row: the trail of user 'alice', entry 4" in query.stderr
     page = _no_constants(query.stdout)
     assert isinstance(page, dict)
     assert page["entries"][3]["payload"] == {"unreadable_payload": '{"a":NaN}'}
+    assert "NaN is not JSON" in page["entries"][3]["unreadable"]
     table = loomflow("--url", url, "audit", "query", "--user", "alice")
-    assert table.returncode == 0, table.stderr
+    assert table.returncode == 3, table.stderr
     verified = loomflow("--url", url, "audit", "verify")
     assert verified.returncode == 1
     assert "entry 4 has an unreadable payload: NaN is not JSON" in verified.stdout
 
 
-async def test_an_export_stopped_by_a_malformed_row_leaves_no_file(tmp_path: Path) -> None:
+async def test_an_export_goes_on_past_a_malformed_row_and_marks_it(tmp_path: Path) -> None:
+    # The row stopped the export (exit 1, no file): a data-subject export waited for a repair.
     db = tmp_path / "audit.db"
     await _fill(db)
     _edit(db, "UPDATE loom_audit SET seq = 'four' WHERE user_id = 'alice' AND seq = 4")
     out = tmp_path / "all.jsonl"
     exported = loomflow("--url", f"sqlite:///{db}", "audit", "export", "-o", str(out))
-    assert exported.returncode == 1
+    assert exported.returncode == 3
     assert "Traceback" not in exported.stderr
     assert "of user 'alice' is malformed: seq is 'four'" in exported.stderr
-    assert not out.exists()
+    markers = [json.loads(line) for line in out.read_text().splitlines() if "hash" not in line]
+    assert [(m["user_id"], m["seq"]) for m in markers] == [("alice", None)]
+    assert "seq is 'four'" in markers[0]["unreadable"]
 
 
 async def test_verify_reports_a_row_with_a_malformed_seq_and_checks_the_other_trails(

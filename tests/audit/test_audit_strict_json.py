@@ -21,6 +21,7 @@ import pytest
 from loomflow.audit import (
     AuditRecord,
     AuditStore,
+    ChainProblem,
     InMemoryAuditStore,
     PostgresAuditStore,
     SqliteAuditStore,
@@ -198,8 +199,14 @@ async def test_an_export_that_fails_leaves_no_file(tmp_path: Path) -> None:
             conn.execute("DROP TRIGGER loom_audit_no_update")
             conn.execute("UPDATE loom_audit SET seq = 'two' WHERE seq = 2")
         out = tmp_path / "export.jsonl"
+
+        def refuse(problem: ChainProblem) -> None:
+            raise AuditError(f"stopped at {problem.detail}")
+
+        # The damaged row is exported marked now; an export stopped part way (here by its
+        # caller, at that row) still leaves no file to pass for a smaller export.
         with pytest.raises(AuditError, match="malformed"):
-            await store.export(out)
+            await store.export(out, on_damaged=refuse)
         assert not out.exists()
     finally:
         await store.close()

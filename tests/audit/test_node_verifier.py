@@ -966,3 +966,40 @@ async def test_an_exported_unreadable_row_is_unreadable_to_both_verifiers(
     node = json.loads(done.stdout)
     assert _findings(node) == _findings(python)
     assert [p["detail"] for p in node["problems"]] == [p["detail"] for p in python["problems"]]
+
+
+# Rows edited into no entry at all (SQLite keeps any type in any column): they stopped the
+# export outright; now each is exported in its place as a marker with no hash.
+NO_ENTRY_ROWS: dict[str, tuple[str | None, int, str]] = {
+    "seq of text": (A, 2, "seq = 'two'"),
+    "time of text": (None, 3, "time_us = 'noon'"),
+    "actor of bytes": ("\U0001f600-user", 2, "actor = X'ff00'"),
+}
+
+
+@pytest.mark.parametrize("damage", list(NO_ENTRY_ROWS))
+async def test_an_exported_row_that_is_no_entry_fails_both_verifiers_alike(
+    verifier: Path, tmp_path: Path, damage: str
+) -> None:
+    _, heads, _ = await _export(tmp_path)
+    user, seq, change = NO_ENTRY_ROWS[damage]
+    with sqlite3.connect(tmp_path / "audit.db") as db:
+        db.execute("DROP TRIGGER loom_audit_no_update")
+        db.execute(
+            f"UPDATE loom_audit SET {change} WHERE user_key = ? AND seq = ?", (user_key(user), seq)
+        )
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        export = tmp_path / "damaged.jsonl"
+        assert await store.export(export) == 11  # every other entry is there
+    finally:
+        await store.close()
+    markers = [json.loads(line) for line in export.read_text().splitlines() if '"hash"' not in line]
+    assert [(m["user_id"], "unreadable" in m) for m in markers] == [(user, True)]
+    with export.open(encoding="utf-8", errors="surrogateescape") as fh:
+        python = verify_lines(fh, heads=heads_from_json(json.loads(heads.read_text()))).to_json()
+    assert not python["ok"]
+    assert "unreadable" in [p["kind"] for p in python["problems"]]
+    done = _node(verifier, "--json", export, heads)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert _findings(json.loads(done.stdout)) == _findings(python)
