@@ -27,7 +27,9 @@
 //
 // A line with an "unreadable" key is an entry whose stored row loomflow could not read when it
 // exported it (the key says why; no hash covers it): it is reported unreadable, in its place,
-// and the chain goes on past it, as `loomflow audit verify` reports the row on the store.
+// and the chain goes on past it, as `loomflow audit verify` reports the row on the store. One
+// with an "unreadable" key and no "hash" stands for a row that read as no entry at all: the
+// line is unreadable (it says which row and why), and its entry is missing from the chain.
 //
 // Exit status: 0 intact, 1 a problem found, 2 bad usage or an unreadable file.
 // Version 1 entries (written before loomflow 0.21) hash Python's own JSON spelling, which
@@ -410,6 +412,10 @@ function readEntry(line) {
   const unsafe = checkStrict(line);
   if (typeof data !== 'object' || data === null || Array.isArray(data)) {
     throw new Error(`a JSON ${Array.isArray(data) ? 'list' : typeof data}, not an object`);
+  }
+  if (UNREADABLE in data && !('hash' in data)) {
+    // The marker loomflow exports for a row that read as no entry: the line says which and why.
+    throw new Error(`a row the exporter could not read: ${JSON.stringify(data[UNREADABLE]).slice(0, 200)}`);
   }
   if (!('time' in data) || data.time === null) throw new Error('no time');
   checkTime(data.time);

@@ -581,6 +581,11 @@ class AuditEntry(BaseModel):
         """
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        if exported and UNREADABLE in data and "hash" not in data:
+            # The marker an export writes for a row that read as no entry (damaged_row): no
+            # entry to check, and the line says which row and why.
+            said = json.dumps(data[UNREADABLE], ensure_ascii=False)[:200]
+            raise ValueError(f"a row the exporter could not read: {said}")
         body = dict(data)
         when = body.pop("time", None)
         if when is None:
