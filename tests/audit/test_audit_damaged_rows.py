@@ -126,6 +126,10 @@ async def test_postgres_query_and_exports_go_on_past_a_damaged_row(
         document = await stores.export_user("alice")
     assert [("unreadable" in e) for e in document["audit"]] == [False, True, False]
     assert document["counts"]["damaged audit rows"] == 1
+    for command in (["audit", "export"], ["users", "export", "alice"]):
+        done = _run(pg_dsn, *command)
+        assert done.returncode == 3, done.stderr
+        assert "damaged audit row: the trail of user 'alice', entry 2" in done.stderr
 
 
 def _run(url: str, *args: str) -> Any:
