@@ -74,8 +74,8 @@ def damaged_rows(rows: Sequence[dict[str, Any]], what: str) -> list[str]:
         )
         lines.append(f"loomflow: error: {printable(message)}")
     lines.append(
-        f"loomflow: error: {len(rows)} audit row(s) could not be read: {what} is incomplete "
-        "(each is marked in it, not left out); see `loomflow audit verify`"
+        f"loomflow: error: {len(rows)} audit row(s) could not be read (each named above): "
+        f"{what} is incomplete; see `loomflow audit verify`"
     )
     return lines
 

@@ -150,7 +150,7 @@ def test_the_cli_exports_past_a_damaged_row_and_exits_3(tmp_path: Path) -> None:
     table = _run(url, "audit", "query")
     assert table.returncode == 3, table.stderr
     assert "damaged audit row: row 2 of the trail of user 'alice', entry ?" in table.stderr
-    assert "1 audit row(s) could not be read: this page is incomplete" in table.stderr
+    assert "1 audit row(s) could not be read (each named above): this page is" in table.stderr
     assert table.stdout.count("custom.note") == 3
 
     query = _run(url, "audit", "query", "--json")
