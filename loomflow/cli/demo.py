@@ -19,11 +19,12 @@ from pathlib import Path
 from ulid import ULID
 
 from ..agent import RunResult
-from ..config import _masked_url
+from ..config import Settings, _masked_url
 from ..errors import LoomflowError
 from ..messages import Message
 from ..models import Model
 from ..runtime import StepEvent, runtime_from_url
+from ..stores import Stores
 from ._demo_task import PLAN, TOKEN_CAP, TOOL_NAMES, build_model, close_model, governance, run_task
 
 
@@ -177,9 +178,22 @@ async def _start(
         )
         if not story.on_postgres:
             story.url = f"sqlite:///{story.journal}"
+            await _migrate_new_journal(story.url)
         return await _tell(story)
     finally:
         await close_model(model)
+
+
+async def _migrate_new_journal(url: str) -> None:
+    """Create the tables of the demo's own SQLite journal before its worker starts.
+
+    The file is new on every run, so with ``LOOMFLOW_AUTO_MIGRATE=false`` (a production
+    setting) the worker would stop and name a file to migrate that the next demo never uses.
+    The audit log and the budget live in that file too, whatever their settings say.
+    """
+    settings = Settings(runtime_url=url, audit_url=None, budget_url=None)
+    async with Stores(settings) as stores:
+        await stores.migrate()
 
 
 async def _tell(story: _Story) -> int:

@@ -766,3 +766,18 @@ def test_a_schema_left_unmigrated_names_the_migrate_command_that_reaches_it(
     assert loomflow(*hint[1].split(), cwd=tmp_path).returncode == 0  # the hint, as given
     assert run_app().returncode == 0
     assert not (tmp_path / ".loomflow").exists()
+
+
+def test_the_demo_runs_where_automatic_migration_is_off(tmp_path: Path) -> None:
+    # A production .env often says LOOMFLOW_AUTO_MIGRATE=false. The demo's SQLite journal is
+    # a new file every time, so a hint to migrate it could never be followed: it is made ready.
+    done = loomflow("demo", "--workdir", str(tmp_path), env={"LOOMFLOW_AUTO_MIGRATE": "false"})
+    assert done.returncode == 0, done.stderr
+    assert "No side effect ran twice" in done.stdout
+    tables = {
+        row[0]
+        for row in sqlite3.connect(demo_file(tmp_path, ".db")).execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"
+        )
+    }
+    assert {"loom_entries", "loom_audit", "loom_budget_buckets"} <= tables
