@@ -592,3 +592,34 @@ def test_sqlite_backup_commands_make_an_owner_only_copy(tmp_path: Path) -> None:
             assert done.returncode == 0, done.stderr
             mode = stat.S_IMODE((tmp_path / "journal-backup.db").stat().st_mode)
             assert mode == 0o600, f"{line!r} made a copy with mode {oct(mode)}"
+
+
+async def test_agent_telemetry_and_upgrade_snippets_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/concepts/agents.md (the agent, then its stream), the telemetry page's test helpers
+    # and price example, and the upgrade page's check for a 0.20 journal, as the pages show them.
+    from loomflow.telemetry import Telemetry
+
+    monkeypatch.chdir(tmp_path)  # the snippets journal to ./journal.db
+    code = _provider_free(_block("concepts/agents.md", "python", "lookup_order"), "MODEL")
+    code += "\nkinds = []\n" + _block("concepts/agents.md", "python", "agent.stream(")
+    code = code.replace("    ...  #", "    kinds.append(type(event).__name__)  #")
+    code += "\nawait agent.runtime.close()\nreturn kinds"
+    namespace: dict[str, Any] = {"MODEL": ScriptedModel(["A-1042 is paid."])}
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    kinds = await namespace["snippet"]()
+    assert (kinds[0], kinds[-1]) == ("RunStarted", "RunFinished")
+
+    capture = _block("telemetry.md", "python", "MetricCapture()")
+    capture = capture.replace("Agent(...,", "Agent('x', model=MODEL,")
+    namespace = {"Agent": Agent, "Telemetry": Telemetry, "MODEL": ScriptedModel(["hello"])}
+    exec("async def snippet():\n" + textwrap.indent(capture, "    "), namespace)
+    await namespace["snippet"]()  # its own asserts count the run and its model call
+    exec(_block("telemetry.md", "python", "ModelPrice("), {})  # its assert checks the price
+
+    upgrade = _block("operations/upgrading.md", "python", "inspect_legacy_journal")
+    namespace = {}
+    code = upgrade + "\nawait runtime.close()\nreturn found"
+    exec("async def snippet():\n" + textwrap.indent(code, "    "), namespace)
+    assert await namespace["snippet"]() is None  # a new journal holds no 0.20 tables
