@@ -133,8 +133,10 @@ def run_demo(
     if stop_after < 1:
         print("loomflow: error: --kill-after must be at least 1", file=sys.stderr)
         return 2
-    if workdir is not None and workdir.is_file():
-        print(f"loomflow: error: --workdir {workdir} is a file, not a directory", file=sys.stderr)
+    if workdir is not None and workdir.exists() and not workdir.is_dir():
+        # A device or a socket is no file either, and mkdir would only say "File exists".
+        what = "a file, not a directory" if workdir.is_file() else "not a directory"
+        print(f"loomflow: error: --workdir {workdir} is {what}", file=sys.stderr)
         return 2
     return asyncio.run(_start(postgres, workdir, stop_after, model, handshake_s))
 

@@ -660,6 +660,8 @@ def test_a_workdir_that_is_not_a_directory_is_one_error_line(tmp_path: Path) -> 
     for workdir, problem in (
         (afile, "is a file, not a directory"),
         (afile / "sub", "cannot be made: Not a directory"),
+        # A device is there but is no file: mkdir's "File exists" would say nothing useful.
+        (Path(os.devnull), "is not a directory"),
     ):
         done = loomflow("demo", "--workdir", str(workdir))
         assert done.returncode == 2
