@@ -25,7 +25,8 @@ from ..audit import AuditLog, audit_store_beside
 from ..errors import LoomflowError, UserError
 from ..governance import Cap, SqlBudgetStore, StandardBudget
 from ..messages import Message, ModelChunk, ModelSettings, ToolCall, ToolSpec
-from ..models import Model, ScriptedModel, ScriptTurn, resolve_model
+from ..models import Model, ScriptedModel, ScriptTurn
+from ..models._resolve import SCRIPTED_SPECS, provider_model
 from ..models.pricing import ModelPrice, price_for
 from ..runtime import JournalRuntime, StepEvent, runtime_from_url
 from ..tools import Tool, tool
@@ -157,13 +158,12 @@ def build_model(spec: str | None) -> Model:
         raise UserError(
             "--model needs a model id, e.g. anthropic:claude-sonnet-4-5 or openai:gpt-5-mini"
         )
-    model = resolve_model(spec)
-    if model.provider == "scripted":
+    if spec.strip().lower() in SCRIPTED_SPECS:
         raise UserError(
             f"--model {spec!r} is a scripted model; the demo's scripted model is the default, "
             "--model names a provider's model such as 'anthropic:claude-sonnet-4-5'"
         )
-    return model
+    return provider_model(spec)  # its errors offer only the forms --model takes
 
 
 TOKEN_CAP = 50_000

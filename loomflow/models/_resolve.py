@@ -9,12 +9,13 @@ from .scripted import ScriptedModel, echo_last_user
 __all__ = ["resolve_model"]
 
 _OPENAI_PREFIXES = ("gpt-", "chatgpt-", "o1", "o3", "o4")
-_SCRIPTED = ("scripted", "test")
+SCRIPTED_SPECS = ("scripted", "test")
 
-_FORMS = (
+PROVIDER_FORMS = (
     "'claude-…' or 'anthropic:<model>' (Anthropic), 'gpt-…', 'o1…', 'o3…', 'o4…' or "
-    "'openai:<model>' (OpenAI), 'scripted' or 'test' (offline), or a Model object"
+    "'openai:<model>' (OpenAI)"
 )
+_FORMS = f"{PROVIDER_FORMS}, 'scripted' or 'test' (offline), or a Model object"
 
 
 def resolve_model(spec: str | Model) -> Model:
@@ -31,6 +32,19 @@ def resolve_model(spec: str | Model) -> Model:
         if isinstance(spec, Model):
             return spec
         raise UserError(f"model must be a Model or a string, got {type(spec).__name__}")
+    lowered = spec.strip().lower()
+    if lowered in SCRIPTED_SPECS:
+        return ScriptedModel(name=lowered, default=echo_last_user)
+    return provider_model(spec, forms=_FORMS)
+
+
+def provider_model(spec: str, *, forms: str = PROVIDER_FORMS) -> Model:
+    """Build the provider's model a spec string names: no scripted model, no Model object.
+
+    ``forms`` is what an error offers instead, so a caller that takes more (as
+    :func:`resolve_model` does) names it, and one that takes less (``loomflow demo --model``)
+    does not offer what it would refuse.
+    """
     text = spec.strip()
     provider, sep, model = text.partition(":")
     if sep:
@@ -41,15 +55,13 @@ def resolve_model(spec: str | Model) -> Model:
             return _anthropic(model)
         if provider == "openai":
             return _openai(model)
-        raise UserError(f"unknown model provider {provider!r} in {spec!r}; use {_FORMS}")
+        raise UserError(f"unknown model provider {provider!r} in {spec!r}; use {forms}")
     lowered = text.lower()
-    if lowered in _SCRIPTED:
-        return ScriptedModel(name=lowered, default=echo_last_user)
     if lowered.startswith("claude"):
         return _anthropic(text)
     if lowered.startswith(_OPENAI_PREFIXES):
         return _openai(text)
-    raise UserError(f"cannot tell which provider serves model {spec!r}; use {_FORMS}")
+    raise UserError(f"cannot tell which provider serves model {spec!r}; use {forms}")
 
 
 def _anthropic(model: str) -> Model:

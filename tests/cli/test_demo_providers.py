@@ -129,6 +129,7 @@ def test_a_model_that_finishes_before_the_kill_point_still_resumes_by_replay(
         ("openai:gpt-5-mini", "OPENAI_API_KEY"),
         ("scripted", "is a scripted model"),
         ("mistral-large", "cannot tell which provider"),
+        ("ollama:llama3", "unknown model provider 'ollama'"),
         ("", "--model needs a model id"),
     ],
 )
@@ -140,6 +141,9 @@ def test_a_model_that_cannot_run_fails_before_any_worker_starts(
     assert result.returncode == 1
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+    # The forms the demo refuses (a scripted model, a Model object) are not offered to it.
+    assert "'scripted' or 'test'" not in result.stderr
+    assert "Model object" not in result.stderr
     assert not workdir.exists()  # nothing was started or left behind
 
 
