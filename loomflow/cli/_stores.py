@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
+import shlex
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +25,7 @@ from ..runtime import JournalRuntime, SessionInfo
 from ..storage._sqlite import read_text
 from ..storage._url import sqlite_path
 
-__all__ = ["existing", "refuse_unready", "refuse_without", "session_of"]
+__all__ = ["existing", "migrate_command", "refuse_unready", "refuse_without", "session_of"]
 
 
 def not_in_process(url: str, what: str) -> None:
@@ -244,7 +246,26 @@ async def _versions_of(
     return await asyncio.to_thread(_sqlite_versions, path), "sqlite"
 
 
-async def refuse_unready(urls: Sequence[str | None], timeout_s: float) -> None:
+def migrate_command(args: argparse.Namespace) -> str:
+    """The ``loomflow migrate`` that reaches the stores a command was pointed at.
+
+    A bare one reads only the settings, so it would migrate (or create) the default journal
+    rather than the ``--url`` given: the URLs given on the command line are repeated, and a
+    ``--budget-url``, which ``migrate`` does not take, becomes its variable.
+    """
+    command = ["loomflow", "migrate"]
+    for option, name in (("--url", "url"), ("--audit-url", "audit_url")):
+        if url := getattr(args, name, None):
+            command += [option, shlex.quote(_masked_url(url))]
+    shown = " ".join(command)
+    if budget := getattr(args, "budget_url", None):
+        shown = f"LOOMFLOW_BUDGET_URL={shlex.quote(_masked_url(budget))} {shown}"
+    return shown
+
+
+async def refuse_unready(
+    urls: Sequence[str | None], timeout_s: float, migrate: str = "loomflow migrate"
+) -> None:
     """Refuse databases a command that only reads or tidies would otherwise change: one
     that holds no loomflow store (another application's database, an empty file), and one
     whose schema is older than this loomflow's (upgrading it is ``loomflow migrate``'s job,
@@ -255,6 +276,9 @@ async def refuse_unready(urls: Sequence[str | None], timeout_s: float) -> None:
         MigrationError: a store's schema is behind this release, or the database holds only
             a loomflow 0.20 journal (``migrate`` creates this release's tables beside it and,
             with ``--import-0.20``, carries its runs over).
+
+    ``migrate`` is the command the messages name: :func:`migrate_command`'s, which reaches
+    the stores the refused command was pointed at.
     """
     for url in dict.fromkeys(u for u in urls if u):
         read = await _versions_of(url, timeout_s)
@@ -267,7 +291,7 @@ async def refuse_unready(urls: Sequence[str | None], timeout_s: float) -> None:
         if versions == _ONLY_0_20:
             raise MigrationError(
                 f"{shown!r} holds a loomflow 0.20 journal and no store of this release: run "
-                "`loomflow migrate --import-0.20` once every worker runs this release, to add "
+                f"`{migrate} --import-0.20` once every worker runs this release, to add "
                 "this release's tables and import its runs (docs/operations/upgrading.md); "
                 "other commands add no tables to a database"
             )
@@ -275,8 +299,8 @@ async def refuse_unready(urls: Sequence[str | None], timeout_s: float) -> None:
             raise _versions_lost(shown, tables)
         if not versions:
             raise ConfigurationError(
-                f"{shown!r} holds no loomflow store yet: check the URL, or run `loomflow "
-                "migrate` first to create one (other commands add no tables to a database)"
+                f"{shown!r} holds no loomflow store yet: check the URL, or run `{migrate}` "
+                "first to create one (other commands add no tables to a database)"
             )
         assert isinstance(versions, dict)
         latest = _latest_versions(dialect)
@@ -284,12 +308,14 @@ async def refuse_unready(urls: Sequence[str | None], timeout_s: float) -> None:
             if type(version) is int and component in latest and version < latest[component]:
                 raise MigrationError(
                     f"the {component} schema in {shown!r} is at version {version} and this "
-                    f"loomflow needs {latest[component]}: run `loomflow migrate` once every "
+                    f"loomflow needs {latest[component]}: run `{migrate}` once every "
                     "worker runs this release (other commands never change a schema)"
                 )
 
 
-async def refuse_without(url: str | None, component: str, what: str, timeout_s: float) -> None:
+async def refuse_without(
+    url: str | None, component: str, what: str, timeout_s: float, migrate: str = "loomflow migrate"
+) -> None:
     """Refuse a database that holds loomflow stores but not ``component``, for a command
     that reads or writes it (``audit query``, the console, ``users hold``): opening it would
     create its tables, an empty store where the operator expected theirs (a forgotten
@@ -301,8 +327,8 @@ async def refuse_without(url: str | None, component: str, what: str, timeout_s: 
     if isinstance(versions, dict) and versions and component not in versions:
         raise ConfigurationError(
             f"{_masked_url(url)!r} holds no {what}: check the URL (--audit-url, or "
-            "LOOMFLOW_AUDIT_URL when the log is kept elsewhere), or run "
-            f"`loomflow migrate` to create one there (other commands add no tables)"
+            f"LOOMFLOW_AUDIT_URL when the log is kept elsewhere), or run `{migrate}` to "
+            "create one there (other commands add no tables)"
         )
 
 

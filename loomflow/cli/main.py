@@ -55,7 +55,14 @@ from ._format import (
     who,
 )
 from ._progress import add_no_progress, progress_bar
-from ._stores import existing, not_in_process, refuse_unready, refuse_without, session_of
+from ._stores import (
+    existing,
+    migrate_command,
+    not_in_process,
+    refuse_unready,
+    refuse_without,
+    session_of,
+)
 from ._upgrade import legacy_note, quiet_on_open
 
 
@@ -396,16 +403,16 @@ def _command(args: argparse.Namespace) -> int:
         print(f"loomflow: error: {why}", file=sys.stderr)
         return 2
     if args.command not in _CHANGES_SCHEMAS and not getattr(args, "hash_token", False):
-        asyncio.run(refuse_unready(_databases(args, settings), settings.postgres_timeout_seconds))
+        migrate = migrate_command(args)  # what the refusals tell the user to run
+        timeout_s = settings.postgres_timeout_seconds
+        asyncio.run(refuse_unready(_databases(args, settings), timeout_s, migrate))
         # They never create an audit log: a hold placed in an empty one made beside the
         # journal (a forgotten LOOMFLOW_AUDIT_URL) is one the real log never has, and an
         # erasure checked against one finds none of the real log's holds.
         if _uses_audit_log(args):
             journal = args.url or settings.runtime_url
             audit = getattr(args, "audit_url", None) or settings.audit_url or journal
-            asyncio.run(
-                refuse_without(audit, "audit", "audit log", settings.postgres_timeout_seconds)
-            )
+            asyncio.run(refuse_without(audit, "audit", "audit log", timeout_s, migrate))
     if args.command == "demo":
         if args.postgres is not None and not args.postgres.startswith(_POSTGRES):
             # Anything else would run the story somewhere other than the report says.

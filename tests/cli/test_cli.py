@@ -230,7 +230,7 @@ def test_without_auto_migration_the_cli_says_to_migrate(tmp_path: Path) -> None:
     off = {"LOOMFLOW_AUTO_MIGRATE": "false"}
     done = loomflow("--url", url, "runs", "list", env=off)
     assert done.returncode == 1
-    assert "run `loomflow migrate` first" in done.stderr
+    assert f"run `loomflow migrate --url {url}` first" in done.stderr
     assert loomflow("--url", url, "migrate", env=off).returncode == 0
     assert loomflow("--url", url, "runs", "list", env=off).returncode == 0
 
@@ -264,7 +264,7 @@ def test_commands_that_read_add_no_tables_and_upgrade_no_schema(tmp_path: Path) 
     for command in (["runs", "list"], ["budget", "show"], ["users", "export", "bob"]):
         done = loomflow("--url", url, *command)
         assert done.returncode == 1, command
-        assert "run `loomflow migrate` once every worker runs this release" in done.stderr
+        assert f"run `loomflow migrate --url {url}` once every worker runs" in done.stderr
     with sqlite3.connect(old) as db:
         assert db.execute("SELECT COUNT(*) FROM loom_schema_version").fetchone() == before
 

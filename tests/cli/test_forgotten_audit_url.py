@@ -142,3 +142,26 @@ def test_a_deletion_without_yes_is_bad_usage_before_the_audit_log_is_looked_for(
     assert got.returncode == 2, (got.stdout, got.stderr)
     assert "--yes" in got.stderr
     assert "audit log" not in got.stderr
+
+
+def test_the_migrate_the_refusal_names_reaches_the_journal_the_command_was_given(
+    tmp_path: Path,
+) -> None:
+    # A journal the runtime wrote alone has no audit log. The refusal's `loomflow migrate`
+    # once read only the settings, so run as shown it made .loomflow/journal.db instead.
+    async def record() -> None:
+        runtime = SqliteRuntime(tmp_path / "journal.db")
+        async with runtime, runtime.session("s", "bob"):
+            await runtime.step("a", asyncio.sleep, 0)
+
+    asyncio.run(record())
+    got = loomflow("--url", "sqlite:///journal.db", "users", "holds", cwd=tmp_path)
+    assert got.returncode == 1
+    (shown,) = [part for part in got.stderr.split("`") if part.startswith("loomflow migrate")]
+    assert shown == "loomflow migrate --url sqlite:///journal.db"
+    made = loomflow(*shown.split()[1:], cwd=tmp_path)  # the command as the user copies it
+    assert made.returncode == 0, made.stderr
+    assert not (tmp_path / ".loomflow").exists()
+    assert "loom_audit" in _tables(tmp_path / "journal.db")
+    listed = loomflow("--url", "sqlite:///journal.db", "users", "holds", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr

@@ -227,8 +227,8 @@ def test_read_only_commands_refuse_a_database_with_only_a_0_20_journal(tmp_path:
         assert done.stdout == "", command
         assert done.stderr.splitlines() == [
             f"loomflow: error: {url!r} holds a loomflow 0.20 journal and no store of this "
-            "release: run `loomflow migrate --import-0.20` once every worker runs this "
-            "release, to add this release's tables and import its runs "
+            f"release: run `loomflow migrate --url {url} --import-0.20` once every worker runs "
+            "this release, to add this release's tables and import its runs "
             "(docs/operations/upgrading.md); other commands add no tables to a database"
         ], command
         assert _tables(db) == before, command

@@ -527,7 +527,7 @@ async def test_cli_reports_then_imports(legacy: Legacy) -> None:
     assert refused.stdout == ""
     assert refused.stderr.count("\n") == 1, refused.stderr
     assert "holds a loomflow 0.20 journal and no store of this release" in refused.stderr
-    assert "run `loomflow migrate --import-0.20`" in refused.stderr
+    assert f"run `loomflow migrate --url {legacy.url} --import-0.20`" in refused.stderr
     with pytest.raises(Exception, match="loom_entries"):  # no table of this release was made
         await legacy.count_entries()
 
