@@ -580,8 +580,7 @@ class Recovery:
             outcome = await self._attempt_failed(session_id, claim, error, final=final)
             if outcome != "cancelled":
                 self.failures += 1
-        if outcome != "store_unavailable":  # counted as the store's failure instead
-            self.metrics.recovery(outcome)
+        self.metrics.recovery(outcome)
         payload: dict[str, Any] = {"agent": agent.name, "attempt": claim.attempts}
         payload["outcome"] = outcome
         if stopped is not None:
@@ -654,6 +653,7 @@ class Recovery:
         (as a stopping worker gives it back), so an outage never makes dead letters of the
         runs it holds back; they are claimed again at the next sweep."""
         self._outage(failure)
+        self.metrics.recovery("store_unavailable")  # the attempt ended, as _resume counts
         log.warning(
             "session %r of user %r was not resumed: the audit log refused its recovery entry "
             "(%s); it is claimed again at the next sweep",

@@ -68,13 +68,15 @@ raised (stays open, resumable), was cancelled / abandoned by its caller (also re
 was taken over by another owner (``OwnershipLostError``: the new owner decides how it ends)."""
 RECOVERY_OUTCOMES: Final = (
     "resumed", "finished", "interrupted", "retry_failed", "dead_lettered", "unregistered",
-    "claim_lost", "cancelled",
+    "claim_lost", "cancelled", "store_unavailable",
 )  # fmt: skip
 """What a recoverer did with an orphaned run: claimed and resumed it; the resumed run finished;
 the resumed run stopped again (for an approval, at a budget cap or ``max_turns``); the resumed
 run raised (retried later); gave up on it (``failed``); left it alone (no agent registered
 under its name, a changed configuration, or steps a newer loomflow journaled); lost the claim
-to another recoverer; found it cancelled while resuming it."""
+to another recoverer; found it cancelled while resuming it; or one of loomflow's own stores
+failed during the attempt (``StoreUnavailableError``: an outage, given back, not a failure of
+the run; ``loomflow_store_unavailable_total`` says which store)."""
 # From a lease running out to a recoverer resuming the run: a lease (30 s by default) plus a
 # sweep interval is the expected range, minutes mean no worker is sweeping.
 RECOVERY_BUCKETS: Final = (

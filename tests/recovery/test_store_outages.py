@@ -92,9 +92,25 @@ async def test_an_attempt_a_journal_outage_ended_does_not_count(
         await recovery.wait()
         [info] = await runtime.sessions()
         assert (info.state, info.last_error) == ("orphaned", None)
-        assert metrics.registry.get_sample_value(
-            "loomflow_recoveries_total", {"outcome": "retry_failed"}
-        ) in (None, 0)
+        counted = {
+            outcome: metrics.registry.get_sample_value(
+                "loomflow_recoveries_total", {"outcome": outcome}
+            )
+            for outcome in ("resumed", "retry_failed", "dead_lettered", "store_unavailable")
+        }
+        # An outcome of its own: dashboards tell an outage from a failing run.
+        assert counted == {
+            "resumed": 1,
+            "retry_failed": 0,
+            "dead_lettered": 0,
+            "store_unavailable": 1,
+        }
+        assert (
+            metrics.registry.get_sample_value(
+                "loomflow_store_unavailable_total", {"store": "journal"}
+            )
+            or 0
+        ) >= 1
         assert recovery.failures == 1  # `worker --once` says the work was not done
         # The next attempt is allowed (it was not a dead letter) and finishes the run.
         await runtime.database.execute("UPDATE loom_sessions SET retry_at = 0")
