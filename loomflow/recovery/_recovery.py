@@ -695,8 +695,13 @@ class Recovery:
                 if await self.runtime.requeue(session_id, claim.user_id):
                     return True
                 break  # answered, but the run's lease is held still: remembered below
-            except Exception:  # down still: try again after a pause
+            except StoreUnavailableError:  # down still: try again after a pause
                 log.debug("giving back an attempt failed", exc_info=True)
+            except Exception:
+                # No pause helps (a store that does not say whether it gave the attempt
+                # back): remembered below, so the outage costs the run no attempt here.
+                log.warning("giving back an attempt failed", exc_info=True)
+                break
         self._owed[key] = self._owed.get(key, 0) + 1
         return True
 

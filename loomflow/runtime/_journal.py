@@ -53,6 +53,7 @@ from ..errors import (
     RunCancelledError,
     SessionBusyError,
     SessionExistsError,
+    StorageError,
     UserError,
 )
 from ..storage import unbounded
@@ -1476,8 +1477,18 @@ class JournalRuntime:
     async def requeue(self, session_id: str | None, user_id: str | None) -> bool:
         """Make an orphan that nobody holds due for recovery at once, and give back the attempt
         its claim counted (a worker stopping hands it over; not below one attempt). False when
-        no such orphan is there (its lease is held still, or the run was closed)."""
-        return await self._store.requeue(Scope(session_id, user_id))
+        no such orphan is there (its lease is held still, or the run was closed).
+
+        Raises :class:`~loomflow.errors.StorageError` when the store answers anything but
+        True or False: a recoverer must know whether the attempt was given back."""
+        given = await self._store.requeue(Scope(session_id, user_id))
+        if not isinstance(given, bool):  # a third-party store: JournalStore.requeue says bool
+            raise StorageError(
+                f"the journal store {type(self._store).__name__} answered requeue() with a "
+                f"{type(given).__name__}, not True or False, so it is unknown whether the run "
+                "was made due and its attempt given back (JournalStore.requeue must say)"
+            )
+        return given
 
     async def dead_letter(
         self, session_id: str | None, user_id: str | None, error: str, *, token: int | None = None

@@ -20,6 +20,7 @@ from _fleet import start_and_kill, wait_for
 from prometheus_client import CollectorRegistry
 
 from loomflow.audit import AuditLog
+from loomflow.errors import StorageError
 from loomflow.recovery import Recovery
 from loomflow.runtime import SqliteRuntime
 from loomflow.telemetry import Metrics
@@ -66,7 +67,23 @@ def _blocked_app(
     return gate, agents, runtime, audit
 
 
+class _SaysNothing:
+    """A third-party journal store around the real one whose ``requeue`` does its work but
+    returns None (``JournalStore.requeue`` says True or False)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def requeue(self, scope: Any) -> None:
+        await self._store.requeue(scope)
+
+
+@pytest.mark.parametrize("store", ["sound", "requeue_says_nothing"])
 async def test_an_attempt_a_journal_outage_ended_does_not_count(
+    store: str,
     journal: Path,
     ledger: Path,
     tmp_path: Path,
@@ -76,6 +93,8 @@ async def test_an_attempt_a_journal_outage_ended_does_not_count(
     caplog.set_level(logging.WARNING, logger="loomflow.recovery")
     await start_and_kill(f"sqlite:///{journal}", ledger, 1, "blip")
     gate, agents, runtime, audit = _blocked_app(tmp_path, monkeypatch)
+    if store == "requeue_says_nothing":
+        runtime._store = _SaysNothing(runtime._store)  # type: ignore[assignment]
     metrics = Metrics(CollectorRegistry())
     recovery = Recovery(
         runtime, agents, max_attempts=1, backoff=0, audit=audit, metrics=metrics, worker_id="w"
@@ -124,6 +143,16 @@ async def test_an_attempt_a_journal_outage_ended_does_not_count(
         ]
         assert "store_unavailable" in outcomes
         assert outcomes[-1] == "finished"
+        if store == "requeue_says_nothing":
+            # Not known to be given back in the journal: this worker left the attempt out of
+            # its own count (the run above was resumed, not dead-lettered), and said why.
+            gave = "giving back an attempt failed"
+            said = [r.exc_info for r in caplog.records if r.getMessage() == gave]
+            assert said
+            assert said[0] is not None
+            assert "not True or False" in str(said[0][1])
+            with pytest.raises(StorageError, match="_SaysNothing answered requeue"):
+                await runtime.requeue("blip-0", "ana")
     finally:
         holder.close()
         await runtime.close()
