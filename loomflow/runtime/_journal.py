@@ -580,7 +580,9 @@ class JournalRuntime:
         try:
             encoded = _encode_record(record)
             run = None
-            if resume and not take_turn:
+            # A recoverer's resume takes the turn from its claim first: a replay without the
+            # turn would not notice that another owner took the run over (see _lease).
+            if resume and not take_turn and _lease.adoption_of(scope) is None:
                 run = await self._replaying(scope, strict_replay)
             if run is None:
                 if new_session and not resume:
@@ -1463,7 +1465,7 @@ class JournalRuntime:
         the lease). Leaving the block gives back the recoverer's claim if no run took it.
         """
         scope = Scope(claim.session_id, claim.user_id)
-        reset = _lease.adopting.set((scope.key, claim.owner))
+        reset = _lease.adopting.set(_lease.Adoption(scope.key, claim.owner, claim.token))
         try:
             yield
         finally:

@@ -14,6 +14,7 @@ import contextvars
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from .._cleanup import attach_cleanup_error, raise_if_cancelled
@@ -22,8 +23,10 @@ from ._owner import is_this_process, process_gone
 from ._store import Claim, JournalStore, Scope
 
 __all__ = [
+    "Adoption",
     "LeasedRun",
     "adopting",
+    "adoption_of",
     "check_turn",
     "claim",
     "fenced_out",
@@ -70,12 +73,33 @@ def lease_clock() -> float:
     return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
 
 
+@dataclass(slots=True)
+class Adoption:
+    """A recoverer's claim on an orphaned run, which the run resumed in its task takes over."""
+
+    key: str  # the scope's
+    owner: str
+    token: int
+    taken: bool = False  # the run took the turn: later claims of the scope are ordinary
+
+
 # A recoverer claims an orphaned run under an owner id of its own (kept in ``held``, so it
 # reads as alive), then resumes it in this task: the run's claim takes the turn over from that
-# owner id at once. Set to (scope key, owner id) around the resume.
-adopting: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+# claim at once, and only from it, by its token. A recoverer stopped past the claim's lease
+# (SIGSTOP, a long pause) may find the run taken over, or even finished, by another owner:
+# then the resume is fenced out, instead of waiting its turn or replaying a finished run as
+# if it had recovered it. Set around the resume.
+adopting: contextvars.ContextVar[Adoption | None] = contextvars.ContextVar(
     "loomflow_adopting", default=None
 )
+
+
+def adoption_of(scope: Scope) -> Adoption | None:
+    """The recoverer's claim the run on ``scope`` opened in this task is to take over."""
+    adoption = adopting.get()
+    if adoption is None or adoption.key != scope.key or adoption.taken:
+        return None
+    return adoption
 
 
 def holder_is_dead(owner: str) -> bool:
@@ -100,6 +124,9 @@ async def claim(
     Raises:
         SessionBusyError: a live holder kept the turn past ``deadline`` (``time.monotonic``).
     """
+    adoption = adoption_of(scope)
+    if adoption is not None:
+        return await _adopt(store, scope, adoption, owner, lease_seconds)
     delay = 0.005
     while True:
         asked = lease_clock()
@@ -107,9 +134,7 @@ async def claim(
         if got is not None:
             return got, asked
         holder = await store.holder(scope)
-        if holder is not None and (
-            holder_is_dead(holder[0]) or adopting.get() == (scope.key, holder[0])
-        ):
+        if holder is not None and holder_is_dead(holder[0]):
             asked = lease_clock()
             got = await store.steal(scope, holder[1], owner, lease_seconds)
             if got is not None:
@@ -126,6 +151,29 @@ async def claim(
             )
         await asyncio.sleep(min(delay, remaining))
         delay = min(delay * 2, 0.25)
+
+
+async def _adopt(
+    store: JournalStore, scope: Scope, adoption: Adoption, owner: str, lease_seconds: float
+) -> tuple[Claim, float]:
+    """Take the turn from the recoverer's claim, if the claim's token still holds it.
+
+    Raises:
+        RunCancelledError: the run was cancelled since it was claimed.
+        OwnershipLostError: another owner took the run over since it was claimed.
+    """
+    asked = lease_clock()
+    got = await store.steal(scope, adoption.token, owner, lease_seconds)
+    if got is None:
+        if await store.run_status(scope) == "cancelled":
+            raise RunCancelledError(scope.session_id, scope.user_id)
+        raise OwnershipLostError(
+            f"session {scope.session_id!r} of user {scope.user_id!r} was taken over by another "
+            "owner before its recoverer resumed it (the recoverer was stopped or slow past its "
+            "claim's lease); the new owner decides how it ends"
+        )
+    adoption.taken = True
+    return got, asked
 
 
 async def release(store: JournalStore, run: LeasedRun, failure: BaseException | None) -> bool:
