@@ -16,7 +16,7 @@ from typing import Any
 
 import _app
 import pytest
-from _fleet import start_and_kill, wait_for
+from _fleet import start_and_kill, tool_counts, wait_for
 from prometheus_client import CollectorRegistry
 
 from loomflow.audit import AuditLog
@@ -232,6 +232,42 @@ async def test_the_entry_of_a_failed_attempt_waits_for_an_audit_log_that_was_dow
         assert ended[0]["outcome"] == "retry_failed"
         assert ended[0]["recorded_late"] is True
         assert "the carrier is down" in ended[0]["error"]
+    finally:
+        holder.close()
+        await runtime.close()
+        await audit.close()
+
+
+async def test_an_attempt_the_audit_log_refused_to_start_is_counted_as_an_outage(
+    journal: Path, ledger: Path, tmp_path: Path
+) -> None:
+    # The audit log refuses the entry that starts the recovery (its store is down): the run
+    # is not started and the claim is given back. That attempt is an outage's, and the
+    # recoveries counter says so, beside which store failed.
+    await start_and_kill(f"sqlite:///{journal}", ledger, 1, "mute")
+    agents = _app.agents()
+    runtime, audit = agents["orders"].runtime, agents["orders"].audit
+    assert isinstance(runtime, SqliteRuntime)
+    assert isinstance(audit, AuditLog)
+    metrics = Metrics(CollectorRegistry())
+    recovery = Recovery(
+        runtime, agents, max_attempts=1, backoff=0, audit=audit, metrics=metrics, worker_id="w"
+    )
+    holder = sqlite3.connect(tmp_path / "audit.db", isolation_level=None)
+    try:
+        await audit.verify()  # the audit store's tables exist before it goes down
+        holder.execute("BEGIN IMMEDIATE")
+        assert len((await recovery.sweep()).resumed) == 1
+        await recovery.wait()
+        holder.execute("ROLLBACK")
+        sample = metrics.registry.get_sample_value
+        assert sample("loomflow_recoveries_total", {"outcome": "store_unavailable"}) == 1
+        assert sample("loomflow_recoveries_total", {"outcome": "retry_failed"}) == 0
+        assert sample("loomflow_store_unavailable_total", {"store": "audit"}) == 1
+        assert recovery.failures == 1
+        [info] = await runtime.sessions()
+        assert (info.state, info.attempts) == ("orphaned", 1)  # given back, not below one
+        assert tool_counts(ledger, "ship") == {}  # the run did not start
     finally:
         holder.close()
         await runtime.close()
