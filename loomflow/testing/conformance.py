@@ -659,6 +659,38 @@ class JournalConformance:
             pass  # nobody took the turn over: leaving gives the claim back
         [info] = await first.sessions()
         assert (info.owner, info.attempts) == (None, 1)
+        # True or False, never anything else: a recoverer must know what was given back.
+        assert await first.requeue("s", "u") is True
+        assert await first.requeue("nobody", "u") is False
+
+    async def test_a_claim_taken_over_fences_out_the_recoverers_resume(
+        self, make_runtime: RuntimeFactory
+    ) -> None:
+        # A recoverer stopped past its claim's lease, while another owner resumed the run
+        # and finished it: its resume must not replay the finished run as if it recovered it.
+        recoverer = await make_runtime(lease_seconds=0.2)
+        other = await make_runtime()
+        body = Counter()
+        with pytest.raises(RuntimeError):
+            async with recoverer.session("s", "u", record=RunRecord("a", "f" * 64, {})):
+                await recoverer.step("a", body, 1)
+                raise RuntimeError("crash stand-in")
+        gone = await recoverer._store.try_acquire(Scope("s", "u"), "0:1:gone:owner", 0.001)
+        assert gone is not None
+        await asyncio.sleep(0.05)
+        [orphan] = await recoverer.orphans()
+        claim = await recoverer.claim_orphan(orphan, backoff=0)
+        assert claim is not None
+        async with other.session("s", "u", resume=True):  # after the claim's lease
+            await other.step("a", body, 1)
+            await other.step("b", body, 2)
+        async with recoverer.adopt(claim):
+            with pytest.raises(errors.OwnershipLostError):
+                async with recoverer.session("s", "u", resume=True):
+                    await recoverer.step("a", body, 1)
+        assert len(body.calls) == 2  # a, once, and b by the other owner
+        [info] = await other.sessions()
+        assert info.state == "finished"
 
     # -- values --------------------------------------------------------------------------
 
