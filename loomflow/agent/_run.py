@@ -58,7 +58,7 @@ from ..redaction import Redactor
 from ..runtime import JournalRun, JournalRuntime, OpenRun, Runtime, codec
 from ..runtime._expect import expecting
 from ..runtime._journal import Encoded
-from ..runtime._names import tool_step_name
+from ..runtime._names import tool_step, tool_step_name
 from ..tools import TOOL_ERROR, ToolOutcome
 from ._output import TEXT_OUTPUT, StructuredOutput, contract_digest
 from ._sealing import SealedValueLost, Sealer
@@ -586,13 +586,15 @@ class _Run:
 
     async def call_tool(self, turn: int, slot: int, call: ToolCall) -> tuple[ToolOutcome, bool]:
         """One tool call as a journaled step: its outcome, and whether it was replayed."""
-        step = tool_step_name(turn, slot, call)
+        # The arguments come back printed: the step's fingerprint reuses the text its name
+        # hashed.
+        step, arguments = tool_step(turn, slot, call)
         live = functools.partial(self._live_tool_call, turn, slot, call, step)
         try:
             with expecting(step, _is_outcome, "a tool outcome"):
                 # The journal hands back an Encoded result's value.
                 outcome = cast(
-                    ToolOutcome, await self.runtime.step(step, live, call.name, call.arguments)
+                    ToolOutcome, await self.runtime.step(step, live, call.name, arguments)
                 )
         except ApprovalPending as pending:  # collected: tool_turn stops the run after the turn
             self.awaiting.extend(pending.requests)

@@ -49,6 +49,7 @@ __all__ = [
     "GrowingList",
     "MAX_DEPTH",
     "NestingTooDeepError",
+    "Printed",
     "UnknownTagError",
     "UnsupportedValueError",
     "canonical_bytes",
@@ -59,6 +60,7 @@ __all__ = [
     "loads",
     "mark_immutable",
     "plain",
+    "printed",
     "register_type",
     "step_fingerprint",
     "valid",
@@ -600,6 +602,9 @@ class _Printer:
             return (
                 "{" + ",".join([_json_string(k) + ":" + text(value[k], inner) for k in keys]) + "}"
             )
+        if t is Printed and self._sort and depth <= value._depth:  # printed once for two uses
+            shared: str = value._text
+            return shared
         if isinstance(value, BaseModel):  # a tool outcome, a user's model: never kept
             return self._model(value, depth)
         return self._whole(_encode(value, depth))
@@ -778,6 +783,38 @@ def canonical_bytes(value: Any) -> bytes:
         return _utf8(_canonical_text(value, 0))
     except RecursionError:
         raise NestingTooDeepError(value) from None
+
+
+# -- a step argument printed once for two hashes ----------------------------------------------
+
+
+class Printed(dict[str, Any]):
+    """A plain JSON object carrying its canonical text, printed at a depth (a tool call's
+    arguments: its step's name hashes them, and its fingerprint hashes the same text again).
+
+    It encodes, compares and is passed on as a dict; :func:`canonical_bytes` prints the kept
+    text at that depth or a shallower one, byte for byte what it prints for the dict. Built
+    by :func:`printed`; nothing may change it afterwards.
+    """
+
+    __slots__ = ("_depth", "_text")
+
+    def __init__(self, items: dict[str, Any], text: str, depth: int) -> None:
+        super().__init__(items)
+        self._text, self._depth = text, depth
+
+
+def printed(value: Any, depth: int) -> tuple[Any, bytes | None]:
+    """``value`` as a :class:`Printed`, and the canonical bytes of it at ``depth``; ``value``
+    itself and ``None`` when it is not a plain dict or has no canonical form at that depth
+    (whoever prints it next gets the error it gives)."""
+    if type(value) is not dict:
+        return value, None
+    try:
+        text = _canonical_text(value, depth)
+    except (UnsupportedValueError, RecursionError):
+        return value, None
+    return Printed(value, text, depth), _utf8(text)
 
 
 # -- fingerprints of a list that grows from step to step --------------------------------------
