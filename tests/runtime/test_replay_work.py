@@ -109,6 +109,11 @@ def test_stored_fields_a_registered_model_refuses_are_still_malformed() -> None:
         codec.loads(raw)
 
 
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    keys = st.text(max_size=4) | st.just("$t")
+    return st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3)
+
+
 json_values = st.recursive(
     st.none()
     | st.booleans()
@@ -116,10 +121,7 @@ json_values = st.recursive(
     | st.floats(allow_nan=True)
     | st.text(max_size=6)
     | st.sampled_from(["\udce9", "\ud83d\ude00", "$t"]),
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.dictionaries(st.text(max_size=4) | st.just("$t"), inner, max_size=3)
-    ),
+    _containers,
     max_leaves=10,
 )
 
