@@ -13,12 +13,15 @@ from .errors import InvalidArgumentError
 
 __all__ = [
     "MAX_AGE",
+    "UNREADABLE_TIME",
     "ago",
     "holdable_seconds",
     "iso_time",
     "parse_age",
     "parse_time",
     "parse_when",
+    "table_iso",
+    "table_time",
 ]
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
@@ -30,25 +33,46 @@ hold (year 1 is the floor), and ``1e9d`` is refused rather than overflowing."""
 
 
 @overload
-def iso_time(when: float | dt.datetime) -> str: ...
+def iso_time(when: dt.datetime) -> str: ...
 @overload
-def iso_time(when: None) -> None: ...
+def iso_time(when: float | dt.datetime | None) -> str | None: ...
 def iso_time(when: float | dt.datetime | None) -> str | None:
     """A time for ``--json`` output, whatever the store kept (Unix seconds or a datetime):
     ISO 8601 in UTC with microseconds and ``Z``, the audit log's export format, so every
-    command's JSON reads the same way."""
+    command's JSON reads the same way.
+
+    ``None`` for Unix seconds no date can hold (NaN, infinity, ``1e300``: a hand-edited row,
+    or text that SQLite hands back as NaN): JSON's null, never ``"nan"`` where a reader
+    expects a time."""
     if when is None:
         return None
     if isinstance(when, dt.datetime):
         moment = when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
     else:
         try:
+            if not holdable_seconds(when):
+                return None
             moment = dt.datetime.fromtimestamp(when, dt.UTC)
-        except (OverflowError, ValueError, OSError):  # a stored time no date can hold
-            return str(when)
+        except (OverflowError, ValueError, OSError, TypeError):  # no number, or a C limit
+            return None
     moment = moment.astimezone(dt.UTC)
     # Not strftime("%Y"): the C library writes the years before 1000 without their zeros.
     return f"{moment.year:04d}-" + moment.strftime("%m-%dT%H:%M:%S.%fZ")
+
+
+UNREADABLE_TIME = "unreadable"
+"""What a table shows for a stored time no date can hold (``--json`` gives null)."""
+
+
+def table_time(when: float | dt.datetime | None) -> str:
+    """A stored time as a table shows it, to the second (``2026-05-08 12:00:00``, in UTC):
+    ``-`` for none, :data:`UNREADABLE_TIME` for Unix seconds no date can hold."""
+    return "-" if when is None else table_iso(iso_time(when))
+
+
+def table_iso(text: str | None) -> str:
+    """A time as :func:`iso_time` gives it (a ``--json`` row's) as a table shows it."""
+    return UNREADABLE_TIME if text is None else text[:19].replace("T", " ")
 
 
 def parse_age(text: str) -> dt.timedelta | None:

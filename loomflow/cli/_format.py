@@ -12,7 +12,7 @@ from typing import Any
 
 from .._ids import user_label as who
 from .._printable import escaped_controls, escaped_surrogates, printable, shown_id
-from .._timefmt import iso_time, parse_age, parse_when
+from .._timefmt import iso_time, parse_age, parse_when, table_iso, table_time
 from ..errors import InvalidArgumentError
 
 __all__ = [
@@ -32,6 +32,8 @@ __all__ = [
     "printable",
     "prune_age",
     "table",
+    "table_iso",
+    "table_time",
     "user_cell",
     "when",
     "who",

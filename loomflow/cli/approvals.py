@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
 from .._ids import check_id
 from .._printable import is_unicode, shown
-from .._timefmt import parse_time
+from .._timefmt import holdable_seconds, parse_time
 from ..agent._approvals import audit_decision
 from ..audit import AuditLog
 from ..config import Settings
@@ -43,7 +44,17 @@ from ..redaction import Redactor
 from ..runtime import RUN_STATES, JournalRuntime, SessionInfo
 from ..runtime._states import UNREADABLE
 from ..stores import Stores
-from ._format import id_cell, iso_time, login, positive_int, printable, table, user_cell, who
+from ._format import (
+    id_cell,
+    iso_time,
+    login,
+    positive_int,
+    printable,
+    table,
+    table_iso,
+    user_cell,
+    who,
+)
 from ._stores import existing, session_of
 
 __all__ = ["register"]
@@ -253,7 +264,7 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 user_cell(r.user_id),
                 r.tool,
                 shown if len(shown) <= 60 else shown[:57] + "...",
-                _iso(r.requested_at)[:19].replace("T", " "),
+                table_iso(_iso(r.requested_at)),
                 r.reason if len(r.reason) <= 60 else r.reason[:57] + "...",
             )
         )
@@ -289,7 +300,10 @@ async def _waiting_sessions(runtime: JournalRuntime, filters: dict[str, Any]) ->
     for state in (*RUN_STATES, UNREADABLE):
         if state not in _DONE_STATES:
             found.extend(await runtime.sessions(**filters, state=state))
-    found.sort(key=lambda s: s.updated_at, reverse=True)
+    # A hand-edited time (NaN) would leave the order undefined: such rows go last.
+    found.sort(
+        key=lambda s: s.updated_at if holdable_seconds(s.updated_at) else -math.inf, reverse=True
+    )
     return found[: filters["limit"]]
 
 
@@ -317,11 +331,14 @@ def _warning(bad: DamagedRequest) -> str:
     )
 
 
-def _iso(text: str) -> str:
+def _iso(text: str) -> str | None:
     """A journaled request or decision time in the one format of the CLI's times (the
-    journal keeps what the run wrote: ``+00:00`` from runs of earlier 0.21 builds); text that
-    is no time is shown as it is."""
+    journal keeps what the run wrote: ``+00:00`` from runs of earlier 0.21 builds); ``None``
+    for text that is no time (a hand-edited record), never that text where a time goes. A
+    record without a time (``""``, the field's default) keeps saying so."""
+    if not text:
+        return text
     try:
         return iso_time(parse_time(text))
     except InvalidArgumentError:
-        return text
+        return None

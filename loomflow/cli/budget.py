@@ -18,7 +18,7 @@ from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, ReservationInfo, UnreadableBucket
 from ..governance.budget.sql import SqlBudgetStore
 from ..stores import Stores
-from ._format import duration, id_cell, iso_time, json_text, printable, user_cell
+from ._format import duration, id_cell, iso_time, json_text, printable, table_iso, user_cell
 from ._format import table as print_table
 from ._stores import existing
 
@@ -142,7 +142,7 @@ async def _show(args: argparse.Namespace) -> int:
             who = user_cell(r["user_id"])
             table.append((r["scope"] or "-", who, r["period"], "unreadable", *("-",) * 6))
             continue
-        when = r["updated_at"][:19].replace("T", " ")
+        when = table_iso(r["updated_at"])
         table.append(
             (
                 r["scope"],
@@ -215,14 +215,14 @@ async def _holds(args: argparse.Namespace) -> int:
         return 0
     table: list[tuple[Any, ...]] = [_HOLD_COLUMNS]
     for r in rows:
-        lease = r["lease_expires"][:19].replace("T", " ")
+        lease = table_iso(r["lease_expires"])
         table.append(
             (
                 r["scope"],
                 user_cell(r["user_id"]),
                 r["held_tokens"],
                 f"{r['held_cost_usd']:.6f}",
-                r["since"][:19].replace("T", " "),
+                table_iso(r["since"]),
                 f"{lease} (lapsed)" if r["lease_lapsed"] else lease,
                 r["reservation_id"],
                 _UNKNOWN_RUN if r["run_id"] is None else id_cell(r["run_id"]),

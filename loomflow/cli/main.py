@@ -51,6 +51,7 @@ from ._format import (
     prune_age,
     some_path,
     table,
+    table_time,
     user_cell,
     who,
 )
@@ -645,13 +646,6 @@ async def _migrate(stores: Stores, args: argparse.Namespace) -> int:
     return 0
 
 
-def _when(ts: float) -> str:
-    try:
-        return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-    except (OverflowError, ValueError, OSError):  # a stored time no date can hold
-        return str(ts)
-
-
 async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     filters: dict[str, Any] = {"limit": args.limit}
     if args.anonymous:
@@ -717,7 +711,7 @@ async def _runs_list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 state,
                 s.agent or "-",
                 s.entries,
-                _when(s.updated_at),
+                table_time(s.updated_at),
             )
         )
     table(rows)
@@ -803,7 +797,8 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             status = "damaged: runs again" if last else "damaged"
         tool = tools.get((e.epoch, path_key(e.path), e.name), "-")
         where = "/".join(e.path) or "-"
-        rows.append((e.epoch, e.name, tool, where, e.kind, e.size, status, _when(e.created_at)))
+        written = table_time(e.created_at)
+        rows.append((e.epoch, e.name, tool, where, e.kind, e.size, status, written))
     table(rows)
     return 0
 

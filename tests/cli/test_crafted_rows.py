@@ -1,0 +1,107 @@
+"""The command line on a real SQLite journal whose rows were edited by hand: every time it
+prints is a time or says it is unreadable, and a request it cannot read is never "not found"."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _cli import loomflow
+
+from loomflow.agent import Agent
+from loomflow.config import Settings
+from loomflow.governance import StandardPermissions
+from loomflow.messages import ToolCall
+from loomflow.models import ScriptedModel
+from loomflow.tools import Tool
+
+_ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
+_TABLE_TIME = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+
+
+def _waiting_run(path: Path) -> str:
+    """A journal at ``path`` whose run of session ops-1 (user ana) waits on one approval
+    request; the request's id."""
+
+    def send_notice(to: str) -> str:
+        """Send a notice."""
+        return f"sent to {to}"
+
+    async def run() -> str:
+        async with Agent.from_settings(
+            "x",
+            model=ScriptedModel([[ToolCall(id="c0", name="send_notice", arguments={"to": "ops"})]]),
+            settings=Settings(runtime_url=f"sqlite:///{path}"),
+            tools=[Tool(send_notice, edits=True)],
+            permissions=StandardPermissions(approval="defer"),
+            memory=False,
+            telemetry=False,
+        ) as agent:
+            result = await agent.run("Send it.", session_id="ops-1", user_id="ana")
+        [request] = result.pending_approvals
+        return request.request_id
+
+    return asyncio.run(run())
+
+
+def _edit(path: Path, sql: str, *params: Any) -> None:
+    with sqlite3.connect(path) as db:
+        assert db.execute(sql, params).rowcount > 0
+
+
+# What a hand edit leaves in a REAL column: SQLite keeps text and blobs as they are (the
+# store reads them as NaN), and overflows 9e999 to infinity.
+CRAFTED = ["1e300", "-1e300", "9e999", "'garbage'"]
+
+
+@pytest.mark.parametrize("value", CRAFTED)
+def test_a_crafted_time_is_null_in_json_and_unreadable_in_tables(
+    value: str, tmp_path: Path
+) -> None:
+    # Before: `runs list --json` said "updated_at": "1e+300" (or "nan", "inf") where an ISO
+    # time is promised, and the tables of `runs list` and `runs show` printed the same.
+    path = tmp_path / "journal.db"
+    _waiting_run(path)
+    _edit(path, f"UPDATE loom_sessions SET updated_at = {value}")
+    _edit(path, f"UPDATE loom_entries SET created_at = {value} WHERE name LIKE 'approval_%'")
+    url = f"sqlite:///{path}"
+
+    listed = loomflow("--url", url, "runs", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [run] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert run["session_id"] == "ops-1"
+    assert run["updated_at"] is None
+    table = loomflow("--url", url, "runs", "list")
+    assert table.returncode == 0, table.stderr
+    [row] = [line for line in table.stdout.splitlines() if line.startswith("ops-1")]
+    assert row.endswith("unreadable")
+
+    shown = loomflow("--url", url, "runs", "show", "ops-1", "--json")
+    assert shown.returncode == 0, shown.stderr
+    entries = {e["name"]: e for e in map(json.loads, shown.stdout.splitlines())}
+    assert entries["approval_request_0_0"]["created_at"] is None
+    assert _ISO.match(entries["model_call_0"]["created_at"])
+    steps = loomflow("--url", url, "runs", "show", "ops-1")
+    assert steps.returncode == 0, steps.stderr
+    [step] = [line for line in steps.stdout.splitlines() if "approval_request_0_0" in line]
+    assert step.endswith("unreadable")
+    [call] = [line for line in steps.stdout.splitlines() if "model_call_0" in line]
+    assert _TABLE_TIME.search(call)
+
+    exported = loomflow("--url", url, "users", "export", "ana")
+    assert exported.returncode == 0, exported.stderr
+    document = json.loads(exported.stdout)
+    [session] = document["journal"]["sessions"]
+    assert session["updated_at"] is None
+    for output in (listed, table, shown, steps, exported):
+        assert not re.search(r"\b(nan|inf|e\+300|garbage)\b", output.stdout, re.IGNORECASE)
+
+    # The request still lists (and its session sorts without failing).
+    waiting = loomflow("--url", url, "approvals", "list", "--json")
+    assert waiting.returncode == 0, waiting.stderr
+    assert [json.loads(line)["session_id"] for line in waiting.stdout.splitlines()] == ["ops-1"]
