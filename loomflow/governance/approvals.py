@@ -46,6 +46,7 @@ from ..errors import (
     CorruptEntryError,
     InvalidArgumentTypeError,
     InvalidIdError,
+    NewerEntryError,
     PayloadTooLargeError,
     RunCancelledError,
     UserError,
@@ -504,6 +505,9 @@ class DamagedRequest:
         session_id: The session it is stored in.
         user_id: The user it is stored under.
         problem: What is wrong with it.
+        newer_codec: The codec version a newer loomflow wrote it (or its decision) with, when
+            that is why it cannot be read: the record is most likely sound, and the newer
+            release can decide it.
     """
 
     step: str
@@ -511,6 +515,7 @@ class DamagedRequest:
     session_id: str | None
     user_id: str | None
     problem: str
+    newer_codec: int | None = None
 
 
 @dataclass(slots=True)
@@ -526,6 +531,9 @@ class Ledger:
     finished: bool = False
     # Request rows that do not read as a request of this run: the run's resume refuses them.
     damaged: list[DamagedRequest] = field(default_factory=list)
+    # The request rows a newer loomflow wrote (also in ``damaged``), with their stored value,
+    # in which an id a person gives is looked for (see :func:`_newer_request`).
+    newer: list[tuple[DamagedRequest, bytes]] = field(default_factory=list)
     # (sub-run path key, turn, slot) of the tool calls whose outcome is journaled, with the
     # journal position of the last such outcome.
     settled: dict[tuple[str, int, int], int] = field(default_factory=dict)
@@ -561,6 +569,7 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
     # Decision rows that read but are no decision on their request (see _damaged_decisions).
     shapeless: list[tuple[StoredEntry, str]] = []
     found: list[tuple[RecordedDecision, StoredEntry]] = []  # decisions, and their rows
+    newer_decisions: list[StoredEntry] = []
     for entry in entries:
         if entry.damaged() is not None:
             continue  # a hand-edited row no step matches: the run would journal it again
@@ -575,15 +584,18 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
         if entry.format != "pickle" and entry.codec_version > codec.CODEC_VERSION:
             # The run's resume stops here with NewerEntryError (it never asks again).
             if is_request:
-                ledger.damaged.append(
-                    _damaged(
-                        scope,
-                        entry.name,
-                        None,
-                        f"a newer loomflow wrote it (codec v{entry.codec_version}); "
-                        "upgrade this process to read it",
-                    )
+                newer = _damaged(
+                    scope,
+                    entry.name,
+                    None,
+                    f"a newer loomflow wrote it (codec v{entry.codec_version}); "
+                    "upgrade this process to read it",
+                    newer_codec=entry.codec_version,
                 )
+                ledger.damaged.append(newer)
+                ledger.newer.append((newer, entry.value))
+            else:
+                newer_decisions.append(entry)
             continue
         if entry.format != "json":
             continue  # the journal skips such rows too: the step would run again
@@ -617,6 +629,7 @@ def _ledger(scope: Scope, epoch: int, entries: Iterable[StoredEntry]) -> Ledger:
         if request is None or _read_by_run(entry, request):
             ledger.decisions[decision.request_id] = decision
     _damaged_decisions(ledger, scope, shapeless)
+    _newer_decisions(ledger, scope, newer_decisions)
     return ledger
 
 
@@ -657,6 +670,54 @@ def _damaged_decisions(
                 )
 
 
+def _newer_decisions(ledger: Ledger, scope: Scope, entries: list[StoredEntry]) -> None:
+    """Mark unreadable the requests whose decision step holds a row a newer loomflow wrote.
+
+    The newer release decided them (it may fingerprint the id differently, so the step's name
+    and sub-run decide): the run's resume stops at that row with NewerEntryError, so the
+    request no longer waits for this release, which must neither list it as waiting nor
+    audit a decision of its own that could never take effect."""
+    for entry in entries:
+        for request in list(ledger.requests.values()):
+            step = f"{_DECISION_STEP}{request.turn}_{request.slot}_{request.request_id}"
+            if entry.name == step and entry.path == path_key(request.path):
+                del ledger.requests[request.request_id]
+                ledger.decisions.pop(request.request_id, None)
+                why = (
+                    f"its decision (journal entry {step!r}) was written by a newer loomflow "
+                    f"(codec v{entry.codec_version}); upgrade this process to read it"
+                )
+                ledger.damaged.append(
+                    _damaged(
+                        scope,
+                        f"{_REQUEST_STEP}{request.turn}_{request.slot}",
+                        request.request_id,
+                        why,
+                        newer_codec=entry.codec_version,
+                    )
+                )
+
+
+# What an approval request id looks like (see _id_of): only such an id is looked for in the
+# stored value of a request a newer loomflow wrote, where a short one ("", "1") would match
+# anything.
+_REQUEST_ID = re.compile(r"apr_[0-9a-f]{24}")
+
+
+def _newer_request(ledger: Ledger, request_id: str) -> DamagedRequest | None:
+    """The request row a newer loomflow wrote that names ``request_id``, or ``None``.
+
+    Its value is not decoded (this release cannot read that codec version), only searched for
+    the id as a JSON string: every record a loomflow writes is JSON holding its id."""
+    if _REQUEST_ID.fullmatch(request_id) is None:
+        return None
+    quoted = f'"{request_id}"'.encode()
+    for damaged, value in ledger.newer:
+        if isinstance(value, bytes | bytearray | memoryview) and quoted in bytes(value):
+            return damaged
+    return None
+
+
 def _add_request(
     ledger: Ledger, scope: Scope, epoch: int, entry: StoredEntry, value: object
 ) -> None:
@@ -687,8 +748,10 @@ def _add_request(
         ledger.asked_at[request.request_id] = entry.seq
 
 
-def _damaged(scope: Scope, step: str, request_id: str | None, problem: str) -> DamagedRequest:
-    return DamagedRequest(step, request_id, scope.session_id, scope.user_id, problem)
+def _damaged(
+    scope: Scope, step: str, request_id: str | None, problem: str, newer_codec: int | None = None
+) -> DamagedRequest:
+    return DamagedRequest(step, request_id, scope.session_id, scope.user_id, problem, newer_codec)
 
 
 async def read_approvals(runtime: JournalRuntime, session_id: str, user_id: str | None) -> Ledger:
@@ -735,6 +798,9 @@ def check_decidable(
                 f"approval request ids are strings, not {type(request_id).__name__}"
             )
         damaged = [d for d in ledger.damaged if d.request_id == request_id]
+        newer = damaged[0] if damaged else _newer_request(ledger, request_id)
+        if newer is not None and newer.newer_codec is not None:
+            raise _written_by_newer(newer, request_id, session, user)
         if damaged:
             raise CorruptEntryError(
                 f"approval request {request_id!r} of session {session!r} of {user_label(user)} "
@@ -742,12 +808,18 @@ def check_decidable(
                 "cannot be decided, and a resume of the run stops at it"
             )
         if request_id not in ledger.requests:
+            unread = (
+                f"; the run also holds {len(ledger.newer)} request(s) a newer loomflow wrote, "
+                "which this one cannot read (`loomflow approvals list` names them)"
+                if ledger.newer
+                else ""
+            )
             raise ApprovalNotFoundError(
                 # Cut: an id pasted wrong (a whole file, say) need not come back whole.
                 f"no approval request {shown(request_id, 80)} in the last run of session "
                 f"{session!r} "
                 f"of {user_label(user)} (pending_approvals() or `loomflow approvals list` shows "
-                "the ones waiting)",
+                f"the ones waiting){unread}",
                 request_id,
             )
         if request_id in ledger.decisions:
@@ -772,6 +844,17 @@ def check_decidable(
                 "recorded",
                 request_id,
             )
+
+
+def _written_by_newer(
+    newer: DamagedRequest, request_id: str, session: str, user: str | None
+) -> NewerEntryError:
+    return NewerEntryError(
+        f"approval request {request_id!r} (journal entry {newer.step!r}) of session "
+        f"{session!r} of {user_label(user)} exists, but this loomflow cannot act on it: "
+        f"{newer.problem} (this one reads up to codec v{codec.CODEC_VERSION}); nothing was "
+        "recorded"
+    )
 
 
 async def journal_decisions(

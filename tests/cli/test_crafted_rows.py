@@ -105,3 +105,76 @@ def test_a_crafted_time_is_null_in_json_and_unreadable_in_tables(
     waiting = loomflow("--url", url, "approvals", "list", "--json")
     assert waiting.returncode == 0, waiting.stderr
     assert [json.loads(line)["session_id"] for line in waiting.stdout.splitlines()] == ["ops-1"]
+
+
+def _rows(path: Path) -> list[tuple[Any, ...]]:
+    """Every journal row and session row, to see that a refused command changed nothing."""
+    with sqlite3.connect(path) as db:
+        entries = db.execute("SELECT * FROM loom_entries ORDER BY seq").fetchall()
+        return entries + db.execute("SELECT * FROM loom_sessions").fetchall()
+
+
+def _decisions_audited(url: str) -> int:
+    found = loomflow("--url", url, "audit", "query", "--user", "ana", "--json")
+    assert found.returncode == 0, found.stderr
+    return [e["action"] for e in json.loads(found.stdout)["entries"]].count("approval.decision")
+
+
+def test_a_request_a_newer_loomflow_wrote_is_said_to_exist_not_not_found(tmp_path: Path) -> None:
+    # Before: approve and deny of a request whose row a newer release wrote (a rollback of
+    # the deploy) said "no approval request ... in the last run", so a person holding its id
+    # from the run's result was told it did not exist.
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    request_id = _waiting_run(path)
+    _edit(path, "UPDATE loom_entries SET codec_version = 99 WHERE name = 'approval_request_0_0'")
+    before = _rows(path)
+
+    for decide in (["approve"], ["deny", "--reason", "not now"]):
+        refused = loomflow("--url", url, "approvals", *decide, request_id, "--session", "ops-1")
+        assert refused.returncode == 1, refused.stdout
+        assert refused.stdout == ""
+        [line] = refused.stderr.splitlines()
+        assert line.startswith(f"loomflow: error: approval request {request_id!r}")
+        assert "exists" in line
+        assert "a newer loomflow wrote it (codec v99)" in line
+        assert "nothing was recorded" in line
+    assert _rows(path) == before
+    assert _decisions_audited(url) == 0
+
+    # An id of no request is still not found, and told of the requests it could not read.
+    other = "apr_" + "0" * 24
+    missing = loomflow("--url", url, "approvals", "approve", other, "--session", "ops-1")
+    assert missing.returncode == 1, missing.stdout
+    assert f"no approval request {other!r}" in missing.stderr
+    assert "1 request(s) a newer loomflow wrote" in missing.stderr
+    assert _rows(path) == before
+
+
+def test_a_request_a_newer_loomflow_decided_is_not_listed_or_decided_again(
+    tmp_path: Path,
+) -> None:
+    # Before: a decision row a newer release wrote was skipped, so the request was listed as
+    # waiting, and a deny was audited as a decision before the journal refused it: the audit
+    # trail held a decision that never took effect.
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    request_id = _waiting_run(path)
+    approved = loomflow("--url", url, "approvals", "approve", request_id, "--session", "ops-1")
+    assert approved.returncode == 0, approved.stderr
+    _edit(path, "UPDATE loom_entries SET codec_version = 99 WHERE name LIKE 'approval_decision_%'")
+    before = _rows(path)
+
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [row] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert row["request_id"] == request_id
+    assert "was written by a newer loomflow (codec v99)" in row["unreadable"]
+
+    denied = loomflow("--url", url, "approvals", "deny", request_id, "--session", "ops-1",
+                      "--reason", "changed my mind")  # fmt: skip
+    assert denied.returncode == 1, denied.stdout
+    assert "exists, but this loomflow cannot act on it" in denied.stderr
+    assert "its decision" in denied.stderr
+    assert _rows(path) == before
+    assert _decisions_audited(url) == 1  # the first approve's, alone
