@@ -655,19 +655,8 @@ def _damaged_decisions(
     """
     for entry, problem in shapeless:
         for request in list(ledger.requests.values()):
-            step = f"{_DECISION_STEP}{request.turn}_{request.slot}_{request.request_id}"
             if _read_by_run(entry, request):
-                del ledger.requests[request.request_id]
-                ledger.decisions.pop(request.request_id, None)
-                why = f"its decision (journal entry {step!r}) is damaged: {problem}"
-                ledger.damaged.append(
-                    _damaged(
-                        scope,
-                        f"{_REQUEST_STEP}{request.turn}_{request.slot}",
-                        request.request_id,
-                        why,
-                    )
-                )
+                _decided_unreadably(ledger, scope, request, f"is damaged: {problem}")
 
 
 def _newer_decisions(ledger: Ledger, scope: Scope, entries: list[StoredEntry]) -> None:
@@ -681,21 +670,33 @@ def _newer_decisions(ledger: Ledger, scope: Scope, entries: list[StoredEntry]) -
         for request in list(ledger.requests.values()):
             step = f"{_DECISION_STEP}{request.turn}_{request.slot}_{request.request_id}"
             if entry.name == step and entry.path == path_key(request.path):
-                del ledger.requests[request.request_id]
-                ledger.decisions.pop(request.request_id, None)
                 why = (
-                    f"its decision (journal entry {step!r}) was written by a newer loomflow "
-                    f"(codec v{entry.codec_version}); upgrade this process to read it"
+                    f"was written by a newer loomflow (codec v{entry.codec_version}); upgrade "
+                    "this process to read it"
                 )
-                ledger.damaged.append(
-                    _damaged(
-                        scope,
-                        f"{_REQUEST_STEP}{request.turn}_{request.slot}",
-                        request.request_id,
-                        why,
-                        newer_codec=entry.codec_version,
-                    )
-                )
+                _decided_unreadably(ledger, scope, request, why, entry.codec_version)
+
+
+def _decided_unreadably(
+    ledger: Ledger,
+    scope: Scope,
+    request: PendingApproval,
+    problem: str,
+    newer_codec: int | None = None,
+) -> None:
+    """Move ``request`` from the requests to the damaged ones: its decision row ``problem``."""
+    del ledger.requests[request.request_id]
+    ledger.decisions.pop(request.request_id, None)
+    step = f"{_DECISION_STEP}{request.turn}_{request.slot}_{request.request_id}"
+    ledger.damaged.append(
+        _damaged(
+            scope,
+            f"{_REQUEST_STEP}{request.turn}_{request.slot}",
+            request.request_id,
+            f"its decision (journal entry {step!r}) {problem}",
+            newer_codec,
+        )
+    )
 
 
 # What an approval request id looks like (see _id_of): only such an id is looked for in the
