@@ -237,7 +237,14 @@ async def _list(runtime: JournalRuntime, args: argparse.Namespace) -> int:
             why = "its session row holds a session or user id that is not UTF-8 text"
             damaged.append(DamagedRequest("-", None, session.session_id, session.user_id, why))
             continue
-        ledger = await read_approvals(runtime, session.session_id, session.user_id)
+        try:
+            ledger = await read_approvals(runtime, session.session_id, session.user_id)
+        except InvalidIdError as exc:
+            # A hand-edited session row (a control character in its id): its requests cannot
+            # be looked up, and it must not hide every other session's (the listing failed).
+            why = f"its session row holds an id no session can have ({exc})"
+            damaged.append(DamagedRequest("-", None, session.session_id, session.user_id, why))
+            continue
         pending.extend(ledger.pending)
         if not ledger.cancelled:
             damaged.extend(ledger.damaged)

@@ -178,3 +178,36 @@ def test_a_request_a_newer_loomflow_decided_is_not_listed_or_decided_again(
     assert "its decision" in denied.stderr
     assert _rows(path) == before
     assert _decisions_audited(url) == 1  # the first approve's, alone
+
+
+@pytest.mark.parametrize("column", ["session_id", "user_id"])
+def test_a_session_row_with_a_control_character_in_an_id_hides_no_other_request(
+    column: str, tmp_path: Path
+) -> None:
+    # Before: `approvals list` failed as a whole ("session_id contains the control character
+    # U+001B", exit 1) on one hand-edited session row, hiding every request that waits.
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    request_id = _waiting_run(path)
+    crafted = "o\x1b]0;owned\x07"
+    with sqlite3.connect(path) as db:
+        row = db.execute("SELECT * FROM loom_sessions").fetchone()
+        names = [d[0] for d in db.execute("SELECT * FROM loom_sessions").description]
+        copy = dict(zip(names, row, strict=True)) | {"scope": "crafted", column: crafted}
+        copy["updated_at"] += 1  # listed first
+        marks = ", ".join("?" * len(copy))
+        db.execute(
+            f"INSERT INTO loom_sessions ({', '.join(copy)}) VALUES ({marks})", [*copy.values()]
+        )
+
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["request_id"] for r in rows] == [request_id, None]
+    assert rows[1][column] == crafted
+    assert "control character U+001B" in rows[1]["unreadable"]
+    table = loomflow("--url", url, "approvals", "list")
+    assert table.returncode == 0, table.stderr
+    assert request_id in table.stdout
+    assert "\x1b" not in table.stdout + table.stderr
+    assert "\\x1b]0;owned\\x07" in table.stdout
