@@ -92,9 +92,13 @@ def escaped_surrogates(text: str) -> str:
 
 
 # What JSON may carry raw but a terminal acts on: DEL and the C1 controls (U+009B starts an
-# escape sequence on terminals that take 8-bit ones), and the marks that reorder or hide text
-# around them (bidirectional overrides and isolates, the line and paragraph separators).
-_TERMINAL_CONTROLS = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+# escape sequence on terminals that take 8-bit ones), the marks that reorder or hide text
+# around them (bidirectional overrides and isolates, the line and paragraph separators), and
+# the characters a screen does not show at all (zero-width spaces and joiners, the word
+# joiner, the soft hyphen, a BOM), by which "a\u200bna" reads as the id "ana".
+_TERMINAL_CONTROLS = re.compile(
+    "[\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]"
+)
 
 
 def escaped_controls(json_text: str) -> str:

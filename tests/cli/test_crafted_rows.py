@@ -211,3 +211,26 @@ def test_a_session_row_with_a_control_character_in_an_id_hides_no_other_request(
     assert request_id in table.stdout
     assert "\x1b" not in table.stdout + table.stderr
     assert "\\x1b]0;owned\\x07" in table.stdout
+
+
+@pytest.mark.parametrize("invisible", ["\u200b", "\u200d", "\u2060", "\ufeff", "\xad"])
+def test_json_output_shows_an_invisible_character_of_an_id_as_an_escape(
+    invisible: str, tmp_path: Path
+) -> None:
+    # Before: `users holds --json` and `audit query --json` printed a zero-width character
+    # raw, so a hold on "a\u200bna" read as a hold on "ana" at the terminal.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    assert loomflow("--url", url, "migrate").returncode == 0
+    user = f"a{invisible}na"
+    held = loomflow("--url", url, "users", "hold", user, "--reason", "case 1")
+    assert held.returncode == 0, held.stderr
+
+    holds = loomflow("--url", url, "users", "holds", "--json")
+    entries = loomflow("--url", url, "audit", "query", "--user", user, "--json")
+    for shown in (holds, entries):
+        assert shown.returncode == 0, shown.stderr
+        assert invisible not in shown.stdout
+        assert f"a\\u{ord(invisible):04x}na" in shown.stdout
+    # The same documents to a JSON reader.
+    assert [json.loads(line)["user_id"] for line in holds.stdout.splitlines()] == [user]
+    assert [e["user_id"] for e in json.loads(entries.stdout)["entries"]] == [user]
