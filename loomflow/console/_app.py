@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._ids import MAX_ID_BYTES, check_id, check_key
 from .._printable import printable, shown_id
-from .._timefmt import iso_time, parse_when
+from .._timefmt import UNREADABLE_TIME, iso_time, parse_when
 from ..audit import ANY_USER, AuditPage
 from ..errors import (
     AuditIntegrityError,
@@ -243,12 +243,12 @@ def _when(moment: dt.datetime) -> str:
 
 def _ts(seconds: float) -> str:
     """A journal time (Unix seconds) for a page; a stored value no date can hold (NaN, 1e300,
-    from a hand-edited row) is shown as it is, as the JSON shows it, rather than failing the
-    whole page."""
+    from a hand-edited row) is said to be unreadable (the JSON gives null), rather than
+    failing the whole page or passing for a time."""
     try:
         return _when(dt.datetime.fromtimestamp(seconds, dt.UTC))
     except (OverflowError, ValueError, OSError, TypeError):
-        return str(seconds)
+        return UNREADABLE_TIME
 
 
 def _env() -> Environment:

@@ -234,3 +234,27 @@ def test_json_output_shows_an_invisible_character_of_an_id_as_an_escape(
     # The same documents to a JSON reader.
     assert [json.loads(line)["user_id"] for line in holds.stdout.splitlines()] == [user]
     assert [e["user_id"] for e in json.loads(entries.stdout)["entries"]] == [user]
+
+
+def test_a_request_time_that_is_no_time_is_null_not_the_text(tmp_path: Path) -> None:
+    # Before: `approvals list --json` gave a hand-edited "requested_at" text back as it was,
+    # where an ISO time is promised.
+    path = tmp_path / "journal.db"
+    url = f"sqlite:///{path}"
+    request_id = _waiting_run(path)
+    _edit(
+        path,
+        "UPDATE loom_entries SET value = CAST(replace(CAST(value AS TEXT), "
+        '\'"requested_at":"\', \'"requested_at":"soon \') AS BLOB) '
+        "WHERE name = 'approval_request_0_0'",
+    )
+    listed = loomflow("--url", url, "approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [row] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert row["request_id"] == request_id  # the time is not part of what its id vouches for
+    assert row["requested_at"] is None
+    table = loomflow("--url", url, "approvals", "list")
+    assert table.returncode == 0, table.stderr
+    [line] = [x for x in table.stdout.splitlines() if x.startswith(request_id)]
+    assert "unreadable" in line
+    assert "soon" not in line
