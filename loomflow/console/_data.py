@@ -403,6 +403,13 @@ class ConsoleData:
             page = await self.stores.audit.query(user_id=head.user_id, limit=1)
         except UserError as exc:  # a head row under a key no writer makes: not a 400 for all
             return f"its user id is no id an entry can have ({exc})"
+        if page.damaged:
+            # The first row is there but reads as no entry: not a head edited or entries
+            # deleted, which an empty page would otherwise be taken for.
+            return (
+                f"its first entry cannot be read: {page.damaged[0].detail:.200} (verify to see "
+                "the whole trail)"
+            )
         if not page.entries:
             return (
                 f"its recorded head counts {head.seq} entries, but none is stored under this "

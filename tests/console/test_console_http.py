@@ -1158,6 +1158,24 @@ def _eve_with_a_text_seq(folder: Path) -> Settings:
     return Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
 
 
+def test_a_users_first_row_damaged_is_not_called_a_trail_with_no_entries(tmp_path: Path) -> None:
+    # With a query going on past damaged rows, the users page read eve's first row, edited
+    # into no entry, as no row at all and said her head was edited or her entries deleted:
+    # an investigation pointed at the wrong damage.
+    path = _audit_db(tmp_path, [AuditRecord(user_id="eve", actor="t", action="x")] * 3)
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("UPDATE loom_audit SET seq = 'one' WHERE seq = 1")
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/users", params={"q": "eve"})
+        assert got.status_code == 200, got.text[:300]
+        [eve] = got.json()["users"]
+        assert "none is stored" not in eve["problem"]
+        assert "its first entry cannot be read" in eve["problem"]
+        assert "seq is 'one', not a whole number" in eve["problem"]
+
+
 def test_an_export_over_a_malformed_row_is_a_400_not_a_download_cut_off(tmp_path: Path) -> None:
     # The export streamed: a row with text in its seq broke it after the 200 went out, and
     # the admin got a download the connection cut off, with no word of why.
