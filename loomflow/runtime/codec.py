@@ -148,8 +148,8 @@ def register_type(cls: type) -> type:
 def _validates_plainly(cls: type[BaseModel]) -> bool:
     """Whether ``cls.model_validate`` is pydantic's own, which only calls the validator."""
     own: Any = BaseModel.model_validate
-    theirs: Any = cls.model_validate
-    return theirs.__func__ is own.__func__
+    # A staticmethod or plain function there has no __func__: its own way, then.
+    return getattr(cls.model_validate, "__func__", None) is own.__func__
 
 
 def is_registered(cls: type) -> bool:

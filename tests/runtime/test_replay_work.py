@@ -103,6 +103,21 @@ def test_a_registered_model_that_validates_its_own_way_is_still_asked() -> None:
     assert codec.loads(codec.dumps(Overridden(x=1))) == Overridden(x=2)
 
 
+class StaticallyOverridden(BaseModel):
+    x: int
+
+    @staticmethod
+    def model_validate(obj: Any, **kwargs: Any) -> StaticallyOverridden:  # type: ignore[override]
+        return StaticallyOverridden(x=obj["x"] * 10)
+
+
+def test_a_model_validate_of_no_bound_method_can_still_be_registered() -> None:
+    # Registering read model_validate.__func__, which a staticmethod (or any plain
+    # function) has none of: register_type raised AttributeError on a class it took before.
+    codec.register_type(StaticallyOverridden)
+    assert codec.loads(codec.dumps(StaticallyOverridden(x=2))) == StaticallyOverridden(x=20)
+
+
 def test_stored_fields_a_registered_model_refuses_are_still_malformed() -> None:
     raw = codec.dumps(Usage(input_tokens=3, output_tokens=8)).replace(b"8", b'"many"')
     with pytest.raises(codec.UnknownTagError, match="refused the stored fields"):
