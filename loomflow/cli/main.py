@@ -1,7 +1,8 @@
 """Command-line entry point.
 
 Exit codes scripts can rely on: 0 success, 1 a loomflow error (message on stderr),
-2 bad usage, 130 interrupted.
+2 bad usage, 3 an audit query or export written past damaged audit rows (each named on
+stderr), 130 interrupted.
 """
 
 from __future__ import annotations
