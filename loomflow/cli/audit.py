@@ -237,28 +237,30 @@ async def _query(store: AuditStore, args: argparse.Namespace) -> int:
             answer["damaged"] = [p.to_json() for p in page.damaged]
         print(json_text(answer))
         return status
-    if not page.entries:
-        if not page.damaged:
-            print("no audit entries match")
+    if not page.entries and not page.damaged:
+        print("no audit entries match")
         return status
-    rows: list[tuple[str, ...]] = [
-        ("time (UTC)", "user", "seq", "session", "actor", "action", "details")
-    ]
-    for e in page.entries:
-        rows.append(
-            (
-                e.time.strftime("%Y-%m-%d %H:%M:%S"),
-                user_cell(e.user_id),
-                str(e.seq),
-                id_cell(e.session_id),
-                e.actor,
-                e.action,
-                _summary(e),
+    if page.entries:
+        rows: list[tuple[str, ...]] = [
+            ("time (UTC)", "user", "seq", "session", "actor", "action", "details")
+        ]
+        for e in page.entries:
+            rows.append(
+                (
+                    e.time.strftime("%Y-%m-%d %H:%M:%S"),
+                    user_cell(e.user_id),
+                    str(e.seq),
+                    id_cell(e.session_id),
+                    e.actor,
+                    e.action,
+                    _summary(e),
+                )
             )
-        )
-    table(rows)
+        table(rows)
     if page.next_cursor is not None:
-        print(f"\nmore entries: add --cursor {page.next_cursor}")
+        # Also after a page of damaged rows only (named on stderr): the query goes on past them.
+        gap = "\n" if page.entries else ""
+        print(f"{gap}more entries: add --cursor {page.next_cursor}")
     return status
 
 

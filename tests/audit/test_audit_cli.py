@@ -255,6 +255,24 @@ async def test_an_export_goes_on_past_a_malformed_row_and_marks_it(tmp_path: Pat
     assert "seq is 'four'" in markers[0]["unreadable"]
 
 
+async def test_a_query_page_of_damaged_rows_only_still_says_how_to_go_on(tmp_path: Path) -> None:
+    # A table page whose rows were all damaged printed nothing but the stderr lines, and no
+    # cursor: the query went on past damaged rows in --json only; the table stopped there.
+    db = tmp_path / "audit.db"
+    await _fill(db)
+    _edit(db, "UPDATE loom_audit SET seq = 'one' WHERE user_id = 'alice' AND seq = 1")
+    url = f"sqlite:///{db}"
+    first = loomflow("--url", url, "audit", "query", "--user", "alice", "--limit", "1")
+    assert first.returncode == 3, first.stderr
+    assert "seq is 'one'" in first.stderr
+    assert "more entries: add --cursor 1" in first.stdout
+    going_on = loomflow(
+        "--url", url, "audit", "query", "--user", "alice", "--limit", "1", "--cursor", "1"
+    )
+    assert going_on.returncode == 0, going_on.stderr
+    assert "more entries: add --cursor" in going_on.stdout
+
+
 async def test_verify_reports_a_row_with_a_malformed_seq_and_checks_the_other_trails(
     tmp_path: Path,
 ) -> None:
