@@ -421,6 +421,9 @@ TOKEN_AS_TEXT = frozenset(
 
 # Only as a key's last word, in keys of at least this many words: "smtp_pass", "db_pwd".
 _LAST_WORDS = {"pass": 1, "pwd": 2}
+# The last words that also seal a tool argument (Redactor.seals_key): "pass" is left out, as a
+# key ending in it holds a ticket as often as a password (boarding_pass, ski_pass).
+_SEALING_LAST_WORDS = {"pwd": 2}
 # Upper-case runs (an acronym: "API" of "APIKey"), capitalised or lower-case words, digits.
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
@@ -438,7 +441,7 @@ def _norm_key(key: str) -> str:
     return key.lower().replace("-", "").replace("_", "")
 
 
-def _names_a_secret(key: str) -> bool:
+def _names_a_secret(key: str, last_words: Mapping[str, int] = _LAST_WORDS) -> bool:
     """Whether a word of ``key`` (or two neighbouring ones) names a secret that the key holds
     (see :data:`DEFAULT_SENSITIVE_KEYS`)."""
     words = [w.lower() for w in _WORD.findall(key)]
@@ -450,7 +453,7 @@ def _names_a_secret(key: str) -> bool:
             if word == "token" and i and words[i - 1] in TOKEN_AS_TEXT:
                 continue
             end = i + 1
-        elif i == n - 1 and n >= _LAST_WORDS.get(word, n + 1):
+        elif i == n - 1 and n >= last_words.get(word, n + 1):
             end = n
         else:
             continue
@@ -664,6 +667,15 @@ class Redactor:
         """Whether the value under the mapping key (or argument name) ``key`` is hidden: a key
         of ``sensitive_keys``, or with ``key_words``, one whose words name a secret."""
         return self._hides(key)
+
+    def seals_key(self, key: str) -> bool:
+        """Whether a tool argument named ``key`` is sealed out of the journal by its name alone:
+        as :meth:`hides_key`, except for a trailing ``pass`` (``boarding_pass``), which a
+        display hides when in doubt. A sealed value is also learned as a secret, so a doubtful
+        name would take the value out of the tool results the model reads as well."""
+        if not self._hides(key):
+            return False
+        return _norm_key(key) in self._keys or _names_a_secret(key, _SEALING_LAST_WORDS)
 
     def _hides(self, key: str) -> bool:
         """Whether the value under ``key`` is hidden, remembered (keys of up to 128 characters)."""

@@ -134,10 +134,10 @@ class Sealer:
         if self._redactor is None:
             return False
         # An argument named as a secret (db_password, apiToken) is sealed as the audit log
-        # hides it; one that holds nothing (None, a flag, "") has nothing to keep out and
-        # is left for a resumed run to use.
+        # hides it (a doubtful name such as boarding_pass only hidden there); one that holds
+        # nothing (None, a flag, "") has nothing to keep out and is left for a resumed run.
         if (
-            self._redactor.hides_key(name)
+            self._redactor.seals_key(name)
             and value not in (None, "")
             and not isinstance(value, bool)
         ):

@@ -86,6 +86,24 @@ def test_sealing_by_name_follows_the_redactors_keys() -> None:
     assert Sealer({}, Redactor(key_words=False, sensitive_keys=())).seal_call(call) is call
 
 
+@pytest.mark.parametrize("name", ["boarding_pass", "skiPass", "pass"])
+def test_a_doubtful_name_is_hidden_in_displays_but_not_sealed(name: str) -> None:
+    # A trailing "pass" holds a ticket as often as a password: the audit log hides it, but
+    # sealing would also teach the value as a secret and blank it out of the tool results
+    # the model reads ("checked in booking [REDACTED]").
+    redactor = Redactor()
+    assert redactor.hides_key(name)
+    call = ToolCall(id="c", name="check_in", arguments={name: "XK7Q2PLM"})
+    assert Sealer({}, redactor).seal_call(call) is call
+    assert redactor.text("checked in booking XK7Q2PLM") == "checked in booking XK7Q2PLM"
+
+
+@pytest.mark.parametrize("name", ["db_password", "smtp_pwd", "X-Api-Key", "clientSecret", "token"])
+def test_a_name_that_names_a_secret_is_sealed(name: str) -> None:
+    call = ToolCall(id="c", name="connect", arguments={name: "v4lue-kept-out"})
+    assert Sealer({}, Redactor()).seal_call(call).arguments[name].startswith("[sealed:")
+
+
 async def test_a_journal_written_with_the_value_in_clear_still_replays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -93,7 +111,7 @@ async def test_a_journal_written_with_the_value_in_clear_still_replays(
     arguments = {"host": "db1", "db_password": PASSWORD}
     # Written as a release that sealed no argument by its name did: the value in clear.
     with monkeypatch.context() as patched:
-        patched.setattr(Redactor, "hides_key", lambda self, key: False)
+        patched.setattr(Redactor, "seals_key", lambda self, key: False)
         first = agent_on(tmp_path, Script(arguments, fail_after_tool=True))
         with pytest.raises(ConnectionError):
             await first.run("go", session_id="s", user_id="ana")
