@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import os
 import threading
@@ -72,31 +73,52 @@ def sqlite_path(tmp_path: Path) -> Path:
     return tmp_path / "journal.db"
 
 
-@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def runtime_factory(
-    request: pytest.FixtureRequest, tmp_path: Path
+@contextlib.asynccontextmanager
+async def _runtimes(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[Callable[..., Awaitable[JournalRuntime]]]:
-    """Per backend: a factory of runtimes over one shared journal (a worker each)."""
+    """A factory of runtimes over one shared ``backend`` journal (a worker each)."""
     from loomflow.runtime import InMemoryRuntime, PostgresRuntime, SqliteRuntime
 
     opened: list[JournalRuntime] = []
     shared_memory = InMemoryRuntime()
-    dsn = request.getfixturevalue("pg_dsn") if request.param == "postgres" else ""
+    dsn = request.getfixturevalue("pg_dsn") if backend == "postgres" else ""
 
     async def factory(**options: Any) -> JournalRuntime:
         runtime: JournalRuntime
-        if request.param == "memory":
+        if backend == "memory":
             runtime = JournalRuntime(shared_memory._store, **options)
-        elif request.param == "sqlite":
+        elif backend == "sqlite":
             runtime = SqliteRuntime(tmp_path / "journal.db", **options)
         else:
             runtime = await PostgresRuntime.connect(dsn, **options)
         opened.append(runtime)
         return runtime
 
-    yield factory
-    for runtime in opened:
-        await runtime.close()
+    try:
+        yield factory
+    finally:
+        for runtime in opened:
+            await runtime.close()
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def runtime_factory(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Callable[..., Awaitable[JournalRuntime]]]:
+    """Per backend: a factory of runtimes over one shared journal (a worker each)."""
+    async with _runtimes(request.param, request, tmp_path) as factory:
+        yield factory
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def sql_runtime_factory(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Callable[..., Awaitable[JournalRuntime]]]:
+    """As ``runtime_factory``, on the SQL journals only: each runtime has its own connection
+    (or pool), so a thread with a loop of its own can act as another worker."""
+    async with _runtimes(request.param, request, tmp_path) as factory:
+        yield factory
 
 
 async def _until_given_back(runtime: JournalRuntime, session_id: str = "s") -> SessionInfo:

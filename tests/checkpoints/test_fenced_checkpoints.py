@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import pytest
 from ulid import ULID
@@ -21,31 +19,9 @@ from ulid import ULID
 from loomflow.checkpoints import Checkpoint, checkpoint_store_for
 from loomflow.errors import OwnershipLostError, RunCancelledError
 from loomflow.messages import Message, Usage
-from loomflow.runtime import JournalRuntime, PostgresRuntime, SqliteRuntime
+from loomflow.runtime import JournalRuntime
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def open_runtime(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[Callable[..., Awaitable[JournalRuntime]]]:
-    """Runtimes over one real journal, each its own owner (and connection)."""
-    dsn = request.getfixturevalue("pg_dsn") if request.param == "postgres" else ""
-    opened: list[JournalRuntime] = []
-
-    async def factory(**options: Any) -> JournalRuntime:
-        runtime: JournalRuntime
-        if dsn:
-            runtime = await PostgresRuntime.connect(dsn, **options)
-        else:
-            runtime = SqliteRuntime(tmp_path / "journal.db", **options)
-        opened.append(runtime)
-        return runtime
-
-    yield factory
-    for runtime in opened:
-        await runtime.close()
 
 
 def _snapshot(turn: int) -> Checkpoint:
@@ -67,9 +43,9 @@ def _snapshot(turn: int) -> Checkpoint:
 
 
 async def test_a_snapshot_after_a_cancel_from_another_worker_is_refused(
-    open_runtime: Callable[..., Awaitable[JournalRuntime]],
+    sql_runtime_factory: Callable[..., Awaitable[JournalRuntime]],
 ) -> None:
-    mine, other = await open_runtime(), await open_runtime()
+    mine, other = await sql_runtime_factory(), await sql_runtime_factory()
     store = checkpoint_store_for(mine)
     with pytest.raises(RunCancelledError):
         async with mine.session("s", user_id="u"):
@@ -81,13 +57,13 @@ async def test_a_snapshot_after_a_cancel_from_another_worker_is_refused(
 
 
 async def test_a_worker_that_lost_its_run_writes_no_snapshot_with_its_old_token(
-    open_runtime: Callable[..., Awaitable[JournalRuntime]],
+    sql_runtime_factory: Callable[..., Awaitable[JournalRuntime]],
 ) -> None:
-    mine = await open_runtime(lease_seconds=0.5)
+    mine = await sql_runtime_factory(lease_seconds=0.5)
     store = checkpoint_store_for(mine)
 
     async def take_over() -> None:  # another owner, on its own loop and connection
-        runtime = await open_runtime(turn_timeout=10)
+        runtime = await sql_runtime_factory(turn_timeout=10)
         try:
             async with runtime.session("s", user_id="u", resume=True):
                 await runtime.step("work", lambda: 1)
