@@ -42,7 +42,7 @@ from ..errors import (
 )
 from ..governance.approvals import ApprovalPending, PendingApproval, journaled_request
 from ..hooks import Interrupt, RunHooks, RunInfo
-from ..memory import AgentMemory, Memory
+from ..memory import AgentMemory, Episode, Memory
 from ..messages import (
     Message,
     ModelResponse,
@@ -812,15 +812,22 @@ class _Run:
         self, memory: AgentMemory, key: str, messages: list[Message], output: str
     ) -> str:
         redactor = self.agent._redactor
-        episode = await memory.record_episode(
-            self.ctx.session_id or "",
-            user_id=self.ctx.user_id,
-            key=key,
-            messages=[_redacted(redactor, m) for m in messages],
-            output=redactor.text(output),
-            run_id=self.ctx.run_id,
-            epoch=self.epoch,
-        )
+        session = self.ctx.session_id or ""
+        fields: dict[str, Any] = {
+            "user_id": self.ctx.user_id,
+            "key": key,
+            "messages": [_redacted(redactor, m) for m in messages],
+            "output": redactor.text(output),
+            "run_id": self.ctx.run_id,
+            "epoch": self.epoch,
+        }
+        if isinstance(self.runtime, JournalRuntime):
+            # Not over the episode of whoever took the run over: fenced on the run's token.
+            episode: Episode = await self.runtime.record_episode(
+                memory, session, name="persist_episode", **fields
+            )
+        else:
+            episode = await memory.record_episode(session, **fields)
         return episode.id
 
 

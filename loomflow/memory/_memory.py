@@ -251,11 +251,14 @@ class Memory:
         output: str,
         run_id: str | None = None,
         epoch: int | None = None,
+        token: int | None = None,
     ) -> Episode:
         """Store the turns of one run; writing the same ``key`` again replaces, never adds.
 
         The agent calls this from a journaled step (see the memory docs); call it yourself to
-        import conversations.
+        import conversations. ``token`` fences the write on the run's lease (a SQL store on
+        the journal's database only, see :meth:`SqlMemoryStore.put_episode`); agents pass it
+        through :meth:`~loomflow.runtime.JournalRuntime.record_episode`.
         """
         # Checked by name before the write, alike on every backend: a flag was taken as epoch
         # 1, an epoch past 64 bits was a "store unavailable" failure on the SQL backends.
@@ -274,7 +277,9 @@ class Memory:
             output=_content("output", output),
             created_at=dt.datetime.now(dt.UTC),  # replaced by the store's clock
         )
-        return await self.store.put_episode(episode)
+        if token is None:
+            return await self.store.put_episode(episode)
+        return await self.store.put_episode(episode, token=token)  # type: ignore[call-arg]
 
     async def episodes(
         self,

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from .._ids import user_label
 from .._printable import shown, text_of, unicode_column
-from ..errors import CorruptEntryError
+from ..errors import CorruptEntryError, OwnershipLostError
 from ..runtime import codec
 from ..runtime._store import Scope
 from ..storage._component import ComponentStore
@@ -45,11 +45,8 @@ _EPISODE_COLUMNS = (
     "episode_id, session_id, user_id, episode_key, run_id, epoch, output, codec_version, "
     "messages, created_at"
 )
-_PUT_EPISODE = """
-INSERT INTO loom_memory_episodes
-    (episode_id, user_key, scope, session_id, user_id, episode_key, run_id, epoch, output,
-     codec_version, messages, created_at, updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now})
+# A rewrite of a key replaces the episode's content; its id and creation time stay.
+_ON_REWRITE = """
 ON CONFLICT (user_key, episode_key) DO UPDATE SET
     run_id = excluded.run_id, epoch = excluded.epoch, output = excluded.output,
     codec_version = excluded.codec_version, messages = excluded.messages,
@@ -60,6 +57,30 @@ ON CONFLICT (user_key, episode_key) DO UPDATE SET
         THEN loom_memory_episodes.created_at ELSE excluded.created_at END
 RETURNING episode_id, created_at
 """
+_PUT_EPISODE = (
+    """
+INSERT INTO loom_memory_episodes
+    (episode_id, user_key, scope, session_id, user_id, episode_key, run_id, epoch, output,
+     codec_version, messages, created_at, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now})"""
+    + _ON_REWRITE
+)
+# The same upsert, fenced as a snapshot's write is (checkpoints/_sql.py _INSERT_FENCED): it
+# writes only while the run's lease row still holds the writer's token, in the same statement,
+# so a worker frozen between its lease check and this write cannot replace the episode of the
+# run's new owner (PostgreSQL also locks the row FOR SHARE: a takeover waits for the commit).
+_PUT_EPISODE_FENCED = (
+    """
+INSERT INTO loom_memory_episodes
+    (episode_id, user_key, scope, session_id, user_id, episode_key, run_id, epoch, output,
+     codec_version, messages, created_at, updated_at)
+SELECT CAST($1 AS TEXT), CAST($2 AS TEXT), CAST($3 AS TEXT), CAST($4 AS TEXT),
+    CAST($5 AS TEXT), CAST($6 AS TEXT), CAST($7 AS TEXT), CAST($8 AS BIGINT), CAST($9 AS TEXT),
+    CAST($10 AS INTEGER), $11, {now}, {now}
+FROM loom_sessions WHERE scope = $3 AND token = $12{lock}
+"""
+    + _ON_REWRITE
+)
 _DELETE_EPISODES = "DELETE FROM loom_memory_episodes WHERE scope = $1 RETURNING 1"
 
 _FACT_COLUMNS = (
@@ -299,11 +320,16 @@ class SqlMemoryStore(ComponentStore):
 
     # -- episodes ----------------------------------------------------------------------------
 
-    async def put_episode(self, episode: Episode) -> Episode:
+    async def put_episode(self, episode: Episode, *, token: int | None = None) -> Episode:
+        """Store an episode (see :class:`~loomflow.memory.MemoryStore`).
+
+        ``token`` fences the write on a run's lease, as a journal step's is: the store must
+        share the journal's database, and the episode is written only while the run's lease
+        row holds that token (otherwise :class:`~loomflow.errors.OwnershipLostError`, and
+        nothing is written). Agents pass it; most callers leave it out.
+        """
         scope = episode_scope(episode)
-        rows = await self._fetch(
-            "write",
-            _PUT_EPISODE,
+        args = (
             episode.id,
             scope.user_key,
             scope.key,
@@ -316,6 +342,15 @@ class SqlMemoryStore(ComponentStore):
             codec.CODEC_VERSION,
             encode_messages(episode.messages),
         )
+        if token is None:
+            rows = await self._fetch("write", _PUT_EPISODE, *args)
+        else:
+            rows = await self._fetch("write", _PUT_EPISODE_FENCED, *args, token)
+            if not rows:  # the lease row holds a newer token: nothing was written
+                raise OwnershipLostError(
+                    f"episode {episode.key!r} was not written: session {episode.session_id!r} "
+                    f"of user {episode.user_id!r} now belongs to a newer run"
+                )
         return episode.model_copy(update={"id": rows[0][0], "created_at": timestamp(rows[0][1])})
 
     async def episodes(

@@ -464,25 +464,74 @@ class JournalRuntime:
             OwnershipLostError: another owner took the run over (``RunCancelledError``: it
                 was cancelled); nothing was stored.
         """
+        return await self._fenced_write(
+            store,
+            lambda token: (
+                store.put(checkpoint, retention=retention)
+                if token is None
+                else store.put(checkpoint, retention=retention, token=token)
+            ),
+            name=name,
+            what="snapshot",
+        )
+
+    async def record_episode(self, memory: Any, *args: Any, name: str, **kwargs: Any) -> Any:
+        """Record a run's episode in ``memory`` (an :class:`~loomflow.memory.AgentMemory`)
+        for the run open here, fenced on its turn as a snapshot is (:meth:`put_checkpoint`).
+
+        A :class:`~loomflow.memory.Memory` whose SQL store shares this journal's database
+        writes only while the run's lease row holds its token, in the write itself; any
+        other memory gets the lease check alone. ``args`` and ``kwargs`` are what
+        :meth:`~loomflow.memory.Memory.record_episode` takes.
+
+        Raises:
+            OwnershipLostError: another owner took the run over (``RunCancelledError``: it
+                was cancelled); nothing was written.
+        """
+        from ..memory import Memory  # here: memory imports the runtime package
+
+        store = memory.store if isinstance(memory, Memory) else memory
+        return await self._fenced_write(
+            store,
+            lambda token: (
+                memory.record_episode(*args, **kwargs)
+                if token is None
+                else memory.record_episode(*args, **kwargs, token=token)
+            ),
+            name=name,
+            what="episode",
+        )
+
+    async def _fenced_write(
+        self,
+        store: Any,
+        write: Callable[[int | None], Awaitable[T]],
+        *,
+        name: str,
+        what: str,
+    ) -> T:
+        """``write(token)`` for the run open here: the token when ``store`` shares this
+        journal's database (the write is fenced on it), ``None`` otherwise (the lease check
+        alone; an in-memory pair is checked just before a write that does not yield)."""
         run = self.current_run
         if run is None or not run.claimed:
-            return await store.put(checkpoint, retention=retention)
+            return await write(None)
         if not _lease.turn_is_fresh(run, self.lease_seconds):
             await _lease.check_turn(self._store, run, name, self.lease_seconds)
         try:
             journal_db = getattr(self._store, "db", None)
             if journal_db is not None and getattr(store, "db", None) is journal_db:
-                return await store.put(checkpoint, retention=retention, token=run.token)
+                return await write(run.token)
             owned = getattr(self._store, "_owned", None)  # the in-memory journal's check
             if owned is not None and owned(run.scope, run.token) is None:
-                # The in-memory store's put does not yield: nothing can take over between.
-                raise OwnershipLostError(f"snapshot {name!r} was not written")
-            return await store.put(checkpoint, retention=retention)
+                # The in-memory stores' writes do not yield: nothing can take over between.
+                raise OwnershipLostError(f"{what} {name!r} was not written")
+            return await write(None)
         except OwnershipLostError as exc:
             await _lease.fenced_out(self._store, run)
             raise _lease.lost_error(
                 run,
-                f"snapshot {name!r} was not written: session {run.session_id!r} of user "
+                f"{what} {name!r} was not written: session {run.session_id!r} of user "
                 f"{run.user_id!r} now belongs to a newer run",
             ) from exc
 
