@@ -31,9 +31,8 @@ import stat
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-from .._progress import OnProgress
 from ..errors import AuditError, AuditIntegrityError
 from ._entry import (
     DIGESTED_VERSION,
@@ -575,43 +574,26 @@ class JsonlAuditStore(AuditStore):
                 if raw.endswith(b"\n"):
                     yield number, raw
 
-    def _readable(self, after: int) -> Iterator[tuple[int, AuditEntry]]:
-        """Entries on lines after line ``after``; unreadable lines are skipped (verify reports
-        them)."""
+    def _rows(
+        self, after: int, where: AuditFilter
+    ) -> Iterator[tuple[int, AuditEntry | ChainProblem]]:
+        """The lines after line ``after`` that ``where`` selects: an entry, or for a line that
+        is no entry, the ``unreadable`` problem verify reports for it, in its place."""
         for number, raw in self._lines():
             if number <= after:
                 continue
             try:
                 entry = AuditEntry.from_line(raw)
-            except (ValueError, RecursionError):  # nested too deep to parse: damage too
-                continue
-            yield number, entry
-
-    def _refuse_unreadable(self) -> None:
-        """Raise if a complete line of the log is no entry: an export would leave it out."""
-        for number, raw in self._lines():
-            try:
-                AuditEntry.from_line(raw)
             except (ValueError, TypeError, RecursionError) as exc:  # as _scan reads it
-                raise AuditIntegrityError(
-                    f"{self.path} line {number} is not an entry ({unreadable_reason(exc)}): an "
-                    f"export would leave it out unseen, and pass for complete; `loomflow audit "
-                    f"verify` reports it"
-                ) from exc
-
-    async def export(
-        self,
-        dest: str | os.PathLike[str] | TextIO,
-        *,
-        on_progress: OnProgress | None = None,
-        **filters: Any,
-    ) -> int:
-        """As :meth:`AuditStore.export`, but refused (``AuditIntegrityError``) while the log
-        holds a line that is no entry: unlike a database row, such a line names no user or
-        seq to export it under, and the export would verify without it."""
-        if not isinstance(dest, str | os.PathLike):  # a path comes back here as a stream
-            await asyncio.to_thread(self._refuse_unreadable)
-        return await super().export(dest, on_progress=on_progress, **filters)
+                # Not skipped: a query or an export that left it out would pass for the whole
+                # trail. It is given to every filter that what can be read of it does not
+                # rule out (a line with no readable user goes to every user's).
+                fields = _fields_of(raw)
+                if _may_match(where, fields):
+                    yield number, _damaged_line(number, fields, exc)
+                continue
+            if where.matches(entry):
+                yield number, entry
 
     # -- the store interface ----------------------------------------------------------------
 
@@ -620,23 +602,22 @@ class JsonlAuditStore(AuditStore):
 
     async def _query(
         self, where: AuditFilter, limit: int, after: int | None
-    ) -> tuple[list[AuditEntry], int | None]:
-        def scan() -> tuple[list[AuditEntry], int | None]:
-            found: list[AuditEntry] = []
+    ) -> tuple[list[AuditEntry | ChainProblem], int | None]:
+        def scan() -> tuple[list[AuditEntry | ChainProblem], int | None]:
+            found: list[AuditEntry | ChainProblem] = []
             last = None
-            for number, entry in self._readable(after or 0):
-                if where.matches(entry):
-                    found.append(entry)
-                    last = number
-                    if len(found) == limit:
-                        break
+            for number, row in self._rows(after or 0, where):
+                found.append(row)
+                last = number
+                if len(found) == limit:
+                    break
             return found, last
 
         return await asyncio.to_thread(scan)
 
     async def _count(self, where: AuditFilter) -> int:
         def scan() -> int:
-            return sum(where.matches(entry) for _, entry in self._readable(0))
+            return sum(1 for _ in self._rows(0, where))
 
         # One pass over the file: the default would re-read it from the top for every page.
         return await asyncio.to_thread(scan)
@@ -648,14 +629,8 @@ class JsonlAuditStore(AuditStore):
             try:
                 entry = AuditEntry.from_line(raw)
             except (ValueError, TypeError, RecursionError) as exc:  # Recursion: nested too deep
-                problem = ChainProblem(
-                    None,
-                    "unreadable",
-                    None,
-                    number,
-                    f"line {number} is not an entry: {unreadable_reason(exc)}",
-                )
-                items.append(("", -1, number, problem))
+                # Filed under no user and no seq: its own word for them is not taken here.
+                items.append(("", -1, number, _damaged_line(number, {}, exc)))
                 continue
             key = user_key(entry.user_id)
             if only is None or key == only:
@@ -707,6 +682,61 @@ class JsonlAuditStore(AuditStore):
 
 ScanItem = tuple[str, int, int, AuditEntry | ChainProblem]
 """``(user_key, seq, line number, entry or problem)``."""
+
+
+def _fields_of(raw: bytes) -> dict[str, Any]:
+    """What can be read of a line that is no entry: its keys, when it is a JSON object."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _text(fields: dict[str, Any], name: str) -> tuple[bool, str | None]:
+    """A text (or null) field of a damaged line: whether it can be read, and its value."""
+    value = fields.get(name, ...)
+    if value is None or isinstance(value, str):
+        return True, value
+    return False, None
+
+
+def _may_match(where: AuditFilter, fields: dict[str, Any]) -> bool:
+    """Whether a damaged line's readable fields leave it possibly selected by ``where``.
+
+    What cannot be read cannot rule a line out (its time is never trusted). A lookup of one
+    entry (``seq``) takes only a line whose seq reads as that number."""
+    seq = fields.get("seq")
+    if where.seq is not None and not (type(seq) is int and seq == where.seq):
+        return False
+    known, user = _text(fields, "user_id")
+    if where.user_key is not None and known and user_key(user) != where.user_key:
+        return False
+    for name, wanted in (("session_id", where.session_id), ("run_id", where.run_id)):
+        known, value = _text(fields, name)
+        if wanted is not None and known and value != wanted:
+            return False
+    action = fields.get("action")
+    if isinstance(action, str):
+        if where.action is not None and action != where.action:
+            return False
+        if where.action_prefix is not None and not action.startswith(where.action_prefix):
+            return False
+    return True
+
+
+def _damaged_line(number: int, fields: dict[str, Any], exc: BaseException) -> ChainProblem:
+    """A line that is no entry, as verify reports it (the same words), with its user and seq
+    as far as they can be read, for a marker in an export."""
+    _, user = _text(fields, "user_id")
+    seq = fields.get("seq")
+    return ChainProblem(
+        user,
+        "unreadable",
+        seq if type(seq) is int else None,
+        number,
+        f"line {number} is not an entry: {unreadable_reason(exc)}",
+    )
 
 
 def _erasable(

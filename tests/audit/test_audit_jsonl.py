@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loomflow.audit import AuditEntry, AuditRecord, JsonlAuditStore
+from loomflow.audit import AuditEntry, AuditRecord, JsonlAuditStore, verify_lines
 from loomflow.errors import AuditError, AuditIntegrityError
 
 
@@ -311,14 +311,16 @@ async def test_an_unreadable_mark_in_the_stores_own_file_is_no_field_of_an_entry
     [
         lambda line: line.replace(b'"actor":"t"', b'"actor":"\xff"', 1),  # a byte that is not UTF-8
         lambda line: line[:50] + b"\n",  # cut short
+        lambda line: line.replace(b'"seq":1', b'"seq":"one"', 1),  # still names its user
     ],
-    ids=["not utf-8", "cut short"],
+    ids=["not utf-8", "cut short", "text seq"],
 )
-async def test_an_export_of_a_log_with_an_unreadable_line_is_refused_not_written_without_it(
+async def test_a_line_that_is_no_entry_is_marked_in_a_query_and_an_export(
     tmp_path: Path, damage: object
 ) -> None:
-    # The line was left out of the export without a word, so alice's export began at her
-    # entry 2 and verify --file passed it, even against the heads saved before the damage.
+    # A query left such a line out without a word (alice's page began at her entry 2), and an
+    # export of any user was refused (exit 1, nothing written) while the file held one. Both
+    # now go on past it and mark it in its place, as the SQL stores do with a damaged row.
     path = tmp_path / "audit.jsonl"
     store = await _two_users(path)
     await store.close()
@@ -326,11 +328,23 @@ async def test_an_export_of_a_log_with_an_unreadable_line_is_refused_not_written
     assert json.loads(lines[0])["user_id"] == "alice"
     lines[0] = damage(lines[0])  # type: ignore[operator]
     path.write_bytes(b"".join(lines))
-    out = tmp_path / "alice.jsonl"
     damaged = JsonlAuditStore(path)
-    with pytest.raises(AuditIntegrityError, match="line 1 is not an entry"):
-        await damaged.export(out, user_id="alice")
-    assert not out.exists()
+    page = await damaged.query(user_id="alice")
+    assert [e.seq for e in page.entries] == [2, 3]
+    assert [(p.kind, p.position) for p in page.damaged] == [("unreadable", 1)]
+    assert "line 1 is not an entry" in page.damaged[0].detail
+    out = tmp_path / "alice.jsonl"
+    heard: list[str] = []
+    count = await damaged.export(out, user_id="alice", on_damaged=lambda p: heard.append(p.detail))
+    assert count == 2
+    assert len(heard) == 1
+    exported = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [("hash" in e, e.get("row")) for e in exported] == [
+        (False, 1),
+        (True, None),
+        (True, None),
+    ]
+    assert (await damaged.count(user_id="alice")) == 3  # what an export's progress counts
     done = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-m", "loomflow", "audit", "--audit-url", f"jsonl:///{path}", "export"],
@@ -338,12 +352,56 @@ async def test_an_export_of_a_log_with_an_unreadable_line_is_refused_not_written
         text=True,
         timeout=60,
     )
-    assert done.returncode == 1
-    assert done.stdout == ""
-    assert "line 1 is not an entry" in done.stderr, done.stderr
+    assert done.returncode == 3, done.stderr
+    assert [("row" in json.loads(line)) for line in done.stdout.splitlines()] == [True] + [
+        False
+    ] * 5
+    assert "damaged audit row: row 1 of the trail of " in done.stderr, done.stderr
+    assert "line 1 is not an entry" in done.stderr
     assert "Traceback" not in done.stderr
-    # Reading it is still possible: query shows what is readable, verify says what is not.
-    assert [e.seq for e in (await damaged.query(user_id="alice")).entries] == [2, 3]
+    # The file and its export still fail verification.
     report = await damaged.verify()
     assert [p.kind for p in report.problems] == ["unreadable", "missing"]
+    with out.open(encoding="utf-8", errors="surrogateescape") as fh:
+        assert "unreadable" in {p.kind for p in verify_lines(fh, user_id="alice").problems}
+    await damaged.close()
+
+
+async def test_a_damaged_line_that_names_another_user_stays_out_of_an_export(
+    tmp_path: Path,
+) -> None:
+    # What can be read of a line still rules it out: bob's line with a text seq is not marked
+    # in alice's export (or looked up as her entry), only where it may belong.
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    await store.close()
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].replace(b'"seq":1', b'"seq":"one"', 1)
+    path.write_bytes(b"".join(lines))
+    damaged = JsonlAuditStore(path)
+    assert (await damaged.query(user_id="alice")).damaged == []
+    assert (await damaged.entry("alice", 1)) is not None
+    assert [(p.user_id, p.seq) for p in (await damaged.query(user_id="bob")).damaged] == [
+        ("bob", None)
+    ]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "loomflow",
+            "audit",
+            "--audit-url",
+            f"jsonl:///{path}",
+            "query",
+            "--user",
+            "alice",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "damaged" not in json.loads(done.stdout)
     await damaged.close()
