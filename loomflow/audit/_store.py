@@ -69,6 +69,7 @@ __all__ = [
     "RetentionReport",
     "VerifyReport",
     "damaged_row",
+    "export_line",
 ]
 
 
@@ -209,12 +210,14 @@ class AuditPage:
     ``unreadable`` problem ``verify`` reports for it (its user and seq as far as they can be
     read, its row id as ``position``). They are not in ``entries``, so a page holding one is
     not the whole answer; an entry whose payload alone is damaged is in ``entries``, marked
-    (:attr:`AuditEntry.unreadable`).
+    (:attr:`AuditEntry.unreadable`). ``rows``: both, in storage order, as :meth:`AuditStore.query`
+    read them (empty on a page built otherwise).
     """
 
     entries: list[AuditEntry]
     next_cursor: str | None
     damaged: list[ChainProblem] = field(default_factory=list)
+    rows: list[AuditEntry | ChainProblem] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,7 +477,7 @@ class AuditStore(abc.ABC):
         more = len(rows) == limit and last is not None
         entries = [row for row in rows if isinstance(row, AuditEntry)]
         damaged = [row for row in rows if isinstance(row, ChainProblem)]
-        return AuditPage(entries, str(last) if more else None, damaged)
+        return AuditPage(entries, str(last) if more else None, damaged, list(rows))
 
     async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
         """The entry ``seq`` of the user's trail (``None``: no entry has it), looked up by
@@ -627,11 +630,9 @@ class AuditStore(abc.ABC):
         written = 0
         async for page in self._pages(**filters):
             for row in page:
-                if isinstance(row, ChainProblem):
-                    buffer.write(json_line(damaged_row(row)))
-                else:
+                buffer.write(export_line(row))
+                if isinstance(row, AuditEntry):
                     written += 1
-                    buffer.write(row.to_line())
                     if row.unreadable is not None:
                         row = ChainProblem(row.user_id, "unreadable", row.seq, None, row.unreadable)
                 if on_damaged is not None and isinstance(row, ChainProblem):
@@ -1684,6 +1685,12 @@ def damaged_row(problem: ChainProblem) -> dict[str, Any]:
         "user_id": problem.user_id,
         "seq": problem.seq,
     }
+
+
+def export_line(row: AuditEntry | ChainProblem) -> str:
+    """A row's line in an export (no newline): the entry, or for a row that reads as no
+    entry, its marker (:func:`damaged_row`)."""
+    return json_line(damaged_row(row)) if isinstance(row, ChainProblem) else row.to_line()
 
 
 def _batch(records: AuditRecord | Iterable[AuditRecord]) -> list[AuditRecord]:

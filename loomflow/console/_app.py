@@ -45,6 +45,7 @@ from .._ids import MAX_ID_BYTES, check_id, check_key
 from .._printable import printable, shown_id
 from .._timefmt import UNREADABLE_TIME, iso_time, parse_when
 from ..audit import ANY_USER, AuditPage
+from ..audit._store import export_line
 from ..errors import (
     AuditIntegrityError,
     InvalidArgumentError,
@@ -534,11 +535,14 @@ def create_app(
         }
         if unreadable:
             api["unreadable"] = unreadable
+        if page_.damaged:  # only then, as `audit query --json` adds it: the rows not listed
+            api["damaged"] = [p.to_json() for p in page_.damaged]
         context = {
             "user_id": user_id,
             "filters": where,
             "form": {k: q.get(k, "") for k in ("since", "until", "session", "action")},
             "entries": page_.entries,
+            "damaged": page_.damaged,
             "limit": limit,
             "sizes": sorted({*_PAGE_SIZES, limit}),
             "next_url": next_url,
@@ -657,13 +661,14 @@ def create_app(
         lines: AsyncIterator[str]
         if limit is not None:
             shown = await data.export_page(user_id, where, limit=limit, cursor=cursor)
-            page_lines = "".join(e.to_line() + "\n" for e in shown.entries)
+            page_lines = "".join(export_line(row) + "\n" for row in shown.rows)
             after = min((e.seq for e in shown.entries), default=1) - 1
             lines = _once(data.export_header(user_id, where, after) + page_lines)
         else:
             # Streamed a page at a time: a long trail is never held in memory whole. The first
-            # chunk is read before the answer starts, so a malformed row among its entries is
-            # a 400 naming it, not a download cut off after a 200.
+            # chunk is read before the answer starts, so a store that cannot be read is an
+            # error page, not a download cut off after a 200. A row that reads as no entry is
+            # marked in its place, as `loomflow audit export` marks it.
             rest = data.export_lines(user_id, where)
             lines = _then(await anext(rest), rest)
         return StreamingResponse(

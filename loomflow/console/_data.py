@@ -26,9 +26,9 @@ from typing import Any
 
 from .._timefmt import iso_time
 from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
-from ..audit._store import AuditFilter
+from ..audit._store import AuditFilter, export_line
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
-from ..errors import AuditIntegrityError, JournalError, LoomflowError, UserError
+from ..errors import JournalError, LoomflowError, UserError
 from ..redaction import Redactor
 from ..runtime import EntryInfo, SessionInfo
 from ..stores import Stores
@@ -444,23 +444,19 @@ class ConsoleData:
     ) -> AuditPage:
         """One page of the user's trail, as shown (redacted; see :meth:`shown`)."""
         page = await self.export_page(user_id, where, limit=limit, cursor=cursor)
-        return AuditPage([self.shown(e) for e in page.entries], page.next_cursor)
+        return AuditPage([self.shown(e) for e in page.entries], page.next_cursor, page.damaged)
 
     async def export_page(
         self, user_id: str | None, where: TrailFilter, *, limit: int, cursor: str | None
     ) -> AuditPage:
         """One page of the user's trail as stored, unredacted: for the admin export only.
 
-        Raises:
-            AuditIntegrityError: a row of the page reads as no entry; the console shows why
-                (and the chain's verification) rather than a page with a row left out.
+        A row that reads as no entry is in the page's ``damaged`` (and in its place in
+        ``rows``), as ``loomflow audit query`` lists it: the rest of the page is still shown.
         """
-        page = await self.stores.audit.query(
+        return await self.stores.audit.query(
             user_id=user_id, **where.as_kwargs(), limit=limit, cursor=cursor
         )
-        if page.damaged:
-            raise AuditIntegrityError(page.damaged[0].detail)
-        return page
 
     async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
         """The user's entry ``seq``, as shown (looked up by its seq: the trail is not read
@@ -484,10 +480,11 @@ class ConsoleData:
 
     async def export_lines(self, user_id: str | None, where: TrailFilter) -> AsyncIterator[str]:
         """The selected entries as the lines of ``loomflow audit export`` (as stored,
-        unredacted: the admin export), one page at a time, after the export's header."""
+        unredacted: the admin export), one page at a time, after the export's header; a row
+        that reads as no entry is marked in its place, as that export marks it."""
         lines: list[str] = [self.export_header(user_id, where)]
-        async for entry in self.stores.audit.entries(user_id=user_id, **where.as_kwargs()):
-            lines.append(entry.to_line() + "\n")
+        async for row in self.stores.audit.rows(user_id=user_id, **where.as_kwargs()):
+            lines.append(export_line(row) + "\n")
             if len(lines) == _EXPORT_CHUNK:
                 yield "".join(lines)
                 lines = []

@@ -1176,43 +1176,71 @@ def test_a_users_first_row_damaged_is_not_called_a_trail_with_no_entries(tmp_pat
         assert "seq is 'one', not a whole number" in eve["problem"]
 
 
-def test_an_export_over_a_malformed_row_is_a_400_not_a_download_cut_off(tmp_path: Path) -> None:
-    # The export streamed: a row with text in its seq broke it after the 200 went out, and
-    # the admin got a download the connection cut off, with no word of why.
+def test_an_export_over_a_malformed_row_marks_it_in_place_as_the_cli_does(
+    tmp_path: Path,
+) -> None:
+    # The admin export refused a trail (and a page of it) holding one row with text in its
+    # seq: a 400, nothing downloaded, where `loomflow audit export` writes the readable
+    # entries and marks the row in its place. The console now hands out the same lines.
     settings = _eve_with_a_text_seq(tmp_path)
+    export = ["audit", "export", "--user", "eve", "--no-progress"]
+    cli = subprocess.run(
+        [sys.executable, "-m", "loomflow.cli", "--url", settings.runtime_url, *export],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert cli.returncode == 3, cli.stderr
     with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
-        got = http.get("/api/export", params={"user": "eve"})
-        assert got.status_code == 400
-        assert "seq is 'two', not a whole number" in got.json()["error"]
-        page = http.get("/export", params={"user": "eve"})
-        assert page.status_code == 400
-        assert "not a whole number" in page.text
+        for path in ("/api/export", "/export"):
+            got = http.get(path, params={"user": "eve"})
+            assert got.status_code == 200, got.text[:300]
+            assert got.text == cli.stdout  # the marker too, byte for byte
+        lines = [json.loads(line) for line in cli.stdout.splitlines()[1:]]
+        assert [(line.get("seq"), "hash" in line, line.get("row")) for line in lines] == [
+            (1, True, None),
+            (None, False, 2),
+            (3, True, None),
+        ]
+        assert "seq is 'two', not a whole number" in lines[1]["unreadable"]
+        page = http.get("/api/export", params={"user": "eve", "limit": 10})
+        assert page.status_code == 200, page.text[:300]
+        assert page.text.splitlines()[1:] == cli.stdout.splitlines()[1:]
+        report = verify_lines(page.text.splitlines(), user_id="eve")
+        assert "unreadable" in {p.kind for p in report.problems}
+        # The heads still say what verify says of the chain.
+        assert http.get("/api/export/heads", params={"user": "eve"}).json()["ok"] is False
 
 
-def test_a_trail_with_a_malformed_row_can_still_be_verified_on_its_page(tmp_path: Path) -> None:
-    # "Verify this chain" on a trail holding a hand-edited row answered 400 (the page's
-    # entries could not be read), where `loomflow audit verify --user` reports the row as
-    # unreadable, with its place: the verification asked for was never shown.
+def test_a_trail_with_a_malformed_row_lists_the_rest_and_names_it(tmp_path: Path) -> None:
+    # A trail holding a hand-edited row answered 400 (the page's entries could not be read)
+    # unless its verification was asked for, where `loomflow audit query` lists the readable
+    # entries and names the row. The page now lists them and warns of the row; the JSON
+    # names it in "damaged", as the CLI's --json does.
     settings = _eve_with_a_text_seq(tmp_path)
     with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
-        got = http.get("/api/users/eve", params={"verify": 1})
-        assert got.status_code == 200, got.text[:300]
-        body = got.json()
+        for params in ({}, {"verify": 1}):
+            got = http.get("/api/users/eve", params=params)
+            assert got.status_code == 200, got.text[:300]
+            body = got.json()
+            assert [e["seq"] for e in body["entries"]] == [1, 3]
+            assert [(d["kind"], d["seq"], d["position"]) for d in body["damaged"]] == [
+                ("unreadable", None, 2)
+            ]
+            assert "seq is 'two', not a whole number" in body["damaged"][0]["detail"]
+            page = http.get("/users/eve", params=params)
+            assert page.status_code == 200
+            assert 'id="damaged"' in page.text
+            assert "row 2, entry ?" in page.text
+            assert 'id="entries"' in page.text
         assert body["verify"]["ok"] is False
         assert ("unreadable", None) in [(p["kind"], p["seq"]) for p in body["verify"]["problems"]]
-        assert body["entries"] is None  # not [], which would read as an empty trail
-        assert "seq is 'two', not a whole number" in body["unreadable"]
-        page = http.get("/users/eve", params={"verify": 1})
-        assert page.status_code == 200
         assert "Chain verification FAILED" in page.text
-        assert 'id="unreadable"' in page.text
-        # Without verify=1 the entries are still a 400, and the page offers the verification.
-        assert http.get("/api/users/eve").status_code == 400
-        plain = http.get("/users/eve")
-        assert plain.status_code == 400
-        assert "not a whole number" in plain.text
-        assert 'id="verify"' in plain.text
-        assert 'id="entries"' not in plain.text
+        # An intact trail's answer is as it was: no "damaged" key, no warning.
+        mine = http.get("/api/users/console:console-token").json()
+        assert "damaged" not in mine
+        assert 'id="damaged"' not in http.get("/users/console:console-token").text
 
 
 def test_an_entry_is_looked_up_by_its_seq_not_found_by_walking_the_trail(
