@@ -405,3 +405,23 @@ async def test_a_damaged_line_that_names_another_user_stays_out_of_an_export(
     assert done.returncode == 0, done.stderr
     assert "damaged" not in json.loads(done.stdout)
     await damaged.close()
+
+
+async def test_a_hold_line_cut_short_is_not_read_as_no_hold(tmp_path: Path) -> None:
+    # Reading the holds passed over a line that is no entry: bob's hold, its line cut short
+    # by hand, read as no hold, and what checks it (a forget of his checkpoints, a journal
+    # prune, retention) went ahead. Such a line may be a hold: the check now says so.
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    await store.place_hold("bob", reason="litigation")
+    await store.close()
+    raw = path.read_bytes().splitlines(keepends=True)
+    assert json.loads(raw[-1])["action"] == "legal_hold.placed"
+    raw[-1] = raw[-1][:60] + b"\n"
+    path.write_bytes(b"".join(raw))
+    damaged = JsonlAuditStore(path)
+    with pytest.raises(AuditIntegrityError, match="is not an entry"):
+        await damaged.check_not_held("bob")
+    with pytest.raises(AuditIntegrityError, match="is not an entry"):
+        await damaged.legal_holds()
+    await damaged.close()
