@@ -488,9 +488,8 @@ class JournalRuntime:
             OwnershipLostError: another owner took the run over (``RunCancelledError``: it
                 was cancelled); nothing was written.
         """
-        from ..memory import Memory  # here: memory imports the runtime package
-
-        store = memory.store if isinstance(memory, Memory) else memory
+        # A Memory's store, looked up by name: the memory package sits above the runtime.
+        store = getattr(memory, "store", memory)
         return await self._fenced_write(
             store,
             lambda token: (

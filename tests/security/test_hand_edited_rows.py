@@ -718,7 +718,8 @@ async def test_a_malformed_dead_reservation_does_not_fail_every_model_call(
         await asyncio.to_thread(
             sqlite_exec,
             path,
-            "INSERT INTO loom_budget_reservations VALUES "
+            "INSERT INTO loom_budget_reservations (id, owner, buckets, tokens_in, tokens_out, "
+            "cost_nanousd, on_expiry, created_at, expires_at) VALUES "
             f"('crafted', 'someone', '{buckets}', 1, 1, 1, 'charge', 0, 0)",
         )
         # A new worker reclaims expired holds before its first reservation.
