@@ -42,7 +42,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._ids import MAX_ID_BYTES, check_id, check_key
-from .._printable import printable, shown_id
+from .._printable import escaped_controls, escaped_surrogates, printable, shown_id
 from .._timefmt import UNREADABLE_TIME, iso_time, parse_when
 from ..audit import ANY_USER, AuditPage
 from ..audit._store import export_line
@@ -71,6 +71,21 @@ _CSP = (
 # the usual sizes, and the one asked for when it is another.
 _PAGE_MIN, _PAGE_MAX = 10, 500
 _PAGE_SIZES = (10, 25, 50, 100, 500)
+
+
+class _JSON(JSONResponse):
+    """A JSON answer that any UTF-8 reader, and a terminal it is printed on, takes as it is.
+
+    Text read back from a hand-edited row may hold bytes that are not UTF-8 (read as lone
+    surrogates, which the encoder cannot spell: a 500 for the whole answer), or DEL, a C1
+    control, a bidirectional override or a zero-width space, which JSON may carry raw and a
+    terminal would act on. Each is written as its ``\\u`` escape, as the CLI's ``--json``
+    writes it: a JSON reader still reads back the value as stored.
+    """
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return escaped_controls(escaped_surrogates(text)).encode("utf-8")
 
 
 class _Refused(Exception):
@@ -105,7 +120,7 @@ class _RefuseControlCharacters:
         headers = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"}
         response: Response
         if scope["path"].startswith("/api/"):
-            response = JSONResponse({"error": message}, 400, headers=headers)
+            response = _JSON({"error": message}, 400, headers=headers)
         else:
             response = PlainTextResponse(message, 400, headers=headers)
         await response(scope, receive, send)
@@ -344,7 +359,7 @@ def create_app(
         return None
 
     def unauthorized() -> Response:
-        return JSONResponse(
+        return _JSON(
             {"error": "sign in: send Authorization: Bearer <token>"},
             401,
             headers={"WWW-Authenticate": "Bearer"} | _headers(),
@@ -407,7 +422,7 @@ def create_app(
                     return result
                 context = result
                 if api:
-                    return JSONResponse(_jsonable(context.get("api", context)), headers=_headers())
+                    return _JSON(_jsonable(context.get("api", context)), headers=_headers())
                 return render(template, request, who, **context)
 
             return endpoint
@@ -418,7 +433,7 @@ def create_app(
         request: Request, who: Principal | None, status: int, message: str, api: bool
     ) -> Response:
         if api:
-            return JSONResponse({"error": message}, status, headers=_headers())
+            return _JSON({"error": message}, status, headers=_headers())
         response = render("error.html", request, who, status=status, message=message)
         response.status_code = status
         return response
@@ -683,7 +698,7 @@ def create_app(
         await data.record(who, "export heads", viewed=user_id)
         report = await data.verify(user_id)
         # A `loomflow audit verify --json` report: `verify --file x.jsonl --heads this` reads it.
-        return JSONResponse(
+        return _JSON(
             report.to_json(),
             headers=_headers() | {"Content-Disposition": 'attachment; filename="heads.json"'},
         )
@@ -691,7 +706,7 @@ def create_app(
     # -- sign-in and health ---------------------------------------------------------------
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True})
+        return _JSON({"ok": True})
 
     async def signin(request: Request) -> Response:
         target = request.query_params.get("next", "/users")
@@ -788,7 +803,7 @@ def create_app(
                 if failed is not None:
                     await data.signin_failed(failed, client_of(request))
                 return unauthorized()
-            return JSONResponse({"error": exc.detail}, exc.status_code, headers=headers)
+            return _JSON({"error": exc.detail}, exc.status_code, headers=headers)
         return PlainTextResponse(exc.detail, exc.status_code, headers=headers)
 
     app = Starlette(

@@ -2117,3 +2117,57 @@ def test_a_value_no_id_can_hold_is_refused_before_it_is_recorded(
         assert written == [], [(e["action"], len(json.dumps(e["payload"]))) for e in written]
     with console.client(ADMIN) as http:  # a search as long as an id still runs
         assert http.get("/api/users", params={"q": "x" * 256}).json()["users"] == []
+
+
+# What whoever edits the database by hand may put in a row: markup, a terminal escape, the
+# characters that reorder or hide text, and DEL and a C1 control (which JSON may carry raw).
+CRAFTED = '<script>alert(1)</script>"><img src=x onerror=alert(1)>\x1b[31m\u202e\u200b\x85\x7f'
+_RAW = ("\x1b", "\u202e", "\u200b", "\x85", "\x7f")
+
+
+def _eve_edited(folder: Path, *edits: tuple[str, tuple[Any, ...]]) -> Settings:
+    """Settings over an audit log of eve's 3 entries (in run r1), then ``edits`` by hand."""
+    records = [AuditRecord(user_id="eve", run_id="r1", actor="t", action="x")] * 3
+    path = _audit_db(folder, records)
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        for sql, args in edits:
+            db.execute(sql, args)
+    return Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+
+
+def test_the_json_of_a_crafted_row_is_utf8_with_no_raw_control_characters(
+    tmp_path: Path,
+) -> None:
+    # A session id holding bytes that are not UTF-8 (SQLite keeps them in a text column) made
+    # /api/users/eve, /api/entry, /api/run, /api/verify and the heads a 500: the encoder
+    # cannot spell the lone surrogates they are read as. And DEL, C1 controls and the
+    # characters that reorder or hide text went out raw, where the CLI's --json escapes them.
+    settings = _eve_edited(
+        tmp_path,
+        ("UPDATE loom_audit SET session_id = CAST(X'ff3c623e' AS TEXT) WHERE seq = 2", ()),
+        ("UPDATE loom_audit SET actor = ? WHERE seq = 3", (CRAFTED,)),
+        ("UPDATE loom_audit SET user_id = CAST(X'fe' AS TEXT) WHERE seq = 1", ()),
+    )
+    routes = [
+        ("/api/users/eve", {}),
+        ("/api/users/eve", {"verify": 1}),
+        ("/api/entry", {"user": "eve", "seq": 2}),
+        ("/api/entry", {"user": "eve", "seq": 3}),
+        ("/api/run", {"user": "eve", "run": "r1"}),
+        ("/api/verify", {}),
+        ("/api/export/heads", {"user": "eve"}),
+    ]
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        for route, params in routes:
+            got = http.get(route, params=params)
+            assert got.status_code == 200, (route, got.status_code, got.text[:200])
+            text = got.content.decode("utf-8")  # strictly
+            assert not any(raw in text for raw in _RAW), route
+            json.loads(text)
+        # Escaped as JSON, the values read back as stored.
+        entry = http.get("/api/entry", params={"user": "eve", "seq": 3}).json()
+        assert entry["actor"] == CRAFTED
+        assert http.get("/api/entry", params={"user": "eve", "seq": 2}).json()["session_id"] == (
+            "\udcff<b>"
+        )
