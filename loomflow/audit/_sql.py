@@ -453,7 +453,9 @@ def _entry(row: Sequence[Any]) -> tuple[ChainProblem | None, AuditEntry]:
         # A row edited by hand (SQLite keeps any type in any column): a clear error for
         # query, export and verify alike, instead of a traceback.
         # A user column that is not text names nobody: the message does not make it a user.
-        of = f" of user {row[1]!r}" if row[1] is None or isinstance(row[1], str) else ""
+        # Values quoted cut (``shown``): a crafted one may be any size, and the reason is shown
+        # on pages, in exports' markers and verify reports.
+        of = f" of user {shown(row[1])}" if row[1] is None or isinstance(row[1], str) else ""
         raise AuditIntegrityError(f"audit entry {row[0]!r}{of} is malformed: {exc}") from exc
 
 
@@ -480,7 +482,7 @@ def _whole(value: Any, column: str) -> int:
     """A number column as stored: SQLite keeps 12.5 or 'two' in an INTEGER column, and int()
     would read 12.5 as 12, an entry its writer never hashed."""
     if type(value) is not int:
-        raise ValueError(f"{column} is {value!r}, not a whole number")
+        raise ValueError(f"{column} is {shown(value)}, not a whole number")
     return value
 
 

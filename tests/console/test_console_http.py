@@ -2171,3 +2171,38 @@ def test_the_json_of_a_crafted_row_is_utf8_with_no_raw_control_characters(
         assert http.get("/api/entry", params={"user": "eve", "seq": 2}).json()["session_id"] == (
             "\udcff<b>"
         )
+
+
+def test_a_huge_crafted_value_is_cut_in_the_damaged_rows_warning(tmp_path: Path) -> None:
+    # A seq edited into 100 KB of markup was quoted whole in the reason the trail's warning,
+    # its "damaged" list, the verification, the export's marker and the run's refusal give:
+    # a page of 200 KB, and a crafted user column the same.
+    huge = CRAFTED + "A" * 100_000
+    settings = _eve_edited(
+        tmp_path,
+        ("UPDATE loom_audit SET seq = ? WHERE seq = 2", (huge,)),
+        ("UPDATE loom_audit SET seq = 'x', user_id = ? WHERE seq = 3", (huge,)),
+    )
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        body = http.get("/api/users/eve", params={"verify": 1}).json()
+        details = [d["detail"] for d in body["damaged"]]
+        details += [p["detail"] for p in body["verify"]["problems"]]
+        assert len(details) >= 4
+        assert all(len(d) < 1000 for d in details), [len(d) for d in details]
+        assert "seq is '<script>alert(1)</script>" in details[0]  # what it holds, cut
+        for params in ({}, {"verify": 1}):
+            page = http.get("/users/eve", params=params)
+            assert page.status_code == 200
+            assert len(page.text) < 20_000
+            assert "<script>" not in page.text
+            assert "<img" not in page.text
+            assert not any(raw in page.text for raw in _RAW)
+        assert len(http.get("/api/run", params={"user": "eve", "run": "r1"}).text) < 1000
+        marked = [
+            json.loads(line)
+            for line in http.get("/api/export", params={"user": "eve"}).text.splitlines()[1:]
+        ]
+        assert [len(line["unreadable"]) < 1000 for line in marked if "hash" not in line] == [
+            True,
+            True,
+        ]
