@@ -42,7 +42,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._ids import MAX_ID_BYTES, check_id, check_key
-from .._printable import escaped_controls, escaped_surrogates, printable, shown_id
+from .._printable import escaped_controls, escaped_surrogates, is_unicode, printable, shown_id
 from .._timefmt import UNREADABLE_TIME, iso_time, parse_when
 from ..audit import ANY_USER, AuditPage
 from ..audit._store import export_line
@@ -201,6 +201,13 @@ def user_url(user_id: str | None) -> str:
     return "/users/" + quote(user_id, safe="")
 
 
+def _trail_link(user_id: str | None) -> str | None:
+    """The trail page of a user id read from a store, or ``None`` for one that is not UTF-8
+    (bytes a hand-edited SQLite row holds): no address can name it (the console refuses one
+    that percent-encodes such bytes), and it cannot even be percent-encoded."""
+    return user_url(user_id) if user_id is None or is_unicode(user_id) else None
+
+
 _CROSS_SITE = "This form was sent from another site's page; sign in from the console itself."
 _LOADED_ELSEWHERE = (
     "This address was loaded by another site's page, not opened in the console: open it "
@@ -273,6 +280,7 @@ def _env() -> Environment:
         autoescape=select_autoescape(default=True, default_for_string=True),
     )
     env.filters["user_url"] = user_url
+    env.filters["trail_link"] = _trail_link
     env.globals["query_url"] = _query_url
     env.filters["shown"] = printable
     env.filters["id"] = shown_id

@@ -2206,3 +2206,27 @@ def test_a_huge_crafted_value_is_cut_in_the_damaged_rows_warning(tmp_path: Path)
             True,
             True,
         ]
+
+
+def test_runs_by_state_lists_a_run_whose_user_is_no_utf8_text(tmp_path: Path) -> None:
+    # A journal row whose user column holds bytes that are not UTF-8 made the whole runs page
+    # a 500 (the link to the user's trail could not be percent-encoded), while the CLI's
+    # `runs list` lists the run as unreadable. The page now lists it, unlinked: no trail can
+    # be asked for under such an id.
+    path = tmp_path / "journal.db"
+    settings = _bobs_runs(path, "s-bob", "s-other")
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "UPDATE loom_sessions SET user_id = CAST(X'ff3c623e' AS TEXT) "
+            "WHERE session_id = 's-other'"
+        )
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        page = http.get("/runs")
+        assert page.status_code == 200, page.text[:300]
+        assert "&#39;\\udcff&lt;b&gt;&#39;" in page.text  # escaped and quoted, as ids are
+        assert page.text.count('href="/users/bob"') == 1
+        runs = http.get("/api/runs").json()["runs"]
+        assert sorted((r["user_id"], r["state"]) for r in runs) == [
+            ("bob", "finished"),
+            ("\udcff<b>", "unreadable"),
+        ]
