@@ -274,6 +274,27 @@ def _ts(seconds: float) -> str:
         return UNREADABLE_TIME
 
 
+# The longest text a page shows for one value, as the CLI's widest table cell: every id fits
+# whole (256 UTF-8 bytes are at most 768 characters escaped); a longer value read back from a
+# store (a hand-edited row) is cut, or one would make every page it is on megabytes. The JSON
+# has it whole.
+_SHOWN_LIMIT = 1000
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _SHOWN_LIMIT else text[: _SHOWN_LIMIT - 1] + "\u2026"
+
+
+def _shown(value: Any) -> str:
+    """A value as a page shows it: non-printable characters as escapes, cut."""
+    return _cut(printable(value))
+
+
+def _shown_id(value: str | None) -> str:
+    """An id as a page shows it (quoted when it would read as another), cut."""
+    return _cut(shown_id(value))
+
+
 def _env() -> Environment:
     env = Environment(
         loader=FileSystemLoader(Path(__file__).parent / "templates"),
@@ -282,8 +303,8 @@ def _env() -> Environment:
     env.filters["user_url"] = user_url
     env.filters["trail_link"] = _trail_link
     env.globals["query_url"] = _query_url
-    env.filters["shown"] = printable
-    env.filters["id"] = shown_id
+    env.filters["shown"] = _shown
+    env.filters["id"] = _shown_id
     env.filters["pretty"] = _pretty
     env.filters["when"] = _when
     env.filters["ts"] = _ts

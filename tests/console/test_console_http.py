@@ -2230,3 +2230,40 @@ def test_runs_by_state_lists_a_run_whose_user_is_no_utf8_text(tmp_path: Path) ->
             ("bob", "finished"),
             ("\udcff<b>", "unreadable"),
         ]
+
+
+def test_a_huge_value_read_back_from_a_store_is_cut_on_the_page(tmp_path: Path) -> None:
+    # A session id, an owner or a journal step name edited into 100 KB was shown whole, on
+    # every row of the runs page and the run's story (400 KB for one step), where the CLI's
+    # tables cut a cell at 1,000 characters. The JSON still has the value as stored.
+    path = tmp_path / "journal.db"
+    settings = _bobs_runs(path, "s-bob")
+    huge = CRAFTED + "A" * 100_000
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE loom_sessions SET owner = ?", (huge,))
+        db.execute("UPDATE loom_entries SET name = ?", (huge,))
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("UPDATE loom_audit SET actor = ?", (huge,))
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        [run] = http.get("/api/runs").json()["runs"]
+        assert run["owner"] == huge
+        story = http.get("/api/run", params={"user": "bob", "run": _run_of(http, "bob")}).json()
+        pages = {
+            "runs": http.get("/runs").text,
+            "run": http.get("/run", params={"user": "bob", "run": story["run_id"]}).text,
+            "trail": http.get("/users/bob").text,
+            "entry": http.get("/entry", params={"user": "bob", "seq": 1}).text,
+        }
+        for name, page in pages.items():
+            assert len(page) < 40_000, (name, len(page))
+            assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page, name
+            assert "<script>" not in page
+            assert "A" * 900 + "…" in page, name  # cut at 1,000 characters, escapes and all
+            assert "A" * 1000 not in page, name
+
+
+def _run_of(http: httpx.Client, user: str) -> str:
+    [entry] = [
+        e for e in http.get(f"/api/users/{user}").json()["entries"] if e["action"] == "run.end"
+    ]
+    return str(entry["run_id"])
