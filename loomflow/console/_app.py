@@ -302,6 +302,7 @@ def _env() -> Environment:
     )
     env.filters["user_url"] = user_url
     env.filters["trail_link"] = _trail_link
+    env.tests["unicode"] = is_unicode  # a run id a link can carry (see _trail_link)
     env.globals["query_url"] = _query_url
     env.filters["shown"] = _shown
     env.filters["id"] = _shown_id
@@ -628,7 +629,8 @@ def create_app(
         if found is None:
             raise _Refused(404, f"no entry {seq} in this user's trail")
         run_url = None
-        if found.run_id is not None:
+        # A run id that is not UTF-8 (a hand-edited row) is no address: shown, not linked.
+        if found.run_id is not None and is_unicode(found.run_id):
             run_url = _query_url("/run", user_id, run=found.run_id)
         return {
             "user_id": user_id,

@@ -2267,3 +2267,26 @@ def _run_of(http: httpx.Client, user: str) -> str:
         e for e in http.get(f"/api/users/{user}").json()["entries"] if e["action"] == "run.end"
     ]
     return str(entry["run_id"])
+
+
+def test_an_entry_whose_run_id_is_no_utf8_text_is_shown_unlinked(tmp_path: Path) -> None:
+    # A run id edited into bytes that are not UTF-8 made the trail page, the entry and its
+    # JSON a 500: the link to the run's story cannot be percent-encoded. Now the run id is
+    # shown escaped, with no link (no address can name it: the console refuses one that
+    # percent-encodes such bytes).
+    settings = _eve_edited(
+        tmp_path, ("UPDATE loom_audit SET run_id = CAST(X'ff3c623e' AS TEXT) WHERE seq = 2", ())
+    )
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        for params in ({}, {"verify": 1}):
+            trail = http.get("/users/eve", params=params)
+            assert trail.status_code == 200, trail.text[:200]
+            assert "\\udcff&lt;b&gt;" in trail.text
+            assert trail.text.count('class="run"') == 2  # entries 1 and 3
+        entry = http.get("/entry", params={"user": "eve", "seq": 2})
+        assert entry.status_code == 200, entry.text[:200]
+        assert 'id="run"' not in entry.text
+        assert "\\udcff&lt;b&gt;" in entry.text
+        got = http.get("/api/entry", params={"user": "eve", "seq": 2})
+        assert got.status_code == 200, got.text[:200]
+        assert got.json()["run_id"] == "\udcff<b>"
