@@ -67,7 +67,7 @@ from ..memory import InMemoryMemory, Memory, memory_for
 from ..messages import Message, ModelSettings, ToolSpec
 from ..models import Model, resolve_model
 from ..models.pricing import ModelPrice
-from ..redaction import Redactor
+from ..redaction import Redactor, install_log_redaction
 from ..runtime import OpenRun, RunRecord, Runtime, codec
 from ..runtime._journal import JournalRun, JournalRuntime, run_in_context
 from ..runtime._names import tool_step_name as tool_step_name  # re-exported for the CLI
@@ -393,6 +393,9 @@ class Agent:
         self._redactor = (
             audit.redactor if isinstance(audit, RedactingAudit) else Redactor.from_settings()
         )
+        # loomflow's log records (a failing tool's message and traceback) are scrubbed as its
+        # spans are, audit log or not; only an AuditLog installed this before.
+        install_log_redaction(self._redactor)
         if self._memory_default and self.memory is not None:
             # Facts and blocks written to it lose their secrets as the episodes do.
             self.memory.redactor = self._redactor
