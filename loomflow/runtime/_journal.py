@@ -680,7 +680,7 @@ class JournalRuntime:
                 if not released:
                     run.lost = True
                     why = "being cancelled" if run.cancelled else "losing its turn"
-                    log.warning("run on %s ended after %s", scope.key, why)
+                    log.warning("run on %s ended after %s", scope.shown, why)
             if finished and not released:
                 await _lease.fenced_out(self._store, run)
                 if run.cancelled:
@@ -853,7 +853,7 @@ class JournalRuntime:
             except (SessionBusyError, OwnershipLostError) as exc:
                 log.warning(
                     "run on %s replayed to its end, but its end could not be recorded: %s",
-                    run.scope.key,
+                    run.scope.shown,
                     exc,
                 )
         async with run.taking:
@@ -1522,7 +1522,7 @@ class JournalRuntime:
             try:  # fenced by the claim's token: a no-op once a run took the turn over
                 await self._store.release(scope, claim.token, None)
             except Exception:
-                log.warning("could not give back the recovery claim on %s", scope.key)
+                log.warning("could not give back the recovery claim on %s", scope.shown)
 
     async def requeue(self, session_id: str | None, user_id: str | None) -> bool:
         """Make an orphan that nobody holds due for recovery at once, and give back the attempt
@@ -1672,9 +1672,9 @@ def _next_seq(rows: list[StoredEntry]) -> int:
 def _where(row: StoredEntry, epoch: int, scope: Scope) -> str:
     """The damaged journal row, named for the error or warning that reports it."""
     if row.damage is None:
-        return f"journal row at position {row.seq} of run {epoch} of {scope.key}"
+        return f"journal row at position {row.seq} of run {epoch} of {scope.shown}"
     name = repr(row.name)[:80]  # any length, any type: a hand-edited row
-    return f"journal row of step {name} at position {row.seq} of {scope.key}"
+    return f"journal row of step {name} at position {row.seq} of {scope.shown}"
 
 
 def _cancelled_resume(scope: Scope) -> RunCancelledError:

@@ -139,9 +139,9 @@ async def claim(
             got = await store.steal(scope, holder[1], owner, lease_seconds)
             if got is not None:
                 if is_this_process(holder[0]):
-                    log.info("took back %s from an earlier run of this process", scope.key)
+                    log.info("took back %s from an earlier run of this process", scope.shown)
                 else:
-                    log.info("took over %s from dead local owner %s", scope.key, holder[0])
+                    log.info("took over %s from dead local owner %r", scope.shown, holder[0])
                 return got, asked
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -202,7 +202,7 @@ async def heartbeat(store: JournalStore, run: LeasedRun, lease_seconds: float) -
             ok = await store.renew(run.scope, run.token, lease_seconds)
         except Exception:  # a blip must not kill the run; the lease has slack
             raise_if_cancelled()  # the run ended while the renewal timed out
-            log.warning("lease renewal failed for %s", run.scope.key, exc_info=True)
+            log.warning("lease renewal failed for %s", run.scope.shown, exc_info=True)
             continue
         if not ok:
             await fenced_out(store, run)
@@ -237,7 +237,7 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
         ok = await store.renew(run.scope, run.token, lease_seconds)
     except Exception:
         if remaining > 0:  # still ours for a while: a blip is not a lost turn
-            log.warning("lease check failed for %s", run.scope.key, exc_info=True)
+            log.warning("lease check failed for %s", run.scope.shown, exc_info=True)
             return
         raise
     if not ok:
@@ -261,7 +261,7 @@ async def fenced_out(store: JournalStore, run: LeasedRun) -> None:
     try:
         run.cancelled = await store.run_status(run.scope) == "cancelled"
     except Exception:  # the run is fenced out either way; the reason is a courtesy
-        log.warning("could not read why %s was fenced out", run.scope.key, exc_info=True)
+        log.warning("could not read why %s was fenced out", run.scope.shown, exc_info=True)
 
 
 async def refused(store: JournalStore, run: LeasedRun, name: str) -> OwnershipLostError:
@@ -278,9 +278,9 @@ async def refused(store: JournalStore, run: LeasedRun, name: str) -> OwnershipLo
 def _log_lost(run: LeasedRun) -> None:
     """Say why a renewal was refused: a cancel is somebody's decision, a takeover a fault."""
     if run.cancelled:
-        log.warning("run on %s was cancelled; it stops at its next step", run.scope.key)
+        log.warning("run on %s was cancelled; it stops at its next step", run.scope.shown)
     else:
-        log.error("run on %s lost its turn to a newer owner", run.scope.key)
+        log.error("run on %s lost its turn to a newer owner", run.scope.shown)
 
 
 def lost_error(run: LeasedRun, message: str) -> OwnershipLostError:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._ids import check_id
-from .._printable import is_unicode
+from .._printable import is_unicode, printable
 from .._progress import OnProgress
 from . import codec
 
@@ -83,6 +83,12 @@ class Scope:
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", _key(self.session_id, self.user_id))
         object.__setattr__(self, "user_key", _key(self.user_id))
+
+    @property
+    def shown(self) -> str:
+        """The key as log lines and error texts name it: a line separator or a bidirectional
+        override is a valid id character, and raw it forges or reorders what a reader sees."""
+        return printable(self.key)
 
 
 def scope_session(key: Any) -> str | None:
