@@ -780,12 +780,23 @@ def _scrub(record: logging.LogRecord) -> None:
     if record.exc_info and record.exc_info[1] is not None:
         # Formatters print exc_text when it is set; the exception object itself (whose
         # message may hold the secret) is dropped from the record.
+        exc = record.exc_info[1]
         record.exc_text = clean("".join(traceback.format_exception(*record.exc_info)).rstrip())
+        # ``Type: message``, scrubbed, for handlers that show no traceback (the CLI's one line).
+        record.exc_line = clean(_exception_line(exc))
         record.exc_info = None
     elif record.exc_text:
         record.exc_text = clean(record.exc_text)
     if record.stack_info:
         record.stack_info = clean(record.stack_info)
+
+
+def _exception_line(exc: BaseException) -> str:
+    try:
+        message = str(exc)
+    except Exception:  # a broken __str__ still leaves the type to name
+        message = ""
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def install_log_redaction(redactor: Redactor) -> None:

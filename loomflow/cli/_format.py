@@ -26,6 +26,7 @@ __all__ = [
     "iso_time",
     "json_text",
     "login",
+    "one_line",
     "port",
     "positive_int",
     "some_path",
@@ -176,7 +177,12 @@ def exception_line(exc: BaseException, limit: int = 500) -> str:
     characters: why something failed, for a log line or a health answer, without the
     traceback (a driver's message may span lines or quote what a database row holds)."""
     message = str(exc)
-    text = printable(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+    return one_line(f"{type(exc).__name__}: {message}" if message else type(exc).__name__, limit)
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """``text`` escaped onto one line and cut to about ``limit`` characters."""
+    text = printable(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -47,6 +47,7 @@ from ._format import (
     id_cell,
     iso_time,
     login,
+    one_line,
     positive_int,
     printable,
     prune_age,
@@ -300,7 +301,11 @@ class _CliLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
         where = "" if origin == "loomflow" else f"{printable(origin)}: "
         line = f"loomflow: {record.levelname.lower()}: {where}{printable(record.getMessage())}"
         exc = record.exc_info[1] if record.exc_info else None
-        return line if exc is None else f"{line}: {exception_line(exc)}"
+        if exc is not None:
+            return f"{line}: {exception_line(exc)}"
+        # A record scrubbed by the log redaction keeps only the exception's line, redacted.
+        scrubbed = getattr(record, "exc_line", None)
+        return f"{line}: {one_line(scrubbed)}" if isinstance(scrubbed, str) else line
 
 
 # Options of some command groups only (``migrate``/``runs cancel``/``audit``/``console`` take

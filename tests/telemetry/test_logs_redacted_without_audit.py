@@ -71,3 +71,33 @@ async def test_a_failing_tools_secret_is_not_logged_by_an_agent_without_an_audit
     # The span of the same call was redacted already: the log now matches it.
     [span] = [s for s in capture.spans if s.name == "execute_tool connect"]
     assert CONFIGURED not in (span.status.description or "")
+
+
+def test_the_cli_log_line_still_names_the_exception_of_a_scrubbed_record() -> None:
+    # Scrubbing drops the exception object from a record (its message may hold the secret)
+    # and keeps the redacted traceback. The CLI's one-line handler read only the object, so
+    # once any agent or audit log had installed the redaction, `loomflow worker` printed
+    # "sweep failed (trying again in 5s)" and no longer said why.
+    import io
+
+    from loomflow.cli.main import _CliLogHandler
+    from loomflow.redaction import Redactor, install_log_redaction
+
+    redactor = Redactor(secrets=[CONFIGURED])
+    install_log_redaction(redactor)
+    out = io.StringIO()
+    handler = _CliLogHandler(out)
+    logger = logging.getLogger("loomflow.recovery")
+    logger.addHandler(handler)
+    try:
+        try:
+            raise ConnectionError(f"journal down, password {CONFIGURED}\nsecond line")
+        except ConnectionError:
+            logger.warning("sweep failed (trying again in %gs)", 5, exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    line = out.getvalue()
+    assert line == (
+        "loomflow: warning: sweep failed (trying again in 5s): "
+        "ConnectionError: journal down, password [REDACTED]\\nsecond line\n"
+    )
