@@ -394,8 +394,10 @@ class Agent:
             audit.redactor if isinstance(audit, RedactingAudit) else Redactor.from_settings()
         )
         # loomflow's log records (a failing tool's message and traceback) are scrubbed as its
-        # spans are, audit log or not; only an AuditLog installed this before.
-        install_log_redaction(self._redactor)
+        # spans are. An audit log decides this itself (AuditLog(redact_logs=...)); without
+        # one, nothing did, and a tool's secret reached the logs raw.
+        if not isinstance(audit, RedactingAudit):
+            install_log_redaction(self._redactor)
         if self._memory_default and self.memory is not None:
             # Facts and blocks written to it lose their secrets as the episodes do.
             self.memory.redactor = self._redactor
