@@ -340,10 +340,10 @@ async def test_a_fact_remembered_over_a_damaged_current_version_supersedes_it(
 async def _record_alices_secrets(memory: Any) -> None:
     """An episode, a fact and a block of alice's, each holding something only she may see."""
     await memory.record_episode(
-        "chat", user_id="alice", key="k", messages=[Message.user("my PIN is 1234")],
+        "chat", user_id="alice", key="k", messages=[Message.user("my PIN is kiwi77")],
         output="noted", epoch=0,
     )  # fmt: skip
-    await memory.remember("alice", "pin", "1234", user_id="alice")
+    await memory.remember("alice", "pin", "kiwi77", user_id="alice")
     await memory.set_block("profile", "alice's secrets", user_id="alice")
 
 
@@ -405,7 +405,7 @@ async def test_rows_moved_under_another_users_key_are_damage_not_that_users_memo
             await memory.block("profile", user_id="bob")
         exported = await memory.export_user("bob")
         flat = json.dumps(exported)
-        assert "1234" not in flat
+        assert "kiwi77" not in flat
         assert "alice's secrets" not in flat
         assert sum("unreadable" in row for kind in ("episodes", "facts", "blocks")
                    for row in exported[kind]) == 3  # fmt: skip
@@ -419,7 +419,7 @@ async def test_rows_moved_under_another_users_key_are_damage_not_that_users_memo
         agent = Agent("sys", model=FunctionModel(model), runtime=runtime, memory=memory)
         await agent.run("first", session_id="chat", user_id="bob")
         await agent.run("what do you know?", session_id="chat", user_id="bob")
-        assert not any("1234" in text for text in sent)
+        assert not any("kiwi77" in text for text in sent)
         # Writing bob's block over the moved row makes it bob's, whole.
         block = await memory.set_block("profile", "bob's notes", user_id="bob")
         assert block.user_id == "bob"
