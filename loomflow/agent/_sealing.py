@@ -3,8 +3,9 @@
 The journal stores each model response so that a resumed run replays it, and a response holds
 the tool calls the model asked for, arguments included. A :class:`Sealer` rewrites the response
 *before* it is journaled: each argument a tool declares ``sensitive`` (and each argument
-holding a secret shape or a configured secret, and each one whose name the redactor hides,
-such as ``db_password``) becomes a placeholder ``[sealed:<hmac>]``, and
+holding a secret shape or a configured secret, each one whose name the redactor hides, such
+as ``db_password``, and each one holding such a name at any depth, as in ``config={"password":
+...}``) becomes a placeholder ``[sealed:<hmac>]``, and
 the real value stays in process memory only, in the sealer of the run. Everything downstream
 (the journal, the tool step's key, the transcript the model sees next, checkpoints, events)
 carries the placeholder; only the tool invocation gets the real value back
@@ -62,6 +63,29 @@ SEALED_RESULT_LOST = (
 
 _PLACEHOLDER = SEALED_ARGUMENT
 _RESULT_PLACEHOLDER = re.compile(r"^\[sealed-result:[0-9a-f]{20}\]$")
+
+
+def _holds_nothing(value: Any) -> bool:
+    return value is None or value == "" or isinstance(value, bool)
+
+
+def _named_secrets(redactor: Redactor, value: Any) -> list[Any]:
+    """The values under keys that :meth:`Redactor.seals_key` seals, at any depth of
+    ``value`` (mappings and lists), leaving out those that hold nothing."""
+    found: list[Any] = []
+    pending = [value]  # a loop, not recursion: a model may nest its arguments deep
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            for key, inner in item.items():
+                if isinstance(key, str) and redactor.seals_key(key):
+                    if not _holds_nothing(inner):
+                        found.append(inner)
+                elif isinstance(inner, Mapping | list | tuple):
+                    pending.append(inner)
+        elif isinstance(item, list | tuple):
+            pending.extend(i for i in item if isinstance(i, Mapping | list | tuple))
+    return found
 
 
 class SealedValueLost(LookupError):
@@ -127,22 +151,26 @@ class Sealer:
         digest = hmac.new(self._key, codec.canonical_bytes([tool, name, value]), hashlib.sha256)
         return f"[sealed:{digest.hexdigest()[:20]}]"
 
-    def _sensitive(self, tool_name: str, name: str, value: Any) -> bool:
+    def _sensitive(self, tool_name: str, name: str, value: Any) -> tuple[bool, Any]:
+        """Whether the argument ``name`` is sealed, and what of it the redactor learns."""
         found = self._tools.get(tool_name)
         if found is not None and name in found.sensitive:
-            return True
-        if self._redactor is None:
-            return False
+            return True, value
+        redactor = self._redactor
+        if redactor is None:
+            return False, None
         # An argument named as a secret (db_password, apiToken) is sealed as the audit log
         # hides it (a doubtful name such as boarding_pass only hidden there); one that holds
         # nothing (None, a flag, "") has nothing to keep out and is left for a resumed run.
-        if (
-            self._redactor.seals_key(name)
-            and value not in (None, "")
-            and not isinstance(value, bool)
-        ):
-            return True
-        return self._redactor.contains_secret(canonical_json(json_safe(value)))
+        if redactor.seals_key(name) and not _holds_nothing(value):
+            return True, value
+        if redactor.contains_secret(canonical_json(json_safe(value))):
+            return True, value
+        # A secret named inside the value (config={"password": ...}) seals all of it: the
+        # tool gets the value whole. Only the secrets are learned, not the host beside them,
+        # which would vanish from every text the model reads.
+        nested = _named_secrets(redactor, value)
+        return bool(nested), nested
 
     def seal_call(self, call: ToolCall) -> ToolCall:
         """``call`` with its sensitive arguments replaced by placeholders."""
@@ -150,12 +178,13 @@ class Sealer:
         for name, value in call.arguments.items():
             if isinstance(value, str) and _PLACEHOLDER.match(value):
                 continue  # already sealed (a replayed response)
-            if self._sensitive(call.name, name, value):
+            sensitive, secret = self._sensitive(call.name, name, value)
+            if sensitive:
                 placeholder = self._placeholder(call.name, name, value)
                 self._vault[placeholder] = value
                 sealed[name] = placeholder
                 if self._redactor is not None:
-                    self._redactor.learn(value)
+                    self._redactor.learn(secret)
         if not sealed:
             return call
         return call.model_copy(update={"arguments": {**call.arguments, **sealed}})
