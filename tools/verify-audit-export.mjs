@@ -312,7 +312,8 @@ const noCanonicalForm = (version, text) =>
 
 const TIME = /^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z$/;
 
-// loomflow's time_us_of_text: exactly YYYY-MM-DDTHH:MM:SS.ffffffZ, a real date, year 1000 on.
+// loomflow's time_us_of_text: exactly YYYY-MM-DDTHH:MM:SS.ffffffZ, a real date, year 1 on (an
+// export made with --since 0001-01-01 says so in its header).
 function checkTime(text) {
   if (typeof text !== 'string' || !text.endsWith('Z')) {
     throw new Error(`bad time ${JSON.stringify(text)}`);
@@ -322,7 +323,7 @@ function checkTime(text) {
   const leap = year % 4 === 0 && (year % 100 !== 0 || year % 400 === 0);
   const days = [31, leap ? 29 : 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][month - 1];
   if (
-    !parts || year < 1000 || days === undefined || day < 1 || day > days ||
+    !parts || year < 1 || days === undefined || day < 1 || day > days ||
     hour > 23 || minute > 59 || second > 59
   ) {
     throw new Error(`time ${JSON.stringify(text)} is not spelled YYYY-MM-DDTHH:MM:SS.ffffffZ`);

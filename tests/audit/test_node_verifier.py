@@ -721,6 +721,15 @@ TAMPERS: dict[str, Any] = {
     ],
     "a header naming a session too long": lambda ls: _said(ls, A, session_id="é" * 129),
     "a header with a since not spelled as exported": lambda ls: _said(ls, A, since="2026-01-01"),
+    # Times before the year 1000 are written with their zeros, and both verifiers read them:
+    # the first is what `audit export --since 0001-01-01` writes.
+    "a header whose since is in the year 1": lambda ls: _said(
+        ls, A, since="0001-01-01T00:00:00.000000Z"
+    ),
+    "an entry of the year 999, re-hashed": lambda ls: _rehashed(
+        ls, A, 3, time="0999-12-31T23:59:59.999999Z"
+    ),
+    "an entry of the year 0": lambda ls: _set(ls, A, 2, time="0000-12-31T23:59:59.999999Z"),
     "starts mid-trail": lambda ls: [
         x for x in ls if json.loads(x)["user_id"] != A or json.loads(x)["seq"] > 2
     ],
