@@ -622,10 +622,19 @@ class JsonlAuditStore(AuditStore):
         # One pass over the file: the default would re-read it from the top for every page.
         return await asyncio.to_thread(scan)
 
-    def _scan(self, only: str | None, size: int) -> list[ScanItem]:
-        """The entries (or unreadable lines) within the first ``size`` bytes."""
+    def _scan(self, only: str | None, size: int, *, tail: bool = False) -> list[ScanItem]:
+        """The entries (or unreadable lines) within the first ``size`` bytes.
+
+        With ``tail`` (under the lock, so no append is half-done), bytes after the last
+        newline are read as a line too: the next append ends them with a newline and keeps
+        them, so ``verify`` must not pass over them before it.
+        """
         items: list[ScanItem] = []
-        for number, (_start, raw) in enumerate(self._line_spans(size), start=1):
+        spans = list(self._line_spans(size))
+        end = spans[-1][0] + len(spans[-1][1]) if spans else 0
+        if tail and end < size:
+            spans.append((end, self._read(end, size)))
+        for number, (_start, raw) in enumerate(spans, start=1):
             try:
                 entry = AuditEntry.from_line(raw)
             except (ValueError, TypeError, RecursionError) as exc:  # Recursion: nested too deep
@@ -664,7 +673,7 @@ class JsonlAuditStore(AuditStore):
         async def items() -> AsyncIterator[ChainItem]:
             # Lines appended after the snapshot are left for the next verify.
             scanned = await asyncio.to_thread(
-                lambda: sorted(self._scan(only, size), key=_chain_order)
+                lambda: sorted(self._scan(only, size, tail=True), key=_chain_order)
             )
             for key, _seq, number, item in scanned:
                 yield key, number, item

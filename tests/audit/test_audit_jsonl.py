@@ -179,6 +179,33 @@ async def test_a_fragment_added_behind_the_store_does_not_glue_to_the_next_line(
     assert report.entries == 7
 
 
+async def test_verify_reports_a_fragment_before_an_append_ends_it(tmp_path: Path) -> None:
+    """Bytes left after the last newline were passed over until the next append ended them
+    with one: verify said OK, then FAILED, with nothing changed in between."""
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    with path.open("a") as fh:
+        fh.write('{"user_id": "alice", "se')
+    report = await store.verify()
+    assert [(p.kind, p.position) for p in report.problems] == [("unreadable", 7)]
+    await store.append(rec("alice"))
+    after = await store.verify()
+    assert [(p.kind, p.position) for p in after.problems] == [("unreadable", 7)]
+
+
+async def test_verify_reads_a_last_entry_that_lost_only_its_newline(tmp_path: Path) -> None:
+    """The next append ends such a line and keeps the entry: verify called it cut off."""
+    path = tmp_path / "audit.jsonl"
+    store = await _two_users(path)
+    path.write_bytes(path.read_bytes()[:-1])
+    report = await store.verify()
+    assert report.ok, report.problems
+    assert report.entries == 6
+    (entry,) = await store.append(rec("bob"))
+    assert entry.seq == 4
+    assert (await store.verify()).ok
+
+
 _CHILD = textwrap.dedent(
     """
     import asyncio, os, resource, signal, sys
