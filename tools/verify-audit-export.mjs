@@ -35,7 +35,8 @@
 // Version 1 entries (written before loomflow 0.21) hash Python's own JSON spelling, which
 // JavaScript cannot rebuild from parsed values (5.0 and 5 both parse to 5): their links are
 // checked, their content is not, and the summary counts them. --require-v2 makes them fail
-// (kind "version_1", which only this verifier reports).
+// (kind "version_1", which only this verifier reports), as is, always, one after an entry of
+// a later version in its trail: relabelled, its edited payload would otherwise pass here.
 
 import { createHash } from 'node:crypto';
 import { createReadStream, openSync, readFileSync } from 'node:fs';
@@ -604,6 +605,7 @@ class ChainCheck {
     this.erased = []; // erased payloads, waiting for an erasure record after them that covers them
     this.records = []; // the erasure records seen (see erasureRecord)
     this.held = false; // whether a legal hold stands at this point of the trail
+    this.newest = null; // the highest hash version met so far in the trail, and where
   }
 
   problem(kind, seq, position, detail) {
@@ -644,6 +646,9 @@ class ChainCheck {
       this.records.push(erasureRecord(seq, entry.payload, this.held));
     }
     if (HOLD_ACTIONS.includes(entry.action)) this.held = entry.action === HOLD_PLACED;
+    if (this.newest === null || entry.hash_version >= this.newest.version) {
+      this.newest = { version: entry.hash_version, seq };
+    }
     if (this.savedAt.has(seq)) {
       for (const [savedSeq, savedHash] of this.saved) {
         if (savedSeq === seq && savedHash !== entry.hash) {
@@ -697,7 +702,15 @@ class ChainCheck {
     if (version === 1) {
       // Python's own spelling: only loomflow's verifier can rebuild it.
       version1 += 1;
-      if (requireV2) {
+      const newer = this.newest !== null && this.newest.version > 1 ? this.newest : null;
+      if (newer !== null) {
+        // loomflow writes version 1 no more, so a later entry of it was most likely relabelled
+        // (its payload edited, its hash kept): that would pass here unseen, whatever the flags.
+        problem(this.userId, 'version_1', entry.seq, position,
+          `entry ${entry.seq} is hash version 1 after entry ${newer.seq} of hash version ` +
+          `${newer.version}: it may have been relabelled so that its content goes unchecked ` +
+          'here; check the export with `loomflow audit verify --file`');
+      } else if (requireV2) {
         problem(this.userId, 'version_1', entry.seq, position,
           `entry ${entry.seq} is hash version 1: its content cannot be checked here`);
       }

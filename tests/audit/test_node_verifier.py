@@ -300,6 +300,30 @@ def test_node_links_version_1_entries_but_cannot_rehash_them(
     assert _node(verifier, "--require-v2", export).returncode == 1
 
 
+async def test_node_fails_an_entry_relabelled_as_version_1_after_newer_ones(
+    verifier: Path, tmp_path: Path
+) -> None:
+    """A version 3 entry relabelled as version 1, its payload edited, its hash kept: the Node
+    verifier cannot re-hash version 1, so it followed the links and said ok."""
+    _export_path, _heads, lines = await _export(tmp_path)
+    i = _at(lines, "alice@example.com", 3)
+    forged = json.loads(lines[i])
+    for field in ("hash_version", "payload_digest", "payload_salt"):
+        del forged[field]
+    forged["payload"] = {"refund": "approved by nobody"}
+    lines[i] = canonical_json(forged)
+    export = _write(tmp_path / "relabelled.jsonl", lines)
+    python = verify_lines(lines).to_json()
+    assert [(p["kind"], p["seq"]) for p in python["problems"]] == [("edited", 3)]
+    done = _node(verifier, "--json", export)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = json.loads(done.stdout)["problems"]
+    assert [(p["user_id"], p["kind"], p["seq"], p["position"]) for p in found] == [
+        ("alice@example.com", "version_1", 3, i + 1)
+    ]
+    assert "after entry 2 of hash version 3" in found[0]["detail"]
+
+
 def test_node_agrees_with_the_documented_test_vectors(verifier: Path, tmp_path: Path) -> None:
     section = (ROOT / "docs" / "audit.md").read_text(encoding="utf-8")
     section = section.split("<!-- audit-vectors:start -->")[1]
