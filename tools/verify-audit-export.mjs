@@ -107,13 +107,14 @@ let version1 = 0;
 // -- saved heads: grouped by user, in the order they first appear ------------------------------
 
 const saved = new Map();
-let headsGiven = false; // any heads, of any user: then a user none of them covers is warned of
+// Heads given (even none: saved from an empty or another log): a user none covers is warned of.
+let headsGiven = false;
 if (headsPath) {
   try {
     const data = JSON.parse(readFileSync(headsPath, 'utf8'));
     const items = Array.isArray(data) ? data : data?.heads;
     if (!Array.isArray(items)) throw new Error('not a `verify --json` report (no "heads")');
-    headsGiven = items.length > 0;
+    headsGiven = true;
     for (const head of items) {
       if (
         typeof head !== 'object' || head === null || !Number.isSafeInteger(head.seq) ||

@@ -44,7 +44,7 @@ __all__ = ["heads_from_json", "read_export_header", "verify_lines"]
 def verify_lines(
     lines: Iterable[str],
     *,
-    heads: Iterable[ChainHead] = (),
+    heads: Iterable[ChainHead] | None = None,
     user_id: str | None = ANY_USER,
 ) -> VerifyReport:
     """Check exported audit lines: every hash, every link, no gap, every saved head.
@@ -81,7 +81,9 @@ def verify_lines(
             export may go on past it, but the entry at each saved head's ``seq`` must be the
             one it names (else ``head_mismatch``: the trail was rewritten), and an export that
             stops short of a saved head is ``truncated``, as is one that holds none of the
-            entries of a user with a saved head (of ``user_id`` alone, if given).
+            entries of a user with a saved head (of ``user_id`` alone, if given). Given (even
+            empty: heads saved from an empty or another log), each user none of them covers
+            gets an ``unanchored`` warning.
         user_id: Only this user's lines and saved heads (``None`` is the anonymous bucket):
             the export is taken to be this user's trail, and other users' lines in it are
             ``outside_export``.
@@ -101,7 +103,8 @@ def verify_lines(
     if user_id is not ANY_USER:
         check_id("user_id", user_id)
         only = user_key(user_id)
-    heads = list(heads)
+    given = heads is not None
+    heads = list(heads or ())
     saved = _saved_by_user(heads, only)
     report = VerifyReport()
     checks: dict[str, _ChainCheck] = {}
@@ -175,7 +178,7 @@ def verify_lines(
     for key, trail in trails.items():
         for _seq, number, entry in sorted(trail, key=lambda item: (item[0], item[1])):
             _feed_line(checks, key, number, entry, saved, report, from_start)
-    _finish_lines(checks, saved, report, bool(heads))
+    _finish_lines(checks, saved, report, given)
     for found in outside.values():
         report.problems.append(found.problem())
     named = (report.export_filters or {}).get("user_id", ANY_USER)

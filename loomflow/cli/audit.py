@@ -294,9 +294,9 @@ async def _export(store: AuditStore, args: argparse.Namespace) -> int:
     return DAMAGED_ROWS if damaged else 0
 
 
-def _saved_heads(args: argparse.Namespace) -> list[ChainHead]:
+def _saved_heads(args: argparse.Namespace) -> list[ChainHead] | None:
     if args.heads is None:
-        return []
+        return None
     try:
         data = json.loads(args.heads.read_text(encoding="utf-8"))
         if isinstance(data, dict) and "heads" not in data:
@@ -326,7 +326,7 @@ async def _verify(store: AuditStore, args: argparse.Namespace) -> int:
         report: VerifyReport = await store.verify(
             user_id=_user(args),
             on_progress=on_progress,
-            heads=heads,
+            heads=heads or (),
         )
     return _report(report, args)
 

@@ -161,7 +161,7 @@ def test_an_export_line_that_is_not_strict_json_is_unreadable(
     assert verify_lines(lines, heads=heads).ok
     assert old in lines[1]
     edited = [lines[0], lines[1].replace(old, new, 1), lines[2]]
-    report = verify_lines(edited, heads=heads if with_heads else ())
+    report = verify_lines(edited, heads=heads if with_heads else None)
     assert not report.ok
     assert ("unreadable", 2) in [(p.kind, p.position) for p in report.problems], report.problems
     unreadable = next(p for p in report.problems if p.kind == "unreadable")

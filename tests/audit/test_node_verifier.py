@@ -15,6 +15,7 @@ import re
 import shutil
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +323,33 @@ async def test_node_fails_an_entry_relabelled_as_version_1_after_newer_ones(
         ("alice@example.com", "version_1", 3, i + 1)
     ]
     assert "after entry 2 of hash version 3" in found[0]["detail"]
+
+
+def test_heads_saved_from_an_empty_log_anchor_nobody_and_say_so(
+    verifier: Path, tmp_path: Path
+) -> None:
+    """`verify --json` run on an empty log (a wrong URL on the cron host) saves no head: an
+    export checked against that file passed with no word that nothing anchored it."""
+    export, _heads, _lines = asyncio.run(_export(tmp_path))
+    empty = tmp_path / "heads-empty.json"
+    empty.write_text('{"ok": true, "heads": []}', encoding="utf-8")
+    command = ["audit", "verify", "--json", "--file", str(export), "--heads", str(empty)]
+    cli = subprocess.run(
+        [sys.executable, "-m", "loomflow", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr  # a warning, not a failure
+    python = json.loads(cli.stdout)
+    unanchored = [(w["user_id"], w["kind"], w["seq"]) for w in python["warnings"]]
+    assert sorted(unanchored, key=str) == sorted(
+        [(u, "unanchored", 1) for u in ("alice@example.com", None, "\U0001f600-user")], key=str
+    )
+    done = _node(verifier, "--json", export, empty)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _findings(json.loads(done.stdout)) == _findings(python)
 
 
 def test_node_agrees_with_the_documented_test_vectors(verifier: Path, tmp_path: Path) -> None:
@@ -835,7 +863,7 @@ def test_node_reports_what_python_reports(
     lines, heads_path = trail
     tampered = TAMPERS[tamper](list(lines))
     export = _write(tmp_path / "export.jsonl", tampered)
-    heads = heads_from_json(json.loads(heads_path.read_text())) if with_heads else []
+    heads = heads_from_json(json.loads(heads_path.read_text())) if with_heads else None
     with export.open(encoding="utf-8") as fh:
         python = verify_lines(fh, heads=heads).to_json()
     done = _node(verifier, "--json", export, *([heads_path] if with_heads else []))
