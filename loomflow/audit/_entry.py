@@ -229,10 +229,15 @@ def time_us_of_text(text: object) -> int:
     """
     if not isinstance(text, str) or not text.endswith("Z"):
         raise ValueError(f"bad time {text!r}")
-    parsed = dt.datetime.strptime(text[:-1], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=dt.UTC)
-    time_us = time_us_of(parsed)
+    spelled = f"time {text!r} is not spelled YYYY-MM-DDTHH:MM:SS.ffffffZ"
+    try:
+        parsed = dt.datetime.strptime(text[:-1], "%Y-%m-%dT%H:%M:%S.%f")
+    except ValueError as exc:
+        # strptime's own words ("unconverted data remains: 9") name neither field nor value.
+        raise ValueError(f"{spelled} ({exc})") from None
+    time_us = time_us_of(parsed.replace(tzinfo=dt.UTC))
     if iso_time(time_us) != text:
-        raise ValueError(f"time {text!r} is not spelled YYYY-MM-DDTHH:MM:SS.ffffffZ")
+        raise ValueError(spelled)
     return time_us
 
 

@@ -232,6 +232,24 @@ async def test_the_cli_verifies_a_file_without_any_database(tmp_path: Path) -> N
 # -- saved heads catch rewrites, wherever the trail ends now ---------------------------------
 
 
+@pytest.mark.parametrize("spelled", ["2026-05-08T09:14:03.5120009Z", "2026-02-30T10:00:00.000000Z"])
+async def test_a_time_spelled_otherwise_is_named_with_its_value(
+    tmp_path: Path, spelled: str
+) -> None:
+    """strptime's words alone ("unconverted data remains: 9") named neither the field nor
+    the value, where the Node verifier said which time was not spelled as exported."""
+    lines, _ = await _export(tmp_path)
+    entry = json.loads(lines[2])
+    lines[2] = json.dumps(entry | {"time": spelled})
+    export = tmp_path / "edited.jsonl"
+    export.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    done = _cli("verify", "--json", "--file", str(export))
+    assert done.returncode == 1, done.stdout + done.stderr
+    (problem, *_) = json.loads(done.stdout)["problems"]
+    assert (problem["kind"], problem["position"]) == ("unreadable", 3)
+    assert f"time '{spelled}' is not spelled YYYY-MM-DDTHH:MM:SS.ffffffZ" in problem["detail"]
+
+
 def _rechained(entries: list[AuditEntry], start: int, extra: int) -> list[AuditEntry]:
     """The trail with entries ``start``.. rewritten and re-hashed, plus ``extra`` new ones:
     every hash and link is consistent again, as a forger with write access would leave it."""
