@@ -223,14 +223,16 @@ async def test_retention_erases_only_old_payloads_and_spares_held_users(
 ) -> None:
     await store._write(_records("ana", 2) + _records("bob", 2) + _records("cy", 1))
     await store.place_hold("bob", reason="litigation L-7", actor="legal:dana")
-    await asyncio.sleep(0.3)
+    # The fresh record must stay younger than the cut-off through the three retains below,
+    # on a loaded runner too (0.2 s was not enough on PostgreSQL under load).
+    await asyncio.sleep(2.5)
     await store._write(_records("ana", 1, fresh=True))
-    dry = await store.retain(dt.timedelta(seconds=0.2), dry_run=True)
+    dry = await store.retain(dt.timedelta(seconds=2.0), dry_run=True)
     assert dry.erased == {"ana": 2, "cy": 1}
     assert dry.held == ["bob"]
     assert SECRET in await _stored_text(store)
 
-    report = await store.retain(dt.timedelta(seconds=0.2), actor="test")
+    report = await store.retain(dt.timedelta(seconds=2.0), actor="test")
     assert report.erased == {"ana": 2, "cy": 1}
     assert report.held == ["bob"]
     ana = [e async for e in store.entries(user_id="ana")]
@@ -246,7 +248,7 @@ async def test_retention_erases_only_old_payloads_and_spares_held_users(
     assert verified.ok, verified.problems
     assert verified.erased == 3
     # Nothing left to erase: no new records.
-    again = await store.retain(dt.timedelta(seconds=0.2))
+    again = await store.retain(dt.timedelta(seconds=2.0))
     assert again.erased == {}
     assert await store.count(action="audit.erasure") == 2
 
@@ -363,9 +365,9 @@ async def _both_ways(store: AuditStore) -> list[tuple[str | None, str, int | Non
 async def test_an_erasure_after_a_retention_cut_off_is_not_on_record(store: AuditStore) -> None:
     # The retention record comes after the entry, but its cut-off does not reach it.
     await store._write(_records("ana", 2))
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(2.5)  # see the retention test above: room for a loaded runner
     await store._write(AuditRecord(user_id="ana", actor="app", action="note.after"))
-    report = await store.retain(dt.timedelta(seconds=0.2), actor="test")
+    report = await store.retain(dt.timedelta(seconds=2.0), actor="test")
     assert report.erased == {"ana": 2}
     ana = [e async for e in store.entries(user_id="ana")]
     assert [(e.action, e.payload is None) for e in ana] == [
