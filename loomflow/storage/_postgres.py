@@ -321,6 +321,16 @@ class PostgresDatabase(Database):
                 f"{what} failed: the host of {_masked_url(self._dsn)!r} cannot be resolved "
                 f"({exc.strerror or exc}): check the host name, or DNS on this machine"
             )
+        refused = isinstance(exc, ConnectionRefusedError)
+        if self._dsn is not None and (refused or _no_socket_file(exc)):
+            # A stopped server, or a wrong port or socket directory: the OS's words name an
+            # address or no file at all, and never the URL to correct.
+            return StoreUnavailableError(
+                f"{what} failed: no PostgreSQL server accepts connections at "
+                f"{_masked_url(self._dsn)!r} ({type(exc).__name__}: {exc}): is the server "
+                "running, and listening on the host and port (or the socket directory) the "
+                "URL names?"
+            )
         return None
 
     def _statement_timeout(self) -> float | None:
@@ -439,6 +449,20 @@ class PostgresDatabase(Database):
                 # Transaction-scoped, so the pool cannot hand the lock to another caller.
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key, timeout=timeout)
             yield _Tx(conn, timeout)
+
+
+def _no_socket_file(exc: BaseException) -> bool:
+    """A Unix-socket connect that found no socket. asyncpg's FileNotFoundError names no file
+    either way, so the connect is told apart by where it was raised: a missing
+    ``sslrootcert`` fails the same way while the DSN is read, before any connect."""
+    if not isinstance(exc, FileNotFoundError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "create_unix_connection":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _unknown_dsn_option(exc: BaseException, dsn: str | None) -> str | None:
