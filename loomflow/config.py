@@ -315,6 +315,9 @@ def env_file_variables(env_file: Any, encoding: str) -> list[tuple[str, str]]:
 # LOOMFLOW_ variables that are read on purpose but name no setting (the test suite's DSN).
 OTHER_VARIABLES = frozenset({"LOOMFLOW_TEST_PG_DSN"})
 _reported: set[tuple[str, str]] = set()  # each misspelling once per process, not per Settings()
+# Names people guess for the journal's URL (the command line's flag is plain --url), which no
+# spelling distance leads to RUNTIME_URL.
+_GUESSES = dict.fromkeys(("URL", "DSN", "DATABASE_URL", "DB_URL", "JOURNAL_URL"), "RUNTIME_URL")
 
 
 def _warn_unknown_variables(in_files: list[tuple[str, str]]) -> None:
@@ -332,6 +335,8 @@ def _warn_unknown_variables(in_files: list[tuple[str, str]]) -> None:
         _reported.add((variable, where))
         # Compared without the shared prefix, which would make every name look close.
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+        if not close and name in _GUESSES:
+            close = [_GUESSES[name]]
         _log.warning(
             "%s%s is not a setting and is ignored%s",
             variable,

@@ -103,3 +103,18 @@ def test_a_keyword_in_code_that_names_no_setting_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="as lease_seconds=, not by its variable"):
         Settings(LOOMFLOW_LEASE_SECONDS=5)
     assert Settings(lease_seconds=5, _env_file=None).lease_seconds == 5
+
+
+@pytest.mark.parametrize("guess", ["LOOMFLOW_URL", "LOOMFLOW_DATABASE_URL", "LOOMFLOW_DSN"])
+def test_a_guessed_name_for_the_journal_points_to_the_runtime_url(
+    guess: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The command line's flag is --url, so LOOMFLOW_URL is a new user's first guess; no
+    # spelling distance finds LOOMFLOW_RUNTIME_URL from it.
+    monkeypatch.setenv(guess, "postgresql://app@db/app")
+    with caplog.at_level(logging.WARNING, logger="loomflow"):
+        settings = Settings()
+    assert settings.runtime_url == "sqlite:///.loomflow/journal.db"
+    assert _warnings(caplog) == [
+        f"{guess} is not a setting and is ignored (did you mean LOOMFLOW_RUNTIME_URL?)"
+    ]
