@@ -295,7 +295,10 @@ def _verdict(story: _Story, result: RunResult, effects: Counter[str]) -> int:
         print(f"Journal and side-effect ledger kept in {story.work}:")
         print(f"  {story.journal.name}, {story.ledger.name}")
     # The DSN as given, password masked: the user puts it back in (or uses PGPASSWORD).
-    where = shlex.quote(_masked_url(story.url))
+    masked = _masked_url(story.url)
+    if masked != story.url:
+        print("The URL's password is shown as ***: put yours back, or drop it and set PGPASSWORD.")
+    where = shlex.quote(masked)
     print(f"Look around: {command_name()} --url {where} runs show {story.session}")
     return 0
 

@@ -78,3 +78,27 @@ def test_a_missing_ssl_file_is_not_taken_for_a_stopped_server(tmp_path: Path) ->
     assert done.returncode == 1, done.stderr
     assert "FileNotFoundError" in done.stderr
     assert "no PostgreSQL server" not in done.stderr
+
+
+@pytest.mark.postgres
+def test_the_demo_says_the_password_of_its_last_command_is_masked(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    # Before: the last line named the DSN with `***` for its password and said nothing, so
+    # the command copied from it failed authentication on a server that asks for one.
+    with_password = pg_dsn.replace("://postgres@", "://postgres:s3cret@", 1)
+    assert with_password != pg_dsn
+    done = loomflow("demo", "--postgres", with_password, "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    *_, note, last = done.stdout.splitlines()
+    assert last.startswith("Look around: ")  # still the last line
+    assert ":***@" in last
+    assert "s3cret" not in done.stdout
+    assert "***" in note
+    assert "PGPASSWORD" in note
+
+
+def test_the_demo_on_sqlite_has_no_password_note(tmp_path: Path) -> None:
+    done = loomflow("demo", "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "***" not in done.stdout
