@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import socket
 import time
@@ -321,6 +322,11 @@ class PostgresDatabase(Database):
                 f"{what} failed: the host of {_masked_url(self._dsn)!r} cannot be resolved "
                 f"({exc.strerror or exc}): check the host name, or DNS on this machine"
             )
+        if self._dsn is not None and (missing := _missing_dsn_file(exc, self._dsn)):
+            return StoreUnavailableError(
+                f"{what} failed: the URL's ?{missing[0]}= option names {missing[1]!r}, which "
+                "does not exist: correct the path, or remove the option"
+            )
         refused = isinstance(exc, ConnectionRefusedError)
         if self._dsn is not None and (refused or _no_socket_file(exc)):
             # A stopped server, or a wrong port or socket directory: the OS's words name an
@@ -463,6 +469,19 @@ def _no_socket_file(exc: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _missing_dsn_file(exc: BaseException, dsn: str) -> tuple[str, str] | None:
+    """The file option of ``dsn`` (``sslrootcert=``, ...) naming a file that is not there, if
+    that is why ``exc``, a FileNotFoundError that names no file, was raised."""
+    if not isinstance(exc, FileNotFoundError) or exc.filename is not None:
+        return None
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query)
+    for option in ("sslrootcert", "sslcert", "sslkey", "sslcrl"):
+        for path in query.get(option, []):
+            if not os.path.exists(os.path.expanduser(path)):
+                return option, path
+    return None
 
 
 def _unknown_dsn_option(exc: BaseException, dsn: str | None) -> str | None:
