@@ -1354,6 +1354,7 @@ class JournalRuntime:
 
     async def entries(self, session_id: str | None, user_id: str | None = None) -> list[EntryInfo]:
         """Describe every journal entry of one (session, user), oldest epoch first."""
+        _check_filters(session_id, user_id)
         await self._ensure_open()
         return await self._store.list_entries(session_id, user_id)
 

@@ -228,8 +228,8 @@ async def test_postgres_identity_falls_back_when_the_control_data_is_refused(
 async def test_listing_and_pruning_refuse_bad_ids_by_name(
     runtime_factory: Factory, bad: str, reason: str
 ) -> None:
-    # They took any value: a lone surrogate was the driver's UnicodeEncodeError on SQLite,
-    # and an empty, NUL or 3000-byte id a listing of nothing or a prune of nothing.
+    # They took any value (entries too): a lone surrogate was the driver's UnicodeEncodeError
+    # on SQLite, and an empty, NUL or 3000-byte id a listing of nothing or a prune of nothing.
     runtime = await runtime_factory()
     async with runtime.session("s", "ana"):
         await runtime.step("a", lambda: 1)
@@ -238,6 +238,9 @@ async def test_listing_and_pruning_refuse_bad_ids_by_name(
         ("session_id", lambda: runtime.sessions(session_id=bad)),
         ("user_id", lambda: runtime.prune(user_id=bad, include_open=True)),
         ("session_id", lambda: runtime.prune(session_id=bad, include_open=True)),
+        # `runs show` reads these: a lone surrogate was the driver's UnicodeEncodeError.
+        ("session_id", lambda: runtime.entries(bad, "ana")),
+        ("user_id", lambda: runtime.entries("s", bad)),
     ):
         with pytest.raises(InvalidIdError, match=f"{field} .*{re.escape(reason)}"):
             await call()
@@ -246,3 +249,11 @@ async def test_listing_and_pruning_refuse_bad_ids_by_name(
             await stores.export_user(bad)
     assert [s.user_id for s in await runtime.sessions(user_id="ana")] == ["ana"]
     assert len(await runtime.entries("s", "ana")) == 1
+
+
+async def test_entries_refuse_an_id_that_is_not_text(runtime_factory: Factory) -> None:
+    # It was json's TypeError ("Object of type bytes is not JSON serializable").
+    runtime = await runtime_factory()
+    for session_id, user_id, field in ((b"s", "ana", "session_id"), ("s", b"ana", "user_id")):
+        with pytest.raises(InvalidIdError, match=f"{field} must be a string, not bytes"):
+            await runtime.entries(session_id, user_id)  # type: ignore[arg-type]
