@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import unicodedata
 
+from ._printable import id_literal
 from .errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidIdError
 
 __all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "check_count", "check_id", "check_key", "user_label"]
@@ -85,7 +86,7 @@ def check_key(field: str, value: object, *, optional: bool = True) -> str | None
 def user_label(user_id: str | None) -> str:
     """A user as a message names them: ``user 'alice'``, or ``the anonymous user`` for the runs
     without a user id (``None``), which "user None" would misname as a user called None."""
-    return "the anonymous user" if user_id is None else f"user {user_id!r}"
+    return "the anonymous user" if user_id is None else f"user {id_literal(user_id)}"
 
 
 _MOST = 2**63 - 1  # what a database's 64-bit LIMIT or OFFSET takes

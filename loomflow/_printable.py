@@ -13,11 +13,13 @@ characters such as the bidirectional ones, separators other than the space) as a
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Any, TypeVar
 
 __all__ = [
     "escaped_controls",
     "escaped_surrogates",
+    "id_literal",
     "is_unicode",
     "printable",
     "shown",
@@ -40,11 +42,23 @@ def printable(value: Any) -> str:
 _QUOTES = ("'", '"')
 
 
+def id_literal(value: str) -> str:
+    """An id as a Python literal, for a message or a table: ``repr``, except that an id not in
+    Unicode's NFKC form is written all in ASCII escapes. Ids are compared code point for code
+    point, so ``café`` typed as one character and as ``e`` plus a combining accent (as macOS
+    spells file names) are two users, as are ``ﬁle`` and ``file``: shown raw, each pair would
+    read as one id twice, and an erasure asked for one would leave the other."""
+    if value.isascii() or unicodedata.is_normalized("NFKC", value):  # nearly always
+        return repr(value)
+    return ascii(value)
+
+
 def shown_id(value: str | None) -> str:
     """An id (a user's, a session's) as a table or a page shows it: ``-`` for none, the id as
     it is when it reads unmistakably, else quoted as a Python literal: an id that is ``-``,
     blank, with spaces at its ends or two in a row (a table's gap; a page folds them into
-    one), starting with a quote, or holding characters a screen would not show."""
+    one), starting with a quote, holding characters a screen would not show, or spelled
+    otherwise than Unicode's NFKC form (see :func:`id_literal`)."""
     if value is None:
         return "-"
     if (
@@ -54,7 +68,9 @@ def shown_id(value: str | None) -> str:
         or "  " in value
         or not value.isprintable()
     ):
-        return repr(value)
+        return id_literal(value)
+    if not value.isascii() and not unicodedata.is_normalized("NFKC", value):
+        return ascii(value)
     return value
 
 

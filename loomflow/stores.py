@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._ids import check_id, user_label
-from ._printable import is_unicode
+from ._printable import id_literal, is_unicode
 from ._progress import OnProgress
 from .config import Settings
 from .errors import (
     AuditIntegrityError,
+    InvalidIdError,
     ProtectedChainError,
     SessionBusyError,
     UnknownUserError,
@@ -528,7 +530,10 @@ class Stores:
         await audit.check_not_held(user_id)
         await audit.check_can_erase()  # before anything is deleted anywhere
         if not await self.knows_user(user_id):
-            raise UnknownUserError(f"no store holds anything about {user_label(user_id)}")
+            raise UnknownUserError(
+                f"no store holds anything about {user_label(user_id)}"
+                + spelled_otherwise(await self.other_spellings(user_id))
+            )
         for chain in await self._console_mentions(user_id):
             await audit.check_not_held(chain)  # a held chain keeps its entries: delete nothing
             await self._check_appendable(chain)
@@ -706,6 +711,23 @@ class Stores:
                 return True
         return False
 
+    async def other_spellings(self, user_id: str | None) -> list[str]:
+        """The ids some store knows that are ``user_id`` in another Unicode normalization
+        form (NFC, NFD, NFKC, NFKD). Ids are compared code point for code point, so these
+        are other users: named when ``user_id`` itself is unknown, they tell an operator
+        who typed ``café`` that the user on file spells it with a combining accent."""
+        if user_id is None or user_id.isascii():
+            return []
+        found = []
+        for form in sorted({unicodedata.normalize(f, user_id) for f in _FORMS} - {user_id}):
+            try:
+                check_id("user_id", form)  # NFD is longer: it may be over the limit
+            except InvalidIdError:
+                continue
+            if await self.knows_user(form):
+                found.append(form)
+        return found
+
     async def close(self) -> None:
         """Close every store this object built (all of them, even if one fails; the first
         failure is raised afterwards). A ``runtime`` passed in stays open."""
@@ -856,3 +878,17 @@ def _names(payload: Any, user_id: str) -> bool:
     details = payload.get("details")
     search = details.get("search") if isinstance(details, dict) else None
     return isinstance(search, str) and search.strip().casefold() == user_id.casefold()
+
+
+_FORMS: tuple[Literal["NFC", "NFD", "NFKC", "NFKD"], ...] = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+def spelled_otherwise(user_ids: list[str]) -> str:
+    """The end of a "no store holds anything" message naming :meth:`Stores.other_spellings`."""
+    if not user_ids:
+        return ""
+    named = " and ".join(id_literal(u) for u in user_ids)
+    return (
+        f"; the same name in another Unicode form is held as {named}, another user (ids "
+        "are compared exactly): pass that id to reach them"
+    )

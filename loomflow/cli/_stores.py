@@ -104,7 +104,7 @@ async def session_of(
     if not found:
         who = " without a user" if anonymous else ""
         if user_id is not None:
-            who = f" of user {user_id!r}"
+            who = f" of {user_label(user_id)}"
         raise JournalError(f"no session {session_id!r}{who} in the journal")
     if len(found) > 1 and len({s.user_id for s in found}) == 1:
         # Rows of one (session, user) under keys spelled otherwise: edited by hand, and

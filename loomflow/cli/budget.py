@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from .._ids import user_label
 from ..config import Settings
 from ..errors import ConfigurationError
 from ..governance.budget import BucketUsage, ReservationInfo, UnreadableBucket
@@ -120,7 +121,7 @@ async def _show(args: argparse.Namespace) -> int:
             print(json.dumps(row))
         return 0
     if not rows:
-        who = f" for user {args.user_id!r}" if args.user_id is not None else ""
+        who = f" for {user_label(args.user_id)}" if args.user_id is not None else ""
         print(f"no budget usage recorded{who}")
         return 0
     table: list[tuple[Any, ...]] = [

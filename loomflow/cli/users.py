@@ -23,7 +23,7 @@ from .._files import write_private
 from ..audit._entry import UNREADABLE
 from ..config import Settings
 from ..runtime import JournalRuntime
-from ..stores import Stores
+from ..stores import Stores, spelled_otherwise
 from ._format import (
     DAMAGED_ROWS,
     damaged_rows,
@@ -161,8 +161,9 @@ async def _export(args: argparse.Namespace) -> int:
         existing(settings.audit_url, "audit log")
     async with Stores(settings.model_copy(update={"runtime_url": url})) as stores:
         document = await stores.export_user(user)
+        held = [*document["counts"].values(), document["budget"]]  # memory's facts and blocks too
+        others = [] if any(held) else await stores.other_spellings(user)
     text = json_text(document, indent=2)
-    held = [*document["counts"].values(), document["budget"]]  # memory's facts and blocks too
     if args.output is None or str(args.output) == "-":  # "-" is stdout, as for the others
         print(text)
     else:
@@ -183,7 +184,7 @@ async def _export(args: argparse.Namespace) -> int:
         # a mistyped id must not pass for that answer: `forget` refuses it outright.
         print(
             f"loomflow: warning: no store holds anything about {who(user)}"
-            + (": check the id" if user is not None else ""),
+            + ((spelled_otherwise(others) or ": check the id") if user is not None else ""),
             file=sys.stderr,
         )
     return status

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -298,3 +299,40 @@ def test_a_postgres_url_setting_that_is_not_utf8_is_named(variable: str, tmp_pat
     assert done.stderr.count("\n") == 1, done.stderr
     assert f"bad setting {variable}" in done.stderr
     assert "not UTF-8 text" in done.stderr
+
+
+# One name, three spellings: precomposed é (NFC), e plus a combining accent (NFD, as macOS
+# spells file names) and the "fi" ligature. Ids compare code point for code point, so these
+# are three users; a table showing them raw read as "café" twice and "file" twice.
+READ_ALIKE_USERS = {"café": "café", "cafe\u0301": "'cafe\\u0301'", "\ufb01le": "'\\ufb01le'"}
+
+
+async def _runs_of_users(url: str) -> None:
+    settings = Settings(runtime_url=url)
+    async with Agent.from_settings("S.", model=ScriptedModel(["hi"] * 9), settings=settings) as a:
+        for user in (*READ_ALIKE_USERS, "file"):
+            await a.run("hello", session_id="s", user_id=user)
+
+
+def test_tables_and_messages_tell_users_apart_that_read_alike(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    asyncio.run(_runs_of_users(url))
+    expected = {*READ_ALIKE_USERS.values(), "file"}
+    for command, start, end in (
+        (["runs", "list"], "user", "runs"),
+        (["audit", "query", "--limit", "1000"], "user", "seq"),
+    ):
+        done = loomflow("--url", url, *command)
+        assert done.returncode == 0, done.stderr
+        header, *rows = done.stdout.strip().splitlines()
+        cells = {row[header.index(start) : header.index(end)].rstrip() for row in rows}
+        cells.discard("")  # the line that offers the next page
+        assert cells == expected, done.stdout
+    # Each still reaches its own user, by the id as it is.
+    for user in READ_ALIKE_USERS:
+        done = loomflow("--url", url, "runs", "list", "--user", user, "--json")
+        assert done.returncode == 0, done.stderr
+        assert [json.loads(line)["user_id"] for line in done.stdout.splitlines()] == [user]
+    done = loomflow("--url", url, "runs", "show", "nope", "--user", "cafe\u0301")
+    assert done.returncode != 0
+    assert "user 'cafe\\u0301'" in done.stderr, done.stderr

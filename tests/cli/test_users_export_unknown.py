@@ -62,3 +62,33 @@ def test_the_export_summary_counts_facts_and_blocks(tmp_path: Path) -> None:
     document = json.loads(out.read_text())
     assert (document["counts"]["facts"], document["counts"]["blocks"]) == (2, 1)
     assert len(document["memory"]["facts"]) == 2  # the superseded version too
+
+
+async def _seed_user(path: Path, user_id: str) -> None:
+    runtime = SqliteRuntime(path)
+    try:
+        agent = Agent("x", model=ScriptedModel(["hi"]), runtime=runtime, telemetry=False)
+        await agent.run("hello", session_id="chat", user_id=user_id)
+    finally:
+        await runtime.close()
+
+
+def test_an_unknown_id_names_the_user_held_under_another_unicode_form(tmp_path: Path) -> None:
+    # The user on file spells "josé" with e and a combining accent (NFD, as macOS spells file
+    # names); the operator types the precomposed é. Two ids, two users, which every message
+    # printed alike: "no store holds anything about user 'josé'", about a user it held.
+    asyncio.run(_seed_user(tmp_path / "journal.db", "jose\u0301"))
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    hint = "another Unicode form is held as 'jose\\u0301', another user"
+    typed = loomflow("--url", url, "users", "export", "jos\u00e9")
+    assert typed.returncode == 0, typed.stderr
+    assert json.loads(typed.stdout)["counts"]["sessions"] == 0
+    assert "about user 'jos\u00e9'" in typed.stderr
+    assert hint in typed.stderr, typed.stderr
+    forget = loomflow("--url", url, "users", "forget", "jos\u00e9", "--yes")
+    assert forget.returncode == 1
+    assert hint in forget.stderr, forget.stderr
+    # Nothing merged: the id on file still reaches its user, and only it.
+    held = loomflow("--url", url, "users", "export", "jose\u0301")
+    assert json.loads(held.stdout)["counts"]["sessions"] == 1
+    assert "warning" not in held.stderr
