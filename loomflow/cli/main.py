@@ -73,16 +73,46 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser, naming a missing command by the commands there are: argparse says
     "the following arguments are required: runs_command", the name the code reads it by."""
 
+    given: Sequence[str] = ()  # the command line main() parses, for error()
+
     def error(self, message: str) -> NoReturn:
         if message.startswith(_REQUIRED):
             missing = message.removeprefix(_REQUIRED).split(", ")
             for action in self._actions:
                 if isinstance(action, argparse._SubParsersAction) and action.dest in missing:
                     message = f"choose a command: {', '.join(action.choices)}"
+        if message.startswith(_MISSING) or message.endswith(_NO_VALUE):
+            message += self._dash_hint(message)
         super().error(message)
+
+    def _dash_hint(self, message: str) -> str:
+        """A hint for an id that starts with "-" (a user "-x"): argparse reads it as an
+        unknown option and then reports the id as missing, never naming the token."""
+        for token in self.given:
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if (
+                token.startswith("-")
+                and name not in self._option_string_actions
+                and not self._negative_number_matcher.match(token)
+            ):
+                if message.endswith(_NO_VALUE):  # "argument -o/--output: expected ..."
+                    option = message.split(":")[0].split("/")[-1].removeprefix("argument ")
+                    return (
+                        f" ({token!r} starts with '-', so it was read as an option: "
+                        f"write {option}={token})"
+                    )
+                return (
+                    f" ({token!r} starts with '-', so it was read as an option: give the "
+                    f"options first and the id after '--', as in {self.prog} ... -- {token})"
+                )
+        return ""
 
 
 _REQUIRED = "the following arguments are required: "
+_MISSING = ("the following arguments are required: ", "one of the arguments ")
+_NO_VALUE = ": expected one argument"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -339,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if (problem := _misplaced_option(parser, given)) is not None:
         parser.error(problem)
+    _Parser.given = given
     args = parser.parse_args(given)
     _log_warnings_to_stderr()
     try:

@@ -336,3 +336,45 @@ def test_tables_and_messages_tell_users_apart_that_read_alike(tmp_path: Path) ->
     done = loomflow("--url", url, "runs", "show", "nope", "--user", "cafe\u0301")
     assert done.returncode != 0
     assert "user 'cafe\\u0301'" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "hint"),
+    [
+        (["runs", "show", "-x"], "as in loomflow runs show ... -- -x)"),
+        (["users", "forget", "-x", "--yes"], "as in loomflow users forget ... -- -x)"),
+        (["runs", "show", "s", "--user", "-x"], "write --user=-x)"),
+        (["audit", "query", "--session", "-x"], "write --session=-x)"),
+    ],
+    ids=["positional", "positional-group", "option", "audit-option"],
+)
+def test_an_id_that_starts_with_a_dash_is_named_with_the_way_to_pass_it(
+    command: list[str], hint: str, tmp_path: Path
+) -> None:
+    # argparse reads "-x" as an unknown option, then said only "the following arguments are
+    # required: session_id" or "argument --user: expected one argument", never naming it.
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    done = loomflow("--url", url, *command)
+    assert done.returncode == 2
+    assert "'-x' starts with '-', so it was read as an option" in done.stderr, done.stderr
+    assert done.stderr.rstrip().endswith(hint), done.stderr
+
+
+def test_the_ways_the_dash_hint_gives_do_reach_the_user(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    settings = Settings(runtime_url=url)
+
+    async def run() -> None:
+        async with Agent.from_settings("S.", model=ScriptedModel(["hi"]), settings=settings) as a:
+            await a.run("hello", session_id="-s", user_id="-x")
+
+    asyncio.run(run())
+    shown = loomflow("--url", url, "runs", "show", "--user=-x", "--", "-s")
+    assert shown.returncode == 0, shown.stderr
+    assert "model_call_0" in shown.stdout
+    listed = loomflow("--url", url, "runs", "list", "--user=-x", "--json")
+    assert [json.loads(line)["session_id"] for line in listed.stdout.splitlines()] == ["-s"]
+    # A missing id with no dash-led token in sight gets no hint.
+    missing = loomflow("--url", url, "runs", "show")
+    assert missing.returncode == 2
+    assert "starts with '-'" not in missing.stderr
