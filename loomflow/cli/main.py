@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import errno
 import json
@@ -39,6 +40,7 @@ from ..errors import (
     UserError,
 )
 from ..runtime import RUN_STATES, EntryInfo, JournalRuntime, SessionInfo
+from ..runtime._states import UNREADABLE
 from ..runtime._store import path_key
 from ..storage._roles import app_role_problem
 from ..stores import SCHEMES, Stores
@@ -788,6 +790,10 @@ async def _runs_cancel(stores: Stores, args: argparse.Namespace) -> int:
 
 async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
     info = await session_of(runtime, args.session_id, args.user_id, anonymous=args.anonymous)
+    if args.user_id is not None or args.anonymous:
+        # The row was found by its key, made from the ids asked for; its id columns may be
+        # damaged (a blob reads as no id), and would send the reads to another run.
+        info = dataclasses.replace(info, session_id=args.session_id, user_id=args.user_id)
     entries = await runtime.entries(args.session_id, info.user_id)
     tools, unreadable, newer_keys = await _read_back(runtime, info, {e.epoch for e in entries})
 
@@ -817,6 +823,12 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 )
             )
         return 0
+    if not entries and info.state == UNREADABLE and args.user_id is None:
+        # Its user column is damaged, so the entries were looked for under another user.
+        raise CorruptEntryError(
+            f"session {args.session_id!r} has an unreadable row (edited by hand or damaged), "
+            "so whose run it is cannot be read from it: name the user with --user"
+        )
     if not entries:
         # Pruned, or its runs stopped before their first step (a model that could not start).
         print(f"session {args.session_id!r} has no journal entries")

@@ -1090,9 +1090,10 @@ def _session_info(r: Sequence[Any]) -> SessionInfo:
     )
     if _damage(r[15], r[2], r[3], unclaimed=True):  # a token or epoch resume refuses
         state = UNREADABLE
-    elif any(isinstance(v, str) and not is_unicode(v) for v in r[:2]):
+    elif any(not (v is None or (isinstance(v, str) and is_unicode(v))) for v in r[:2]):
         # A session or user id that is not UTF-8 (see storage/_sqlite.read_text) names no
-        # session anyone can show, resume or cancel.
+        # session anyone can show, resume or cancel; nor does a blob, which the listing
+        # would otherwise show as no id at all (the anonymous user's run).
         state = UNREADABLE
     elif _moved(r[16], r[0], r[1]):
         state = UNREADABLE

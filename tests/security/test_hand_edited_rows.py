@@ -1051,3 +1051,49 @@ async def test_a_session_row_whose_user_was_edited_stays_its_users_runs(
         assert await runtime.sessions(user_id="alice") == []
     finally:
         await runtime.close()
+
+
+@pytest.mark.parametrize("column", ["user_id", "session_id"])
+async def test_a_session_row_whose_id_was_made_a_blob_reads_as_unreadable(
+    column: str, tmp_path: Path
+) -> None:
+    # SQLite keeps a blob in a text column. Made one, alice's user id listed as None: `runs
+    # list` showed her finished run as the anonymous user's ("-"), and `users export alice`
+    # gave it with "user_id": null, as if it were no one's.
+    path = tmp_path / "journal.db"
+    runtime = SqliteRuntime(path)
+    try:
+        async with runtime.session("alice-s", "alice"):
+            await runtime.step("charge", Counter())
+        edit = f"UPDATE loom_sessions SET {column} = CAST({column} AS BLOB)"
+        await asyncio.to_thread(sqlite_exec, path, edit)
+        [listed] = await runtime.sessions(user_id="alice")
+        assert listed.state == "unreadable"
+        assert [s.state for s in await runtime.sessions()] == ["unreadable"]
+        assert await runtime.sessions(user_id=None) == []  # not the anonymous user's
+        if column == "user_id":  # `runs show` finds a session by its session_id column
+            # `runs show` read the entries of the user the damaged column named (None): "session
+            # 'alice-s' has no journal entries", of a session that has one.
+            url = f"sqlite:///{path}"
+            shown = _cli("--url", url, "runs", "show", "alice-s", "--user", "alice", "--json")
+            assert shown.returncode == 0, shown.stderr
+            assert [json.loads(line)["name"] for line in shown.stdout.splitlines()] == ["charge"]
+            unnamed = _cli("--url", url, "runs", "show", "alice-s")
+            assert unnamed.returncode == 1
+            assert "has an unreadable row" in unnamed.stderr
+            assert "name the user with --user" in unnamed.stderr, unnamed.stderr
+        assert await runtime.forget_user("alice") == 2  # still found by its key, and erased
+    finally:
+        await runtime.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
