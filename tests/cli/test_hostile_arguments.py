@@ -274,17 +274,20 @@ def test_tables_tell_sessions_apart_that_read_alike(tmp_path: Path) -> None:
     asyncio.run(_runs_in_sessions(url))
     assert loomflow("--url", url, "users", "hold", "ana", "--reason", "r").returncode == 0
     expected = {"s-1", "'s-1 '", "' s-1'", "'-'", "'a\\u2028b'", "a\\u2028b", "\"'x'\""}
-    for command, start, end in (
-        (["runs", "list"], "session", "user"),
-        (["audit", "query", "--limit", "1000"], "session", "actor"),
-    ):
-        done = loomflow("--url", url, *command)
-        assert done.returncode == 0, done.stderr
-        header, *rows = done.stdout.strip().splitlines()
-        cells = {row[header.index(start) : header.index(end)].rstrip() for row in rows}
-        cells.discard("")  # the line that offers the next page
-        # The hold is the one audit entry of no session: "-", and the session "-" quoted.
-        assert cells == expected | ({"-"} if command[0] == "audit" else set()), done.stdout
+    assert _column(url, ["runs", "list"], "session", "user") == expected
+    # The hold is the one audit entry of no session: "-", and the session "-" quoted.
+    audit = ["audit", "query", "--limit", "1000"]
+    assert _column(url, audit, "session", "actor") == expected | {"-"}
+
+
+def _column(url: str, command: list[str], start: str, end: str) -> set[str]:
+    """The cells of a table's column (from header ``start`` to ``end``), as printed."""
+    done = loomflow("--url", url, *command)
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.strip().splitlines()
+    cells = {row[header.index(start) : header.index(end)].rstrip() for row in rows}
+    cells.discard("")  # the line that offers the next page
+    return cells
 
 
 @pytest.mark.parametrize("variable", ["LOOMFLOW_RUNTIME_URL", "LOOMFLOW_AUDIT_URL"])
@@ -318,16 +321,8 @@ def test_tables_and_messages_tell_users_apart_that_read_alike(tmp_path: Path) ->
     url = f"sqlite:///{tmp_path / 'journal.db'}"
     asyncio.run(_runs_of_users(url))
     expected = {*READ_ALIKE_USERS.values(), "file"}
-    for command, start, end in (
-        (["runs", "list"], "user", "runs"),
-        (["audit", "query", "--limit", "1000"], "user", "seq"),
-    ):
-        done = loomflow("--url", url, *command)
-        assert done.returncode == 0, done.stderr
-        header, *rows = done.stdout.strip().splitlines()
-        cells = {row[header.index(start) : header.index(end)].rstrip() for row in rows}
-        cells.discard("")  # the line that offers the next page
-        assert cells == expected, done.stdout
+    assert _column(url, ["runs", "list"], "user", "runs") == expected
+    assert _column(url, ["audit", "query", "--limit", "1000"], "user", "seq") == expected
     # Each still reaches its own user, by the id as it is.
     for user in READ_ALIKE_USERS:
         done = loomflow("--url", url, "runs", "list", "--user", user, "--json")

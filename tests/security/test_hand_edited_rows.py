@@ -23,6 +23,9 @@ from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "cli"))
+from _cli import loomflow
+
 from loomflow.agent import Agent, Tuning
 from loomflow.audit import AuditLog, JsonlAuditStore, PostgresAuditStore, SqliteAuditStore
 from loomflow.audit.offline import verify_lines
@@ -1075,25 +1078,13 @@ async def test_a_session_row_whose_id_was_made_a_blob_reads_as_unreadable(
             # `runs show` read the entries of the user the damaged column named (None): "session
             # 'alice-s' has no journal entries", of a session that has one.
             url = f"sqlite:///{path}"
-            shown = _cli("--url", url, "runs", "show", "alice-s", "--user", "alice", "--json")
+            shown = loomflow("--url", url, "runs", "show", "alice-s", "--user", "alice", "--json")
             assert shown.returncode == 0, shown.stderr
             assert [json.loads(line)["name"] for line in shown.stdout.splitlines()] == ["charge"]
-            unnamed = _cli("--url", url, "runs", "show", "alice-s")
+            unnamed = loomflow("--url", url, "runs", "show", "alice-s")
             assert unnamed.returncode == 1
             assert "has an unreadable row" in unnamed.stderr
             assert "name the user with --user" in unnamed.stderr, unnamed.stderr
         assert await runtime.forget_user("alice") == 2  # still found by its key, and erased
     finally:
         await runtime.close()
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_")}
-    return subprocess.run(
-        [sys.executable, "-m", "loomflow", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
-    )
