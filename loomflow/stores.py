@@ -640,33 +640,45 @@ class Stores:
             await self.audit.check_not_held(user_id)
             filters["user_id"] = user_id
         held = [hold.user_id for hold in await self.audit.legal_holds()]
+        filters.update(older_than=older_than, include_open=include_open, keep_users=held)
+        noted = user_id is not _ANY and not dry_run
+        details: dict[str, Any] = {"include_open": include_open}
+        if older_than is not None:
+            details["older_than_s"] = older_than.total_seconds()
+        if session_id is not _ANY:
+            details["session_id"] = session_id
+        if noted:
+            # Noted before the first row goes: a prune killed part-way (or between its last
+            # batch and the note after it) has deleted rows that a re-run no longer finds, so
+            # only a note written first keeps that deletion on the user's record.
+            found = await runtime.prune(dry_run=True, **filters)
+            if found:
+                await self._note_deletion(user_id, "journal", found, actor, details, start=True)
         deleted = await runtime.prune(
-            older_than=older_than,
-            include_open=include_open,
-            batch_size=batch_size,
-            on_progress=on_progress,
-            dry_run=dry_run,
-            keep_users=held,
-            **filters,
+            batch_size=batch_size, on_progress=on_progress, dry_run=dry_run, **filters
         )
-        if user_id is not _ANY and deleted and not dry_run:
-            details: dict[str, Any] = {"include_open": include_open}
-            if older_than is not None:
-                details["older_than_s"] = older_than.total_seconds()
-            if session_id is not _ANY:
-                details["session_id"] = session_id
+        if noted and deleted:
             await self._note_deletion(user_id, "journal", deleted, actor, details)
         return deleted
 
     async def _note_deletion(
-        self, user_id: str | None, store: str, deleted: int, actor: str, details: dict[str, Any]
+        self,
+        user_id: str | None,
+        store: str,
+        count: int,
+        actor: str,
+        details: dict[str, Any],
+        *,
+        start: bool = False,
     ) -> None:
         from .audit import AuditRecord
-        from .audit.actions import AUDIT_DELETION
+        from .audit.actions import AUDIT_DELETION, AUDIT_DELETION_START
 
-        payload = {"store": store, "deleted": deleted, **details}
+        # The start of a deletion counts what it found; its end, what went.
+        action, counted = (AUDIT_DELETION_START, "found") if start else (AUDIT_DELETION, "deleted")
+        payload = {"store": store, counted: count, **details}
         await self.audit._write(
-            AuditRecord(user_id=user_id, actor=actor, action=AUDIT_DELETION, payload=payload)
+            AuditRecord(user_id=user_id, actor=actor, action=action, payload=payload)
         )
 
     async def _console_mentions(self, user_id: str | None) -> dict[str, list[int]]:

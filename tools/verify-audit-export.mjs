@@ -56,8 +56,9 @@ const AUDIT_ERASURE = 'audit.erasure';
 const HOLD_PLACED = 'legal_hold.placed';
 const HOLD_ACTIONS = [HOLD_PLACED, 'legal_hold.released'];
 const AUDIT_DELETION = 'audit.deletion';
+const AUDIT_DELETION_START = 'audit.deletion.start';
 // Erasure never takes their payloads (loomflow.audit.actions.KEPT_BY_ERASURE).
-const KEPT_BY_ERASURE = [AUDIT_ERASURE, AUDIT_DELETION, ...HOLD_ACTIONS];
+const KEPT_BY_ERASURE = [AUDIT_ERASURE, AUDIT_DELETION, AUDIT_DELETION_START, ...HOLD_ACTIONS];
 
 const usage = 'usage: verify-audit-export.mjs [--json] [--require-v2] [--user ID | --anonymous] ' +
   'EXPORT.jsonl [HEADS.json]';

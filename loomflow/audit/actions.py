@@ -19,6 +19,7 @@ __all__ = [
     "APPROVAL_DECISION",
     "APPROVAL_REQUEST",
     "AUDIT_DELETION",
+    "AUDIT_DELETION_START",
     "AUDIT_ERASURE",
     "BUDGET_DENIED",
     "BUDGET_UNAVAILABLE",
@@ -126,12 +127,23 @@ AUDIT_DELETION: Final = "audit.deletion"
 """Data of the user was deleted from a store by an operator, outside an erasure
 (``checkpoints forget --user``, ``journal prune --user``): the store, how many rows and the
 filters. No personal data; erasure never erases it."""
+AUDIT_DELETION_START: Final = "audit.deletion.start"
+"""Written before a ``journal prune --user`` deletes anything: the store, how many rows it
+found (``found``) and the filters. The ``audit.deletion`` after it says how many went; a start
+with no ``audit.deletion`` after it is a deletion a crash cut short, which may have deleted
+some of those rows. Erasure never erases it."""
 LEGAL_HOLD_PLACED: Final = "legal_hold.placed"
 """A legal hold was placed on the user: forget and retention refuse to erase until released."""
 LEGAL_HOLD_RELEASED: Final = "legal_hold.released"
 """The user's legal hold was released."""
 
-KEPT_BY_ERASURE: Final = (AUDIT_ERASURE, AUDIT_DELETION, LEGAL_HOLD_PLACED, LEGAL_HOLD_RELEASED)
+KEPT_BY_ERASURE: Final = (
+    AUDIT_ERASURE,
+    AUDIT_DELETION,
+    AUDIT_DELETION_START,
+    LEGAL_HOLD_PLACED,
+    LEGAL_HOLD_RELEASED,
+)
 """Actions whose payloads erasure leaves in place: the record of erasures, deletions and
 holds."""
 
