@@ -588,8 +588,8 @@ class Stores:
         """Delete every checkpoint of one user; returns how many went.
 
         Refused for a user under legal hold, and while a run of the user is in progress. A
-        deletion is noted in the user's audit trail (an ``audit.deletion`` entry naming the
-        store and the count).
+        deletion is noted in the user's audit trail: ``audit.deletion.start`` (how many it
+        found) before it, ``audit.deletion`` (how many went) after.
 
         Raises:
             LegalHoldError: the user is under legal hold (nothing is deleted).
@@ -603,6 +603,16 @@ class Stores:
         await self.audit.check_not_held(user_id)
         if self.runtime is not None:
             await _refuse_live_runs(self.runtime, user_id)
+        # Noted before the rows go as well as after (see prune_journal): a forget killed, or
+        # whose audit write failed, after its DELETE leaves nothing for a re-run to note.
+        counter = getattr(store, "count_user", None)
+        found = (
+            await counter(user_id)
+            if counter is not None
+            else len((await store.export_user(user_id)).get("checkpoints", []))
+        )
+        if found:
+            await self._note_deletion(user_id, "checkpoints", found, actor, {}, start=True)
         deleted = await store.forget_user(user_id)
         if deleted:
             await self._note_deletion(user_id, "checkpoints", deleted, actor, {})
@@ -624,7 +634,8 @@ class Stores:
         everything of the users under legal hold.
 
         A prune of one user (``user_id``) is refused while they are held, and noted in their
-        audit trail (``audit.deletion``) when it deletes something.
+        audit trail when it finds something: ``audit.deletion.start`` before the first batch,
+        ``audit.deletion`` after the last.
 
         Raises:
             LegalHoldError: ``user_id`` is under legal hold (nothing is deleted).

@@ -128,10 +128,10 @@ AUDIT_DELETION: Final = "audit.deletion"
 (``checkpoints forget --user``, ``journal prune --user``): the store, how many rows and the
 filters. No personal data; erasure never erases it."""
 AUDIT_DELETION_START: Final = "audit.deletion.start"
-"""Written before a ``journal prune --user`` deletes anything: the store, how many rows it
-found (``found``) and the filters. The ``audit.deletion`` after it says how many went; a start
-with no ``audit.deletion`` after it is a deletion a crash cut short, which may have deleted
-some of those rows. Erasure never erases it."""
+"""Written before ``journal prune --user`` or ``checkpoints forget --user`` deletes anything:
+the store, how many rows it found (``found``) and the filters. The ``audit.deletion`` after
+it says how many went; a start with no ``audit.deletion`` after it is a deletion a crash cut
+short, which may have deleted some of those rows. Erasure never erases it."""
 LEGAL_HOLD_PLACED: Final = "legal_hold.placed"
 """A legal hold was placed on the user: forget and retention refuse to erase until released."""
 LEGAL_HOLD_RELEASED: Final = "legal_hold.released"

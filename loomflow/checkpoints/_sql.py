@@ -93,6 +93,7 @@ _DELETE_SCOPE = "DELETE FROM loom_checkpoints WHERE scope = $1 RETURNING 1"
 _OF_USER = "(user_key = $1 OR user_id = $2)"
 _DELETE_USER = f"DELETE FROM loom_checkpoints WHERE {_OF_USER} RETURNING 1"
 _EXPORT = f"SELECT {_COLUMNS} FROM loom_checkpoints WHERE {_OF_USER} ORDER BY seq"
+_COUNT_USER = f"SELECT COUNT(*) FROM loom_checkpoints WHERE {_OF_USER}"
 
 
 _ANY_SESSION = object()
@@ -334,6 +335,11 @@ class SqlCheckpointStore(ComponentStore):
     async def forget_user(self, user_id: str | None) -> int:
         user_key = Scope.checked(None, user_id).user_key
         return len(await self._fetch("delete", _DELETE_USER, user_key, user_id))
+
+    async def count_user(self, user_id: str | None) -> int:
+        """How many snapshots :meth:`forget_user` would delete."""
+        user_key = Scope.checked(None, user_id).user_key
+        return int((await self._fetch("read", _COUNT_USER, user_key, user_id))[0][0])
 
     async def listing(
         self, session_id: str, *, user_id: str | None, limit: int | None = None

@@ -111,6 +111,11 @@ class InMemoryCheckpointStore:
             del self._users[key]
         return deleted
 
+    async def count_user(self, user_id: str | None) -> int:
+        """How many snapshots :meth:`forget_user` would delete."""
+        user_key = Scope.checked(None, user_id).user_key
+        return sum(len(self._rows.get(k, [])) for k, u in self._users.items() if u == user_key)
+
     async def export_user(self, user_id: str | None) -> dict[str, Any]:
         user_key = Scope.checked(None, user_id).user_key
         rows = [
