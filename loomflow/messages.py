@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .runtime.codec import mark_immutable, register_type
+from .runtime.codec import mark_immutable, print_fast, register_type
 
 __all__ = [
     "Message",
@@ -47,6 +47,7 @@ class _Value(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+@print_fast
 @mark_immutable
 @register_type
 class ToolCall(_Value):
@@ -126,6 +127,7 @@ class Usage(_Value):
         return NotImplemented
 
 
+@print_fast
 @mark_immutable
 @register_type
 class Message(_Value):

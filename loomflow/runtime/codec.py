@@ -618,10 +618,26 @@ class _Printer:
             layout = self._layouts[cls] = self._layout(cls)
         head, keys = layout[2], layout[3]
         inner = _deeper(value, depth)
+        fast = _FAST_PRINTS.get(cls)
+        if fast is not None:
+            kept = fast(self, value, inner, head)
+            if kept is not None:
+                return kept
+        # The leaves most fields hold are printed here, as text() prints them, without a call.
         text = self.text
-        return (
-            head + ",".join([key + text(getattr(value, name), inner) for name, key in keys]) + "}}}"
-        )
+        parts = []
+        for name, key in keys:
+            v = getattr(value, name)
+            t = type(v)
+            if t is str:
+                parts.append(key + _json_string(v))
+            elif v is None:
+                parts.append(key + "null")
+            elif t is bool:
+                parts.append(key + ("true" if v else "false"))
+            else:
+                parts.append(key + text(v, inner))
+        return head + ",".join(parts) + "}}}"
 
     def _layout(self, cls: type[BaseModel]) -> _Layout:
         """The fixed parts of a model's text: its tag and class name before the fields (in
@@ -631,6 +647,82 @@ class _Printer:
         fields = sorted(cls.model_fields) if self._sort else list(cls.model_fields)
         keys = [(field, _json_string(field) + ":") for field in fields]
         return cls.__module__, cls.__qualname__, head, keys
+
+
+def _print_message(printer: _Printer, m: Any, inner: int, head: str) -> str | None:
+    """A :class:`~loomflow.messages.Message`'s text (a transcript prints one per entry), the
+    fields written out in the printer's order; ``None`` (print it field by field) when a
+    field holds what validation would not leave there (a model built without it)."""
+    role, content, calls, call_id, name, error = (
+        m.role,
+        m.content,
+        m.tool_calls,
+        m.tool_call_id,
+        m.name,
+        m.is_error,
+    )
+    if (
+        type(role) is not str
+        or type(content) is not str
+        or type(calls) is not list
+        or type(error) is not bool
+        or (call_id is not None and type(call_id) is not str)
+        or (name is not None and type(name) is not str)
+        or inner >= MAX_DEPTH  # the empty list of calls is refused there too
+    ):
+        return None
+    calls_text = printer.text(calls, inner) if calls else "[]"
+    call_id_text = "null" if call_id is None else _json_string(call_id)
+    name_text = "null" if name is None else _json_string(name)
+    error_text = "true" if error else "false"
+    if printer._sort:
+        return (
+            f'{head}"content":{_json_string(content)},"is_error":{error_text},'
+            f'"name":{name_text},"role":{_json_string(role)},"tool_call_id":{call_id_text},'
+            f'"tool_calls":{calls_text}}}}}}}'
+        )
+    return (
+        f'{head}"role":{_json_string(role)},"content":{_json_string(content)},'
+        f'"tool_calls":{calls_text},"tool_call_id":{call_id_text},"name":{name_text},'
+        f'"is_error":{error_text}}}}}}}'
+    )
+
+
+def _print_tool_call(printer: _Printer, call: Any, inner: int, head: str) -> str | None:
+    """A :class:`~loomflow.messages.ToolCall`'s text, as :func:`_print_message` prints a
+    message."""
+    id_, name, arguments = call.id, call.name, call.arguments
+    if type(id_) is not str or type(name) is not str:
+        return None
+    args_text = printer.text(arguments, inner)
+    id_text, name_text = _json_string(id_), _json_string(name)
+    if printer._sort:
+        return f'{head}"arguments":{args_text},"id":{id_text},"name":{name_text}}}}}}}'
+    return f'{head}"id":{id_text},"name":{name_text},"arguments":{args_text}}}}}}}'
+
+
+# Model classes with a printer of their own, keyed by the class (a subclass prints field by
+# field): see print_fast.
+_FAST_PRINTS: dict[type, Callable[[_Printer, Any, int, str], str | None]] = {}
+_FAST_BY_FIELDS = {
+    ("role", "content", "tool_calls", "tool_call_id", "name", "is_error"): _print_message,
+    ("id", "name", "arguments"): _print_tool_call,
+}
+
+
+def print_fast(cls: type[BaseModel]) -> type[BaseModel]:
+    """Print ``cls`` (loomflow's Message and ToolCall, marked immutable) with a printer of
+    its own, which writes its fields out without a call per field.
+
+    Raises:
+        InvalidArgumentTypeError: ``cls``'s fields are not those of a class with a printer
+            (a field added to Message: its printer would leave it out).
+    """
+    fast = _FAST_BY_FIELDS.get(tuple(cls.model_fields))
+    if fast is None or cls not in _values:
+        raise InvalidArgumentTypeError(f"{cls!r} has no printer of its own")
+    _FAST_PRINTS[cls] = fast
+    return cls
 
 
 _compact_printer = _Printer(_compact, sort=False)  # the stored form
