@@ -442,18 +442,22 @@ def _decode_dict(payload: Any, depth: int) -> dict[Any, Any]:
 
 
 def _decode_model(payload: Any, depth: int) -> Any:
-    payload = _fields(payload)
-    inner = _inner(depth)
+    # _fields and _inner written out: every stored message and response comes through here.
+    if type(payload) is not dict:
+        raise TypeError(f"expected an object, not {type(payload).__name__}")
+    if depth >= MAX_DEPTH:
+        raise UnknownTagError(f"nested more than {MAX_DEPTH} containers deep")
+    inner = depth + 1
     name = payload["cls"]
     # A registered name is the usual case: one dict look-up; the rest (a name that is not a
     # string, a class renamed since, one not registered) goes the long way.
     cls = _registry.get(name) if type(name) is str else None
     if cls is None:
         cls = _lookup(name)
-    fields = {
-        k: v if type(v) in _LEAVES else _decode(v, inner)
-        for k, v in _fields(payload["fields"]).items()
-    }
+    stored = payload["fields"]
+    if type(stored) is not dict:
+        raise TypeError(f"expected an object, not {type(stored).__name__}")
+    fields = {k: v if type(v) in _LEAVES else _decode(v, inner) for k, v in stored.items()}
     if cls is None:
         return fields
     try:
@@ -598,10 +602,18 @@ class _Printer:
             # Tool arguments and results, a step's keyword arguments: a plain JSON object.
             inner = _deeper(value, depth)
             text = self.text
-            keys = sorted(value) if self._sort else value
-            return (
-                "{" + ",".join([_json_string(k) + ":" + text(value[k], inner) for k in keys]) + "}"
-            )
+            parts = []
+            for k in sorted(value) if self._sort else value:
+                v = value[k]
+                tv = type(v)
+                # Strings and ints (most arguments and results) as text() prints them.
+                if tv is str:
+                    parts.append(_json_string(k) + ":" + _json_string(v))
+                elif tv is int:
+                    parts.append(_json_string(k) + ":" + int.__repr__(v))
+                else:
+                    parts.append(_json_string(k) + ":" + text(v, inner))
+            return "{" + ",".join(parts) + "}"
         if t is Printed and self._sort and depth <= value._depth:  # printed once for two uses
             shared: str = value._text
             return shared

@@ -161,3 +161,51 @@ def test_a_class_with_other_fields_gets_no_printer_of_its_own() -> None:
     codec.mark_immutable(Other)
     with pytest.raises(InvalidArgumentTypeError, match="no printer of its own"):
         codec.print_fast(Other)
+
+
+def _nested(levels: int, inner: str) -> bytes:
+    return ("[" * levels + inner + "]" * levels).encode()
+
+
+_USAGE = '"cls":"loomflow.messages:Usage"'
+
+
+@pytest.mark.parametrize(
+    ("row", "refusal"),
+    [
+        (b'{"$t":"model","v":[1]}', "malformed 'model' value: expected an object, not list"),
+        (
+            b'{"$t":"model","v":{' + _USAGE.encode() + b',"fields":[1]}}',
+            "malformed 'model' value: expected an object, not list",
+        ),
+        (b'{"$t":"model","v":{' + _USAGE.encode() + b"}}", "malformed 'model' value: 'fields'"),
+        (b'{"$t":"model","v":{"fields":{}}}', "malformed 'model' value: 'cls'"),
+        (
+            b'{"$t":"model","v":{' + _USAGE.encode() + b',"fields":{"input_tokens":-1}}}',
+            "'loomflow.messages:Usage' refused the stored fields",
+        ),
+        (
+            _nested(100, '{"$t":"model","v":{"cls":"x:Y","fields":{}}}'),
+            "nested more than 100 containers deep",
+        ),
+        (
+            _nested(99, '{"$t":"model","v":{"cls":"x:Y","fields":{"a":[]}}}'),
+            "nested more than 100 containers deep",
+        ),
+    ],
+)
+def test_crafted_model_rows_are_refused_as_before(row: bytes, refusal: str) -> None:
+    # The model decoder checks its payload inline (every stored message comes through it):
+    # the refusals are the ones the shared checks gave.
+    with pytest.raises(codec.UnknownTagError) as refused:
+        codec.loads(row)
+    assert str(refused.value).startswith(refusal)
+
+
+def test_model_rows_at_the_depth_limit_still_decode() -> None:
+    for levels, fields, leaf in ((99, "{}", {}), (98, '{"a":[]}', {"a": []})):
+        row = _nested(levels, '{"$t":"model","v":{"cls":"x:Y","fields":' + fields + "}}")
+        value: Any = codec.loads(row)
+        for _ in range(levels):
+            value = value[0]
+        assert value == leaf
