@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -239,6 +240,13 @@ def test_scrub_removes_sealed_values_from_results_only_when_present() -> None:
     assert sealer.scrub(failed).error == f"card {PLACEHOLDER} declined"
 
 
+def _shown(chunks: list[Any]) -> str:
+    """The chunks as JSON without the sealed placeholders, whose random HMAC hex can hold
+    any four digits by chance."""
+    text = "".join(c.model_dump_json() for c in chunks)
+    return re.sub(r"\[sealed:[0-9a-f]{20}\]", "[sealed]", text)
+
+
 @pytest.mark.parametrize("with_response", [True, False])
 async def test_deltas_that_name_no_call_of_the_response_are_not_shown(with_response: bool) -> None:
     # A model numbering its only call 1 (or a stream that brings no response): the deltas
@@ -255,7 +263,7 @@ async def test_deltas_that_name_no_call_of_the_response_are_not_shown(with_respo
             yield response
 
     chunks = [c async for c in _sealer().stream(stream())]
-    assert "4111" not in "".join(c.model_dump_json() for c in chunks)
+    assert "4111" not in _shown(chunks)
     assert len(chunks) == (1 if with_response else 0)
 
 
@@ -278,7 +286,7 @@ async def test_the_stream_holds_sealed_call_deltas_and_passes_the_rest() -> None
 
     chunks = [c async for c in _sealer().stream(stream())]
     assert chunks[0] == TextDelta(text="hi")
-    assert "4111" not in "".join(c.model_dump_json() for c in chunks)
+    assert "4111" not in _shown(chunks)
     sealed_delta, other_delta, final = chunks[1:]
     assert sealed_delta.index == 0
     assert sealed_delta.arguments_delta.startswith('{"amount":1,"card":"[sealed:')

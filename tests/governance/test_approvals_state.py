@@ -158,8 +158,10 @@ async def test_edited_sensitive_arguments_are_redacted_in_the_audit_log(
     assert request.arguments == {"account": "A-1", "pin": "[REDACTED]"}
 
     # The command line's path: no agent, so no tool; the request's names are enough.
+    # Pins of ten digits: four could turn up by chance in the payloads' random request ids
+    # (hex) or a timestamp's microseconds.
     edited = normalize_decision(
-        request.request_id, Approve(arguments={"account": "A-2", "pin": "9876"}), "kim"
+        request.request_id, Approve(arguments={"account": "A-2", "pin": "9876543210"}), "kim"
     )
     other = await runtime_factory()
     decided = await journal_decisions(other, "s1", "ana", {request.request_id: edited})
@@ -168,7 +170,7 @@ async def test_edited_sensitive_arguments_are_redacted_in_the_audit_log(
     )
     [entry] = (await audit.query(user_id="ana", action=actions.APPROVAL_DECISION)).entries
     assert entry.payload["arguments"] == {"account": "A-2", "pin": "[REDACTED]"}
-    assert "9876" not in str(entry.payload)
+    assert "9876543210" not in str(entry.payload)
 
     # The agent's path redacts the same way.
     (second,) = (await agent.run("pay", session_id="s2", user_id="ana")).pending_approvals
@@ -176,12 +178,12 @@ async def test_edited_sensitive_arguments_are_redacted_in_the_audit_log(
         "pay",
         session_id="s2",
         user_id="ana",
-        approvals={second.request_id: Approve(arguments={"account": "A-3", "pin": "5555"})},
+        approvals={second.request_id: Approve(arguments={"account": "A-3", "pin": "5555012345"})},
         decided_by="kim",
     )
     entries = (await audit.query(user_id="ana", limit=100)).entries
-    assert "9876" not in str([e.payload for e in entries])
-    assert "5555" not in str([e.payload for e in entries])
+    assert "9876543210" not in str([e.payload for e in entries])
+    assert "5555012345" not in str([e.payload for e in entries])
 
 
 async def test_a_sealed_argument_reaches_the_tool_when_the_same_agent_resumes(
@@ -260,18 +262,18 @@ async def test_an_edit_that_gives_every_value_runs_where_the_sealed_ones_are_gon
 ) -> None:
     bank = Bank()
     endpoint, request_id = await _stopped_elsewhere(bank, runtime_factory)
-    edit = Approve(arguments={"account": "A-2", "pin": "9999"})
+    edit = Approve(arguments={"account": "A-2", "pin": "9999012345"})
     result = await endpoint.resume(
         "pay", session_id="s1", user_id="ana", approvals={request_id: edit}, decided_by="kim"
     )
-    assert bank.transfers == [{"account": "A-2", "pin": "9999"}]
+    assert bank.transfers == [{"account": "A-2", "pin": "9999012345"}]
     assert _tool_results(result) == ["moved from A-2"]
     assert endpoint.audit is not None
     decided = await endpoint.audit.query(user_id="ana", action=actions.PERMISSION_DECISION)
     [entry] = decided.entries
     assert entry.payload["final"] == "allow"
     assert entry.payload["edited"] is True
-    assert "9999" not in json.dumps(entry.payload)  # the edited pin is still redacted
+    assert "9999012345" not in json.dumps(entry.payload)  # the edited pin is still redacted
 
 
 async def test_a_denial_reaches_the_model_where_the_sealed_values_are_gone(
