@@ -53,10 +53,10 @@ from ..errors import (
     RunCancelledError,
     SessionBusyError,
     SessionExistsError,
-    StorageError,
     UserError,
 )
 from ..storage import unbounded
+from ..storage._answers import yes_or_no
 from . import _lease, codec
 from ._expect import unexpected
 from ._owner import claim_owner
@@ -757,7 +757,13 @@ class JournalRuntime:
                 epoch = claim.epoch
                 opened = began or not claim.open  # a new run: nothing of it is journaled yet
                 begun = (
-                    began or claim.open or await self._store.begin_run(scope, claim.token, record)
+                    began
+                    or claim.open
+                    or self._said(
+                        await self._store.begin_run(scope, claim.token, record),
+                        "begin_run",
+                        "the run was opened",
+                    )
                 )
                 if not begun:
                     # Stopped past the lease between the claim and this write: named as
@@ -1283,7 +1289,11 @@ class JournalRuntime:
             if not run.reopen:
                 return
             reopen = getattr(self._store, "reopen", None)  # custom stores may lack it
-            if reopen is not None and not await reopen(run.scope, run.token, run.epoch):
+            if reopen is not None and not self._said(
+                await reopen(run.scope, run.token, run.epoch),
+                "reopen",
+                "the stopped run was opened again",
+            ):
                 await _lease.fenced_out(self._store, run)
                 raise _lease.lost_error(
                     run,
@@ -1291,6 +1301,9 @@ class JournalRuntime:
                     "its stopped run could go on",
                 )
             run.reopen = False
+
+    def _said(self, answer: object, method: str, unknown: str) -> bool:
+        return yes_or_no(answer, self._store, "journal", method, unknown)
 
     def _decode(self, entry: StoredEntry) -> Any:
         if entry.format == "pickle":
@@ -1342,7 +1355,8 @@ class JournalRuntime:
         entry = StoredEntry(pkey, name, fp, kind, fmt, codec.CODEC_VERSION, raw, run.next_seq)
         run.next_seq += 1
         t0 = time.perf_counter()
-        if not await self._store.write_entry(run.scope, run.token, run.epoch, entry):
+        written = await self._store.write_entry(run.scope, run.token, run.epoch, entry)
+        if not self._said(written, "write_entry", f"step {name!r} was journaled"):
             await _lease.fenced_out(self._store, run)
             raise _not_journaled(run, name)
         run.entries.setdefault((pkey, name), {})[fp] = entry
@@ -1441,7 +1455,8 @@ class JournalRuntime:
         """
         scope = Scope.checked(session_id, user_id)
         await self._ensure_open()
-        cancelled = await self._store.cancel(scope)
+        answer = await self._store.cancel(scope)
+        cancelled = self._said(answer, "cancel", "the run was cancelled")
         if cancelled:
             for runtime in (self, *self._peers):
                 live = runtime._live.get(scope.key)
@@ -1533,19 +1548,20 @@ class JournalRuntime:
         Raises :class:`~loomflow.errors.StorageError` when the store answers anything but
         True or False: a recoverer must know whether the attempt was given back."""
         given = await self._store.requeue(Scope(session_id, user_id))
-        if not isinstance(given, bool):  # a third-party store: JournalStore.requeue says bool
-            raise StorageError(
-                f"the journal store {type(self._store).__name__} answered requeue() with a "
-                f"{type(given).__name__}, not True or False, so it is unknown whether the run "
-                "was made due and its attempt given back (JournalStore.requeue must say)"
-            )
-        return given
+        return self._said(given, "requeue", "the run was made due and its attempt given back")
 
     async def dead_letter(
         self, session_id: str | None, user_id: str | None, error: str, *, token: int | None = None
     ) -> bool:
-        """Mark the open run ``failed`` with ``error``: recovery gave up on it."""
-        return await self._store.dead_letter(Scope(session_id, user_id), token, stored_error(error))
+        """Mark the open run ``failed`` with ``error``: recovery gave up on it. False when the
+        run is not there to mark (closed, cancelled, or held by someone else).
+
+        Raises :class:`~loomflow.errors.StorageError` when the store answers anything but
+        True or False: a recoverer reading it as False would leave a run it gave up on
+        unaudited and try it again."""
+        scope = Scope(session_id, user_id)
+        marked = await self._store.dead_letter(scope, token, stored_error(error))
+        return self._said(marked, "dead_letter", "the run was marked failed")
 
     async def note_recovery_error(
         self, session_id: str | None, user_id: str | None, error: str

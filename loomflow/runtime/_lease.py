@@ -19,6 +19,7 @@ from typing import Protocol
 
 from .._cleanup import attach_cleanup_error, raise_if_cancelled
 from ..errors import OwnershipLostError, RunCancelledError, SessionBusyError
+from ..storage._answers import yes_or_no
 from ._owner import is_this_process, process_gone
 from ._store import Claim, JournalStore, Scope
 
@@ -176,20 +177,33 @@ async def _adopt(
     return got, asked
 
 
+def _given_back(store: JournalStore, answer: object) -> bool:
+    # Read as False, a broken store's None would end a finished run as "taken over".
+    return yes_or_no(answer, store, "journal", "release", "the turn was given back")
+
+
 async def release(store: JournalStore, run: LeasedRun, failure: BaseException | None) -> bool:
     """Give the turn back. If the body raised, its error stays the one the caller sees."""
     if failure is None and not run.keep_state:
-        return await store.release(run.scope, run.token, run.epoch + 1, run.outcome)
+        return _given_back(
+            store, await store.release(run.scope, run.token, run.epoch + 1, run.outcome)
+        )
     if failure is None:  # hand the turn back and change nothing else
-        return await store.release(run.scope, run.token, None)
+        return _given_back(store, await store.release(run.scope, run.token, None))
     try:
-        return await store.release(run.scope, run.token, None)
+        return _given_back(store, await store.release(run.scope, run.token, None))
     except Exception as exc:
         # The run's own failure is what the caller must act on; the lease this leaves
         # behind is taken back at once by the next run in this process, and by other
         # processes once it runs out. The release failure rides along, never instead.
         attach_cleanup_error(failure, exc, "giving back the session's turn")
         return True
+
+
+def _renewed(store: JournalStore, answer: object) -> bool:
+    # Read as False, a broken store's None would stop a run that still holds its turn: an
+    # unknown answer is handled as a failed renewal (tried again while the lease lasts).
+    return yes_or_no(answer, store, "journal", "renew", "the lease was renewed")
 
 
 async def heartbeat(store: JournalStore, run: LeasedRun, lease_seconds: float) -> None:
@@ -199,7 +213,7 @@ async def heartbeat(store: JournalStore, run: LeasedRun, lease_seconds: float) -
         await asyncio.sleep(interval)
         asked = lease_clock()
         try:
-            ok = await store.renew(run.scope, run.token, lease_seconds)
+            ok = _renewed(store, await store.renew(run.scope, run.token, lease_seconds))
         except Exception:  # a blip must not kill the run; the lease has slack
             raise_if_cancelled()  # the run ended while the renewal timed out
             log.warning("lease renewal failed for %s", run.scope.shown, exc_info=True)
@@ -234,7 +248,7 @@ async def check_turn(store: JournalStore, run: LeasedRun, name: str, lease_secon
         return
     asked = lease_clock()
     try:
-        ok = await store.renew(run.scope, run.token, lease_seconds)
+        ok = _renewed(store, await store.renew(run.scope, run.token, lease_seconds))
     except Exception:
         if remaining > 0:  # still ours for a while: a blip is not a lost turn
             log.warning("lease check failed for %s", run.scope.shown, exc_info=True)

@@ -313,7 +313,12 @@ class OrphanClaim:
 
 
 class JournalStore(Protocol):
-    """Storage operations the journal needs; implemented once per backend."""
+    """Storage operations the journal needs; implemented once per backend.
+
+    Methods typed ``-> bool`` must answer ``True`` or ``False``: the journal raises
+    :class:`~loomflow.errors.StorageError` for any other answer rather than read it as
+    ``False`` (a dead letter, a cancel or a renewal it cannot know happened).
+    """
 
     backend: str
 

@@ -861,6 +861,41 @@ async def test_a_long_call_keeps_its_reservation_alive() -> None:
     assert (totals.tokens_in, totals.calls, totals.reserved_in) == (100, 1, 0)
 
 
+class _RenewSaysNothing(InMemoryBudgetStore):
+    """A third-party store whose renew() keeps the hold but answers None, not True/False."""
+
+    renewals = 0
+
+    async def renew(self, reservation_id: str, lease_s: float) -> bool:
+        self.renewals += 1
+        await super().renew(reservation_id, lease_s)
+        return None  # type: ignore[return-value]  # the point
+
+
+async def test_a_renewal_the_store_does_not_confirm_keeps_the_hold_renewed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Read as False ("reclaimed"), the first None ended the renewals: the hold of a call
+    # still running lapsed a lease later, and a dead worker's sweep could settle it.
+    store = _RenewSaysNothing()
+    budget = StandardBudget([Cap("tokens_total", 10_000)], store=store, lease_s=0.15)
+    held: list[int] = []
+
+    async def slow(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
+        for _ in range(200):  # until the third renewal (one each third of a lease), 10 s at most
+            if store.renewals >= 3:
+                break
+            await asyncio.sleep(0.05)
+        held.append(len(await store.reservations()))
+        return ModelResponse(text="ok", usage=FIXED)
+
+    with caplog.at_level(logging.WARNING, logger="loomflow"):
+        await agent_with(budget, FunctionModel(slow)).run("go", user_id="alice")
+    assert store.renewals >= 3
+    assert held == [1]
+    assert "answered renew() with a NoneType" in caplog.text
+
+
 class RefuseModelCalls(RunHooks):
     """A hook after the budget that refuses the call the budget has just reserved for."""
 

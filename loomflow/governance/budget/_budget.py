@@ -38,6 +38,7 @@ from ...errors import (
 from ...hooks import Interrupt, RunHooks, RunInfo
 from ...messages import Message, ModelResponse, ModelSettings, Usage
 from ...models.pricing import PRICES, ModelPrice, normalize_prices, price_for, warn_unpriced
+from ...storage._answers import yes_or_no
 from ..events import BudgetDenied, BudgetUnavailable, BudgetWarning
 from ._owner import current_owner
 from ._store import BudgetStore
@@ -859,8 +860,11 @@ class BudgetHooks(RunHooks):
             await asyncio.sleep(budget.lease_s / 3)
             try:
                 async with asyncio.timeout(budget.store_timeout_s):
-                    if not await budget.store.renew(ticket.reservation.id, budget.lease_s):
-                        return  # reclaimed: the commit will charge only what exceeds it
+                    answer = await budget.store.renew(ticket.reservation.id, budget.lease_s)
+                # Anything but a bool is a failed renewal, not "reclaimed": read as False, a
+                # broken store's None ended the renewals and let a live call's hold lapse.
+                if not yes_or_no(answer, budget.store, "budget", "renew", "the hold was kept"):
+                    return  # reclaimed: the commit will charge only what exceeds it
             except Exception as exc:  # the next attempt may succeed; the lease has slack
                 raise_if_cancelled()  # the call ended while the renewal timed out
                 log.warning("renewing budget reservation %s failed: %s", ticket.reservation.id, exc)
