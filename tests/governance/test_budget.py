@@ -642,10 +642,11 @@ class _SlowCommitStore(SqlBudgetStore):
     fsync): what a cancelled COMMIT on aiosqlite's thread does."""
 
     granted: asyncio.Event
+    delay = 0.3
 
     async def reserve(self, *args: Any, **kwargs: Any) -> Any:
         async def slow() -> Any:
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(self.delay)
             denial = await SqlBudgetStore.reserve(self, *args, **kwargs)
             self.granted.set()
             return denial
@@ -661,7 +662,7 @@ class _SlowCommitStore(SqlBudgetStore):
 async def _late_holds_given_back(store: _SlowCommitStore) -> list[Any]:
     """The store's holds once its slow write has ended and a moment has passed: a late hold
     is given back as soon as it is written."""
-    await store.granted.wait()
+    await asyncio.wait_for(store.granted.wait(), 60)  # a failure, never a hung test run
     for _ in range(50):
         if not await store.reservations():
             break
@@ -675,10 +676,14 @@ async def test_a_reservation_granted_after_its_timeout_is_given_back(tmp_path: P
     # call that was never made.
     store = _SlowCommitStore(f"sqlite:///{tmp_path / 'b.db'}")
     store.granted = asyncio.Event()
+    store.delay = 3.0
     await store.open()
-    budget = StandardBudget(WATCHED, store=store, store_timeout_s=0.1)
+    # The timeout also bounds the sweep of dead workers' holds before the reservation: at
+    # 0.1 s a loaded runner's sweep could miss it, and with no hold ever written the wait
+    # below never ended.
+    budget = StandardBudget(WATCHED, store=store, store_timeout_s=1.0)
     model = FunctionModel(tool_then_answer())
-    with pytest.raises(BudgetUnavailableError, match="did not answer"):
+    with pytest.raises(BudgetUnavailableError, match="did not answer reservation"):
         await agent_with(budget, model).run("go", user_id="alice")
     assert model.calls == 0
     assert await _late_holds_given_back(store) == []
@@ -845,12 +850,14 @@ async def test_a_call_whose_answer_a_guardrail_stops_is_still_charged(tmp_path: 
 
 async def test_a_long_call_keeps_its_reservation_alive() -> None:
     store = InMemoryBudgetStore()
-    budget = StandardBudget([Cap("tokens_total", 10_000)], store=store, lease_s=0.15)
+    # A lease of 0.6 s renewed every 0.2 s: a loaded runner's scheduling gap of 0.1 s (seen
+    # on 2 cores) let the other worker's sweep beat a renewal of the 0.15 s lease it had.
+    budget = StandardBudget([Cap("tokens_total", 10_000)], store=store, lease_s=0.6)
     other_worker = StandardBudget(store=store)
     swept: list[int] = []
 
     async def slow(messages: list[Message], tools: list[ToolSpec]) -> ModelResponse:
-        for _ in range(8):  # 0.4 s, well past the 0.15 s lease
+        for _ in range(30):  # 1.5 s, well past the 0.6 s lease
             await asyncio.sleep(0.05)
             swept.append(await other_worker.reclaim())
         return ModelResponse(text="ok", usage=FIXED)
