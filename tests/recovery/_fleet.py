@@ -196,3 +196,14 @@ async def start_blocked(url: str, ledger: Path, count: int, prefix: str, gate: P
     )
     await wait_for(ledger, "blocked", count)
     return proc
+
+
+async def close_agents(agents: dict[str, Any]) -> None:
+    """Close the runtimes and audit logs of the app's agents (built in the test's process)."""
+    from loomflow.audit import AuditLog
+
+    for agent in agents.values():
+        assert agent.runtime is not None
+        await agent.runtime.close()
+        if isinstance(agent.audit, AuditLog):
+            await agent.audit.close()

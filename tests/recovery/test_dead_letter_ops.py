@@ -14,11 +14,10 @@ from pathlib import Path
 
 import _app
 import pytest
-from _fleet import app_env, cli, start_and_kill, tool_counts
+from _fleet import app_env, cli, close_agents, start_and_kill, tool_counts
 from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent
-from loomflow.audit import AuditLog
 from loomflow.recovery import Recovery
 from loomflow.runtime import JournalRuntime
 from loomflow.telemetry import Metrics
@@ -30,14 +29,6 @@ def env(monkeypatch: pytest.MonkeyPatch, journal_url: str, ledger: Path) -> None
     monkeypatch.setenv("FLEET_LEDGER", str(ledger))
     monkeypatch.delenv("FLEET_BLOCK", raising=False)
     monkeypatch.setenv("FLEET_FAIL", "1")  # the carrier is down: every resume raises
-
-
-async def _close(agents: dict[str, Agent]) -> None:
-    for agent in agents.values():
-        assert agent.runtime is not None
-        await agent.runtime.close()
-        if isinstance(agent.audit, AuditLog):
-            await agent.audit.close()
 
 
 async def _dead_letters(journal_url: str, ledger: Path, count: int) -> None:
@@ -53,7 +44,7 @@ async def _dead_letters(journal_url: str, ledger: Path, count: int) -> None:
         await recovery.wait()
         assert recovery.failures == count
     finally:
-        await _close(agents)
+        await close_agents(agents)
 
 
 def _runtime(agents: dict[str, Agent]) -> JournalRuntime:
@@ -97,7 +88,7 @@ async def test_a_dead_letter_is_listed_with_its_error_and_a_retry_finishes_it(
         [info] = await _runtime(agents).sessions(session_id="order-0")
         assert info.state == "finished"
     finally:
-        await _close(agents)
+        await close_agents(agents)
     assert await _listed(journal_url, ledger, "failed") == []
     # reserve was journaled before the kill: replayed, not repeated; ship ran once at last.
     assert tool_counts(ledger, "reserve") == {"order-0": 1}
@@ -140,5 +131,5 @@ async def test_a_cancelled_dead_letter_is_never_recovered(
         assert report.states["failed"] == 1
         assert report.states["cancelled"] == 1
     finally:
-        await _close(agents)
+        await close_agents(agents)
     assert tool_counts(ledger, "ship") == {}

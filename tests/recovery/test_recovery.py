@@ -16,7 +16,7 @@ from pathlib import Path
 import _app
 import pytest
 from _fleet import app_env as fleet_env
-from _fleet import start_and_kill, tool_counts, wait_for
+from _fleet import close_agents, start_and_kill, tool_counts, wait_for
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
@@ -44,15 +44,7 @@ async def worker(app_env: None) -> AsyncIterator[dict[str, Agent]]:
     """The app's agents in this process (a recovering worker), closed afterwards."""
     built = _app.agents()
     yield built
-    await _close(built)
-
-
-async def _close(built: dict[str, Agent]) -> None:
-    for agent in built.values():
-        assert agent.runtime is not None
-        await agent.runtime.close()
-        if isinstance(agent.audit, AuditLog):
-            await agent.audit.close()
+    await close_agents(built)
 
 
 def _runtime(agents: dict[str, Agent]) -> JournalRuntime:
@@ -126,7 +118,7 @@ async def test_two_recoverers_sweeping_at_once_never_resume_one_run_twice(
         reports = await asyncio.gather(first.sweep(), second.sweep())
         await asyncio.gather(first.wait(), second.wait())
     finally:
-        await _close(other)
+        await close_agents(other)
     mine = {r.session_id for r in reports[0].resumed}
     theirs = {r.session_id for r in reports[1].resumed}
     assert not mine & theirs

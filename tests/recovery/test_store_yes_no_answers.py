@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fleet import start_and_kill
+from _fleet import close_agents, start_and_kill
 from prometheus_client import CollectorRegistry
 
 from loomflow.agent import Agent
@@ -69,14 +69,6 @@ def killed(monkeypatch: pytest.MonkeyPatch, journal_url: str, ledger: Path) -> C
     return start
 
 
-async def _close(agents: dict[str, Agent]) -> None:
-    for agent in agents.values():
-        assert agent.runtime is not None
-        await agent.runtime.close()
-        if isinstance(agent.audit, AuditLog):
-            await agent.audit.close()
-
-
 async def test_a_dead_letter_the_store_does_not_confirm_is_an_error_not_a_lost_claim(
     killed: Callable[..., Any],
 ) -> None:
@@ -97,7 +89,7 @@ async def test_a_dead_letter_the_store_does_not_confirm_is_an_error_not_a_lost_c
         assert isinstance(audit, AuditLog)
         assert (await audit.query(user_id="ana", action=RUN_DEAD_LETTER)).entries == []
     finally:
-        await _close(agents)
+        await close_agents(agents)
 
 
 async def test_a_cancel_the_store_does_not_confirm_is_an_error(
@@ -114,7 +106,7 @@ async def test_a_cancel_the_store_does_not_confirm_is_an_error(
             await cancel_run(runtime, "stop-0", user_id="ana", audit=audit)
         assert (await audit.query(user_id="ana", action=RUN_CANCEL)).entries == []
     finally:
-        await _close(agents)
+        await close_agents(agents)
 
 
 @tool
