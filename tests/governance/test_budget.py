@@ -625,16 +625,20 @@ async def test_a_store_that_goes_away_refuses_calls(pg_dsn: str) -> None:
 async def test_a_hung_store_times_out_and_refuses(pg_dsn: str) -> None:
     proxy = TcpProxy(pg_dsn)
     store = SqlBudgetStore(await proxy.start())
-    budget = StandardBudget(WATCHED, store=store, store_timeout_s=0.5)
     model = FunctionModel(tool_then_answer())
-    await agent_with(budget, model).run("go", user_id="alice")  # connected and migrated
-    proxy.stall()
-    with pytest.raises(BudgetUnavailableError, match="did not answer"):
-        await agent_with(budget, model).run("go", user_id="alice")
-    assert model.calls == 3
-    proxy.resume()  # lets the abandoned statement finish, so the pool can close
-    await store.close()
-    await proxy.cut()
+    try:
+        # Connected and migrated under the default timeout: at 0.5 s, a loaded runner's first
+        # connection and migration through the proxy timed out before the store hung.
+        await agent_with(StandardBudget(WATCHED, store=store), model).run("go", user_id="alice")
+        budget = StandardBudget(WATCHED, store=store, store_timeout_s=0.5)
+        proxy.stall()
+        with pytest.raises(BudgetUnavailableError, match="did not answer"):
+            await agent_with(budget, model).run("go", user_id="alice")
+        assert model.calls == 3
+    finally:  # a failure must not leave the proxy's sockets to fail a later test
+        proxy.resume()  # lets the abandoned statement finish, so the pool can close
+        await store.close()
+        await proxy.cut()
 
 
 class _SlowCommitStore(SqlBudgetStore):
