@@ -47,7 +47,7 @@ RUNS = 40
 LEASE = 3.0
 INTERVAL = 1.0  # seconds between a worker's sweeps
 PAUSE = 1.0  # seconds each tool works after its effect: the window a kill lands in
-SLACK = 2.0  # process scheduling on a busy 2-core machine, the claims, the replay
+SLACK = 3.5  # scheduling on a loaded 2-core machine (6.9 s seen at load 11), claims, replay
 EFFECTS = ("card", "pack", "ship")  # side effects; the rest of the ledger are milestones
 
 
