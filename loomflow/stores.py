@@ -695,18 +695,26 @@ class Stores:
     async def _console_mentions(self, user_id: str | None) -> dict[str, list[int]]:
         """The entries of console chains whose payload names ``user_id`` (see :func:`_names`),
         by chain. The anonymous bucket has no id to name: nothing is found."""
+        from .audit import ChainProblem
         from .audit.actions import CONSOLE_CHAINS, KEPT_BY_ERASURE
 
         if user_id is None:
             return {}
         found: dict[str, list[int]] = {}
-        async for head in self.audit.iter_heads():
+        # Head rows read one by one: another user's damaged head is no reason to refuse this
+        # forget (verify reports it).
+        async for head in self.audit.iter_head_rows():
             chain = head.user_id
             if chain is None or not chain.startswith(CONSOLE_CHAINS):
                 continue
             async for entry in self.audit.entries(user_id=chain):
                 if entry.action not in KEPT_BY_ERASURE and _names(entry.payload, user_id):
                     found.setdefault(chain, []).append(entry.seq)
+            if chain in found and isinstance(head, ChainProblem):
+                # Its erasure record could not be appended: refused before anything goes.
+                raise AuditIntegrityError(
+                    f"the console chain {chain!r} names {user_label(user_id)}, but {head.detail}"
+                )
         return found
 
     async def _budget_of(self, user_id: str | None) -> list[BucketUsage | UnreadableBucket]:

@@ -35,6 +35,7 @@ from ._store import (
     ChainItem,
     ChainProblem,
     _user_of_key,
+    malformed_head,
 )
 from .actions import KEPT_BY_ERASURE
 from .migrations import COMPONENT, migrations_for
@@ -312,10 +313,12 @@ class SqlAuditStore(AuditStore):
             raise AuditIntegrityError(f"an audit head is malformed: {malformed[0][1]}")
         return heads
 
-    async def _head_pages(self, size: int) -> AsyncIterator[list[tuple[str, ChainHead]]]:
+    async def _head_pages(
+        self, size: int
+    ) -> AsyncIterator[list[tuple[str, ChainHead | ChainProblem]]]:
         # Keyset paging over the heads' primary key: each page is one index range scan.
         select = "SELECT user_key, user_id, seq, hash FROM loom_audit_heads"
-        after: str | None = None
+        after: Any = None
         while True:
             if after is None:
                 rows = await self.db.fetch(
@@ -328,22 +331,34 @@ class SqlAuditStore(AuditStore):
                     size,
                     what="audit heads",
                 )
-            heads, malformed = self._read_head_rows(rows)
-            if malformed:
-                raise AuditIntegrityError(f"an audit head is malformed: {malformed[0][1]}")
-            if any(type(r[0]) is not str for r in rows):  # a blob put in by hand: no cursor
-                raise AuditIntegrityError(
-                    "an audit head's user key is not text: the head was edited"
-                )
-            # The rows' order, which is the database's collation of the keys (a dict keeps it).
-            page = list(heads.items())
+            # The rows' order, which is the database's collation of the keys.
+            page = [self._read_head_row(r) for r in rows]
             if page:
                 yield page
             if len(rows) < size:
                 return
-            if page[-1][0] == after:  # a cursor that does not move: never read a page twice
+            # The key as stored: a blob put in by hand (SQLite sorts blobs after all text)
+            # is the cursor of the blobs after it.
+            if rows[-1][0] == after:  # a cursor that does not move: never read a page twice
                 raise AuditIntegrityError("the audit heads do not sort by their keys")
-            after = page[-1][0]
+            after = rows[-1][0]
+
+    @staticmethod
+    def _read_head_row(r: Sequence[Any]) -> tuple[str, ChainHead | ChainProblem]:
+        """A head row with its trail key; for one that reads as no head, its problem."""
+        if type(r[0]) is not str:  # SQLite keeps bytes in a TEXT key: it names no trail
+            return str(r[0]), ChainProblem(
+                None,
+                "unreadable",
+                None,
+                None,
+                f"a head row's user key is not text ({shown(r[0])}): the head was edited, and "
+                "names no user's trail",
+            )
+        try:
+            return r[0], ChainHead(_head_user(r[1]), _whole(r[2], "seq"), str(r[3]))
+        except (TypeError, ValueError) as exc:  # a head row edited by hand
+            return r[0], malformed_head(r[0], str(exc))
 
     async def _verify_source(
         self, only: str | None
@@ -352,16 +367,7 @@ class SqlAuditStore(AuditStore):
         # an error that leaves every other trail unchecked. That trail is then walked as one
         # without a head.
         heads, malformed = await self._head_rows(only)
-        problems = [
-            ChainProblem(
-                _user_of_key(key, None),
-                "head_mismatch",
-                None,
-                None,
-                f"the recorded head of this trail is malformed ({why}): the head was edited",
-            )
-            for key, why in malformed
-        ]
+        problems = [malformed_head(key, why) for key, why in malformed]
         return heads, _after(problems, self._chain_items(only))
 
     async def _head_rows(

@@ -673,12 +673,29 @@ class AuditStore(abc.ABC):
         Heads come in the backend's order of their trail keys (not always :meth:`heads`'
         order), each once; a trail that gains its first entry during the walk may be missed.
         """
+        async for head in self.iter_head_rows(page_size=page_size):
+            if isinstance(head, ChainProblem):
+                whose = "" if head.kind == "unreadable" else f" (of {user_label(head.user_id)})"
+                raise AuditIntegrityError(head.detail + whose)
+            yield head
+
+    async def iter_head_rows(
+        self, *, page_size: int = 1000
+    ) -> AsyncIterator[ChainHead | ChainProblem]:
+        """The heads of :meth:`iter_heads`, and in its place each head row that reads as no
+        head (edited by hand): one such row must not hide every other user of the log.
+
+        A malformed head of a known trail (a seq that is no whole number, a user column that
+        is no text) is the ``head_mismatch`` problem ``verify`` reports for it, filed under
+        the trail's user; a head row whose key names no trail at all is an ``unreadable``
+        problem with no user.
+        """
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, not {page_size}")
         await self.open()
         async for page in self._head_pages(page_size):
             for key, head in page:
-                yield _keyed(key, head)[0]
+                yield head if isinstance(head, ChainProblem) else _keyed(key, head)[0]
 
     # -- erasure, retention and legal hold ---------------------------------------------------
 
@@ -1187,13 +1204,18 @@ class AuditStore(abc.ABC):
     async def _heads(self, only: str | None) -> dict[str, ChainHead]:
         """The recorded head of every user (or of one user key)."""
 
-    async def _head_pages(self, size: int) -> AsyncIterator[list[tuple[str, ChainHead]]]:
-        """The heads with their trail keys, ``size`` at a time, in key order.
+    async def _head_pages(
+        self, size: int
+    ) -> AsyncIterator[list[tuple[str, ChainHead | ChainProblem]]]:
+        """The heads with their trail keys, ``size`` at a time, in key order; a head row that
+        reads as no head is its problem (see :meth:`iter_head_rows`).
 
         Backends whose heads sit in memory or in one file read them once; a database
         overrides this with keyset pages.
         """
-        heads = sorted((await self._heads(None)).items())
+        heads: list[tuple[str, ChainHead | ChainProblem]] = sorted(
+            (await self._heads(None)).items()
+        )
         for start in range(0, len(heads), size):
             yield heads[start : start + size]
 
@@ -1326,6 +1348,17 @@ def _user_of_key(key: str, fallback: str | None) -> str | None:
     except (ValueError, RecursionError):
         return fallback
     return user if user is None or isinstance(user, str) else fallback
+
+
+def malformed_head(key: str, why: str) -> ChainProblem:
+    """The problem of a head row of trail ``key`` that reads as no head (``why``)."""
+    return ChainProblem(
+        _user_of_key(key, None),
+        "head_mismatch",
+        None,
+        None,
+        f"the recorded head of this trail is malformed ({why}): the head was edited",
+    )
 
 
 def _keyed(key: str, head: ChainHead) -> tuple[ChainHead, bool]:

@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._ids import MAX_ID_BYTES, check_id, check_key
 from .._printable import escaped_controls, escaped_surrogates, is_unicode, printable, shown_id
 from .._timefmt import UNREADABLE_TIME, iso_time, parse_when
-from ..audit import ANY_USER, AuditPage
+from ..audit import ANY_USER, AuditPage, ChainHead, ChainProblem
 from ..audit._store import export_line
 from ..errors import (
     AuditIntegrityError,
@@ -56,7 +56,14 @@ from ..errors import (
 from ..runtime import RUN_STATES, SessionInfo
 from ..runtime._states import UNREADABLE
 from ._access import ConsoleAccess, Principal, Role, SignIns, cookie_value
-from ._data import CONSOLE_REFUSED, CONSOLE_SIGNIN, CONSOLE_SIGNOUT, ConsoleData, TrailFilter
+from ._data import (
+    CONSOLE_REFUSED,
+    CONSOLE_SIGNIN,
+    CONSOLE_SIGNOUT,
+    ConsoleData,
+    TrailFilter,
+    names_no_user,
+)
 
 __all__ = ["create_app", "user_url"]
 
@@ -303,6 +310,7 @@ def _env() -> Environment:
     env.filters["user_url"] = user_url
     env.filters["trail_link"] = _trail_link
     env.tests["unicode"] = is_unicode  # a run id a link can carry (see _trail_link)
+    env.tests["problem"] = lambda row: isinstance(row, ChainProblem)  # a row read as no entry
     env.globals["query_url"] = _query_url
     env.filters["shown"] = _shown
     env.filters["id"] = _shown_id
@@ -531,7 +539,15 @@ def create_app(
         await data.record(who, "users", details={"search": search})
         heads, more = await data.users(search)
         listed = [
-            {"user_id": h.user_id, "entries": h.seq, "url": user_url(h.user_id), "problem": why}
+            {
+                "user_id": h.user_id,
+                # A head row that reads as no head counts nothing that can be believed.
+                "entries": h.seq if isinstance(h, ChainHead) else None,
+                # A head row whose key names no trail has no page; nor has an id that is not
+                # UTF-8 (see _trail_link).
+                "url": None if names_no_user(h) else _trail_link(h.user_id),
+                "problem": why,
+            }
             for h, why in heads
         ]
         return {
@@ -648,7 +664,7 @@ def create_app(
             raise _Refused(400, "name the run: ?run=<run id>")
         await data.record(who, "run", viewed=user_id, details={"run": run_id})
         story = await data.run(user_id, run_id)
-        if not story.entries:
+        if not story.rows:
             raise _Refused(404, "this user's trail has no entry of that run")
         return {"story": story, "user_id": user_id, "api": story.to_json()}
 

@@ -25,10 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._timefmt import iso_time
-from ..audit import ANY_USER, AuditEntry, AuditPage, AuditRecord, ChainHead, VerifyReport
+from ..audit import (
+    ANY_USER,
+    AuditEntry,
+    AuditPage,
+    AuditRecord,
+    ChainHead,
+    ChainProblem,
+    VerifyReport,
+)
 from ..audit._store import AuditFilter, export_line
 from ..audit.actions import CONSOLE_CHAINS, RUN_END
-from ..errors import JournalError, LoomflowError, UserError
+from ..errors import AuditIntegrityError, JournalError, LoomflowError, UserError
 from ..redaction import Redactor
 from ..runtime import EntryInfo, SessionInfo
 from ..stores import Stores
@@ -46,6 +54,7 @@ __all__ = [
     "SignInFailures",
     "TrailFilter",
     "console_user_id",
+    "names_no_user",
 ]
 
 CONSOLE_ACTION = "console.query"
@@ -71,6 +80,11 @@ _EXECUTED = ("model.call", "tool.call")
 _REPLAYED = ("model.replay", "tool.replay")
 _EXPORT_CHUNK = 1000  # lines per chunk of a streamed export
 _STORY_LIMIT = 2000  # entries of one run shown; a longer run says so
+
+
+def names_no_user(head: ChainHead | ChainProblem) -> bool:
+    """Whether a head row listed on the users page is one whose key names no trail."""
+    return isinstance(head, ChainProblem) and head.kind == "unreadable"
 
 
 def console_user_id(principal: Principal) -> str:
@@ -124,7 +138,13 @@ class TrailFilter:
 
 @dataclass
 class RunStory:
-    """One run told from its audit entries and its journal."""
+    """One run told from its audit entries and its journal.
+
+    ``rows``: the run's rows in storage order, each an entry (as shown) or, for a row that
+    reads as no entry, the ``unreadable`` problem standing in its place (as an export marks
+    it); ``entries`` are the readable ones. ``report``: the verification of the user's trail,
+    made when a row of the run is damaged, so that the page never passes for a sound one.
+    """
 
     user_id: str | None
     run_id: str
@@ -133,6 +153,19 @@ class RunStory:
     session: SessionInfo | None
     state: str | None
     journal: list[EntryInfo] = field(default_factory=list)
+    rows: list[AuditEntry | ChainProblem] = field(default_factory=list)
+    report: VerifyReport | None = None
+
+    @property
+    def damaged(self) -> list[ChainProblem]:
+        """The run's rows that read as no entry."""
+        return [row for row in self.rows if isinstance(row, ChainProblem)]
+
+    @property
+    def unreadable(self) -> bool:
+        """Whether a row of the run is damaged: one that reads as no entry, or an entry whose
+        payload cannot be read."""
+        return bool(self.damaged) or any(e.unreadable is not None for e in self.entries)
 
     @property
     def session_id(self) -> str | None:
@@ -173,7 +206,7 @@ class RunStory:
         return total
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "user_id": self.user_id,
             "run_id": self.run_id,
             "session_id": self.session_id,
@@ -196,6 +229,13 @@ class RunStory:
                 for j in self.journal
             ],
         }
+        # Only for a damaged run, as the trail's answer adds them: an intact run's answer
+        # stays as it was.
+        if self.damaged:
+            data["damaged"] = [p.to_json() for p in self.damaged]
+        if self.report is not None:
+            data["verify"] = self.report.to_json()
+        return data
 
 
 _MAX_CLIENTS = 8  # client addresses kept per failed sign-in record
@@ -372,33 +412,55 @@ class ConsoleData:
 
     async def users(
         self, search: str = "", limit: int = 200
-    ) -> tuple[list[tuple[ChainHead, str | None]], bool]:
+    ) -> tuple[list[tuple[ChainHead | ChainProblem, str | None]], bool]:
         """Users the audit log knows (their chain heads), those whose id contains ``search``
         (case-insensitive), each with what is wrong with it (see :meth:`head_problem`); and
-        whether there were more than ``limit``."""
+        whether there were more than ``limit``.
+
+        A head row that reads as no head is listed as its problem (see
+        :meth:`~loomflow.audit.AuditStore.iter_head_rows`), flagged: one damaged user does not
+        hide every other one. One whose key names no user is listed when nothing is searched
+        for, last (it has no id to contain the text).
+        """
         needle = search.casefold()
         audit = self.stores.audit
         # Read page by page until one more than the page shows has matched: a log that knows
         # 300,000 users lists its first ones at once, and a search holds only its matches.
         # The runs without a user have no id to contain the text (not "None"): they are
         # listed, first, when nothing is searched for, so they are looked up by themselves.
-        anonymous = None if needle else await audit.head(None)
-        found = [] if anonymous is None else [anonymous]
-        async for head in audit.iter_heads():
+        found: list[ChainHead | ChainProblem] = []
+        if not needle:
+            try:
+                anonymous = await audit.head(None)
+            except AuditIntegrityError as exc:  # its head row was edited: flagged, listed
+                found.append(ChainProblem(None, "head_mismatch", None, None, str(exc)))
+            else:
+                found += [] if anonymous is None else [anonymous]
+        async for head in audit.iter_head_rows():
             if len(found) > limit:
                 break
-            if head.user_id is not None and needle in head.user_id.casefold():
+            named = head.user_id is not None and needle in head.user_id.casefold()
+            if named or (not needle and names_no_user(head)):
                 found.append(head)
-        found.sort(key=lambda h: (h.user_id is not None, h.user_id or ""))
+
+        def order(head: ChainHead | ChainProblem) -> tuple[int, str]:
+            if head.user_id is not None:
+                return 1, head.user_id
+            return (2, "") if names_no_user(head) else (0, "")
+
+        found.sort(key=order)
         return [(h, await self.head_problem(h)) for h in found[:limit]], len(found) > limit
 
-    async def head_problem(self, head: ChainHead) -> str | None:
-        """Why the entries stored under a head's user do not bear it out (``None``: they do).
+    async def head_problem(self, head: ChainHead | ChainProblem) -> str | None:
+        """Why the entries stored under a head's user do not bear it out (``None``: they do);
+        for a head row that reads as no head, why.
 
         No hash covers a head row, so the search does not take its word for the user: the
         trail's first entry, whose user id its own hash covers, must be stored under it and
         name that user. (Only ``verify`` walks the whole trail.)
         """
+        if isinstance(head, ChainProblem):
+            return f"{head.detail:.300} (verify to see the whole trail)"
         try:
             page = await self.stores.audit.query(user_id=head.user_id, limit=1)
         except UserError as exc:  # a head row under a key no writer makes: not a 400 for all
@@ -492,16 +554,32 @@ class ConsoleData:
             yield "".join(lines)
 
     async def run(self, user_id: str | None, run_id: str) -> RunStory:
-        """The story of one of the user's runs; its entries as shown (see :meth:`shown`)."""
-        entries: list[AuditEntry] = []
+        """The story of one of the user's runs; its entries as shown (see :meth:`shown`).
+
+        A row that reads as no entry is kept in its place (:attr:`RunStory.rows`), as an
+        export marks it, and the rest of the run is told; the user's trail is then verified,
+        so that the story says the trail fails verification (:attr:`RunStory.report`).
+        """
+        rows: list[AuditEntry | ChainProblem] = []
         truncated = False
-        async for entry in self.stores.audit.entries(user_id=user_id, run_id=run_id):
-            if len(entries) == _STORY_LIMIT:
+        async for row in self.stores.audit.rows(user_id=user_id, run_id=run_id):
+            if len(rows) == _STORY_LIMIT:
                 truncated = True
                 break
-            entries.append(entry)
-        shown = [self.shown(e) for e in entries]
-        story = RunStory(user_id, run_id, shown, truncated, None, None)
+            rows.append(row)
+        entries = [row for row in rows if isinstance(row, AuditEntry)]
+        shown = [row if isinstance(row, ChainProblem) else self.shown(row) for row in rows]
+        story = RunStory(
+            user_id,
+            run_id,
+            [row for row in shown if isinstance(row, AuditEntry)],
+            truncated,
+            None,
+            None,
+            rows=shown,
+        )
+        if story.unreadable:
+            story.report = await self.verify(user_id)
         runtime = self.stores.runtime
         session_id = story.session_id
         # Without a session the run has no row in the journal to find: asking for the user's

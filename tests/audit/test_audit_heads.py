@@ -13,6 +13,7 @@ from loomflow.audit import (
     AuditRecord,
     AuditStore,
     ChainHead,
+    ChainProblem,
     InMemoryAuditStore,
     JsonlAuditStore,
     PostgresAuditStore,
@@ -79,6 +80,46 @@ async def test_a_head_key_edited_to_a_blob_is_an_integrity_error_not_an_endless_
     try:
         with pytest.raises(AuditIntegrityError, match="user key is not text"):
             [h async for h in store.iter_heads(page_size=2)]
+    finally:
+        await store.close()
+
+
+async def test_iter_head_rows_lists_every_head_with_a_damaged_one_in_its_place(
+    tmp_path: Path,
+) -> None:
+    # iter_heads stops at the first head row edited by hand, so a listing of users through it
+    # showed none of them; iter_head_rows goes on, with the row's problem in its place.
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        await store.append([AuditRecord(user_id=u, actor="t", action="x") for u in "abcde"])
+    finally:
+        await store.close()
+    with sqlite3.connect(tmp_path / "audit.db") as db:
+        db.execute("DROP TRIGGER loom_audit_heads_forward")
+        db.execute("""UPDATE loom_audit_heads SET seq = 'two' WHERE user_key = '"b"'""")
+        db.execute("""UPDATE loom_audit_heads SET user_id = X'64' WHERE user_key = '"d"'""")
+        db.execute("""INSERT INTO loom_audit_heads VALUES (X'00', 'z', 1, 'x')""")
+        db.execute("""INSERT INTO loom_audit_heads VALUES (X'01', 'z', 1, 'x')""")
+    store = SqliteAuditStore(tmp_path / "audit.db")
+    try:
+        for size in (1, 2, 1000):  # the blob keys are pages of their own too
+            rows = [h async for h in store.iter_head_rows(page_size=size)]
+            shown = [(h.user_id, getattr(h, "kind", None)) for h in rows]
+            assert shown == [
+                ("a", None),
+                ("b", "head_mismatch"),
+                ("c", None),
+                ("d", "head_mismatch"),
+                ("e", None),
+                (None, "unreadable"),
+                (None, "unreadable"),
+            ], size
+        [b] = [h for h in rows if h.user_id == "b"]
+        assert isinstance(b, ChainProblem)
+        assert "seq is 'two', not a whole number" in b.detail
+        # iter_heads still refuses them, naming whose head it is.
+        with pytest.raises(AuditIntegrityError, match=r"not a whole number\).*of user 'b'"):
+            [h async for h in store.iter_heads()]
     finally:
         await store.close()
 

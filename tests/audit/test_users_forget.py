@@ -533,6 +533,41 @@ async def test_a_forget_erases_the_console_looks_that_name_the_user_and_no_other
         assert (await stores.audit.verify()).ok
 
 
+async def test_another_users_damaged_head_row_does_not_stop_a_forget(tmp_path: Path) -> None:
+    # The forget looked for console chains through every head, and one head row edited by
+    # hand (text in bob's seq) made `users forget ana` fail, naming nobody: another user's
+    # damage held up an erasure request. A console chain that names ana and whose head is
+    # damaged still stops it, by name, before anything is deleted.
+    settings = _settings("sqlite", tmp_path, pytest.FixtureRequest)  # type: ignore[arg-type]
+    await _runs(settings, "ana", "bob", "cy")
+    async with Stores(settings) as stores:
+        await stores.audit._write(
+            AuditRecord(
+                user_id="console:ops",
+                actor="console:ops",
+                action="console.query",
+                payload={"query": "trail", "viewed_user": "cy"},
+            )
+        )
+    with sqlite3.connect(tmp_path / "journal.db") as conn:
+        conn.execute("DROP TRIGGER IF EXISTS loom_audit_heads_forward")
+        conn.execute("""UPDATE loom_audit_heads SET seq = 'x' WHERE user_key = '"bob"'""")
+        conn.execute("""UPDATE loom_audit_heads SET seq = 'y' WHERE user_key = '"console:ops"'""")
+    conn.close()
+    env = {"LOOMFLOW_RUNTIME_URL": f"sqlite:///{tmp_path / 'journal.db'}"}
+    done = _cli(env, "users", "forget", "ana", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "forgot user 'ana'" in done.stdout
+    refused = _cli(env, "users", "forget", "cy", "--yes")
+    assert refused.returncode == 1
+    assert "the console chain 'console:ops' names user 'cy'" in refused.stderr
+    assert "seq is 'y', not a whole number" in refused.stderr
+    async with Stores(settings) as stores:
+        assert stores.runtime is not None
+        assert await stores.runtime.sessions(user_id="cy")  # nothing of cy's deleted
+        assert not await stores.runtime.sessions(user_id="ana")
+
+
 async def test_the_anonymous_user_is_not_everyone_in_the_budget(tmp_path: Path) -> None:
     # budget.usage(None) lists every bucket of every user: the anonymous user's export carried
     # the others' totals, and a forget of an anonymous bucket that held nothing "succeeded".

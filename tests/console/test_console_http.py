@@ -1129,9 +1129,66 @@ def test_the_search_does_not_take_a_head_rows_word_for_its_user(tmp_path: Path) 
     with sqlite3.connect(path) as db:
         db.execute("""INSERT INTO loom_audit_heads VALUES ('"5"', X'35', 1, 'x')""")
     with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        # It was a 400 for everyone (see the test below): now that user alone is flagged.
         got = http.get("/api/users")
-        assert got.status_code == 400
-        assert "an audit head is malformed: user_id is b'5', not text" in got.json()["error"]
+        assert got.status_code == 200, got.text[:300]
+        [five] = [u for u in got.json()["users"] if u["user_id"] == "5"]
+        assert five["entries"] is None
+        assert "user_id is b'5', not text" in five["problem"]
+        assert found_in(http, "alice") == ["alice"]
+
+
+def test_one_damaged_head_row_does_not_hide_every_other_user(tmp_path: Path) -> None:
+    # A head row edited by hand (text in its seq) made the users page a 400 for everyone: a
+    # compliance officer could find no user at all. Now the others are listed, and that user
+    # is flagged, with no entry count the row could vouch for; as is a head whose key names
+    # no user, and a damaged head of the runs without a user.
+    users = ("alice", "bob", "eve", "eve", None)
+    path = _audit_db(tmp_path, [AuditRecord(user_id=u, actor="t", action="x") for u in users])
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_heads_forward")
+        db.execute("""UPDATE loom_audit_heads SET seq = 'x' WHERE user_key = '"eve"'""")
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        for search in ("", "e"):
+            got = http.get("/api/users", params={"q": search})
+            assert got.status_code == 200, got.text[:300]
+            listed = {u["user_id"]: u for u in got.json()["users"]}
+            assert listed["alice"]["problem"] is None
+            eve = listed["eve"]
+            assert (eve["entries"], eve["url"]) == (None, "/users/eve")
+            assert "seq is 'x', not a whole number" in eve["problem"]
+        assert {None, "bob", "console:console-token"} <= set(found_in(http, ""))
+        page = http.get("/users")
+        assert page.status_code == 200
+        assert "Damaged head row" in page.text
+        assert "seq is &#39;x&#39;, not a whole number" in page.text
+    with sqlite3.connect(path) as db:
+        db.execute("""UPDATE loom_audit_heads SET seq = 1.5 WHERE user_key = 'null'""")
+        db.execute("""INSERT INTO loom_audit_heads VALUES (X'22ff22', 'zed', 1, 'x')""")
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/users")
+        assert got.status_code == 200, got.text[:300]
+        listed = got.json()["users"]
+        # The runs without a user first, flagged; the key that names no one last, unlinked.
+        assert listed[0]["user_id"] is None
+        assert "seq is 1.5, not a whole number" in listed[0]["problem"]
+        assert (listed[-1]["user_id"], listed[-1]["url"], listed[-1]["entries"]) == (
+            None,
+            None,
+            None,
+        )
+        assert "user key is not text" in listed[-1]["problem"]
+        assert [u["user_id"] for u in listed[1:-1]] == [
+            "alice",
+            "bob",
+            "console:console-token",
+            "eve",
+        ]
+        page = http.get("/users")
+        assert page.status_code == 200
+        assert "(a head row naming no user)" in page.text
+        assert found_in(http, "zed") == []  # a head row's word is not taken for a user
 
 
 def test_the_search_finds_ids_not_the_word_none(tmp_path: Path) -> None:
@@ -1241,6 +1298,62 @@ def test_a_trail_with_a_malformed_row_lists_the_rest_and_names_it(tmp_path: Path
         mine = http.get("/api/users/console:console-token").json()
         assert "damaged" not in mine
         assert 'id="damaged"' not in http.get("/users/console:console-token").text
+
+
+def _eve_run(run_id: str, secret: str) -> list[AuditRecord]:
+    """Three entries of eve's run ``run_id``; the payload of the second holds ``secret``."""
+    return [
+        AuditRecord(
+            user_id="eve",
+            session_id="s-1",
+            run_id=run_id,
+            actor="t",
+            action=action,
+            payload={"tool": "lookup", "note": secret if n == 1 else "plain"},
+        )
+        for n, action in enumerate(("run.start", "tool.call", "run.end"))
+    ]
+
+
+def test_a_run_with_a_malformed_row_tells_the_rest_and_marks_it(tmp_path: Path) -> None:
+    # The run page read the run's entries with entries(), which raises at a row that reads as
+    # no entry: a run holding one hand-edited row was a 400, where the export marks the row
+    # in its place and goes on. Now the run is told, the row marked where it stood (nothing of
+    # its content), and the page says the user's trail fails verification.
+    path = _audit_db(tmp_path, [*_eve_run("r-1", "kiwi-4411"), *_eve_run("r-2", "plain")])
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("UPDATE loom_audit SET seq = 'two' WHERE seq = 2")
+        row = db.execute("SELECT id FROM loom_audit WHERE seq = 'two'").fetchone()[0]
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/run", params={"user": "eve", "run": "r-1"})
+        assert got.status_code == 200, got.text[:300]
+        story = got.json()
+        assert [e["seq"] for e in story["entries"]] == [1, 3]
+        assert [(d["kind"], d["seq"], d["position"]) for d in story["damaged"]] == [
+            ("unreadable", None, row)
+        ]
+        assert "seq is 'two', not a whole number" in story["damaged"][0]["detail"]
+        assert story["verify"]["ok"] is False
+        assert "unreadable" in {p["kind"] for p in story["verify"]["problems"]}
+        assert "kiwi-4411" not in got.text
+        page = http.get("/run", params={"user": "eve", "run": "r-1"})
+        assert page.status_code == 200
+        text = page.text
+        assert "kiwi-4411" not in text
+        assert f"Unreadable row {row}: " in text
+        assert "Chain verification of this user's trail FAILED" in text
+        # In its place: after entry 1, before entry 3.
+        assert text.index('seq=1"') < text.index("Unreadable row") < text.index('seq=3"')
+        # A run with no damaged row answers as it did: no "damaged", no verification.
+        other = http.get("/api/run", params={"user": "eve", "run": "r-2"}).json()
+        assert [e["seq"] for e in other["entries"]] == [4, 5, 6]
+        assert "damaged" not in other
+        assert "verify" not in other
+        assert (
+            'id="verification"' not in http.get("/run", params={"user": "eve", "run": "r-2"}).text
+        )
 
 
 def test_an_entry_is_looked_up_by_its_seq_not_found_by_walking_the_trail(
