@@ -666,7 +666,14 @@ def create_app(
         story = await data.run(user_id, run_id)
         if not story.rows:
             raise _Refused(404, "this user's trail has no entry of that run")
-        return {"story": story, "user_id": user_id, "api": story.to_json()}
+        base = user_url(user_id)
+        verify_url = base + ("&" if "?" in base else "?") + "verify=1"
+        return {
+            "story": story,
+            "user_id": user_id,
+            "verify_url": verify_url,
+            "api": story.to_json(),
+        }
 
     @page("runs.html", role="admin")
     async def runs(request: Request, who: Principal) -> Any:

@@ -1356,6 +1356,45 @@ def test_a_run_with_a_malformed_row_tells_the_rest_and_marks_it(tmp_path: Path) 
         )
 
 
+@pytest.mark.postgres
+def test_a_run_with_an_unreadable_payload_on_postgresql_is_flagged_and_verified(
+    pg_dsn: str,
+) -> None:
+    # On PostgreSQL a hand edit leaves rows typed, but a payload edited into no JSON reads as
+    # an entry marked unreadable: the run page listed it as any other, with no word of the
+    # damage and no verification. It is marked in its row now, and the trail is verified.
+    settings = Settings(runtime_url=pg_dsn, console_token=ADMIN)
+
+    async def make() -> None:
+        async with Stores(settings) as stores:
+            await stores.migrate()
+            await stores.audit.append(_eve_run("r-1", "kiwi-4411"))
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute("SET session_replication_role = replica")  # triggers off
+            await conn.execute(
+                """UPDATE loom_audit SET payload = '{"note": "kiwi-4411"' """
+                """WHERE user_key = '"eve"' AND seq = 2"""
+            )
+        finally:
+            await conn.close()
+
+    asyncio.run(make())
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/run", params={"user": "eve", "run": "r-1"})
+        assert got.status_code == 200, got.text[:300]
+        story = got.json()
+        assert [e["seq"] for e in story["entries"]] == [1, 2, 3]
+        assert "damaged" not in story  # no row that reads as no entry
+        assert "unreadable payload" in story["entries"][1]["unreadable"]
+        assert story["verify"]["ok"] is False
+        assert ("unreadable", 2) in [(p["kind"], p["seq"]) for p in story["verify"]["problems"]]
+        page = http.get("/run", params={"user": "eve", "run": "r-1"}).text
+        assert "Unreadable payload: entry 2 has an unreadable payload" in page
+        assert "Chain verification of this user's trail FAILED" in page
+        assert "kiwi-4411" not in page
+
+
 def test_an_entry_is_looked_up_by_its_seq_not_found_by_walking_the_trail(
     tmp_path: Path,
 ) -> None:
