@@ -1351,9 +1351,9 @@ def test_a_run_with_a_malformed_row_tells_the_rest_and_marks_it(tmp_path: Path) 
         assert [e["seq"] for e in other["entries"]] == [4, 5, 6]
         assert "damaged" not in other
         assert "verify" not in other
-        assert (
-            'id="verification"' not in http.get("/run", params={"user": "eve", "run": "r-2"}).text
-        )
+        intact = http.get("/run", params={"user": "eve", "run": "r-2"}).text
+        assert 'id="verification"' not in intact
+        assert '<a href="/users/eve?verify=1" id="verify">' in intact  # checked on request
 
 
 @pytest.mark.postgres
