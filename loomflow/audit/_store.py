@@ -487,6 +487,15 @@ class AuditStore(abc.ABC):
         A trail whose rows were edited may hold more than one row with that seq (a store
         without a unique key): the first stored is returned.
         """
+        found = await self.entry_row(user_id, seq)
+        if isinstance(found, ChainProblem):  # a row that reads as no entry
+            raise AuditIntegrityError(found.detail)
+        return found
+
+    async def entry_row(self, user_id: str | None, seq: int) -> AuditEntry | ChainProblem | None:
+        """As :meth:`entry`, but a row stored with that seq that reads as no entry is
+        returned as its ``unreadable`` problem (see :attr:`AuditPage.damaged`), for a caller
+        that shows it marked rather than failing."""
         if type(seq) is not int or seq < 1:
             raise UserError(f"seq must be a whole number from 1, not {seq!r}")
         where = AuditFilter.build(user_id=user_id)
@@ -494,11 +503,7 @@ class AuditStore(abc.ABC):
             return None
         await self.open()
         found, _ = await self._query(dataclasses.replace(where, seq=seq), 1, None)
-        if not found:
-            return None
-        if isinstance(found[0], ChainProblem):  # a row that reads as no entry
-            raise AuditIntegrityError(found[0].detail)
-        return found[0]
+        return found[0] if found else None
 
     @abc.abstractmethod
     async def _query(

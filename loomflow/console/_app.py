@@ -45,7 +45,7 @@ from .._ids import MAX_ID_BYTES, check_id, check_key
 from .._printable import escaped_controls, escaped_surrogates, is_unicode, printable, shown_id
 from .._timefmt import UNREADABLE_TIME, iso_time, parse_when
 from ..audit import ANY_USER, AuditPage, ChainHead, ChainProblem
-from ..audit._store import export_line
+from ..audit._store import damaged_row, export_line
 from ..errors import (
     AuditIntegrityError,
     InvalidArgumentError,
@@ -644,6 +644,10 @@ def create_app(
         found = await data.entry(user_id, seq)  # redacted, as every page and route shows it
         if found is None:
             raise _Refused(404, f"no entry {seq} in this user's trail")
+        if isinstance(found, ChainProblem):
+            # The row stored with that seq reads as no entry: named and marked, as the export
+            # marks it (nothing of its content), rather than a 400 the asker did not cause.
+            return {"user_id": user_id, "seq": seq, "damaged": found, "api": damaged_row(found)}
         run_url = None
         # A run id that is not UTF-8 (a hand-edited row) is no address: shown, not linked.
         if found.run_id is not None and is_unicode(found.run_id):

@@ -520,11 +520,12 @@ class ConsoleData:
             user_id=user_id, **where.as_kwargs(), limit=limit, cursor=cursor
         )
 
-    async def entry(self, user_id: str | None, seq: int) -> AuditEntry | None:
+    async def entry(self, user_id: str | None, seq: int) -> AuditEntry | ChainProblem | None:
         """The user's entry ``seq``, as shown (looked up by its seq: the trail is not read
-        from its start)."""
-        found = await self.stores.audit.entry(user_id, seq)
-        return None if found is None else self.shown(found)
+        from its start); a row with that seq that reads as no entry is its problem, which
+        names the row, as an export marks it."""
+        found = await self.stores.audit.entry_row(user_id, seq)
+        return found if found is None or isinstance(found, ChainProblem) else self.shown(found)
 
     async def verify(self, user_id: str | Any | None = ANY_USER) -> VerifyReport:
         return await self.stores.audit.verify(user_id=user_id)

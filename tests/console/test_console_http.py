@@ -1418,6 +1418,30 @@ def test_an_entry_is_looked_up_by_its_seq_not_found_by_walking_the_trail(
             assert http.get("/api/entry", params={"user": "ray", "seq": seq}).status_code == 404
 
 
+def test_an_entry_whose_row_reads_as_no_entry_is_marked_not_a_400(tmp_path: Path) -> None:
+    # The entry page answered 400 for a row with bytes in its actor column, as if the asker
+    # had sent a bad request. It names the row now and marks it, as the export's line does.
+    records = [AuditRecord(user_id="eve", actor="t", action="x", payload={"n": "kiwi-77"})] * 3
+    path = _audit_db(tmp_path, records)
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        db.execute("UPDATE loom_audit SET actor = X'ff00' WHERE seq = 2")
+        row = db.execute("SELECT id FROM loom_audit WHERE seq = 2").fetchone()[0]
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/entry", params={"user": "eve", "seq": 2})
+        assert got.status_code == 200, got.text[:300]
+        marker = got.json()
+        assert (marker["row"], marker["user_id"], marker["seq"]) == (row, "eve", 2)
+        assert "actor is stored as bytes, not text" in marker["unreadable"]
+        assert "hash" not in marker
+        page = http.get("/entry", params={"user": "eve", "seq": 2})
+        assert page.status_code == 200
+        assert f"Unreadable row {row}: " in page.text
+        assert "kiwi-77" not in page.text + got.text
+        assert http.get("/api/entry", params={"user": "eve", "seq": 3}).json()["seq"] == 3
+
+
 async def _append(path: Path, records: list[AuditRecord]) -> None:
     store = SqliteAuditStore(path)
     for record in records:
