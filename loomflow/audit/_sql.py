@@ -356,7 +356,7 @@ class SqlAuditStore(AuditStore):
                 "names no user's trail",
             )
         try:
-            return r[0], ChainHead(_head_user(r[1]), _whole(r[2], "seq"), str(r[3]))
+            return r[0], _head_of(r)
         except (TypeError, ValueError) as exc:  # a head row edited by hand
             return r[0], malformed_head(r[0], str(exc))
 
@@ -392,7 +392,7 @@ class SqlAuditStore(AuditStore):
         malformed: list[tuple[str, str]] = []
         for r in rows:
             try:
-                heads[str(r[0])] = ChainHead(_head_user(r[1]), _whole(r[2], "seq"), str(r[3]))
+                heads[str(r[0])] = _head_of(r)
             except (TypeError, ValueError) as exc:  # a head row edited by hand
                 malformed.append((str(r[0]), str(exc)))
         return heads, malformed
@@ -474,6 +474,11 @@ def _malformed(key: str, row: Sequence[Any], detail: str) -> ChainProblem:
     text = row[1] is None or isinstance(row[1], str)
     user = row[1] if text else _user_of_key(key, None)
     return ChainProblem(user, "unreadable", seq, int(row[0]), detail)
+
+
+def _head_of(row: Sequence[Any]) -> ChainHead:
+    """A head row (key, user, seq, hash) as a head; TypeError or ValueError if it is none."""
+    return ChainHead(_head_user(row[1]), _whole(row[2], "seq"), str(row[3]))
 
 
 def _head_user(value: Any) -> str | None:

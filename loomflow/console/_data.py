@@ -461,6 +461,8 @@ class ConsoleData:
         """
         if isinstance(head, ChainProblem):
             return f"{head.detail:.300} (verify to see the whole trail)"
+        if head.seq < 1:  # a trail's first entry is 1: no writer records a head before it
+            return f"its recorded head counts {head.seq} entries: the head was edited"
         try:
             page = await self.stores.audit.query(user_id=head.user_id, limit=1)
         except UserError as exc:  # a head row under a key no writer makes: not a 400 for all

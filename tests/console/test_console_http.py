@@ -1148,6 +1148,7 @@ def test_one_damaged_head_row_does_not_hide_every_other_user(tmp_path: Path) -> 
     with sqlite3.connect(path) as db:
         db.execute("DROP TRIGGER IF EXISTS loom_audit_heads_forward")
         db.execute("""UPDATE loom_audit_heads SET seq = 'x' WHERE user_key = '"eve"'""")
+        db.execute("""UPDATE loom_audit_heads SET seq = -3 WHERE user_key = '"bob"'""")
     settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
     with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
         for search in ("", "e"):
@@ -1158,7 +1159,9 @@ def test_one_damaged_head_row_does_not_hide_every_other_user(tmp_path: Path) -> 
             eve = listed["eve"]
             assert (eve["entries"], eve["url"]) == (None, "/users/eve")
             assert "seq is 'x', not a whole number" in eve["problem"]
-        assert {None, "bob", "console:console-token"} <= set(found_in(http, ""))
+            if not search:
+                assert "counts -3 entries" in listed["bob"]["problem"]
+        assert {None, "console:console-token"} <= set(found_in(http, ""))
         page = http.get("/users")
         assert page.status_code == 200
         assert "Damaged head row" in page.text
@@ -2373,7 +2376,17 @@ def test_a_huge_crafted_value_is_cut_in_the_damaged_rows_warning(tmp_path: Path)
             assert "<script>" not in page.text
             assert "<img" not in page.text
             assert not any(raw in page.text for raw in _RAW)
-        assert len(http.get("/api/run", params={"user": "eve", "run": "r1"}).text) < 1000
+        # The run was refused with the reason (kept short); it is told now, its damaged rows
+        # marked with their reasons cut, on the page as in the JSON.
+        story = http.get("/api/run", params={"user": "eve", "run": "r1"}).json()
+        details = [d["detail"] for d in story["damaged"]]
+        details += [p["detail"] for p in story["verify"]["problems"]]
+        assert len(story["damaged"]) == 2
+        assert all(len(d) < 1000 for d in details), [len(d) for d in details]
+        page = http.get("/run", params={"user": "eve", "run": "r1"})
+        assert page.status_code == 200
+        assert len(page.text) < 20_000
+        assert "<script>" not in page.text
         marked = [
             json.loads(line)
             for line in http.get("/api/export", params={"user": "eve"}).text.splitlines()[1:]
