@@ -1303,6 +1303,15 @@ def test_a_trail_with_a_malformed_row_lists_the_rest_and_names_it(tmp_path: Path
         assert 'id="damaged"' not in http.get("/users/console:console-token").text
 
 
+def _edit_row(path: Path, change: str, where: str) -> int:
+    """Edit the audit row ``where`` selects by hand (``SET change``); its row id."""
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
+        row = int(db.execute(f"SELECT id FROM loom_audit WHERE {where}").fetchone()[0])
+        db.execute(f"UPDATE loom_audit SET {change} WHERE id = ?", (row,))
+    return row
+
+
 def _eve_run(run_id: str, secret: str) -> list[AuditRecord]:
     """Three entries of eve's run ``run_id``; the payload of the second holds ``secret``."""
     return [
@@ -1324,10 +1333,7 @@ def test_a_run_with_a_malformed_row_tells_the_rest_and_marks_it(tmp_path: Path) 
     # in its place and goes on. Now the run is told, the row marked where it stood (nothing of
     # its content), and the page says the user's trail fails verification.
     path = _audit_db(tmp_path, [*_eve_run("r-1", "kiwi-4411"), *_eve_run("r-2", "plain")])
-    with sqlite3.connect(path) as db:
-        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
-        db.execute("UPDATE loom_audit SET seq = 'two' WHERE seq = 2")
-        row = db.execute("SELECT id FROM loom_audit WHERE seq = 'two'").fetchone()[0]
+    row = _edit_row(path, "seq = 'two'", "seq = 2")
     settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
     with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
         got = http.get("/api/run", params={"user": "eve", "run": "r-1"})
@@ -1426,10 +1432,7 @@ def test_an_entry_whose_row_reads_as_no_entry_is_marked_not_a_400(tmp_path: Path
     # had sent a bad request. It names the row now and marks it, as the export's line does.
     records = [AuditRecord(user_id="eve", actor="t", action="x", payload={"n": "kiwi-77"})] * 3
     path = _audit_db(tmp_path, records)
-    with sqlite3.connect(path) as db:
-        db.execute("DROP TRIGGER IF EXISTS loom_audit_no_update")
-        db.execute("UPDATE loom_audit SET actor = X'ff00' WHERE seq = 2")
-        row = db.execute("SELECT id FROM loom_audit WHERE seq = 2").fetchone()[0]
+    row = _edit_row(path, "actor = X'ff00'", "seq = 2")
     settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
     with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
         got = http.get("/api/entry", params={"user": "eve", "seq": 2})
