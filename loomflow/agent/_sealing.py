@@ -35,13 +35,16 @@ process (a resume after a crash), whose transcript holds a result sealed by the 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
 import re
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable, Mapping
 from typing import Any
+
+from pydantic import BaseModel
 
 from .._json import canonical_json, json_safe
 from .._sealed import SEALED_ARGUMENT
@@ -71,21 +74,47 @@ def _holds_nothing(value: Any) -> bool:
 
 def _named_secrets(redactor: Redactor, value: Any) -> list[Any]:
     """The values under keys that :meth:`Redactor.seals_key` seals, at any depth of
-    ``value`` (mappings and lists), leaving out those that hold nothing."""
+    ``value`` (mappings, lists, sets, and the fields of models and dataclasses, which the
+    journal prints by name as it prints a dict's keys), leaving out those that hold nothing."""
     found: list[Any] = []
-    pending = [value]  # a loop, not recursion: a model may nest its arguments deep
+    pending = [value] if _walked(value) else []  # a loop: arguments may nest deep
+    seen: set[int] = set()  # a dataclass that holds itself passes json_safe (its repr)
     while pending:
         item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
         if isinstance(item, Mapping):
-            for key, inner in item.items():
-                if isinstance(key, str) and redactor.seals_key(key):
-                    if not _holds_nothing(inner):
-                        found.append(inner)
-                elif isinstance(inner, Mapping | list | tuple):
-                    pending.append(inner)
-        elif isinstance(item, list | tuple):
-            pending.extend(i for i in item if isinstance(i, Mapping | list | tuple))
+            pairs: Iterable[tuple[Any, Any]] = item.items()
+        elif isinstance(item, BaseModel):
+            pairs = ((k, getattr(item, k, None)) for k in type(item).model_fields)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            pairs = ((f.name, getattr(item, f.name, None)) for f in dataclasses.fields(item))
+        else:  # a list, tuple or set
+            pending.extend(i for i in item if _walked(i))
+            continue
+        for key, inner in pairs:
+            if isinstance(key, str) and redactor.seals_key(key):
+                if not _holds_nothing(inner):
+                    found.append(inner)
+            elif _walked(inner):
+                pending.append(inner)
     return found
+
+
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def _walked(value: Any) -> bool:
+    """Whether :func:`_named_secrets` looks inside ``value`` (strings and numbers it skips)."""
+    t = type(value)
+    if t in _LEAVES:  # most of what a model sends: answered without the checks below
+        return False
+    if t is dict or t is list:
+        return True
+    if isinstance(value, Mapping | list | tuple | set | frozenset | BaseModel):
+        return True
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 class SealedValueLost(LookupError):

@@ -5,6 +5,7 @@ no store, event, span or approval request holds the value, and the tool still ge
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import _nested_secret_worker as worker
 import pytest
 from _process_harness import harness as h  # the crash tests' process helpers
+from pydantic import BaseModel
 
 from loomflow.agent import Agent, Tuning
 from loomflow.agent.hooks import RunHooks, RunInfo
@@ -20,7 +22,7 @@ from loomflow.audit.sealing import Sealer
 from loomflow.governance import Rule, StandardPermissions
 from loomflow.messages import Message, ModelResponse, ToolCall, ToolSpec
 from loomflow.models import FunctionModel
-from loomflow.runtime import SqliteRuntime
+from loomflow.runtime import SqliteRuntime, codec
 from loomflow.telemetry import Telemetry
 from loomflow.telemetry.testing import SpanCapture
 from loomflow.tools import Tool, ToolOutcome
@@ -323,3 +325,53 @@ async def test_a_result_holding_a_secret_name_is_journaled_and_read_redacted(
         await agent.aclose()
     assert read == ['{"user":"ana","token":"[REDACTED]"}']
     assert token.encode() not in stored_bytes(tmp_path)
+
+
+class _Login(BaseModel):
+    host: str
+    password: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    api_key: str
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        _Login(host="dbhost1", password=PASSWORD),
+        [_Login(host="dbhost1", password=PASSWORD)],
+        {"login": _Login(host="dbhost1", password=PASSWORD)},
+        _Key(api_key=PASSWORD),
+        frozenset({_Key(api_key=PASSWORD)}),
+    ],
+    ids=["model", "model-in-list", "model-in-dict", "dataclass", "dataclass-in-set"],
+)
+def test_a_model_or_dataclass_holding_a_secret_field_is_sealed(value: Any) -> None:
+    # The journal prints a model's or dataclass's fields by name, as it prints a dict's keys.
+    call = ToolCall(id="c", name="connect", arguments={"config": value})
+    redactor = Redactor()
+    sealer = Sealer({}, redactor)
+    sealed = sealer.seal_call(call)
+    assert sealed.arguments["config"].startswith("[sealed:")
+    assert PASSWORD.encode() not in codec.dumps(sealed)
+    assert sealer.unseal(sealed).arguments["config"] == value
+    assert redactor.text(PASSWORD) == "[REDACTED]"
+
+
+@dataclasses.dataclass
+class _Link:
+    api_key: str
+    next: Any = None
+
+
+@pytest.mark.timeout(20)
+def test_a_dataclass_that_holds_itself_is_refused_not_looped_over() -> None:
+    # Its repr (what the secret-shape check reads) stops at the cycle; the walk must too,
+    # leaving the journal's own refusal of a value that contains itself.
+    link = _Link(api_key=PASSWORD)
+    link.next = link
+    call = ToolCall(id="c", name="connect", arguments={"config": link})
+    with pytest.raises(codec.NestingTooDeepError):
+        Sealer({}, Redactor()).seal_call(call)
