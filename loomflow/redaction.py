@@ -22,6 +22,7 @@ A :class:`Redactor` rewrites text and JSON data so that none of these reach a st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -32,6 +33,8 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Protocol
+
+from pydantic import BaseModel
 
 from ._json import json_safe
 from ._pii import FINDERS
@@ -748,6 +751,12 @@ def _leaves(value: Any, out: list[str]) -> None:
     elif isinstance(value, list | tuple | set | frozenset):
         for v in value:
             _leaves(v, out)
+    elif isinstance(value, BaseModel):  # a sealed argument may be a model or a dataclass
+        for name in type(value).model_fields:
+            _leaves(getattr(value, name, None), out)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _leaves(getattr(value, field.name, None), out)
 
 
 # -- loomflow's own log records -------------------------------------------------------------

@@ -25,7 +25,7 @@ from loomflow.models import FunctionModel
 from loomflow.runtime import SqliteRuntime, codec
 from loomflow.telemetry import Telemetry
 from loomflow.telemetry.testing import SpanCapture
-from loomflow.tools import Tool, ToolOutcome
+from loomflow.tools import Tool, ToolOutcome, tool
 
 PASSWORD = "hunter2-nested"
 API_KEY = "abc123xyz-key"
@@ -375,3 +375,22 @@ def test_a_dataclass_that_holds_itself_is_refused_not_looped_over() -> None:
     call = ToolCall(id="c", name="connect", arguments={"config": link})
     with pytest.raises(codec.NestingTooDeepError):
         Sealer({}, Redactor()).seal_call(call)
+
+
+def test_a_sealed_model_or_dataclass_has_its_values_learned_as_secrets() -> None:
+    # A tool that echoes a sealed value back must have it scrubbed, as for a dict's.
+    @tool(sensitive=["login"])
+    def log_in(login: Any, key: Any) -> str:
+        """Log in."""
+        return "ok"
+
+    redactor = Redactor()
+    sealer = Sealer({"log_in": log_in}, redactor)
+    login = _Login(host="dbhost1", password=PASSWORD)
+    call = ToolCall(
+        id="c", name="log_in", arguments={"login": login, "key": {"api_key": _Key(API_KEY)}}
+    )
+    sealed = sealer.seal_call(call)
+    assert sealed.arguments["login"].startswith("[sealed:")
+    assert sealed.arguments["key"].startswith("[sealed:")
+    assert redactor.text(f"{PASSWORD} {API_KEY}") == "[REDACTED] [REDACTED]"
