@@ -93,12 +93,7 @@ class _Parser(argparse.ArgumentParser):
         for token in self.given:
             if token == "--":
                 break
-            name = token.split("=", 1)[0]
-            if (
-                token.startswith("-")
-                and name not in self._option_string_actions
-                and not self._negative_number_matcher.match(token)
-            ):
+            if self._unknown_option(token):
                 if message.endswith(_NO_VALUE):  # "argument -o/--output: expected ..."
                     option = message.split(":")[0].split("/")[-1].removeprefix("argument ")
                     return (
@@ -110,6 +105,18 @@ class _Parser(argparse.ArgumentParser):
                     f"options first and the id after '--', as in {self.prog} ... -- {token})"
                 )
         return ""
+
+    def _unknown_option(self, token: str) -> bool:
+        """Whether argparse read ``token`` as an option it does not know. By its rules "-"
+        (stdout, for -o), a negative number and a token with a space are values, and the
+        start of a known option (``--js``, ``-oFILE``) is that option."""
+        if not token.startswith("-") or token == "-" or " " in token:
+            return False
+        name = token.split("=", 1)[0]
+        known = self._option_string_actions
+        if name in known or token[:2] in known or self._negative_number_matcher.match(token):
+            return False
+        return not (name.startswith("--") and any(o.startswith(name) for o in known))
 
 
 _REQUIRED = "the following arguments are required: "

@@ -355,6 +355,26 @@ def test_an_id_that_starts_with_a_dash_is_named_with_the_way_to_pass_it(
     assert done.stderr.rstrip().endswith(hint), done.stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["users", "export", "-o", "-"],  # "-" is stdout, a value argparse never takes as option
+        ["runs", "show", "--js"],  # argparse reads it as --json
+        ["runs", "show", "--user", "-a b"],  # a token with a space is a value to argparse
+    ],
+    ids=["stdout", "abbreviation", "space"],
+)
+def test_a_dash_led_token_argparse_took_as_a_value_or_option_gets_no_hint(
+    command: list[str], tmp_path: Path
+) -> None:
+    # The hint blamed these for the missing id ("'-' starts with '-', so it was read as an
+    # option: ... -- -"), sending the user to quote a token that was never the problem.
+    done = loomflow("--url", f"sqlite:///{tmp_path / 'journal.db'}", *command)
+    assert done.returncode == 2
+    assert "required" in done.stderr, done.stderr
+    assert "starts with '-'" not in done.stderr, done.stderr
+
+
 def test_the_ways_the_dash_hint_gives_do_reach_the_user(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'journal.db'}"
     settings = Settings(runtime_url=url)
