@@ -36,6 +36,7 @@ from ._store import (
     ChainProblem,
     _user_of_key,
     malformed_head,
+    names_trail,
 )
 from .actions import KEPT_BY_ERASURE
 from .migrations import COMPONENT, migrations_for
@@ -358,7 +359,7 @@ class SqlAuditStore(AuditStore):
         try:
             return r[0], _head_of(r)
         except (TypeError, ValueError) as exc:  # a head row edited by hand
-            return r[0], malformed_head(r[0], str(exc))
+            return r[0], _malformed_head_row(r[0], str(exc))
 
     async def _verify_source(
         self, only: str | None
@@ -367,7 +368,7 @@ class SqlAuditStore(AuditStore):
         # an error that leaves every other trail unchecked. That trail is then walked as one
         # without a head.
         heads, malformed = await self._head_rows(only)
-        problems = [malformed_head(key, why) for key, why in malformed]
+        problems = [_malformed_head_row(key, why) for key, why in malformed]
         return heads, _after(problems, self._chain_items(only))
 
     async def _head_rows(
@@ -474,6 +475,22 @@ def _malformed(key: str, row: Sequence[Any], detail: str) -> ChainProblem:
     text = row[1] is None or isinstance(row[1], str)
     user = row[1] if text else _user_of_key(key, None)
     return ChainProblem(user, "unreadable", seq, int(row[0]), detail)
+
+
+def _malformed_head_row(key: str, why: str) -> ChainProblem:
+    """The problem of a head row that reads as no head: its trail's, or for a key that is no
+    trail's (not the runs without a user, whose key is "null"), a row naming no user, as a
+    blob key is, rather than one filed under the runs without a user."""
+    if names_trail(key):
+        return malformed_head(key, why)
+    return ChainProblem(
+        None,
+        "unreadable",
+        None,
+        None,
+        f"a head row's user key ({shown(key)}) names no user's trail, and the head is "
+        f"malformed ({why}): the head was edited",
+    )
 
 
 def _head_of(row: Sequence[Any]) -> ChainHead:

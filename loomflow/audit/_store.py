@@ -1355,6 +1355,11 @@ def _user_of_key(key: str, fallback: str | None) -> str | None:
     return user if user is None or isinstance(user, str) else fallback
 
 
+def names_trail(key: str) -> bool:
+    """Whether ``key`` is a trail key as writers make it: ``user_key`` of an id or of none."""
+    return user_key(_user_of_key(key, "")) == key
+
+
 def malformed_head(key: str, why: str) -> ChainProblem:
     """The problem of a head row of trail ``key`` that reads as no head (``why``)."""
     return ChainProblem(

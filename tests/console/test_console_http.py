@@ -42,7 +42,7 @@ from loomflow.config import Settings
 from loomflow.console import ConsoleOptions, SignInFailures, build_console, token_sha256
 from loomflow.console._access import SignIns
 from loomflow.console._app import user_url
-from loomflow.errors import ConfigurationError
+from loomflow.errors import AuditIntegrityError, ConfigurationError
 from loomflow.models import ScriptedModel
 from loomflow.redaction import Redactor
 from loomflow.runtime import SqliteRuntime
@@ -1192,6 +1192,44 @@ def test_one_damaged_head_row_does_not_hide_every_other_user(tmp_path: Path) -> 
         assert page.status_code == 200
         assert "(a head row naming no user)" in page.text
         assert found_in(http, "zed") == []  # a head row's word is not taken for a user
+
+
+def test_a_damaged_head_row_under_a_key_naming_no_user_is_listed_not_dropped(
+    tmp_path: Path,
+) -> None:
+    # A head row under a text key that is no user's trail key ('garbage', '5', '"eve" ')
+    # with text in its seq was filed under the runs without a user, then left off the users
+    # page (which lists that bucket by its own head): the damage showed nowhere, and
+    # iter_heads blamed the anonymous user. It is listed last, unlinked, as a blob key is.
+    path = _audit_db(tmp_path, [AuditRecord(user_id=u, actor="t", action="x") for u in ("eve",)])
+    with sqlite3.connect(path) as db:
+        for key in ("garbage", "5", '"eve" '):
+            db.execute("INSERT INTO loom_audit_heads VALUES (?, 'zed', 'x', 'h')", (key,))
+    settings = Settings(runtime_url=f"sqlite:///{path}", console_token=ADMIN)
+    with Server(settings, ConsoleOptions()) as server, server.client(ADMIN) as http:
+        got = http.get("/api/users")
+        assert got.status_code == 200, got.text[:300]
+        listed = got.json()["users"]
+        assert [u["user_id"] for u in listed] == ["console:console-token", "eve", None, None, None]
+        for row in listed[2:]:
+            assert (row["url"], row["entries"]) == (None, None)
+            assert "names no user's trail" in row["problem"]
+        assert found_in(http, "eve") == ["eve"]  # '"eve" ' is not taken for eve
+        assert http.get("/users").text.count("(a head row naming no user)") == 3
+
+    async def heads() -> None:
+        store = SqliteAuditStore(path)
+        try:
+            with pytest.raises(AuditIntegrityError) as caught:
+                [head async for head in store.iter_heads()]
+            assert "anonymous" not in str(caught.value)
+            report = await store.verify()  # named as rows of no user, not as the bucket's head
+            assert sum("names no user's trail" in p.detail for p in report.problems) == 3
+            assert "head_mismatch" not in {p.kind for p in report.problems}
+        finally:
+            await store.close()
+
+    asyncio.run(heads())
 
 
 def test_the_search_finds_ids_not_the_word_none(tmp_path: Path) -> None:
