@@ -830,8 +830,9 @@ async def _runs_show(runtime: JournalRuntime, args: argparse.Namespace) -> int:
                 )
             )
         return 0
-    if not entries and info.state == UNREADABLE and args.user_id is None:
-        # Its user column is damaged, so the entries were looked for under another user.
+    if not entries and info.state == UNREADABLE and args.user_id is None and not args.anonymous:
+        # Its user column is damaged, so the entries were looked for under another user
+        # (unless one was named: then they were looked for under the key it was found by).
         raise CorruptEntryError(
             f"session {args.session_id!r} has an unreadable row (edited by hand or damaged), "
             "so whose run it is cannot be read from it: name the user with --user"

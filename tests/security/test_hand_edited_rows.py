@@ -1088,3 +1088,26 @@ async def test_a_session_row_whose_id_was_made_a_blob_reads_as_unreadable(
         assert await runtime.forget_user("alice") == 2  # still found by its key, and erased
     finally:
         await runtime.close()
+
+
+def test_runs_show_of_a_damaged_anonymous_session_named_so_is_not_sent_to_user(
+    tmp_path: Path,
+) -> None:
+    # `runs show --anonymous` of a session of the runs without a user, its user column made a
+    # blob and with no entries, said "name the user with --user": the operator had named
+    # whose it is, and no --user can name the runs without a user.
+    path = tmp_path / "journal.db"
+
+    async def make() -> None:
+        runtime = SqliteRuntime(path)
+        try:
+            async with runtime.session("anon-s", None):
+                pass  # a run stopped before its first step
+        finally:
+            await runtime.close()
+
+    asyncio.run(make())
+    sqlite_exec(path, "UPDATE loom_sessions SET user_id = X'00'")
+    shown = loomflow("--url", f"sqlite:///{path}", "runs", "show", "--anonymous", "anon-s")
+    assert shown.returncode == 0, shown.stderr
+    assert "session 'anon-s' has no journal entries" in shown.stdout
